@@ -1,0 +1,437 @@
+"""Configuration: the only module that reads files and the environment.
+
+``load(path)`` reads YAML or TOML (by extension), replaces ``${VAR}`` / ``${VAR:-default}`` in
+string values from the environment, and converts the result to typed structs. Every problem is
+collected with its path (``sinks[1].batch.max_messages: expected int, got "ten"``) and raised
+together as one :class:`~bridge.errors.ConfigError`.
+
+Each sink entry mixes the keys every sink shares (:class:`SinkConfig`) with the keys of its
+connector type; the latter are kept in ``SinkConfig.options`` and validated by the connector's own
+``Options`` struct when the registry builds it (so ``bridge/`` never needs to know a connector).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import tomllib
+import types
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
+
+import msgspec
+import yaml
+
+from .errors import ConfigError
+
+
+class Duration(float):
+    """Seconds; in files also ``"250ms"``, ``"15s"``, ``"2m"``, ``"1h"``."""
+
+
+class ByteSize(int):
+    """Bytes; in files also ``"64KiB"``, ``"16MiB"``, ``"1GiB"``, ``"10MB"``."""
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*$")
+_SIZE = re.compile(r"^\s*(\d+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?\s*$", re.IGNORECASE)
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_SIZES = {"b": 1, "kb": 1000, "kib": 1024, "mb": 10**6, "mib": 2**20, "gb": 10**9, "gib": 2**30}
+
+
+def _dec_hook(tp: type, obj: Any) -> Any:
+    if tp is Duration:
+        if isinstance(obj, int | float) and not isinstance(obj, bool) and obj >= 0:
+            return Duration(obj)
+        m = _DURATION.match(obj) if isinstance(obj, str) else None
+        if m is None:
+            raise ValueError(f"expected a duration such as 15s or 250ms, got {json.dumps(obj)}")
+        return Duration(float(m.group(1)) * _UNITS[m.group(2) or "s"])
+    if tp is ByteSize:
+        if isinstance(obj, int) and not isinstance(obj, bool) and obj >= 0:
+            return ByteSize(obj)
+        m = _SIZE.match(obj) if isinstance(obj, str) else None
+        if m is None:
+            raise ValueError(f"expected a size such as 16MiB or 65536, got {json.dumps(obj)}")
+        return ByteSize(int(m.group(1)) * _SIZES[(m.group(2) or "b").lower()])
+    raise NotImplementedError(tp)
+
+
+def _doc(text: str) -> msgspec.Meta:
+    return msgspec.Meta(description=text)
+
+
+class Struct(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Base of config structs: unknown keys are errors."""
+
+
+class SourceConfig(Struct):
+    """One engine (or one data-parallel group of ranks) to subscribe to."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, description="Stream name; with the rank it keys every output message.")]
+    endpoint: Annotated[str, _doc("ZMQ PUB endpoint of rank 0, e.g. tcp://10.1.2.3:5557 (rank r uses port + r).")]
+    replay_endpoint: Annotated[str | None, _doc("ZMQ ROUTER replay endpoint of rank 0; enables gap recovery.")] = None
+    topic: Annotated[str, _doc("ZMQ subscription prefix (the engine's topic).")] = ""
+    dp_ranks: Annotated[int, msgspec.Meta(ge=1, le=1024, description="Ranks 0..n-1 at port+rank on both sockets.")] = 1
+    bind: Annotated[bool, _doc("True: the bridge binds the endpoint and engines connect in.")] = False
+    labels: Annotated[dict[str, str], _doc("Free labels, usable in sink name templates.")] = msgspec.field(default_factory=dict)
+    replay_on_start: Annotated[
+        bool | None, _doc("Replay the engine's buffered history on start (default: true when replay_endpoint is set).")
+    ] = None
+
+
+class DnsDiscovery(Struct):
+    """Sources found by resolving a (headless Service) DNS name: one source per address."""
+
+    name: Annotated[str, _doc("DNS name to resolve (A and AAAA records).")]
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535, description="Engine PUB port.")] = 5557
+    replay_port: Annotated[int | None, _doc("Engine replay port (null: no replay).")] = 5558
+    interval: Annotated[Duration, _doc("How often to re-resolve.")] = Duration(15.0)
+    topic: str = ""
+    dp_ranks: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class DiscoveryConfig(Struct):
+    dns: DnsDiscovery | None = None
+
+
+class CheckpointConfig(Struct):
+    path: Annotated[str | None, _doc("Checkpoint file (null: no checkpoint, start fresh every time).")] = None
+    interval: Annotated[Duration, _doc("How often the checkpoint is saved (also on shutdown).")] = Duration(5.0)
+
+
+class BatchConfig(Struct):
+    """How many queued messages one connector write may carry."""
+
+    max_messages: Annotated[int, msgspec.Meta(ge=1, description="Messages per write, at most.")] = 2000
+    max_bytes: Annotated[ByteSize, _doc("Bytes per write, at most (a single larger batch still goes alone).")] = ByteSize(
+        4 * 2**20
+    )
+    linger: Annotated[Duration, _doc("How long a write waits to fill up once something is queued.")] = Duration(0.002)
+
+
+class QueueConfig(Struct):
+    """The bound of each sink's queue."""
+
+    max_batches: Annotated[int, msgspec.Meta(ge=1, description="Engine batches queued per sink, at most.")] = 10000
+    max_bytes: Annotated[ByteSize, _doc("Payload bytes queued per sink, at most.")] = ByteSize(64 * 2**20)
+
+
+class RetryConfig(Struct):
+    """Capped exponential backoff with jitter, shared by every sink."""
+
+    initial_backoff: Duration = Duration(0.1)
+    max_backoff: Duration = Duration(10.0)
+    multiplier: Annotated[float, msgspec.Meta(ge=1.0)] = 2.0
+    jitter: Annotated[float, msgspec.Meta(ge=0.0, le=1.0, description="Fraction of each delay drawn at random.")] = 0.2
+    write_timeout: Annotated[Duration, _doc("A write that has not returned after this is retried.")] = Duration(30.0)
+
+
+SinkFormat = Literal["json", "msgpack", "raw"]
+SinkGranularity = Literal["event", "batch"]
+
+SINK_KEYS = frozenset(
+    {"type", "name", "format", "granularity", "hash_format", "batch", "queue", "retry", "backpressure"}
+)
+
+
+class SinkConfig(Struct):
+    """Keys every sink has; ``options`` holds the connector type's own keys."""
+
+    type: Annotated[str, _doc("Connector type: kafka, redis, nats, file, or a plugin's name.")]
+    name: Annotated[str, _doc("Sink name, used in metrics and logs (default: the type, then type-N).")] = ""
+    format: SinkFormat = "json"
+    granularity: SinkGranularity = "event"
+    hash_format: Annotated[Literal["int", "hex"], _doc("int: block hashes as numbers; hex: as 16-digit hex strings.")] = "int"
+    batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
+    queue: QueueConfig = msgspec.field(default_factory=QueueConfig)
+    retry: RetryConfig = msgspec.field(default_factory=RetryConfig)
+    backpressure: Annotated[
+        Literal["block", "drop"], _doc("Full queue: block ingest (replay repairs later) or drop and announce EventsLost.")
+    ] = "block"
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class ReplayConfig(Struct):
+    """The replay client (gap recovery through the engines' ROUTER sockets)."""
+
+    timeout: Annotated[Duration, _doc("Silence after which a replay is uncertain and retried.")] = Duration(2.0)
+    max_attempts: Annotated[int, msgspec.Meta(ge=1, description="Attempts before a gap is declared lost.")] = 5
+    initial_backoff: Duration = Duration(0.2)
+    max_backoff: Duration = Duration(5.0)
+    max_concurrent: Annotated[int, msgspec.Meta(ge=1, description="Replays in flight per process, at most.")] = 8
+    max_held_batches: Annotated[int, msgspec.Meta(ge=1, description="Live batches held per stream while a gap is open.")] = 20000
+
+
+class IngestConfig(Struct):
+    max_frame_bytes: Annotated[ByteSize, _doc("Larger ZMQ messages are refused before allocation.")] = ByteSize(64 * 2**20)
+    receive_hwm: Annotated[int, msgspec.Meta(ge=0, description="ZMQ receive high-water mark per socket.")] = 100000
+    drain_max: Annotated[int, msgspec.Meta(ge=1, description="Messages read per socket wake-up before yielding.")] = 256
+
+
+class MetricsConfig(Struct):
+    listen: Annotated[str, _doc("host:port of /metrics, /healthz, /readyz; empty string disables.")] = "0.0.0.0:9300"
+
+
+class LogConfig(Struct):
+    format: Literal["text", "json"] = "text"
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class DeadLetterConfig(Struct):
+    path: Annotated[str, _doc("JSON-lines file for undecodable payloads; '-' is stderr.")] = "-"
+
+
+class Config(Struct):
+    """The whole bridge configuration."""
+
+    sources: list[SourceConfig] = msgspec.field(default_factory=list)
+    discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
+    checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    sinks: list[SinkConfig] = msgspec.field(default_factory=list)
+    replay: ReplayConfig = msgspec.field(default_factory=ReplayConfig)
+    ingest: IngestConfig = msgspec.field(default_factory=IngestConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    log: LogConfig = msgspec.field(default_factory=LogConfig)
+    dead_letter: DeadLetterConfig = msgspec.field(default_factory=DeadLetterConfig)
+    shutdown_timeout: Annotated[Duration, _doc("Bound on the graceful shutdown (flush, checkpoint).")] = Duration(20.0)
+
+
+# -- environment substitution -------------------------------------------------------------------
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def substitute(data: Any, env: Mapping[str, str], path: str, problems: list[str]) -> Any:
+    """``data`` with ``${VAR}`` and ``${VAR:-default}`` replaced in every string (``$${`` escapes)."""
+    if isinstance(data, str):
+        if "${" not in data:
+            return data
+
+        def repl(m: re.Match[str]) -> str:
+            name, default = m.group(1), m.group(2)
+            if name in env and (env[name] != "" or default is None):
+                return env[name]
+            if default is not None:
+                return default
+            problems.append(f"{path}: environment variable {name} is not set (or give ${{{name}:-default}})")
+            return ""
+
+        parts = data.split("$${")
+        return "${".join(_VAR.sub(repl, p) for p in parts)
+    if isinstance(data, dict):
+        return {k: substitute(v, env, _join(path, str(k)), problems) for k, v in data.items()}
+    if isinstance(data, list):
+        return [substitute(v, env, f"{path}[{i}]", problems) for i, v in enumerate(data)]
+    return data
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+# -- conversion that reports every problem ------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Annotated:
+        return _type_name(get_args(tp)[0])
+    if origin is Literal:
+        return " | ".join(json.dumps(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if tp is type(None):
+        return "null"
+    if tp is Duration:
+        return "duration"
+    if tp is ByteSize:
+        return "size"
+    if origin is not None:
+        return getattr(origin, "__name__", str(origin))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _struct_of(tp: Any) -> type[msgspec.Struct] | None:
+    """The Struct inside ``tp`` (``S``, ``S | None``, ``Annotated[S, ...]``), if any."""
+    if get_origin(tp) is Annotated:
+        return _struct_of(get_args(tp)[0])
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        return tp
+    if get_origin(tp) in (Union, types.UnionType):
+        structs = [a for a in get_args(tp) if isinstance(a, type) and issubclass(a, msgspec.Struct)]
+        return structs[0] if len(structs) == 1 else None
+    return None
+
+
+def _list_item(tp: Any) -> Any:
+    if get_origin(tp) is Annotated:
+        return _list_item(get_args(tp)[0])
+    return get_args(tp)[0] if get_origin(tp) is list else None
+
+
+def convert(data: Any, tp: type[T], path: str, problems: list[str]) -> T | None:
+    """Convert ``data`` to ``tp``, appending one line per problem (all of them) to ``problems``."""
+    try:
+        return msgspec.convert(data, tp, strict=False, dec_hook=_dec_hook)
+    except msgspec.ValidationError as exc:
+        first = str(exc)
+    before = len(problems)
+    _explain(data, tp, path, problems)
+    if len(problems) == before:  # a constraint msgspec saw that the walk did not: report it as is
+        problems.append(_rewrite(first, path))
+    return None
+
+
+def _explain(data: Any, tp: Any, path: str, problems: list[str]) -> None:
+    struct = _struct_of(tp)
+    item = _list_item(tp)
+    if struct is not None and isinstance(data, dict):
+        fields = {f.encode_name: f for f in msgspec.structs.fields(struct)}
+        for key, value in data.items():
+            if key not in fields:
+                near = difflib.get_close_matches(str(key), list(fields), n=1)
+                hint = f" (did you mean {near[0]}?)" if near else f"; expected one of: {', '.join(sorted(fields))}"
+                problems.append(f"{_join(path, str(key))}: unknown key{hint}")
+                continue
+            _leaf(value, fields[key].type, _join(path, str(key)), problems)
+        for name, f in fields.items():
+            if f.required and name not in data:
+                problems.append(f"{_join(path, name)}: required key is missing")
+        return
+    if item is not None and isinstance(data, list):
+        for i, v in enumerate(data):
+            _leaf(v, item, f"{path}[{i}]", problems)
+        return
+    _leaf(data, tp, path, problems)
+
+
+def _leaf(value: Any, tp: Any, path: str, problems: list[str]) -> None:
+    try:
+        msgspec.convert(value, tp, strict=False, dec_hook=_dec_hook)
+        return
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+    struct, item = _struct_of(tp), _list_item(tp)
+    if (struct is not None and isinstance(value, dict)) or (item is not None and isinstance(value, list)):
+        _explain(value, tp, path, problems)
+        return
+    problems.append(_rewrite(message, path, value, tp))
+
+
+_AT = re.compile(r"^(.*?)(?: - at `\$([^`]*)`)?$", re.DOTALL)
+
+
+def _rewrite(message: str, path: str, value: Any = None, tp: Any = None) -> str:
+    """A msgspec message as ``path: message``, with our own wording for plain type mismatches."""
+    m = _AT.match(message)
+    text, sub = (m.group(1), m.group(2) or "") if m else (message, "")
+    full = path + sub if sub.startswith("[") or not sub else _join(path, sub.lstrip("."))
+    if (text.startswith("Expected `") or text.startswith("Invalid enum")) and tp is not None and not sub:
+        text = f"expected {_type_name(tp)}, got {json.dumps(value, default=str)}"
+    elif text:
+        text = text[0].lower() + text[1:]
+    return f"{full}: {text.replace('`', '')}"
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+
+def parse_text(text: str, suffix: str) -> Any:
+    """Parse YAML (``.yaml``/``.yml``) or TOML (``.toml``) text; raises ConfigError when malformed."""
+    try:
+        if suffix == ".toml":
+            return tomllib.loads(text)
+        if suffix in (".yaml", ".yml", ".json"):
+            return yaml.safe_load(text)
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError([f"cannot parse the file: {exc}"]) from exc
+    raise ConfigError([f"unknown config file type {suffix!r}: use .yaml, .yml or .toml"])
+
+
+def from_data(data: Any, env: Mapping[str, str] | None = None) -> Config:
+    """Build the Config from parsed data; raises ConfigError listing every problem."""
+    problems: list[str] = []
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"the file must hold a mapping at the top, not {type(data).__name__}"])
+    data = substitute(data, os.environ if env is None else env, "", problems)
+    raw_sinks = data.pop("sinks", [])
+    config = convert(data, Config, "", problems)
+    sinks: list[SinkConfig] = []
+    if not isinstance(raw_sinks, list):
+        problems.append(f"sinks: expected a list, got {type(raw_sinks).__name__}")
+        raw_sinks = []
+    for i, raw in enumerate(raw_sinks):
+        if not isinstance(raw, dict):
+            problems.append(f"sinks[{i}]: expected a mapping, got {json.dumps(raw, default=str)}")
+            continue
+        common = {k: v for k, v in raw.items() if k in SINK_KEYS}
+        common["options"] = {k: v for k, v in raw.items() if k not in SINK_KEYS}
+        sink = convert(common, SinkConfig, f"sinks[{i}]", problems)
+        if sink is not None:
+            sinks.append(sink)
+    if config is not None:
+        _check_semantics(config, sinks, raw_sinks, problems)
+    if problems or config is None:
+        raise ConfigError(problems)
+    config.sinks = sinks
+    return config
+
+
+def _check_semantics(config: Config, sinks: list[SinkConfig], raw: list[Any], problems: list[str]) -> None:
+    seen: dict[str, int] = {}
+    for i, src in enumerate(config.sources):
+        if src.name in seen:
+            problems.append(f"sources[{i}].name: {src.name!r} is already used by sources[{seen[src.name]}]")
+        seen[src.name] = i
+    if not config.sources and config.discovery.dns is None:
+        problems.append("sources: no sources and no discovery: nothing to read from")
+    if not raw:
+        problems.append("sinks: at least one sink is required")
+    counts: dict[str, int] = {}
+    for s in sinks:
+        counts[s.type] = counts.get(s.type, 0) + 1
+    used: dict[str, int] = {}
+    for s in sinks:
+        if not s.name:
+            n = used.get(s.type, 0)
+            s.name = s.type if counts[s.type] == 1 else f"{s.type}-{n}"
+            used[s.type] = n + 1
+    names: dict[str, int] = {}
+    for i, s in enumerate(sinks):
+        if s.name in names:
+            problems.append(f"sinks[{i}].name: {s.name!r} is already used by sinks[{names[s.name]}]")
+        names[s.name] = i
+        if s.format == "raw" and s.granularity == "event":
+            s.granularity = "batch"  # raw is always one message per batch
+
+
+def load(path: str | Path, env: Mapping[str, str] | None = None) -> Config:
+    """Read, substitute and validate a config file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([f"{p}: cannot read the config file ({exc.strerror or exc})"]) from exc
+    return from_data(parse_text(text, p.suffix.lower()), env)
+
+
+def convert_options(options: Mapping[str, Any], tp: type[T], path: str) -> T:
+    """Validate a connector's own keys against its Options struct; raises ConfigError."""
+    problems: list[str] = []
+    result = convert(dict(options), tp, path, problems)
+    if problems or result is None:
+        raise ConfigError(problems)
+    return result
+
+
+Hook = Callable[[type, Any], Any]
+dec_hook: Hook = _dec_hook

@@ -1,0 +1,155 @@
+"""The connector API: what a sink plugin implements, and the registry that finds plugins.
+
+A connector is small. It makes client calls and classifies failures; everything else (queues,
+batching, retries with backoff, backpressure, acknowledgements, checkpoints, metrics) lives once
+in the runtime (``bridge.sink``). A connector class has:
+
+- ``Options``: a ``msgspec.Struct`` (``forbid_unknown_fields=True``) of its own config keys;
+- ``__init__(self, name, options, sink)``: no I/O;
+- ``async connect()``: reach the server; raise :class:`~bridge.errors.NotConnected` if it cannot;
+- ``async write(messages)``: deliver every message, in order per stream; returning means
+  delivered (acknowledged as the sink defines it). Raise ``NotConnected`` / ``Retriable`` /
+  ``Permanent`` / ``PartialFailure`` (:mod:`bridge.errors`); never swallow a failure;
+- ``async close()``: flush and release; must not raise;
+- ``async health()``: ``None`` when healthy, else a short reason (used by ``/readyz``, ``--check``).
+
+Connectors are registered under the ``kv_bridge.connectors`` entry-point group
+(``kafka = "connectors.kafka:KafkaConnector"``), so a third party adds a sink with a package.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import msgspec
+
+from .config import SinkConfig, convert_options
+from .errors import ConfigError
+from .formats import Message
+
+ENTRY_POINT_GROUP = "kv_bridge.connectors"
+
+
+@runtime_checkable
+class Connector(Protocol):
+    """One sink's client. See the module docstring for the contract of each hook."""
+
+    name: str
+
+    async def connect(self) -> None: ...
+
+    async def write(self, messages: Sequence[Message]) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def health(self) -> str | None: ...
+
+
+class ConnectorFactory(Protocol):
+    """A connector class: its Options struct and a constructor that does no I/O."""
+
+    Options: ClassVar[type[msgspec.Struct]]
+
+    def __call__(self, name: str, options: Any, sink: SinkConfig) -> Connector: ...
+
+
+class Registry:
+    """Connector types by name: entry points loaded lazily, plus any given directly (tests)."""
+
+    def __init__(
+        self, factories: Mapping[str, ConnectorFactory] | None = None, *, entry_points: bool = True
+    ) -> None:
+        self._loaded: dict[str, ConnectorFactory] = dict(factories or {})
+        self._entry_points: dict[str, importlib.metadata.EntryPoint] = {}
+        if entry_points:
+            for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+                if ep.name in self._entry_points and self._entry_points[ep.name].value != ep.value:
+                    raise ConfigError(
+                        [f"connector type {ep.name!r} is registered twice ({self._entry_points[ep.name].value} "
+                         f"and {ep.value}): uninstall one of the packages"]
+                    )
+                self._entry_points[ep.name] = ep
+
+    def names(self) -> list[str]:
+        return sorted(set(self._loaded) | set(self._entry_points))
+
+    def get(self, type_name: str, path: str = "type") -> ConnectorFactory:
+        """The connector class for ``type_name``; ConfigError naming ``path`` when unknown."""
+        if type_name in self._loaded:
+            return self._loaded[type_name]
+        ep = self._entry_points.get(type_name)
+        if ep is None:
+            raise ConfigError([f"{path}: unknown sink type {type_name!r}; known: {', '.join(self.names())}"])
+        try:
+            factory = ep.load()
+        except Exception as exc:  # a broken plugin must not take the bridge down with a traceback
+            raise ConfigError([f"{path}: cannot load connector {type_name!r} from {ep.value}: {exc}"]) from exc
+        if not isinstance(getattr(factory, "Options", None), type):
+            raise ConfigError([f"{path}: connector {type_name!r} ({ep.value}) has no Options struct"])
+        self._loaded[type_name] = factory
+        return factory  # type: ignore[no-any-return]
+
+    def build(self, sink: SinkConfig, index: int) -> Connector:
+        """Validate ``sink.options`` with the connector's Options and construct it (no I/O)."""
+        path = f"sinks[{index}]"
+        factory = self.get(sink.type, f"{path}.type")
+        options = convert_options(sink.options, factory.Options, path)
+        return factory(sink.name, options, sink)
+
+
+# -- name templates ---------------------------------------------------------------------------
+
+_PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
+_FIXED = ("source", "dp_rank", "type", "epoch")
+
+
+class Template:
+    """A destination name template such as ``kv.{source}.{dp_rank}`` or ``{labels.model}-events``.
+
+    Placeholders: ``{source}``, ``{dp_rank}``, ``{type}`` (event type, ``EventBatch`` at batch
+    granularity, or the control record's type), ``{epoch}``, and labels as ``{labels.NAME}`` or
+    plain ``{NAME}``. A label the source lacks renders as ``unknown``. Rendered names are cached
+    per (stream, type), so rendering costs one dict lookup per message.
+    """
+
+    def __init__(self, text: str, path: str = "template") -> None:
+        self.text = text
+        self.fields = _PLACEHOLDER.findall(text)
+        for f in self.fields:
+            if not f or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", f):
+                raise ConfigError([f"{path}: bad placeholder {{{f}}} in {text!r}"])
+        self.static = not self.fields
+        self._cache: dict[tuple[str, int, str, int], str] = {}
+
+    def render(self, message: Message) -> str:
+        if self.static:
+            return self.text
+        stream = message.record.stream
+        key = (stream.source, stream.dp_rank, message.type, message.record.epoch)
+        name = self._cache.get(key)
+        if name is None:
+            if len(self._cache) > 100_000:
+                self._cache.clear()
+            values = {
+                "source": stream.source,
+                "dp_rank": str(stream.dp_rank),
+                "type": message.type,
+                "epoch": str(message.record.epoch),
+            }
+
+            def sub(m: re.Match[str]) -> str:
+                f = m.group(1)
+                if f in values:
+                    return values[f]
+                label = f[len("labels."):] if f.startswith("labels.") else f
+                return stream.labels.get(label, "unknown")
+
+            name = _PLACEHOLDER.sub(sub, self.text)
+            self._cache[key] = name
+        return name
+
+
+__all__ = ["ENTRY_POINT_GROUP", "Connector", "ConnectorFactory", "Registry", "Template"]

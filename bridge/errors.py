@@ -1,0 +1,79 @@
+"""The one exception hierarchy of the bridge.
+
+Library code raises these; only the CLI turns them into exit codes. Connector failures are
+classified so the shared delivery loop (``bridge.sink``) can decide between retrying, backing off
+and dead-lettering without knowing any client library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class BridgeError(Exception):
+    """Base of every error the bridge raises on purpose."""
+
+
+class ConfigError(BridgeError):
+    """The configuration is invalid; ``problems`` holds one ``path: message`` line per mistake."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+class DecodeError(BridgeError):
+    """A frame or payload could not be decoded; ``reason`` is a short, low-cardinality label."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+
+class ConnectorError(BridgeError):
+    """Base of connector failures. ``reason`` is a short label used in metrics."""
+
+    reason = "error"
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
+
+
+class NotConnected(ConnectorError):
+    """The sink's server cannot be reached; the write is retried after backoff."""
+
+    reason = "not_connected"
+
+
+class Retriable(ConnectorError):
+    """A transient failure; the write is retried, after ``retry_after`` seconds when given."""
+
+    reason = "retriable"
+
+    def __init__(self, message: str, *, retry_after: float | None = None, reason: str | None = None) -> None:
+        super().__init__(message, reason=reason)
+        self.retry_after = retry_after
+
+
+class Permanent(ConnectorError):
+    """The messages can never be written (too large, rejected): they go to the dead-letter file."""
+
+    reason = "permanent"
+
+
+class PartialFailure(ConnectorError):
+    """Some messages of a write were delivered and others not.
+
+    ``failed`` lists the indexes (into the sequence passed to ``write``) that were not delivered;
+    ``cause`` classifies them. The runtime retries (or dead-letters, if permanent) only those.
+    """
+
+    reason = "partial"
+
+    def __init__(self, failed: Sequence[int], cause: ConnectorError) -> None:
+        super().__init__(f"{len(failed)} message(s) failed: {cause}", reason=cause.reason)
+        self.failed = list(failed)
+        self.cause = cause

@@ -1,0 +1,248 @@
+"""Output formats: how records become messages (design.md "Output formats").
+
+A :class:`Renderer` is built once per distinct (format, granularity, hash_format) and turns a
+:class:`~bridge.records.Record` into :class:`Message` objects. The JSON header is encoded once per
+batch and spliced in front of each event, so per-event work is one ``msgspec`` encode.
+
+- ``json`` / ``msgpack``, ``event`` granularity: one message per event (and per control record),
+  ``{"source", "dp_rank", "epoch", "seq", "index", "ts", "type", fields...}``.
+- ``json`` / ``msgpack``, ``batch`` granularity: one message per batch, events under ``"events"``.
+- ``raw``: the engine payload untouched, one message per batch; the header travels as message
+  headers. Control records are JSON (``content-type: application/json``).
+
+Integer block hashes stay integers unless ``hash_format: hex``; binary hashes (and any other
+binary value) become lowercase hex strings in JSON and stay binary in msgpack.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from .records import Event, Record
+
+Format = Literal["json", "msgpack", "raw"]
+Granularity = Literal["event", "batch"]
+HashFormat = Literal["int", "hex"]
+
+CONTENT_TYPES: dict[str, str] = {
+    "json": "application/json",
+    "msgpack": "application/msgpack",
+    "raw": "application/vnd.kv-events.msgpack",
+}
+BATCH_TYPE = "EventBatch"
+HASH_FIELDS = frozenset({"block_hashes", "parent_block_hash"})
+_U64 = 0xFFFFFFFFFFFFFFFF
+
+_json = msgspec.json.Encoder()
+_msgpack = msgspec.msgpack.Encoder()
+
+
+class Message(msgspec.Struct):
+    """One message for a sink.
+
+    ``value`` is the rendered body; ``headers`` carry the stream header as text (Kafka / NATS
+    headers, Redis entry fields for ``raw``); ``msg_id`` is unique per stream message and stable
+    across retries and bridge restarts (``source/dp_rank/epoch/seq[/index]`` for engine data,
+    ``.../reset`` and ``.../lost/FROM-TO`` for control records); ``position`` orders messages of a
+    stream (epoch, slot, sub) and is what id schemes that need numbers (Redis) build on.
+    """
+
+    record: Record
+    index: int | None
+    type: str
+    value: bytes
+    headers: dict[str, str]
+    msg_id: str
+    position: tuple[int, int, int]
+
+    @property
+    def key(self) -> bytes:
+        """Partitioning key: the stream (``source/dp_rank``), so one stream keeps its order."""
+        return self.record.stream.key.encode()
+
+    @property
+    def event(self) -> Event | None:
+        """The decoded event this message carries (event granularity), if any."""
+        if self.index is None or self.record.kind != "batch":
+            return None
+        return self.record.events[self.index]
+
+
+def hex64(value: int) -> str:
+    """A 64-bit hash as 16 lowercase hex digits (negative values as two's complement)."""
+    return format(value & _U64, "016x")
+
+
+def _jsonable(value: Any, hash_hex: bool) -> Any:
+    """``value`` with binary made hex (and, for hash fields, ints made hex when asked)."""
+    t = type(value)
+    if t is bytes or t is bytearray or t is memoryview:
+        return bytes(value).hex()
+    if t is int:
+        return hex64(value) if hash_hex else value
+    if t is list or t is tuple:
+        return [_jsonable(v, hash_hex) for v in value]
+    if t is dict:
+        return {k: _jsonable(v, False) for k, v in value.items()}
+    return value
+
+
+def _plain(value: list[Any]) -> bool:
+    """True when a list holds only JSON scalars (no binary, no nesting)."""
+    for x in value:
+        t = type(x)
+        if not (t is int or t is str or t is float or x is None or t is bool):
+            return False
+    return True
+
+
+def json_event(event: Event, hash_hex: bool) -> Event:
+    """The event ready for JSON: a copy only where something has to change."""
+    out: Event | None = None
+    for k, v in event.items():
+        t = type(v)
+        hex_ints = hash_hex and k in HASH_FIELDS
+        if t is int:
+            if not hex_ints:
+                continue
+        elif t is list:
+            if k == "token_ids" or (not hex_ints and _plain(v)):
+                continue
+        elif not (t is bytes or t is dict or t is tuple or t is bytearray):
+            continue
+        if out is None:
+            out = dict(event)
+        out[k] = _jsonable(v, hex_ints)
+    return event if out is None else out
+
+
+class Renderer:
+    """Renders records into messages for one (format, granularity, hash_format)."""
+
+    def __init__(self, fmt: Format, granularity: Granularity = "event", hash_format: HashFormat = "int") -> None:
+        self.format: Format = fmt
+        self.granularity: Granularity = "batch" if fmt == "raw" else granularity
+        self.hash_hex = hash_format == "hex"
+        self.content_type = CONTENT_TYPES[fmt]
+
+    def render(self, record: Record) -> list[Message]:
+        """All messages for ``record``, in order. Raises on values that cannot be encoded."""
+        if record.kind != "batch":
+            return [self._control(record)]
+        if self.granularity == "batch":
+            return [self._batch(record)]
+        return self._events(record)
+
+    # -- the header ---------------------------------------------------------------------------
+    def _header(self, record: Record) -> dict[str, Any]:
+        s = record.stream
+        return {"source": s.source, "dp_rank": s.dp_rank, "epoch": record.epoch, "seq": record.seq}
+
+    def _headers(self, record: Record, type_: str, index: int | None, content_type: str) -> dict[str, str]:
+        s = record.stream
+        h = {
+            "source": s.source,
+            "dp_rank": str(s.dp_rank),
+            "epoch": str(record.epoch),
+            "seq": str(record.seq),
+            "type": type_,
+            "content-type": content_type,
+        }
+        if index is not None:
+            h["index"] = str(index)
+        if record.ts is not None:
+            h["ts"] = repr(record.ts)
+        return h
+
+    @staticmethod
+    def _base_id(record: Record) -> str:
+        s = record.stream
+        return f"{s.source}/{s.dp_rank}/{record.epoch}/{record.seq}"
+
+    # -- record kinds -------------------------------------------------------------------------
+    def _control(self, record: Record) -> Message:
+        body = self._header(record)
+        body.update(record.control())
+        ctype = body["type"]
+        if self.format == "msgpack":
+            value, content_type = _msgpack.encode(body), CONTENT_TYPES["msgpack"]
+        else:
+            value, content_type = _json.encode(body), CONTENT_TYPES["json"]
+        s = record.stream
+        if record.kind == "SourceReset":
+            msg_id = f"{s.source}/{s.dp_rank}/{record.epoch}/reset"
+        else:
+            msg_id = f"{s.source}/{s.dp_rank}/{record.epoch}/lost/{record.from_seq}-{record.seq}"
+        epoch, slot = record.position
+        return Message(
+            record=record,
+            index=None,
+            type=ctype,
+            value=value,
+            headers=self._headers(record, ctype, None, content_type),
+            msg_id=msg_id,
+            position=(epoch, slot, 0),
+        )
+
+    def _batch(self, record: Record) -> Message:
+        if self.format == "raw":
+            value = record.payload
+        else:
+            body = self._header(record)
+            body["ts"] = record.ts
+            if self.format == "json":
+                body["events"] = [json_event(e, self.hash_hex) for e in record.events]
+                value = _json.encode(body)
+            else:
+                body["events"] = record.events
+                value = _msgpack.encode(body)
+        epoch, slot = record.position
+        return Message(
+            record=record,
+            index=None,
+            type=BATCH_TYPE,
+            value=value,
+            headers=self._headers(record, BATCH_TYPE, None, self.content_type),
+            msg_id=self._base_id(record),
+            position=(epoch, slot, 0),
+        )
+
+    def _events(self, record: Record) -> list[Message]:
+        base_id = self._base_id(record)
+        epoch, slot = record.position
+        out: list[Message] = []
+        if self.format == "json":
+            head = self._header(record)
+            # '{"source":..,"seq":N' + ',"index":' + i + ',"ts":..,' + event without its '{'
+            prefix = _json.encode(head)[:-1] + b',"index":'
+            ts_part = b',"ts":' + _json.encode(record.ts) + b","
+            for i, event in enumerate(record.events):
+                body = _json.encode(json_event(event, self.hash_hex))
+                value = b"".join((prefix, str(i).encode(), ts_part, body[1:]))
+                out.append(self._event_message(record, i, event, value, base_id, epoch, slot))
+        else:
+            head = self._header(record)
+            for i, event in enumerate(record.events):
+                fields = dict(head)
+                fields["index"] = i
+                fields["ts"] = record.ts
+                fields.update(event)
+                out.append(self._event_message(record, i, event, _msgpack.encode(fields), base_id, epoch, slot))
+        return out
+
+    def _event_message(
+        self, record: Record, i: int, event: Event, value: bytes, base_id: str, epoch: int, slot: int
+    ) -> Message:
+        type_ = event.get("type")
+        type_ = type_ if isinstance(type_, str) else "Unknown"
+        return Message(
+            record=record,
+            index=i,
+            type=type_,
+            value=value,
+            headers=self._headers(record, type_, i, self.content_type),
+            msg_id=f"{base_id}/{i}",
+            position=(epoch, slot, i + 1),
+        )

@@ -1,0 +1,92 @@
+"""What flows from the sequencer to the sinks: streams, records and their identities.
+
+A *stream* is one (source name, dp rank). A *record* is one item of a stream, in order: an engine
+batch (with its raw payload and decoded events) or a control record (``SourceReset``,
+``EventsLost``). Records are created once and shared, read-only, by every sink.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+Event = dict[str, Any]
+"""One normalised engine event: ``{"type": name, field: value, ...}`` in wire order."""
+
+RecordKind = Literal["batch", "SourceReset", "EventsLost"]
+
+
+class Stream(msgspec.Struct, frozen=True):
+    """One (source, dp_rank): the unit of ordering, sequencing and checkpointing."""
+
+    source: str
+    dp_rank: int
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        """Stable text key of the stream (Kafka message key, checkpoint key): ``source/dp_rank``."""
+        return f"{self.source}/{self.dp_rank}"
+
+
+class Record(msgspec.Struct):
+    """One ordered item of a stream, handed to every sink.
+
+    ``seq`` is the engine sequence number for batches; for ``EventsLost`` it is ``to_seq`` (the
+    record stands where the lost span ends) and for ``SourceReset`` it is 0 (the first seq of the
+    new epoch). ``position`` orders every record of a stream, control records included.
+    """
+
+    stream: Stream
+    epoch: int
+    seq: int
+    kind: RecordKind = "batch"
+    ts: float | None = None
+    payload: bytes = b""
+    events: list[Event] = msgspec.field(default_factory=list)
+    from_seq: int | None = None
+    reason: str | None = None
+    received: float = 0.0
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """(epoch, slot): strictly increasing along a stream, control records included."""
+        if self.kind == "SourceReset":
+            return (self.epoch, 0)
+        return (self.epoch, self.seq + 1)
+
+    @property
+    def size(self) -> int:
+        """Bytes this record accounts for in queue bounds (its payload, or a small constant)."""
+        return len(self.payload) or 64
+
+    def control(self) -> dict[str, Any]:
+        """The body of a control record (everything but the common header)."""
+        if self.kind == "SourceReset":
+            return {"type": "SourceReset", "reason": self.reason or "publisher_restart"}
+        return {
+            "type": "EventsLost",
+            "from_seq": self.from_seq,
+            "to_seq": self.seq,
+            "count": self.seq - (self.from_seq if self.from_seq is not None else self.seq) + 1,
+            "reason": self.reason or "unrecoverable",
+        }
+
+
+def source_reset(stream: Stream, epoch: int, reason: str, received: float) -> Record:
+    """The control record announcing that ``stream`` starts a new epoch (its engine restarted)."""
+    return Record(stream=stream, epoch=epoch, seq=0, kind="SourceReset", reason=reason, received=received)
+
+
+def events_lost(stream: Stream, epoch: int, from_seq: int, to_seq: int, reason: str, received: float) -> Record:
+    """The control record announcing that ``from_seq..to_seq`` (inclusive) will never be delivered."""
+    return Record(
+        stream=stream,
+        epoch=epoch,
+        seq=to_seq,
+        kind="EventsLost",
+        from_seq=from_seq,
+        reason=reason,
+        received=received,
+    )
