@@ -1,0 +1,193 @@
+"""The wire format: ZMQ frames and every msgpack payload generation (protocol.md sections 1-2).
+
+Pure: no sockets, no asyncio, no clock. Decoding is done once per batch with msgspec's generic
+msgpack decoder (ints up to 2**64-1 stay exact, binary stays ``bytes``); events are then
+normalised to a field-name form:
+
+- map events (vLLM >= 0.24, SGLang >= 0.5.20) are already by name and are used as decoded;
+- array events (older releases) are named by position from the declaration order below; values
+  past the known positions are kept under ``"extra"``.
+
+Unknown event types pass through with their type name. A malformed event is isolated (reported in
+``DecodedBatch.bad_events``), a malformed batch raises :class:`~bridge.errors.DecodeError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from .errors import DecodeError
+from .records import Event
+
+SEQ_BYTES = 8
+END_SEQ = 2**64 - 1  # the replay end marker: ff ff ff ff ff ff ff ff
+
+# Declaration order (vLLM 0.33); older releases, and every array encoding, have a prefix of it.
+FIELDS: dict[str, tuple[str, ...]] = {
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+        "locality",
+        "ownership",
+        "session_id",
+        "lookahead_token_ids",
+    ),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx", "locality", "ownership"),
+    "AllBlocksCleared": (),
+}
+KNOWN_TYPES = frozenset(FIELDS)
+
+_decoder = msgspec.msgpack.Decoder()
+
+
+class Frames(msgspec.Struct, frozen=True):
+    """One live message: topic, sequence number and the raw payload."""
+
+    topic: bytes
+    seq: int
+    payload: bytes
+
+
+class BadEvent(msgspec.Struct, frozen=True):
+    """An event that could not be normalised; its neighbours were kept."""
+
+    index: int
+    reason: str
+    value: Any
+
+
+class DecodedBatch(msgspec.Struct):
+    """One engine batch, decoded: ``events`` keep their batch positions minus the bad ones."""
+
+    ts: float
+    events: list[Event]
+    dp_rank: int | None = None
+    bad_events: list[BadEvent] = msgspec.field(default_factory=list)
+    extra: Any = None
+
+
+def parse_seq(frame: bytes) -> int:
+    """The 8-byte big-endian unsigned sequence frame."""
+    if len(frame) != SEQ_BYTES:
+        raise DecodeError("bad_seq", f"sequence frame is {len(frame)} bytes, expected {SEQ_BYTES}")
+    return int.from_bytes(frame, "big")
+
+
+def parse_live(frames: Sequence[bytes]) -> Frames:
+    """A PUB message: exactly ``[topic, seq, payload]``."""
+    if len(frames) != 3:
+        raise DecodeError("bad_frames", f"live message has {len(frames)} frames, expected 3")
+    return Frames(bytes(frames[0]), parse_seq(frames[1]), bytes(frames[2]))
+
+
+class ReplayReply(msgspec.Struct, frozen=True):
+    """One replay reply; ``end`` marks the end marker (no payload)."""
+
+    seq: int
+    payload: bytes
+    end: bool = False
+
+
+def parse_replay(frames: Sequence[bytes]) -> ReplayReply:
+    """A DEALER-side replay reply, with or without the empty delimiter and the topic frame.
+
+    vLLM <= 0.25 / SGLang <= 0.5.21 send ``[empty, seq, payload]``; newer ones
+    ``[empty, topic, seq, payload]``. Frames are counted, not assumed.
+    """
+    parts = list(frames)
+    if parts and len(parts[0]) == 0 and len(parts) in (3, 4):
+        parts = parts[1:]  # the delimiter the ROUTER puts before every reply
+    if len(parts) == 3:
+        parts = parts[1:]  # the topic frame of newer releases
+    if len(parts) != 2:
+        raise DecodeError("bad_frames", f"replay reply has {len(frames)} frames, expected 3 or 4")
+    seq = parse_seq(parts[0])
+    if seq == END_SEQ:
+        return ReplayReply(seq, b"", end=True)
+    return ReplayReply(seq, bytes(parts[1]))
+
+
+def _first_byte_kind(obj: Any) -> str:
+    if isinstance(obj, list):
+        return "array"
+    if isinstance(obj, dict):
+        return "map"
+    return type(obj).__name__
+
+
+def normalise_event(raw: Any) -> Event:
+    """One decoded wire event as ``{"type": ..., fields...}``; raises DecodeError if malformed."""
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+        if not isinstance(tag, str) or not tag:
+            raise DecodeError("bad_event", "map event without a string 'type'")
+        if next(iter(raw)) == "type":
+            return raw
+        event: Event = {"type": tag}
+        event.update((k, v) for k, v in raw.items() if k != "type")
+        return event
+    if isinstance(raw, list):
+        if not raw or not isinstance(raw[0], str) or not raw[0]:
+            raise DecodeError("bad_event", "array event without a type name at position 0")
+        tag = raw[0]
+        names = FIELDS.get(tag, ())
+        values = raw[1:]
+        event = {"type": tag}
+        n = len(names)
+        if len(values) <= n:
+            event.update(zip(names, values, strict=False))
+        else:
+            event.update(zip(names, values[:n], strict=True))
+            event["extra"] = values[n:]
+        return event
+    raise DecodeError("bad_event", f"event is a {_first_byte_kind(raw)}, expected an array or a map")
+
+
+def decode_batch(payload: bytes) -> DecodedBatch:
+    """Decode one batch payload (any generation). Raises DecodeError for a malformed batch."""
+    try:
+        obj = _decoder.decode(payload)
+    except (msgspec.DecodeError, ValueError, RecursionError) as exc:
+        raise DecodeError("bad_msgpack", str(exc)) from None
+    extra: Any = None
+    if isinstance(obj, list):
+        if len(obj) < 2:
+            raise DecodeError("bad_batch", f"batch array has {len(obj)} elements, expected 2 or more")
+        ts, events, rank = obj[0], obj[1], obj[2] if len(obj) > 2 else None
+        if len(obj) > 3:
+            extra = obj[3:]
+    elif isinstance(obj, dict):
+        if "events" not in obj or "ts" not in obj:
+            raise DecodeError("bad_batch", "batch map without 'ts' and 'events'")
+        ts, events = obj["ts"], obj["events"]
+        rank = obj.get("data_parallel_rank", obj.get("attn_dp_rank"))
+        rest = {k: v for k, v in obj.items() if k not in ("ts", "events", "data_parallel_rank", "attn_dp_rank")}
+        extra = rest or None
+    else:
+        raise DecodeError("bad_batch", f"batch is a {_first_byte_kind(obj)}, expected an array or a map")
+    if isinstance(ts, bool) or not isinstance(ts, int | float):
+        raise DecodeError("bad_batch", f"batch ts is {type(ts).__name__}, expected a number")
+    if not isinstance(events, list):
+        raise DecodeError("bad_batch", f"batch events is {type(events).__name__}, expected an array")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        rank = None
+    out: list[Event] = []
+    bad: list[BadEvent] = []
+    for i, raw in enumerate(events):
+        try:
+            out.append(normalise_event(raw))
+        except DecodeError as exc:
+            bad.append(BadEvent(i, exc.detail or exc.reason, raw))
+    return DecodedBatch(float(ts), out, rank, bad, extra)
