@@ -1,0 +1,94 @@
+"""The ``file`` connector: messages as lines in a file, or on stdout (``path: "-"``).
+
+Each message is written as one line. For ``json`` that is the JSON object itself; for ``msgpack``
+and ``raw`` (binary bodies) each line is a JSON envelope ``{"headers": {...}, "value_b64": "..."}``
+unless ``binary: length-prefixed`` is chosen, which writes a 4-byte big-endian length and the raw
+body instead (no newline). ``fsync: true`` makes a write durable before it counts as delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Literal
+
+import msgspec
+
+from bridge.config import SinkConfig
+from bridge.errors import NotConnected
+from bridge.formats import Message
+
+_json = msgspec.json.Encoder()
+
+
+class FileOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    path: str = "-"
+    """File to append to; ``-`` is standard output."""
+    binary: Literal["envelope", "length-prefixed"] = "envelope"
+    """How non-JSON bodies (msgpack, raw) are written."""
+    fsync: bool = False
+    """fsync after every write (durable, slower)."""
+
+
+class FileConnector:
+    """Appends messages to a file or stdout."""
+
+    Options = FileOptions
+
+    def __init__(self, name: str, options: FileOptions, sink: SinkConfig) -> None:
+        self.name = name
+        self.options = options
+        self.text = sink.format == "json"
+        self._out: IO[bytes] | None = None
+
+    async def connect(self) -> None:
+        if self._out is not None:
+            return
+        if self.options.path == "-":
+            self._out = sys.stdout.buffer
+            return
+        try:
+            p = Path(self.options.path)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            self._out = p.open("ab")  # noqa: ASYNC230 - a local file, opened once
+        except OSError as exc:
+            raise NotConnected(f"sinks[{self.name}].path: cannot open {self.options.path} ({exc.strerror or exc})") from exc
+
+    def _encode(self, messages: Sequence[Message]) -> bytes:
+        if self.text:
+            return b"".join(m.value + b"\n" for m in messages)
+        if self.options.binary == "length-prefixed":
+            return b"".join(len(m.value).to_bytes(4, "big") + m.value for m in messages)
+        return b"".join(
+            _json.encode({"headers": m.headers, "value_b64": base64.b64encode(m.value).decode()}) + b"\n" for m in messages
+        )
+
+    async def write(self, messages: Sequence[Message]) -> None:
+        if self._out is None:
+            raise NotConnected(f"sinks[{self.name}]: not open")
+        data = self._encode(messages)
+        out = self._out
+        try:
+            out.write(data)
+            out.flush()
+            if self.options.fsync and self.options.path != "-":
+                await asyncio.to_thread(os.fsync, out.fileno())
+        except OSError as exc:
+            raise NotConnected(f"sinks[{self.name}]: cannot write {self.options.path} ({exc.strerror or exc})") from exc
+
+    async def close(self) -> None:
+        out, self._out = self._out, None
+        if out is not None and self.options.path != "-":
+            with contextlib.suppress(OSError):
+                out.close()
+        elif out is not None:
+            with contextlib.suppress(OSError, ValueError):
+                out.flush()
+
+    async def health(self) -> str | None:
+        return None if self._out is not None else "not open"
