@@ -134,9 +134,7 @@ class RetryConfig(Struct):
 SinkFormat = Literal["json", "msgpack", "raw"]
 SinkGranularity = Literal["event", "batch"]
 
-SINK_KEYS = frozenset(
-    {"type", "name", "format", "granularity", "hash_format", "batch", "queue", "retry", "backpressure"}
-)
+SINK_KEYS = frozenset({"type", "name", "format", "granularity", "hash_format", "batch", "queue", "retry", "backpressure"})
 
 
 class SinkConfig(Struct):

@@ -59,17 +59,17 @@ class ConnectorFactory(Protocol):
 class Registry:
     """Connector types by name: entry points loaded lazily, plus any given directly (tests)."""
 
-    def __init__(
-        self, factories: Mapping[str, ConnectorFactory] | None = None, *, entry_points: bool = True
-    ) -> None:
+    def __init__(self, factories: Mapping[str, ConnectorFactory] | None = None, *, entry_points: bool = True) -> None:
         self._loaded: dict[str, ConnectorFactory] = dict(factories or {})
         self._entry_points: dict[str, importlib.metadata.EntryPoint] = {}
         if entry_points:
             for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
                 if ep.name in self._entry_points and self._entry_points[ep.name].value != ep.value:
                     raise ConfigError(
-                        [f"connector type {ep.name!r} is registered twice ({self._entry_points[ep.name].value} "
-                         f"and {ep.value}): uninstall one of the packages"]
+                        [
+                            f"connector type {ep.name!r} is registered twice ({self._entry_points[ep.name].value} "
+                            f"and {ep.value}): uninstall one of the packages"
+                        ]
                     )
                 self._entry_points[ep.name] = ep
 
@@ -144,7 +144,7 @@ class Template:
                 f = m.group(1)
                 if f in values:
                     return values[f]
-                label = f[len("labels."):] if f.startswith("labels.") else f
+                label = f[len("labels.") :] if f.startswith("labels.") else f
                 return stream.labels.get(label, "unknown")
 
             name = _PLACEHOLDER.sub(sub, self.text)

@@ -232,9 +232,7 @@ class Renderer:
                 out.append(self._event_message(record, i, event, _msgpack.encode(fields), base_id, epoch, slot))
         return out
 
-    def _event_message(
-        self, record: Record, i: int, event: Event, value: bytes, base_id: str, epoch: int, slot: int
-    ) -> Message:
+    def _event_message(self, record: Record, i: int, event: Event, value: bytes, base_id: str, epoch: int, slot: int) -> Message:
         type_ = event.get("type")
         type_ = type_ if isinstance(type_, str) else "Unknown"
         return Message(

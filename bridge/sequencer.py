@@ -19,6 +19,8 @@ uncertain and retried, up to ``max_attempts``, before its span is declared lost.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 
 
@@ -40,7 +42,8 @@ class Gap(msgspec.Struct, frozen=True):
 
 
 class RequestReplay(msgspec.Struct, frozen=True):
-    """Ask the replay socket for everything from ``start``; ``until`` is the last seq needed."""
+    """Ask the replay socket for everything from ``start``; ``until`` is the last seq needed
+    (-1: everything up to the end marker)."""
 
     request_id: int
     start: int
@@ -74,6 +77,8 @@ class StreamSequencer:
         max_attempts: int = 5,
         epoch: int = 0,
         delivered: int | None = None,
+        delivered_ts: float | None = None,
+        ts_of: Callable[[bytes], float | None] | None = None,
     ) -> None:
         self.can_replay = can_replay
         self.replay_on_start = replay_on_start and can_replay
@@ -93,6 +98,13 @@ class StreamSequencer:
         self._replay_first = True
         self._attempts = 0
         self._suspect: int | None = None  # a start that a previous attempt's first reply skipped
+        # The engine ts of the last delivered batch. A replay starts one seq early and compares
+        # it: a different ts there means the engine restarted even though the live seqs never
+        # went backwards (it restarted and got past our position while we were not looking).
+        self._ts_of = ts_of
+        self.delivered_ts = delivered_ts
+        self._verify: int | None = None
+        self._last_payload: bytes | None = None
 
     # -- inputs ---------------------------------------------------------------------------------
     def live(self, seq: int, payload: bytes) -> list[Action]:
@@ -108,8 +120,7 @@ class StreamSequencer:
                 self.delivered = seq - 1  # no history asked for: join mid-stream
         self.last_live = seq
         if seq == self.delivered + 1 and not self.held:
-            self.delivered = seq
-            out.append(Deliver(seq, payload))
+            self._deliver(out, seq, payload)
             return out
         if seq <= self.delivered:
             out.append(Duplicate(seq))  # replay already delivered it
@@ -117,8 +128,7 @@ class StreamSequencer:
         if not self.can_replay:
             out.append(Gap(self.delivered + 1, seq - 1))
             out.append(Lost(self.delivered + 1, seq - 1, "no_replay"))
-            self.delivered = seq
-            out.append(Deliver(seq, payload))
+            self._deliver(out, seq, payload)
             return out
         if self._replay is None and not self.held:
             out.append(Gap(self.delivered + 1, seq - 1))
@@ -128,11 +138,27 @@ class StreamSequencer:
             self._request(out)
         return out
 
+    def start(self) -> list[Action]:
+        """At start-up: replay the engine's buffered history (or from the checkpoint) right away."""
+        out: list[Action] = []
+        if self.replay_on_start and self._replay is None:
+            self._request(out)
+        return out
+
     def replayed(self, request_id: int, seq: int, payload: bytes) -> list[Action]:
         """One reply of the replay ``request_id``."""
         out: list[Action] = []
         if request_id != self._replay:
             return out
+        if self._verify is not None:
+            verify, self._verify = self._verify, None
+            if seq == verify:
+                if self._ts_of is not None and self._ts_of(payload) != self.delivered_ts:
+                    self._restart(out, "publisher_restart", keep_held=False)
+                    self._request(out)
+                    return out
+                out.append(Duplicate(seq))
+                return out
         if self._replay_first:
             self._replay_first = False
             if seq > self._replay_start > self.delivered:
@@ -147,8 +173,7 @@ class StreamSequencer:
             return out
         if seq == self.delivered + 1:
             self.held.pop(seq, None)
-            self.delivered = seq
-            out.append(Deliver(seq, payload, replayed=True))
+            self._deliver(out, seq, payload, replayed=True)
             self._drain(out)
             return out
         if seq in self.held:
@@ -211,13 +236,19 @@ class StreamSequencer:
             payload = self.held.pop(nxt, None)
             if payload is None:
                 return
-            self.delivered = nxt
-            out.append(Deliver(nxt, payload))
+            self._deliver(out, nxt, payload)
+
+    def _deliver(self, out: list[Action], seq: int, payload: bytes, replayed: bool = False) -> None:
+        self.delivered = seq
+        self._last_payload = payload
+        out.append(Deliver(seq, payload, replayed))
 
     def _lose(self, out: list[Action], from_seq: int, to_seq: int, reason: str) -> None:
         if to_seq >= from_seq:
             out.append(Lost(from_seq, to_seq, reason))
-            self.delivered = max(self.delivered, to_seq)
+            if to_seq > self.delivered:
+                self.delivered = to_seq
+                self.delivered_ts = self._last_payload = None  # nothing known to verify a replay against
         for s in [s for s in self.held if s <= self.delivered]:
             del self.held[s]
         self._suspect = None
@@ -228,11 +259,30 @@ class StreamSequencer:
         self._replay = self._request_id
         self._replay_start = self.delivered + 1
         self._replay_first = True
-        until = self._next_held() - 1 if self.held else (self.last_live or 0)
-        out.append(RequestReplay(self._request_id, self._replay_start, max(until, self._replay_start), self._attempts))
+        # The last seq this replay must bring; -1: read to the end marker (start-up history).
+        until = self._next_held() - 1 if self.held else (-1 if self.last_live is None else self.last_live)
+        start = self._replay_start
+        self._verify = None
+        if self._ts_of is not None and self.delivered >= 0 and self._delivered_ts() is not None:
+            self._verify = start = self.delivered
+        out.append(RequestReplay(self._request_id, start, until, self._attempts))
 
-    def _restart(self, out: list[Action], reason: str) -> None:
-        """The engine restarted: close the old epoch (what is still missing is lost), open a new one."""
+    def _delivered_ts(self) -> float | None:
+        """The ts of the last delivered batch, computed lazily (only a replay needs it)."""
+        if self._last_payload is not None and self._ts_of is not None:
+            self.delivered_ts = self._ts_of(self._last_payload)
+            self._last_payload = None
+        return self.delivered_ts
+
+    def _restart(self, out: list[Action], reason: str, keep_held: bool = True) -> None:
+        """The engine restarted: close the old epoch (what is still missing is lost), open a new one.
+
+        ``keep_held``: the held live batches belong to the old epoch (the restart showed on the
+        live stream); when a replay revealed it, they may be the new engine's and are dropped
+        (the new epoch is replayed from its seq 0).
+        """
+        if not keep_held:
+            self.held.clear()
         if self.held:
             top = max(self.held)
             while self.delivered < top:
@@ -246,5 +296,9 @@ class StreamSequencer:
         self._suspect = None
         self.epoch += 1
         self.delivered = -1
-        self.last_live = None
+        self.delivered_ts = None
+        self._last_payload = None
+        self._verify = None
+        if keep_held:
+            self.last_live = None
         out.append(Reset(self.epoch, reason))

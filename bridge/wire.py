@@ -14,6 +14,7 @@ Unknown event types pass through with their type name. A malformed event is isol
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -191,3 +192,21 @@ def decode_batch(payload: bytes) -> DecodedBatch:
         except DecodeError as exc:
             bad.append(BadEvent(i, exc.detail or exc.reason, raw))
     return DecodedBatch(float(ts), out, rank, bad, extra)
+
+
+_FLOAT64 = 0xCB
+_struct_f64 = struct.Struct(">d")
+
+
+def peek_ts(payload: bytes) -> float | None:
+    """The batch's ``ts`` without decoding the events (array batches); None if not found cheaply.
+
+    Array batches start with a fixarray header (``0x92``/``0x93``) and a float64 (``cb`` + 8
+    bytes); anything else falls back to a full decode.
+    """
+    if len(payload) >= 10 and payload[0] in (0x92, 0x93, 0x94) and payload[1] == _FLOAT64:
+        return float(_struct_f64.unpack_from(payload, 2)[0])
+    try:
+        return decode_batch(payload).ts
+    except DecodeError:
+        return None

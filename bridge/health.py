@@ -1,0 +1,70 @@
+"""HTTP endpoints on ``metrics.listen``: ``/metrics``, ``/healthz``, ``/readyz``.
+
+A deliberately tiny HTTP/1.1 server on asyncio streams (GET only, one request per connection,
+bounded header size and read timeout), so the bridge needs no web framework.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+
+Readiness = Callable[[], tuple[bool, dict[str, Any]]]
+
+
+class HealthServer:
+    def __init__(self, listen: str, exposition: Callable[[], bytes], readiness: Readiness) -> None:
+        host, _, port = listen.rpartition(":")
+        self.host = host.strip("[]") or "0.0.0.0"
+        self.port = int(port)
+        self.exposition = exposition
+        self.readiness = readiness
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, self.host, self.port, limit=16384)
+        sock = self._server.sockets[0]
+        self.port = sock.getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            method, path, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+            path = path.split("?", 1)[0]
+            if method not in ("GET", "HEAD"):
+                status, ctype, body = 405, "text/plain", b"method not allowed\n"
+            elif path == "/metrics":
+                status, ctype, body = 200, CONTENT_TYPE_LATEST, self.exposition()
+            elif path == "/healthz":
+                status, ctype, body = 200, "text/plain", b"ok\n"
+            elif path == "/readyz":
+                ready, detail = self.readiness()
+                status, ctype = (200 if ready else 503), "application/json"
+                body = json.dumps({"ready": ready, **detail}).encode()
+            else:
+                status, ctype, body = 404, "text/plain", b"not found\n"
+            reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}[status]
+            writer.write(
+                f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                f"Connection: close\r\n\r\n".encode()
+            )
+            if method != "HEAD":
+                writer.write(body)
+            await asyncio.wait_for(writer.drain(), 5)
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, ValueError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()

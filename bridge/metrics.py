@@ -1,0 +1,68 @@
+"""Prometheus metrics (design.md "Metrics and health"): prefix ``kv_bridge_``, base units.
+
+One :class:`Metrics` per bridge, on its own registry (tests run several bridges in a process).
+Everything is updated per batch, never per event, and labelled only by low-cardinality values:
+source, dp_rank, sink, reason, type, outcome.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from . import __version__
+
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+SEND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    """Every metric of the bridge, registered on ``self.registry``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        p = "kv_bridge_"
+        # Ingest
+        self.batches_received = Counter(p + "batches_received", "Live batches received.", ["source", "dp_rank"], registry=r)
+        self.events_received = Counter(p + "events_received", "Events decoded, by event type.", ["source", "type"], registry=r)
+        self.decode_failures = Counter(
+            p + "decode_failures", "Frames, batches or events that could not be decoded.", ["source", "reason"], registry=r
+        )
+        self.sequence_gaps = Counter(p + "sequence_gaps", "Jumps in a stream's sequence.", ["source", "dp_rank"], registry=r)
+        self.replay_requests = Counter(
+            p + "replay_requests", "Replay requests by outcome (complete, timeout, error).", ["source", "outcome"], registry=r
+        )
+        self.batches_replayed = Counter(
+            p + "batches_replayed", "Batches delivered from the replay socket.", ["source"], registry=r
+        )
+        self.batches_lost = Counter(p + "batches_lost", "Batches announced lost (EventsLost).", ["source"], registry=r)
+        self.duplicates_dropped = Counter(p + "duplicates_dropped", "Duplicate batches dropped.", ["source"], registry=r)
+        self.source_restarts = Counter(p + "source_restarts", "Engine restarts detected (new epochs).", ["source"], registry=r)
+        self.source_last_seq = Gauge(p + "source_last_seq", "Last sequence number delivered.", ["source", "dp_rank"], registry=r)
+        self.source_last_event_ts = Gauge(
+            p + "source_last_event_timestamp_seconds", "Engine timestamp of the last batch.", ["source", "dp_rank"], registry=r
+        )
+        self.sources_connected = Gauge(p + "sources_connected", "Engine connections currently established.", registry=r)
+        # Lag
+        self.lag = Histogram(
+            p + "lag_seconds", "Sink acknowledgement time minus engine ts.", ["sink"], buckets=LAG_BUCKETS, registry=r
+        )
+        self.ingest_lag = Histogram(p + "ingest_lag_seconds", "Receive time minus engine ts.", buckets=LAG_BUCKETS, registry=r)
+        # Sinks
+        self.sink_batches = Counter(p + "sink_batches", "Batches handled by a sink, by outcome.", ["sink", "outcome"], registry=r)
+        self.sink_send_duration = Histogram(
+            p + "sink_send_duration_seconds", "Duration of one connector write.", ["sink"], buckets=SEND_BUCKETS, registry=r
+        )
+        self.sink_queue_batches = Gauge(p + "sink_queue_batches", "Batches queued for a sink.", ["sink"], registry=r)
+        self.sink_queue_bytes = Gauge(p + "sink_queue_bytes", "Payload bytes queued for a sink.", ["sink"], registry=r)
+        self.sink_queue_limit_batches = Gauge(p + "sink_queue_limit_batches", "Queue bound in batches.", ["sink"], registry=r)
+        self.sink_queue_limit_bytes = Gauge(p + "sink_queue_limit_bytes", "Queue bound in bytes.", ["sink"], registry=r)
+        self.sink_retries = Counter(p + "sink_retries", "Writes retried.", ["sink"], registry=r)
+        self.sink_errors = Counter(p + "sink_errors", "Write failures by reason.", ["sink", "reason"], registry=r)
+        self.sink_up = Gauge(p + "sink_up", "1 when the sink's last write or health check succeeded.", ["sink"], registry=r)
+        self.dead_letters = Counter(p + "dead_letters", "Items written to the dead-letter destination.", ["reason"], registry=r)
+        self.ready = Gauge(p + "ready", "1 when every sink is connected and every source subscribed.", registry=r)
+        self.build_info = Gauge(p + "build_info", "Build information.", ["version"], registry=r)
+        self.build_info.labels(__version__).set(1)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,66 @@
+"""The replay client: asks an engine's ROUTER socket for buffered batches (protocol.md section 1).
+
+A fresh DEALER per request (so late replies of an abandoned request can never be mistaken for
+the next one's), sending ``[b"", start]`` itself because the ROUTER expects an empty delimiter.
+Replies come with or without the topic frame and end with the ``-1`` marker. Silence longer
+than ``timeout`` ends the request as *uncertain* (the caller retries with backoff); the request
+also ends early once the reply ``until`` (the last seq the stream needs) has arrived.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from .errors import DecodeError
+from .wire import END_SEQ, ReplayReply, parse_replay
+
+
+class ReplayOutcome:
+    """How a replay ended: ``complete`` (end marker or ``until`` reached) or a timeout."""
+
+    def __init__(self) -> None:
+        self.complete = False
+        self.replies = 0
+        self.bad_replies = 0
+
+
+async def replay(
+    ctx: zmq.asyncio.Context,
+    endpoint: str,
+    start: int,
+    until: int,
+    timeout: float,
+    outcome: ReplayOutcome,
+    max_frame_bytes: int,
+) -> AsyncIterator[ReplayReply]:
+    """Yield the replies of one replay request; ``outcome`` says how it ended."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    try:
+        sock.connect(endpoint)
+        await sock.send_multipart([b"", min(start, END_SEQ - 1).to_bytes(8, "big")])
+        timeout_ms = max(1, int(timeout * 1000))
+        while True:
+            if not await sock.poll(timeout_ms):
+                return  # silence: uncertain, not proof of loss
+            frames = await sock.recv_multipart()
+            try:
+                reply = parse_replay(frames)
+            except DecodeError:
+                outcome.bad_replies += 1
+                continue
+            if reply.end:
+                outcome.complete = True
+                return
+            outcome.replies += 1
+            yield reply
+            if 0 <= until <= reply.seq:
+                outcome.complete = True
+                return
+    finally:
+        sock.close(linger=0)

@@ -1,0 +1,393 @@
+"""A vLLM-compatible KV-event publisher for demos, tests and benchmarks (``python -m bridge simulate``).
+
+Byte-compatible with the real publishers: the same ZMQ sockets (PUB ``[topic, seq, payload]``
+and a ROUTER replay socket answering ``[b"", start]`` with or without the topic frame and the
+``-1`` end marker), and the same msgpack bytes for each engine release (:data:`PROFILES`),
+checked against ``shared/vectors``. It can publish several data-parallel ranks (port + rank),
+at a chosen rate and batch shape, and inject faults: live messages that never reach
+subscribers (still in the replay buffer, as a PUB high-water-mark drop would be), replay
+replies that go missing, and engine restarts (sequence back to 0, buffer emptied).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from .endpoints import for_rank
+from .records import Event
+from .wire import END_SEQ, FIELDS
+
+_enc = msgspec.msgpack.Encoder()
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How one engine release encodes batches and events."""
+
+    name: str
+    events: Literal["array", "map"]
+    batch: Literal["array", "map"] = "array"
+    fields: dict[str, tuple[str, ...]] = field(default_factory=dict)  # declared fields per type
+    omit_none: frozenset[str] = frozenset()  # map generation: fields left out when None
+    with_rank: bool = True
+    replay_topic: bool = False  # replay replies carry the topic frame
+    hashes: Literal["int64", "uint64", "bytes"] = "uint64"
+
+
+def _vllm(n_stored: int, n_removed: int) -> dict[str, tuple[str, ...]]:
+    return {
+        "BlockStored": FIELDS["BlockStored"][:n_stored],
+        "BlockRemoved": FIELDS["BlockRemoved"][:n_removed],
+        "AllBlocksCleared": (),
+    }
+
+
+_SGLANG_STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
+_LATE = frozenset({"kv_cache_spec_sliding_window", "locality", "ownership", "session_id", "lookahead_token_ids"})
+
+PROFILES: dict[str, Profile] = {
+    p.name: p
+    for p in [
+        Profile("vllm-0.9.0", "array", fields=_vllm(5, 1), with_rank=False, hashes="int64"),
+        Profile("vllm-0.10.2", "array", fields=_vllm(6, 2)),
+        Profile("vllm-0.22.0", "array", fields=_vllm(11, 3)),
+        Profile("vllm-0.24.0", "map", fields=_vllm(11, 3), omit_none=_LATE),
+        Profile("vllm-0.26.0", "map", fields=_vllm(11, 3), omit_none=_LATE, replay_topic=True),
+        Profile("vllm-0.33.0", "map", fields=_vllm(15, 5), omit_none=_LATE, replay_topic=True),
+        Profile("vllm-0.33.0-bytes-hashes", "map", fields=_vllm(15, 5), omit_none=_LATE, replay_topic=True, hashes="bytes"),
+        Profile(
+            "vllm-unreleased-map-batch",
+            "map",
+            batch="map",
+            fields={
+                "BlockStored": (*FIELDS["BlockStored"][:7], *FIELDS["BlockStored"][8:11]),
+                "BlockRemoved": FIELDS["BlockRemoved"][:3],
+                "AllBlocksCleared": (),
+            },
+            omit_none=_LATE,
+            replay_topic=True,
+        ),
+        Profile(
+            "sglang-0.5.8",
+            "array",
+            fields={"BlockStored": _SGLANG_STORED[:5], "BlockRemoved": ("block_hashes",), "AllBlocksCleared": ()},
+            hashes="int64",
+        ),
+        Profile(
+            "sglang-0.5.23",
+            "map",
+            fields={
+                "BlockStored": (*_SGLANG_STORED, "cache_salt", "session_id", "lora_name"),
+                "BlockRemoved": ("block_hashes", "medium"),
+                "AllBlocksCleared": (),
+            },
+            omit_none=frozenset({"cache_salt", "session_id", "lora_name"}),
+            replay_topic=True,
+            hashes="int64",
+        ),
+    ]
+}
+DEFAULT_PROFILE = "vllm-0.33.0"
+
+
+# -- encoding -------------------------------------------------------------------------------------
+
+
+def _map_header(n: int, declared: int) -> bytes:
+    # msgspec sizes a struct's map header for all its fields (+ the tag), then writes the count.
+    return bytes([0x80 | n]) if declared + 1 <= 15 else b"\xde" + n.to_bytes(2, "big")
+
+
+def encode_event(profile: Profile, event: Event) -> bytes:
+    """One event as the release encodes it (keys / positions in the event's order)."""
+    tag = event["type"]
+    declared = profile.fields.get(tag)
+    if profile.events == "array":
+        names = declared if declared is not None else tuple(k for k in event if k not in ("type", "extra"))
+        items = [tag, *(event.get(n) for n in names), *event.get("extra", ())]
+        return _enc.encode(items)
+    parts = [_enc.encode(k) + _enc.encode(v) for k, v in event.items()]
+    return _map_header(len(parts), len(declared) if declared is not None else len(parts)) + b"".join(parts)
+
+
+def encode_batch(profile: Profile, ts: float, events: Sequence[Event], dp_rank: int = 0) -> bytes:
+    """One batch payload, byte-identical to the release's publisher for the same events."""
+    body = [msgspec.Raw(encode_event(profile, e)) for e in events]
+    if profile.batch == "map":
+        return _enc.encode({"ts": ts, "events": body, "data_parallel_rank": dp_rank})
+    return _enc.encode([ts, body, dp_rank] if profile.with_rank else [ts, body])
+
+
+# -- realistic events -------------------------------------------------------------------------------
+
+
+class EventFactory:
+    """Generates a plausible cache history: chained BlockStored, BlockRemoved of stored blocks, rare clears."""
+
+    def __init__(self, profile: Profile, *, seed: int = 0, block_size: int = 16, blocks_per_event: int = 2) -> None:
+        self.profile = profile
+        self.rand = random.Random(seed)
+        self.block_size = block_size
+        self.blocks_per_event = blocks_per_event
+        self.stored: deque[Any] = deque(maxlen=4096)
+        self.parent: Any = None
+        self.token = 0
+
+    def _hash(self) -> Any:
+        h = self.rand.getrandbits(64)
+        if self.profile.hashes == "int64":
+            return h - 2**64 if h >= 2**63 else h
+        if self.profile.hashes == "bytes":
+            return h.to_bytes(32, "big")
+        return h
+
+    def _fill(self, tag: str, values: dict[str, Any]) -> Event:
+        event: Event = {"type": tag}
+        for name in self.profile.fields.get(tag, ()):
+            value = values.get(name)
+            if value is None and self.profile.events == "map" and name in self.profile.omit_none:
+                continue
+            event[name] = value
+        return event
+
+    def stored_event(self) -> Event:
+        n = self.blocks_per_event
+        hashes = [self._hash() for _ in range(n)]
+        tokens = list(range(self.token, self.token + n * self.block_size))
+        self.token = (self.token + n * self.block_size) % 150_000
+        event = self._fill(
+            "BlockStored",
+            {
+                "block_hashes": hashes,
+                "parent_block_hash": self.parent,
+                "token_ids": tokens,
+                "block_size": self.block_size,
+                "medium": "GPU",
+                "extra_keys": [None] * n,
+                "group_idx": 0,
+                "kv_cache_spec_kind": "full_attention",
+            },
+        )
+        self.parent = hashes[-1]
+        self.stored.extend(hashes)
+        return event
+
+    def removed_event(self) -> Event:
+        k = min(len(self.stored), self.rand.randint(1, self.blocks_per_event))
+        hashes = [self.stored.popleft() for _ in range(k)] or [self._hash()]
+        return self._fill("BlockRemoved", {"block_hashes": hashes, "medium": "GPU", "group_idx": 0})
+
+    def batch(self, n_events: int) -> list[Event]:
+        """``n_events`` events: mostly BlockStored, about a quarter BlockRemoved, a clear per ~2000."""
+        out: list[Event] = []
+        for _ in range(n_events):
+            r = self.rand.random()
+            if r < 0.0005:
+                out.append(self._fill("AllBlocksCleared", {}))
+                self.stored.clear()
+                self.parent = None
+            elif r < 0.25 and self.stored:
+                out.append(self.removed_event())
+            else:
+                out.append(self.stored_event())
+        return out
+
+
+# -- the publisher ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Faults:
+    drop_rate: float = 0.0  # live messages that never reach subscribers (kept for replay)
+    replay_drop_rate: float = 0.0  # replay replies (end marker included) that go missing
+    restart_every: int = 0  # restart the engine after this many batches (0: never)
+
+
+class RankPublisher:
+    """One engine rank: PUB + ROUTER, a sequence counter and the replay buffer."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        profile: Profile,
+        endpoint: str,
+        replay_endpoint: str | None,
+        *,
+        rank: int = 0,
+        topic: str = "",
+        buffer_steps: int = 10_000,
+        faults: Faults | None = None,
+        seed: int = 0,
+        bind: bool = True,
+    ) -> None:
+        self.profile = profile
+        self.rank = rank
+        self.topic = topic.encode()
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.faults = faults or Faults()
+        self.rand = random.Random(seed * 7919 + rank)
+        self.seq = 0
+        self.published = 0
+        self.restarts = 0
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.SNDHWM, 100_000)
+        if bind:
+            self.pub.bind(endpoint)
+        else:
+            self.pub.connect(endpoint)
+        self.router: zmq.asyncio.Socket | None = None
+        if replay_endpoint:
+            self.router = ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            self.router.bind(replay_endpoint)
+        self._replay_task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self.router is not None:
+            self._replay_task = asyncio.create_task(self._serve_replay(), name=f"sim-replay:{self.rank}")
+
+    async def publish(self, payload: bytes) -> int:
+        """Publish one batch payload; returns its seq."""
+        seq = self.seq
+        self.seq += 1
+        self.published += 1
+        self.buffer.append((seq, payload))
+        if not (self.faults.drop_rate and self.rand.random() < self.faults.drop_rate):
+            await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+        if self.faults.restart_every and self.seq >= self.faults.restart_every:
+            self.restart()
+        return seq
+
+    def restart(self) -> None:
+        """What a restarted engine looks like on the wire: seq from 0, empty replay buffer."""
+        self.seq = 0
+        self.buffer.clear()
+        self.restarts += 1
+
+    def _reply(self, identity: bytes, seq: int, payload: bytes) -> list[bytes]:
+        if self.profile.replay_topic:
+            return [identity, b"", self.topic, seq.to_bytes(8, "big"), payload]
+        return [identity, b"", seq.to_bytes(8, "big"), payload]
+
+    async def _serve_replay(self) -> None:
+        assert self.router is not None
+        drop = self.faults.replay_drop_rate
+        while True:
+            frames = await self.router.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                continue  # the engines ignore malformed requests too
+            identity, start = frames[0], int.from_bytes(frames[2], "big")
+            for seq, payload in list(self.buffer):
+                if seq >= start and not (drop and self.rand.random() < drop):
+                    await self.router.send_multipart(self._reply(identity, seq, payload))
+            if not (drop and self.rand.random() < drop):
+                await self.router.send_multipart(self._reply(identity, END_SEQ, b""))
+
+    async def close(self) -> None:
+        if self._replay_task is not None:
+            self._replay_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._replay_task
+        self.pub.close(linger=0)
+        if self.router is not None:
+            self.router.close(linger=0)
+
+
+@dataclass
+class SimulatorOptions:
+    endpoint: str = "tcp://127.0.0.1:5557"
+    replay_endpoint: str | None = "tcp://127.0.0.1:5558"
+    profile: str = DEFAULT_PROFILE
+    dp_ranks: int = 1
+    topic: str = ""
+    rate: float = 100.0  # batches per second per rank; 0: as fast as possible
+    count: int = 0  # batches per rank, 0: forever
+    events_per_batch: int = 4
+    blocks_per_event: int = 2
+    block_size: int = 16
+    buffer_steps: int = 10_000
+    faults: Faults = field(default_factory=Faults)
+    seed: int = 0
+    bind: bool = True
+    linger: float = 0.0  # keep serving replay this long after the last batch
+
+
+class Simulator:
+    """Several ranks of one simulated engine. ``async with Simulator(opts) as sim: await sim.run()``."""
+
+    def __init__(self, options: SimulatorOptions, ctx: zmq.asyncio.Context | None = None) -> None:
+        if options.profile not in PROFILES:
+            raise ValueError(f"unknown profile {options.profile!r}; known: {', '.join(PROFILES)}")
+        self.options = options
+        self.profile = PROFILES[options.profile]
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.asyncio.Context()
+        self.ranks: list[RankPublisher] = []
+        self.factories: list[EventFactory] = []
+
+    async def __aenter__(self) -> Simulator:
+        o = self.options
+        for r in range(o.dp_ranks):
+            pub = RankPublisher(
+                self.ctx,
+                self.profile,
+                for_rank(o.endpoint, r),
+                for_rank(o.replay_endpoint, r) if o.replay_endpoint else None,
+                rank=r,
+                topic=o.topic,
+                buffer_steps=o.buffer_steps,
+                faults=o.faults,
+                seed=o.seed,
+                bind=o.bind,
+            )
+            pub.start()
+            self.ranks.append(pub)
+            self.factories.append(
+                EventFactory(self.profile, seed=o.seed * 31 + r, block_size=o.block_size, blocks_per_event=o.blocks_per_event)
+            )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for pub in self.ranks:
+            await pub.close()
+        if self._own_ctx:
+            self.ctx.destroy(linger=0)
+
+    async def step(self, rank: int = 0, events: Sequence[Event] | None = None, ts: float | None = None) -> int:
+        """Publish one batch on ``rank`` (generated unless ``events`` given); returns its seq."""
+        evs = list(events) if events is not None else self.factories[rank].batch(self.options.events_per_batch)
+        payload = encode_batch(self.profile, time.time() if ts is None else ts, evs, rank)
+        return await self.ranks[rank].publish(payload)
+
+    async def run(self) -> None:
+        """Publish at the configured rate until ``count`` batches per rank (forever if 0)."""
+        o = self.options
+        interval = 1.0 / o.rate if o.rate > 0 else 0.0
+        start = time.monotonic()
+        n = 0
+        while o.count == 0 or n < o.count:
+            for r in range(len(self.ranks)):
+                await self.step(r)
+            n += 1
+            if interval:
+                delay = start + n * interval - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                elif n % 64 == 0:
+                    await asyncio.sleep(0)
+            elif n % 64 == 0:
+                await asyncio.sleep(0)
+        if o.linger > 0:
+            await asyncio.sleep(o.linger)

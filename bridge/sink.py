@@ -1,0 +1,319 @@
+"""One sink's delivery loop: bounded queue, batching, retries, backpressure, acknowledgements.
+
+This is the one shared mechanism every connector uses (style.md: "retry, backoff, batching,
+bounded queues and backpressure live once"). A :class:`SinkWorker` owns a queue of records
+bounded in batches and bytes, takes up to ``batch.max_messages`` / ``batch.max_bytes`` at a
+time, renders them in the sink's format, and calls ``connector.write`` until it succeeds:
+
+- ``NotConnected`` / ``Retriable`` / a write timeout: retried after capped, jittered backoff
+  (forever: retried is not dropped); the sink is not ready meanwhile and its queue fills, which
+  blocks ingest (``backpressure: block``) or drops new batches (``drop``, announced downstream
+  with one ``EventsLost`` per dropped span once there is room again);
+- ``Permanent``: the messages go to the dead-letter destination, and the stream goes on;
+- ``PartialFailure``: only the failed messages are retried (or dead-lettered).
+
+Records stay in the queue while they are written, so the byte bound covers in-flight data.
+Control records (``SourceReset``, ``EventsLost``) are never dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+from .backoff import Backoff
+from .config import SinkConfig
+from .connector import Connector
+from .deadletter import DeadLetters
+from .errors import ConnectorError, NotConnected, PartialFailure, Permanent
+from .formats import Message, Renderer
+from .metrics import Metrics
+from .records import Record, events_lost
+
+log = logging.getLogger("bridge.sink")
+
+AckCallback = Callable[[int, list[Record]], None]
+
+
+class SinkWorker:
+    """Delivers records to one connector. See the module docstring."""
+
+    def __init__(
+        self,
+        index: int,
+        config: SinkConfig,
+        connector: Connector,
+        renderer: Renderer,
+        metrics: Metrics,
+        dead_letters: DeadLetters,
+        on_ack: AckCallback,
+    ) -> None:
+        self.index = index
+        self.config = config
+        self.name = config.name
+        self.connector = connector
+        self.renderer = renderer
+        self.metrics = metrics
+        self.dead_letters = dead_letters
+        self.on_ack = on_ack
+        self.block = config.backpressure == "block"
+        self.max_batches = config.queue.max_batches
+        self.max_bytes = config.queue.max_bytes
+        self.backoff = Backoff(
+            config.retry.initial_backoff, config.retry.max_backoff, config.retry.multiplier, config.retry.jitter
+        )
+        self._queue: deque[Record] = deque()
+        self._bytes = 0
+        self._room = asyncio.Event()
+        self._room.set()
+        self._work = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._dropped: dict[str, Record] = {}  # per stream: the EventsLost of the span being dropped
+        self._closing = False
+        self.connected = False
+        self.last_error: str | None = "not connected yet"
+        self._task: asyncio.Task[None] | None = None
+        self._m_queue_batches = metrics.sink_queue_batches.labels(self.name)
+        self._m_queue_bytes = metrics.sink_queue_bytes.labels(self.name)
+        self._m_ok = metrics.sink_batches.labels(self.name, "delivered")
+        self._m_dropped = metrics.sink_batches.labels(self.name, "dropped")
+        self._m_dead = metrics.sink_batches.labels(self.name, "dead_lettered")
+        self._m_send = metrics.sink_send_duration.labels(self.name)
+        self._m_lag = metrics.lag.labels(self.name)
+        self._m_retries = metrics.sink_retries.labels(self.name)
+        self._m_up = metrics.sink_up.labels(self.name)
+        metrics.sink_queue_limit_batches.labels(self.name).set(self.max_batches)
+        metrics.sink_queue_limit_bytes.labels(self.name).set(self.max_bytes)
+        self._m_up.set(0)
+
+    # -- queue ------------------------------------------------------------------------------
+    def has_room(self, size: int) -> bool:
+        return not self._queue or (len(self._queue) < self.max_batches and self._bytes + size <= self.max_bytes)
+
+    def _push(self, record: Record) -> None:
+        self._queue.append(record)
+        self._bytes += record.size
+        self._idle.clear()
+        self._work.set()
+        if not self.has_room(0):
+            self._room.clear()
+
+    def offer(self, record: Record) -> bool:
+        """Queue ``record`` if there is room (or apply the drop policy). False: caller must wait."""
+        key = record.stream.key
+        if record.kind != "batch":
+            self._flush_dropped(key)
+            self._push(record)  # control records are tiny and must never be dropped
+            return True
+        if self.has_room(record.size):
+            self._flush_dropped(key)
+            self._push(record)
+            return True
+        if self.block:
+            return False
+        self._drop(record)
+        return True
+
+    async def wait_room(self) -> None:
+        await self._room.wait()
+
+    def _drop(self, record: Record) -> None:
+        key = record.stream.key
+        span = self._dropped.get(key)
+        if span is not None and span.epoch == record.epoch and span.seq + 1 == record.seq:
+            span.seq = record.seq
+        else:
+            self._flush_dropped(key)
+            self._dropped[key] = events_lost(
+                record.stream, record.epoch, record.seq, record.seq, f"sink_queue_full:{self.name}", time.time()
+            )
+        self._m_dropped.inc()
+        # A dropped batch is settled for this sink: the checkpoint may move past it.
+        self.on_ack(self.index, [record])
+
+    def _flush_dropped(self, key: str) -> None:
+        span = self._dropped.pop(key, None)
+        if span is not None:
+            self.metrics.batches_lost.labels(span.stream.source).inc(span.seq - (span.from_seq or span.seq) + 1)
+            self._push(span)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> asyncio.Task[None]:
+        self._task = asyncio.create_task(self._run(), name=f"sink:{self.name}")
+        return self._task
+
+    async def flush(self, timeout: float) -> bool:
+        """Wait until everything queued is delivered (True) or ``timeout`` passes (False)."""
+        for key in list(self._dropped):
+            self._flush_dropped(key)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def stop(self) -> None:
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # already reported by the task's done-callback
+                pass
+        try:
+            await self.connector.close()
+        except Exception as exc:  # close must not raise; if it does, say so once
+            log.warning("sink close failed", extra={"sink": self.name, "error": str(exc)})
+
+    @property
+    def queued(self) -> tuple[int, int]:
+        return len(self._queue), self._bytes
+
+    # -- the loop ---------------------------------------------------------------------------
+    async def _connect(self) -> None:
+        attempt = 0
+        while True:
+            try:
+                await asyncio.wait_for(self.connector.connect(), self.config.retry.write_timeout)
+                self._set_up()
+                return
+            except (ConnectorError, TimeoutError, OSError) as exc:
+                attempt += 1
+                self._set_down(exc, attempt)
+                await asyncio.sleep(self.backoff.delay(attempt))
+
+    def _set_up(self) -> None:
+        if not self.connected:
+            log.info("sink connected", extra={"sink": self.name})
+        self.connected = True
+        self.last_error = None
+        self._m_up.set(1)
+
+    def _set_down(self, exc: BaseException, attempt: int) -> None:
+        reason = exc.reason if isinstance(exc, ConnectorError) else ("timeout" if isinstance(exc, TimeoutError) else "error")
+        self.metrics.sink_errors.labels(self.name, reason).inc()
+        message = str(exc) or type(exc).__name__
+        if self.connected or attempt == 1 or attempt % 30 == 0:  # one line per state change, then rarely
+            log.warning(
+                "sink unavailable, retrying", extra={"sink": self.name, "reason": reason, "error": message, "attempt": attempt}
+            )
+        self.connected = False
+        self.last_error = f"{reason}: {message}"
+        self._m_up.set(0)
+
+    async def _run(self) -> None:
+        await self._connect()
+        linger = self.config.batch.linger
+        while True:
+            if not self._queue:
+                self._idle.set()
+                self._work.clear()
+                await self._work.wait()
+                if linger > 0 and len(self._queue) < self.config.batch.max_messages:
+                    await asyncio.sleep(linger)
+            records, messages = self._take()
+            if messages:
+                await self._deliver(messages)
+            self._settle(records)
+
+    def _take(self) -> tuple[list[Record], list[Message]]:
+        """Records from the head of the queue (left there) and their messages, within the batch bounds."""
+        records: list[Record] = []
+        messages: list[Message] = []
+        size = 0
+        max_messages, max_bytes = self.config.batch.max_messages, self.config.batch.max_bytes
+        for record in self._queue:
+            if records and (len(messages) >= max_messages or size + record.size > max_bytes):
+                break
+            try:
+                rendered = self.renderer.render(record)
+            except (TypeError, ValueError, OverflowError) as exc:
+                self._dead_letter_record(record, "unrenderable", str(exc))
+                rendered = self.renderer.render(
+                    events_lost(record.stream, record.epoch, record.seq, record.seq, "unrenderable", record.received)
+                )
+            records.append(record)
+            messages.extend(rendered)
+            size += record.size
+        return records, messages
+
+    def _settle(self, records: list[Record]) -> None:
+        now = time.time()
+        for _ in records:
+            r = self._queue.popleft()
+            self._bytes -= r.size
+        batches = [r for r in records if r.kind == "batch"]
+        if batches:
+            self._m_ok.inc(len(batches))
+            for r in batches:
+                if r.ts is not None:
+                    self._m_lag.observe(max(0.0, now - r.ts))
+        self.on_ack(self.index, records)
+        self._m_queue_batches.set(len(self._queue))
+        self._m_queue_bytes.set(self._bytes)
+        if self.has_room(0):
+            self._room.set()
+
+    async def _deliver(self, messages: list[Message]) -> None:
+        attempt = 0
+        timeout = self.config.retry.write_timeout
+        while messages:
+            start = time.perf_counter()
+            try:
+                await asyncio.wait_for(self.connector.write(messages), timeout)
+                self._m_send.observe(time.perf_counter() - start)
+                self._set_up()
+                return
+            except PartialFailure as exc:
+                failed = [messages[i] for i in exc.failed if 0 <= i < len(messages)]
+                if isinstance(exc.cause, Permanent):
+                    self._dead_letter_messages(failed, exc.cause)
+                    return
+                messages = failed
+                error: BaseException = exc.cause
+            except Permanent as exc:
+                self._dead_letter_messages(messages, exc)
+                return
+            except (ConnectorError, TimeoutError, OSError) as exc:
+                error = exc
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # an unclassified client error: treat as transient, say what it was
+                error = NotConnected(f"{type(exc).__name__}: {exc}", reason="unexpected")
+            attempt += 1
+            self._m_retries.inc()
+            self._set_down(error, attempt)
+            retry_after = getattr(error, "retry_after", None)
+            await asyncio.sleep(retry_after if retry_after is not None else self.backoff.delay(attempt))
+
+    def _dead_letter_messages(self, messages: list[Message], exc: ConnectorError) -> None:
+        self.metrics.sink_errors.labels(self.name, exc.reason).inc()
+        self._m_dead.inc(len({id(m.record) for m in messages}))
+        log.error(
+            "messages rejected by the sink, dead-lettered", extra={"sink": self.name, "count": len(messages), "error": str(exc)}
+        )
+        for m in messages:
+            self.metrics.dead_letters.labels("sink_rejected").inc()
+            s = m.record.stream
+            self.dead_letters.write(
+                reason="sink_rejected",
+                source=s.source,
+                dp_rank=s.dp_rank,
+                seq=m.record.seq,
+                detail=f"{self.name}: {exc}",
+                payload=m.value,
+                extra={"sink": self.name, "epoch": m.record.epoch, "index": m.index},
+            )
+
+    def _dead_letter_record(self, record: Record, reason: str, detail: str) -> None:
+        self.metrics.dead_letters.labels(reason).inc()
+        s = record.stream
+        self.dead_letters.write(
+            reason=reason, source=s.source, dp_rank=s.dp_rank, seq=record.seq, detail=detail, payload=record.payload
+        )

@@ -1,0 +1,117 @@
+"""ZMQ ingest: one SUB socket per (source, dp_rank), drained in bursts.
+
+The reader waits for the socket to become readable, then reads everything ready (up to
+``ingest.drain_max`` messages) with non-blocking calls on a synchronous shadow of the socket,
+and hands the burst to the stream's pipeline: one await per burst, not per message. ZMQ's
+``MAXMSGSIZE`` refuses oversized messages before allocating them (the connection is dropped and
+re-established; the sequence gap is then repaired through replay). A monitor socket tracks
+connections for ``kv_bridge_sources_connected`` and the logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from .config import IngestConfig
+from .stream import StreamPipeline
+
+log = logging.getLogger("bridge.source")
+
+_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+
+
+class SourceReader:
+    """Reads one stream's live socket. ``subscribed`` is True once the socket is set up."""
+
+    def __init__(
+        self,
+        pipeline: StreamPipeline,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        *,
+        bind: bool,
+        topic: str,
+        ingest: IngestConfig,
+        on_connection: asyncio.Event | None = None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.ctx = ctx
+        self.endpoint = endpoint
+        self.bind = bind
+        self.topic = topic
+        self.ingest = ingest
+        self.subscribed = False
+        self.connections = 0
+        self._connected_gauge = pipeline.bridge.metrics.sources_connected
+
+    def _socket(self) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, self.ingest.receive_hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.ingest.max_frame_bytes)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
+        sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        if self.bind:
+            sock.bind(self.endpoint)
+        else:
+            sock.connect(self.endpoint)
+        return sock
+
+    async def run(self) -> None:
+        sock = self._socket()
+        monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+        monitor_task = asyncio.create_task(self._monitor(monitor), name=f"monitor:{self.endpoint}")
+        self.subscribed = True
+        log.info("source subscribed", extra={"stream": self.pipeline.stream.key, "endpoint": self.endpoint, "bind": self.bind})
+        sync: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+        drain_max = self.ingest.drain_max
+        on_live = self.pipeline.on_live
+        try:
+            while True:
+                await sock.poll()
+                burst: list[list[bytes]] = []
+                recv = sync.recv_multipart
+                try:
+                    for _ in range(drain_max):
+                        burst.append(recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    pass
+                if burst:
+                    await on_live(burst, time.time())
+                else:
+                    await asyncio.sleep(0)  # a spurious wake-up: let others run
+        finally:
+            self.subscribed = False
+            monitor_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await monitor_task
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            monitor.close(linger=0)
+            self._connected_gauge.dec(self.connections)
+            self.connections = 0
+            sock.close(linger=0)
+
+    async def _monitor(self, monitor: zmq.asyncio.Socket) -> None:
+        key = self.pipeline.stream.key
+        while True:
+            msg = parse_monitor_message(await monitor.recv_multipart())
+            event = msg["event"]
+            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                self.connections += 1
+                self._connected_gauge.inc()
+                log.info("source connected", extra={"stream": key, "endpoint": self.endpoint})
+            elif event == zmq.EVENT_DISCONNECTED and self.connections > 0:
+                self.connections -= 1
+                self._connected_gauge.dec()
+                log.warning("source disconnected", extra={"stream": key, "endpoint": self.endpoint})

@@ -1,0 +1,196 @@
+"""One stream's pipeline: frames -> sequencer -> decoder -> fan-out, plus its replays.
+
+A :class:`StreamPipeline` is the single place where a stream's sequencer is driven. Live bursts
+(from the source reader) and replay replies (from the stream's replay task) both go through
+:meth:`_execute` under the stream's lock, so actions are carried out in exactly the order the
+sequencer decided them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import zmq
+
+from . import wire
+from .backoff import Backoff
+from .errors import DecodeError
+from .records import Record, Stream, events_lost, source_reset
+from .replay import ReplayOutcome, replay
+from .sequencer import Action, Deliver, Duplicate, Gap, Lost, RequestReplay, Reset, StreamSequencer
+
+if TYPE_CHECKING:
+    from .runtime import Bridge
+
+log = logging.getLogger("bridge.stream")
+
+
+class StreamPipeline:
+    """Sequencing, decoding and fan-out of one (source, dp_rank)."""
+
+    def __init__(
+        self,
+        bridge: Bridge,
+        stream: Stream,
+        *,
+        replay_endpoint: str | None,
+        replay_on_start: bool,
+        epoch: int = 0,
+        delivered: int | None = None,
+        delivered_ts: float | None = None,
+    ) -> None:
+        self.bridge = bridge
+        self.stream = stream
+        self.replay_endpoint = replay_endpoint
+        cfg = bridge.config.replay
+        self.sequencer = StreamSequencer(
+            can_replay=replay_endpoint is not None,
+            replay_on_start=replay_on_start,
+            max_held=cfg.max_held_batches,
+            max_attempts=cfg.max_attempts,
+            epoch=epoch,
+            delivered=delivered,
+            delivered_ts=delivered_ts,
+            ts_of=wire.peek_ts,
+        )
+        self.backoff = Backoff(cfg.initial_backoff, cfg.max_backoff)
+        self.lock = asyncio.Lock()
+        self._replay_task: asyncio.Task[None] | None = None
+        m = bridge.metrics
+        src, rank = stream.source, str(stream.dp_rank)
+        self._m_received = m.batches_received.labels(src, rank)
+        self._m_gaps = m.sequence_gaps.labels(src, rank)
+        self._m_replayed = m.batches_replayed.labels(src)
+        self._m_lost = m.batches_lost.labels(src)
+        self._m_dups = m.duplicates_dropped.labels(src)
+        self._m_restarts = m.source_restarts.labels(src)
+        self._m_last_seq = m.source_last_seq.labels(src, rank)
+        self._m_last_ts = m.source_last_event_ts.labels(src, rank)
+        self._m_events: dict[str, object] = {}
+
+    # -- inputs ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        async with self.lock:
+            await self._execute(self.sequencer.start(), time.time())
+
+    async def on_live(self, burst: Sequence[list[bytes]], received: float) -> None:
+        """A burst of live messages drained from the SUB socket."""
+        self._m_received.inc(len(burst))
+        ingest_lag = self.bridge.metrics.ingest_lag
+        async with self.lock:
+            for frames in burst:
+                try:
+                    f = wire.parse_live(frames)
+                except DecodeError as exc:
+                    self.bridge.decode_failure(self.stream, exc, None, frames)
+                    continue
+                ts = wire.peek_ts(f.payload)
+                if ts is not None:
+                    ingest_lag.observe(max(0.0, received - ts))
+                await self._execute(self.sequencer.live(f.seq, f.payload), received)
+
+    async def stop(self) -> None:
+        task = self._replay_task
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    # -- actions ----------------------------------------------------------------------------------
+    async def _execute(self, actions: list[Action], received: float) -> None:
+        fanout = self.bridge.fanout
+        for a in actions:
+            if isinstance(a, Deliver):
+                if a.replayed:
+                    self._m_replayed.inc()
+                await fanout.publish(self._decode(a.seq, a.payload, received))
+            elif isinstance(a, Duplicate):
+                self._m_dups.inc()
+            elif isinstance(a, Gap):
+                self._m_gaps.inc()
+                log.info("sequence gap", extra={"stream": self.stream.key, "from_seq": a.from_seq, "to_seq": a.to_seq})
+            elif isinstance(a, RequestReplay):
+                self._start_replay(a)
+            elif isinstance(a, Lost):
+                self._m_lost.inc(a.to_seq - a.from_seq + 1)
+                log.warning(
+                    "batches lost",
+                    extra={"stream": self.stream.key, "from_seq": a.from_seq, "to_seq": a.to_seq, "reason": a.reason},
+                )
+                await fanout.publish(events_lost(self.stream, self.sequencer.epoch, a.from_seq, a.to_seq, a.reason, received))
+            elif isinstance(a, Reset):
+                self._m_restarts.inc()
+                log.warning("engine restarted: new epoch", extra={"stream": self.stream.key, "epoch": a.epoch})
+                await fanout.publish(source_reset(self.stream, a.epoch, a.reason, received))
+
+    def _decode(self, seq: int, payload: bytes, received: float) -> Record:
+        epoch = self.sequencer.epoch
+        try:
+            batch = wire.decode_batch(payload)
+        except DecodeError as exc:
+            self.bridge.decode_failure(self.stream, exc, seq, None, payload)
+            return events_lost(self.stream, epoch, seq, seq, "undecodable", received)
+        for bad in batch.bad_events:
+            self.bridge.decode_failure(self.stream, DecodeError("bad_event", bad.reason), seq, None, None, index=bad.index)
+        counts: dict[str, int] = {}
+        for e in batch.events:
+            t = e["type"]
+            counts[t] = counts.get(t, 0) + 1
+        for t, n in counts.items():
+            child = self._m_events.get(t)
+            if child is None:
+                child = self.bridge.metrics.events_received.labels(self.stream.source, t if t in wire.KNOWN_TYPES else "other")
+                self._m_events[t] = child
+            child.inc(n)  # type: ignore[attr-defined]
+        self._m_last_seq.set(seq)
+        self._m_last_ts.set(batch.ts)
+        return Record(
+            stream=self.stream, epoch=epoch, seq=seq, ts=batch.ts, payload=payload, events=batch.events, received=received
+        )
+
+    # -- replay ---------------------------------------------------------------------------------
+    def _start_replay(self, req: RequestReplay) -> None:
+        current = asyncio.current_task()
+        old = self._replay_task
+        if old is not None and old is not current and not old.done():
+            old.cancel()  # superseded (e.g. the engine restarted): its replies would be ignored anyway
+        self._replay_task = self.bridge.spawn(self._replay(req), f"replay:{self.stream.key}")
+
+    async def _replay(self, req: RequestReplay) -> None:
+        assert self.replay_endpoint is not None
+        bridge = self.bridge
+        if req.attempt > 0:
+            await asyncio.sleep(self.backoff.delay(req.attempt))
+        outcome = ReplayOutcome()
+        label = "error"
+        async with bridge.replay_slots:
+            try:
+                async for reply in replay(
+                    bridge.zmq_context,
+                    self.replay_endpoint,
+                    req.start,
+                    req.until,
+                    bridge.config.replay.timeout,
+                    outcome,
+                    bridge.config.ingest.max_frame_bytes,
+                ):
+                    async with self.lock:
+                        await self._execute(self.sequencer.replayed(req.request_id, reply.seq, reply.payload), time.time())
+                label = "complete" if outcome.complete else "timeout"
+            except zmq.ZMQError as exc:
+                log.warning("replay failed", extra={"stream": self.stream.key, "error": str(exc)})
+        bridge.metrics.replay_requests.labels(self.stream.source, label).inc()
+        if outcome.bad_replies:
+            bridge.metrics.decode_failures.labels(self.stream.source, "bad_replay_reply").inc(outcome.bad_replies)
+        if label != "complete":
+            log.info(
+                "replay incomplete, will retry",
+                extra={"stream": self.stream.key, "start": req.start, "attempt": req.attempt, "outcome": label},
+            )
+        async with self.lock:
+            await self._execute(self.sequencer.replay_finished(req.request_id, outcome.complete), time.time())
