@@ -1,0 +1,1 @@
+"""Real servers (Kafka, Redis, NATS, Prometheus) on loopback for the integration tests."""
