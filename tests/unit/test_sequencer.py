@@ -74,6 +74,12 @@ class Sink:
         assert covered == list(range(start, upto + 1)), (epoch, covered[:50])
 
 
+def ts_of(payload: bytes) -> float:
+    """The model's engine ts: distinct per (instance, seq), like a wall clock across restarts."""
+    inst, seq = payload.decode().split(":")
+    return int(inst) * 1e6 + int(seq)
+
+
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("pub"), st.booleans(), st.booleans()),  # (delivered live?, ...)
@@ -86,7 +92,7 @@ ops = st.lists(
 
 def run(scenario: list[tuple[str, bool, bool]], buffer: int, max_held: int) -> tuple[Sink, StreamSequencer, Engine]:
     engine = Engine(buffer=buffer)
-    seqr = StreamSequencer(can_replay=True, replay_on_start=True, max_held=max_held, max_attempts=3)
+    seqr = StreamSequencer(can_replay=True, replay_on_start=True, max_held=max_held, max_attempts=3, ts_of=ts_of)
     sink = Sink()
     pending: list[RequestReplay] = []
     fail_next: list[str] = []
@@ -227,3 +233,48 @@ def test_gap_beyond_buffer_is_one_lost_after_confirmation() -> None:
     req2 = next(a for a in out if isinstance(a, RequestReplay))
     out = seqr.replayed(req2.request_id, 61, b"61")
     assert [a for a in out if isinstance(a, Lost)] == [Lost(1, 60, "replay_buffer_exceeded")]
+
+
+def test_replay_reveals_restart_hidden_by_higher_seqs() -> None:
+    """The engine restarted and passed our position unseen: the replay's first (verify) reply tells."""
+    engine = Engine(buffer=100)
+    seqr = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts_of)
+    sink = Sink()
+    for _ in range(3):
+        sink.apply(seqr.live(*engine.publish()), seqr)
+    engine.restart()
+    for _ in range(5):
+        engine.publish()  # all missed
+    actions = seqr.live(*engine.publish())  # seq 5 > last live 2: looks like a plain gap
+    sink.apply(actions, seqr)
+    req = next(a for a in actions if isinstance(a, RequestReplay))
+    assert req.start == 2  # one early, to verify
+    out: list[Action] = []
+    for s, p in engine.replay(req.start):
+        out += seqr.replayed(req.request_id, s, p)
+    sink.apply(out, seqr)
+    assert any(isinstance(a, Reset) for a in out)
+    req2 = next(a for a in out if isinstance(a, RequestReplay))
+    assert req2.start == 0
+    out = []
+    for s, p in engine.replay(0):
+        out += seqr.replayed(req2.request_id, s, p)
+    out += seqr.replay_finished(req2.request_id, True)
+    sink.apply(out, seqr)
+    assert seqr.epoch == 1
+    sink.check_contiguous(1, 5)
+    assert sink.payload_instance[1] == "1"
+
+
+def test_resume_verifies_checkpoint_position() -> None:
+    engine = Engine(buffer=100)
+    for _ in range(10):
+        engine.publish()
+    seqr = StreamSequencer(can_replay=True, replay_on_start=True, epoch=2, delivered=6, delivered_ts=ts_of(b"0:6"), ts_of=ts_of)
+    (req,) = seqr.start()
+    assert isinstance(req, RequestReplay) and req.start == 6 and req.until == -1
+    out: list[Action] = []
+    for s, p in engine.replay(req.start):
+        out += seqr.replayed(req.request_id, s, p)
+    assert [a.seq for a in out if isinstance(a, Deliver)] == [7, 8, 9]
+    assert seqr.epoch == 2
