@@ -1,0 +1,38 @@
+# kv-event-bridge: the two commands of README.md, and a few helpers.
+#   make demo   install, then run a simulated engine -> bridge -> stdout (no broker needed)
+#   make test   install everything (Python deps, Kafka/Redis/NATS/Prometheus), then ruff, mypy, pytest
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install demo test lint servers servers-stop bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+install: $(PY)
+	$(PY) -m pip install --quiet -e '.[dev]'
+
+demo: install
+	$(PY) -m bridge demo
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+servers: install
+	$(PY) -m tests.infra install
+	$(PY) -m tests.infra start
+
+servers-stop:
+	$(PY) -m tests.infra stop
+
+test: install
+	$(PY) -m tests.infra install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build *.egg-info
