@@ -1,0 +1,512 @@
+"""NATS connector on a real ``nats-server -js``: the conformance suite in both modes, and NATS specifics.
+
+JetStream is read back through the stream itself (``get_msg`` by subject, in stream order); core
+NATS through a subscription opened before the connector writes. Pure helpers (subjects, options)
+are checked without a server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from bridge.config import SinkConfig, convert_options
+from bridge.connector import Connector, Registry
+from bridge.errors import ConfigError, ConnectorError, NotConnected, PartialFailure, Permanent, Retriable
+from bridge.formats import Message, Renderer
+from bridge.records import Stream
+from connectors.nats import MSG_ID_HEADER, NatsConnector, NatsOptions, StreamOptions, redact, subject_token
+from tests.infra.servers import NatsServer, free_port, port_open
+from tests.integration.conformance import ConformanceSuite, Stored
+from tests.support.records import control_records, stream_records
+
+
+def _dest() -> str:
+    # Subject prefix and stream name at once: letters and digits only.
+    return f"KVT{uuid.uuid4().hex[:10].upper()}"
+
+
+def _subject(dest: str, stream: Stream) -> str:
+    return f"{dest}.{subject_token(stream.source)}.{stream.dp_rank}"
+
+
+def _options(url: str, dest: str, **extra: Any) -> NatsOptions:
+    """Options writing ``{dest}.{source}.{dp_rank}``; JetStream stream ``dest`` created at connect."""
+    base: dict[str, Any] = {
+        "servers": url,
+        "subject": dest + ".{source}.{dp_rank}",
+        "ack_timeout": 3.0,
+        "connect_timeout": 5.0,
+        "reconnect_wait": 0.2,
+        "reconnect_jitter": 0.2,
+        "stream": {"create": True, "name": dest, "subjects": [f"{dest}.>"], "duplicate_window": 600},
+    }
+    base.update(extra)
+    return convert_options(base, NatsOptions, "sinks[0]")
+
+
+async def _read_stream(nc: Client, dest: str, subject: str) -> list[Msg | Any]:
+    """Every message stored for ``subject`` in stream ``dest``, in stream order."""
+    js = nc.jetstream(timeout=5)
+    out = []
+    seq = 1
+    while True:
+        try:
+            msg = await js.get_msg(dest, seq=seq, subject=subject, next=True)
+        except nats.js.errors.NotFoundError:
+            return out
+        out.append(msg)
+        assert msg.seq is not None
+        seq = msg.seq + 1
+
+
+async def _retrying_write(conn: Connector, messages: Sequence[Message], *, attempts: int = 120) -> int:
+    """Write like the runtime: retry failures after a pause, only the failed part of a partial one.
+
+    Returns how many attempts failed before everything was delivered.
+    """
+    pending = list(messages)
+    for failures in range(attempts):
+        try:
+            await conn.write(pending)
+            return failures
+        except PartialFailure as exc:
+            assert not isinstance(exc.cause, Permanent), exc
+            pending = [pending[i] for i in exc.failed]
+        except ConnectorError:
+            pass
+        await asyncio.sleep(0.25)
+    pytest.fail(f"write did not succeed after {attempts} attempts")
+
+
+@pytest.fixture
+async def reader(nats_server: NatsServer) -> AsyncIterator[Client]:
+    """A plain nats-py client for reading back (and cleaning up) what the connector wrote."""
+    nc = await nats.connect(nats_server.url, reconnect_time_wait=0.2, max_reconnect_attempts=-1)
+    yield nc
+    await nc.close()
+
+
+# -- the conformance suite ----------------------------------------------------------------------
+
+
+@pytest.mark.integration
+class TestJetStreamConformance(ConformanceSuite):
+    """JetStream: acked writes; a re-sent message is dropped by the server (Nats-Msg-Id)."""
+
+    dedup_on_redelivery = True
+
+    @pytest.fixture(autouse=True)
+    async def _harness(self, nats_server: NatsServer, reader: Client) -> AsyncIterator[None]:
+        self.server = nats_server
+        self.reader = reader
+        self.dests: list[str] = []
+        yield
+        js = reader.jetstream(timeout=5)
+        for dest in self.dests:
+            with contextlib.suppress(nats.errors.Error):
+                await js.delete_stream(dest)
+
+    def new_dest(self) -> str:
+        dest = _dest()
+        self.dests.append(dest)
+        return dest
+
+    async def make_connector(self, sink: SinkConfig, dest: str) -> Connector:
+        return NatsConnector("nats-js", _options(self.server.url, dest), sink)
+
+    async def read_back(self, dest: str, stream: Stream, expected: int) -> list[Stored]:
+        msgs = await _read_stream(self.reader, dest, _subject(dest, stream))
+        out = []
+        for m in msgs:
+            headers = dict(m.headers or {})
+            # Each stored message carries its id, which is what made re-sends harmless.
+            assert MSG_ID_HEADER in headers
+            out.append(Stored(value=m.data or b"", headers=headers))
+        return out
+
+    async def restart_server(self) -> None:
+        await self.server.arestart()
+
+
+@pytest.mark.integration
+class TestCoreConformance(ConformanceSuite):
+    """Core NATS: at most once, so a re-sent message arrives twice (consumers dedup on headers)."""
+
+    dedup_on_redelivery = False
+
+    @pytest.fixture(autouse=True)
+    async def _harness(self, nats_server: NatsServer, reader: Client) -> AsyncIterator[None]:
+        self.server = nats_server
+        self.reader = reader
+        self.received: dict[str, list[Msg]] = {}
+        yield
+
+    def new_dest(self) -> str:
+        return _dest()
+
+    async def make_connector(self, sink: SinkConfig, dest: str) -> Connector:
+        # Core NATS keeps nothing: subscribe before the connector writes.
+        got = self.received.setdefault(dest, [])
+
+        async def on_msg(msg: Msg) -> None:
+            got.append(msg)
+
+        await self.reader.subscribe(f"{dest}.>", cb=on_msg)
+        await self.reader.flush()
+        options = _options(self.server.url, dest, mode="core", stream={})
+        return NatsConnector("nats-core", options, sink)
+
+    async def read_back(self, dest: str, stream: Stream, expected: int) -> list[Stored]:
+        subject = _subject(dest, stream)
+        got = self.received[dest]
+        for _ in range(100):
+            if sum(m.subject == subject for m in got) >= expected:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # anything beyond `expected` (duplicates) shows up too
+        return [Stored(value=m.data, headers=dict(m.headers or {})) for m in got if m.subject == subject]
+
+    async def restart_server(self) -> None:
+        # Adapted for at-most-once: a core message published while the reader is still
+        # reconnecting is lost by design. Return once the reader has re-subscribed, so what the
+        # suite checks is that the connector itself recovers and then delivers.
+        await self.server.arestart()
+        for _ in range(200):
+            if self.reader.is_connected:
+                try:
+                    await self.reader.flush(timeout=1)
+                    return
+                except nats.errors.Error:
+                    pass
+            await asyncio.sleep(0.05)
+        pytest.fail("the reader did not reconnect after the restart")
+
+
+# -- NATS specifics -----------------------------------------------------------------------------
+
+
+def _render(fmt: str, granularity: str, streams: Sequence[Stream], count: int) -> list[Message]:
+    r = Renderer(fmt, granularity)  # type: ignore[arg-type]
+    out: list[Message] = []
+    for seq in range(count):  # interleaved across streams, like the runtime's fan-out
+        for s in streams:
+            for rec in stream_records(s, 1, start=seq, epoch=1):
+                out.extend(r.render(rec))
+    return out
+
+
+@pytest.fixture
+async def js_dest(reader: Client) -> AsyncIterator[str]:
+    dest = _dest()
+    yield dest
+    with contextlib.suppress(nats.errors.Error):
+        await reader.jetstream(timeout=5).delete_stream(dest)
+
+
+SINK = SinkConfig(type="nats", name="nats", format="json", granularity="event")
+
+
+@pytest.mark.integration
+async def test_jetstream_headers_and_msg_id(nats_server: NatsServer, reader: Client, js_dest: str) -> None:
+    stream = Stream("llama-a", 2, {"model": "m"})
+    records = control_records(stream, 1) + stream_records(stream, 3, epoch=1)
+    messages = [m for rec in records for m in Renderer("raw").render(rec)]
+    conn = NatsConnector("nats", _options(nats_server.url, js_dest), SINK)
+    await conn.connect()
+    try:
+        await conn.write(messages)
+    finally:
+        await conn.close()
+    stored = await _read_stream(reader, js_dest, _subject(js_dest, stream))
+    assert [s.data for s in stored] == [m.value for m in messages]
+    for s, m in zip(stored, messages, strict=True):
+        headers = dict(s.headers or {})
+        assert headers[MSG_ID_HEADER] == m.msg_id
+        for key, value in m.headers.items():  # source, dp_rank, epoch, seq, ts, type, content-type
+            assert headers[key] == value
+
+
+@pytest.mark.integration
+async def test_jetstream_resent_batch_is_stored_once(nats_server: NatsServer, reader: Client, js_dest: str) -> None:
+    stream = Stream("llama-a", 0)
+    messages = _render("json", "event", [stream], 10)
+    conn = NatsConnector("nats", _options(nats_server.url, js_dest), SINK)
+    await conn.connect()
+    try:
+        await conn.write(messages)
+        await conn.write(messages)  # the whole batch again, as after a lost ack
+        await conn.write(messages[5:])
+        # A new connection (as after a bridge restart) is deduplicated the same way.
+        await conn.close()
+        await conn.connect()
+        await conn.write(messages)
+    finally:
+        await conn.close()
+    stored = await _read_stream(reader, js_dest, _subject(js_dest, stream))
+    assert [s.data for s in stored] == [m.value for m in messages]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", ["jetstream", "core"])
+async def test_order_per_subject_across_interleaved_streams(
+    nats_server: NatsServer, reader: Client, js_dest: str, mode: str
+) -> None:
+    streams = [Stream("llama-a", 0), Stream("llama-a", 1), Stream("qwen.2.5", 0)]
+    messages = _render("msgpack", "event", streams, 40)
+    got: dict[str, list[bytes]] = {}
+    if mode == "core":
+
+        async def on_msg(msg: Msg) -> None:
+            got.setdefault(msg.subject, []).append(msg.data)
+
+        await reader.subscribe(f"{js_dest}.>", cb=on_msg)
+        await reader.flush()
+    # A small pending bound makes writes wait for acks to free slots.
+    conn = NatsConnector("nats", _options(nats_server.url, js_dest, mode=mode, max_pending=7), SINK)
+    await conn.connect()
+    try:
+        for i in range(0, len(messages), 100):
+            await conn.write(messages[i : i + 100])
+    finally:
+        await conn.close()
+    for s in streams:
+        subject = _subject(js_dest, s)
+        expected = [m.value for m in messages if m.record.stream == s]
+        if mode == "jetstream":
+            values = [m.data for m in await _read_stream(reader, js_dest, subject)]
+        else:
+            for _ in range(100):
+                if len(got.get(subject, [])) >= len(expected):
+                    break
+                await asyncio.sleep(0.05)
+            values = got.get(subject, [])
+        assert values == expected, subject
+    # The dots of "qwen.2.5" must not make extra subject tokens.
+    assert _subject(js_dest, streams[2]) == f"{js_dest}.qwen_2_5.0"
+
+
+@pytest.mark.integration
+async def test_concurrent_writes_share_the_pending_bound(nats_server: NatsServer, reader: Client, js_dest: str) -> None:
+    streams = [Stream(f"engine-{k}", 0) for k in range(4)]
+    conn = NatsConnector("nats", _options(nats_server.url, js_dest, max_pending=5), SINK)
+    await conn.connect()
+    try:
+        per_stream = [(s, _render("json", "batch", [s], 50)) for s in streams]
+        await asyncio.gather(*(conn.write(msgs) for _, msgs in per_stream))
+        assert conn._outstanding == 0 and not conn._inflight
+    finally:
+        await conn.close()
+    for s, msgs in per_stream:
+        stored = await _read_stream(reader, js_dest, _subject(js_dest, s))
+        assert [m.data for m in stored] == [m.value for m in msgs]
+
+
+@pytest.mark.integration
+async def test_jetstream_restart_mid_stream_loses_nothing(nats_server: NatsServer, reader: Client, js_dest: str) -> None:
+    """A writer keeps going while the server restarts; every message is stored once, in order."""
+    stream = Stream("llama-r", 0)
+    messages = _render("json", "event", [stream], 300)  # 900 messages
+    batches = [messages[i : i + 30] for i in range(0, len(messages), 30)]
+    conn = NatsConnector("nats", _options(nats_server.url, js_dest), SINK)
+    await conn.connect()
+    failures = 0
+    restarted = asyncio.Event()
+
+    async def restart_soon() -> None:
+        await asyncio.sleep(0.3)
+        await nats_server.arestart()
+        restarted.set()
+
+    restarter = asyncio.create_task(restart_soon())
+    try:
+        for batch in batches:
+            failures += await _retrying_write(conn, batch)
+            await asyncio.sleep(0.02)  # a steady stream, so the restart lands mid-way
+        await restarter
+        assert await conn.health() is None
+    finally:
+        restarter.cancel()
+        await conn.close()
+    assert restarted.is_set()
+    assert failures > 0, "the restart did not interrupt any write; the test proves nothing"
+    stored = await _read_stream(reader, js_dest, _subject(js_dest, stream))
+    assert len(stored) == len(messages)
+    assert [s.data for s in stored] == [m.value for m in messages]
+
+
+@pytest.mark.integration
+async def test_health_follows_the_connection(nats_server: NatsServer, js_dest: str) -> None:
+    conn = NatsConnector("nats-h", _options(nats_server.url, js_dest), SINK)
+    await conn.connect()
+    try:
+        assert await conn.health() is None
+        await nats_server.astop()
+        for _ in range(100):
+            if await conn.health() is not None:
+                break
+            await asyncio.sleep(0.05)
+        reason = await conn.health()
+        assert reason is not None and "nats-h" in reason and "reconnecting" in reason
+        with pytest.raises(NotConnected):
+            await conn.write(_render("json", "event", [Stream("a", 0)], 1))
+        await nats_server.astart()
+        for _ in range(200):
+            if await conn.health() is None:
+                break
+            await asyncio.sleep(0.05)
+        assert await conn.health() is None
+    finally:
+        await conn.close()
+        await conn.close()  # twice: still no error
+    assert await conn.health() is not None
+
+
+@pytest.mark.integration
+async def test_connect_fails_fast_naming_sink_and_server() -> None:
+    url = f"nats://bridge:hunter2@127.0.0.1:{free_port()}"
+    options = NatsOptions(servers=url, connect_timeout=1.0)  # type: ignore[arg-type]
+    conn = NatsConnector("nats-x", options, SINK)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(NotConnected) as info:
+        await conn.connect()
+    assert loop.time() - started < 3
+    text = str(info.value)
+    assert "nats-x" in text and "127.0.0.1" in text and "hunter2" not in text
+    await conn.close()
+
+
+@pytest.mark.integration
+async def test_no_stream_is_a_clear_retriable_error(nats_server: NatsServer) -> None:
+    dest = _dest()  # no stream captures it
+    conn = NatsConnector("nats-n", _options(nats_server.url, dest, stream={}), SINK)
+    await conn.connect()
+    try:
+        reason = await conn.health()
+        assert reason is not None and f"{dest}.*.*" in reason
+        with pytest.raises(Retriable) as info:
+            await conn.write(_render("json", "event", [Stream("a", 0)], 1))
+        assert info.value.reason == "no_stream"
+        assert f"{dest}.a.0" in str(info.value) and "stream" in str(info.value)
+    finally:
+        await conn.close()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", ["jetstream", "core"])
+async def test_too_large_message_is_a_permanent_partial_failure(
+    nats_server: NatsServer, reader: Client, js_dest: str, mode: str
+) -> None:
+    stream = Stream("llama-big", 0)
+    messages = _render("raw", "batch", [stream], 3)
+    big = msgspec.structs.replace(messages[1], value=b"x" * (reader.max_payload + 1))
+    batch = [messages[0], big, messages[2]]
+    conn = NatsConnector("nats", _options(nats_server.url, js_dest, mode=mode), SINK)
+    await conn.connect()
+    try:
+        with pytest.raises(PartialFailure) as info:
+            await conn.write(batch)
+        assert info.value.failed == [1]
+        assert isinstance(info.value.cause, Permanent) and info.value.cause.reason == "too_large"
+        assert await conn.health() is None  # the connection survived (nothing oversized was sent)
+        with pytest.raises(Permanent):
+            await conn.write([big])
+        await conn.write([messages[0]])
+    finally:
+        await conn.close()
+    if mode == "jetstream":
+        stored = await _read_stream(reader, js_dest, _subject(js_dest, stream))
+        assert [s.data for s in stored] == [messages[0].value, messages[2].value]
+
+
+@pytest.mark.integration
+async def test_user_password_auth_and_no_secret_in_errors(nats_server: NatsServer, tmp_path: Path) -> None:
+    server = _AuthNatsServer(tmp_path, extra_config='authorization { user: bridge, password: "s3cr3t-pw" }')
+    await server.astart()
+    try:
+        good = NatsConnector("nats-a", _options(server.url, _dest(), mode="core", user="bridge", password="s3cr3t-pw"), SINK)
+        await good.connect()
+        try:
+            await good.write(_render("json", "event", [Stream("a", 0)], 2))
+            assert "s3cr3t-pw" not in repr(good.options)
+        finally:
+            await good.close()
+        bad = NatsConnector(
+            "nats-b", _options(server.url, _dest(), mode="core", user="bridge", password="wrong-pw", connect_timeout=1.0), SINK
+        )
+        with pytest.raises(NotConnected) as info:
+            await bad.connect()
+        assert "wrong-pw" not in str(info.value) and "nats-b" in str(info.value)
+        await bad.close()
+    finally:
+        server.remove()
+
+
+class _AuthNatsServer(NatsServer):
+    """A nats-server that wants a password: healthy once it accepts connections."""
+
+    def check_health(self, timeout: float) -> None:
+        if not port_open(self.host, self.port, timeout):
+            raise ConnectionRefusedError(f"nothing accepts on {self.url}")
+
+
+# -- without a server ---------------------------------------------------------------------------
+
+
+def test_registered_under_its_entry_point() -> None:
+    assert Registry().get("nats") is NatsConnector
+
+
+def test_subject_tokens_and_redaction() -> None:
+    assert subject_token("llama-3.1 8b*>") == "llama-3_1_8b__"
+    assert subject_token("") == "_"
+    assert redact("nats://u:p@host:4222,tls://x@h") == "nats://***@host:4222,tls://***@h"
+
+
+@pytest.mark.parametrize(
+    ("options", "problem"),
+    [
+        ({"subject": "kv..{source}"}, "empty token"),
+        ({"subject": "kv.*.{source}"}, "wildcard"),
+        ({"subject": "kv.{}"}, "bad placeholder"),
+        ({"user": "u"}, "user and password"),
+        ({"token": "t", "credentials": "/c"}, "one way to authenticate"),
+        ({"mode": "fast"}, "mode"),
+        ({"subjekt": "x"}, "did you mean subject"),
+        ({"stream": {"name": "a.b"}}, "stream name"),
+        ({"stream": {"subjects": ["kv.>.x"]}}, "wildcard must be a whole token"),
+        ({"max_pending": 0}, "max_pending"),
+        ({"tls": {"key_file": "k.pem"}}, "tls.key_file needs tls.cert_file"),
+    ],
+)
+def test_options_are_validated_with_their_path(options: dict[str, Any], problem: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        convert_options(options, NatsOptions, "sinks[2]")
+    text = str(info.value)
+    assert text.startswith("sinks[2]") and problem in text, text
+
+
+def test_options_defaults_and_secrets() -> None:
+    options = convert_options(
+        {"servers": ["nats://a:1", "nats://b:2"], "user": "u", "password": "pw-123", "ack_timeout": "250ms"},
+        NatsOptions,
+        "sinks[0]",
+    )
+    assert options.mode == "jetstream" and options.max_pending == 4000 and options.ack_timeout == 0.25
+    assert options.stream == StreamOptions()
+    assert "pw-123" not in repr(options) and "pw-123" not in str(options)
+    token = NatsOptions(token="tok-456")
+    assert "tok-456" not in repr(token)
