@@ -1,0 +1,87 @@
+"""The captured frames of ``shared/vectors`` (real vLLM and SGLang publishers)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def vectors_dir() -> Path:
+    """``../shared/vectors`` beside the checkout (or ``$KVB_VECTORS``)."""
+    env = os.environ.get("KVB_VECTORS")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve().parents[2]
+    for candidate in (here.parent / "shared" / "vectors", here / "shared" / "vectors"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError("shared/vectors not found beside the checkout; set KVB_VECTORS")
+
+
+@dataclass(frozen=True)
+class Vector:
+    file: str
+    producer: str
+    version: str
+    kind: str
+    dp_rank: int
+    request_from: int | None
+    frames: list[bytes]
+    decoded: Any
+
+    @property
+    def profile(self) -> str:
+        return self.file
+
+
+def load_all() -> list[Vector]:
+    out: list[Vector] = []
+    for path in sorted(vectors_dir().glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            out.append(
+                Vector(
+                    file=path.stem,
+                    producer=row["producer"],
+                    version=row["version"],
+                    kind=row["kind"],
+                    dp_rank=row["dp_rank"],
+                    request_from=row.get("request_from"),
+                    frames=[bytes.fromhex(f) for f in row["frames"]],
+                    decoded=row["decoded"],
+                )
+            )
+    return out
+
+
+def plain(value: Any) -> Any:
+    """A decoded value in the vectors' JSON form (binary as ``{"bin": hex}``)."""
+    if isinstance(value, bytes):
+        return {"bin": value.hex()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return value
+
+
+def expected_events(decoded: Any) -> list[dict[str, Any]]:
+    """The vector's events by field name, as the bridge must normalise them (protocol.md 2)."""
+    from bridge.wire import FIELDS
+
+    events = decoded[1] if isinstance(decoded, list) else decoded["events"]
+    out = []
+    for e in events:
+        if isinstance(e, dict):
+            out.append(e)
+            continue
+        names = FIELDS.get(e[0], ())
+        event: dict[str, Any] = {"type": e[0]}
+        event.update(zip(names, e[1:], strict=False))
+        if len(e) - 1 > len(names):
+            event["extra"] = e[1 + len(names) :]
+        out.append(event)
+    return out

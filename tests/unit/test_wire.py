@@ -1,0 +1,223 @@
+"""Wire decoding: every captured vector, both replay shapes, round trips and hostile bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bridge import wire
+from bridge.errors import DecodeError
+from bridge.simulator import PROFILES, EventFactory, encode_batch
+from tests.support.vectors import expected_events, load_all, plain
+
+VECTORS = load_all()
+PAYLOADS = [v for v in VECTORS if v.kind != "replay_end"]
+
+
+def _payload(v: Any) -> tuple[int, bytes]:
+    if v.kind == "live":
+        f = wire.parse_live(v.frames)
+        return f.seq, f.payload
+    r = wire.parse_replay(v.frames)
+    return r.seq, r.payload
+
+
+def test_vectors_are_present() -> None:
+    files = {v.file for v in VECTORS}
+    assert len(files) >= 10 and {"vllm-0.9.0", "vllm-0.33.0", "sglang-0.5.8", "vllm-unreleased-map-batch"} <= files
+
+
+@pytest.mark.parametrize("vector", PAYLOADS, ids=lambda v: f"{v.file}-{v.kind}-r{v.dp_rank}")
+def test_every_vector_decodes_to_its_content(vector: Any) -> None:
+    _seq, payload = _payload(vector)
+    batch = wire.decode_batch(payload)
+    assert not batch.bad_events
+    assert [plain(e) for e in batch.events] == expected_events(vector.decoded)
+    d = vector.decoded
+    if isinstance(d, list):
+        assert batch.ts == d[0]
+        assert batch.dp_rank == (d[2] if len(d) > 2 else None)
+    else:
+        assert batch.ts == d["ts"] and batch.dp_rank == d["data_parallel_rank"]
+
+
+@pytest.mark.parametrize("vector", [v for v in VECTORS if v.kind != "live"], ids=lambda v: f"{v.file}-{v.kind}")
+def test_replay_replies_with_and_without_topic_frame(vector: Any) -> None:
+    reply = wire.parse_replay([b"", *vector.frames])  # as the DEALER receives it
+    assert reply.end == (vector.kind == "replay_end")
+    assert wire.parse_replay(vector.frames) == reply  # without the delimiter too
+    if not reply.end:
+        assert reply.seq >= vector.request_from
+
+
+@pytest.mark.parametrize("vector", PAYLOADS, ids=lambda v: f"{v.file}-{v.kind}-r{v.dp_rank}")
+def test_simulator_reproduces_vector_bytes(vector: Any) -> None:
+    _seq, payload = _payload(vector)
+    batch = wire.decode_batch(payload)
+    assert encode_batch(PROFILES[vector.file], batch.ts, batch.events, batch.dp_rank or 0) == payload
+
+
+def _shape(e: Any) -> Any:
+    return len(e) if isinstance(e, list) else tuple(e)
+
+
+@pytest.mark.parametrize("name", sorted(set(PROFILES) - {"vllm-unreleased-map-batch"}))
+def test_simulator_events_have_the_release_shape(name: str) -> None:
+    """Generated events carry exactly the keys (map) or arity (array) of the release's vector."""
+    shapes: dict[str, set[Any]] = {}
+    for v in VECTORS:
+        if v.file == name and v.kind == "live":
+            for e in v.decoded[1]:
+                shapes.setdefault(e[0] if isinstance(e, list) else e["type"], set()).add(_shape(e))
+    factory = EventFactory(PROFILES[name], seed=1)
+    got: dict[str, set[Any]] = {}
+    for _ in range(50):
+        raw = msgspec.msgpack.decode(encode_batch(PROFILES[name], 1.0, factory.batch(8), 0))
+        for e in raw[1]:
+            got.setdefault(e[0] if isinstance(e, list) else e["type"], set()).add(_shape(e))
+    for tag in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
+        if tag in shapes and tag in got:
+            assert got[tag] == shapes[tag], (tag, got[tag], shapes[tag])
+
+
+def test_live_frame_errors() -> None:
+    good = [b"", (5).to_bytes(8, "big"), b"\x92\xcb" + b"\x00" * 8 + b"\x90"]
+    assert wire.parse_live(good).seq == 5
+    for frames, reason in [
+        (good[:2], "bad_frames"),
+        ([*good, b"x"], "bad_frames"),
+        ([b"", b"\x00" * 7, good[2]], "bad_seq"),
+        ([b"", b"\x00" * 9, good[2]], "bad_seq"),
+    ]:
+        with pytest.raises(DecodeError) as exc:
+            wire.parse_live(frames)
+        assert exc.value.reason == reason
+
+
+def test_malformed_event_is_isolated() -> None:
+    payload = msgspec.msgpack.encode(
+        [1.5, [["BlockStored", [1], None, [1, 2], 16, None], 7, {"no": "type"}, ["AllBlocksCleared"], [], ["NewThing", 1, 2]], 3]
+    )
+    batch = wire.decode_batch(payload)
+    assert [e["type"] for e in batch.events] == ["BlockStored", "AllBlocksCleared", "NewThing"]
+    assert [b.index for b in batch.bad_events] == [1, 2, 4]
+    assert batch.events[2] == {"type": "NewThing", "extra": [1, 2]}
+    assert batch.dp_rank == 3
+
+
+def test_unknown_fields_kept() -> None:
+    stored = ["BlockStored", [1], None, [0] * 16, 16, None, "GPU", None, None, 0, "full", None, "loc", "own", "s", [1], "future"]
+    batch = wire.decode_batch(msgspec.msgpack.encode([1.0, [stored, {"type": "BlockRemoved", "block_hashes": [2], "new_key": 9}]]))
+    assert batch.events[0]["lookahead_token_ids"] == [1] and batch.events[0]["extra"] == ["future"]
+    assert batch.events[1]["new_key"] == 9
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"", "bad_msgpack"),
+        (b"\xc1", "bad_msgpack"),
+        (msgspec.msgpack.encode([1.0]), "bad_batch"),
+        (msgspec.msgpack.encode("str"), "bad_batch"),
+        (msgspec.msgpack.encode(["ts", []]), "bad_batch"),
+        (msgspec.msgpack.encode([1.0, {}]), "bad_batch"),
+        (msgspec.msgpack.encode({"ts": 1.0}), "bad_batch"),
+        (msgspec.msgpack.encode([1.0, [["BlockStored"]]])[:-3], "bad_msgpack"),
+    ],
+)
+def test_malformed_batches(payload: bytes, reason: str) -> None:
+    with pytest.raises(DecodeError) as exc:
+        wire.decode_batch(payload)
+    assert exc.value.reason == reason
+
+
+def test_uint64_and_binary_hashes_are_exact() -> None:
+    h = [2**64 - 1, -(2**63), b"\x01" * 32]
+    batch = wire.decode_batch(msgspec.msgpack.encode([1.0, [["BlockRemoved", h, "GPU"]], 0]))
+    assert batch.events[0]["block_hashes"] == h
+
+
+# -- properties ---------------------------------------------------------------------------------
+
+hashes = st.one_of(st.integers(0, 2**64 - 1), st.integers(-(2**63), 2**63 - 1), st.binary(min_size=32, max_size=32))
+
+
+@st.composite
+def events(draw: st.DrawFn, profile: str) -> dict[str, Any]:
+    p = PROFILES[profile]
+    tag = draw(st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared"]))
+    event: dict[str, Any] = {"type": tag}
+    for name in p.fields[tag]:
+        if name in ("block_hashes",):
+            value: Any = draw(st.lists(hashes, min_size=1, max_size=4))
+        elif name == "token_ids":
+            value = draw(st.lists(st.integers(0, 2**31), max_size=64))
+        elif name in ("parent_block_hash",):
+            value = draw(st.one_of(st.none(), hashes))
+        elif name in ("block_size", "group_idx", "lora_id", "kv_cache_spec_sliding_window"):
+            value = draw(st.one_of(st.none(), st.integers(0, 2**20)))
+        elif name == "extra_keys":
+            value = draw(st.one_of(st.none(), st.lists(st.one_of(st.none(), st.lists(st.integers(-(2**63), 2**64 - 1) | st.text(max_size=5), max_size=3)))))
+        else:
+            value = draw(st.one_of(st.none(), st.text(max_size=12)))
+        if value is None and p.events == "map" and name in p.omit_none:
+            continue
+        event[name] = value
+    return event
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(st.data())
+def test_roundtrip_every_generation(data: st.DataObject) -> None:
+    profile = data.draw(st.sampled_from(sorted(PROFILES)))
+    evs = data.draw(st.lists(events(profile), max_size=6))
+    ts = data.draw(st.floats(allow_nan=False, allow_infinity=False))
+    rank = data.draw(st.integers(0, 64))
+    payload = encode_batch(PROFILES[profile], ts, evs, rank)
+    batch = wire.decode_batch(payload)
+    assert batch.events == evs and not batch.bad_events
+    assert batch.ts == ts
+    assert batch.dp_rank == (rank if PROFILES[profile].with_rank else None)
+    assert wire.peek_ts(payload) == ts
+    assert encode_batch(PROFILES[profile], batch.ts, batch.events, rank) == payload
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.binary(max_size=512))
+def test_random_bytes_never_escape(data: bytes) -> None:
+    try:
+        wire.decode_batch(data)
+    except DecodeError:
+        pass
+    wire.peek_ts(data)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.sampled_from(PAYLOADS), st.data())
+def test_mutated_vectors_never_escape(vector: Any, data: st.DataObject) -> None:
+    _seq, payload = _payload(vector)
+    buf = bytearray(payload)
+    for _ in range(data.draw(st.integers(1, 8))):
+        op = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        pos = data.draw(st.integers(0, max(0, len(buf) - 1)))
+        if op == "flip" and buf:
+            buf[pos] ^= data.draw(st.integers(1, 255))
+        elif op == "cut":
+            del buf[pos : pos + data.draw(st.integers(1, 16))]
+        else:
+            buf[pos:pos] = data.draw(st.binary(min_size=1, max_size=8))
+    try:
+        batch = wire.decode_batch(bytes(buf))
+        assert len(batch.events) + len(batch.bad_events) >= 0
+    except DecodeError:
+        pass
+    frames = [*vector.frames[:1], bytes(buf[:8]), bytes(buf)]
+    try:
+        wire.parse_live(frames)
+        wire.parse_replay(frames)
+    except DecodeError:
+        pass
