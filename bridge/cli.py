@@ -1,10 +1,10 @@
 """The command line. Only this module chooses exit codes; everything else raises.
 
-    python -m bridge --config FILE            run the bridge
-    python -m bridge --config FILE --check    validate (parse, build connectors, reach sinks) -> 0 or 2
-    python -m bridge simulate [...]           a vLLM-compatible publisher
-    python -m bridge tail ENDPOINT [...]      print an engine's decoded events
-    python -m bridge demo                     simulator + bridge + stdout sink, no broker needed
+python -m bridge --config FILE            run the bridge
+python -m bridge --config FILE --check    validate (parse, build connectors, reach sinks) -> 0 or 2
+python -m bridge simulate [...]           a vLLM-compatible publisher
+python -m bridge tail ENDPOINT [...]      print an engine's decoded events
+python -m bridge demo                     simulator + bridge + stdout sink, no broker needed
 """
 
 from __future__ import annotations
@@ -301,7 +301,10 @@ def _demo(args: argparse.Namespace) -> int:
         env={},
     )
     opts = SimulatorOptions(
-        endpoint=f"tcp://127.0.0.1:{pub}", replay_endpoint=f"tcp://127.0.0.1:{rep}", rate=args.rate, events_per_batch=3,
+        endpoint=f"tcp://127.0.0.1:{pub}",
+        replay_endpoint=f"tcp://127.0.0.1:{rep}",
+        rate=args.rate,
+        events_per_batch=3,
         faults=Faults(drop_rate=0.05),
     )
 

@@ -43,8 +43,15 @@ async def tail(
             return
         for bad in batch.bad_events:
             print(f"# seq {seq}: bad event {bad.index} ({bad.reason})", file=sys.stderr)
-        record = Record(stream=Stream(stream.source, batch.dp_rank or 0), epoch=0, seq=seq, ts=batch.ts, payload=payload,
-                        events=batch.events, received=time.time())
+        record = Record(
+            stream=Stream(stream.source, batch.dp_rank or 0),
+            epoch=0,
+            seq=seq,
+            ts=batch.ts,
+            payload=payload,
+            events=batch.events,
+            received=time.time(),
+        )
         for m in renderer.render(record):
             out.write(m.value + b"\n")
         out.flush()

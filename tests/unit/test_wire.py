@@ -111,7 +111,9 @@ def test_malformed_event_is_isolated() -> None:
 
 def test_unknown_fields_kept() -> None:
     stored = ["BlockStored", [1], None, [0] * 16, 16, None, "GPU", None, None, 0, "full", None, "loc", "own", "s", [1], "future"]
-    batch = wire.decode_batch(msgspec.msgpack.encode([1.0, [stored, {"type": "BlockRemoved", "block_hashes": [2], "new_key": 9}]]))
+    batch = wire.decode_batch(
+        msgspec.msgpack.encode([1.0, [stored, {"type": "BlockRemoved", "block_hashes": [2], "new_key": 9}]])
+    )
     assert batch.events[0]["lookahead_token_ids"] == [1] and batch.events[0]["extra"] == ["future"]
     assert batch.events[1]["new_key"] == 9
 
@@ -161,7 +163,12 @@ def events(draw: st.DrawFn, profile: str) -> dict[str, Any]:
         elif name in ("block_size", "group_idx", "lora_id", "kv_cache_spec_sliding_window"):
             value = draw(st.one_of(st.none(), st.integers(0, 2**20)))
         elif name == "extra_keys":
-            value = draw(st.one_of(st.none(), st.lists(st.one_of(st.none(), st.lists(st.integers(-(2**63), 2**64 - 1) | st.text(max_size=5), max_size=3)))))
+            value = draw(
+                st.one_of(
+                    st.none(),
+                    st.lists(st.one_of(st.none(), st.lists(st.integers(-(2**63), 2**64 - 1) | st.text(max_size=5), max_size=3))),
+                )
+            )
         else:
             value = draw(st.one_of(st.none(), st.text(max_size=12)))
         if value is None and p.events == "map" and name in p.omit_none:
