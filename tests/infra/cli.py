@@ -72,12 +72,16 @@ def stop(kinds: Sequence[str], keep_data: bool) -> int:
             continue
         was_running = server.is_running()
         try:
-            server.stop() if keep_data else server.remove()
+            server.stop()
+            strays = server.stop_strays()
+            if not keep_data:
+                server.remove()
         except ServerError as exc:
             print(f"FAILED {exc}", file=sys.stderr)
             return 1
         state.forget(kind)
-        print(f"{kind:<11} {'stopped' if was_running else 'was not running'}")
+        note = f" (and stray pids {strays})" if strays else ""
+        print(f"{kind:<11} {'stopped' if was_running else 'was not running'}{note}")
     return 0
 
 

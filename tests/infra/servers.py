@@ -127,6 +127,15 @@ def pid_alive(pid: int | None, marker: str | None = None) -> bool:
     return marker is None or marker in cmdline
 
 
+def pids_with_marker(marker: str) -> list[int]:
+    """Live processes whose command line contains marker."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and pid_alive(int(entry.name), marker):
+            found.append(int(entry.name))
+    return found
+
+
 def _log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
         with path.open("rb") as fh:
@@ -378,6 +387,7 @@ class ManagedServer:
     kind: ClassVar[str]
     start_timeout: ClassVar[float] = 60.0
     stop_timeout: ClassVar[float] = 30.0
+    port: int
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = Path(workdir)
@@ -416,26 +426,74 @@ class ManagedServer:
     def address(self) -> str:
         raise NotImplementedError
 
+    def listen_ports(self) -> list[int]:
+        """Every port the server binds; all must be free before it starts."""
+        return [self.port]
+
     # -- lifecycle
 
     @property
     def log_path(self) -> Path:
         return self.workdir / f"{self.kind}.log"
 
+    @property
+    def marker(self) -> str:
+        """Text in the server's command line (its config path) that tells its processes apart."""
+        return f"{self.workdir}/"
+
+    def stop_strays(self) -> list[int]:
+        """Stop processes of this work dir that no record knows (left by a crashed run)."""
+        strays = [pid for pid in pids_with_marker(self.marker) if pid not in (self.pid, os.getpid())]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in strays:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + (self.stop_timeout if sig == signal.SIGTERM else 10)
+            while any(pid_alive(pid, self.marker) for pid in strays) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return strays
+
     def is_running(self) -> bool:
+        return self._alive() or self._adopt_recorded()
+
+    def _alive(self) -> bool:
         if self._proc is not None and self._proc.pid == self.pid:
             return self._proc.poll() is None
-        return pid_alive(self.pid, str(self.workdir))
+        return pid_alive(self.pid, self.marker)
+
+    def _adopt_recorded(self) -> bool:
+        """Follow a shared server that another process restarted (new pid in the state file)."""
+        if self.registry is None:
+            return False
+        entry = self.registry.entry(self.kind)
+        if not entry or entry.get("workdir") != str(self.workdir) or entry.get("pid") == self.pid:
+            return False
+        if not pid_alive(entry.get("pid"), self.marker):
+            return False
+        self._forget_process()
+        self.pid = entry["pid"]
+        return True
 
     def error(self, message: str) -> ServerError:
         return ServerError(self.kind, message, self.log_path)
 
     def start(self, timeout: float | None = None) -> Self:
         """Start (no-op when running) and return once healthy; on failure stop it and raise."""
+        if self.registry is None:
+            return self._start(timeout)
+        # A shared server may be handled by several processes at once (CLI, pytest runs).
+        with self.registry.lock(f"start-{self.kind}"):
+            return self._start(timeout)
+
+    def _start(self, timeout: float | None) -> Self:
         if self.is_running():
             return self
         timeout = self.start_timeout if timeout is None else timeout
         type(self).install()
+        busy = [port for port in self.listen_ports() if port_open(self.host, port, 0.5)]
+        if busy:
+            # Refuse: a health check would pass against whatever holds the port.
+            raise self.error(f"port(s) {busy} already accept connections; another process holds them")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._prepare()
         self._log_marker("start")
@@ -460,7 +518,7 @@ class ManagedServer:
         deadline = started + timeout
         last: BaseException | None = None
         while True:
-            if not self.is_running():
+            if not self._alive():
                 code = self._proc.returncode if self._proc is not None else None
                 status = f"exit status {code}" if code is not None else "exit status unknown"
                 raise self.error(f"process {self.pid} exited while starting ({status}; last check: {last!r})")
@@ -469,9 +527,11 @@ class ManagedServer:
                 raise self.error(f"not healthy after {timeout:.0f}s at {self.address}; last check: {last!r}")
             try:
                 self.check_health(min(remaining, 10.0))
-                return
             except Exception as exc:
                 last = exc
+            else:
+                if self._alive():
+                    return
             time.sleep(POLL_INTERVAL)
 
     def stop(self, timeout: float | None = None) -> None:
@@ -536,7 +596,7 @@ class ManagedServer:
 
     def _wait_exit(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        while self.is_running():
+        while self._alive():
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.05)
@@ -606,6 +666,9 @@ class KafkaServer(ManagedServer):
     @property
     def data_dir(self) -> Path:
         return self.workdir / "data"
+
+    def listen_ports(self) -> list[int]:
+        return [self.port, self.controller_port, *self.ports.values()]
 
     @classmethod
     def install(cls) -> None:
@@ -710,12 +773,19 @@ class KafkaServer(ManagedServer):
             raise RuntimeError(f"metadata lists no brokers: {info}")
 
     async def _describe_cluster(self) -> dict[str, Any]:
-        from aiokafka.admin import AIOKafkaAdminClient
+        from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
         admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers, request_timeout_ms=5000)
         try:
             await admin.start()
             info: dict[str, Any] = await admin.describe_cluster()
+            # Metadata answers before the broker is unfenced; a topic can be placed only after.
+            response = await admin.create_topics(
+                [NewTopic("kvb-readiness-probe", num_partitions=1, replication_factor=1)], validate_only=True
+            )
+            for entry in response.topic_errors:
+                if entry[1] != 0:
+                    raise RuntimeError(f"broker cannot place a topic yet: {entry}")
             return info
         finally:
             await admin.close()
@@ -735,26 +805,37 @@ class KafkaServer(ManagedServer):
     async def _create_topic(self, topic: str, partitions: int, config: dict[str, str], wait: float) -> None:
         from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers, request_timeout_ms=10000)
-        try:
-            await admin.start()
-            response = await admin.create_topics(
-                [NewTopic(topic, num_partitions=partitions, replication_factor=1, topic_configs=config)]
-            )
-            for entry in response.topic_errors:
-                if entry[1] != 0:
-                    raise RuntimeError(f"kafka: creating topic {topic!r} failed: {entry}")
-            deadline = time.monotonic() + wait
-            while True:
+        # Retried until the deadline: the broker may be restarting (this test's or another's).
+        deadline = time.monotonic() + wait
+        created = False
+        last: BaseException | None = None
+        while time.monotonic() < deadline:
+            admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers, request_timeout_ms=10000)
+            try:
+                await admin.start()
+                if not created:
+                    response = await admin.create_topics(
+                        [NewTopic(topic, num_partitions=partitions, replication_factor=1, topic_configs=config)]
+                    )
+                    code = response.topic_errors[0][1]
+                    if code == 36 and last is None:  # TOPIC_ALREADY_EXISTS on the first try: a name clash
+                        raise ValueError(f"kafka: topic {topic!r} already exists")
+                    if code not in (0, 36):
+                        raise RuntimeError(f"creating topic {topic!r} failed: {response.topic_errors[0]}")
+                    created = True
                 described = await admin.describe_topics([topic])
                 parts = described[0]["partitions"] if described else []
                 if len(parts) == partitions and all(p["leader"] >= 0 for p in parts):
                     return
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"kafka: topic {topic!r} has no leaders after {wait:.0f}s")
-                await asyncio.sleep(POLL_INTERVAL)
-        finally:
-            await admin.close()
+                last = RuntimeError(f"topic {topic!r} has no leaders yet: {parts}")
+            except ValueError:
+                raise
+            except Exception as exc:
+                last = exc
+            finally:
+                await admin.close()
+            await asyncio.sleep(POLL_INTERVAL)
+        raise TimeoutError(f"kafka: topic {topic!r} not ready after {wait:.0f}s: {last!r}")
 
 
 _KAFKA_LOG4J = """\
@@ -1121,10 +1202,16 @@ class StateFile:
         self.path = path or run_dir() / "state.json"
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[dict[str, Any]]:
+    def lock(self, name: str) -> Iterator[None]:
+        """An exclusive lock between processes, held for the block (flock, freed on exit)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with (self.path.parent / "state.lock").open("a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with (self.path.parent / f"{name}.lock").open("a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            yield
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[dict[str, Any]]:
+        with self.lock("state"):
             try:
                 data: dict[str, Any] = json.loads(self.path.read_text()) if self.path.exists() else {}
             except (OSError, ValueError):
@@ -1160,6 +1247,11 @@ class StateFile:
         except Exception:
             return None
         return server
+
+    def entry(self, kind: str) -> dict[str, Any] | None:
+        with self._locked() as data:
+            found: dict[str, Any] | None = data.get(kind)
+            return found
 
     def record(self, server: ManagedServer) -> None:
         with self._locked() as data:
