@@ -41,6 +41,12 @@ class Metrics:
         self.source_last_event_ts = Gauge(
             p + "source_last_event_timestamp_seconds", "Engine timestamp of the last batch.", ["source", "dp_rank"], registry=r
         )
+        self.source_disconnects = Counter(
+            p + "source_disconnects",
+            "Engine connections dropped (engine gone, or a message over ingest.max_frame_bytes refused by ZMQ).",
+            ["source", "dp_rank"],
+            registry=r,
+        )
         self.sources_connected = Gauge(p + "sources_connected", "Engine connections currently established.", registry=r)
         # Lag
         self.lag = Histogram(

@@ -24,7 +24,10 @@ from .stream import StreamPipeline
 
 log = logging.getLogger("bridge.source")
 
-_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+# libzmq does not reconnect a session it ended for a protocol error (e.g. a message over
+# MAXMSGSIZE): if a dropped connection shows no sign of retrying within this time, re-dial.
+_REDIAL_AFTER = 1.0
 
 
 class SourceReader:
@@ -50,8 +53,11 @@ class SourceReader:
         self.subscribed = False
         self.connections = 0
         self._connected_gauge = pipeline.bridge.metrics.sources_connected
+        self._disconnects = pipeline.bridge.metrics.source_disconnects.labels(
+            pipeline.stream.source, str(pipeline.stream.dp_rank)
+        )
 
-    def _socket(self) -> zmq.asyncio.Socket:
+    def _socket(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, self.ingest.receive_hwm)
@@ -61,16 +67,17 @@ class SourceReader:
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
         sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        # The monitor is attached before connecting so that no connection event is missed.
+        monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
         if self.bind:
             sock.bind(self.endpoint)
         else:
             sock.connect(self.endpoint)
-        return sock
+        return sock, monitor
 
     async def run(self) -> None:
-        sock = self._socket()
-        monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
-        monitor_task = asyncio.create_task(self._monitor(monitor), name=f"monitor:{self.endpoint}")
+        sock, monitor = self._socket()
+        monitor_task = asyncio.create_task(self._monitor(monitor, sock), name=f"monitor:{self.endpoint}")
         self.subscribed = True
         log.info("source subscribed", extra={"stream": self.pipeline.stream.key, "endpoint": self.endpoint, "bind": self.bind})
         sync: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
@@ -102,8 +109,10 @@ class SourceReader:
             self.connections = 0
             sock.close(linger=0)
 
-    async def _monitor(self, monitor: zmq.asyncio.Socket) -> None:
+    async def _monitor(self, monitor: zmq.asyncio.Socket, sock: zmq.asyncio.Socket) -> None:
         key = self.pipeline.stream.key
+        redial: asyncio.TimerHandle | None = None
+        loop = asyncio.get_running_loop()
         while True:
             msg = parse_monitor_message(await monitor.recv_multipart())
             event = msg["event"]
@@ -114,4 +123,22 @@ class SourceReader:
             elif event == zmq.EVENT_DISCONNECTED and self.connections > 0:
                 self.connections -= 1
                 self._connected_gauge.dec()
+                self._disconnects.inc()
                 log.warning("source disconnected", extra={"stream": key, "endpoint": self.endpoint})
+            if redial is not None and event in (zmq.EVENT_CONNECTED, zmq.EVENT_CONNECT_RETRIED):
+                redial.cancel()
+                redial = None
+            if event == zmq.EVENT_DISCONNECTED and not self.bind:
+                if redial is not None:
+                    redial.cancel()
+                redial = loop.call_later(_REDIAL_AFTER, self._redial, sock)
+
+    def _redial(self, sock: zmq.asyncio.Socket) -> None:
+        if self.connections > 0 or sock.closed:
+            return
+        log.warning("connection ended without retry (protocol error?): re-dialing", extra={"endpoint": self.endpoint})
+        try:
+            sock.disconnect(self.endpoint)
+        except zmq.ZMQError:
+            pass
+        sock.connect(self.endpoint)

@@ -1,0 +1,284 @@
+"""End to end over real ZMQ sockets: engine frames -> bridge -> file sink, read back.
+
+Captured vectors of real publishers, hostile input, and the sequencing duties of protocol.md
+section 3 driven by the simulator (slow joiner, drops, restarts, gaps beyond the buffer, a
+replay socket that loses replies, several ranks and engines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from bridge.simulator import Faults, Simulator, SimulatorOptions
+from tests.support.harness import batches, free_ports, metric, read_lines, running_bridge, wait_for
+from tests.support.vectors import expected_events, load_all
+
+pytestmark = pytest.mark.integration
+
+VECTORS = load_all()
+
+
+def _jsonish(value: Any) -> Any:
+    """A vector value as the json format renders it: binary as lowercase hex."""
+    if isinstance(value, dict) and set(value) == {"bin"}:
+        return value["bin"]
+    if isinstance(value, list):
+        return [_jsonish(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _jsonish(v) for k, v in value.items()}
+    return value
+
+
+@pytest.mark.parametrize("name", sorted({v.file for v in VECTORS}))
+async def test_vectors_through_the_running_bridge(tmp_path: Path, name: str) -> None:
+    rows = [v for v in VECTORS if v.file == name and v.kind == "live"]
+    ranks = max(v.dp_rank for v in rows) + 1
+    ports = free_ports(ranks)
+    ctx = zmq.asyncio.Context()
+    pubs = []
+    for r in range(ranks):
+        s = ctx.socket(zmq.PUB)
+        s.bind(f"tcp://127.0.0.1:{ports[r]}")
+        pubs.append(s)
+    source = {"name": name, "endpoint": f"tcp://127.0.0.1:{ports[0]}", "dp_ranks": ranks, "topic": "kv"}
+    try:
+        async with running_bridge(tmp_path, [source], granularity="event") as (bridge, out):
+            await wait_for(lambda: all(r.connections > 0 for r in bridge.readers.values()), what="subscription")
+            await asyncio.sleep(0.2)  # let the subscription reach the PUB (slow joiner)
+            for v in rows:
+                await pubs[v.dp_rank].send_multipart(v.frames)
+            want = sum(len(expected_events(v.decoded)) for v in rows)
+            await wait_for(lambda: len(read_lines(out)) >= want, what=f"{want} events")
+        lines = read_lines(out)
+        for v in rows:
+            seq = int.from_bytes(v.frames[1], "big")
+            got = [ln for ln in lines if ln["dp_rank"] == v.dp_rank and ln["seq"] == seq]
+            expected = [_jsonish(e) for e in expected_events(v.decoded)]
+            assert [ln["index"] for ln in got] == list(range(len(expected)))
+            ts = v.decoded[0] if isinstance(v.decoded, list) else v.decoded["ts"]
+            for original, event in zip(got, expected, strict=True):
+                line = dict(original)
+                header = {k: line.pop(k) for k in ("source", "dp_rank", "epoch", "seq", "index", "ts")}
+                assert header == {
+                    "source": name,
+                    "dp_rank": v.dp_rank,
+                    "epoch": 0,
+                    "seq": seq,
+                    "index": header["index"],
+                    "ts": ts,
+                }
+                assert line == event  # every field by name, nothing lost, nothing added
+        assert len(lines) == want
+    finally:
+        for s in pubs:
+            s.close(linger=0)
+        ctx.destroy(linger=0)
+
+
+async def test_bad_input_is_counted_and_the_next_good_message_served(tmp_path: Path) -> None:
+    (port,) = free_ports(1)
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    good = next(v for v in VECTORS if v.file == "vllm-0.33.0" and v.kind == "live").frames
+    source = {"name": "bad", "endpoint": f"tcp://127.0.0.1:{port}"}
+
+    def seq(n: int) -> bytes:
+        return n.to_bytes(8, "big")
+
+    try:
+        async with running_bridge(tmp_path, [source], ingest={"max_frame_bytes": "16MiB"}) as (bridge, out):
+            reader = bridge.readers["bad/0"]
+            await wait_for(lambda: reader.connections > 0, what="subscription")
+            await asyncio.sleep(0.2)
+            await pub.send_multipart([b"", seq(0), good[2]])
+            await pub.send_multipart([b"", seq(1)])  # 2 frames
+            await pub.send_multipart([b"", seq(1), good[2], b"x"])  # 4 frames
+            await pub.send_multipart([b"", b"\x00" * 7, good[2]])  # 7-byte seq
+            await pub.send_multipart([b"", seq(1), good[2][:-5]])  # truncated msgpack
+            await pub.send_multipart([b"", seq(2), b"\xc1garbage"])  # not msgpack
+            await pub.send_multipart([b"", seq(3), good[2]])
+            await wait_for(lambda: len(read_lines(out)) >= 4, what="the good batch after garbage")
+            assert metric(bridge, "kv_bridge_decode_failures_total", source="bad", reason="bad_frames") == 2
+            assert metric(bridge, "kv_bridge_decode_failures_total", source="bad", reason="bad_seq") == 1
+            assert metric(bridge, "kv_bridge_decode_failures_total", source="bad", reason="bad_msgpack") == 2
+            # A 100 MB frame is refused by ZMQ before allocation (the connection is dropped and
+            # re-established), then the next good message is served.
+            await pub.send_multipart([b"", seq(4), b"\x00" * (100 << 20)])
+            await wait_for(
+                lambda: metric(bridge, "kv_bridge_source_disconnects_total", source="bad", dp_rank="0") >= 1, what="drop"
+            )
+            await wait_for(lambda: reader.connections > 0, what="reconnect")
+            await asyncio.sleep(0.3)
+            await pub.send_multipart([b"", seq(5), good[2]])
+            await wait_for(lambda: any(ln.get("seq") == 5 and "events" in ln for ln in read_lines(out)), what="seq 5")
+        lines = read_lines(out)
+        kinds = [(ln["seq"], ln.get("type", "batch")) for ln in lines]
+        # seq 0 ok; 1 and 2 undecodable (announced); 3 ok; 4 never arrived (announced); 5 ok.
+        assert kinds == [(0, "batch"), (1, "EventsLost"), (2, "EventsLost"), (3, "batch"), (4, "EventsLost"), (5, "batch")]
+        dead = read_lines(tmp_path / "dead.jsonl")
+        assert {d["reason"] for d in dead} == {"bad_frames", "bad_seq", "bad_msgpack"}
+        assert all(d["source"] == "bad" for d in dead)
+    finally:
+        pub.close(linger=0)
+        ctx.destroy(linger=0)
+
+
+# -- sequencing with the simulator ------------------------------------------------------------
+
+
+def _sim(ports: list[int], **kw: Any) -> SimulatorOptions:
+    base: dict[str, Any] = {
+        "endpoint": f"tcp://127.0.0.1:{ports[0]}",
+        "replay_endpoint": f"tcp://127.0.0.1:{ports[-1]}",
+        "rate": 0,
+        "events_per_batch": 2,
+    }
+    base.update(kw)
+    return SimulatorOptions(**base)
+
+
+def _source(name: str, ports: list[int], **kw: Any) -> dict[str, Any]:
+    return {"name": name, "endpoint": f"tcp://127.0.0.1:{ports[0]}", "replay_endpoint": f"tcp://127.0.0.1:{ports[-1]}", **kw}
+
+
+def _seqs(lines: list[dict[str, Any]], **filt: Any) -> list[int]:
+    return [ln["seq"] for ln in batches(lines, **filt) if "events" in ln]
+
+
+async def test_slow_joiner_gets_the_buffered_history(tmp_path: Path) -> None:
+    ports = free_ports(2)
+    async with Simulator(_sim(ports, buffer_steps=10_000)) as sim:
+        for _ in range(500):
+            await sim.step()
+        async with running_bridge(tmp_path, [_source("late", ports)]) as (bridge, out):
+            await wait_for(lambda: len(read_lines(out)) >= 500, what="history")
+            reader = bridge.readers["late/0"]
+            await wait_for(lambda: reader.connections > 0, what="subscription")
+            await asyncio.sleep(0.3)
+            for _ in range(100):
+                await sim.step()
+            await wait_for(lambda: len(read_lines(out)) >= 600, what="live")
+    assert _seqs(read_lines(out)) == list(range(600))
+
+
+async def test_dropped_live_messages_are_recovered(tmp_path: Path) -> None:
+    ports = free_ports(2)
+    async with Simulator(_sim(ports, faults=Faults(drop_rate=0.01), seed=3)) as sim:
+        async with running_bridge(tmp_path, [_source("lossy", ports)]) as (bridge, out):
+            await wait_for(lambda: bridge.readers["lossy/0"].connections > 0, what="subscription")
+            await asyncio.sleep(0.3)
+            for i in range(3000):
+                await sim.step()
+                if i % 100 == 0:
+                    await asyncio.sleep(0.01)
+            sim.ranks[0].faults.drop_rate = 0.0
+            await sim.step()  # a last message, delivered, so a trailing drop shows as a gap
+            n = sim.ranks[0].seq
+            await wait_for(lambda: len(_seqs(read_lines(out))) >= n, what=f"{n} batches")
+            gaps = metric(bridge, "kv_bridge_sequence_gaps_total", source="lossy", dp_rank="0")
+            replayed = metric(bridge, "kv_bridge_batches_replayed_total", source="lossy")
+    assert _seqs(read_lines(out)) == list(range(n))
+    assert not [ln for ln in read_lines(out) if ln.get("type") == "EventsLost"]
+    assert gaps >= 1 and replayed >= gaps  # every drop was a gap and came back through replay
+
+
+async def test_engine_restart_starts_a_new_epoch(tmp_path: Path) -> None:
+    ports = free_ports(2)
+    async with Simulator(_sim(ports)) as sim:
+        async with running_bridge(tmp_path, [_source("rs", ports)], checkpoint={"path": str(tmp_path / "ck.json")}) as (
+            bridge,
+            out,
+        ):
+            await wait_for(lambda: bridge.readers["rs/0"].connections > 0, what="subscription")
+            await asyncio.sleep(0.3)
+            for _ in range(50):
+                await sim.step()
+            await wait_for(lambda: len(read_lines(out)) >= 50, what="epoch 0")
+            sim.ranks[0].restart()
+            for _ in range(30):
+                await sim.step()
+            await wait_for(lambda: len(read_lines(out)) >= 81, what="epoch 1")
+        lines = read_lines(out)
+    reset = next(i for i, ln in enumerate(lines) if ln.get("type") == "SourceReset")
+    assert [ln["seq"] for ln in lines[:reset]] == list(range(50)) and all(ln["epoch"] == 0 for ln in lines[:reset])
+    assert lines[reset]["epoch"] == 1 and lines[reset]["reason"] == "publisher_restart"
+    after = lines[reset + 1 :]
+    assert [ln["seq"] for ln in after] == list(range(30)) and all(ln["epoch"] == 1 for ln in after)
+    assert '"epoch":1' in (tmp_path / "ck.json").read_text()
+
+
+async def test_gap_beyond_the_buffer_is_one_events_lost(tmp_path: Path) -> None:
+    ports = free_ports(2)
+    async with Simulator(_sim(ports, buffer_steps=100)) as sim:
+        async with running_bridge(tmp_path, [_source("gap", ports)]) as (bridge, out):
+            await wait_for(lambda: bridge.readers["gap/0"].connections > 0, what="subscription")
+            await asyncio.sleep(0.3)
+            for _ in range(10):
+                await sim.step()
+            await wait_for(lambda: len(read_lines(out)) >= 10, what="first batches")
+            sim.ranks[0].faults.drop_rate = 1.0
+            for _ in range(300):  # 300 never arrive live; only the last 100 stay in the buffer
+                await sim.step()
+            sim.ranks[0].faults.drop_rate = 0.0
+            await sim.step()
+            await wait_for(lambda: any(ln["seq"] == 310 for ln in read_lines(out)), what="recovery")
+        lines = read_lines(out)
+    lost = [ln for ln in lines if ln.get("type") == "EventsLost"]
+    assert len(lost) == 1
+    assert (lost[0]["from_seq"], lost[0]["to_seq"], lost[0]["reason"]) == (10, 210, "replay_buffer_exceeded")
+    assert _seqs(lines) == [*range(10), *range(211, 311)]
+
+
+async def test_replay_that_drops_replies_still_recovers(tmp_path: Path) -> None:
+    ports = free_ports(2)
+    async with Simulator(_sim(ports, faults=Faults(drop_rate=0.05, replay_drop_rate=0.3), seed=7)) as sim:
+        async with running_bridge(tmp_path, [_source("flaky", ports)], replay={"max_attempts": 50}) as (bridge, out):
+            await wait_for(lambda: bridge.readers["flaky/0"].connections > 0, what="subscription")
+            await asyncio.sleep(0.3)
+            for _ in range(400):
+                await sim.step()
+            sim.ranks[0].faults.drop_rate = 0.0
+            await sim.step()
+            n = sim.ranks[0].seq
+            await wait_for(lambda: len(_seqs(read_lines(out))) >= n, timeout=60, what=f"{n} batches")
+            timeouts = metric(bridge, "kv_bridge_replay_requests_total", source="flaky", outcome="timeout")
+    assert _seqs(read_lines(out)) == list(range(n))
+    assert timeouts >= 1  # the end marker went missing at least once and recovery still completed
+
+
+async def test_two_engines_two_ranks_are_independent(tmp_path: Path) -> None:
+    a, b = free_ports(4), free_ports(4)
+    pa, pb = [a[0], a[2]], [b[0], b[2]]  # pub ranks at p, p+1; replay ranks at p+2, p+3
+    async with (
+        Simulator(_sim(pa, dp_ranks=2, seed=1)) as sa,
+        Simulator(_sim(pb, dp_ranks=2, seed=2, profile="sglang-0.5.8")) as sb,
+    ):
+        sources = [_source("a", pa, dp_ranks=2), _source("b", pb, dp_ranks=2)]
+        async with running_bridge(tmp_path, sources) as (bridge, out):
+            await wait_for(lambda: all(r.connections > 0 for r in bridge.readers.values()), what="subscriptions")
+            await asyncio.sleep(0.3)
+            for i in range(200):
+                await sa.step(i % 2)
+                await sb.step((i + 1) % 2)
+            sa.ranks[1].restart()
+            for _ in range(20):
+                await sa.step(1)
+            await wait_for(lambda: len(read_lines(out)) >= 421, what="all batches")
+        lines = read_lines(out)
+    for src in ("a", "b"):
+        for rank in (0, 1):
+            got = batches(lines, src, rank)
+            if (src, rank) == ("a", 1):
+                assert [ln["seq"] for ln in got if ln["epoch"] == 0] == list(range(100))
+                assert next(ln.get("type") for ln in got if ln["epoch"] == 1) == "SourceReset"
+                assert [ln["seq"] for ln in got if ln["epoch"] == 1 and "events" in ln] == list(range(20))
+            else:
+                assert _seqs(got) == list(range(100)) and all(ln["epoch"] == 0 for ln in got)

@@ -1,0 +1,88 @@
+"""Run the bridge in-process against real ZMQ sockets and read what its file sink wrote."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from bridge.config import from_data
+from bridge.runtime import Bridge
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` consecutive free ports (ranks use port + r)."""
+    for _ in range(200):
+        base = free_port()
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return list(range(base, base + n))
+    raise RuntimeError("no free port range")
+
+
+def read_lines(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+@asynccontextmanager
+async def running_bridge(
+    tmp: Path, sources: list[dict[str, Any]], *, granularity: str = "batch", **extra: Any
+) -> AsyncIterator[tuple[Bridge, Path]]:
+    out = tmp / "out.jsonl"
+    cfg: dict[str, Any] = {
+        "sources": sources,
+        "sinks": [{"type": "file", "path": str(out), "format": "json", "granularity": granularity, "batch": {"linger": 0}}],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp / "dead.jsonl")},
+        "replay": {"timeout": "500ms", "initial_backoff": "50ms", "max_backoff": "500ms"},
+    }
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(cfg.get(k), dict):
+            cfg[k] = {**cfg[k], **v}
+        else:
+            cfg[k] = v
+    bridge = Bridge(from_data(cfg, env={}))
+    await bridge.start()
+    try:
+        yield bridge, out
+    finally:
+        await bridge.stop()
+
+
+def metric(bridge: Bridge, name: str, **labels: str) -> float:
+    value = bridge.metrics.registry.get_sample_value(name, labels)
+    return value or 0.0
+
+
+def batches(lines: list[dict[str, Any]], source: str | None = None, dp_rank: int | None = None) -> list[dict[str, Any]]:
+    return [
+        line for line in lines if (source is None or line["source"] == source) and (dp_rank is None or line["dp_rank"] == dp_rank)
+    ]
