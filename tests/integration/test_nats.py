@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import subprocess
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -318,15 +320,15 @@ async def test_concurrent_writes_share_the_pending_bound(nats_server: NatsServer
 async def test_jetstream_restart_mid_stream_loses_nothing(nats_server: NatsServer, reader: Client, js_dest: str) -> None:
     """A writer keeps going while the server restarts; every message is stored once, in order."""
     stream = Stream("llama-r", 0)
-    messages = _render("json", "event", [stream], 300)  # 900 messages
-    batches = [messages[i : i + 30] for i in range(0, len(messages), 30)]
+    messages = _render("json", "event", [stream], 2000)  # 6000 messages
+    batches = [messages[i : i + 200] for i in range(0, len(messages), 200)]
     conn = NatsConnector("nats", _options(nats_server.url, js_dest), SINK)
     await conn.connect()
     failures = 0
     restarted = asyncio.Event()
 
     async def restart_soon() -> None:
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.1)
         await nats_server.arestart()
         restarted.set()
 
@@ -334,7 +336,7 @@ async def test_jetstream_restart_mid_stream_loses_nothing(nats_server: NatsServe
     try:
         for batch in batches:
             failures += await _retrying_write(conn, batch)
-            await asyncio.sleep(0.02)  # a steady stream, so the restart lands mid-way
+            await asyncio.sleep(0)  # back to back: the restart lands mid-write
         await restarter
         assert await conn.health() is None
     finally:
@@ -434,7 +436,7 @@ async def test_too_large_message_is_a_permanent_partial_failure(
 
 @pytest.mark.integration
 async def test_user_password_auth_and_no_secret_in_errors(nats_server: NatsServer, tmp_path: Path) -> None:
-    server = _AuthNatsServer(tmp_path, extra_config='authorization { user: bridge, password: "s3cr3t-pw" }')
+    server = _GuardedNatsServer(tmp_path, extra_config='authorization { user: bridge, password: "s3cr3t-pw" }')
     await server.astart()
     try:
         good = NatsConnector("nats-a", _options(server.url, _dest(), mode="core", user="bridge", password="s3cr3t-pw"), SINK)
@@ -455,12 +457,62 @@ async def test_user_password_auth_and_no_secret_in_errors(nats_server: NatsServe
         server.remove()
 
 
-class _AuthNatsServer(NatsServer):
-    """A nats-server that wants a password: healthy once it accepts connections."""
+class _GuardedNatsServer(NatsServer):
+    """A nats-server wanting a password or TLS: healthy once it accepts connections."""
 
     def check_health(self, timeout: float) -> None:
         if not port_open(self.host, self.port, timeout):
             raise ConnectionRefusedError(f"nothing accepts on {self.url}")
+
+
+@pytest.fixture
+def tls_cert(tmp_path: Path) -> tuple[Path, Path]:
+    """A self-signed certificate (its own CA) for 127.0.0.1 only, and its key."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return cert, key
+
+
+@pytest.mark.integration
+async def test_tls_with_ca_file_and_hostname_check(nats_server: NatsServer, tmp_path: Path, tls_cert: tuple[Path, Path]) -> None:
+    cert, key = tls_cert
+    server = _GuardedNatsServer(
+        tmp_path / "server", extra_config=f"tls {{ cert_file: {json.dumps(str(cert))}, key_file: {json.dumps(str(key))} }}"
+    )
+    await server.astart()
+    try:
+        dest = _dest()
+        ok = NatsConnector("nats-tls", _options(server.url, dest, mode="core", tls={"ca_file": str(cert)}), SINK)
+        await ok.connect()
+        try:
+            await ok.write(_render("json", "event", [Stream("a", 0)], 2))
+            assert await ok.health() is None
+        finally:
+            await ok.close()
+        # The certificate names 127.0.0.1, not localhost: only without the hostname check.
+        other = server.url.replace("127.0.0.1", "localhost")
+        strict_options = _options(other, dest, mode="core", connect_timeout=1.0, tls={"ca_file": str(cert)})
+        strict = NatsConnector("nats-tls2", strict_options, SINK)
+        with pytest.raises(NotConnected):
+            await strict.connect()
+        await strict.close()
+        lax = NatsConnector(
+            "nats-tls3", _options(other, dest, mode="core", tls={"ca_file": str(cert), "check_hostname": False}), SINK
+        )
+        await lax.connect()
+        await lax.close()
+        # No CA given: the system store does not know this certificate.
+        unknown = NatsConnector("nats-tls4", _options(server.url, dest, mode="core", connect_timeout=1.0, tls={}), SINK)
+        with pytest.raises(NotConnected) as info:
+            await unknown.connect()
+        assert "nats-tls4" in str(info.value)
+        await unknown.close()
+    finally:
+        server.remove()
 
 
 # -- without a server ---------------------------------------------------------------------------
@@ -510,3 +562,30 @@ def test_options_defaults_and_secrets() -> None:
     assert "pw-123" not in repr(options) and "pw-123" not in str(options)
     token = NatsOptions(token="tok-456")
     assert "tok-456" not in repr(token)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("raw_publish", [True, False], ids=["pre-encoded", "nats-py-publish"])
+async def test_header_values_cannot_break_the_protocol(
+    nats_server: NatsServer, reader: Client, js_dest: str, raw_publish: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine's free-text event type with CR/LF stays one header line (both publish paths)."""
+    import connectors.nats as module
+
+    monkeypatch.setattr(module, "_RAW_PUBLISH", raw_publish)
+    stream = Stream("llama-a", 0)
+    evil = "Evil\r\nPUB x 1\r\n"
+    records = stream_records(stream, 2)
+    records[0].events[0]["type"] = evil
+    messages = [m for rec in records for m in Renderer("json").render(rec)]
+    conn = NatsConnector("nats", _options(nats_server.url, js_dest), SINK)
+    await conn.connect()
+    try:
+        await conn.write(messages)
+        assert await conn.health() is None
+    finally:
+        await conn.close()
+    stored = await _read_stream(reader, js_dest, _subject(js_dest, stream))
+    assert [s.data for s in stored] == [m.value for m in messages]
+    headers = dict(stored[0].headers or {})
+    assert headers["type"] == "Evil  PUB x 1" and headers["seq"] == "0" and headers[MSG_ID_HEADER] == "llama-a/0/0/0/0"
