@@ -1,6 +1,6 @@
 """Events per second of NatsConnector.write against bare nats-py publishing of the same messages.
 
-    .venv/bin/python benchmarks/nats_client_bench.py [--url nats://127.0.0.1:4222] [--events 60000]
+    .venv/bin/python -m benchmarks.nats_client_bench [--url nats://127.0.0.1:4222] [--events 60000]
 
 Without ``--url`` a nats-server with JetStream is started on a free port (tests/infra). Each run
 writes the same rendered messages (JSON, event granularity, realistic BlockStored batches) in

@@ -23,11 +23,13 @@ into a placeholder (source name, rank, type, labels) has those characters replac
 (``llama-3.1`` -> ``kv.llama-3_1.0``), so one placeholder is always exactly one token; the headers
 keep the original values. The template text itself is checked when the config is loaded.
 
-Ordering under failure: nats-py buffers publishes made while its socket is being written, and on
-a reconnect it would send what was still buffered to the new server after the earlier messages
-were lost with the old socket. This connector drops that buffer when the connection goes down and
-fails every unacknowledged message of the write, so the runtime re-sends them in order (already
-stored ones are deduplicated by their ``Nats-Msg-Id``).
+Ordering under failure: nats-py keeps publishes in a buffer until its flusher task writes them,
+and after a reconnect it sends what was left there to the new server, behind messages that were
+lost with the old socket. This connector publishes only while connected, drops that buffer when
+the connection goes down and fails every unacknowledged message of the write, so the runtime
+re-sends them in order (those already stored are dropped by their ``Nats-Msg-Id``). In a JetStream
+cluster, a leader change can still fail one message while a later one is stored; consumers that
+need strict order sort on (epoch, seq, index) within a stream.
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ class _Subjects:
         self.template = Template(text, "subject")
         self.sink = sink
         self._cache: dict[tuple[str, int, str, int], str] = {}
+        self._announced: set[str] = set()
 
     def render(self, message: Message) -> str:
         if self.template.static:
@@ -142,8 +145,8 @@ class _Subjects:
             stream.dp_rank,
             {k: subject_token(v) for k, v in stream.labels.items()},
         )
-        if clean.source != stream.source:
-            # Once per distinct (source, rank, type, epoch): not on the hot path.
+        if clean.source != stream.source and stream.source not in self._announced:
+            self._announced.add(stream.source)
             log.info(
                 "sink %s: source name %r is not a valid NATS subject token; %r used in subjects",
                 self.sink,
