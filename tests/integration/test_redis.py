@@ -1,0 +1,995 @@
+"""The Redis Streams connector against a real redis-server.
+
+The shared conformance suite, then what is Redis-specific: the entry layout, entry ids that grow
+along a stream and make re-delivery idempotent, MAXLEN trimming, the block index against a model
+of the engine's cache, failure classes (WRONGTYPE, OOM, BUSY, auth, refused connections), a
+server restart in the middle of a stream, and Redis Cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import redis
+import redis.asyncio as aioredis
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bridge.config import SinkConfig, convert_options
+from bridge.connector import Registry
+from bridge.errors import ConfigError, NotConnected, PartialFailure, Permanent, Retriable
+from bridge.formats import Message, Renderer, hex64
+from bridge.records import Event, Record, Stream, events_lost, source_reset
+from connectors.redis import (
+    CLUSTER_INDEX_KEY,
+    CLUSTER_STREAM,
+    MAX_SLOT,
+    RedisConnector,
+    RedisOptions,
+    entry_id,
+    entry_position,
+    index_delta,
+    message_position,
+)
+from tests.infra.servers import RedisServer, ServerError, free_port
+from tests.integration.conformance import FORMATS, ConformanceSuite, Stored
+from tests.support.records import batch, control_records, stream_records
+
+integration = pytest.mark.integration
+SECRET = "Zq9-very-secret-pw"
+USER = "kvbridge"
+
+
+# -- harness ------------------------------------------------------------------------------------
+
+
+def options(url: str, **extra: Any) -> RedisOptions:
+    return convert_options({"url": url, "timeout": "2s", **extra}, RedisOptions, "sinks[0]")
+
+
+def make(url: str, sink: SinkConfig | None = None, **extra: Any) -> RedisConnector:
+    sink = sink or SinkConfig(type="redis", name="redis-test")
+    return RedisConnector(sink.name, options(url, **extra), sink)
+
+
+def sink(fmt: str = "json", granularity: str = "event", hash_format: str = "int") -> SinkConfig:
+    return SinkConfig(type="redis", name="redis-test", format=fmt, granularity=granularity, hash_format=hash_format)  # type: ignore[arg-type]
+
+
+def render(s: SinkConfig, records: Sequence[Record]) -> list[Message]:
+    r = Renderer(s.format, s.granularity, s.hash_format)
+    return [m for rec in records for m in r.render(rec)]
+
+
+def new_prefix() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+async def xrange(url: str, key: str) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    client = aioredis.Redis.from_url(url, password=None)
+    try:
+        return list(await client.xrange(key))
+    finally:
+        await client.aclose()
+
+
+async def smembers(url: str, key: str, password: str | None = None) -> set[str]:
+    client = aioredis.Redis.from_url(url, password=password)
+    try:
+        return {m.decode() for m in await client.smembers(key)}
+    finally:
+        await client.aclose()
+
+
+def to_stored(fields: dict[bytes, bytes]) -> Stored:
+    body = fields.get(b"payload", fields.get(b"data"))
+    assert body is not None, fields
+    headers = {k.decode(): v.decode() for k, v in fields.items() if k not in (b"data", b"payload")}
+    return Stored(value=body, headers=headers)
+
+
+async def deliver(conn: RedisConnector, messages: Sequence[Message], *, attempts: int = 200) -> int:
+    """Write like the runtime does: retry transient failures (only the failed part of a partial
+    failure) with a short backoff; raise on anything permanent. Returns the number of retries."""
+    pending = list(messages)
+    for attempt in range(attempts):
+        try:
+            await asyncio.wait_for(conn.write(pending), 10)
+            return attempt
+        except PartialFailure as exc:
+            if isinstance(exc.cause, Permanent):
+                raise
+            pending = [pending[i] for i in exc.failed]
+        except (NotConnected, Retriable, TimeoutError):
+            pass
+        await asyncio.sleep(min(0.05 * 2**attempt, 0.5))
+    raise AssertionError(f"not delivered after {attempts} attempts")
+
+
+def unavailable(what: str, exc: BaseException) -> None:
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{what} unavailable: {exc}", pytrace=False)
+    pytest.skip(f"{what} unavailable: {exc}")
+
+
+@pytest.fixture(scope="module")
+def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A redis-server of this module's own, for tests that change server settings (maxmemory) or
+    stall it: fast BUSY replies, DEBUG enabled, and an ACL user USER with password SECRET (the
+    default user stays open for the fixture's own health checks)."""
+    server = RedisServer(
+        tmp_path_factory.mktemp("redis-private"),
+        persistent=False,
+        extra_config={"lua-time-limit": "100", "enable-debug-command": "yes"},
+    )
+    try:
+        server.start()
+    except ServerError as exc:
+        server.kill()
+        unavailable("redis (private)", exc)
+    with redis.Redis(host=server.host, port=server.port, socket_timeout=10) as client:
+        client.execute_command("ACL", "SETUSER", USER, "on", f">{SECRET}", "~*", "&*", "+@all")
+    yield server
+    server.remove()
+
+
+@pytest.fixture
+async def admin(private_redis: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(private_redis.url)
+    yield client
+    await client.config_set("maxmemory", 0)
+    await client.aclose()
+
+
+# -- the shared suite ---------------------------------------------------------------------------
+
+
+@integration
+class TestRedisConformance(ConformanceSuite):
+    dedup_on_redelivery = True
+
+    @pytest.fixture(autouse=True)
+    def _server(self, redis_server: RedisServer) -> None:
+        self.server = redis_server
+
+    async def make_connector(self, sink: SinkConfig, dest: str) -> RedisConnector:
+        return make(self.server.url, sink, stream=dest + ":{source}:{dp_rank}")
+
+    async def read_back(self, dest: str, stream: Stream, expected: int) -> list[Stored]:
+        entries = await xrange(self.server.url, f"{dest}:{stream.source}:{stream.dp_rank}")
+        return [to_stored(fields) for _, fields in entries]
+
+    async def restart_server(self) -> None:
+        await self.server.arestart()
+
+    def new_dest(self) -> str:
+        return new_prefix()
+
+
+# -- entry layout and ids -----------------------------------------------------------------------
+
+
+@integration
+@pytest.mark.parametrize(("fmt", "granularity"), FORMATS)
+async def test_entry_layout_is_the_header_then_the_body(redis_server: RedisServer, fmt: str, granularity: str) -> None:
+    s = sink(fmt, granularity)
+    prefix = new_prefix()
+    stream = Stream("llama-a", 2, {"model": "m"})
+    records = control_records(stream, 1)[:1] + stream_records(stream, 3, epoch=1) + control_records(stream, 1)[1:]
+    messages = render(s, records)
+    conn = make(redis_server.url, s, stream=prefix + ":{labels.model}:{source}:{dp_rank}")
+    await conn.connect()
+    try:
+        await conn.write(messages)
+    finally:
+        await conn.close()
+    entries = await xrange(redis_server.url, f"{prefix}:m:llama-a:2")
+    assert len(entries) == len(messages)
+    for (ident, fields), m in zip(entries, messages, strict=True):
+        body = "payload" if fmt == "raw" and m.record.kind == "batch" else "data"
+        expected = [(k.encode(), v.encode()) for k, v in m.headers.items()] + [(body.encode(), m.value)]
+        assert list(fields.items()) == expected
+        assert list(fields)[:6] == [b"source", b"dp_rank", b"epoch", b"seq", b"type", b"content-type"]
+        assert ident.decode() == entry_id(message_position(m))
+        assert entry_position(ident) == message_position(m)
+
+
+@integration
+async def test_ids_strictly_increase_per_stream_across_epochs_and_types(redis_server: RedisServer) -> None:
+    s = sink("json", "event")
+    prefix = new_prefix()
+    a, b = Stream("llama-a", 0), Stream("llama-a", 1)
+    records: list[Record] = []
+    for one in (a, b):
+        records += stream_records(one, 4, epoch=0)
+        records += [source_reset(one, 1, "publisher_restart", 0.0)]
+        records += stream_records(one, 3, epoch=1)
+        records += [events_lost(one, 1, 3, 9, "replay_unavailable", 0.0)]
+        records += stream_records(one, 3, epoch=1, start=10)
+        records += [source_reset(one, 7, "publisher_restart", 0.0), *stream_records(one, 2, epoch=7)]
+    random.Random(3).shuffle(records)  # interleave the streams...
+    records.sort(key=lambda r: (r.stream.dp_rank, r.position))  # ...but keep each one in order
+    messages = render(s, records)
+    conn = make(redis_server.url, s, stream=prefix + ":{source}:{dp_rank}")
+    await conn.connect()
+    try:
+        for i in range(0, len(messages), 7):
+            await conn.write(messages[i : i + 7])
+    finally:
+        await conn.close()
+    for one in (a, b):
+        entries = await xrange(redis_server.url, f"{prefix}:{one.source}:{one.dp_rank}")
+        ids = [tuple(int(x) for x in ident.split(b"-")) for ident, _ in entries]
+        assert ids == sorted(set(ids)), "ids must strictly increase"
+        mine = [m for m in messages if m.record.stream == one]
+        assert [entry_position(ident) for ident, _ in entries] == [message_position(m) for m in mine]
+        # A consumer resumes exactly after any entry it saw (EventsLost's 2**64-1 sub included).
+        key = f"{prefix}:{one.source}:{one.dp_rank}"
+        client = aioredis.Redis.from_url(redis_server.url)
+        try:
+            for n, (seen, _) in enumerate(entries[:-1]):
+                reply = await client.xread({key: seen}, count=1000)
+                assert [ident for ident, _ in reply[0][1]] == [ident for ident, _ in entries[n + 1 :]]
+        finally:
+            await client.aclose()
+
+
+positions = st.tuples(st.integers(0, 2**24 - 1), st.integers(0, MAX_SLOT), st.integers(0, 2**64 - 1))
+
+
+def _id_key(text: str) -> tuple[int, int]:
+    first, sub = text.split("-")
+    return int(first), int(sub)
+
+
+@given(positions, positions)
+def test_entry_ids_order_like_positions(p: tuple[int, int, int], q: tuple[int, int, int]) -> None:
+    a, b = _id_key(entry_id(p)), _id_key(entry_id(q))
+    assert a != (0, 0) and b != (0, 0)
+    assert (a < b) == (p < q) and (a == b) == (p == q)
+    if p != (0, 0, 0):
+        assert entry_position(entry_id(p)) == p
+
+
+def test_entry_id_bounds() -> None:
+    assert entry_id((1, 1, 0)) == f"{2**40 + 1}-0"
+    assert entry_id((0, 0, 0)) == "0-1"
+    assert entry_id((2**24 - 1, MAX_SLOT, 2**64 - 1)) == f"{2**64 - 1}-{2**64 - 1}"
+    for bad in ((2**24, 0, 0), (0, MAX_SLOT + 1, 0), (0, 1, 2**64), (-1, 0, 0)):
+        with pytest.raises(ValueError):
+            entry_id(bad)
+
+
+# -- duplicate safety ---------------------------------------------------------------------------
+
+
+@integration
+async def test_redelivery_after_a_timeout_is_stored_once(private_redis: RedisServer, admin: aioredis.Redis) -> None:
+    """The server stalls past the client's timeout, then runs the write anyway; the runtime's
+    retry re-sends the whole batch, which must not store anything twice."""
+    s = sink("json", "event")
+    prefix = new_prefix()
+    stream = Stream("llama-t", 0)
+    messages = render(s, stream_records(stream, 6))
+    conn = make(private_redis.url, s, username=USER, password=SECRET, stream=prefix + ":{source}:{dp_rank}", timeout="300ms")
+    await conn.connect()
+    try:
+        await conn.write(messages[:3])
+        sleeper = aioredis.Redis.from_url(private_redis.url, socket_timeout=10)
+        stall = asyncio.create_task(sleeper.execute_command("DEBUG", "SLEEP", "1"))
+        await asyncio.sleep(0.1)
+        with pytest.raises(NotConnected):
+            await conn.write(messages)  # sent; times out while the server sleeps
+        await stall
+        await sleeper.aclose()
+        key = f"{prefix}:llama-t:0"
+        assert await admin.xlen(key) == len(messages), "the timed-out write did land"
+        await conn.write(messages)  # the retry
+        await conn.write(messages[4:])  # and a tail once more
+    finally:
+        await conn.close()
+    entries = await admin.xrange(key)
+    assert [f[b"data"] for _, f in entries] == [m.value for m in messages]
+
+
+@integration
+async def test_cancelled_write_then_retry(private_redis: RedisServer, admin: aioredis.Redis) -> None:
+    """The runtime's write_timeout cancels write(); the connection must not be reused half-read."""
+    s = sink("msgpack", "batch")
+    prefix = new_prefix()
+    stream = Stream("llama-x", 0)
+    messages = render(s, stream_records(stream, 5))
+    conn = make(private_redis.url, s, username=USER, password=SECRET, stream=prefix + ":{source}:{dp_rank}")
+    await conn.connect()
+    try:
+        sleeper = aioredis.Redis.from_url(private_redis.url, socket_timeout=10)
+        stall = asyncio.create_task(sleeper.execute_command("DEBUG", "SLEEP", "0.5"))
+        await asyncio.sleep(0.1)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(conn.write(messages), 0.1)
+        await stall
+        await sleeper.aclose()
+        await deliver(conn, messages)
+        assert await conn.health() is None
+    finally:
+        await conn.close()
+    entries = await admin.xrange(f"{prefix}:llama-x:0")
+    assert [f[b"data"] for _, f in entries] == [m.value for m in messages]
+
+
+@integration
+@pytest.mark.parametrize("indexed", [False, True])
+async def test_entry_skipped_by_a_later_one_is_permanent(redis_server: RedisServer, indexed: bool) -> None:
+    """If a later entry of a stream got stored first, an earlier one can never be added in order:
+    that is reported (dead-letter), not mistaken for a duplicate."""
+    s = sink("json", "batch")
+    prefix = new_prefix()
+    stream = Stream("llama-s", 0)
+    messages = render(s, stream_records(stream, 3))
+    conn = make(
+        redis_server.url,
+        s,
+        stream=prefix + ":{source}:{dp_rank}",
+        index={"enabled": indexed, "key": prefix + ":{source}:{dp_rank}:i"},
+    )
+    await conn.connect()
+    try:
+        await conn.write([messages[0], messages[2]])
+        with pytest.raises(Permanent) as info:
+            await conn.write([messages[1]])
+        assert info.value.reason == "skipped"
+        with pytest.raises(PartialFailure) as partial:
+            await conn.write(messages)  # 0 and 2 are duplicates, 1 is still impossible
+        assert partial.value.failed == [1] and isinstance(partial.value.cause, Permanent)
+    finally:
+        await conn.close()
+
+
+@integration
+async def test_maxlen_trims_approximately_and_redelivery_below_the_head_counts_as_stored(redis_server: RedisServer) -> None:
+    s = sink("json", "event")
+    prefix = new_prefix()
+    stream = Stream("llama-m", 0)
+    messages = render(s, stream_records(stream, 1000))  # 3000 entries
+    conn = make(redis_server.url, s, stream=prefix + ":{source}:{dp_rank}", maxlen=200)
+    await conn.connect()
+    try:
+        for i in range(0, len(messages), 250):
+            await conn.write(messages[i : i + 250])
+        client = aioredis.Redis.from_url(redis_server.url)
+        key = f"{prefix}:llama-m:0"
+        length = await client.xlen(key)
+        # "~" trims whole radix-tree nodes (stream-node-max-entries, 100 by default).
+        assert 200 <= length <= 200 + 100 + 250, length
+        newest = await client.xrevrange(key, count=1)
+        assert newest[0][0].decode() == entry_id(messages[-1].position)
+        await conn.write(messages[:10])  # long trimmed away: counted as stored, nothing added
+        assert await client.xlen(key) == length
+        await client.aclose()
+    finally:
+        await conn.close()
+
+
+# -- the block index ----------------------------------------------------------------------------
+
+
+class CacheModel:
+    """The engine's cache as a plain set, to compare the index with."""
+
+    def __init__(self, member: Any) -> None:
+        self.member = member
+        self.blocks: set[str] = set()
+
+    def apply(self, record: Record) -> None:
+        if record.kind == "SourceReset":
+            self.blocks.clear()
+            return
+        for event in record.events:
+            if event["type"] == "AllBlocksCleared":
+                self.blocks.clear()
+            elif event["type"] == "BlockStored":
+                self.blocks.update(self.member(h) for h in event["block_hashes"])
+            elif event["type"] == "BlockRemoved":
+                self.blocks.difference_update(self.member(h) for h in event["block_hashes"])
+
+
+def random_records(rng: random.Random, stream: Stream, count: int, pool: list[Any]) -> list[Record]:
+    """A long random history of one engine: stores, removals (of held and unknown blocks),
+    rare full clears, and an engine restart (SourceReset, new epoch) in the middle."""
+    records: list[Record] = []
+    held: list[Any] = []
+    epoch, seq = 1, 0
+    for n in range(count):
+        if n == count // 2:
+            epoch, seq = epoch + 1, 0
+            records.append(source_reset(stream, epoch, "publisher_restart", 0.0))
+            held.clear()
+        events: list[Event] = []
+        for _ in range(rng.randint(1, 6)):
+            roll = rng.random()
+            if roll < 0.004:
+                events.append({"type": "AllBlocksCleared"})
+                held.clear()
+            elif roll < 0.6 or not held:
+                hashes = rng.sample(pool, rng.randint(1, 5))
+                events.append(
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": hashes,
+                        "parent_block_hash": None,
+                        "token_ids": [1, 2, 3],
+                        "block_size": 16,
+                        "lora_id": None,
+                        "medium": "GPU",
+                    }
+                )
+                held.extend(hashes)
+            else:
+                gone = rng.sample(held, min(len(held), rng.randint(1, 4))) + rng.sample(pool, 1)
+                events.append({"type": "BlockRemoved", "block_hashes": gone, "medium": "GPU"})
+                held = [h for h in held if h not in gone]
+        ts = 1_700_000_000.0 + n
+        payload = msgspec.msgpack.encode([ts, events, stream.dp_rank])
+        records.append(Record(stream=stream, epoch=epoch, seq=seq, ts=ts, payload=payload, events=events))
+        seq += 1
+    return records
+
+
+INDEX_CASES = [
+    pytest.param("json", "event", "int", False, id="json-event-int"),
+    pytest.param("msgpack", "batch", "hex", False, id="msgpack-batch-hexints"),
+    pytest.param("raw", "batch", "int", True, id="raw-binary-hashes"),
+]
+
+
+@integration
+@pytest.mark.parametrize(("fmt", "granularity", "hash_format", "binary"), INDEX_CASES)
+async def test_index_matches_a_model_of_the_engine_cache(
+    redis_server: RedisServer, fmt: str, granularity: str, hash_format: str, binary: bool
+) -> None:
+    rng = random.Random(f"{fmt}-{granularity}-{hash_format}")
+    s = sink(fmt, granularity, hash_format)
+    prefix = new_prefix()
+    stream = Stream("llama-i", 3)
+    if binary:
+        pool: list[Any] = [rng.randbytes(32) for _ in range(300)]
+        model = CacheModel(lambda h: h.hex())
+    else:
+        pool = [rng.randrange(2**64) for _ in range(300)]
+        model = CacheModel(hex64 if hash_format == "hex" else str)
+    records = random_records(rng, stream, 1500, pool)
+    conn = make(
+        redis_server.url,
+        s,
+        stream=prefix + ":{source}:{dp_rank}",
+        index={"enabled": True, "key": prefix + ":{source}:{dp_rank}:blocks"},
+    )
+    key, set_key = f"{prefix}:llama-i:3", f"{prefix}:llama-i:3:blocks"
+    await conn.connect()
+    written: list[Message] = []
+    largest = 0
+    try:
+        i = 0
+        while i < len(records):
+            chunk = records[i : i + rng.randint(1, 25)]
+            messages = render(s, chunk)
+            await conn.write(messages)
+            for r in chunk:
+                model.apply(r)
+            written += messages
+            i += len(chunk)
+            roll = rng.random()
+            if roll < 0.15:  # the runtime re-sends the tail after a timeout
+                await conn.write(messages[rng.randrange(len(messages)) :])
+            elif roll < 0.2:  # a much older message again (e.g. replay after a bridge restart)
+                await conn.write([written[rng.randrange(len(written))]])
+            largest = max(largest, len(model.blocks))
+            if rng.random() < 0.05:
+                assert await smembers(redis_server.url, set_key) == model.blocks
+    finally:
+        await conn.close()
+    assert largest > 50 and model.blocks, "the run should exercise a sizeable set"
+    assert await smembers(redis_server.url, set_key) == model.blocks
+    entries = await xrange(redis_server.url, key)
+    assert [to_stored(f).value for _, f in entries] == [m.value for m in written]
+    # The router's question: which of these blocks does this engine hold?
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        probe = [*sorted(model.blocks)[:5], "not-a-block"]
+        assert await client.smismember(set_key, probe) == [1, 1, 1, 1, 1, 0]
+    finally:
+        await client.aclose()
+
+
+@integration
+async def test_flushed_index_script_is_reloaded(redis_server: RedisServer) -> None:
+    """A server restart or SCRIPT FLUSH forgets the script: the write loads it and goes on."""
+    s = sink("json", "batch")
+    prefix = new_prefix()
+    stream = Stream("llama-f", 0)
+    messages = render(s, stream_records(stream, 4))
+    conn = make(
+        redis_server.url,
+        s,
+        stream=prefix + ":{source}:{dp_rank}",
+        index={"enabled": True, "key": prefix + ":{source}:{dp_rank}:b"},
+    )
+    client = aioredis.Redis.from_url(redis_server.url)
+    await conn.connect()
+    try:
+        await conn.write(messages[:2])
+        await client.script_flush()
+        await conn.write(messages)
+    finally:
+        await conn.close()
+    assert await client.xlen(f"{prefix}:llama-f:0") == 4
+    model = CacheModel(str)
+    for r in stream_records(stream, 4):
+        model.apply(r)
+    assert await smembers(redis_server.url, f"{prefix}:llama-f:0:b") == model.blocks
+    await client.aclose()
+
+
+@integration
+@pytest.mark.parametrize("policy", ["keep", "clear"])
+async def test_index_after_events_lost(redis_server: RedisServer, policy: str) -> None:
+    s = sink("json", "event")
+    prefix = new_prefix()
+    stream = Stream("llama-l", 0)
+    records = [batch(stream, 0, epoch=1), events_lost(stream, 1, 1, 4, "replay_unavailable", 0.0)]
+    conn = make(
+        redis_server.url,
+        s,
+        stream=prefix + ":{source}:{dp_rank}",
+        index={"enabled": True, "key": prefix + ":{source}:{dp_rank}:b", "on_events_lost": policy},
+    )
+    await conn.connect()
+    try:
+        await conn.write(render(s, records[:1]))
+        before = await smembers(redis_server.url, f"{prefix}:llama-l:0:b")
+        await conn.write(render(s, records[1:]))
+    finally:
+        await conn.close()
+    assert before
+    assert await smembers(redis_server.url, f"{prefix}:llama-l:0:b") == (before if policy == "keep" else set())
+
+
+def test_index_delta_is_the_net_effect_in_order() -> None:
+    events: list[Event] = [
+        {"type": "BlockStored", "block_hashes": [1, 2, 3]},
+        {"type": "BlockRemoved", "block_hashes": [2, 9]},
+        {"type": "BlockStored", "block_hashes": [2, b"\x0a\xff"]},
+        {"type": "Unknown", "block_hashes": [7]},
+    ]
+    d = index_delta(events)
+    assert (d.clear, sorted(d.remove), sorted(d.add)) == (False, ["9"], ["0aff", "1", "2", "3"])
+    d = index_delta(
+        [
+            {"type": "BlockStored", "block_hashes": [1]},
+            {"type": "AllBlocksCleared"},
+            {"type": "BlockRemoved", "block_hashes": [5]},
+            {"type": "BlockStored", "block_hashes": [-1]},
+        ],
+        True,
+    )
+    assert d == (True, [], ["ffffffffffffffff"])
+
+
+# -- failures -----------------------------------------------------------------------------------
+
+
+@integration
+async def test_wrongtype_is_a_partial_permanent_failure(redis_server: RedisServer) -> None:
+    s = sink("json", "batch")
+    prefix = new_prefix()
+    good, bad = Stream("good", 0), Stream("bad", 0)
+    client = aioredis.Redis.from_url(redis_server.url)
+    await client.set(f"{prefix}:bad:0", "not a stream")
+    records = [batch(good, 0), batch(bad, 0), batch(good, 1), batch(bad, 1)]
+    conn = make(redis_server.url, s, stream=prefix + ":{source}:{dp_rank}")
+    await conn.connect()
+    try:
+        with pytest.raises(PartialFailure) as info:
+            await conn.write(render(s, records))
+        assert info.value.failed == [1, 3]
+        assert isinstance(info.value.cause, Permanent) and "WRONGTYPE" in str(info.value.cause)
+        with pytest.raises(Permanent):
+            await conn.write(render(s, records[1:2]))
+        assert await client.xlen(f"{prefix}:good:0") == 2
+    finally:
+        await conn.close()
+        await client.aclose()
+
+
+@integration
+async def test_wrongtype_index_key_stores_nothing(redis_server: RedisServer) -> None:
+    s = sink("json", "batch")
+    prefix = new_prefix()
+    stream = Stream("w", 0)
+    client = aioredis.Redis.from_url(redis_server.url)
+    await client.set(f"{prefix}:w:0:blocks", "a string")
+    conn = make(
+        redis_server.url,
+        s,
+        stream=prefix + ":{source}:{dp_rank}",
+        index={"enabled": True, "key": prefix + ":{source}:{dp_rank}:blocks"},
+    )
+    await conn.connect()
+    try:
+        with pytest.raises(Permanent, match="WRONGTYPE"):
+            await conn.write(render(s, [batch(stream, 0)]))
+        assert await client.exists(f"{prefix}:w:0") == 0, "the entry must not be stored without its index change"
+    finally:
+        await conn.close()
+        await client.aclose()
+
+
+@integration
+@pytest.mark.parametrize("indexed", [False, True])
+async def test_out_of_memory_is_retriable(private_redis: RedisServer, admin: aioredis.Redis, indexed: bool) -> None:
+    s = sink("json", "batch")
+    prefix = new_prefix()
+    stream = Stream("oom", 0)
+    messages = render(s, stream_records(stream, 3))
+    conn = make(
+        private_redis.url,
+        s,
+        username=USER,
+        password=SECRET,
+        stream=prefix + ":{source}:{dp_rank}",
+        index={"enabled": indexed, "key": prefix + ":{source}:{dp_rank}:b"},
+    )
+    await conn.connect()
+    try:
+        await admin.config_set("maxmemory", 1)
+        with pytest.raises(Retriable) as info:
+            await conn.write(messages)
+        assert info.value.reason == "oom"
+        await admin.config_set("maxmemory", 0)
+        await conn.write(messages)
+    finally:
+        await conn.close()
+    assert await admin.xlen(f"{prefix}:oom:0") == 3
+
+
+@integration
+async def test_busy_server_is_retriable(private_redis: RedisServer, admin: aioredis.Redis) -> None:
+    s = sink("json", "batch")
+    prefix = new_prefix()
+    messages = render(s, stream_records(Stream("busy", 0), 2))
+    conn = make(private_redis.url, s, username=USER, password=SECRET, stream=prefix + ":{source}:{dp_rank}")
+    await conn.connect()
+    await conn.write(messages[:1])  # the connection is open before the server gets busy
+    spinner = aioredis.Redis.from_url(private_redis.url, socket_timeout=None)
+    spin = asyncio.create_task(spinner.eval("while true do end", 0))
+    try:
+        await asyncio.sleep(0.4)  # past lua-time-limit (100 ms): the server answers BUSY
+        with pytest.raises(Retriable) as info:
+            await conn.write(messages)
+        assert info.value.reason == "busy"
+        assert await conn.health() is not None
+    finally:
+        await admin.script_kill()
+        with pytest.raises(redis.ResponseError):
+            await spin
+        await spinner.aclose()
+    try:
+        await conn.write(messages)
+    finally:
+        await conn.close()
+    assert await admin.xlen(f"{prefix}:busy:0") == 2
+
+
+@integration
+async def test_unreachable_server_is_not_connected_and_secrets_stay_out(private_redis: RedisServer) -> None:
+    closed = f"redis://127.0.0.1:{_closed_port()}/0"
+    conn = make(closed, password=SECRET, timeout="500ms")
+    with pytest.raises(NotConnected) as info:
+        await conn.connect()
+    text = str(info.value)
+    assert "redis-test" in text and f"127.0.0.1:{closed.rsplit(':', 1)[1].split('/')[0]}" in text
+    reason = await conn.health()
+    assert reason is not None
+    with pytest.raises(NotConnected):
+        await conn.write(render(sink(), [batch(Stream("x", 0), 0)]))
+    await conn.close()
+    await conn.close()  # twice: still quiet
+    # Wrong password (in the URL this time): NotConnected, and the secret appears nowhere.
+    url_with_secret = private_redis.url.replace("redis://", f"redis://{USER}:{SECRET}x@")
+    wrong = make(url_with_secret)
+    with pytest.raises(NotConnected) as auth:
+        await wrong.connect()
+    assert auth.value.reason == "auth"
+    await wrong.close()
+    for text in (
+        str(info.value),
+        reason,
+        str(auth.value),
+        repr(wrong),
+        repr(wrong.options),
+        str(wrong.options),
+        repr(conn.options),
+        repr(options(closed, password=SECRET)),
+    ):
+        assert SECRET not in text, text
+    right = make(private_redis.url, username=USER, password=SECRET)
+    await right.connect()
+    assert await right.health() is None
+    await right.close()
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- TLS ----------------------------------------------------------------------------------------
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def _certificates(d: Path) -> None:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by the CA."""
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=kvb-test-ca", cwd=d)
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    for name in ("server", "client"):
+        _openssl("req", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+        _openssl(
+            "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.pem", "-days", "2", "-extfile", "san.ext", cwd=d,
+        )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, int, Path]]:
+    """redis-server with a TLS port that requires client certificates (plain port for health checks)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    certs = tmp_path_factory.mktemp("redis-tls-certs")
+    _certificates(certs)
+    tls_port = free_port()
+    server = RedisServer(
+        tmp_path_factory.mktemp("redis-tls"),
+        persistent=False,
+        extra_config={
+            "tls-port": str(tls_port),
+            "tls-cert-file": str(certs / "server.pem"),
+            "tls-key-file": str(certs / "server.key"),
+            "tls-ca-cert-file": str(certs / "ca.pem"),
+            "tls-auth-clients": "yes",
+        },
+    )
+    try:
+        server.start()
+    except ServerError as exc:
+        server.kill()
+        unavailable("redis (tls)", exc)
+    yield server, tls_port, certs
+    server.remove()
+
+
+@integration
+async def test_tls_with_client_certificate(tls_redis: tuple[RedisServer, int, Path]) -> None:
+    server, tls_port, certs = tls_redis
+    url = f"rediss://127.0.0.1:{tls_port}/0"
+    s = sink("json", "batch")
+    prefix = new_prefix()
+    messages = render(s, stream_records(Stream("tls", 0), 3))
+    tls = {"ca_file": str(certs / "ca.pem"), "cert_file": str(certs / "client.pem"), "key_file": str(certs / "client.key")}
+    conn = make(url, s, stream=prefix + ":{source}:{dp_rank}", tls=tls)
+    await conn.connect()
+    try:
+        await conn.write(messages)
+        assert await conn.health() is None
+    finally:
+        await conn.close()
+    entries = await xrange(server.url, f"{prefix}:tls:0")
+    assert [f[b"data"] for _, f in entries] == [m.value for m in messages]
+    # No client certificate, or a server the system CAs do not vouch for: not connected.
+    for bad in ({"ca_file": str(certs / "ca.pem")}, {}):
+        refused = make(url, s, stream=prefix + ":{source}:{dp_rank}", tls=bad, timeout="2s")
+        with pytest.raises(NotConnected):
+            await refused.connect()
+        await refused.close()
+
+
+# -- restart in the middle of a stream ----------------------------------------------------------
+
+
+@integration
+@pytest.mark.parametrize("indexed", [False, True])
+async def test_server_restart_mid_stream_loses_nothing(redis_server: RedisServer, indexed: bool) -> None:
+    s = sink("json", "event")
+    prefix = new_prefix()
+    stream = Stream("llama-r", 0)
+    rng = random.Random(11)
+    records = random_records(rng, stream, 300, [rng.randrange(2**64) for _ in range(100)])
+    model = CacheModel(str)
+    conn = make(
+        redis_server.url,
+        s,
+        stream=prefix + ":{source}:{dp_rank}",
+        index={"enabled": indexed, "key": prefix + ":{source}:{dp_rank}:blocks"},
+        timeout="1s",
+    )
+    await conn.connect()
+    retries = 0
+    writes = range(0, len(records), 5)
+    marks = {writes[len(writes) // 3]: asyncio.Event(), writes[2 * len(writes) // 3]: asyncio.Event()}
+    restarts_seen = 0
+
+    async def produce() -> None:
+        nonlocal retries
+        for i in writes:
+            if i in marks:
+                marks[i].set()  # the server goes down while this loop keeps writing
+            retries += await deliver(conn, render(s, records[i : i + 5]))
+            for r in records[i : i + 5]:
+                model.apply(r)
+            await asyncio.sleep(0.01)
+
+    async def restart() -> None:
+        nonlocal restarts_seen
+        for mark in marks.values():
+            await mark.wait()
+            await redis_server.arestart()
+            restarts_seen += not producer.done()
+
+    try:
+        producer = asyncio.create_task(produce())
+        await asyncio.wait_for(restart(), 120)
+        await asyncio.wait_for(producer, 120)
+    finally:
+        await conn.close()
+    assert restarts_seen == 2, "both restarts should happen while the stream is being written"
+    assert retries > 0, "the restarts should have been felt"
+    entries = await xrange(redis_server.url, f"{prefix}:llama-r:0")
+    assert [f[b"data"] for _, f in entries] == [m.value for m in render(s, records)]
+    if indexed:
+        assert await smembers(redis_server.url, f"{prefix}:llama-r:0:blocks") == model.blocks
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+def test_registry_builds_the_connector_from_sink_keys() -> None:
+    from bridge.config import from_data
+
+    config = from_data(
+        {
+            "sources": [{"name": "a", "endpoint": "tcp://127.0.0.1:5557"}],
+            "sinks": [
+                {
+                    "type": "redis",
+                    "url": "redis://127.0.0.1:6379/0",
+                    "password": "${PW}",
+                    "maxlen": 1000,
+                    "index": {"enabled": True},
+                }
+            ],
+        },
+        env={"PW": SECRET},
+    )
+    conn = Registry().build(config.sinks[0], 0)
+    assert isinstance(conn, RedisConnector)
+    assert conn.options.password == SECRET and SECRET not in repr(conn.options)
+
+
+@pytest.mark.parametrize(
+    ("keys", "problem"),
+    [
+        ({"url": "http://x"}, "url: expected redis://"),
+        ({"url": "redis://x", "stream": "kv:{source}"}, "must name {source} and {dp_rank}"),
+        ({"url": "redis://x", "stream": "kv:{source}:{dp_rank}:{}"}, "bad placeholder"),
+        ({"url": "redis://x", "index": {"enabled": True, "key": "i:{source}:{dp_rank}:{type}"}}, "{type} not allowed"),
+        ({"url": "redis://x", "index": {"enabled": True, "key": "i:{source}:{dp_rank}:{epoch}"}}, "{epoch} not allowed"),
+        ({"url": "redis://x", "tls": {"ca_file": "/ca.pem"}}, "tls: only used with a rediss:// url"),
+        ({"url": "redis://:a@x", "password": "b"}, "either in url or in password"),
+        ({"url": "redis://x", "maxlen": 0}, "maxlen"),
+        (
+            {"url": "redis://x", "cluster": True, "stream": "kv:{source}:{dp_rank}", "index": {"enabled": True}},
+            "hash to one slot",
+        ),
+        ({"url": "redis://x", "strem": "a"}, "sinks[0].strem: unknown key (did you mean stream?)"),
+    ],
+)
+def test_options_are_checked_with_their_path(keys: dict[str, Any], problem: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        convert_options(keys, RedisOptions, "sinks[0]")
+    assert problem in str(info.value)
+    assert str(info.value).startswith("sinks[0]")
+
+
+def test_cluster_defaults_put_stream_and_index_in_one_slot() -> None:
+    from redis.crc import key_slot
+
+    o = options("redis://x", cluster=True, index={"enabled": True})
+    assert o.templates() == (CLUSTER_STREAM, CLUSTER_INDEX_KEY)
+    m = render(sink(), [batch(Stream("llama-a", 0), 0)])[0]
+    conn = RedisConnector("c", o, sink())
+    key = conn._stream.render(m)
+    assert conn._index is not None
+    index_key = conn._index.render(m)
+    # The template's outer braces stay literal: the key carries the hash tag {llama-a:0}.
+    assert (key, index_key) == ("kv:{llama-a:0}", "kv:{llama-a:0}:blocks")
+    assert key_slot(key.encode()) == key_slot(index_key.encode())
+
+
+# -- Redis Cluster ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A one-node Redis Cluster owning all 16384 slots (CROSSSLOT rules apply as in a big one)."""
+    server = RedisServer(
+        tmp_path_factory.mktemp("redis-cluster"),
+        persistent=False,
+        # The bus port defaults to port + 10000, which a free high port may not have.
+        extra_config={"cluster-enabled": "yes", "cluster-config-file": "nodes.conf", "cluster-port": str(free_port())},
+    )
+    try:
+        server.start()
+    except ServerError as exc:
+        server.kill()
+        unavailable("redis (cluster)", exc)
+    with redis.Redis(host=server.host, port=server.port, socket_timeout=10) as client:
+        client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        deadline = time.monotonic() + 30
+        while "cluster_state:ok" not in _text(client.execute_command("CLUSTER", "INFO")):
+            if time.monotonic() > deadline:
+                pytest.fail("the one-node cluster did not come up")
+            time.sleep(0.1)
+    yield server
+    server.remove()
+
+
+def _text(reply: Any) -> str:
+    if isinstance(reply, dict):
+        return "\n".join(f"{k}:{v}" for k, v in reply.items())
+    return reply.decode() if isinstance(reply, bytes) else str(reply)
+
+
+@integration
+async def test_cluster_with_index(cluster_redis: RedisServer) -> None:
+    s = sink("json", "event")
+    stream = Stream(f"c{uuid.uuid4().hex[:6]}", 1)
+    rng = random.Random(5)
+    records = random_records(rng, stream, 200, [rng.randrange(2**64) for _ in range(80)])
+    model = CacheModel(str)
+    conn = make(cluster_redis.url, s, cluster=True, index={"enabled": True})
+    await conn.connect()
+    try:
+        for i in range(0, len(records), 20):
+            messages = render(s, records[i : i + 20])
+            await conn.write(messages)
+            await conn.write(messages[len(messages) // 2 :])
+            for r in records[i : i + 20]:
+                model.apply(r)
+        assert await conn.health() is None
+    finally:
+        await conn.close()
+    key = f"kv:{{{stream.source}:1}}"
+    client = aioredis.RedisCluster.from_url(cluster_redis.url)
+    try:
+        entries = await client.xrange(key)
+        assert [f[b"data"] for _, f in entries] == [m.value for m in render(s, records)]
+        assert {m.decode() for m in await client.smembers(key + ":blocks")} == model.blocks
+    finally:
+        await client.aclose()
