@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import logging
 import os
 import signal
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 from . import __version__, logs
 from . import config as config_mod
 from .config import Config
-from .connector import Registry
+from .connector import Connector, Registry
 from .errors import ConfigError, ConnectorError
 from .runtime import run as run_bridge
 from .simulator import DEFAULT_PROFILE, PROFILES, Faults, Simulator, SimulatorOptions
@@ -118,26 +119,32 @@ def _print_problems(path: str, problems: Sequence[str]) -> None:
 
 
 def check(path: str, *, offline: bool = False, registry: Registry | None = None) -> int:
-    """``--check``: parse, build connectors, then (unless offline) reach every sink; a line per step."""
+    """``--check``: parse, validate each connector's keys, then (unless offline) reach every sink."""
     problems: list[str] = []
     cfg: Config | None = None
     try:
-        cfg = config_mod.load(path)
+        data = config_mod.read(path)
+    except ConfigError as exc:
+        _print_problems(path, exc.problems)
+        return EXIT_CONFIG
+    try:
+        cfg = config_mod.from_data(copy.deepcopy(data))
         print(f"parse: ok ({len(cfg.sources)} source(s), {len(cfg.sinks)} sink(s))")
     except ConfigError as exc:
         problems.extend(exc.problems)
         print(f"parse: {len(exc.problems)} problem(s)")
-        cfg = _partial_sinks(path, problems)
-    connectors = []
-    if cfg is not None:
-        reg = registry or Registry()
-        for i, sink in enumerate(cfg.sinks):
-            try:
-                connectors.append(reg.build(sink, i))
-                print(f"sinks[{i}] {sink.name} ({sink.type}): config ok")
-            except ConfigError as exc:
-                problems.extend(exc.problems)
-                print(f"sinks[{i}] {sink.name} ({sink.type}): {len(exc.problems)} problem(s)")
+    reg = registry or Registry()
+    connectors: list[Connector] = []
+    for i, type_name, options in config_mod.raw_sink_options(data):
+        try:
+            factory = reg.get(type_name, f"sinks[{i}].type")
+            config_mod.convert_options(options, factory.Options, f"sinks[{i}]")
+            if cfg is not None:
+                connectors.append(reg.build(cfg.sinks[i], i))
+            print(f"sinks[{i}] ({type_name}): config ok")
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+            print(f"sinks[{i}] ({type_name}): {len(exc.problems)} problem(s)")
     if not problems and not offline:
         for i, conn in enumerate(connectors):
             reason = asyncio.run(_reach(conn))
@@ -153,35 +160,7 @@ def check(path: str, *, offline: bool = False, registry: Registry | None = None)
     return EXIT_OK
 
 
-def _partial_sinks(path: str, problems: list[str]) -> Config | None:
-    """When the file has problems, still validate the sinks that parsed (so every mistake shows)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = config_mod.parse_text(f.read(), os.path.splitext(path)[1].lower())
-    except (OSError, ConfigError):
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("sinks"), list):
-        return None
-    sinks = []
-    sub: list[str] = []
-    for i, raw in enumerate(data["sinks"]):
-        if isinstance(raw, dict):
-            common = {k: v for k, v in raw.items() if k in config_mod.SINK_KEYS}
-            common["options"] = {k: v for k, v in raw.items() if k not in config_mod.SINK_KEYS}
-            common.setdefault("name", f"{raw.get('type', 'sink')}-{i}")
-            common["options"] = config_mod.substitute(common["options"], os.environ, f"sinks[{i}]", sub)
-            sink = config_mod.convert(common, config_mod.SinkConfig, f"sinks[{i}]", sub)
-            sinks.append(sink)
-    # Sinks whose common keys failed were already reported; keep positions so paths stay right.
-    cfg = Config()
-    cfg.sinks = [s for s in sinks if s is not None]
-    return cfg if all(s is not None for s in sinks) else None
-
-
-async def _reach(conn: object) -> str | None:
-    from .connector import Connector
-
-    assert isinstance(conn, Connector)
+async def _reach(conn: Connector) -> str | None:
     try:
         await asyncio.wait_for(conn.connect(), 15)
         return await asyncio.wait_for(conn.health(), 15)

@@ -376,6 +376,7 @@ def from_data(data: Any, env: Mapping[str, str] | None = None) -> Config:
         sink = convert(common, SinkConfig, f"sinks[{i}]", problems)
         if sink is not None:
             sinks.append(sink)
+    _check_names(data.get("sources"), "sources", problems)
     if config is not None:
         _check_semantics(config, sinks, raw_sinks, problems)
     if problems or config is None:
@@ -384,12 +385,21 @@ def from_data(data: Any, env: Mapping[str, str] | None = None) -> Config:
     return config
 
 
-def _check_semantics(config: Config, sinks: list[SinkConfig], raw: list[Any], problems: list[str]) -> None:
+def _check_names(entries: Any, section: str, problems: list[str]) -> None:
+    """Names must be unique within a section (checked on the raw data, so it shows with other problems)."""
+    if not isinstance(entries, list):
+        return
     seen: dict[str, int] = {}
-    for i, src in enumerate(config.sources):
-        if src.name in seen:
-            problems.append(f"sources[{i}].name: {src.name!r} is already used by sources[{seen[src.name]}]")
-        seen[src.name] = i
+    for i, entry in enumerate(entries):
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not name:
+            continue
+        if name in seen:
+            problems.append(f"{section}[{i}].name: {name!r} is already used by {section}[{seen[name]}]")
+        seen[name] = i
+
+
+def _check_semantics(config: Config, sinks: list[SinkConfig], raw: list[Any], problems: list[str]) -> None:
     if not config.sources and config.discovery.dns is None:
         problems.append("sources: no sources and no discovery: nothing to read from")
     if not raw:
@@ -412,14 +422,34 @@ def _check_semantics(config: Config, sinks: list[SinkConfig], raw: list[Any], pr
             s.granularity = "batch"  # raw is always one message per batch
 
 
-def load(path: str | Path, env: Mapping[str, str] | None = None) -> Config:
-    """Read, substitute and validate a config file."""
+def read(path: str | Path) -> Any:
+    """The parsed (not yet validated) content of a config file."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError([f"{p}: cannot read the config file ({exc.strerror or exc})"]) from exc
-    return from_data(parse_text(text, p.suffix.lower()), env)
+    return parse_text(text, p.suffix.lower())
+
+
+def load(path: str | Path, env: Mapping[str, str] | None = None) -> Config:
+    """Read, substitute and validate a config file."""
+    return from_data(read(path), env)
+
+
+def raw_sink_options(data: Any, env: Mapping[str, str] | None = None) -> list[tuple[int, str, dict[str, Any]]]:
+    """(index, type, connector keys) of every sink entry that names a type, for validating the
+    connector options even when other parts of the file are wrong (``--check`` lists everything)."""
+    out: list[tuple[int, str, dict[str, Any]]] = []
+    sinks = data.get("sinks") if isinstance(data, dict) else None
+    if not isinstance(sinks, list):
+        return out
+    ignored: list[str] = []
+    for i, raw in enumerate(sinks):
+        if isinstance(raw, dict) and isinstance(raw.get("type"), str):
+            options = {k: v for k, v in raw.items() if k not in SINK_KEYS}
+            out.append((i, raw["type"], substitute(options, os.environ if env is None else env, f"sinks[{i}]", ignored)))
+    return out
 
 
 def convert_options(options: Mapping[str, Any], tp: type[T], path: str) -> T:

@@ -1,0 +1,106 @@
+"""Output formats: json / msgpack / raw, event and batch granularity, control records, hashes."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+
+from bridge.formats import Renderer, hex64
+from bridge.records import Record, Stream, events_lost, source_reset
+
+STREAM = Stream("llama-a", 1, {"model": "m"})
+EVENTS = [
+    {"type": "BlockStored", "block_hashes": [2**64 - 1, 5], "parent_block_hash": None, "token_ids": [1, 2], "block_size": 16},
+    {"type": "BlockRemoved", "block_hashes": [b"\xab" * 32], "medium": "GPU"},
+    {"type": "AllBlocksCleared"},
+]
+RECORD = Record(stream=STREAM, epoch=2, seq=42, ts=1732870000.25, payload=b"\x93raw", events=EVENTS)
+
+
+def test_json_event() -> None:
+    msgs = Renderer("json", "event").render(RECORD)
+    assert [m.index for m in msgs] == [0, 1, 2]
+    first = json.loads(msgs[0].value)
+    assert first == {
+        "source": "llama-a",
+        "dp_rank": 1,
+        "epoch": 2,
+        "seq": 42,
+        "index": 0,
+        "ts": 1732870000.25,
+        "type": "BlockStored",
+        "block_hashes": [2**64 - 1, 5],
+        "parent_block_hash": None,
+        "token_ids": [1, 2],
+        "block_size": 16,
+    }
+    assert json.loads(msgs[1].value)["block_hashes"] == ["ab" * 32]
+    assert json.loads(msgs[2].value) == {k: first[k] for k in ("source", "dp_rank", "epoch", "seq", "ts")} | {
+        "index": 2,
+        "type": "AllBlocksCleared",
+    }
+    assert msgs[1].msg_id == "llama-a/1/2/42/1" and msgs[1].position == (2, 43, 2)
+    assert msgs[0].headers["index"] == "0" and msgs[0].headers["type"] == "BlockStored"
+    assert msgs[0].key == b"llama-a/1"
+    assert EVENTS[1]["block_hashes"] == [b"\xab" * 32]  # the shared record is not modified
+
+
+def test_hex_hash_format() -> None:
+    msgs = Renderer("json", "event", "hex").render(RECORD)
+    assert json.loads(msgs[0].value)["block_hashes"] == ["ffffffffffffffff", "0000000000000005"]
+    assert hex64(-1) == "ffffffffffffffff"
+
+
+def test_json_batch() -> None:
+    (m,) = Renderer("json", "batch").render(RECORD)
+    body = json.loads(m.value)
+    assert body["seq"] == 42 and "index" not in body and len(body["events"]) == 3
+    assert body["events"][1]["block_hashes"] == ["ab" * 32]
+    assert m.msg_id == "llama-a/1/2/42" and m.type == "EventBatch"
+
+
+def test_msgpack_keeps_binary_and_uint64() -> None:
+    msgs = Renderer("msgpack", "event").render(RECORD)
+    assert msgspec.msgpack.decode(msgs[1].value)["block_hashes"] == [b"\xab" * 32]
+    assert msgspec.msgpack.decode(msgs[0].value)["block_hashes"][0] == 2**64 - 1
+    (b,) = Renderer("msgpack", "batch").render(RECORD)
+    assert msgspec.msgpack.decode(b.value)["events"] == EVENTS
+
+
+def test_raw_is_the_payload_untouched() -> None:
+    (m,) = Renderer("raw", "event").render(RECORD)
+    assert m.value == b"\x93raw"
+    assert m.headers == {
+        "source": "llama-a",
+        "dp_rank": "1",
+        "epoch": "2",
+        "seq": "42",
+        "type": "EventBatch",
+        "content-type": "application/vnd.kv-events.msgpack",
+        "ts": "1732870000.25",
+    }
+
+
+def test_control_records() -> None:
+    reset = source_reset(STREAM, 3, "publisher_restart", 0.0)
+    lost = events_lost(STREAM, 3, 0, 4, "replay_unavailable", 0.0)
+    for fmt in ("json", "raw"):
+        (r,) = Renderer(fmt, "event").render(reset)  # type: ignore[arg-type]
+        (lo,) = Renderer(fmt, "event").render(lost)  # type: ignore[arg-type]
+        assert json.loads(r.value) == {
+            "source": "llama-a",
+            "dp_rank": 1,
+            "epoch": 3,
+            "seq": 0,
+            "type": "SourceReset",
+            "reason": "publisher_restart",
+        }
+        assert json.loads(lo.value) == {
+            "source": "llama-a", "dp_rank": 1, "epoch": 3, "seq": 4, "type": "EventsLost",
+            "from_seq": 0, "to_seq": 4, "count": 5, "reason": "replay_unavailable",
+        }  # fmt: skip
+        assert r.position < lo.position
+        assert r.msg_id == "llama-a/1/3/reset" and lo.msg_id == "llama-a/1/3/lost/0-4"
+    (m,) = Renderer("msgpack", "event").render(lost)
+    assert msgspec.msgpack.decode(m.value)["type"] == "EventsLost"
