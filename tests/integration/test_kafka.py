@@ -1,0 +1,543 @@
+"""The Kafka connector on a real broker: conformance, ordering, outages, failure classes, security.
+
+Tests that need the broker use the session ``kafka`` fixture (tests/integration/conftest.py);
+the option-mapping and secret-hiding tests at the end run without one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.codec import has_zstd
+from aiokafka.partitioner import DefaultPartitioner
+from aiokafka.structs import ConsumerRecord
+
+from bridge.config import SinkConfig, convert_options
+from bridge.connector import Registry
+from bridge.errors import ConfigError, ConnectorError, NotConnected, PartialFailure, Permanent
+from bridge.formats import Message, Renderer
+from bridge.records import Stream
+from connectors.kafka import KafkaConnector, KafkaOptions, client_settings, producer_settings, ssl_context
+from tests.infra.servers import KafkaServer
+from tests.integration.conformance import ConformanceSuite, Stored
+from tests.support.records import stream_records
+
+SECRET = "s3cr3t-Pa55w0rd-never-logged"
+
+
+def build(
+    kafka: KafkaServer | str, topic: str, *, fmt: str = "json", granularity: str = "event", **options: Any
+) -> KafkaConnector:
+    """A connector the way the registry builds one from a config file."""
+    servers = kafka if isinstance(kafka, str) else kafka.bootstrap_servers
+    sink = SinkConfig(
+        type="kafka",
+        name="kafka-test",
+        format=fmt,  # type: ignore[arg-type]
+        granularity=granularity,  # type: ignore[arg-type]
+        options={"bootstrap_servers": servers, "topic": topic, "request_timeout": "5s", **options},
+    )
+    connector = Registry({"kafka": KafkaConnector}, entry_points=False).build(sink, 0)
+    assert isinstance(connector, KafkaConnector)
+    return connector
+
+
+def render(records: Sequence[Any], fmt: str = "json", granularity: str = "event") -> list[Message]:
+    renderer = Renderer(fmt, granularity)  # type: ignore[arg-type]
+    return [m for r in records for m in renderer.render(r)]
+
+
+async def consume(kafka: KafkaServer, topic: str) -> list[ConsumerRecord[bytes, bytes]]:
+    """Everything in ``topic`` (all partitions, up to the current end), partition by partition."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        described = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    partitions = sorted(TopicPartition(topic, p["partition"]) for p in described[0]["partitions"])
+    assert partitions, f"topic {topic} has no partitions"
+    consumer = AIOKafkaConsumer(bootstrap_servers=kafka.bootstrap_servers, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        ends = await consumer.end_offsets(partitions)
+        out: dict[int, list[ConsumerRecord[bytes, bytes]]] = {tp.partition: [] for tp in partitions}
+        deadline = time.monotonic() + 30
+        while [tp for tp in partitions if await consumer.position(tp) < ends[tp]]:
+            assert time.monotonic() < deadline, "timed out reading the topic back"
+            batch = await consumer.getmany(timeout_ms=500)
+            for tp, records in batch.items():
+                out[tp.partition].extend(records)
+        return [r for p in sorted(out) for r in out[p]]
+    finally:
+        await consumer.stop()
+
+
+def headers_of(record: ConsumerRecord[bytes, bytes]) -> dict[str, str]:
+    return {k: v.decode() for k, v in record.headers}
+
+
+def identity(record: ConsumerRecord[bytes, bytes]) -> tuple[str, str, int, int, int]:
+    """(source, dp_rank, epoch, seq, index): what a consumer deduplicates on."""
+    h = headers_of(record)
+    return (h["source"], h["dp_rank"], int(h["epoch"]), int(h["seq"]), int(h.get("index", -1)))
+
+
+async def deliver(connector: KafkaConnector, messages: Sequence[Message], *, budget: float = 60.0) -> list[int]:
+    """Write like the runtime does: retry what failed with capped backoff; return dead-lettered indexes."""
+    pending = list(range(len(messages)))
+    dead: list[int] = []
+    delay = 0.1
+    deadline = time.monotonic() + budget
+    while pending:
+        try:
+            await connector.write([messages[i] for i in pending])
+            return sorted(dead)
+        except PartialFailure as exc:
+            failed = [pending[j] for j in exc.failed]
+            if isinstance(exc.cause, Permanent):
+                dead += failed
+                return sorted(dead)
+            pending = failed
+        except Permanent:
+            return sorted(dead + pending)
+        except ConnectorError:
+            pass
+        assert time.monotonic() < deadline, "the connector did not recover in time"
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 2.0)
+    return sorted(dead)
+
+
+# -- the shared conformance suite ---------------------------------------------------------------
+
+
+@pytest.mark.integration
+class TestKafkaConformance(ConformanceSuite):
+    # The idempotent producer dedups only its own internal retries; a write the runtime sends
+    # again is stored again (consumers dedup on source/dp_rank/epoch/seq/index).
+    dedup_on_redelivery = False
+
+    @pytest.fixture(autouse=True)
+    def _broker(self, kafka: KafkaServer) -> None:
+        self.kafka = kafka
+
+    def new_dest(self) -> str:
+        return self.kafka.new_topic(partitions=1)
+
+    async def make_connector(self, sink: SinkConfig, dest: str) -> KafkaConnector:
+        options = convert_options(
+            {"bootstrap_servers": self.kafka.bootstrap_servers, "topic": dest, "request_timeout": "5s"},
+            KafkaOptions,
+            "sinks[0]",
+        )
+        return KafkaConnector("kafka-conformance", options, sink)
+
+    async def read_back(self, dest: str, stream: Stream, expected: int) -> list[Stored]:
+        records = [r for r in await consume(self.kafka, dest) if r.key == stream.key.encode()]
+        assert len(records) >= expected
+        return [Stored(value=r.value or b"", headers=headers_of(r)) for r in records]
+
+    async def restart_server(self) -> None:
+        await self.kafka.arestart()
+
+
+# -- ordering and partitioning ------------------------------------------------------------------
+
+
+@pytest.mark.integration
+async def test_streams_keep_order_and_partition_across_four_partitions(kafka: KafkaServer) -> None:
+    topic = await kafka.anew_topic(partitions=4)
+    streams = [Stream("llama-a", 0), Stream("llama-a", 1), Stream("qwen-b", 0)]
+    per_stream = {s.key: render(stream_records(s, 12)) for s in streams}
+    # Interleave the streams and cut into writes of uneven size, as the runtime's batching does.
+    interleaved = [m for group in zip(*per_stream.values(), strict=True) for m in group]
+    connector = build(kafka, topic, max_batch_bytes="4KiB")  # several record batches per partition
+    await connector.connect()
+    try:
+        for start in range(0, len(interleaved), 25):
+            await connector.write(interleaved[start : start + 25])
+    finally:
+        await connector.close()
+    records = await consume(kafka, topic)
+    assert len(records) == len(interleaved)
+    partitioner = DefaultPartitioner()
+    for stream in streams:
+        mine = [r for r in records if r.key == stream.key.encode()]
+        assert [r.value for r in mine] == [m.value for m in per_stream[stream.key]]
+        # One partition per stream, the one Java's murmur2 partitioner picks for the key.
+        assert {r.partition for r in mine} == {partitioner(stream.key.encode(), [0, 1, 2, 3], [0, 1, 2, 3])}
+
+
+@pytest.mark.integration
+async def test_fixed_partition_and_templated_topic(kafka: KafkaServer) -> None:
+    prefix = f"kvb-tpl-{uuid.uuid4().hex[:8]}"
+    await kafka.anew_topic(partitions=3, name=f"{prefix}-llama-a")
+    connector = build(kafka, prefix + "-{source}", partition=2)
+    stream = Stream("llama-a", 0)
+    messages = render(stream_records(stream, 3))
+    await connector.connect()
+    try:
+        await connector.write(messages)
+        assert await connector.health() is None
+    finally:
+        await connector.close()
+    records = await consume(kafka, f"{prefix}-llama-a")
+    assert [r.value for r in records] == [m.value for m in messages]
+    assert {r.partition for r in records} == {2}
+
+
+# -- broker outage ------------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+async def test_broker_down_for_20s_loses_nothing_and_keeps_order(kafka: KafkaServer) -> None:
+    topic = await kafka.anew_topic(partitions=2)
+    streams = [Stream("llama-a", 0), Stream("llama-b", 1)]
+    connector = build(kafka, topic, request_timeout="3s")
+    await connector.connect()
+    written: list[Message] = []
+    restarted = asyncio.Event()
+    after_restart = 0
+
+    async def produce() -> None:
+        nonlocal after_restart
+        seq = 0
+        while after_restart < 20:
+            messages = [m for s in streams for m in render(stream_records(s, 1, start=seq))]
+            assert await deliver(connector, messages, budget=90) == []
+            written.extend(messages)
+            seq += 1
+            after_restart += restarted.is_set()
+            await asyncio.sleep(0.02)
+
+    writer = asyncio.create_task(produce())
+    try:
+        await asyncio.sleep(1.0)
+        await kafka.astop()
+        down_since = time.monotonic()
+        reason = None
+        while reason is None and time.monotonic() - down_since < 15:
+            await asyncio.sleep(0.5)
+            reason = await connector.health()
+        assert reason is not None, "health() kept saying healthy while the broker was down"
+        await asyncio.sleep(max(0.0, 20 - (time.monotonic() - down_since)))
+        await kafka.astart()
+        restarted.set()
+        await asyncio.wait_for(writer, 120)
+        assert await connector.health() is None
+    finally:
+        writer.cancel()
+        await connector.close()
+
+    records = await consume(kafka, topic)
+    for stream in streams:
+        expected = [(m.record.seq, m.index) for m in written if m.record.stream == stream]
+        seen: set[tuple[int, int | None]] = set()
+        firsts = []
+        for r in records:
+            if r.key != stream.key.encode():
+                continue
+            _s, _r, _e, seq, index = identity(r)
+            if (seq, index) not in seen:  # what a deduplicating consumer keeps
+                seen.add((seq, index))
+                firsts.append((seq, index))
+        assert firsts == expected, f"{stream.key}: a message is missing or out of order"
+        assert len({r.partition for r in records if r.key == stream.key.encode()}) == 1
+
+
+# -- failure classification ---------------------------------------------------------------------
+
+
+@pytest.mark.integration
+async def test_message_larger_than_max_batch_bytes_is_permanent(kafka: KafkaServer) -> None:
+    topic = await kafka.anew_topic()
+    stream = Stream("llama-a", 0)
+    small = render(stream_records(stream, 2))
+    big = msgspec.structs.replace(small[0], value=b"x" * 100_000, msg_id="llama-a/0/0/99/0")
+    connector = build(kafka, topic, max_batch_bytes="64KiB")
+    await connector.connect()
+    try:
+        with pytest.raises(Permanent, match="more than max_batch_bytes"):
+            await connector.write([big])
+        with pytest.raises(PartialFailure) as info:
+            await connector.write([small[0], big, *small[1:]])
+        assert info.value.failed == [1]
+        assert isinstance(info.value.cause, Permanent)
+    finally:
+        await connector.close()
+    assert [r.value for r in await consume(kafka, topic)] == [m.value for m in small]
+
+
+@pytest.mark.integration
+async def test_message_refused_by_the_topic_is_permanent_and_the_rest_delivered(kafka: KafkaServer) -> None:
+    # The topic takes at most 20000 bytes per batch, far below max_batch_bytes: the broker refuses.
+    topic = await kafka.anew_topic(config={"max.message.bytes": "20000"})
+    stream = Stream("llama-a", 0)
+    small = render(stream_records(stream, 6))
+    big = msgspec.structs.replace(small[2], value=b"y" * 30_000, msg_id="llama-a/0/0/99/0")
+    messages = [*small[:3], big, *small[3:]]
+    connector = build(kafka, topic)
+    await connector.connect()
+    try:
+        assert await deliver(connector, messages) == [3]
+        # The producer recovered (the refused batch broke its sequence numbers): writes go on.
+        more = render(stream_records(stream, 2, start=6))
+        await connector.write(more)
+    finally:
+        await connector.close()
+    values = [r.value for r in await consume(kafka, topic)]
+    firsts = list(dict.fromkeys(values))  # at least once across the retries: keep first copies
+    assert firsts == [m.value for m in small + more]
+
+
+@pytest.mark.integration
+async def test_unknown_topic_without_auto_creation_is_a_clear_error(kafka: KafkaServer) -> None:
+    # The broker auto-creates topics; the producer asks it not to (allow.auto.create.topics).
+    topic = f"kvb-missing-{uuid.uuid4().hex[:8]}"
+    connector = build(kafka, topic, allow_auto_create_topics=False)
+    try:
+        with pytest.raises(NotConnected, match=f"sinks\\[kafka-test\\]: topic '{topic}' does not exist") as info:
+            await connector.connect()
+        assert info.value.reason == "unknown_topic"
+        reason = await connector.health()
+        assert reason is not None and topic in reason and "does not exist" in reason
+        messages = render(stream_records(Stream("llama-a", 0), 2))
+        with pytest.raises(NotConnected, match=topic):
+            await connector.write(messages)
+        # Once the topic exists the same connector delivers, and is healthy again.
+        await kafka.anew_topic(name=topic)
+        await connector.write(messages)
+        assert await connector.health() is None
+    finally:
+        await connector.close()
+    assert [r.value for r in await consume(kafka, topic)] == [m.value for m in messages]
+
+
+@pytest.mark.integration
+async def test_templated_topic_missing_for_one_stream_fails_only_its_messages(kafka: KafkaServer) -> None:
+    prefix = f"kvb-part-{uuid.uuid4().hex[:8]}"
+    await kafka.anew_topic(name=f"{prefix}-llama-a")
+    connector = build(kafka, prefix + "-{source}", allow_auto_create_topics=False)
+    a = render(stream_records(Stream("llama-a", 0), 2))
+    b = render(stream_records(Stream("qwen-b", 0), 2))
+    messages = [x for pair in zip(a, b, strict=True) for x in pair]
+    await connector.connect()
+    try:
+        with pytest.raises(PartialFailure) as info:
+            await connector.write(messages)
+        assert info.value.failed == [i for i, m in enumerate(messages) if m.record.stream.source == "qwen-b"]
+        assert isinstance(info.value.cause, NotConnected) and f"{prefix}-qwen-b" in str(info.value.cause)
+    finally:
+        await connector.close()
+    assert [r.value for r in await consume(kafka, f"{prefix}-llama-a")] == [m.value for m in a]
+
+
+@pytest.mark.integration
+async def test_create_topics_creates_missing_topic_with_partitions_and_configs(kafka: KafkaServer) -> None:
+    topic = f"kvb-created-{uuid.uuid4().hex[:8]}"
+    connector = build(
+        kafka,
+        topic,
+        allow_auto_create_topics=False,
+        create_topics={"enabled": True, "partitions": 3, "configs": {"retention.ms": "3600000"}},
+    )
+    await connector.connect()
+    try:
+        await connector.write(render(stream_records(Stream("llama-a", 0), 1)))
+    finally:
+        await connector.close()
+    assert {r.partition for r in await consume(kafka, topic)} <= {0, 1, 2}
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        described = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    assert len(described[0]["partitions"]) == 3
+
+
+@pytest.mark.integration
+async def test_unreachable_broker_is_not_connected_naming_sink_and_server() -> None:
+    from tests.infra.servers import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    connector = build(address, "kv-events", request_timeout="2s")
+    with pytest.raises(NotConnected, match=rf"sinks\[kafka-test\]: cannot connect to {address} \(connection refused\)"):
+        await connector.connect()
+    assert await connector.health() == f"cannot connect to {address} (connection refused)"
+    with pytest.raises(NotConnected):
+        await connector.write(render(stream_records(Stream("llama-a", 0), 1)))
+    await connector.close()
+    await connector.close()  # twice: still no error
+
+
+@pytest.mark.integration
+async def test_gzip_compression_round_trip(kafka: KafkaServer) -> None:
+    topic = await kafka.anew_topic()
+    messages = render(stream_records(Stream("llama-a", 0), 5), "msgpack", "batch")
+    connector = build(kafka, topic, compression="gzip", fmt="msgpack", granularity="batch")
+    await connector.connect()
+    try:
+        await connector.write(messages)
+    finally:
+        await connector.close()
+    assert [r.value for r in await consume(kafka, topic)] == [m.value for m in messages]
+
+
+@pytest.mark.integration
+async def test_sasl_password_never_logged_when_handshake_fails(kafka: KafkaServer, caplog: pytest.LogCaptureFixture) -> None:
+    # The PLAINTEXT listener does not speak SASL: the connection attempt fails after sending.
+    caplog.set_level(logging.DEBUG)
+    connector = build(
+        kafka,
+        "kv-events",
+        security_protocol="SASL_PLAINTEXT",
+        sasl_mechanism="SCRAM-SHA-512",
+        sasl_username="bridge",
+        sasl_password=SECRET,
+        request_timeout="3s",
+    )
+    with pytest.raises(NotConnected) as info:
+        await connector.connect()
+    texts = [str(info.value), repr(info.value), str(await connector.health()), caplog.text, repr(connector)]
+    texts += [str(info.value.__cause__ or ""), str(info.value.__context__ or "")]
+    assert not [t for t in texts if SECRET in t]
+    assert "cannot connect to" in str(info.value)
+    await connector.close()
+
+
+# -- options without a broker -------------------------------------------------------------------
+
+
+def options(**values: Any) -> KafkaOptions:
+    return convert_options({"bootstrap_servers": "k1:9092", **values}, KafkaOptions, "sinks[0]")
+
+
+def test_defaults_map_to_an_idempotent_acks_all_producer() -> None:
+    settings = producer_settings(options(), "kafka-main")
+    assert settings == {
+        "bootstrap_servers": ["k1:9092"],
+        "client_id": "kv-event-bridge-kafka-main",
+        "request_timeout_ms": 10000,
+        "security_protocol": "PLAINTEXT",
+        "acks": "all",
+        "enable_idempotence": True,
+        "compression_type": None,
+        "linger_ms": 0,
+        "max_batch_size": 2**20,
+        "max_request_size": 2**20,
+    }
+    assert ssl_context(options()) is None
+
+
+def test_sasl_ssl_scram_maps_to_aiokafka_arguments() -> None:
+    opts = options(
+        bootstrap_servers=["k1:9093", "k2:9093, k3:9093"],
+        security_protocol="SASL_SSL",
+        sasl_mechanism="SCRAM-SHA-512",
+        sasl_username="bridge",
+        sasl_password=SECRET,
+        tls={"check_hostname": False},
+        client_id="kvb",
+        compression="gzip",
+        linger_ms=5,
+        max_batch_bytes="512KiB",
+        request_timeout="2.5s",
+    )
+    settings = producer_settings(opts, "kafka-main")
+    assert settings["bootstrap_servers"] == ["k1:9093", "k2:9093", "k3:9093"]
+    assert settings["security_protocol"] == "SASL_SSL"
+    assert settings["sasl_mechanism"] == "SCRAM-SHA-512"
+    assert settings["sasl_plain_username"] == "bridge"
+    assert settings["sasl_plain_password"] == SECRET
+    assert (settings["client_id"], settings["compression_type"], settings["linger_ms"]) == ("kvb", "gzip", 5)
+    assert (settings["max_batch_size"], settings["request_timeout_ms"]) == (512 * 1024, 2500)
+    assert client_settings(opts, "x")["sasl_plain_password"] == SECRET  # the admin client too
+    context = ssl_context(opts)
+    assert context is not None and context.check_hostname is False
+
+
+def test_ssl_maps_tls_files_and_hostname_check(tmp_path: Any) -> None:
+    opts = options(security_protocol="SSL")
+    context = ssl_context(opts)
+    assert context is not None and context.check_hostname is True
+    assert "sasl_mechanism" not in producer_settings(opts, "k")
+    missing = options(security_protocol="SSL", tls={"ca_file": str(tmp_path / "nope.pem")})
+    with pytest.raises(FileNotFoundError):
+        ssl_context(missing)
+
+
+async def test_missing_tls_file_is_not_connected_without_network(tmp_path: Any) -> None:
+    connector = KafkaConnector(
+        "kafka-main",
+        options(security_protocol="SSL", tls={"ca_file": str(tmp_path / "ca.pem")}),
+        SinkConfig(type="kafka"),
+    )
+    with pytest.raises(NotConnected, match=r"sinks\[kafka-main\]: TLS setup failed"):
+        await connector.connect()
+    assert "TLS setup failed" in (await connector.health() or "")
+    await connector.close()
+
+
+@pytest.mark.parametrize(
+    ("values", "problem"),
+    [
+        ({"security_protocol": "SASL_SSL", "sasl_username": "u"}, "sasl_username and sasl_password are required"),
+        ({"sasl_username": "u", "sasl_password": "p"}, "security_protocol is PLAINTEXT"),
+        ({"acks": 1}, 'acks must be "all" while enable_idempotence is true'),
+        ({"tls": {"ca_file": "/ca.pem"}}, "tls is set but security_protocol is PLAINTEXT"),
+        ({"security_protocol": "SSL", "tls": {"key_file": "/k.pem"}}, "tls.key_file needs tls.cert_file"),
+        ({"bootstrap_servers": " , "}, "bootstrap_servers: at least one host:port"),
+        ({"request_timeout": "0s"}, "request_timeout must be positive"),
+        ({"sasl_mechanism": "GSSAPI"}, "sasl_mechanism"),
+        ({"topics": "x"}, "sinks[0].topics: unknown key (did you mean topic?)"),
+        ({"partition": -1}, "sinks[0].partition"),
+    ],
+)
+def test_config_problems_are_reported_with_their_path(values: dict[str, Any], problem: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        options(**values)
+    assert problem in str(info.value)
+    assert str(info.value).startswith("sinks[0]")
+
+
+def test_acks_1_allowed_without_idempotence() -> None:
+    assert producer_settings(options(acks=1, enable_idempotence=False), "k")["acks"] == 1
+
+
+@pytest.mark.skipif(has_zstd(), reason="cramjam is installed: zstd works")
+def test_compression_without_its_library_names_the_package() -> None:
+    with pytest.raises(ConfigError, match=r"compression zstd needs the cramjam package \(pip install cramjam\)"):
+        options(compression="zstd")
+
+
+def test_bad_topic_names_are_config_errors() -> None:
+    sink = SinkConfig(type="kafka", name="kafka-main", options={"bootstrap_servers": "k:9092", "topic": "a topic"})
+    with pytest.raises(ConfigError, match=r"sinks\[kafka-main\]\.topic: 'a topic' is not a valid Kafka topic name"):
+        Registry({"kafka": KafkaConnector}, entry_points=False).build(sink, 0)
+    sink.options["topic"] = "kv.{source"
+    with pytest.raises(ConfigError):
+        Registry({"kafka": KafkaConnector}, entry_points=False).build(sink, 0)
+
+
+def test_secrets_never_in_repr_or_config_errors() -> None:
+    opts = options(security_protocol="SASL_SSL", sasl_username="bridge", sasl_password=SECRET)
+    connector = KafkaConnector("kafka-main", opts, SinkConfig(type="kafka"))
+    assert SECRET not in repr(opts) and SECRET not in str(opts) and SECRET not in repr(connector)
+    assert "sasl_password='***'" in repr(opts) or "sasl_password=***" in repr(opts)
+    with pytest.raises(ConfigError) as info:
+        options(security_protocol="SASL_SSL", sasl_password=SECRET)  # no user: invalid
+    assert SECRET not in str(info.value)
