@@ -68,7 +68,7 @@ class ConformanceSuite:
         dest = self.new_dest()
         sink = self.sink(fmt, granularity)
         stream = Stream("llama-a", 0, {"model": "m"})
-        records = control_records(stream, 1)[:1] + stream_records(stream, 5, epoch=1) + control_records(stream, 1)[1:]
+        records = control_records(stream, 1)[:1] + stream_records(stream, 5, epoch=1) + control_records(stream, 2)
         messages = self.render(sink, records)
         conn = await self.make_connector(sink, dest)
         await conn.connect()
