@@ -162,6 +162,9 @@ class ReplayConfig(Struct):
     initial_backoff: Duration = Duration(0.2)
     max_backoff: Duration = Duration(5.0)
     max_concurrent: Annotated[int, msgspec.Meta(ge=1, description="Replays in flight per process, at most.")] = 8
+    idle_probe: Annotated[Duration, _doc("Quiet time after which a stream asks replay for a missed tail (0 disables).")] = (
+        Duration(30.0)
+    )
     max_held_batches: Annotated[int, msgspec.Meta(ge=1, description="Live batches held per stream while a gap is open.")] = 20000
 
 

@@ -125,6 +125,8 @@ class Bridge:
             await self.health.start()
         for source in cfg.sources:
             await self.add_source(source)
+        if cfg.replay.idle_probe > 0:
+            self.spawn(self._idle_probe_loop(), "idle-probe")
         if cfg.checkpoint.path:
             self._checkpoint_task = self._watch(asyncio.create_task(self._checkpoint_loop(), name="checkpoint"))
         log.info("bridge started", extra={"sources": len(self.readers), "sinks": len(self.workers)})
@@ -220,6 +222,15 @@ class Bridge:
             log.error("background task failed", extra={"task": task.get_name(), "error": repr(exc)}, exc_info=exc)
             if self.failed is None:
                 self.failed = exc
+
+    async def _idle_probe_loop(self) -> None:
+        quiet = self.config.replay.idle_probe
+        while True:
+            await asyncio.sleep(min(1.0, quiet))
+            now = time.monotonic()
+            for pipeline in list(self.pipelines.values()):
+                if pipeline.replay_endpoint is not None and now - pipeline.last_activity >= quiet:
+                    await pipeline.probe()
 
     # -- checkpoint -----------------------------------------------------------------------------
     def _load_checkpoint(self) -> dict[str, ckpt.StreamPosition]:

@@ -145,6 +145,19 @@ class StreamSequencer:
             self._request(out)
         return out
 
+    def probe(self) -> list[Action]:
+        """The stream has been quiet: ask the replay socket for anything after our position.
+
+        A live message dropped at the end of a burst shows as a gap only when the next one
+        arrives; an idle engine may send none for a long time. The probe fetches such a tail, and
+        its verify reply also reveals a restart the live stream has not shown yet.
+        """
+        out: list[Action] = []
+        if self.can_replay and self._replay is None and self.last_live is not None and not self.held:
+            self._attempts = 0
+            self._request(out, to_end=True)
+        return out
+
     def replayed(self, request_id: int, seq: int, payload: bytes) -> list[Action]:
         """One reply of the replay ``request_id``."""
         out: list[Action] = []
@@ -254,13 +267,13 @@ class StreamSequencer:
         self._suspect = None
         self._drain(out)
 
-    def _request(self, out: list[Action]) -> None:
+    def _request(self, out: list[Action], to_end: bool = False) -> None:
         self._request_id += 1
         self._replay = self._request_id
         self._replay_start = self.delivered + 1
         self._replay_first = True
         # The last seq this replay must bring; -1: read to the end marker (start-up history).
-        until = self._next_held() - 1 if self.held else (-1 if self.last_live is None else self.last_live)
+        until = self._next_held() - 1 if self.held else (-1 if self.last_live is None or to_end else self.last_live)
         start = self._replay_start
         self._verify = None
         if self._ts_of is not None and self.delivered >= 0 and self._delivered_ts() is not None:

@@ -61,6 +61,7 @@ class StreamPipeline:
         self.backoff = Backoff(cfg.initial_backoff, cfg.max_backoff)
         self.lock = asyncio.Lock()
         self._replay_task: asyncio.Task[None] | None = None
+        self.last_activity = time.monotonic()
         m = bridge.metrics
         src, rank = stream.source, str(stream.dp_rank)
         self._m_received = m.batches_received.labels(src, rank)
@@ -81,6 +82,7 @@ class StreamPipeline:
     async def on_live(self, burst: Sequence[list[bytes]], received: float) -> None:
         """A burst of live messages drained from the SUB socket."""
         self._m_received.inc(len(burst))
+        self.last_activity = time.monotonic()
         ingest_lag = self.bridge.metrics.ingest_lag
         async with self.lock:
             for frames in burst:
@@ -93,6 +95,12 @@ class StreamPipeline:
                 if ts is not None:
                     ingest_lag.observe(max(0.0, received - ts))
                 await self._execute(self.sequencer.live(f.seq, f.payload), received)
+
+    async def probe(self) -> None:
+        """Called when the stream has been quiet for ``replay.idle_probe`` (see StreamSequencer.probe)."""
+        self.last_activity = time.monotonic()
+        async with self.lock:
+            await self._execute(self.sequencer.probe(), time.time())
 
     async def stop(self) -> None:
         task = self._replay_task

@@ -278,3 +278,21 @@ def test_resume_verifies_checkpoint_position() -> None:
         out += seqr.replayed(req.request_id, s, p)
     assert [a.seq for a in out if isinstance(a, Deliver)] == [7, 8, 9]
     assert seqr.epoch == 2
+
+
+def test_idle_probe_fetches_a_dropped_tail() -> None:
+    engine = Engine(buffer=100)
+    seqr = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts_of)
+    sink = Sink()
+    for _ in range(5):
+        sink.apply(seqr.live(*engine.publish()), seqr)
+    engine.publish()  # seq 5 never arrives live, and the engine goes quiet
+    (req,) = seqr.probe()
+    assert isinstance(req, RequestReplay) and req.start == 4 and req.until == -1
+    out: list[Action] = []
+    for s, p in engine.replay(req.start):
+        out += seqr.replayed(req.request_id, s, p)
+    out += seqr.replay_finished(req.request_id, True)
+    sink.apply(out, seqr)
+    assert [a.seq for a in out if isinstance(a, Deliver)] == [5]
+    assert seqr.probe() and seqr.delivered == 5
