@@ -19,6 +19,7 @@ import contextlib
 import logging
 import re
 import ssl
+import weakref
 from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -284,6 +285,9 @@ class KafkaConnector:
         self._suspects: dict[str, bool] = {}  # msg_id -> send alone (it was in a refused batch)
         self._rejected: dict[str, ConnectorError] = {}  # msg_id -> why the broker refused it alone
         self._created: set[str] = set()
+        if options.sasl_password:
+            _REDACT.secrets[id(self)] = options.sasl_password
+            weakref.finalize(self, _REDACT.secrets.pop, id(self), None)
         self._down: str | None = "not connected yet"  # why there is no producer
         self._topic_problem: str | None = None  # a missing / unusable topic, for health()
 
@@ -776,6 +780,41 @@ class KafkaConnector:
         """``text`` without the SASL password (defence in depth: error texts are logged)."""
         secret = self.options.sasl_password
         return text.replace(secret, "***") if secret else text
+
+
+class _RedactSecrets(logging.Filter):
+    """Keeps SASL secrets out of aiokafka's debug log.
+
+    aiokafka.conn logs every request it sends at DEBUG, SaslAuthenticate included, whose bytes
+    hold the PLAIN password. Records of such requests lose their body, and any live sink's
+    password in any aiokafka record is masked.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.secrets: dict[int, str] = {}  # id(connector) -> password
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        redacted = _SASL_AUTH.sub(r"\1(<redacted>)", text)
+        for secret in self.secrets.values():
+            redacted = redacted.replace(secret, "***")
+        if redacted != text:
+            record.msg, record.args = redacted, None
+        return True
+
+
+_SASL_AUTH = re.compile(r"(SaslAuthenticateRequest\w*)\(.*\)", re.DOTALL)
+_REDACT = _RedactSecrets()
+for _name in (
+    "aiokafka",
+    "aiokafka.conn",
+    "aiokafka.cluster",
+    "aiokafka.producer.producer",
+    "aiokafka.producer.sender",
+    "aiokafka.admin.client",
+):
+    logging.getLogger(_name).addFilter(_REDACT)  # logger filters do not apply to child loggers
 
 
 def _throttle_metadata_retries(client: Any) -> None:

@@ -10,7 +10,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -27,8 +28,9 @@ from bridge.errors import ConfigError, ConnectorError, NotConnected, PartialFail
 from bridge.formats import Message, Renderer
 from bridge.records import Stream
 from connectors.kafka import KafkaConnector, KafkaOptions, client_settings, producer_settings, ssl_context
-from tests.infra.servers import KafkaServer
+from tests.infra.servers import KafkaServer, ServerError
 from tests.integration.conformance import ConformanceSuite, Stored
+from tests.integration.conftest import unavailable
 from tests.support.records import stream_records
 
 SECRET = "s3cr3t-Pa55w0rd-never-logged"
@@ -417,6 +419,54 @@ async def test_sasl_password_never_logged_when_handshake_fails(kafka: KafkaServe
     assert not [t for t in texts if SECRET in t]
     assert "cannot connect to" in str(info.value)
     await connector.close()
+
+
+@pytest.fixture(scope="module")
+def sasl_kafka(infra_run_dir: Path) -> Iterator[KafkaServer]:
+    """A broker of this module's own with a SASL_PLAINTEXT (PLAIN) listener besides PLAINTEXT."""
+    jaas = f'org.apache.kafka.common.security.plain.PlainLoginModule required user_bridge="{SECRET}";'
+    server = KafkaServer(
+        infra_run_dir / "kafka-sasl",
+        listeners={"SASL_PLAINTEXT": "SASL_PLAINTEXT"},
+        extra_properties={
+            "sasl.enabled.mechanisms": "PLAIN",
+            "listener.name.sasl_plaintext.plain.sasl.jaas.config": jaas,
+        },
+    )
+    try:
+        server.start()
+    except ServerError as exc:
+        server.kill()
+        unavailable("kafka with SASL", exc)
+    yield server
+    server.remove()
+
+
+@pytest.mark.integration
+async def test_sasl_plain_delivers_and_never_logs_the_password(sasl_kafka: KafkaServer, caplog: pytest.LogCaptureFixture) -> None:
+    # DEBUG on: aiokafka logs every request it sends, the SASL PLAIN authentication included.
+    caplog.set_level(logging.DEBUG)
+    topic = await sasl_kafka.anew_topic()
+    sasl = f"127.0.0.1:{sasl_kafka.ports['SASL_PLAINTEXT']}"
+    messages = render(stream_records(Stream("llama-a", 0), 2))
+    connector = build(sasl, topic, security_protocol="SASL_PLAINTEXT", sasl_username="bridge", sasl_password=SECRET)
+    await connector.connect()
+    try:
+        await connector.write(messages)
+        assert await connector.health() is None
+    finally:
+        await connector.close()
+    assert "SaslAuthenticateRequest" in caplog.text  # the record is there, its body is not
+    assert SECRET not in caplog.text
+    assert [r.value for r in await consume(sasl_kafka, topic)] == [m.value for m in messages]
+
+    wrong = "wr0ng-" + SECRET
+    connector = build(sasl, topic, security_protocol="SASL_PLAINTEXT", sasl_username="bridge", sasl_password=wrong)
+    with pytest.raises(NotConnected, match=r"cannot connect to .*[Aa]uthentication") as info:
+        await connector.connect()
+    await connector.close()
+    texts = [caplog.text, str(info.value), str(await connector.health())]
+    assert not [t for t in texts if SECRET in t or wrong in t]
 
 
 # -- options without a broker -------------------------------------------------------------------
