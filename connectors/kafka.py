@@ -288,6 +288,7 @@ class KafkaConnector:
         if options.sasl_password:
             _REDACT.secrets[id(self)] = options.sasl_password
             weakref.finalize(self, _REDACT.secrets.pop, id(self), None)
+        self._closed = False
         self._down: str | None = "not connected yet"  # why there is no producer
         self._topic_problem: str | None = None  # a missing / unusable topic, for health()
 
@@ -368,6 +369,7 @@ class KafkaConnector:
     async def close(self) -> None:
         """Flush what is pending (bounded by request_timeout) and stop; never raises."""
         producer, self._producer = self._producer, None
+        self._closed = True
         self._down = "closed"
         if producer is None:
             return
@@ -383,18 +385,28 @@ class KafkaConnector:
             await self._force_stop(producer)
 
     async def health(self) -> str | None:
-        """None when a broker answers a metadata request, else a short reason."""
-        producer = self._producer
-        if producer is None:
-            return self._down or "not connected"
-        if self._topic_problem is not None:
-            return self._topic_problem
+        """None when a broker answers a metadata request, else a short reason.
+
+        Without a producer (never connected, or dropped after an outage) it tries to connect,
+        and it re-checks a missing static topic, so an idle sink turns ready again by itself.
+        """
+        if self._closed:
+            return "closed"
+        limit = min(self._timeout, 5.0)
         try:
-            async with asyncio.timeout(min(self._timeout, 5.0)):
+            producer = await self._ensure_producer()
+            if self._topic_problem is not None and self._topic.static:
+                async with asyncio.timeout(self._timeout):
+                    await self._prepare_topic(producer, self.options.topic)
+            if self._topic_problem is not None:
+                return self._topic_problem
+            async with asyncio.timeout(limit):
                 node = producer.client.get_random_node()
                 if node is None:
                     return f"no broker known from {self._servers}"
                 await producer.client.send(node, MetadataRequest([]))
+        except ConnectorError as exc:
+            return self._topic_problem or self._down or str(exc)
         except (Exception, TimeoutError) as exc:
             return f"cannot reach {self._servers} ({self._scrub(_describe(exc))})"
         return None
@@ -403,6 +415,7 @@ class KafkaConnector:
     async def _ensure_producer(self) -> Any:
         if self._producer is not None:
             return self._producer
+        self._closed = False  # connect() or write() after close() starts over
         async with self._connect_lock:
             if self._producer is None:
                 self._producer = await self._start()
