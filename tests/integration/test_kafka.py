@@ -387,10 +387,13 @@ async def test_unreachable_broker_is_not_connected_naming_sink_and_server() -> N
 
 
 @pytest.mark.integration
-async def test_gzip_compression_round_trip(kafka: KafkaServer) -> None:
+@pytest.mark.parametrize("codec", ["gzip", "zstd", "lz4", "snappy"])
+async def test_compressed_round_trip(kafka: KafkaServer, codec: str) -> None:
+    if codec != "gzip" and not has_zstd():
+        pytest.skip(f"{codec} needs cramjam, which is not installed")
     topic = await kafka.anew_topic()
     messages = render(stream_records(Stream("llama-a", 0), 5), "msgpack", "batch")
-    connector = build(kafka, topic, compression="gzip", fmt="msgpack", granularity="batch")
+    connector = build(kafka, topic, compression=codec, fmt="msgpack", granularity="batch")
     await connector.connect()
     try:
         await connector.write(messages)
