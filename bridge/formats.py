@@ -89,7 +89,7 @@ def _jsonable(value: Any, hash_hex: bool) -> Any:
     return value
 
 
-def _plain(value: list[Any]) -> bool:
+def _scalar_list(value: list[Any]) -> bool:
     """True when a list holds only JSON scalars (no binary, no nesting)."""
     for x in value:
         t = type(x)
@@ -98,24 +98,35 @@ def _plain(value: list[Any]) -> bool:
     return True
 
 
-def json_event(event: Event, hash_hex: bool) -> Event:
-    """The event ready for JSON: a copy only where something has to change."""
-    out: Event | None = None
+def _needs_json_fix(event: Event) -> bool:
+    """Whether the event holds anything JSON cannot carry as is (binary anywhere)."""
     for k, v in event.items():
         t = type(v)
-        hex_ints = hash_hex and k in HASH_FIELDS
-        if t is int:
-            if not hex_ints:
-                continue
-        elif t is list:
-            if k == "token_ids" or (not hex_ints and _plain(v)):
-                continue
-        elif not (t is bytes or t is dict or t is tuple or t is bytearray):
+        if t is list:
+            if k != "token_ids" and v and not _scalar_list(v):
+                return True
+        elif not (t is int or t is str or v is None or t is float or t is bool):
+            return True
+    return False
+
+
+def json_event(event: Event, hash_hex: bool) -> Event:
+    """The event ready for JSON: a copy only where something has to change."""
+    if not hash_hex and not _needs_json_fix(event):
+        return event
+    out = dict(event)
+    for k, v in event.items():
+        if k == "token_ids":
             continue
-        if out is None:
-            out = dict(event)
-        out[k] = _jsonable(v, hex_ints)
-    return event if out is None else out
+        t = type(v)
+        hex_ints = hash_hex and k in HASH_FIELDS
+        if (t is int and hex_ints) or (t is list and (hex_ints or not _scalar_list(v))) or t in _CONVERT:
+            out[k] = _jsonable(v, hex_ints)
+    return out
+
+
+_CONVERT = frozenset({bytes, bytearray, memoryview, dict, tuple})
+_INDEX = [str(i).encode() for i in range(4096)]
 
 
 class Renderer:
@@ -212,6 +223,7 @@ class Renderer:
     def _events(self, record: Record) -> list[Message]:
         base_id = self._base_id(record)
         epoch, slot = record.position
+        base = self._headers(record, "", None, self.content_type)  # per event: a copy plus type and index
         out: list[Message] = []
         if self.format == "json":
             head = self._header(record)
@@ -220,8 +232,9 @@ class Renderer:
             ts_part = b',"ts":' + _json.encode(record.ts) + b","
             for i, event in enumerate(record.events):
                 body = _json.encode(json_event(event, self.hash_hex))
-                value = b"".join((prefix, str(i).encode(), ts_part, body[1:]))
-                out.append(self._event_message(record, i, event, value, base_id, epoch, slot))
+                index = _INDEX[i] if i < 4096 else str(i).encode()
+                value = b"".join((prefix, index, ts_part, body[1:]))
+                out.append(self._event_message(record, i, event, value, base_id, epoch, slot, base))
         else:
             head = self._header(record)
             for i, event in enumerate(record.events):
@@ -229,18 +242,23 @@ class Renderer:
                 fields["index"] = i
                 fields["ts"] = record.ts
                 fields.update(event)
-                out.append(self._event_message(record, i, event, _msgpack.encode(fields), base_id, epoch, slot))
+                out.append(self._event_message(record, i, event, _msgpack.encode(fields), base_id, epoch, slot, base))
         return out
 
-    def _event_message(self, record: Record, i: int, event: Event, value: bytes, base_id: str, epoch: int, slot: int) -> Message:
+    def _event_message(
+        self, record: Record, i: int, event: Event, value: bytes, base_id: str, epoch: int, slot: int, base: dict[str, str]
+    ) -> Message:
         type_ = event.get("type")
         type_ = type_ if isinstance(type_, str) else "Unknown"
+        headers = base.copy()
+        headers["type"] = type_
+        headers["index"] = str(i)
         return Message(
             record=record,
             index=i,
             type=type_,
             value=value,
-            headers=self._headers(record, type_, i, self.content_type),
+            headers=headers,
             msg_id=f"{base_id}/{i}",
             position=(epoch, slot, i + 1),
         )
