@@ -83,20 +83,72 @@ class SourceConfig(Struct):
     ] = None
 
 
+class ShardConfig(Struct):
+    """This replica's share of the discovered sources, for running several bridges over one name."""
+
+    count: Annotated[int, msgspec.Meta(ge=1, le=4096, description="Number of replicas sharing the discovered sources.")]
+    index: Annotated[
+        Annotated[int, msgspec.Meta(ge=0)] | Literal["auto"],
+        _doc(
+            "This replica's ordinal, 0..count-1: it reads the sources whose stable hash (sha1 of the source name) "
+            "modulo count equals it. auto: the trailing -N of pod_name (a StatefulSet pod's ordinal)."
+        ),
+    ] = "auto"
+    pod_name: Annotated[
+        str | None,
+        _doc("Name whose trailing -N is the ordinal when index is auto (default: the host name, which is the pod name)."),
+    ] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.index, int) and self.index >= self.count:
+            raise ValueError(f"index {self.index} must be below count {self.count}")
+
+
 class DnsDiscovery(Struct):
     """Sources found by resolving a (headless Service) DNS name: one source per address."""
 
-    name: Annotated[str, _doc("DNS name to resolve (A and AAAA records).")]
+    name: Annotated[str, msgspec.Meta(min_length=1, description="DNS name to resolve (A and AAAA records); give the FQDN.")]
     port: Annotated[int, msgspec.Meta(ge=1, le=65535, description="Engine PUB port.")] = 5557
-    replay_port: Annotated[int | None, _doc("Engine replay port (null: no replay).")] = 5558
+    replay_port: Annotated[Annotated[int, msgspec.Meta(ge=1, le=65535)] | None, _doc("Engine replay port (null: no replay).")] = (
+        5558
+    )
     interval: Annotated[Duration, _doc("How often to re-resolve.")] = Duration(15.0)
-    topic: str = ""
-    dp_ranks: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
-    labels: dict[str, str] = msgspec.field(default_factory=dict)
+    timeout: Annotated[Duration, _doc("Bound on one resolution; a timed-out one keeps the known sources.")] = Duration(5.0)
+    resolver: Annotated[
+        str | None,
+        _doc("host:port of a DNS server to ask directly over UDP (TCP when truncated); default: the system resolver."),
+    ] = None
+    name_prefix: Annotated[
+        str | None, _doc("Discovered sources are named <prefix>-<address> (default: the first label of name).")
+    ] = None
+    nxdomain_grace: Annotated[
+        Duration | None,
+        _doc(
+            "NXDOMAIN keeps the known sources this long, then counts as an empty answer (a headless Service with no "
+            "ready pods answers NXDOMAIN); null: NXDOMAIN never removes sources."
+        ),
+    ] = Duration(60.0)
+    topic: Annotated[str, _doc("ZMQ subscription prefix of every discovered engine.")] = ""
+    dp_ranks: Annotated[int, msgspec.Meta(ge=1, le=1024, description="Ranks per engine, at port+rank.")] = 1
+    labels: Annotated[
+        dict[str, str], _doc("Labels of every discovered source (the label address is added: the engine's IP).")
+    ] = msgspec.field(default_factory=dict)
+    shard: Annotated[ShardConfig | None, _doc("Read only this replica's share of the discovered sources.")] = None
+
+    def __post_init__(self) -> None:
+        top = max(self.port, self.replay_port or 0) + self.dp_ranks - 1
+        if top > 65535:
+            raise ValueError(f"dp_ranks {self.dp_ranks} would use port {top} (> 65535)")
+        if self.resolver is not None:
+            host, sep, port = self.resolver.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"resolver must be host:port, got {self.resolver!r}")
 
 
 class DiscoveryConfig(Struct):
-    dns: DnsDiscovery | None = None
+    """Sources found at run time, beside the static ``sources``."""
+
+    dns: Annotated[DnsDiscovery | None, _doc("Resolve a headless Service name; one source per address.")] = None
 
 
 class CheckpointConfig(Struct):

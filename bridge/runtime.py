@@ -22,6 +22,7 @@ from . import checkpoint as ckpt
 from .config import Config, SourceConfig
 from .connector import Registry
 from .deadletter import DeadLetters
+from .discovery import Discovery
 from .endpoints import for_rank
 from .errors import ConfigError, DecodeError
 from .fanout import Fanout
@@ -90,6 +91,7 @@ class Bridge:
         self.checkpointer = Checkpointer(0, {})
         self.health: HealthServer | None = None
         self._checkpoint_task: asyncio.Task[None] | None = None
+        self.discovery: Discovery | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def __aenter__(self) -> Bridge:
@@ -125,6 +127,11 @@ class Bridge:
             await self.health.start()
         for source in cfg.sources:
             await self.add_source(source)
+        if cfg.discovery.dns is not None:
+            self.discovery = Discovery(
+                cfg.discovery.dns, self, registry=self.metrics.registry, reserved=[s.name for s in cfg.sources]
+            )
+            await self.discovery.start()
         if cfg.replay.idle_probe > 0:
             self.spawn(self._idle_probe_loop(), "idle-probe")
         if cfg.checkpoint.path:
@@ -175,7 +182,9 @@ class Bridge:
             return
         self.stopped.set()
         deadline = time.monotonic() + self.config.shutdown_timeout
-        # 1. stop ingest and replays
+        # 1. stop discovery (no source comes or goes from here on), ingest and replays
+        if self.discovery is not None:
+            await self.discovery.stop()
         for task in self._reader_tasks.values():
             task.cancel()
         await asyncio.gather(*self._reader_tasks.values(), return_exceptions=True)
