@@ -833,6 +833,7 @@ async def test_server_restart_mid_stream_loses_nothing(redis_server: RedisServer
     retries = 0
     writes = range(0, len(records), 5)
     marks = {writes[len(writes) // 3]: asyncio.Event(), writes[2 * len(writes) // 3]: asyncio.Event()}
+    down = {i: asyncio.Event() for i in marks}
     restarts_seen = 0
 
     async def produce() -> None:
@@ -840,6 +841,7 @@ async def test_server_restart_mid_stream_loses_nothing(redis_server: RedisServer
         for i in writes:
             if i in marks:
                 marks[i].set()  # the server goes down while this loop keeps writing
+                await down[i].wait()  # (however slow the machine, the next write meets it down)
             retries += await deliver(conn, render(s, records[i : i + 5]))
             for r in records[i : i + 5]:
                 model.apply(r)
@@ -847,10 +849,13 @@ async def test_server_restart_mid_stream_loses_nothing(redis_server: RedisServer
 
     async def restart() -> None:
         nonlocal restarts_seen
-        for mark in marks.values():
+        for i, mark in marks.items():
             await mark.wait()
-            await redis_server.arestart()
+            await redis_server.astop()
+            down[i].set()
             restarts_seen += not producer.done()
+            await asyncio.sleep(0.5)
+            await redis_server.astart()
 
     try:
         producer = asyncio.create_task(produce())
