@@ -205,6 +205,14 @@ class SinkConfig(Struct):
     ] = "block"
     options: dict[str, Any] = msgspec.field(default_factory=dict)
 
+    def __repr__(self) -> str:
+        # Connector keys may hold secrets (passwords, tokens): never let a repr or log show them.
+        shown = {k: ("***" if _SECRET.search(k) else v) for k, v in self.options.items()}
+        return f"SinkConfig(type={self.type!r}, name={self.name!r}, format={self.format!r}, options={shown!r})"
+
+
+_SECRET = re.compile(r"pass|secret|token|key|cred|seed", re.IGNORECASE)
+
 
 class ReplayConfig(Struct):
     """The replay client (gap recovery through the engines' ROUTER sockets)."""

@@ -123,3 +123,9 @@ def test_durations_and_sizes() -> None:
     assert config._dec_hook(config.ByteSize, "16MiB") == 16 * 2**20
     with pytest.raises(ValueError):
         config._dec_hook(config.ByteSize, "-1")
+
+
+def test_sink_repr_hides_secrets() -> None:
+    sink = config.SinkConfig(type="kafka", options={"sasl_password": "hunter2", "token": "t0k", "topic": "kv"})
+    text = repr(sink)
+    assert "hunter2" not in text and "t0k" not in text and "'topic': 'kv'" in text
