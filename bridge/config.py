@@ -225,12 +225,14 @@ class ReplayConfig(Struct):
     idle_probe: Annotated[Duration, _doc("Quiet time after which a stream asks replay for a missed tail (0 disables).")] = (
         Duration(30.0)
     )
-    max_held_batches: Annotated[int, msgspec.Meta(ge=1, description="Live batches held per stream while a gap is open.")] = 20000
+    max_held_batches: Annotated[int, msgspec.Meta(ge=1, description="Live batches held per stream while a gap is open.")] = 5000
 
 
 class IngestConfig(Struct):
     max_frame_bytes: Annotated[ByteSize, _doc("Larger ZMQ messages are refused before allocation.")] = ByteSize(64 * 2**20)
-    receive_hwm: Annotated[int, msgspec.Meta(ge=0, description="ZMQ receive high-water mark per socket.")] = 100000
+    receive_hwm: Annotated[
+        int, msgspec.Meta(ge=0, description="ZMQ receive high-water mark per socket (messages buffered while blocked).")
+    ] = 5000
     drain_max: Annotated[int, msgspec.Meta(ge=1, description="Messages read per socket wake-up before yielding.")] = 256
 
 

@@ -37,6 +37,10 @@ log = logging.getLogger("bridge.sink")
 
 AckCallback = Callable[[int, list[Record]], None]
 
+# How often an idle sink asks its connector's health(): a sink learns of an outage from a failed
+# write, so without this an idle sink whose server went away would stay "ready" until traffic.
+HEALTH_INTERVAL = 5.0
+
 
 class SinkWorker:
     """Delivers records to one connector. See the module docstring."""
@@ -77,6 +81,7 @@ class SinkWorker:
         self.connected = False
         self.last_error: str | None = "not connected yet"
         self._task: asyncio.Task[None] | None = None
+        self.health_interval = HEALTH_INTERVAL
         self._m_queue_batches = metrics.sink_queue_batches.labels(self.name)
         self._m_queue_bytes = metrics.sink_queue_bytes.labels(self.name)
         self._m_ok = metrics.sink_batches.labels(self.name, "delivered")
@@ -99,6 +104,8 @@ class SinkWorker:
         self._bytes += record.size
         self._idle.clear()
         self._work.set()
+        self._m_queue_batches.set(len(self._queue))
+        self._m_queue_bytes.set(self._bytes)
         if not self.has_room(0):
             self._room.clear()
 
@@ -114,6 +121,7 @@ class SinkWorker:
             self._push(record)
             return True
         if self.block:
+            self._room.clear()  # wait for the next settle, even if the queue is below its bounds
             return False
         self._drop(record)
         return True
@@ -132,8 +140,8 @@ class SinkWorker:
                 record.stream, record.epoch, record.seq, record.seq, f"sink_queue_full:{self.name}", time.time()
             )
         self._m_dropped.inc()
-        # A dropped batch is settled for this sink: the checkpoint may move past it.
-        self.on_ack(self.index, [record])
+        # Not acknowledged here: the EventsLost that announces the span is, once delivered in
+        # order after what is still queued, so the checkpoint never passes undelivered batches.
 
     def _flush_dropped(self, key: str) -> None:
         span = self._dropped.pop(key, None)
@@ -214,13 +222,38 @@ class SinkWorker:
             if not self._queue:
                 self._idle.set()
                 self._work.clear()
-                await self._work.wait()
+                await self._wait_for_work()
                 if linger > 0 and len(self._queue) < self.config.batch.max_messages:
                     await asyncio.sleep(linger)
             records, messages = self._take()
-            if messages:
-                await self._deliver(messages)
-            self._settle(records)
+            dead = await self._deliver(messages) if messages else set()
+            self._settle(records, dead)
+
+    async def _wait_for_work(self) -> None:
+        """Wait for records; meanwhile check the connector's health every ``health_interval``."""
+        while True:
+            try:
+                await asyncio.wait_for(self._work.wait(), self.health_interval)
+                return
+            except TimeoutError:
+                await self._check_health()
+
+    async def _check_health(self) -> None:
+        try:
+            problem = await asyncio.wait_for(self.connector.health(), self.config.retry.write_timeout)
+        except TimeoutError:
+            problem = "health check timed out"
+        except Exception as exc:  # a health hook must not raise; if it does, that is its answer
+            problem = f"health check failed: {type(exc).__name__}: {exc}"
+        if problem is None:
+            self._set_up()
+            return
+        # Not a write failure (no sink_errors, no retry): only readiness and sink_up change.
+        if self.connected:
+            log.warning("sink unhealthy while idle", extra={"sink": self.name, "error": problem})
+        self.connected = False
+        self.last_error = f"health: {problem}"
+        self._m_up.set(0)
 
     def _take(self) -> tuple[list[Record], list[Message]]:
         """Records from the head of the queue (left there) and their messages, within the batch bounds."""
@@ -243,12 +276,13 @@ class SinkWorker:
             size += record.size
         return records, messages
 
-    def _settle(self, records: list[Record]) -> None:
+    def _settle(self, records: list[Record], dead: set[int]) -> None:
+        """Remove ``records`` from the queue and acknowledge them; ``dead``: ids of dead-lettered ones."""
         now = time.time()
         for _ in records:
             r = self._queue.popleft()
             self._bytes -= r.size
-        batches = [r for r in records if r.kind == "batch"]
+        batches = [r for r in records if r.kind == "batch" and id(r) not in dead]
         if batches:
             self._m_ok.inc(len(batches))
             for r in batches:
@@ -260,7 +294,8 @@ class SinkWorker:
         if self.has_room(0):
             self._room.set()
 
-    async def _deliver(self, messages: list[Message]) -> None:
+    async def _deliver(self, messages: list[Message]) -> set[int]:
+        """Write until delivered; returns the ids of records dead-lettered (counted once, not as delivered)."""
         attempt = 0
         timeout = self.config.retry.write_timeout
         while messages:
@@ -269,17 +304,15 @@ class SinkWorker:
                 await asyncio.wait_for(self.connector.write(messages), timeout)
                 self._m_send.observe(time.perf_counter() - start)
                 self._set_up()
-                return
+                return set()
             except PartialFailure as exc:
                 failed = [messages[i] for i in exc.failed if 0 <= i < len(messages)]
                 if isinstance(exc.cause, Permanent):
-                    self._dead_letter_messages(failed, exc.cause)
-                    return
+                    return self._dead_letter_messages(failed, exc.cause)
                 messages = failed
                 error: BaseException = exc.cause
             except Permanent as exc:
-                self._dead_letter_messages(messages, exc)
-                return
+                return self._dead_letter_messages(messages, exc)
             except (ConnectorError, TimeoutError, OSError) as exc:
                 error = exc
             except asyncio.CancelledError:
@@ -291,10 +324,12 @@ class SinkWorker:
             self._set_down(error, attempt)
             retry_after = getattr(error, "retry_after", None)
             await asyncio.sleep(retry_after if retry_after is not None else self.backoff.delay(attempt))
+        return set()
 
-    def _dead_letter_messages(self, messages: list[Message], exc: ConnectorError) -> None:
+    def _dead_letter_messages(self, messages: list[Message], exc: ConnectorError) -> set[int]:
         self.metrics.sink_errors.labels(self.name, exc.reason).inc()
-        self._m_dead.inc(len({id(m.record) for m in messages}))
+        dead = {id(m.record) for m in messages if m.record.kind == "batch"}
+        self._m_dead.inc(len(dead))
         log.error(
             "messages rejected by the sink, dead-lettered", extra={"sink": self.name, "count": len(messages), "error": str(exc)}
         )
@@ -310,6 +345,7 @@ class SinkWorker:
                 payload=m.value,
                 extra={"sink": self.name, "epoch": m.record.epoch, "index": m.index},
             )
+        return dead
 
     def _dead_letter_record(self, record: Record, reason: str, detail: str) -> None:
         self.metrics.dead_letters.labels(reason).inc()
