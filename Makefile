@@ -15,7 +15,7 @@ install: $(PY)
 	$(PY) -m pip install --quiet -e '.[dev]'
 
 demo: install
-	$(PY) -m bridge demo
+	@$(PY) -m bridge demo
 
 lint: install
 	$(VENV)/bin/ruff check .
