@@ -2,6 +2,10 @@
 
 A deliberately tiny HTTP/1.1 server on asyncio streams (GET only, one request per connection,
 bounded header size and read timeout), so the bridge needs no web framework.
+
+Readiness is computed on every ``/readyz`` (and every scrape, which keeps ``kv_bridge_ready``
+current): 200 when every sink is connected and every source subscribed, else 503; both answer
+with a JSON body naming each sink's state (``"ok"`` or why not) and the sources not subscribed.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class HealthServer:
             if method not in ("GET", "HEAD"):
                 status, ctype, body = 405, "text/plain", b"method not allowed\n"
             elif path == "/metrics":
+                self.readiness()  # keeps kv_bridge_ready current for every scrape, not only /readyz
                 status, ctype, body = 200, CONTENT_TYPE_LATEST, self.exposition()
             elif path == "/healthz":
                 status, ctype, body = 200, "text/plain", b"ok\n"

@@ -150,10 +150,11 @@ class StreamPipeline:
             t = e["type"]
             counts[t] = counts.get(t, 0) + 1
         for t, n in counts.items():
-            child = self._m_events.get(t)
+            label = t if t in wire.KNOWN_TYPES else "other"  # keyed by label: unknown type names must not grow the cache
+            child = self._m_events.get(label)
             if child is None:
-                child = self.bridge.metrics.events_received.labels(self.stream.source, t if t in wire.KNOWN_TYPES else "other")
-                self._m_events[t] = child
+                child = self.bridge.metrics.events_received.labels(self.stream.source, label)
+                self._m_events[label] = child
             child.inc(n)  # type: ignore[attr-defined]
         self._m_last_seq.set(seq)
         self._m_last_ts.set(batch.ts)
