@@ -55,6 +55,7 @@ class Metrics:
         self.ingest_lag = Histogram(p + "ingest_lag_seconds", "Receive time minus engine ts.", buckets=LAG_BUCKETS, registry=r)
         # Sinks
         self.sink_batches = Counter(p + "sink_batches", "Batches handled by a sink, by outcome.", ["sink", "outcome"], registry=r)
+        self.sink_events = Counter(p + "sink_events", "Engine events delivered by a sink.", ["sink"], registry=r)
         self.sink_send_duration = Histogram(
             p + "sink_send_duration_seconds", "Duration of one connector write.", ["sink"], buckets=SEND_BUCKETS, registry=r
         )

@@ -85,6 +85,7 @@ class SinkWorker:
         self._m_queue_batches = metrics.sink_queue_batches.labels(self.name)
         self._m_queue_bytes = metrics.sink_queue_bytes.labels(self.name)
         self._m_ok = metrics.sink_batches.labels(self.name, "delivered")
+        self._m_events = metrics.sink_events.labels(self.name)
         self._m_dropped = metrics.sink_batches.labels(self.name, "dropped")
         self._m_dead = metrics.sink_batches.labels(self.name, "dead_lettered")
         self._m_send = metrics.sink_send_duration.labels(self.name)
@@ -285,9 +286,12 @@ class SinkWorker:
         batches = [r for r in records if r.kind == "batch" and id(r) not in dead]
         if batches:
             self._m_ok.inc(len(batches))
+            events = 0
             for r in batches:
+                events += len(r.events)
                 if r.ts is not None:
                     self._m_lag.observe(max(0.0, now - r.ts))
+            self._m_events.inc(events)
         self.on_ack(self.index, records)
         self._m_queue_batches.set(len(self._queue))
         self._m_queue_bytes.set(self._bytes)

@@ -71,6 +71,7 @@ CONTRACT: dict[str, tuple[str, frozenset[str]]] = {
         ("kv_bridge_sink_queue_limit_batches", "gauge", ["sink"]),
         ("kv_bridge_sink_queue_limit_bytes", "gauge", ["sink"]),
         ("kv_bridge_source_disconnects_total", "counter", ["source", "dp_rank"]),
+        ("kv_bridge_sink_events_total", "counter", ["sink"]),
     ]
 }
 LOW_CARDINALITY = frozenset({"source", "dp_rank", "sink", "reason", "type", "outcome", "version"})
