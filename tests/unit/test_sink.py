@@ -50,7 +50,7 @@ async def fill(worker: SinkWorker, records: list[Record]) -> None:
 
 
 async def test_delivers_in_order_in_bounded_writes(tmp_path: Path) -> None:
-    worker, conn, acked, _ = make(tmp_path, batch={"max_messages": 7, "linger": 0})
+    worker, conn, acked, metrics = make(tmp_path, batch={"max_messages": 7, "linger": 0})
     worker.start()
     records = stream_records(STREAM, 50)
     await fill(worker, records)
@@ -60,6 +60,7 @@ async def test_delivers_in_order_in_bounded_writes(tmp_path: Path) -> None:
     assert [m.record.seq for m in conn.messages] == list(range(50))
     assert max(conn.writes) <= 7
     assert [r.seq for r in acked] == list(range(50))
+    assert metrics.registry.get_sample_value("kv_bridge_sink_events_total", {"sink": "mem"}) == 150
 
 
 async def test_transient_failures_are_retried_not_dropped(tmp_path: Path) -> None:
