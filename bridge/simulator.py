@@ -239,6 +239,7 @@ class RankPublisher:
         self.rand = random.Random(seed * 7919 + rank)
         self.seq = 0
         self.published = 0
+        self.dropped = 0  # live messages not sent (fault injection)
         self.restarts = 0
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -264,7 +265,9 @@ class RankPublisher:
         self.seq += 1
         self.published += 1
         self.buffer.append((seq, payload))
-        if not (self.faults.drop_rate and self.rand.random() < self.faults.drop_rate):
+        if self.faults.drop_rate and self.rand.random() < self.faults.drop_rate:
+            self.dropped += 1
+        else:
             await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
         if self.faults.restart_every and self.seq >= self.faults.restart_every:
             self.restart()
