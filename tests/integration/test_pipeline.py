@@ -285,3 +285,19 @@ async def test_two_engines_two_ranks_are_independent(tmp_path: Path) -> None:
                 assert [ln["seq"] for ln in got if ln["epoch"] == 1 and "events" in ln] == list(range(20))
             else:
                 assert _seqs(got) == list(range(100)) and all(ln["epoch"] == 0 for ln in got)
+
+
+async def test_corrupt_checkpoint_is_reported_and_the_bridge_starts_fresh(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ports = free_ports(2)
+    ck = tmp_path / "ck.json"
+    ck.write_bytes(b"{not json")
+    async with Simulator(_sim(ports)) as sim:
+        for _ in range(20):
+            await sim.step()
+        async with running_bridge(tmp_path, [_source("ck", ports)], checkpoint={"path": str(ck)}) as (_bridge, out):
+            await wait_for(lambda: len(read_lines(out)) >= 20, what="history")
+    assert _seqs(read_lines(out)) == list(range(20))
+    assert any("checkpoint unusable" in r.getMessage() for r in caplog.records)
+    assert '"ck/0":{"epoch":0,"seq":19' in ck.read_text()  # rewritten on shutdown
