@@ -1,0 +1,288 @@
+{{/*
+Names, labels, the rendered bridge config, and the container shared by the Deployment, the
+StatefulSet and the sidecar snippet. "kv-event-bridge.sidecar.container" and
+"kv-event-bridge.sidecar.volumes" are public: a chart that has this one as a dependency can
+include them in its own vLLM pod template (README "Deploying", sidecar mode).
+*/}}
+
+{{- define "kv-event-bridge.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kv-event-bridge.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kv-event-bridge.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kv-event-bridge.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kv-event-bridge.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "kv-event-bridge.labels" -}}
+helm.sh/chart: {{ include "kv-event-bridge.chart" . }}
+{{ include "kv-event-bridge.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/component: {{ .Values.mode }}
+{{- end }}
+
+{{- define "kv-event-bridge.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kv-event-bridge.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "kv-event-bridge.image" -}}
+{{- $tag := .Values.image.tag | default .Chart.AppVersion }}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+{{- end }}
+
+{{/* True (non-empty) when the bridge runs as a StatefulSet of shards. */}}
+{{- define "kv-event-bridge.sharded" -}}
+{{- if and (eq .Values.mode "deployment") .Values.sharding.enabled }}true{{ end }}
+{{- end }}
+
+{{/*
+The bridge's config.yaml: values.config as given; with sharding, discovery.dns.shard is set so
+that the count follows `replicas` and each pod takes its ordinal from its name.
+*/}}
+{{- define "kv-event-bridge.config" -}}
+{{- include "kv-event-bridge.validate" . }}
+{{- $config := deepCopy (.Values.config | default dict) }}
+{{- if include "kv-event-bridge.sharded" . }}
+{{- $shard := dict "count" (int .Values.replicas) "index" "auto" "pod_name" "${POD_NAME}" }}
+{{- $_ := set $config.discovery.dns "shard" $shard }}
+{{- end }}
+{{- toYaml $config }}
+{{- end }}
+
+{{/* The port of config.metrics.listen ("host:port"); probes, Service and scrapes use it. */}}
+{{- define "kv-event-bridge.metricsPort" -}}
+{{- $listen := "0.0.0.0:9300" }}
+{{- if and .Values.config .Values.config.metrics (hasKey .Values.config.metrics "listen") }}
+{{- $listen = .Values.config.metrics.listen | toString }}
+{{- end }}
+{{- $port := regexFind "[0-9]+$" $listen }}
+{{- if not $port }}
+{{- fail (printf "config.metrics.listen must be host:port with a literal port (the chart's probes and Service need it), got %q" $listen) }}
+{{- end }}
+{{- $port }}
+{{- end }}
+
+{{/* Checks across values that a JSON schema cannot express; rendered (empty) by every manifest. */}}
+{{- define "kv-event-bridge.validate" -}}
+{{- $config := .Values.config | default dict }}
+{{- $path := "" }}
+{{- if and $config.checkpoint $config.checkpoint.path }}
+{{- $path = $config.checkpoint.path | toString }}
+{{- if not (hasPrefix (printf "%s/" (trimSuffix "/" .Values.checkpoint.mountPath)) $path) }}
+{{- fail (printf "config.checkpoint.path %q must be under checkpoint.mountPath %q (the root filesystem is read-only)" $path .Values.checkpoint.mountPath) }}
+{{- end }}
+{{- end }}
+{{- if include "kv-event-bridge.sharded" . }}
+{{- if not (and $config.discovery $config.discovery.dns) }}
+{{- fail "sharding.enabled needs config.discovery.dns: shards split the discovered engines" }}
+{{- end }}
+{{- if .Values.checkpoint.persistence.existingClaim }}
+{{- fail "checkpoint.persistence.existingClaim cannot be shared by shards: leave it empty (each shard gets its own claim)" }}
+{{- end }}
+{{- else if and (eq .Values.mode "deployment") (gt (int .Values.replicas) 1) }}
+{{- fail "replicas > 1 needs sharding.enabled: unsharded bridges would each publish every event" }}
+{{- end }}
+{{- $_ := include "kv-event-bridge.metricsPort" . }}
+{{- end }}
+
+{{- define "kv-event-bridge.env" -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+{{- range .Values.secretEnv }}
+- name: {{ .name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .secretName }}
+      key: {{ .key }}
+      {{- if hasKey . "optional" }}
+      optional: {{ .optional }}
+      {{- end }}
+{{- end }}
+{{- with .Values.env }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+The bridge container. Takes a dict: ctx (the chart context), name (container name), readiness
+(bool), portName.
+*/}}
+{{- define "kv-event-bridge.containerSpec" -}}
+{{- $ctx := .ctx }}
+{{- $v := $ctx.Values }}
+{{- $port := include "kv-event-bridge.metricsPort" $ctx -}}
+- name: {{ .name }}
+  image: {{ include "kv-event-bridge.image" $ctx }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  args: ["--config", "/etc/kv-event-bridge/config.yaml"]
+  env:
+    {{- include "kv-event-bridge.env" $ctx | nindent 4 }}
+  {{- with $v.envFrom }}
+  envFrom:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  ports:
+    - name: {{ .portName }}
+      containerPort: {{ $port }}
+      protocol: TCP
+  {{- if $v.probes.startup.enabled }}
+  startupProbe:
+    httpGet:
+      path: /healthz
+      port: {{ .portName }}
+    periodSeconds: {{ $v.probes.startup.periodSeconds }}
+    timeoutSeconds: {{ $v.probes.startup.timeoutSeconds }}
+    failureThreshold: {{ $v.probes.startup.failureThreshold }}
+  {{- end }}
+  {{- if $v.probes.liveness.enabled }}
+  livenessProbe:
+    httpGet:
+      path: /healthz
+      port: {{ .portName }}
+    periodSeconds: {{ $v.probes.liveness.periodSeconds }}
+    timeoutSeconds: {{ $v.probes.liveness.timeoutSeconds }}
+    failureThreshold: {{ $v.probes.liveness.failureThreshold }}
+  {{- end }}
+  {{- if and .readiness $v.probes.readiness.enabled }}
+  readinessProbe:
+    httpGet:
+      path: /readyz
+      port: {{ .portName }}
+    periodSeconds: {{ $v.probes.readiness.periodSeconds }}
+    timeoutSeconds: {{ $v.probes.readiness.timeoutSeconds }}
+    failureThreshold: {{ $v.probes.readiness.failureThreshold }}
+  {{- end }}
+  {{- with $v.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $v.securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    - name: {{ .volumePrefix }}config
+      mountPath: /etc/kv-event-bridge
+      readOnly: true
+    - name: {{ .volumePrefix }}checkpoint
+      mountPath: {{ $v.checkpoint.mountPath }}
+    - name: {{ .volumePrefix }}tmp
+      mountPath: /tmp
+{{- end }}
+
+{{/* Pod volumes; dict: ctx, volumePrefix, checkpointClaim ("" for an emptyDir, "-" for none). */}}
+{{- define "kv-event-bridge.volumeSpecs" -}}
+- name: {{ .volumePrefix }}config
+  configMap:
+    name: {{ include "kv-event-bridge.fullname" .ctx }}
+{{- if eq .checkpointClaim "" }}
+- name: {{ .volumePrefix }}checkpoint
+  emptyDir:
+    sizeLimit: 64Mi
+{{- else if ne .checkpointClaim "-" }}
+- name: {{ .volumePrefix }}checkpoint
+  persistentVolumeClaim:
+    claimName: {{ .checkpointClaim }}
+{{- end }}
+- name: {{ .volumePrefix }}tmp
+  emptyDir:
+    sizeLimit: 64Mi
+{{- end }}
+
+{{/*
+Public: the sidecar container, for a vLLM pod template. Volume names are prefixed (kv-event-bridge-)
+so they cannot clash with the pod's own. Include with this chart's context, e.g. from a parent chart:
+  {{- include "kv-event-bridge.sidecar.container" (index .Subcharts "kv-event-bridge") | nindent 8 }}
+*/}}
+{{- define "kv-event-bridge.sidecar.container" -}}
+{{- $c := include "kv-event-bridge.containerSpec" (dict "ctx" . "name" .Values.sidecar.containerName "readiness" .Values.sidecar.readiness "portName" "kvb-metrics" "volumePrefix" "kv-event-bridge-") | fromYamlArray }}
+{{- $container := first $c }}
+{{- if .Values.sidecar.native }}
+{{- $_ := set $container "restartPolicy" "Always" }}
+{{- end }}
+{{- list $container | toYaml }}
+{{- end }}
+
+{{/* Public: the volumes the sidecar container needs. */}}
+{{- define "kv-event-bridge.sidecar.volumes" -}}
+{{- include "kv-event-bridge.volumeSpecs" (dict "ctx" . "volumePrefix" "kv-event-bridge-" "checkpointClaim" "") }}
+{{- end }}
+
+{{/* Pod-level fields shared by the Deployment and the StatefulSet. */}}
+{{- define "kv-event-bridge.podSpecCommon" -}}
+serviceAccountName: {{ include "kv-event-bridge.serviceAccountName" . }}
+automountServiceAccountToken: false
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
+{{- with .Values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .Values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{- define "kv-event-bridge.podMetadata" -}}
+annotations:
+  checksum/config: {{ include "kv-event-bridge.config" . | sha256sum }}
+  {{- with .Values.podAnnotations }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+labels:
+  {{- include "kv-event-bridge.labels" . | nindent 2 }}
+  {{- with .Values.podLabels }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end }}
