@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
+import zmq.asyncio
 
 from bridge.runtime import Bridge
 from bridge.simulator import Simulator, SimulatorOptions
@@ -211,3 +213,27 @@ async def test_a_returning_source_resumes_after_what_it_delivered(tmp_path: Path
             await wait_for(lambda: bool(_sources(bridge)), what="source back")
             lines = await _publish_until_seen(sims[HOSTS[0]], out, _name(HOSTS[0]), 2)
         assert [b["seq"] for b in lines] == list(range(12))
+
+
+async def test_ipv6_engines(tmp_path: Path) -> None:
+    """AAAA records become tcp://[addr]:port sources (ZMQ needs its IPV6 option for those)."""
+    with socket.socket(socket.AF_INET6) as s:
+        try:
+            s.bind(("::1", 0))
+        except OSError as exc:
+            pytest.skip(f"no IPv6 loopback here: {exc}")
+        base = int(s.getsockname()[1])
+    ctx = zmq.asyncio.Context()
+    ctx.set(zmq.IPV6, 1)
+    opts = SimulatorOptions(endpoint=f"tcp://[::1]:{base}", replay_endpoint=f"tcp://[::1]:{base + 1}", rate=0)
+    try:
+        async with stub_dns() as dns, Simulator(opts, ctx) as sim:
+            dns.records[NAME] = ["::1"]
+            cfg = _discovery(dns, (base, base + 1))
+            async with running_bridge(tmp_path, [], discovery=cfg) as (bridge, out):
+                assert _sources(bridge) == {"engines---1"}
+                lines = await _publish_until_seen(sim, out, "engines---1", 5)
+            assert [b["seq"] for b in lines] == list(range(5))
+            assert bridge.pipelines["engines---1/0"].stream.labels == {"model": "sim", "address": "::1"}
+    finally:
+        ctx.destroy(linger=0)
