@@ -126,6 +126,22 @@ def json_event(event: Event, hash_hex: bool) -> Event:
 
 
 _CONVERT = frozenset({bytes, bytearray, memoryview, dict, tuple})
+_HEADER_KEYS = frozenset({"source", "dp_rank", "epoch", "seq", "index", "ts"})
+
+
+def unshadow(event: Event) -> Event:
+    """The event with fields named like header keys moved under ``"shadowed"``.
+
+    At event granularity header and event share one object: such a field (a hostile or a future
+    engine) would otherwise override the stream identity consumers deduplicate on.
+    """
+    if _HEADER_KEYS.isdisjoint(event):
+        return event
+    out = {k: v for k, v in event.items() if k not in _HEADER_KEYS}
+    out["shadowed"] = {k: v for k, v in event.items() if k in _HEADER_KEYS}
+    return out
+
+
 _INDEX = [str(i).encode() for i in range(4096)]
 
 
@@ -231,7 +247,7 @@ class Renderer:
             prefix = _json.encode(head)[:-1] + b',"index":'
             ts_part = b',"ts":' + _json.encode(record.ts) + b","
             for i, event in enumerate(record.events):
-                body = _json.encode(json_event(event, self.hash_hex))
+                body = _json.encode(json_event(unshadow(event), self.hash_hex))
                 index = _INDEX[i] if i < 4096 else str(i).encode()
                 value = b"".join((prefix, index, ts_part, body[1:]))
                 out.append(self._event_message(record, i, event, value, base_id, epoch, slot, base))
@@ -241,7 +257,7 @@ class Renderer:
                 fields = dict(head)
                 fields["index"] = i
                 fields["ts"] = record.ts
-                fields.update(event)
+                fields.update(unshadow(event))
                 out.append(self._event_message(record, i, event, _msgpack.encode(fields), base_id, epoch, slot, base))
         return out
 
