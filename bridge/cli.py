@@ -18,7 +18,8 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 from . import __version__, logs
 from . import config as config_mod
@@ -188,7 +189,7 @@ def _install_signals(stop: asyncio.Event) -> None:
             loop.add_signal_handler(sig, on_signal, sig.name)
 
 
-def _run(coro_factory: object) -> int:
+def _run(coro_factory: Callable[[], Coroutine[Any, Any, int]]) -> int:
     try:
         import uvloop  # type: ignore[import-not-found,unused-ignore]
 
@@ -196,7 +197,7 @@ def _run(coro_factory: object) -> int:
     except ImportError:
         loop_factory = None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return int(runner.run(coro_factory()))  # type: ignore[operator]
+        return runner.run(coro_factory())
 
 
 def serve(cfg: Config, registry: Registry | None = None) -> int:

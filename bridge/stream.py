@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import zmq
+from prometheus_client import Counter
 
 from . import wire
 from .backoff import Backoff
@@ -72,7 +73,7 @@ class StreamPipeline:
         self._m_restarts = m.source_restarts.labels(src)
         self._m_last_seq = m.source_last_seq.labels(src, rank)
         self._m_last_ts = m.source_last_event_ts.labels(src, rank)
-        self._m_events: dict[str, object] = {}
+        self._m_events: dict[str, Counter] = {}
 
     # -- inputs ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -155,7 +156,7 @@ class StreamPipeline:
             if child is None:
                 child = self.bridge.metrics.events_received.labels(self.stream.source, label)
                 self._m_events[label] = child
-            child.inc(n)  # type: ignore[attr-defined]
+            child.inc(n)
         self._m_last_seq.set(seq)
         self._m_last_ts.set(batch.ts)
         return Record(

@@ -84,7 +84,18 @@ async def tail(
     return printed
 
 
-def run(**kwargs: object) -> int:
+def run(
+    endpoint: str,
+    *,
+    topic: str = "",
+    replay_endpoint: str | None = None,
+    from_seq: int | None = None,
+    count: int = 0,
+    granularity: str = "event",
+) -> int:
+    """The ``tail`` command: exit code 0 (Ctrl-C included)."""
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(tail(**kwargs))  # type: ignore[arg-type]
+        asyncio.run(
+            tail(endpoint, topic=topic, replay_endpoint=replay_endpoint, from_seq=from_seq, count=count, granularity=granularity)
+        )
     return 0
