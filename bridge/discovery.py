@@ -397,12 +397,6 @@ class Discovery:
         self._m_shard.labels(str(self.count)).set(self.index)
 
     async def start(self) -> None:
-        # Engines' ZMQ sockets on IPv6 addresses need the IPV6 option on the subscriber; sockets on
-        # a dual-stack socket still reach IPv4, so it is safe to set for every later socket.
-        with contextlib.suppress(Exception):
-            import zmq
-
-            self.target.zmq_context.set(zmq.IPV6, 1)
         log.info(
             "discovery started",
             extra={"dns_name": self.config.name, "interval": self.config.interval, "shard": f"{self.index}/{self.count}"},

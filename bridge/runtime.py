@@ -59,14 +59,21 @@ class Checkpointer:
             else:
                 row[sink] = (r.epoch, r.seq, r.ts if r.kind == "batch" else None)
 
+    def position(self, key: str) -> ckpt.StreamPosition | None:
+        """The checkpoint position of one stream (None: nothing known)."""
+        row = self._acked.get(key)
+        if row is None or any(p is None for p in row):
+            return self.loaded.get(key)
+        low = min(row, key=lambda p: (p[0], p[1]) if p is not None else (-1, -1))
+        assert low is not None
+        return ckpt.StreamPosition(low[0], low[1], low[2])
+
     def snapshot(self) -> dict[str, ckpt.StreamPosition]:
         out = dict(self.loaded)
-        for key, row in self._acked.items():
-            if any(p is None for p in row):
-                continue
-            low = min(row, key=lambda p: (p[0], p[1]) if p is not None else (-1, -1))
-            assert low is not None
-            out[key] = ckpt.StreamPosition(low[0], low[1], low[2])
+        for key in self._acked:
+            pos = self.position(key)
+            if pos is not None:
+                out[key] = pos
         return out
 
 
@@ -79,12 +86,15 @@ class Bridge:
         self.metrics = metrics or Metrics()
         self.dead_letters = DeadLetters(config.dead_letter.path)
         self.zmq_context = zmq.asyncio.Context()
+        # Sockets accept IPv6 endpoints (tcp://[::1]:5557) as well as IPv4 ones.
+        self.zmq_context.setsockopt(zmq.IPV6, 1)
         self.replay_slots = asyncio.Semaphore(config.replay.max_concurrent)
         self.workers: list[SinkWorker] = []
         self.fanout = Fanout([])
         self.pipelines: dict[str, StreamPipeline] = {}
         self.readers: dict[str, SourceReader] = {}
         self._reader_tasks: dict[str, asyncio.Task[None]] = {}
+        self._retired: dict[str, ckpt.StreamPosition] = {}  # positions of removed sources, for their return
         self._tasks: set[asyncio.Task[Any]] = set()
         self.failed: BaseException | None = None
         self.stopped = asyncio.Event()
@@ -145,7 +155,9 @@ class Bridge:
             stream = Stream(source.name, rank, dict(source.labels))
             if stream.key in self.pipelines:
                 continue
-            pos = self.checkpointer.loaded.get(stream.key)
+            # A stream read before in this process resumes exactly where it stopped; otherwise from
+            # the checkpoint (what every sink acknowledged), or fresh.
+            pos = self._retired.pop(stream.key, None) or self.checkpointer.position(stream.key)
             pipeline = StreamPipeline(
                 self,
                 stream,
@@ -174,7 +186,9 @@ class Bridge:
             task = self._reader_tasks.pop(key)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            await self.pipelines.pop(key).stop()
+            pipeline = self.pipelines.pop(key)
+            await pipeline.stop()
+            self._retired[key] = ckpt.StreamPosition(*pipeline.sequencer.resume_point())
             self.readers.pop(key)
 
     async def stop(self) -> None:

@@ -224,6 +224,10 @@ class StreamSequencer:
     def replaying(self) -> bool:
         return self._replay is not None
 
+    def resume_point(self) -> tuple[int, int, float | None]:
+        """(epoch, delivered, ts of that batch): what a new sequencer for this stream starts from."""
+        return (self.epoch, self.delivered, self._delivered_ts())
+
     @property
     def position(self) -> tuple[int, int]:
         """(epoch, highest seq delivered) — what a checkpoint of this stream would hold."""

@@ -195,12 +195,6 @@ async def test_bridge_stops_cleanly_while_discovering(tmp_path: Path) -> None:
         assert loop.time() - started < 2.0
 
 
-@pytest.mark.xfail(
-    reason="Bridge.add_source seeds a stream from the checkpoint loaded at start-up, not from what was delivered "
-    "since: a source that comes back is replayed from there (duplicates; a false EventsLost if the engine's buffer "
-    "no longer holds it). Fix: seed from self.checkpointer.snapshot() in add_source.",
-    strict=False,
-)
 async def test_a_returning_source_resumes_after_what_it_delivered(tmp_path: Path) -> None:
     ports = _ports_free_on(HOSTS[:1])
     async with stub_dns() as dns, _engines(HOSTS[:1], ports) as sims:
