@@ -1,6 +1,6 @@
 # kv-event-bridge: the two commands of README.md, and a few helpers.
 #   make demo   install, then run a simulated engine -> bridge -> stdout (no broker needed)
-#   make test   install everything (Python deps, Kafka/Redis/NATS/Prometheus), then ruff, mypy, pytest
+#   make test   install everything (Python deps, Kafka/Redis/NATS/Prometheus, helm), then ruff, mypy, pytest
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -30,6 +30,8 @@ servers-stop:
 
 test: install
 	$(PY) -m tests.infra install
+	bash tools/helm.sh >/dev/null
+	$(PY) tools/chart_schema.py --check
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest
