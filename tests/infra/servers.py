@@ -629,6 +629,8 @@ class KafkaServer(ManagedServer):
     ``extra_properties`` are merged last into server.properties, and ``listeners`` (name ->
     protocol) may add listeners beyond PLAINTEXT, e.g. ``{"SASL_SSL": "SASL_SSL"}`` together
     with the matching ``extra_properties``; each extra listener gets a free port in ``ports``.
+    ``storage_args`` are added to the storage format command run before the first start, e.g.
+    ``["--add-scram", "SCRAM-SHA-512=[name=u,password=p]"]`` (KRaft keeps SCRAM users in metadata).
     """
 
     kind = "kafka"
@@ -645,10 +647,12 @@ class KafkaServer(ManagedServer):
         listeners: Mapping[str, str] | None = None,
         ports: Mapping[str, int] | None = None,
         extra_properties: Mapping[str, str] | None = None,
+        storage_args: Sequence[str] = (),
     ) -> None:
         super().__init__(workdir)
         self.port = port or free_port()
         self.controller_port = controller_port or free_port()
+        self.storage_args = list(storage_args)
         self.version = version or kafka_version()
         self.heap = heap
         self.listeners = dict(listeners or {})
@@ -725,6 +729,7 @@ class KafkaServer(ManagedServer):
             "--cluster-id",
             cluster_id,
             "--standalone",
+            *self.storage_args,
         ]
         self._log_marker("format storage of")
         with self.log_path.open("a") as log:
@@ -763,6 +768,7 @@ class KafkaServer(ManagedServer):
             "listeners": self.listeners,
             "ports": self.ports,
             "extra_properties": self.extra_properties,
+            "storage_args": self.storage_args,
         }
 
     def check_health(self, timeout: float) -> None:
@@ -939,17 +945,21 @@ class RedisServer(ManagedServer):
 class NatsServer(ManagedServer):
     """nats-server with JetStream, its store under the work directory (kept across restarts).
 
-    ``extra_config`` is raw nats-server configuration appended to the file (later: ``tls {}``,
-    ``authorization {}``).
+    ``extra_config`` is raw nats-server configuration appended to the file (``tls {}``,
+    ``authorization {}``); ``client`` gives the health check what such a server wants
+    (``user``, ``password``, ``token``, ``ca_file``).
     """
 
     kind = "nats"
     start_timeout = 30.0
 
-    def __init__(self, workdir: Path, *, port: int | None = None, extra_config: str = "") -> None:
+    def __init__(
+        self, workdir: Path, *, port: int | None = None, extra_config: str = "", client: Mapping[str, str] | None = None
+    ) -> None:
         super().__init__(workdir)
         self.port = port or free_port()
         self.extra_config = extra_config
+        self.client = dict(client or {})
 
     @property
     def url(self) -> str:
@@ -986,7 +996,7 @@ class NatsServer(ManagedServer):
         return [nats_server_binary(), "-c", str(self.workdir / "nats.conf")]
 
     def _options(self) -> dict[str, Any]:
-        return {"port": self.port, "extra_config": self.extra_config}
+        return {"port": self.port, "extra_config": self.extra_config, "client": self.client}
 
     def check_health(self, timeout: float) -> None:
         if not port_open(self.host, self.port, timeout):
@@ -999,7 +1009,14 @@ class NatsServer(ManagedServer):
         async def quiet(_exc: Exception) -> None:
             return None
 
-        nc = await nats.connect(self.url, connect_timeout=wait, allow_reconnect=False, max_reconnect_attempts=0, error_cb=quiet)
+        auth: dict[str, Any] = {k: v for k, v in self.client.items() if k in ("user", "password", "token")}
+        if "ca_file" in self.client:
+            import ssl
+
+            auth["tls"] = ssl.create_default_context(cafile=self.client["ca_file"])
+        nc = await nats.connect(
+            self.url, connect_timeout=wait, allow_reconnect=False, max_reconnect_attempts=0, error_cb=quiet, **auth
+        )
         try:
             await nc.jetstream(timeout=wait).account_info()
         finally:

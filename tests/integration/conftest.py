@@ -8,10 +8,14 @@ installed or started skips the test, or fails it when ``CI=true``.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
@@ -27,9 +31,11 @@ from tests.infra.servers import (
     ServerError,
     StateFile,
     create,
+    free_port,
     promtool_binary,
     run_dir,
 )
+from tests.support import tls
 
 S = TypeVar("S", bound=ManagedServer)
 
@@ -156,3 +162,129 @@ def promtool() -> str:
     except ServerError as exc:
         failure = exc
     unavailable("promtool", failure)
+
+
+# -- TLS and authentication variants (tests/integration/test_security.py) ---------------------------
+
+
+@dataclass(frozen=True)
+class SecureServer:
+    """A server that wants TLS and a user with a password.
+
+    ``address`` is what a sink connects to (``rediss://...``, ``nats://...`` with TLS, Kafka
+    ``host:port`` of the SASL_SSL listener); ``ca`` is the CA that signed the server certificate;
+    ``plain`` is an address without TLS or authentication for reading back, where the server has one.
+    """
+
+    server: ManagedServer
+    address: str
+    username: str
+    password: str
+    ca: Path
+    plain: str | None = None
+
+
+SECURE_USER = "bridge"
+
+
+@pytest.fixture(scope="session")
+def certificates(infra_run_dir: Path) -> tls.Certificates:
+    """A CA, a server certificate for 127.0.0.1 / localhost and a client certificate (PEM)."""
+    if not tls.available():
+        unavailable("openssl", "not installed")
+    return tls.make_certificates(infra_run_dir / "certs")
+
+
+def _secret() -> str:
+    return f"pw-{uuid.uuid4().hex}"  # distinctive, so a test can search logs for it
+
+
+@contextlib.contextmanager
+def _own_server(what: str, server: S) -> Iterator[S]:
+    """Start a server of the fixture's own; skip (or fail under CI) when it cannot start."""
+    failure = _start(server)
+    if failure is not None:
+        server.kill()
+        unavailable(what, failure)
+    try:
+        yield server
+    finally:
+        server.remove()
+
+
+@pytest.fixture(scope="session")
+def secure_redis(infra_run_dir: Path, certificates: tls.Certificates) -> Iterator[SecureServer]:
+    """redis-server with a TLS port (server certificate, no client certificate) and an ACL user.
+
+    The default user may only PING (health checks on the plain port); everything else needs the
+    ACL user, which may not run @dangerous commands (FLUSHALL, CONFIG, DEBUG, KEYS, ...).
+    """
+    password = _secret()
+    workdir = infra_run_dir / "redis-secure"
+    workdir.mkdir(parents=True, exist_ok=True)
+    acl = workdir / "users.acl"
+    acl.write_text(f"user default on nopass ~* -@all +ping\nuser {SECURE_USER} on >{password} ~* &* +@all -@dangerous\n")
+    tls_port = free_port()
+    server = RedisServer(
+        workdir,
+        persistent=False,
+        extra_config={
+            "tls-port": str(tls_port),
+            "tls-cert-file": str(certificates.server_cert),
+            "tls-key-file": str(certificates.server_key),
+            "tls-ca-cert-file": str(certificates.ca),
+            "tls-auth-clients": "no",
+            "aclfile": str(acl),
+        },
+    )
+    with _own_server("redis (TLS + ACL)", server) as started:
+        yield SecureServer(started, f"rediss://127.0.0.1:{tls_port}/0", SECURE_USER, password, certificates.ca)
+
+
+@pytest.fixture(scope="session")
+def secure_nats(infra_run_dir: Path, certificates: tls.Certificates) -> Iterator[SecureServer]:
+    """nats-server (JetStream) that wants TLS and a user with a password."""
+    password = _secret()
+    cert, key = json.dumps(str(certificates.server_cert)), json.dumps(str(certificates.server_key))
+    config = (
+        f"tls {{ cert_file: {cert}, key_file: {key} }}\n"
+        f"authorization {{ user: {SECURE_USER}, password: {json.dumps(password)} }}\n"
+    )
+    client = {"user": SECURE_USER, "password": password, "ca_file": str(certificates.ca)}
+    server = NatsServer(infra_run_dir / "nats-secure", extra_config=config, client=client)
+    with _own_server("nats (TLS + user/password)", server) as started:
+        yield SecureServer(started, started.url, SECURE_USER, password, certificates.ca)
+
+
+def _pem_property(pem: str) -> str:
+    """A PEM block as one java.util.Properties value (newlines escaped)."""
+    return pem.strip().replace("\n", "\\n")
+
+
+@pytest.fixture(scope="session")
+def scram_kafka(infra_run_dir: Path, certificates: tls.Certificates) -> Iterator[SecureServer]:
+    """Kafka with a SASL_SSL listener: TLS from PEM files, SCRAM-SHA-512 user created at format time.
+
+    PLAINTEXT stays for the broker's own health checks and for reading back (``plain``).
+    """
+    password = _secret()
+    listener = "listener.name.sasl_ssl."
+    server = KafkaServer(
+        infra_run_dir / "kafka-scram",
+        listeners={"SASL_SSL": "SASL_SSL"},
+        extra_properties={
+            "sasl.enabled.mechanisms": "SCRAM-SHA-512",
+            listener + "scram-sha-512.sasl.jaas.config": "org.apache.kafka.common.security.scram.ScramLoginModule required;",
+            listener + "ssl.keystore.type": "PEM",
+            listener + "ssl.keystore.certificate.chain": _pem_property(certificates.server_chain_pem),
+            listener + "ssl.keystore.key": _pem_property(certificates.server_key_pem),
+            listener + "ssl.truststore.type": "PEM",
+            listener + "ssl.truststore.certificates": _pem_property(certificates.ca.read_text()),
+            listener + "ssl.client.auth": "none",
+        },
+        storage_args=["--add-scram", f"SCRAM-SHA-512=[name={SECURE_USER},password={password}]"],
+    )
+    with _own_server("kafka (SASL_SSL + SCRAM-SHA-512)", server) as started:
+        yield SecureServer(
+            started, f"127.0.0.1:{started.ports['SASL_SSL']}", SECURE_USER, password, certificates.ca, started.bootstrap_servers
+        )
