@@ -1,0 +1,221 @@
+"""The bridge as a separate process (``python -m bridge --config``), measured from outside.
+
+:class:`BridgeProcess` writes a config file, starts the bridge with its stderr in a log file, and
+reads its resident memory (``VmRSS`` in ``/proc/PID/status``) and its ``/metrics``;
+:class:`Sampler` follows both in the background (peak RSS, peak queue bytes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of ``pid`` (VmRSS), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+async def http_get(port: int, path: str, host: str = "127.0.0.1", timeout: float = 5.0) -> tuple[int, bytes]:
+    """(status, body) of one GET (the bridge's endpoints close the connection after each answer)."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Exposition text as ``{'name{labels}': value}`` (labels as printed, in their order)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def metric(samples: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for key, value in samples.items():
+        base, _, rest = key.partition("{")
+        if base != name:
+            continue
+        if all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += value
+    return total
+
+
+class BridgeProcess:
+    """``python -m bridge --config FILE`` with ``config`` (a dict, written as YAML/JSON)."""
+
+    def __init__(self, tmp: Path, config: dict[str, Any], *, env: dict[str, str] | None = None, name: str = "bridge") -> None:
+        self.tmp = tmp
+        self.config_path = tmp / f"{name}.yaml"
+        self.config_path.write_text(json.dumps(config, indent=1))  # JSON is YAML
+        self.log_path = tmp / f"{name}.log"
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        listen = config.get("metrics", {}).get("listen", "")
+        self.metrics_port = int(listen.rpartition(":")[2]) if listen else None
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> BridgeProcess:
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "bridge", "--config", str(self.config_path)],
+                cwd=ROOT,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def rss(self) -> int:
+        return rss_bytes(self.pid)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    async def metrics(self) -> dict[str, float]:
+        assert self.metrics_port is not None
+        status, body = await http_get(self.metrics_port, "/metrics")
+        assert status == 200, status
+        return parse_metrics(body.decode())
+
+    async def wait_ready(self, timeout: float = 30.0) -> None:
+        """Until /readyz answers 200 (every sink connected, every source subscribed)."""
+        assert self.metrics_port is not None
+        deadline = time.monotonic() + timeout
+        last: object = None
+        while time.monotonic() < deadline:
+            assert self.alive(), f"the bridge exited: {self.log()[-3000:]}"
+            try:
+                status, body = await http_get(self.metrics_port, "/readyz")
+                if status == 200:
+                    return
+                last = body
+            except OSError as exc:
+                last = exc
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"bridge not ready after {timeout}s: {last!r}\n{self.log()[-3000:]}")
+
+    async def wait_metric(self, name: str, at_least: float, timeout: float = 60.0, **labels: str) -> float:
+        deadline = time.monotonic() + timeout
+        value = 0.0
+        while time.monotonic() < deadline:
+            assert self.alive(), f"the bridge exited: {self.log()[-3000:]}"
+            with contextlib.suppress(OSError, AssertionError, TimeoutError):
+                value = metric(await self.metrics(), name, **labels)
+                if value >= at_least:
+                    return value
+            await asyncio.sleep(0.2)
+        raise AssertionError(f"{name}{labels} = {value} < {at_least} after {timeout}s\n{self.log()[-3000:]}")
+
+    async def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM and wait; returns the exit code (SIGKILL and fail after ``timeout``)."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None:
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"the bridge did not exit within {timeout}s\n{self.log()[-3000:]}")
+            await asyncio.sleep(0.05)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Sampler:
+    """Samples a bridge's RSS (every ``interval``) and, with metrics, its sink queue bytes."""
+
+    def __init__(self, bridge: BridgeProcess, interval: float = 0.1, metrics_every: int = 5) -> None:
+        self.bridge = bridge
+        self.interval = interval
+        self.metrics_every = metrics_every
+        self.rss: list[tuple[float, int]] = []
+        self.queue_bytes_peak: dict[str, float] = {}
+        self.queue_batches_peak: dict[str, float] = {}
+        self.queue_bytes: list[tuple[float, float]] = []  # (time, bytes queued over every sink)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> Sampler:
+        self._task = asyncio.create_task(self._run(), name="rss-sampler")
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    @property
+    def peak(self) -> int:
+        return max((r for _, r in self.rss), default=0)
+
+    def current(self) -> int:
+        return self.rss[-1][1] if self.rss else self.bridge.rss()
+
+    def peak_between(self, t0: float, t1: float) -> int:
+        return max((r for t, r in self.rss if t0 <= t <= t1), default=0)
+
+    def rss_at(self, t0: float) -> int:
+        """The first RSS sample at or after ``t0``."""
+        return next((r for t, r in self.rss if t >= t0), 0)
+
+    def queue_reached(self, size: float) -> float | None:
+        """When the sink queues first held ``size`` bytes or more."""
+        return next((t for t, b in self.queue_bytes if b >= size), None)
+
+    async def _run(self) -> None:
+        n = 0
+        while self.bridge.alive():
+            with contextlib.suppress(OSError, RuntimeError):
+                self.rss.append((time.monotonic(), self.bridge.rss()))
+            if self.bridge.metrics_port is not None and n % self.metrics_every == 0:
+                with contextlib.suppress(OSError, AssertionError, TimeoutError, ValueError, IndexError):
+                    samples = await self.bridge.metrics()
+                    self.queue_bytes.append((time.monotonic(), metric(samples, "kv_bridge_sink_queue_bytes")))
+                    for key, value in samples.items():
+                        if key.startswith("kv_bridge_sink_queue_bytes{"):
+                            self.queue_bytes_peak[key] = max(self.queue_bytes_peak.get(key, 0.0), value)
+                        elif key.startswith("kv_bridge_sink_queue_batches{"):
+                            self.queue_batches_peak[key] = max(self.queue_batches_peak.get(key, 0.0), value)
+            n += 1
+            await asyncio.sleep(self.interval)

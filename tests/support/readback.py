@@ -1,0 +1,161 @@
+"""What a consumer reads back from each sink, checked against what the engine published.
+
+:class:`Readback` collects every stored message as (dp_rank, epoch, seq, index, type), in stored
+order, and :meth:`Readback.check` verifies the delivery promises: every event present or inside
+an announced ``EventsLost`` span, first copies in order per stream, and counts duplicates. The
+readers use each broker's own client: aiokafka, redis-py, nats-py (JetStream pull consumer), and
+the file sink's JSON lines.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import nats
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+CONTROL = ("SourceReset", "EventsLost")
+
+Identity = tuple[int, int, int, int]  # (dp_rank, epoch, seq, index)
+
+
+class Readback:
+    """Messages of every stream in stored order, as (dp_rank, epoch, seq, index, type); the
+    EventsLost records also as (dp_rank, from_seq, to_seq, reason)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, int, int, int, str]] = []
+        self.lost: list[tuple[int, int, int, str]] = []
+
+    def add(self, headers: dict[str, str], body: bytes | None = None) -> None:
+        row = (
+            int(headers["dp_rank"]),
+            int(headers["epoch"]),
+            int(headers["seq"]),
+            int(headers.get("index", -1)),
+            headers["type"],
+        )
+        self.rows.append(row)
+        if row[4] == "EventsLost" and body is not None:
+            lost = json.loads(body)
+            self.lost.append((row[0], lost["from_seq"], lost["to_seq"], lost["reason"]))
+
+    def check(self, published: dict[int, int], events_per_batch: int = 0) -> dict[str, int]:
+        """Every event (every batch with ``events_per_batch`` 0) of every published batch present
+        or announced lost, first copies in order per stream.
+
+        Returns counts: delivered (distinct events or batches), duplicated (extra copies), lost
+        (missing and not announced), announced (batches in EventsLost spans), control (control
+        records seen)."""
+        control = [r for r in self.rows if r[4] in CONTROL]
+        data = [r for r in self.rows if r[4] not in CONTROL]
+        seen: set[Identity] = set()
+        last: dict[int, tuple[int, int, int]] = {}
+        duplicates = 0
+        for rank, epoch, seq, index, _type in data:
+            ident = (rank, epoch, seq, index)
+            if ident in seen:
+                duplicates += 1
+                continue
+            seen.add(ident)
+            assert (epoch, seq, index) > last.get(rank, (-1, -1, -1)), f"stream {rank}: {ident} after {last[rank]}"
+            last[rank] = (epoch, seq, index)
+        indexes = range(events_per_batch) if events_per_batch else [-1]
+        announced = {(r, s) for r, a, b, _ in self.lost for s in range(a, b + 1)}
+        assert not {(r, s) for r, _e, s, _i in seen} & announced, "a batch both delivered and announced lost"
+        want = {(r, 0, s, i) for r, n in published.items() for s in range(n) for i in indexes if (r, s) not in announced}
+        missing = want - seen
+        extra = seen - want
+        assert not extra, sorted(extra)[:10]
+        return {
+            "delivered": len(seen),
+            "duplicated": duplicates,
+            "lost": len(missing),
+            "announced": len(announced),
+            "control": len(control),
+        }
+
+
+async def read_kafka(bootstrap_servers: str, topic: str, partitions: int) -> Readback:
+    tps = [TopicPartition(topic, p) for p in range(partitions)]
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, enable_auto_commit=False)
+    await consumer.start()
+    out = Readback()
+    try:
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        ends = await consumer.end_offsets(tps)
+        deadline = time.monotonic() + 60
+        while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
+            assert time.monotonic() < deadline, "timed out reading the topic back"
+            for records in (await consumer.getmany(timeout_ms=500, max_records=10_000)).values():
+                for r in records:
+                    out.add({k: v.decode() for k, v in r.headers})
+    finally:
+        await consumer.stop()
+    return out
+
+
+async def read_redis(url: str, keys: Iterable[str], **client: Any) -> Readback:
+    client_ = aioredis.Redis.from_url(url, **client)
+    out = Readback()
+    try:
+        for key in keys:
+            start = "-"
+            while True:
+                entries = await client_.xrange(key, min=start, count=10_000)
+                for _id, fields in entries:
+                    out.add(
+                        {k.decode(): v.decode() for k, v in fields.items() if k not in (b"data", b"payload")}, fields.get(b"data")
+                    )
+                if len(entries) < 10_000:
+                    break
+                start = "(" + entries[-1][0].decode()
+    finally:
+        await client_.aclose()
+    return out
+
+
+async def read_jetstream(url: str, stream: str, **client: Any) -> Readback:
+    nc = await nats.connect(url, **client)
+    out = Readback()
+    try:
+        js = nc.jetstream(timeout=10)
+        total = (await js.stream_info(stream)).state.messages
+        sub = await js.pull_subscribe(
+            "",
+            stream=stream,
+            config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL),
+        )
+        deadline = time.monotonic() + 60
+        while len(out.rows) < total:
+            assert time.monotonic() < deadline, f"read {len(out.rows)} of {total} messages back"
+            for m in await sub.fetch(5000, timeout=5):
+                out.add(dict(m.headers or {}))
+        await sub.unsubscribe()
+    finally:
+        await nc.close()
+    return out
+
+
+def read_file(path: Path) -> Readback:
+    """A file sink's JSON lines (batch or event granularity)."""
+    out = Readback()
+    if not path.exists():
+        return out
+    for raw in path.read_text().splitlines():
+        if not raw.strip():
+            continue
+        line: dict[str, Any] = json.loads(raw)
+        headers = {"dp_rank": str(line["dp_rank"]), "epoch": str(line["epoch"]), "seq": str(line["seq"])}
+        headers["type"] = line.get("type", "EventBatch") if "events" not in line else "EventBatch"
+        if "index" in line:
+            headers["index"] = str(line["index"])
+        out.add(headers, raw.encode())
+    return out
