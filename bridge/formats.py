@@ -89,24 +89,31 @@ def _jsonable(value: Any, hash_hex: bool) -> Any:
     return value
 
 
+_SCALARS = frozenset({int, str, float, bool, type(None)})
+
+
 def _scalar_list(value: list[Any]) -> bool:
     """True when a list holds only JSON scalars (no binary, no nesting)."""
-    for x in value:
-        t = type(x)
-        if not (t is int or t is str or t is float or x is None or t is bool):
+    scalars = _SCALARS
+    for x in value:  # noqa: SIM110 - a plain loop is faster than all() over a generator
+        if type(x) not in scalars:
             return False
     return True
 
 
 def _needs_json_fix(event: Event) -> bool:
     """Whether the event holds anything JSON cannot carry as is (binary anywhere)."""
+    scalars = _SCALARS
     for k, v in event.items():
         t = type(v)
-        if t is list:
-            if k != "token_ids" and v and not _scalar_list(v):
-                return True
-        elif not (t is int or t is str or v is None or t is float or t is bool):
+        if t in scalars:
+            continue
+        if t is not list:
             return True
+        if k != "token_ids":  # token ids are ints: not worth looking at each
+            for x in v:
+                if type(x) not in scalars:
+                    return True
     return False
 
 
@@ -142,7 +149,8 @@ def unshadow(event: Event) -> Event:
     return out
 
 
-_INDEX = [str(i).encode() for i in range(4096)]
+_INDEX_TEXT = [str(i) for i in range(4096)]
+_INDEX = [t.encode() for t in _INDEX_TEXT]
 
 
 class Renderer:
@@ -246,11 +254,31 @@ class Renderer:
             # '{"source":..,"seq":N' + ',"index":' + i + ',"ts":..,' + event without its '{'
             prefix = _json.encode(head)[:-1] + b',"index":'
             ts_part = b',"ts":' + _json.encode(record.ts) + b","
+            encode, hash_hex, join, header_keys = _json.encode, self.hash_hex, b"".join, _HEADER_KEYS
+            id_prefix = base_id + "/"
             for i, event in enumerate(record.events):
-                body = _json.encode(json_event(unshadow(event), self.hash_hex))
+                # The common event (no binary, no field named like a header) is encoded as it is.
+                if hash_hex or not header_keys.isdisjoint(event) or _needs_json_fix(event):
+                    body = encode(json_event(unshadow(event), hash_hex))
+                else:
+                    body = encode(event)
                 index = _INDEX[i] if i < 4096 else str(i).encode()
-                value = b"".join((prefix, index, ts_part, body[1:]))
-                out.append(self._event_message(record, i, event, value, base_id, epoch, slot, base))
+                type_ = event.get("type")
+                type_ = type_ if type_.__class__ is str else "Unknown"
+                headers = base.copy()
+                headers["type"] = type_
+                headers["index"] = index_text = _INDEX_TEXT[i] if i < 4096 else str(i)
+                out.append(
+                    Message(
+                        record=record,
+                        index=i,
+                        type=type_,
+                        value=join((prefix, index, ts_part, body[1:])),
+                        headers=headers,
+                        msg_id=id_prefix + index_text,
+                        position=(epoch, slot, i + 1),
+                    )
+                )
         else:
             head = self._header(record)
             for i, event in enumerate(record.events):

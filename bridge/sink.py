@@ -82,8 +82,9 @@ class SinkWorker:
         self.last_error: str | None = "not connected yet"
         self._task: asyncio.Task[None] | None = None
         self.health_interval = HEALTH_INTERVAL
-        self._m_queue_batches = metrics.sink_queue_batches.labels(self.name)
-        self._m_queue_bytes = metrics.sink_queue_bytes.labels(self.name)
+        # Read when scraped: always current, and nothing to update per record on the hot path.
+        metrics.sink_queue_batches.labels(self.name).set_function(lambda: len(self._queue))
+        metrics.sink_queue_bytes.labels(self.name).set_function(lambda: self._bytes)
         self._m_ok = metrics.sink_batches.labels(self.name, "delivered")
         self._m_events = metrics.sink_events.labels(self.name)
         self._m_dropped = metrics.sink_batches.labels(self.name, "dropped")
@@ -105,20 +106,19 @@ class SinkWorker:
         self._bytes += record.size
         self._idle.clear()
         self._work.set()
-        self._m_queue_batches.set(len(self._queue))
-        self._m_queue_bytes.set(self._bytes)
         if not self.has_room(0):
             self._room.clear()
 
     def offer(self, record: Record) -> bool:
         """Queue ``record`` if there is room (or apply the drop policy). False: caller must wait."""
-        key = record.stream.key
         if record.kind != "batch":
-            self._flush_dropped(key)
+            if self._dropped:
+                self._flush_dropped(record.stream.key)
             self._push(record)  # control records are tiny and must never be dropped
             return True
         if self.has_room(record.size):
-            self._flush_dropped(key)
+            if self._dropped:
+                self._flush_dropped(record.stream.key)
             self._push(record)
             return True
         if self.block:
@@ -234,7 +234,8 @@ class SinkWorker:
         """Wait for records; meanwhile check the connector's health every ``health_interval``."""
         while True:
             try:
-                await asyncio.wait_for(self._work.wait(), self.health_interval)
+                async with asyncio.timeout(self.health_interval):  # unlike wait_for, no task per wait
+                    await self._work.wait()
                 return
             except TimeoutError:
                 await self._check_health()
@@ -293,8 +294,6 @@ class SinkWorker:
                     self._m_lag.observe(max(0.0, now - r.ts))
             self._m_events.inc(events)
         self.on_ack(self.index, records)
-        self._m_queue_batches.set(len(self._queue))
-        self._m_queue_bytes.set(self._bytes)
         if self.has_room(0):
             self._room.set()
 
@@ -305,7 +304,8 @@ class SinkWorker:
         while messages:
             start = time.perf_counter()
             try:
-                await asyncio.wait_for(self.connector.write(messages), timeout)
+                async with asyncio.timeout(timeout):  # unlike wait_for, no task per write
+                    await self.connector.write(messages)
                 self._m_send.observe(time.perf_counter() - start)
                 self._set_up()
                 return set()
