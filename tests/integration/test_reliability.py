@@ -215,7 +215,7 @@ async def test_sink_outage_of_30s_loses_nothing_and_memory_stays_bounded(
     full_at = sampler.queue_reached(0.9 * QUEUE_BYTES)
     assert full_at is not None and full_at < up_at - 5, "the outage did not fill the queue"
     plateau = sampler.peak_between(full_at + 2, up_at) - sampler.rss_at(full_at + 2)
-    bound = memory_bound(engine)
+    bound = memory_bound(engine, metric_sum(samples, "kv_bridge_batches_replayed_total"))
     report(
         tmp_path_factory,
         f"{kind} down {stopped_for:.0f}s (block)",
@@ -227,6 +227,7 @@ async def test_sink_outage_of_30s_loses_nothing_and_memory_stays_bounded(
         rss_growth_mib=round(growth / MiB, 1),
         rss_bound_mib=round(bound / MiB, 1),
         rss_growth_while_full_mib=round(plateau / MiB, 1),
+        rss_growth_when_full_mib=round((sampler.rss_at(full_at + 2) - baseline) / MiB, 1),
         peak_queue_mib=round(peak_queue / MiB, 2),
         gaps=metric_sum(samples, "kv_bridge_sequence_gaps_total"),
         replayed=metric_sum(samples, "kv_bridge_batches_replayed_total"),
@@ -242,15 +243,16 @@ async def test_sink_outage_of_30s_loses_nothing_and_memory_stays_bounded(
     assert growth < bound
 
 
-def memory_bound(engine: SimulatorOptions) -> int:
+def memory_bound(engine: SimulatorOptions, replayed: float) -> int:
     """What the bridge may add to its resident memory with one full sink queue, from first principles.
 
     ``queue.max_bytes`` counts payload bytes; a queued batch also holds its decoded events, which
     take ``factor`` times the payload as Python objects (measured here with tracemalloc, ~8x for
     these batches). Besides the queue: per stream, the ZMQ receive queue (``ingest.receive_hwm``
     messages) and the live batches held while a gap is replayed (``replay.max_held_batches``,
-    payload only), plus 64 MiB for replay bursts, rendered messages in flight, client buffers and
-    allocator slack.
+    payload only); the replayed batches, which the engine sends all at once and the replay
+    socket takes in without a bound of its own (its receive high-water mark is 0); and 64 MiB for
+    rendered messages in flight, client buffers and allocator slack.
     """
     profile = PROFILES[engine.profile]
     factory = EventFactory(profile, seed=5, blocks_per_event=engine.blocks_per_event)
@@ -265,7 +267,7 @@ def memory_bound(engine: SimulatorOptions) -> int:
     del decoded
     payload = sum(map(len, payloads)) / len(payloads)
     per_stream = (RECEIVE_HWM + MAX_HELD) * payload
-    return int(QUEUE_BYTES * (1 + factor) + RANKS * per_stream + 64 * MiB)
+    return int(QUEUE_BYTES * (1 + factor) + RANKS * per_stream + replayed * payload + 64 * MiB)
 
 
 def metric_sum(samples: dict[str, float], name: str) -> float:
@@ -433,7 +435,9 @@ async def test_sigkill_under_load_then_restart_loses_nothing(
     cfg = _bridge_config(
         tmp_path, ep, [_common_sink(kind, kind, **options)], checkpoint={"path": str(tmp_path / "ck.json"), "interval": "200ms"}
     )
-    first, second = BridgeProcess(tmp_path, cfg, name="run1"), BridgeProcess(tmp_path, cfg, name="run2")
+    first = BridgeProcess(tmp_path, cfg, name="run1")
+    # Same config, but its own metrics port: the first run's may be taken again the moment it dies.
+    second = BridgeProcess(tmp_path, {**cfg, "metrics": {"listen": f"127.0.0.1:{free_port()}"}}, name="run2")
     samplers: list[Sampler] = []
     async with Simulator(_engine(ep)) as sim:
         first.start()
