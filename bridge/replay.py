@@ -35,12 +35,18 @@ async def replay(
     timeout: float,
     outcome: ReplayOutcome,
     max_frame_bytes: int,
+    max_buffered: int = 5000,
 ) -> AsyncIterator[ReplayReply]:
-    """Yield the replies of one replay request; ``outcome`` says how it ended."""
+    """Yield the replies of one replay request; ``outcome`` says how it ended.
+
+    At most ``max_buffered`` replies wait in ZMQ's receive buffer while the stream is busy (a
+    full sink queue): the engine's ROUTER drops the rest, the reply stream goes silent, and the
+    next request resumes after what was delivered. So a long replay never sits in memory whole.
+    """
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
-    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, max(100, max_buffered))
     try:
         sock.connect(endpoint)
         await sock.send_multipart([b"", min(start, END_SEQ - 1).to_bytes(8, "big")])
