@@ -326,15 +326,22 @@ async def test_jetstream_restart_mid_stream_loses_nothing(nats_server: NatsServe
     await conn.connect()
     failures = 0
     restarted = asyncio.Event()
+    down = asyncio.Event()
+    mark = len(batches) // 3
 
     async def restart_soon() -> None:
         await asyncio.sleep(0.1)
-        await nats_server.arestart()
+        await nats_server.astop()
+        down.set()
+        await asyncio.sleep(0.5)
+        await nats_server.astart()
         restarted.set()
 
     restarter = asyncio.create_task(restart_soon())
     try:
-        for batch in batches:
+        for i, batch in enumerate(batches):
+            if i == mark:
+                await down.wait()  # however slow the machine, this write meets the server down
             failures += await _retrying_write(conn, batch)
             await asyncio.sleep(0)  # back to back: the restart lands mid-write
         await restarter
