@@ -11,7 +11,11 @@ in the runtime (``bridge.sink``). A connector class has:
   delivered (acknowledged as the sink defines it). Raise ``NotConnected`` / ``Retriable`` /
   ``Permanent`` / ``PartialFailure`` (:mod:`bridge.errors`); never swallow a failure;
 - ``async close()``: flush and release; must not raise;
-- ``async health()``: ``None`` when healthy, else a short reason (used by ``/readyz``, ``--check``).
+- ``async health()``: ``None`` when healthy, else a short reason (used by ``/readyz``, ``--check``);
+- optionally ``needs_events``: ``False`` when the connector reads nothing of a ``raw`` message but
+  its value and headers (never ``Message.event`` or ``Record.events``). When every sink is ``raw``
+  and says so, the runtime only counts a batch's events by type instead of decoding them. Absent
+  means ``True``.
 
 Connectors are registered under the ``kv_bridge.connectors`` entry-point group
 (``kafka = "connectors.kafka:KafkaConnector"``), so a third party adds a sink with a package.

@@ -48,6 +48,14 @@ class Record(msgspec.Struct):
     from_seq: int | None = None
     reason: str | None = None
     received: float = 0.0
+    event_count: int = -1
+    """Events in the batch when ``events`` was left empty because no sink needs them (only the
+    engine's bytes are forwarded); -1: ``len(events)``."""
+
+    @property
+    def n_events(self) -> int:
+        """Events in the batch, whether or not they were decoded."""
+        return self.event_count if self.event_count >= 0 else len(self.events)
 
     @property
     def position(self) -> tuple[int, int]:

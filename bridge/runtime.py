@@ -91,6 +91,9 @@ class Bridge:
         self.replay_slots = asyncio.Semaphore(config.replay.max_concurrent)
         self.workers: list[SinkWorker] = []
         self.fanout = Fanout([])
+        # False when every sink forwards only the engine's bytes (format raw, and a connector that
+        # says it reads nothing else): batches are then counted by event type, not decoded.
+        self.needs_events = True
         self.pipelines: dict[str, StreamPipeline] = {}
         self.readers: dict[str, SourceReader] = {}
         self._reader_tasks: dict[str, asyncio.Task[None]] = {}
@@ -132,6 +135,9 @@ class Bridge:
             self.workers.append(worker)
             self._watch(worker.start())
         self.fanout = Fanout(self.workers)
+        self.needs_events = any(
+            sink.format != "raw" or getattr(conn, "needs_events", True) for sink, conn in zip(cfg.sinks, connectors, strict=True)
+        )
         if cfg.metrics.listen:
             self.health = HealthServer(cfg.metrics.listen, self.metrics.exposition, self.readiness)
             await self.health.start()

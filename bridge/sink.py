@@ -289,7 +289,7 @@ class SinkWorker:
             self._m_ok.inc(len(batches))
             events = 0
             for r in batches:
-                events += len(r.events)
+                events += r.n_events
                 if r.ts is not None:
                     self._m_lag.observe(max(0.0, now - r.ts))
             self._m_events.inc(events)

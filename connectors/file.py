@@ -39,6 +39,7 @@ class FileConnector:
     """Appends messages to a file or stdout."""
 
     Options = FileOptions
+    needs_events = False  # writes only the rendered value (and headers): raw batches need no decoding
 
     def __init__(self, name: str, options: FileOptions, sink: SinkConfig) -> None:
         self.name = name

@@ -261,6 +261,7 @@ class KafkaConnector:
     """The kafka sink: see the module docstring for routing and delivery semantics."""
 
     Options: ClassVar[type[KafkaOptions]] = KafkaOptions
+    needs_events: ClassVar[bool] = False  # sends value, key and headers only: raw batches need no decoding
 
     def __init__(self, name: str, options: KafkaOptions, sink: SinkConfig) -> None:
         self.name = name

@@ -383,6 +383,7 @@ class NatsConnector:
     """Writes messages to NATS subjects, through JetStream or core NATS (see the module docstring)."""
 
     Options: ClassVar[type[NatsOptions]] = NatsOptions
+    needs_events: ClassVar[bool] = False  # sends value and headers only: raw batches need no decoding
 
     def __init__(self, name: str, options: NatsOptions, sink: SinkConfig) -> None:
         self.name = name

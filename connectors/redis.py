@@ -491,6 +491,7 @@ class RedisConnector:
         stream, index = options.templates()
         self._stream = Template(stream, "stream")
         self._index = Template(index, "index.key") if options.index.enabled else None
+        self.needs_events = self._index is not None  # the block index reads the events, even of raw batches
         self._clear_on_lost = options.index.on_events_lost == "clear"
         self._hash_hex = sink.hash_format == "hex"
         self._raw = sink.format == "raw"
