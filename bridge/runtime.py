@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
@@ -86,6 +87,9 @@ class Bridge:
         self.metrics = metrics or Metrics()
         self.dead_letters = DeadLetters(config.dead_letter.path)
         self.zmq_context = zmq.asyncio.Context()
+        # libzmq allows 1,023 sockets per context unless told otherwise, and every stream holds
+        # three (SUB, and the two ends of its monitor): the process's descriptor limit is the bound.
+        self.zmq_context.set(zmq.MAX_SOCKETS, max(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
         # Sockets accept IPv6 endpoints (tcp://[::1]:5557) as well as IPv4 ones.
         self.zmq_context.setsockopt(zmq.IPV6, 1)
         self.replay_slots = asyncio.Semaphore(config.replay.max_concurrent)
