@@ -218,8 +218,9 @@ def saturate(
     while True:
         pub.set(rate)
         time.sleep(1.0)
-        got, _, _ = measure(counter, 2.0)
-        ramp.append((rate, got))
+        sent0 = pub.sent.value
+        got, _, secs = measure(counter, 2.0)
+        ramp.append(((pub.sent.value - sent0) / secs, got))
         log(f"    offered {rate:>9,.0f} batches/s -> delivered {got:>9,.0f}")
         if got < 0.93 * rate or rate >= ceiling:
             break
@@ -227,6 +228,7 @@ def saturate(
     # Just past saturation: the consumer must fall measurably behind what is offered, or the
     # ramp stopped on a noisy window (another process took the CPU) and the offer goes up again.
     offered = max(got * 1.25, 100.0)
+    windows: list[Saturation] = []
     for attempt in range(4):
         pub.set(offered)
         time.sleep(2.0)
@@ -236,10 +238,16 @@ def saturate(
         got, cpu, secs = measure(counter, duration, pid)
         offered_real = (pub.sent.value - sent0) / secs
         log(f"    saturation: offered {offered_real:,.0f}/s, delivered {got:,.0f} batches/s")
+        windows.append(Saturation(got, offered_real, cpu, secs, ramp))
         if got < 0.97 * offered_real:
             break
         offered = got * 1.4
-    return Saturation(got, offered_real, cpu, secs, ramp)
+    # Every long window delivered its rate for its whole length: the sustained maximum is the best
+    # of them, except a window that drained a backlog left by an earlier overload (delivered
+    # more than was offered meanwhile). Offering more than the maximum costs the publisher CPU
+    # that the bridge then lacks on a small machine, so the last window is not always the best.
+    fair = [w for w in windows if w.batches_per_s <= 1.02 * w.offered_per_s] or windows[-1:]
+    return max(fair, key=lambda w: w.batches_per_s)
 
 
 def settle(pub: Publisher, counter: Callable[[], float], quiet: float = 1.0, limit: float = 90.0) -> None:
