@@ -239,7 +239,13 @@ async def test_sink_outage_of_30s_loses_nothing_and_memory_stays_bounded(
     assert metric_sum(samples, "kv_bridge_batches_lost_total") == 0
     assert metric_sum(samples, "kv_bridge_sequence_gaps_total") >= 1  # the engine did drop: replay repaired it
     assert peak_queue <= QUEUE_BYTES
-    assert plateau < 8 * MiB
+    # Flat, not merely small: the second half of the full period grows no more than allocator and
+    # GC slack (buffering the offered load would add ~8 MiB per 12 s here), and the whole period
+    # stays well under what the engine sent meanwhile.
+    middle = (full_at + 2 + up_at) / 2
+    second_half = sampler.peak_between(middle, up_at) - sampler.rss_at(middle)
+    assert second_half < 4 * MiB, f"memory still growing while the queue is full: +{second_half / MiB:.1f} MiB"
+    assert plateau < 16 * MiB
     assert growth < bound
 
 
