@@ -134,84 +134,58 @@ _SELECTOR = {
     "properties": {"matchLabels": {"type": "object", "minProperties": 1, "additionalProperties": {"type": "string"}}},
     "required": ["matchLabels"],
 }
+
+
+def _operator_object(spec: dict[str, Any]) -> dict[str, Any]:
+    """A prometheus-operator object (monitoring.coreos.com/v1) whose spec has exactly ``spec``'s properties."""
+    return {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "metadata": _META,
+            "spec": {"type": "object", **spec, "additionalProperties": False},
+        },
+    }
+
+
+def _monitor(endpoints: str) -> dict[str, Any]:
+    """ServiceMonitor and PodMonitor: the same but for the name of the endpoints list."""
+    return _operator_object(
+        {
+            "required": ["selector", endpoints],
+            "properties": {
+                "selector": _SELECTOR,
+                "namespaceSelector": {"type": "object"},
+                endpoints: {"type": "array", "minItems": 1, "items": _ENDPOINT},
+            },
+        }
+    )
+
+
+_RULE = {
+    "type": "object",
+    "required": ["expr"],
+    "properties": {
+        "alert": {"type": "string"},
+        "record": {"type": "string"},
+        "expr": {"type": ["string", "integer"]},
+        "for": {"type": "string"},
+        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+    },
+}
+_GROUP = {
+    "type": "object",
+    "required": ["name", "rules"],
+    "properties": {"name": {"type": "string"}, "rules": {"type": "array", "items": _RULE}},
+}
 CRD_SCHEMAS: dict[str, dict[str, Any]] = {
-    "ServiceMonitor": {
-        "type": "object",
-        "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {
-            "apiVersion": {"const": "monitoring.coreos.com/v1"},
-            "metadata": _META,
-            "spec": {
-                "type": "object",
-                "required": ["selector", "endpoints"],
-                "properties": {
-                    "selector": _SELECTOR,
-                    "namespaceSelector": {"type": "object"},
-                    "endpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT},
-                },
-                "additionalProperties": False,
-            },
-        },
-    },
-    "PodMonitor": {
-        "type": "object",
-        "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {
-            "apiVersion": {"const": "monitoring.coreos.com/v1"},
-            "metadata": _META,
-            "spec": {
-                "type": "object",
-                "required": ["selector", "podMetricsEndpoints"],
-                "properties": {
-                    "selector": _SELECTOR,
-                    "namespaceSelector": {"type": "object"},
-                    "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT},
-                },
-                "additionalProperties": False,
-            },
-        },
-    },
-    "PrometheusRule": {
-        "type": "object",
-        "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {
-            "apiVersion": {"const": "monitoring.coreos.com/v1"},
-            "metadata": _META,
-            "spec": {
-                "type": "object",
-                "required": ["groups"],
-                "properties": {
-                    "groups": {
-                        "type": "array",
-                        "minItems": 1,
-                        "items": {
-                            "type": "object",
-                            "required": ["name", "rules"],
-                            "properties": {
-                                "name": {"type": "string"},
-                                "rules": {
-                                    "type": "array",
-                                    "items": {
-                                        "type": "object",
-                                        "required": ["expr"],
-                                        "properties": {
-                                            "alert": {"type": "string"},
-                                            "record": {"type": "string"},
-                                            "expr": {"type": ["string", "integer"]},
-                                            "for": {"type": "string"},
-                                            "labels": {"type": "object", "additionalProperties": {"type": "string"}},
-                                            "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
-                                        },
-                                    },
-                                },
-                            },
-                        },
-                    }
-                },
-                "additionalProperties": False,
-            },
-        },
-    },
+    "ServiceMonitor": _monitor("endpoints"),
+    "PodMonitor": _monitor("podMetricsEndpoints"),
+    "PrometheusRule": _operator_object(
+        {"required": ["groups"], "properties": {"groups": {"type": "array", "minItems": 1, "items": _GROUP}}}
+    ),
 }
 
 
