@@ -19,7 +19,6 @@ import multiprocessing as mp
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from typing import Any
 import pytest
 
 from benchmarks.load import LoadShape, publisher_main, rss_bytes
+from tests.support.harness import free_port, free_ports
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -45,28 +45,6 @@ PUBLISH_SECONDS = 20.0
 DELIVERY_BOUND = 5.0  # seconds from an engine's publish to the batch being in the sink's file, for every batch
 DRAIN_BOUND = 20.0  # seconds from the end of publishing until everything published is delivered
 RSS_LIMIT = 400 * 2**20
-
-
-def _port_range(count: int) -> int:
-    """A base port with ``count`` consecutive free loopback ports (below the ephemeral range)."""
-    for base in range(20000, 32000 - count, 1500):
-        free = True
-        for p in range(base, base + count):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    free = False
-                    break
-        if free:
-            return base
-    pytest.skip(f"no {count} consecutive free ports between 20000 and 32000")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _raise_fd_limit(need: int) -> None:
@@ -139,10 +117,14 @@ def _connected(port: int) -> float:
 
 def test_thousand_streams_bounded_memory_order_and_no_starvation(tmp_path: Path) -> None:
     _raise_fd_limit(STREAMS * 8 + 1024)
-    base = _port_range(STREAMS)
+    try:
+        # Below the ephemeral range (32768 and up here), where the bridge's own connections take their ports.
+        base = free_ports(STREAMS, bases=range(20000, 32000 - STREAMS, 1500))[0]
+    except RuntimeError as exc:
+        pytest.skip(f"{exc} between 20000 and 32000")
     per_process = STREAMS // PROCESSES
     out = tmp_path / "out.jsonl"
-    metrics_port = _free_port()
+    metrics_port = free_port()
     config = {
         "sources": [
             {"name": f"engine-{e:03d}", "endpoint": f"tcp://127.0.0.1:{base + e * RANKS}", "dp_ranks": RANKS}

@@ -6,7 +6,7 @@ import asyncio
 import json
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -21,21 +21,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` consecutive free ports (ranks use port + r)."""
-    for _ in range(200):
-        base = free_port()
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
+def free_ports(n: int, bases: Iterable[int] | None = None) -> list[int]:
+    """``n`` consecutive free ports (ranks use port + r) from a base the kernel picks, or from the
+    first of ``bases`` that has them."""
+    for base in (free_port() for _ in range(200)) if bases is None else bases:
+        if all(_bindable(p) for p in range(base, base + n)):
             return list(range(base, base + n))
-    raise RuntimeError("no free port range")
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def read_lines(path: Path) -> list[dict[str, Any]]:
