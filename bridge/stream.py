@@ -90,7 +90,7 @@ class StreamPipeline:
         """A burst of live messages drained from the SUB socket."""
         self._m_received.inc(len(burst))
         self.last_activity = time.monotonic()
-        observe = self.bridge.metrics.ingest_lag.observe
+        observe = self.bridge.metrics.ingest_lag.labels().observe
         parse, peek_ts, live = wire.parse_live, wire.peek_ts, self.sequencer.live
         publish = self.bridge.fanout.publish
         async with self.lock:

@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from bridge import __version__
@@ -436,3 +438,52 @@ def test_rules_file_holds_no_helm_templating() -> None:
         "$labels.dp_rank",
         "$value",
     }
+
+
+# -- the fast histogram ------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["a", "b"]), st.floats(min_value=0, max_value=400, allow_nan=False)),
+        max_size=60,
+    )
+)
+def test_fast_histogram_exposes_what_prometheus_client_does(observations: list[tuple[str, float]]) -> None:
+    """Same samples as prometheus_client's Histogram (bar its ``_created``), edges included."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from bridge.metrics import LAG_BUCKETS, FastHistogram
+
+    mine, theirs = CollectorRegistry(), CollectorRegistry()
+    fast = FastHistogram("h_seconds", "doc", ["sink"], LAG_BUCKETS, mine)
+    slow = Histogram("h_seconds", "doc", ["sink"], buckets=LAG_BUCKETS, registry=theirs)
+    for sink, v in [*observations, ("a", LAG_BUCKETS[3]), ("b", LAG_BUCKETS[-1])]:  # values on an edge count under it
+        fast.labels(sink).observe(v)
+        slow.labels(sink=sink).observe(v)
+
+    def samples(registry: CollectorRegistry) -> list[tuple[str, list[tuple[str, str]], float]]:
+        text = generate_latest(registry).decode()
+        return sorted(
+            (s.name, sorted(s.labels.items()), round(s.value, 6))
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if not s.name.endswith("_created")
+        )
+
+    assert samples(mine) == samples(theirs)
+
+
+def test_fast_histogram_refuses_wrong_labels() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from bridge.metrics import FastHistogram
+
+    h = FastHistogram("h_seconds", "doc", ["sink"], (1.0,), CollectorRegistry())
+    assert h.labels(sink="x") is h.labels("x")
+    for bad in ((), ("x", "y")):
+        with pytest.raises(ValueError, match="expected labels"):
+            h.labels(*bad)
+    with pytest.raises(ValueError, match="expected labels"):
+        h.labels(source="x")
