@@ -46,7 +46,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -59,6 +58,8 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.harness import free_port, free_ports
 
 from . import limits
 from .load import LoadShape, cpu_seconds, drain_main, publisher_main, rss_bytes
@@ -80,31 +81,6 @@ def log(text: str) -> None:
 def load_average() -> tuple[float, float, float]:
     a, b, c = os.getloadavg()
     return (round(a, 2), round(b, 2), round(c, 2))
-
-
-def free_port_range(count: int, start: int = 41000, stop: int = 60000) -> int:
-    """A base port with ``count`` consecutive free ports on loopback."""
-    import random
-
-    for _ in range(200):
-        base = random.randrange(start, stop - count)
-        ok = True
-        for p in range(base, base + count):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port range")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Scrape:
@@ -284,6 +260,10 @@ class Result:
     p999_ms: float | None = None
     share_under_25ms: float | None = None
     gaps_at_50pct: float = 0.0
+    # Where the latency goes (same window): engine ts -> received, one connector write, write size.
+    ingest_p99_ms: float | None = None
+    write_p99_ms: float | None = None
+    events_per_write: float | None = None
     limit: str = ""
     limit_events_per_s: float | None = None
     ratio: float | None = None
@@ -413,9 +393,18 @@ def bench_bridge(
             "kv_bridge_sink_batches_total", sink=bridge.sink_name, outcome="delivered"
         )
         result.latency_delivered_per_s = delivered / secs
+        ingest = quantile(0.99, before.buckets("kv_bridge_ingest_lag_seconds"), after.buckets("kv_bridge_ingest_lag_seconds"))
+        send = "kv_bridge_sink_send_duration_seconds"
+        write = quantile(0.99, before.buckets(send, sink=bridge.sink_name), after.buckets(send, sink=bridge.sink_name))
+        result.ingest_p99_ms = None if ingest is None else ingest * 1000
+        result.write_p99_ms = None if write is None else write * 1000
+        writes = after.total(send + "_count", sink=bridge.sink_name) - before.total(send + "_count", sink=bridge.sink_name)
+        result.events_per_write = delivered * shape.events / writes if writes else None
         log(
             f"    at {rate:,.0f} batches/s: p50 {_ms(result.p50_ms)} p99 {_ms(result.p99_ms)} p999 {_ms(result.p999_ms)}, "
-            f"{(result.share_under_25ms or 0) * 100:.2f}% under 25 ms, gaps {result.gaps_at_50pct:.0f}"
+            f"{(result.share_under_25ms or 0) * 100:.2f}% under 25 ms, gaps {result.gaps_at_50pct:.0f}; "
+            f"ingest p99 {_ms(result.ingest_p99_ms)}, write p99 {_ms(result.write_p99_ms)}, "
+            f"{result.events_per_write or 0:.0f} events per write"
         )
         result.peak_rss_mb = rss_bytes(bridge.pid)[1] / 2**20
         settle(pub, bridge.delivered)
@@ -688,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     client_limits: dict[tuple[str, str], float] = {}
     with tempfile.TemporaryDirectory(prefix="kvb-bench-") as tmp:
         workdir = Path(tmp)
-        shape = LoadShape("127.0.0.1", free_port_range(args.ranks), ranks=args.ranks, events=args.events_per_batch)
+        shape = LoadShape("127.0.0.1", free_ports(args.ranks)[0], ranks=args.ranks, events=args.events_per_batch)
         with servers(set(sinks), args.servers, workdir) as addresses:
             pub = Publisher(shape)
             try:
