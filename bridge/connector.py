@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+import ssl
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Annotated, Any, ClassVar, Protocol, runtime_checkable
 
 import msgspec
 
-from .config import SinkConfig, convert_options
+from .config import SinkConfig, Struct, convert_options
 from .errors import ConfigError
 from .formats import Message
 
@@ -104,6 +105,49 @@ class Registry:
         return factory(sink.name, options, sink)
 
 
+# -- TLS ---------------------------------------------------------------------------------------
+
+
+class TlsOptions(Struct):
+    """TLS towards the sink's server: the CAs to trust, an optional client certificate, the hostname check.
+
+    One struct for the ``tls`` key of every connector that speaks TLS, so the keys, defaults and
+    checks are the same everywhere. The server's certificate is always verified. Empty strings
+    (an unset ``${VAR:-}``) count as absent.
+    """
+
+    ca_file: Annotated[
+        str | None, msgspec.Meta(description="CA bundle (PEM) that signs the server's certificate; default: the system CAs.")
+    ] = None
+    cert_file: Annotated[
+        str | None, msgspec.Meta(description="Client certificate (PEM, may hold its chain and key) for mutual TLS.")
+    ] = None
+    key_file: Annotated[
+        str | None, msgspec.Meta(description="Private key (PEM) of cert_file; omit when cert_file holds it. Needs cert_file.")
+    ] = None
+    check_hostname: Annotated[
+        bool, msgspec.Meta(description="Check that the server's certificate names the host connected to.")
+    ] = True
+
+    def __post_init__(self) -> None:
+        # Checked here, not by each connector, so all reject it alike; msgspec reports it at the
+        # block's path ("sinks[0].tls: tls.key_file needs tls.cert_file").
+        if self.key_file and not self.cert_file:
+            raise ValueError("tls.key_file needs tls.cert_file")
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """A client context: trusts ``ca_file`` (else the system CAs), presents ``cert_file`` /
+        ``key_file`` when given, checks the hostname as configured, and always verifies the server's
+        certificate. Reads the files: raises ``OSError`` (``ssl.SSLError``) when one is missing or
+        unusable."""
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca_file or None)
+        if self.cert_file:
+            context.load_cert_chain(self.cert_file, self.key_file or None)
+        context.check_hostname = self.check_hostname
+        context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+
 # -- name templates ---------------------------------------------------------------------------
 
 _PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
@@ -156,4 +200,4 @@ class Template:
         return name
 
 
-__all__ = ["ENTRY_POINT_GROUP", "Connector", "ConnectorFactory", "Registry", "Template"]
+__all__ = ["ENTRY_POINT_GROUP", "Connector", "ConnectorFactory", "Registry", "Template", "TlsOptions"]

@@ -34,7 +34,7 @@ from aiokafka.protocol.metadata import MetadataRequest
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from bridge.config import ByteSize, Duration, SinkConfig, Struct
-from bridge.connector import Template
+from bridge.connector import Template, TlsOptions
 from bridge.errors import ConfigError, ConnectorError, NotConnected, PartialFailure, Permanent, Retriable
 from bridge.formats import Message
 
@@ -80,15 +80,6 @@ _UNREACHABLE = (
 
 def _doc(text: str) -> msgspec.Meta:
     return msgspec.Meta(description=text)
-
-
-class TlsOptions(Struct):
-    """TLS towards the brokers (security_protocol SSL or SASL_SSL)."""
-
-    ca_file: Annotated[str | None, _doc("PEM file of the CAs that sign the brokers' certificates (default: system CAs).")] = None
-    cert_file: Annotated[str | None, _doc("PEM client certificate (chain), for mutual TLS.")] = None
-    key_file: Annotated[str | None, _doc("PEM private key of cert_file (if not inside cert_file).")] = None
-    check_hostname: Annotated[bool, _doc("Check that the broker certificate names the host connected to.")] = True
 
 
 class CreateTopicsOptions(Struct):
@@ -171,8 +162,6 @@ class KafkaOptions(Struct):
             )
         if self.tls is not None and not self.security_protocol.endswith("SSL"):
             problems.append(f"tls is set but security_protocol is {self.security_protocol}: use SSL or SASL_SSL")
-        if self.tls is not None and self.tls.key_file and not self.tls.cert_file:
-            problems.append("tls.key_file needs tls.cert_file")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -229,12 +218,7 @@ def ssl_context(options: KafkaOptions) -> ssl.SSLContext | None:
     """The client TLS context for SSL / SASL_SSL (reads the files), else None."""
     if not options.security_protocol.endswith("SSL"):
         return None
-    tls = options.tls or TlsOptions()
-    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls.ca_file)
-    if tls.cert_file:
-        context.load_cert_chain(tls.cert_file, tls.key_file)
-    context.check_hostname = tls.check_hostname
-    return context
+    return (options.tls or TlsOptions()).ssl_context()
 
 
 class _Chunk:
@@ -866,4 +850,4 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-__all__ = ["KafkaConnector", "KafkaOptions", "client_settings", "producer_settings", "ssl_context"]
+__all__ = ["KafkaConnector", "KafkaOptions", "TlsOptions", "client_settings", "producer_settings", "ssl_context"]

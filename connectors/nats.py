@@ -55,7 +55,7 @@ from nats.js import api as js_api
 from nats.js.client import JetStreamContext
 
 from bridge.config import ByteSize, Duration, SinkConfig
-from bridge.connector import Template
+from bridge.connector import Template, TlsOptions
 from bridge.errors import ConfigError, ConnectorError, NotConnected, PartialFailure, Permanent, Retriable
 from bridge.formats import Message
 from bridge.records import Record, Stream
@@ -169,19 +169,6 @@ class _Subjects:
 
 
 # -- options ------------------------------------------------------------------------------------
-
-
-class TlsOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """TLS to the NATS servers (also used when a server URL is ``tls://``)."""
-
-    ca_file: Annotated[str | None, _doc("CA bundle (PEM) that signs the servers' certificates; default: system CAs.")] = None
-    cert_file: Annotated[str | None, _doc("Client certificate (PEM) for mutual TLS.")] = None
-    key_file: Annotated[str | None, _doc("Private key (PEM) of cert_file (omit when it is inside cert_file).")] = None
-    check_hostname: Annotated[bool, _doc("Check that the certificate names the server's host.")] = True
-
-    def __post_init__(self) -> None:
-        if self.key_file is not None and self.cert_file is None:
-            raise ValueError("tls.key_file needs tls.cert_file")
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -688,13 +675,9 @@ class NatsConnector:
 
     def _tls_context(self, tls: TlsOptions) -> ssl.SSLContext:
         try:
-            ctx = ssl.create_default_context(cafile=tls.ca_file)
-            if tls.cert_file is not None:
-                ctx.load_cert_chain(tls.cert_file, tls.key_file)
+            return tls.ssl_context()
         except (OSError, ssl.SSLError) as exc:
             raise NotConnected(f"sink {self.name}: cannot load the TLS files: {_describe(exc)}", reason="tls") from None
-        ctx.check_hostname = tls.check_hostname
-        return ctx
 
     def _next_server(self, servers: list[Any], _info: dict[str, Any]) -> tuple[Any, float]:
         """The server to reconnect to: the least-tried one, right away on its first attempt, else

@@ -94,7 +94,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from bridge.config import Duration, SinkConfig
 from bridge.config import Struct as ConfigStruct
-from bridge.connector import Template
+from bridge.connector import Template, TlsOptions
 from bridge.errors import ConfigError, ConnectorError, NotConnected, PartialFailure, Permanent, Retriable
 from bridge.formats import Message, hex64
 from bridge.records import Event, Record, Stream
@@ -170,15 +170,6 @@ def _doc(text: str) -> msgspec.Meta:
     return msgspec.Meta(description=text)
 
 
-class TlsOptions(ConfigStruct):
-    """TLS for ``rediss://`` URLs."""
-
-    ca_file: Annotated[str | None, _doc("CA bundle (PEM) that signs the server certificate; default: system CAs.")] = None
-    cert_file: Annotated[str | None, _doc("Client certificate (PEM) for mutual TLS.")] = None
-    key_file: Annotated[str | None, _doc("Private key (PEM) of cert_file.")] = None
-    check_hostname: Annotated[bool, _doc("Check that the certificate names the host of url.")] = True
-
-
 class IndexOptions(ConfigStruct):
     """A SET per engine stream of the block hashes the engine currently holds."""
 
@@ -208,7 +199,10 @@ class RedisOptions(ConfigStruct):
     ]
     username: Annotated[str | None, _doc("ACL user (Redis 6+); null: the default user.")] = None
     password: Annotated[str | None, _doc("Password, e.g. ${REDIS_PASSWORD}; never logged.")] = None
-    tls: Annotated[TlsOptions | None, _doc("TLS files and checks; only with rediss:// URLs.")] = None
+    tls: Annotated[
+        TlsOptions | None,
+        _doc("TLS files and checks; only with rediss:// URLs (redis-py trusts ca_file besides the system CAs)."),
+    ] = None
     stream: Annotated[
         str | None,
         _doc(
