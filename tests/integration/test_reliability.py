@@ -24,6 +24,9 @@ import signal
 import time
 import tracemalloc
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +41,8 @@ from bridge.simulator import PROFILES, EventFactory, Simulator, SimulatorOptions
 from tests.infra.servers import KafkaServer, ManagedServer, NatsServer, RedisServer
 from tests.support.harness import free_port, free_ports, read_lines, running_bridge, wait_for
 from tests.support.harness import metric as bridge_metric
-from tests.support.process import BridgeProcess, Sampler, metric
-from tests.support.readback import read_file, read_jetstream, read_kafka, read_redis
+from tests.support.process import BridgeProcess, BridgeRun, bridge_config, metric
+from tests.support.readback import Readback, read_file, read_jetstream, read_kafka, read_redis
 
 pytestmark = pytest.mark.integration
 
@@ -97,17 +100,52 @@ def _engine(ep: Endpoints, **kw: Any) -> SimulatorOptions:
 
 
 def _bridge_config(tmp: Path, ep: Endpoints, sinks: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "sources": [{"name": "engine", "endpoint": ep.live, "replay_endpoint": ep.replay, "dp_ranks": RANKS}],
-        "sinks": sinks,
-        "ingest": {"receive_hwm": RECEIVE_HWM},
-        "replay": {"timeout": "1s", "initial_backoff": "100ms", "max_backoff": "1s", "max_held_batches": MAX_HELD},
-        "metrics": {"listen": f"127.0.0.1:{free_port()}"},
-        "dead_letter": {"path": str(tmp / "dead.jsonl")},
-        "log": {"level": "info"},
-    }
+    cfg = bridge_config(
+        tmp,
+        [{"name": "engine", "endpoint": ep.live, "replay_endpoint": ep.replay, "dp_ranks": RANKS}],
+        sinks,
+        ingest={"receive_hwm": RECEIVE_HWM},
+        replay={"timeout": "1s", "initial_backoff": "100ms", "max_backoff": "1s", "max_held_batches": MAX_HELD},
+        log={"level": "info"},
+    )
     cfg.update(extra)
     return cfg
+
+
+@dataclass
+class _Broker:
+    """A sink's server, the sink's options for writing under one prefix there, and a read-back of it."""
+
+    server: ManagedServer
+    options: dict[str, Any]
+    read_back: Callable[[], Awaitable[Readback]]
+
+
+async def _broker(kind: str, request: pytest.FixtureRequest) -> _Broker:
+    """``kind``'s session server (redis emptied first) and a fresh prefix, stream or topic on it."""
+    dest = f"KVR{uuid.uuid4().hex[:8].upper()}"  # NATS wants a stream name: letters and digits
+    if kind == "redis":
+        redis = request.getfixturevalue("fresh_redis")
+        assert isinstance(redis, RedisServer)
+        keys = [f"{dest}:engine:{r}" for r in range(RANKS)]
+        options: dict[str, Any] = {"url": redis.url, "stream": dest + ":{source}:{dp_rank}", "timeout": "2s"}
+        return _Broker(redis, options, lambda: read_redis(redis.url, keys))
+    if kind == "nats":
+        nats = request.getfixturevalue("nats_server")
+        assert isinstance(nats, NatsServer)
+        options = {
+            "servers": nats.url,
+            "subject": dest + ".{source}.{dp_rank}",
+            "ack_timeout": "3s",
+            "reconnect_wait": "250ms",
+            "stream": {"create": True, "name": dest, "subjects": [f"{dest}.>"], "duplicate_window": "10m"},
+        }
+        return _Broker(nats, options, lambda: read_jetstream(nats.url, dest))
+    kafka = request.getfixturevalue("kafka")
+    assert isinstance(kafka, KafkaServer)
+    topic = await kafka.anew_topic(partitions=RANKS)
+    options = {"bootstrap_servers": kafka.bootstrap_servers, "topic": topic, "request_timeout": "5s"}
+    return _Broker(kafka, options, lambda: read_kafka(kafka.bootstrap_servers, topic, RANKS))
 
 
 def _common_sink(name: str, type_: str, **options: Any) -> dict[str, Any]:
@@ -148,37 +186,15 @@ async def _small_pub_hwm(sim: Simulator, hwm: int = 100) -> None:
 async def test_sink_outage_of_30s_loses_nothing_and_memory_stays_bounded(
     kind: str, request: pytest.FixtureRequest, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    dest = f"KVR{uuid.uuid4().hex[:8].upper()}"
-    server: ManagedServer
-    if kind == "redis":
-        server = request.getfixturevalue("redis_server")
-        assert isinstance(server, RedisServer)
-        options: dict[str, Any] = {"url": server.url, "stream": dest + ":{source}:{dp_rank}", "timeout": "2s"}
-    elif kind == "nats":
-        server = request.getfixturevalue("nats_server")
-        assert isinstance(server, NatsServer)
-        options = {
-            "servers": server.url,
-            "subject": dest + ".{source}.{dp_rank}",
-            "ack_timeout": "3s",
-            "reconnect_wait": "250ms",
-            "stream": {"create": True, "name": dest, "subjects": [f"{dest}.>"], "duplicate_window": "10m"},
-        }
-    else:
-        server = request.getfixturevalue("kafka")
-        assert isinstance(server, KafkaServer)
-        topic = await server.anew_topic(partitions=RANKS)
-        options = {"bootstrap_servers": server.bootstrap_servers, "topic": topic, "request_timeout": "5s"}
+    broker = await _broker(kind, request)
+    server = broker.server
     ep = Endpoints()
     engine = _engine(ep)
-    bridge = BridgeProcess(tmp_path, _bridge_config(tmp_path, ep, [_common_sink(kind, kind, **options)]))
+    bridge = BridgeProcess(tmp_path, _bridge_config(tmp_path, ep, [_common_sink(kind, kind, **broker.options)]))
     async with Simulator(engine) as sim:
         await _small_pub_hwm(sim)
-        bridge.start()
-        sampler = Sampler(bridge).start()
-        runner = asyncio.create_task(sim.run())
-        try:
-            await bridge.wait_ready()
+        async with BridgeRun(bridge, engine=sim) as run:
+            sampler = run.sampler
             await bridge.wait_metric("kv_bridge_sink_batches_total", 3 * RATE * RANKS, sink=kind, outcome="delivered")
             baseline = sampler.current()
             down_at = time.monotonic()
@@ -188,26 +204,13 @@ async def test_sink_outage_of_30s_loses_nothing_and_memory_stays_bounded(
             await server.astart()
             up_at = time.monotonic()
             await asyncio.sleep(3.0)  # the engine keeps publishing while the sink catches up
-            runner.cancel()
-            await asyncio.gather(runner, return_exceptions=True)
-            published = {r: sim.ranks[r].seq for r in range(RANKS)}
+            published = await run.stop_engine()
             total = sum(published.values())
             await bridge.wait_metric("kv_bridge_sink_batches_total", total, timeout=90, sink=kind, outcome="delivered")
             caught_up = time.monotonic() - up_at
             samples = await bridge.metrics()
             assert await bridge.terminate() == 0
-        finally:
-            runner.cancel()
-            await sampler.stop()
-            bridge.kill()
-    if isinstance(server, RedisServer):
-        back = await read_redis(server.url, [f"{dest}:engine:{r}" for r in range(RANKS)])
-    elif isinstance(server, NatsServer):
-        back = await read_jetstream(server.url, dest)
-    else:
-        assert isinstance(server, KafkaServer)
-        back = await read_kafka(server.bootstrap_servers, topic, RANKS)
-    counts = back.check(published, EVENTS)
+    counts = (await broker.read_back()).check(published, EVENTS)
     peak_queue = max(sampler.queue_bytes_peak.values(), default=0.0)
     growth = sampler.peak - baseline
     # Once the queue is full the bridge stops reading: memory must stay flat for the rest of the
@@ -311,41 +314,38 @@ def _lines(out: Path) -> int:
         return sum(1 for _ in f)
 
 
+@asynccontextmanager
+async def _file_and_redis(tmp_path: Path, redis: RedisServer, backpressure: str) -> AsyncIterator[tuple[BridgeRun, Path, str]]:
+    """A bridge process with a file sink and a redis sink (``backpressure``), fed at FANOUT_RATE;
+    entered once the file has output. Yields the run, the file and the redis streams' prefix."""
+    ep, out, prefix = Endpoints(), tmp_path / "file.jsonl", f"t{uuid.uuid4().hex[:8]}"
+    cfg = _bridge_config(tmp_path, ep, [_file_sink(out), _redis_sink(redis.url, prefix, backpressure)])
+    async with Simulator(_engine(ep, rate=FANOUT_RATE)) as sim, BridgeRun(BridgeProcess(tmp_path, cfg), engine=sim) as run:
+        await wait_for(lambda: _lines(out) >= 400, what="output")
+        yield run, out, prefix
+
+
 @pytest.mark.slow
 async def test_a_drop_sink_down_does_not_hold_back_a_file_sink(
     fresh_redis: RedisServer, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    ep, out, prefix = Endpoints(), tmp_path / "file.jsonl", f"t{uuid.uuid4().hex[:8]}"
-    cfg = _bridge_config(tmp_path, ep, [_file_sink(out), _redis_sink(fresh_redis.url, prefix, "drop")])
-    bridge = BridgeProcess(tmp_path, cfg)
-    async with Simulator(_engine(ep, rate=FANOUT_RATE)) as sim:
-        bridge.start()
-        sampler = Sampler(bridge).start()
-        runner = asyncio.create_task(sim.run())
-        try:
-            await bridge.wait_ready()
-            await wait_for(lambda: _lines(out) >= 400, what="output")
-            await fresh_redis.astop()
-            await bridge.wait_metric("kv_bridge_sink_batches_total", 1, sink="redis", outcome="dropped")
-            before, t0 = _lines(out), time.monotonic()
-            await asyncio.sleep(5.0)
-            live_rate = (_lines(out) - before) / (time.monotonic() - t0)  # the file sink, while redis drops
-            await fresh_redis.astart()
-            await asyncio.sleep(2.0)
-            runner.cancel()
-            await asyncio.gather(runner, return_exceptions=True)
-            published = {r: sim.ranks[r].seq for r in range(RANKS)}
-            total = sum(published.values())
-            await bridge.wait_metric("kv_bridge_sink_batches_total", total, sink="file", outcome="delivered")
-            dropped = metric(await bridge.metrics(), "kv_bridge_sink_batches_total", sink="redis", outcome="dropped")
-            # Each stream's span is announced (and counted lost) once redis has room again.
-            lost = await bridge.wait_metric("kv_bridge_batches_lost_total", dropped)
-            await bridge.wait_metric("kv_bridge_sink_batches_total", total - dropped, sink="redis", outcome="delivered")
-            assert await bridge.terminate() == 0
-        finally:
-            runner.cancel()
-            await sampler.stop()
-            bridge.kill()
+    async with _file_and_redis(tmp_path, fresh_redis, "drop") as (run, out, prefix):
+        bridge = run.first
+        await fresh_redis.astop()
+        await bridge.wait_metric("kv_bridge_sink_batches_total", 1, sink="redis", outcome="dropped")
+        before, t0 = _lines(out), time.monotonic()
+        await asyncio.sleep(5.0)
+        live_rate = (_lines(out) - before) / (time.monotonic() - t0)  # the file sink, while redis drops
+        await fresh_redis.astart()
+        await asyncio.sleep(2.0)
+        published = await run.stop_engine()
+        total = sum(published.values())
+        await bridge.wait_metric("kv_bridge_sink_batches_total", total, sink="file", outcome="delivered")
+        dropped = metric(await bridge.metrics(), "kv_bridge_sink_batches_total", sink="redis", outcome="dropped")
+        # Each stream's span is announced (and counted lost) once redis has room again.
+        lost = await bridge.wait_metric("kv_bridge_batches_lost_total", dropped)
+        await bridge.wait_metric("kv_bridge_sink_batches_total", total - dropped, sink="redis", outcome="delivered")
+        assert await bridge.terminate() == 0
     to_file = read_file(out).check(published)
     back = await read_redis(fresh_redis.url, [f"{prefix}:engine:{r}" for r in range(RANKS)])
     to_redis = back.check(published)
@@ -358,7 +358,7 @@ async def test_a_drop_sink_down_does_not_hold_back_a_file_sink(
         redis_announced_lost=to_redis["announced"],
         duplicated=to_file["duplicated"] + to_redis["duplicated"],
         lost=to_file["lost"] + to_redis["lost"],
-        peak_rss_mib=round(sampler.peak / MiB, 1),
+        peak_rss_mib=round(run.sampler.peak / MiB, 1),
         file_rate_while_redis_down=round(live_rate),
     )
     # The file sink got everything, live, while redis was down.
@@ -376,34 +376,20 @@ async def test_two_block_sinks_one_down_holds_back_both(
     fresh_redis: RedisServer, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """README: "With several block sinks, one slow sink holds back all of them (block-all)"."""
-    ep, out, prefix = Endpoints(), tmp_path / "file.jsonl", f"t{uuid.uuid4().hex[:8]}"
-    cfg = _bridge_config(tmp_path, ep, [_file_sink(out), _redis_sink(fresh_redis.url, prefix, "block")])
-    bridge = BridgeProcess(tmp_path, cfg)
-    async with Simulator(_engine(ep, rate=FANOUT_RATE)) as sim:
-        bridge.start()
-        sampler = Sampler(bridge).start()
-        runner = asyncio.create_task(sim.run())
-        try:
-            await bridge.wait_ready()
-            await wait_for(lambda: _lines(out) >= 400, what="output")
-            await fresh_redis.astop()
-            await asyncio.sleep(2.0)  # redis's queue (200 batches) fills within a second
-            before = _lines(out)
-            await asyncio.sleep(4.0)
-            held_back = _lines(out) - before
-            await fresh_redis.astart()
-            await asyncio.sleep(2.0)
-            runner.cancel()
-            await asyncio.gather(runner, return_exceptions=True)
-            published = {r: sim.ranks[r].seq for r in range(RANKS)}
-            total = sum(published.values())
-            for sink in ("file", "redis"):
-                await bridge.wait_metric("kv_bridge_sink_batches_total", total, sink=sink, outcome="delivered")
-            assert await bridge.terminate() == 0
-        finally:
-            runner.cancel()
-            await sampler.stop()
-            bridge.kill()
+    async with _file_and_redis(tmp_path, fresh_redis, "block") as (run, out, prefix):
+        bridge = run.first
+        await fresh_redis.astop()
+        await asyncio.sleep(2.0)  # redis's queue (200 batches) fills within a second
+        before = _lines(out)
+        await asyncio.sleep(4.0)
+        held_back = _lines(out) - before
+        await fresh_redis.astart()
+        await asyncio.sleep(2.0)
+        published = await run.stop_engine()
+        total = sum(published.values())
+        for sink in ("file", "redis"):
+            await bridge.wait_metric("kv_bridge_sink_batches_total", total, sink=sink, outcome="delivered")
+        assert await bridge.terminate() == 0
     to_file = read_file(out).check(published)
     to_redis = (await read_redis(fresh_redis.url, [f"{prefix}:engine:{r}" for r in range(RANKS)])).check(published)
     report(
@@ -414,7 +400,7 @@ async def test_two_block_sinks_one_down_holds_back_both(
         redis_delivered=to_redis["delivered"],
         duplicated=to_file["duplicated"] + to_redis["duplicated"],
         lost=to_file["lost"] + to_redis["lost"],
-        peak_rss_mib=round(sampler.peak / MiB, 1),
+        peak_rss_mib=round(run.sampler.peak / MiB, 1),
         file_lines_while_redis_down=held_back,
     )
     assert held_back == 0  # block-all: the file sink waited for redis too
@@ -430,57 +416,33 @@ async def test_two_block_sinks_one_down_holds_back_both(
 async def test_sigkill_under_load_then_restart_loses_nothing(
     kind: str, request: pytest.FixtureRequest, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    ep, prefix = Endpoints(), f"t{uuid.uuid4().hex[:8]}"
-    if kind == "redis":
-        server: Any = request.getfixturevalue("fresh_redis")
-        options: dict[str, Any] = {"url": server.url, "stream": prefix + ":{source}:{dp_rank}", "timeout": "2s"}
-    else:
-        server = request.getfixturevalue("kafka")
-        topic = await server.anew_topic(partitions=RANKS)
-        options = {"bootstrap_servers": server.bootstrap_servers, "topic": topic, "request_timeout": "5s"}
+    ep, broker = Endpoints(), await _broker(kind, request)
     cfg = _bridge_config(
-        tmp_path, ep, [_common_sink(kind, kind, **options)], checkpoint={"path": str(tmp_path / "ck.json"), "interval": "200ms"}
+        tmp_path,
+        ep,
+        [_common_sink(kind, kind, **broker.options)],
+        checkpoint={"path": str(tmp_path / "ck.json"), "interval": "200ms"},
     )
     first = BridgeProcess(tmp_path, cfg, name="run1")
     # Same config, but its own metrics port: the first run's may be taken again the moment it dies.
     second = BridgeProcess(tmp_path, {**cfg, "metrics": {"listen": f"127.0.0.1:{free_port()}"}}, name="run2")
-    samplers: list[Sampler] = []
-    async with Simulator(_engine(ep)) as sim:
-        first.start()
-        samplers.append(Sampler(first).start())
-        runner = asyncio.create_task(sim.run())
-        try:
-            await first.wait_ready()
-            await first.wait_metric("kv_bridge_sink_batches_total", 4 * RATE * RANKS, sink=kind, outcome="delivered")
-            before_kill = metric_sum(await first.metrics(), "kv_bridge_sink_batches_total")
-            os.kill(first.pid, signal.SIGKILL)
-            assert await first.terminate() == -signal.SIGKILL
-            checkpoint = json.loads((tmp_path / "ck.json").read_text())["streams"]
-            await asyncio.sleep(1.0)  # the engine goes on while the bridge is away
-            second.start()
-            samplers.append(Sampler(second).start())
-            await second.wait_ready()
-            await asyncio.sleep(2.0)
-            runner.cancel()
-            await asyncio.gather(runner, return_exceptions=True)
-            published = {r: sim.ranks[r].seq for r in range(RANKS)}
-            # Resumed from the checkpoint: everything after it comes again (replay), nothing before.
-            resent = sum(published[r] - 1 - checkpoint[f"engine/{r}"]["seq"] for r in range(RANKS))
-            await second.wait_metric("kv_bridge_sink_batches_total", resent, sink=kind, outcome="delivered")
-            await asyncio.sleep(0.5)
-            samples = await second.metrics()
-            assert await second.terminate() == 0
-        finally:
-            runner.cancel()
-            for sampler in samplers:
-                await sampler.stop()
-            first.kill()
-            second.kill()
-    if kind == "redis":
-        back = await read_redis(server.url, [f"{prefix}:engine:{r}" for r in range(RANKS)])
-    else:
-        back = await read_kafka(server.bootstrap_servers, topic, RANKS)
-    counts = back.check(published, EVENTS)
+    async with Simulator(_engine(ep)) as sim, BridgeRun(first, engine=sim) as run:
+        await first.wait_metric("kv_bridge_sink_batches_total", 4 * RATE * RANKS, sink=kind, outcome="delivered")
+        before_kill = metric_sum(await first.metrics(), "kv_bridge_sink_batches_total")
+        os.kill(first.pid, signal.SIGKILL)
+        assert await first.terminate() == -signal.SIGKILL
+        checkpoint = json.loads((tmp_path / "ck.json").read_text())["streams"]
+        await asyncio.sleep(1.0)  # the engine goes on while the bridge is away
+        await run.start(second)
+        await asyncio.sleep(2.0)
+        published = await run.stop_engine()
+        # Resumed from the checkpoint: everything after it comes again (replay), nothing before.
+        resent = sum(published[r] - 1 - checkpoint[f"engine/{r}"]["seq"] for r in range(RANKS))
+        await second.wait_metric("kv_bridge_sink_batches_total", resent, sink=kind, outcome="delivered")
+        await asyncio.sleep(0.5)
+        samples = await second.metrics()
+        assert await second.terminate() == 0
+    counts = (await broker.read_back()).check(published, EVENTS)
     total = sum(published.values())
     report(
         tmp_path_factory,
@@ -489,7 +451,7 @@ async def test_sigkill_under_load_then_restart_loses_nothing(
         delivered=counts["delivered"],
         duplicated=counts["duplicated"],
         lost=counts["lost"],
-        peak_rss_mib=round(max(s.peak for s in samplers) / MiB, 1),
+        peak_rss_mib=round(max(s.peak for s in run.samplers) / MiB, 1),
         batches_before_kill=int(before_kill),
         batches_resent_after_restart=resent,
     )
@@ -510,31 +472,20 @@ async def test_engine_restart_storm_ten_epochs_each_announced_and_whole(
     cfg = _bridge_config(tmp_path, ep, [_file_sink(out)], checkpoint={"path": str(tmp_path / "ck.json"), "interval": "200ms"})
     bridge = BridgeProcess(tmp_path, cfg)
     per_epoch: list[int] = []  # batches rank 0 published in each epoch
-    async with Simulator(_engine(ep, rate=100.0)) as sim:
-        bridge.start()
-        sampler = Sampler(bridge).start()
-        runner = asyncio.create_task(sim.run())
-        try:
-            await bridge.wait_ready()
-            started = time.monotonic()
-            for _ in range(10):  # ten restarts of rank 0 in 15 s; the other ranks go on
-                await asyncio.sleep(1.5)
-                per_epoch.append(sim.ranks[0].seq)
-                sim.ranks[0].restart()
-            storm = time.monotonic() - started
+    async with Simulator(_engine(ep, rate=100.0)) as sim, BridgeRun(bridge, engine=sim) as run:
+        started = time.monotonic()
+        for _ in range(10):  # ten restarts of rank 0 in 15 s; the other ranks go on
             await asyncio.sleep(1.5)
-            runner.cancel()
-            await asyncio.gather(runner, return_exceptions=True)
             per_epoch.append(sim.ranks[0].seq)
-            published = {r: sim.ranks[r].seq for r in range(RANKS)}
-            total = sum(per_epoch) + sum(published[r] for r in range(1, RANKS))
-            await bridge.wait_metric("kv_bridge_sink_batches_total", total, sink="file", outcome="delivered")
-            samples = await bridge.metrics()
-            assert await bridge.terminate() == 0
-        finally:
-            runner.cancel()
-            await sampler.stop()
-            bridge.kill()
+            sim.ranks[0].restart()
+        storm = time.monotonic() - started
+        await asyncio.sleep(1.5)
+        published = await run.stop_engine()
+        per_epoch.append(published[0])
+        total = sum(per_epoch) + sum(published[r] for r in range(1, RANKS))
+        await bridge.wait_metric("kv_bridge_sink_batches_total", total, sink="file", outcome="delivered")
+        samples = await bridge.metrics()
+        assert await bridge.terminate() == 0
     lines = read_lines(out)
     rank0 = [ln for ln in lines if ln["dp_rank"] == 0]
     resets = [i for i, ln in enumerate(rank0) if ln.get("type") == "SourceReset"]
@@ -562,7 +513,7 @@ async def test_engine_restart_storm_ten_epochs_each_announced_and_whole(
         lost=0,
         source_resets=len(resets),
         restarts_counted=metric_sum(samples, "kv_bridge_source_restarts_total"),
-        peak_rss_mib=round(sampler.peak / MiB, 1),
+        peak_rss_mib=round(run.sampler.peak / MiB, 1),
     )
     assert metric_sum(samples, "kv_bridge_source_restarts_total") == 10
     assert metric_sum(samples, "kv_bridge_batches_lost_total") == 0

@@ -1,8 +1,9 @@
 """The bridge as a separate process (``python -m bridge --config``), measured from outside.
 
-:class:`BridgeProcess` writes a config file, starts the bridge with its stderr in a log file, and
-reads its resident memory (``VmRSS`` in ``/proc/PID/status``) and its ``/metrics``;
-:class:`Sampler` follows both in the background (peak RSS, peak queue bytes).
+:class:`BridgeProcess` writes a config file (:func:`bridge_config` makes one), starts the bridge
+with its stderr in a log file, and reads its resident memory (``VmRSS`` in ``/proc/PID/status``)
+and its ``/metrics``; :class:`Sampler` follows both in the background (peak RSS, peak queue
+bytes); :class:`BridgeRun` starts, samples and cleans up bridges fed by a simulated engine.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from tests.support.harness import free_port
+
+if TYPE_CHECKING:
+    from bridge.simulator import Simulator
 
 ROOT = Path(__file__).resolve().parents[2]
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
@@ -66,6 +73,19 @@ def metric(samples: dict[str, float], name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in rest for k, v in labels.items()):
             total += value
     return total
+
+
+def bridge_config(tmp: Path, sources: list[dict[str, Any]], sinks: list[dict[str, Any]], **sections: Any) -> dict[str, Any]:
+    """A config for :class:`BridgeProcess`: ``sources`` and ``sinks``, ``/metrics`` on a free loopback
+    port, dead letters in ``tmp``; each of ``sections`` sets the section of that name."""
+    cfg: dict[str, Any] = {
+        "sources": sources,
+        "sinks": sinks,
+        "metrics": {"listen": f"127.0.0.1:{free_port()}"},
+        "dead_letter": {"path": str(tmp / "dead.jsonl")},
+    }
+    cfg.update(sections)
+    return cfg
 
 
 class BridgeProcess:
@@ -219,3 +239,64 @@ class Sampler:
                             self.queue_batches_peak[key] = max(self.queue_batches_peak.get(key, 0.0), value)
             n += 1
             await asyncio.sleep(self.interval)
+
+
+class BridgeRun:
+    """``async with BridgeRun(bridge, engine=sim) as run:`` starts ``bridge`` with a :class:`Sampler`
+    (``sampler_options``), then ``engine`` (an entered Simulator) publishing in the background,
+    and enters once the bridge is ready.
+
+    On exit, whatever happened: the engine stops, the samplers stop and every bridge of the run
+    still alive is killed. A test that wants a bridge's exit code ends it itself with
+    ``terminate()`` first.
+    """
+
+    def __init__(self, bridge: BridgeProcess, *, engine: Simulator | None = None, **sampler_options: Any) -> None:
+        self.first = bridge
+        self.engine = engine
+        self.samplers: list[Sampler] = []
+        self._sampler_options = sampler_options
+        self._bridges: list[BridgeProcess] = []
+        self._publishing: asyncio.Task[None] | None = None
+
+    @property
+    def sampler(self) -> Sampler:
+        """The first bridge's sampler."""
+        return self.samplers[0]
+
+    def _launch(self, bridge: BridgeProcess) -> None:
+        self._bridges.append(bridge.start())
+        self.samplers.append(Sampler(bridge, **self._sampler_options).start())
+
+    async def start(self, bridge: BridgeProcess) -> Sampler:
+        """Start one more bridge (sampled, and killed on exit) and wait until it is ready."""
+        self._launch(bridge)
+        await bridge.wait_ready()
+        return self.samplers[-1]
+
+    async def stop_engine(self) -> dict[int, int]:
+        """Stop publishing; returns how many batches each rank published."""
+        assert self.engine is not None and self._publishing is not None
+        self._publishing.cancel()
+        await asyncio.gather(self._publishing, return_exceptions=True)
+        return {r: rank.seq for r, rank in enumerate(self.engine.ranks)}
+
+    async def __aenter__(self) -> BridgeRun:
+        self._launch(self.first)
+        if self.engine is not None:
+            self._publishing = asyncio.create_task(self.engine.run(), name="engine")
+        try:
+            await self.first.wait_ready()
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self._publishing is not None:
+            self._publishing.cancel()
+            await asyncio.gather(self._publishing, return_exceptions=True)
+        for sampler in self.samplers:
+            await sampler.stop()
+        for bridge in self._bridges:
+            bridge.kill()
