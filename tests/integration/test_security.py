@@ -42,7 +42,7 @@ from bridge.simulator import PROFILES, EventFactory, Simulator, SimulatorOptions
 from tests.infra.servers import KafkaServer
 from tests.integration.conftest import SecureServer
 from tests.support.harness import free_port, free_ports, metric, read_lines, wait_for
-from tests.support.process import ROOT, BridgeProcess, Sampler, http_get
+from tests.support.process import ROOT, BridgeProcess, BridgeRun, bridge_config, http_get
 from tests.support.readback import Readback, read_jetstream, read_kafka, read_redis
 
 pytestmark = pytest.mark.integration
@@ -67,14 +67,13 @@ def _sources(ports: list[int]) -> list[dict[str, Any]]:
 
 
 def _config(tmp: Path, ports: list[int], sinks: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "sources": _sources(ports),
-        "sinks": sinks,
-        "metrics": {"listen": f"127.0.0.1:{free_port()}"},
-        "dead_letter": {"path": str(tmp / "dead.jsonl")},
-        "replay": {"timeout": "500ms", "initial_backoff": "50ms", "max_backoff": "500ms"},
-        "shutdown_timeout": "3s",
-    }
+    cfg = bridge_config(
+        tmp,
+        _sources(ports),
+        sinks,
+        replay={"timeout": "500ms", "initial_backoff": "50ms", "max_backoff": "500ms"},
+        shutdown_timeout="3s",
+    )
     cfg.update(extra)
     return cfg
 
@@ -188,6 +187,31 @@ def failing(bridge: Bridge, reason: str = "", sink: int = 0) -> bool:
     return error not in (None, "not connected yet") and reason in (error or "")
 
 
+async def deliver(tmp: Path, sink: dict[str, Any], env: dict[str, str]) -> tuple[list[int], dict[int, int], int]:
+    """Run a bridge whose only sink is ``sink`` until what an engine published is delivered.
+
+    Returns the engine's ports, the batches it published per rank and /readyz's status at the end.
+    """
+    ports = free_ports(4)
+    async with running(_config(tmp, ports, [sink]), env) as bridge:
+        published = await publish(ports)
+        await wait_delivered(bridge, sink["name"], sum(published.values()))
+        return ports, published, (await readyz(bridge))[0]
+
+
+async def readyz_when_failing(
+    tmp: Path, ports: list[int], sink: dict[str, Any], env: dict[str, str], reason: str = "", publish_first: int = 0
+) -> tuple[int, dict[str, Any]]:
+    """/readyz of a bridge whose only sink is ``sink``, once that sink has reported an error
+    (containing ``reason``); with ``publish_first``, after an engine on ``ports`` has published
+    that many batches per rank (some failures only show on a write)."""
+    async with running(_config(tmp, ports, [sink]), env) as bridge:
+        if publish_first:
+            await publish(ports, publish_first)
+        await wait_for(lambda: failing(bridge, reason), what=f"an error {reason!r}")
+        return await readyz(bridge)
+
+
 def tls_context(ca: Path) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=str(ca))
 
@@ -207,12 +231,9 @@ async def test_kafka_sasl_ssl_scram_sha_512(scram_kafka: SecureServer, tmp_path:
     kafka = scram_kafka.server
     assert isinstance(kafka, KafkaServer)
     topic = await kafka.anew_topic(partitions=2)
-    ports = free_ports(4)
     env = {"KAFKA_PASSWORD": scram_kafka.password}
-    async with running(_config(tmp_path, ports, [kafka_sink(scram_kafka, topic)]), env) as bridge:
-        published = await publish(ports)
-        await wait_delivered(bridge, "kafka-sec", sum(published.values()))
-        assert (await readyz(bridge))[0] == 200
+    ports, published, ready = await deliver(tmp_path, kafka_sink(scram_kafka, topic), env)
+    assert ready == 200
     counts = (await read_kafka(kafka.bootstrap_servers, topic, 2)).check(published, EVENTS)
     assert counts["lost"] == 0 and counts["duplicated"] == 0
     # Wrong password, or a server certificate the sink does not trust: not ready, with a reason.
@@ -220,19 +241,14 @@ async def test_kafka_sasl_ssl_scram_sha_512(scram_kafka: SecureServer, tmp_path:
         (kafka_sink(scram_kafka, topic, password="wrong-" + scram_kafka.password), "uthentication"),
         (kafka_sink(scram_kafka, topic, tls={"ca_file": None}), "certificate"),
     ):
-        async with running(_config(tmp_path, ports, [sink]), env) as bridge:
-            await wait_for(lambda: failing(bridge), what="an error")
-            status, body = await readyz(bridge)
+        status, body = await readyz_when_failing(tmp_path, ports, sink, env)
         assert status == 503 and why in body["sinks"]["kafka-sec"], body
 
 
 async def test_redis_tls_and_acl_user(secure_redis: SecureServer, tmp_path: Path) -> None:
     prefix = f"t{uuid.uuid4().hex[:8]}"
-    ports = free_ports(4)
     env = {"REDIS_PASSWORD": secure_redis.password}
-    async with running(_config(tmp_path, ports, [redis_sink(secure_redis, prefix)]), env) as bridge:
-        published = await publish(ports)
-        await wait_delivered(bridge, "redis-sec", sum(published.values()))
+    _, published, _ = await deliver(tmp_path, redis_sink(secure_redis, prefix), env)
     back = await read_secure_redis(secure_redis, [f"{prefix}:sec:{r}" for r in range(2)])
     assert back.check(published, EVENTS) == {
         "delivered": 2 * BATCHES * EVENTS,
@@ -245,28 +261,19 @@ async def test_redis_tls_and_acl_user(secure_redis: SecureServer, tmp_path: Path
     anonymous = redis_sink(secure_redis, prefix + "x", password=None, username=None)  # type: ignore[arg-type]
     wrong = redis_sink(secure_redis, prefix + "x", password="wrong-" + secure_redis.password)
     for sink, why in ((anonymous, "permission"), (wrong, "auth")):
-        other = free_ports(4)
-        async with running(_config(tmp_path, other, [sink]), env) as bridge:
-            await publish(other, 2)
-            await wait_for(lambda: failing(bridge, why), what=f"a {why} error")  # noqa: B023 - awaited in the iteration
-            status, body = await readyz(bridge)
+        status, body = await readyz_when_failing(tmp_path, free_ports(4), sink, env, reason=why, publish_first=2)
         assert status == 503 and why in body["sinks"]["redis-sec"], body
 
 
 async def test_nats_jetstream_tls_and_user_password(secure_nats: SecureServer, tmp_path: Path) -> None:
     dest = f"KVS{uuid.uuid4().hex[:8].upper()}"
-    ports = free_ports(4)
     env = {"NATS_PASSWORD": secure_nats.password}
-    async with running(_config(tmp_path, ports, [nats_sink(secure_nats, dest)]), env) as bridge:
-        published = await publish(ports)
-        await wait_delivered(bridge, "nats-sec", sum(published.values()))
+    ports, published, _ = await deliver(tmp_path, nats_sink(secure_nats, dest), env)
     counts = (await read_secure_jetstream(secure_nats, dest)).check(published, EVENTS)
     assert counts["lost"] == 0 and counts["duplicated"] == 0
     wrong = nats_sink(secure_nats, dest, password="wrong-" + secure_nats.password, connect_timeout="1s")
     for sink in (wrong, nats_sink(secure_nats, dest, tls=None, connect_timeout="1s")):
-        async with running(_config(tmp_path, ports, [sink]), env) as bridge:
-            await wait_for(lambda: failing(bridge), what="an error")
-            status, body = await readyz(bridge)
+        status, body = await readyz_when_failing(tmp_path, ports, sink, env)
         assert status == 503 and "nats-sec" in body["sinks"]["nats-sec"], body
 
 
@@ -490,29 +497,26 @@ async def test_a_100mb_message_is_refused_before_allocation(tmp_path: Path) -> N
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 0)
     pub.bind(f"tcp://127.0.0.1:{pub_port}")
-    bridge = BridgeProcess(tmp_path, cfg).start()
-    sampler = Sampler(bridge, interval=0.02, metrics_every=1000).start()
+    bridge = BridgeProcess(tmp_path, cfg)
     try:
-        await bridge.wait_ready()
-        await bridge.wait_metric("kv_bridge_sources_connected", 1)
-        await asyncio.sleep(0.3)
-        for s in range(3):
-            await pub.send_multipart([b"", s.to_bytes(8, "big"), encode_batch(profile, time.time(), factory.batch(2), 0)])
-        await wait_for(lambda: len(read_lines(out)) >= 3, what="the first batches")
-        await asyncio.sleep(0.5)
-        before = bridge.rss()
-        t0 = time.monotonic()
-        await pub.send_multipart([b"", (3).to_bytes(8, "big"), b"\x00" * (100 * MiB)])
-        await bridge.wait_metric("kv_bridge_source_disconnects_total", 1)
-        await bridge.wait_metric("kv_bridge_sources_connected", 1)
-        await asyncio.sleep(0.3)
-        await pub.send_multipart([b"", (4).to_bytes(8, "big"), encode_batch(profile, time.time(), factory.batch(2), 0)])
-        await wait_for(lambda: any(ln["seq"] == 4 for ln in read_lines(out)), what="the next batch")
-        peak = sampler.peak_between(t0, time.monotonic())
-        assert await bridge.terminate() == 0
+        async with BridgeRun(bridge, interval=0.02, metrics_every=1000) as run:
+            await bridge.wait_metric("kv_bridge_sources_connected", 1)
+            await asyncio.sleep(0.3)
+            for s in range(3):
+                await pub.send_multipart([b"", s.to_bytes(8, "big"), encode_batch(profile, time.time(), factory.batch(2), 0)])
+            await wait_for(lambda: len(read_lines(out)) >= 3, what="the first batches")
+            await asyncio.sleep(0.5)
+            before = bridge.rss()
+            t0 = time.monotonic()
+            await pub.send_multipart([b"", (3).to_bytes(8, "big"), b"\x00" * (100 * MiB)])
+            await bridge.wait_metric("kv_bridge_source_disconnects_total", 1)
+            await bridge.wait_metric("kv_bridge_sources_connected", 1)
+            await asyncio.sleep(0.3)
+            await pub.send_multipart([b"", (4).to_bytes(8, "big"), encode_batch(profile, time.time(), factory.batch(2), 0)])
+            await wait_for(lambda: any(ln["seq"] == 4 for ln in read_lines(out)), what="the next batch")
+            peak = run.sampler.peak_between(t0, time.monotonic())
+            assert await bridge.terminate() == 0
     finally:
-        await sampler.stop()
-        bridge.kill()
         pub.close(linger=0)
         ctx.destroy(linger=0)
     print(f"[security] 100 MB message: RSS before {before / MiB:.1f} MiB, peak after {peak / MiB:.1f} MiB")
