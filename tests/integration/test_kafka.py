@@ -58,15 +58,20 @@ def render(records: Sequence[Any], fmt: str = "json", granularity: str = "event"
     return [m for r in records for m in renderer.render(r)]
 
 
-async def consume(kafka: KafkaServer, topic: str) -> list[ConsumerRecord[bytes, bytes]]:
-    """Everything in ``topic`` (all partitions, up to the current end), partition by partition."""
+async def partitions_of(kafka: KafkaServer, topic: str) -> list[TopicPartition]:
+    """``topic``'s partitions, as the broker describes them."""
     admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
     await admin.start()
     try:
         described = await admin.describe_topics([topic])
     finally:
         await admin.close()
-    partitions = sorted(TopicPartition(topic, p["partition"]) for p in described[0]["partitions"])
+    return sorted(TopicPartition(topic, p["partition"]) for p in described[0]["partitions"])
+
+
+async def consume(kafka: KafkaServer, topic: str) -> list[ConsumerRecord[bytes, bytes]]:
+    """Everything in ``topic`` (all partitions, up to the current end), partition by partition."""
+    partitions = await partitions_of(kafka, topic)
     assert partitions, f"topic {topic} has no partitions"
     consumer = AIOKafkaConsumer(bootstrap_servers=kafka.bootstrap_servers, enable_auto_commit=False)
     await consumer.start()
@@ -362,13 +367,7 @@ async def test_create_topics_creates_missing_topic_with_partitions_and_configs(k
     finally:
         await connector.close()
     assert {r.partition for r in await consume(kafka, topic)} <= {0, 1, 2}
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
-    await admin.start()
-    try:
-        described = await admin.describe_topics([topic])
-    finally:
-        await admin.close()
-    assert len(described[0]["partitions"]) == 3
+    assert len(await partitions_of(kafka, topic)) == 3
 
 
 @pytest.mark.integration
