@@ -63,6 +63,17 @@ def make(url: str, sink: SinkConfig | None = None, **extra: Any) -> RedisConnect
     return RedisConnector(sink.name, options(url, **extra), sink)
 
 
+def make_indexed(
+    url: str, s: SinkConfig, prefix: str, index: str, *, enabled: bool = True, on_events_lost: str | None = None, **extra: Any
+) -> RedisConnector:
+    """A connector writing the streams ``{prefix}:{source}:{dp_rank}``, each with its block index
+    (when ``enabled``) at the stream's key + ``:{index}``."""
+    options: dict[str, Any] = {"enabled": enabled, "key": f"{prefix}:{{source}}:{{dp_rank}}:{index}"}
+    if on_events_lost is not None:
+        options["on_events_lost"] = on_events_lost
+    return make(url, s, stream=prefix + ":{source}:{dp_rank}", index=options, **extra)
+
+
 def sink(fmt: str = "json", granularity: str = "event", hash_format: str = "int") -> SinkConfig:
     return SinkConfig(type="redis", name="redis-test", format=fmt, granularity=granularity, hash_format=hash_format)  # type: ignore[arg-type]
 
@@ -337,12 +348,7 @@ async def test_entry_skipped_by_a_later_one_is_permanent(redis_server: RedisServ
     prefix = new_prefix()
     stream = Stream("llama-s", 0)
     messages = render(s, stream_records(stream, 3))
-    conn = make(
-        redis_server.url,
-        s,
-        stream=prefix + ":{source}:{dp_rank}",
-        index={"enabled": indexed, "key": prefix + ":{source}:{dp_rank}:i"},
-    )
+    conn = make_indexed(redis_server.url, s, prefix, "i", enabled=indexed)
     await conn.connect()
     try:
         await conn.write([messages[0], messages[2]])
@@ -469,12 +475,7 @@ async def test_index_matches_a_model_of_the_engine_cache(
         pool = [rng.randrange(2**64) for _ in range(300)]
         model = CacheModel(hex64 if hash_format == "hex" else str)
     records = random_records(rng, stream, 1500, pool)
-    conn = make(
-        redis_server.url,
-        s,
-        stream=prefix + ":{source}:{dp_rank}",
-        index={"enabled": True, "key": prefix + ":{source}:{dp_rank}:blocks"},
-    )
+    conn = make_indexed(redis_server.url, s, prefix, "blocks")
     key, set_key = f"{prefix}:llama-i:3", f"{prefix}:llama-i:3:blocks"
     await conn.connect()
     written: list[Message] = []
@@ -519,12 +520,7 @@ async def test_flushed_index_script_is_reloaded(redis_server: RedisServer) -> No
     prefix = new_prefix()
     stream = Stream("llama-f", 0)
     messages = render(s, stream_records(stream, 4))
-    conn = make(
-        redis_server.url,
-        s,
-        stream=prefix + ":{source}:{dp_rank}",
-        index={"enabled": True, "key": prefix + ":{source}:{dp_rank}:b"},
-    )
+    conn = make_indexed(redis_server.url, s, prefix, "b")
     client = aioredis.Redis.from_url(redis_server.url)
     await conn.connect()
     try:
@@ -548,12 +544,7 @@ async def test_index_after_events_lost(redis_server: RedisServer, policy: str) -
     prefix = new_prefix()
     stream = Stream("llama-l", 0)
     records = [batch(stream, 0, epoch=1), events_lost(stream, 1, 1, 4, "replay_unavailable", 0.0)]
-    conn = make(
-        redis_server.url,
-        s,
-        stream=prefix + ":{source}:{dp_rank}",
-        index={"enabled": True, "key": prefix + ":{source}:{dp_rank}:b", "on_events_lost": policy},
-    )
+    conn = make_indexed(redis_server.url, s, prefix, "b", on_events_lost=policy)
     await conn.connect()
     try:
         await conn.write(render(s, records[:1]))
@@ -619,12 +610,7 @@ async def test_wrongtype_index_key_stores_nothing(redis_server: RedisServer) -> 
     stream = Stream("w", 0)
     client = aioredis.Redis.from_url(redis_server.url)
     await client.set(f"{prefix}:w:0:blocks", "a string")
-    conn = make(
-        redis_server.url,
-        s,
-        stream=prefix + ":{source}:{dp_rank}",
-        index={"enabled": True, "key": prefix + ":{source}:{dp_rank}:blocks"},
-    )
+    conn = make_indexed(redis_server.url, s, prefix, "blocks")
     await conn.connect()
     try:
         with pytest.raises(Permanent, match="WRONGTYPE"):
@@ -642,14 +628,7 @@ async def test_out_of_memory_is_retriable(private_redis: RedisServer, admin: aio
     prefix = new_prefix()
     stream = Stream("oom", 0)
     messages = render(s, stream_records(stream, 3))
-    conn = make(
-        private_redis.url,
-        s,
-        username=USER,
-        password=SECRET,
-        stream=prefix + ":{source}:{dp_rank}",
-        index={"enabled": indexed, "key": prefix + ":{source}:{dp_rank}:b"},
-    )
+    conn = make_indexed(private_redis.url, s, prefix, "b", enabled=indexed, username=USER, password=SECRET)
     await conn.connect()
     try:
         await admin.config_set("maxmemory", 1)
@@ -822,13 +801,7 @@ async def test_server_restart_mid_stream_loses_nothing(redis_server: RedisServer
     rng = random.Random(11)
     records = random_records(rng, stream, 300, [rng.randrange(2**64) for _ in range(100)])
     model = CacheModel(str)
-    conn = make(
-        redis_server.url,
-        s,
-        stream=prefix + ":{source}:{dp_rank}",
-        index={"enabled": indexed, "key": prefix + ":{source}:{dp_rank}:blocks"},
-        timeout="1s",
-    )
+    conn = make_indexed(redis_server.url, s, prefix, "blocks", enabled=indexed, timeout="1s")
     await conn.connect()
     retries = 0
     writes = range(0, len(records), 5)
