@@ -8,7 +8,8 @@ before the next, the way the runtime does, with the same delivery settings as th
 
 - Kafka: aiokafka's batch API (``create_batch`` / ``send_batch`` per partition, murmur2 routing by
   stream key, acks=all, idempotent), :func:`benchmarks.kafka_client_bench.run_bare_batch`;
-- Redis: redis-py pipelined ``XADD`` with the connector's explicit ids, fields and ``MAXLEN ~``;
+- Redis: redis-py pipelined ``XADD`` with the connector's explicit ids, fields and ``MAXLEN ~``
+  (also measured with the connector's one-pass packer: ``redis+one-pass``);
 - NATS: nats-py JetStream ``publish_async`` with ``Nats-Msg-Id``, then ``publish_async_completed``.
 
 What is left out on purpose: ingest, decoding, rendering, queues, retries, metrics. The ratio
@@ -78,14 +79,20 @@ async def kafka_bare(servers: str, messages: Sequence[Message], partitions: int 
             await admin.close()
 
 
-async def redis_bare(url: str, messages: Sequence[Message], maxlen: int, *, raw: bool) -> float:
-    """Seconds redis-py's pipelined XADD takes for ``messages`` (the connector's ids and fields)."""
+async def redis_bare(url: str, messages: Sequence[Message], maxlen: int, *, raw: bool, one_pass: bool = False) -> float:
+    """Seconds redis-py's pipelined XADD takes for ``messages`` (the connector's ids and fields).
+
+    ``one_pass``: with the connector's pipeline packer (:func:`connectors.redis.one_pass_packing`)
+    instead of redis-py's own, i.e. the fastest way we know to drive the client.
+    """
     import redis.asyncio as aioredis
 
-    from connectors.redis import entry_id, message_position
+    from connectors.redis import entry_id, message_position, one_pass_packing
 
     prefix = f"kvb-limit-{uuid.uuid4().hex[:8]}"
     client = aioredis.Redis.from_url(url)
+    if one_pass:
+        client.connection_pool.connection_class = one_pass_packing(client.connection_pool.connection_class)
     trim = ["MAXLEN", "~", str(maxlen)]
     try:
         started = time.perf_counter()
