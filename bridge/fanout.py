@@ -17,9 +17,21 @@ class Fanout:
     def __init__(self, workers: Sequence[SinkWorker]) -> None:
         self.workers = list(workers)
 
+    def offer(self, record: Record) -> list[SinkWorker]:
+        """Queue ``record`` on every sink with room; returns the blocking sinks still to wait for.
+
+        The hot path calls this (no coroutine per batch) and :meth:`finish` only when needed.
+        """
+        return [w for w in self.workers if not w.offer(record)]
+
     async def publish(self, record: Record) -> None:
         """Queue ``record`` on every sink, waiting for room only where a sink blocks."""
-        waiting = [w for w in self.workers if not w.offer(record)]
+        waiting = self.offer(record)
+        if waiting:
+            await self.finish(record, waiting)
+
+    async def finish(self, record: Record, waiting: list[SinkWorker]) -> None:
+        """Queue ``record`` on the sinks :meth:`offer` returned, in order, as each makes room."""
         while waiting:
             w = waiting[0]
             await w.wait_room()

@@ -92,7 +92,7 @@ class StreamPipeline:
         self.last_activity = time.monotonic()
         observe = self.bridge.metrics.ingest_lag.labels().observe
         parse, peek_ts, live = wire.parse_live, wire.peek_ts, self.sequencer.live
-        publish = self.bridge.fanout.publish
+        offer, finish = self.bridge.fanout.offer, self.bridge.fanout.finish
         async with self.lock:
             for frames in burst:
                 try:
@@ -105,7 +105,10 @@ class StreamPipeline:
                     observe(received - ts if received > ts else 0.0)
                 actions = live(f.seq, f.payload)
                 if len(actions) == 1 and type(a := actions[0]) is Deliver:  # the common case, without the dispatch
-                    await publish(self._decode(a.seq, a.payload, received))
+                    record = self._decode(a.seq, a.payload, received)
+                    waiting = offer(record)
+                    if waiting:
+                        await finish(record, waiting)
                 else:
                     await self._execute(actions, received)
             self._flush_metrics()
