@@ -29,10 +29,12 @@ For each sink and format:
 3. **Peak RSS**: ``VmHWM`` of the bridge process at the end (saturation included, with ZMQ's
    receive queues full).
 
-Limits, measured in the same run: the bare ZMQ drain + msgspec decode loop (a subscriber process
-doing nothing else, ramped the same way; compared with the bridge writing raw batches to
-``/dev/null``, i.e. ingest + sequencing + decode + a trivial sink), and each client's bare
-batch-produce rate for the same messages (:mod:`benchmarks.limits`).
+Limits, measured in the same run right before the rows they are compared with (the machine's
+speed drifts over a long run): the bare ZMQ drain + msgspec decode loop (a subscriber process
+doing nothing else, ramped the same way; compared with the bridge writing to ``/dev/null``,
+i.e. ingest + sequencing + decode + a trivial sink), and each client's bare batch-produce rate
+for the same messages (:mod:`benchmarks.limits`), with the client's CPU seconds per million
+events (the runner process only; the broker is elsewhere).
 """
 
 from __future__ import annotations
@@ -264,8 +266,10 @@ class Result:
     ingest_p99_ms: float | None = None
     write_p99_ms: float | None = None
     events_per_write: float | None = None
+    p99_runs_ms: list[float | None] = field(default_factory=list)  # every repetition's p99, in order
     limit: str = ""
     limit_events_per_s: float | None = None
+    limit_cpu_s_per_m_events: float | None = None
     ratio: float | None = None
     load: tuple[float, float, float] = (0.0, 0.0, 0.0)
     ramp: list[tuple[float, float]] = field(default_factory=list)
@@ -417,8 +421,21 @@ def best_of(runs: list[Result]) -> Result:
     quick = min(runs, key=lambda r: r.p99_ms if r.p99_ms is not None else float("inf"))
     best.cpu_s_per_m_events = min(r.cpu_s_per_m_events for r in runs)
     best.peak_rss_mb = max(r.peak_rss_mb for r in runs)
-    for attr in ("latency_rate", "latency_delivered_per_s", "p50_ms", "p99_ms", "p999_ms", "share_under_25ms", "gaps_at_50pct"):
+    p99s = [r.p99_ms for r in runs]
+    for attr in (
+        "latency_rate",
+        "latency_delivered_per_s",
+        "p50_ms",
+        "p99_ms",
+        "p999_ms",
+        "share_under_25ms",
+        "gaps_at_50pct",
+        "ingest_p99_ms",
+        "write_p99_ms",
+        "events_per_write",
+    ):
         setattr(best, attr, getattr(quick, attr))
+    best.p99_runs_ms = p99s
     best.runs = len(runs)
     return best
 
@@ -449,8 +466,9 @@ def bench_drain(pub: Publisher, duration: float) -> Saturation:
         proc.join(10)
 
 
-def bench_client(kind: str, address: str, shape: LoadShape, fmt: str, rounds: int, seconds: float) -> tuple[float, int]:
-    """Best events/s of the bare client over ``rounds`` runs, and the message count per run."""
+def bench_client(kind: str, address: str, shape: LoadShape, fmt: str, rounds: int, seconds: float) -> tuple[float, int, float]:
+    """Best events/s of the bare client over ``rounds`` runs, the message count per run, and the
+    CPU seconds per million events of that best run (this process only, not the broker)."""
     f, g = fmt.split("/")
     # About ``seconds`` of work at a first guess of the client's speed; at least a few writes.
     messages = limits.messages_for(shape, f, g, 4000)
@@ -468,8 +486,14 @@ def bench_client(kind: str, address: str, shape: LoadShape, fmt: str, rounds: in
     n = int(min(max(rate * seconds, 10_000), 400_000) / per_batch)
     messages = limits.messages_for(shape, f, g, n)
     events = limits.events_in(messages)
-    best = min(asyncio.run(once(messages)) for _ in range(rounds))
-    return events / best, len(messages)
+    best, best_cpu = float("inf"), 0.0
+    for _ in range(rounds):
+        cpu = time.process_time()
+        took = asyncio.run(once(messages))
+        cpu = time.process_time() - cpu
+        if took < best:
+            best, best_cpu = took, cpu
+    return events / best, len(messages), best_cpu / events * 1e6
 
 
 # -- servers ------------------------------------------------------------------------------------------
@@ -586,22 +610,24 @@ def machine() -> dict[str, Any]:
 def table(results: list[Result], drain: Saturation | None, events: int) -> str:
     rows = [
         "| sink | format | events/s | batches/s | CPU s / M events | peak RSS MB | p50 / p99 / p999 ms at 50% "
-        "| < 25 ms | limit | limit events/s | bridge / limit |",
-        "|---|---|---:|---:|---:|---:|---|---:|---|---:|---:|",
+        "| < 25 ms | p99 of each run | limit | limit events/s | limit CPU s / M events | bridge / limit |",
+        "|---|---|---:|---:|---:|---:|---|---:|---|---|---:|---:|---:|",
     ]
     if drain is not None:
         rows.append(
             f"| bare drain + decode | - | {drain.batches_per_s * events:,.0f} | {drain.batches_per_s:,.0f} | "
-            f"{drain.cpu_s / (drain.batches_per_s * drain.window_s * events) * 1e6:.1f} | - | - | - | - | - | - |"
+            f"{drain.cpu_s / (drain.batches_per_s * drain.window_s * events) * 1e6:.1f} | - | - | - | - | - | - | - | - |"
         )
     for r in results:
         lat = " / ".join("-" if v is None else f"{v:.1f}" for v in (r.p50_ms, r.p99_ms, r.p999_ms))
         under = "-" if r.share_under_25ms is None else f"{r.share_under_25ms * 100:.2f}%"
         lim = "-" if r.limit_events_per_s is None else f"{r.limit_events_per_s:,.0f}"
         ratio = "-" if r.ratio is None else f"{r.ratio * 100:.0f}%"
+        lim_cpu = "-" if r.limit_cpu_s_per_m_events is None else f"{r.limit_cpu_s_per_m_events:.1f}"
+        p99s = ", ".join("-" if v is None else f"{v:.1f}" for v in r.p99_runs_ms) or "-"
         rows.append(
             f"| {r.sink} | {r.format} | {r.events_per_s:,.0f} | {r.batches_per_s:,.0f} | {r.cpu_s_per_m_events:.1f} | "
-            f"{r.peak_rss_mb:.0f} | {lat} | {under} | {r.limit} | {lim} | {ratio} |"
+            f"{r.peak_rss_mb:.0f} | {lat} | {under} | {p99s} | {r.limit} | {lim} | {lim_cpu} | {ratio} |"
         )
     return "\n".join(rows)
 
@@ -681,24 +707,34 @@ def main(argv: list[str] | None = None) -> int:
         with servers(set(sinks), args.servers, workdir) as addresses:
             pub = Publisher(shape)
             try:
-                if not args.no_limits:
-                    log("limit: bare ZMQ drain + msgpack decode")
-                    for _ in range(args.repeat):
-                        d = bench_drain(pub, args.duration)
-                        if drain is None or d.batches_per_s > drain.batches_per_s:
-                            drain = d
+                # Each limit is measured right before the bridge rows it is compared with: on a
+                # shared machine the speed drifts over a long run, and adjacent runs drift least.
                 for kind in sinks:
                     for fmt in formats:
-                        if kind == "file" or args.no_limits:
-                            continue
-                        # Redis also with the connector's packer: the stricter limit (see limits.redis_bare).
-                        for variant in (kind, "redis+one-pass") if kind == "redis" else (kind,):
-                            log(f"limit: bare {variant} client, {fmt}")
-                            rate, n = bench_client(variant, addresses[kind], shape, fmt, args.rounds, args.duration)
-                            client_limits[(variant, fmt)] = rate
-                            log(f"    {rate:,.0f} events/s ({n} messages per run)")
-                for kind in sinks:
-                    for fmt in formats:
+                        limit: tuple[str, float, float] | None = None
+                        if args.no_limits:
+                            pass
+                        elif kind == "file":
+                            log("limit: bare ZMQ drain + msgpack decode")
+                            best_drain: Saturation | None = None
+                            for _ in range(args.repeat):
+                                d = bench_drain(pub, args.duration)
+                                if best_drain is None or d.batches_per_s > best_drain.batches_per_s:
+                                    best_drain = d
+                            assert best_drain is not None
+                            if drain is None or best_drain.batches_per_s > drain.batches_per_s:
+                                drain = best_drain
+                            cpu = best_drain.cpu_s / (best_drain.batches_per_s * best_drain.window_s * shape.events) * 1e6
+                            limit = ("bare drain + decode", best_drain.batches_per_s * shape.events, cpu)
+                        else:
+                            # Redis also with the connector's packer: the stricter limit (see limits.redis_bare).
+                            for variant in (kind, "redis+one-pass") if kind == "redis" else (kind,):
+                                log(f"limit: bare {variant} client, {fmt}")
+                                rate, n, cpu = bench_client(variant, addresses[kind], shape, fmt, args.rounds, args.duration)
+                                client_limits[(variant, fmt)] = rate
+                                log(f"    {rate:,.0f} events/s, {cpu:.1f} CPU s / M events ({n} messages per run)")
+                                if variant == kind:
+                                    limit = (f"bare {kind} client", rate, cpu)
                         entry = sink_entry(kind, fmt, addresses.get(kind), run_id)
                         runs = []
                         for _ in range(args.repeat):
@@ -708,14 +744,8 @@ def main(argv: list[str] | None = None) -> int:
                                 if kind in addresses:
                                     cleanup(kind, addresses[kind], run_id)
                         r = best_of(runs)
-                        if kind == "file":
-                            if drain is not None:
-                                r.limit = "bare drain + decode"
-                                r.limit_events_per_s = drain.batches_per_s * shape.events
-                        elif (kind, fmt) in client_limits:
-                            r.limit = f"bare {kind} client"
-                            r.limit_events_per_s = client_limits[(kind, fmt)]
-                        if r.limit_events_per_s:
+                        if limit is not None:
+                            r.limit, r.limit_events_per_s, r.limit_cpu_s_per_m_events = limit
                             r.ratio = r.events_per_s / r.limit_events_per_s
                         results.append(r)
             finally:
