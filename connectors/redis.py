@@ -144,8 +144,9 @@ def one_pass_packing(base: type[Any]) -> type[Any]:
             for command in commands:
                 args = tuple(command)
                 try:
-                    if type(args[0]) is str and " " in args[0]:
-                        raise TypeError("multi-word command name")
+                    first = args[0]
+                    if (type(first) is str and " " in first) or (type(first) is bytes and b" " in first):
+                        raise TypeError("multi-word command name")  # redis-py splits those
                     out.append(resp_command(args))
                 except TypeError:
                     out.extend(base.pack_command(self, *args))
