@@ -245,7 +245,7 @@ class Renderer:
         )
 
     def _events(self, record: Record) -> list[Message]:
-        base_id = self._base_id(record)
+        id_prefix = self._base_id(record) + "/"
         epoch, slot = record.position
         base = self._headers(record, "", None, self.content_type)  # per event: a copy plus type and index
         out: list[Message] = []
@@ -255,7 +255,6 @@ class Renderer:
             prefix = _json.encode(head)[:-1] + b',"index":'
             ts_part = b',"ts":' + _json.encode(record.ts) + b","
             encode, hash_hex, join, header_keys = _json.encode, self.hash_hex, b"".join, _HEADER_KEYS
-            id_prefix = base_id + "/"
             for i, event in enumerate(record.events):
                 # The common event (no binary, no field named like a header) is encoded as it is.
                 if hash_hex or not header_keys.isdisjoint(event) or _needs_json_fix(event):
@@ -263,22 +262,8 @@ class Renderer:
                 else:
                     body = encode(event)
                 index = _INDEX[i] if i < 4096 else str(i).encode()
-                type_ = event.get("type")
-                type_ = type_ if type_.__class__ is str else "Unknown"
-                headers = base.copy()
-                headers["type"] = type_
-                headers["index"] = index_text = _INDEX_TEXT[i] if i < 4096 else str(i)
-                out.append(
-                    Message(
-                        record=record,
-                        index=i,
-                        type=type_,
-                        value=join((prefix, index, ts_part, body[1:])),
-                        headers=headers,
-                        msg_id=id_prefix + index_text,
-                        position=(epoch, slot, i + 1),
-                    )
-                )
+                value = join((prefix, index, ts_part, body[1:]))
+                out.append(self._event_message(record, i, event, value, id_prefix, epoch, slot, base))
         else:
             head = self._header(record)
             for i, event in enumerate(record.events):
@@ -286,23 +271,26 @@ class Renderer:
                 fields["index"] = i
                 fields["ts"] = record.ts
                 fields.update(unshadow(event))
-                out.append(self._event_message(record, i, event, _msgpack.encode(fields), base_id, epoch, slot, base))
+                out.append(self._event_message(record, i, event, _msgpack.encode(fields), id_prefix, epoch, slot, base))
         return out
 
+    @staticmethod
     def _event_message(
-        self, record: Record, i: int, event: Event, value: bytes, base_id: str, epoch: int, slot: int, base: dict[str, str]
+        record: Record, i: int, event: Event, value: bytes, id_prefix: str, epoch: int, slot: int, base: dict[str, str]
     ) -> Message:
+        """The message of event ``i``: ``base`` headers plus its type and index; ``id_prefix`` is
+        the batch's id and a slash."""
         type_ = event.get("type")
-        type_ = type_ if isinstance(type_, str) else "Unknown"
+        type_ = type_ if type_.__class__ is str else "Unknown"
         headers = base.copy()
         headers["type"] = type_
-        headers["index"] = str(i)
+        headers["index"] = index = _INDEX_TEXT[i] if i < 4096 else str(i)
         return Message(
             record=record,
             index=i,
             type=type_,
             value=value,
             headers=headers,
-            msg_id=f"{base_id}/{i}",
+            msg_id=id_prefix + index,
             position=(epoch, slot, i + 1),
         )
