@@ -86,17 +86,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "simulate":
         return _simulate(args)
     if args.command == "tail":
-        from .tail import run as tail_run
+        from .tail import tail
 
         logs.setup()
-        return tail_run(
-            endpoint=args.endpoint,
-            topic=args.topic,
-            replay_endpoint=args.replay_endpoint,
-            from_seq=args.from_seq,
-            count=args.count,
-            granularity=args.granularity,
-        )
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how tail usually ends
+            _run(
+                lambda: tail(
+                    args.endpoint,
+                    topic=args.topic,
+                    replay_endpoint=args.replay_endpoint,
+                    from_seq=args.from_seq,
+                    count=args.count,
+                    granularity=args.granularity,
+                )
+            )
+        return EXIT_OK
     if args.command == "demo":
         return _demo(args)
     if not args.config:

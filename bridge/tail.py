@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import sys
 import time
 
@@ -83,19 +81,3 @@ async def tail(
         ctx.destroy(linger=0)
     return printed
 
-
-def run(
-    endpoint: str,
-    *,
-    topic: str = "",
-    replay_endpoint: str | None = None,
-    from_seq: int | None = None,
-    count: int = 0,
-    granularity: str = "event",
-) -> int:
-    """The ``tail`` command: exit code 0 (Ctrl-C included)."""
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(
-            tail(endpoint, topic=topic, replay_endpoint=replay_endpoint, from_seq=from_seq, count=count, granularity=granularity)
-        )
-    return 0
