@@ -62,12 +62,12 @@ class Checkpointer:
 
     def position(self, key: str) -> ckpt.StreamPosition | None:
         """The checkpoint position of one stream (None: nothing known)."""
-        row = self._acked.get(key)
-        if row is None or any(p is None for p in row):
+        row = self._acked.get(key) or []
+        acked = [p for p in row if p is not None]
+        if not acked or len(acked) < len(row):  # a sink that acknowledged nothing of it yet
             return self.loaded.get(key)
-        low = min(row, key=lambda p: (p[0], p[1]) if p is not None else (-1, -1))
-        assert low is not None
-        return ckpt.StreamPosition(low[0], low[1], low[2])
+        epoch, seq, ts = min(acked, key=lambda p: (p[0], p[1]))
+        return ckpt.StreamPosition(epoch, seq, ts)
 
     def snapshot(self) -> dict[str, ckpt.StreamPosition]:
         out = dict(self.loaded)
