@@ -62,6 +62,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.harness import free_port, free_ports
+from tests.support.process import wait_readyz
 
 from . import limits
 from .load import LoadShape, cpu_seconds, drain_main, publisher_main, rss_bytes
@@ -303,19 +304,10 @@ class BridgeProcess:
             stdout=subprocess.DEVNULL,
             stderr=self._log,
         )
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"bridge exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/readyz", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(0.2)
-        else:
-            raise RuntimeError(f"bridge not ready within 90s; see {self.log_path}")
+        try:
+            wait_readyz(self.metrics_port, 90, self.proc)
+        except AssertionError as exc:
+            raise RuntimeError(f"{exc}; see {self.log_path}") from None
         time.sleep(0.5)  # SUB sockets connected
         return self
 

@@ -32,6 +32,7 @@ import pytest
 
 from benchmarks.load import LoadShape, publisher_main, rss_bytes
 from tests.support.harness import free_port, free_ports
+from tests.support.process import wait_readyz
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -54,19 +55,6 @@ def _raise_fd_limit(need: int) -> None:
     if hard != resource.RLIM_INFINITY and hard < need:
         pytest.skip(f"needs {need} file descriptors, the hard limit is {hard}")
     resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))  # inherited by the processes started below
-
-
-def _ready(port: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.25)
-    raise AssertionError(f"bridge not ready within {timeout}s")
 
 
 class _Tail:
@@ -154,7 +142,7 @@ def test_thousand_streams_bounded_memory_order_and_no_starvation(tmp_path: Path)
         with open(tmp_path / "bridge.log", "wb") as log:
             bridge = subprocess.Popen([sys.executable, "-m", "bridge", "--config", str(cfg)], cwd=ROOT, stderr=log)
         started = time.monotonic()
-        _ready(metrics_port, 60)
+        wait_readyz(metrics_port, 60, bridge)
         # Every SUB connected before the first message, so every stream starts at seq 0.
         deadline = time.monotonic() + 30
         while _connected(metrics_port) < STREAMS:

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,23 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def wait_readyz(port: int, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Block until the bridge's ``/readyz`` on ``port`` answers 200 (for synchronous callers);
+    AssertionError after ``timeout`` seconds, or as soon as ``proc`` (the bridge) has exited."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the bridge exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"bridge not ready within {timeout}s")
 
 
 async def http_get(port: int, path: str, host: str = "127.0.0.1", timeout: float = 5.0) -> tuple[int, bytes]:
