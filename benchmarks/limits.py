@@ -118,23 +118,16 @@ async def nats_bare(url: str, messages: Sequence[Message], max_pending: int = 40
     """Seconds nats-py's JetStream publish_async takes for ``messages`` (with Nats-Msg-Id)."""
     import nats
 
-    from connectors.nats import MSG_ID_HEADER
+    from .nats_client_bench import run_bare_jetstream
 
     name = f"KVBLIMIT{uuid.uuid4().hex[:8].upper()}"
     nc = await nats.connect(url)
-    js = nc.jetstream(timeout=10, publish_async_max_pending=max_pending)
+    js = nc.jetstream(timeout=10)
     await js.add_stream(name=name, subjects=[f"{name}.>"], max_bytes=2**30)
     subjects = [f"{name}.{m.record.stream.source}.{m.record.stream.dp_rank}" for m in messages]
     try:
         started = time.perf_counter()
-        i = 0
-        for write in _writes(messages):
-            for m in write:
-                headers = dict(m.headers)
-                headers[MSG_ID_HEADER] = m.msg_id
-                await js.publish_async(subjects[i], m.value, headers=headers)
-                i += 1
-            await asyncio.wait_for(js.publish_async_completed(), 30)
+        await run_bare_jetstream(nc, subjects, _writes(messages), max_pending, ack_timeout=30)
         return time.perf_counter() - started
     finally:
         try:

@@ -51,6 +51,22 @@ def chunks(items: Sequence[Message], size: int) -> list[Sequence[Message]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
+async def run_bare_jetstream(
+    nc: nats.NATS, subjects: Sequence[str], writes: Sequence[Sequence[Message]], max_pending: int, ack_timeout: float = 10.0
+) -> None:
+    """nats-py's own JetStream publishing: ``publish_async`` of each message with its
+    ``Nats-Msg-Id`` (``subjects[i]`` for the i-th message overall), every ack awaited per write."""
+    pub = nc.jetstream(publish_async_max_pending=max_pending)
+    i = 0
+    for w in writes:
+        for m in w:
+            headers = dict(m.headers)
+            headers[MSG_ID_HEADER] = m.msg_id
+            await pub.publish_async(subjects[i], m.value, headers=headers)
+            i += 1
+        await asyncio.wait_for(pub.publish_async_completed(), ack_timeout)
+
+
 async def bench(url: str, events: int, batch: int, max_pending: int) -> None:
     msgs = messages(events)
     writes = chunks(msgs, batch)
@@ -101,15 +117,7 @@ async def bench(url: str, events: int, batch: int, max_pending: int) -> None:
                     await nc.flush(timeout=10)
 
             async def bare_js(nc: nats.NATS = nc, subjects: list[str] = subjects) -> None:
-                pub = nc.jetstream(publish_async_max_pending=max_pending)
-                i = 0
-                for w in writes:
-                    for m in w:
-                        headers = dict(m.headers)
-                        headers[MSG_ID_HEADER] = m.msg_id
-                        await pub.publish_async(subjects[i], m.value, headers=headers)
-                        i += 1
-                    await asyncio.wait_for(pub.publish_async_completed(), 10)
+                await run_bare_jetstream(nc, subjects, writes, max_pending)
 
             await timed(f"bare nats-py         {mode}", events, bare_core if mode == "core" else bare_js)
             await nc.close()
