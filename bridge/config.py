@@ -478,6 +478,16 @@ def _check_semantics(config: Config, sinks: list[SinkConfig], raw: list[Any], pr
             n = used.get(s.type, 0)
             s.name = s.type if counts[s.type] == 1 else f"{s.type}-{n}"
             used[s.type] = n + 1
+    _check_ports(config.sources, problems)
+    dns = config.discovery.dns
+    if dns is not None and dns.replay_port is not None and dns.dp_ranks > 1:
+        n = dns.dp_ranks
+        if dns.port <= dns.replay_port + n - 1 and dns.replay_port <= dns.port + n - 1:
+            problems.append(
+                f"discovery.dns.replay_port: {_uses(n, 'live', dns.port)}, which {_overlap(n)} the "
+                f"{_ports('replay', dns.replay_port, n)}; rank r uses port + r on both sockets, so the two ports must be "
+                f"at least dp_ranks apart: e.g. replay_port {dns.port + n} (and the engines' replay_endpoint with it)"
+            )
     names: dict[str, int] = {}
     for i, s in enumerate(sinks):
         if s.name in names:
@@ -485,6 +495,63 @@ def _check_semantics(config: Config, sinks: list[SinkConfig], raw: list[Any], pr
         names[s.name] = i
         if s.format == "raw" and s.granularity == "event":
             s.granularity = "batch"  # raw is always one message per batch
+
+
+_TCP = re.compile(r"^tcp://(.+):(\d+)$")
+
+
+def _check_ports(sources: list[SourceConfig], problems: list[str]) -> None:
+    """Refuse one host:port used by two port ranges.
+
+    Rank r uses port + r on both sockets (protocol.md section 1), so with several ranks a live and
+    a replay port one apart overlap: rank 1's live port would be rank 0's replay port. Only what is
+    certainly wrong is refused: the same host, on the same side of the connection (``bind: true``
+    binds the live endpoints here; replay endpoints are always the engines', connected to).
+    ``ipc://`` and ``inproc://`` endpoints have no ports.
+    """
+    seen: list[tuple[str, str, int, int, int, str]] = []  # side, host, first port, last port, source, socket
+    for i, source in enumerate(sources):
+        n = source.dp_ranks
+        sockets = (("live", source.endpoint, "bind" if source.bind else "connect"), ("replay", source.replay_endpoint, "connect"))
+        for kind, endpoint, side in sockets:
+            m = _TCP.match(endpoint or "")
+            if m is None:
+                continue
+            host, first = m.group(1).lower(), int(m.group(2))
+            last = first + n - 1
+            key = "endpoint" if kind == "live" else "replay_endpoint"
+            if last > 65535:
+                problems.append(f"sources[{i}].dp_ranks: ranks 0..{n - 1} would use {kind} ports up to {last} (> 65535)")
+            for side2, host2, first2, last2, j, kind2 in seen:
+                if (side2, host2) != (side, host) or first > last2 or first2 > last:
+                    continue
+                if j == i:  # this source's live range, seen just before
+                    problems.append(
+                        f"sources[{i}].{'dp_ranks' if first != first2 else key}: {_uses(n, 'live', first2)}, which "
+                        f"{_overlap(n)} the {_ports('replay', first, n)}; rank r uses port + r on both sockets, so the two "
+                        f"ports must be at least dp_ranks apart: e.g. replay_endpoint port {first2 + n} (and the engines' "
+                        "replay_endpoint with it)"
+                    )
+                else:
+                    problems.append(
+                        f"sources[{i}].{key}: {_uses(n, kind, first)} on {host}, which {_overlap(n)} the "
+                        f"{_ports(kind2, first2, last2 - first2 + 1)} of sources[{j}] ({sources[j].name}); "
+                        + ("a port can be bound once" if side == "bind" else "one host:port is one socket of one engine rank")
+                    )
+            seen.append((side, host, first, last, i, kind))
+
+
+def _uses(n: int, kind: str, first: int) -> str:
+    """``ranks 0..1 use live ports 5557-5558`` / ``rank 0 uses live port 5557``."""
+    return f"ranks 0..{n - 1} use {_ports(kind, first, n)}" if n > 1 else f"rank 0 uses {_ports(kind, first, n)}"
+
+
+def _ports(kind: str, first: int, n: int) -> str:
+    return f"{kind} ports {first}-{first + n - 1}" if n > 1 else f"{kind} port {first}"
+
+
+def _overlap(n: int) -> str:
+    return "overlap" if n > 1 else "overlaps"
 
 
 def read(path: str | Path) -> Any:

@@ -4,16 +4,24 @@ One JSON object per line: ``{"time", "source", "dp_rank", "seq", "reason", "deta
 (payload cut to ``max_payload_bytes``), to a file or stderr (``-``). Writes are synchronous and
 small (dead letters are rare by nature); every one is also counted in
 ``kv_bridge_dead_letters_total{reason}`` by the caller.
+
+Writing a dead letter never raises (invariant I5: a full disk must not stop a stream or a sink):
+a failed write is logged (the log filter rate-limits it), counted in ``write_failures``, and the
+file is opened afresh on the next write, so the destination recovers once it is writable again.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 import time
 from pathlib import Path
 from typing import IO, Any
 
 import msgspec
+
+log = logging.getLogger("bridge.deadletter")
 
 _json = msgspec.json.Encoder()
 
@@ -24,16 +32,29 @@ class DeadLetters:
     def __init__(self, path: str, max_payload_bytes: int = 1 << 20) -> None:
         self.path = path
         self.max_payload_bytes = max_payload_bytes
+        self.write_failures = 0
+        """Dead letters lost because the destination could not be written."""
+        self._failing = 0  # failures since the last successful write
         self._file: IO[bytes] | None = None
+        self._inode: tuple[int, int] | None = None
+        if path != "-":
+            # Files are opened at the first dead letter; say now, not then, that it will fail.
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                log.warning("dead-letter directory cannot be created", extra={"path": path, "error": str(exc)})
 
     def _out(self) -> IO[bytes]:
+        if self.path == "-":
+            return sys.stderr.buffer
+        if self._file is not None and self._inode != _inode(self.path):
+            self._drop()  # removed or rotated under us: writes to the old file would be lost
         if self._file is None:
-            if self.path == "-":
-                self._file = sys.stderr.buffer
-            else:
-                p = Path(self.path)
-                p.parent.mkdir(parents=True, exist_ok=True)
-                self._file = p.open("ab")
+            p = Path(self.path)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            self._file = p.open("ab")
+            st = os.fstat(self._file.fileno())
+            self._inode = (st.st_dev, st.st_ino)
         return self._file
 
     def write(
@@ -47,6 +68,7 @@ class DeadLetters:
         payload: bytes | None = None,
         extra: dict[str, Any] | None = None,
     ) -> None:
+        """Append one dead letter; never raises (a failure is logged and counted instead)."""
         entry: dict[str, Any] = {
             "time": time.time(),
             "source": source,
@@ -61,16 +83,46 @@ class DeadLetters:
         if extra:
             entry.update(extra)
         try:
-            line = _json.encode(entry)
-        except (TypeError, ValueError, OverflowError):
-            entry.pop("value", None)
-            entry = {k: (v if isinstance(v, str | int | float | None) else repr(v)) for k, v in entry.items()}
-            line = _json.encode(entry)
-        out = self._out()
-        out.write(line + b"\n")
-        out.flush()
+            out = self._out()
+            out.write(_encode(entry) + b"\n")
+            out.flush()
+        except Exception as exc:  # anything (ENOSPC, EACCES, a directory in the way): never into the caller
+            self.write_failures += 1
+            self._failing += 1
+            self._drop()
+            log.error(
+                "dead letter not written",
+                extra={"path": self.path, "reason": reason, "source": source, "seq": seq, "error": str(exc) or repr(exc)},
+            )
+            return
+        if self._failing:
+            log.warning("dead letters written again", extra={"path": self.path, "lost": self._failing})
+            self._failing = 0
+
+    def _drop(self) -> None:
+        """Forget the open file (so the next write opens it again); its unwritten buffer is lost."""
+        f, self._file, self._inode = self._file, None, None
+        if f is not None and self.path != "-":
+            try:
+                f.close()  # flushes first: on a full disk that fails again, but the descriptor is closed
+            except OSError:
+                pass
 
     def close(self) -> None:
-        if self._file is not None and self.path != "-":
-            self._file.close()
-        self._file = None
+        self._drop()
+
+
+def _inode(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def _encode(entry: dict[str, Any]) -> bytes:
+    try:
+        return _json.encode(entry)
+    except (TypeError, ValueError, OverflowError):  # a value JSON cannot hold: keep its text
+        entry.pop("value", None)
+        return _json.encode({k: (v if isinstance(v, str | int | float | None) else repr(v)) for k, v in entry.items()})

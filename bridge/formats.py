@@ -163,7 +163,12 @@ class Renderer:
         self.content_type = CONTENT_TYPES[fmt]
 
     def render(self, record: Record) -> list[Message]:
-        """All messages for ``record``, in order. Raises on values that cannot be encoded."""
+        """All messages for ``record``, in order.
+
+        Raises on values that cannot be encoded, including ones nested deeper than the stack allows
+        (RecursionError: the decoder's bound depends on its own stack depth, not ours); the sink
+        worker dead-letters the record on any Exception.
+        """
         if record.kind != "batch":
             return [self._control(record)]
         if self.granularity == "batch":

@@ -147,7 +147,8 @@ class SinkWorker:
     def _flush_dropped(self, key: str) -> None:
         span = self._dropped.pop(key, None)
         if span is not None:
-            self.metrics.batches_lost.labels(span.stream.source).inc(span.seq - (span.from_seq or span.seq) + 1)
+            first = span.from_seq if span.from_seq is not None else span.seq  # not `or`: a span may start at seq 0
+            self.metrics.batches_lost.labels(span.stream.source).inc(span.seq - first + 1)
             self._push(span)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -268,8 +269,8 @@ class SinkWorker:
                 break
             try:
                 rendered = self.renderer.render(record)
-            except (TypeError, ValueError, OverflowError) as exc:
-                self._dead_letter_record(record, "unrenderable", str(exc))
+            except Exception as exc:  # I5: any record (e.g. nested past the recursion limit) must not kill the sink
+                self._dead_letter_record(record, "unrenderable", f"{type(exc).__name__}: {exc}")
                 rendered = self.renderer.render(
                     events_lost(record.stream, record.epoch, record.seq, record.seq, "unrenderable", record.received)
                 )

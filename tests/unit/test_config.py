@@ -14,7 +14,7 @@ GOOD = """
 sources:
   - name: llama-a
     endpoint: tcp://${ENGINE_HOST:-127.0.0.1}:5557
-    replay_endpoint: tcp://127.0.0.1:5558
+    replay_endpoint: tcp://127.0.0.1:5559
     dp_ranks: 2
     labels: {model: meta-llama/Llama-3.1-8B}
 checkpoint: {path: /tmp/ck.json, interval: 10s}
@@ -129,3 +129,72 @@ def test_sink_repr_hides_secrets() -> None:
     sink = config.SinkConfig(type="kafka", options={"sasl_password": "hunter2", "token": "t0k", "topic": "kv"})
     text = repr(sink)
     assert "hunter2" not in text and "t0k" not in text and "'topic': 'kv'" in text
+
+
+def _ports_problems(*sources: dict[str, object]) -> list[str]:
+    named = [{"name": f"e{i}", **s} for i, s in enumerate(sources)]
+    try:
+        config.from_data({"sources": named, "sinks": [{"type": "file", "path": "-"}]}, env={})
+    except ConfigError as exc:
+        return exc.problems
+    return []
+
+
+def test_live_and_replay_ports_of_ranks_must_not_overlap() -> None:
+    assert _ports_problems({"endpoint": "tcp://h:5557", "replay_endpoint": "tcp://h:5558", "dp_ranks": 2}) == [
+        "sources[0].dp_ranks: ranks 0..1 use live ports 5557-5558, which overlap the replay ports 5558-5559; "
+        "rank r uses port + r on both sockets, so the two ports must be at least dp_ranks apart: "
+        "e.g. replay_endpoint port 5559 (and the engines' replay_endpoint with it)"
+    ]
+    assert _ports_problems({"endpoint": "tcp://h:5557", "replay_endpoint": "tcp://h:5557"}) == [
+        "sources[0].replay_endpoint: rank 0 uses live port 5557, which overlaps the replay port 5557; "
+        "rank r uses port + r on both sockets, so the two ports must be at least dp_ranks apart: "
+        "e.g. replay_endpoint port 5558 (and the engines' replay_endpoint with it)"
+    ]
+    # Not certainly wrong: ports far enough apart, other hosts, no ports, or each end on its own side.
+    assert not _ports_problems({"endpoint": "tcp://h:5557", "replay_endpoint": "tcp://h:5559", "dp_ranks": 2})
+    assert not _ports_problems({"endpoint": "tcp://h:5557", "replay_endpoint": "tcp://g:5558", "dp_ranks": 2})
+    assert not _ports_problems({"endpoint": "ipc:///tmp/kv", "replay_endpoint": "ipc:///tmp/kv-replay", "dp_ranks": 4})
+    assert not _ports_problems({"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "dp_ranks": 2, "bind": True})
+
+
+def test_port_ranges_of_two_sources_must_not_overlap() -> None:
+    assert _ports_problems(
+        {"endpoint": "tcp://h:5557", "replay_endpoint": "tcp://h:5600", "dp_ranks": 2},
+        {"endpoint": "tcp://H:5600", "dp_ranks": 4},
+    ) == [
+        "sources[1].endpoint: ranks 0..3 use live ports 5600-5603 on h, which overlap the replay ports 5600-5601 "
+        "of sources[0] (e0); one host:port is one socket of one engine rank"
+    ]
+    assert _ports_problems(
+        {"endpoint": "tcp://*:6000", "bind": True, "dp_ranks": 8}, {"endpoint": "tcp://*:6007", "bind": True}
+    ) == ["sources[1].endpoint: rank 0 uses live port 6007 on *, which overlaps the live ports 6000-6007 of sources[0] (e0); "
+          "a port can be bound once"]  # fmt: skip
+    # The same port, one bound by the bridge and one an engine's: not certainly the same socket.
+    assert not _ports_problems({"endpoint": "tcp://h:6000", "bind": True}, {"endpoint": "tcp://h:6000"})
+    assert _ports_problems({"endpoint": "tcp://h:65535", "dp_ranks": 2}) == [
+        "sources[0].dp_ranks: ranks 0..1 would use live ports up to 65536 (> 65535)"
+    ]
+
+
+def test_check_refuses_overlapping_rank_ports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text(
+        "sources:\n  - {name: a, endpoint: 'tcp://h:5557', replay_endpoint: 'tcp://h:5558', dp_ranks: 2}\n"
+        "sinks:\n  - {type: file, path: '-'}\n"
+    )
+    assert check(str(p), offline=True) == 2
+    assert "sources[0].dp_ranks: ranks 0..1 use live ports 5557-5558, which overlap the replay ports 5558-5559" in (
+        capsys.readouterr().err
+    )
+
+
+def test_discovered_ranks_must_not_share_ports(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "discovery: {dns: {name: vllm.local, port: 5557, replay_port: 5558, dp_ranks: 2}}\n"
+        "sinks: [{type: file, path: /tmp/x.jsonl}]\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        config.load(path)
+    assert any(p.startswith("discovery.dns.replay_port: ranks 0..1 use live ports 5557-5558") for p in err.value.problems)

@@ -4,8 +4,8 @@ Three layers, each fed adversarial input with Hypothesis:
 
 - the frame and payload decoder (``bridge.wire``): random frame lists and frame-level mutations of
   the captured vectors; only ``DecodeError`` may come out, and whatever decodes also renders in
-  every output format (or fails the way the sink worker expects: TypeError/ValueError/OverflowError,
-  which it dead-letters) and can be dead-lettered;
+  every output format (or raises an Exception, which the sink worker dead-letters: a value nested
+  too deep for the renderer raises RecursionError) and can be dead-lettered;
 - the sequencer (``StreamSequencer``): random interleavings of live messages, replay replies (to
   the request in flight or to stale ones), replay ends and idle probes, with arbitrary seqs
   (huge, repeated, going backwards). Invariants: no exception, held batches never exceed
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -120,7 +121,7 @@ def _decode_and_render(payload: bytes, seq: int, tmp: Path | None = None) -> Non
     for renderer in RENDERERS:
         try:
             messages = renderer.render(record)
-        except (TypeError, ValueError, OverflowError):
+        except Exception:
             continue  # the sink worker dead-letters the record as unrenderable and announces it
         assert messages or (renderer.granularity == "event" and not record.events and record.kind == "batch")
         for m in messages:
@@ -173,6 +174,38 @@ def test_dead_letters_take_any_payload(tmp_path: Path, payload: bytes) -> None:
     for line in (tmp_path / "dead.jsonl").read_bytes().splitlines():
         entry = msgspec.json.decode(line)
         assert entry["source"] == "hostile" and entry["seq"] == 7 and entry["reason"] == "bad_msgpack"
+
+
+def deep_payload(depth: int = 500) -> bytes:
+    """A valid ~640-byte batch ``[ts, [BlockStored], 0]`` whose event's ``extra_keys`` is a list nested
+    ``depth`` deep. Written byte by byte: msgspec's encoder refuses what its decoder accepts."""
+    fields = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": list(range(16))}
+    fields["block_size"] = 16
+    head = msgspec.msgpack.encode(fields)  # a fixmap: one more entry follows
+    event = bytes([head[0] + 1]) + head[1:] + msgspec.msgpack.encode("extra_keys") + b"\x91" * depth + b"\xc0"
+    return b"\x93" + msgspec.msgpack.encode(1.5) + b"\x91" + event + b"\x00"
+
+
+def test_deep_nesting_renders_or_fails_cleanly() -> None:
+    """I5: a decodable value nested past what a renderer can recurse into must raise an Exception
+    (which the sink worker dead-letters), never escape as something the worker cannot catch."""
+    payload = deep_payload()
+    assert 600 <= len(payload) <= 700
+    batch = wire.decode_batch(payload)
+    record = Record(stream=STREAM, epoch=0, seq=1, ts=batch.ts, payload=payload, events=batch.events)
+    failed = set()
+    for renderer in RENDERERS:
+        try:
+            renderer.render(record)
+        except Exception:
+            failed.add(renderer.format)
+    assert "raw" not in failed  # the engine's bytes are never looked into
+    assert "json" in failed  # the documented case; msgpack may go either way with the stack depth
+    # Deeper than the decoder can go is a decode error, also when only counted (raw sinks).
+    deeper = deep_payload(100_000)
+    assert wire.count_batch(deeper) is None
+    with pytest.raises(DecodeError, match="recursion"):
+        wire.decode_batch(deeper)
 
 
 def test_event_fields_never_overwrite_the_message_header() -> None:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 from pathlib import Path
 
-from bridge import config
+import pytest
+
+from bridge import config, wire
 from bridge.config import SinkConfig
 from bridge.deadletter import DeadLetters
 from bridge.errors import NotConnected, PartialFailure, Permanent, Retriable
@@ -15,6 +19,7 @@ from bridge.records import Record, Stream
 from bridge.sink import SinkWorker
 from tests.support.memory import MemoryConnector, MemoryOptions
 from tests.support.records import stream_records
+from tests.unit.test_hostile_input import deep_payload
 
 STREAM = Stream("s", 0)
 
@@ -175,3 +180,130 @@ async def test_flush_times_out_when_the_sink_stays_down(tmp_path: Path) -> None:
     worker.dead_letters.close()
     assert acked == []
     assert not worker.connected and worker.last_error is not None and "down" in worker.last_error
+
+
+async def test_unrenderable_record_is_dead_lettered_and_the_stream_goes_on(tmp_path: Path) -> None:
+    """I5: a value nested past the renderer's recursion depth must not kill the sink task."""
+    worker, conn, acked, metrics = make(tmp_path, granularity="event", batch={"linger": 0})
+    task = worker.start()
+    payload = deep_payload()
+    batch = wire.decode_batch(payload)
+    hostile = Record(stream=STREAM, epoch=0, seq=1, ts=batch.ts, payload=payload, events=batch.events)
+    first, last = stream_records(STREAM, 3)[0::2]
+    await fill(worker, [first, hostile, last])
+    assert await worker.flush(2)
+    assert not task.done()
+    await worker.stop()
+    worker.dead_letters.close()
+    delivered = [(m.record.kind, m.record.seq) for m in conn.messages]
+    assert delivered == [("batch", 0)] * 3 + [("EventsLost", 1)] + [("batch", 2)] * 3
+    lost = conn.messages[3].record
+    assert (lost.from_seq, lost.reason) == (1, "unrenderable")
+    assert [r.seq for r in acked] == [0, 1, 2]  # settled: a restart does not replay it again
+    (dead,) = (tmp_path / "dead.jsonl").read_text().splitlines()
+    assert '"reason":"unrenderable"' in dead and '"seq":1' in dead
+    assert metrics.registry.get_sample_value("kv_bridge_dead_letters_total", {"reason": "unrenderable"}) == 1
+
+
+async def test_dropped_span_from_seq_0_counts_every_batch(tmp_path: Path) -> None:
+    worker, conn, _acked, metrics = make(tmp_path, queue={"max_batches": 1}, backpressure="drop", batch={"linger": 0})
+    conn.gate = asyncio.Event()
+    worker.start()
+    assert worker.offer(stream_records(Stream("other", 0), 1)[0])  # fills the queue, held in the write
+    await asyncio.sleep(0.01)
+    for r in stream_records(STREAM, 3):
+        assert worker.offer(r)  # dropped: seqs 0..2
+    conn.gate.set()
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    assert [(m.record.kind, m.record.from_seq, m.record.seq) for m in conn.messages if m.record.stream == STREAM] == [
+        ("EventsLost", 0, 2)
+    ]
+    assert metrics.registry.get_sample_value("kv_bridge_batches_lost_total", {"source": "s"}) == 3
+
+
+# -- the dead-letter destination ---------------------------------------------------------------
+
+
+needs_dev_full = pytest.mark.skipif(
+    not Path("/dev/full").exists(), reason="no /dev/full (a device whose writes fail with ENOSPC)"
+)
+
+
+def _letter(letters: DeadLetters, seq: int) -> None:
+    letters.write(reason="bad_msgpack", source="s", dp_rank=0, seq=seq, detail="x", payload=b"\x01")
+
+
+@needs_dev_full
+def test_dead_letters_on_a_full_disk_are_counted_not_raised(caplog: pytest.LogCaptureFixture) -> None:
+    letters = DeadLetters("/dev/full")
+    _letter(letters, 1)
+    _letter(letters, 2)
+    letters.close()
+    assert letters.write_failures == 2
+    assert [r.getMessage() for r in caplog.records] == ["dead letter not written"] * 2
+    assert caplog.records[0].seq == 1 and "No space left" in caplog.records[0].error
+
+
+@pytest.mark.parametrize("obstacle", ["file_as_directory", "directory_as_file", "read_only_directory"])
+def test_dead_letters_recover_once_the_path_is_writable(tmp_path: Path, caplog: pytest.LogCaptureFixture, obstacle: str) -> None:
+    path = tmp_path / "dl" / "dead.jsonl"
+    if obstacle == "file_as_directory":
+        (tmp_path / "dl").write_text("")  # the directory cannot be created
+    elif obstacle == "directory_as_file":
+        path.mkdir(parents=True)
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes to read-only directories")
+        path.parent.mkdir()
+        path.parent.chmod(0o500)
+    letters = DeadLetters(str(path))
+    _letter(letters, 1)
+    assert letters.write_failures == 1
+    if obstacle == "file_as_directory":
+        (tmp_path / "dl").unlink()
+    elif obstacle == "directory_as_file":
+        path.rmdir()
+    else:
+        path.parent.chmod(0o700)
+    _letter(letters, 2)
+    letters.close()
+    assert letters.write_failures == 1
+    (line,) = path.read_text().splitlines()
+    assert '"seq":2' in line
+    assert "dead letters written again" in [r.getMessage() for r in caplog.records]
+
+
+def test_dead_letters_follow_a_removed_file(tmp_path: Path) -> None:
+    path = tmp_path / "dl" / "dead.jsonl"
+    letters = DeadLetters(str(path))
+    _letter(letters, 1)
+    shutil.rmtree(path.parent)  # removed (or rotated away) while open: writing on would lose letters
+    _letter(letters, 2)
+    letters.close()
+    assert letters.write_failures == 0
+    (line,) = path.read_text().splitlines()
+    assert '"seq":2' in line
+
+
+def test_dead_letter_directory_problem_is_reported_at_start(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "dl").write_text("")
+    DeadLetters(str(tmp_path / "dl" / "dead.jsonl")).close()
+    assert [r.getMessage() for r in caplog.records] == ["dead-letter directory cannot be created"]
+
+
+@needs_dev_full
+async def test_sink_goes_on_when_dead_letters_cannot_be_written(tmp_path: Path) -> None:
+    worker, conn, acked, _ = make(tmp_path, batch={"linger": 0, "max_messages": 1})
+    worker.dead_letters = letters = DeadLetters("/dev/full")
+    conn.failures = [Permanent("message too large"), None]
+    task = worker.start()
+    await fill(worker, stream_records(STREAM, 2))
+    assert await worker.flush(2)
+    assert not task.done()
+    await worker.stop()
+    letters.close()
+    assert [m.record.seq for m in conn.messages] == [1]
+    assert [r.seq for r in acked] == [0, 1]
+    assert letters.write_failures == 1
