@@ -2,14 +2,29 @@
 
 Pure: no sockets, no asyncio, no clock. One :class:`StreamSequencer` per (source, dp_rank) keeps
 the two watermarks of protocol.md section 3 (last seq seen live, last seq delivered) and turns
-each input (a live message, a replay reply, the end of a replay) into a list of actions for the
-runtime to carry out in order:
+each input (a live message, a replay reply, the end of a replay, a dropped connection) into a
+list of actions for the runtime to carry out in order:
 
 - :class:`Deliver` the next batch; :class:`Duplicate` (dropped, counted);
 - :class:`Gap` (counted) and :class:`RequestReplay` from the first missing seq;
-- :class:`Reset` when the engine restarted (a live seq at or below the last live one): a new
-  epoch that is delivered from its seq 0;
+- :class:`Reset` when the engine restarted: a new epoch that is delivered from its seq 0;
 - :class:`Lost` for a span that replay cannot fill.
+
+Every :class:`Deliver` and :class:`Lost` carries the epoch it belongs to, stamped when it is
+decided: the epoch changes in one place (``_restart``), after everything still owed for the old
+engine instance has been emitted under the old epoch (design.md, invariants I1-I4).
+
+Engine instances. The protocol carries no instance id, so the sequencer infers one:
+
+- a live seq at or below the last one seen live is a new instance (seqs never repeat);
+- continuity is *in doubt* after the live connection dropped and at start-up from a checkpoint:
+  live batches are then held, unverified, until a replay has been checked against what was
+  delivered (the new instance may have published its first messages while the socket was
+  reconnecting, so its first seq seen can be exactly the old last + 1);
+- every replay asks from the last delivered seq and compares that batch's fingerprint (engine ts
+  and CRC-32 of the payload) with the one delivered; without one, it compares its first reply
+  with a held live batch of the same seq, and a replayed seq below a held one but with a later
+  engine ts comes from a later instance.
 
 Replay rules (protocol.md section 1): the first reply above the requested start means the span
 left the engine's buffer, but a ROUTER under load may also drop replies, so a loss is declared
@@ -19,14 +34,28 @@ uncertain and retried, up to ``max_attempts``, before its span is declared lost.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 
 import msgspec
+
+Fingerprint = tuple[float | None, int | None]
+"""What identifies a delivered batch across engine instances: (engine ts, CRC-32 of the payload);
+a checkpoint written before CRCs were kept has the ts only."""
+
+
+def fingerprint(ts: float | None, payload: bytes) -> Fingerprint:
+    return (ts, zlib.crc32(payload))
+
+
+def _matches(fp: Fingerprint, ts: float | None, payload: bytes) -> bool:
+    return ts == fp[0] and (fp[1] is None or zlib.crc32(payload) == fp[1])
 
 
 class Deliver(msgspec.Struct, frozen=True):
     seq: int
     payload: bytes
+    epoch: int
     replayed: bool = False
 
 
@@ -55,6 +84,7 @@ class Lost(msgspec.Struct, frozen=True):
     from_seq: int
     to_seq: int
     reason: str
+    epoch: int
 
 
 class Reset(msgspec.Struct, frozen=True):
@@ -64,9 +94,20 @@ class Reset(msgspec.Struct, frozen=True):
 
 Action = Deliver | Duplicate | Gap | RequestReplay | Lost | Reset
 
+_SAME, _NEW, _UNSURE = "same", "new", "unsure"
+
 
 class StreamSequencer:
-    """The sequencing state machine of one stream. See the module docstring."""
+    """The sequencing state machine of one stream. See the module docstring.
+
+    ``delivered``/``delivered_fp``/``anchor``: the position to resume from (a checkpoint), or None
+    for a stream seen for the first time: the highest seq delivered or announced lost, and the
+    fingerprint of the last batch delivered, at seq ``anchor`` (default: ``delivered``; lower when
+    a loss was announced after it). ``known_top``: the highest seq the instance is known to have
+    published (a stream resumed in the same process), announced lost if it restarted since.
+    ``next_epoch(epoch)`` numbers the epoch after ``epoch`` (the runtime makes epochs unique
+    across bridge runs; see ``bridge.checkpoint``).
+    """
 
     def __init__(
         self,
@@ -77,62 +118,94 @@ class StreamSequencer:
         max_attempts: int = 5,
         epoch: int = 0,
         delivered: int | None = None,
-        delivered_ts: float | None = None,
-        ts_of: Callable[[bytes], float | None] | None = None,
+        delivered_fp: Fingerprint | None = None,
+        anchor: int | None = None,
+        known_top: int | None = None,
+        ts_of: Callable[[bytes], float | None] = lambda _payload: None,
+        next_epoch: Callable[[int], int] = lambda epoch: epoch + 1,
     ) -> None:
         self.can_replay = can_replay
         self.replay_on_start = replay_on_start and can_replay
         self.max_held = max_held
         self.max_attempts = max_attempts
         self.epoch = epoch
-        # Highest seq delivered in this epoch (-1: none yet); None: unknown until the first message.
+        self._ts_of = ts_of
+        self._next_epoch = next_epoch
+        # Highest seq delivered (or announced lost) in this epoch; -1: none yet.
         self.delivered: int = -1 if delivered is None else delivered
-        self._resumed = delivered is not None
-        self._join = not self._resumed and not self.replay_on_start
-        self._first = True
+        # The last batch delivered in this epoch (-1: none), what a replay verifies the instance against.
+        self._fp = delivered_fp if delivered is not None else None
+        self._anchor_seq = (self.delivered if anchor is None else anchor) if self._fp is not None else -1
+        self._last_payload: bytes | None = None  # the batch at _anchor_seq, fingerprinted when needed
+        # First contact without history: a missing head is announced as ``joined_late``.
+        self._fresh = delivered is None
+        self._join = self._fresh and not self.replay_on_start
+        self._resumed = delivered is not None and delivered >= 0  # until the first live message
         self.last_live: int | None = None
-        self.held: dict[int, bytes] = {}
+        self.held: dict[int, bytes] = {}  # live batches of this epoch's instance, above a gap
+        # Continuity in doubt (see the module docstring): live batches wait here until verified.
+        self._doubt = delivered is not None and can_replay
+        self.unverified: dict[int, bytes] = {}
+        self._top = max(self.delivered, known_top if known_top is not None else -1)  # known published by this instance
         self._request_id = 0
         self._replay: int | None = None  # id of the replay in flight
         self._replay_start = 0
+        self._anchor: tuple[int, Fingerprint] | None = None  # what the replay in flight verifies
+        self._verdict: str = _UNSURE  # of the replay in flight: is it this epoch's instance?
         self._replay_first = True
+        self._replies = 0  # of the replay in flight
+        self._buffers = False  # a replay ever brought a batch (the engine's buffer is not empty by design)
         self._attempts = 0
         self._suspect: int | None = None  # a start that a previous attempt's first reply skipped
-        # The engine ts of the last delivered batch. A replay starts one seq early and compares
-        # it: a different ts there means the engine restarted even though the live seqs never
-        # went backwards (it restarted and got past our position while we were not looking).
-        self._ts_of = ts_of
-        self.delivered_ts = delivered_ts
-        self._verify: int | None = None
-        self._last_payload: bytes | None = None
 
     # -- inputs ---------------------------------------------------------------------------------
     def live(self, seq: int, payload: bytes) -> list[Action]:
         """A message from the live PUB stream."""
         out: list[Action] = []
-        if self.last_live is not None and seq <= self.last_live:
-            self._restart(out, "publisher_restart")  # a live seq never repeats unless the engine restarted
-        elif self._first:
-            self._first = False
-            if self._resumed and seq <= self.delivered:
-                self._restart(out, "publisher_restart")  # the engine restarted while the bridge was down
-            elif self._join:
-                self.delivered = seq - 1  # no history asked for: join mid-stream
+        last = self.last_live
+        if last is not None and seq <= last:
+            self._restart(out, "publisher_restart")  # a live seq never repeats
+        elif seq <= self._top:
+            # At or below what this instance is known to have published, yet above anything seen
+            # live: a late copy of a replayed batch, or a new instance starting over.
+            if self._other_instance(seq, payload):
+                self._restart(out, "publisher_restart", evidence=(seq, self._ts_of(payload)))
+            elif self._resumed and seq <= self.delivered and self._fingerprint() is None:
+                self._restart(out, "publisher_restart")  # nothing to compare with: the plain rule
+        self._resumed = False
         self.last_live = seq
-        if seq == self.delivered + 1 and not self.held:
+        if self._doubt:
+            if seq > self.delivered:
+                self._keep(self.unverified, seq, payload)
+                if self._replay is None:
+                    self._attempts = 0
+                    self._request(out)
+            else:
+                out.append(Duplicate(seq))
+            return out
+        if seq > self._top:
+            self._top = seq
+        if self._join and self.delivered < 0:
+            self._join = False
+            if seq > 0:
+                self._lose(out, 0, seq - 1, "joined_late")
+        if seq == self.delivered + 1:
             self._deliver(out, seq, payload)
+            if self.held:
+                self.held.pop(seq, None)
+                self._drain(out)
             return out
         if seq <= self.delivered:
             out.append(Duplicate(seq))  # replay already delivered it
             return out
         if not self.can_replay:
             out.append(Gap(self.delivered + 1, seq - 1))
-            out.append(Lost(self.delivered + 1, seq - 1, "no_replay"))
+            self._lose(out, self.delivered + 1, seq - 1, self._head_reason("no_replay"))
             self._deliver(out, seq, payload)
             return out
         if self._replay is None and not self.held:
             out.append(Gap(self.delivered + 1, seq - 1))
-        self._hold(seq, payload)
+        self._keep(self.held, seq, payload)
         if self._replay is None:
             self._attempts = 0
             self._request(out)
@@ -142,7 +215,20 @@ class StreamSequencer:
         """At start-up: replay the engine's buffered history (or from the checkpoint) right away."""
         out: list[Action] = []
         if self.replay_on_start and self._replay is None:
-            self._request(out)
+            self._request(out, to_end=True)
+        return out
+
+    def disconnected(self) -> list[Action]:
+        """The live connection dropped: whatever arrives next may come from a new instance."""
+        out: list[Action] = []
+        if self.can_replay and not self._doubt:
+            self._doubt = True
+            # A replay in flight asked the instance that is going away; the next one must verify
+            # whoever answers now. With a gap open, ask at once (retried while the engine is down).
+            self._replay = None
+            if self._gap_open():
+                self._attempts = 0
+                self._request(out)
         return out
 
     def probe(self) -> list[Action]:
@@ -150,10 +236,10 @@ class StreamSequencer:
 
         A live message dropped at the end of a burst shows as a gap only when the next one
         arrives; an idle engine may send none for a long time. The probe fetches such a tail, and
-        its verify reply also reveals a restart the live stream has not shown yet.
+        its verification also reveals a restart the live stream has not shown yet.
         """
         out: list[Action] = []
-        if self.can_replay and self._replay is None and self.last_live is not None and not self.held:
+        if self.can_replay and self._replay is None and (self.last_live is not None or self._doubt or self.held):
             self._attempts = 0
             self._request(out, to_end=True)
         return out
@@ -163,20 +249,34 @@ class StreamSequencer:
         out: list[Action] = []
         if request_id != self._replay:
             return out
-        if self._verify is not None:
-            verify, self._verify = self._verify, None
-            if seq == verify:
-                if self._ts_of is not None and self._ts_of(payload) != self.delivered_ts:
-                    self._restart(out, "publisher_restart", keep_held=False)
-                    self._request(out)
-                    return out
-                out.append(Duplicate(seq))
+        self._replies += 1
+        self._buffers = True
+        if self._verdict is _UNSURE:
+            verdict = self._check(seq, payload)
+            if verdict is _NEW:
+                self._restart(out, "publisher_restart", evidence=(seq, self._ts_of(payload)))
+                self._top = max(self._top, seq)
+                if seq == 0:
+                    self._deliver(out, seq, payload, replayed=True)
+                    self._drain(out)
+                else:
+                    self._keep(self.held, seq, payload)
+                self._request(out)
                 return out
-        if self._replay_first:
+            if verdict is _UNSURE:
+                out.append(Duplicate(seq))  # below the verification point: already delivered
+                return out
+            self._verdict = _SAME
+            self._trust(out)
+            if self._anchor is not None and seq == self._anchor[0]:
+                out.append(Duplicate(seq))  # the verification reply itself
+                return out
+        self._top = max(self._top, seq)
+        if self._replay_first and seq >= self._replay_start:
             self._replay_first = False
             if seq > self._replay_start > self.delivered:
                 if self._suspect == self._replay_start:
-                    self._lose(out, self._replay_start, seq - 1, "replay_buffer_exceeded")
+                    self._lose(out, self._replay_start, seq - 1, self._head_reason("replay_buffer_exceeded"))
                 else:
                     self._suspect = self._replay_start
             else:
@@ -192,7 +292,7 @@ class StreamSequencer:
         if seq in self.held:
             out.append(Duplicate(seq))
         else:
-            self._hold(seq, payload)
+            self._keep(self.held, seq, payload)
         return out
 
     def replay_finished(self, request_id: int, complete: bool) -> list[Action]:
@@ -201,6 +301,33 @@ class StreamSequencer:
         if request_id != self._replay:
             return out
         self._replay = None
+        if complete and self._replies == 0 and self._replay_start > 0 and (self._buffers or self.unverified):
+            # The engine holds nothing from our position on, yet the instance that published it
+            # still holds its latest seq (a fresh DEALER's first reply is never dropped by the
+            # ROUTER's high-water mark), and the one that published the unverified batches would
+            # hold those: another instance, which has not got this far yet. (Unless its buffer
+            # is off by configuration: then only after it was seen to work.)
+            self._restart(out, "publisher_restart")
+            self._request(out)
+            return out
+        if self._doubt:
+            # Nothing in this replay could tell whether the instance is the same one.
+            self._attempts += 1
+            if self._attempts < self.max_attempts:
+                if self.unverified or self._gap_open():
+                    self._request(out)
+                return out
+            self._attempts = 0
+            if not self.unverified:
+                # The old instance's gap cannot be filled by anyone who can be trusted: settle it
+                # (its held batches delivered, the rest lost) and stay in doubt.
+                top = max(self._top, max(self.held, default=-1))
+                if top > self.delivered:
+                    self._lose(out, self.delivered + 1, top, "replay_unavailable")
+                return out
+            # The replay socket cannot tell: presume continuity (README, "instance detection")
+            # rather than hold live batches forever.
+            self._trust(out)
         if not self._gap_open():
             self._attempts = 0
             self._suspect = None
@@ -211,8 +338,13 @@ class StreamSequencer:
         else:
             self._attempts += 1
         if self._attempts >= self.max_attempts:
-            end = self._next_held() - 1 if self.held else (self.last_live or self.delivered)
-            self._lose(out, self.delivered + 1, end, "replay_unavailable")
+            if self._replies > 0 and not complete and not progressed:
+                # The engine answers but breaks off right at our next seq, every time (a batch over
+                # ingest.max_frame_bytes makes ZMQ drop the connection): only that batch is lost.
+                end = self.delivered + 1
+            else:
+                end = min(self.held) - 1 if self.held else (self.last_live if self.last_live is not None else self.delivered)
+            self._lose(out, self.delivered + 1, end, self._head_reason("replay_unavailable"))
             self._attempts = 0
             if not self._gap_open():
                 return out
@@ -224,9 +356,18 @@ class StreamSequencer:
     def replaying(self) -> bool:
         return self._replay is not None
 
-    def resume_point(self) -> tuple[int, int, float | None]:
-        """(epoch, delivered, ts of that batch): what a new sequencer for this stream starts from."""
-        return (self.epoch, self.delivered, self._delivered_ts())
+    @property
+    def in_doubt(self) -> bool:
+        return self._doubt
+
+    @property
+    def known_top(self) -> int:
+        """The highest seq this epoch's instance is known to have published."""
+        return self._top
+
+    def resume_point(self) -> tuple[int, int, Fingerprint | None, int]:
+        """(epoch, delivered, fingerprint, its seq): what a new sequencer for this stream starts from."""
+        return (self.epoch, self.delivered, self._fingerprint(), self._anchor_seq)
 
     @property
     def position(self) -> tuple[int, int]:
@@ -234,18 +375,70 @@ class StreamSequencer:
         return (self.epoch, self.delivered)
 
     # -- internals ------------------------------------------------------------------------------
+    def _head_reason(self, reason: str) -> str:
+        """Seqs missing from the very start of a stream met for the first time were published
+        before the bridge joined."""
+        return "joined_late" if self._fresh and self.delivered < 0 else reason
+
     def _gap_open(self) -> bool:
         top = max(self.last_live if self.last_live is not None else -1, max(self.held, default=-1))
         return self.delivered < top
 
-    def _next_held(self) -> int:
-        return min(self.held)
-
-    def _hold(self, seq: int, payload: bytes) -> None:
+    def _keep(self, where: dict[int, bytes], seq: int, payload: bytes) -> None:
         # Past the bound a live batch is simply not held: it is still in the engine's buffer and
-        # the next replay fetches it. Memory stays bounded, nothing is declared lost for it.
-        if len(self.held) < self.max_held:
-            self.held[seq] = payload
+        # the next replay fetches it (or it is announced lost). Memory stays bounded.
+        if len(self.held) + len(self.unverified) < self.max_held:
+            where[seq] = payload
+
+    def _trust(self, out: list[Action]) -> None:
+        """Continuity confirmed (or presumed): unverified live batches join the held ones."""
+        self._doubt = False
+        for seq, payload in self.unverified.items():
+            self._top = max(self._top, seq)
+            if seq > self.delivered:
+                self.held.setdefault(seq, payload)
+        self.unverified.clear()
+        self._drain(out)
+
+    def _other_instance(self, seq: int, payload: bytes) -> bool:
+        """Does a live batch at or below this instance's top contradict what it published?"""
+        fp = self._fingerprint()
+        ts = self._ts_of(payload)
+        if fp is not None:
+            if seq == self._anchor_seq:
+                return not _matches(fp, ts, payload)
+            if seq < self._anchor_seq:
+                return ts is not None and fp[0] is not None and ts > fp[0]  # an earlier seq, a later clock
+        return self._contradicts(self.held, seq, payload, ts)
+
+    def _contradicts(self, batches: dict[int, bytes], seq: int, payload: bytes, ts: float | None) -> bool:
+        """Is (seq, payload) from a later instance than ``batches``? The same seq with other bytes,
+        or an earlier seq with a later engine ts."""
+        mine = batches.get(seq)
+        if mine is not None:
+            return mine != payload
+        above = [s for s in batches if s > seq]
+        if not above or ts is None:
+            return False
+        their_ts = self._ts_of(batches[min(above)])
+        return their_ts is not None and ts > their_ts
+
+    def _check(self, seq: int, payload: bytes) -> str:
+        """Does this reply come from this epoch's instance? (_SAME, _NEW, or _UNSURE: look further.)"""
+        ts = self._ts_of(payload)
+        if self._anchor is not None:
+            at, fp = self._anchor
+            anchor_ts = fp[0]
+            if seq < at:
+                return _UNSURE
+            if seq == at:
+                return _SAME if _matches(fp, ts, payload) else _NEW
+            if anchor_ts is not None and ts is not None and ts < anchor_ts:
+                return _NEW  # later seq, earlier clock: another instance
+        # Against live batches: those of this epoch's instance, then unverified ones.
+        if self._contradicts(self.held, seq, payload, ts) or self._contradicts(self.unverified, seq, payload, ts):
+            return _NEW
+        return _SAME
 
     def _drain(self, out: list[Action]) -> None:
         while self.held:
@@ -256,66 +449,102 @@ class StreamSequencer:
             self._deliver(out, nxt, payload)
 
     def _deliver(self, out: list[Action], seq: int, payload: bytes, replayed: bool = False) -> None:
-        self.delivered = seq
+        self.delivered = self._anchor_seq = seq
         self._last_payload = payload
-        out.append(Deliver(seq, payload, replayed))
+        self._fp = None
+        out.append(Deliver(seq, payload, self.epoch, replayed))
 
     def _lose(self, out: list[Action], from_seq: int, to_seq: int, reason: str) -> None:
-        if to_seq >= from_seq:
-            out.append(Lost(from_seq, to_seq, reason))
-            if to_seq > self.delivered:
-                self.delivered = to_seq
-                self.delivered_ts = self._last_payload = None  # nothing known to verify a replay against
-        for s in [s for s in self.held if s <= self.delivered]:
-            del self.held[s]
+        """Settle ``from_seq..to_seq``: held batches in it are delivered, only the rest is lost."""
+        for seq in sorted(s for s in self.held if s <= to_seq):
+            payload = self.held.pop(seq)
+            if seq <= self.delivered:
+                continue
+            if seq > self.delivered + 1:
+                self._lost(out, self.delivered + 1, seq - 1, reason)
+            self._deliver(out, seq, payload)
+        if to_seq > self.delivered:
+            self._lost(out, max(from_seq, self.delivered + 1), to_seq, reason)
         self._suspect = None
         self._drain(out)
+
+    def _lost(self, out: list[Action], from_seq: int, to_seq: int, reason: str) -> None:
+        out.append(Lost(from_seq, to_seq, reason, self.epoch))
+        self.delivered = to_seq  # the anchor stays at the last batch delivered
 
     def _request(self, out: list[Action], to_end: bool = False) -> None:
         self._request_id += 1
         self._replay = self._request_id
         self._replay_start = self.delivered + 1
         self._replay_first = True
-        # The last seq this replay must bring; -1: read to the end marker (start-up history).
-        until = self._next_held() - 1 if self.held else (-1 if self.last_live is None or to_end else self.last_live)
+        self._replies = 0
+        waiting = [*self.held, *self.unverified]
+        # The last seq this replay must bring; -1: read to the end marker.
+        if waiting:
+            until = min(waiting) - 1
+        elif to_end or self.last_live is None:
+            until = -1
+        else:
+            until = self.last_live
         start = self._replay_start
-        self._verify = None
-        if self._ts_of is not None and self.delivered >= 0 and self._delivered_ts() is not None:
-            self._verify = start = self.delivered
-        out.append(RequestReplay(self._request_id, start, until, self._attempts))
+        fp = self._fingerprint()
+        self._anchor = (self._anchor_seq, fp) if fp is not None else None
+        self._verdict = _UNSURE
+        if self._anchor is not None:
+            start = self._anchor_seq  # its reply verifies the instance against the fingerprint
+        elif self.delivered >= 0:
+            start = self.delivered  # one early: shows the engine answering even when the next batch never comes
+        out.append(RequestReplay(self._request_id, start, max(until, start) if until >= 0 else -1, self._attempts))
 
-    def _delivered_ts(self) -> float | None:
-        """The ts of the last delivered batch, computed lazily (only a replay needs it)."""
-        if self._last_payload is not None and self._ts_of is not None:
-            self.delivered_ts = self._ts_of(self._last_payload)
+    def _fingerprint(self) -> Fingerprint | None:
+        """The fingerprint of the last delivered batch, taken lazily (only a replay needs it)."""
+        if self._last_payload is not None:
+            self._fp = fingerprint(self._ts_of(self._last_payload), self._last_payload)
             self._last_payload = None
-        return self.delivered_ts
+        return self._fp
 
-    def _restart(self, out: list[Action], reason: str, keep_held: bool = True) -> None:
-        """The engine restarted: close the old epoch (what is still missing is lost), open a new one.
+    def _restart(self, out: list[Action], reason: str, evidence: tuple[int, float | None] | None = None) -> None:
+        """The engine restarted: settle the old epoch, then open a new one.
 
-        ``keep_held``: the held live batches belong to the old epoch (the restart showed on the
-        live stream); when a replay revealed it, they may be the new engine's and are dropped
-        (the new epoch is replayed from its seq 0).
+        Everything the old instance owes is emitted first, stamped with the old epoch: its held
+        batches delivered, every other seq up to the last one it was seen to publish announced
+        lost (its buffer went with it). Without ``evidence`` the restart showed on the live stream
+        and every batch held so far is the old instance's. With it, a replay revealed the restart
+        through its reply (seq, engine ts): held batches with a later engine ts than that reply
+        (or an equal one at a higher seq) were published by the new instance and move to the new
+        epoch; so do unverified ones whose ts is unknown.
         """
-        if not keep_held:
-            self.held.clear()
-        if self.held:
-            top = max(self.held)
-            while self.delivered < top:
-                nxt = self._next_held()
-                if nxt > self.delivered + 1:
-                    out.append(Lost(self.delivered + 1, nxt - 1, reason))
-                self.delivered = nxt
-                out.append(Deliver(nxt, self.held.pop(nxt)))
+        carried: dict[int, bytes] = {}
+        if evidence is not None:
+            r, ts_r = evidence
+            for where, default_new in ((self.held, False), (self.unverified, True)):
+                for seq in list(where):
+                    ts = self._ts_of(where[seq])
+                    if default_new if ts is None or ts_r is None else ts > ts_r or (ts == ts_r and seq > r):
+                        carried[seq] = where.pop(seq)
+        # What is left unverified is the old instance's or an instance in between that came and
+        # went before a replay could tell: neither can be proven, so it is announced lost with the
+        # old epoch's tail rather than delivered under it (I1 before I4).
+        known = [self._top, max(self.held, default=-1), max(self.unverified, default=-1)]
+        if self.last_live is not None and (evidence is None or not carried):
+            # Seen live (perhaps not kept, past the bound) before the new instance showed.
+            known.append(self.last_live)
+        top = max(known, default=-1)
+        self.unverified.clear()
+        self._doubt = False
+        if top > self.delivered:
+            self._lose(out, self.delivered + 1, top, reason)
+        self.held.clear()
         self._replay = None
         self._attempts = 0
         self._suspect = None
-        self.epoch += 1
-        self.delivered = -1
-        self.delivered_ts = None
-        self._last_payload = None
-        self._verify = None
-        if keep_held:
-            self.last_live = None
+        self._fresh = self._join = self._resumed = False
+        self.epoch = self._next_epoch(self.epoch)
+        self.delivered = self._top = -1
+        self._fp = self._last_payload = None
+        self._anchor_seq = -1
+        self.held = carried
+        self.last_live = max(carried) if carried else None
         out.append(Reset(self.epoch, reason))
+        if carried and not self.can_replay:
+            self._lose(out, 0, min(carried) - 1, "no_replay")

@@ -1,0 +1,242 @@
+"""The sequencer as a model: a scripted engine that fails in every way at once, I1-I4 after each step.
+
+The engine publishes, drops live messages, restarts as a new instance (seq 0, empty buffer),
+slides its buffer, ignores or half-answers replays (silence, lost end marker, first reply
+lost), and answers a pending replay with whichever instance is running when it is served (so a
+request made to one instance may be answered by the next). The bridge side sees a dropped
+connection at each restart (as the ZMQ monitor reports it) and may also see one without a
+restart, and may miss the new instance's first messages (published while it reconnected).
+
+After every step the actions emitted so far are checked (design.md, "Engine instances and
+epochs"); a final quiet phase (one live message, every replay answered) checks that nothing the
+bridge saw was left unsettled.
+
+Limits the model respects, because no protocol-level observer could see through them (README,
+"instance detection"): a new instance's buffer does not slide past its first seq before the
+bridge has heard from it, and while continuity is in doubt the replay socket answers one of
+``max_attempts`` requests in a row (after that the bridge presumes continuity).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from bridge.sequencer import Action, Deliver, Lost, RequestReplay, Reset, StreamSequencer
+
+EXAMPLES = int(os.environ.get("KV_MODEL_EXAMPLES", "400"))
+
+
+def payload_of(instance: int, seq: int) -> bytes:
+    return f"{instance}:{seq}".encode()
+
+
+def ts_of(payload: bytes) -> float:
+    """Engine wall clock: a later instance has later timestamps, like a real restart."""
+    instance, seq = payload.decode().split(":")
+    return int(instance) * 1e6 + int(seq)
+
+
+def parse(payload: bytes) -> tuple[int, int]:
+    instance, seq = payload.decode().split(":")
+    return int(instance), int(seq)
+
+
+@dataclass
+class Engine:
+    buffer: int
+    instance: int = 0
+    published: dict[int, int] = field(default_factory=dict)  # instance -> next seq
+
+    def publish(self) -> tuple[int, bytes]:
+        seq = self.published.get(self.instance, 0)
+        self.published[self.instance] = seq + 1
+        return seq, payload_of(self.instance, seq)
+
+    def replay(self, start: int) -> list[tuple[int, bytes]]:
+        top = self.published.get(self.instance, 0)
+        return [(s, payload_of(self.instance, s)) for s in range(max(start, top - self.buffer), top)]
+
+    def restart(self) -> None:
+        self.instance += 1
+
+
+@dataclass
+class Downstream:
+    """What the sinks would see, checked as it arrives (I1, I2, epochs opened by Reset)."""
+
+    epoch: int
+    epoch_of: dict[int, int] = field(default_factory=dict)  # instance -> epoch
+    instance_of: dict[int, int] = field(default_factory=dict)  # epoch -> instance
+    covered: dict[int, list[int]] = field(default_factory=dict)  # epoch -> seqs delivered or lost, in order
+    lost: dict[int, set[int]] = field(default_factory=dict)  # epoch -> seqs announced lost
+    closed: set[int] = field(default_factory=set)  # epochs a Reset has closed
+
+    def apply(self, actions: list[Action]) -> None:
+        for a in actions:
+            if isinstance(a, Reset):
+                assert a.epoch > self.epoch, "epochs only grow"
+                self.closed.add(self.epoch)
+                self.epoch = a.epoch
+            elif isinstance(a, Deliver | Lost):
+                assert a.epoch not in self.closed, f"{a} after its epoch was closed by a SourceReset"
+                assert a.epoch == self.epoch, f"{a} stamped with an epoch that is not the current one"
+                seqs = self.covered.setdefault(a.epoch, [])
+                first = a.seq if isinstance(a, Deliver) else a.from_seq
+                last = a.seq if isinstance(a, Deliver) else a.to_seq
+                assert first <= last
+                assert not seqs or first == seqs[-1] + 1, f"I2: {a} does not follow {seqs[-1]} in epoch {a.epoch}"
+                seqs.extend(range(first, last + 1))
+                if isinstance(a, Deliver):
+                    instance, seq = parse(a.payload)
+                    assert seq == a.seq
+                    assert self.instance_of.setdefault(a.epoch, instance) == instance, f"I1: two instances in epoch {a.epoch}"
+                    assert self.epoch_of.setdefault(instance, a.epoch) == a.epoch, f"I1: instance {instance} in two epochs"
+                else:
+                    self.lost.setdefault(a.epoch, set()).update(range(a.from_seq, a.to_seq + 1))
+
+
+class SequencerModel(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine = Engine(buffer=8)
+        self.seqr = StreamSequencer(can_replay=True, replay_on_start=True, max_held=6, max_attempts=3, ts_of=ts_of)
+        self.down = Downstream(epoch=self.seqr.epoch)
+        self.pending: list[RequestReplay] = []
+        self.kept: set[tuple[int, int]] = set()  # (instance, seq) the bridge received and kept
+        self.seen: dict[int, set[int]] = {}  # instance -> seqs the bridge received from it
+        self.silent = 0  # replays in a row that ended without their end marker
+        self.apply(self.seqr.start())
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def apply(self, actions: list[Action]) -> None:
+        self.down.apply(actions)
+        self.pending.extend(a for a in actions if isinstance(a, RequestReplay))
+
+    def received(self, seq: int, payload: bytes) -> None:
+        instance, _ = parse(payload)
+        self.seen.setdefault(instance, set()).add(seq)
+        delivered = self.down.instance_of.get(self.down.epoch) == instance and seq in self.down.covered.get(self.down.epoch, [])
+        if delivered or self.seqr.held.get(seq) == payload:
+            self.kept.add((instance, seq))
+
+    def serve(self, mode: str) -> None:
+        req = self.pending.pop(0)
+        replies = self.engine.replay(req.start)
+        if mode == "silent":
+            replies = []
+        elif mode == "half":
+            replies = replies[: len(replies) // 2]
+        elif mode == "drop_some":  # the ROUTER's high-water mark: never the first reply of a fresh DEALER
+            replies = replies[:1] + replies[3:]
+        for seq, payload in replies:
+            heard = req.request_id == self.seqr._replay  # a stale request's replies are discarded unread
+            actions = self.seqr.replayed(req.request_id, seq, payload)
+            if heard:
+                self.received(seq, payload)
+            self.apply(actions)
+            if 0 <= req.until <= seq:
+                break
+        self.apply(self.seqr.replay_finished(req.request_id, complete=mode in ("answer", "drop_some")))
+        self.silent = 0 if mode in ("answer", "drop_some") else self.silent + 1
+
+    # -- steps ----------------------------------------------------------------------------------
+    def can_slide(self, n: int) -> bool:
+        """The model's one limit (module docstring): a new instance's buffer does not slide past
+        its first seq before the bridge has heard from it."""
+        instance = self.engine.instance
+        return instance in self.down.epoch_of or self.engine.published.get(instance, 0) + n <= self.engine.buffer
+
+    @rule(seen=st.booleans())
+    def publish(self, seen: bool) -> None:
+        if not self.can_slide(1):
+            return
+        seq, payload = self.engine.publish()
+        if seen:
+            self.apply(self.seqr.live(seq, payload))
+            self.received(seq, payload)
+
+    @rule(missed=st.integers(0, 3))
+    def restart(self, missed: int) -> None:
+        """A new instance; the bridge sees the connection drop and may miss its first messages."""
+        self.engine.restart()
+        self.apply(self.seqr.disconnected())
+        for _ in range(missed):
+            self.engine.publish()
+
+    @rule()
+    def blip(self) -> None:
+        """The connection dropped and came back; the same instance goes on."""
+        self.apply(self.seqr.disconnected())
+
+    @rule(n=st.integers(1, 12))
+    def slide(self, n: int) -> None:
+        """A burst the bridge misses entirely (a PUB high-water-mark drop): the buffer slides."""
+        if not self.can_slide(n):
+            return
+        for _ in range(n):
+            self.engine.publish()
+
+    @precondition(lambda self: self.pending)
+    @rule(mode=st.sampled_from(["answer", "answer", "silent", "half", "drop_end", "drop_some"]))
+    def answer_replay(self, mode: str) -> None:
+        if self.seqr.in_doubt and self.silent >= self.seqr.max_attempts - 1:
+            mode = "answer"  # the model's second limit (module docstring)
+        self.serve(mode)
+
+    @rule()
+    def probe(self) -> None:
+        self.apply(self.seqr.probe())
+
+    # -- invariants -----------------------------------------------------------------------------
+    @invariant()
+    def bounded(self) -> None:
+        assert len(self.seqr.held) + len(self.seqr.unverified) <= self.seqr.max_held
+
+    @invariant()
+    def kept_batches_never_lost(self) -> None:
+        """I4: a batch the bridge kept is delivered, never announced lost."""
+        for instance, seq in self.kept:
+            epoch = self.down.epoch_of.get(instance)
+            if epoch is not None:
+                assert seq not in self.down.lost.get(epoch, set()), f"I4: kept batch {instance}:{seq} announced lost"
+
+    def teardown(self) -> None:
+        """Quiet phase: one more live message, every replay answered; then nothing may be unsettled."""
+        self.engine.buffer += 1  # room for that message within the model's limit
+        seq, payload = self.engine.publish()
+        self.apply(self.seqr.live(seq, payload))
+        self.received(seq, payload)
+        for _ in range(1000):
+            if not self.pending:
+                break
+            self.serve("answer")
+        assert not self.pending, "replays never settle"
+        self.kept_batches_never_lost()
+        # I3: every seq of every instance the bridge heard from, up to the highest it heard of,
+        # is delivered or announced lost in that instance's epoch.
+        for instance, seqs in self.seen.items():
+            epoch = self.down.epoch_of.get(instance)
+            top = max(seqs)
+            if epoch is None:
+                # Nothing of it delivered (an instance that came and went between two checks):
+                # what the bridge received of it is announced lost.
+                lost = set().union(*self.down.lost.values())
+                assert seqs <= lost, f"I3: instance {instance} vanished"
+                continue
+            covered = self.down.covered[epoch]
+            assert covered[: top + 1] == list(range(top + 1)), f"I3: epoch {epoch} (instance {instance}) not settled to {top}"
+        current = self.engine.instance
+        assert self.down.instance_of.get(self.down.epoch) == current, "the live instance is not the current epoch's"
+        assert self.seqr.delivered == self.engine.published[current] - 1
+        assert not self.seqr.held and not self.seqr.unverified
+
+
+SequencerModel.TestCase.settings = settings(
+    max_examples=EXAMPLES, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestSequencerModel = SequencerModel.TestCase
