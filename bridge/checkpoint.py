@@ -1,59 +1,90 @@
 """The checkpoint: per stream, the epoch and the highest seq every sink has acknowledged.
 
-Saved atomically (write to a temp file, fsync, rename, fsync the directory) as JSON:
-``{"version": 1, "streams": {"llama-a/0": {"epoch": 2, "seq": 1041, "ts": 1732870000.25}}}``. A corrupt or unreadable
-file is reported by the caller and the bridge starts fresh; it never crashes on it.
+Saved atomically (write to a temp file, fsync, rename, fsync the directory) as JSON::
+
+    {"version": 1,
+     "streams": {"llama-a/0": {"epoch": 1013402, "seq": 1041, "ts": 1732870000.25, "crc": 3735928559}},
+     "epochs": {"llama-a/0": 1013402}}
+
+``ts`` and ``crc`` fingerprint the batch at ``seq`` (engine ts, CRC-32 of its payload): on resume
+the replay's copy of that seq must match, or the engine restarted while the bridge was away.
+``epochs`` holds the highest epoch each stream ever opened, saved before that epoch's first
+record reaches a sink, so a restarted bridge never opens it again. A corrupt or unreadable file
+is reported by the caller and the bridge starts fresh; it never crashes on it.
+
+Epoch numbers. A stream met for the first time opens epoch :func:`clock_epoch` (minutes since
+2025-01-01), and every later epoch is above the previous one, the saved one and the clock's.
+So a bridge that starts without its checkpoint does not reuse an epoch a sink already holds,
+unless the previous run opened its last epoch for the stream in the same minute as this start
+(or later: a stream that restarted more than once a minute ran ahead of the clock) and the
+engine restarted in between. Minutes, because Redis entry ids hold epochs below 2**24 (year 2056).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import threading
+import zlib
 from pathlib import Path
 
 import msgspec
 
 from .errors import BridgeError
+from .records import Record
+
+EPOCH_ORIGIN = 1735689600.0
+"""2025-01-01T00:00:00Z: epochs opened by the clock count minutes from here."""
 
 
-class StreamPosition(msgspec.Struct, frozen=True):
-    """Epoch, highest seq every sink acknowledged, and that batch's engine ts (to detect a
-    restart on resume: the replay's copy of ``seq`` must carry the same ts)."""
+def clock_epoch(now: float) -> int:
+    """The smallest epoch a stream may open at wall-clock time ``now`` (see the module docstring)."""
+    return max(0, int((now - EPOCH_ORIGIN) // 60))
+
+
+class StreamPosition(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Epoch, highest seq every sink acknowledged (delivered or announced lost), and the
+    fingerprint (engine ts, CRC-32 of the payload) of the last batch delivered in that epoch, at
+    seq ``at`` (omitted: ``seq``; None, None: no batch of the epoch delivered yet)."""
 
     epoch: int
     seq: int
     ts: float | None = None
+    crc: int | None = None
+    at: int | None = None
 
 
 class CheckpointFile(msgspec.Struct):
     version: int = 1
     streams: dict[str, StreamPosition] = msgspec.field(default_factory=dict)
+    epochs: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class CheckpointError(BridgeError):
     """The checkpoint file exists but cannot be used."""
 
 
-def load(path: str | Path) -> dict[str, StreamPosition]:
-    """Positions by stream key; {} when the file does not exist; CheckpointError when unusable."""
+def load(path: str | Path) -> CheckpointFile:
+    """The saved checkpoint; empty when the file does not exist; CheckpointError when unusable."""
     p = Path(path)
     try:
         data = p.read_bytes()
     except FileNotFoundError:
-        return {}
+        return CheckpointFile()
     except OSError as exc:
         raise CheckpointError(f"checkpoint {p}: cannot read ({exc.strerror or exc})") from exc
     try:
-        return msgspec.json.decode(data, type=CheckpointFile).streams
+        return msgspec.json.decode(data, type=CheckpointFile)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise CheckpointError(f"checkpoint {p}: corrupt ({exc})") from exc
 
 
-def save(path: str | Path, streams: dict[str, StreamPosition]) -> None:
+def save(path: str | Path, checkpoint: CheckpointFile) -> None:
     """Write atomically: a crash leaves either the old or the new file, never a torn one."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    data = msgspec.json.encode(CheckpointFile(streams=dict(sorted(streams.items()))))
+    checkpoint = CheckpointFile(streams=dict(sorted(checkpoint.streams.items())), epochs=dict(sorted(checkpoint.epochs.items())))
+    data = msgspec.json.encode(checkpoint)
     fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -69,3 +100,114 @@ def save(path: str | Path, streams: dict[str, StreamPosition]) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+# epoch, seq, and the last batch delivered in that epoch: its seq, ts and payload (fingerprinted when saved)
+_Acked = tuple[int, int, int, float | None, bytes | None]
+
+
+class Checkpointer:
+    """Tracks, per stream and sink, the last record acknowledged; the checkpoint is their minimum.
+
+    Also numbers epochs (:meth:`next_epoch`) and writes snapshots so that a slow write finishing
+    late never replaces a newer one (:meth:`write`).
+    """
+
+    def __init__(self, sinks: int, loaded: CheckpointFile | None = None) -> None:
+        self.sinks = sinks
+        self.loaded: dict[str, StreamPosition] = dict(loaded.streams) if loaded else {}
+        self.epochs: dict[str, int] = dict(loaded.epochs) if loaded else {}
+        self._acked: dict[str, list[_Acked | None]] = {}
+        self._generation = 0  # of the state; a snapshot carries the one it was taken at
+        self._written = 0
+        self._write_lock = threading.Lock()
+
+    # -- acknowledgements -------------------------------------------------------------------------
+    def on_ack(self, sink: int, records: list[Record]) -> None:
+        acked = self._acked
+        for r in records:
+            key = r.stream.key
+            row = acked.get(key)
+            if row is None:
+                base = self.loaded.get(key)
+                init: _Acked | None = None
+                if base is not None:
+                    init = (base.epoch, base.seq, base.seq if base.at is None else base.at, base.ts, None)
+                row = acked[key] = [init] * self.sinks
+            if r.kind == "SourceReset":
+                row[sink] = (r.epoch, -1, -1, None, None)
+            elif r.kind == "batch":
+                row[sink] = (r.epoch, r.seq, r.seq, r.ts, r.payload)
+            else:  # a loss: the anchor stays at the batch before it
+                last = row[sink]
+                same_epoch = last is not None and last[0] == r.epoch
+                row[sink] = (r.epoch, r.seq, *last[2:]) if last is not None and same_epoch else (r.epoch, r.seq, -1, None, None)
+        self._generation += 1
+
+    def position(self, key: str) -> StreamPosition | None:
+        """The checkpoint position of one stream (None: nothing known)."""
+        row = self._acked.get(key) or []
+        if not row or any(p is None for p in row):  # a sink that acknowledged nothing of it yet
+            return self.loaded.get(key)
+        epoch, seq, at, ts, payload = min((p for p in row if p is not None), key=lambda p: (p[0], p[1]))
+        if at < 0:
+            return StreamPosition(epoch, seq)
+        if payload is None:
+            base = self.loaded.get(key)  # a position carried over from the file keeps its fingerprint
+            same = base is not None and base.epoch == epoch and (base.seq if base.at is None else base.at) == at
+            crc = base.crc if base is not None and same else None
+        else:
+            crc = zlib.crc32(payload)
+        return StreamPosition(epoch, seq, ts, crc, None if at == seq else at)
+
+    def forget(self, key: str) -> None:
+        """Drop everything known of a stream (a source gone for good)."""
+        self._acked.pop(key, None)
+        self.loaded.pop(key, None)
+        self.epochs.pop(key, None)
+        self._generation += 1
+
+    # -- epochs -----------------------------------------------------------------------------------
+    def first_epoch(self, key: str, now: float) -> int:
+        """The epoch of a stream met without a position (see the module docstring)."""
+        return self._open(key, clock_epoch(now))
+
+    def next_epoch(self, key: str, epoch: int, now: float) -> int:
+        """The epoch after ``epoch`` for a restarted engine."""
+        return self._open(key, max(epoch + 1, clock_epoch(now)))
+
+    def _open(self, key: str, epoch: int) -> int:
+        epoch = max(epoch, self.epochs.get(key, -1) + 1)
+        self.epochs[key] = epoch
+        self._generation += 1
+        return epoch
+
+    # -- saving -----------------------------------------------------------------------------------
+    def snapshot(self) -> tuple[int, CheckpointFile]:
+        """The checkpoint as it stands (taken on the event loop), with its generation."""
+        streams = dict(self.loaded)
+        for key in self._acked:
+            pos = self.position(key)
+            if pos is not None:
+                streams[key] = pos
+        return self._generation, CheckpointFile(streams=streams, epochs=dict(self.epochs))
+
+    def write(self, path: str | Path, generation: int, checkpoint: CheckpointFile) -> bool:
+        """Save a snapshot unless a newer one was saved already (a slow write that finishes late,
+        e.g. in a thread after the final save at shutdown, must not replace it). Thread-safe."""
+        with self._write_lock:
+            if generation < self._written:
+                return False
+            save(path, checkpoint)
+            self._written = generation
+            return True
+
+    @property
+    def generation(self) -> int:
+        """Changes with every acknowledgement and every epoch opened."""
+        return self._generation
+
+    @property
+    def written(self) -> int:
+        """The generation of the snapshot last saved."""
+        return self._written

@@ -149,6 +149,13 @@ class DiscoveryConfig(Struct):
     """Sources found at run time, beside the static ``sources``."""
 
     dns: Annotated[DnsDiscovery | None, _doc("Resolve a headless Service name; one source per address.")] = None
+    forget_after: Annotated[
+        Duration,
+        _doc(
+            "How long a source that discovery removed keeps its position (to resume if it returns) before the bridge "
+            "forgets it: its checkpoint entry and its metric series."
+        ),
+    ] = Duration(3600.0)
 
 
 class CheckpointConfig(Struct):

@@ -7,6 +7,7 @@ never make anyone wait (see :mod:`bridge.sink`).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 from .records import Record
@@ -31,9 +32,19 @@ class Fanout:
             await self.finish(record, waiting)
 
     async def finish(self, record: Record, waiting: list[SinkWorker]) -> None:
-        """Queue ``record`` on the sinks :meth:`offer` returned, in order, as each makes room."""
-        while waiting:
-            w = waiting[0]
-            await w.wait_room()
-            if w.offer(record):
-                waiting.pop(0)
+        """Queue ``record`` on the sinks :meth:`offer` returned, in order, as each makes room.
+
+        Cancelled (its source removed while it waited), the record is queued anyway, past the
+        bounds by that one record: the other sinks have it, and once its stream is gone nothing
+        would bring it to these (I4).
+        """
+        try:
+            while waiting:
+                w = waiting[0]
+                await w.wait_room()
+                if w.offer(record):
+                    waiting.pop(0)
+        except asyncio.CancelledError:
+            for w in waiting:
+                w.force(record)
+            raise

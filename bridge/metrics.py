@@ -143,5 +143,25 @@ class Metrics:
         self.build_info = Gauge(p + "build_info", "Build information.", ["version"], registry=r)
         self.build_info.labels(__version__).set(1)
 
+    def forget_source(self, source: str) -> None:
+        """Drop every series of ``source`` (gone for good), so that label sets do not grow forever
+        under discovery churn."""
+        per_source = (
+            self.batches_received,
+            self.events_received,
+            self.decode_failures,
+            self.sequence_gaps,
+            self.replay_requests,
+            self.batches_replayed,
+            self.batches_lost,
+            self.duplicates_dropped,
+            self.source_restarts,
+            self.source_last_seq,
+            self.source_last_event_ts,
+            self.source_disconnects,
+        )
+        for metric in per_source:
+            metric.remove_by_labels({"source": source})
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

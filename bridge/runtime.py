@@ -30,52 +30,12 @@ from .fanout import Fanout
 from .formats import Renderer
 from .health import HealthServer
 from .metrics import Metrics
-from .records import Record, Stream
+from .records import Stream
 from .sink import SinkWorker
 from .source import SourceReader
 from .stream import StreamPipeline
 
 log = logging.getLogger("bridge")
-
-
-class Checkpointer:
-    """Tracks, per stream and sink, the last record acknowledged; the checkpoint is their minimum."""
-
-    def __init__(self, sinks: int, loaded: dict[str, ckpt.StreamPosition]) -> None:
-        self.sinks = sinks
-        self.loaded = loaded
-        self._acked: dict[str, list[tuple[int, int, float | None] | None]] = {}
-
-    def on_ack(self, sink: int, records: list[Record]) -> None:
-        acked = self._acked
-        for r in records:
-            key = r.stream.key
-            row = acked.get(key)
-            if row is None:
-                base = self.loaded.get(key)
-                init = (base.epoch, base.seq, base.ts) if base is not None else None
-                row = acked[key] = [init] * self.sinks
-            if r.kind == "SourceReset":
-                row[sink] = (r.epoch, -1, None)
-            else:
-                row[sink] = (r.epoch, r.seq, r.ts if r.kind == "batch" else None)
-
-    def position(self, key: str) -> ckpt.StreamPosition | None:
-        """The checkpoint position of one stream (None: nothing known)."""
-        row = self._acked.get(key) or []
-        acked = [p for p in row if p is not None]
-        if not acked or len(acked) < len(row):  # a sink that acknowledged nothing of it yet
-            return self.loaded.get(key)
-        epoch, seq, ts = min(acked, key=lambda p: (p[0], p[1]))
-        return ckpt.StreamPosition(epoch, seq, ts)
-
-    def snapshot(self) -> dict[str, ckpt.StreamPosition]:
-        out = dict(self.loaded)
-        for key in self._acked:
-            pos = self.position(key)
-            if pos is not None:
-                out[key] = pos
-        return out
 
 
 class Bridge:
@@ -101,11 +61,14 @@ class Bridge:
         self.pipelines: dict[str, StreamPipeline] = {}
         self.readers: dict[str, SourceReader] = {}
         self._reader_tasks: dict[str, asyncio.Task[None]] = {}
-        self._retired: dict[str, ckpt.StreamPosition] = {}  # positions of removed sources, for their return
+        # Removed sources' streams, for their return: where to resume, the highest seq known, and
+        # when (monotonic) the source was removed; forgotten after discovery.forget_after.
+        self._retired: dict[str, tuple[ckpt.StreamPosition | None, int, float]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.failed: BaseException | None = None
         self.stopped = asyncio.Event()
-        self.checkpointer = Checkpointer(0, {})
+        self.checkpointer = ckpt.Checkpointer(0)
+        self._save_lock = asyncio.Lock()  # one checkpoint write at a time; waiters coalesce
         self.health: HealthServer | None = None
         self._checkpoint_task: asyncio.Task[None] | None = None
         self.discovery: Discovery | None = None
@@ -130,7 +93,7 @@ class Bridge:
         if problems:
             raise ConfigError(problems)
         loaded = self._load_checkpoint()
-        self.checkpointer = Checkpointer(len(cfg.sinks), loaded)
+        self.checkpointer = ckpt.Checkpointer(len(cfg.sinks), loaded)
         renderers: dict[tuple[str, str, str], Renderer] = {}
         for i, (sink, conn) in enumerate(zip(cfg.sinks, connectors, strict=True)):
             key = (sink.format, sink.granularity, sink.hash_format)
@@ -145,13 +108,16 @@ class Bridge:
         if cfg.metrics.listen:
             self.health = HealthServer(cfg.metrics.listen, self.metrics.exposition, self.readiness)
             await self.health.start()
-        for source in cfg.sources:
-            await self.add_source(source)
+        added = [(source, self._add_pipelines(source)) for source in cfg.sources]
+        await self.persist_epochs()  # one write for every epoch opened at start-up
+        for source, pipelines in added:
+            await self._start_readers(source, pipelines)
         if cfg.discovery.dns is not None:
             self.discovery = Discovery(
                 cfg.discovery.dns, self, registry=self.metrics.registry, reserved=[s.name for s in cfg.sources]
             )
             await self.discovery.start()
+            self.spawn(self._forget_loop(), "forget-retired")
         if cfg.replay.idle_probe > 0:
             self.spawn(self._idle_probe_loop(), "idle-probe")
         if cfg.checkpoint.path:
@@ -160,34 +126,43 @@ class Bridge:
 
     async def add_source(self, source: SourceConfig) -> None:
         """Subscribe to every rank of ``source`` (also used by discovery at run time)."""
+        added = self._add_pipelines(source)
+        await self.persist_epochs()  # epochs opened here are on disk before any record of them
+        await self._start_readers(source, added)
+
+    def _add_pipelines(self, source: SourceConfig) -> list[tuple[StreamPipeline, str]]:
         replay_on_start = source.replay_on_start if source.replay_on_start is not None else source.replay_endpoint is not None
+        added: list[tuple[StreamPipeline, str]] = []
         for rank in range(source.dp_ranks):
             stream = Stream(source.name, rank, dict(source.labels))
-            if stream.key in self.pipelines:
+            key = stream.key
+            if key in self.pipelines:
                 continue
             # A stream read before in this process resumes exactly where it stopped; otherwise from
-            # the checkpoint (what every sink acknowledged), or fresh.
-            pos = self._retired.pop(stream.key, None) or self.checkpointer.position(stream.key)
+            # the checkpoint (what every sink acknowledged), or fresh in a new epoch.
+            pos, top, _ = self._retired.pop(key) if key in self._retired else (self.checkpointer.position(key), None, 0.0)
             pipeline = StreamPipeline(
                 self,
                 stream,
                 replay_endpoint=for_rank(source.replay_endpoint, rank) if source.replay_endpoint else None,
                 replay_on_start=replay_on_start,
-                epoch=pos.epoch if pos else 0,
+                epoch=pos.epoch if pos else self.checkpointer.first_epoch(key, time.time()),
                 delivered=pos.seq if pos else None,
-                delivered_ts=pos.ts if pos else None,
+                delivered_fp=(pos.ts, pos.crc) if pos and (pos.ts is not None or pos.crc is not None) else None,
+                anchor=pos.at if pos else None,
+                known_top=top,
             )
-            reader = SourceReader(
-                pipeline,
-                self.zmq_context,
-                for_rank(source.endpoint, rank),
-                bind=source.bind,
-                topic=source.topic,
-                ingest=self.config.ingest,
-            )
-            self.pipelines[stream.key] = pipeline
-            self.readers[stream.key] = reader
-            self._reader_tasks[stream.key] = self._watch(asyncio.create_task(reader.run(), name=f"source:{stream.key}"))
+            self.pipelines[key] = pipeline
+            added.append((pipeline, for_rank(source.endpoint, rank)))
+        return added
+
+    async def _start_readers(self, source: SourceConfig, added: list[tuple[StreamPipeline, str]]) -> None:
+        for pipeline, endpoint in added:
+            key = pipeline.stream.key
+            ingest = self.config.ingest
+            reader = SourceReader(pipeline, self.zmq_context, endpoint, bind=source.bind, topic=source.topic, ingest=ingest)
+            self.readers[key] = reader
+            self._reader_tasks[key] = self._watch(asyncio.create_task(reader.run(), name=f"source:{key}"))
             await pipeline.start()
 
     async def remove_source(self, name: str) -> None:
@@ -198,7 +173,14 @@ class Bridge:
             await asyncio.gather(task, return_exceptions=True)
             pipeline = self.pipelines.pop(key)
             await pipeline.stop()
-            self._retired[key] = ckpt.StreamPosition(*pipeline.sequencer.resume_point())
+            # Where every sink has it queued (not where the sequencer got to: a full sink may
+            # not have taken the record the stream was waiting to hand it).
+            point, top = pipeline.resume_point()
+            pos = None
+            if point is not None:
+                epoch, seq, fp, at = point
+                pos = ckpt.StreamPosition(epoch, seq, *(fp or (None, None)), None if at == seq else at)
+            self._retired[key] = (pos, top, time.monotonic())
             self.readers.pop(key)
 
     async def stop(self) -> None:
@@ -219,7 +201,8 @@ class Bridge:
             if not await w.flush(max(0.1, deadline - time.monotonic())):
                 n, size = w.queued
                 log.warning("sink not flushed before the shutdown deadline", extra={"sink": w.name, "batches": n, "bytes": size})
-        # 3. checkpoint what every sink acknowledged
+        # 3. checkpoint what every sink acknowledged (a periodic save still writing in its thread
+        # cannot replace this one: see Checkpointer.write)
         if self._checkpoint_task is not None:
             self._checkpoint_task.cancel()
             await asyncio.gather(self._checkpoint_task, return_exceptions=True)
@@ -256,6 +239,26 @@ class Bridge:
             if self.failed is None:
                 self.failed = exc
 
+    async def _forget_loop(self) -> None:
+        """Forget sources gone for ``discovery.forget_after``: state and label sets stay bounded
+        under discovery churn."""
+        keep = self.config.discovery.forget_after
+        while True:
+            await asyncio.sleep(min(60.0, max(0.05, keep / 4)))
+            self.forget_retired(time.monotonic() - keep)
+
+    def forget_retired(self, removed_before: float) -> None:
+        """Forget the streams of sources removed before ``removed_before`` (monotonic) and not back."""
+        gone = {k for k, (_pos, _top, at) in self._retired.items() if at < removed_before}
+        for key in gone:
+            del self._retired[key]
+            self.checkpointer.forget(key)
+        active = {p.stream.source for p in self.pipelines.values()}
+        retired = {k.rsplit("/", 1)[0] for k in self._retired}
+        for source in {k.rsplit("/", 1)[0] for k in gone} - active - retired:
+            self.metrics.forget_source(source)
+            log.info("removed source forgotten", extra={"source": source})
+
     async def _idle_probe_loop(self) -> None:
         quiet = self.config.replay.idle_probe
         while True:
@@ -266,32 +269,55 @@ class Bridge:
                     await pipeline.probe()
 
     # -- checkpoint -----------------------------------------------------------------------------
-    def _load_checkpoint(self) -> dict[str, ckpt.StreamPosition]:
+    def _load_checkpoint(self) -> ckpt.CheckpointFile:
         path = self.config.checkpoint.path
         if not path:
-            return {}
+            return ckpt.CheckpointFile()
         try:
             loaded = ckpt.load(path)
         except ckpt.CheckpointError as exc:
             log.error("checkpoint unusable, starting fresh", extra={"error": str(exc)})
-            return {}
-        if loaded:
-            log.info("resuming from checkpoint", extra={"path": path, "streams": len(loaded)})
+            return ckpt.CheckpointFile()
+        if loaded.streams:
+            log.info("resuming from checkpoint", extra={"path": path, "streams": len(loaded.streams)})
         return loaded
 
     def save_checkpoint(self) -> None:
+        """Save now, from the event loop (at shutdown)."""
         path = self.config.checkpoint.path
         if not path:
             return
+        generation, snapshot = self.checkpointer.snapshot()
         try:
-            ckpt.save(path, self.checkpointer.snapshot())
+            self.checkpointer.write(path, generation, snapshot)
         except OSError as exc:
             log.error("cannot save the checkpoint", extra={"path": path, "error": str(exc)})
+
+    async def _save(self) -> None:
+        """Snapshot on the loop (the state changes only here), write in a thread; under _save_lock."""
+        path = self.config.checkpoint.path
+        assert path
+        generation, snapshot = self.checkpointer.snapshot()
+        try:
+            await asyncio.to_thread(self.checkpointer.write, path, generation, snapshot)
+        except OSError as exc:
+            log.error("cannot save the checkpoint", extra={"path": path, "error": str(exc)})
+
+    async def persist_epochs(self) -> None:
+        """Return once the epochs opened so far are saved (at once without a checkpoint file).
+        Concurrent callers share one write."""
+        if not self.config.checkpoint.path:
+            return
+        needed = self.checkpointer.generation
+        async with self._save_lock:
+            if self.checkpointer.written < needed:
+                await self._save()
 
     async def _checkpoint_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.checkpoint.interval)
-            await asyncio.to_thread(self.save_checkpoint)
+            async with self._save_lock:
+                await self._save()
 
     # -- health ---------------------------------------------------------------------------------
     def readiness(self) -> tuple[bool, dict[str, Any]]:

@@ -127,6 +127,10 @@ class SinkWorker:
         self._drop(record)
         return True
 
+    def force(self, record: Record) -> None:
+        """Queue ``record`` even past the bounds (see Fanout.finish)."""
+        self._push(record)
+
     async def wait_room(self) -> None:
         await self._room.wait()
 

@@ -88,7 +88,9 @@ class SourceReader:
 
     async def run(self) -> None:
         sock, monitor = self._socket()
-        monitor_task = asyncio.create_task(self._monitor(monitor, sock), name=f"monitor:{self.endpoint}")
+        # Watched like every background task: a monitor that dies would hide reconnects (and
+        # with them the check that the engine on the other end is still the same instance).
+        monitor_task = self.pipeline.bridge.spawn(self._monitor(monitor, sock), f"monitor:{self.endpoint}")
         self.subscribed = True
         log.info("source subscribed", extra={"stream": self.pipeline.stream.key, "endpoint": self.endpoint, "bind": self.bind})
         drain_max = self.ingest.drain_max
@@ -149,6 +151,8 @@ class SourceReader:
                 self._connected_gauge.dec()
                 self._disconnects.inc()
                 log.warning("source disconnected", extra={"stream": key, "endpoint": self.endpoint})
+                # Whoever is there when it reconnects may be a new engine instance.
+                await self.pipeline.disconnected()
             if redial is not None and event in (zmq.EVENT_CONNECTED, zmq.EVENT_CONNECT_RETRIED):
                 redial.cancel()
                 redial = None
@@ -165,4 +169,7 @@ class SourceReader:
             sock.disconnect(self.endpoint)
         except zmq.ZMQError:
             pass
-        sock.connect(self.endpoint)
+        try:
+            sock.connect(self.endpoint)
+        except zmq.ZMQError as exc:  # a timer callback: nobody else would see this
+            log.error("re-dial failed", extra={"endpoint": self.endpoint, "error": str(exc)})

@@ -23,7 +23,7 @@ from .backoff import Backoff
 from .errors import DecodeError
 from .records import Record, Stream, events_lost, source_reset
 from .replay import ReplayOutcome, replay
-from .sequencer import Action, Deliver, Duplicate, Gap, Lost, RequestReplay, Reset, StreamSequencer
+from .sequencer import Action, Deliver, Duplicate, Fingerprint, Gap, Lost, RequestReplay, Reset, StreamSequencer, fingerprint
 
 if TYPE_CHECKING:
     from .runtime import Bridge
@@ -41,14 +41,17 @@ class StreamPipeline:
         *,
         replay_endpoint: str | None,
         replay_on_start: bool,
-        epoch: int = 0,
+        epoch: int,
         delivered: int | None = None,
-        delivered_ts: float | None = None,
+        delivered_fp: Fingerprint | None = None,
+        anchor: int | None = None,
+        known_top: int | None = None,
     ) -> None:
         self.bridge = bridge
         self.stream = stream
         self.replay_endpoint = replay_endpoint
         cfg = bridge.config.replay
+        key = stream.key
         self.sequencer = StreamSequencer(
             can_replay=replay_endpoint is not None,
             replay_on_start=replay_on_start,
@@ -56,9 +59,13 @@ class StreamPipeline:
             max_attempts=cfg.max_attempts,
             epoch=epoch,
             delivered=delivered,
-            delivered_ts=delivered_ts,
+            delivered_fp=delivered_fp,
+            anchor=anchor,
+            known_top=known_top,
             ts_of=wire.peek_ts,
+            next_epoch=lambda e: bridge.checkpointer.next_epoch(key, e, time.time()),
         )
+        self._resumed_from = (epoch, delivered, delivered_fp, anchor) if delivered is not None else None
         self.backoff = Backoff(cfg.initial_backoff, cfg.max_backoff)
         self.lock = asyncio.Lock()
         self._replay_task: asyncio.Task[None] | None = None
@@ -79,6 +86,12 @@ class StreamPipeline:
         # microsecond, which per batch was a sizeable share of ingest.
         self._counts: dict[str, int] = {}
         self._last: tuple[int, float] | None = None
+        # The last record (and batch) handed to every sink, as a position to resume from: a
+        # stream removed while a full sink made it wait resumes there, not where the sequencer
+        # got to. _unread_top: the highest seq of a burst cut short by that removal.
+        self._handed: Record | None = None
+        self._handed_batch: Record | None = None
+        self._unread_top = -1
 
     # -- inputs ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -94,23 +107,36 @@ class StreamPipeline:
         parse, peek_ts, live = wire.parse_live, wire.peek_ts, self.sequencer.live
         offer, finish = self.bridge.fanout.offer, self.bridge.fanout.finish
         async with self.lock:
-            for frames in burst:
-                try:
-                    f = parse(frames)
-                except DecodeError as exc:
-                    self.bridge.decode_failure(self.stream, exc, None, frames)
-                    continue
-                ts = peek_ts(f.payload)
-                if ts is not None:
-                    observe(received - ts if received > ts else 0.0)
-                actions = live(f.seq, f.payload)
-                if len(actions) == 1 and type(a := actions[0]) is Deliver:  # the common case, without the dispatch
-                    record = self._decode(a.seq, a.payload, received)
-                    waiting = offer(record)
-                    if waiting:
-                        await finish(record, waiting)
-                else:
-                    await self._execute(actions, received)
+            i = 0
+            try:
+                for i, frames in enumerate(burst):  # noqa: B007 (i is read when cut short)
+                    try:
+                        f = parse(frames)
+                    except DecodeError as exc:
+                        self.bridge.decode_failure(self.stream, exc, None, frames)
+                        continue
+                    ts = peek_ts(f.payload)
+                    if ts is not None:
+                        observe(received - ts if received > ts else 0.0)
+                    actions = live(f.seq, f.payload)
+                    if len(actions) == 1 and type(a := actions[0]) is Deliver:  # the common case, without the dispatch
+                        record = self._decode(a.seq, a.payload, received, a.epoch)
+                        self._handed = record  # every sink has it once offered (see Fanout.finish)
+                        if record.kind == "batch":
+                            self._handed_batch = record
+                        waiting = offer(record)
+                        if waiting:
+                            await finish(record, waiting)
+                    else:
+                        await self._execute(actions, received)
+            except asyncio.CancelledError:
+                # Removed while waiting for a full sink: the rest of the burst was read from the
+                # engine but never sequenced; if the engine restarts before the stream resumes,
+                # those seqs are announced lost with the old epoch.
+                for frames in burst[i:]:
+                    with contextlib.suppress(DecodeError):
+                        self._unread_top = max(self._unread_top, parse(frames).seq)
+                raise
             self._flush_metrics()
 
     async def probe(self) -> None:
@@ -119,6 +145,27 @@ class StreamPipeline:
         async with self.lock:
             await self._execute(self.sequencer.probe(), time.time())
             self._flush_metrics()
+
+    async def disconnected(self) -> None:
+        """The live connection dropped (from the source's socket monitor)."""
+        async with self.lock:
+            await self._execute(self.sequencer.disconnected(), time.time())
+        task = self._replay_task
+        if task is not None and not task.done() and not self.sequencer.replaying:
+            task.cancel()  # it asked the instance that went away; the sequencer no longer listens
+
+    def resume_point(self) -> tuple[tuple[int, int, Fingerprint | None, int | None] | None, int]:
+        """Where a stream removed now resumes: (epoch, seq, fingerprint, its seq) of the last record
+        every sink has in its queue (None: none yet), and the highest seq known to be published."""
+        top = max(self.sequencer.known_top, self._unread_top)
+        r = self._handed
+        if r is None:
+            return self._resumed_from, top
+        if r.kind == "SourceReset":
+            return (r.epoch, -1, None, None), top
+        b = self._handed_batch
+        fp, at = (fingerprint(b.ts, b.payload), b.seq) if b is not None and b.epoch == r.epoch else (None, None)
+        return (r.epoch, r.seq, fp, at), top
 
     async def stop(self) -> None:
         task = self._replay_task
@@ -129,12 +176,12 @@ class StreamPipeline:
 
     # -- actions ----------------------------------------------------------------------------------
     async def _execute(self, actions: list[Action], received: float) -> None:
-        fanout = self.bridge.fanout
+        publish = self._publish
         for a in actions:
             if isinstance(a, Deliver):
                 if a.replayed:
                     self._m_replayed.inc()
-                await fanout.publish(self._decode(a.seq, a.payload, received))
+                await publish(self._decode(a.seq, a.payload, received, a.epoch))
             elif isinstance(a, Duplicate):
                 self._m_dups.inc()
             elif isinstance(a, Gap):
@@ -144,18 +191,24 @@ class StreamPipeline:
                 self._start_replay(a)
             elif isinstance(a, Lost):
                 self._m_lost.inc(a.to_seq - a.from_seq + 1)
-                log.warning(
-                    "batches lost",
-                    extra={"stream": self.stream.key, "from_seq": a.from_seq, "to_seq": a.to_seq, "reason": a.reason},
-                )
-                await fanout.publish(events_lost(self.stream, self.sequencer.epoch, a.from_seq, a.to_seq, a.reason, received))
+                span = {"from_seq": a.from_seq, "to_seq": a.to_seq, "reason": a.reason}
+                log.warning("batches lost", extra={"stream": self.stream.key, "epoch": a.epoch, **span})
+                await publish(events_lost(self.stream, a.epoch, a.from_seq, a.to_seq, a.reason, received))
             elif isinstance(a, Reset):
                 self._m_restarts.inc()
                 log.warning("engine restarted: new epoch", extra={"stream": self.stream.key, "epoch": a.epoch})
-                await fanout.publish(source_reset(self.stream, a.epoch, a.reason, received))
+                # The new epoch is on disk before any sink holds a record of it (a bridge that
+                # crashes now must not open the same number again).
+                await self.bridge.persist_epochs()
+                await publish(source_reset(self.stream, a.epoch, a.reason, received))
 
-    def _decode(self, seq: int, payload: bytes, received: float) -> Record:
-        epoch = self.sequencer.epoch
+    async def _publish(self, record: Record) -> None:
+        self._handed = record  # every sink has it once offered (see Fanout.finish)
+        if record.kind == "batch":
+            self._handed_batch = record
+        await self.bridge.fanout.publish(record)
+
+    def _decode(self, seq: int, payload: bytes, received: float, epoch: int) -> Record:
         if not self.bridge.needs_events:
             counted = wire.count_batch(payload)
             if counted is not None:  # else: decode it, which reports what is wrong with it

@@ -80,4 +80,3 @@ async def tail(
         sub.close(linger=0)
         ctx.destroy(linger=0)
     return printed
-

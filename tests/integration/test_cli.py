@@ -8,12 +8,14 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bridge.simulator import Simulator, SimulatorOptions
+from tests.support.epochs import assert_first_epoch
 from tests.support.harness import free_ports, read_lines, wait_for
 
 pytestmark = pytest.mark.integration
@@ -65,6 +67,7 @@ async def test_sigterm_flushes_checkpoints_and_exits_0(tmp_path: Path) -> None:
     ports = free_ports(2)
     out = tmp_path / "out.jsonl"
     opts = SimulatorOptions(endpoint=f"tcp://127.0.0.1:{ports[0]}", replay_endpoint=f"tcp://127.0.0.1:{ports[1]}", rate=200)
+    since = time.time()
     async with Simulator(opts) as sim:
         proc = _start(_config(tmp_path, ports, out), out)
         try:
@@ -78,8 +81,11 @@ async def test_sigterm_flushes_checkpoints_and_exits_0(tmp_path: Path) -> None:
                 proc.kill()
     seqs = _batch_seqs(read_lines(out))
     assert seqs == list(range(len(seqs)))
+    epoch = assert_first_epoch(read_lines(out)[0]["epoch"], since)  # the clock's: no checkpoint before
+    assert all(ln["epoch"] == epoch for ln in read_lines(out))
     ck = json.loads((tmp_path / "checkpoint.json").read_text())
-    assert ck["streams"]["engine/0"]["seq"] == seqs[-1] and ck["streams"]["engine/0"]["epoch"] == 0
+    assert ck["streams"]["engine/0"]["seq"] == seqs[-1] and ck["streams"]["engine/0"]["epoch"] == epoch
+    assert ck["epochs"] == {"engine/0": epoch}
 
 
 async def test_sigkill_then_resume_loses_nothing_the_engine_buffered(tmp_path: Path) -> None:

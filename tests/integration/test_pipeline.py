@@ -8,6 +8,8 @@ replay socket that loses replies, several ranks and engines).
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from bridge.simulator import Faults, Simulator, SimulatorOptions
+from tests.support.epochs import assert_first_epoch
 from tests.support.harness import batches, free_ports, metric, read_lines, running_bridge, wait_for
 from tests.support.vectors import expected_events, load_all
 
@@ -48,6 +51,7 @@ async def test_vectors_through_the_running_bridge(tmp_path: Path, name: str) -> 
         pubs.append(s)
     source = {"name": name, "endpoint": f"tcp://127.0.0.1:{ports[0]}", "dp_ranks": ranks, "topic": "kv"}
     try:
+        since = time.time()
         async with running_bridge(tmp_path, [source], granularity="event") as (bridge, out):
             await wait_for(lambda: all(r.connections > 0 for r in bridge.readers.values()), what="subscription")
             await asyncio.sleep(0.2)  # let the subscription reach the PUB (slow joiner)
@@ -56,6 +60,11 @@ async def test_vectors_through_the_running_bridge(tmp_path: Path, name: str) -> 
             want = sum(len(expected_events(v.decoded)) for v in rows)
             await wait_for(lambda: len(read_lines(out)) >= want, what=f"{want} events")
         lines = read_lines(out)
+        # Each stream (rank) in the epoch the bridge opened when it met it: the clock's.
+        epochs = {
+            r: assert_first_epoch(next(ln["epoch"] for ln in lines if ln["dp_rank"] == r), since)
+            for r in {v.dp_rank for v in rows}
+        }
         for v in rows:
             seq = int.from_bytes(v.frames[1], "big")
             got = [ln for ln in lines if ln["dp_rank"] == v.dp_rank and ln["seq"] == seq]
@@ -68,7 +77,7 @@ async def test_vectors_through_the_running_bridge(tmp_path: Path, name: str) -> 
                 assert header == {
                     "source": name,
                     "dp_rank": v.dp_rank,
-                    "epoch": 0,
+                    "epoch": epochs[v.dp_rank],
                     "seq": seq,
                     "index": header["index"],
                     "ts": ts,
@@ -195,6 +204,7 @@ async def test_dropped_live_messages_are_recovered(tmp_path: Path) -> None:
 
 async def test_engine_restart_starts_a_new_epoch(tmp_path: Path) -> None:
     ports = free_ports(2)
+    since = time.time()
     async with Simulator(_sim(ports)) as sim:
         async with running_bridge(tmp_path, [_source("rs", ports)], checkpoint={"path": str(tmp_path / "ck.json")}) as (
             bridge,
@@ -204,18 +214,21 @@ async def test_engine_restart_starts_a_new_epoch(tmp_path: Path) -> None:
             await asyncio.sleep(0.3)
             for _ in range(50):
                 await sim.step()
-            await wait_for(lambda: len(read_lines(out)) >= 50, what="epoch 0")
+            await wait_for(lambda: len(read_lines(out)) >= 50, what="the first epoch")
             sim.ranks[0].restart()
             for _ in range(30):
                 await sim.step()
-            await wait_for(lambda: len(read_lines(out)) >= 81, what="epoch 1")
+            await wait_for(lambda: len(read_lines(out)) >= 81, what="the second epoch")
         lines = read_lines(out)
+    # The first epoch is the clock's; the restart, seconds later, opens the next one.
+    first = assert_first_epoch(lines[0]["epoch"], since)
     reset = next(i for i, ln in enumerate(lines) if ln.get("type") == "SourceReset")
-    assert [ln["seq"] for ln in lines[:reset]] == list(range(50)) and all(ln["epoch"] == 0 for ln in lines[:reset])
-    assert lines[reset]["epoch"] == 1 and lines[reset]["reason"] == "publisher_restart"
+    assert [ln["seq"] for ln in lines[:reset]] == list(range(50)) and all(ln["epoch"] == first for ln in lines[:reset])
+    assert lines[reset]["epoch"] == first + 1 and lines[reset]["reason"] == "publisher_restart"
     after = lines[reset + 1 :]
-    assert [ln["seq"] for ln in after] == list(range(30)) and all(ln["epoch"] == 1 for ln in after)
-    assert '"epoch":1' in (tmp_path / "ck.json").read_text()
+    assert [ln["seq"] for ln in after] == list(range(30)) and all(ln["epoch"] == first + 1 for ln in after)
+    ck = json.loads((tmp_path / "ck.json").read_text())
+    assert ck["streams"]["rs/0"]["epoch"] == ck["epochs"]["rs/0"] == first + 1
 
 
 async def test_gap_beyond_the_buffer_is_one_events_lost(tmp_path: Path) -> None:
@@ -260,6 +273,7 @@ async def test_replay_that_drops_replies_still_recovers(tmp_path: Path) -> None:
 async def test_two_engines_two_ranks_are_independent(tmp_path: Path) -> None:
     a, b = free_ports(4), free_ports(4)
     pa, pb = [a[0], a[2]], [b[0], b[2]]  # pub ranks at p, p+1; replay ranks at p+2, p+3
+    since = time.time()
     async with (
         Simulator(_sim(pa, dp_ranks=2, seed=1)) as sa,
         Simulator(_sim(pb, dp_ranks=2, seed=2, profile="sglang-0.5.8")) as sb,
@@ -279,12 +293,14 @@ async def test_two_engines_two_ranks_are_independent(tmp_path: Path) -> None:
     for src in ("a", "b"):
         for rank in (0, 1):
             got = batches(lines, src, rank)
-            if (src, rank) == ("a", 1):
-                assert [ln["seq"] for ln in got if ln["epoch"] == 0] == list(range(100))
-                assert next(ln.get("type") for ln in got if ln["epoch"] == 1) == "SourceReset"
-                assert [ln["seq"] for ln in got if ln["epoch"] == 1 and "events" in ln] == list(range(20))
+            first = assert_first_epoch(got[0]["epoch"], since)  # each stream's own, the clock's
+            if (src, rank) == ("a", 1):  # restarted once, seconds after its first epoch opened: the next one
+                assert {ln["epoch"] for ln in got} == {first, first + 1}
+                assert [ln["seq"] for ln in got if ln["epoch"] == first] == list(range(100))
+                assert next(ln.get("type") for ln in got if ln["epoch"] == first + 1) == "SourceReset"
+                assert [ln["seq"] for ln in got if ln["epoch"] == first + 1 and "events" in ln] == list(range(20))
             else:
-                assert _seqs(got) == list(range(100)) and all(ln["epoch"] == 0 for ln in got)
+                assert _seqs(got) == list(range(100)) and all(ln["epoch"] == first for ln in got)
 
 
 async def test_corrupt_checkpoint_is_reported_and_the_bridge_starts_fresh(
@@ -293,6 +309,7 @@ async def test_corrupt_checkpoint_is_reported_and_the_bridge_starts_fresh(
     ports = free_ports(2)
     ck = tmp_path / "ck.json"
     ck.write_bytes(b"{not json")
+    since = time.time()
     async with Simulator(_sim(ports)) as sim:
         for _ in range(20):
             await sim.step()
@@ -300,4 +317,9 @@ async def test_corrupt_checkpoint_is_reported_and_the_bridge_starts_fresh(
             await wait_for(lambda: len(read_lines(out)) >= 20, what="history")
     assert _seqs(read_lines(out)) == list(range(20))
     assert any("checkpoint unusable" in r.getMessage() for r in caplog.records)
-    assert '"ck/0":{"epoch":0,"seq":19' in ck.read_text()  # rewritten on shutdown
+    # Fresh: the stream opened the clock's epoch, and the file was rewritten on shutdown.
+    first = assert_first_epoch(read_lines(out)[0]["epoch"], since)
+    assert all(ln["epoch"] == first for ln in read_lines(out))
+    saved = json.loads(ck.read_text())
+    assert (saved["streams"]["ck/0"]["epoch"], saved["streams"]["ck/0"]["seq"]) == (first, 19)
+    assert saved["epochs"] == {"ck/0": first}

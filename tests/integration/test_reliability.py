@@ -39,6 +39,7 @@ from bridge import wire
 from bridge.endpoints import for_rank
 from bridge.simulator import PROFILES, EventFactory, Simulator, SimulatorOptions, encode_batch
 from tests.infra.servers import KafkaServer, ManagedServer, NatsServer, RedisServer
+from tests.support.epochs import assert_first_epoch
 from tests.support.harness import free_port, free_ports, read_lines, running_bridge, wait_for
 from tests.support.harness import metric as bridge_metric
 from tests.support.process import BridgeProcess, BridgeRun, bridge_config, metric
@@ -191,6 +192,7 @@ async def test_sink_outage_of_30s_loses_nothing_and_memory_stays_bounded(
     ep = Endpoints()
     engine = _engine(ep)
     bridge = BridgeProcess(tmp_path, _bridge_config(tmp_path, ep, [_common_sink(kind, kind, **broker.options)]))
+    since = time.time()
     async with Simulator(engine) as sim:
         await _small_pub_hwm(sim)
         async with BridgeRun(bridge, engine=sim) as run:
@@ -210,7 +212,7 @@ async def test_sink_outage_of_30s_loses_nothing_and_memory_stays_bounded(
             caught_up = time.monotonic() - up_at
             samples = await bridge.metrics()
             assert await bridge.terminate() == 0
-    counts = (await broker.read_back()).check(published, EVENTS)
+    counts = (await broker.read_back()).check(published, EVENTS, since=since)
     peak_queue = max(sampler.queue_bytes_peak.values(), default=0.0)
     growth = sampler.peak - baseline
     # Once the queue is full the bridge stops reading: memory must stay flat for the rest of the
@@ -329,6 +331,7 @@ async def _file_and_redis(tmp_path: Path, redis: RedisServer, backpressure: str)
 async def test_a_drop_sink_down_does_not_hold_back_a_file_sink(
     fresh_redis: RedisServer, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    since = time.time()
     async with _file_and_redis(tmp_path, fresh_redis, "drop") as (run, out, prefix):
         bridge = run.first
         await fresh_redis.astop()
@@ -346,9 +349,9 @@ async def test_a_drop_sink_down_does_not_hold_back_a_file_sink(
         lost = await bridge.wait_metric("kv_bridge_batches_lost_total", dropped)
         await bridge.wait_metric("kv_bridge_sink_batches_total", total - dropped, sink="redis", outcome="delivered")
         assert await bridge.terminate() == 0
-    to_file = read_file(out).check(published)
+    to_file = read_file(out).check(published, since=since)
     back = await read_redis(fresh_redis.url, [f"{prefix}:engine:{r}" for r in range(RANKS)])
-    to_redis = back.check(published)
+    to_redis = back.check(published, since=since)
     report(
         tmp_path_factory,
         "redis (drop) down 7s + file",
@@ -376,6 +379,7 @@ async def test_two_block_sinks_one_down_holds_back_both(
     fresh_redis: RedisServer, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """README: "With several block sinks, one slow sink holds back all of them (block-all)"."""
+    since = time.time()
     async with _file_and_redis(tmp_path, fresh_redis, "block") as (run, out, prefix):
         bridge = run.first
         await fresh_redis.astop()
@@ -390,8 +394,8 @@ async def test_two_block_sinks_one_down_holds_back_both(
         for sink in ("file", "redis"):
             await bridge.wait_metric("kv_bridge_sink_batches_total", total, sink=sink, outcome="delivered")
         assert await bridge.terminate() == 0
-    to_file = read_file(out).check(published)
-    to_redis = (await read_redis(fresh_redis.url, [f"{prefix}:engine:{r}" for r in range(RANKS)])).check(published)
+    to_file = read_file(out).check(published, since=since)
+    to_redis = (await read_redis(fresh_redis.url, [f"{prefix}:engine:{r}" for r in range(RANKS)])).check(published, since=since)
     report(
         tmp_path_factory,
         "redis (block) down 6s + file (block)",
@@ -426,6 +430,7 @@ async def test_sigkill_under_load_then_restart_loses_nothing(
     first = BridgeProcess(tmp_path, cfg, name="run1")
     # Same config, but its own metrics port: the first run's may be taken again the moment it dies.
     second = BridgeProcess(tmp_path, {**cfg, "metrics": {"listen": f"127.0.0.1:{free_port()}"}}, name="run2")
+    since = time.time()
     async with Simulator(_engine(ep)) as sim, BridgeRun(first, engine=sim) as run:
         await first.wait_metric("kv_bridge_sink_batches_total", 4 * RATE * RANKS, sink=kind, outcome="delivered")
         before_kill = metric_sum(await first.metrics(), "kv_bridge_sink_batches_total")
@@ -442,7 +447,8 @@ async def test_sigkill_under_load_then_restart_loses_nothing(
         await asyncio.sleep(0.5)
         samples = await second.metrics()
         assert await second.terminate() == 0
-    counts = (await broker.read_back()).check(published, EVENTS)
+    # One epoch per stream across both runs: the second resumed the first's from the checkpoint.
+    counts = (await broker.read_back()).check(published, EVENTS, since=since)
     total = sum(published.values())
     report(
         tmp_path_factory,
@@ -472,6 +478,7 @@ async def test_engine_restart_storm_ten_epochs_each_announced_and_whole(
     cfg = _bridge_config(tmp_path, ep, [_file_sink(out)], checkpoint={"path": str(tmp_path / "ck.json"), "interval": "200ms"})
     bridge = BridgeProcess(tmp_path, cfg)
     per_epoch: list[int] = []  # batches rank 0 published in each epoch
+    since = time.time()
     async with Simulator(_engine(ep, rate=100.0)) as sim, BridgeRun(bridge, engine=sim) as run:
         started = time.monotonic()
         for _ in range(10):  # ten restarts of rank 0 in 15 s; the other ranks go on
@@ -489,21 +496,28 @@ async def test_engine_restart_storm_ten_epochs_each_announced_and_whole(
     lines = read_lines(out)
     rank0 = [ln for ln in lines if ln["dp_rank"] == 0]
     resets = [i for i, ln in enumerate(rank0) if ln.get("type") == "SourceReset"]
-    assert [rank0[i]["epoch"] for i in resets] == list(range(1, 11))  # one SourceReset per epoch, in order
+    # The first epoch is the clock's; the ten restarts come within a minute of it (15 s of storm),
+    # so each opens the previous epoch + 1.
+    first = assert_first_epoch(rank0[0]["epoch"], since)
+    assert [rank0[i]["epoch"] for i in resets] == [first + k for k in range(1, 11)]  # one SourceReset per epoch, in order
     assert all(rank0[i]["reason"] == "publisher_restart" for i in resets)
     bounds = [0, *resets, len(rank0)]
-    for epoch in range(11):
-        segment = rank0[bounds[epoch] : bounds[epoch + 1]]
-        if epoch > 0:
+    for k in range(11):
+        epoch = first + k
+        segment = rank0[bounds[k] : bounds[k + 1]]
+        if k > 0:
             head, segment = segment[0], segment[1:]
             assert head["type"] == "SourceReset" and head["epoch"] == epoch
         # Everything between this reset and the next is this epoch, seq 0.. in order, complete.
         assert {ln["epoch"] for ln in segment} == {epoch}, epoch
-        assert [ln["seq"] for ln in segment] == list(range(per_epoch[epoch])), (epoch, per_epoch[epoch])
+        assert [ln["seq"] for ln in segment] == list(range(per_epoch[k])), (epoch, per_epoch[k])
         assert all("events" in ln for ln in segment)
     for r in range(1, RANKS):
-        assert [ln["seq"] for ln in lines if ln["dp_rank"] == r] == list(range(published[r]))
-    assert json.loads((tmp_path / "ck.json").read_text())["streams"]["engine/0"]["epoch"] == 10
+        others = [ln for ln in lines if ln["dp_rank"] == r]
+        assert [ln["seq"] for ln in others] == list(range(published[r]))
+        assert {ln["epoch"] for ln in others} == {assert_first_epoch(others[0]["epoch"], since)}  # never restarted
+    ck = json.loads((tmp_path / "ck.json").read_text())
+    assert ck["streams"]["engine/0"]["epoch"] == ck["epochs"]["engine/0"] == first + 10
     report(
         tmp_path_factory,
         f"engine restart storm (10 restarts in {storm:.0f}s)",

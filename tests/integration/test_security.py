@@ -232,9 +232,10 @@ async def test_kafka_sasl_ssl_scram_sha_512(scram_kafka: SecureServer, tmp_path:
     assert isinstance(kafka, KafkaServer)
     topic = await kafka.anew_topic(partitions=2)
     env = {"KAFKA_PASSWORD": scram_kafka.password}
+    since = time.time()
     ports, published, ready = await deliver(tmp_path, kafka_sink(scram_kafka, topic), env)
     assert ready == 200
-    counts = (await read_kafka(kafka.bootstrap_servers, topic, 2)).check(published, EVENTS)
+    counts = (await read_kafka(kafka.bootstrap_servers, topic, 2)).check(published, EVENTS, since=since)
     assert counts["lost"] == 0 and counts["duplicated"] == 0
     # Wrong password, or a server certificate the sink does not trust: not ready, with a reason.
     for sink, why in (
@@ -248,9 +249,10 @@ async def test_kafka_sasl_ssl_scram_sha_512(scram_kafka: SecureServer, tmp_path:
 async def test_redis_tls_and_acl_user(secure_redis: SecureServer, tmp_path: Path) -> None:
     prefix = f"t{uuid.uuid4().hex[:8]}"
     env = {"REDIS_PASSWORD": secure_redis.password}
+    since = time.time()
     _, published, _ = await deliver(tmp_path, redis_sink(secure_redis, prefix), env)
     back = await read_secure_redis(secure_redis, [f"{prefix}:sec:{r}" for r in range(2)])
-    assert back.check(published, EVENTS) == {
+    assert back.check(published, EVENTS, since=since) == {
         "delivered": 2 * BATCHES * EVENTS,
         "duplicated": 0,
         "lost": 0,
@@ -268,8 +270,9 @@ async def test_redis_tls_and_acl_user(secure_redis: SecureServer, tmp_path: Path
 async def test_nats_jetstream_tls_and_user_password(secure_nats: SecureServer, tmp_path: Path) -> None:
     dest = f"KVS{uuid.uuid4().hex[:8].upper()}"
     env = {"NATS_PASSWORD": secure_nats.password}
+    since = time.time()
     ports, published, _ = await deliver(tmp_path, nats_sink(secure_nats, dest), env)
-    counts = (await read_secure_jetstream(secure_nats, dest)).check(published, EVENTS)
+    counts = (await read_secure_jetstream(secure_nats, dest)).check(published, EVENTS, since=since)
     assert counts["lost"] == 0 and counts["duplicated"] == 0
     wrong = nats_sink(secure_nats, dest, password="wrong-" + secure_nats.password, connect_timeout="1s")
     for sink in (wrong, nats_sink(secure_nats, dest, tls=None, connect_timeout="1s")):

@@ -2,7 +2,8 @@
 
 :class:`Readback` collects every stored message as (dp_rank, epoch, seq, index, type), in stored
 order, and :meth:`Readback.check` verifies the delivery promises: every event present or inside
-an announced ``EventsLost`` span, first copies in order per stream, and counts duplicates. The
+an announced ``EventsLost`` span, first copies in order per stream, each stream in the one epoch
+the bridge opened for it (the clock's), and counts duplicates. The
 readers use each broker's own client: aiokafka, redis-py, nats-py (JetStream pull consumer), and
 the file sink's JSON lines.
 """
@@ -19,6 +20,8 @@ import nats
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from tests.support.epochs import assert_first_epoch
 
 CONTROL = ("SourceReset", "EventsLost")
 
@@ -46,15 +49,22 @@ class Readback:
             lost = json.loads(body)
             self.lost.append((row[0], lost["from_seq"], lost["to_seq"], lost["reason"]))
 
-    def check(self, published: dict[int, int], events_per_batch: int = 0) -> dict[str, int]:
+    def check(self, published: dict[int, int], events_per_batch: int = 0, *, since: float) -> dict[str, int]:
         """Every event (every batch with ``events_per_batch`` 0) of every published batch present
-        or announced lost, first copies in order per stream.
+        or announced lost, first copies in order per stream, all in one epoch per stream: the one
+        the bridge opened when it met the stream (no engine restarted), the clock's between
+        wall-clock ``since`` (taken before the bridge first started) and now.
 
         Returns counts: delivered (distinct events or batches), duplicated (extra copies), lost
         (missing and not announced), announced (batches in EventsLost spans), control (control
         records seen)."""
         control = [r for r in self.rows if r[4] in CONTROL]
         data = [r for r in self.rows if r[4] not in CONTROL]
+        epochs: dict[int, int] = {}  # per stream, the epoch of its first stored batch
+        for rank, epoch, *_ in data:
+            epochs.setdefault(rank, epoch)
+        for epoch in epochs.values():
+            assert_first_epoch(epoch, since)
         seen: set[Identity] = set()
         last: dict[int, tuple[int, int, int]] = {}
         duplicates = 0
@@ -69,7 +79,14 @@ class Readback:
         indexes = range(events_per_batch) if events_per_batch else [-1]
         announced = {(r, s) for r, a, b, _ in self.lost for s in range(a, b + 1)}
         assert not {(r, s) for r, _e, s, _i in seen} & announced, "a batch both delivered and announced lost"
-        want = {(r, 0, s, i) for r, n in published.items() for s in range(n) for i in indexes if (r, s) not in announced}
+        # A stream with no batch stored has no epoch: all of it missing.
+        want = {
+            (r, epochs.get(r, -1), s, i)
+            for r, n in published.items()
+            for s in range(n)
+            for i in indexes
+            if (r, s) not in announced
+        }
         missing = want - seen
         extra = seen - want
         assert not extra, sorted(extra)[:10]

@@ -146,7 +146,7 @@ async def test_raw_only_records_carry_counts_and_metrics(tmp_path: Path) -> None
         factory = EventFactory(profile, seed=5)
         batches = [factory.batch(4) for _ in range(10)]
         payloads = [encode_batch(profile, 100.0 + i, b, 0) for i, b in enumerate(batches)]
-        pipeline = StreamPipeline(bridge, Stream("e", 0), replay_endpoint=None, replay_on_start=False)
+        pipeline = StreamPipeline(bridge, Stream("e", 0), replay_endpoint=None, replay_on_start=False, epoch=0)
         await pipeline.on_live([[b"", i.to_bytes(8, "big"), p] for i, p in enumerate(payloads)], 200.0)
         assert await bridge.workers[0].flush(5)
         reg = bridge.metrics.registry

@@ -1,0 +1,99 @@
+"""Fan-out (bridge.fanout.Fanout): every record to every sink, in order, waiting only on blocking sinks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+from bridge.fanout import Fanout
+from bridge.formats import Message
+from bridge.records import Record, Stream
+from tests.support.memory import MemoryConnector, MemoryOptions
+from tests.support.records import batch, stream_records
+from tests.unit.test_sink import make
+
+STREAM = Stream("f", 0)
+
+
+async def publish_all(fanout: Fanout, records: list[Record]) -> None:
+    for r in records:
+        await fanout.publish(r)
+
+
+class OneAtATime(MemoryConnector):
+    """Each write takes a token: the test lets writes through one by one."""
+
+    tokens: asyncio.Semaphore
+
+    async def write(self, messages: Sequence[Message]) -> None:
+        await self.tokens.acquire()
+        await super().write(messages)
+
+
+async def test_a_full_block_sink_holds_the_stream_and_gets_every_record(tmp_path: Path) -> None:
+    """Room that opens but is too small for the waiting record must not let it be skipped."""
+    records = [batch(STREAM, seq, n_events=40 if seq % 3 == 2 else 2) for seq in range(12)]
+    small = records[0].size
+    assert records[2].size > 2 * small
+    free, free_conn, _, _ = make(tmp_path, batch={"linger": 0})
+    # Room for the big record and half a small one: when a small record settles, the queue is below
+    # its bounds (room is signalled) while the big record waiting still does not fit.
+    full, _, _, _ = make(tmp_path, batch={"linger": 0, "max_messages": 1}, queue={"max_bytes": records[2].size + small // 2})
+    slow = OneAtATime("mem", MemoryOptions(), full.config)
+    slow.tokens = asyncio.Semaphore(0)
+    full.connector = slow
+    fanout = Fanout([free, full])
+    free.start()
+    full.start()
+    task = asyncio.create_task(publish_all(fanout, records))
+    await asyncio.sleep(0.05)
+    assert not task.done(), "the stream must wait for the full block sink"
+    for _ in range(12):
+        slow.tokens.release()
+        await asyncio.sleep(0.01)
+    await asyncio.wait_for(task, 5)
+    assert await free.flush(5) and await full.flush(5)
+    for w in (free, full):
+        await w.stop()
+        w.dead_letters.close()
+    assert [m.record.seq for m in slow.messages] == list(range(12))
+    assert [m.record.seq for m in free_conn.messages] == list(range(12))
+
+
+async def test_a_record_waiting_when_its_stream_is_removed_still_reaches_every_sink(tmp_path: Path) -> None:
+    """Cancelled while waiting for room (its source removed), the record is queued anyway: the
+    other sinks have it and nothing would bring it to the full one later."""
+    free, free_conn, _, _ = make(tmp_path, batch={"linger": 0})
+    full, full_conn, _, _ = make(tmp_path, batch={"linger": 0}, queue={"max_batches": 1})
+    full_conn.gate = asyncio.Event()
+    fanout = Fanout([free, full])
+    free.start()
+    full.start()
+    records = stream_records(STREAM, 3)
+    task = asyncio.create_task(publish_all(fanout, records))
+    await asyncio.sleep(0.05)
+    assert not task.done()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    full_conn.gate.set()
+    assert await free.flush(5) and await full.flush(5)
+    for w in (free, full):
+        await w.stop()
+        w.dead_letters.close()
+    assert [m.record.seq for m in free_conn.messages] == [m.record.seq for m in full_conn.messages]
+    assert len(full_conn.messages) >= 2
+
+
+async def test_a_drop_sink_never_makes_the_stream_wait(tmp_path: Path) -> None:
+    blocked, conn, _, _ = make(tmp_path, backpressure="drop", queue={"max_batches": 1}, batch={"linger": 0})
+    conn.gate = asyncio.Event()
+    fanout = Fanout([blocked])
+    blocked.start()
+    records = stream_records(STREAM, 10)
+    await asyncio.wait_for(publish_all(fanout, records), 1)  # returns at once: nothing waits
+    assert fanout.offer(stream_records(STREAM, 1, start=10)[0]) == []
+    conn.gate.set()
+    await blocked.flush(5)
+    await blocked.stop()
+    blocked.dead_letters.close()
