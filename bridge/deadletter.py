@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -29,8 +30,9 @@ _json = msgspec.json.Encoder()
 class DeadLetters:
     """Appends dead letters to ``path`` (``-`` is stderr)."""
 
-    def __init__(self, path: str, max_payload_bytes: int = 1 << 20) -> None:
+    def __init__(self, path: str, max_payload_bytes: int = 1 << 20, on_failure: Callable[[], None] | None = None) -> None:
         self.path = path
+        self.on_failure = on_failure  # e.g. a metric's inc
         self.max_payload_bytes = max_payload_bytes
         self.write_failures = 0
         """Dead letters lost because the destination could not be written."""
@@ -89,6 +91,8 @@ class DeadLetters:
         except Exception as exc:  # anything (ENOSPC, EACCES, a directory in the way): never into the caller
             self.write_failures += 1
             self._failing += 1
+            if self.on_failure is not None:
+                self.on_failure()
             self._drop()
             log.error(
                 "dead letter not written",

@@ -139,6 +139,9 @@ class Metrics:
         self.sink_errors = Counter(p + "sink_errors", "Write failures by reason.", ["sink", "reason"], registry=r)
         self.sink_up = Gauge(p + "sink_up", "1 when the sink's last write or health check succeeded.", ["sink"], registry=r)
         self.dead_letters = Counter(p + "dead_letters", "Items written to the dead-letter destination.", ["reason"], registry=r)
+        self.dead_letter_write_failures = Counter(
+            p + "dead_letter_write_failures", "Dead letters not written (destination full or unwritable).", registry=r
+        )
         self.ready = Gauge(p + "ready", "1 when every sink is connected and every source subscribed.", registry=r)
         self.build_info = Gauge(p + "build_info", "Build information.", ["version"], registry=r)
         self.build_info.labels(__version__).set(1)

@@ -45,7 +45,7 @@ class Bridge:
         self.config = config
         self.registry = registry or Registry()
         self.metrics = metrics or Metrics()
-        self.dead_letters = DeadLetters(config.dead_letter.path)
+        self.dead_letters = DeadLetters(config.dead_letter.path, on_failure=self.metrics.dead_letter_write_failures.inc)
         self.zmq_context = zmq.asyncio.Context()
         # libzmq allows 1,023 sockets per context unless told otherwise, and every stream holds
         # three (SUB, and the two ends of its monitor): the process's descriptor limit is the bound.

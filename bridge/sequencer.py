@@ -134,8 +134,10 @@ class StreamSequencer:
         # Highest seq delivered (or announced lost) in this epoch; -1: none yet.
         self.delivered: int = -1 if delivered is None else delivered
         # The last batch delivered in this epoch (-1: none), what a replay verifies the instance against.
-        self._fp = delivered_fp if delivered is not None else None
-        self._anchor_seq = (self.delivered if anchor is None else anchor) if self._fp is not None else -1
+        self._anchor_seq = self.delivered if anchor is None else anchor
+        self._fp = delivered_fp if delivered is not None and self._anchor_seq >= 0 else None
+        if self._fp is None:
+            self._anchor_seq = -1
         self._last_payload: bytes | None = None  # the batch at _anchor_seq, fingerprinted when needed
         # First contact without history: a missing head is announced as ``joined_late``.
         self._fresh = delivered is None
@@ -256,6 +258,7 @@ class StreamSequencer:
             if verdict is _NEW:
                 self._restart(out, "publisher_restart", evidence=(seq, self._ts_of(payload)))
                 self._top = max(self._top, seq)
+                self.held.pop(seq, None)  # the new instance's own copy of this seq wins
                 if seq == 0:
                     self._deliver(out, seq, payload, replayed=True)
                     self._drain(out)
@@ -301,7 +304,7 @@ class StreamSequencer:
         if request_id != self._replay:
             return out
         self._replay = None
-        if complete and self._replies == 0 and self._replay_start > 0 and (self._buffers or self.unverified):
+        if complete and self._replies == 0 and (self.unverified or (self._replay_start > 0 and self._buffers)):
             # The engine holds nothing from our position on, yet the instance that published it
             # still holds its latest seq (a fresh DEALER's first reply is never dropped by the
             # ROUTER's high-water mark), and the one that published the unverified batches would
@@ -520,15 +523,19 @@ class StreamSequencer:
             for where, default_new in ((self.held, False), (self.unverified, True)):
                 for seq in list(where):
                     ts = self._ts_of(where[seq])
+                    if seq == r:
+                        continue  # the new instance's copy of this seq differs: this one is older
                     if default_new if ts is None or ts_r is None else ts > ts_r or (ts == ts_r and seq > r):
                         carried[seq] = where.pop(seq)
         # What is left unverified is the old instance's or an instance in between that came and
         # went before a replay could tell: neither can be proven, so it is announced lost with the
         # old epoch's tail rather than delivered under it (I1 before I4).
-        known = [self._top, max(self.held, default=-1), max(self.unverified, default=-1)]
-        if self.last_live is not None and (evidence is None or not carried):
-            # Seen live (perhaps not kept, past the bound) before the new instance showed.
-            known.append(self.last_live)
+        known = [self.delivered, max(self.held, default=-1), max(self.unverified, default=-1)]
+        if not carried:
+            # Seen live or replayed (perhaps not kept, past the bound) before the new instance
+            # showed. With carried batches, those numbers may already count the new instance's
+            # live seqs (nothing reported a disconnect): only what was kept is the old one's.
+            known += [self._top, self.last_live if self.last_live is not None else -1]
         top = max(known, default=-1)
         self.unverified.clear()
         self._doubt = False

@@ -50,7 +50,12 @@ async def tail(
             events=batch.events,
             received=time.time(),
         )
-        for m in renderer.render(record):
+        try:
+            messages = renderer.render(record)
+        except Exception as exc:  # a hostile batch (e.g. nested past the recursion limit) must not end tail
+            print(f"# seq {seq}: cannot render ({type(exc).__name__}: {exc})", file=sys.stderr)
+            return
+        for m in messages:
             out.write(m.value + b"\n")
         out.flush()
         printed += 1

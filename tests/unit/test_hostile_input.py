@@ -7,10 +7,12 @@ Three layers, each fed adversarial input with Hypothesis:
   every output format (or raises an Exception, which the sink worker dead-letters: a value nested
   too deep for the renderer raises RecursionError) and can be dead-lettered;
 - the sequencer (``StreamSequencer``): random interleavings of live messages, replay replies (to
-  the request in flight or to stale ones), replay ends and idle probes, with arbitrary seqs
-  (huge, repeated, going backwards). Invariants: no exception, held batches never exceed
-  ``max_held``, and within an epoch what is delivered or announced lost moves strictly forward and
-  without holes (each Deliver / Lost starts right after the previous one);
+  the request in flight or to stale ones), replay ends, idle probes and dropped connections, with
+  arbitrary seqs (huge, repeated, going backwards) and resume positions. Invariants: no
+  exception, held and unverified batches together never exceed ``max_held``, within an epoch
+  what is delivered or announced lost moves strictly forward and without holes (each Deliver /
+  Lost starts right after the previous one), and every Deliver / Lost carries the current epoch
+  (none comes after the Reset that opened a later one);
 - the two together, the way ``bridge.stream`` drives them.
 
 The real-socket cases (a ROUTER answering garbage, a 100 MB frame) are in
@@ -25,7 +27,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from bridge import wire
@@ -33,7 +35,7 @@ from bridge.deadletter import DeadLetters
 from bridge.errors import DecodeError
 from bridge.formats import Renderer
 from bridge.records import Record, Stream, events_lost
-from bridge.sequencer import Action, Deliver, Lost, RequestReplay, Reset, StreamSequencer
+from bridge.sequencer import Action, Deliver, Lost, RequestReplay, Reset, StreamSequencer, fingerprint
 from tests.support.vectors import load_all
 
 VECTORS = load_all()
@@ -245,8 +247,15 @@ _ops = st.lists(
         st.tuples(st.just("finish"), st.booleans(), st.integers(0, 1)),
         st.tuples(st.just("stale_finish"), st.booleans(), st.integers(-2, 50)),
         st.tuples(st.just("probe"), st.just(0), st.just(0)),
+        st.tuples(st.just("disconnect"), st.just(0), st.just(0)),
     ),
     max_size=150,
+)
+# A checkpoint's fingerprint: none, one that some payloads match, or one that none does.
+_fps = st.one_of(
+    st.none(),
+    st.sampled_from([fingerprint(wire.peek_ts(p), p) for p in PAYLOADS[:3]]),
+    st.tuples(st.sampled_from([None, 1.0, 2.5]), st.one_of(st.none(), st.integers(0, 2**32 - 1))),
 )
 _configs = st.fixed_dictionaries(
     {
@@ -254,7 +263,7 @@ _configs = st.fixed_dictionaries(
         "replay_on_start": st.booleans(),
         "max_held": st.integers(1, 12),
         "max_attempts": st.integers(1, 4),
-        "resume": st.one_of(st.none(), st.tuples(st.integers(0, 3), st.integers(-1, 30), st.sampled_from([None, 1.0, 2.5]))),
+        "resume": st.one_of(st.none(), st.tuples(st.integers(0, 3), st.integers(-1, 30), _fps)),
     }
 )
 
@@ -274,9 +283,11 @@ class Downstream:
                 assert a.epoch == self.epoch + 1, (a, self.epoch)
                 self.epoch, self.next = a.epoch, 0
             elif isinstance(a, Deliver):
+                assert a.epoch == self.epoch, (a, self.epoch)  # I1: never after a later epoch's Reset
                 assert self.next is None or a.seq == self.next, (a.seq, self.next)
                 self.next = a.seq + 1
             elif isinstance(a, Lost):
+                assert a.epoch == self.epoch, (a, self.epoch)
                 assert a.from_seq <= a.to_seq, a
                 assert self.next is None or a.from_seq == self.next, (a, self.next)
                 self.next = a.to_seq + 1
@@ -284,11 +295,12 @@ class Downstream:
                 assert seqr.can_replay
                 assert 0 <= a.start <= END + 1 and (a.until == -1 or a.until >= a.start - 1), a  # the client clamps END + 1
                 self.requests.append(a.request_id)
-        assert len(seqr.held) <= seqr.max_held
+        assert len(seqr.held) + len(seqr.unverified) <= seqr.max_held
         assert seqr.epoch == self.epoch
         if self.next is not None:
             assert seqr.delivered == self.next - 1, (seqr.delivered, self.next)
         assert all(s > seqr.delivered for s in seqr.held), (seqr.delivered, sorted(seqr.held)[:5])
+        assert all(s > seqr.delivered for s in seqr.unverified), (seqr.delivered, sorted(seqr.unverified)[:5])
 
 
 def _payload(rng: random.Random, which: int) -> bytes:
@@ -297,6 +309,16 @@ def _payload(rng: random.Random, which: int) -> bytes:
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_configs, _ops, st.randoms(use_true_random=False))
+@example(  # a live batch and a replayed one at the same seq, the replayed one with the earlier engine ts
+    config={"can_replay": True, "replay_on_start": False, "max_held": 1, "max_attempts": 1, "resume": None},
+    ops=[("disconnect", 0, 0), ("live", 0, 1), ("reply_next", 0, 0)],
+    rng=random.Random(0),
+)
+@example(  # a checkpoint at seq -1 (nothing of its epoch yet) that carries a fingerprint all the same
+    config={"can_replay": True, "replay_on_start": True, "max_held": 1, "max_attempts": 1, "resume": (0, -1, (1.0, 5))},
+    ops=[],
+    rng=random.Random(0),
+)
 def test_sequencer_survives_any_interleaving(config: dict[str, Any], ops: list[tuple[str, Any, Any]], rng: random.Random) -> None:
     resume = config["resume"]
     seqr = StreamSequencer(
@@ -306,11 +328,12 @@ def test_sequencer_survives_any_interleaving(config: dict[str, Any], ops: list[t
         max_attempts=config["max_attempts"],
         epoch=resume[0] if resume else 0,
         delivered=resume[1] if resume else None,
-        delivered_ts=resume[2] if resume else None,
+        delivered_fp=resume[2] if resume else None,
         ts_of=wire.peek_ts,
     )
-    joins = resume is None and not seqr.replay_on_start
-    down = Downstream(seqr, joins)
+    # A stream met for the first time is covered from seq 0 (its unseen head announced as
+    # joined_late); a resumed one from its checkpoint on.
+    down = Downstream(seqr, joins=False)
     down.apply(seqr.start(), seqr)
     for op, x, y in ops:
         current = down.requests[-1] if down.requests else 0
@@ -328,11 +351,11 @@ def test_sequencer_survives_any_interleaving(config: dict[str, Any], ops: list[t
             actions = seqr.replay_finished(current, x)
         elif op == "stale_finish":
             actions = seqr.replay_finished(y, x)
+        elif op == "disconnect":
+            actions = seqr.disconnected()
         else:
             actions = seqr.probe()
         down.apply(actions, seqr)
-        if down.next is None and seqr.delivered >= 0:
-            down.next = seqr.delivered + 1  # joined mid-stream: contiguous from here on
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -46,6 +46,7 @@ CONTRACT: dict[str, tuple[str, frozenset[str]]] = {
     name: (kind, frozenset(labels))
     for name, kind, labels in [
         ("kv_bridge_batches_received_total", "counter", ["source", "dp_rank"]),
+        ("kv_bridge_dead_letter_write_failures_total", "counter", []),
         ("kv_bridge_events_received_total", "counter", ["source", "type"]),
         ("kv_bridge_decode_failures_total", "counter", ["source", "reason"]),
         ("kv_bridge_sequence_gaps_total", "counter", ["source", "dp_rank"]),

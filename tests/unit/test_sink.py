@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 from pathlib import Path
 
@@ -246,27 +245,21 @@ def test_dead_letters_on_a_full_disk_are_counted_not_raised(caplog: pytest.LogCa
     assert caplog.records[0].seq == 1 and "No space left" in caplog.records[0].error
 
 
-@pytest.mark.parametrize("obstacle", ["file_as_directory", "directory_as_file", "read_only_directory"])
+# (A read-only directory is no obstacle to root, which CI runs as: the two cases above cover EACCES-like failures.)
+@pytest.mark.parametrize("obstacle", ["file_as_directory", "directory_as_file"])
 def test_dead_letters_recover_once_the_path_is_writable(tmp_path: Path, caplog: pytest.LogCaptureFixture, obstacle: str) -> None:
     path = tmp_path / "dl" / "dead.jsonl"
     if obstacle == "file_as_directory":
         (tmp_path / "dl").write_text("")  # the directory cannot be created
-    elif obstacle == "directory_as_file":
-        path.mkdir(parents=True)
     else:
-        if os.geteuid() == 0:
-            pytest.skip("root writes to read-only directories")
-        path.parent.mkdir()
-        path.parent.chmod(0o500)
+        path.mkdir(parents=True)
     letters = DeadLetters(str(path))
     _letter(letters, 1)
     assert letters.write_failures == 1
     if obstacle == "file_as_directory":
         (tmp_path / "dl").unlink()
-    elif obstacle == "directory_as_file":
-        path.rmdir()
     else:
-        path.parent.chmod(0o700)
+        path.rmdir()
     _letter(letters, 2)
     letters.close()
     assert letters.write_failures == 1
