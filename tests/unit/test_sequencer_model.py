@@ -19,9 +19,11 @@ bridge has heard from it, and while continuity is in doubt the replay socket ans
 
 from __future__ import annotations
 
+import ast
 import os
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -240,3 +242,64 @@ SequencerModel.TestCase.settings = settings(
     max_examples=EXAMPLES, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestSequencerModel = SequencerModel.TestCase
+
+
+# The compound faults reported against 9bf2006, each as a script through the same model and
+# checks (each fails there: the old sequencer, with its runtime's epoch stamping, breaks I1-I4).
+CASES = {
+    "1 restart while a gap is open": ["publish(seen=True)"] * 3
+    + ["publish(seen=False)"] * 3
+    + ["publish(seen=True)"] * 3
+    + ["restart(missed=0)", "publish(seen=True)", "answer_replay(mode='answer')"],
+    "2 the same past max_held": ["publish(seen=True)"] * 2
+    + ["publish(seen=False)"]
+    + ["publish(seen=True)"] * 8
+    + ["restart(missed=0)", "publish(seen=True)"],
+    "3 the buffer slides between two replay attempts": [
+        "answer_replay(mode='answer')",
+        "publish(seen=True)",
+        "publish(seen=False)",
+        "publish(seen=True)",
+        "publish(seen=True)",
+        "slide(n=7)",
+        "answer_replay(mode='answer')",
+        "answer_replay(mode='answer')",
+    ],
+    "4 a restart revealed by the replay's verification": [
+        "answer_replay(mode='answer')",
+        "publish(seen=True)",
+        "publish(seen=True)",
+        "publish(seen=False)",
+        "publish(seen=True)",
+        "restart(missed=3)",
+        "publish(seen=True)",
+        "answer_replay(mode='answer')",
+    ],
+    "6 a replay answered by a newer instance before anything was delivered": [
+        "publish(seen=False)",
+        "publish(seen=True)",
+        "answer_replay(mode='silent')",
+        "restart(missed=2)",
+        "answer_replay(mode='answer')",
+    ],
+    "7 a restart hidden by a continuing seq": [
+        "answer_replay(mode='answer')",
+        "publish(seen=True)",
+        "publish(seen=True)",
+        "restart(missed=2)",
+        "publish(seen=True)",
+        "answer_replay(mode='answer')",
+    ],
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_reported_case(case: str) -> None:
+    state = SequencerModel()
+    for step in CASES[case]:
+        name, _, args = step.partition("(")
+        kwargs = dict(kv.split("=") for kv in args.rstrip(")").split(", ") if kv)
+        getattr(state, name)(**{k: ast.literal_eval(v) for k, v in kwargs.items()})
+        state.bounded()
+        state.kept_batches_never_lost()
+    state.teardown()
