@@ -58,6 +58,7 @@ class CheckpointFile(msgspec.Struct):
     version: int = 1
     streams: dict[str, StreamPosition] = msgspec.field(default_factory=dict)
     epochs: dict[str, int] = msgspec.field(default_factory=dict)
+    opened: dict[str, StreamPosition] = msgspec.field(default_factory=dict)
 
 
 class CheckpointError(BridgeError):
@@ -83,7 +84,11 @@ def save(path: str | Path, checkpoint: CheckpointFile) -> None:
     """Write atomically: a crash leaves either the old or the new file, never a torn one."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    checkpoint = CheckpointFile(streams=dict(sorted(checkpoint.streams.items())), epochs=dict(sorted(checkpoint.epochs.items())))
+    checkpoint = CheckpointFile(
+        streams=dict(sorted(checkpoint.streams.items())),
+        epochs=dict(sorted(checkpoint.epochs.items())),
+        opened=dict(sorted(checkpoint.opened.items())),
+    )
     data = msgspec.json.encode(checkpoint)
     fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
     try:
@@ -117,6 +122,10 @@ class Checkpointer:
         self.sinks = sinks
         self.loaded: dict[str, StreamPosition] = dict(loaded.streams) if loaded else {}
         self.epochs: dict[str, int] = dict(loaded.epochs) if loaded else {}
+        # Per stream, the first batch delivered in its newest epoch (saved before it reaches a
+        # sink): a bridge that crashed before its epoch's position was saved resumes there.
+        self.opened: dict[str, StreamPosition] = dict(loaded.opened) if loaded else {}
+        self._forgotten: set[str] = set()  # keys whose epoch numbers are kept until the clock passes them
         self._acked: dict[str, list[_Acked | None]] = {}
         self._generation = 0  # of the state; a snapshot carries the one it was taken at
         self._written = 0
@@ -160,11 +169,41 @@ class Checkpointer:
             crc = zlib.crc32(payload)
         return StreamPosition(epoch, seq, ts, crc, None if at == seq else at)
 
-    def forget(self, key: str) -> None:
-        """Drop everything known of a stream (a source gone for good)."""
+    def resume_position(self, key: str) -> StreamPosition | None:
+        """Where a stream starts at start-up: its position, or the first batch of an epoch opened
+        after it (a crash before that epoch's position was saved); None (fresh, in a new epoch)
+        when an epoch was opened after it but no batch of it is known."""
+        pos = self.position(key)
+        first = self.opened.get(key)
+        if first is not None and (pos is None or first.epoch > pos.epoch):
+            return first
+        if pos is not None and self.epochs.get(key, pos.epoch) > pos.epoch:
+            return None
+        return pos
+
+    def note_first(self, key: str, record: Record) -> bool:
+        """Record ``record`` as the first batch of its epoch if it is; True: save before it goes out."""
+        first = self.opened.get(key)
+        if first is not None and first.epoch >= record.epoch:
+            return False
+        self.opened[key] = StreamPosition(record.epoch, record.seq, record.ts, zlib.crc32(record.payload))
+        self._generation += 1
+        return True
+
+    def forget(self, key: str, now: float) -> None:
+        """Drop everything known of a stream (a source gone for good). Its epoch number is kept
+        while the clock has not passed it, so that the stream, met again, opens a higher one."""
         self._acked.pop(key, None)
         self.loaded.pop(key, None)
-        self.epochs.pop(key, None)
+        self.opened.pop(key, None)
+        self._forgotten.add(key)
+        self.prune(now)
+
+    def prune(self, now: float) -> None:
+        """Drop the epoch numbers of forgotten streams that the clock has passed."""
+        for key in [k for k in self._forgotten if self.epochs.get(k, -1) < clock_epoch(now)]:
+            self.epochs.pop(key, None)
+            self._forgotten.discard(key)
         self._generation += 1
 
     # -- epochs -----------------------------------------------------------------------------------
@@ -177,6 +216,7 @@ class Checkpointer:
         return self._open(key, max(epoch + 1, clock_epoch(now)))
 
     def _open(self, key: str, epoch: int) -> int:
+        self._forgotten.discard(key)
         epoch = max(epoch, self.epochs.get(key, -1) + 1)
         self.epochs[key] = epoch
         self._generation += 1
@@ -190,7 +230,7 @@ class Checkpointer:
             pos = self.position(key)
             if pos is not None:
                 streams[key] = pos
-        return self._generation, CheckpointFile(streams=streams, epochs=dict(self.epochs))
+        return self._generation, CheckpointFile(streams=streams, epochs=dict(self.epochs), opened=dict(self.opened))
 
     def write(self, path: str | Path, generation: int, checkpoint: CheckpointFile) -> bool:
         """Save a snapshot unless a newer one was saved already (a slow write that finishes late,

@@ -140,7 +140,7 @@ class Bridge:
                 continue
             # A stream read before in this process resumes exactly where it stopped; otherwise from
             # the checkpoint (what every sink acknowledged), or fresh in a new epoch.
-            pos, top, _ = self._retired.pop(key) if key in self._retired else (self.checkpointer.position(key), None, 0.0)
+            pos, top, _ = self._retired.pop(key) if key in self._retired else (self.checkpointer.resume_position(key), None, 0.0)
             pipeline = StreamPipeline(
                 self,
                 stream,
@@ -250,9 +250,11 @@ class Bridge:
     def forget_retired(self, removed_before: float) -> None:
         """Forget the streams of sources removed before ``removed_before`` (monotonic) and not back."""
         gone = {k for k, (_pos, _top, at) in self._retired.items() if at < removed_before}
+        now = time.time()
         for key in gone:
             del self._retired[key]
-            self.checkpointer.forget(key)
+            self.checkpointer.forget(key, now)
+        self.checkpointer.prune(now)
         active = {p.stream.source for p in self.pipelines.values()}
         retired = {k.rsplit("/", 1)[0] for k in self._retired}
         for source in {k.rsplit("/", 1)[0] for k in gone} - active - retired:

@@ -34,6 +34,7 @@ uncertain and retried, up to ``max_attempts``, before its span is declared lost.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable
 
@@ -45,7 +46,11 @@ a checkpoint written before CRCs were kept has the ts only."""
 
 
 def fingerprint(ts: float | None, payload: bytes) -> Fingerprint:
-    return (ts, zlib.crc32(payload))
+    return (_finite(ts), zlib.crc32(payload))
+
+
+def _finite(ts: float | None) -> float | None:
+    return ts if ts is not None and math.isfinite(ts) else None
 
 
 def _matches(fp: Fingerprint, ts: float | None, payload: bytes) -> bool:
@@ -123,13 +128,19 @@ class StreamSequencer:
         known_top: int | None = None,
         ts_of: Callable[[bytes], float | None] = lambda _payload: None,
         next_epoch: Callable[[int], int] = lambda epoch: epoch + 1,
+        clock_skew: float = 1.0,
     ) -> None:
         self.can_replay = can_replay
         self.replay_on_start = replay_on_start and can_replay
         self.max_held = max_held
         self.max_attempts = max_attempts
+        # How far an engine's clock may be ahead of the bridge's: a batch stamped earlier than a
+        # disconnect was noticed, by more than this, was published before it.
+        self.clock_skew = clock_skew
         self.epoch = epoch
-        self._ts_of = ts_of
+        # A ts that is not a finite number (NaN never equals itself; JSON keeps neither NaN nor
+        # inf) says nothing about an instance: it counts as unknown.
+        self._raw_ts_of = ts_of
         self._next_epoch = next_epoch
         # Highest seq delivered (or announced lost) in this epoch; -1: none yet.
         self.delivered: int = -1 if delivered is None else delivered
@@ -159,14 +170,34 @@ class StreamSequencer:
         self._buffers = False  # a replay ever brought a batch (the engine's buffer is not empty by design)
         self._attempts = 0
         self._suspect: int | None = None  # a start that a previous attempt's first reply skipped
+        self._floor_ts: float | None = None  # engine ts of the batch that showed this epoch's instance
+        self._doubt_since: float | None = None  # wall clock when the disconnect was noticed
+        self._drops = 0  # disconnects noticed since continuity came into doubt
+        self._last_drop: float | None = None  # wall clock of the latest one
+
+    def _ts_of(self, payload: bytes) -> float | None:
+        return _finite(self._raw_ts_of(payload))
 
     # -- inputs ---------------------------------------------------------------------------------
-    def live(self, seq: int, payload: bytes) -> list[Action]:
-        """A message from the live PUB stream."""
+    def live(self, seq: int, payload: bytes, ts: float | None = None) -> list[Action]:
+        """A message from the live PUB stream (``ts``: its engine ts, when the caller has it)."""
         out: list[Action] = []
+        floor = self._floor_ts
+        if floor is not None:
+            ts = _finite(ts) if ts is not None else self._ts_of(payload)
+            if ts is not None and ts < floor:
+                # Older than the first batch seen of this epoch's instance: a late batch of an
+                # instance that came before it (read after the restart showed), never this one's.
+                out.append(Duplicate(seq))
+                return out
         last = self.last_live
         if last is not None and seq <= last:
-            self._restart(out, "publisher_restart")  # a live seq never repeats
+            fp = self._fingerprint() if seq == self._anchor_seq else None
+            if fp is not None and _matches(fp, self._ts_of(payload), payload):
+                out.append(Duplicate(seq))  # the very batch delivered last, sent twice: not a restart
+                return out
+            self._restart(out, "publisher_restart", trigger_ts=self._ts_of(payload))  # a live seq never repeats
+            self._floor_ts = self._ts_of(payload)
         elif seq <= self._top:
             # At or below what this instance is known to have published, yet above anything seen
             # live: a late copy of a replayed batch, or a new instance starting over.
@@ -220,11 +251,18 @@ class StreamSequencer:
             self._request(out, to_end=True)
         return out
 
-    def disconnected(self) -> list[Action]:
-        """The live connection dropped: whatever arrives next may come from a new instance."""
+    def disconnected(self, now: float | None = None) -> list[Action]:
+        """The live connection dropped (noticed at wall-clock ``now``, if given): whatever arrives
+        next may come from a new instance."""
         out: list[Action] = []
-        if self.can_replay and not self._doubt:
+        if not self.can_replay:
+            return out  # nothing to verify an instance with
+        self._drops += 1
+        self._last_drop = now
+        if not self._doubt:
             self._doubt = True
+            self._doubt_since = now
+            self._drops = 1
             # A replay in flight asked the instance that is going away; the next one must verify
             # whoever answers now. With a gap open, ask at once (retried while the engine is down).
             self._replay = None
@@ -396,6 +434,8 @@ class StreamSequencer:
     def _trust(self, out: list[Action]) -> None:
         """Continuity confirmed (or presumed): unverified live batches join the held ones."""
         self._doubt = False
+        self._doubt_since = None
+        self._drops = 0
         for seq, payload in self.unverified.items():
             self._top = max(self._top, seq)
             if seq > self.delivered:
@@ -442,6 +482,17 @@ class StreamSequencer:
         if self._contradicts(self.held, seq, payload, ts) or self._contradicts(self.unverified, seq, payload, ts):
             return _NEW
         return _SAME
+
+    def _adopt_published_before_doubt(self) -> None:
+        """Unverified batches stamped (engine clock) before the disconnect was noticed (bridge
+        clock, less ``clock_skew``) were published by the instance connected then: this epoch's."""
+        if self._doubt_since is None:
+            return
+        cutoff = self._doubt_since - self.clock_skew
+        for seq in list(self.unverified):
+            ts = self._ts_of(self.unverified[seq])
+            if ts is not None and ts < cutoff:
+                self.held[seq] = self.unverified.pop(seq)
 
     def _drain(self, out: list[Action]) -> None:
         while self.held:
@@ -506,7 +557,13 @@ class StreamSequencer:
             self._last_payload = None
         return self._fp
 
-    def _restart(self, out: list[Action], reason: str, evidence: tuple[int, float | None] | None = None) -> None:
+    def _restart(
+        self,
+        out: list[Action],
+        reason: str,
+        evidence: tuple[int, float | None] | None = None,
+        trigger_ts: float | None = None,
+    ) -> None:
         """The engine restarted: settle the old epoch, then open a new one.
 
         Everything the old instance owes is emitted first, stamped with the old epoch: its held
@@ -527,9 +584,12 @@ class StreamSequencer:
                         continue  # the new instance's copy of this seq differs: this one is older
                     if default_new if ts is None or ts_r is None else ts > ts_r or (ts == ts_r and seq > r):
                         carried[seq] = where.pop(seq)
-        # What is left unverified is the old instance's or an instance in between that came and
-        # went before a replay could tell: neither can be proven, so it is announced lost with the
-        # old epoch's tail rather than delivered under it (I1 before I4).
+        # What is left unverified was published before the connection dropped (then it is the
+        # old instance's, read late: a stream waiting on a full sink reads its queue late), or
+        # by an instance in between that came and went before a replay could tell. The first are
+        # told by their engine ts; the rest cannot be proven and is announced lost with the old
+        # epoch's tail rather than delivered under it (I1 before I4).
+        self._adopt_published_before_doubt()
         known = [self.delivered, max(self.held, default=-1), max(self.unverified, default=-1)]
         if not carried:
             # Seen live or replayed (perhaps not kept, past the bound) before the new instance
@@ -538,7 +598,13 @@ class StreamSequencer:
             known += [self._top, self.last_live if self.last_live is not None else -1]
         top = max(known, default=-1)
         self.unverified.clear()
+        # The connection may have dropped again since continuity came into doubt: if what showed
+        # the new instance was published before that, the instance connected now is unknown too.
+        shown_at = evidence[1] if evidence is not None else trigger_ts
+        last = self._last_drop
+        again = self._drops > 1 and (shown_at is None or last is None or shown_at < last - self.clock_skew)
         self._doubt = False
+        self._doubt_since = None
         if top > self.delivered:
             self._lose(out, self.delivered + 1, top, reason)
         self.held.clear()
@@ -546,6 +612,7 @@ class StreamSequencer:
         self._attempts = 0
         self._suspect = None
         self._fresh = self._join = self._resumed = False
+        self._floor_ts = None
         self.epoch = self._next_epoch(self.epoch)
         self.delivered = self._top = -1
         self._fp = self._last_payload = None
@@ -553,5 +620,10 @@ class StreamSequencer:
         self.held = carried
         self.last_live = max(carried) if carried else None
         out.append(Reset(self.epoch, reason))
+        if again:
+            self._doubt, self._doubt_since, self._drops = True, last, 1
+            self.unverified, self.held = self.held, {}  # what was carried is not verified against it either
+        else:
+            self._drops = 0
         if carried and not self.can_replay:
             self._lose(out, 0, min(carried) - 1, "no_replay")

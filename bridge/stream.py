@@ -66,6 +66,9 @@ class StreamPipeline:
             next_epoch=lambda e: bridge.checkpointer.next_epoch(key, e, time.time()),
         )
         self._resumed_from = (epoch, delivered, delivered_fp, anchor) if delivered is not None else None
+        # The first batch of an epoch this pipeline opens is saved before it goes out (see
+        # Checkpointer.resume_position): true for a stream met fresh, and after every restart.
+        self._first_pending = delivered is None
         self.backoff = Backoff(cfg.initial_backoff, cfg.max_backoff)
         self.lock = asyncio.Lock()
         self._replay_task: asyncio.Task[None] | None = None
@@ -118,9 +121,11 @@ class StreamPipeline:
                     ts = peek_ts(f.payload)
                     if ts is not None:
                         observe(received - ts if received > ts else 0.0)
-                    actions = live(f.seq, f.payload)
+                    actions = live(f.seq, f.payload, ts)
                     if len(actions) == 1 and type(a := actions[0]) is Deliver:  # the common case, without the dispatch
                         record = self._decode(a.seq, a.payload, received, a.epoch)
+                        if self._first_pending:
+                            await self._note_first(record)
                         self._handed = record  # every sink has it once offered (see Fanout.finish)
                         if record.kind == "batch":
                             self._handed_batch = record
@@ -149,7 +154,8 @@ class StreamPipeline:
     async def disconnected(self) -> None:
         """The live connection dropped (from the source's socket monitor)."""
         async with self.lock:
-            await self._execute(self.sequencer.disconnected(), time.time())
+            now = time.time()
+            await self._execute(self.sequencer.disconnected(now), now)
         task = self._replay_task
         if task is not None and not task.done() and not self.sequencer.replaying:
             task.cancel()  # it asked the instance that went away; the sequencer no longer listens
@@ -200,9 +206,18 @@ class StreamPipeline:
                 # The new epoch is on disk before any sink holds a record of it (a bridge that
                 # crashes now must not open the same number again).
                 await self.bridge.persist_epochs()
+                self._first_pending = True
                 await publish(source_reset(self.stream, a.epoch, a.reason, received))
 
+    async def _note_first(self, record: Record) -> None:
+        if record.kind == "batch":
+            self._first_pending = False
+            if self.bridge.checkpointer.note_first(self.stream.key, record):
+                await self.bridge.persist_epochs()
+
     async def _publish(self, record: Record) -> None:
+        if self._first_pending:
+            await self._note_first(record)
         self._handed = record  # every sink has it once offered (see Fanout.finish)
         if record.kind == "batch":
             self._handed_batch = record

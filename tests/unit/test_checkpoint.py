@@ -220,9 +220,37 @@ def test_snapshot_keeps_loaded_streams_and_epochs() -> None:
     _, snap = cp.snapshot()
     assert snap.streams == {"gone/0": StreamPosition(4, 9, 1.0, 7), KEY: batch_position(1, 0)}
     assert snap.epochs == {"gone/0": 4, KEY: 1}
-    cp.forget("gone/0")
+    cp.forget("gone/0", NOW)  # epoch 4 is long past on the clock: dropped too
     _, snap = cp.snapshot()
     assert "gone/0" not in snap.streams and "gone/0" not in snap.epochs
+
+
+def test_a_forgotten_stream_keeps_an_epoch_the_clock_has_not_passed() -> None:
+    """Met again after being forgotten, a stream must still open an epoch above its last one."""
+    cp = Checkpointer(1)
+    first = cp.first_epoch(KEY, NOW)
+    ahead = cp.next_epoch(KEY, cp.next_epoch(KEY, first, NOW), NOW)  # restarts ran ahead of the clock
+    cp.forget(KEY, NOW)
+    assert cp.first_epoch(KEY, NOW) > ahead
+    cp.forget(KEY, NOW + 3600)
+    assert KEY not in cp.snapshot()[1].epochs  # once the clock has passed it, nothing is kept
+
+
+def test_resume_from_the_first_batch_of_an_epoch_opened_after_the_position() -> None:
+    """A bridge killed after a restart, before that epoch's position was saved, resumes at the
+    first batch of that epoch (saved before it went out), not at the older epoch's position."""
+    cp = Checkpointer(1)
+    e0 = cp.first_epoch(KEY, NOW)
+    cp.on_ack(0, [batch(e0, s) for s in range(5)])
+    e1 = cp.next_epoch(KEY, e0, NOW)
+    assert cp.resume_position(KEY) is None  # opened, but no batch of it known yet: start fresh
+    first = batch(e1, 0)
+    assert cp.note_first(KEY, first) is True
+    assert cp.note_first(KEY, batch(e1, 1)) is False  # only the first
+    reloaded = Checkpointer(1, cp.snapshot()[1])
+    assert reloaded.resume_position(KEY) == StreamPosition(e1, 0, first.ts, zlib.crc32(first.payload))
+    reloaded.on_ack(0, [batch(e1, s) for s in range(3)])
+    assert reloaded.resume_position(KEY) == batch_position(e1, 2)  # the position, once it has caught up
 
 
 def test_save_and_load_round_trip(tmp_path: Path) -> None:
