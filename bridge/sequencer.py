@@ -146,7 +146,10 @@ class StreamSequencer:
         self.delivered: int = -1 if delivered is None else delivered
         # The last batch delivered in this epoch (-1: none), what a replay verifies the instance against.
         self._anchor_seq = self.delivered if anchor is None else anchor
-        self._fp = delivered_fp if delivered is not None and self._anchor_seq >= 0 else None
+        if delivered_fp is not None:
+            delivered_fp = (_finite(delivered_fp[0]), delivered_fp[1])
+        usable = delivered_fp is not None and delivered_fp != (None, None)
+        self._fp = delivered_fp if usable and delivered is not None and self._anchor_seq >= 0 else None
         if self._fp is None:
             self._anchor_seq = -1
         self._last_payload: bytes | None = None  # the batch at _anchor_seq, fingerprinted when needed

@@ -1,0 +1,112 @@
+"""How the sequencer tells engine instances apart around disconnects (found by review scripts).
+
+Payloads are ``instance:seq`` and the engine ts is ``instance * 1e6 + seq`` (a later instance
+has a later clock), as in the model test; the bridge's clock is given to ``disconnected``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from bridge.sequencer import Action, Deliver, Duplicate, Lost, RequestReplay, Reset, StreamSequencer
+
+
+def p(instance: int, seq: int) -> bytes:
+    return f"{instance}:{seq}".encode()
+
+
+def ts(payload: bytes) -> float:
+    instance, seq = payload.decode().split(":")
+    return int(instance) * 1e6 + int(seq)
+
+
+def delivered(actions: list[Action]) -> list[tuple[int, bytes]]:
+    return [(a.epoch, a.payload) for a in actions if isinstance(a, Deliver)]
+
+
+def seqr(**kw: object) -> StreamSequencer:
+    return StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts, clock_skew=0.25, **kw)  # type: ignore[arg-type]
+
+
+def test_batches_published_before_the_disconnect_but_read_after_it_stay_the_old_instances() -> None:
+    """A stream waiting on a full sink reads its queue late: the old instance's last batches come
+    after the disconnect was noticed. Stamped before it, they are delivered under the old epoch
+    when the new instance shows, not announced lost."""
+    s = seqr()
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=10.0)  # instance 0's clock is at 0..4: all before the notice
+    out = s.live(3, p(0, 3)) + s.live(4, p(0, 4))
+    assert delivered(out) == [] and set(s.unverified) == {3, 4}
+    out = s.live(0, p(1, 0))  # the new instance, seq back to 0
+    assert delivered(out) == [(0, p(0, 3)), (0, p(0, 4)), (1, p(1, 0))]
+    assert not [a for a in out if isinstance(a, Lost)]
+
+
+def test_batches_stamped_after_the_disconnect_cannot_be_proven_and_are_announced_lost() -> None:
+    """An instance in between (up after the notice, gone before a replay could tell) is not
+    delivered under the old epoch: its batches are announced lost there."""
+    s = seqr()
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=0.5e6)
+    s.live(3, p(1, 3))  # instance 1 went on at seq 3, then died too
+    out = s.live(0, p(2, 0))
+    assert out[0] == Lost(3, 3, "publisher_restart", 0) and isinstance(out[1], Reset)
+    assert delivered(out) == [(1, p(2, 0))]
+
+
+def test_a_second_disconnect_keeps_the_next_epoch_in_doubt() -> None:
+    """Two restarts in a row, each instance's last batch read after its own disconnect: the batch
+    that shows instance 1 was published before the second notice, so the new epoch starts in
+    doubt and instance 2's batches are not delivered in instance 1's epoch unverified."""
+    s = seqr()
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=10.0)
+    s.disconnected(now=1e6 + 10.0)  # instance 1 gone too
+    out = s.live(0, p(1, 0))  # instance 1's batch, read late: the restart shows
+    assert isinstance(out[0], Reset) and s.in_doubt
+    out += s.live(1, p(2, 1))  # instance 2 (its seq 0 missed while the bridge reconnected)
+    assert delivered(out) == []
+    (req,) = [a for a in out if isinstance(a, RequestReplay)]
+    out = s.replayed(req.request_id, 0, p(2, 0))  # instance 2 answers: not instance 1
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(2, "publisher_restart")]
+    assert all(epoch == 2 for epoch, payload in delivered(out) if payload.startswith(b"2:"))
+
+
+def test_a_late_batch_of_an_earlier_instance_after_a_restart_is_not_the_new_ones() -> None:
+    s = seqr()
+    for q in range(3):
+        s.live(q, p(0, q))
+    assert isinstance(s.live(0, p(1, 0))[-2], Reset)
+    out = s.live(3, p(0, 3), ts(p(0, 3)))  # instance 0's, read after instance 1 showed
+    assert out == [Duplicate(3)]
+    assert delivered(s.live(1, p(1, 1))) == [(1, p(1, 1))]
+
+
+def test_the_last_batch_sent_twice_is_a_duplicate_not_a_restart() -> None:
+    s = seqr()
+    for q in range(3):
+        s.live(q, p(0, q))
+    assert s.live(2, p(0, 2)) == [Duplicate(2)]
+    assert s.epoch == 0
+    assert isinstance(s.live(2, p(9, 2))[0], Reset)  # the same seq with other bytes is one
+
+
+def test_a_non_finite_ts_is_unknown_not_a_mismatch() -> None:
+    """NaN never equals itself: a batch with ts NaN at the anchor must still verify as itself."""
+    nan = b"nan"
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=lambda b: math.nan if b == nan else ts(b))
+    s.live(0, p(0, 0))
+    s.live(1, nan)
+    (req,) = [a for a in s.live(3, p(0, 3)) if isinstance(a, RequestReplay)]
+    assert req.start == 1  # verifies at the NaN batch
+    out = s.replayed(req.request_id, 1, nan) + s.replayed(req.request_id, 2, p(0, 2))
+    assert not [a for a in out if isinstance(a, Reset)]
+    assert delivered(out) == [(0, p(0, 2)), (0, p(0, 3))]
+    resumed = StreamSequencer(
+        can_replay=True, replay_on_start=True, delivered=1, delivered_fp=(math.inf, None), ts_of=lambda _b: math.inf
+    )
+    (req,) = resumed.start()
+    assert not [a for a in resumed.replayed(req.request_id, 1, b"x") if isinstance(a, Reset)]
