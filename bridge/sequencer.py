@@ -578,6 +578,7 @@ class StreamSequencer:
         epoch; so do unverified ones whose ts is unknown.
         """
         carried: dict[int, bytes] = {}
+        last_live = self.last_live
         if evidence is not None:
             r, ts_r = evidence
             for where, default_new in ((self.held, False), (self.unverified, True)):
@@ -620,8 +621,10 @@ class StreamSequencer:
         self.delivered = self._top = -1
         self._fp = self._last_payload = None
         self._anchor_seq = -1
+        # Live seqs seen after the carried batches (some perhaps not kept, past the bound) are the
+        # new instance's too: the gap up to them is fetched by replay.
         self.held = carried
-        self.last_live = max(carried) if carried else None
+        self.last_live = max(max(carried), last_live if last_live is not None else -1) if carried else None
         out.append(Reset(self.epoch, reason))
         if again:
             self._doubt, self._doubt_since, self._drops = True, last, 1
