@@ -104,3 +104,15 @@ def test_control_records() -> None:
         assert r.msg_id == "llama-a/1/3/reset" and lo.msg_id == "llama-a/1/3/lost/0-4"
     (m,) = Renderer("msgpack", "event").render(lost)
     assert msgspec.msgpack.decode(m.value)["type"] == "EventsLost"
+
+
+def test_a_ts_of_zero_is_a_ts_not_a_missing_one() -> None:
+    """0.0 is falsy: the header and the body still carry it (a clock at the epoch is still a clock)."""
+    payload = msgspec.msgpack.encode([0.0, [{"type": "AllBlocksCleared"}], 0])
+    record = Record(stream=Stream("z", 0), epoch=1, seq=3, ts=0.0, payload=payload, events=[{"type": "AllBlocksCleared"}])
+    for fmt in ("json", "msgpack", "raw"):
+        for granularity in ("event", "batch"):
+            (message,) = Renderer(fmt, granularity).render(record)
+            assert message.headers["ts"] == "0.0", (fmt, granularity, message.headers)
+            if fmt == "json":
+                assert json.loads(message.value)["ts"] == 0.0

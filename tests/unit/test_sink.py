@@ -300,3 +300,25 @@ async def test_sink_goes_on_when_dead_letters_cannot_be_written(tmp_path: Path) 
     assert [m.record.seq for m in conn.messages] == [1]
     assert [r.seq for r in acked] == [0, 1]
     assert letters.write_failures == 1
+
+
+async def test_a_transient_failure_with_retry_after_waits_that_long(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sink that says when to retry (a broker's throttle time) is retried after that, not after
+    the backoff."""
+    worker, conn, _acked, _ = make(tmp_path, batch={"linger": 0}, retry={"initial_backoff": 0.001, "max_backoff": 0.01})
+    conn.failures = [Retriable("throttled", retry_after=0.37), None]
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(delay: float, *args: object) -> None:
+        slept.append(delay)
+        await real_sleep(0)
+
+    monkeypatch.setattr("bridge.sink.asyncio.sleep", sleep)
+    worker.start()
+    await fill(worker, stream_records(STREAM, 1))
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    assert 0.37 in slept
+    assert [m.record.seq for m in conn.messages] == [0]
