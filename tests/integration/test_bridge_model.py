@@ -233,7 +233,7 @@ async def run_script(steps: list[Step]) -> None:
 @settings(
     max_examples=EXAMPLES,
     deadline=None,
-    derandomize=False,
+    derandomize=os.environ.get("CI") == "true",  # CI: the same scripts every run; locally: new ones
     suppress_health_check=[HealthCheck.too_slow],
 )
 @given(steps=st.lists(STEP, min_size=8, max_size=20))
