@@ -97,3 +97,27 @@ async def test_a_drop_sink_never_makes_the_stream_wait(tmp_path: Path) -> None:
     await blocked.flush(5)
     await blocked.stop()
     blocked.dead_letters.close()
+
+
+async def test_a_record_waiting_on_several_full_sinks_reaches_each_of_them(tmp_path: Path) -> None:
+    sinks = [make(tmp_path, batch={"linger": 0}, queue={"max_batches": 1}) for _ in range(3)]
+    gates = [asyncio.Event() for _ in sinks]
+    for (_, conn, _, _), gate in zip(sinks, gates, strict=True):
+        conn.gate = gate
+    workers = [w for w, _, _, _ in sinks]
+    fanout = Fanout(workers)
+    for w in workers:
+        w.start()
+    records = stream_records(STREAM, 4)
+    task = asyncio.create_task(publish_all(fanout, records))
+    await asyncio.sleep(0.05)
+    assert not task.done()
+    for gate in reversed(gates):  # room opens on the last sink first
+        gate.set()
+        await asyncio.sleep(0.01)
+    await asyncio.wait_for(task, 5)
+    for w, conn, _, _ in sinks:
+        assert await w.flush(5)
+        await w.stop()
+        w.dead_letters.close()
+        assert [m.record.seq for m in conn.messages] == list(range(4))

@@ -1,0 +1,161 @@
+"""The checkpoint, part two: sinks at different kinds of position, forgetting, generations, and the
+atomic save's crash-safety steps. Found missing by mutation testing (tools/mutants.py)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import zlib
+from pathlib import Path
+
+import pytest
+
+from bridge.checkpoint import EPOCH_ORIGIN, Checkpointer, CheckpointFile, StreamPosition, load, save
+from tests.unit.test_checkpoint import KEY, NOW, batch, batch_position, lost
+
+# -- positions -----------------------------------------------------------------------------------
+
+
+def test_a_sink_that_announced_a_loss_ahead_does_not_carry_the_position_past_another_sink() -> None:
+    """The position is the lowest seq over sinks, whatever batch each one's fingerprint is at."""
+    cp = Checkpointer(2)
+    cp.on_ack(0, [batch(1, 0), batch(1, 1), batch(1, 2), lost(1, 3, 7, "sink_queue_full:a")])  # anchor at 2
+    cp.on_ack(1, [batch(1, s) for s in range(6)])  # anchor at 5, seq 5
+    assert cp.position(KEY) == batch_position(1, 5)
+
+
+def test_a_loss_after_a_loaded_position_anchored_below_it_keeps_that_anchor() -> None:
+    loaded = StreamPosition(3, 50, 7.5, 1234, at=41)
+    cp = Checkpointer(1, CheckpointFile(streams={KEY: loaded}))
+    cp.on_ack(0, [lost(3, 51, 60)])
+    assert cp.position(KEY) == StreamPosition(3, 60, 7.5, 1234, at=41)
+
+
+def test_a_loss_in_an_epoch_opened_after_the_loaded_position_carries_no_older_fingerprint() -> None:
+    """Resumed at the first batch of an epoch opened after the saved position (a crash right after
+    a restart): a loss acknowledged first in that epoch has no batch of the old epoch to vouch for."""
+    first = batch(5, 0)
+    loaded = CheckpointFile(
+        streams={KEY: batch_position(4, 9)},
+        epochs={KEY: 5},
+        opened={KEY: StreamPosition(5, 0, first.ts, zlib.crc32(first.payload))},
+    )
+    cp = Checkpointer(1, loaded)
+    cp.on_ack(0, [lost(5, 1, 3)])
+    assert cp.position(KEY) == StreamPosition(5, 3)
+
+
+# -- epochs and forgetting -----------------------------------------------------------------------
+
+
+def test_a_stream_met_first_before_the_clock_origin_opens_epoch_0() -> None:
+    assert Checkpointer(1).first_epoch(KEY, EPOCH_ORIGIN - 3600) == 0
+
+
+def test_a_forgotten_stream_keeps_an_epoch_opened_in_this_very_minute() -> None:
+    cp = Checkpointer(1)
+    opened = cp.first_epoch(KEY, NOW)
+    cp.forget(KEY, NOW)
+    assert cp.first_epoch(KEY, NOW) > opened
+
+
+def test_forgetting_drops_the_streams_position_and_first_batch_from_the_checkpoint() -> None:
+    cp = Checkpointer(1)
+    epoch = cp.first_epoch(KEY, NOW)
+    cp.note_first(KEY, batch(epoch, 0))
+    cp.on_ack(0, [batch(epoch, 0)])
+    before = cp.generation
+    cp.forget(KEY, NOW + 3600)
+    assert cp.generation != before
+    _, snap = cp.snapshot()
+    assert KEY not in snap.streams and KEY not in snap.opened and KEY not in snap.epochs
+    assert cp.position(KEY) is None and cp.resume_position(KEY) is None
+
+
+def test_a_stream_met_again_after_being_forgotten_keeps_its_epoch_in_the_checkpoint() -> None:
+    cp = Checkpointer(1)
+    cp.first_epoch(KEY, NOW)
+    cp.forget(KEY, NOW)
+    again = cp.first_epoch(KEY, NOW)  # back before the clock passed its epoch
+    cp.prune(NOW + 3600)
+    assert cp.snapshot()[1].epochs[KEY] == again
+
+
+# -- generations and writes ----------------------------------------------------------------------
+
+
+def test_noting_an_epochs_first_batch_makes_a_newer_snapshot(tmp_path: Path) -> None:
+    """The first batch of an epoch is saved before it goes out: the snapshot holding it is newer
+    than the one saved before, so it is written."""
+    path = tmp_path / "checkpoint.json"
+    cp = Checkpointer(1)
+    epoch = cp.first_epoch(KEY, NOW)
+    assert cp.write(path, *cp.snapshot())
+    before = cp.generation
+    assert cp.note_first(KEY, batch(epoch, 0))
+    assert cp.generation > before
+    assert cp.write(path, *cp.snapshot())
+    assert KEY in load(path).opened
+
+
+def test_forgetting_makes_a_newer_snapshot(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.json"
+    cp = Checkpointer(1)
+    cp.on_ack(0, [batch(1, 0)])
+    assert cp.write(path, *cp.snapshot())
+    cp.forget(KEY, NOW)
+    assert cp.write(path, *cp.snapshot())
+    assert KEY not in load(path).streams
+
+
+def test_an_untouched_checkpoint_is_still_saved(tmp_path: Path) -> None:
+    """Shutdown right after start: the (empty or loaded) checkpoint is written all the same."""
+    path = tmp_path / "checkpoint.json"
+    cp = Checkpointer(1)
+    assert cp.write(path, *cp.snapshot())
+    assert load(path) == CheckpointFile()
+
+
+# -- the file ------------------------------------------------------------------------------------
+
+
+def test_save_creates_missing_parent_directories(tmp_path: Path) -> None:
+    path = tmp_path / "a" / "b" / "checkpoint.json"
+    save(path, CheckpointFile(epochs={KEY: 3}))
+    assert load(path).epochs == {KEY: 3}
+
+
+def test_a_failed_save_raises_and_leaves_the_directory_as_it_was(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.json"
+    path.mkdir()
+    (path / "occupied").write_text("")  # the rename onto a non-empty directory fails
+    with pytest.raises(OSError):
+        save(path, CheckpointFile(epochs={KEY: 3}))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.json"]
+
+
+def test_save_syncs_the_whole_file_before_the_rename_and_the_directory_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The crash-safety steps of the atomic save, observed at each fsync: the temp file complete
+    when synced, the directory synced once the new file is in place."""
+    path = tmp_path / "checkpoint.json"
+    data = CheckpointFile(streams={KEY: batch_position(1, 2)}, epochs={KEY: 1})
+    synced: list[tuple[str, int, bool]] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        st = os.fstat(fd)
+        kind = "dir" if stat.S_ISDIR(st.st_mode) else "file"
+        synced.append((kind, st.st_size, path.exists()))
+        real_fsync(fd)
+
+    monkeypatch.setattr("bridge.checkpoint.os.fsync", fsync)
+    open_before = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    save(path, data)
+    size = path.stat().st_size
+    assert [(kind, exists) for kind, _, exists in synced] == [("file", False), ("dir", True)]
+    assert synced[0][1] == size  # every byte written when the file was synced
+    if open_before is not None:
+        assert len(os.listdir("/proc/self/fd")) == open_before  # nothing left open
+    assert load(path) == data

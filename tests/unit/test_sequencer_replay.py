@@ -1,0 +1,304 @@
+"""The sequencer when replays fail: silent or broken-off replays, exhausted attempts in and out of
+doubt, empty replays that reveal a restart, and the head of a stream met late. Found missing by
+mutation testing (tools/mutants.py).
+
+Payloads are ``instance:seq`` and the engine ts is ``instance * 1e6 + seq`` (a later instance has
+a later clock), as in ``test_sequencer_instances.py``.
+"""
+
+from __future__ import annotations
+
+from bridge.sequencer import Action, Deliver, Duplicate, Gap, Lost, RequestReplay, Reset, StreamSequencer
+
+
+def p(instance: int, seq: int) -> bytes:
+    return f"{instance}:{seq}".encode()
+
+
+def ts(payload: bytes) -> float:
+    instance, seq = payload.decode().split(":")
+    return int(instance) * 1e6 + int(seq)
+
+
+def requests(actions: list[Action]) -> list[RequestReplay]:
+    return [a for a in actions if isinstance(a, RequestReplay)]
+
+
+def settled(actions: list[Action]) -> list[Action]:
+    """What reaches the sinks, in order (Deliver, Lost, Reset)."""
+    return [a for a in actions if isinstance(a, Deliver | Lost | Reset)]
+
+
+def only_request(actions: list[Action]) -> RequestReplay:
+    (req,) = requests(actions)
+    return req
+
+
+def seqr(**kw: object) -> StreamSequencer:
+    return StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts, max_attempts=3, **kw)  # type: ignore[arg-type]
+
+
+# -- attempts -------------------------------------------------------------------------------------
+
+
+def test_retries_count_up_from_a_first_attempt_sent_at_once() -> None:
+    """``attempt`` is how many tries came before (the runtime backs off before each retry)."""
+    s = seqr()
+    assert only_request(s.start()).attempt == 0
+    s = seqr()
+    s.live(0, p(0, 0))
+    req = only_request(s.live(3, p(0, 3)))
+    attempts = [req.attempt]
+    for _ in range(2):
+        req = only_request(s.replay_finished(req.request_id, complete=False))
+        attempts.append(req.attempt)
+    assert attempts == [0, 1, 2]
+
+
+def test_a_replay_that_breaks_off_right_at_the_next_seq_loses_only_that_batch() -> None:
+    """The engine answers (its verification reply comes) but the connection drops before the next
+    seq, every time (a batch over ingest.max_frame_bytes): that one batch is lost, no more."""
+    s = seqr()
+    s.live(0, p(0, 0))
+    req = only_request(s.live(3, p(0, 3)))
+    for attempt in range(3):
+        out = s.replayed(req.request_id, 0, p(0, 0))  # the verification reply, then nothing
+        out += s.replay_finished(req.request_id, complete=False)
+        if attempt < 2:
+            assert settled(out) == []
+            req = only_request(out)
+    assert settled(out) == [Lost(1, 1, "replay_unavailable", 0)]
+    req = only_request(out)
+    assert (req.start, req.until) == (0, 2)  # 2 is still fetched (from the anchor, which verifies)
+    out = s.replayed(req.request_id, 0, p(0, 0)) + s.replayed(req.request_id, 2, p(0, 2))
+    assert settled(out) == [Deliver(2, p(0, 2), 0, replayed=True), Deliver(3, p(0, 3), 0)]
+
+
+def test_silent_replays_lose_the_span_below_the_lowest_held_batch_then_fetch_the_next_gap() -> None:
+    s = seqr()
+    s.live(0, p(0, 0))
+    req = only_request(s.live(5, p(0, 5)))
+    s.live(7, p(0, 7))
+    for _ in range(3):
+        out = s.replay_finished(req.request_id, complete=False)
+        req = only_request(out)
+    assert settled(out) == [Lost(1, 4, "replay_unavailable", 0), Deliver(5, p(0, 5), 0)]
+    assert (req.start, req.until) == (5, 6)  # 6 is fetched, not given up with 1..4
+
+
+def test_silent_replays_reach_a_gap_up_to_the_last_live_seq_not_kept() -> None:
+    """Past max_held a live batch is not kept: its seq is still owed, and settled in turn."""
+    s = seqr(max_held=1)
+    s.live(0, p(0, 0))
+    req = only_request(s.live(3, p(0, 3)))
+    s.live(4, p(0, 4))  # not kept
+    out: list[Action] = []
+    for _ in range(6):
+        got = s.replay_finished(req.request_id, complete=False)
+        out += got
+        if not requests(got):
+            break
+        req = only_request(got)
+    assert settled(out) == [Lost(1, 2, "replay_unavailable", 0), Deliver(3, p(0, 3), 0), Lost(4, 4, "replay_unavailable", 0)]
+    assert not s.replaying and s.delivered == 4
+
+
+# -- in doubt ---------------------------------------------------------------------------------------
+
+
+def test_after_a_disconnect_an_open_gap_is_asked_for_at_once_and_a_replay_in_flight_is_dropped() -> None:
+    s = seqr()
+    s.live(0, p(0, 0))
+    stale = only_request(s.live(3, p(0, 3)))
+    fresh = only_request(s.disconnected())
+    assert fresh.request_id != stale.request_id and fresh.attempt == 0
+    assert s.replayed(stale.request_id, 1, p(0, 1)) == []  # asked of the instance that went away
+    assert s.replay_finished(stale.request_id, True) == []
+
+
+def test_a_probe_in_flight_is_forgotten_at_a_disconnect() -> None:
+    s = seqr()
+    s.live(0, p(0, 0))
+    probe = only_request(s.probe())
+    assert s.disconnected() == []  # no gap: nothing to ask yet
+    assert s.replayed(probe.request_id, 1, p(1, 1)) == []
+    assert s.replay_finished(probe.request_id, True) == []
+    assert not s.replaying
+
+
+def test_in_doubt_a_silent_replay_socket_settles_the_old_gap_and_stays_in_doubt() -> None:
+    """Nothing live since the disconnect: the old instance's gap is settled (what is held
+    delivered, the rest up to the last seq it was seen to publish lost), continuity still unknown."""
+    s = seqr(max_held=1)
+    s.live(0, p(0, 0))
+    s.live(3, p(0, 3))
+    s.live(4, p(0, 4))  # not kept
+    req = only_request(s.disconnected())
+    for attempt in (1, 2):
+        out = s.replay_finished(req.request_id, complete=False)
+        assert settled(out) == []
+        req = only_request(out)
+        assert req.attempt == attempt
+    out = s.replay_finished(req.request_id, complete=False)
+    assert out == [Lost(1, 2, "replay_unavailable", 0), Deliver(3, p(0, 3), 0), Lost(4, 4, "replay_unavailable", 0)]
+    assert s.in_doubt and not s.replaying
+
+
+def test_in_doubt_a_silent_replay_socket_ends_in_presumed_continuity() -> None:
+    """Live batches after a disconnect wait for verification; when the replay socket never
+    answers, after max_attempts the instance is presumed the same (README, instance detection)."""
+    s = seqr()
+    for q in range(2):
+        s.live(q, p(0, q))
+    s.disconnected()
+    req = only_request(s.live(2, p(0, 2)))
+    assert s.live(3, p(0, 3)) == []  # waits with the first
+    for attempt in (1, 2):
+        out = s.replay_finished(req.request_id, complete=False)
+        assert settled(out) == []
+        req = only_request(out)
+        assert req.attempt == attempt
+    out = s.replay_finished(req.request_id, complete=False)
+    assert out == [Deliver(2, p(0, 2), 0), Deliver(3, p(0, 3), 0)]
+    assert not s.in_doubt and s.epoch == 0
+
+
+def test_an_empty_replay_while_live_batches_wait_unverified_is_a_new_instance() -> None:
+    """The engine answered (end marker) with nothing from our last seq on: the instance that
+    published it would still hold it, so the live batches since the disconnect are another's."""
+    s = seqr()
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected()
+    req = only_request(s.live(3, p(1, 3)))
+    out = s.replay_finished(req.request_id, complete=True)
+    assert settled(out) == [Lost(3, 3, "publisher_restart", 0), Reset(1, "publisher_restart")]
+    assert only_request(out).start == 0
+
+
+def test_an_empty_replay_after_the_buffer_was_seen_to_work_is_a_new_instance() -> None:
+    s = seqr()
+    for q in range(2):
+        s.live(q, p(0, q))
+    probe = only_request(s.probe())
+    s.replayed(probe.request_id, 1, p(0, 1))  # the buffer works: it holds our last seq
+    assert settled(s.replay_finished(probe.request_id, complete=True)) == []
+    req = only_request(s.live(3, p(1, 3)))  # a gap: 2 missing
+    out = s.replay_finished(req.request_id, complete=True)  # and nothing from 1 on any more
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, "publisher_restart")]
+
+
+def test_an_empty_replay_from_an_engine_without_a_buffer_is_not_a_restart() -> None:
+    """An engine whose replay socket never brought anything (its buffer is off): an empty answer
+    proves nothing, and the gap is settled as unavailable instead."""
+    s = seqr()
+    s.live(0, p(0, 0))
+    req = only_request(s.live(2, p(0, 2)))
+    out: list[Action] = []
+    for _ in range(3):
+        got = s.replay_finished(req.request_id, complete=True)
+        out += got
+        if requests(got):
+            req = only_request(got)
+    assert settled(out) == [Lost(1, 1, "replay_unavailable", 0), Deliver(2, p(0, 2), 0)]
+
+
+def test_a_second_disconnect_after_which_the_restart_shows_keeps_no_doubt() -> None:
+    """Two disconnects, the new instance's first batch stamped after the second notice: the
+    instance connected now is the one that showed; its epoch starts verified."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts, clock_skew=0.25)
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=10.0)
+    s.disconnected(now=20.0)  # a blip
+    out = s.live(0, p(1, 0))  # instance 1's clock is at 1e6: after both notices
+    assert Reset(1, "publisher_restart") in out and not s.in_doubt
+    assert settled(s.live(1, p(1, 1))) == [Deliver(1, p(1, 1), 1)]
+
+
+# -- live batches ---------------------------------------------------------------------------------
+
+
+def test_without_replay_on_start_the_head_of_a_new_stream_is_announced_joined_late() -> None:
+    s = StreamSequencer(can_replay=True, replay_on_start=False)
+    assert s.live(5, p(0, 5)) == [Lost(0, 4, "joined_late", 0), Deliver(5, p(0, 5), 0)]
+
+
+def test_a_stream_joined_at_seq_1_without_replay_loses_seq_0_as_joined_late_only() -> None:
+    s = StreamSequencer(can_replay=False, replay_on_start=False)
+    assert s.live(1, p(0, 1)) == [Lost(0, 0, "joined_late", 0), Deliver(1, p(0, 1), 0)]
+
+
+def test_only_the_head_of_a_stream_is_joined_late() -> None:
+    s = StreamSequencer(can_replay=False, replay_on_start=False)
+    assert s.live(0, p(0, 0)) == [Deliver(0, p(0, 0), 0)]
+    assert s.live(3, p(0, 3)) == [Gap(1, 2), Lost(1, 2, "no_replay", 0), Deliver(3, p(0, 3), 0)]
+
+
+def test_a_live_batch_resumed_at_the_checkpoint_seq_without_fingerprint_is_a_restart() -> None:
+    """Nothing to compare with: a live seq at or below the checkpoint's, as the first message
+    after a bridge restart, comes from a new instance (live seqs never repeat)."""
+    for at in (0, 5):
+        s = StreamSequencer(can_replay=True, replay_on_start=True, epoch=2, delivered=at)
+        assert s.live(at, p(1, at))[0] == Reset(3, "publisher_restart")
+
+
+def test_a_checkpoint_without_fingerprint_cannot_prove_a_restart() -> None:
+    """A position saved with no fingerprint (ts and crc unknown) verifies nothing: the replay of
+    the same instance is accepted, whatever its engine ts."""
+    s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts, epoch=2, delivered=3, delivered_fp=(None, None))
+    req = only_request(s.start())
+    out: list[Action] = []
+    for q in range(req.start, 6):
+        out += s.replayed(req.request_id, q, p(0, q))
+    assert settled(out) == [Deliver(4, p(0, 4), 2, replayed=True), Deliver(5, p(0, 5), 2, replayed=True)]
+
+
+def test_a_late_batch_of_an_earlier_instance_is_told_by_the_ts_in_its_payload() -> None:
+    """As in test_sequencer_instances, but the caller does not pass the ts: it is read from the payload."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts)
+    for q in range(3):
+        s.live(q, p(0, q))
+    assert isinstance(s.live(0, p(1, 0))[-2], Reset)
+    assert s.live(3, p(0, 3)) == [Duplicate(3)]
+
+
+def test_batches_of_the_new_instance_stamped_in_the_same_instant_are_all_delivered() -> None:
+    stamp = {p(0, q): float(q) for q in range(3)} | {p(1, 0): 100.0, p(1, 1): 100.0}
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=stamp.__getitem__)
+    for q in range(3):
+        s.live(q, p(0, q))
+    out = s.live(0, p(1, 0)) + s.live(1, p(1, 1))
+    assert [(a.seq, a.epoch) for a in out if isinstance(a, Deliver)] == [(0, 1), (1, 1)]
+
+
+def test_a_replayed_copy_of_a_held_batch_is_a_duplicate() -> None:
+    s = seqr()
+    s.live(0, p(0, 0))
+    req = only_request(s.live(3, p(0, 3)))
+    out = s.replayed(req.request_id, 0, p(0, 0)) + s.replayed(req.request_id, 3, p(0, 3))  # 1, 2 dropped
+    assert out[-1] == Duplicate(3) and settled(out) == []
+
+
+# -- restarts found by a replay -------------------------------------------------------------------
+
+
+def test_the_reply_that_reveals_a_restart_is_kept_for_the_new_epoch() -> None:
+    """I4: the batch whose reply showed the restart reached the bridge; it is never announced lost,
+    even when the replays after it go silent."""
+    s = seqr()
+    for q in range(3):
+        s.live(q, p(0, q))
+    req = only_request(s.live(5, p(1, 5)))  # instance 1 passed our position unseen
+    out = s.replayed(req.request_id, 2, p(1, 2))  # the anchor: other bytes
+    assert Reset(1, "publisher_restart") in out
+    req = only_request(out)
+    for _ in range(3):
+        got = s.replay_finished(req.request_id, complete=False)
+        out += got
+        if requests(got):
+            req = only_request(got)
+    delivered_new = [a.payload for a in out if isinstance(a, Deliver) and a.epoch == 1]
+    lost_new = [(a.from_seq, a.to_seq) for a in out if isinstance(a, Lost) and a.epoch == 1]
+    assert p(1, 2) in delivered_new
+    assert all(not a <= 2 <= b for a, b in lost_new)

@@ -1,0 +1,367 @@
+"""The shared delivery mechanism (bridge.sink.SinkWorker), part two: connecting, queue and write
+bounds, linger, the backoff schedule, partial failures at their edges, control records under the
+drop policy, and stopping. Found missing by mutation testing (tools/mutants.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from bridge.errors import NotConnected, PartialFailure, Permanent, Retriable
+from bridge.formats import Message
+from bridge.metrics import Metrics
+from bridge.records import Record, Stream, events_lost, source_reset
+from bridge.sink import SinkWorker
+from tests.support.memory import MemoryConnector, MemoryOptions
+from tests.support.records import stream_records
+from tests.unit.test_sink import STREAM, fill, make
+
+STREAM_RECORDS: list[Record] = stream_records(STREAM, 10)
+STREAM_RECORDS_OTHER: list[Record] = stream_records(Stream("other", 0), 1)
+NO_JITTER = {"initial_backoff": 0.001, "max_backoff": 0.004, "multiplier": 2.0, "jitter": 0.0}
+
+
+def value(metrics: Metrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def until(condition: object, timeout: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+async def done(worker: SinkWorker) -> None:
+    await worker.stop()
+    worker.dead_letters.close()
+
+
+def seqs(conn: MemoryConnector, stream: Stream = STREAM) -> list[tuple[str, int | None, int]]:
+    return [(m.record.kind, m.record.from_seq, m.record.seq) for m in conn.messages if m.record.stream == stream]
+
+
+def record_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(delay: float, *args: object) -> None:
+        slept.append(delay)
+        await real_sleep(0)
+
+    monkeypatch.setattr("bridge.sink.asyncio.sleep", sleep)
+    return slept
+
+
+# -- connecting ----------------------------------------------------------------------------------
+
+
+class RefusesFirst(MemoryConnector):
+    refusals = 0
+
+    async def connect(self) -> None:
+        if self.refusals:
+            self.refusals -= 1
+            raise NotConnected("connection refused")
+        await super().connect()
+
+
+class NeverConnects(MemoryConnector):
+    async def connect(self) -> None:
+        await asyncio.Event().wait()
+
+
+async def test_connecting_is_retried_with_exponential_backoff_until_the_server_is_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker, _, _, metrics = make(tmp_path, batch={"linger": 0}, retry=NO_JITTER)
+    conn = worker.connector = RefusesFirst("mem", MemoryOptions(), worker.config)
+    conn.refusals = 4
+    slept = record_sleeps(monkeypatch)
+    worker.start()
+    await fill(worker, STREAM_RECORDS[:3])
+    assert await worker.flush(5)
+    assert conn.connected
+    assert slept == [0.001, 0.002, 0.004, 0.004]  # doubling from initial_backoff, capped at max_backoff
+    assert [m.record.seq for m in conn.messages] == [0, 1, 2]
+    assert value(metrics, "kv_bridge_sink_errors_total", sink="mem", reason="not_connected") == 4
+    assert worker.connected and worker.last_error is None
+    assert value(metrics, "kv_bridge_sink_up", sink="mem") == 1
+    await done(worker)
+
+
+async def test_a_sink_not_connected_yet_is_not_ready_and_an_empty_one_flushes_at_once(tmp_path: Path) -> None:
+    worker, _, _, metrics = make(tmp_path, batch={"linger": 0})
+    worker.connector = NeverConnects("mem", MemoryOptions(), worker.config)
+    task = worker.start()
+    await asyncio.sleep(0.02)
+    assert not worker.connected and worker.last_error is not None
+    assert value(metrics, "kv_bridge_sink_up", sink="mem") == 0
+    assert await worker.flush(0.2)  # nothing queued: shutdown does not wait for the server
+    await done(worker)
+    assert task.cancelled()
+
+
+async def test_write_retries_back_off_exponentially_and_the_sink_is_ready_again_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker, conn, acked, _ = make(tmp_path, batch={"linger": 0}, retry=NO_JITTER)
+    conn.failures = [NotConnected("down")] * 4 + [None]
+    slept = record_sleeps(monkeypatch)
+    worker.start()
+    await fill(worker, STREAM_RECORDS[:1])
+    assert await worker.flush(5)
+    assert slept == [0.001, 0.002, 0.004, 0.004]
+    assert worker.connected and worker.last_error is None
+    assert [r.seq for r in acked] == [0]
+    await done(worker)
+
+
+async def test_an_unclassified_client_error_is_retried_as_transient(tmp_path: Path) -> None:
+    class Boom(MemoryConnector):
+        calls = 0
+
+        async def write(self, messages: Sequence[Message]) -> None:
+            self.calls += 1
+            if self.calls == 1:
+                raise RuntimeError("client bug")
+            await super().write(messages)
+
+    worker, _, acked, metrics = make(tmp_path, batch={"linger": 0})
+    conn = worker.connector = Boom("mem", MemoryOptions(), worker.config)
+    task = worker.start()
+    await fill(worker, STREAM_RECORDS[:2])
+    assert await worker.flush(5)
+    assert not task.done()
+    assert [m.record.seq for m in conn.messages] == [0, 1] and [r.seq for r in acked] == [0, 1]
+    assert value(metrics, "kv_bridge_sink_errors_total", sink="mem", reason="unexpected") == 1
+    await done(worker)
+
+
+# -- stopping ------------------------------------------------------------------------------------
+
+
+async def test_stop_cancels_a_write_in_progress_and_closes_the_connector(tmp_path: Path) -> None:
+    worker, conn, acked, _ = make(tmp_path, batch={"linger": 0})
+    conn.gate = asyncio.Event()  # the write never returns
+    task = worker.start()
+    await fill(worker, STREAM_RECORDS[:1])
+    await until(lambda: conn.connected)
+    await asyncio.sleep(0.01)
+    await done(worker)
+    assert task.cancelled()  # cancelled, not failed
+    assert not conn.connected
+    assert acked == []
+
+
+async def test_stop_before_start_closes_the_connector(tmp_path: Path) -> None:
+    worker, conn, _, _ = make(tmp_path)
+    conn.connected = True
+    await done(worker)
+    assert not conn.connected
+
+
+# -- bounds --------------------------------------------------------------------------------------
+
+
+def test_the_queue_holds_up_to_its_byte_bound_exactly(tmp_path: Path) -> None:
+    records = STREAM_RECORDS[:4]
+    worker, _, _, _ = make(tmp_path, queue={"max_batches": 100, "max_bytes": sum(r.size for r in records[:3])})
+    assert all(worker.offer(r) for r in records[:3])  # the third fills it to the byte
+    assert not worker.offer(records[3])
+    assert worker.queued == (3, sum(r.size for r in records[:3]))
+    worker.dead_letters.close()
+
+
+def test_a_batch_larger_than_the_queue_bound_still_goes_alone(tmp_path: Path) -> None:
+    big = STREAM_RECORDS[0]
+    worker, _, _, _ = make(tmp_path, queue={"max_bytes": big.size // 2})
+    assert worker.offer(big)
+    assert not worker.offer(STREAM_RECORDS[1])
+    worker.dead_letters.close()
+
+
+async def test_writes_are_filled_up_to_max_bytes_and_not_past_it(tmp_path: Path) -> None:
+    records = STREAM_RECORDS[:9]
+    limit = records[0].size + records[1].size
+    worker, conn, _, _ = make(tmp_path, granularity="batch", batch={"linger": 0, "max_bytes": limit})
+    await fill(worker, records)  # all queued before the first write
+    worker.start()
+    assert await worker.flush(5)
+    await done(worker)
+    assert [m.record.seq for m in conn.messages] == list(range(9))
+    sizes = [r.size for r in records]
+    i = 0
+    for n in conn.writes:
+        assert n == 1 or sum(sizes[i : i + n]) <= limit
+        if i + n < len(sizes):
+            assert sum(sizes[i : i + n + 1]) > limit, "a write left out a batch that fitted"
+        i += n
+    assert worker.queued == (0, 0)
+
+
+async def test_linger_gathers_what_arrives_meanwhile_into_one_write(tmp_path: Path) -> None:
+    worker, conn, _, _ = make(tmp_path, batch={"linger": 0.1, "max_messages": 10})
+    worker.start()
+    await until(lambda: worker.connected)
+    assert worker.offer(STREAM_RECORDS[0])
+    await asyncio.sleep(0.01)
+    assert worker.offer(STREAM_RECORDS[1]) and worker.offer(STREAM_RECORDS[2])
+    assert await worker.flush(5)
+    await done(worker)
+    assert conn.writes == [3]
+
+
+async def test_a_full_write_does_not_wait_for_linger(tmp_path: Path) -> None:
+    worker, conn, _, _ = make(tmp_path, batch={"linger": 30, "max_messages": 3})
+    worker.start()
+    await until(lambda: worker.connected)
+    for r in STREAM_RECORDS[:3]:
+        assert worker.offer(r)
+    assert await worker.flush(2)
+    await done(worker)
+    assert conn.writes == [3]
+
+
+# -- partial failures ----------------------------------------------------------------------------
+
+
+class FailsOnce(MemoryConnector):
+    """The first write delivers all but ``failed`` (indexes as a client reports them) and raises."""
+
+    failed: list[int]
+    cause: Exception
+
+    calls = 0
+
+    async def write(self, messages: Sequence[Message]) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            self.messages.extend(m for i, m in enumerate(messages) if i not in self.failed)
+            raise PartialFailure(self.failed, self.cause)  # type: ignore[arg-type]
+        await super().write(messages)
+
+
+def failing_once(worker: SinkWorker, failed: list[int], cause: Exception) -> FailsOnce:
+    conn = FailsOnce("mem", MemoryOptions(), worker.config)
+    conn.failed, conn.cause = failed, cause
+    worker.connector = conn
+    return conn
+
+
+async def test_partial_failure_retries_exactly_the_failed_indexes_ignoring_any_outside_the_write(tmp_path: Path) -> None:
+    worker, _, acked, _ = make(tmp_path, batch={"linger": 0})
+    conn = failing_once(worker, [0, 3, -1, 4, 99], Retriable("leader moved"))
+    await fill(worker, STREAM_RECORDS[:4])
+    worker.start()
+    assert await worker.flush(5)
+    await done(worker)
+    assert sorted(m.record.seq for m in conn.messages) == [0, 1, 2, 3]  # each once
+    assert conn.writes == [2]  # the retry: indexes 0 and 3
+    assert [r.seq for r in acked] == [0, 1, 2, 3]
+
+
+async def test_partial_failure_with_only_unknown_indexes_settles_the_write(tmp_path: Path) -> None:
+    worker, _, acked, _ = make(tmp_path, batch={"linger": 0})
+    conn = failing_once(worker, [7], Retriable("odd client"))
+    await fill(worker, STREAM_RECORDS[:2])
+    task = worker.start()
+    assert await worker.flush(5)
+    assert not task.done()
+    await done(worker)
+    assert [m.record.seq for m in conn.messages] == [0, 1]
+    assert [r.seq for r in acked] == [0, 1]
+
+
+async def test_permanent_partial_failure_dead_letters_only_the_refused(tmp_path: Path) -> None:
+    worker, _, acked, metrics = make(tmp_path, batch={"linger": 0})
+    conn = failing_once(worker, [1], Permanent("record too large"))
+    await fill(worker, STREAM_RECORDS[:3])
+    task = worker.start()
+    assert await worker.flush(5)
+    assert not task.done()
+    await done(worker)
+    assert [m.record.seq for m in conn.messages] == [0, 2]
+    assert [r.seq for r in acked] == [0, 1, 2]  # settled: the stream goes on
+    assert value(metrics, "kv_bridge_sink_batches_total", sink="mem", outcome="dead_lettered") == 1
+    assert value(metrics, "kv_bridge_sink_batches_total", sink="mem", outcome="delivered") == 2
+    assert value(metrics, "kv_bridge_sink_errors_total", sink="mem", reason="permanent") == 1
+    (dead,) = (tmp_path / "dead.jsonl").read_text().splitlines()
+    assert '"seq":1' in dead
+
+
+async def test_a_rejected_control_record_is_not_counted_as_a_batch(tmp_path: Path) -> None:
+    worker, conn, acked, metrics = make(tmp_path, batch={"linger": 0, "max_messages": 1})
+    conn.failures = [Permanent("refused"), None]
+    reset = source_reset(STREAM, 1, "publisher_restart", 0.0)
+    await fill(worker, [reset, *STREAM_RECORDS[:1]])
+    worker.start()
+    assert await worker.flush(5)
+    await done(worker)
+    assert value(metrics, "kv_bridge_sink_batches_total", sink="mem", outcome="dead_lettered") == 0
+    assert value(metrics, "kv_bridge_sink_batches_total", sink="mem", outcome="delivered") == 1
+    assert acked[0] is reset
+
+
+# -- the drop policy and control records -------------------------------------------------------
+
+
+async def test_control_records_are_queued_past_a_full_drop_queue_after_the_dropped_span(tmp_path: Path) -> None:
+    """A SourceReset arriving while batches are being dropped: the span's EventsLost goes first,
+    in the old epoch, then the SourceReset; neither is dropped nor makes the stream wait."""
+    worker, conn, acked, _ = make(tmp_path, queue={"max_batches": 1}, backpressure="drop", batch={"linger": 0})
+    conn.gate = asyncio.Event()
+    worker.start()
+    assert worker.offer(STREAM_RECORDS_OTHER[0])  # fills the queue, held in the write
+    await asyncio.sleep(0.01)
+    for r in STREAM_RECORDS[:3]:
+        assert worker.offer(r)  # dropped
+    reset = source_reset(STREAM, 1, "publisher_restart", 0.0)
+    assert worker.offer(reset)
+    lost = events_lost(STREAM, 1, 0, 4, "replay_unavailable", 0.0)
+    assert worker.offer(lost)
+    conn.gate.set()
+    assert await worker.flush(5)
+    await done(worker)
+    assert seqs(conn) == [("EventsLost", 0, 2), ("SourceReset", None, 0), ("EventsLost", 0, 4)]
+    assert [(r.kind, r.epoch) for r in acked if r.stream == STREAM] == [("EventsLost", 0), ("SourceReset", 1), ("EventsLost", 1)]
+
+
+async def test_each_dropped_span_is_announced_even_when_they_are_not_contiguous(tmp_path: Path) -> None:
+    worker, conn, _, metrics = make(tmp_path, queue={"max_batches": 1}, backpressure="drop", batch={"linger": 0})
+    conn.gate = asyncio.Event()
+    worker.start()
+    assert worker.offer(STREAM_RECORDS_OTHER[0])
+    await asyncio.sleep(0.01)
+    for r in [*STREAM_RECORDS[0:2], *STREAM_RECORDS[5:7]]:
+        assert worker.offer(r)
+    conn.gate.set()
+    assert await worker.flush(5)
+    await done(worker)
+    assert seqs(conn) == [("EventsLost", 0, 1), ("EventsLost", 5, 6)]
+    assert value(metrics, "kv_bridge_batches_lost_total", source="s") == 4
+
+
+# -- what the metrics say -----------------------------------------------------------------------
+
+
+async def test_lag_is_ack_time_minus_engine_ts_and_send_duration_the_write_time(tmp_path: Path) -> None:
+    worker, _, _, metrics = make(tmp_path, batch={"linger": 0})
+    records = STREAM_RECORDS[:5]
+    before = time.time()
+    worker.start()
+    await fill(worker, records)
+    assert await worker.flush(5)
+    after = time.time()
+    await done(worker)
+    count = value(metrics, "kv_bridge_lag_seconds_count", sink="mem")
+    total = value(metrics, "kv_bridge_lag_seconds_sum", sink="mem")
+    assert count == 5
+    stamps = [r.ts for r in records if r.ts is not None]
+    assert sum(before - t for t in stamps) <= total <= sum(after - t for t in stamps)
+    writes = value(metrics, "kv_bridge_sink_send_duration_seconds_count", sink="mem")
+    assert writes >= 1 and 0 <= value(metrics, "kv_bridge_sink_send_duration_seconds_sum", sink="mem") <= after - before
