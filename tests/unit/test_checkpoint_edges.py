@@ -119,6 +119,24 @@ def test_an_untouched_checkpoint_is_still_saved(tmp_path: Path) -> None:
 # -- the file ------------------------------------------------------------------------------------
 
 
+def test_the_file_is_the_documented_json(tmp_path: Path) -> None:
+    """The format of the module docstring (a file other versions of the bridge read): keys in
+    order whatever order the streams were met in, absent fingerprints left out."""
+    path = tmp_path / "checkpoint.json"
+    save(
+        path,
+        CheckpointFile(
+            streams={KEY: StreamPosition(1013402, 1041, 1732870000.25, 3735928559), "b/1": StreamPosition(7, -1)},
+            epochs={KEY: 1013402, "b/1": 7},
+        ),
+    )
+    assert path.read_bytes() == (
+        b'{"version":1,"streams":{"b/1":{"epoch":7,"seq":-1},'
+        b'"llama-a/0":{"epoch":1013402,"seq":1041,"ts":1732870000.25,"crc":3735928559}},'
+        b'"epochs":{"b/1":7,"llama-a/0":1013402},"opened":{}}'
+    )
+
+
 def test_save_creates_missing_parent_directories(tmp_path: Path) -> None:
     path = tmp_path / "a" / "b" / "checkpoint.json"
     save(path, CheckpointFile(epochs={KEY: 3}))

@@ -8,7 +8,7 @@ a later clock), as in ``test_sequencer_instances.py``.
 
 from __future__ import annotations
 
-from bridge.sequencer import Action, Deliver, Duplicate, Gap, Lost, RequestReplay, Reset, StreamSequencer
+from bridge.sequencer import Action, Deliver, Duplicate, Gap, Lost, RequestReplay, Reset, StreamSequencer, fingerprint
 
 
 def p(instance: int, seq: int) -> bytes:
@@ -48,6 +48,7 @@ def test_retries_count_up_from_a_first_attempt_sent_at_once() -> None:
     s = seqr()
     s.live(0, p(0, 0))
     req = only_request(s.live(3, p(0, 3)))
+    assert s.replaying
     attempts = [req.attempt]
     for _ in range(2):
         req = only_request(s.replay_finished(req.request_id, complete=False))
@@ -84,6 +85,7 @@ def test_silent_replays_lose_the_span_below_the_lowest_held_batch_then_fetch_the
         req = only_request(out)
     assert settled(out) == [Lost(1, 4, "replay_unavailable", 0), Deliver(5, p(0, 5), 0)]
     assert (req.start, req.until) == (5, 6)  # 6 is fetched, not given up with 1..4
+    assert req.attempt == 0  # a new gap: its first attempt goes out at once
 
 
 def test_silent_replays_reach_a_gap_up_to_the_last_live_seq_not_kept() -> None:
@@ -109,8 +111,10 @@ def test_silent_replays_reach_a_gap_up_to_the_last_live_seq_not_kept() -> None:
 def test_after_a_disconnect_an_open_gap_is_asked_for_at_once_and_a_replay_in_flight_is_dropped() -> None:
     s = seqr()
     s.live(0, p(0, 0))
-    stale = only_request(s.live(3, p(0, 3)))
-    fresh = only_request(s.disconnected())
+    first = only_request(s.live(3, p(0, 3)))
+    stale = only_request(s.replay_finished(first.request_id, complete=False))
+    assert stale.attempt == 1
+    fresh = only_request(s.disconnected())  # verification starts afresh: a first attempt
     assert fresh.request_id != stale.request_id and fresh.attempt == 0
     assert s.replayed(stale.request_id, 1, p(0, 1)) == []  # asked of the instance that went away
     assert s.replay_finished(stale.request_id, True) == []
@@ -160,7 +164,7 @@ def test_in_doubt_a_silent_replay_socket_ends_in_presumed_continuity() -> None:
         assert req.attempt == attempt
     out = s.replay_finished(req.request_id, complete=False)
     assert out == [Deliver(2, p(0, 2), 0), Deliver(3, p(0, 3), 0)]
-    assert not s.in_doubt and s.epoch == 0
+    assert not s.in_doubt and s.epoch == 0 and s.known_top == 3
 
 
 def test_an_empty_replay_while_live_batches_wait_unverified_is_a_new_instance() -> None:
@@ -186,6 +190,9 @@ def test_an_empty_replay_after_the_buffer_was_seen_to_work_is_a_new_instance() -
     req = only_request(s.live(3, p(1, 3)))  # a gap: 2 missing
     out = s.replay_finished(req.request_id, complete=True)  # and nothing from 1 on any more
     assert [a for a in out if isinstance(a, Reset)] == [Reset(1, "publisher_restart")]
+    # Nothing of the new instance known yet: its own empty answer proves nothing more.
+    out = s.replay_finished(only_request(out).request_id, complete=True)
+    assert not [a for a in out if isinstance(a, Reset)] and s.epoch == 1
 
 
 def test_an_empty_replay_from_an_engine_without_a_buffer_is_not_a_restart() -> None:
@@ -302,3 +309,123 @@ def test_the_reply_that_reveals_a_restart_is_kept_for_the_new_epoch() -> None:
     lost_new = [(a.from_seq, a.to_seq) for a in out if isinstance(a, Lost) and a.epoch == 1]
     assert p(1, 2) in delivered_new
     assert all(not a <= 2 <= b for a, b in lost_new)
+
+
+def test_a_fresh_streams_head_that_no_replay_brings_was_published_before_the_bridge_joined() -> None:
+    s = seqr()
+    req = only_request(s.live(5, p(0, 5)))
+    for _ in range(3):
+        out = s.replay_finished(req.request_id, complete=False)
+        if requests(out):
+            req = only_request(out)
+    assert settled(out) == [Lost(0, 4, "joined_late", 0), Deliver(5, p(0, 5), 0)]
+
+
+def test_a_gap_that_only_a_probes_replies_revealed_is_asked_for_again() -> None:
+    s = seqr()
+    for q in range(3):
+        s.live(q, p(0, q))
+    probe = only_request(s.probe())
+    out = s.replayed(probe.request_id, 2, p(0, 2))  # the anchor
+    out += s.replayed(probe.request_id, 4, p(0, 4))  # 3 dropped by the ROUTER
+    out += s.replay_finished(probe.request_id, complete=True)
+    req = only_request(out)
+    assert req.until == 3 and s.known_top == 4
+    out = s.replayed(req.request_id, 2, p(0, 2)) + s.replayed(req.request_id, 3, p(0, 3))
+    assert settled(out) == [Deliver(3, p(0, 3), 0, replayed=True), Deliver(4, p(0, 4), 0)]
+
+
+# -- live batches below what a replay brought ------------------------------------------------------
+
+
+def replayed_ahead_of_live() -> StreamSequencer:
+    """Live 0..2, then a probe delivered 3..5 from the replay socket: the live stream is behind."""
+    s = seqr()
+    for q in range(3):
+        s.live(q, p(0, q))
+    probe = only_request(s.probe())
+    for q in range(2, 6):
+        s.replayed(probe.request_id, q, p(0, q))
+    s.replay_finished(probe.request_id, complete=True)
+    assert s.delivered == 5 and s.known_top == 5 and s.last_live == 2
+    return s
+
+
+def test_a_late_live_copy_of_a_replayed_batch_is_a_duplicate() -> None:
+    s = replayed_ahead_of_live()
+    assert s.live(4, p(0, 4)) == [Duplicate(4)]
+    assert s.epoch == 0
+
+
+def test_a_live_seq_below_the_last_delivered_with_a_later_clock_is_a_new_instance() -> None:
+    s = replayed_ahead_of_live()
+    out = s.live(4, p(1, 4))  # above the last live seq, below the last delivered, stamped after it
+    assert Reset(1, "publisher_restart") in out
+    assert s.epoch == 1
+
+
+def test_a_late_live_copy_stamped_in_the_same_instant_as_the_last_delivered_is_a_duplicate() -> None:
+    stamp = {p(0, q): float(min(q, 4)) for q in range(6)}  # 4 and 5 in the same instant
+    s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=stamp.__getitem__)
+    for q in range(3):
+        s.live(q, p(0, q))
+    probe = only_request(s.probe())
+    for q in range(2, 6):
+        s.replayed(probe.request_id, q, p(0, q))
+    assert s.live(4, p(0, 4)) == [Duplicate(4)]
+
+
+# -- resuming ---------------------------------------------------------------------------------------
+
+
+def test_a_sequencer_resumed_from_another_ones_resume_point_verifies_the_same_instance() -> None:
+    """What a stream removed and added back (or a retired pipeline) starts from."""
+    first = seqr()
+    for q in range(4):
+        first.live(q, p(0, q))
+    point = first.resume_point()
+    assert point == (0, 3, fingerprint(ts(p(0, 3)), p(0, 3)), 3)
+    epoch, delivered, fp, anchor = point
+    for instance, restarted in ((0, False), (1, True)):
+        s = seqr(epoch=epoch, delivered=delivered, delivered_fp=fp, anchor=anchor)
+        req = only_request(s.start())
+        assert req.start == 3
+        out = s.replayed(req.request_id, 3, p(instance, 3)) + s.replayed(req.request_id, 4, p(instance, 4))
+        assert (Reset(1, "publisher_restart") in out) is restarted
+
+
+def test_a_replay_that_brings_one_more_batch_each_time_is_never_given_up() -> None:
+    """Progress is not failure: attempts count only replays that delivered nothing."""
+    s = seqr()
+    s.live(0, p(0, 0))
+    req = only_request(s.live(6, p(0, 6)))
+    out: list[Action] = []
+    for q in range(1, 6):  # each replay: the verification reply and one new batch, then it breaks off
+        got = s.replayed(req.request_id, q - 1, p(0, q - 1)) + s.replayed(req.request_id, q, p(0, q))
+        got += s.replay_finished(req.request_id, complete=False)
+        out += got
+        if requests(got):
+            req = only_request(got)
+    assert not [a for a in out if isinstance(a, Lost)]
+    assert [a.seq for a in out if isinstance(a, Deliver)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_after_a_disconnect_and_a_silent_probe_the_next_replay_is_a_first_attempt() -> None:
+    for then in ("live", "probe"):
+        s = seqr()
+        s.live(0, p(0, 0))
+        assert s.disconnected() == []  # no gap: nothing to ask
+        probe = only_request(s.probe())
+        assert probe.attempt == 0
+        assert s.replay_finished(probe.request_id, complete=False) == []  # nothing waits: no retry
+        req = only_request(s.live(1, p(0, 1)) if then == "live" else s.probe())
+        assert req.attempt == 0, then
+
+
+def test_a_reply_below_the_verification_point_is_a_duplicate() -> None:
+    s = seqr()
+    for q in range(4):
+        s.live(q, p(0, q))
+    probe = only_request(s.probe())
+    assert probe.start == 3
+    assert s.replayed(probe.request_id, 1, p(0, 1)) == [Duplicate(1)]

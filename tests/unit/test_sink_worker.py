@@ -365,3 +365,52 @@ async def test_lag_is_ack_time_minus_engine_ts_and_send_duration_the_write_time(
     assert sum(before - t for t in stamps) <= total <= sum(after - t for t in stamps)
     writes = value(metrics, "kv_bridge_sink_send_duration_seconds_count", sink="mem")
     assert writes >= 1 and 0 <= value(metrics, "kv_bridge_sink_send_duration_seconds_sum", sink="mem") <= after - before
+
+
+# -- readiness -------------------------------------------------------------------------------------
+
+
+async def test_a_sink_whose_writes_fail_is_down_until_one_succeeds(tmp_path: Path) -> None:
+    worker, conn, _, metrics = make(tmp_path, batch={"linger": 0}, queue={"max_batches": 7, "max_bytes": 12345})
+    assert value(metrics, "kv_bridge_sink_queue_limit_batches", sink="mem") == 7
+    assert value(metrics, "kv_bridge_sink_queue_limit_bytes", sink="mem") == 12345
+    conn.failures = [NotConnected("down")] * 1000
+    worker.start()
+    await fill(worker, STREAM_RECORDS[:1])
+    await until(lambda: conn.writes)
+    await until(lambda: value(metrics, "kv_bridge_sink_retries_total", sink="mem") >= 1)
+    assert not worker.connected
+    assert value(metrics, "kv_bridge_sink_up", sink="mem") == 0
+    conn.failures.clear()
+    assert await worker.flush(5)
+    assert value(metrics, "kv_bridge_sink_up", sink="mem") == 1
+    await done(worker)
+
+
+class HangingHealth(MemoryConnector):
+    async def health(self) -> str | None:
+        await asyncio.Event().wait()
+        return None
+
+
+class RaisingHealth(MemoryConnector):
+    async def health(self) -> str | None:
+        raise RuntimeError("health hook bug")
+
+
+@pytest.mark.parametrize("connector", [HangingHealth, RaisingHealth], ids=["hangs", "raises"])
+async def test_a_health_check_that_hangs_or_raises_marks_an_idle_sink_down_and_the_sink_goes_on(
+    tmp_path: Path, connector: type[MemoryConnector]
+) -> None:
+    worker, _, _, metrics = make(tmp_path, batch={"linger": 0}, retry={"write_timeout": 0.05})
+    conn = worker.connector = connector("mem", MemoryOptions(), worker.config)
+    worker.health_interval = 0.01
+    task = worker.start()
+    await until(lambda: conn.connected)
+    await until(lambda: not worker.connected)
+    assert worker.last_error is not None and value(metrics, "kv_bridge_sink_up", sink="mem") == 0
+    assert not task.done()
+    await fill(worker, STREAM_RECORDS[:1])  # and it still delivers
+    assert await worker.flush(5)
+    assert [m.record.seq for m in conn.messages] == [0]
+    await done(worker)
