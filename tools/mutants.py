@@ -1,6 +1,6 @@
 """Mutation testing of the delivery core against the unit tests (a development check, not in CI).
 
-    .venv/bin/python tools/mutants.py                      # all four modules, 2 jobs
+    .venv/bin/python tools/mutants.py                      # all four modules, a job per CPU (~30 min on 2)
     .venv/bin/python tools/mutants.py -m sink -m fanout    # some of them
     .venv/bin/python tools/mutants.py --list -m fanout     # the mutants, not run
     .venv/bin/python tools/mutants.py --only sequencer:17  # one mutant (ids as listed)
@@ -9,15 +9,18 @@ Each mutant is one classic change to one of ``bridge/{sequencer,checkpoint,fanou
 a comparison's boundary or sense (``<``/``<=``, ``>``/``>=``, ``==``/``!=``, ``is``/``is not``,
 ``in``/``not in``), an int constant +1 / -1, ``+``/``-``, ``and``/``or``, ``not`` removed,
 ``True``/``False``, ``max``/``min``, a ``return`` value replaced by None, or a simple statement
-deleted. Not mutated: docstrings, type annotations, and logging (a ``log.*(...)`` call, and an
-``if`` that only logs): log text and log rate are not behaviour the tests promise.
+deleted. Not mutated: docstrings, type annotations, a class's keywords (``frozen=True``), the
+deletion of module-level statements (a NameError at import), and logging (a ``log.*(...)`` call,
+and an ``if`` that only logs): log text and log rate are not behaviour the tests promise.
 
 The tree is copied to a temporary directory (one copy per job, removed at the end); each mutant
 is written there, the module's unit tests are run on it with ``pytest -x`` and a timeout, and the
 original is put back. The working tree is never touched and nothing is left in it. A mutant is
 *killed* when the tests fail (or time out), *survived* when they pass. Hypothesis runs with a fixed
 seed and no example database, so a run is repeatable; ``KV_MODEL_EXAMPLES`` (``--examples``)
-bounds the sequencer model. Exit status 1 when a module's kill rate is below ``--threshold``.
+bounds the sequencer model; ``KVB_VECTORS`` is passed on (default: ``../shared/vectors``). Exit
+status 1 when a module's kill rate is below ``--threshold`` (90%), 2 when the unmutated tests fail
+or pytest could not run a selection.
 """
 
 from __future__ import annotations
@@ -66,9 +69,11 @@ SLOW_TESTS: dict[str, list[str]] = {
 }
 
 
-def tests_for(module: str) -> list[str]:
+def tests_for(module: str, tree: Path) -> list[str]:
+    """The test selection in ``tree`` (the copy: a test file added meanwhile to the working tree
+    is not there)."""
     first, last = TESTS[module], SLOW_TESTS.get(module, [])
-    extra = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "unit").glob(f"test_{module}_*.py"))
+    extra = sorted(str(p.relative_to(tree)) for p in (tree / "tests" / "unit").glob(f"test_{module}_*.py"))
     return [*first, *(f for f in extra if f not in first + last), *last]
 
 
@@ -265,7 +270,7 @@ RUNNING: set[subprocess.Popen[bytes]] = set()  # test runs in progress, stopped 
 
 
 def run_tests(work: Path, module: str, examples: int, seed: int, timeout: float) -> tuple[str, float]:
-    """("passed" | "failed" | "timeout", seconds) for the module's tests in the copy ``work``."""
+    """("passed" | "failed" | "timeout" | "error", seconds) for the module's tests in the copy ``work``."""
     shutil.rmtree(work / ".hypothesis", ignore_errors=True)  # no example database: each run stands alone
     env = {
         **os.environ,
@@ -275,7 +280,7 @@ def run_tests(work: Path, module: str, examples: int, seed: int, timeout: float)
         "KVB_VECTORS": os.environ.get("KVB_VECTORS", str(ROOT.parent / "shared" / "vectors")),
     }
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", f"--hypothesis-seed={seed}"]
-    cmd += tests_for(module)
+    cmd += tests_for(module, work)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     RUNNING.add(proc)
@@ -287,7 +292,10 @@ def run_tests(work: Path, module: str, examples: int, seed: int, timeout: float)
         return "timeout", time.monotonic() - start
     finally:
         RUNNING.discard(proc)
-    return ("passed" if code == 0 else "failed"), time.monotonic() - start
+    # pytest: 0 passed, 1 tests failed, 2 interrupted (a collection error: the mutant broke an
+    # import), 3 internal error; 4 (usage: a test file missing) and 5 (no tests) are this script's.
+    outcome = {0: "passed", 4: "error", 5: "error"}.get(code, "failed")
+    return outcome, time.monotonic() - start
 
 
 def copy_tree(dest: Path) -> None:
@@ -362,8 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for i, (m, outcome) in enumerate(pool.map(run, todo), 1):
                 results.append((m, outcome))
-                if outcome == "passed":
-                    print(f"  survived {m.id:16} bridge/{m.module}.py:{m.line:<4} {m.what}", flush=True)
+                if outcome in ("passed", "error"):
+                    word = "survived" if outcome == "passed" else "ERROR"
+                    print(f"  {word:8} {m.id:16} bridge/{m.module}.py:{m.line:<4} {m.what}", flush=True)
                 if i % 50 == 0:
                     print(f"  ... {i}/{len(todo)} ({time.monotonic() - began:.0f}s)", flush=True)
         finally:
@@ -373,14 +382,15 @@ def main(argv: list[str] | None = None) -> int:
                     os.killpg(proc.pid, signal.SIGKILL)
             pool.shutdown(cancel_futures=True)
 
-    print(f"\n{'module':12} {'mutants':>8} {'killed':>7} {'timeout':>8} {'survived':>9} {'killed %':>9}")
+    print(f"\n{'module':12} {'mutants':>8} {'killed':>7} {'timeout':>8} {'survived':>9} {'errors':>7} {'killed %':>9}")
     ok = True
     for mod in modules:
         mine = [o for m, o in results if m.module == mod]
-        killed = sum(o != "passed" for o in mine)
+        killed = sum(o in ("failed", "timeout") for o in mine)  # timeouts included
         rate = 100.0 * killed / len(mine) if mine else 100.0
         ok = ok and rate >= args.threshold
-        print(f"{mod:12} {len(mine):8} {killed:7} {mine.count('timeout'):8} {mine.count('passed'):9} {rate:8.1f}%")
+        counts = f"{mine.count('timeout'):8} {mine.count('passed'):9} {mine.count('error'):7}"
+        print(f"{mod:12} {len(mine):8} {killed:7} {counts} {rate:8.1f}%")
     print(f"\n{time.monotonic() - began:.0f}s")
     survivors = [m for m, o in results if o == "passed"]
     if survivors:
@@ -388,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
         for m in survivors:
             text = sources[m.module].splitlines()[m.line - 1].strip()
             print(f"  {m.id:16} bridge/{m.module}.py:{m.line:<4} {m.what:22} | {text}")
+    if any(o == "error" for _, o in results):
+        print("\nERROR: pytest could not run the selection for some mutants (exit 4 or 5)", file=sys.stderr)
+        return 2
     return 0 if ok else 1
 
 

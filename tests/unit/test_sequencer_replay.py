@@ -83,6 +83,8 @@ def test_silent_replays_lose_the_span_below_the_lowest_held_batch_then_fetch_the
     for _ in range(3):
         out = s.replay_finished(req.request_id, complete=False)
         req = only_request(out)
+        if not settled(out):
+            assert req.until == 4  # up to the lowest held batch, not the highest
     assert settled(out) == [Lost(1, 4, "replay_unavailable", 0), Deliver(5, p(0, 5), 0)]
     assert (req.start, req.until) == (5, 6)  # 6 is fetched, not given up with 1..4
     assert req.attempt == 0  # a new gap: its first attempt goes out at once
@@ -95,14 +97,17 @@ def test_silent_replays_reach_a_gap_up_to_the_last_live_seq_not_kept() -> None:
     req = only_request(s.live(3, p(0, 3)))
     s.live(4, p(0, 4))  # not kept
     out: list[Action] = []
+    untils = []
     for _ in range(6):
         got = s.replay_finished(req.request_id, complete=False)
         out += got
         if not requests(got):
             break
         req = only_request(got)
+        untils.append(req.until)
     assert settled(out) == [Lost(1, 2, "replay_unavailable", 0), Deliver(3, p(0, 3), 0), Lost(4, 4, "replay_unavailable", 0)]
     assert not s.replaying and s.delivered == 4
+    assert 4 in untils  # after 3: up to the last live seq, not to the end
 
 
 # -- in doubt ---------------------------------------------------------------------------------------
@@ -182,13 +187,12 @@ def test_an_empty_replay_while_live_batches_wait_unverified_is_a_new_instance() 
 
 def test_an_empty_replay_after_the_buffer_was_seen_to_work_is_a_new_instance() -> None:
     s = seqr()
-    for q in range(2):
-        s.live(q, p(0, q))
+    s.live(0, p(0, 0))
     probe = only_request(s.probe())
-    s.replayed(probe.request_id, 1, p(0, 1))  # the buffer works: it holds our last seq
+    s.replayed(probe.request_id, 0, p(0, 0))  # the buffer works: it holds our last seq
     assert settled(s.replay_finished(probe.request_id, complete=True)) == []
-    req = only_request(s.live(3, p(1, 3)))  # a gap: 2 missing
-    out = s.replay_finished(req.request_id, complete=True)  # and nothing from 1 on any more
+    req = only_request(s.live(2, p(1, 2)))  # a gap: 1 missing
+    out = s.replay_finished(req.request_id, complete=True)  # and nothing from 0 on any more
     assert [a for a in out if isinstance(a, Reset)] == [Reset(1, "publisher_restart")]
     # Nothing of the new instance known yet: its own empty answer proves nothing more.
     out = s.replay_finished(only_request(out).request_id, complete=True)
@@ -429,3 +433,95 @@ def test_a_reply_below_the_verification_point_is_a_duplicate() -> None:
     probe = only_request(s.probe())
     assert probe.start == 3
     assert s.replayed(probe.request_id, 1, p(0, 1)) == [Duplicate(1)]
+
+
+def test_in_doubt_with_nothing_held_the_whole_span_from_the_first_missing_seq_is_settled() -> None:
+    s = seqr(max_held=0)  # nothing kept: every live batch past a gap is left to the replay
+    s.live(0, p(0, 0))
+    s.live(3, p(0, 3))
+    req = only_request(s.disconnected())
+    for _ in range(2):
+        req = only_request(s.replay_finished(req.request_id, complete=False))
+    assert s.replay_finished(req.request_id, complete=False) == [Lost(1, 3, "replay_unavailable", 0)]
+
+
+def test_a_stream_resumed_in_doubt_counts_each_disconnect_since() -> None:
+    """Resumed from a checkpoint (in doubt from the start), then two disconnects: the batch that
+    shows the new instance was published before the second, so whoever is connected now is not
+    known either, and the new epoch starts in doubt."""
+    fp = fingerprint(ts(p(0, 2)), p(0, 2))
+    s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts, clock_skew=0.25, epoch=4, delivered=2, delivered_fp=fp)
+    req = only_request(s.start())
+    s.disconnected(now=10.0)
+    s.disconnected(now=2e6)
+    out = s.replayed(req.request_id, 2, p(1, 2))  # instance 1, stamped 1e6 + 2: before the second notice
+    assert Reset(5, "publisher_restart") in out
+    assert s.in_doubt
+
+
+def test_a_fresh_stream_whose_first_live_seq_is_1_asks_for_seq_0_only() -> None:
+    s = seqr()
+    assert s.live(1, p(0, 1)) == [Gap(0, 0), RequestReplay(1, 0, 0, 0)]
+
+
+def test_resumed_at_seq_0_without_fingerprint_the_replay_starts_one_early() -> None:
+    """One early, at the checkpoint's seq: its reply shows the engine answering even when the next
+    batch never comes."""
+    s = StreamSequencer(can_replay=True, replay_on_start=True, delivered=0)
+    assert only_request(s.start()).start == 0
+
+
+def test_a_reply_below_the_anchor_verifies_nothing() -> None:
+    s = seqr()
+    for q in range(4):
+        s.live(q, p(0, q))
+    s.disconnected()
+    req = only_request(s.live(5, p(0, 5)))
+    assert req.start == 3
+    assert s.replayed(req.request_id, 1, p(0, 1)) == [Duplicate(1)]
+    assert s.in_doubt and s.unverified == {5: p(0, 5)}
+
+
+def test_a_reply_after_the_anchor_with_an_earlier_clock_is_another_instance() -> None:
+    """The anchor's own reply lost (the ROUTER dropped it): the next reply, stamped before the
+    anchor batch, cannot come from the instance that published it. Stamped in the same instant,
+    it can."""
+    for later_ts, restarted in ((12.0, True), (13.0, False)):
+        stamp = {p(0, q): 10.0 + q for q in range(4)} | {p(0, 4): 13.0, p(1, 4): later_ts}
+        s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=stamp.__getitem__)
+        for q in range(4):
+            s.live(q, p(0, q))
+        probe = only_request(s.probe())
+        assert probe.start == 3
+        out = s.replayed(probe.request_id, 4, p(1, 4) if restarted else p(0, 4))
+        assert (Reset(1, "publisher_restart") in out) is restarted
+
+
+def test_a_replayed_seq_below_a_held_batch_stamped_in_the_same_instant_is_the_same_instance() -> None:
+    stamp = {p(0, q): float(q) for q in range(5)} | {p(0, 5): 4.0, p(0, 6): 6.0}
+    s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=stamp.__getitem__)
+    s.live(0, p(0, 0))
+    req = only_request(s.live(5, p(0, 5)))  # held, stamped with 4
+    out = s.replayed(req.request_id, 0, p(0, 0))
+    for q in range(1, 5):
+        out += s.replayed(req.request_id, q, p(0, q))
+    assert not [a for a in out if isinstance(a, Reset)]
+    assert [a.seq for a in out if isinstance(a, Deliver)] == [1, 2, 3, 4, 5]
+
+
+def test_only_batches_stamped_before_the_disconnect_by_more_than_the_clock_skew_stay_the_old_instances() -> None:
+    """Read after the disconnect, a batch is the old instance's only when its engine ts is before
+    the notice by more than ``clock_skew`` (the engine's clock may be that far ahead)."""
+    stamp = {p(0, 0): 1.0, p(0, 1): 9.7, p(0, 2): 9.75, p(0, 3): 9.8, p(1, 0): 100.0}
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=stamp.__getitem__, clock_skew=0.25)
+    s.live(0, p(0, 0))
+    s.disconnected(now=10.0)
+    for q in (1, 2, 3):
+        s.live(q, p(0, q))
+    out = s.live(0, p(1, 0))
+    assert settled(out) == [
+        Deliver(1, p(0, 1), 0),  # 9.7 < 10.0 - 0.25
+        Lost(2, 3, "publisher_restart", 0),  # 9.75 and 9.8: not before it by more than the skew
+        Reset(1, "publisher_restart"),
+        Deliver(0, p(1, 0), 1),
+    ]
