@@ -28,6 +28,7 @@ from .config import Config
 from .connector import Connector, Registry
 from .errors import ConfigError, ConnectorError
 from .runtime import run as run_bridge
+from .secret import redact
 from .simulator import DEFAULT_PROFILE, PROFILES, Faults, Simulator, SimulatorOptions
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
@@ -121,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _print_problems(path: str, problems: Sequence[str]) -> None:
     print(f"{path}: {len(problems)} problem(s)", file=sys.stderr)
     for line in problems:
-        print(f"  {line}", file=sys.stderr)
+        print(f"  {redact(line)}", file=sys.stderr)
 
 
 def check(path: str, *, offline: bool = False, registry: Registry | None = None) -> int:

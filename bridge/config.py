@@ -26,6 +26,7 @@ import msgspec
 import yaml
 
 from .errors import ConfigError
+from .secret import Secret
 
 
 class Duration(float):
@@ -43,6 +44,10 @@ _SIZES = {"b": 1, "kb": 1000, "kib": 1024, "mb": 10**6, "mib": 2**20, "gb": 10**
 
 
 def _dec_hook(tp: type, obj: Any) -> Any:
+    if tp is Secret:
+        if not isinstance(obj, str):
+            raise ValueError("expected a string (a password or token, e.g. ${PASSWORD})")
+        return Secret(obj)
     if tp is Duration:
         if isinstance(obj, int | float) and not isinstance(obj, bool) and obj >= 0:
             return Duration(obj)
@@ -60,7 +65,8 @@ def _dec_hook(tp: type, obj: Any) -> Any:
     raise NotImplementedError(tp)
 
 
-def _doc(text: str) -> msgspec.Meta:
+def doc(text: str) -> msgspec.Meta:
+    """Field metadata: the description shown in the README reference and the chart schema."""
     return msgspec.Meta(description=text)
 
 
@@ -72,14 +78,14 @@ class SourceConfig(Struct):
     """One engine (or one data-parallel group of ranks) to subscribe to."""
 
     name: Annotated[str, msgspec.Meta(min_length=1, description="Stream name; with the rank it keys every output message.")]
-    endpoint: Annotated[str, _doc("ZMQ PUB endpoint of rank 0, e.g. tcp://10.1.2.3:5557 (rank r uses port + r).")]
-    replay_endpoint: Annotated[str | None, _doc("ZMQ ROUTER replay endpoint of rank 0; enables gap recovery.")] = None
-    topic: Annotated[str, _doc("ZMQ subscription prefix (the engine's topic).")] = ""
+    endpoint: Annotated[str, doc("ZMQ PUB endpoint of rank 0, e.g. tcp://10.1.2.3:5557 (rank r uses port + r).")]
+    replay_endpoint: Annotated[str | None, doc("ZMQ ROUTER replay endpoint of rank 0; enables gap recovery.")] = None
+    topic: Annotated[str, doc("ZMQ subscription prefix (the engine's topic).")] = ""
     dp_ranks: Annotated[int, msgspec.Meta(ge=1, le=1024, description="Ranks 0..n-1 at port+rank on both sockets.")] = 1
-    bind: Annotated[bool, _doc("True: the bridge binds the endpoint and engines connect in.")] = False
-    labels: Annotated[dict[str, str], _doc("Free labels, usable in sink name templates.")] = msgspec.field(default_factory=dict)
+    bind: Annotated[bool, doc("True: the bridge binds the endpoint and engines connect in.")] = False
+    labels: Annotated[dict[str, str], doc("Free labels, usable in sink name templates.")] = msgspec.field(default_factory=dict)
     replay_on_start: Annotated[
-        bool | None, _doc("Replay the engine's buffered history on start (default: true when replay_endpoint is set).")
+        bool | None, doc("Replay the engine's buffered history on start (default: true when replay_endpoint is set).")
     ] = None
 
 
@@ -89,14 +95,14 @@ class ShardConfig(Struct):
     count: Annotated[int, msgspec.Meta(ge=1, le=4096, description="Number of replicas sharing the discovered sources.")]
     index: Annotated[
         Annotated[int, msgspec.Meta(ge=0)] | Literal["auto"],
-        _doc(
+        doc(
             "This replica's ordinal, 0..count-1: it reads the sources whose stable hash (sha1 of the source name) "
             "modulo count equals it. auto: the trailing -N of pod_name (a StatefulSet pod's ordinal)."
         ),
     ] = "auto"
     pod_name: Annotated[
         str | None,
-        _doc("Name whose trailing -N is the ordinal when index is auto (default: the host name, which is the pod name)."),
+        doc("Name whose trailing -N is the ordinal when index is auto (default: the host name, which is the pod name)."),
     ] = None
 
     def __post_init__(self) -> None:
@@ -109,31 +115,31 @@ class DnsDiscovery(Struct):
 
     name: Annotated[str, msgspec.Meta(min_length=1, description="DNS name to resolve (A and AAAA records); give the FQDN.")]
     port: Annotated[int, msgspec.Meta(ge=1, le=65535, description="Engine PUB port.")] = 5557
-    replay_port: Annotated[Annotated[int, msgspec.Meta(ge=1, le=65535)] | None, _doc("Engine replay port (null: no replay).")] = (
+    replay_port: Annotated[Annotated[int, msgspec.Meta(ge=1, le=65535)] | None, doc("Engine replay port (null: no replay).")] = (
         5558
     )
-    interval: Annotated[Duration, _doc("How often to re-resolve.")] = Duration(15.0)
-    timeout: Annotated[Duration, _doc("Bound on one resolution; a timed-out one keeps the known sources.")] = Duration(5.0)
+    interval: Annotated[Duration, doc("How often to re-resolve.")] = Duration(15.0)
+    timeout: Annotated[Duration, doc("Bound on one resolution; a timed-out one keeps the known sources.")] = Duration(5.0)
     resolver: Annotated[
         str | None,
-        _doc("host:port of a DNS server to ask directly over UDP (TCP when truncated); default: the system resolver."),
+        doc("host:port of a DNS server to ask directly over UDP (TCP when truncated); default: the system resolver."),
     ] = None
     name_prefix: Annotated[
-        str | None, _doc("Discovered sources are named <prefix>-<address> (default: the first label of name).")
+        str | None, doc("Discovered sources are named <prefix>-<address> (default: the first label of name).")
     ] = None
     nxdomain_grace: Annotated[
         Duration | None,
-        _doc(
+        doc(
             "NXDOMAIN keeps the known sources this long, then counts as an empty answer (a headless Service with no "
             "ready pods answers NXDOMAIN); null: NXDOMAIN never removes sources."
         ),
     ] = Duration(60.0)
-    topic: Annotated[str, _doc("ZMQ subscription prefix of every discovered engine.")] = ""
+    topic: Annotated[str, doc("ZMQ subscription prefix of every discovered engine.")] = ""
     dp_ranks: Annotated[int, msgspec.Meta(ge=1, le=1024, description="Ranks per engine, at port+rank.")] = 1
-    labels: Annotated[
-        dict[str, str], _doc("Labels of every discovered source (the label address is added: the engine's IP).")
-    ] = msgspec.field(default_factory=dict)
-    shard: Annotated[ShardConfig | None, _doc("Read only this replica's share of the discovered sources.")] = None
+    labels: Annotated[dict[str, str], doc("Labels of every discovered source (the label address is added: the engine's IP).")] = (
+        msgspec.field(default_factory=dict)
+    )
+    shard: Annotated[ShardConfig | None, doc("Read only this replica's share of the discovered sources.")] = None
 
     def __post_init__(self) -> None:
         top = max(self.port, self.replay_port or 0) + self.dp_ranks - 1
@@ -148,10 +154,10 @@ class DnsDiscovery(Struct):
 class DiscoveryConfig(Struct):
     """Sources found at run time, beside the static ``sources``."""
 
-    dns: Annotated[DnsDiscovery | None, _doc("Resolve a headless Service name; one source per address.")] = None
+    dns: Annotated[DnsDiscovery | None, doc("Resolve a headless Service name; one source per address.")] = None
     forget_after: Annotated[
         Duration,
-        _doc(
+        doc(
             "How long a source that discovery removed keeps its position (to resume if it returns) before the bridge "
             "forgets it: its checkpoint entry and its metric series."
         ),
@@ -159,25 +165,25 @@ class DiscoveryConfig(Struct):
 
 
 class CheckpointConfig(Struct):
-    path: Annotated[str | None, _doc("Checkpoint file (null: no checkpoint, start fresh every time).")] = None
-    interval: Annotated[Duration, _doc("How often the checkpoint is saved (also on shutdown).")] = Duration(5.0)
+    path: Annotated[str | None, doc("Checkpoint file (null: no checkpoint, start fresh every time).")] = None
+    interval: Annotated[Duration, doc("How often the checkpoint is saved (also on shutdown).")] = Duration(5.0)
 
 
 class BatchConfig(Struct):
     """How many queued messages one connector write may carry."""
 
     max_messages: Annotated[int, msgspec.Meta(ge=1, description="Messages per write, at most.")] = 2000
-    max_bytes: Annotated[ByteSize, _doc("Bytes per write, at most (a single larger batch still goes alone).")] = ByteSize(
+    max_bytes: Annotated[ByteSize, doc("Bytes per write, at most (a single larger batch still goes alone).")] = ByteSize(
         4 * 2**20
     )
-    linger: Annotated[Duration, _doc("How long a write waits to fill up once something is queued.")] = Duration(0.002)
+    linger: Annotated[Duration, doc("How long a write waits to fill up once something is queued.")] = Duration(0.002)
 
 
 class QueueConfig(Struct):
     """The bound of each sink's queue."""
 
     max_batches: Annotated[int, msgspec.Meta(ge=1, description="Engine batches queued per sink, at most.")] = 10000
-    max_bytes: Annotated[ByteSize, _doc("Payload bytes queued per sink, at most.")] = ByteSize(64 * 2**20)
+    max_bytes: Annotated[ByteSize, doc("Payload bytes queued per sink, at most.")] = ByteSize(64 * 2**20)
 
 
 class RetryConfig(Struct):
@@ -187,7 +193,7 @@ class RetryConfig(Struct):
     max_backoff: Duration = Duration(10.0)
     multiplier: Annotated[float, msgspec.Meta(ge=1.0)] = 2.0
     jitter: Annotated[float, msgspec.Meta(ge=0.0, le=1.0, description="Fraction of each delay drawn at random.")] = 0.2
-    write_timeout: Annotated[Duration, _doc("A write that has not returned after this is retried.")] = Duration(30.0)
+    write_timeout: Annotated[Duration, doc("A write that has not returned after this is retried.")] = Duration(30.0)
 
 
 SinkFormat = Literal["json", "msgpack", "raw"]
@@ -199,16 +205,16 @@ SINK_KEYS = frozenset({"type", "name", "format", "granularity", "hash_format", "
 class SinkConfig(Struct):
     """Keys every sink has; ``options`` holds the connector type's own keys."""
 
-    type: Annotated[str, _doc("Connector type: kafka, redis, nats, file, or a plugin's name.")]
-    name: Annotated[str, _doc("Sink name, used in metrics and logs (default: the type, then type-N).")] = ""
+    type: Annotated[str, doc("Connector type: kafka, redis, nats, file, or a plugin's name.")]
+    name: Annotated[str, doc("Sink name, used in metrics and logs (default: the type, then type-N).")] = ""
     format: SinkFormat = "json"
     granularity: SinkGranularity = "event"
-    hash_format: Annotated[Literal["int", "hex"], _doc("int: block hashes as numbers; hex: as 16-digit hex strings.")] = "int"
+    hash_format: Annotated[Literal["int", "hex"], doc("int: block hashes as numbers; hex: as 16-digit hex strings.")] = "int"
     batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
     queue: QueueConfig = msgspec.field(default_factory=QueueConfig)
     retry: RetryConfig = msgspec.field(default_factory=RetryConfig)
     backpressure: Annotated[
-        Literal["block", "drop"], _doc("Full queue: block ingest (replay repairs later) or drop and announce EventsLost.")
+        Literal["block", "drop"], doc("Full queue: block ingest (replay repairs later) or drop and announce EventsLost.")
     ] = "block"
     options: dict[str, Any] = msgspec.field(default_factory=dict)
 
@@ -224,19 +230,19 @@ _SECRET = re.compile(r"pass|secret|token|key|cred|seed", re.IGNORECASE)
 class ReplayConfig(Struct):
     """The replay client (gap recovery through the engines' ROUTER sockets)."""
 
-    timeout: Annotated[Duration, _doc("Silence after which a replay is uncertain and retried.")] = Duration(2.0)
+    timeout: Annotated[Duration, doc("Silence after which a replay is uncertain and retried.")] = Duration(2.0)
     max_attempts: Annotated[int, msgspec.Meta(ge=1, description="Attempts before a gap is declared lost.")] = 5
     initial_backoff: Duration = Duration(0.2)
     max_backoff: Duration = Duration(5.0)
     max_concurrent: Annotated[int, msgspec.Meta(ge=1, description="Replays in flight per process, at most.")] = 8
-    idle_probe: Annotated[Duration, _doc("Quiet time after which a stream asks replay for a missed tail (0 disables).")] = (
+    idle_probe: Annotated[Duration, doc("Quiet time after which a stream asks replay for a missed tail (0 disables).")] = (
         Duration(30.0)
     )
     max_held_batches: Annotated[int, msgspec.Meta(ge=1, description="Live batches held per stream while a gap is open.")] = 5000
 
 
 class IngestConfig(Struct):
-    max_frame_bytes: Annotated[ByteSize, _doc("Larger ZMQ messages are refused before allocation.")] = ByteSize(64 * 2**20)
+    max_frame_bytes: Annotated[ByteSize, doc("Larger ZMQ messages are refused before allocation.")] = ByteSize(64 * 2**20)
     receive_hwm: Annotated[
         int, msgspec.Meta(ge=0, description="ZMQ receive high-water mark per socket (messages buffered while blocked).")
     ] = 5000
@@ -244,7 +250,7 @@ class IngestConfig(Struct):
 
 
 class MetricsConfig(Struct):
-    listen: Annotated[str, _doc("host:port of /metrics, /healthz, /readyz; empty string disables.")] = "0.0.0.0:9300"
+    listen: Annotated[str, doc("host:port of /metrics, /healthz, /readyz; empty string disables.")] = "0.0.0.0:9300"
 
 
 class LogConfig(Struct):
@@ -253,7 +259,7 @@ class LogConfig(Struct):
 
 
 class DeadLetterConfig(Struct):
-    path: Annotated[str, _doc("JSON-lines file for undecodable payloads; '-' is stderr.")] = "-"
+    path: Annotated[str, doc("JSON-lines file for undecodable payloads; '-' is stderr.")] = "-"
 
 
 class Config(Struct):
@@ -268,7 +274,7 @@ class Config(Struct):
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     dead_letter: DeadLetterConfig = msgspec.field(default_factory=DeadLetterConfig)
-    shutdown_timeout: Annotated[Duration, _doc("Bound on the graceful shutdown (flush, checkpoint).")] = Duration(20.0)
+    shutdown_timeout: Annotated[Duration, doc("Bound on the graceful shutdown (flush, checkpoint).")] = Duration(20.0)
 
 
 # -- environment substitution -------------------------------------------------------------------

@@ -1,21 +1,45 @@
-"""The connector API: what a sink plugin implements, and the registry that finds plugins.
+"""The connector API: the whole surface a sink plugin needs, and the delivery contract it keeps.
 
-A connector is small. It makes client calls and classifies failures; everything else (queues,
-batching, retries with backoff, backpressure, acknowledgements, checkpoints, metrics) lives once
-in the runtime (``bridge.sink``). A connector class has:
+A connector is small: its options, a pure message builder, one network call, and an error
+classifier. Everything else (queues, batching, the write timeout, retries with backoff,
+backpressure, ordering under partial failure, dead letters, acknowledgements, checkpoints,
+metrics) lives once in the runtime (:mod:`bridge.sink`). Import what a plugin needs from here:
 
-- ``Options``: a ``msgspec.Struct`` (``forbid_unknown_fields=True``) of its own config keys;
+    from bridge.connector import ConnectorOptions, Message, Permanent, Retriable, Secret, doc
+
+A connector class has:
+
+- ``Options``: a :class:`ConnectorOptions` subclass (unknown keys are errors); describe each field
+  with ``Annotated[T, doc("...")]`` (the README reference and the chart schema show it); a password
+  or token is a :class:`Secret` (``***`` in reprs, logs, metrics, ``--check``, dead letters);
 - ``__init__(self, name, options, sink)``: no I/O;
-- ``async connect()``: reach the server; raise :class:`~bridge.errors.NotConnected` if it cannot;
-- ``async write(messages)``: deliver every message, in order per stream; returning means
-  delivered (acknowledged as the sink defines it). Raise ``NotConnected`` / ``Retriable`` /
-  ``Permanent`` / ``PartialFailure`` (:mod:`bridge.errors`); never swallow a failure;
+- ``needs_events``: ``False`` when it reads nothing of a ``raw`` message but its value and headers
+  (never ``Message.event`` or ``Record.events``): when every sink is ``raw`` and says so, the
+  runtime only counts a batch's events instead of decoding them;
+- ``async connect()``: reach the server; raise :class:`NotConnected` if it cannot;
+- ``async write(messages)``: one network call that delivers every message; returning means every
+  message is acknowledged as the sink defines it. Otherwise raise ``NotConnected`` / ``Retriable``
+  (nothing known to be stored, or the whole write failed), ``Permanent`` (every message refused for
+  itself), or ``PartialFailure({index: error})`` with each failed message's own classification;
 - ``async close()``: flush and release; must not raise;
-- ``async health()``: ``None`` when healthy, else a short reason (used by ``/readyz``, ``--check``);
-- optionally ``needs_events``: ``False`` when the connector reads nothing of a ``raw`` message but
-  its value and headers (never ``Message.event`` or ``Record.events``). When every sink is ``raw``
-  and says so, the runtime only counts a batch's events by type instead of decoding them. Absent
-  means ``True``.
+- ``async health()``: ``None`` when healthy, else a short reason (used by ``/readyz``, ``--check``).
+
+The delivery contract (design.md, "Delivery"), kept by the runtime and this API together:
+
+- Per stream (``message.record.stream``), each sink receives messages in order. A message that
+  failed transiently is written again before any later message of its stream: the runtime
+  (:func:`bridge.sink.fold`) rewrites the stream from its first transient failure on, including
+  later messages the sink already took (its idempotence drops the copies: Kafka consumers by the
+  headers, JetStream by ``Nats-Msg-Id``, Redis by the explicit entry id). A connector's part: a
+  write never lets the sink store a message of a stream after an earlier message of the same
+  stream in that write failed (send a stream's messages in one request, or each part only after
+  the previous one was acknowledged).
+- A message is dead-lettered only when it was refused for itself (too large, malformed for the
+  broker, permanently rejected): classify it ``Permanent`` at its index. Something an operator can
+  fix (authorization, a full stream, out of memory) is transient: retried, the sink not ready.
+- A write is bounded by ``retry.write_timeout``, owned by the runtime (the write is cancelled);
+  a connector adds no timeouts, locks or concurrency windows of its own around it (a client's
+  socket timeouts are its own business). Writes of one sink never overlap.
 
 Connectors are registered under the ``kv_bridge.connectors`` entry-point group
 (``kafka = "connectors.kafka:KafkaConnector"``), so a third party adds a sink with a package.
@@ -31,9 +55,12 @@ from typing import Annotated, Any, ClassVar, Protocol, runtime_checkable
 
 import msgspec
 
-from .config import SinkConfig, Struct, convert_options
-from .errors import ConfigError
-from .formats import Message
+from .config import ByteSize, Duration, SinkConfig, convert_options, doc
+from .config import Struct as ConnectorOptions
+from .errors import ConfigError, ConnectorError, NotConnected, PartialFailure, Permanent, Retriable
+from .formats import Message, hex64
+from .records import Event, Record, Stream
+from .secret import Secret, redact, redact_url, reveal
 
 ENTRY_POINT_GROUP = "kv_bridge.connectors"
 
@@ -43,6 +70,7 @@ class Connector(Protocol):
     """One sink's client. See the module docstring for the contract of each hook."""
 
     name: str
+    needs_events: bool
 
     async def connect(self) -> None: ...
 
@@ -108,7 +136,7 @@ class Registry:
 # -- TLS ---------------------------------------------------------------------------------------
 
 
-class TlsOptions(Struct):
+class TlsOptions(ConnectorOptions):
     """TLS towards the sink's server: the CAs to trust, an optional client certificate, the hostname check.
 
     One struct for the ``tls`` key of every connector that speaks TLS, so the keys, defaults and
@@ -200,4 +228,31 @@ class Template:
         return name
 
 
-__all__ = ["ENTRY_POINT_GROUP", "Connector", "ConnectorFactory", "Registry", "Template", "TlsOptions"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "ByteSize",
+    "ConfigError",
+    "Connector",
+    "ConnectorError",
+    "ConnectorFactory",
+    "ConnectorOptions",
+    "Duration",
+    "Event",
+    "Message",
+    "NotConnected",
+    "PartialFailure",
+    "Permanent",
+    "Record",
+    "Registry",
+    "Retriable",
+    "Secret",
+    "SinkConfig",
+    "Stream",
+    "Template",
+    "TlsOptions",
+    "doc",
+    "hex64",
+    "redact",
+    "redact_url",
+    "reveal",
+]

@@ -22,6 +22,8 @@ from typing import IO, Any
 
 import msgspec
 
+from .secret import redact
+
 log = logging.getLogger("bridge.deadletter")
 
 _json = msgspec.json.Encoder()
@@ -77,7 +79,7 @@ class DeadLetters:
             "dp_rank": dp_rank,
             "seq": seq,
             "reason": reason,
-            "detail": detail[:2000],
+            "detail": redact(detail[:2000]),
         }
         if payload is not None:
             entry["payload_size"] = len(payload)

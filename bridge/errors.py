@@ -7,7 +7,7 @@ and dead-lettering without knowing any client library.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 class BridgeError(Exception):
@@ -65,15 +65,26 @@ class Permanent(ConnectorError):
 
 
 class PartialFailure(ConnectorError):
-    """Some messages of a write were delivered and others not.
+    """Some messages of a write were not delivered; the others were.
 
-    ``failed`` lists the indexes (into the sequence passed to ``write``) that were not delivered;
-    ``cause`` classifies them. The runtime retries (or dead-letters, if permanent) only those.
+    ``errors`` maps each failed index (into the sequence passed to ``write``) to its own failure:
+    ``Permanent`` when the sink refused that message for itself, ``Retriable`` / ``NotConnected``
+    otherwise. ``PartialFailure(failed, cause)`` is the short form for one cause. The runtime
+    (:func:`bridge.sink.fold`) decides what is retried: from a stream's first transient failure
+    on, every later message of that stream is written again, in order, even one the sink took.
     """
 
     reason = "partial"
 
-    def __init__(self, failed: Sequence[int], cause: ConnectorError) -> None:
-        super().__init__(f"{len(failed)} message(s) failed: {cause}", reason=cause.reason)
-        self.failed = list(failed)
-        self.cause = cause
+    def __init__(self, failed: Sequence[int] | Mapping[int, ConnectorError], cause: ConnectorError | None = None) -> None:
+        if isinstance(failed, Mapping):
+            self.errors: dict[int, ConnectorError] = dict(failed)
+        else:
+            if cause is None:
+                raise TypeError("PartialFailure(failed, cause): a cause is needed with a list of indexes")
+            self.errors = dict.fromkeys(failed, cause)
+        if not self.errors:
+            raise ValueError("PartialFailure with no failed message")
+        self.failed = sorted(self.errors)
+        self.cause = cause if cause is not None else next(iter(self.errors.values()))
+        super().__init__(f"{len(self.errors)} message(s) failed: {self.cause}", reason=self.cause.reason)

@@ -18,6 +18,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from .secret import redact
+
 Readiness = Callable[[], tuple[bool, dict[str, Any]]]
 
 
@@ -56,7 +58,7 @@ class HealthServer:
             elif path == "/readyz":
                 ready, detail = self.readiness()
                 status, ctype = (200 if ready else 503), "application/json"
-                body = json.dumps({"ready": ready, **detail}).encode()
+                body = redact(json.dumps({"ready": ready, **detail})).encode()
             else:
                 status, ctype, body = 404, "text/plain", b"not found\n"
             reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}[status]

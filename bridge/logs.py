@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Any
 
+from .secret import redact
+
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
 
 
@@ -28,7 +30,7 @@ class TextFormatter(logging.Formatter):
         line = f"{ts} {record.levelname:<7} {record.name}: {record.getMessage()}" + (f" {extras}" if extras else "")
         if record.exc_info and record.levelno >= logging.ERROR:
             line += "\n" + self.formatException(record.exc_info)
-        return line
+        return redact(line)
 
 
 class JsonFormatter(logging.Formatter):
@@ -42,7 +44,7 @@ class JsonFormatter(logging.Formatter):
         entry.update(_extras(record))
         if record.exc_info and record.levelno >= logging.ERROR:
             entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
+        return redact(json.dumps(entry, default=str))
 
 
 class RateLimit(logging.Filter):

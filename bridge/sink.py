@@ -10,7 +10,10 @@ time, renders them in the sink's format, and calls ``connector.write`` until it 
   blocks ingest (``backpressure: block``) or drops new batches (``drop``, announced downstream
   with one ``EventsLost`` per dropped span once there is room again);
 - ``Permanent``: the messages go to the dead-letter destination, and the stream goes on;
-- ``PartialFailure``: only the failed messages are retried (or dead-lettered).
+- ``PartialFailure``: :func:`fold` decides, per stream: from the stream's first transient failure
+  on, every message of the stream is written again (in order, even those the sink took: its
+  idempotence drops the copies); a message refused for itself (``Permanent``) before that point
+  is dead-lettered; streams with no failure are done.
 
 Records stay in the queue while they are written, so the byte bound covers in-flight data.
 Control records (``SourceReset``, ``EventsLost``) are never dropped.
@@ -22,13 +25,14 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from .backoff import Backoff
 from .config import SinkConfig
 from .connector import Connector
 from .deadletter import DeadLetters
-from .errors import ConnectorError, NotConnected, PartialFailure, Permanent
+from .errors import ConnectorError, NotConnected, PartialFailure, Permanent, Retriable
 from .formats import Message, Renderer
 from .metrics import Metrics
 from .records import Record, events_lost
@@ -40,6 +44,47 @@ AckCallback = Callable[[int, list[Record]], None]
 # How often an idle sink asks its connector's health(): a sink learns of an outage from a failed
 # write, so without this an idle sink whose server went away would stay "ready" until traffic.
 HEALTH_INTERVAL = 5.0
+
+
+@dataclass
+class Outcome:
+    """What to do after a write some of whose messages failed (see :func:`fold`)."""
+
+    retry: list[int] = field(default_factory=list)  # indexes to write again, in write order
+    dead: list[tuple[int, Permanent]] = field(default_factory=list)  # refused for themselves
+    cause: ConnectorError | None = None  # why ``retry`` is retried (reported, counted)
+    retry_after: float | None = None  # the longest wait a failure asked for, if any did
+
+
+def fold(messages: Sequence[Message], errors: Mapping[int, ConnectorError]) -> Outcome:
+    """The one rule for partial failures, for every connector (design.md, "Delivery").
+
+    Per stream (``message.record.stream``): every message from the first one that failed
+    transiently on is retried, whether or not the sink took it, so a retried message is never
+    written after a later message of its stream; a message refused for itself (``Permanent``)
+    before that point is dead-lettered, never one that only followed a failure. The cause
+    reported is the most severe transient one (``NotConnected`` over ``Retriable``), waiting the
+    longest ``retry_after`` asked for.
+    """
+    first: dict[str, int] = {}  # stream key -> index of its first transient failure
+    for i in sorted(errors):
+        if not isinstance(errors[i], Permanent):
+            first.setdefault(messages[i].record.stream.key, i)
+    out = Outcome()
+    for i, m in enumerate(messages):
+        start = first.get(m.record.stream.key)
+        if start is not None and i >= start:
+            out.retry.append(i)
+            continue
+        error = errors.get(i)
+        if isinstance(error, Permanent):
+            out.dead.append((i, error))
+    transient = [errors[i] for i in sorted(first.values())]
+    if transient:
+        out.cause = next((e for e in transient if isinstance(e, NotConnected)), transient[0])
+        waits = [e.retry_after for e in errors.values() if isinstance(e, Retriable) and e.retry_after is not None]
+        out.retry_after = max(waits) if waits else None
+    return out
 
 
 class SinkWorker:
@@ -306,24 +351,33 @@ class SinkWorker:
         """Write until delivered; returns the ids of records dead-lettered (counted once, not as delivered)."""
         attempt = 0
         timeout = self.config.retry.write_timeout
+        dead: set[int] = set()
         while messages:
             start = time.perf_counter()
+            retry_after: float | None = None
+            error: BaseException
             try:
                 async with asyncio.timeout(timeout):  # unlike wait_for, no task per write
                     await self.connector.write(messages)
                 self._m_send.observe(time.perf_counter() - start)
                 self._set_up()
-                return set()
+                return dead
             except PartialFailure as exc:
-                failed = [messages[i] for i in exc.failed if 0 <= i < len(messages)]
-                if isinstance(exc.cause, Permanent):
-                    return self._dead_letter_messages(failed, exc.cause)
-                messages = failed
-                error: BaseException = exc.cause
+                outcome = fold(messages, {i: e for i, e in exc.errors.items() if 0 <= i < len(messages)})
+                for cause, group in _by_cause(outcome.dead):
+                    dead |= self._dead_letter_messages([messages[i] for i in group], cause)
+                if outcome.cause is None:
+                    self._m_send.observe(time.perf_counter() - start)
+                    self._set_up()
+                    return dead
+                messages = [messages[i] for i in outcome.retry]
+                error = outcome.cause
+                retry_after = outcome.retry_after
             except Permanent as exc:
-                return self._dead_letter_messages(messages, exc)
+                return dead | self._dead_letter_messages(messages, exc)
             except (ConnectorError, TimeoutError, OSError) as exc:
                 error = exc
+                retry_after = getattr(exc, "retry_after", None)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # an unclassified client error: treat as transient, say what it was
@@ -331,9 +385,8 @@ class SinkWorker:
             attempt += 1
             self._m_retries.inc()
             self._set_down(error, attempt)
-            retry_after = getattr(error, "retry_after", None)
             await asyncio.sleep(retry_after if retry_after is not None else self.backoff.delay(attempt))
-        return set()
+        return dead
 
     def _dead_letter_messages(self, messages: list[Message], exc: ConnectorError) -> set[int]:
         self.metrics.sink_errors.labels(self.name, exc.reason).inc()
@@ -362,3 +415,11 @@ class SinkWorker:
         self.dead_letters.write(
             reason=reason, source=s.source, dp_rank=s.dp_rank, seq=record.seq, detail=detail, payload=record.payload
         )
+
+
+def _by_cause(dead: list[tuple[int, Permanent]]) -> list[tuple[Permanent, list[int]]]:
+    """Dead-lettered indexes grouped by their error (one log line and count per distinct refusal)."""
+    groups: dict[int, tuple[Permanent, list[int]]] = {}
+    for i, error in dead:
+        groups.setdefault(id(error), (error, []))[1].append(i)
+    return list(groups.values())

@@ -38,6 +38,8 @@ class FileOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class FileConnector:
     """Appends messages to a file or stdout."""
 
+    needs_events = False  # writes value and headers only
+
     Options = FileOptions
     needs_events = False  # writes only the rendered value (and headers): raw batches need no decoding
 

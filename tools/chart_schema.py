@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from bridge.config import SINK_KEYS, ByteSize, Config, Duration, SinkConfig  # noqa: E402
 from bridge.connector import Registry  # noqa: E402
+from bridge.secret import Secret  # noqa: E402
 
 SCHEMA_PATH = ROOT / "helm" / "kv-event-bridge" / "values.schema.json"
 
@@ -119,6 +120,8 @@ class Converter:
             return DURATION
         if isinstance(t, mi.CustomType) and t.cls is ByteSize:
             return SIZE
+        if isinstance(t, mi.CustomType) and t.cls is Secret:
+            return {"type": "string", "description": "A secret: give it as ${VAR} so it stays out of values files."}
         raise NotImplementedError(f"no JSON schema for {t!r}")
 
 

@@ -20,6 +20,7 @@ class MemoryConnector:
     """``failures`` is a queue of exceptions raised by the next writes (None: succeed)."""
 
     Options = MemoryOptions
+    needs_events = True
 
     def __init__(self, name: str, options: MemoryOptions, sink: SinkConfig) -> None:
         self.name = name
