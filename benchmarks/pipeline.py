@@ -41,7 +41,7 @@ async def one(fmt: str, batches: int, burst: int) -> float:
     bridge = Bridge(config)
     await bridge.start()
     try:
-        pipeline = StreamPipeline(bridge, Stream("bench", 0), replay_endpoint=None, replay_on_start=False, epoch=0)
+        pipeline = StreamPipeline(bridge.context, Stream("bench", 0), replay_endpoint=None, replay_on_start=False, epoch=0)
         pool = payload_pool(LoadShape("127.0.0.1", 0, ranks=1), 0)
         frames = [[b"", seq.to_bytes(8, "big"), pool[seq % len(pool)]] for seq in range(batches)]
         worker = bridge.workers[0]

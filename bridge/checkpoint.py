@@ -22,6 +22,8 @@ engine restarted in between. Minutes, because Redis entry ids hold epochs below 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import tempfile
 import threading
@@ -32,6 +34,8 @@ import msgspec
 
 from .errors import BridgeError
 from .records import Record
+
+log = logging.getLogger("bridge.checkpoint")
 
 EPOCH_ORIGIN = 1735689600.0
 """2025-01-01T00:00:00Z: epochs opened by the clock count minutes from here."""
@@ -251,3 +255,73 @@ class Checkpointer:
     def written(self) -> int:
         """The generation of the snapshot last saved."""
         return self._written
+
+
+class CheckpointStore:
+    """The checkpoint of a running bridge: a :class:`Checkpointer` and the file it is saved to
+    (``path`` None: nothing saved, every stream starts fresh). Saves are snapshotted on the event
+    loop (the state changes only there) and written in a thread, one at a time; callers waiting
+    for a save share the next one."""
+
+    def __init__(self, path: str | None, sinks: int) -> None:
+        self.path = path
+        self.checkpointer = Checkpointer(sinks, self._load())
+        self._lock = asyncio.Lock()
+
+    def _load(self) -> CheckpointFile:
+        if not self.path:
+            return CheckpointFile()
+        try:
+            loaded = load(self.path)
+        except CheckpointError as exc:
+            log.error("checkpoint unusable, starting fresh", extra={"error": str(exc)})
+            return CheckpointFile()
+        if loaded.streams:
+            log.info("resuming from checkpoint", extra={"path": self.path, "streams": len(loaded.streams)})
+        return loaded
+
+    # -- the epochs a pipeline opens (see StreamPipeline) ----------------------------------------
+    def next_epoch(self, key: str, epoch: int, now: float) -> int:
+        return self.checkpointer.next_epoch(key, epoch, now)
+
+    def note_first(self, key: str, record: Record) -> bool:
+        return self.checkpointer.note_first(key, record)
+
+    async def persist(self) -> None:
+        """Return once the epochs opened so far are saved (at once without a file)."""
+        if not self.path:
+            return
+        needed = self.checkpointer.generation
+        async with self._lock:
+            if self.checkpointer.written < needed:
+                await self._save()
+
+    # -- saving ------------------------------------------------------------------------------------
+    async def save(self) -> None:
+        async with self._lock:
+            await self._save()
+
+    async def _save(self) -> None:
+        assert self.path
+        generation, snapshot = self.checkpointer.snapshot()
+        try:
+            await asyncio.to_thread(self.checkpointer.write, self.path, generation, snapshot)
+        except OSError as exc:
+            log.error("cannot save the checkpoint", extra={"path": self.path, "error": str(exc)})
+
+    def save_now(self) -> None:
+        """Save from the event loop itself (at shutdown: a save still writing in its thread
+        cannot replace this one, see :meth:`Checkpointer.write`)."""
+        if not self.path:
+            return
+        generation, snapshot = self.checkpointer.snapshot()
+        try:
+            self.checkpointer.write(self.path, generation, snapshot)
+        except OSError as exc:
+            log.error("cannot save the checkpoint", extra={"path": self.path, "error": str(exc)})
+
+    async def run(self, interval: float) -> None:
+        """Save every ``interval`` seconds, for ever."""
+        while True:
+            await asyncio.sleep(interval)
+            await self.save()

@@ -16,12 +16,15 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 import msgspec
 
+from .errors import DecodeError
+from .metrics import Metrics
+from .records import Stream
 from .secret import redact
 
 log = logging.getLogger("bridge.deadletter")
@@ -132,3 +135,37 @@ def _encode(entry: dict[str, Any]) -> bytes:
     except (TypeError, ValueError, OverflowError):  # a value JSON cannot hold: keep its text
         entry.pop("value", None)
         return _json.encode({k: (v if isinstance(v, str | int | float | None) else repr(v)) for k, v in entry.items()})
+
+
+class DecodeFailures:
+    """Reports what a stream could not decode: counted (``decode_failures`` and ``dead_letters``
+    by reason), logged (the log filter rate-limits it) and dead-lettered with its bytes."""
+
+    def __init__(self, metrics: Metrics, dead_letters: DeadLetters) -> None:
+        self.metrics = metrics
+        self.dead_letters = dead_letters
+
+    def __call__(
+        self,
+        stream: Stream,
+        exc: DecodeError,
+        seq: int | None,
+        frames: Sequence[bytes] | None,
+        payload: bytes | None = None,
+        *,
+        index: int | None = None,
+    ) -> None:
+        self.metrics.decode_failures.labels(stream.source, exc.reason).inc()
+        self.metrics.dead_letters.labels(exc.reason).inc()
+        if payload is None and frames is not None:
+            payload = b"".join(bytes(f)[:4096] for f in frames[:4])
+        log.warning("decode failure", extra={"stream": stream.key, "seq": seq, "reason": exc.reason, "error": exc.detail})
+        self.dead_letters.write(
+            reason=exc.reason,
+            source=stream.source,
+            dp_rank=stream.dp_rank,
+            seq=seq,
+            detail=exc.detail,
+            payload=payload,
+            extra={"index": index, "frames": len(frames)} if frames is not None else {"index": index},
+        )

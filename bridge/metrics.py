@@ -89,6 +89,15 @@ class FastHistogram:
         yield family
 
 
+# Label values known in advance; their series start at 0 (dashboards show 0, not "no data").
+SINK_OUTCOMES = ("delivered", "dropped", "dead_lettered")
+SINK_ERROR_REASONS = ("not_connected", "retriable", "permanent", "timeout", "unexpected")
+REPLAY_OUTCOMES = ("complete", "timeout", "error")
+# Every DecodeError reason raised in bridge/ (a unit test keeps this complete).
+DECODE_REASONS = ("bad_frames", "bad_seq", "bad_msgpack", "bad_batch", "bad_event", "bad_replay_reply")
+DEAD_LETTER_REASONS = ("sink_rejected", "unrenderable", *DECODE_REASONS)
+
+
 class Metrics:
     """Every metric of the bridge, registered on ``self.registry``."""
 
@@ -145,6 +154,18 @@ class Metrics:
         self.ready = Gauge(p + "ready", "1 when every sink is connected and every source subscribed.", registry=r)
         self.build_info = Gauge(p + "build_info", "Build information.", ["version"], registry=r)
         self.build_info.labels(__version__).set(1)
+        for reason in DEAD_LETTER_REASONS:
+            self.dead_letters.labels(reason)
+
+    def start_sink(self, sink: str) -> None:
+        """Series of a configured sink whose labels are known, at 0: a healthy bridge's panels
+        show 0, not "no data"."""
+        for outcome in SINK_OUTCOMES:
+            self.sink_batches.labels(sink, outcome)
+        for reason in SINK_ERROR_REASONS:
+            self.sink_errors.labels(sink, reason)
+        self.sink_events.labels(sink)
+        self.sink_retries.labels(sink)
 
     def forget_source(self, source: str) -> None:
         """Drop every series of ``source`` (gone for good), so that label sets do not grow forever
@@ -168,3 +189,40 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class StreamMetrics:
+    """One stream's series (its children bound once: a labelled lookup per batch is costly), and
+    the process-wide ones its pipeline and source reader update."""
+
+    def __init__(self, metrics: Metrics, source: str, dp_rank: int) -> None:
+        m, rank = metrics, str(dp_rank)
+        self.source = source
+        self.received = m.batches_received.labels(source, rank)
+        self.gaps = m.sequence_gaps.labels(source, rank)
+        self.replayed = m.batches_replayed.labels(source)
+        self.lost = m.batches_lost.labels(source)
+        self.duplicates = m.duplicates_dropped.labels(source)
+        self.restarts = m.source_restarts.labels(source)
+        self.last_seq = m.source_last_seq.labels(source, rank)
+        self.last_ts = m.source_last_event_ts.labels(source, rank)
+        self.disconnects = m.source_disconnects.labels(source, rank)
+        self.connected = m.sources_connected
+        self.ingest_lag = m.ingest_lag.labels()
+        self._events = m.events_received
+        self._event_children: dict[str, Counter] = {}
+        self._replays = {outcome: m.replay_requests.labels(source, outcome) for outcome in REPLAY_OUTCOMES}
+        for reason in DECODE_REASONS:  # at 0 from the start
+            m.decode_failures.labels(source, reason)
+        self._bad_replies = m.decode_failures.labels(source, "bad_replay_reply")
+
+    def events(self, event_type: str) -> Counter:
+        child = self._event_children.get(event_type)
+        if child is None:
+            child = self._event_children[event_type] = self._events.labels(self.source, event_type)
+        return child
+
+    def replay_finished(self, outcome: str, bad_replies: int) -> None:
+        self._replays[outcome].inc()
+        if bad_replies:
+            self._bad_replies.inc(bad_replies)

@@ -9,7 +9,8 @@ also ends early once the reply ``until`` (the last seq the stream needs) has arr
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import zmq
 import zmq.asyncio
@@ -25,6 +26,23 @@ class ReplayOutcome:
         self.complete = False
         self.replies = 0
         self.bad_replies = 0
+
+
+class ReplayClient:
+    """Replays for every stream of a bridge: one ZMQ context, at most ``max_concurrent`` requests
+    at once (a request waits for a slot), the same silence timeout and frame bound for all."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, *, max_concurrent: int, timeout: float, max_frame_bytes: int) -> None:
+        self.ctx = ctx
+        self.slots = asyncio.Semaphore(max_concurrent)
+        self.timeout = timeout
+        self.max_frame_bytes = max_frame_bytes
+
+    async def fetch(self, endpoint: str, start: int, until: int, outcome: ReplayOutcome) -> AsyncGenerator[ReplayReply, None]:
+        """The replies of one request from ``start`` (see :func:`replay`), holding a slot throughout."""
+        async with self.slots:
+            async for reply in replay(self.ctx, endpoint, start, until, self.timeout, outcome, self.max_frame_bytes):
+                yield reply
 
 
 async def replay(

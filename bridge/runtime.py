@@ -13,7 +13,7 @@ import contextlib
 import logging
 import resource
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine
 from typing import Any
 
 import zmq
@@ -22,18 +22,19 @@ import zmq.asyncio
 from . import checkpoint as ckpt
 from .config import Config, SourceConfig
 from .connector import Registry
-from .deadletter import DeadLetters
+from .deadletter import DeadLetters, DecodeFailures
 from .discovery import Discovery
 from .endpoints import for_rank
-from .errors import ConfigError, DecodeError
+from .errors import ConfigError
 from .fanout import Fanout
 from .formats import Renderer
 from .health import HealthServer
 from .metrics import Metrics
 from .records import Stream
+from .replay import ReplayClient
 from .sink import SinkWorker
 from .source import SourceReader
-from .stream import StreamPipeline
+from .stream import StreamContext, StreamPipeline
 
 log = logging.getLogger("bridge")
 
@@ -52,12 +53,22 @@ class Bridge:
         self.zmq_context.set(zmq.MAX_SOCKETS, max(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
         # Sockets accept IPv6 endpoints (tcp://[::1]:5557) as well as IPv4 ones.
         self.zmq_context.setsockopt(zmq.IPV6, 1)
-        self.replay_slots = asyncio.Semaphore(config.replay.max_concurrent)
         self.workers: list[SinkWorker] = []
-        self.fanout = Fanout([])
-        # False when every sink forwards only the engine's bytes (format raw, and a connector that
-        # says it reads nothing else): batches are then counted by event type, not decoded.
-        self.needs_events = True
+        self.store = ckpt.CheckpointStore(None, 0)  # the real one is made at start (it reads the file)
+        self.context = StreamContext(
+            fanout=Fanout([]),
+            metrics=self.metrics,
+            decode_failures=DecodeFailures(self.metrics, self.dead_letters),
+            replay=ReplayClient(
+                self.zmq_context,
+                max_concurrent=config.replay.max_concurrent,
+                timeout=config.replay.timeout,
+                max_frame_bytes=config.ingest.max_frame_bytes,
+            ),
+            epochs=self.store,
+            spawn=self.spawn,
+            replay_config=config.replay,
+        )
         self.pipelines: dict[str, StreamPipeline] = {}
         self.readers: dict[str, SourceReader] = {}
         self._reader_tasks: dict[str, asyncio.Task[None]] = {}
@@ -67,8 +78,6 @@ class Bridge:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.failed: BaseException | None = None
         self.stopped = asyncio.Event()
-        self.checkpointer = ckpt.Checkpointer(0)
-        self._save_lock = asyncio.Lock()  # one checkpoint write at a time; waiters coalesce
         self.health: HealthServer | None = None
         self._checkpoint_task: asyncio.Task[None] | None = None
         self.discovery: Discovery | None = None
@@ -92,17 +101,17 @@ class Bridge:
                 problems.extend(exc.problems)
         if problems:
             raise ConfigError(problems)
-        loaded = self._load_checkpoint()
-        self.checkpointer = ckpt.Checkpointer(len(cfg.sinks), loaded)
+        self.store = self.context.epochs = ckpt.CheckpointStore(cfg.checkpoint.path, len(cfg.sinks))
         renderers: dict[tuple[str, str, str], Renderer] = {}
         for i, (sink, conn) in enumerate(zip(cfg.sinks, connectors, strict=True)):
             key = (sink.format, sink.granularity, sink.hash_format)
             renderer = renderers.setdefault(key, Renderer(sink.format, sink.granularity, sink.hash_format))
             worker = SinkWorker(i, sink, conn, renderer, self.metrics, self.dead_letters, self.checkpointer.on_ack)
+            self.metrics.start_sink(worker.name)
             self.workers.append(worker)
             self._watch(worker.start())
-        self.fanout = Fanout(self.workers)
-        self.needs_events = any(
+        self.context.fanout = Fanout(self.workers)
+        self.context.needs_events = any(
             sink.format != "raw" or getattr(conn, "needs_events", True) for sink, conn in zip(cfg.sinks, connectors, strict=True)
         )
         if cfg.metrics.listen:
@@ -121,7 +130,7 @@ class Bridge:
         if cfg.replay.idle_probe > 0:
             self.spawn(self._idle_probe_loop(), "idle-probe")
         if cfg.checkpoint.path:
-            self._checkpoint_task = self._watch(asyncio.create_task(self._checkpoint_loop(), name="checkpoint"))
+            self._checkpoint_task = self._watch(asyncio.create_task(self.store.run(cfg.checkpoint.interval), name="checkpoint"))
         log.info("bridge started", extra={"sources": len(self.readers), "sinks": len(self.workers)})
 
     async def add_source(self, source: SourceConfig) -> None:
@@ -142,7 +151,7 @@ class Bridge:
             # the checkpoint (what every sink acknowledged), or fresh in a new epoch.
             pos, top, _ = self._retired.pop(key) if key in self._retired else (self.checkpointer.resume_position(key), None, 0.0)
             pipeline = StreamPipeline(
-                self,
+                self.context,
                 stream,
                 replay_endpoint=for_rank(source.replay_endpoint, rank) if source.replay_endpoint else None,
                 replay_on_start=replay_on_start,
@@ -206,7 +215,7 @@ class Bridge:
         if self._checkpoint_task is not None:
             self._checkpoint_task.cancel()
             await asyncio.gather(self._checkpoint_task, return_exceptions=True)
-        self.save_checkpoint()
+        self.store.save_now()
         # 4. close connectors, endpoints, background tasks
         for w in self.workers:
             await w.stop()
@@ -271,55 +280,13 @@ class Bridge:
                     await pipeline.probe()
 
     # -- checkpoint -----------------------------------------------------------------------------
-    def _load_checkpoint(self) -> ckpt.CheckpointFile:
-        path = self.config.checkpoint.path
-        if not path:
-            return ckpt.CheckpointFile()
-        try:
-            loaded = ckpt.load(path)
-        except ckpt.CheckpointError as exc:
-            log.error("checkpoint unusable, starting fresh", extra={"error": str(exc)})
-            return ckpt.CheckpointFile()
-        if loaded.streams:
-            log.info("resuming from checkpoint", extra={"path": path, "streams": len(loaded.streams)})
-        return loaded
-
-    def save_checkpoint(self) -> None:
-        """Save now, from the event loop (at shutdown)."""
-        path = self.config.checkpoint.path
-        if not path:
-            return
-        generation, snapshot = self.checkpointer.snapshot()
-        try:
-            self.checkpointer.write(path, generation, snapshot)
-        except OSError as exc:
-            log.error("cannot save the checkpoint", extra={"path": path, "error": str(exc)})
-
-    async def _save(self) -> None:
-        """Snapshot on the loop (the state changes only here), write in a thread; under _save_lock."""
-        path = self.config.checkpoint.path
-        assert path
-        generation, snapshot = self.checkpointer.snapshot()
-        try:
-            await asyncio.to_thread(self.checkpointer.write, path, generation, snapshot)
-        except OSError as exc:
-            log.error("cannot save the checkpoint", extra={"path": path, "error": str(exc)})
+    @property
+    def checkpointer(self) -> ckpt.Checkpointer:
+        return self.store.checkpointer
 
     async def persist_epochs(self) -> None:
-        """Return once the epochs opened so far are saved (at once without a checkpoint file).
-        Concurrent callers share one write."""
-        if not self.config.checkpoint.path:
-            return
-        needed = self.checkpointer.generation
-        async with self._save_lock:
-            if self.checkpointer.written < needed:
-                await self._save()
-
-    async def _checkpoint_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.checkpoint.interval)
-            async with self._save_lock:
-                await self._save()
+        """Return once the epochs opened so far are saved (see CheckpointStore.persist)."""
+        await self.store.persist()
 
     # -- health ---------------------------------------------------------------------------------
     def readiness(self) -> tuple[bool, dict[str, Any]]:
@@ -331,33 +298,6 @@ class Bridge:
         if self.failed is not None:
             detail["failed"] = repr(self.failed)
         return ready, detail
-
-    # -- shared helpers for pipelines -------------------------------------------------------------
-    def decode_failure(
-        self,
-        stream: Stream,
-        exc: DecodeError,
-        seq: int | None,
-        frames: Sequence[bytes] | None,
-        payload: bytes | None = None,
-        *,
-        index: int | None = None,
-    ) -> None:
-        """Count, log (rate-limited by the log filter) and dead-letter one decode failure."""
-        self.metrics.decode_failures.labels(stream.source, exc.reason).inc()
-        self.metrics.dead_letters.labels(exc.reason).inc()
-        if payload is None and frames is not None:
-            payload = b"".join(bytes(f)[:4096] for f in frames[:4])
-        log.warning("decode failure", extra={"stream": stream.key, "seq": seq, "reason": exc.reason, "error": exc.detail})
-        self.dead_letters.write(
-            reason=exc.reason,
-            source=stream.source,
-            dp_rank=stream.dp_rank,
-            seq=seq,
-            detail=exc.detail,
-            payload=payload,
-            extra={"index": index, "frames": len(frames)} if frames is not None else {"index": index},
-        )
 
 
 async def run(config: Config, stop: asyncio.Event, *, registry: Registry | None = None) -> int:

@@ -60,10 +60,8 @@ class SourceReader:
         self.ingest = ingest
         self.subscribed = False
         self.connections = 0
-        self._connected_gauge = pipeline.bridge.metrics.sources_connected
-        self._disconnects = pipeline.bridge.metrics.source_disconnects.labels(
-            pipeline.stream.source, str(pipeline.stream.dp_rank)
-        )
+        self._connected_gauge = pipeline.metrics.connected
+        self._disconnects = pipeline.metrics.disconnects
 
     def _socket(self) -> tuple[zmq.Socket[bytes], zmq.asyncio.Socket]:
         # A plain socket (see the module docstring), made by the context so that its options
@@ -90,7 +88,7 @@ class SourceReader:
         sock, monitor = self._socket()
         # Watched like every background task: a monitor that dies would hide reconnects (and
         # with them the check that the engine on the other end is still the same instance).
-        monitor_task = self.pipeline.bridge.spawn(self._monitor(monitor, sock), f"monitor:{self.endpoint}")
+        monitor_task = self.pipeline.ctx.spawn(self._monitor(monitor, sock), f"monitor:{self.endpoint}")
         self.subscribed = True
         log.info("source subscribed", extra={"stream": self.pipeline.stream.key, "endpoint": self.endpoint, "bind": self.bind})
         drain_max = self.ingest.drain_max

@@ -12,23 +12,51 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import zmq
-from prometheus_client import Counter
 
 from . import wire
 from .backoff import Backoff
+from .config import ReplayConfig
+from .deadletter import DecodeFailures
 from .errors import DecodeError
+from .fanout import Fanout
+from .metrics import Metrics, StreamMetrics
 from .records import Record, Stream, events_lost, source_reset
-from .replay import ReplayOutcome, replay
+from .replay import ReplayClient, ReplayOutcome
 from .sequencer import Action, Deliver, Duplicate, Fingerprint, Gap, Lost, RequestReplay, Reset, StreamSequencer, fingerprint
 
-if TYPE_CHECKING:
-    from .runtime import Bridge
-
 log = logging.getLogger("bridge.stream")
+
+
+class Epochs(Protocol):
+    """Where the epochs a stream opens are kept (:class:`bridge.checkpoint.CheckpointStore`)."""
+
+    def next_epoch(self, key: str, epoch: int, now: float) -> int: ...
+
+    def note_first(self, key: str, record: Record) -> bool: ...
+
+    async def persist(self) -> None: ...
+
+
+@dataclass
+class StreamContext:
+    """What a pipeline needs from the process, and nothing more: a pipeline is built and tested
+    with fakes of these, without a Bridge."""
+
+    fanout: Fanout
+    metrics: Metrics
+    decode_failures: DecodeFailures
+    replay: ReplayClient
+    epochs: Epochs
+    spawn: Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]]
+    replay_config: ReplayConfig
+    # False when every sink forwards only the engine's bytes (format raw, and a connector that
+    # says it reads nothing else): batches are then counted by event type, not decoded.
+    needs_events: bool = True
 
 
 class StreamPipeline:
@@ -36,7 +64,7 @@ class StreamPipeline:
 
     def __init__(
         self,
-        bridge: Bridge,
+        ctx: StreamContext,
         stream: Stream,
         *,
         replay_endpoint: str | None,
@@ -47,10 +75,10 @@ class StreamPipeline:
         anchor: int | None = None,
         known_top: int | None = None,
     ) -> None:
-        self.bridge = bridge
+        self.ctx = ctx
         self.stream = stream
         self.replay_endpoint = replay_endpoint
-        cfg = bridge.config.replay
+        cfg = ctx.replay_config
         key = stream.key
         self.sequencer = StreamSequencer(
             can_replay=replay_endpoint is not None,
@@ -63,7 +91,7 @@ class StreamPipeline:
             anchor=anchor,
             known_top=known_top,
             ts_of=wire.peek_ts,
-            next_epoch=lambda e: bridge.checkpointer.next_epoch(key, e, time.time()),
+            next_epoch=lambda e: ctx.epochs.next_epoch(key, e, time.time()),
         )
         self._resumed_from = (epoch, delivered, delivered_fp, anchor) if delivered is not None else None
         # The first batch of an epoch this pipeline opens is saved before it goes out (see
@@ -73,17 +101,7 @@ class StreamPipeline:
         self.lock = asyncio.Lock()
         self._replay_task: asyncio.Task[None] | None = None
         self.last_activity = time.monotonic()
-        m = bridge.metrics
-        src, rank = stream.source, str(stream.dp_rank)
-        self._m_received = m.batches_received.labels(src, rank)
-        self._m_gaps = m.sequence_gaps.labels(src, rank)
-        self._m_replayed = m.batches_replayed.labels(src)
-        self._m_lost = m.batches_lost.labels(src)
-        self._m_dups = m.duplicates_dropped.labels(src)
-        self._m_restarts = m.source_restarts.labels(src)
-        self._m_last_seq = m.source_last_seq.labels(src, rank)
-        self._m_last_ts = m.source_last_event_ts.labels(src, rank)
-        self._m_events: dict[str, Counter] = {}
+        self.metrics = StreamMetrics(ctx.metrics, stream.source, stream.dp_rank)
         # Per-batch metric updates are gathered here and applied once per burst (or per
         # replayed reply): a labelled prometheus_client update takes a lock and costs about a
         # microsecond, which per batch was a sizeable share of ingest.
@@ -104,11 +122,11 @@ class StreamPipeline:
 
     async def on_live(self, burst: Sequence[list[bytes]], received: float) -> None:
         """A burst of live messages drained from the SUB socket."""
-        self._m_received.inc(len(burst))
+        self.metrics.received.inc(len(burst))
         self.last_activity = time.monotonic()
-        observe = self.bridge.metrics.ingest_lag.labels().observe
+        observe = self.metrics.ingest_lag.observe
         parse, peek_ts, live = wire.parse_live, wire.peek_ts, self.sequencer.live
-        offer, finish = self.bridge.fanout.offer, self.bridge.fanout.finish
+        offer, finish = self.ctx.fanout.offer, self.ctx.fanout.finish
         async with self.lock:
             i = 0
             try:
@@ -116,7 +134,7 @@ class StreamPipeline:
                     try:
                         f = parse(frames)
                     except DecodeError as exc:
-                        self.bridge.decode_failure(self.stream, exc, None, frames)
+                        self.ctx.decode_failures(self.stream, exc, None, frames)
                         continue
                     ts = peek_ts(f.payload)
                     if ts is not None:
@@ -186,34 +204,34 @@ class StreamPipeline:
         for a in actions:
             if isinstance(a, Deliver):
                 if a.replayed:
-                    self._m_replayed.inc()
+                    self.metrics.replayed.inc()
                 await publish(self._decode(a.seq, a.payload, received, a.epoch))
             elif isinstance(a, Duplicate):
-                self._m_dups.inc()
+                self.metrics.duplicates.inc()
             elif isinstance(a, Gap):
-                self._m_gaps.inc()
+                self.metrics.gaps.inc()
                 log.info("sequence gap", extra={"stream": self.stream.key, "from_seq": a.from_seq, "to_seq": a.to_seq})
             elif isinstance(a, RequestReplay):
                 self._start_replay(a)
             elif isinstance(a, Lost):
-                self._m_lost.inc(a.to_seq - a.from_seq + 1)
+                self.metrics.lost.inc(a.to_seq - a.from_seq + 1)
                 span = {"from_seq": a.from_seq, "to_seq": a.to_seq, "reason": a.reason}
                 log.warning("batches lost", extra={"stream": self.stream.key, "epoch": a.epoch, **span})
                 await publish(events_lost(self.stream, a.epoch, a.from_seq, a.to_seq, a.reason, received))
             elif isinstance(a, Reset):
-                self._m_restarts.inc()
+                self.metrics.restarts.inc()
                 log.warning("engine restarted: new epoch", extra={"stream": self.stream.key, "epoch": a.epoch})
                 # The new epoch is on disk before any sink holds a record of it (a bridge that
                 # crashes now must not open the same number again).
-                await self.bridge.persist_epochs()
+                await self.ctx.epochs.persist()
                 self._first_pending = True
                 await publish(source_reset(self.stream, a.epoch, a.reason, received))
 
     async def _note_first(self, record: Record) -> None:
         if record.kind == "batch":
             self._first_pending = False
-            if self.bridge.checkpointer.note_first(self.stream.key, record):
-                await self.bridge.persist_epochs()
+            if self.ctx.epochs.note_first(self.stream.key, record):
+                await self.ctx.epochs.persist()
 
     async def _publish(self, record: Record) -> None:
         if self._first_pending:
@@ -221,10 +239,10 @@ class StreamPipeline:
         self._handed = record  # every sink has it once offered (see Fanout.finish)
         if record.kind == "batch":
             self._handed_batch = record
-        await self.bridge.fanout.publish(record)
+        await self.ctx.fanout.publish(record)
 
     def _decode(self, seq: int, payload: bytes, received: float, epoch: int) -> Record:
-        if not self.bridge.needs_events:
+        if not self.ctx.needs_events:
             counted = wire.count_batch(payload)
             if counted is not None:  # else: decode it, which reports what is wrong with it
                 counts = self._counts
@@ -243,10 +261,10 @@ class StreamPipeline:
         try:
             batch = wire.decode_batch(payload)
         except DecodeError as exc:
-            self.bridge.decode_failure(self.stream, exc, seq, None, payload)
+            self.ctx.decode_failures(self.stream, exc, seq, None, payload)
             return events_lost(self.stream, epoch, seq, seq, "undecodable", received)
         for bad in batch.bad_events:
-            self.bridge.decode_failure(self.stream, DecodeError("bad_event", bad.reason), seq, None, None, index=bad.index)
+            self.ctx.decode_failures(self.stream, DecodeError("bad_event", bad.reason), seq, None, None, index=bad.index)
         counts = self._counts
         for e in batch.events:
             t = e["type"]
@@ -261,16 +279,12 @@ class StreamPipeline:
         if self._counts:
             for t, n in self._counts.items():
                 label = t if t in wire.KNOWN_TYPES else "other"  # keyed by label: unknown type names must not grow the cache
-                child = self._m_events.get(label)
-                if child is None:
-                    child = self.bridge.metrics.events_received.labels(self.stream.source, label)
-                    self._m_events[label] = child
-                child.inc(n)
+                self.metrics.events(label).inc(n)
             self._counts.clear()
         if self._last is not None:
             seq, ts = self._last
-            self._m_last_seq.set(seq)
-            self._m_last_ts.set(ts)
+            self.metrics.last_seq.set(seq)
+            self.metrics.last_ts.set(ts)
             self._last = None
 
     # -- replay ---------------------------------------------------------------------------------
@@ -279,35 +293,24 @@ class StreamPipeline:
         old = self._replay_task
         if old is not None and old is not current and not old.done():
             old.cancel()  # superseded (e.g. the engine restarted): its replies would be ignored anyway
-        self._replay_task = self.bridge.spawn(self._replay(req), f"replay:{self.stream.key}")
+        self._replay_task = self.ctx.spawn(self._replay(req), f"replay:{self.stream.key}")
 
     async def _replay(self, req: RequestReplay) -> None:
         assert self.replay_endpoint is not None
-        bridge = self.bridge
         if req.attempt > 0:
             await asyncio.sleep(self.backoff.delay(req.attempt))
         outcome = ReplayOutcome()
         label = "error"
-        async with bridge.replay_slots:
-            try:
-                async for reply in replay(
-                    bridge.zmq_context,
-                    self.replay_endpoint,
-                    req.start,
-                    req.until,
-                    bridge.config.replay.timeout,
-                    outcome,
-                    bridge.config.ingest.max_frame_bytes,
-                ):
+        try:
+            async with contextlib.aclosing(self.ctx.replay.fetch(self.replay_endpoint, req.start, req.until, outcome)) as replies:
+                async for reply in replies:
                     async with self.lock:
                         await self._execute(self.sequencer.replayed(req.request_id, reply.seq, reply.payload), time.time())
                         self._flush_metrics()
-                label = "complete" if outcome.complete else "timeout"
-            except zmq.ZMQError as exc:
-                log.warning("replay failed", extra={"stream": self.stream.key, "error": str(exc)})
-        bridge.metrics.replay_requests.labels(self.stream.source, label).inc()
-        if outcome.bad_replies:
-            bridge.metrics.decode_failures.labels(self.stream.source, "bad_replay_reply").inc(outcome.bad_replies)
+            label = "complete" if outcome.complete else "timeout"
+        except zmq.ZMQError as exc:
+            log.warning("replay failed", extra={"stream": self.stream.key, "error": str(exc)})
+        self.metrics.replay_finished(label, outcome.bad_replies)
         if label != "complete":
             log.info(
                 "replay incomplete, will retry",

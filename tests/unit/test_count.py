@@ -116,7 +116,7 @@ async def test_events_are_decoded_only_when_a_sink_needs_them(tmp_path: Path, si
     bridge = _bridge(tmp_path, sinks)
     await bridge.start()
     try:
-        assert bridge.needs_events is needs
+        assert bridge.context.needs_events is needs
     finally:
         await bridge.stop()
 
@@ -141,12 +141,12 @@ async def test_raw_only_records_carry_counts_and_metrics(tmp_path: Path) -> None
     bridge = _bridge(tmp_path, [{"type": "file", "path": str(out), "format": "raw", "binary": "length-prefixed"}])
     await bridge.start()
     try:
-        assert bridge.needs_events is False
+        assert bridge.context.needs_events is False
         profile = PROFILES["vllm-0.33.0"]
         factory = EventFactory(profile, seed=5)
         batches = [factory.batch(4) for _ in range(10)]
         payloads = [encode_batch(profile, 100.0 + i, b, 0) for i, b in enumerate(batches)]
-        pipeline = StreamPipeline(bridge, Stream("e", 0), replay_endpoint=None, replay_on_start=False, epoch=0)
+        pipeline = StreamPipeline(bridge.context, Stream("e", 0), replay_endpoint=None, replay_on_start=False, epoch=0)
         await pipeline.on_live([[b"", i.to_bytes(8, "big"), p] for i, p in enumerate(payloads)], 200.0)
         assert await bridge.workers[0].flush(5)
         reg = bridge.metrics.registry

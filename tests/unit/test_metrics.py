@@ -14,6 +14,7 @@ tests/integration/test_observability.py.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import logging
@@ -29,13 +30,22 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from bridge import __version__
+from bridge import config as config_mod
 from bridge.config import BatchConfig, Duration, QueueConfig, RetryConfig, SinkConfig
 from bridge.deadletter import DeadLetters
 from bridge.errors import Permanent, Retriable
 from bridge.formats import Message, Renderer
 from bridge.logs import JsonFormatter, RateLimit
-from bridge.metrics import Metrics
+from bridge.metrics import (
+    DEAD_LETTER_REASONS,
+    DECODE_REASONS,
+    REPLAY_OUTCOMES,
+    SINK_ERROR_REASONS,
+    SINK_OUTCOMES,
+    Metrics,
+)
 from bridge.records import Record, Stream
+from bridge.runtime import Bridge
 from bridge.sink import SinkWorker
 from tests.support.records import stream_records
 
@@ -488,3 +498,47 @@ def test_fast_histogram_refuses_wrong_labels() -> None:
             h.labels(*bad)
     with pytest.raises(ValueError, match="expected labels"):
         h.labels(source="x")
+
+
+# -- series at 0 -------------------------------------------------------------------------------
+
+
+async def test_known_label_values_start_at_zero_for_every_configured_sink_and_source(tmp_path: Path) -> None:
+    """A healthy bridge's panels show 0, not "no data": every counter whose label values are
+    known in advance has its series from the start."""
+    config = config_mod.from_data(
+        {
+            "sources": [{"name": "eng", "endpoint": "tcp://127.0.0.1:9", "dp_ranks": 2}],
+            "sinks": [{"type": "file", "name": "out", "path": str(tmp_path / "out.jsonl")}],
+            "metrics": {"listen": ""},
+            "replay": {"idle_probe": 0},
+            "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        },
+        env={},
+    )
+    async with Bridge(config) as bridge:
+        get = bridge.metrics.registry.get_sample_value
+        for outcome in SINK_OUTCOMES:
+            assert get("kv_bridge_sink_batches_total", {"sink": "out", "outcome": outcome}) == 0
+        for reason in SINK_ERROR_REASONS:
+            assert get("kv_bridge_sink_errors_total", {"sink": "out", "reason": reason}) == 0
+        for outcome in REPLAY_OUTCOMES:
+            assert get("kv_bridge_replay_requests_total", {"source": "eng", "outcome": outcome}) == 0
+        for reason in DECODE_REASONS:
+            assert get("kv_bridge_decode_failures_total", {"source": "eng", "reason": reason}) == 0
+        for reason in DEAD_LETTER_REASONS:
+            assert get("kv_bridge_dead_letters_total", {"reason": reason}) == 0
+        assert get("kv_bridge_sink_retries_total", {"sink": "out"}) == 0
+        assert get("kv_bridge_batches_lost_total", {"source": "eng"}) == 0
+
+
+def test_every_decode_failure_reason_raised_in_bridge_starts_at_zero() -> None:
+    """DECODE_REASONS is complete: every DecodeError("reason", ...) in bridge/ is in it."""
+    raised = set()
+    for path in (Path(__file__).resolve().parents[2] / "bridge").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "DecodeError" and node.args:
+                first = node.args[0]
+                if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                    raised.add(first.value)
+    assert raised and raised <= set(DECODE_REASONS)

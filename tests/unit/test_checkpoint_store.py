@@ -1,0 +1,61 @@
+"""CheckpointStore: the checkpoint of a running bridge, its file, and the epochs it saves."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from bridge.checkpoint import CheckpointFile, CheckpointStore, StreamPosition, load, save
+from bridge.records import Record, Stream
+
+STREAM = Stream("e", 0)
+
+
+def test_without_a_path_nothing_is_read_or_written(tmp_path: Path) -> None:
+    store = CheckpointStore(None, 1)
+    store.save_now()
+    asyncio.run(store.persist())
+    assert store.checkpointer.written == 0 and list(tmp_path.iterdir()) == []
+
+
+def test_an_unusable_file_is_reported_and_the_bridge_starts_fresh(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "ckpt.json"
+    path.write_text("{not json")
+    store = CheckpointStore(str(path), 1)
+    assert store.checkpointer.position(STREAM.key) is None
+    assert "checkpoint unusable, starting fresh" in caplog.text
+
+
+def test_a_saved_checkpoint_is_resumed(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.json"
+    save(path, CheckpointFile(streams={STREAM.key: StreamPosition(7, 41, 1.5, 9)}, epochs={STREAM.key: 7}))
+    store = CheckpointStore(str(path), 1)
+    assert store.checkpointer.resume_position(STREAM.key) == StreamPosition(7, 41, 1.5, 9)
+    assert store.next_epoch(STREAM.key, 7, 0.0) == 8
+
+
+async def test_persist_writes_only_what_is_not_saved_yet_and_callers_share_a_write(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.json"
+    store = CheckpointStore(str(path), 1)
+    epoch = store.checkpointer.first_epoch(STREAM.key, 1.8e9)
+    await asyncio.gather(store.persist(), store.persist(), store.persist())
+    assert load(path).epochs == {STREAM.key: epoch}
+    written = store.checkpointer.written
+    await store.persist()  # nothing new: no write
+    assert store.checkpointer.written == written
+    first = Record(stream=STREAM, epoch=epoch, seq=0, ts=1.0, payload=b"x")
+    assert store.note_first(STREAM.key, first)
+    await store.persist()
+    assert store.checkpointer.written > written
+
+
+async def test_a_failed_write_is_logged_not_raised(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    store = CheckpointStore(str(blocker / "ckpt.json"), 1)  # a file where a directory should be
+    store.checkpointer.first_epoch(STREAM.key, 1.8e9)
+    await store.save()
+    store.save_now()
+    assert caplog.text.count("cannot save the checkpoint") == 2

@@ -1,0 +1,202 @@
+"""StreamPipeline built from a StreamContext of fakes: no Bridge, no sockets, no sinks.
+
+The fakes record what the pipeline hands on (the fan-out), which epochs it saves and when (the
+epochs store), and answer replays from a script (the replay client)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from bridge.config import Duration, ReplayConfig
+from bridge.deadletter import DeadLetters, DecodeFailures
+from bridge.fanout import Fanout
+from bridge.metrics import Metrics
+from bridge.records import Record, Stream
+from bridge.replay import ReplayClient, ReplayOutcome
+from bridge.sink import SinkWorker
+from bridge.stream import StreamContext, StreamPipeline
+from bridge.wire import ReplayReply
+from tests.support.records import batch
+
+STREAM = Stream("engine", 0)
+
+
+class Recording(Fanout):
+    """Every record offered, in order; never full."""
+
+    def __init__(self, log: list[tuple[str, object]]) -> None:
+        super().__init__([])
+        self.log = log
+        self.records: list[Record] = []
+
+    def offer(self, record: Record) -> list[SinkWorker]:
+        self.records.append(record)
+        self.log.append(("record", (record.kind, record.epoch, record.seq)))
+        return []
+
+
+class Epochs:
+    def __init__(self, log: list[tuple[str, object]]) -> None:
+        self.log = log
+        self.opened: list[int] = []
+
+    def next_epoch(self, key: str, epoch: int, now: float) -> int:
+        self.opened.append(epoch + 1)
+        return epoch + 1
+
+    def note_first(self, key: str, record: Record) -> bool:
+        self.log.append(("first", (record.epoch, record.seq)))
+        return True
+
+    async def persist(self) -> None:
+        self.log.append(("persist", None))
+
+
+class Replays(ReplayClient):
+    """Answers each request with the scripted payloads at or after its start, then the end marker."""
+
+    def __init__(self, payloads: dict[int, bytes]) -> None:
+        self.payloads = payloads
+        self.requests: list[tuple[int, int]] = []
+
+    async def fetch(self, endpoint: str, start: int, until: int, outcome: ReplayOutcome) -> AsyncGenerator[ReplayReply, None]:
+        self.requests.append((start, until))
+        for seq in sorted(s for s in self.payloads if s >= start):
+            yield ReplayReply(seq, self.payloads[seq], False)
+        outcome.complete = True
+
+
+def payload(seq: int, instance: int = 0) -> bytes:
+    return batch(STREAM, seq, epoch=instance).payload if instance == 0 else batch(Stream("other", 0), seq + 1000).payload
+
+
+@dataclass
+class Fakes:
+    pipeline: StreamPipeline
+    fanout: Recording
+    epochs: Epochs
+    replays: Replays
+    metrics: Metrics
+    dead_letters: DeadLetters
+    log: list[tuple[str, object]]
+
+
+@pytest.fixture
+def make(tmp_path: Path) -> Iterator[Callable[..., Fakes]]:
+    made: list[Fakes] = []
+
+    def build(replays: dict[int, bytes] | None = None, *, needs_events: bool = True) -> Fakes:
+        log: list[tuple[str, object]] = []
+        metrics = Metrics()
+        dead_letters = DeadLetters(str(tmp_path / "dead.jsonl"))
+        fanout, epochs, client = Recording(log), Epochs(log), Replays(replays or {})
+        ctx = StreamContext(
+            fanout=fanout,
+            metrics=metrics,
+            decode_failures=DecodeFailures(metrics, dead_letters),
+            replay=client,
+            epochs=epochs,
+            spawn=lambda coro, name: asyncio.get_running_loop().create_task(coro, name=name),
+            replay_config=ReplayConfig(initial_backoff=Duration(0.001), max_backoff=Duration(0.002)),
+            needs_events=needs_events,
+        )
+        endpoint = "tcp://fake:1" if replays is not None else None
+        pipeline = StreamPipeline(ctx, STREAM, replay_endpoint=endpoint, replay_on_start=False, epoch=5)
+        made.append(Fakes(pipeline, fanout, epochs, client, metrics, dead_letters, log))
+        return made[-1]
+
+    yield build
+    for f in made:
+        f.dead_letters.close()
+
+
+def frames(seq: int, data: bytes | None = None) -> list[bytes]:
+    return [b"kv", seq.to_bytes(8, "big"), data if data is not None else payload(seq)]
+
+
+def sample(metrics: Metrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def settle(pipeline: StreamPipeline) -> None:
+    task = pipeline._replay_task
+    if task is not None:
+        await task
+
+
+async def test_a_burst_is_sequenced_decoded_and_handed_on_in_order(make: Callable[..., Fakes]) -> None:
+    f = make()
+    pipeline = f.pipeline
+    await pipeline.start()
+    await pipeline.on_live([frames(0), frames(1), frames(2)], received=1_700_000_001.0)
+    assert [(r.kind, r.epoch, r.seq) for r in f.fanout.records] == [("batch", 5, 0), ("batch", 5, 1), ("batch", 5, 2)]
+    assert f.fanout.records[0].events and f.fanout.records[0].events[-1]["type"] == "BlockRemoved"
+    # The first batch of the epoch is noted (and saved) before it goes out.
+    assert f.log[:2] == [("first", (5, 0)), ("persist", None)]
+    assert sample(f.metrics, "kv_bridge_batches_received_total", source="engine", dp_rank="0") == 3
+    assert sample(f.metrics, "kv_bridge_source_last_seq", source="engine", dp_rank="0") == 2
+    assert sample(f.metrics, "kv_bridge_events_received_total", source="engine", type="BlockStored") == 6
+
+
+async def test_a_gap_is_fetched_from_the_replay_client_and_filled_in_order(make: Callable[..., Fakes]) -> None:
+    f = make({0: payload(0), 1: payload(1), 2: payload(2)})
+    pipeline = f.pipeline
+    await pipeline.start()
+    await pipeline.on_live([frames(0), frames(3)], received=1_700_000_001.0)
+    await settle(pipeline)
+    assert [r.seq for r in f.fanout.records] == [0, 1, 2, 3]
+    # From the last seq delivered (its copy is checked against what went out) to the gap's end.
+    assert f.replays.requests == [(0, 2)]
+    assert sample(f.metrics, "kv_bridge_replay_requests_total", source="engine", outcome="complete") == 1
+    assert sample(f.metrics, "kv_bridge_batches_replayed_total", source="engine") == 2
+    assert sample(f.metrics, "kv_bridge_sequence_gaps_total", source="engine", dp_rank="0") == 1
+
+
+async def test_a_restart_saves_the_new_epoch_before_its_reset_goes_out(make: Callable[..., Fakes]) -> None:
+    f = make()
+    pipeline = f.pipeline
+    await pipeline.start()
+    await pipeline.on_live([frames(0), frames(1), frames(2)], received=1_700_000_001.0)
+    f.log.clear()
+    await pipeline.on_live([frames(0, payload(0, instance=1))], received=1_700_000_002.0)  # seq went back
+    assert f.epochs.opened == [6]
+    assert f.log[0] == ("persist", None) and f.log[1] == ("record", ("SourceReset", 6, 0))
+    assert ("first", (6, 0)) in f.log and f.log[-1] == ("record", ("batch", 6, 0))
+    assert sample(f.metrics, "kv_bridge_source_restarts_total", source="engine") == 1
+
+
+async def test_an_undecodable_batch_is_dead_lettered_and_announced_lost(make: Callable[..., Fakes]) -> None:
+    f = make()
+    pipeline = f.pipeline
+    await pipeline.start()
+    await pipeline.on_live([frames(0), frames(1, b"\xc1not msgpack"), frames(2)], received=1_700_000_001.0)
+    assert [(r.kind, r.seq) for r in f.fanout.records] == [("batch", 0), ("EventsLost", 1), ("batch", 2)]
+    assert sample(f.metrics, "kv_bridge_decode_failures_total", source="engine", reason="bad_msgpack") == 1
+    assert sample(f.metrics, "kv_bridge_dead_letters_total", reason="bad_msgpack") == 1
+    (line,) = Path(f.dead_letters.path).read_text().splitlines()  # noqa: ASYNC240 (a small local file)
+    assert '"seq":1' in line and '"reason":"bad_msgpack"' in line and b"not msgpack".hex() in line
+
+
+async def test_raw_only_sinks_get_counted_batches_not_decoded_events(make: Callable[..., Fakes]) -> None:
+    f = make(needs_events=False)
+    pipeline = f.pipeline
+    await pipeline.start()
+    await pipeline.on_live([frames(0)], received=1_700_000_001.0)
+    (record,) = f.fanout.records
+    assert record.events == [] and record.n_events == 3  # counted from the bytes, not decoded
+    assert sample(f.metrics, "kv_bridge_events_received_total", source="engine", type="BlockRemoved") == 1
+
+
+async def test_the_resume_point_is_the_last_record_handed_on(make: Callable[..., Fakes]) -> None:
+    f = make()
+    pipeline = f.pipeline
+    assert pipeline.resume_point() == (None, -1)
+    await pipeline.start()
+    await pipeline.on_live([frames(0), frames(1)], received=1_700_000_001.0)
+    point, top = pipeline.resume_point()
+    assert point is not None and point[:2] == (5, 1) and point[3] == 1 and top >= 1
