@@ -3,7 +3,7 @@
 Byte-compatible with the real publishers: the same ZMQ sockets (PUB ``[topic, seq, payload]``
 and a ROUTER replay socket answering ``[b"", start]`` with or without the topic frame and the
 ``-1`` end marker), and the same msgpack bytes for each engine release (:data:`PROFILES`),
-checked against ``shared/vectors``. It can publish several data-parallel ranks (port + rank),
+checked against the captured vectors (``tests/vectors``). It can publish several data-parallel ranks (port + rank),
 at a chosen rate and batch shape, and inject faults: live messages that never reach
 subscribers (still in the replay buffer, as a PUB high-water-mark drop would be), replay
 replies that go missing, and engine restarts (sequence back to 0, buffer emptied).

@@ -185,14 +185,23 @@ async def test_sharded_replicas_split_the_engines(tmp_path: Path) -> None:
 
 
 async def test_bridge_stops_cleanly_while_discovering(tmp_path: Path) -> None:
+    """stop() cancels a resolution in flight: it does not wait it out (up to discovery.dns.timeout)."""
     ports = _ports_free_on(HOSTS[:1])
+    hang = 6.0  # how long a resolution the server never answers takes
+    loop = asyncio.get_running_loop()
     async with stub_dns() as dns:
-        dns.mode = "silent"  # stop() must not wait for a hanging resolution
-        async with running_bridge(tmp_path, [], discovery=_discovery(dns, ports, timeout="2s")) as (bridge, _):
+        dns.records[NAME] = []  # start() resolves at once (an empty answer)
+        async with running_bridge(tmp_path, [], discovery=_discovery(dns, ports, timeout=f"{hang}s")) as (bridge, _):
             assert bridge.discovery is not None
-            loop = asyncio.get_running_loop()
+            # The clock starts before the hang: from here every query goes unanswered, and the
+            # periodic resolution (every 100ms) asks within the wait below.
+            dns.mode = "silent"
+            asked = dns.queries
             started = loop.time()
-        assert loop.time() - started < 2.0
+            await wait_for(lambda: dns.queries > asked, timeout=hang / 3, what="a resolution in flight")
+        elapsed = loop.time() - started
+    # A stop() that waited for the resolution would return about `hang` after `started`.
+    assert elapsed < hang / 2, f"stop() took {elapsed:.2f}s from the start of a {hang:.0f}s hanging resolution"
 
 
 async def test_a_returning_source_resumes_after_what_it_delivered(tmp_path: Path) -> None:

@@ -1,24 +1,21 @@
-"""The captured frames of ``shared/vectors`` (real vLLM and SGLang publishers)."""
+"""The captured frames of real vLLM and SGLang publishers, carried in ``tests/vectors``."""
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+VECTORS_DIR = Path(__file__).resolve().parents[1] / "vectors"
+"""``tests/vectors``: one ``ENGINE-VERSION.jsonl`` per captured release (see its README)."""
+
 
 def vectors_dir() -> Path:
-    """``../shared/vectors`` beside the checkout (or ``$KVB_VECTORS``)."""
-    env = os.environ.get("KVB_VECTORS")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve().parents[2]
-    for candidate in (here.parent / "shared" / "vectors", here / "shared" / "vectors"):
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError("shared/vectors not found beside the checkout; set KVB_VECTORS")
+    """``tests/vectors``; a missing or empty directory is an error, never an empty parametrization."""
+    if not any(VECTORS_DIR.glob("*.jsonl")):
+        raise FileNotFoundError(f"no captured vectors (*.jsonl) in {VECTORS_DIR}")
+    return VECTORS_DIR
 
 
 @dataclass(frozen=True)
