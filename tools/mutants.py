@@ -18,7 +18,7 @@ is written there, the module's unit tests are run on it with ``pytest -x`` and a
 original is put back. The working tree is never touched and nothing is left in it. A mutant is
 *killed* when the tests fail (or time out), *survived* when they pass. Hypothesis runs with a fixed
 seed and no example database, so a run is repeatable; ``KV_MODEL_EXAMPLES`` (``--examples``)
-bounds the sequencer model; ``KVB_VECTORS`` is passed on (default: ``../shared/vectors``). Exit
+bounds the sequencer model; the captured vectors come with the copy (``tests/vectors``). Exit
 status 1 when a module's kill rate is below ``--threshold`` (90%), 2 when the unmutated tests fail
 or pytest could not run a selection.
 """
@@ -277,7 +277,6 @@ def run_tests(work: Path, module: str, examples: int, seed: int, timeout: float)
         "PYTHONPATH": str(work),
         "PYTHONDONTWRITEBYTECODE": "1",
         "KV_MODEL_EXAMPLES": str(examples),
-        "KVB_VECTORS": os.environ.get("KVB_VECTORS", str(ROOT.parent / "shared" / "vectors")),
     }
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", f"--hypothesis-seed={seed}"]
     cmd += tests_for(module, work)
