@@ -174,16 +174,30 @@ class Checkpointer:
         return StreamPosition(epoch, seq, ts, crc, None if at == seq else at)
 
     def resume_position(self, key: str) -> StreamPosition | None:
-        """Where a stream starts at start-up: its position, or the first batch of an epoch opened
-        after it (a crash before that epoch's position was saved); None (fresh, in a new epoch)
-        when an epoch was opened after it but no batch of it is known."""
+        """Where a stream starts at start-up: its position; or, when an epoch was opened after it
+        (a crash before that epoch's position was saved), just before that epoch's first batch,
+        with the batch's fingerprint at ``at`` (= ``seq + 1``): a replay that brings that very
+        batch shows the same instance, and the batch is delivered again (no sink is known to have
+        it); None (fresh, in a new epoch) when an epoch was opened after it but no batch of it is
+        known."""
         pos = self.position(key)
         first = self.opened.get(key)
         if first is not None and (pos is None or first.epoch > pos.epoch):
-            return first
+            return StreamPosition(first.epoch, first.seq - 1, first.ts, first.crc, first.seq)
         if pos is not None and self.epochs.get(key, pos.epoch) > pos.epoch:
             return None
         return pos
+
+    def needs_reset(self, key: str) -> bool:
+        """Must a stream starting now announce its epoch with a ``SourceReset``? Yes when a sink
+        may hold records of it from an earlier run and no ``SourceReset`` of the epoch it is about
+        to run in is known acknowledged: it resumes in an epoch opened after its position, or
+        starts afresh after it, or never had a position acknowledged."""
+        pos = self.position(key)
+        if pos is None:
+            return key in self.epochs or key in self.opened
+        first = self.opened.get(key)
+        return (first is not None and first.epoch > pos.epoch) or self.epochs.get(key, pos.epoch) > pos.epoch
 
     def note_first(self, key: str, record: Record) -> bool:
         """Record ``record`` as the first batch of its epoch if it is; True: save before it goes out."""

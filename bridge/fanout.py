@@ -25,6 +25,12 @@ class Fanout:
         """
         return [w for w in self.workers if not w.offer(record)]
 
+    def force(self, record: Record) -> None:
+        """Queue ``record`` on every sink now, past a full queue's bounds (see StreamPipeline)."""
+        for w in self.workers:
+            if not w.offer(record):
+                w.force(record)
+
     async def publish(self, record: Record) -> None:
         """Queue ``record`` on every sink, waiting for room only where a sink blocks."""
         waiting = self.offer(record)

@@ -149,7 +149,12 @@ class Bridge:
                 continue
             # A stream read before in this process resumes exactly where it stopped; otherwise from
             # the checkpoint (what every sink acknowledged), or fresh in a new epoch.
-            pos, top, _ = self._retired.pop(key) if key in self._retired else (self.checkpointer.resume_position(key), None, 0.0)
+            if key in self._retired:
+                pos, top, _ = self._retired.pop(key)
+                announce = False  # every sink has what it handed on, its SourceReset included
+            else:
+                pos, top = self.checkpointer.resume_position(key), None
+                announce = self.checkpointer.needs_reset(key)
             pipeline = StreamPipeline(
                 self.context,
                 stream,
@@ -160,6 +165,7 @@ class Bridge:
                 delivered_fp=(pos.ts, pos.crc) if pos and (pos.ts is not None or pos.crc is not None) else None,
                 anchor=pos.at if pos else None,
                 known_top=top,
+                announce=announce,
             )
             self.pipelines[key] = pipeline
             added.append((pipeline, for_rank(source.endpoint, rank)))

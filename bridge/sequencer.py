@@ -108,7 +108,8 @@ class StreamSequencer:
     ``delivered``/``delivered_fp``/``anchor``: the position to resume from (a checkpoint), or None
     for a stream seen for the first time: the highest seq delivered or announced lost, and the
     fingerprint of the last batch delivered, at seq ``anchor`` (default: ``delivered``; lower when
-    a loss was announced after it). ``known_top``: the highest seq the instance is known to have
+    a loss was announced after it; ``delivered + 1`` for a batch known published but not known
+    delivered, which the verifying replay then delivers again). ``known_top``: the highest seq the instance is known to have
     published (a stream resumed in the same process), announced lost if it restarted since.
     ``next_epoch(epoch)`` numbers the epoch after ``epoch`` (the runtime makes epochs unique
     across bridge runs; see ``bridge.checkpoint``).
@@ -312,8 +313,8 @@ class StreamSequencer:
                 return out
             self._verdict = _SAME
             self._trust(out)
-            if self._anchor is not None and seq == self._anchor[0]:
-                out.append(Duplicate(seq))  # the verification reply itself
+            if self._anchor is not None and seq == self._anchor[0] and seq <= self.delivered:
+                out.append(Duplicate(seq))  # the verification reply itself (delivered before)
                 return out
         self._top = max(self._top, seq)
         if self._replay_first and seq >= self._replay_start:

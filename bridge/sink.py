@@ -276,8 +276,9 @@ class SinkWorker:
                 await self._wait_for_work()
                 if linger > 0 and len(self._queue) < self.config.batch.max_messages:
                     await asyncio.sleep(linger)
-            records, messages = self._take()
+            records, messages, unrendered = self._take()
             dead = await self._deliver(messages) if messages else set()
+            dead |= unrendered
             self._settle(records, dead)
 
     async def _wait_for_work(self) -> None:
@@ -307,10 +308,13 @@ class SinkWorker:
         self.last_error = f"health: {problem}"
         self._m_up.set(0)
 
-    def _take(self) -> tuple[list[Record], list[Message]]:
-        """Records from the head of the queue (left there) and their messages, within the batch bounds."""
+    def _take(self) -> tuple[list[Record], list[Message], set[int]]:
+        """Records from the head of the queue (left there), their messages, within the batch
+        bounds, and the ids of records that could not be rendered (dead-lettered, an EventsLost
+        goes in their place)."""
         records: list[Record] = []
         messages: list[Message] = []
+        unrendered: set[int] = set()
         size = 0
         max_messages, max_bytes = self.config.batch.max_messages, self.config.batch.max_bytes
         for record in self._queue:
@@ -320,13 +324,14 @@ class SinkWorker:
                 rendered = self.renderer.render(record)
             except Exception as exc:  # I5: any record (e.g. nested past the recursion limit) must not kill the sink
                 self._dead_letter_record(record, "unrenderable", f"{type(exc).__name__}: {exc}")
+                unrendered.add(id(record))
                 rendered = self.renderer.render(
                     events_lost(record.stream, record.epoch, record.seq, record.seq, "unrenderable", record.received)
                 )
             records.append(record)
             messages.extend(rendered)
             size += record.size
-        return records, messages
+        return records, messages, unrendered
 
     def _settle(self, records: list[Record], dead: set[int]) -> None:
         """Remove ``records`` from the queue and acknowledge them; ``dead``: ids of dead-lettered ones."""
@@ -335,6 +340,8 @@ class SinkWorker:
             r = self._queue.popleft()
             self._bytes -= r.size
         batches = [r for r in records if r.kind == "batch" and id(r) not in dead]
+        if dead:  # each record once, however many of its messages were refused, in however many tries
+            self._m_dead.inc(sum(1 for r in records if r.kind == "batch" and id(r) in dead))
         if batches:
             self._m_ok.inc(len(batches))
             events = 0
@@ -391,7 +398,6 @@ class SinkWorker:
     def _dead_letter_messages(self, messages: list[Message], exc: ConnectorError) -> set[int]:
         self.metrics.sink_errors.labels(self.name, exc.reason).inc()
         dead = {id(m.record) for m in messages if m.record.kind == "batch"}
-        self._m_dead.inc(len(dead))
         log.error(
             "messages rejected by the sink, dead-lettered", extra={"sink": self.name, "count": len(messages), "error": str(exc)}
         )

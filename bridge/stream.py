@@ -74,6 +74,7 @@ class StreamPipeline:
         delivered_fp: Fingerprint | None = None,
         anchor: int | None = None,
         known_top: int | None = None,
+        announce: bool = False,
     ) -> None:
         self.ctx = ctx
         self.stream = stream
@@ -94,9 +95,11 @@ class StreamPipeline:
             next_epoch=lambda e: ctx.epochs.next_epoch(key, e, time.time()),
         )
         self._resumed_from = (epoch, delivered, delivered_fp, anchor) if delivered is not None else None
-        # The first batch of an epoch this pipeline opens is saved before it goes out (see
-        # Checkpointer.resume_position): true for a stream met fresh, and after every restart.
-        self._first_pending = delivered is None
+        # The first batch this pipeline hands on is noted (and saved before it goes out) if it is
+        # its epoch's first (see Checkpointer.resume_position); again after every restart.
+        self._first_pending = True
+        self._announce = announce
+        self._pending: Record | None = None  # decided, being handed on (see _hand_decided)
         self.backoff = Backoff(cfg.initial_backoff, cfg.max_backoff)
         self.lock = asyncio.Lock()
         self._replay_task: asyncio.Task[None] | None = None
@@ -117,7 +120,13 @@ class StreamPipeline:
     # -- inputs ---------------------------------------------------------------------------------
     async def start(self) -> None:
         async with self.lock:
-            await self._execute(self.sequencer.start(), time.time())
+            now = time.time()
+            if self._announce:
+                # Sinks may hold records of this stream from an earlier run, and no SourceReset of
+                # the epoch it runs in now is known acknowledged: announce it (again) first.
+                self._announce = False
+                await self._execute([Reset(self.sequencer.epoch, "bridge_restart")], now, persist=False)
+            await self._execute(self.sequencer.start(), now)
             self._flush_metrics()
 
     async def on_live(self, burst: Sequence[list[bytes]], received: float) -> None:
@@ -141,7 +150,7 @@ class StreamPipeline:
                         observe(received - ts if received > ts else 0.0)
                     actions = live(f.seq, f.payload, ts)
                     if len(actions) == 1 and type(a := actions[0]) is Deliver:  # the common case, without the dispatch
-                        record = self._decode(a.seq, a.payload, received, a.epoch)
+                        record = self._pending = self._decode(a.seq, a.payload, received, a.epoch)
                         if self._first_pending:
                             await self._note_first(record)
                         self._handed = record  # every sink has it once offered (see Fanout.finish)
@@ -150,9 +159,11 @@ class StreamPipeline:
                         waiting = offer(record)
                         if waiting:
                             await finish(record, waiting)
+                        self._pending = None
                     else:
                         await self._execute(actions, received)
             except asyncio.CancelledError:
+                await self._hand_decided([], received)
                 # Removed while waiting for a full sink: the rest of the burst was read from the
                 # engine but never sequenced; if the engine restarts before the stream resumes,
                 # those seqs are announced lost with the old epoch.
@@ -199,33 +210,78 @@ class StreamPipeline:
                 await task
 
     # -- actions ----------------------------------------------------------------------------------
-    async def _execute(self, actions: list[Action], received: float) -> None:
-        publish = self._publish
-        for a in actions:
-            if isinstance(a, Deliver):
-                if a.replayed:
-                    self.metrics.replayed.inc()
-                await publish(self._decode(a.seq, a.payload, received, a.epoch))
-            elif isinstance(a, Duplicate):
-                self.metrics.duplicates.inc()
-            elif isinstance(a, Gap):
-                self.metrics.gaps.inc()
-                log.info("sequence gap", extra={"stream": self.stream.key, "from_seq": a.from_seq, "to_seq": a.to_seq})
-            elif isinstance(a, RequestReplay):
-                self._start_replay(a)
-            elif isinstance(a, Lost):
-                self.metrics.lost.inc(a.to_seq - a.from_seq + 1)
-                span = {"from_seq": a.from_seq, "to_seq": a.to_seq, "reason": a.reason}
-                log.warning("batches lost", extra={"stream": self.stream.key, "epoch": a.epoch, **span})
-                await publish(events_lost(self.stream, a.epoch, a.from_seq, a.to_seq, a.reason, received))
-            elif isinstance(a, Reset):
+    async def _execute(self, actions: list[Action], received: float, *, persist: bool = True) -> None:
+        for i, a in enumerate(actions):
+            try:
+                record = await self._act(a, received, persist)
+                if record is not None:
+                    self._pending = record
+                    await self._publish(record)
+                    self._pending = None
+            except asyncio.CancelledError:
+                await self._hand_decided(actions[i + 1 :], received)
+                raise
+
+    async def _act(self, a: Action, received: float, persist: bool = True) -> Record | None:
+        """Carry out one action; the record it hands on, if any."""
+        if isinstance(a, Deliver):
+            if a.replayed:
+                self.metrics.replayed.inc()
+            return self._decode(a.seq, a.payload, received, a.epoch)
+        if isinstance(a, Duplicate):
+            self.metrics.duplicates.inc()
+        elif isinstance(a, Gap):
+            self.metrics.gaps.inc()
+            log.info("sequence gap", extra={"stream": self.stream.key, "from_seq": a.from_seq, "to_seq": a.to_seq})
+        elif isinstance(a, RequestReplay):
+            self._start_replay(a)
+        elif isinstance(a, Lost):
+            self.metrics.lost.inc(a.to_seq - a.from_seq + 1)
+            span = {"from_seq": a.from_seq, "to_seq": a.to_seq, "reason": a.reason}
+            log.warning("batches lost", extra={"stream": self.stream.key, "epoch": a.epoch, **span})
+            return events_lost(self.stream, a.epoch, a.from_seq, a.to_seq, a.reason, received)
+        elif isinstance(a, Reset):
+            if a.reason != "bridge_restart":
                 self.metrics.restarts.inc()
                 log.warning("engine restarted: new epoch", extra={"stream": self.stream.key, "epoch": a.epoch})
+            record = self._pending = source_reset(self.stream, a.epoch, a.reason, received)
+            self._first_pending = True
+            if persist:
                 # The new epoch is on disk before any sink holds a record of it (a bridge that
                 # crashes now must not open the same number again).
                 await self.ctx.epochs.persist()
-                self._first_pending = True
-                await publish(source_reset(self.stream, a.epoch, a.reason, received))
+            return record
+        return None
+
+    async def _hand_decided(self, rest: list[Action], received: float) -> None:
+        """Cancelled (the stream removed, the bridge stopping) while a full sink made it wait:
+        what the sequencer already decided is handed to every sink all the same, past the queue
+        bounds (at most one burst's or one reply's decisions), so that the stream resumes after
+        it. Decisions stand: a batch decided delivered is never dropped (I4), nor a loss or a
+        restart left unannounced (I3), and the epochs and first batches they open are saved first."""
+        pending = self._pending
+        self._pending = None
+        records = [pending] if pending is not None and pending is not self._handed else []
+        for a in rest:
+            if isinstance(a, RequestReplay):
+                continue  # the stream is going away: no new replay
+            record = await self._act(a, received, persist=False)
+            if record is not None:
+                records.append(record)
+        if not records:
+            return
+        for record in records:
+            if self._first_pending and record.kind == "batch":
+                self._first_pending = False
+                self.ctx.epochs.note_first(self.stream.key, record)
+        await self.ctx.epochs.persist()
+        for record in records:
+            self._handed = record
+            if record.kind == "batch":
+                self._handed_batch = record
+            self.ctx.fanout.force(record)
+        self._pending = None
+        self._flush_metrics()
 
     async def _note_first(self, record: Record) -> None:
         if record.kind == "batch":

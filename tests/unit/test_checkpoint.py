@@ -237,20 +237,34 @@ def test_a_forgotten_stream_keeps_an_epoch_the_clock_has_not_passed() -> None:
 
 
 def test_resume_from_the_first_batch_of_an_epoch_opened_after_the_position() -> None:
-    """A bridge killed after a restart, before that epoch's position was saved, resumes at the
-    first batch of that epoch (saved before it went out), not at the older epoch's position."""
+    """A bridge killed after a restart, before that epoch's position was saved, resumes just
+    before the first batch of that epoch (saved before it went out, not known acknowledged), with
+    that batch's fingerprint to verify, and announces the epoch again; not at the older epoch's
+    position."""
     cp = Checkpointer(1)
     e0 = cp.first_epoch(KEY, NOW)
     cp.on_ack(0, [batch(e0, s) for s in range(5)])
+    assert not cp.needs_reset(KEY)
     e1 = cp.next_epoch(KEY, e0, NOW)
-    assert cp.resume_position(KEY) is None  # opened, but no batch of it known yet: start fresh
-    first = batch(e1, 0)
+    assert cp.resume_position(KEY) is None  # opened, but no batch of it known yet: start fresh...
+    assert cp.needs_reset(KEY)  # ...announced: sinks hold e0's records
+    first = batch(e1, 3)
     assert cp.note_first(KEY, first) is True
-    assert cp.note_first(KEY, batch(e1, 1)) is False  # only the first
+    assert cp.note_first(KEY, batch(e1, 4)) is False  # only the first
     reloaded = Checkpointer(1, cp.snapshot()[1])
-    assert reloaded.resume_position(KEY) == StreamPosition(e1, 0, first.ts, zlib.crc32(first.payload))
-    reloaded.on_ack(0, [batch(e1, s) for s in range(3)])
-    assert reloaded.resume_position(KEY) == batch_position(e1, 2)  # the position, once it has caught up
+    assert reloaded.resume_position(KEY) == StreamPosition(e1, 2, first.ts, zlib.crc32(first.payload), 3)
+    assert reloaded.needs_reset(KEY)  # e1's SourceReset is not known acknowledged
+    reloaded.on_ack(0, [source_reset(STREAM, e1, "publisher_restart", 0.0), *(batch(e1, s) for s in range(3, 6))])
+    assert reloaded.resume_position(KEY) == batch_position(e1, 5)  # the position, once it has caught up
+    assert not reloaded.needs_reset(KEY)
+
+
+def test_a_stream_with_a_trace_but_no_acknowledged_position_is_announced_on_resume() -> None:
+    cp = Checkpointer(1)
+    assert not cp.needs_reset(KEY)  # never met: its first epoch needs no SourceReset
+    cp.first_epoch(KEY, NOW)
+    reloaded = Checkpointer(1, cp.snapshot()[1])
+    assert reloaded.resume_position(KEY) is None and reloaded.needs_reset(KEY)
 
 
 def test_save_and_load_round_trip(tmp_path: Path) -> None:
