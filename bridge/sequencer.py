@@ -163,7 +163,8 @@ class StreamSequencer:
         # Continuity in doubt (see the module docstring): live batches wait here until verified.
         self._doubt = delivered is not None and can_replay
         self.unverified: dict[int, bytes] = {}
-        self._top = max(self.delivered, known_top if known_top is not None else -1)  # known published by this instance
+        # Known published by this instance (an anchor above delivered: published, not known delivered).
+        self._top = max(self.delivered, self._anchor_seq, known_top if known_top is not None else -1)
         self._request_id = 0
         self._replay: int | None = None  # id of the replay in flight
         self._replay_start = 0

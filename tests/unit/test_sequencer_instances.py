@@ -7,6 +7,7 @@ has a later clock), as in the model test; the bridge's clock is given to ``disco
 from __future__ import annotations
 
 import math
+import zlib
 
 from bridge.sequencer import Action, Deliver, Duplicate, Lost, RequestReplay, Reset, StreamSequencer
 
@@ -110,3 +111,54 @@ def test_a_non_finite_ts_is_unknown_not_a_mismatch() -> None:
     )
     (req,) = resumed.start()
     assert not [a for a in resumed.replayed(req.request_id, 1, b"x") if isinstance(a, Reset)]
+
+
+# -- resumed just before a batch known published but not known delivered ---------------------------
+
+
+def resumed_before_first(seq: int = 3) -> StreamSequencer:
+    """Resumed from a checkpoint's ``opened`` entry: the epoch's first batch (``seq``) was saved
+    before it went out, but no sink is known to have it: the anchor is one ahead of delivered."""
+    first = p(0, seq)
+    return StreamSequencer(
+        can_replay=True,
+        replay_on_start=True,
+        ts_of=ts,
+        clock_skew=0.25,
+        epoch=7,
+        delivered=seq - 1,
+        delivered_fp=(ts(first), zlib.crc32(first)),
+        anchor=seq,
+        next_epoch=lambda e: e + 1,
+    )
+
+
+def test_a_batch_known_published_but_not_delivered_is_delivered_again_once_verified() -> None:
+    s = resumed_before_first()
+    (req,) = [a for a in s.start() if isinstance(a, RequestReplay)]
+    assert req.start == 3  # the verification point is the batch itself
+    out = s.replayed(req.request_id, 3, p(0, 3)) + s.replayed(req.request_id, 4, p(0, 4))
+    assert delivered(out) == [(7, p(0, 3)), (7, p(0, 4))]
+    assert not [a for a in out if isinstance(a, Reset | Lost | Duplicate)]
+
+
+def test_a_batch_known_published_but_answered_by_another_instance_is_announced_lost() -> None:
+    s = resumed_before_first()
+    (req,) = [a for a in s.start() if isinstance(a, RequestReplay)]
+    out = s.replayed(req.request_id, 3, p(1, 3))  # the engine restarted while the bridge was away
+    # The old instance's batch, in its own epoch, before the new epoch opens; then the new
+    # instance's history is fetched from its start.
+    assert out[:2] == [Lost(3, 3, "publisher_restart", 7), Reset(8, "publisher_restart")]
+    (again,) = [a for a in out if isinstance(a, RequestReplay)]
+    assert (again.start, again.until) == (0, 2) and delivered(out) == []
+
+
+def test_a_batch_known_published_that_left_the_buffer_is_asked_again_then_announced_lost() -> None:
+    s = resumed_before_first()
+    (req,) = [a for a in s.start() if isinstance(a, RequestReplay)]
+    # The buffer slid past 3 (the same instance's clock): asked once more, then given up.
+    out = s.replayed(req.request_id, 9, p(0, 9)) + s.replay_finished(req.request_id, complete=True)
+    assert delivered(out) == [] and [(a.start, a.attempt) for a in out if isinstance(a, RequestReplay)] == [(3, 1)]
+    (again,) = [a for a in out if isinstance(a, RequestReplay)]
+    out = s.replayed(again.request_id, 9, p(0, 9))
+    assert out[0] == Lost(3, 8, "replay_buffer_exceeded", 7) and delivered(out) == [(7, p(0, 9))]

@@ -90,7 +90,7 @@ class Fakes:
 def make(tmp_path: Path) -> Iterator[Callable[..., Fakes]]:
     made: list[Fakes] = []
 
-    def build(replays: dict[int, bytes] | None = None, *, needs_events: bool = True) -> Fakes:
+    def build(replays: dict[int, bytes] | None = None, *, needs_events: bool = True, announce: bool = False) -> Fakes:
         log: list[tuple[str, object]] = []
         metrics = Metrics()
         dead_letters = DeadLetters(str(tmp_path / "dead.jsonl"))
@@ -106,7 +106,7 @@ def make(tmp_path: Path) -> Iterator[Callable[..., Fakes]]:
             needs_events=needs_events,
         )
         endpoint = "tcp://fake:1" if replays is not None else None
-        pipeline = StreamPipeline(ctx, STREAM, replay_endpoint=endpoint, replay_on_start=False, epoch=5)
+        pipeline = StreamPipeline(ctx, STREAM, replay_endpoint=endpoint, replay_on_start=False, epoch=5, announce=announce)
         made.append(Fakes(pipeline, fanout, epochs, client, metrics, dead_letters, log))
         return made[-1]
 
@@ -200,3 +200,14 @@ async def test_the_resume_point_is_the_last_record_handed_on(make: Callable[...,
     await pipeline.on_live([frames(0), frames(1)], received=1_700_000_001.0)
     point, top = pipeline.resume_point()
     assert point is not None and point[:2] == (5, 1) and point[3] == 1 and top >= 1
+
+
+async def test_a_stream_resumed_without_an_acknowledged_reset_announces_its_epoch_first(make: Callable[..., Fakes]) -> None:
+    f = make(announce=True)
+    await f.pipeline.start()
+    await f.pipeline.on_live([frames(0)], received=1_700_000_001.0)
+    assert [(r.kind, r.epoch, r.seq, r.reason) for r in f.fanout.records] == [
+        ("SourceReset", 5, 0, "bridge_restart"),
+        ("batch", 5, 0, None),
+    ]
+    assert sample(f.metrics, "kv_bridge_source_restarts_total", source="engine") == 0  # not an engine restart
