@@ -1,0 +1,222 @@
+"""A stream removed (discovery drops its source) while a full ``block`` sink makes it wait, right
+after its engine restarted, and added again: what reaches the sinks keeps I1, I3 and I4.
+
+The pipeline was handing on the old instance's settlement (a loss, then held batches) when the
+sink filled up; the sequencer had already opened the new epoch for the new instance's burst. The
+old pipeline must hand on everything its sequencer decided (the old instance's held batches are
+not lost, I4), and the re-added one must resume in the new epoch, not take the new instance's
+seqs for the old one's (an ``EventsLost`` of the old epoch covering seqs only the new instance
+published: I1, I3). Found by an invariant breaker; the pipeline is the real one, the fan-out,
+epochs store and replay client are fakes, and the second pipeline is built from the first one's
+resume point exactly as ``Bridge.remove_source`` / ``Bridge.add_source`` do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from bridge.checkpoint import StreamPosition
+from bridge.config import Duration, ReplayConfig
+from bridge.deadletter import DeadLetters, DecodeFailures
+from bridge.fanout import Fanout
+from bridge.metrics import Metrics
+from bridge.records import Record
+from bridge.replay import ReplayClient, ReplayOutcome
+from bridge.sink import SinkWorker
+from bridge.stream import StreamContext, StreamPipeline
+from bridge.wire import ReplayReply
+from tests.unit.test_stream import STREAM, frames, payload
+
+OLD_EPOCH = 5
+OLD_TOP = 12  # the old instance published 0..12; 10 only into its replay buffer
+NEW_TOP = 30  # the new instance's first burst: 0..30
+
+
+class FullSink:
+    """A ``block`` sink whose queue stays full: a record waits in ``Fanout.finish`` until the
+    stream is cancelled, and is then queued past the bounds (``force``)."""
+
+    def __init__(self, got: list[Record]) -> None:
+        self.got = got
+        self.waiting = asyncio.Event()
+
+    async def wait_room(self) -> None:
+        self.waiting.set()
+        await asyncio.Event().wait()
+
+    def offer(self, record: Record) -> bool:
+        self.got.append(record)
+        return True
+
+    def force(self, record: Record) -> None:
+        self.got.append(record)
+
+
+class Out(Fanout):
+    """Every record queued, in order; while ``full`` is set every offer waits for it."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.got: list[Record] = []
+        self.full: FullSink | None = None
+
+    def offer(self, record: Record) -> list[SinkWorker]:
+        if self.full is not None:
+            return [self.full]  # type: ignore[list-item]
+        self.got.append(record)
+        return []
+
+    def force(self, record: Record) -> None:
+        self.got.append(record)
+
+
+class Epochs:
+    """Epoch numbers unique across the test, as the checkpoint store makes them."""
+
+    def __init__(self) -> None:
+        self.top = OLD_EPOCH
+
+    def next_epoch(self, key: str, epoch: int, now: float) -> int:
+        self.top = max(self.top, epoch) + 1
+        return self.top
+
+    def note_first(self, key: str, record: Record) -> bool:
+        return True
+
+    async def persist(self) -> None:
+        pass
+
+
+class Replays(ReplayClient):
+    """Answers with ``payloads`` at or after the start, then the end marker; ``None``: the
+    request is never answered."""
+
+    def __init__(self, payloads: dict[int, bytes] | None) -> None:
+        self.payloads = payloads
+
+    async def fetch(self, endpoint: str, start: int, until: int, outcome: ReplayOutcome) -> AsyncGenerator[ReplayReply, None]:
+        if self.payloads is None:
+            await asyncio.Event().wait()
+            return
+        for seq in sorted(s for s in self.payloads if s >= start):
+            yield ReplayReply(seq, self.payloads[seq], False)
+        outcome.complete = True
+
+
+def new_instance() -> dict[int, bytes]:
+    return {s: payload(s, instance=1) for s in range(NEW_TOP + 1)}
+
+
+Build = Callable[[Fanout, Epochs, Replays], StreamContext]
+
+
+@pytest.fixture
+def context(tmp_path: Path) -> Iterator[Build]:
+    letters: list[DeadLetters] = []
+
+    def build(fanout: Fanout, epochs: Epochs, replays: Replays) -> StreamContext:
+        metrics = Metrics()
+        letters.append(DeadLetters(str(tmp_path / "dead.jsonl")))
+        return StreamContext(
+            fanout=fanout,
+            metrics=metrics,
+            decode_failures=DecodeFailures(metrics, letters[-1]),
+            replay=replays,
+            epochs=epochs,
+            spawn=lambda coro, name: asyncio.get_running_loop().create_task(coro, name=name),
+            replay_config=ReplayConfig(initial_backoff=Duration(0.001), max_backoff=Duration(0.002)),
+        )
+
+    yield build
+    for d in letters:
+        d.close()
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+def shown(records: list[Record]) -> list[tuple[object, ...]]:
+    return [(r.kind, r.epoch, r.from_seq, r.seq) if r.kind == "EventsLost" else (r.kind, r.epoch, r.seq) for r in records]
+
+
+@pytest.mark.parametrize("doubt", [False, True], ids=["restart-seen-live", "disconnect-noticed-first"])
+async def test_a_stream_removed_while_a_full_sink_waits_after_a_restart_keeps_each_instance_in_its_epoch(
+    context: Build, doubt: bool
+) -> None:
+    """Instance 0: 0..9 live and delivered; 10 dropped by the PUB (its replay never answers); 11,
+    12 live, held behind the gap. The sink fills up; the engine restarts and its first burst
+    (0..30) arrives (``doubt``: the disconnect is noticed first, and the new instance answers
+    replays). The source is removed while the stream waits for the sink, then added again from
+    its resume point, and the new instance's replay answers.
+
+    Expected, in order: epoch 5 holds instance 0's 0..9, 10 announced lost, 11 and 12 (they
+    reached the bridge); a SourceReset opens the next epoch, which holds instance 1's 0..30, each
+    once; no other record."""
+    build = context
+    epochs = Epochs()
+    out1, replays1 = Out(), Replays(None)
+    pipe = StreamPipeline(
+        build(out1, epochs, replays1), STREAM, replay_endpoint="tcp://x:1", replay_on_start=False, epoch=OLD_EPOCH
+    )
+    await pipe.start()
+    await pipe.on_live([frames(s) for s in range(10)], 1.0)
+    await pipe.on_live([frames(11), frames(12)], 1.0)  # 10 dropped by the PUB: 11, 12 held, replay asked
+    assert shown(out1.got) == [("batch", OLD_EPOCH, s) for s in range(10)]
+    full = out1.full = FullSink(out1.got)
+    if doubt:
+        old = pipe._replay_task
+        replays1.payloads = new_instance()
+        await pipe.disconnected()
+        if old is not None:
+            old.cancel()
+    task = asyncio.create_task(pipe.on_live([frames(s, payload(s, instance=1)) for s in range(NEW_TOP + 1)], 2.0))
+    await until(full.waiting.is_set, what="the stream waiting for the full sink")
+    assert pipe.sequencer.epoch > OLD_EPOCH  # the sequencer already took the burst for a restart
+    # Discovery removes the source (Bridge.remove_source): reader cancelled, pipeline stopped.
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await pipe.stop()
+    point, top = pipe.resume_point()
+    assert point is not None
+    epoch, seq, fp, at = point
+    pos = StreamPosition(epoch, seq, *(fp or (None, None)), None if at == seq else at)
+    # The source comes back (Bridge.add_source: a pipeline from the retired position).
+    out2 = Out()
+    pipe2 = StreamPipeline(
+        build(out2, epochs, Replays(new_instance())),
+        STREAM,
+        replay_endpoint="tcp://x:1",
+        replay_on_start=True,
+        epoch=pos.epoch,
+        delivered=pos.seq,
+        delivered_fp=(pos.ts, pos.crc) if pos.ts is not None or pos.crc is not None else None,
+        anchor=pos.at,
+        known_top=top,
+    )
+    await pipe2.start()
+    await until(lambda: pipe2._replay_task is not None and pipe2._replay_task.done(), what="the re-added stream's replay")
+    await pipe2.stop()
+
+    everything = out1.got + out2.got
+    new_epoch = next((r.epoch for r in everything if r.kind == "SourceReset"), None)
+    assert new_epoch is not None and new_epoch > OLD_EPOCH, shown(everything)
+    expected = (
+        [("batch", OLD_EPOCH, s) for s in range(10)]
+        + [("EventsLost", OLD_EPOCH, 10, 10), ("batch", OLD_EPOCH, 11), ("batch", OLD_EPOCH, 12)]
+        + [("SourceReset", new_epoch, 0)]
+        + [("batch", new_epoch, s) for s in range(NEW_TOP + 1)]
+    )
+    assert shown(everything) == expected
+    # Each batch carries its own instance's payload: instance 0's in the old epoch, 1's in the new.
+    for r in everything:
+        if r.kind == "batch":
+            assert r.payload == payload(r.seq, instance=0 if r.epoch == OLD_EPOCH else 1), (r.epoch, r.seq)
