@@ -32,6 +32,7 @@ test: install
 	$(PY) -m tests.infra install
 	bash tools/helm.sh >/dev/null
 	$(PY) tools/chart_schema.py --check
+	$(PY) tools/config_reference.py --check
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest

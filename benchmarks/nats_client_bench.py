@@ -85,7 +85,6 @@ async def bench(url: str, events: int, batch: int, max_pending: int) -> None:
                     "servers": url,
                     "subject": dest + ".{source}.{dp_rank}",
                     "mode": mode,
-                    "max_pending": max_pending,
                     "stream": {"create": True, "name": dest, "subjects": [f"{dest}.>"]},
                 },
                 NatsOptions,

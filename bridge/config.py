@@ -77,15 +77,32 @@ class Struct(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class SourceConfig(Struct):
     """One engine (or one data-parallel group of ranks) to subscribe to."""
 
-    name: Annotated[str, msgspec.Meta(min_length=1, description="Stream name; with the rank it keys every output message.")]
-    endpoint: Annotated[str, doc("ZMQ PUB endpoint of rank 0, e.g. tcp://10.1.2.3:5557 (rank r uses port + r).")]
+    name: Annotated[
+        str, msgspec.Meta(min_length=1, description="Stream name (unique); with the rank it keys every output message.")
+    ]
+    endpoint: Annotated[
+        str,
+        doc(
+            "ZMQ PUB endpoint of rank 0, e.g. tcp://10.1.2.3:5557 (rank r uses port + r; ipc://x and inproc://x become x_dp{r})."
+        ),
+    ]
     replay_endpoint: Annotated[str | None, doc("ZMQ ROUTER replay endpoint of rank 0; enables gap recovery.")] = None
     topic: Annotated[str, doc("ZMQ subscription prefix (the engine's topic).")] = ""
     dp_ranks: Annotated[int, msgspec.Meta(ge=1, le=1024, description="Ranks 0..n-1 at port+rank on both sockets.")] = 1
-    bind: Annotated[bool, doc("True: the bridge binds the endpoint and engines connect in.")] = False
+    bind: Annotated[
+        bool,
+        doc(
+            "True: the bridge binds the endpoint and engines connect in (an engine whose endpoint has no * connects). "
+            "Each bound endpoint takes one engine per rank: give each engine its own port."
+        ),
+    ] = False
     labels: Annotated[dict[str, str], doc("Free labels, usable in sink name templates.")] = msgspec.field(default_factory=dict)
     replay_on_start: Annotated[
-        bool | None, doc("Replay the engine's buffered history on start (default: true when replay_endpoint is set).")
+        bool | None,
+        doc(
+            "On start, replay the engine's buffered history (or from the checkpoint) instead of starting mid-stream "
+            "(default: true when replay_endpoint is set)."
+        ),
     ] = None
 
 
@@ -189,9 +206,11 @@ class QueueConfig(Struct):
 class RetryConfig(Struct):
     """Capped exponential backoff with jitter, shared by every sink."""
 
-    initial_backoff: Duration = Duration(0.1)
-    max_backoff: Duration = Duration(10.0)
-    multiplier: Annotated[float, msgspec.Meta(ge=1.0)] = 2.0
+    initial_backoff: Annotated[Duration, doc("First pause between write attempts (capped exponential, jittered).")] = Duration(
+        0.1
+    )
+    max_backoff: Annotated[Duration, doc("Longest pause between write attempts.")] = Duration(10.0)
+    multiplier: Annotated[float, msgspec.Meta(ge=1.0, description="Factor between one pause and the next.")] = 2.0
     jitter: Annotated[float, msgspec.Meta(ge=0.0, le=1.0, description="Fraction of each delay drawn at random.")] = 0.2
     write_timeout: Annotated[Duration, doc("A write that has not returned after this is retried.")] = Duration(30.0)
 
@@ -207,9 +226,16 @@ class SinkConfig(Struct):
 
     type: Annotated[str, doc("Connector type: kafka, redis, nats, file, or a plugin's name.")]
     name: Annotated[str, doc("Sink name, used in metrics and logs (default: the type, then type-N).")] = ""
-    format: SinkFormat = "json"
-    granularity: SinkGranularity = "event"
-    hash_format: Annotated[Literal["int", "hex"], doc("int: block hashes as numbers; hex: as 16-digit hex strings.")] = "int"
+    format: Annotated[SinkFormat, doc("Message format: json, msgpack or raw (see Output formats).")] = "json"
+    granularity: Annotated[
+        SinkGranularity, doc("event: one message per event; batch: one per engine batch (raw is always batch).")
+    ] = "event"
+    hash_format: Annotated[
+        Literal["int", "hex"],
+        doc(
+            "int: integer block hashes as numbers; hex: as 16-digit hex strings (for consumers without 64-bit unsigned numbers)."
+        ),
+    ] = "int"
     batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
     queue: QueueConfig = msgspec.field(default_factory=QueueConfig)
     retry: RetryConfig = msgspec.field(default_factory=RetryConfig)
@@ -231,20 +257,35 @@ class ReplayConfig(Struct):
     """The replay client (gap recovery through the engines' ROUTER sockets)."""
 
     timeout: Annotated[Duration, doc("Silence after which a replay is uncertain and retried.")] = Duration(2.0)
-    max_attempts: Annotated[int, msgspec.Meta(ge=1, description="Attempts before a gap is declared lost.")] = 5
-    initial_backoff: Duration = Duration(0.2)
-    max_backoff: Duration = Duration(5.0)
-    max_concurrent: Annotated[int, msgspec.Meta(ge=1, description="Replays in flight per process, at most.")] = 8
+    max_attempts: Annotated[int, msgspec.Meta(ge=1, description="Attempts without progress before a gap is declared lost.")] = 5
+    initial_backoff: Annotated[Duration, doc("First pause between replay attempts (capped exponential, jittered).")] = Duration(
+        0.2
+    )
+    max_backoff: Annotated[Duration, doc("Longest pause between replay attempts.")] = Duration(5.0)
+    max_concurrent: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1, description="Replays in flight per process, at most (the engine serves replay inline: ask sparingly)."
+        ),
+    ] = 8
     idle_probe: Annotated[Duration, doc("Quiet time after which a stream asks replay for a missed tail (0 disables).")] = (
         Duration(30.0)
     )
-    max_held_batches: Annotated[int, msgspec.Meta(ge=1, description="Live batches held per stream while a gap is open.")] = 5000
+    max_held_batches: Annotated[
+        int,
+        msgspec.Meta(ge=1, description="Live batches held per stream while a gap is open (beyond, they are fetched by replay)."),
+    ] = 5000
 
 
 class IngestConfig(Struct):
     max_frame_bytes: Annotated[ByteSize, doc("Larger ZMQ messages are refused before allocation.")] = ByteSize(64 * 2**20)
     receive_hwm: Annotated[
-        int, msgspec.Meta(ge=0, description="ZMQ receive high-water mark per socket (messages buffered while blocked).")
+        int,
+        msgspec.Meta(
+            ge=0,
+            description="ZMQ receive high-water mark per socket: messages buffered while ingest waits for a full sink "
+            "(beyond, the engine drops and replay repairs).",
+        ),
     ] = 5000
     drain_max: Annotated[int, msgspec.Meta(ge=1, description="Messages read per socket wake-up before yielding.")] = 256
 
@@ -254,21 +295,25 @@ class MetricsConfig(Struct):
 
 
 class LogConfig(Struct):
-    format: Literal["text", "json"] = "text"
-    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Annotated[Literal["text", "json"], doc("Log lines on stderr: text or json (one object per line).")] = "text"
+    level: Annotated[Literal["debug", "info", "warning", "error"], doc("Lowest level logged.")] = "info"
 
 
 class DeadLetterConfig(Struct):
-    path: Annotated[str, doc("JSON-lines file for undecodable payloads; '-' is stderr.")] = "-"
+    path: Annotated[str, doc("JSON-lines file for what could not be decoded or written; '-' is stderr.")] = "-"
 
 
 class Config(Struct):
     """The whole bridge configuration."""
 
-    sources: list[SourceConfig] = msgspec.field(default_factory=list)
-    discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
+    sources: Annotated[list[SourceConfig], doc("Engines to subscribe to (see Sources).")] = msgspec.field(default_factory=list)
+    discovery: Annotated[DiscoveryConfig, doc("Engines found at run time, beside sources (see Discovery).")] = msgspec.field(
+        default_factory=DiscoveryConfig
+    )
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
-    sinks: list[SinkConfig] = msgspec.field(default_factory=list)
+    sinks: Annotated[list[SinkConfig], doc("Where events go: one or more sinks (see Sinks).")] = msgspec.field(
+        default_factory=list
+    )
     replay: ReplayConfig = msgspec.field(default_factory=ReplayConfig)
     ingest: IngestConfig = msgspec.field(default_factory=IngestConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)

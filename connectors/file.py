@@ -15,30 +15,29 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, Annotated, Literal
 
 import msgspec
 
-from bridge.config import SinkConfig
-from bridge.errors import NotConnected
-from bridge.formats import Message
+from bridge.connector import ConnectorOptions, Message, NotConnected, SinkConfig, doc
 
 _json = msgspec.json.Encoder()
 
 
-class FileOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    path: str = "-"
-    """File to append to; ``-`` is standard output."""
-    binary: Literal["envelope", "length-prefixed"] = "envelope"
-    """How non-JSON bodies (msgpack, raw) are written."""
-    fsync: bool = False
-    """fsync after every write (durable, slower)."""
+class FileOptions(ConnectorOptions):
+    path: Annotated[str, doc("File to append to (its directory is created); - is standard output.")] = "-"
+    binary: Annotated[
+        Literal["envelope", "length-prefixed"],
+        doc(
+            "How non-JSON bodies (msgpack, raw) are written: envelope, one JSON line "
+            '{"headers": {...}, "value_b64": "..."}; length-prefixed, a 4-byte big-endian length then the body.'
+        ),
+    ] = "envelope"
+    fsync: Annotated[bool, doc("fsync after every write: durable before it counts as delivered, slower.")] = False
 
 
 class FileConnector:
     """Appends messages to a file or stdout."""
-
-    needs_events = False  # writes value and headers only
 
     Options = FileOptions
     needs_events = False  # writes only the rendered value (and headers): raw batches need no decoding

@@ -1,47 +1,41 @@
-"""NATS sink: JetStream (acknowledged, duplicate-safe) or core NATS (at-most-once).
+"""NATS sink: JetStream (acknowledged, duplicate-safe) or core NATS (at most once).
 
 Every message goes to a subject rendered from a template (default ``kv.{source}.{dp_rank}``) and
-carries the stream header as NATS headers (``source``, ``dp_rank``, ``epoch``, ``seq``, ``index``,
-``ts``, ``type``, ``content-type``).
+carries the stream header as NATS headers. A value put into a placeholder has ``.``, whitespace and
+the wildcards replaced by ``_`` (``llama-3.1`` -> ``kv.llama-3_1.0``): one placeholder, one token.
 
-``mode: jetstream`` (the default) publishes asynchronously, with at most ``max_pending`` messages
-awaiting their acknowledgement at any time, and a write returns once the server has acked every
-message of it. Each message carries ``Nats-Msg-Id`` = ``Message.msg_id``
-(``source/dp_rank/epoch/seq[/index]``), so the server drops a message it has already stored within
-the stream's duplicate window: a batch the bridge sends again after a timeout, a reconnect or a
-bridge restart is stored once. Size that window to cover the longest time between a first send and
-a re-send (write timeout plus retries, plus a bridge restart); the server keeps every id of the
-window in memory, roughly ``rate x window`` ids.
+``mode: jetstream``: each message carries ``Nats-Msg-Id`` = ``Message.msg_id``, so the server
+stores a message sent again within the stream's duplicate window once. JetStream acknowledges each
+message on its own, and may refuse one and store the next (a full ``discard: new`` stream takes a
+smaller message after refusing a larger one; a cluster fails a publish during a leader change). The
+delivery contract (:mod:`bridge.connector`) forbids storing a later message of a bridge stream
+after an earlier one failed, so a write publishes its messages at once, each with
+``Nats-Expected-Last-Msg-Id`` = the id of the one sent before it: the server stores a message only
+right after its predecessor, and after a failure refuses everything later in the write ("wrong
+last msg ID"). A duplicate passes that check (the server drops it first), and the last id survives
+a server restart. The refused messages of bridge streams that did not fail themselves are then
+sent again in turn (each after the previous one's ack, streams in parallel); a stream that failed
+keeps the rest of its messages failed, and the runtime writes them again, in order. Another
+publisher on the stream, or a second JetStream stream capturing some of the write's subjects,
+breaks the chain too: what follows the break then goes in turn.
 
-``mode: core`` publishes every message of a write and then flushes once (a PING/PONG round trip)
-with a timeout: the server has received the messages, but only subscribers connected at that
-moment get them, and a write retried after a failure may repeat messages. At most once as far as
-NATS goes; consumers deduplicate on (source, dp_rank, epoch, seq, index).
+``mode: core``: a write publishes every message, then one flush (PING/PONG) proves the server has
+them; only subscribers connected then get them. A failed flush fails the whole write, which the
+runtime sends again (copies possible; consumers deduplicate on the stream header). What nats-py
+buffered for a lost socket is dropped, so the first copies arrive in order.
 
-Subject tokens cannot contain ``.``, whitespace or the wildcards ``*`` and ``>``: every value put
-into a placeholder (source name, rank, type, labels) has those characters replaced by ``_``
-(``llama-3.1`` -> ``kv.llama-3_1.0``), so one placeholder is always exactly one token; the headers
-keep the original values. The template text itself is checked when the config is loaded.
-
-Ordering under failure: nats-py keeps publishes in a buffer until its flusher task writes them,
-and after a reconnect it sends what was left there to the new server, behind messages that were
-lost with the old socket. This connector publishes only while connected, drops that buffer when
-the connection goes down and fails every unacknowledged message of the write, so the runtime
-re-sends them in order (those already stored are dropped by their ``Nats-Msg-Id``). In a JetStream
-cluster, a leader change can still fail one message while a later one is stored; consumers that
-need strict order sort on (epoch, seq, index) within a stream.
+A subject no JetStream stream captures fails at once (the server answers "no responders") with
+reason ``no_stream``; ``connect()`` checks that a stream captures the subjects, so ``health()``,
+``/readyz`` and ``--check`` report it before any traffic.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import inspect
 import itertools
 import logging
 import random
 import re
-import ssl
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -54,25 +48,39 @@ from nats.aio.msg import Msg
 from nats.js import api as js_api
 from nats.js.client import JetStreamContext
 
-from bridge.config import ByteSize, Duration, SinkConfig
-from bridge.connector import Template, TlsOptions
-from bridge.errors import ConfigError, ConnectorError, NotConnected, PartialFailure, Permanent, Retriable
-from bridge.formats import Message
-from bridge.records import Record, Stream
+from bridge.connector import (
+    ByteSize,
+    ConfigError,
+    ConnectorError,
+    ConnectorOptions,
+    Duration,
+    Message,
+    NotConnected,
+    PartialFailure,
+    Permanent,
+    Record,
+    Retriable,
+    Secret,
+    SinkConfig,
+    Stream,
+    Template,
+    TlsOptions,
+    doc,
+    redact,
+    redact_url,
+    reveal,
+)
+
+from . import _nats_internals as internals
 
 log = logging.getLogger(__name__)
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 
-
-def _doc(text: str) -> msgspec.Meta:
-    return msgspec.Meta(description=text)
-
-
 # -- subjects -----------------------------------------------------------------------------------
 
-# Characters a subject token cannot hold: the token separator, whitespace (the protocol splits on
-# it), the wildcards, and control characters.
+# What a subject token cannot hold: the separator, whitespace (the protocol splits on it), the
+# wildcards and control characters.
 _UNSAFE_TOKEN = re.compile(r"[.\s*>\x00-\x1f\x7f]")
 
 
@@ -97,34 +105,18 @@ def subject_problem(subject: str, *, wildcards: bool) -> str | None:
     return None
 
 
-def _template_problem(text: str) -> str | None:
-    try:
-        template = Template(text, "subject")
-    except ConfigError as exc:
-        return str(exc)
-    sample = text
-    for field in template.fields:
-        sample = sample.replace("{" + field + "}", "x")
-    problem = subject_problem(sample, wildcards=False)
-    return f"{text!r} is not a valid NATS subject: {problem}" if problem else None
-
-
 def subject_filter(text: str) -> str:
     """The wildcard subject covering every subject the template renders (``kv.*.*``)."""
     return ".".join("*" if "{" in token else token for token in text.split("."))
 
 
 class _Subjects:
-    """Renders the subject of a message through :class:`Template` with sanitised values.
+    """The subject of a message: the template rendered with sanitised values (cached per stream
+    and type, like :class:`Template` itself)."""
 
-    Cached per (stream, type, epoch), like the template itself, so a hit is one dict lookup.
-    """
-
-    def __init__(self, text: str, sink: str) -> None:
+    def __init__(self, text: str) -> None:
         self.template = Template(text, "subject")
-        self.sink = sink
         self._cache: dict[tuple[str, int, str, int], str] = {}
-        self._announced: set[str] = set()
 
     def render(self, message: Message) -> str:
         if self.template.static:
@@ -133,60 +125,35 @@ class _Subjects:
         key = (stream.source, stream.dp_rank, message.type, message.record.epoch)
         subject = self._cache.get(key)
         if subject is None:
-            subject = self._miss(message, key)
-        return subject
-
-    def _miss(self, message: Message, key: tuple[str, int, str, int]) -> str:
-        if len(self._cache) > 100_000:
-            self._cache.clear()
-        stream = message.record.stream
-        clean = Stream(
-            subject_token(stream.source),
-            stream.dp_rank,
-            {k: subject_token(v) for k, v in stream.labels.items()},
-        )
-        if clean.source != stream.source and stream.source not in self._announced:
-            self._announced.add(stream.source)
-            log.info(
-                "sink %s: source name %r is not a valid NATS subject token; %r used in subjects",
-                self.sink,
-                stream.source,
-                clean.source,
-                extra={"sink": self.sink},
+            if len(self._cache) > 100_000:
+                self._cache.clear()
+            clean = Stream(subject_token(stream.source), stream.dp_rank, {k: subject_token(v) for k, v in stream.labels.items()})
+            probe = msgspec.structs.replace(
+                message, record=Record(stream=clean, epoch=message.record.epoch, seq=0), type=subject_token(message.type)
             )
-        probe = Message(
-            record=Record(stream=clean, epoch=message.record.epoch, seq=0),
-            index=None,
-            type=subject_token(message.type),
-            value=b"",
-            headers={},
-            msg_id="",
-            position=(0, 0, 0),
-        )
-        subject = self.template.render(probe)
-        self._cache[key] = subject
+            subject = self._cache[key] = self.template.render(probe)
         return subject
 
 
 # -- options ------------------------------------------------------------------------------------
 
 
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class StreamOptions(ConnectorOptions):
     """The JetStream stream, created at connect when ``create`` is true and it does not exist."""
 
-    create: Annotated[bool, _doc("Create the stream at connect when it does not exist (an existing one is left as is).")] = False
-    name: Annotated[str, _doc("Stream name.")] = "KV_EVENTS"
+    create: Annotated[bool, doc("Create the stream at connect when it does not exist (an existing one is left as is).")] = False
+    name: Annotated[str, doc("Stream name.")] = "KV_EVENTS"
     subjects: Annotated[
-        list[str] | None, _doc("Subjects the stream captures; default: the subject template with placeholders as '*'.")
+        list[str] | None, doc("Subjects the stream captures; default: the subject template with placeholders as '*'.")
     ] = None
-    retention: Annotated[Literal["limits", "interest", "workqueue"], _doc("JetStream retention policy.")] = "limits"
-    storage: Annotated[Literal["file", "memory"], _doc("JetStream storage.")] = "file"
-    max_age: Annotated[Duration | None, _doc("Messages older than this are removed (null: no limit).")] = None
-    max_bytes: Annotated[ByteSize | None, _doc("Oldest messages are removed past this size (null: no limit).")] = None
+    retention: Annotated[Literal["limits", "interest", "workqueue"], doc("JetStream retention policy.")] = "limits"
+    storage: Annotated[Literal["file", "memory"], doc("JetStream storage.")] = "file"
+    max_age: Annotated[Duration | None, doc("Messages older than this are removed (null: no limit).")] = None
+    max_bytes: Annotated[ByteSize | None, doc("Oldest messages are removed past this size (null: no limit).")] = None
     replicas: Annotated[int, msgspec.Meta(ge=1, le=5, description="Replicas in a JetStream cluster.")] = 1
     duplicate_window: Annotated[
         Duration,
-        _doc(
+        doc(
             "How long the server remembers Nats-Msg-Id values to drop re-sent messages. Cover the longest "
             "time from a first send to a re-send (write timeout and retries, a bridge restart); the server "
             "holds about rate x window ids in memory."
@@ -196,65 +163,64 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         if not self.name or re.search(r"[.*>\s/\\]", self.name):
             raise ValueError(f"stream.name {self.name!r} is not a valid JetStream stream name (no '.', '*', '>', '/', spaces)")
+        if self.subjects is not None and not self.subjects:
+            raise ValueError("stream.subjects: give at least one subject (or leave it out)")
         for subject in self.subjects or []:
             problem = subject_problem(subject, wildcards=True)
             if problem:
                 raise ValueError(f"stream.subjects: {subject!r} is not a valid NATS subject: {problem}")
-        if self.subjects is not None and not self.subjects:
-            raise ValueError("stream.subjects: give at least one subject (or leave it out)")
 
 
-_SECRETS = ("password", "token")
-
-
-class NatsOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class NatsOptions(ConnectorOptions):
     """Keys of a ``type: nats`` sink."""
 
     servers: Annotated[
-        str | list[str], _doc("NATS server URL(s): nats://host:4222, tls://host:4222 (several: tried in turn).")
+        str | list[str], doc("NATS server URL(s): nats://host:4222, tls://host:4222 (several: tried in turn).")
     ] = "nats://127.0.0.1:4222"
     subject: Annotated[
         str,
-        _doc(
+        doc(
             "Subject template: {source}, {dp_rank}, {type}, {epoch}, {labels.NAME}. Values have '.', spaces "
             "and wildcards replaced by '_'."
         ),
     ] = "kv.{source}.{dp_rank}"
     mode: Annotated[
         Literal["jetstream", "core"],
-        _doc("jetstream: acknowledged, duplicate-safe via Nats-Msg-Id; core: at-most-once, flushed per write."),
+        doc("jetstream: acknowledged, duplicate-safe via Nats-Msg-Id; core: at-most-once, flushed per write."),
     ] = "jetstream"
-    credentials: Annotated[str | None, _doc("Path of a .creds file (user JWT and nkey seed).")] = None
-    nkey_seed: Annotated[str | None, _doc("Path of a file holding a user nkey seed.")] = None
-    user: Annotated[str | None, _doc("User name (with password).")] = None
-    password: Annotated[str | None, _doc("Password; use ${VAR} to take it from the environment.")] = None
-    token: Annotated[str | None, _doc("Auth token; use ${VAR} to take it from the environment.")] = None
-    tls: Annotated[TlsOptions | None, _doc("TLS settings; tls:// server URLs use TLS even without them.")] = None
-    connect_timeout: Annotated[Duration, _doc("Bound on connect() and on JetStream API calls.")] = Duration(5.0)
-    ack_timeout: Annotated[Duration, _doc("How long a write waits for acknowledgements (JetStream) or the flush (core).")] = (
-        Duration(5.0)
-    )
-    max_pending: Annotated[
-        int, msgspec.Meta(ge=1, le=1_000_000, description="JetStream publishes awaiting their ack, at most.")
-    ] = 4000
-    reconnect_wait: Annotated[Duration, _doc("Pause between reconnect attempts to the same server.")] = Duration(1.0)
+    credentials: Annotated[str | None, doc("Path of a .creds file (user JWT and nkey seed).")] = None
+    nkey_seed: Annotated[str | None, doc("Path of a file holding a user nkey seed.")] = None
+    user: Annotated[str | None, doc("User name (with password).")] = None
+    password: Annotated[Secret | None, doc("Password; use ${VAR} to take it from the environment.")] = None
+    token: Annotated[Secret | None, doc("Auth token; use ${VAR} to take it from the environment.")] = None
+    tls: Annotated[TlsOptions | None, doc("TLS settings; tls:// server URLs use TLS even without them.")] = None
+    connect_timeout: Annotated[Duration, doc("Bound on connect() and on JetStream API calls.")] = Duration(5.0)
+    reconnect_wait: Annotated[Duration, doc("Pause between reconnect attempts to the same server.")] = Duration(1.0)
     reconnect_jitter: Annotated[
-        Duration, _doc("Random extra pause (0..this) so that many bridges do not reconnect in lockstep.")
+        Duration, doc("Random extra pause (0..this) so that many bridges do not reconnect in lockstep.")
     ] = Duration(0.5)
-    ping_interval: Annotated[Duration, _doc("Keep-alive PING interval; two missed PONGs count as a lost connection.")] = Duration(
+    ping_interval: Annotated[Duration, doc("Keep-alive PING interval; two missed PONGs count as a lost connection.")] = Duration(
         20.0
     )
-    stream: Annotated[StreamOptions, _doc("JetStream stream to create when missing (see stream.create).")] = msgspec.field(
+    stream: Annotated[StreamOptions, doc("JetStream stream to create when missing (see stream.create).")] = msgspec.field(
         default_factory=StreamOptions
     )
 
     def __post_init__(self) -> None:
-        servers = self.server_list
-        if not servers or any(not s.strip() for s in servers):
+        if not self.server_list or any(not s.strip() for s in self.server_list):
             raise ValueError("servers: give at least one non-empty server URL")
-        problem = _template_problem(self.subject)
+        for url in self.server_list:
+            redact_url(url)  # a password in a URL is remembered: redact() masks it wherever text leaves
+        try:
+            fields = Template(self.subject, "subject").fields
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        sample = self.subject
+        for field in fields:
+            sample = sample.replace("{" + field + "}", "x")
+        problem = subject_problem(sample, wildcards=False)
         if problem:
-            raise ValueError(f"subject: {problem}")
+            raise ValueError(f"subject: {self.subject!r} is not a valid NATS subject: {problem}")
         given = [k for k in ("credentials", "nkey_seed", "token", "user") if getattr(self, k) is not None]
         if len(given) > 1:
             raise ValueError(f"give one way to authenticate, not {' and '.join(given)}")
@@ -265,43 +231,39 @@ class NatsOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def server_list(self) -> list[str]:
         return [self.servers] if isinstance(self.servers, str) else list(self.servers)
 
-    def __repr__(self) -> str:
-        # Secrets never reach logs or tracebacks through a repr.
-        parts = []
-        for field in self.__struct_fields__:
-            value = getattr(self, field)
-            if field in _SECRETS and value is not None:
-                value = "***"
-            elif field == "servers":
-                value = [redact(s) for s in self.server_list]
-            parts.append(f"{field}={value!r}")
-        return f"NatsOptions({', '.join(parts)})"
 
-    __str__ = __repr__
+# -- the wire -----------------------------------------------------------------------------------
 
-    def __rich_repr__(self) -> Any:
-        yield "redacted", repr(self)
+_NEWLINES = str.maketrans({"\r": " ", "\n": " "})
 
 
-_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^@/\s]*@")
+def header_block(headers: dict[str, str], msg_id: str | None = None, expected_last: str | None = None) -> bytes:
+    """The encoded NATS header block of a message, exactly as it goes on the wire.
+
+    Keys are the renderer's fixed names. A CR or LF in a value (an engine's event type is free
+    text) becomes a space, as nats-py does: a value must never end the header line early.
+    """
+    lines = [f"{k}: {v}\r\n" for k, v in headers.items()]
+    if msg_id is not None:
+        lines.append(f"{MSG_ID_HEADER}: {msg_id}\r\n")
+    if expected_last is not None:
+        lines.append(f"{EXPECTED_LAST_HEADER}: {expected_last}\r\n")
+    text = "".join(lines)
+    if text.count("\n") != len(lines) or text.count("\r") != len(lines):
+        pairs = [line[:-2].partition(": ") for line in lines]
+        text = "".join(f"{k}: {v.translate(_NEWLINES).strip()}\r\n" for k, _, v in pairs)
+    return b"NATS/1.0\r\n" + text.encode() + b"\r\n"
 
 
-def redact(text: str) -> str:
-    """``text`` with the user:password part of any URL in it replaced by ``***``."""
-    return _USERINFO.sub(r"\g<scheme>***@", text)
-
-
-def _describe(exc: BaseException | None) -> str:
-    if exc is None:
-        return "no detail"
-    text = str(exc).strip()
-    name = type(exc).__name__
-    if not text:
-        return name
-    return redact(text if text.startswith("nats:") else f"{name}: {text}")
-
-
-# -- acknowledgements ---------------------------------------------------------------------------
+def hpub(subject: str, reply: str, hdr: bytes, payload: bytes) -> bytes:
+    """One ``HPUB`` protocol command (``reply`` empty: none)."""
+    size = len(hdr)
+    line = (
+        f"HPUB {subject} {reply} {size} {size + len(payload)}\r\n"
+        if reply
+        else f"HPUB {subject} {size} {size + len(payload)}\r\n"
+    )
+    return b"".join((line.encode(), hdr, payload, b"\r\n"))
 
 
 class _ApiError(msgspec.Struct):
@@ -320,50 +282,56 @@ class _PubAck(msgspec.Struct):
 
 
 _ack_decoder = msgspec.json.Decoder(_PubAck)
+# Refusals of a message for itself: past the stream's max_msg_size (10054), headers past the
+# server's limit (10097). Every other refusal is about the stream (see _ack_error).
+_REFUSED_FOR_ITSELF = frozenset({10054, 10097})
+_STREAM_NAME_EXISTS = 10058
+_WRONG_LAST_MSG_ID = 10070  # JSStreamWrongLastMsgIDErr: Nats-Expected-Last-Msg-Id did not match
+EXPECTED_LAST_HEADER = "Nats-Expected-Last-Msg-Id"
 
-_TOO_LARGE = 10054  # JSStreamMessageExceedsMaximumErr: past the stream's max_msg_size
 
+class _Acks:
+    """The acks one chain of publishes waits for, in the order sent: filled in as they arrive, or
+    failed at once when the connection goes (one wakeup per chain, not per message)."""
 
-class _Write:
-    """The state of one JetStream write: which messages are still unacknowledged, which failed."""
+    __slots__ = ("_all_in", "error", "left", "msgs", "tokens")
 
-    __slots__ = ("done", "errors", "messages", "pending", "tokens")
-
-    def __init__(self, messages: Sequence[Message]) -> None:
-        self.messages = messages
-        self.errors: dict[int, ConnectorError] = {}
-        self.pending = 0
-        self.done = asyncio.Event()
+    def __init__(self) -> None:
+        self.msgs: list[Msg | None] = []
         self.tokens: list[str] = []
+        self.left = 0
+        self.error: ConnectorError | None = None
+        self._all_in = asyncio.Event()
 
-    def settle(self, index: int, error: ConnectorError | None) -> None:
-        if error is not None:
-            self.errors[index] = error
-        self.pending -= 1
-        if self.pending == 0:
-            self.done.set()
+    def expect(self, token: str) -> int:
+        self.tokens.append(token)
+        self.msgs.append(None)
+        self.left += 1
+        return len(self.msgs) - 1
 
-    def fail_from(self, start: int, error: ConnectorError) -> None:
-        """Mark every message from ``start`` on as not sent."""
-        for i in range(start, len(self.messages)):
-            self.errors.setdefault(i, error)
+    def unexpect(self) -> None:
+        """The last message expected was not sent after all."""
+        self.tokens.pop()
+        self.msgs.pop()
+        self.left -= 1
+
+    def settle(self, position: int, msg: Msg) -> None:
+        if self.msgs[position] is None:
+            self.msgs[position] = msg
+            self.left -= 1
+            if self.left == 0:
+                self._all_in.set()
+
+    def fail(self, error: ConnectorError) -> None:
+        self.error = self.error or error
+        self._all_in.set()
+
+    async def wait(self) -> None:
+        if self.left > 0 and self.error is None:
+            await self._all_in.wait()
 
 
-# NotConnected first: the runtime then waits for the connection before retrying anything.
-_PRIORITY = {NotConnected: 0, Retriable: 1, Permanent: 2}
-
-
-def _raise_for(errors: dict[int, ConnectorError], total: int) -> None:
-    if not errors:
-        return
-    ordered = sorted(errors)
-    cause = min((errors[i] for i in ordered), key=lambda e: _PRIORITY.get(type(e), 1))
-    if len(ordered) == total:
-        raise cause
-    raise PartialFailure(ordered, cause)
-
-
-_HAS_SERVER_HANDLER = "reconnect_to_server_handler" in inspect.signature(Client.connect).parameters
+# -- the connector ------------------------------------------------------------------------------
 
 
 class NatsConnector:
@@ -376,42 +344,35 @@ class NatsConnector:
         self.name = name
         self.options = options
         self.sink = sink
-        self._servers = options.server_list
-        self._where = ", ".join(redact(s) for s in self._servers)
-        self._subjects = _Subjects(options.subject, name)
+        self._prefix = f"sinks[{name}]"
+        self._where = ", ".join(redact_url(s) for s in options.server_list)
+        self._subjects = _Subjects(options.subject)
         self._nc: Client | None = None
         self._last_error: str | None = None
         self._stream_problem: str | None = None
-        # JetStream acks: one wildcard inbox subscription, a token per publish.
-        self._ack_prefix = ""
+        self._ack_prefix = ""  # JetStream acks: one wildcard inbox subscription, a token per publish
         self._tokens = itertools.count()
-        self._inflight: dict[str, tuple[_Write, int]] = {}
-        self._outstanding = 0
-        self._slot_freed = asyncio.Event()
-        self._closing = False
+        self._acks: dict[str, tuple[_Acks, int]] = {}  # reply token -> who waits for it, at which position
 
     # -- connector hooks ------------------------------------------------------------------------
     async def connect(self) -> None:
-        """Connect (within ``connect_timeout``), subscribe to acks and check or create the stream.
+        """Connect (within ``connect_timeout``), subscribe to acks, create or check the stream.
 
         Raises :class:`NotConnected` naming the sink and the servers when the server cannot be
         reached, authentication or TLS setup fails, or a requested stream cannot be created.
         """
         if self._nc is not None and not self._nc.is_closed:
             return
-        self._closing = False
-        opts = self._client_options()
         nc = Client()
         self._last_error = None
         timeout = self.options.connect_timeout
         try:
-            await asyncio.wait_for(nc.connect(**opts), timeout)
+            # nats-py retries the first connect forever with max_reconnect_attempts=-1.
+            await asyncio.wait_for(nc.connect(**self._client_options()), timeout)
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             await self._close_client(nc)
             detail = self._last_error or _describe(exc)
-            raise NotConnected(
-                f"sink {self.name}: cannot connect to NATS at {self._where} within {timeout:g}s: {detail}"
-            ) from None
+            raise NotConnected(f"{self._prefix}: cannot connect to NATS at {self._where} within {timeout:g}s: {detail}") from None
         self._nc = nc
         try:
             if self.options.mode == "jetstream":
@@ -427,303 +388,274 @@ class NatsConnector:
             raise
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             await self.close()
-            raise NotConnected(f"sink {self.name}: NATS at {self._where} failed during setup: {_describe(exc)}") from None
-        log.info("sink %s: connected to NATS at %s (%s)", self.name, self._where, self.options.mode, extra={"sink": self.name})
+            raise NotConnected(f"{self._prefix}: NATS at {self._where} failed during setup: {_describe(exc)}") from None
+        log.info("%s: connected to NATS at %s (%s)", self._prefix, self._where, self.options.mode, extra={"sink": self.name})
 
     async def write(self, messages: Sequence[Message]) -> None:
-        """Publish ``messages`` in order; return once JetStream acked them all (core: flushed)."""
+        """JetStream: return once every message is acknowledged; core: once flushed."""
+        nc = self._nc
         if not messages:
             return
-        nc = self._nc
         if nc is None or nc.is_closed:
-            raise NotConnected(f"sink {self.name}: not connected to NATS at {self._where}")
+            raise NotConnected(f"{self._prefix}: not connected to NATS at {self._where}")
         if not nc.is_connected:
-            raise NotConnected(self._reconnecting_reason())
-        if self.options.mode == "core":
-            await self._write_core(nc, messages)
-        else:
-            await self._write_jetstream(nc, messages)
+            raise NotConnected(self._reconnecting())
+        errors = await (self._write_core(nc, messages) if self.options.mode == "core" else self._write_jetstream(nc, messages))
+        if not errors:
+            return
+        if len(errors) == len(messages):  # the whole write failed: one cause, as fold() would pick it
+            first = errors[min(errors)]
+            if not any(isinstance(e, Permanent) for e in errors.values()):
+                raise next((e for e in errors.values() if isinstance(e, NotConnected)), first)
+            if all(e is first for e in errors.values()):
+                raise first
+        raise PartialFailure(errors)
 
     async def close(self) -> None:
         """Flush what is buffered and close the connection (bounded; never raises)."""
-        self._closing = True
         nc, self._nc = self._nc, None
-        self._fail_inflight(NotConnected(f"sink {self.name}: closed"))
+        self._fail_acks(NotConnected(f"{self._prefix}: closed"))
         if nc is not None:
             await self._close_client(nc)
 
     async def health(self) -> str | None:
-        """None when connected (and, in JetStream mode, a stream was seen), else the reason."""
+        """None when connected (and, in JetStream mode, a stream captures the subjects), else why not."""
         nc = self._nc
         if nc is None or nc.is_closed:
-            return f"not connected to NATS at {self._where}"
+            return f"{self._prefix}: not connected to NATS at {self._where}"
         if not nc.is_connected:
-            return self._reconnecting_reason()
+            return self._reconnecting()
         return self._stream_problem
 
     # -- writes ---------------------------------------------------------------------------------
-    async def _write_core(self, nc: Client, messages: Sequence[Message]) -> None:
+    async def _write_core(self, nc: Client, messages: Sequence[Message]) -> dict[int, ConnectorError]:
         errors: dict[int, ConnectorError] = {}
-        max_payload = nc.max_payload
         for i, m in enumerate(messages):
-            subject = self._subjects.render(m)
             hdr = header_block(m.headers)
-            if len(hdr) + len(m.value) > max_payload:
-                errors[i] = self._too_large(m, max_payload)
+            if len(hdr) + len(m.value) > nc.max_payload:
+                errors[i] = self._too_large(m, len(hdr), nc.max_payload)
                 continue
             if not nc.is_connected:
-                raise NotConnected(self._reconnecting_reason())
+                raise NotConnected(self._reconnecting())
             try:
-                await _publish(nc, subject, "", m.headers, hdr, m.value)
-            except Exception as exc:
-                error, whole = self._classify_publish(exc, subject)
-                if whole:
-                    raise error from None
-                errors[i] = error
-        # nats-py writes flush()'s PING straight to the socket, ahead of publishes still in its
-        # buffer; one turn of the loop lets its flusher write them first, so the PONG covers them.
-        await asyncio.sleep(0)
+                await internals.send_encoded(nc, hpub(self._subjects.render(m), "", hdr, m.value))
+            except (nats.errors.Error, OSError) as exc:
+                raise NotConnected(f"{self._prefix}: publish to NATS failed: {_describe(exc)}") from None
+        internals.write_pending(nc)  # else flush()'s PING overtakes them (see write_pending)
         try:
-            await nc.flush(timeout=self.options.ack_timeout)  # type: ignore[arg-type]  # a float works
-        except nats.errors.FlushTimeoutError:
-            raise Retriable(
-                f"sink {self.name}: NATS at {self._where} did not answer the flush within {self.options.ack_timeout:g}s",
-                reason="flush_timeout",
-            ) from None
+            # nats-py wants a bound; the runtime's write timeout cancels this first.
+            await nc.flush(timeout=self.sink.retry.write_timeout)  # type: ignore[arg-type]  # a float works
         except (nats.errors.Error, OSError) as exc:
-            raise NotConnected(f"sink {self.name}: flush to NATS failed: {_describe(exc)}") from None
-        _raise_for(errors, len(messages))
+            raise NotConnected(f"{self._prefix}: flush to NATS at {self._where} failed: {_describe(exc)}") from None
+        return errors
 
-    async def _write_jetstream(self, nc: Client, messages: Sequence[Message]) -> None:
-        w = _Write(messages)
-        max_payload = nc.max_payload
-        prefix = self._ack_prefix
-        timeout = self.options.ack_timeout
+    async def _write_jetstream(self, nc: Client, messages: Sequence[Message]) -> dict[int, ConnectorError]:
+        errors: dict[int, ConnectorError] = {}
+        await self._publish_chained(nc, messages, errors)
+        again = _refused_for_turn(messages, errors)
+        if again:
+            streams: dict[str, list[int]] = {}
+            for i in again:
+                streams.setdefault(messages[i].record.stream.key, []).append(i)
+            chains = [self._publish_in_turn(nc, messages, indexes, errors) for indexes in streams.values()]
+            await (chains[0] if len(chains) == 1 else asyncio.gather(*chains))
+        if not errors:
+            self._stream_problem = None
+        return errors
+
+    async def _publish_chained(self, nc: Client, messages: Sequence[Message], errors: dict[int, ConnectorError]) -> None:
+        """Publish every message at once, each with ``Nats-Expected-Last-Msg-Id`` = the id of the one
+        sent before it: JetStream then stores a message only right after its predecessor, so after a
+        failure nothing later in the write is stored (refused with "wrong last msg ID")."""
+        acks = _Acks()
+        sent: list[tuple[int, str]] = []  # (index, subject), in the order sent
+        previous: str | None = None
         try:
             for i, m in enumerate(messages):
                 subject = self._subjects.render(m)
-                hdr = header_block(m.headers, m.msg_id)
-                if len(hdr) + len(m.value) > max_payload:
-                    w.errors[i] = self._too_large(m, max_payload)
+                hdr = header_block(m.headers, m.msg_id, previous)
+                if len(hdr) + len(m.value) > nc.max_payload:
+                    errors[i] = self._too_large(m, len(hdr), nc.max_payload)
                     continue
-                # Bounded pipelining: wait for acks (of any write) to free a slot.
-                if self._outstanding >= self.options.max_pending and not await self._wait_for_slot():
-                    w.fail_from(i, self._ack_timeout_error())
-                    break
-                if not nc.is_connected:
-                    # Never let nats-py buffer while reconnecting: what it buffered would reach the
-                    # new server after earlier messages lost with the old socket (out of order).
-                    w.fail_from(i, NotConnected(self._reconnecting_reason()))
-                    break
-                token = str(next(self._tokens))
-                self._inflight[token] = (w, i)
-                self._outstanding += 1
-                w.pending += 1
-                w.tokens.append(token)
                 try:
-                    await _publish(nc, subject, prefix + token, m.headers, hdr, m.value, m.msg_id)
-                except Exception as exc:
-                    if self._inflight.pop(token, None) is not None:
-                        self._release()
-                        w.pending -= 1
-                    error, whole = self._classify_publish(exc, subject)
-                    if whole:
-                        w.fail_from(i, error)
-                        break
-                    w.errors[i] = error
-            if w.pending > 0:
-                w.done.clear()
-                # A timeout leaves the unacknowledged messages to the cleanup below.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(timeout):
-                        await w.done.wait()
+                    await self._send(nc, subject, hdr, m.value, acks)
+                except NotConnected as exc:
+                    errors.update(dict.fromkeys(range(i, len(messages)), exc))
+                    break
+                sent.append((i, subject))
+                previous = m.msg_id
+            await acks.wait()
         finally:
-            # Whatever is still unacknowledged (timeout, cancellation) stops holding a slot; a late
-            # ack finds no token and is ignored.
-            late: ConnectorError | None = None
-            for token in w.tokens:
-                entry = self._inflight.pop(token, None)
-                if entry is not None:
-                    self._release()
-                    late = late or self._ack_timeout_error()
-                    w.errors.setdefault(entry[1], late)
-        if not w.errors:
-            self._stream_problem = None
-        _raise_for(w.errors, len(messages))
+            self._forget(acks)
+        for (i, subject), msg in zip(sent, acks.msgs, strict=True):
+            error = self._ack_error(msg, messages[i], subject) if msg is not None else acks.error
+            if error is not None:
+                errors[i] = error
+
+    async def _publish_in_turn(
+        self, nc: Client, messages: Sequence[Message], indexes: list[int], errors: dict[int, ConnectorError]
+    ) -> None:
+        """Publish one stream's messages of a write, each after the previous one's ack; at the
+        first transient failure, the rest of the stream stays unsent (failed at its indexes)."""
+        for n, i in enumerate(indexes):
+            m = messages[i]
+            subject = self._subjects.render(m)
+            hdr = header_block(m.headers, m.msg_id)
+            if len(hdr) + len(m.value) > nc.max_payload:
+                errors[i] = self._too_large(m, len(hdr), nc.max_payload)
+                continue
+            acks = _Acks()
+            error: ConnectorError | None
+            try:
+                await self._send(nc, subject, hdr, m.value, acks)
+                await acks.wait()
+                error = self._ack_error(acks.msgs[0], m, subject) if acks.msgs[0] is not None else acks.error
+            except NotConnected as exc:
+                error = exc
+            finally:
+                self._forget(acks)
+            if error is None:
+                continue
+            errors[i] = error
+            if not isinstance(error, Permanent):
+                errors.update(dict.fromkeys(indexes[n + 1 :], error))
+                return
+
+    async def _send(self, nc: Client, subject: str, hdr: bytes, payload: bytes, acks: _Acks) -> None:
+        """Publish with a reply token whose ack goes to ``acks``."""
+        if not nc.is_connected:  # never let nats-py buffer while reconnecting (internals.drop_pending)
+            raise NotConnected(self._reconnecting())
+        token = str(next(self._tokens))
+        self._acks[token] = (acks, acks.expect(token))
+        try:
+            await internals.send_encoded(nc, hpub(subject, self._ack_prefix + token, hdr, payload))
+        except (nats.errors.Error, OSError) as exc:
+            if self._acks.pop(token, None) is None:  # its ack is in: it was sent after all
+                return
+            acks.unexpect()
+            raise NotConnected(f"{self._prefix}: publish to NATS failed: {_describe(exc)}") from None
+
+    def _forget(self, acks: _Acks) -> None:
+        """Stop waiting for these acks (a late one is ignored)."""
+        for token in acks.tokens:
+            self._acks.pop(token, None)
 
     async def _on_ack(self, msg: Msg) -> None:
-        entry = self._inflight.pop(msg.subject[len(self._ack_prefix) :], None)
-        if entry is None:  # timed out, failed on disconnect, or not ours
-            return
-        self._release()
-        w, index = entry
-        w.settle(index, self._ack_error(msg, w.messages[index]))
+        entry = self._acks.pop(msg.subject[len(self._ack_prefix) :], None)
+        if entry is not None:  # else: its write was cancelled or failed
+            entry[0].settle(entry[1], msg)
 
-    def _ack_error(self, msg: Msg, message: Message) -> ConnectorError | None:
-        headers = msg.headers
-        if not msg.data and headers and headers.get("Status") == "503":
-            subject = self._subjects.render(message)
+    def _fail_acks(self, error: ConnectorError) -> None:
+        for acks, _ in list(self._acks.values()):
+            acks.fail(error)
+
+    def _ack_error(self, msg: Msg, m: Message, subject: str) -> ConnectorError | None:
+        if not msg.data and msg.headers and msg.headers.get("Status") == "503":
             self._stream_problem = (
-                f"no JetStream stream captures subject {subject!r}: create a stream covering "
-                f"{subject_filter(self.options.subject)!r} or set stream.create: true"
+                f"{self._prefix}: no JetStream stream captures subject {subject!r}: create a stream whose subjects "
+                f"cover {subject_filter(self.options.subject)!r}, or set stream.create: true"
             )
-            return Retriable(f"sink {self.name}: {self._stream_problem}", reason="no_stream")
+            return Retriable(self._stream_problem, reason="no_stream")
         try:
-            ack = _ack_decoder.decode(msg.data)
+            err = _ack_decoder.decode(msg.data).error
         except msgspec.DecodeError:
-            return Retriable(f"sink {self.name}: unreadable JetStream ack {msg.data[:200]!r}", reason="bad_ack")
-        err = ack.error
+            return Retriable(f"{self._prefix}: unreadable JetStream ack {msg.data[:200]!r}", reason="bad_ack")
         if err is None:
             return None
-        text = f"sink {self.name}: JetStream refused {message.msg_id}: {err.description} (code {err.code}/{err.err_code})"
-        if err.err_code == _TOO_LARGE or "too large" in err.description.lower():
+        text = f"{self._prefix}: JetStream refused {m.msg_id} on {subject!r}: {err.description} (code {err.code}/{err.err_code})"
+        if err.err_code in _REFUSED_FOR_ITSELF:
             return Permanent(text, reason="too_large")
-        if err.code == 503:
-            return Retriable(text, reason="jetstream_unavailable")
-        if err.code == 400:
-            return Permanent(text, reason="rejected")
-        return Retriable(text, reason="jetstream_error")
+        if err.err_code == _WRONG_LAST_MSG_ID:  # the message sent before it was not stored
+            return Retriable(text, reason="out_of_turn")
+        # Anything else is about the stream, which an operator or consumers can fix: a full
+        # `discard: new` stream ("maximum bytes/messages exceeded"), a sealed stream, a leader
+        # election, storage out of resources. Retried; the sink reports itself not ready.
+        if err.code < 500:
+            return Retriable(text, reason="rejected")
+        return Retriable(text, reason="stream_full" if "maximum" in err.description.lower() else "jetstream_unavailable")
 
-    async def _wait_for_slot(self) -> bool:
-        """Wait until fewer than ``max_pending`` publishes await an ack; False when no ack at all
-        arrived within ``ack_timeout``."""
-        while self._outstanding >= self.options.max_pending:
-            self._slot_freed.clear()
-            try:
-                async with asyncio.timeout(self.options.ack_timeout):
-                    await self._slot_freed.wait()
-            except TimeoutError:
-                return False
-        return True
-
-    def _release(self) -> None:
-        self._outstanding -= 1
-        self._slot_freed.set()
-
-    def _fail_inflight(self, error: ConnectorError) -> None:
-        inflight, self._inflight = self._inflight, {}
-        for w, index in inflight.values():
-            self._release()
-            w.settle(index, error)
-
-    def _classify_publish(self, exc: Exception, subject: str) -> tuple[ConnectorError, bool]:
-        """The failure for one publish, and whether it applies to every later message too."""
-        if isinstance(exc, nats.errors.MaxPayloadError):
-            return Permanent(f"sink {self.name}: message larger than the server's max_payload", reason="too_large"), False
-        if isinstance(exc, nats.errors.BadSubjectError | nats.errors.BadHeaderError):
-            return Permanent(f"sink {self.name}: cannot publish to {subject!r}: {_describe(exc)}", reason="rejected"), False
-        if isinstance(exc, nats.errors.ConnectionClosedError | nats.errors.OutboundBufferLimitError):
-            return NotConnected(self._reconnecting_reason()), True
-        if isinstance(exc, nats.errors.Error | OSError):
-            return NotConnected(f"sink {self.name}: publish to NATS failed: {_describe(exc)}"), True
-        return Retriable(f"sink {self.name}: publish to {subject!r} failed: {_describe(exc)}"), True
-
-    def _too_large(self, m: Message, max_payload: int) -> Permanent:
+    def _too_large(self, m: Message, header_size: int, max_payload: int) -> Permanent:
         return Permanent(
-            f"sink {self.name}: message {m.msg_id} is {len(m.value)} bytes with headers, over the server's "
-            f"max_payload of {max_payload}",
+            f"{self._prefix}: message {m.msg_id} is {header_size + len(m.value)} bytes with headers, over the "
+            f"server's max_payload of {max_payload}",
             reason="too_large",
         )
 
-    def _ack_timeout_error(self) -> Retriable:
-        return Retriable(
-            f"sink {self.name}: no JetStream ack within {self.options.ack_timeout:g}s from {self._where}",
-            reason="ack_timeout",
-        )
-
-    def _reconnecting_reason(self) -> str:
+    def _reconnecting(self) -> str:
         detail = f": {self._last_error}" if self._last_error else ""
-        return f"sink {self.name}: reconnecting to NATS at {self._where}{detail}"
+        return f"{self._prefix}: reconnecting to NATS at {self._where}{detail}"
 
     # -- connection -----------------------------------------------------------------------------
     def _client_options(self) -> dict[str, Any]:
         o = self.options
         opts: dict[str, Any] = {
-            "servers": self._servers,
+            "servers": o.server_list,
             "name": f"kv-event-bridge/{self.name}",
             "connect_timeout": o.connect_timeout,
             "allow_reconnect": True,
             "max_reconnect_attempts": -1,
+            "reconnect_time_wait": o.reconnect_wait,
+            "reconnect_to_server_handler": self._next_server,
             "ping_interval": o.ping_interval,
             "max_outstanding_pings": 2,
-            "flush_timeout": o.ack_timeout,
             "error_cb": self._on_error,
             "disconnected_cb": self._on_disconnected,
             "reconnected_cb": self._on_reconnected,
             "closed_cb": self._on_closed,
         }
-        if _HAS_SERVER_HANDLER:
-            opts["reconnect_to_server_handler"] = self._next_server
-            opts["reconnect_time_wait"] = o.reconnect_wait
-        else:  # older nats-py: a fixed wait, jittered once per connector
-            opts["reconnect_time_wait"] = o.reconnect_wait + random.uniform(0, o.reconnect_jitter)
         for key in ("credentials", "nkey_seed"):
             path = getattr(o, key)
             if path is not None and not Path(path).is_file():
-                raise NotConnected(f"sink {self.name}: {key} file {path!r} does not exist", reason="auth")
+                raise NotConnected(f"{self._prefix}.{key}: file {path!r} does not exist", reason="auth")
         if o.credentials is not None:
             opts["user_credentials"] = o.credentials
         if o.nkey_seed is not None:
             opts["nkeys_seed"] = o.nkey_seed
         if o.user is not None:
-            opts["user"], opts["password"] = o.user, o.password
+            opts["user"], opts["password"] = o.user, reveal(o.password)
         if o.token is not None:
-            opts["token"] = o.token
+            opts["token"] = reveal(o.token)
         if o.tls is not None:
-            opts["tls"] = self._tls_context(o.tls)
+            try:
+                opts["tls"] = o.tls.ssl_context()
+            except OSError as exc:  # ssl.SSLError is an OSError
+                raise NotConnected(f"{self._prefix}.tls: cannot load the TLS files: {_describe(exc)}", reason="tls") from None
         return opts
 
-    def _tls_context(self, tls: TlsOptions) -> ssl.SSLContext:
-        try:
-            return tls.ssl_context()
-        except (OSError, ssl.SSLError) as exc:
-            raise NotConnected(f"sink {self.name}: cannot load the TLS files: {_describe(exc)}", reason="tls") from None
-
     def _next_server(self, servers: list[Any], _info: dict[str, Any]) -> tuple[Any, float]:
-        """The server to reconnect to: the least-tried one, right away on its first attempt, else
-        after ``reconnect_wait`` plus jitter (many bridges must not hammer a restarting server in
-        lockstep)."""
+        """The least-tried server: at once on its first attempt, else after ``reconnect_wait`` plus
+        jitter (many bridges must not hammer a restarting server in lockstep)."""
         best = min(servers, key=lambda s: s.reconnects)
-        if best.reconnects == 0:
-            return best, 0.0
-        return best, self.options.reconnect_wait + random.uniform(0, self.options.reconnect_jitter)
+        return best, 0.0 if best.reconnects == 0 else self.options.reconnect_wait + random.uniform(
+            0, self.options.reconnect_jitter
+        )
 
     async def _on_error(self, exc: Exception) -> None:
         self._last_error = _describe(exc)
-        log.debug("sink %s: NATS error: %s", self.name, self._last_error, extra={"sink": self.name})
+        log.debug("%s: NATS error: %s", self._prefix, self._last_error, extra={"sink": self.name})
 
     async def _on_disconnected(self) -> None:
         nc = self._nc
         if nc is not None:
-            # Drop what nats-py still buffers for the dead socket (see the module docstring): the
-            # writes that own it fail below and are re-sent in order by the runtime.
-            nc._pending = []
-            nc._pending_data_size = 0
-        self._fail_inflight(
-            NotConnected(f"sink {self.name}: connection to NATS at {self._where} lost before the ack", reason="disconnected")
+            internals.drop_pending(nc)
+            log.warning("%s: disconnected from NATS at %s; reconnecting", self._prefix, self._where, extra={"sink": self.name})
+        self._fail_acks(
+            NotConnected(f"{self._prefix}: connection to NATS at {self._where} lost before the ack", reason="disconnected")
         )
-        if nc is not None and not self._closing:  # not for a first connect that failed
-            log.warning("sink %s: disconnected from NATS at %s; reconnecting", self.name, self._where, extra={"sink": self.name})
 
     async def _on_reconnected(self) -> None:
         self._last_error = None
-        nc = self._nc
-        url = nc.connected_url.geturl() if nc is not None and nc.connected_url is not None else self._where
-        log.info("sink %s: reconnected to NATS at %s", self.name, redact(url), extra={"sink": self.name})
+        log.info("%s: reconnected to NATS at %s", self._prefix, self._where, extra={"sink": self.name})
 
     async def _on_closed(self) -> None:
-        self._fail_inflight(NotConnected(f"sink {self.name}: NATS connection closed"))
+        self._fail_acks(NotConnected(f"{self._prefix}: NATS connection closed"))
 
     async def _close_client(self, nc: Client) -> None:
         try:
-            if nc.is_connected:
-                await nc.flush(timeout=self.options.ack_timeout)  # type: ignore[arg-type]
-        except Exception as exc:  # closing must not raise; a failed flush only loses buffered core messages
-            log.debug("sink %s: flush on close failed: %s", self.name, _describe(exc), extra={"sink": self.name})
-        try:
-            await asyncio.wait_for(nc.close(), self.options.connect_timeout)
+            async with asyncio.timeout(self.options.connect_timeout):  # close is bounded, never raises
+                await nc.close()  # flushes what is buffered first
         except Exception as exc:
-            log.debug("sink %s: close failed: %s", self.name, _describe(exc), extra={"sink": self.name})
+            log.debug("%s: close failed: %s", self._prefix, _describe(exc), extra={"sink": self.name})
 
     # -- streams --------------------------------------------------------------------------------
     async def _ensure_stream(self, js: JetStreamContext) -> None:
@@ -746,83 +678,55 @@ class NatsConnector:
         try:
             await js.add_stream(config)
         except nats.js.errors.APIError as exc:
-            if exc.err_code == 10058:  # JSStreamNameExistErr: another replica created it just now
+            if exc.err_code == _STREAM_NAME_EXISTS:  # another replica created it just now
                 return
-            raise NotConnected(f"sink {self.name}: cannot create JetStream stream {so.name!r}: {_describe(exc)}") from None
-        log.info(
-            "sink %s: created JetStream stream %s for %s (duplicate window %gs)",
-            self.name,
-            so.name,
-            config.subjects,
-            so.duplicate_window,
-            extra={"sink": self.name},
-        )
+            raise NotConnected(f"{self._prefix}: cannot create JetStream stream {so.name!r}: {_describe(exc)}") from None
+        log.info("%s: created JetStream stream %s for %s", self._prefix, so.name, config.subjects, extra={"sink": self.name})
 
     async def _check_stream(self, js: JetStreamContext) -> None:
-        """Warn (and report in health) when no stream captures the subjects; do not fail: a
-        stream may be created later, and writes name the problem too."""
+        """Report (health, ``--check``) when no stream captures any subject of the template; do not
+        fail: a stream may be created later, and a write names the problem too. The server matches
+        streams whose subjects overlap the template's wildcard form (``kv.*.*``), so a stream
+        capturing only some sources passes here, and a write to the others fails ``no_stream``."""
         wildcard = subject_filter(self.options.subject)
         try:
             await js.find_stream_name_by_subject(wildcard)
             self._stream_problem = None
             return
         except nats.js.errors.NotFoundError:
-            problem = f"no JetStream stream captures subject {wildcard!r}: create one or set stream.create: true"
+            problem = f"no JetStream stream captures subject {wildcard!r}: create one, or set stream.create: true"
         except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError):
             problem = f"JetStream is not enabled on NATS at {self._where} (or mode: core was meant)"
-        self._stream_problem = problem
-        log.warning("sink %s: %s", self.name, problem, extra={"sink": self.name})
+        self._stream_problem = f"{self._prefix}: {problem}"
+        log.warning("%s", self._stream_problem, extra={"sink": self.name})
 
 
-# -- the wire -----------------------------------------------------------------------------------
-
-_NEWLINES = str.maketrans({"\r": " ", "\n": " "})
-
-
-def header_block(headers: dict[str, str], msg_id: str | None = None) -> bytes:
-    """The encoded NATS header block of a message, exactly as it goes on the wire.
-
-    Keys are the renderer's fixed names. A CR or LF in a value (an engine's event type is free
-    text) becomes a space, as nats-py does: a value must never end the header line early.
-    """
-    lines = [f"{k}: {v}\r\n" for k, v in headers.items()]
-    if msg_id is not None:
-        lines.append(f"{MSG_ID_HEADER}: {msg_id}\r\n")
-    text = "".join(lines)
-    if text.count("\n") != len(lines) or text.count("\r") != len(lines):
-        items = [*headers.items(), *([(MSG_ID_HEADER, msg_id)] if msg_id is not None else [])]
-        text = "".join(f"{k}: {v.translate(_NEWLINES).strip()}\r\n" for k, v in items)
-    return b"NATS/1.0\r\n" + text.encode() + b"\r\n"
-
-
-# nats-py's publish() re-validates and re-encodes every header of every message (most of the
-# cost of a publish: ~3x slower per message). Headers here are encoded once, checked above, and
-# the HPUB command handed to the client's own buffer-and-flusher path. Guarded: a client without
-# these internals gets the public publish().
-_RAW_PUBLISH = hasattr(Client, "_send_command") and hasattr(Client, "_flush_pending")
+def _refused_for_turn(messages: Sequence[Message], errors: dict[int, ConnectorError]) -> list[int]:
+    """The messages the chain refused only because one sent before them was not stored, and that
+    follow no transient failure of their own bridge stream: taken out of ``errors``, to be sent
+    again, in turn. A stream that failed keeps the rest of its messages failed (fold() retries
+    them in order); the other streams go on."""
+    failed: set[str] = set()
+    again: list[int] = []
+    for i in sorted(errors):
+        key = messages[i].record.stream.key
+        error = errors[i]
+        if key in failed or isinstance(error, Permanent):
+            continue
+        if error.reason == "out_of_turn":
+            again.append(i)
+        else:
+            failed.add(key)
+    for i in again:
+        del errors[i]
+    return again
 
 
-async def _publish(
-    nc: Client, subject: str, reply: str, headers: dict[str, str], hdr: bytes, payload: bytes, msg_id: str | None = None
-) -> None:
-    """Publish with the pre-encoded header block ``hdr`` (``headers`` + ``msg_id``)."""
-    if not _RAW_PUBLISH:
-        if msg_id is not None:
-            headers = {**headers, MSG_ID_HEADER: msg_id}
-        await nc.publish(subject, payload, reply=reply, headers=headers)
-        return
-    if nc.is_closed:
-        raise nats.errors.ConnectionClosedError
-    size = len(hdr)
-    line = (
-        f"HPUB {subject} {reply} {size} {size + len(payload)}\r\n"
-        if reply
-        else f"HPUB {subject} {size} {size + len(payload)}\r\n"
-    )
-    await nc._send_command(b"".join((line.encode(), hdr, payload, b"\r\n")))
-    # What nats-py's publish does next: kick its flusher task unless a kick is already queued.
-    if nc._flush_queue is not None and nc._flush_queue.empty():
-        await nc._flush_pending()
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    return redact(text if text.startswith("nats:") else f"{type(exc).__name__}: {text}")
 
 
 __all__ = [
@@ -832,6 +736,6 @@ __all__ = [
     "StreamOptions",
     "TlsOptions",
     "header_block",
-    "redact",
+    "hpub",
     "subject_token",
 ]

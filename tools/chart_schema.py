@@ -6,7 +6,8 @@ installed connector, so ``helm install`` refuses a bad config before any pod sta
     python tools/chart_schema.py --check   exit 1 when the file is out of date (CI, tests)
 
 Run it after changing a config struct or a connector's options. Field descriptions come from the
-structs' ``msgspec.Meta(description=...)``, the same text as the README reference.
+structs' ``msgspec.Meta(description=...)``, the same text as the README reference
+(``tools/config_reference.py``); ``tools/config_meta.py`` reads the structs for both.
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ import msgspec.inspect as mi
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bridge.config import SINK_KEYS, ByteSize, Config, Duration, SinkConfig  # noqa: E402
-from bridge.connector import Registry  # noqa: E402
-from bridge.secret import Secret  # noqa: E402
+from tools.config_meta import SINK_OPTIONS, ByteSize, Config, Duration, Secret, SinkConfig, connectors, sink_common_keys  # noqa: E402
 
 SCHEMA_PATH = ROOT / "helm" / "kv-event-bridge" / "values.schema.json"
 
@@ -132,13 +131,13 @@ def config_schema(conv: Converter) -> dict[str, Any]:
     schema = conv.struct(info)
     sink = mi.type_info(SinkConfig)
     assert isinstance(sink, mi.StructType)
-    common = conv.struct(sink, skip=frozenset({"options"}))
+    common = conv.struct(sink, skip=frozenset({SINK_OPTIONS}))
     common_props = common["properties"]
-    assert set(common_props) <= SINK_KEYS
-    registry = Registry()
+    assert list(common_props) == sink_common_keys()
+    installed = connectors()
     rules = []
-    for name in registry.names():
-        options = mi.type_info(registry.get(name).Options)
+    for name, options_cls in installed:
+        options = mi.type_info(options_cls)
         assert isinstance(options, mi.StructType)
         own = conv.struct(options)
         rules.append(
@@ -154,7 +153,7 @@ def config_schema(conv: Converter) -> dict[str, Any]:
         )
     schema["properties"]["sinks"] = {
         "description": "Where events go; each entry holds the keys every sink has plus its type's own. "
-        f"Built-in types: {', '.join(registry.names())}; plugins add more (their keys are not checked here).",
+        f"Built-in types: {', '.join(name for name, _ in installed)}; plugins add more (their keys are not checked here).",
         "type": "array",
         "items": {
             "type": "object",

@@ -867,7 +867,8 @@ class RedisServer(ManagedServer):
 
     With ``persistent`` (the default) the append-only file is on (fsync every second), so a
     ``restart()`` keeps the data; ``kill()`` may lose the last second. ``extra_config`` lines are
-    appended to redis.conf (later: ``tls-port``, ``aclfile``, ...).
+    appended to redis.conf (later: ``tls-port``, ``aclfile``, ...). ``password`` sets
+    ``requirepass`` (the health check and ``flushall()`` authenticate with it).
     """
 
     kind = "redis"
@@ -880,11 +881,13 @@ class RedisServer(ManagedServer):
         port: int | None = None,
         persistent: bool = True,
         extra_config: Mapping[str, str] | None = None,
+        password: str | None = None,
     ) -> None:
         super().__init__(workdir)
         self.port = port or free_port()
         self.persistent = persistent
         self.extra_config = dict(extra_config or {})
+        self.password = password
 
     @property
     def url(self) -> str:
@@ -913,6 +916,7 @@ class RedisServer(ManagedServer):
             "logfile": '""',
             # keep argv (with our work dir) in /proc/PID/cmdline, which pid_alive checks
             "set-proc-title": "no",
+            **({"requirepass": self.password} if self.password else {}),
             **self.extra_config,
         }
         (self.workdir / "redis.conf").write_text("".join(f"{k} {v}\n" for k, v in conf.items()))
@@ -921,12 +925,14 @@ class RedisServer(ManagedServer):
         return [redis_server_binary(), str(self.workdir / "redis.conf")]
 
     def _options(self) -> dict[str, Any]:
-        return {"port": self.port, "persistent": self.persistent, "extra_config": self.extra_config}
+        return {"port": self.port, "persistent": self.persistent, "extra_config": self.extra_config, "password": self.password}
 
     def check_health(self, timeout: float) -> None:
         import redis
 
-        with redis.Redis(host=self.host, port=self.port, socket_timeout=timeout, socket_connect_timeout=timeout) as client:
+        with redis.Redis(
+            host=self.host, port=self.port, password=self.password, socket_timeout=timeout, socket_connect_timeout=timeout
+        ) as client:
             if not client.ping():
                 raise RuntimeError("PING did not answer PONG")
 
@@ -934,7 +940,7 @@ class RedisServer(ManagedServer):
         """Delete every key (between tests)."""
         import redis
 
-        with redis.Redis(host=self.host, port=self.port, socket_timeout=10) as client:
+        with redis.Redis(host=self.host, port=self.port, password=self.password, socket_timeout=10) as client:
             client.flushall()
 
 

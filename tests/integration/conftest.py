@@ -212,6 +212,9 @@ def _own_server(what: str, server: S) -> Iterator[S]:
         server.remove()
 
 
+own_server = _own_server  # for test modules with servers of their own (a private maxmemory, requirepass)
+
+
 @pytest.fixture(scope="session")
 def secure_redis(infra_run_dir: Path, certificates: tls.Certificates) -> Iterator[SecureServer]:
     """redis-server with a TLS port (server certificate, no client certificate) and an ACL user.

@@ -1,8 +1,8 @@
 """NATS connector on a real ``nats-server -js``: the conformance suite in both modes, and NATS specifics.
 
 JetStream is read back through the stream itself (``get_msg`` by subject, in stream order); core
-NATS through a subscription opened before the connector writes. Pure helpers (subjects, options)
-are checked without a server.
+NATS through a subscription opened before the connector writes. The delivery contract under
+partial failure is in test_nats_delivery.py; what needs no server in tests/unit/test_nats_*.py.
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from bridge.config import SinkConfig, convert_options
-from bridge.connector import Connector, Registry
-from bridge.errors import ConfigError, ConnectorError, NotConnected, PartialFailure, Permanent, Retriable
+from bridge.connector import Connector
+from bridge.errors import ConnectorError, NotConnected, PartialFailure, Permanent, Retriable
 from bridge.formats import Message, Renderer
 from bridge.records import Stream
-from connectors.nats import MSG_ID_HEADER, NatsConnector, NatsOptions, StreamOptions, redact, subject_token
+from bridge.sink import fold
+from connectors.nats import MSG_ID_HEADER, NatsConnector, NatsOptions, subject_token
 from tests.infra.servers import NatsServer, free_port, port_open
 from tests.integration.conformance import ConformanceSuite, Stored
 from tests.support.records import control_records, stream_records
@@ -49,7 +50,6 @@ def _options(url: str, dest: str, **extra: Any) -> NatsOptions:
     base: dict[str, Any] = {
         "servers": url,
         "subject": dest + ".{source}.{dp_rank}",
-        "ack_timeout": 3.0,
         "connect_timeout": 5.0,
         "reconnect_wait": 0.2,
         "reconnect_jitter": 0.2,
@@ -85,8 +85,9 @@ async def _retrying_write(conn: Connector, messages: Sequence[Message], *, attem
             await conn.write(pending)
             return failures
         except PartialFailure as exc:
-            assert not isinstance(exc.cause, Permanent), exc
-            pending = [pending[i] for i in exc.failed]
+            outcome = fold(pending, exc.errors)
+            assert not outcome.dead, exc
+            pending = [pending[i] for i in outcome.retry]
         except ConnectorError:
             pass
         await asyncio.sleep(0.25)
@@ -276,8 +277,7 @@ async def test_order_per_subject_across_interleaved_streams(
 
         await reader.subscribe(f"{js_dest}.>", cb=on_msg)
         await reader.flush()
-    # A small pending bound makes writes wait for acks to free slots.
-    conn = NatsConnector("nats", _options(nats_server.url, js_dest, mode=mode, max_pending=7), SINK)
+    conn = NatsConnector("nats", _options(nats_server.url, js_dest, mode=mode), SINK)
     await conn.connect()
     try:
         for i in range(0, len(messages), 100):
@@ -298,22 +298,6 @@ async def test_order_per_subject_across_interleaved_streams(
         assert values == expected, subject
     # The dots of "qwen.2.5" must not make extra subject tokens.
     assert _subject(js_dest, streams[2]) == f"{js_dest}.qwen_2_5.0"
-
-
-@pytest.mark.integration
-async def test_concurrent_writes_share_the_pending_bound(nats_server: NatsServer, reader: Client, js_dest: str) -> None:
-    streams = [Stream(f"engine-{k}", 0) for k in range(4)]
-    conn = NatsConnector("nats", _options(nats_server.url, js_dest, max_pending=5), SINK)
-    await conn.connect()
-    try:
-        per_stream = [(s, _render("json", "batch", [s], 50)) for s in streams]
-        await asyncio.gather(*(conn.write(msgs) for _, msgs in per_stream))
-        assert conn._outstanding == 0 and not conn._inflight
-    finally:
-        await conn.close()
-    for s, msgs in per_stream:
-        stored = await _read_stream(reader, js_dest, _subject(js_dest, s))
-        assert [m.data for m in stored] == [m.value for m in msgs]
 
 
 @pytest.mark.integration
@@ -522,64 +506,9 @@ async def test_tls_with_ca_file_and_hostname_check(nats_server: NatsServer, tmp_
         server.remove()
 
 
-# -- without a server ---------------------------------------------------------------------------
-
-
-def test_registered_under_its_entry_point() -> None:
-    assert Registry().get("nats") is NatsConnector
-
-
-def test_subject_tokens_and_redaction() -> None:
-    assert subject_token("llama-3.1 8b*>") == "llama-3_1_8b__"
-    assert subject_token("") == "_"
-    assert redact("nats://u:p@host:4222,tls://x@h") == "nats://***@host:4222,tls://***@h"
-
-
-@pytest.mark.parametrize(
-    ("options", "problem"),
-    [
-        ({"subject": "kv..{source}"}, "empty token"),
-        ({"subject": "kv.*.{source}"}, "wildcard"),
-        ({"subject": "kv.{}"}, "bad placeholder"),
-        ({"user": "u"}, "user and password"),
-        ({"token": "t", "credentials": "/c"}, "one way to authenticate"),
-        ({"mode": "fast"}, "mode"),
-        ({"subjekt": "x"}, "did you mean subject"),
-        ({"stream": {"name": "a.b"}}, "stream name"),
-        ({"stream": {"subjects": ["kv.>.x"]}}, "wildcard must be a whole token"),
-        ({"max_pending": 0}, "max_pending"),
-        ({"tls": {"key_file": "k.pem"}}, "tls.key_file needs tls.cert_file"),
-    ],
-)
-def test_options_are_validated_with_their_path(options: dict[str, Any], problem: str) -> None:
-    with pytest.raises(ConfigError) as info:
-        convert_options(options, NatsOptions, "sinks[2]")
-    text = str(info.value)
-    assert text.startswith("sinks[2]") and problem in text, text
-
-
-def test_options_defaults_and_secrets() -> None:
-    options = convert_options(
-        {"servers": ["nats://a:1", "nats://b:2"], "user": "u", "password": "pw-123", "ack_timeout": "250ms"},
-        NatsOptions,
-        "sinks[0]",
-    )
-    assert options.mode == "jetstream" and options.max_pending == 4000 and options.ack_timeout == 0.25
-    assert options.stream == StreamOptions()
-    assert "pw-123" not in repr(options) and "pw-123" not in str(options)
-    token = NatsOptions(token="tok-456")
-    assert "tok-456" not in repr(token)
-
-
 @pytest.mark.integration
-@pytest.mark.parametrize("raw_publish", [True, False], ids=["pre-encoded", "nats-py-publish"])
-async def test_header_values_cannot_break_the_protocol(
-    nats_server: NatsServer, reader: Client, js_dest: str, raw_publish: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An engine's free-text event type with CR/LF stays one header line (both publish paths)."""
-    import connectors.nats as module
-
-    monkeypatch.setattr(module, "_RAW_PUBLISH", raw_publish)
+async def test_header_values_cannot_break_the_protocol(nats_server: NatsServer, reader: Client, js_dest: str) -> None:
+    """An engine's free-text event type with CR/LF stays one header line."""
     stream = Stream("llama-a", 0)
     evil = "Evil\r\nPUB x 1\r\n"
     records = stream_records(stream, 2)

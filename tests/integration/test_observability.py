@@ -379,7 +379,7 @@ async def test_readyz_follows_a_redis_sink_going_away_and_back(
             await redis_server.astop()
             body = await _until_status(port, 503)
             assert body["ready"] is False and body["sources_not_subscribed"] == []
-            assert body["sinks"]["redis"].startswith("health: redis sink 'redis' at redis://"), body  # which, and why
+            assert body["sinks"]["redis"].startswith("health: sinks[redis]: redis://"), body  # which, and why
             assert b"\nkv_bridge_ready 0.0\n" in (await http_get(port, "/metrics"))[1]
             assert metric(b, "kv_bridge_sink_up", sink="redis") == 0
             await redis_server.astart()

@@ -9,7 +9,6 @@ server restart in the middle of a stream, and Redis Cluster.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import shutil
 import subprocess
@@ -31,6 +30,7 @@ from bridge.connector import Registry
 from bridge.errors import ConfigError, NotConnected, PartialFailure, Permanent, Retriable
 from bridge.formats import Message, Renderer, hex64
 from bridge.records import Event, Record, Stream, events_lost, source_reset
+from bridge.sink import fold
 from connectors.redis import (
     CLUSTER_INDEX_KEY,
     CLUSTER_STREAM,
@@ -42,8 +42,9 @@ from connectors.redis import (
     index_delta,
     message_position,
 )
-from tests.infra.servers import RedisServer, ServerError, free_port
+from tests.infra.servers import RedisServer, free_port
 from tests.integration.conformance import FORMATS, ConformanceSuite, Stored
+from tests.integration.conftest import own_server, unavailable
 from tests.support.records import batch, control_records, stream_records
 
 integration = pytest.mark.integration
@@ -111,27 +112,24 @@ def to_stored(fields: dict[bytes, bytes]) -> Stored:
 
 
 async def deliver(conn: RedisConnector, messages: Sequence[Message], *, attempts: int = 200) -> int:
-    """Write like the runtime does: retry transient failures (only the failed part of a partial
-    failure) with a short backoff; raise on anything permanent. Returns the number of retries."""
+    """Write like the runtime does (:func:`bridge.sink.fold`): after a partial failure, write each
+    stream again from its first transient failure on; raise if anything would be dead-lettered.
+    Returns the number of retries."""
     pending = list(messages)
     for attempt in range(attempts):
         try:
             await asyncio.wait_for(conn.write(pending), 10)
             return attempt
         except PartialFailure as exc:
-            if isinstance(exc.cause, Permanent):
-                raise
-            pending = [pending[i] for i in exc.failed]
+            outcome = fold(pending, exc.errors)
+            assert not outcome.dead, f"dead-lettered: {outcome.dead}"
+            pending = [pending[i] for i in outcome.retry]
+            if not pending:
+                return attempt
         except (NotConnected, Retriable, TimeoutError):
             pass
         await asyncio.sleep(min(0.05 * 2**attempt, 0.5))
     raise AssertionError(f"not delivered after {attempts} attempts")
-
-
-def unavailable(what: str, exc: BaseException) -> None:
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"{what} unavailable: {exc}", pytrace=False)
-    pytest.skip(f"{what} unavailable: {exc}")
 
 
 @pytest.fixture(scope="module")
@@ -144,15 +142,10 @@ def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSer
         persistent=False,
         extra_config={"lua-time-limit": "100", "enable-debug-command": "yes"},
     )
-    try:
-        server.start()
-    except ServerError as exc:
-        server.kill()
-        unavailable("redis (private)", exc)
-    with redis.Redis(host=server.host, port=server.port, socket_timeout=10) as client:
-        client.execute_command("ACL", "SETUSER", USER, "on", f">{SECRET}", "~*", "&*", "+@all")
-    yield server
-    server.remove()
+    with own_server("redis (private)", server):
+        with redis.Redis(host=server.host, port=server.port, socket_timeout=10) as client:
+            client.execute_command("ACL", "SETUSER", USER, "on", f">{SECRET}", "~*", "&*", "+@all")
+        yield server
 
 
 @pytest.fixture
@@ -341,25 +334,31 @@ async def test_cancelled_write_then_retry(private_redis: RedisServer, admin: aio
 
 @integration
 @pytest.mark.parametrize("indexed", [False, True])
-async def test_entry_skipped_by_a_later_one_is_permanent(redis_server: RedisServer, indexed: bool) -> None:
-    """If a later entry of a stream got stored first, an earlier one can never be added in order:
-    that is reported (dead-letter), not mistaken for a duplicate."""
+async def test_an_absent_entry_below_the_top_is_refused_for_itself(redis_server: RedisServer, indexed: bool) -> None:
+    """The bridge never stores a later entry of a stream before an earlier one; if another client
+    did (here: wrote entry 2 itself), entry 1 can never be added in order: it is refused for
+    itself (dead-lettered, reason out_of_order), not mistaken for a duplicate, and its stream
+    goes on."""
     s = sink("json", "batch")
     prefix = new_prefix()
     stream = Stream("llama-s", 0)
-    messages = render(s, stream_records(stream, 3))
+    messages = render(s, stream_records(stream, 4))
     conn = make_indexed(redis_server.url, s, prefix, "i", enabled=indexed)
+    other = aioredis.Redis.from_url(redis_server.url)
     await conn.connect()
     try:
-        await conn.write([messages[0], messages[2]])
+        await conn.write([messages[0]])
+        await other.xadd(f"{prefix}:llama-s:0", {"by": "another writer"}, id=entry_id(messages[2].position))
         with pytest.raises(Permanent) as info:
             await conn.write([messages[1]])
-        assert info.value.reason == "skipped"
+        assert info.value.reason == "out_of_order" and "another client" in str(info.value)
         with pytest.raises(PartialFailure) as partial:
-            await conn.write(messages)  # 0 and 2 are duplicates, 1 is still impossible
-        assert partial.value.failed == [1] and isinstance(partial.value.cause, Permanent)
+            await conn.write(messages)  # 0 is a duplicate, 1 out of order, 2 "a duplicate", 3 new
+        assert list(partial.value.errors) == [1] and isinstance(partial.value.errors[1], Permanent)
+        assert await other.xlen(f"{prefix}:llama-s:0") == 3
     finally:
         await conn.close()
+        await other.aclose()
 
 
 @integration
@@ -515,7 +514,7 @@ async def test_index_matches_a_model_of_the_engine_cache(
 
 @integration
 async def test_flushed_index_script_is_reloaded(redis_server: RedisServer) -> None:
-    """A server restart or SCRIPT FLUSH forgets the script: the write loads it and goes on."""
+    """A server restart or SCRIPT FLUSH forgets the script: the write sends it whole (EVAL) and goes on."""
     s = sink("json", "batch")
     prefix = new_prefix()
     stream = Stream("llama-f", 0)
@@ -643,6 +642,29 @@ async def test_out_of_memory_is_retriable(private_redis: RedisServer, admin: aio
 
 
 @integration
+async def test_an_acl_refusal_inside_the_write_script_is_retried(private_redis: RedisServer, admin: aioredis.Redis) -> None:
+    """A user that may run scripts but not XADD: Redis 7.0 words that refusal inside a script as
+    "ERR ... can't run this command" (7.2 and later: NOPERM). Either way it is an ACL mistake an
+    operator fixes: retried (no_permission), never dead-lettered, and delivered once fixed."""
+    s = sink("json", "batch")
+    prefix = new_prefix()
+    messages = render(s, stream_records(Stream("acl", 0), 3))
+    await admin.execute_command("ACL", "SETUSER", "noxadd", "on", f">{SECRET}", "~*", "&*", "+@all", "-xadd")
+    conn = make(private_redis.url, s, username="noxadd", password=SECRET, stream=prefix + ":{source}:{dp_rank}")
+    await conn.connect()
+    try:
+        with pytest.raises(Retriable) as info:
+            await conn.write(messages)
+        assert info.value.reason == "no_permission"
+        await admin.execute_command("ACL", "SETUSER", "noxadd", "+xadd")
+        await conn.write(messages)
+    finally:
+        await conn.close()
+        await admin.execute_command("ACL", "DELUSER", "noxadd")
+    assert await admin.xlen(f"{prefix}:acl:0") == 3
+
+
+@integration
 async def test_busy_server_is_retriable(private_redis: RedisServer, admin: aioredis.Redis) -> None:
     s = sink("json", "batch")
     prefix = new_prefix()
@@ -740,7 +762,7 @@ def _certificates(d: Path) -> None:
 def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, int, Path]]:
     """redis-server with a TLS port that requires client certificates (plain port for health checks)."""
     if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
+        unavailable("openssl", "not installed")
     certs = tmp_path_factory.mktemp("redis-tls-certs")
     _certificates(certs)
     tls_port = free_port()
@@ -755,13 +777,8 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisS
             "tls-auth-clients": "yes",
         },
     )
-    try:
-        server.start()
-    except ServerError as exc:
-        server.kill()
-        unavailable("redis (tls)", exc)
-    yield server, tls_port, certs
-    server.remove()
+    with own_server("redis (tls)", server):
+        yield server, tls_port, certs
 
 
 @integration
@@ -867,7 +884,8 @@ def test_registry_builds_the_connector_from_sink_keys() -> None:
     )
     conn = Registry().build(config.sinks[0], 0)
     assert isinstance(conn, RedisConnector)
-    assert conn.options.password == SECRET and SECRET not in repr(conn.options)
+    assert conn.options.password is not None and conn.options.password.reveal() == SECRET
+    assert SECRET not in repr(conn.options) and SECRET not in repr(conn)
 
 
 @pytest.mark.parametrize(
@@ -922,20 +940,15 @@ def cluster_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSer
         # The bus port defaults to port + 10000, which a free high port may not have.
         extra_config={"cluster-enabled": "yes", "cluster-config-file": "nodes.conf", "cluster-port": str(free_port())},
     )
-    try:
-        server.start()
-    except ServerError as exc:
-        server.kill()
-        unavailable("redis (cluster)", exc)
-    with redis.Redis(host=server.host, port=server.port, socket_timeout=10) as client:
-        client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
-        deadline = time.monotonic() + 30
-        while "cluster_state:ok" not in _text(client.execute_command("CLUSTER", "INFO")):
-            if time.monotonic() > deadline:
-                pytest.fail("the one-node cluster did not come up")
-            time.sleep(0.1)
-    yield server
-    server.remove()
+    with own_server("redis (cluster)", server):
+        with redis.Redis(host=server.host, port=server.port, socket_timeout=10) as client:
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+            deadline = time.monotonic() + 30
+            while "cluster_state:ok" not in _text(client.execute_command("CLUSTER", "INFO")):
+                if time.monotonic() > deadline:
+                    pytest.fail("the one-node cluster did not come up")
+                time.sleep(0.1)
+        yield server
 
 
 def _text(reply: Any) -> str:

@@ -137,7 +137,6 @@ async def _broker(kind: str, request: pytest.FixtureRequest) -> _Broker:
         options = {
             "servers": nats.url,
             "subject": dest + ".{source}.{dp_rank}",
-            "ack_timeout": "3s",
             "reconnect_wait": "250ms",
             "stream": {"create": True, "name": dest, "subjects": [f"{dest}.>"], "duplicate_window": "10m"},
         }

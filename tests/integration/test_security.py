@@ -121,7 +121,6 @@ def nats_sink(n: SecureServer, dest: str, password: str = "${NATS_PASSWORD}", **
         "nats",
         "nats-sec",
         subject=dest + ".{source}.{dp_rank}",
-        ack_timeout="3s",
         reconnect_wait="250ms",
         stream={"create": True, "name": dest, "subjects": [f"{dest}.>"]},
         **options,

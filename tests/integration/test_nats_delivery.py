@@ -1,0 +1,353 @@
+"""The NATS connector's part of the delivery contract (issue 16), on a real nats-server, through
+the runtime's own SinkWorker (retries, fold(), dead letters):
+
+- JetStream never stores a message of a bridge stream after an earlier one of the same stream
+  failed in the same write (a full ``discard: new`` stream refuses a large message and takes the
+  smaller ones after it): once room is made, every message is stored once, in order;
+- a message refused for itself (past the stream's ``max_msg_size``, or the server's
+  ``max_payload`` in core NATS) is the only one dead-lettered; its neighbours are delivered;
+- a subject no stream captures fails at once with ``no_stream``, and ``--check`` says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+import nats.errors
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import api as js_api
+
+from bridge import config
+from bridge.cli import check
+from bridge.config import SinkConfig, convert_options
+from bridge.deadletter import DeadLetters
+from bridge.errors import Retriable
+from bridge.formats import Renderer
+from bridge.metrics import Metrics
+from bridge.records import Record, Stream
+from bridge.sink import SinkWorker
+from connectors.nats import NatsConnector, NatsOptions, subject_token
+from tests.infra.servers import NatsServer
+from tests.support.records import batch
+
+pytestmark = pytest.mark.integration
+
+A, B = Stream("eng-a", 0), Stream("eng-b", 1)
+
+
+def _dest() -> str:
+    return f"KVD{uuid.uuid4().hex[:10].upper()}"
+
+
+def _subject(dest: str, stream: Stream) -> str:
+    return f"{dest}.{subject_token(stream.source)}.{stream.dp_rank}"
+
+
+def record(stream: Stream, seq: int, size: int) -> Record:
+    """An engine batch whose payload (the raw message's value) is ``size`` bytes."""
+    return msgspec.structs.replace(batch(stream, seq, epoch=1), payload=bytes([65 + seq % 26]) * size)
+
+
+@pytest.fixture
+async def reader(nats_server: NatsServer) -> AsyncIterator[Client]:
+    nc = await nats.connect(nats_server.url, reconnect_time_wait=0.2, max_reconnect_attempts=-1)
+    yield nc
+    await nc.close()
+
+
+@pytest.fixture
+async def dest(reader: Client) -> AsyncIterator[str]:
+    name = _dest()
+    yield name
+    with contextlib.suppress(nats.errors.Error):
+        await reader.jetstream(timeout=5).delete_stream(name)
+
+
+class Harness:
+    """One sink (``nats-d``, raw batches) and its SinkWorker, with dead letters in a file."""
+
+    def __init__(self, tmp_path: Path, url: str, dest: str, *, max_messages: int = 10000, **options: Any) -> None:
+        opts = {"servers": url, "subject": dest + ".{source}.{dp_rank}", "connect_timeout": "5s", "reconnect_wait": "200ms"}
+        opts.update(options)
+        cfg = config.convert(
+            {
+                "type": "nats",
+                "name": "nats-d",
+                "format": "raw",
+                "retry": {"initial_backoff": 0.05, "max_backoff": 0.2, "jitter": 0.0, "write_timeout": 20},
+                "batch": {"max_messages": max_messages, "linger": 0},
+                "options": opts,
+            },
+            SinkConfig,
+            "sink",
+            [],
+        )
+        assert cfg is not None
+        self.cfg = cfg
+        self.connector = NatsConnector("nats-d", convert_options(opts, NatsOptions, "sinks[0]"), cfg)
+        self.dead_path = tmp_path / "dead.jsonl"
+        self.acked: list[Record] = []
+        self.worker = SinkWorker(
+            0, cfg, self.connector, Renderer("raw"), Metrics(), DeadLetters(str(self.dead_path)),
+            lambda _i, records: self.acked.extend(records),
+        )  # fmt: skip
+
+    def start(self, records: Sequence[Record]) -> None:
+        """Queue every record first, so the first write carries them all, then start the worker."""
+        for r in records:
+            self.worker.force(r)
+        self.worker.start()
+
+    async def wait_for_error(self, text: str) -> None:
+        await _until(lambda: text in (self.worker.last_error or ""), f"sink error containing {text!r}")
+
+    async def finish(self) -> None:
+        try:
+            assert await self.worker.flush(30), f"not delivered: {self.worker.last_error}"
+        finally:
+            await self.worker.stop()
+            self.worker.dead_letters.close()
+
+    def dead(self) -> list[dict[str, Any]]:
+        if not self.dead_path.exists():
+            return []
+        return [json.loads(line) for line in self.dead_path.read_text().splitlines()]
+
+
+async def _until(condition: Callable[[], bool], what: str) -> None:
+    for _ in range(600):  # bounded wait, not a timing assertion
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+    pytest.fail(f"never saw {what}")
+
+
+async def _stored(reader: Client, dest: str) -> dict[str, list[tuple[int, bytes]]]:
+    """Every message of JetStream stream ``dest`` in stream order, per subject: (engine seq, value)."""
+    js = reader.jetstream(timeout=5)
+    out: dict[str, list[tuple[int, bytes]]] = {}
+    last = (await js.stream_info(dest)).state.last_seq
+    for seq in range(1, last + 1):
+        try:
+            msg = await js.get_msg(dest, seq)
+        except nats.js.errors.NotFoundError:  # purged filler
+            continue
+        assert msg.subject is not None
+        headers = msg.headers or {}
+        out.setdefault(msg.subject, []).append((int(headers.get("seq", -1)), msg.data or b""))
+    return out
+
+
+async def _full_stream(reader: Client, dest: str, *, room: int, max_msg_size: int = -1) -> None:
+    """Stream ``dest`` (``max_bytes``, ``discard: new``) with filler so that about ``room`` bytes are left."""
+    js = reader.jetstream(timeout=5)
+    limit = 16384
+    await js.add_stream(
+        js_api.StreamConfig(
+            name=dest,
+            subjects=[f"{dest}.>"],
+            max_bytes=limit,
+            discard=js_api.DiscardPolicy.NEW,
+            max_msg_size=max_msg_size,
+            duplicate_window=600,
+        )
+    )
+    while limit - (await js.stream_info(dest)).state.bytes > room + 2000:
+        await js.publish(f"{dest}.filler", b"f" * 1900)
+    left = limit - (await js.stream_info(dest)).state.bytes
+    if left > room:
+        await js.publish(f"{dest}.filler", b"f" * max(1, left - room - 60))
+
+
+async def _make_room(reader: Client, dest: str) -> None:
+    await reader.jetstream(timeout=5).purge_stream(dest, subject=f"{dest}.filler")
+
+
+async def test_full_discard_new_stream_keeps_each_stream_in_order(
+    nats_server: NatsServer, reader: Client, dest: str, tmp_path: Path
+) -> None:
+    """The issue's case: seq 0 refused (maximum bytes exceeded), later smaller ones would fit.
+    Nothing of stream A may be stored before A0. The chain refuses everything after A0; B's
+    messages are then sent again in turn, and B1, too large for the room left, holds B2 back."""
+    await _full_stream(reader, dest, room=1500)
+    records = [record(A, 0, 2500), record(B, 0, 20), record(A, 1, 20), record(B, 1, 2500), record(A, 2, 20), record(B, 2, 20)]
+    h = Harness(tmp_path, nats_server.url, dest)
+    h.start(records)
+    try:
+        await h.wait_for_error("maximum bytes exceeded")
+        error = h.worker.last_error
+        while_full = await _stored(reader, dest)
+        await _make_room(reader, dest)
+    finally:
+        await h.finish()
+    stored = await _stored(reader, dest)
+    assert stored[_subject(dest, A)] == [(r.seq, r.payload) for r in records if r.stream == A]
+    assert stored[_subject(dest, B)] == [(r.seq, r.payload) for r in records if r.stream == B]
+    assert h.dead() == []
+    assert len(h.acked) == len(records)
+    assert _subject(dest, A) not in while_full  # nothing of A passed A0 while it was refused
+    assert [seq for seq, _ in while_full[_subject(dest, B)]] == [0]  # B went on, up to its own refusal
+    assert error is not None and error.startswith("stream_full: sinks[nats-d]")
+
+
+async def test_refused_message_is_isolated_and_a_transient_failure_after_it_keeps_order(
+    nats_server: NatsServer, reader: Client, dest: str, tmp_path: Path
+) -> None:
+    """A1 is past the stream's max_msg_size (refused for itself: dead-lettered); A2 is refused
+    because the stream is full (transient), so A3 must wait for it; B is unaffected."""
+    await _full_stream(reader, dest, room=1500, max_msg_size=3000)
+    records = [
+        record(A, 0, 20),
+        record(B, 0, 20),
+        record(A, 1, 5000),  # > max_msg_size
+        record(A, 2, 2500),  # < max_msg_size, > the room left
+        record(B, 1, 20),
+        record(A, 3, 20),
+        record(B, 2, 20),
+    ]
+    h = Harness(tmp_path, nats_server.url, dest)
+    h.start(records)
+    try:
+        await h.wait_for_error("maximum bytes exceeded")
+        while_full = await _stored(reader, dest)
+        await _make_room(reader, dest)
+    finally:
+        await h.finish()
+    stored = await _stored(reader, dest)
+    assert stored[_subject(dest, A)] == [(r.seq, r.payload) for r in records if r.stream == A and r.seq != 1]
+    assert stored[_subject(dest, B)] == [(r.seq, r.payload) for r in records if r.stream == B]
+    dead = h.dead()
+    assert [(d["source"], d["seq"]) for d in dead] == [("eng-a", 1)]
+    assert "message size exceeds maximum" in dead[0]["detail"]
+    assert [seq for seq, _ in while_full.get(_subject(dest, A), [])] == [0]  # A3 waited for A2
+
+
+async def test_a_second_jetstream_stream_breaks_the_chain_and_the_rest_goes_in_turn(
+    nats_server: NatsServer, reader: Client, dest: str, tmp_path: Path
+) -> None:
+    """Each bridge stream here goes to a JetStream stream of its own, so the write's chain of
+    Nats-Expected-Last-Msg-Id breaks at once (B0 follows A0, stored elsewhere): what follows goes
+    again in turn, within the same write, and everything is stored once, in order."""
+    js = reader.jetstream(timeout=5)
+    other = dest + "B"
+    await js.add_stream(name=dest, subjects=[_subject(dest, A)])
+    await js.add_stream(name=other, subjects=[_subject(dest, B)])
+    try:
+        records = [record(s, seq, 30) for seq in range(5) for s in (A, B)]
+        h = Harness(tmp_path, nats_server.url, dest)
+        h.start(records)
+        await h.finish()
+        assert h.worker.metrics.registry.get_sample_value("kv_bridge_sink_retries_total", {"sink": "nats-d"}) == 0
+        assert (await _stored(reader, dest))[_subject(dest, A)] == [(r.seq, r.payload) for r in records if r.stream == A]
+        assert (await _stored(reader, other))[_subject(dest, B)] == [(r.seq, r.payload) for r in records if r.stream == B]
+        assert h.dead() == []
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await js.delete_stream(other)
+
+
+async def test_core_oversized_message_is_isolated_across_a_server_restart(
+    nats_server: NatsServer, reader: Client, tmp_path: Path
+) -> None:
+    """Core NATS: a message over max_payload in the middle of a write is dead-lettered alone; writes
+    that meet the server down fail whole and are sent again once it is back: copies are possible,
+    first copies arrive in order."""
+    dest = _dest()
+    got: list[Msg] = []
+
+    async def on_msg(msg: Msg) -> None:
+        got.append(msg)
+
+    await reader.subscribe(f"{dest}.>", cb=on_msg)
+    await reader.flush()
+    big = reader.max_payload + 1
+    records = [record(s, seq, big if (s, seq) == (A, 3) else 200) for seq in range(1000) for s in (A, B)]
+    before, after = records[:1000], records[1000:]
+    h = Harness(tmp_path, nats_server.url, dest, mode="core", max_messages=50)
+    registry = h.worker.metrics.registry
+    h.start(before)
+    try:
+        await _until(lambda: len(h.acked) == len(before), "the first writes delivered")
+        await nats_server.astop()
+        for r in after:
+            h.worker.force(r)
+        await _until(
+            lambda: bool(registry.get_sample_value("kv_bridge_sink_retries_total", {"sink": "nats-d"})),
+            "a write failing while the server is down",
+        )
+        await nats_server.astart()
+        await _until(lambda: reader.is_connected, "the reader reconnected")
+    finally:
+        await h.finish()
+    for s in (A, B):
+        seqs = [int((m.headers or {})["seq"]) for m in got if m.subject == _subject(dest, s)]
+        first = list(dict.fromkeys(seqs))  # first copies, in arrival order
+        assert first == sorted(first), f"{s.source}: first copies out of order"
+        assert [seq for seq in first if seq < 500] == [seq for seq in range(500) if (s, seq) != (A, 3)]  # before the outage
+    dead = h.dead()
+    assert [(d["source"], d["seq"]) for d in dead] == [("eng-a", 3)]
+    assert "max_payload" in dead[0]["detail"]
+    assert len(h.acked) == len(records)
+
+
+async def test_no_stream_fails_at_once_and_check_reports_it(nats_server: NatsServer, tmp_path: Path) -> None:
+    """No stream captures the subject: the server answers "no responders", and the write fails
+    with reason no_stream naming the subject and the fix, before the runtime's write timeout
+    (far longer here) could end it; ``--check`` (online) reports it too."""
+    dest = _dest()
+    cfg = config.convert(
+        {"type": "nats", "name": "nats-n", "format": "raw", "retry": {"write_timeout": 600}}, SinkConfig, "sink", []
+    )
+    assert cfg is not None
+    options = convert_options({"servers": nats_server.url, "subject": dest + ".{source}.{dp_rank}"}, NatsOptions, "s")
+    conn = NatsConnector("nats-n", options, cfg)
+    await conn.connect()
+    try:
+        problem = await conn.health()
+        assert problem is not None and f"{dest}.*.*" in problem and "stream.create" in problem
+        messages = Renderer("raw").render(record(A, 0, 10))
+        async with asyncio.timeout(60):  # a bound on the test only: the sink's write timeout is 600 s
+            with pytest.raises(Retriable) as info:
+                await conn.write(messages)
+        assert info.value.reason == "no_stream"
+        text = str(info.value)
+        assert text.startswith("sinks[nats-n]") and f"{dest}.eng-a.0" in text and "stream.create" in text
+    finally:
+        await conn.close()
+
+    path = tmp_path / "bridge.yaml"
+    path.write_text(
+        json.dumps(
+            {
+                "sources": [{"name": "eng", "endpoint": "tcp://127.0.0.1:1"}],
+                "sinks": [{"type": "nats", "name": "nats-n", "format": "raw", **options_dict(nats_server, dest)}],
+            }
+        )
+    )
+    out = await asyncio.to_thread(_check, str(path))
+    assert out[0] == 2, out
+    assert "nats-n" in out[1] and f"{dest}.*.*" in out[1] and "stream" in out[1], out
+
+
+def options_dict(server: NatsServer, dest: str) -> dict[str, Any]:
+    return {"servers": server.url, "subject": dest + ".{source}.{dp_rank}"}
+
+
+def _check(path: str) -> tuple[int, str]:
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = check(path)
+    return code, out.getvalue() + err.getvalue()

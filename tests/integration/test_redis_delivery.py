@@ -1,0 +1,282 @@
+"""The Redis sink under partial failure, through the runtime's delivery loop, on a real redis-server.
+
+Each test runs the runtime's :class:`bridge.sink.SinkWorker` (retries, :func:`bridge.sink.fold`,
+dead letters, acknowledgements) over the real connector against a redis-server of this module's
+own whose ``maxmemory`` the tests squeeze (policy ``noeviction``: a write past the limit is refused
+with OOM, nothing is evicted), and checks the delivery contract (design.md, "Delivery"):
+
+- nothing is dead-lettered but a message refused for itself;
+- every other message is stored once, and each engine stream reads back in id order equal to its
+  seq (and event) order;
+- every acknowledgement (what the checkpoint advances on) is checked against Redis the moment
+  the worker gives it: the entries of every acknowledged record are already stored.
+
+Why writes near the limit go wrong without care: Redis checks ``maxmemory`` before each command,
+counting the command's own arguments, and frees them after. Close to the limit a large entry is
+refused while a smaller one after it still fits, and memory another client frees in the middle
+of a write lets the rest of that write in. A pipeline of independent XADDs then stores later
+entries of a stream after a refused one (the retry used to dead-letter the refused one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import msgspec
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from bridge import config
+from bridge.config import SinkConfig
+from bridge.connector import Registry, Template
+from bridge.deadletter import DeadLetters
+from bridge.formats import Message, Renderer
+from bridge.metrics import Metrics
+from bridge.records import Event, Record, Stream, events_lost
+from bridge.sink import SinkWorker
+from connectors.redis import entry_id, message_position
+from tests.infra.servers import RedisServer
+from tests.integration.conftest import own_server
+from tests.support.records import batch, block_stored
+
+pytestmark = pytest.mark.integration
+
+KiB = 1024
+STREAMS = [Stream("llama-a", r) for r in range(4)]
+BATCHES = 300  # per stream, 3 events each, one entry per event: 3,600 entries
+
+
+@pytest.fixture(scope="module")
+def tight_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A redis-server whose ``maxmemory`` the tests set (no eviction: writes past it get OOM), with
+    DEBUG enabled (to stall it)."""
+    config = {"maxmemory-policy": "noeviction", "enable-debug-command": "yes"}
+    with own_server(
+        "redis (maxmemory)", RedisServer(tmp_path_factory.mktemp("redis-tight"), persistent=False, extra_config=config)
+    ) as server:
+        yield server
+
+
+@pytest.fixture
+async def admin(tight_redis: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(tight_redis.url)
+    await client.config_set("maxmemory", 0)
+    await client.flushall()
+    yield client
+    await client.config_set("maxmemory", 0)
+    await client.aclose()
+
+
+def engine_batch(stream: Stream, seq: int, big_every: int) -> Record:
+    """An engine batch of 3 events; in every ``big_every``-th one (0: none) the middle event
+    carries 6,000 token ids (about 40 KB of json, an entry Redis reads as a large argument)."""
+    if not big_every or seq % big_every:
+        return batch(stream, seq, epoch=1)
+    events: list[Event] = [block_stored(seq * 10), block_stored(seq * 10 + 1, n_blocks=375), block_stored(seq * 10 + 2)]
+    ts = 1_700_000_000.0 + seq * 0.01
+    payload = msgspec.msgpack.encode([ts, events, stream.dp_rank])
+    return Record(stream=stream, epoch=1, seq=seq, ts=ts, payload=payload, events=events, received=ts)
+
+
+def interleaved(big_every: int = 0) -> list[Record]:
+    """BATCHES per stream of STREAMS, the streams interleaved as an engine's ranks arrive."""
+    return [engine_batch(s, seq, big_every) for seq in range(BATCHES) for s in STREAMS]
+
+
+class Delivery:
+    """A SinkWorker writing to Redis through the connector as the runtime does, with short backoff.
+
+    ``refused``: ids of messages expected to be dead-lettered (refused for themselves).
+    ``unbacked``: every acknowledged message whose entry Redis did not hold at the moment of the
+    acknowledgement.
+    """
+
+    def __init__(self, tmp: Path, url: str, template: str, refused: set[str]) -> None:
+        sink = config.convert(
+            {
+                "type": "redis",
+                "name": "redis",
+                "format": "json",
+                "granularity": "event",
+                "retry": {"initial_backoff": "20ms", "max_backoff": "200ms", "write_timeout": "10s"},
+                "options": {"url": url, "stream": template, "timeout": "5s"},
+            },
+            SinkConfig,
+            "sink",
+            [],
+        )
+        assert sink is not None
+        self.renderer = Renderer(sink.format, sink.granularity)
+        self.template = Template(template)
+        self.refused = refused
+        self.metrics = Metrics()
+        self.dead_path = tmp / "dead.jsonl"
+        self.acked: list[Record] = []
+        self.unbacked: list[str] = []
+        self._check = redis.Redis.from_url(url, socket_timeout=10)
+        self.worker = SinkWorker(
+            0, sink, Registry().build(sink, 0), self.renderer, self.metrics, DeadLetters(str(self.dead_path)), self._on_ack
+        )
+
+    def key(self, m: Message) -> str:
+        return self.template.render(m)
+
+    def _on_ack(self, _index: int, records: list[Record]) -> None:
+        # Synchronous on purpose: the check sees Redis as it is at the acknowledgement.
+        messages = [m for r in records for m in self.renderer.render(r) if m.msg_id not in self.refused]
+        pipe = self._check.pipeline(transaction=False)
+        for m in messages:
+            ident = entry_id(message_position(m))
+            pipe.xrange(self.key(m), ident, ident)
+        for m, found in zip(messages, pipe.execute(), strict=True):
+            if not found:
+                self.unbacked.append(f"{m.msg_id} acknowledged, not in {self.key(m)}")
+        self.acked.extend(records)
+
+    async def feed(self, records: list[Record]) -> None:
+        for r in records:
+            while not self.worker.offer(r):
+                await self.worker.wait_room()
+
+    def count(self, name: str, **labels: str) -> float:
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    def felt(self, reason: str) -> bool:
+        return self.count("kv_bridge_sink_errors_total", sink="redis", reason=reason) > 0
+
+    async def finish(self, records: list[Record]) -> None:
+        """Wait until everything fed is acknowledged; check the acknowledgements."""
+        assert await self.worker.flush(120), "not delivered within 120 s"
+        assert len(self.acked) == len(records)
+        assert not self.unbacked, self.unbacked[:5]
+
+    def dead_letters(self) -> list[dict[str, object]]:
+        return [json.loads(line) for line in self.dead_path.read_text().splitlines()] if self.dead_path.exists() else []
+
+    async def close(self) -> None:
+        await self.worker.stop()
+        self.worker.dead_letters.close()
+        self._check.close()
+
+
+@asynccontextmanager
+async def delivering(server: RedisServer, tmp: Path, template: str, refused: set[str] | None = None) -> AsyncIterator[Delivery]:
+    d = Delivery(tmp, server.url, template, refused or set())
+    d.worker.start()
+    try:
+        await until(lambda: d.worker.connected, "the sink to connect")
+        yield d
+    finally:
+        await d.close()
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+async def deliver_through_oom(
+    d: Delivery, client: aioredis.Redis, records: list[Record], margin: int, heal: Callable[[], Awaitable[None]]
+) -> None:
+    """Set ``maxmemory`` to what the server uses now plus ``margin`` bytes, feed ``records``, and
+    once the writes meet OOM, ``heal``; returns when everything is acknowledged."""
+    used = int((await client.info("memory"))["used_memory"])
+    await client.config_set("maxmemory", used + margin)
+    feeding = asyncio.create_task(d.feed(records))
+    await until(lambda: d.felt("oom"), "writes refused with OOM")
+    await heal()
+    await feeding
+    await d.finish(records)
+
+
+async def raise_the_limit(client: aioredis.Redis) -> None:
+    """maxmemory raised again by an operator, 1.5 s later."""
+    await asyncio.sleep(1.5)
+    await client.config_set("maxmemory", 0)
+
+
+async def assert_every_stream_in_order(d: Delivery, client: aioredis.Redis, records: list[Record]) -> None:
+    """Every message but the refused ones stored once; per engine stream, id order is seq order."""
+    for stream in STREAMS:
+        kept = [m for r in records if r.stream == stream for m in d.renderer.render(r) if m.msg_id not in d.refused]
+        stored: list[tuple[bytes, bytes]] = []
+        for key in {d.key(m) for m in kept}:
+            stored += [(ident, fields[b"data"]) for ident, fields in await client.xrange(key)]
+        stored.sort(key=lambda entry: tuple(int(x) for x in entry[0].split(b"-")))
+        expected = [(entry_id(message_position(m)).encode(), m.value) for m in kept]
+        assert [i for i, _ in stored] == [i for i, _ in expected], f"{stream.key}: missing, repeated or out of order"
+        assert stored == expected
+
+
+async def test_transient_out_of_memory_dead_letters_nothing_and_keeps_each_stream_in_order(
+    tight_redis: RedisServer, admin: aioredis.Redis, tmp_path: Path
+) -> None:
+    """maxmemory just above use, raised again 1.5 s after the writes first meet OOM; a large
+    event every fourth batch (refused near the limit while smaller entries still fit)."""
+    records = interleaved(big_every=4)
+    async with delivering(tight_redis, tmp_path, "oom:{source}:{dp_rank}") as d:
+        await deliver_through_oom(d, admin, records, 256 * KiB, lambda: raise_the_limit(admin))  # 256 KiB: ~2% of the data
+        assert d.dead_letters() == []
+        assert d.count("kv_bridge_dead_letters_total", reason="sink_rejected") == 0
+    await assert_every_stream_in_order(d, admin, records)
+
+
+async def test_another_client_freeing_memory_during_a_write_dead_letters_nothing(
+    tight_redis: RedisServer, admin: aioredis.Redis, tmp_path: Path
+) -> None:
+    """At the limit (entries of one size), another client deletes a big key of its own while the
+    server is reading a write of the sink: the entries of that write after the DEL fit, those
+    before it did not."""
+    await admin.setrange("ballast", (8 << 20) - 1, b"\0")  # 8 MiB, made by the server (no 8 MiB request)
+    records = interleaved()
+    async with delivering(tight_redis, tmp_path, "del:{source}:{dp_rank}") as d:
+        await deliver_through_oom(d, admin, records, 64 * KiB, lambda: delete_during_a_write(tight_redis.url, "ballast"))
+        assert d.dead_letters() == []
+    await assert_every_stream_in_order(d, admin, records)
+
+
+async def delete_during_a_write(url: str, key: str) -> None:
+    """DEL ``key`` from another client in the middle of a write of the sink.
+
+    The server sleeps for 0.6 s (DEBUG SLEEP); the sink, retrying OOM every 200 ms at most, sends
+    its next write meanwhile, and another client a DEL 0.4 s in. Waking up, the server reads the
+    start of the write (16 KB), runs it, then the DEL, then the rest of the write.
+    """
+    sleeper, deleter = aioredis.Redis.from_url(url), aioredis.Redis.from_url(url)
+    try:
+        await deleter.ping()
+        stall = asyncio.create_task(sleeper.execute_command("DEBUG", "SLEEP", "0.6"))
+        await asyncio.sleep(0.4)
+        assert await deleter.delete(key) == 1
+        await stall
+    finally:
+        await sleeper.aclose()
+        await deleter.aclose()
+
+
+async def test_a_refused_message_is_isolated_and_its_stream_goes_on_in_order(
+    tight_redis: RedisServer, admin: aioredis.Redis, tmp_path: Path
+) -> None:
+    """One message in the middle of a stream is refused for itself (its key, one per record type,
+    holds a string: WRONGTYPE) while the writes also meet OOM: only that one is dead-lettered,
+    every other message of its stream is stored once, in order, before and after it."""
+    at = BATCHES // 2
+    lost = events_lost(STREAMS[1], 1, at, at, "replay_unavailable", 0.0)  # sorts right after batch `at`
+    records = interleaved(big_every=4)
+    records.insert(1 + records.index(next(r for r in records if r.stream == STREAMS[1] and r.seq == at)), lost)
+    (refused,) = Renderer("json", "event").render(lost)
+    async with delivering(tight_redis, tmp_path, "part:{source}:{dp_rank}:{type}", {refused.msg_id}) as d:
+        await admin.set(d.key(refused), "not a stream")
+        await deliver_through_oom(d, admin, records, 256 * KiB, lambda: raise_the_limit(admin))
+        dead = d.dead_letters()
+    assert [(x["source"], x["dp_rank"], x["seq"]) for x in dead] == [("llama-a", 1, at)], dead[:3]
+    assert "WRONGTYPE" in str(dead[0]["detail"]) and dead[0]["payload_hex"] == refused.value.hex()
+    await assert_every_stream_in_order(d, admin, records)

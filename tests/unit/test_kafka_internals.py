@@ -1,0 +1,120 @@
+"""The aiokafka internals the Kafka sink relies on (connectors/_aiokafka_internals.py) are still
+there, with the shapes it uses: this fails loudly when an aiokafka upgrade changes them."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import aiokafka
+import pytest
+from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka.client import AIOKafkaClient
+from aiokafka.conn import collect_hosts, create_conn
+from aiokafka.errors import KafkaConnectionError
+from aiokafka.producer.message_accumulator import MessageBatch
+from aiokafka.protocol.metadata import MetadataRequest
+
+from connectors import _aiokafka_internals as internals
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_installed_aiokafka_is_within_the_pinned_range() -> None:
+    """The quarantine module was checked against the minor the pin allows, and only that one."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [d for d in deps if d.startswith("aiokafka")]
+    upper = re.search(r"<\s*(\d+)\.(\d+)", spec)
+    assert upper, f"aiokafka has no upper bound in pyproject.toml: {spec}"
+    installed = tuple(int(x) for x in aiokafka.__version__.split(".")[:2])
+    assert installed < (int(upper.group(1)), int(upper.group(2))), (aiokafka.__version__, spec)
+    assert installed >= (int(upper.group(1)), int(upper.group(2)) - 1), f"re-check the internals for {aiokafka.__version__}"
+
+
+def test_client_internals_keep_their_shape() -> None:
+    assert list(inspect.signature(AIOKafkaClient._metadata_update).parameters) == ["self", "cluster_metadata", "topics"]
+    assert inspect.iscoroutinefunction(AIOKafkaClient._metadata_update)
+    assert inspect.iscoroutinefunction(AIOKafkaClient.send)
+    assert callable(AIOKafkaClient.get_random_node)
+    request = MetadataRequest(["t"], allow_auto_topic_creation=False)
+    assert request.API_KEY == 3
+    assert list(inspect.signature(internals.record_size).parameters) == ["key", "value", "headers"]
+    assert collect_hosts(["k1:9093", "k2"], randomize=False)[0][:2] == ("k1", 9093)
+    parameters = inspect.signature(create_conn).parameters
+    for name in ("client_id", "request_timeout_ms", "ssl_context", "security_protocol", "sasl_mechanism"):
+        assert name in parameters, name
+    assert "sasl_plain_username" in parameters and "sasl_plain_password" in parameters
+    assert internals.record_size(b"k", b"v" * 100, [("h", b"x")]) > 100
+
+
+async def test_pace_metadata_retries_waits_after_a_failed_update(monkeypatch: pytest.MonkeyPatch) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers="127.0.0.1:1")
+    answers = [False, True]
+    calls: list[tuple[Any, Any]] = []
+
+    async def update(cluster_metadata: Any, topics: Any) -> bool:
+        calls.append((cluster_metadata, topics))
+        return answers.pop(0)
+
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(delay: float) -> None:
+        slept.append(delay)
+        await real_sleep(0)
+
+    monkeypatch.setattr(producer.client, "_metadata_update", update)
+    monkeypatch.setattr(internals.asyncio, "sleep", sleep)
+    internals.pace_metadata_retries(producer.client, 0.5)
+    assert await producer.client._metadata_update("md", {"t"}) is False
+    assert await producer.client._metadata_update("md", None) is True
+    assert calls == [("md", {"t"}), ("md", None)] and slept == [0.5]
+    await producer.stop()
+
+
+async def test_fail_pending_fails_queued_and_retried_batches_and_stop_returns() -> None:
+    producer = AIOKafkaProducer(bootstrap_servers="127.0.0.1:1")
+    loop_errors: list[dict[str, Any]] = []  # e.g. a KeyError in a batch's done-callback
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, context: loop_errors.append(context))
+    try:
+        accumulator = producer._message_accumulator
+        futures = []
+        for partition in (0, 1, 2):
+            builder = producer.create_batch()
+            assert builder.append(timestamp=None, key=b"k", value=b"v", headers=[]) is not None
+            futures.append(await accumulator.add_batch(builder, TopicPartition("t", partition), 1.0))
+        # Batch 1 in flight (drained by the sender); batch 2 as the sender leaves one after a
+        # retriable error: drained, then put back in the queue.
+        in_flight = accumulator._pop_batch(TopicPartition("t", 1))
+        (retried,) = accumulator._batches[TopicPartition("t", 2)]
+        assert isinstance(in_flight, MessageBatch) and isinstance(retried, MessageBatch)
+        accumulator._pop_batch(TopicPartition("t", 2))
+        accumulator.reenqueue(retried)
+        assert retried.retry_count == 1 and retried not in accumulator._pending_batches
+        assert in_flight in accumulator._pending_batches
+
+        internals.fail_pending(producer, KafkaConnectionError("discarded"))
+        for future in futures:
+            with pytest.raises(KafkaConnectionError, match="discarded"):
+                await future
+        await asyncio.sleep(0)  # let the batches' done-callbacks run
+        assert loop_errors == []
+    finally:
+        await asyncio.wait_for(producer.stop(), 5)
+
+
+async def test_probe_reports_why_a_server_cannot_be_reached() -> None:
+    from tests.infra.servers import free_port
+
+    settings = {
+        "bootstrap_servers": [f"127.0.0.1:{free_port()}"],
+        "client_id": "t",
+        "request_timeout_ms": 2000,
+        "security_protocol": "PLAINTEXT",
+    }
+    with pytest.raises(ConnectionRefusedError):
+        await internals.probe(settings, None)

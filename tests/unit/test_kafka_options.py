@@ -1,0 +1,137 @@
+"""The Kafka sink's options and their mapping to aiokafka, without a broker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bridge.config import SinkConfig, convert_options
+from bridge.connector import Registry
+from bridge.errors import ConfigError, NotConnected
+from connectors.kafka import KafkaConnector, KafkaOptions, client_settings, producer_settings, ssl_context
+
+SECRET = "s3cr3t-Pa55w0rd-never-logged"
+
+
+def options(**values: Any) -> KafkaOptions:
+    return convert_options({"bootstrap_servers": "k1:9092", **values}, KafkaOptions, "sinks[0]")
+
+
+def test_defaults_map_to_an_idempotent_acks_all_producer() -> None:
+    settings = producer_settings(options(), "kafka-main")
+    assert settings == {
+        "bootstrap_servers": ["k1:9092"],
+        "client_id": "kv-event-bridge-kafka-main",
+        "request_timeout_ms": 10000,
+        "security_protocol": "PLAINTEXT",
+        "acks": "all",
+        "enable_idempotence": True,
+        "compression_type": None,
+        "linger_ms": 0,
+        "max_batch_size": 2**20,
+        "max_request_size": 2**20,
+    }
+    assert ssl_context(options()) is None
+
+
+def test_sasl_ssl_scram_maps_to_aiokafka_arguments() -> None:
+    opts = options(
+        bootstrap_servers=["k1:9093", "k2:9093, k3:9093"],
+        security_protocol="SASL_SSL",
+        sasl_mechanism="SCRAM-SHA-512",
+        sasl_username="bridge",
+        sasl_password=SECRET,
+        tls={"check_hostname": False},
+        client_id="kvb",
+        compression="gzip",
+        linger_ms=5,
+        max_batch_bytes="512KiB",
+        request_timeout="2.5s",
+    )
+    settings = producer_settings(opts, "kafka-main")
+    assert settings["bootstrap_servers"] == ["k1:9093", "k2:9093", "k3:9093"]
+    assert settings["security_protocol"] == "SASL_SSL"
+    assert settings["sasl_mechanism"] == "SCRAM-SHA-512"
+    assert settings["sasl_plain_username"] == "bridge"
+    assert settings["sasl_plain_password"] == SECRET
+    assert (settings["client_id"], settings["compression_type"], settings["linger_ms"]) == ("kvb", "gzip", 5)
+    assert (settings["max_batch_size"], settings["request_timeout_ms"]) == (512 * 1024, 2500)
+    assert client_settings(opts, "x")["sasl_plain_password"] == SECRET  # the admin client too
+    context = ssl_context(opts)
+    assert context is not None and context.check_hostname is False
+
+
+def test_ssl_maps_tls_files_and_hostname_check(tmp_path: Any) -> None:
+    opts = options(security_protocol="SSL")
+    context = ssl_context(opts)
+    assert context is not None and context.check_hostname is True
+    assert "sasl_mechanism" not in producer_settings(opts, "k")
+    missing = options(security_protocol="SSL", tls={"ca_file": str(tmp_path / "nope.pem")})
+    with pytest.raises(FileNotFoundError):
+        ssl_context(missing)
+
+
+async def test_missing_tls_file_is_not_connected_without_network(tmp_path: Any) -> None:
+    connector = KafkaConnector(
+        "kafka-main",
+        options(security_protocol="SSL", tls={"ca_file": str(tmp_path / "ca.pem")}),
+        SinkConfig(type="kafka"),
+    )
+    with pytest.raises(NotConnected, match=r"sinks\[kafka-main\]: TLS setup failed"):
+        await connector.connect()
+    assert "TLS setup failed" in (await connector.health() or "")
+    await connector.close()
+
+
+@pytest.mark.parametrize(
+    ("values", "problem"),
+    [
+        ({"security_protocol": "SASL_SSL", "sasl_username": "u"}, "sasl_username and sasl_password are required"),
+        ({"sasl_username": "u", "sasl_password": "p"}, "security_protocol is PLAINTEXT"),
+        ({"acks": 1}, 'acks must be "all" while enable_idempotence is true'),
+        ({"tls": {"ca_file": "/ca.pem"}}, "tls is set but security_protocol is PLAINTEXT"),
+        ({"security_protocol": "SSL", "tls": {"key_file": "/k.pem"}}, "tls.key_file needs tls.cert_file"),
+        ({"bootstrap_servers": " , "}, "bootstrap_servers: at least one host:port"),
+        ({"request_timeout": "0s"}, "request_timeout must be positive"),
+        ({"sasl_mechanism": "GSSAPI"}, "sasl_mechanism"),
+        ({"topics": "x"}, "sinks[0].topics: unknown key (did you mean topic?)"),
+        ({"partition": -1}, "sinks[0].partition"),
+    ],
+)
+def test_config_problems_are_reported_with_their_path(values: dict[str, Any], problem: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        options(**values)
+    assert problem in str(info.value)
+    assert str(info.value).startswith("sinks[0]")
+
+
+def test_acks_1_allowed_without_idempotence() -> None:
+    assert producer_settings(options(acks=1, enable_idempotence=False), "k")["acks"] == 1
+
+
+def test_compression_without_its_library_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    import connectors.kafka
+
+    monkeypatch.setitem(connectors.kafka._CODECS, "zstd", lambda: False)  # as if cramjam were not installed
+    with pytest.raises(ConfigError, match=r"compression zstd needs the cramjam package \(pip install cramjam\)"):
+        options(compression="zstd")
+
+
+def test_bad_topic_names_are_config_errors() -> None:
+    sink = SinkConfig(type="kafka", name="kafka-main", options={"bootstrap_servers": "k:9092", "topic": "a topic"})
+    with pytest.raises(ConfigError, match=r"sinks\[kafka-main\]\.topic: 'a topic' is not a valid Kafka topic name"):
+        Registry({"kafka": KafkaConnector}, entry_points=False).build(sink, 0)
+    sink.options["topic"] = "kv.{source"
+    with pytest.raises(ConfigError):
+        Registry({"kafka": KafkaConnector}, entry_points=False).build(sink, 0)
+
+
+def test_secrets_never_in_repr_or_config_errors() -> None:
+    opts = options(security_protocol="SASL_SSL", sasl_username="bridge", sasl_password=SECRET)
+    connector = KafkaConnector("kafka-main", opts, SinkConfig(type="kafka"))
+    assert SECRET not in repr(opts) and SECRET not in str(opts) and SECRET not in repr(connector)
+    assert "sasl_password=Secret('***')" in repr(opts)
+    with pytest.raises(ConfigError) as info:
+        options(security_protocol="SASL_SSL", sasl_password=SECRET)  # no user: invalid
+    assert SECRET not in str(info.value)

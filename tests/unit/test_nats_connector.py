@@ -1,0 +1,110 @@
+"""NATS connector without a server: registration, subjects, the wire encoding, options and secrets,
+and which refused messages a write sends again in turn."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bridge.config import convert_options
+from bridge.connector import Registry, Secret
+from bridge.errors import ConfigError, ConnectorError, NotConnected, Permanent, Retriable
+from bridge.formats import Message, Renderer
+from bridge.records import Stream
+from bridge.secret import redact
+from connectors.nats import (
+    NatsConnector,
+    NatsOptions,
+    StreamOptions,
+    _refused_for_turn,
+    header_block,
+    hpub,
+    subject_filter,
+    subject_token,
+)
+from tests.support.records import stream_records
+
+
+def test_registered_under_its_entry_point() -> None:
+    assert Registry().get("nats") is NatsConnector
+
+
+def test_subject_tokens_and_filter() -> None:
+    assert subject_token("llama-3.1 8b*>") == "llama-3_1_8b__"
+    assert subject_token("") == "_"
+    assert subject_filter("kv.{source}.{dp_rank}") == "kv.*.*"
+
+
+def test_header_block_and_hpub_are_the_wire_format() -> None:
+    hdr = header_block({"source": "a", "type": "Evil\r\nPUB x 1\r\n"}, "a/0/1/2")
+    assert hdr == b"NATS/1.0\r\nsource: a\r\ntype: Evil  PUB x 1\r\nNats-Msg-Id: a/0/1/2\r\n\r\n"
+    assert hpub("kv.a.0", "", hdr, b"xy") == f"HPUB kv.a.0 {len(hdr)} {len(hdr) + 2}\r\n".encode() + hdr + b"xy\r\n"
+    assert hpub("kv.a.0", "_INBOX.1", b"H", b"") == b"HPUB kv.a.0 _INBOX.1 1 1\r\nH\r\n"
+
+
+@pytest.mark.parametrize(
+    ("options", "problem"),
+    [
+        ({"subject": "kv..{source}"}, "empty token"),
+        ({"subject": "kv.*.{source}"}, "wildcard"),
+        ({"subject": "kv.{}"}, "sinks[2]: subject: bad placeholder {} in 'kv.{}'"),
+        ({"user": "u"}, "user and password"),
+        ({"token": "t", "credentials": "/c"}, "one way to authenticate"),
+        ({"mode": "fast"}, "mode"),
+        ({"subjekt": "x"}, "did you mean subject"),
+        ({"stream": {"name": "a.b"}}, "stream name"),
+        ({"stream": {"subjects": ["kv.>.x"]}}, "wildcard must be a whole token"),
+        ({"max_pending": 10}, "max_pending"),  # removed: the runtime bounds a write (issue 16)
+        ({"ack_timeout": "5s"}, "ack_timeout"),
+        ({"password": 3, "user": "u"}, "password"),
+        ({"tls": {"key_file": "k.pem"}}, "tls.key_file needs tls.cert_file"),
+    ],
+)
+def test_options_are_validated_with_their_path(options: dict[str, Any], problem: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        convert_options(options, NatsOptions, "sinks[2]")
+    text = str(info.value)
+    assert text.startswith("sinks[2]") and problem in text, text
+
+
+def test_options_defaults_and_secrets() -> None:
+    options = convert_options(
+        {"servers": ["nats://a:1", "nats://b:2"], "user": "u", "password": "pw-123456"}, NatsOptions, "sinks[0]"
+    )
+    assert options.mode == "jetstream" and options.stream == StreamOptions()
+    assert isinstance(options.password, Secret) and options.password.reveal() == "pw-123456"
+    assert "pw-123456" not in repr(options) and "pw-123456" not in str(options)
+    assert redact("auth failed for pw-123456") == "auth failed for ***"
+    token = convert_options({"token": "tok-456789"}, NatsOptions, "sinks[0]")
+    assert "tok-456789" not in repr(token) and isinstance(token.token, Secret)
+
+
+def test_password_in_a_server_url_is_hidden() -> None:
+    options = convert_options({"servers": "nats://bridge:url-pw-9876@h:4222"}, NatsOptions, "sinks[0]")
+    assert redact(repr(options)).count("url-pw-9876") == 0  # remembered when the options were read
+    conn = NatsConnector("n", options, None)  # type: ignore[arg-type]  # the sink config is not read here
+    assert "url-pw-9876" not in conn._where and "bridge" in conn._where
+    assert (
+        redact("nats: could not connect to nats://bridge:url-pw-9876@h:4222")
+        == "nats: could not connect to nats://bridge:***@h:4222"
+    )
+
+
+def test_refused_for_turn_resends_what_only_the_chain_refused() -> None:
+    a, b, c = Stream("a", 0), Stream("b", 0), Stream("c", 0)
+    renderer = Renderer("raw")
+    order = [a, b, a, c, b, a, c, b]
+    messages: list[Message] = []
+    for n, s in enumerate(order):
+        messages.extend(renderer.render(stream_records(s, 1, start=n)[0]))
+    turn = Retriable("wrong last msg ID", reason="out_of_turn")
+    full = Retriable("maximum bytes exceeded", reason="stream_full")
+    big = Permanent("too large", reason="too_large")
+    lost = NotConnected("gone")
+    errors: dict[int, ConnectorError] = {0: full, 1: big, 2: turn, 3: turn, 4: turn, 5: turn, 6: lost, 7: turn}
+    again = _refused_for_turn(messages, errors)
+    # a failed at 0: its later ones stay failed; b's refusal for itself stays, b goes on; c goes on
+    # until its own failure at 6.
+    assert again == [3, 4, 7]
+    assert errors == {0: full, 1: big, 2: turn, 5: turn, 6: lost}
