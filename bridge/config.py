@@ -26,7 +26,7 @@ import msgspec
 import yaml
 
 from .errors import ConfigError
-from .secret import Secret
+from .secret import Secret, redact
 
 
 class Duration(float):
@@ -71,7 +71,11 @@ def doc(text: str) -> msgspec.Meta:
 
 
 class Struct(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Base of config structs: unknown keys are errors."""
+    """Base of config structs: unknown keys are errors; the repr shows no secret (a
+    :class:`~bridge.secret.Secret` is ``***``, and so is a password inside a URL once read)."""
+
+    def __repr__(self) -> str:
+        return redact(super().__repr__())
 
 
 class SourceConfig(Struct):

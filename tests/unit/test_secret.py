@@ -65,3 +65,14 @@ def test_log_lines_are_redacted(formatter: logging.Formatter) -> None:
 def test_a_secret_is_not_msgspec_encodable_by_accident() -> None:
     with pytest.raises(TypeError):
         msgspec.json.encode(Secret("enc-secret-1"))
+
+
+def test_a_config_struct_repr_shows_no_secret_not_even_inside_a_url() -> None:
+    class Options(config_mod.Struct):
+        url: str
+        password: Secret | None = None
+
+    redact_url("redis://h/0?password=repr-leak-42")  # a connector reads its URL through redact_url
+    opts = config_mod.convert_options({"url": "redis://h/0?password=repr-leak-42", "password": "pw-leak-43"}, Options, "x")
+    shown = repr(opts)
+    assert "repr-leak-42" not in shown and "pw-leak-43" not in shown and MASK in shown
