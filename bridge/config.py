@@ -78,11 +78,20 @@ class Struct(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return redact(super().__repr__())
 
 
+# A source name keys every output message (Kafka key, Redis entry fields, Nats-Msg-Id, headers):
+# no separator (/), space or control character, so that no two streams' keys can coincide.
+SOURCE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:-]*$"
+
+
 class SourceConfig(Struct):
     """One engine (or one data-parallel group of ranks) to subscribe to."""
 
     name: Annotated[
-        str, msgspec.Meta(min_length=1, description="Stream name (unique); with the rank it keys every output message.")
+        str,
+        msgspec.Meta(
+            pattern=SOURCE_NAME,
+            description="Stream name (unique; letters, digits, . _ : -); with the rank it keys every output message.",
+        ),
     ]
     endpoint: Annotated[
         str,
@@ -146,7 +155,8 @@ class DnsDiscovery(Struct):
         doc("host:port of a DNS server to ask directly over UDP (TCP when truncated); default: the system resolver."),
     ] = None
     name_prefix: Annotated[
-        str | None, doc("Discovered sources are named <prefix>-<address> (default: the first label of name).")
+        Annotated[str, msgspec.Meta(pattern=SOURCE_NAME)] | None,
+        doc("Discovered sources are named <prefix>-<address> (default: the first label of name)."),
     ] = None
     nxdomain_grace: Annotated[
         Duration | None,
@@ -458,7 +468,10 @@ def _rewrite(message: str, path: str, value: Any = None, tp: Any = None) -> str:
     m = _AT.match(message)
     text, sub = (m.group(1), m.group(2) or "") if m else (message, "")
     full = path + sub if sub.startswith("[") or not sub else _join(path, sub.lstrip("."))
-    if (text.startswith("Expected `") or text.startswith("Invalid enum")) and tp is not None and not sub:
+    if "matching regex" in text:  # say what the pattern means rather than show it
+        allowed = "letters, digits and . _ : - (starting with a letter or digit)" if SOURCE_NAME in text else None
+        text = f"{json.dumps(value, default=str)} is not allowed" + (f": use {allowed}" if allowed else f" ({text})")
+    elif (text.startswith("Expected `") or text.startswith("Invalid enum")) and tp is not None and not sub:
         text = f"expected {_type_name(tp)}, got {json.dumps(value, default=str)}"
     elif text:
         text = text[0].lower() + text[1:]

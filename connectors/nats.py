@@ -470,8 +470,14 @@ class NatsConnector:
         acks = _Acks()
         sent: list[tuple[int, str]] = []  # (index, subject), in the order sent
         previous: str | None = None
+        # Each bridge stream's messages are sent one after the other, so that a message's
+        # predecessor in the chain is the one before it in its own stream: a duplicate (stored by
+        # an earlier try) passes the server's check whatever it expects, and a message of another
+        # stream between the two would let the chain go on past a failure of this stream.
+        order = _by_stream(messages)
         try:
-            for i, m in enumerate(messages):
+            for n, i in enumerate(order):
+                m = messages[i]
                 subject = self._subjects.render(m)
                 hdr = header_block(m.headers, m.msg_id, previous)
                 if len(hdr) + len(m.value) > nc.max_payload:
@@ -480,7 +486,7 @@ class NatsConnector:
                 try:
                     await self._send(nc, subject, hdr, m.value, acks)
                 except NotConnected as exc:
-                    errors.update(dict.fromkeys(range(i, len(messages)), exc))
+                    errors.update(dict.fromkeys(order[n:], exc))
                     break
                 sent.append((i, subject))
                 previous = m.msg_id
@@ -699,6 +705,15 @@ class NatsConnector:
             problem = f"JetStream is not enabled on NATS at {self._where} (or mode: core was meant)"
         self._stream_problem = f"{self._prefix}: {problem}"
         log.warning("%s", self._stream_problem, extra={"sink": self.name})
+
+
+def _by_stream(messages: Sequence[Message]) -> list[int]:
+    """Indexes of ``messages`` with each bridge stream's together, streams in order of first
+    appearance, each stream's in write order."""
+    groups: dict[str, list[int]] = {}
+    for i, m in enumerate(messages):
+        groups.setdefault(m.record.stream.key, []).append(i)
+    return [i for group in groups.values() for i in group]
 
 
 def _refused_for_turn(messages: Sequence[Message], errors: dict[int, ConnectorError]) -> list[int]:

@@ -232,6 +232,34 @@ async def test_refused_message_is_isolated_and_a_transient_failure_after_it_keep
     assert [seq for seq, _ in while_full.get(_subject(dest, A), [])] == [0]  # A3 waited for A2
 
 
+async def test_duplicates_from_an_earlier_try_do_not_let_the_chain_pass_a_failure(
+    nats_server: NatsServer, reader: Client, dest: str, tmp_path: Path
+) -> None:
+    """A duplicate passes the server's Nats-Expected-Last-Msg-Id check whatever it expects. A
+    write re-sent after a partial try (B0..B2 stored then) holds A0 (refused: the stream is full),
+    B0..B4 and A1: A1 must not follow B4 into the stream past A0's failure (found by a breaker
+    script: the chain went A0, B0..B4, A1, and A1 was stored before A0)."""
+    await _full_stream(reader, dest, room=4000)  # room for B's and A1, not for A0
+    earlier = [record(B, q, 20) for q in range(3)]
+    h0 = Harness(tmp_path, nats_server.url, dest)
+    h0.start(earlier)
+    await h0.finish()
+    records = [record(A, 0, 6000), *(record(B, q, 20) for q in range(5)), record(A, 1, 20)]
+    h = Harness(tmp_path, nats_server.url, dest)
+    h.start(records)
+    try:
+        await h.wait_for_error("maximum bytes exceeded")
+        while_full = await _stored(reader, dest)
+        await _make_room(reader, dest)
+    finally:
+        await h.finish()
+    assert _subject(dest, A) not in while_full  # A1 waited for A0
+    stored = await _stored(reader, dest)
+    assert stored[_subject(dest, A)] == [(0, records[0].payload), (1, records[-1].payload)]
+    assert [q for q, _ in stored[_subject(dest, B)]] == [0, 1, 2, 3, 4]  # each once
+    assert h.dead() == []
+
+
 async def test_a_second_jetstream_stream_breaks_the_chain_and_the_rest_goes_in_turn(
     nats_server: NatsServer, reader: Client, dest: str, tmp_path: Path
 ) -> None:

@@ -198,3 +198,20 @@ def test_discovered_ranks_must_not_share_ports(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         config.load(path)
     assert any(p.startswith("discovery.dns.replay_port: ranks 0..1 use live ports 5557-5558") for p in err.value.problems)
+
+
+@pytest.mark.parametrize("name", [" llama", "llama ", "a/1", "a b", "", "-x", "tab\there", "é"])
+def test_a_source_name_that_could_make_two_streams_keys_coincide_is_refused(name: str) -> None:
+    """A source name keys every message (Kafka key, Redis fields, Nats-Msg-Id source/dp_rank/...):
+    a separator, a space (NATS headers lose it) or a control character could make two streams'
+    keys coincide, and a sink would take one stream's messages for the other's duplicates."""
+    data = {"sources": [{"name": name, "endpoint": "tcp://127.0.0.1:5557"}], "sinks": [{"type": "file"}]}
+    with pytest.raises(ConfigError) as exc:
+        config.from_data(data, env={})
+    assert any(p.startswith("sources[0].name:") for p in exc.value.problems), exc.value.problems
+
+
+@pytest.mark.parametrize("name", ["llama-a", "vllm_0.12", "pod-10-0-0-1", "engines---1", "a:b"])
+def test_ordinary_source_names_are_accepted(name: str) -> None:
+    data = {"sources": [{"name": name, "endpoint": "tcp://127.0.0.1:5557"}], "sinks": [{"type": "file"}]}
+    assert config.from_data(data, env={}).sources[0].name == name
