@@ -3,14 +3,28 @@
 A connector's test module subclasses :class:`ConformanceSuite` and implements the harness
 methods (build a connector, read back what the server stored, restart the server). The suite
 checks what every sink must do: connect/close, a batch delivered and read back field by field, in
-order per stream, every format and granularity, reconnect after a server restart, and (where the
-sink promises it) duplicate-safe re-delivery.
+order per stream, every format and granularity, reconnect after a server restart, (where the
+sink promises it) duplicate-safe re-delivery, and the delivery contract of bridge/connector.py
+under partial failure, through the runtime's own delivery loop (a SinkWorker: retries,
+:func:`bridge.sink.fold`, dead letters):
+
+- a write of several streams that the server fails in part, transiently, and that is then healed:
+  every message stored once (first copies, for at-least-once sinks), in order per stream, nothing
+  dead-lettered (harness hook :meth:`ConformanceSuite.transient_partial_failure`);
+- one message the server refuses for itself in the middle of a write: only it dead-lettered,
+  every other message stored once, in order per stream (hook :meth:`ConformanceSuite.refused_message`).
+
+A connector whose server cannot fail part of a write transiently in a way the bridge sees sets
+:attr:`ConformanceSuite.partial_failure_not_applicable` to the reason; its hook then fails a
+whole write transiently instead, and the test checks the documented alternative (the whole write
+is written again, nothing dead-lettered, first copies in order, and no write ever failed in part).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import msgspec
@@ -18,11 +32,17 @@ import pytest
 
 from bridge.config import SinkConfig
 from bridge.connector import Connector
+from bridge.errors import PartialFailure
 from bridge.formats import Message, Renderer
 from bridge.records import Record, Stream
+from tests.support.contract import Result, Scenario, first_copies, run, transient_partial
 from tests.support.records import control_records, stream_records
 
 FORMATS = [("json", "event"), ("json", "batch"), ("msgpack", "event"), ("msgpack", "batch"), ("raw", "batch")]
+# The contract tests need a server set up to fail: two formats, one of each granularity.
+CONTRACT_FORMATS = [("json", "event"), ("raw", "batch")]
+# Per stream, what the server stored: (value, headers) in server order.
+Readback = list[tuple[Stream, list[tuple[bytes, dict[str, str]]]]]
 
 
 class Stored(msgspec.Struct):
@@ -36,6 +56,9 @@ class ConformanceSuite:
     """Subclass per connector; pytest collects the ``test_*`` methods for each subclass."""
 
     dedup_on_redelivery: ClassVar[bool] = True  # the server stores a re-sent message once
+    # None, or why the server cannot fail part of a write transiently in a way the bridge sees
+    # (then transient_partial_failure() fails a whole write transiently instead).
+    partial_failure_not_applicable: ClassVar[str | None] = None
 
     # -- harness (implement in the subclass) ---------------------------------------------------
     async def make_connector(self, sink: SinkConfig, dest: str) -> Connector:
@@ -50,6 +73,19 @@ class ConformanceSuite:
         raise NotImplementedError
 
     def new_dest(self) -> str:
+        raise NotImplementedError
+
+    async def transient_partial_failure(self, sink: SinkConfig, dest: str) -> Scenario:
+        """One write of several streams (``Scenario.records``, at least two streams) that the
+        server fails in part, transiently: some messages taken, others refused for a reason an
+        operator or time heals (``Scenario.heal``, run once the worker counted an error with a
+        reason in ``Scenario.struck``; None when the connector's retry itself gets through).
+        With ``partial_failure_not_applicable``: a failure of the whole write instead."""
+        raise NotImplementedError
+
+    async def refused_message(self, sink: SinkConfig, dest: str) -> Scenario:
+        """One write of several streams in which the server refuses one message for itself
+        (``Scenario.refused``, a record of one message, neither first nor last of its stream)."""
         raise NotImplementedError
 
     # -- helpers -------------------------------------------------------------------------------
@@ -139,3 +175,62 @@ class ConformanceSuite:
         first = [s.value for i, s in enumerate(stored) if keys[i] not in keys[:i]]
         assert first == [m.value for m in messages]
         assert len(stored) == len(messages) + len(messages[2:])  # the re-sent tail, stored again
+
+    # -- the delivery contract under partial failure (bridge/connector.py) ---------------------
+    def check_stored(self, scenario: Scenario, sink: SinkConfig, result: Result, stored: Readback) -> None:
+        """Every record acknowledged; every message but the refused one stored once (first
+        copies, for at-least-once sinks), in order per stream."""
+        renderer = Renderer(sink.format, sink.granularity, sink.hash_format)
+        assert len(result.acked) == len(scenario.records)
+        for stream, got in stored:
+            kept = [r for r in scenario.records if r.stream.key == stream.key and r is not scenario.refused]
+            expected = [m.value for r in kept for m in renderer.render(r)]
+            assert first_copies(got) == expected, f"{stream.key}: a message missing, repeated or out of order"
+            if self.dedup_on_redelivery:
+                assert [v for v, _ in got] == expected, f"{stream.key}: stored more than once"
+
+    async def read_all(self, scenario: Scenario, sink: SinkConfig) -> Readback:
+        """What the server stored, per stream of the scenario."""
+        renderer = Renderer(sink.format, sink.granularity, sink.hash_format)
+        streams = {r.stream.key: r.stream for r in scenario.records}
+        out = []
+        for key, stream in streams.items():
+            kept = [r for r in scenario.records if r.stream.key == key and r is not scenario.refused]
+            out.append((stream, await scenario.read(stream, sum(len(renderer.render(r)) for r in kept))))
+        return out
+
+    @pytest.mark.parametrize(("fmt", "granularity"), CONTRACT_FORMATS)
+    async def test_partial_failure_is_retried_in_order(self, fmt: str, granularity: str, tmp_path: Path) -> None:
+        sink = self.sink(fmt, granularity)
+        scenario = await self.transient_partial_failure(sink, self.new_dest())
+        assert len({r.stream.key for r in scenario.records}) >= 2, "the write must carry several streams"
+        result = await run(scenario, sink, tmp_path)
+        assert result.dead == [], "nothing may be dead-lettered for a transient failure"
+        failed = [exc for _, exc in result.outcomes if exc is not None]
+        assert failed, "no write failed: the harness did not cause the failure"
+        if self.partial_failure_not_applicable is None:
+            assert transient_partial(result.outcomes), f"no write failed in part, transiently: {failed}"
+        else:
+            # The documented alternative: a transient failure fails the whole write, which the
+            # runtime writes again whole; no write ever fails in part.
+            assert not transient_partial(result.outcomes), "a write failed in part"
+            assert not any(isinstance(exc, PartialFailure) for exc in failed), failed
+        self.check_stored(scenario, sink, result, await self.read_all(scenario, sink))
+
+    @pytest.mark.parametrize(("fmt", "granularity"), CONTRACT_FORMATS)
+    async def test_a_refused_message_is_isolated(self, fmt: str, granularity: str, tmp_path: Path) -> None:
+        sink = self.sink(fmt, granularity)
+        scenario = await self.refused_message(sink, self.new_dest())
+        refused = scenario.refused
+        assert refused is not None
+        same = [r for r in scenario.records if r.stream.key == refused.stream.key]
+        assert same[0] is not refused and same[-1] is not refused, "the refused message must have neighbours in its stream"
+        assert len({r.stream.key for r in scenario.records}) >= 2, "the write must carry several streams"
+        (message,) = Renderer(sink.format, sink.granularity, sink.hash_format).render(refused)
+        result = await run(scenario, sink, tmp_path)
+        assert [(d["source"], d["dp_rank"], d["epoch"], d["seq"]) for d in result.dead] == [
+            (refused.stream.source, refused.stream.dp_rank, refused.epoch, refused.seq)
+        ], result.dead
+        assert result.dead[0]["payload_size"] == len(message.value)
+        assert bytes.fromhex(result.dead[0]["payload_hex"]) == message.value[: len(result.dead[0]["payload_hex"]) // 2]
+        self.check_stored(scenario, sink, result, await self.read_all(scenario, sink))

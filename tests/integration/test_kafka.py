@@ -34,6 +34,7 @@ from connectors.kafka import KafkaConnector, KafkaOptions
 from tests.infra.servers import KafkaServer, ServerError
 from tests.integration.conformance import ConformanceSuite, Stored
 from tests.integration.conftest import unavailable
+from tests.support.contract import Scenario, interleaved
 from tests.support.records import stream_records
 
 SECRET = "s3cr3t-Pa55w0rd-never-logged"
@@ -163,6 +164,42 @@ class TestKafkaConformance(ConformanceSuite):
 
     async def restart_server(self) -> None:
         await self.kafka.arestart()
+
+    def _scenario_connector(self, sink: SinkConfig, topic: str) -> KafkaConnector:
+        options = {"bootstrap_servers": self.kafka.bootstrap_servers, "topic": topic, "request_timeout": "5s"}
+        # Batches of up to 7 KiB on a topic that takes 6000 bytes per batch (max.message.bytes).
+        return KafkaConnector(
+            "kafka-conformance", convert_options({**options, "max_batch_bytes": "7KiB"}, KafkaOptions, "s"), sink
+        )
+
+    def _reader(self, topic: str) -> Any:
+        async def read(stream: Stream, expected: int) -> list[tuple[bytes, dict[str, str]]]:
+            records = [r for r in await consume(self.kafka, topic) if r.key == stream.key.encode()]
+            return [(r.value or b"", headers_of(r)) for r in records]
+
+        return read
+
+    async def transient_partial_failure(self, sink: SinkConfig, dest: str) -> Scenario:
+        """Two partitions, the topic refusing batches over 6000 bytes: llama-a/2 alone on
+        partition 0 (5 messages of 800 bytes, one batch: stored); llama-a/0 and llama-a/1 on
+        partition 1 (10 messages: a first batch of ~7 KiB the broker refuses, the rest held back).
+        The connector then sends the refused batch's messages one per batch: healed by the retry."""
+        topic = await self.kafka.anew_topic(partitions=2, config={"max.message.bytes": "6000"})
+        renderer = Renderer(sink.format, sink.granularity)
+        streams = [Stream("llama-a", 0), Stream("llama-a", 2), Stream("llama-a", 1)]
+        assert [DefaultPartitioner()(s.key.encode(), [0, 1], [0, 1]) for s in streams] == [1, 0, 1]
+        records = interleaved(renderer, streams, 5, lambda _s, _seq: 800)
+        return Scenario(self._scenario_connector(sink, topic), records, self._reader(topic), struck=("batch_refused",))
+
+    async def refused_message(self, sink: SinkConfig, dest: str) -> Scenario:
+        """One message of 6500 bytes (over the topic's max.message.bytes, under max_batch_bytes),
+        in the middle of llama-a/0, among 500-byte messages of two streams."""
+        topic = await self.kafka.anew_topic(config={"max.message.bytes": "6000"})
+        renderer = Renderer(sink.format, sink.granularity)
+        streams = [Stream("llama-a", 0), Stream("llama-a", 1)]
+        records = interleaved(renderer, streams, 5, lambda s, seq: 6500 if (s.dp_rank, seq) == (0, 2) else 500)
+        (refused,) = [r for r in records if (r.stream.dp_rank, r.seq) == (0, 2)]
+        return Scenario(self._scenario_connector(sink, topic), records, self._reader(topic), refused=refused)
 
 
 # -- ordering and partitioning ------------------------------------------------------------------

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -23,6 +25,7 @@ import nats.js.errors
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js import api as js_api
 
 from bridge.config import SinkConfig, convert_options
 from bridge.connector import Connector
@@ -33,6 +36,7 @@ from bridge.sink import fold
 from connectors.nats import MSG_ID_HEADER, NatsConnector, NatsOptions, subject_token
 from tests.infra.servers import NatsServer, free_port, port_open
 from tests.integration.conformance import ConformanceSuite, Stored
+from tests.support.contract import BeforeFirstWrite, Scenario, interleaved, sized, worker_config
 from tests.support.records import control_records, stream_records
 
 
@@ -143,6 +147,50 @@ class TestJetStreamConformance(ConformanceSuite):
     async def restart_server(self) -> None:
         await self.server.arestart()
 
+    def _reader(self, dest: str) -> Any:
+        async def read(stream: Stream, expected: int) -> list[tuple[bytes, dict[str, str]]]:
+            return [(m.data or b"", dict(m.headers or {})) for m in await _read_stream(self.reader, dest, _subject(dest, stream))]
+
+        return read
+
+    async def transient_partial_failure(self, sink: SinkConfig, dest: str) -> Scenario:
+        """A full ``discard: new`` stream: room for the small messages of nats-a/1 and nats-a/2
+        but not for nats-a/0's first (larger than the room): the server refuses it (maximum bytes
+        exceeded) and stores the other streams' messages. Healed by purging the filler."""
+        renderer = Renderer(sink.format, sink.granularity)
+        streams = [Stream("nats-a", 0), Stream("nats-a", 1), Stream("nats-a", 2)]
+        light = [sized(renderer, s, seq, 200) for seq in range(4) for s in streams]
+        # What the other streams take in the stream (subject, headers and body, with room to spare).
+        room = sum(len(m.value) + 600 for r in light if r.stream != streams[0] for m in renderer.render(r))
+        records = [sized(renderer, r.stream, 0, room + 4000) if r.stream == streams[0] and r.seq == 0 else r for r in light]
+        js = self.reader.jetstream(timeout=5)
+        limit = room + 64 * 1024
+        config = js_api.StreamConfig(
+            name=dest, subjects=[f"{dest}.>"], max_bytes=limit, discard=js_api.DiscardPolicy.NEW, duplicate_window=600
+        )
+        await js.add_stream(config)
+        while (left := limit - (await js.stream_info(dest)).state.bytes) > room + 8000:
+            await js.publish(f"{dest}.filler", b"f" * 4000)
+        if left > room:
+            await js.publish(f"{dest}.filler", b"f" * max(1, left - room - 100))
+
+        async def heal() -> None:
+            await js.purge_stream(dest, subject=f"{dest}.filler")
+
+        connector = NatsConnector("nats-js", _options(self.server.url, dest, stream={}), sink)
+        return Scenario(connector, records, self._reader(dest), heal=heal, struck=("stream_full",))
+
+    async def refused_message(self, sink: SinkConfig, dest: str) -> Scenario:
+        """A stream whose ``max_msg_size`` is 3000 bytes; nats-a/0's seq 2 is 5000: refused for itself."""
+        renderer = Renderer(sink.format, sink.granularity)
+        streams = [Stream("nats-a", 0), Stream("nats-a", 1)]
+        records = interleaved(renderer, streams, 5, lambda s, seq: 5000 if (s.dp_rank, seq) == (0, 2) else 300)
+        (refused,) = [r for r in records if (r.stream.dp_rank, r.seq) == (0, 2)]
+        js = self.reader.jetstream(timeout=5)
+        await js.add_stream(name=dest, subjects=[f"{dest}.>"], max_msg_size=3000, duplicate_window=600)
+        connector = NatsConnector("nats-js", _options(self.server.url, dest, stream={}), sink)
+        return Scenario(connector, records, self._reader(dest), refused=refused)
+
 
 @pytest.mark.integration
 class TestCoreConformance(ConformanceSuite):
@@ -181,6 +229,93 @@ class TestCoreConformance(ConformanceSuite):
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.2)  # anything beyond `expected` (duplicates) shows up too
         return [Stored(value=m.data, headers=dict(m.headers or {})) for m in got if m.subject == subject]
+
+    partial_failure_not_applicable = (
+        "core NATS acknowledges no message: a write ends with one flush (PING/PONG) for all of it, "
+        "so a transient failure (a lost, stalled or restarting server) fails the whole write, which "
+        "the runtime writes again whole (copies possible; consumers deduplicate on the headers)"
+    )
+
+    @pytest.fixture(autouse=True)
+    def _request(self, request: pytest.FixtureRequest) -> None:
+        self.request = request
+
+    @staticmethod
+    def _stopped(pid: int) -> bool:
+        """Every thread of process ``pid`` is stopped (state T in /proc)."""
+        tasks = Path(f"/proc/{pid}/task").iterdir()
+        return all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for t in tasks)
+
+    async def transient_partial_failure(self, sink: SinkConfig, dest: str) -> Scenario:
+        """Not applicable (see ``partial_failure_not_applicable``): a whole write fails instead.
+        A nats-server of the test's own is stopped (SIGSTOP) as the first write starts: its flush
+        gets no PONG, the runtime's write timeout (0.5 s) ends it and the write is sent again,
+        until the server is continued (SIGCONT) and answers. No connection is lost, so the
+        subscriber gets every copy (the first write's included), first copies in order."""
+        workdir = self.request.getfixturevalue("tmp_path_factory").mktemp("nats-stall")
+        server = await NatsServer(workdir).astart()
+        pid = server.pid
+        assert pid is not None
+        reader = await nats.connect(server.url)
+        got: list[Msg] = []
+
+        async def on_msg(msg: Msg) -> None:
+            got.append(msg)
+
+        await reader.subscribe(f"{dest}.>", cb=on_msg)
+        await reader.flush()
+
+        async def stall() -> None:
+            os.kill(pid, signal.SIGSTOP)
+            # The signal takes effect asynchronously: wait until every thread of the server is stopped.
+            for _ in range(1000):
+                if self._stopped(pid):
+                    return
+                await asyncio.sleep(0.001)
+            pytest.fail(f"nats-server {pid} did not stop")
+
+        async def heal() -> None:
+            os.kill(pid, signal.SIGCONT)
+
+        async def cleanup() -> None:
+            os.kill(pid, signal.SIGCONT)
+            with contextlib.suppress(nats.errors.Error):
+                await reader.flush(timeout=5)  # the subscriber has had everything the server took
+            await reader.close()
+            await asyncio.to_thread(server.remove)
+
+        async def read(stream: Stream, expected: int) -> list[tuple[bytes, dict[str, str]]]:
+            return [(m.data, dict(m.headers or {})) for m in got if m.subject == _subject(dest, stream)]
+
+        renderer = Renderer(sink.format, sink.granularity)
+        records = interleaved(renderer, [Stream("nats-c", r) for r in range(3)], 5, lambda _s, _seq: 300)
+        # The connector bounds its flush by the sink's write timeout: the runtime's, here.
+        options = _options(server.url, dest, mode="core", stream={})
+        connector = BeforeFirstWrite(NatsConnector("nats-core", options, worker_config(sink, 0.5)), stall)
+        return Scenario(
+            connector,
+            records,
+            read,
+            heal=heal,
+            struck=lambda: any(exc is not None for _, exc in connector.outcomes),  # a write met the stall
+            write_timeout=0.5,
+            cleanup=[cleanup],
+        )
+
+    async def refused_message(self, sink: SinkConfig, dest: str) -> Scenario:
+        """nats-c/0's seq 2 is larger than the server's max_payload: refused for itself (the server
+        announces the limit; a larger publish would cost the connection)."""
+        renderer = Renderer(sink.format, sink.granularity)
+        streams = [Stream("nats-c", 0), Stream("nats-c", 1)]
+        big = self.reader.max_payload + 1  # the value alone is over the limit
+        records = interleaved(renderer, streams, 5, lambda s, seq: big if (s.dp_rank, seq) == (0, 2) else 300)
+        (refused,) = [r for r in records if (r.stream.dp_rank, r.seq) == (0, 2)]
+        connector = await self.make_connector(sink, dest)  # subscribes the reader first
+
+        async def read(stream: Stream, expected: int) -> list[tuple[bytes, dict[str, str]]]:
+            return [(s.value, s.headers) for s in await self.read_back(dest, stream, expected)]
+
+        return Scenario(connector, records, read, refused=refused)
 
     async def restart_server(self) -> None:
         # Adapted for at-most-once: a core message published while the reader is still

@@ -26,7 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bridge.config import SinkConfig, convert_options
-from bridge.connector import Registry
+from bridge.connector import Registry, Template
 from bridge.errors import ConfigError, NotConnected, PartialFailure, Permanent, Retriable
 from bridge.formats import Message, Renderer, hex64
 from bridge.records import Event, Record, Stream, events_lost, source_reset
@@ -45,6 +45,7 @@ from connectors.redis import (
 from tests.infra.servers import RedisServer, free_port
 from tests.integration.conformance import FORMATS, ConformanceSuite, Stored
 from tests.integration.conftest import own_server, unavailable
+from tests.support.contract import BeforeFirstWrite, Scenario, interleaved
 from tests.support.records import batch, control_records, stream_records
 
 integration = pytest.mark.integration
@@ -164,8 +165,9 @@ class TestRedisConformance(ConformanceSuite):
     dedup_on_redelivery = True
 
     @pytest.fixture(autouse=True)
-    def _server(self, redis_server: RedisServer) -> None:
+    def _server(self, redis_server: RedisServer, request: pytest.FixtureRequest) -> None:
         self.server = redis_server
+        self.request = request  # the contract tests ask for the module's private server
 
     async def make_connector(self, sink: SinkConfig, dest: str) -> RedisConnector:
         return make(self.server.url, sink, stream=dest + ":{source}:{dp_rank}")
@@ -179,6 +181,70 @@ class TestRedisConformance(ConformanceSuite):
 
     def new_dest(self) -> str:
         return new_prefix()
+
+    @staticmethod
+    def _reader(url: str, pattern: str) -> Any:
+        """Read back every entry of a stream's keys (``pattern`` with ``{source}``/``{dp_rank}``,
+        maybe a glob), merged in entry id order."""
+
+        async def read(stream: Stream, expected: int) -> list[tuple[bytes, dict[str, str]]]:
+            client = aioredis.Redis.from_url(url)
+            match = pattern.format(source=stream.source, dp_rank=stream.dp_rank)
+            try:
+                keys = [k.decode() async for k in client.scan_iter(match=match, _type="stream")]
+            finally:
+                await client.aclose()
+            entries = [entry for key in keys for entry in await xrange(url, key)]
+            entries.sort(key=lambda entry: entry_position(entry[0]))
+            return [(s.value, s.headers) for s in (to_stored(fields) for _, fields in entries)]
+
+        return read
+
+    async def transient_partial_failure(self, sink: SinkConfig, dest: str) -> Scenario:
+        """OOM near ``maxmemory`` on the module's private server (policy noeviction):
+        ``maxmemory`` is set, as the first write starts, to what the server uses plus 128 KiB. The
+        write holds one script call per stream, llama-r/1's first: stored. The call of llama-r/0
+        comes last and carries a 512 KiB message, which Redis counts against the limit before the
+        call runs: refused with OOM (so is llama-r/2's when Redis has read that argument before
+        running it). Healed by lifting the limit."""
+        server: RedisServer = self.request.getfixturevalue("private_redis")
+        renderer = Renderer(sink.format, sink.granularity)
+        streams = [Stream("llama-r", 1), Stream("llama-r", 2), Stream("llama-r", 0)]
+        records = interleaved(renderer, streams, 4, lambda s, seq: 512 * 1024 if (s.dp_rank, seq) == (0, 0) else 300)
+        admin = aioredis.Redis.from_url(server.url)
+
+        async def squeeze() -> None:  # as the first write starts: the sink's connection counts too
+            used = int((await admin.info("memory"))["used_memory"])
+            await admin.config_set("maxmemory", used + 128 * 1024)
+
+        async def heal() -> None:
+            await admin.config_set("maxmemory", 0)
+
+        async def cleanup() -> None:
+            await admin.config_set("maxmemory", 0)
+            await admin.aclose()
+
+        connector = BeforeFirstWrite(make(server.url, sink, stream=dest + ":{source}:{dp_rank}"), squeeze)
+        reader = self._reader(server.url, dest + ":{source}:{dp_rank}")
+        return Scenario(connector, records, reader, heal=heal, struck=("oom",), cleanup=[cleanup])
+
+    async def refused_message(self, sink: SinkConfig, dest: str) -> Scenario:
+        """Keys per stream and record type (``{dest}:{source}:{dp_rank}:{type}``); the key of
+        llama-r/0's EventsLost (after its seq 1) holds a string: WRONGTYPE, refused for itself."""
+        renderer = Renderer(sink.format, sink.granularity)
+        streams = [Stream("llama-r", 0), Stream("llama-r", 1)]
+        records = interleaved(renderer, streams, 4, lambda _s, _seq: 300)
+        refused = events_lost(streams[0], 1, 1, 1, "replay_unavailable", 0.0)  # sorts right after seq 1
+        records.insert(records.index(next(r for r in records if r.stream == streams[0] and r.seq == 1)) + 1, refused)
+        template = dest + ":{source}:{dp_rank}:{type}"
+        (message,) = renderer.render(refused)
+        client = aioredis.Redis.from_url(self.server.url)
+        try:
+            await client.set(Template(template).render(message), "not a stream")
+        finally:
+            await client.aclose()
+        connector = make(self.server.url, sink, stream=template)
+        return Scenario(connector, records, self._reader(self.server.url, dest + ":{source}:{dp_rank}:*"), refused=refused)
 
 
 # -- entry layout and ids -----------------------------------------------------------------------
