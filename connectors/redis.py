@@ -10,16 +10,27 @@ engine's bytes, ``format: raw`` batches). Each entry has an explicit id, ``<epoc
 slot>-<sub>`` (:func:`entry_id`; slot = seq + 1, sub = event index + 1 or 0; a SourceReset at slot
 0, an EventsLost at sub 2**64 - 1), so ids grow strictly along an engine stream and a consumer
 resumes exactly with ``XREAD`` from the last id it saw (:func:`entry_position` inverts it). The
-first part is not a time. Key templates must name ``{source}`` and ``{dp_rank}``: no key mixes
-two engine streams.
+first part is not a time.
+
+One key, one engine stream: two streams in one key would share ids (the same epoch and seq), and
+the second one's entries would be taken as already there, acknowledged and never stored. Key
+templates must name ``{source}`` and ``{dp_rank}``, not side by side (``kv:{source}{dp_rank}``
+renders ``kv:llama12`` for llama1/2 and llama/12: a ConfigError). What a template check cannot see
+(a label between them that renders empty) is caught when writing: the connector remembers which
+engine stream each rendered key (stream or index) belongs to (up to 64 keys per stream, the
+latest), and the script checks the engine stream named by the top entry of a stream key (across
+restarts and instances). A second stream's messages then fail ``Retriable`` (reason
+``key_collision``, naming both streams, the key and the fix): nothing of it is written or
+acknowledged, the sink reports not ready until the template is fixed.
 
 Delivery. A write is one pipeline holding one call of :data:`WRITE_SCRIPT` per engine stream (per
 engine stream and hash slot in a cluster, where a script's keys share a slot: a stream template
 that spreads one engine stream over slots keeps the order per key only). The script adds
 the stream's entries in order and stops at the first one that fails for a reason other than the
 entry itself, so Redis never stores an entry of a stream after an earlier one of the same write
-failed. Near ``maxmemory`` a stream's write is all or nothing: Redis checks memory before a
-script's first write only. Per entry:
+failed. Near ``maxmemory`` a stream's write is all or nothing: Redis checks memory at a script's
+first write only, and only for commands that may grow memory, so the script's first write is always
+SADD or XADD (never DEL or SREM, which would let everything after them past the limit). Per entry:
 
 - stored, or already there (id at or below the top and present, or below a trimmed head: a
   re-send after a timeout, a retry or a bridge restart): delivered, stored once;
@@ -29,8 +40,11 @@ script's first write only. Per entry:
   ``out_of_order``, dead-lettered), and the stream goes on. The bridge must be the only writer;
 - WRONGTYPE (the key is no stream): refused for itself, the stream goes on;
 - anything else stops the stream, the entries after it reported transient (not attempted):
-  LOADING, BUSY, TRYAGAIN, OOM, READONLY, NOPERM, MASTERDOWN, CLUSTERDOWN and redirections are
-  transient (retried, sink not ready), other refusals ``Permanent``.
+  LOADING, BUSY, TRYAGAIN, OOM, READONLY, NOPERM, MASTERDOWN, CLUSTERDOWN, redirections and key
+  collisions are transient (retried, sink not ready), other refusals ``Permanent``. An ACL refusal
+  is NOPERM however it is worded: a command the script calls and the user may not run aborts the
+  script with "ERR The user executing the script can't run this command ..." (Redis 7.0; 7.2:
+  "NOPERM ... no permissions ..."), and redis-py strips the code from it.
 
 The runtime (:func:`bridge.sink.fold`) then writes each stream again from its first transient
 failure, in order. Connection refused, timeouts and failed authentication are ``NotConnected``;
@@ -40,8 +54,16 @@ Index mode (``index.enabled``): a SET per engine stream holds the block hashes t
 (BlockStored adds, BlockRemoved removes, AllBlocksCleared and SourceReset empty it, EventsLost per
 ``index.on_events_lost``); a router asks with ``SMISMEMBER``. Members: decimal text of integer
 hashes (16 hex digits with ``hash_format: hex``), lowercase hex of binary ones. The script applies
-a message's net set change with its entry, only when the entry is newly stored: a re-sent message
-changes nothing (an old BlockStored re-applied after its BlockRemoved would resurrect the block).
+a message's net set change with its entry, only when the entry is new: a re-sent message changes
+nothing (an old BlockStored re-applied after its BlockRemoved would resurrect the block). Order per
+entry: first whether it is new (its id above the top of its stream; read, nothing written), then
+its set change, then its XADD. A script that fails midway (an ACL without SADD, say) keeps what it
+did: the entries before the failure with their set changes, and maybe part of the failed entry's
+set change, never its entry without its set change. The retry finds that entry still new and
+applies its set change again (clear, remove, add: idempotent, since no later message of the stream
+came in between), then adds it. (Were the entry stored first, a failed set change would be lost:
+the retry finds the entry already there and changes nothing.) Another client deleting the top
+entries of a stream (misuse) can make a new-looking entry out of order after its set change.
 In a cluster the stream and its set must share a slot: the cluster defaults are
 ``kv:{{source}:{dp_rank}}`` and ``kv:{{source}:{dp_rank}}:blocks`` (keys like ``kv:{llama-a:0}``).
 """
@@ -154,6 +176,9 @@ DEFAULT_INDEX_KEY = "kv:{source}:{dp_rank}:blocks"
 # The outer braces stay literal around the rendered placeholders: "kv:{llama-a:0}".
 CLUSTER_STREAM = "kv:{{source}:{dp_rank}}"
 CLUSTER_INDEX_KEY = "kv:{{source}:{dp_rank}}:blocks"
+# {source} right before or after {dp_rank}: the rendered key does not tell where one ends ("llama1" + "2"
+# and "llama" + "12"). Other ambiguous templates (a label between them) are caught when writing.
+_ADJACENT = re.compile(r"\{source\}\{dp_rank\}|\{dp_rank\}\{source\}")
 
 
 class IndexOptions(ConnectorOptions):
@@ -226,6 +251,12 @@ class RedisOptions(ConnectorOptions):
                 raise ValueError(
                     f"{field}: {text!r} must name {{source}} and {{dp_rank}} (missing {', '.join(missing)}): "
                     "entry ids grow per engine stream, so one key must not mix two of them"
+                )
+            if _ADJACENT.search(text):
+                raise ValueError(
+                    f"{field}: {text!r} puts {{source}} and {{dp_rank}} side by side: source 'llama1' rank 2 and "
+                    "source 'llama' rank 12 would share one key, and one key must not mix two engine streams; "
+                    f"put a separator between them, e.g. {DEFAULT_STREAM if field == 'stream' else DEFAULT_INDEX_KEY}"
                 )
         banned = [f"{{{p}}}" for p in ("type", "epoch") if p in Template(index).fields]
         if self.index.enabled and banned:
@@ -315,14 +346,39 @@ def _member(h: Any, hash_hex: bool) -> str:
 # -- the write script ---------------------------------------------------------------------------
 
 # One call per engine stream and write. KEYS: the stream keys the call writes, then (index mode)
-# the block set. ARGV: maxlen ('' for none), '1' in index mode, then per entry: the number of its
-# key in KEYS, its id, the number of fields, the fields, and in index mode its set change (clear
-# flag, count and members to remove, count and members to add). Returns one result per entry
-# tried: 1 stored, 0 already there (a re-send, or below a trimmed head), or the error line; it
-# stops after the first error that is not the entry's own (WRONGTYPE, OUT_OF_ORDER), so nothing
-# later of the stream is stored. Redis checks maxmemory before a script's first write only:
-# either the first XADD is refused, or every entry is stored.
+# the block set. ARGV: maxlen ('' for none), '1' in index mode, the engine stream's source and
+# dp_rank, then per entry: the number of its key in KEYS, its id, the number of fields, the
+# fields, and in index mode its set change (clear flag, count and members to remove, count and
+# members to add). Returns one result per entry tried: 1 stored, 0 already there (a re-send, or
+# below a trimmed head), or the error line; it stops after the first error that is not the
+# entry's own (WRONGTYPE, OUT_OF_ORDER), so nothing later of the stream is stored.
+#
+# Per entry, in this order: (1) is it new? Its key's top entry (read once per key and call, then
+# followed as entries are added) decides without writing: an id at or below the top is a re-send
+# (or out of order) and changes nothing; (2) a new entry's set change; (3) its XADD. A command
+# that fails aborts the script (its earlier effects stay): an entry is then either stored with
+# its set change, or not stored, with its set change applied in part, in full or not at all.
+# The retry writes the stream again from that entry: still new, its set change is applied again
+# (clear, then remove, then add: the same result however much of it was applied before, as no
+# later message of the stream came in between), then its XADD. The top entry also names its engine
+# stream (its first fields): a key whose top entry belongs to another engine stream is a key
+# collision (KEY_COLLISION), the stream stops there. Redis checks maxmemory at a script's first
+# write only, if that command may grow memory: the first write is always SADD or XADD (see
+# first_write), so either it is refused and nothing is written, or every entry is stored.
 WRITE_SCRIPT = """
+local function compare(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  if am == bm then
+    am, bm = as, bs
+  end
+  if am == bm then
+    return 0
+  elseif #am ~= #bm then
+    return #am < #bm and -1 or 1
+  end
+  return am < bm and -1 or 1
+end
 local set = nil
 if ARGV[2] == '1' then
   set = KEYS[#KEYS]
@@ -331,8 +387,60 @@ if ARGV[2] == '1' then
     return redis.error_reply('WRONGTYPE index key ' .. set .. ' holds a ' .. kind .. ', not a set')
   end
 end
+local tops = {}
+local function top(key)
+  local t = tops[key]
+  if t then
+    return t
+  end
+  t = {}
+  local kind = redis.call('TYPE', key)['ok']
+  if kind == 'stream' then
+    local last = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)
+    if #last > 0 then
+      t.id = last[1][1]
+      local f = last[1][2]
+      if f[1] == 'source' and f[3] == 'dp_rank' and (f[2] ~= ARGV[3] or f[4] ~= ARGV[4]) then
+        t.err = 'KEY_COLLISION the stream key ' .. key .. ' of engine stream ' .. ARGV[3] .. '/' .. ARGV[4]
+          .. ' holds entries of engine stream ' .. f[2] .. '/' .. f[4]
+      end
+    end
+  elseif kind ~= 'none' then
+    t.err = 'WRONGTYPE key ' .. key .. ' holds a ' .. kind .. ', not a stream'
+  end
+  tops[key] = t
+  return t
+end
+-- Redis checks maxmemory at a script's first write only, and only if that command is one it
+-- refuses near maxmemory (SADD, XADD; not DEL or SREM): a write never starts with DEL or SREM.
+local written = false
+local function first_write(member)
+  if not written then
+    redis.call('SADD', set, member)
+    written = true
+  end
+end
+local function change(clear, at)
+  if clear then
+    first_write('0')
+    redis.call('DEL', set)
+  end
+  for _, command in ipairs({'SREM', 'SADD'}) do
+    local first, last = at + 1, at + tonumber(ARGV[at])
+    if command == 'SREM' and first <= last then
+      first_write(ARGV[first])
+    end
+    while first <= last do
+      local upto = math.min(first + 999, last)
+      redis.call(command, set, unpack(ARGV, first, upto))
+      written = true
+      first = upto + 1
+    end
+    at = last + 1
+  end
+end
 local out = {}
-local p = 3
+local p = 5
 while p <= #ARGV do
   local key, id, n = KEYS[tonumber(ARGV[p])], ARGV[p + 1], tonumber(ARGV[p + 2])
   local xadd = {key}
@@ -344,33 +452,37 @@ while p <= #ARGV do
     xadd[#xadd + 1] = ARGV[i]
   end
   p = p + 3 + n
-  local result = redis.pcall('XADD', unpack(xadd))
-  if type(result) == 'table' and result['err'] then
-    result = result['err']
-    if string.find(result, 'equal or smaller', 1, true) then
+  local clear, at = false, nil
+  if set then
+    clear, at = ARGV[p] == '1', p + 1
+    p = at + 1 + tonumber(ARGV[at])
+    p = p + 1 + tonumber(ARGV[p])
+  end
+  local t = top(key)
+  local result = 1
+  if t.err then
+    result = t.err
+  elseif t.id and compare(id, t.id) <= 0 then
+    result = 0
+    if id ~= t.id then
       local below = redis.call('XREVRANGE', key, id, '-', 'COUNT', 1)
-      if #below == 0 or below[1][1] == id then
-        result = 0
-      else
+      if #below > 0 and below[1][1] ~= id then
         result = 'OUT_OF_ORDER entry ' .. id .. ' is below the top of ' .. key .. ' but not in it'
       end
     end
   else
-    result = 1
-  end
-  if set then
-    if result == 1 and ARGV[p] == '1' then
-      redis.call('DEL', set)
+    if set then
+      change(clear, at)
     end
-    p = p + 1
-    for _, command in ipairs({'SREM', 'SADD'}) do
-      local first, last = p + 1, p + tonumber(ARGV[p])
-      while result == 1 and first <= last do
-        local upto = math.min(first + 999, last)
-        redis.call(command, set, unpack(ARGV, first, upto))
-        first = upto + 1
+    local added = redis.pcall('XADD', unpack(xadd))
+    written = true
+    if type(added) == 'table' and added['err'] then
+      result = added['err']
+      if string.find(result, 'equal or smaller', 1, true) then
+        result = 'OUT_OF_ORDER entry ' .. id .. ' is above the top of ' .. key .. ' but not above its last id (entries deleted)'
       end
-      p = last + 1
+    else
+      t.id = id
     end
   end
   out[#out + 1] = result
@@ -389,7 +501,13 @@ _TRANSIENT: dict[str, tuple[str, float | None]] = {
     "LOADING": ("loading", 1.0),
     "NOREPLICAS": ("noreplicas", None),
     **{code: ("cluster", 0.5) for code in ("TRYAGAIN", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "MOVED", "ASK")},
+    "KEY_COLLISION": ("key_collision", None),  # two engine streams render one key: the template needs fixing
 }
+# An ACL refusal, however it reaches us: NOPERM from a command, "ERR The user executing the script
+# can't run this command or subcommand" / "... can't access at least one of the keys ..." from a
+# command inside a script (Redis 6.2 and 7.0; 7.2 says "NOPERM User x has no permissions to run
+# ..."), with or without the code (redis-py strips "ERR " and "NOPERM " from an error reply).
+_ACL_REFUSAL = re.compile(r"\bNOPERM\b|can't run this command|can't access at least one of the keys|no permissions", re.I)
 # redis-py strips the code from the message of these; put it back to classify one way.
 _CODES = (
     (OutOfMemoryError, "OOM"),
@@ -400,14 +518,15 @@ _CODES = (
     (AskError, "MOVED"),
 )
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
+_KEYS_PER_STREAM = 64
 
 
 class _Call:
     """The script call of one engine stream in a write: its keys, arguments and message indexes."""
 
-    def __init__(self, maxlen: str, index_key: str | None) -> None:
+    def __init__(self, maxlen: str, index_key: str | None, stream: Stream) -> None:
         self.keys: list[str] = []
-        self.args: list[str | bytes | int] = [maxlen, "1" if index_key else "0"]
+        self.args: list[str | bytes | int] = [maxlen, "1" if index_key else "0", stream.source, str(stream.dp_rank)]
         self.indexes: list[int] = []
         self.index_key = index_key
 
@@ -445,6 +564,11 @@ class RedisConnector:
         self._prefix = f"sinks[{name}]"
         self._server = redact_url(options.url)
         self._client: aioredis.Redis | aioredis.RedisCluster | None = None
+        # Which engine stream each rendered key (stream or index) belongs to, and each stream's
+        # keys, latest last: at most _KEYS_PER_STREAM per stream (a template with {epoch} renders
+        # new keys as epochs go by), so bounded by the number of streams.
+        self._owners: dict[str, str] = {}
+        self._keys: dict[str, dict[str, None]] = {}
 
     def __repr__(self) -> str:
         return f"<RedisConnector {self.name!r} {self._server}>"
@@ -517,17 +641,29 @@ class RedisConnector:
         """
         errors: dict[int, ConnectorError] = {}
         calls: dict[object, _Call] = {}
+        stopped: dict[str, ConnectorError] = {}  # engine streams stopped at a key collision in this write
         for i, m in enumerate(messages):
+            stream = m.record.stream.key
+            if stream in stopped:  # nothing of a stream after its failed message
+                errors[i] = stopped[stream]
+                continue
             try:
                 ident = entry_id(message_position(m))
             except ValueError as exc:
                 errors[i] = Permanent(f"{self._prefix}: {exc}", reason="id_range")
                 continue
             key = self._stream.render(m)
-            group: object = (m.record.stream.key, _slot(key)) if self.options.cluster else m.record.stream.key
+            index_key = self._index.render(m) if self._index else None
+            collision = self._claim(stream, key, "stream")
+            if collision is None and index_key is not None:
+                collision = self._claim(stream, index_key, "index.key")
+            if collision is not None:
+                errors[i] = stopped[stream] = collision
+                continue
+            group: object = (stream, _slot(key)) if self.options.cluster else stream
             call = calls.get(group)
             if call is None:
-                call = calls[group] = _Call(self._maxlen, self._index.render(m) if self._index else None)
+                call = calls[group] = _Call(self._maxlen, index_key, m.record.stream)
             fields: list[str | bytes] = [x for kv in m.headers.items() for x in kv]
             fields += ["payload" if self._raw and m.record.kind == "batch" else "data", m.value]
             call.add(i, key, ident, fields)
@@ -554,6 +690,28 @@ class RedisConnector:
         raise PartialFailure(errors)
 
     # -- internals --------------------------------------------------------------------------
+    def _claim(self, stream: str, key: str, field: str) -> Retriable | None:
+        """None when ``key`` belongs to engine ``stream`` (claimed now if no stream had it), else
+        the key collision: retried (the sink not ready) until the template is fixed, never written."""
+        owner = self._owners.setdefault(key, stream)
+        if owner != stream:
+            return Retriable(
+                f"{self._prefix}: key collision: engine streams {owner} and {stream} both render the "
+                f"{field} key {key!r}, and one key must hold one engine stream; put a separator between "
+                f"the placeholders, e.g. {field}: {DEFAULT_STREAM if field == 'stream' else DEFAULT_INDEX_KEY} "
+                f"({stream} is not written meanwhile)",
+                reason="key_collision",
+            )
+        keys = self._keys.setdefault(stream, {})
+        if key not in keys:
+            keys[key] = None
+            if len(keys) > _KEYS_PER_STREAM:
+                old = next(iter(keys))
+                del keys[old]
+                if self._owners.get(old) == stream:
+                    del self._owners[old]
+        return None
+
     def _results(self, call: _Call, reply: Any) -> dict[int, ConnectorError]:
         """The errors of one script call's entries (a failed call fails every entry alike)."""
         if isinstance(reply, BaseException):
@@ -578,11 +736,16 @@ class RedisConnector:
         return index_delta(record.events if event is None else (event,), self._hash_hex)
 
     def _refused(self, line: str, what: str = "") -> ConnectorError:
-        """The failure class of a server error line (``CODE message``)."""
+        """The failure class of a server error line (``CODE message``, or the message alone)."""
         code = line.split(" ", 1)[0]
-        if code == "ERR" and "can't run this command" in line:
-            code = "NOPERM"  # how Redis 7.0 words an ACL refusal inside a script
+        if code not in _TRANSIENT and code not in ("WRONGTYPE", "OUT_OF_ORDER") and _ACL_REFUSAL.search(line):
+            code = "NOPERM"  # an ACL refusal, worded as the server and redis-py do (see _ACL_REFUSAL)
         text = f"{self._prefix}: {what}: {line}" if what else f"{self._prefix}: {line}"
+        if code == "KEY_COLLISION":
+            text += (
+                "; one key must hold one engine stream: put a separator between the placeholders, e.g. stream: "
+                f"{DEFAULT_STREAM} (the stream is not written meanwhile)"
+            )
         if code in _TRANSIENT:
             reason, wait = _TRANSIENT[code]
             return Retriable(text, retry_after=wait, reason=reason)

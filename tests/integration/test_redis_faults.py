@@ -1,0 +1,400 @@
+"""The Redis sink under an ACL that refuses part of its write script, and under key templates that
+render one key for two engine streams, through the runtime's delivery loop on a real redis-server.
+
+Found by an invariant breaker (``r1_index_acl``, ``r2_noperm_resend``, ``r4_key_collision``); each
+test checks the delivery contract (bridge/connector.py) precisely:
+
+- nothing is dead-lettered: no message here is refused for itself;
+- every acknowledged record's entries are in Redis at the moment of the acknowledgement;
+- each engine stream reads back once, in seq order, from its own key;
+- the block index holds exactly the blocks of the stored entries, applied in order.
+
+ACL refusals: redis-py strips the ``ERR`` code from an error that aborts a script ("The user
+executing the script can't run this command or subcommand script: ..." on Redis 7.0), which the
+connector used to call ``Permanent``: stored entries were dead-lettered, unstored ones lost. An
+aborted script keeps what it did before the error: an entry stored before its set change failed
+was found "already there" by the retry, which then never applied that set change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from bridge import config
+from bridge.config import SinkConfig, convert_options
+from bridge.connector import Registry, Template
+from bridge.deadletter import DeadLetters
+from bridge.errors import ConfigError, Retriable
+from bridge.formats import Message, Renderer
+from bridge.metrics import Metrics
+from bridge.records import Record, Stream, source_reset
+from bridge.sink import SinkWorker
+from connectors.redis import RedisConnector, RedisOptions, entry_id, message_position
+from tests.infra.servers import RedisServer
+from tests.integration.conftest import own_server
+from tests.support.records import batch
+
+pytestmark = pytest.mark.integration
+
+USER, PASSWORD = "bridge", "faults-pw"
+
+
+@pytest.fixture(scope="module")
+def acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A redis-server of this module's own: the tests change its ACL user."""
+    with own_server("redis (ACL faults)", RedisServer(tmp_path_factory.mktemp("redis-faults"), persistent=False)) as server:
+        yield server
+
+
+@pytest.fixture
+async def admin(acl_redis: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(acl_redis.url)
+    await client.flushall()
+    await allow(client)
+    yield client
+    await client.execute_command("ACL", "DELUSER", USER)
+    await client.aclose()
+
+
+async def allow(admin: aioredis.Redis, *denied: str) -> None:
+    """The bridge's ACL user: every command and key, except ``denied`` commands."""
+    await admin.execute_command(
+        "ACL", "SETUSER", USER, "reset", "on", f">{PASSWORD}", "~*", "&*", "+@all", *(f"-{c}" for c in denied)
+    )
+
+
+class Delivery:
+    """A SinkWorker over the real connector, as the runtime runs it, with short backoff; checks
+    every acknowledgement against Redis the moment it is given."""
+
+    def __init__(self, tmp: Path, url: str, options: dict[str, Any], *, user: str | None = USER) -> None:
+        credentials = {"username": user, "password": PASSWORD} if user else {}
+        sink = config.convert(
+            {
+                "type": "redis",
+                "name": "redis",
+                "format": "json",
+                "granularity": "batch",
+                "retry": {"initial_backoff": "20ms", "max_backoff": "100ms", "write_timeout": "5s"},
+                "options": {"url": url, **credentials, **options},
+            },
+            SinkConfig,
+            "sink",
+            [],
+        )
+        assert sink is not None
+        self.renderer = Renderer(sink.format, sink.granularity)
+        self.stream_template = Template(options.get("stream", "kv:{source}:{dp_rank}"))
+        self.metrics = Metrics()
+        self.dead_path = tmp / f"dead-{time.monotonic_ns()}.jsonl"
+        self.acked: list[Record] = []
+        self.unbacked: list[str] = []
+        self._check = redis.Redis.from_url(url, socket_timeout=10)
+        self.worker = SinkWorker(
+            0, sink, Registry().build(sink, 0), self.renderer, self.metrics, DeadLetters(str(self.dead_path)), self._on_ack
+        )
+
+    def key(self, m: Message) -> str:
+        return self.stream_template.render(m)
+
+    def _on_ack(self, _index: int, records: list[Record]) -> None:
+        messages = [m for r in records for m in self.renderer.render(r)]
+        pipe = self._check.pipeline(transaction=False)
+        for m in messages:
+            ident = entry_id(message_position(m))
+            pipe.xrange(self.key(m), ident, ident)
+        for m, found in zip(messages, pipe.execute(), strict=True):
+            if not found or found[0][1].get(b"data") != m.value:
+                self.unbacked.append(f"{m.msg_id} acknowledged, not in {self.key(m)}")
+        self.acked.extend(records)
+
+    async def feed(self, records: list[Record]) -> None:
+        for r in records:
+            while not self.worker.offer(r):
+                await self.worker.wait_room()
+
+    def errors(self) -> dict[str, float]:
+        """sink error counts by reason (retries and dead letters)."""
+        out: dict[str, float] = {}
+        for metric in self.metrics.registry.collect():
+            if metric.name == "kv_bridge_sink_errors":
+                for s in metric.samples:
+                    if s.name.endswith("_total") and s.value:
+                        out[s.labels["reason"]] = s.value
+        return out
+
+    def dead_letters(self) -> list[dict[str, object]]:
+        return [json.loads(line) for line in self.dead_path.read_text().splitlines()] if self.dead_path.exists() else []
+
+    async def close(self) -> None:
+        await self.worker.stop()
+        self.worker.dead_letters.close()
+        self._check.close()
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+async def started(d: Delivery) -> Delivery:
+    d.worker.start()
+    await until(lambda: d.worker.connected, "the sink to connect")
+    return d
+
+
+async def assert_stored_in_order(d: Delivery, admin: aioredis.Redis, stream: Stream, records: list[Record]) -> None:
+    """The stream's entries are exactly the messages of ``records``, once each, in order."""
+    expected = [m for r in records for m in d.renderer.render(r)]
+    keys = {d.key(m) for m in expected}
+    assert len(keys) == 1, keys
+    (key,) = keys
+    stored = [(ident.decode(), fields) for ident, fields in await admin.xrange(key)]
+    assert [i for i, _ in stored] == [entry_id(message_position(m)) for m in expected], (
+        f"{stream.key}: missing, repeated or out of order"
+    )
+    for (_, fields), m in zip(stored, expected, strict=True):
+        assert fields[b"data"] == m.value
+        assert (fields[b"source"].decode(), int(fields[b"dp_rank"])) == (stream.source, stream.dp_rank)
+
+
+def index_of(records: list[Record]) -> set[str]:
+    """The block set after ``records``, applied one by one (integer hashes as decimal text)."""
+    blocks: set[str] = set()
+    for r in records:
+        if r.kind == "SourceReset":
+            blocks.clear()
+        for event in r.events:
+            if event["type"] == "AllBlocksCleared":
+                blocks.clear()
+            elif event["type"] in ("BlockStored", "BlockRemoved"):
+                for h in event["block_hashes"]:
+                    (blocks.add if event["type"] == "BlockStored" else blocks.discard)(str(h))
+    return blocks
+
+
+# -- ACL refusals: retried, never dead-lettered; a message's set change goes with its entry ------
+
+
+@pytest.mark.parametrize("denied", ["sadd", "srem", "del", "xadd"])
+async def test_an_acl_refusal_in_the_index_mode_script_is_retried_and_the_index_matches_the_entries(
+    acl_redis: RedisServer, admin: aioredis.Redis, tmp_path: Path, denied: str
+) -> None:
+    """Index mode, the bridge's user may not run ``denied`` (SADD / SREM: the set change of every
+    batch; DEL: the clear of the SourceReset; XADD: every entry) until an operator fixes the ACL
+    1.5 s into the refusals. Nothing is dead-lettered, nothing acknowledged before the fix; after
+    it every entry is stored once, in order, and the set holds exactly the blocks of the entries."""
+    stream = Stream("eng", 0)
+    records = [batch(stream, q, epoch=1) for q in range(3)]
+    records += [source_reset(stream, 2, "publisher_restart", 0.0), *(batch(stream, q, epoch=2) for q in range(2))]
+    await allow(admin, denied)
+    d = await started(Delivery(tmp_path, acl_redis.url, {"index": {"enabled": True}}))
+    try:
+        await d.feed(records)
+        await until(lambda: bool(d.errors()), "the write to meet the ACL")
+        await asyncio.sleep(1.5)
+        assert d.errors().keys() == {"no_permission"}, d.errors()
+        assert d.dead_letters() == []
+        assert d.acked == [], "acknowledged while the ACL refuses part of every write (a set change skipped)"
+        assert not d.worker.connected and "no_permission" in str(d.worker.last_error)
+        await allow(admin)  # the operator fixes the ACL
+        assert await d.worker.flush(30), "not delivered within 30 s of the fix"
+        assert d.acked == records
+        assert not d.unbacked, d.unbacked
+        assert d.dead_letters() == []
+        assert d.errors().keys() == {"no_permission"}, d.errors()
+    finally:
+        await d.close()
+    await assert_stored_in_order(d, admin, stream, records)
+    assert {m.decode() for m in await admin.smembers("kv:eng:0:blocks")} == index_of(records)
+
+
+async def test_an_acl_refusal_of_the_duplicate_check_on_a_resend_is_retried_not_dead_lettered(
+    acl_redis: RedisServer, admin: aioredis.Redis, tmp_path: Path
+) -> None:
+    """Seqs 0-2 stored; then the user may no longer run XREVRANGE (the check that tells a re-sent
+    entry from an out-of-order one) and a restarted bridge sends seqs 0-4 again, as it does after
+    resuming from an older checkpoint. The refusal is retried (no_permission), never
+    dead-lettered; after the fix seqs 0-2 count as delivered and 3-4 are stored, each once."""
+    stream = Stream("eng", 0)
+    records = [batch(stream, q, epoch=1) for q in range(5)]
+    first = await started(Delivery(tmp_path, acl_redis.url, {}))
+    try:
+        await first.feed(records[:3])
+        assert await first.worker.flush(10)
+    finally:
+        await first.close()
+    await allow(admin, "xrevrange")
+    d = await started(Delivery(tmp_path, acl_redis.url, {}))
+    try:
+        await d.feed(records)
+        await until(lambda: bool(d.errors()), "the write to meet the ACL")
+        await asyncio.sleep(1.0)
+        assert d.errors().keys() == {"no_permission"}, d.errors()
+        assert d.dead_letters() == [] and d.acked == []
+        assert await admin.xlen("kv:eng:0") == 3
+        await allow(admin)
+        assert await d.worker.flush(30), "not delivered within 30 s of the fix"
+        assert d.acked == records and not d.unbacked, d.unbacked
+        assert d.dead_letters() == []
+    finally:
+        await d.close()
+    await assert_stored_in_order(d, admin, stream, records)
+
+
+# -- key collisions: two engine streams never share a key ---------------------------------------
+
+# Two engine streams whose keys coincide under a template with nothing between source and rank:
+# "llama1" + "2" and "llama" + "12". The label ``sep`` (empty) keeps the template past the config
+# check (which refuses {source}{dp_rank}), as any ambiguous template the check cannot see would.
+X = Stream("llama1", 2, {"sep": ""})
+Y = Stream("llama", 12, {"sep": ""})
+AMBIGUOUS = "kv:{source}{sep}{dp_rank}"
+
+
+def both(n: int) -> list[Record]:
+    """Seqs 0..n-1 of X and Y, interleaved; the same ids on both streams."""
+    return [batch(s, q, epoch=1) for q in range(n) for s in (X, Y)]
+
+
+async def test_two_engine_streams_rendering_one_stream_key_is_a_transient_key_collision(
+    acl_redis: RedisServer, admin: aioredis.Redis, tmp_path: Path
+) -> None:
+    """X and Y render kv:llama12 with the same entry ids: Y's entries used to be taken as "already
+    there" and acknowledged without being stored. Now the second stream's messages fail with
+    key_collision (retried, the sink not ready, nothing acknowledged, nothing dead-lettered) and
+    the key holds X's entries only."""
+    records = both(5)
+    d = await started(Delivery(tmp_path, acl_redis.url, {"stream": AMBIGUOUS}, user=None))
+    try:
+        await d.feed(records)
+        await until(lambda: bool(d.errors() or d.acked), "the key collision")
+        await asyncio.sleep(0.5)
+        assert d.errors().keys() == {"key_collision"}, d.errors()
+        assert d.acked == [] and d.dead_letters() == []
+        assert not d.worker.connected
+        problem = str(d.worker.last_error)
+        for part in ("llama1/2", "llama/12", "kv:llama12", "kv:{source}:{dp_rank}"):
+            assert part in problem, problem
+    finally:
+        await d.close()
+    assert await admin.keys("kv:*") == [b"kv:llama12"]
+    await assert_stored_in_order(d, admin, X, [r for r in records if r.stream == X])
+
+
+async def test_two_engine_streams_rendering_one_index_key_is_a_transient_key_collision(
+    acl_redis: RedisServer, admin: aioredis.Redis, tmp_path: Path
+) -> None:
+    """Distinct stream keys, one index set for both engines (a SourceReset of one would empty the
+    other's blocks): the second stream is not written (neither its entries nor its blocks)."""
+    records = both(3)
+    options = {"stream": "kv:{source}:{dp_rank}", "index": {"enabled": True, "key": AMBIGUOUS + ":blocks"}}
+    d = await started(Delivery(tmp_path, acl_redis.url, options, user=None))
+    try:
+        await d.feed(records)
+        await until(lambda: bool(d.errors() or d.acked), "the key collision")
+        await asyncio.sleep(0.5)
+        assert d.errors().keys() == {"key_collision"}, d.errors()
+        assert d.acked == [] and d.dead_letters() == []
+        assert "kv:llama12:blocks" in str(d.worker.last_error)
+    finally:
+        await d.close()
+    assert await admin.exists("kv:llama:12") == 0
+    x = [r for r in records if r.stream == X]
+    await assert_stored_in_order(d, admin, X, x)
+    assert {m.decode() for m in await admin.smembers("kv:llama12:blocks")} == index_of(x)
+
+
+async def test_a_key_holding_another_engine_streams_entries_is_a_key_collision_after_a_restart(
+    acl_redis: RedisServer, admin: aioredis.Redis
+) -> None:
+    """A connector that never saw X (a bridge restarted, or another instance) writes Y to the key
+    where X's entries are: the script reads the top entry's engine stream and refuses (retried,
+    key_collision) instead of taking Y's entries as already there."""
+    s = SinkConfig(type="redis", name="redis", format="json", granularity="batch")
+    renderer = Renderer(s.format, s.granularity)
+    records = both(3)
+    for stream in (X, Y):
+        conn = RedisConnector(s.name, convert_options({"url": acl_redis.url, "stream": AMBIGUOUS}, RedisOptions, "sinks[0]"), s)
+        try:
+            messages = [m for r in records if r.stream == stream for m in renderer.render(r)]
+            if stream == X:
+                await conn.write(messages)
+            else:
+                with pytest.raises(Retriable) as info:
+                    await conn.write(messages)
+                assert info.value.reason == "key_collision"
+                for part in ("llama1/2", "llama/12", "kv:llama12", "kv:{source}:{dp_rank}"):
+                    assert part in str(info.value), info.value
+        finally:
+            await conn.close()
+    entries = await admin.xrange("kv:llama12")
+    assert [(f[b"source"], f[b"seq"]) for _, f in entries] == [(b"llama1", str(q).encode()) for q in range(3)]
+
+
+@pytest.mark.parametrize(
+    ("keys", "field"),
+    [
+        ({"stream": "kv:{source}{dp_rank}"}, "stream"),
+        ({"stream": "kv:{dp_rank}{source}"}, "stream"),
+        ({"cluster": True, "stream": "kv:{{source}{dp_rank}}"}, "stream"),
+        ({"index": {"enabled": True, "key": "kv:{source}{dp_rank}:blocks"}}, "index.key"),
+    ],
+)
+def test_a_template_with_source_and_rank_side_by_side_is_refused(keys: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        convert_options({"url": "redis://x", **keys}, RedisOptions, "sinks[0]")
+    text = str(info.value)
+    assert text.startswith(f"sinks[0]: {field}: "), text
+    assert "separator" in text and "kv:{source}:{dp_rank}" in text, text
+
+
+# -- the set change first, and still refused near maxmemory -------------------------------------
+
+
+@pytest.mark.parametrize("first", ["SourceReset", "BlockRemoved"])
+async def test_a_write_starting_with_a_clear_or_a_removal_is_still_refused_at_maxmemory(
+    acl_redis: RedisServer, admin: aioredis.Redis, first: str
+) -> None:
+    """The set change now comes before the entry, and Redis checks maxmemory at a script's first
+    write only, for commands that may grow memory (not DEL or SREM). A write whose first message
+    empties the set (SourceReset) or only removes blocks (a BlockRemoved event) must still be
+    refused as a whole (oom, retried), leaving the set and the stream untouched."""
+    s = SinkConfig(type="redis", name="redis", format="json", granularity="event")
+    renderer = Renderer(s.format, s.granularity)
+    stream = Stream("eng", 0)
+    if first == "SourceReset":
+        records = [source_reset(stream, 2, "publisher_restart", 0.0), batch(stream, 0, epoch=2)]
+    else:
+        records = [batch(stream, 0, epoch=1)]
+    messages = [m for r in records for m in renderer.render(r)]
+    if first == "BlockRemoved":
+        messages = [m for m in messages if m.type == "BlockRemoved"] + [m for m in messages if m.type != "BlockRemoved"]
+        messages = messages[:1]
+    removed = [str(h) for r in records for e in r.events if e["type"] == "BlockRemoved" for h in e["block_hashes"]]
+    await admin.sadd("kv:eng:0:blocks", *removed, "12345")
+    before = await admin.smembers("kv:eng:0:blocks")
+    options = convert_options({"url": acl_redis.url, "index": {"enabled": True}}, RedisOptions, "sinks[0]")
+    conn = RedisConnector(s.name, options, s)
+    await conn.connect()
+    try:
+        await admin.config_set("maxmemory", 1)
+        with pytest.raises(Retriable) as info:
+            await conn.write(messages)
+        assert info.value.reason == "oom", info.value
+    finally:
+        await admin.config_set("maxmemory", 0)
+        await conn.close()
+    assert await admin.smembers("kv:eng:0:blocks") == before
+    assert await admin.exists("kv:eng:0") == 0
