@@ -226,7 +226,11 @@ class SinkWorker:
             except Exception:  # already reported by the task's done-callback
                 pass
         try:
-            await self.connector.close()
+            # Bounded here, like every call into a connector: a connector adds no timeout of its own.
+            async with asyncio.timeout(self.config.retry.write_timeout):
+                await self.connector.close()
+        except TimeoutError:
+            log.warning("sink close timed out", extra={"sink": self.name, "timeout": self.config.retry.write_timeout})
         except Exception as exc:  # close must not raise; if it does, say so once
             log.warning("sink close failed", extra={"sink": self.name, "error": str(exc)})
 
