@@ -33,6 +33,7 @@ test: install
 	bash tools/helm.sh >/dev/null
 	$(PY) tools/chart_schema.py --check
 	$(PY) tools/config_reference.py --check
+	$(PY) -m bridge schema --check schema/kv-events.schema.json
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest

@@ -2,6 +2,10 @@
 
     .venv/bin/python -m benchmarks.pipeline [--formats raw/batch,json/event] [--batches 200000] [--rounds 5]
 
+A format may name a filter as a third part (bridge/filters.py): ``json/event/drop`` (token_ids:
+drop), ``json/event/hash`` (token_ids: hash), ``json/event/keep`` (fields: keep block_hashes,
+parent_block_hash), e.g. ``--formats json/event,json/event/drop,json/event/hash``.
+
 End-to-end numbers on a shared 2-core machine move by tens of percent with whatever else runs;
 this one does not need the scheduler's goodwill. One process, one event loop (uvloop when
 installed): a real :class:`bridge.runtime.Bridge` with a file sink writing to ``/dev/null``, one
@@ -25,14 +29,24 @@ from bridge.stream import StreamPipeline
 
 from .load import LoadShape, payload_pool
 
+FILTERS: dict[str, dict[str, object]] = {
+    "": {},
+    "drop": {"token_ids": "drop"},
+    "hash": {"token_ids": "hash", "token_ids_key": "benchmark-key-0123456789"},
+    "keep": {"fields": {"keep": ["block_hashes", "parent_block_hash"]}},
+}
+
 
 async def one(fmt: str, batches: int, burst: int) -> float:
-    """CPU microseconds per batch for ``batches`` batches in format ``fmt`` (FORMAT/GRANULARITY)."""
-    f, g = fmt.split("/")
+    """CPU microseconds per batch for ``batches`` batches in format ``fmt`` (FORMAT/GRANULARITY[/FILTER])."""
+    f, g, *rest = fmt.split("/")
+    filter_ = FILTERS[rest[0] if rest else ""]
     config = config_mod.from_data(
         {
             "sources": [{"name": "idle", "endpoint": "tcp://127.0.0.1:9"}],  # required; nothing publishes there
-            "sinks": [{"type": "file", "path": "/dev/null", "format": f, "granularity": g, "binary": "length-prefixed"}],
+            "sinks": [
+                {"type": "file", "path": "/dev/null", "format": f, "granularity": g, "binary": "length-prefixed", **filter_}
+            ],
             "metrics": {"listen": ""},
             "replay": {"idle_probe": 0},
         },

@@ -5,6 +5,7 @@ python -m bridge --config FILE --check    validate (parse, build connectors, rea
 python -m bridge simulate [...]           a vLLM-compatible publisher
 python -m bridge tail ENDPOINT [...]      print an engine's decoded events
 python -m bridge demo                     simulator + bridge + stdout sink, no broker needed
+python -m bridge schema [--check FILE]    print the output records' JSON Schema (or compare FILE with it)
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--format", choices=["json", "msgpack", "raw"], default="json")
     d.add_argument("--granularity", choices=["event", "batch"], default="event")
     d.add_argument("--metrics", default="127.0.0.1:9300", help="metrics listen address ('' to disable)")
+
+    sc = sub.add_parser("schema", help="print the JSON Schema of the records the json format writes")
+    sc.add_argument("--check", metavar="FILE", help="exit 1 if FILE differs from the schema (e.g. schema/kv-events.schema.json)")
     return p
 
 
@@ -104,9 +108,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     if args.command == "demo":
         return _demo(args)
+    if args.command == "schema":
+        return _schema(args.check)
     if not args.config:
         _parser().print_usage(sys.stderr)
-        print("python -m bridge: error: --config FILE is required (or a command: simulate, tail, demo)", file=sys.stderr)
+        print("python -m bridge: error: --config FILE is required (or a command: simulate, tail, demo, schema)", file=sys.stderr)
         return EXIT_CONFIG
     if args.check:
         return check(args.config, offline=args.offline)
@@ -117,6 +123,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     logs.setup(cfg.log.format, cfg.log.level)
     return serve(cfg)
+
+
+def _schema(check: str | None) -> int:
+    """``schema``: print the output schema, or tell whether ``check`` holds exactly that text."""
+    from .schema import render
+
+    text = render()
+    if check is None:
+        sys.stdout.write(text)
+        return EXIT_OK
+    try:
+        with open(check, encoding="utf-8") as f:
+            current = f.read()
+    except OSError as exc:
+        print(f"{check}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if current != text:
+        print(f"{check} is out of date: run python -m bridge schema > {check}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"{check}: up to date")
+    return EXIT_OK
 
 
 def _print_problems(path: str, problems: Sequence[str]) -> None:

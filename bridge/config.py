@@ -231,8 +231,47 @@ class RetryConfig(Struct):
 
 SinkFormat = Literal["json", "msgpack", "raw"]
 SinkGranularity = Literal["event", "batch"]
+TokenPolicy = Literal["keep", "drop", "hash"]
 
-SINK_KEYS = frozenset({"type", "name", "format", "granularity", "hash_format", "batch", "queue", "retry", "backpressure"})
+
+class FieldRule(Struct):
+    """Which event fields a sink writes: keep only some, or drop some (not both)."""
+
+    keep: Annotated[
+        list[str] | None,
+        doc("Write only these event fields (type is always written; the record header is not an event field)."),
+    ] = None
+    drop: Annotated[list[str] | None, doc("Write every event field but these.")] = None
+
+
+class FieldSelection(FieldRule):
+    """Field selection of a json or msgpack sink (see Output formats, Field selection)."""
+
+    by_type: Annotated[
+        dict[str, FieldRule],
+        doc("Per event type (e.g. BlockStored), a rule used instead of the top-level keep/drop for that type."),
+    ] = msgspec.field(default_factory=dict)
+
+
+TOKEN_KEY_MIN = 16
+"""Shortest ``token_ids_key`` accepted (characters)."""
+
+SINK_KEYS = frozenset(
+    {
+        "type",
+        "name",
+        "format",
+        "granularity",
+        "hash_format",
+        "fields",
+        "token_ids",
+        "token_ids_key",
+        "batch",
+        "queue",
+        "retry",
+        "backpressure",
+    }
+)
 
 
 class SinkConfig(Struct):
@@ -250,6 +289,24 @@ class SinkConfig(Struct):
             "int: integer block hashes as numbers; hex: as 16-digit hex strings (for consumers without 64-bit unsigned numbers)."
         ),
     ] = "int"
+    fields: Annotated[
+        FieldSelection | None,
+        doc("json and msgpack: which event fields to write, e.g. {drop: [extra_keys]} (see Field selection)."),
+    ] = None
+    token_ids: Annotated[
+        TokenPolicy,
+        doc(
+            "json and msgpack: the prompt's token ids (every event field named *token_ids). keep; drop; hash: "
+            "replaced by token_hashes, one keyed hash per block (needs token_ids_key)."
+        ),
+    ] = "keep"
+    token_ids_key: Annotated[
+        Secret | None,
+        doc(
+            f"Key of token_ids: hash (at least {TOKEN_KEY_MIN} characters, e.g. ${{KV_TOKEN_KEY}}): equal blocks hash "
+            "alike under one key, and not alike under another."
+        ),
+    ] = None
     batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
     queue: QueueConfig = msgspec.field(default_factory=QueueConfig)
     retry: RetryConfig = msgspec.field(default_factory=RetryConfig)
@@ -411,6 +468,15 @@ def _list_item(tp: Any) -> Any:
     return get_args(tp)[0] if get_origin(tp) is list else None
 
 
+def _dict_value(tp: Any) -> Any:
+    """The value type of a ``dict[str, S]`` whose values are structs (walked key by key), else None."""
+    if get_origin(tp) is Annotated:
+        return _dict_value(get_args(tp)[0])
+    if get_origin(tp) is dict and _struct_of(get_args(tp)[1]) is not None:
+        return get_args(tp)[1]
+    return None
+
+
 def convert(data: Any, tp: type[T], path: str, problems: list[str]) -> T | None:
     """Convert ``data`` to ``tp``, appending one line per problem (all of them) to ``problems``."""
     try:
@@ -444,6 +510,11 @@ def _explain(data: Any, tp: Any, path: str, problems: list[str]) -> None:
         for i, v in enumerate(data):
             _leaf(v, item, f"{path}[{i}]", problems)
         return
+    value = _dict_value(tp)
+    if value is not None and isinstance(data, dict):
+        for k, v in data.items():
+            _leaf(v, value, _join(path, str(k)), problems)
+        return
     _leaf(data, tp, path, problems)
 
 
@@ -453,8 +524,8 @@ def _leaf(value: Any, tp: Any, path: str, problems: list[str]) -> None:
         return
     except msgspec.ValidationError as exc:
         message = str(exc)
-    struct, item = _struct_of(tp), _list_item(tp)
-    if (struct is not None and isinstance(value, dict)) or (item is not None and isinstance(value, list)):
+    struct, item, entry = _struct_of(tp), _list_item(tp), _dict_value(tp)
+    if ((struct is not None or entry is not None) and isinstance(value, dict)) or (item is not None and isinstance(value, list)):
         _explain(value, tp, path, problems)
         return
     problems.append(_rewrite(message, path, value, tp))
@@ -570,6 +641,59 @@ def _check_semantics(config: Config, sinks: list[SinkConfig], raw: list[Any], pr
         names[s.name] = i
         if s.format == "raw" and s.granularity == "event":
             s.granularity = "batch"  # raw is always one message per batch
+        _check_filters(s, f"sinks[{i}]", problems)
+
+
+# Names the bridge itself writes in an event-granularity record's header (bridge.schema.HEADER_KEYS,
+# spelled out here: config stays free of the output modules).
+_HEADER_FIELDS = ("source", "dp_rank", "epoch", "seq", "index", "ts", "schema_version")
+_EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+_CONTROL_TYPES = ("SourceReset", "EventsLost", "EventBatch")
+
+
+def _check_filters(sink: SinkConfig, path: str, problems: list[str]) -> None:
+    """Field selection and the token policy: only where the sink renders events, and well formed."""
+    if sink.format == "raw":
+        why = "format raw forwards the engine's bytes untouched, so it cannot"
+        if sink.fields is not None:
+            problems.append(f"{path}.fields: {why} select fields; use format json or msgpack, or remove fields")
+        if sink.token_ids != "keep":
+            problems.append(
+                f"{path}.token_ids: {why} {sink.token_ids} the token ids (they stay in the payload); use format json or "
+                "msgpack, or remove token_ids"
+            )
+    if sink.token_ids == "hash":
+        key = sink.token_ids_key.reveal() if sink.token_ids_key is not None else ""
+        if not key:
+            problems.append(f"{path}.token_ids_key: required with token_ids: hash (a secret, e.g. ${{KV_TOKEN_KEY}})")
+        elif len(key) < TOKEN_KEY_MIN:
+            problems.append(
+                f"{path}.token_ids_key: {len(key)} characters is too short a key; give at least {TOKEN_KEY_MIN} "
+                "(e.g. the output of openssl rand -hex 32)"
+            )
+    if sink.fields is None:
+        return
+    _check_rule(sink.fields, f"{path}.fields", problems)
+    for name, rule in sink.fields.by_type.items():
+        where = f"{path}.fields.by_type.{name}"
+        if name in _CONTROL_TYPES:
+            problems.append(f"{where}: {name} records are written whole (field selection applies to engine events)")
+            continue
+        near = difflib.get_close_matches(name, _EVENT_TYPES, n=1, cutoff=0.8)
+        if near and near[0] != name:
+            problems.append(f"{where}: unknown event type (did you mean {near[0]}?)")
+        _check_rule(rule, where, problems)
+
+
+def _check_rule(rule: FieldRule, path: str, problems: list[str]) -> None:
+    if rule.keep is not None and rule.drop is not None:
+        problems.append(f"{path}: give keep or drop, not both")
+    for key in ("keep", "drop"):
+        for j, name in enumerate(getattr(rule, key) or ()):
+            if name in _HEADER_FIELDS:
+                problems.append(f"{path}.{key}[{j}]: {name} is a header key, written in every record (not an event field)")
+            elif name == "type" and key == "drop":
+                problems.append(f"{path}.drop[{j}]: type cannot be dropped: consumers tell events apart by it")
 
 
 _TCP = re.compile(r"^tcp://(.+):(\d+)$")

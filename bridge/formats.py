@@ -1,17 +1,23 @@
 """Output formats: how records become messages (design.md "Output formats").
 
-A :class:`Renderer` is built once per distinct (format, granularity, hash_format) and turns a
-:class:`~bridge.records.Record` into :class:`Message` objects. The JSON header is encoded once per
-batch and spliced in front of each event, so per-event work is one ``msgspec`` encode.
+A :class:`Renderer` is built once per distinct (format, granularity, hash_format, event filter
+(:mod:`bridge.filters`)) and turns a :class:`~bridge.records.Record` into :class:`Message`
+objects. The JSON header is encoded once per batch and spliced in front of each event, so
+per-event work is one ``msgspec`` encode.
 
 - ``json`` / ``msgpack``, ``event`` granularity: one message per event (and per control record),
-  ``{"source", "dp_rank", "epoch", "seq", "index", "ts", "type", fields...}``.
+  ``{"source", "dp_rank", "epoch", "seq", "index", "ts", "schema_version", "type", fields...}``.
 - ``json`` / ``msgpack``, ``batch`` granularity: one message per batch, events under ``"events"``.
 - ``raw``: the engine payload untouched, one message per batch; the header travels as message
   headers. Control records are JSON (``content-type: application/json``).
 
+Record headers and control records are encoded through the structs of :mod:`bridge.schema` (the
+output contract and its JSON Schema), so their fields cannot drift from the schema; every message's
+headers carry ``schema_version`` too.
+
 Integer block hashes stay integers unless ``hash_format: hex``; binary hashes (and any other
-binary value) become lowercase hex strings in JSON and stay binary in msgpack.
+binary value) become lowercase hex strings in JSON and stay binary in msgpack (with ``hash_format:
+hex``, every block hash is hex text in msgpack too).
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from typing import Any, Literal
 
 import msgspec
 
+from .filters import EventFilter
 from .records import Event, Record
+from .schema import HASH_FIELDS, HEADER_KEYS, SCHEMA_VERSION, EventBatch, EventRecordHeader, EventsLost, SourceReset
 
 Format = Literal["json", "msgpack", "raw"]
 Granularity = Literal["event", "batch"]
@@ -32,7 +40,7 @@ CONTENT_TYPES: dict[str, str] = {
     "raw": "application/vnd.kv-events.msgpack",
 }
 BATCH_TYPE = "EventBatch"
-HASH_FIELDS = frozenset({"block_hashes", "parent_block_hash"})
+SCHEMA_VERSION_TEXT = str(SCHEMA_VERSION)
 _U64 = 0xFFFFFFFFFFFFFFFF
 
 _json = msgspec.json.Encoder()
@@ -133,7 +141,7 @@ def json_event(event: Event, hash_hex: bool) -> Event:
 
 
 _CONVERT = frozenset({bytes, bytearray, memoryview, dict, tuple})
-_HEADER_KEYS = frozenset({"source", "dp_rank", "epoch", "seq", "index", "ts"})
+_HEADER_KEYS = HEADER_KEYS
 
 
 def unshadow(event: Event) -> Event:
@@ -151,16 +159,32 @@ def unshadow(event: Event) -> Event:
 
 _INDEX_TEXT = [str(i) for i in range(4096)]
 _INDEX = [t.encode() for t in _INDEX_TEXT]
+# The encoded header's index key with the value 0: keys and string values are JSON-escaped, so
+# these bytes occur once, where the key is.
+_INDEX_ZERO = b',"index":0'
 
 
 class Renderer:
-    """Renders records into messages for one (format, granularity, hash_format)."""
+    """Renders records into messages for one (format, granularity, hash_format, event filter).
 
-    def __init__(self, fmt: Format, granularity: Granularity = "event", hash_format: HashFormat = "int") -> None:
+    ``event_filter`` (:mod:`bridge.filters`: field selection, token policy) is applied to a batch's
+    events once per batch; without one (and for raw) the events are rendered as they are.
+    """
+
+    def __init__(
+        self,
+        fmt: Format,
+        granularity: Granularity = "event",
+        hash_format: HashFormat = "int",
+        event_filter: EventFilter | None = None,
+    ) -> None:
         self.format: Format = fmt
         self.granularity: Granularity = "batch" if fmt == "raw" else granularity
         self.hash_hex = hash_format == "hex"
         self.content_type = CONTENT_TYPES[fmt]
+        if fmt == "msgpack" and self.hash_hex:  # json converts hashes as it encodes; msgpack here
+            event_filter = (event_filter or EventFilter()).with_hex_hashes()
+        self.event_filter = None if fmt == "raw" else event_filter
 
     def render(self, record: Record) -> list[Message]:
         """All messages for ``record``, in order.
@@ -171,15 +195,12 @@ class Renderer:
         """
         if record.kind != "batch":
             return [self._control(record)]
+        events = record.events if self.event_filter is None else self.event_filter(record.events)
         if self.granularity == "batch":
-            return [self._batch(record)]
-        return self._events(record)
+            return [self._batch(record, events)]
+        return self._events(record, events)
 
     # -- the header ---------------------------------------------------------------------------
-    def _header(self, record: Record) -> dict[str, Any]:
-        s = record.stream
-        return {"source": s.source, "dp_rank": s.dp_rank, "epoch": record.epoch, "seq": record.seq}
-
     def _headers(self, record: Record, type_: str, index: int | None, content_type: str) -> dict[str, str]:
         s = record.stream
         h = {
@@ -189,6 +210,7 @@ class Renderer:
             "seq": str(record.seq),
             "type": type_,
             "content-type": content_type,
+            "schema_version": SCHEMA_VERSION_TEXT,
         }
         if index is not None:
             h["index"] = str(index)
@@ -201,16 +223,25 @@ class Renderer:
         s = record.stream
         return f"{s.source}/{s.dp_rank}/{record.epoch}/{record.seq}"
 
+    @staticmethod
+    def _event_header(record: Record) -> EventRecordHeader:
+        """The header of the batch's events, with index 0 (each event sets its own)."""
+        s = record.stream
+        return EventRecordHeader(s.source, s.dp_rank, record.epoch, record.seq, 0, record.ts, SCHEMA_VERSION)
+
     # -- record kinds -------------------------------------------------------------------------
     def _control(self, record: Record) -> Message:
-        body = self._header(record)
-        body.update(record.control())
-        ctype = body["type"]
+        s = record.stream
+        fields = record.control()
+        ctype = fields["type"]
+        cls = SourceReset if record.kind == "SourceReset" else EventsLost
+        body = cls(
+            source=s.source, dp_rank=s.dp_rank, epoch=record.epoch, seq=record.seq, schema_version=SCHEMA_VERSION, **fields
+        )
         if self.format == "msgpack":
             value, content_type = _msgpack.encode(body), CONTENT_TYPES["msgpack"]
         else:
             value, content_type = _json.encode(body), CONTENT_TYPES["json"]
-        s = record.stream
         if record.kind == "SourceReset":
             msg_id = f"{s.source}/{s.dp_rank}/{record.epoch}/reset"
         else:
@@ -226,18 +257,16 @@ class Renderer:
             position=(epoch, slot, 0),
         )
 
-    def _batch(self, record: Record) -> Message:
+    def _batch(self, record: Record, events: list[Event]) -> Message:
         if self.format == "raw":
             value = record.payload
         else:
-            body = self._header(record)
-            body["ts"] = record.ts
-            if self.format == "json":
-                body["events"] = [json_event(e, self.hash_hex) for e in record.events]
-                value = _json.encode(body)
-            else:
-                body["events"] = record.events
-                value = _msgpack.encode(body)
+            s = record.stream
+            json_ = self.format == "json"
+            if json_:
+                events = [json_event(e, self.hash_hex) for e in events]
+            body = EventBatch(s.source, s.dp_rank, record.epoch, record.seq, record.ts, SCHEMA_VERSION, events)
+            value = _json.encode(body) if json_ else _msgpack.encode(body)
         epoch, slot = record.position
         return Message(
             record=record,
@@ -249,32 +278,32 @@ class Renderer:
             position=(epoch, slot, 0),
         )
 
-    def _events(self, record: Record) -> list[Message]:
+    def _events(self, record: Record, events: list[Event]) -> list[Message]:
         id_prefix = self._base_id(record) + "/"
         epoch, slot = record.position
         base = self._headers(record, "", None, self.content_type)  # per event: a copy plus type and index
         out: list[Message] = []
         if self.format == "json":
-            head = self._header(record)
-            # '{"source":..,"seq":N' + ',"index":' + i + ',"ts":..,' + event without its '{'
-            prefix = _json.encode(head)[:-1] + b',"index":'
-            ts_part = b',"ts":' + _json.encode(record.ts) + b","
+            # The header, encoded once, is cut around its index: per event, prefix + index + rest +
+            # the event without its '{' ('{"source":..,"index":' + i + ',"ts":..,"schema_version":..,' + ...).
+            head = _json.encode(self._event_header(record))
+            cut = head.index(_INDEX_ZERO) + len(_INDEX_ZERO) - 1
+            prefix, rest = head[:cut], head[cut + 1 : -1] + b","
             encode, hash_hex, join, header_keys = _json.encode, self.hash_hex, b"".join, _HEADER_KEYS
-            for i, event in enumerate(record.events):
+            for i, event in enumerate(events):
                 # The common event (no binary, no field named like a header) is encoded as it is.
                 if hash_hex or not header_keys.isdisjoint(event) or _needs_json_fix(event):
                     body = encode(json_event(unshadow(event), hash_hex))
                 else:
                     body = encode(event)
                 index = _INDEX[i] if i < 4096 else str(i).encode()
-                value = join((prefix, index, ts_part, body[1:]))
+                value = join((prefix, index, rest, body[1:]))
                 out.append(self._event_message(record, i, event, value, id_prefix, epoch, slot, base))
         else:
-            head = self._header(record)
-            for i, event in enumerate(record.events):
-                fields = dict(head)
+            header = msgspec.structs.asdict(self._event_header(record))
+            for i, event in enumerate(events):
+                fields = header.copy()
                 fields["index"] = i
-                fields["ts"] = record.ts
                 fields.update(unshadow(event))
                 out.append(self._event_message(record, i, event, _msgpack.encode(fields), id_prefix, epoch, slot, base))
         return out

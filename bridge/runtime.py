@@ -27,6 +27,7 @@ from .discovery import Discovery
 from .endpoints import for_rank
 from .errors import ConfigError
 from .fanout import Fanout
+from .filters import EventFilter, for_sink
 from .formats import Renderer
 from .health import HealthServer
 from .metrics import Metrics
@@ -102,10 +103,13 @@ class Bridge:
         if problems:
             raise ConfigError(problems)
         self.store = self.context.epochs = ckpt.CheckpointStore(cfg.checkpoint.path, len(cfg.sinks))
-        renderers: dict[tuple[str, str, str], Renderer] = {}
+        renderers: dict[tuple[str, str, str, EventFilter | None], Renderer] = {}
         for i, (sink, conn) in enumerate(zip(cfg.sinks, connectors, strict=True)):
-            key = (sink.format, sink.granularity, sink.hash_format)
-            renderer = renderers.setdefault(key, Renderer(sink.format, sink.granularity, sink.hash_format))
+            event_filter = for_sink(sink)
+            key = (sink.format, sink.granularity, sink.hash_format, event_filter)
+            renderer = renderers.get(key)
+            if renderer is None:
+                renderer = renderers[key] = Renderer(sink.format, sink.granularity, sink.hash_format, event_filter)
             worker = SinkWorker(i, sink, conn, renderer, self.metrics, self.dead_letters, self.checkpointer.on_ack)
             self.metrics.start_sink(worker.name)
             self.workers.append(worker)

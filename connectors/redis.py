@@ -4,13 +4,13 @@ Configuration: :class:`RedisOptions` (``url``, ``username``, ``password: ${REDIS
 ``tls``, ``stream`` template, ``maxlen``, ``index: {enabled, key}``, ``cluster``).
 
 Entries carry the stream header as fields, in this order: ``source``, ``dp_rank``, ``epoch``,
-``seq``, ``type``, ``content-type``, then ``index`` (event granularity) and ``ts``, all as text;
-then the body: ``data`` (json / msgpack, and control records in every format) or ``payload`` (the
-engine's bytes, ``format: raw`` batches). Each entry has an explicit id, ``<epoch * 2**40 +
-slot>-<sub>`` (:func:`entry_id`; slot = seq + 1, sub = event index + 1 or 0; a SourceReset at slot
-0, an EventsLost at sub 2**64 - 1), so ids grow strictly along an engine stream and a consumer
-resumes exactly with ``XREAD`` from the last id it saw (:func:`entry_position` inverts it). The
-first part is not a time.
+``seq``, ``type``, ``content-type``, ``schema_version``, then ``ts`` (engine batches) and ``index``
+(event granularity), all as text; then the body: ``data`` (json / msgpack, and control records in
+every format) or ``payload`` (the engine's bytes, ``format: raw`` batches). Each entry has an
+explicit id, ``<epoch * 2**40 + slot>-<sub>`` (:func:`entry_id`; slot = seq + 1, sub = event
+index + 1 or 0; a SourceReset at slot 0, an EventsLost at sub 2**64 - 1), so ids grow strictly
+along an engine stream and a consumer resumes exactly with ``XREAD`` from the last id it saw
+(:func:`entry_position` inverts it). The first part is not a time.
 
 One key, one engine stream: two streams in one key would share ids (the same epoch and seq), and
 the second one's entries would be taken as already there, acknowledged and never stored. Key

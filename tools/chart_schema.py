@@ -92,7 +92,9 @@ class Converter:
             for key, attr in (("minLength", "min_length"), ("maxLength", "max_length"), ("pattern", "pattern")):
                 if getattr(t, attr) is not None:
                     s[key] = getattr(t, attr)
-            return s
+            # A ${VAR} is substituted before the bridge checks the value: let one stand in for a
+            # constrained string too (a sidecar's source name: ${POD_NAME}).
+            return {"anyOf": [s, ENV]} if len(s) > 1 else s
         if isinstance(t, mi.DictType):
             return {"type": "object", "additionalProperties": self.type(t.value_type)}
         if isinstance(t, mi.ListType | mi.SetType | mi.FrozenSetType | mi.VarTupleType):

@@ -18,6 +18,11 @@ A connector whose server cannot fail part of a write transiently in a way the br
 :attr:`ConformanceSuite.partial_failure_not_applicable` to the reason; its hook then fails a
 whole write transiently instead, and the test checks the documented alternative (the whole write
 is written again, nothing dead-lettered, first copies in order, and no write ever failed in part).
+
+Everything the suite reads back goes through :meth:`ConformanceSuite.stored` (or, for the contract
+tests, :meth:`ConformanceSuite.read_all`), which checks each message against the committed output
+schema (:func:`tests.support.schema.check_message`): every JSON body (and msgpack body) validates,
+every message carries the ``schema_version`` header.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from bridge.formats import Message, Renderer
 from bridge.records import Record, Stream
 from tests.support.contract import Result, Scenario, first_copies, run, transient_partial
 from tests.support.records import control_records, stream_records
+from tests.support.schema import check_message
 
 FORMATS = [("json", "event"), ("json", "batch"), ("msgpack", "event"), ("msgpack", "batch"), ("raw", "batch")]
 # The contract tests need a server set up to fail: two formats, one of each granularity.
@@ -89,6 +95,14 @@ class ConformanceSuite:
         raise NotImplementedError
 
     # -- helpers -------------------------------------------------------------------------------
+    async def stored(self, dest: str, stream: Stream, expected: int) -> list[Stored]:
+        """:meth:`read_back`, each message checked against the output schema: the suite reads
+        through this, never through read_back directly."""
+        got = await self.read_back(dest, stream, expected)
+        for s in got:
+            check_message(s.value, s.headers)
+        return got
+
     @staticmethod
     def sink(fmt: str, granularity: str, **options: Any) -> SinkConfig:
         return SinkConfig(type="test", name="test", format=fmt, granularity=granularity, options=options)  # type: ignore[arg-type]
@@ -114,10 +128,10 @@ class ConformanceSuite:
             assert await conn.health() is None
         finally:
             await conn.close()
-        stored = await self.read_back(dest, stream, len(messages))
+        stored = await self.stored(dest, stream, len(messages))
         assert [s.value for s in stored] == [m.value for m in messages]
         for s, m in zip(stored, messages, strict=True):
-            for key in ("source", "dp_rank", "epoch", "seq", "type"):
+            for key in ("source", "dp_rank", "epoch", "seq", "type", "schema_version"):
                 assert s.headers.get(key) == m.headers[key], (key, s.headers, m.headers)
             if m.index is not None:
                 assert s.headers.get("index") == str(m.index)
@@ -143,7 +157,7 @@ class ConformanceSuite:
                 pytest.fail("connector did not recover after the server restart")
         finally:
             await conn.close()
-        stored = await self.read_back(dest, stream, len(self.render(sink, first + second)))
+        stored = await self.stored(dest, stream, len(self.render(sink, first + second)))
         values = [s.value for s in stored]
         expected = [m.value for m in self.render(sink, first + second)]
         # At least once: every message present, in order (as a subsequence), nothing foreign.
@@ -167,10 +181,10 @@ class ConformanceSuite:
         finally:
             await conn.close()
         if self.dedup_on_redelivery:
-            stored = await self.read_back(dest, stream, len(messages))
+            stored = await self.stored(dest, stream, len(messages))
             assert [s.value for s in stored] == [m.value for m in messages]
             return
-        stored = await self.read_back(dest, stream, len(messages) + len(messages[2:]))
+        stored = await self.stored(dest, stream, len(messages) + len(messages[2:]))
         keys = [tuple(s.headers.get(k) for k in ("source", "dp_rank", "epoch", "seq", "index")) for s in stored]
         first = [s.value for i, s in enumerate(stored) if keys[i] not in keys[:i]]
         assert first == [m.value for m in messages]
@@ -196,7 +210,10 @@ class ConformanceSuite:
         out = []
         for key, stream in streams.items():
             kept = [r for r in scenario.records if r.stream.key == key and r is not scenario.refused]
-            out.append((stream, await scenario.read(stream, sum(len(renderer.render(r)) for r in kept))))
+            got = await scenario.read(stream, sum(len(renderer.render(r)) for r in kept))
+            for value, headers in got:
+                check_message(value, headers)
+            out.append((stream, got))
         return out
 
     @pytest.mark.parametrize(("fmt", "granularity"), CONTRACT_FORMATS)

@@ -17,6 +17,7 @@ import pytest
 from bridge.simulator import Simulator, SimulatorOptions
 from tests.support.epochs import assert_first_epoch
 from tests.support.harness import free_ports, read_lines, wait_for
+from tests.support.schema import check_line
 
 pytestmark = pytest.mark.integration
 
@@ -129,9 +130,9 @@ def test_demo_shows_events_flowing() -> None:
         timeout=60,
     )
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
-    lines = [json.loads(x) for x in proc.stdout.decode().splitlines()]
+    lines = [check_line(x) for x in proc.stdout.decode().splitlines()]
     assert len(lines) >= 20
-    assert {"source", "dp_rank", "epoch", "seq", "index", "ts", "type"} <= set(lines[0])
+    assert {"source", "dp_rank", "epoch", "seq", "index", "ts", "schema_version", "type"} <= set(lines[0])
 
 
 async def test_simulate_and_tail_commands(tmp_path: Path) -> None:
@@ -149,7 +150,7 @@ async def test_simulate_and_tail_commands(tmp_path: Path) -> None:
             cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
         stdout, _ = await asyncio.wait_for(tail.communicate(), 30)
-        lines = [json.loads(x) for x in stdout.decode().splitlines()]
+        lines = [check_line(x) for x in stdout.decode().splitlines()]
         assert [ln["seq"] for ln in lines] == [0, 1, 2, 3, 4]
         assert all(ln["events"] and "block_hashes" in ln["events"][0] for ln in lines)
     finally:

@@ -36,6 +36,7 @@ from tests.integration.conformance import ConformanceSuite, Stored
 from tests.integration.conftest import unavailable
 from tests.support.contract import Scenario, interleaved
 from tests.support.records import stream_records
+from tests.support.schema import check_if_written_by_bridge
 
 SECRET = "s3cr3t-Pa55w0rd-never-logged"
 
@@ -90,7 +91,10 @@ async def consume(kafka: KafkaServer, topic: str) -> list[ConsumerRecord[bytes, 
             batch = await consumer.getmany(timeout_ms=500)
             for tp, records in batch.items():
                 out[tp.partition].extend(records)
-        return [r for p in sorted(out) for r in out[p]]
+        everything = [r for p in sorted(out) for r in out[p]]
+        for r in everything:
+            check_if_written_by_bridge(r.value or b"", headers_of(r))
+        return everything
     finally:
         await consumer.stop()
 

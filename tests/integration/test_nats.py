@@ -38,6 +38,7 @@ from tests.infra.servers import NatsServer, free_port, port_open
 from tests.integration.conformance import ConformanceSuite, Stored
 from tests.support.contract import BeforeFirstWrite, Scenario, interleaved, sized, worker_config
 from tests.support.records import control_records, stream_records
+from tests.support.schema import check_if_written_by_bridge
 
 
 def _dest() -> str:
@@ -73,6 +74,7 @@ async def _read_stream(nc: Client, dest: str, subject: str) -> list[Msg | Any]:
             msg = await js.get_msg(dest, seq=seq, subject=subject, next=True)
         except nats.js.errors.NotFoundError:
             return out
+        check_if_written_by_bridge(msg.data or b"", dict(msg.headers or {}))
         out.append(msg)
         assert msg.seq is not None
         seq = msg.seq + 1
@@ -373,7 +375,7 @@ async def test_jetstream_headers_and_msg_id(nats_server: NatsServer, reader: Cli
     for s, m in zip(stored, messages, strict=True):
         headers = dict(s.headers or {})
         assert headers[MSG_ID_HEADER] == m.msg_id
-        for key, value in m.headers.items():  # source, dp_rank, epoch, seq, ts, type, content-type
+        for key, value in m.headers.items():  # source, dp_rank, epoch, seq, type, content-type, schema_version, ts
             assert headers[key] == value
 
 

@@ -17,6 +17,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from bridge.schema import SCHEMA_VERSION
 from bridge.simulator import Faults, Simulator, SimulatorOptions
 from tests.support.epochs import assert_first_epoch
 from tests.support.harness import batches, free_ports, metric, read_lines, running_bridge, wait_for
@@ -73,7 +74,7 @@ async def test_vectors_through_the_running_bridge(tmp_path: Path, name: str) -> 
             ts = v.decoded[0] if isinstance(v.decoded, list) else v.decoded["ts"]
             for original, event in zip(got, expected, strict=True):
                 line = dict(original)
-                header = {k: line.pop(k) for k in ("source", "dp_rank", "epoch", "seq", "index", "ts")}
+                header = {k: line.pop(k) for k in ("source", "dp_rank", "epoch", "seq", "index", "ts", "schema_version")}
                 assert header == {
                     "source": name,
                     "dp_rank": v.dp_rank,
@@ -81,6 +82,7 @@ async def test_vectors_through_the_running_bridge(tmp_path: Path, name: str) -> 
                     "seq": seq,
                     "index": header["index"],
                     "ts": ts,
+                    "schema_version": SCHEMA_VERSION,
                 }
                 assert line == event  # every field by name, nothing lost, nothing added
         assert len(lines) == want
@@ -132,7 +134,7 @@ async def test_bad_input_is_counted_and_the_next_good_message_served(tmp_path: P
         kinds = [(ln["seq"], ln.get("type", "batch")) for ln in lines]
         # seq 0 ok; 1 and 2 undecodable (announced); 3 ok; 4 never arrived (announced); 5 ok.
         assert kinds == [(0, "batch"), (1, "EventsLost"), (2, "EventsLost"), (3, "batch"), (4, "EventsLost"), (5, "batch")]
-        dead = read_lines(tmp_path / "dead.jsonl")
+        dead = read_lines(tmp_path / "dead.jsonl", records=False)
         assert {d["reason"] for d in dead} == {"bad_frames", "bad_seq", "bad_msgpack"}
         assert all(d["source"] == "bad" for d in dead)
     finally:

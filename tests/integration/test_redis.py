@@ -47,6 +47,7 @@ from tests.integration.conformance import FORMATS, ConformanceSuite, Stored
 from tests.integration.conftest import own_server, unavailable
 from tests.support.contract import BeforeFirstWrite, Scenario, interleaved
 from tests.support.records import batch, control_records, stream_records
+from tests.support.schema import check_entry, check_message
 
 integration = pytest.mark.integration
 SECRET = "Zq9-very-secret-pw"
@@ -90,9 +91,13 @@ def new_prefix() -> str:
 
 
 async def xrange(url: str, key: str) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """Every entry of ``key``; those the bridge wrote checked against the output schema."""
     client = aioredis.Redis.from_url(url, password=None)
     try:
-        return list(await client.xrange(key))
+        entries = list(await client.xrange(key))
+        for _ident, fields in entries:
+            check_entry(fields)
+        return entries
     finally:
         await client.aclose()
 
@@ -270,7 +275,9 @@ async def test_entry_layout_is_the_header_then_the_body(redis_server: RedisServe
         body = "payload" if fmt == "raw" and m.record.kind == "batch" else "data"
         expected = [(k.encode(), v.encode()) for k, v in m.headers.items()] + [(body.encode(), m.value)]
         assert list(fields.items()) == expected
-        assert list(fields)[:6] == [b"source", b"dp_rank", b"epoch", b"seq", b"type", b"content-type"]
+        assert list(fields)[:7] == [b"source", b"dp_rank", b"epoch", b"seq", b"type", b"content-type", b"schema_version"]
+        stored = to_stored(fields)
+        check_message(stored.value, stored.headers)
         assert ident.decode() == entry_id(message_position(m))
         assert entry_position(ident) == message_position(m)
 

@@ -44,6 +44,7 @@ from connectors.redis import entry_id, message_position
 from tests.infra.servers import RedisServer
 from tests.integration.conftest import own_server
 from tests.support.records import batch, block_stored
+from tests.support.schema import check_entry
 
 pytestmark = pytest.mark.integration
 
@@ -209,7 +210,10 @@ async def assert_every_stream_in_order(d: Delivery, client: aioredis.Redis, reco
         kept = [m for r in records if r.stream == stream for m in d.renderer.render(r) if m.msg_id not in d.refused]
         stored: list[tuple[bytes, bytes]] = []
         for key in {d.key(m) for m in kept}:
-            stored += [(ident, fields[b"data"]) for ident, fields in await client.xrange(key)]
+            entries = await client.xrange(key)
+            for _ident, fields in entries:
+                check_entry(fields)
+            stored += [(ident, fields[b"data"]) for ident, fields in entries]
         stored.sort(key=lambda entry: tuple(int(x) for x in entry[0].split(b"-")))
         expected = [(entry_id(message_position(m)).encode(), m.value) for m in kept]
         assert [i for i, _ in stored] == [i for i, _ in expected], f"{stream.key}: missing, repeated or out of order"

@@ -42,6 +42,7 @@ from connectors.redis import RedisConnector, RedisOptions, entry_id, message_pos
 from tests.infra.servers import RedisServer
 from tests.integration.conftest import own_server
 from tests.support.records import batch
+from tests.support.schema import check_entry
 
 pytestmark = pytest.mark.integration
 
@@ -161,6 +162,8 @@ async def assert_stored_in_order(d: Delivery, admin: aioredis.Redis, stream: Str
     assert len(keys) == 1, keys
     (key,) = keys
     stored = [(ident.decode(), fields) for ident, fields in await admin.xrange(key)]
+    for _ident, fields in stored:
+        check_entry(fields)
     assert [i for i, _ in stored] == [entry_id(message_position(m)) for m in expected], (
         f"{stream.key}: missing, repeated or out of order"
     )

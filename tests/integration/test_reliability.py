@@ -581,7 +581,7 @@ async def test_undecodable_payloads_are_dead_lettered_and_the_stream_goes_on(
             assert [e["type"] for e in ln["events"]] == ["BlockStored", "BlockStored"]
         else:
             assert len(ln["events"]) == 3
-    dead = read_lines(tmp_path / "dead.jsonl")
+    dead = read_lines(tmp_path / "dead.jsonl", records=False)
     assert sorted((d["seq"], d["reason"]) for d in dead) == [
         (5, "bad_msgpack"),
         (11, "bad_batch"),

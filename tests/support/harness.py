@@ -13,6 +13,7 @@ from typing import Any
 
 from bridge.config import from_data
 from bridge.runtime import Bridge
+from tests.support.schema import check_line
 
 
 def free_port() -> int:
@@ -39,10 +40,13 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def read_lines(path: Path) -> list[dict[str, Any]]:
+def read_lines(path: Path, *, records: bool = True) -> list[dict[str, Any]]:
+    """The JSON lines of ``path``: records a ``json`` file sink wrote, each checked against the
+    output schema; ``records=False`` for other files (dead letters)."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    return [check_line(line) for line in lines] if records else [json.loads(line) for line in lines]
 
 
 async def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:

@@ -5,7 +5,9 @@ order, and :meth:`Readback.check` verifies the delivery promises: every event pr
 an announced ``EventsLost`` span, first copies in order per stream, each stream in the one epoch
 the bridge opened for it (the clock's), and counts duplicates. The
 readers use each broker's own client: aiokafka, redis-py, nats-py (JetStream pull consumer), and
-the file sink's JSON lines.
+the file sink's JSON lines. Every message read is checked against the committed output schema
+(:func:`tests.support.schema.check_message`): its body when it has JSON (or msgpack) content, its
+``schema_version`` header always.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import nats
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from tests.support.epochs import assert_first_epoch
+from tests.support.schema import JSON, MSGPACK, check_message
 
 CONTROL = ("SourceReset", "EventsLost")
 
@@ -30,13 +34,19 @@ Identity = tuple[int, int, int, int]  # (dp_rank, epoch, seq, index)
 
 class Readback:
     """Messages of every stream in stored order, as (dp_rank, epoch, seq, index, type); the
-    EventsLost records also as (dp_rank, from_seq, to_seq, reason)."""
+    EventsLost records also as (dp_rank, from_seq, to_seq, reason).
+
+    Every message added is checked against the output schema before :attr:`rows` or :attr:`lost`
+    is first read after it (not while reading: the readers have deadlines, and checking takes
+    time), so nothing read back escapes the check."""
 
     def __init__(self) -> None:
-        self.rows: list[tuple[int, int, int, int, str]] = []
-        self.lost: list[tuple[int, int, int, str]] = []
+        self._rows: list[tuple[int, int, int, int, str]] = []
+        self._lost: list[tuple[int, int, int, str]] = []
+        self._unchecked: list[tuple[bytes, dict[str, str]]] = []
 
-    def add(self, headers: dict[str, str], body: bytes | None = None) -> None:
+    def add(self, headers: dict[str, str], body: bytes) -> None:
+        """One stored message: its text headers and its body."""
         row = (
             int(headers["dp_rank"]),
             int(headers["epoch"]),
@@ -44,10 +54,27 @@ class Readback:
             int(headers.get("index", -1)),
             headers["type"],
         )
-        self.rows.append(row)
-        if row[4] == "EventsLost" and body is not None:
-            lost = json.loads(body)
-            self.lost.append((row[0], lost["from_seq"], lost["to_seq"], lost["reason"]))
+        self._rows.append(row)
+        self._unchecked.append((body, headers))
+        if row[4] == "EventsLost":
+            lost = msgspec.msgpack.decode(body) if headers.get("content-type") == MSGPACK else json.loads(body)
+            self._lost.append((row[0], lost["from_seq"], lost["to_seq"], lost["reason"]))
+
+    def validate(self) -> None:
+        """Check every message added since the last call against the output schema."""
+        for body, headers in self._unchecked:
+            check_message(body, headers)
+        self._unchecked.clear()
+
+    @property
+    def rows(self) -> list[tuple[int, int, int, int, str]]:
+        self.validate()
+        return self._rows
+
+    @property
+    def lost(self) -> list[tuple[int, int, int, str]]:
+        self.validate()
+        return self._lost
 
     def check(self, published: dict[int, int], events_per_batch: int = 0, *, since: float) -> dict[str, int]:
         """Every event (every batch with ``events_per_batch`` 0) of every published batch present
@@ -113,7 +140,7 @@ async def read_kafka(bootstrap_servers: str, topic: str, partitions: int) -> Rea
             assert time.monotonic() < deadline, "timed out reading the topic back"
             for records in (await consumer.getmany(timeout_ms=500, max_records=10_000)).values():
                 for r in records:
-                    out.add({k: v.decode() for k, v in r.headers})
+                    out.add({k: v.decode() for k, v in r.headers}, r.value or b"")
     finally:
         await consumer.stop()
     return out
@@ -128,9 +155,8 @@ async def read_redis(url: str, keys: Iterable[str], **client: Any) -> Readback:
             while True:
                 entries = await client_.xrange(key, min=start, count=10_000)
                 for _id, fields in entries:
-                    out.add(
-                        {k.decode(): v.decode() for k, v in fields.items() if k not in (b"data", b"payload")}, fields.get(b"data")
-                    )
+                    body = fields.get(b"data", fields.get(b"payload", b""))
+                    out.add({k.decode(): v.decode() for k, v in fields.items() if k not in (b"data", b"payload")}, body)
                 if len(entries) < 10_000:
                     break
                 start = "(" + entries[-1][0].decode()
@@ -151,10 +177,10 @@ async def read_jetstream(url: str, stream: str, **client: Any) -> Readback:
             config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL),
         )
         deadline = time.monotonic() + 60
-        while len(out.rows) < total:
-            assert time.monotonic() < deadline, f"read {len(out.rows)} of {total} messages back"
+        while len(out._rows) < total:  # not .rows: that checks what was read, which takes time
+            assert time.monotonic() < deadline, f"read {len(out._rows)} of {total} messages back"
             for m in await sub.fetch(5000, timeout=5):
-                out.add(dict(m.headers or {}))
+                out.add(dict(m.headers or {}), m.data or b"")
         await sub.unsubscribe()
     finally:
         await nc.close()
@@ -169,8 +195,9 @@ def read_file(path: Path) -> Readback:
     for raw in path.read_text().splitlines():
         if not raw.strip():
             continue
-        line: dict[str, Any] = json.loads(raw)
+        line: dict[str, Any] = json.loads(raw)  # checked against the schema by add()
         headers = {"dp_rank": str(line["dp_rank"]), "epoch": str(line["epoch"]), "seq": str(line["seq"])}
+        headers |= {"content-type": JSON, "schema_version": str(line["schema_version"])}
         headers["type"] = line.get("type", "EventBatch") if "events" not in line else "EventBatch"
         if "index" in line:
             headers["index"] = str(line["index"])

@@ -29,6 +29,7 @@ def test_json_event() -> None:
         "seq": 42,
         "index": 0,
         "ts": 1732870000.25,
+        "schema_version": 1,
         "type": "BlockStored",
         "block_hashes": [2**64 - 1, 5],
         "parent_block_hash": None,
@@ -36,7 +37,7 @@ def test_json_event() -> None:
         "block_size": 16,
     }
     assert json.loads(msgs[1].value)["block_hashes"] == ["ab" * 32]
-    assert json.loads(msgs[2].value) == {k: first[k] for k in ("source", "dp_rank", "epoch", "seq", "ts")} | {
+    assert json.loads(msgs[2].value) == {k: first[k] for k in ("source", "dp_rank", "epoch", "seq", "ts", "schema_version")} | {
         "index": 2,
         "type": "AllBlocksCleared",
     }
@@ -78,6 +79,7 @@ def test_raw_is_the_payload_untouched() -> None:
         "seq": "42",
         "type": "EventBatch",
         "content-type": "application/vnd.kv-events.msgpack",
+        "schema_version": "1",
         "ts": "1732870000.25",
     }
 
@@ -93,11 +95,12 @@ def test_control_records() -> None:
             "dp_rank": 1,
             "epoch": 3,
             "seq": 0,
+            "schema_version": 1,
             "type": "SourceReset",
             "reason": "publisher_restart",
         }
         assert json.loads(lo.value) == {
-            "source": "llama-a", "dp_rank": 1, "epoch": 3, "seq": 4, "type": "EventsLost",
+            "source": "llama-a", "dp_rank": 1, "epoch": 3, "seq": 4, "schema_version": 1, "type": "EventsLost",
             "from_seq": 0, "to_seq": 4, "count": 5, "reason": "replay_unavailable",
         }  # fmt: skip
         assert r.position < lo.position
