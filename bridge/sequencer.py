@@ -115,6 +115,13 @@ class StreamSequencer:
     across bridge runs; see ``bridge.checkpoint``).
     """
 
+    # The replay in flight, set by ``_request`` before any reply or end of it is read.
+    _replay_start: int  # its first seq needed
+    _anchor: tuple[int, Fingerprint] | None  # what it verifies
+    _verdict: str  # is it this epoch's instance?
+    _replay_first: bool  # no reply at or above _replay_start yet
+    _answered: bool  # a reply came
+
     def __init__(
         self,
         *,
@@ -166,12 +173,7 @@ class StreamSequencer:
         # Known published by this instance (an anchor above delivered: published, not known delivered).
         self._top = max(self.delivered, self._anchor_seq, known_top if known_top is not None else -1)
         self._request_id = 0
-        self._replay: int | None = None  # id of the replay in flight
-        self._replay_start = 0
-        self._anchor: tuple[int, Fingerprint] | None = None  # what the replay in flight verifies
-        self._verdict: str = _UNSURE  # of the replay in flight: is it this epoch's instance?
-        self._replay_first = True
-        self._replies = 0  # of the replay in flight
+        self._replay: int | None = None  # id of the replay in flight (its state: set by _request)
         self._buffers = False  # a replay ever brought a batch (the engine's buffer is not empty by design)
         self._attempts = 0
         self._suspect: int | None = None  # a start that a previous attempt's first reply skipped
@@ -221,12 +223,9 @@ class StreamSequencer:
             else:
                 out.append(Duplicate(seq))
             return out
-        if seq > self._top:
-            self._top = seq
-        if self._join and self.delivered < 0:
-            self._join = False
-            if seq > 0:
-                self._lose(out, 0, seq - 1, "joined_late")
+        self._top = max(self._top, seq)
+        if self._join and self.delivered < 0 and seq > 0:  # the head (this batch goes out below: once)
+            self._lose(out, seq - 1, "joined_late")
         if seq == self.delivered + 1:
             self._deliver(out, seq, payload)
             if self.held:
@@ -238,15 +237,14 @@ class StreamSequencer:
             return out
         if not self.can_replay:
             out.append(Gap(self.delivered + 1, seq - 1))
-            self._lose(out, self.delivered + 1, seq - 1, self._head_reason("no_replay"))
+            self._lose(out, seq - 1, self._head_reason("no_replay"))
             self._deliver(out, seq, payload)
             return out
         if self._replay is None and not self.held:
             out.append(Gap(self.delivered + 1, seq - 1))
         self._keep(self.held, seq, payload)
         if self._replay is None:
-            self._attempts = 0
-            self._request(out)
+            self._request(out)  # a first attempt: out of doubt, no replay in flight means none counted
         return out
 
     def start(self) -> list[Action]:
@@ -266,8 +264,7 @@ class StreamSequencer:
         self._last_drop = now
         if not self._doubt:
             self._doubt = True
-            self._doubt_since = now
-            self._drops = 1
+            self._doubt_since = now  # (_drops was 0: it is whenever continuity is not in doubt)
             # A replay in flight asked the instance that is going away; the next one must verify
             # whoever answers now. With a gap open, ask at once (retried while the engine is down).
             self._replay = None
@@ -294,7 +291,7 @@ class StreamSequencer:
         out: list[Action] = []
         if request_id != self._replay:
             return out
-        self._replies += 1
+        self._answered = True
         self._buffers = True
         if self._verdict is _UNSURE:
             verdict = self._check(seq, payload)
@@ -322,7 +319,7 @@ class StreamSequencer:
             self._replay_first = False
             if seq > self._replay_start > self.delivered:
                 if self._suspect == self._replay_start:
-                    self._lose(out, self._replay_start, seq - 1, self._head_reason("replay_buffer_exceeded"))
+                    self._lose(out, seq - 1, self._head_reason("replay_buffer_exceeded"))
                 else:
                     self._suspect = self._replay_start
             else:
@@ -347,7 +344,7 @@ class StreamSequencer:
         if request_id != self._replay:
             return out
         self._replay = None
-        if complete and self._replies == 0 and (self.unverified or (self._replay_start > 0 and self._buffers)):
+        if complete and not self._answered and (self.unverified or (self._replay_start > 0 and self._buffers)):
             # The engine holds nothing from our position on, yet the instance that published it
             # still holds its latest seq (a fresh DEALER's first reply is never dropped by the
             # ROUTER's high-water mark), and the one that published the unverified batches would
@@ -369,7 +366,7 @@ class StreamSequencer:
                 # (its held batches delivered, the rest lost) and stay in doubt.
                 top = max(self._top, max(self.held, default=-1))
                 if top > self.delivered:
-                    self._lose(out, self.delivered + 1, top, "replay_unavailable")
+                    self._lose(out, top, "replay_unavailable")
                 return out
             # The replay socket cannot tell: presume continuity (README, "instance detection")
             # rather than hold live batches forever.
@@ -384,13 +381,13 @@ class StreamSequencer:
         else:
             self._attempts += 1
         if self._attempts >= self.max_attempts:
-            if self._replies > 0 and not complete and not progressed:
+            if self._answered and not complete and not progressed:
                 # The engine answers but breaks off right at our next seq, every time (a batch over
                 # ingest.max_frame_bytes makes ZMQ drop the connection): only that batch is lost.
                 end = self.delivered + 1
             else:
                 end = min(self.held) - 1 if self.held else (self.last_live if self.last_live is not None else self.delivered)
-            self._lose(out, self.delivered + 1, end, self._head_reason("replay_unavailable"))
+            self._lose(out, end, self._head_reason("replay_unavailable"))
             self._attempts = 0
             if not self._gap_open():
                 return out
@@ -409,7 +406,7 @@ class StreamSequencer:
     @property
     def known_top(self) -> int:
         """The highest seq this epoch's instance is known to have published."""
-        return self._top
+        return max(self._top, self.delivered)  # carried batches delivered after a restart count too
 
     def resume_point(self) -> tuple[int, int, Fingerprint | None, int]:
         """(epoch, delivered, fingerprint, its seq): what a new sequencer for this stream starts from."""
@@ -438,8 +435,7 @@ class StreamSequencer:
 
     def _trust(self, out: list[Action]) -> None:
         """Continuity confirmed (or presumed): unverified live batches join the held ones."""
-        self._doubt = False
-        self._doubt_since = None
+        self._doubt = False  # (_doubt_since matters only in doubt, and every way into doubt sets it)
         self._drops = 0
         for seq, payload in self.unverified.items():
             self._top = max(self._top, seq)
@@ -509,12 +505,12 @@ class StreamSequencer:
 
     def _deliver(self, out: list[Action], seq: int, payload: bytes, replayed: bool = False) -> None:
         self.delivered = self._anchor_seq = seq
-        self._last_payload = payload
-        self._fp = None
+        self._last_payload = payload  # its fingerprint replaces _fp when next asked for
         out.append(Deliver(seq, payload, self.epoch, replayed))
 
-    def _lose(self, out: list[Action], from_seq: int, to_seq: int, reason: str) -> None:
-        """Settle ``from_seq..to_seq``: held batches in it are delivered, only the rest is lost."""
+    def _lose(self, out: list[Action], to_seq: int, reason: str) -> None:
+        """Settle everything not yet settled up to ``to_seq`` (from ``delivered + 1``: every caller
+        settles from there): held batches in it are delivered, only the rest is lost."""
         for seq in sorted(s for s in self.held if s <= to_seq):
             payload = self.held.pop(seq)
             if seq <= self.delivered:
@@ -523,7 +519,7 @@ class StreamSequencer:
                 self._lost(out, self.delivered + 1, seq - 1, reason)
             self._deliver(out, seq, payload)
         if to_seq > self.delivered:
-            self._lost(out, max(from_seq, self.delivered + 1), to_seq, reason)
+            self._lost(out, self.delivered + 1, to_seq, reason)
         self._suspect = None
         self._drain(out)
 
@@ -536,7 +532,7 @@ class StreamSequencer:
         self._replay = self._request_id
         self._replay_start = self.delivered + 1
         self._replay_first = True
-        self._replies = 0
+        self._answered = False
         waiting = [*self.held, *self.unverified]
         # The last seq this replay must bring; -1: read to the end marker.
         if waiting:
@@ -596,13 +592,15 @@ class StreamSequencer:
         # told by their engine ts; the rest cannot be proven and is announced lost with the old
         # epoch's tail rather than delivered under it (I1 before I4).
         self._adopt_published_before_doubt()
-        known = [self.delivered, max(self.held, default=-1), max(self.unverified, default=-1)]
+        # The anchor is the old instance's even when above delivered (a batch known published,
+        # resumed from the checkpoint, not known delivered).
+        known = [self.delivered, self._anchor_seq, *self.held, *self.unverified]
         if not carried:
             # Seen live or replayed (perhaps not kept, past the bound) before the new instance
             # showed. With carried batches, those numbers may already count the new instance's
             # live seqs (nothing reported a disconnect): only what was kept is the old one's.
             known += [self._top, self.last_live if self.last_live is not None else -1]
-        top = max(known, default=-1)
+        top = max(known)
         self.unverified.clear()
         # The connection may have dropped again since continuity came into doubt: if what showed
         # the new instance was published before that, the instance connected now is unknown too.
@@ -610,10 +608,8 @@ class StreamSequencer:
         last = self._last_drop
         again = self._drops > 1 and (shown_at is None or last is None or shown_at < last - self.clock_skew)
         self._doubt = False
-        self._doubt_since = None
         if top > self.delivered:
-            self._lose(out, self.delivered + 1, top, reason)
-        self.held.clear()
+            self._lose(out, top, reason)
         self._replay = None
         self._attempts = 0
         self._suspect = None
@@ -633,5 +629,3 @@ class StreamSequencer:
             self.unverified, self.held = self.held, {}  # what was carried is not verified against it either
         else:
             self._drops = 0
-        if carried and not self.can_replay:
-            self._lose(out, 0, min(carried) - 1, "no_replay")

@@ -162,3 +162,14 @@ def test_a_batch_known_published_that_left_the_buffer_is_asked_again_then_announ
     (again,) = [a for a in out if isinstance(a, RequestReplay)]
     out = s.replayed(again.request_id, 9, p(0, 9))
     assert out[0] == Lost(3, 8, "replay_buffer_exceeded", 7) and delivered(out) == [(7, p(0, 9))]
+
+
+def test_a_batch_known_published_is_announced_lost_even_when_the_new_instance_shows_live_first() -> None:
+    """The new instance's live batch waits (in doubt) and is carried into the new epoch; the old
+    instance's batch at the anchor is still settled in its own epoch (found by mutation review)."""
+    s = resumed_before_first()
+    (req,) = [a for a in s.start() if isinstance(a, RequestReplay)]
+    assert s.live(4, p(1, 4)) == []  # unverified
+    out = s.replayed(req.request_id, 3, p(1, 3))
+    assert out[:2] == [Lost(3, 3, "publisher_restart", 7), Reset(8, "publisher_restart")]
+    assert s.known_top >= s.delivered
