@@ -19,6 +19,7 @@ import contextlib
 import fcntl
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -86,11 +87,32 @@ def kafka_version() -> str:
     return os.environ.get("KVB_KAFKA_VERSION") or DEFAULT_KAFKA_VERSION
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return low, high
+
+
 def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A TCP port that nothing listens on right now, outside the kernel's ephemeral range.
+
+    Not a port the kernel would pick (bind to 0): outgoing connections take their local port from
+    that range, so a port a test closes and binds again (an engine or a server restarting) could
+    be taken meanwhile, even by a client reconnecting to it (a TCP self-connect to 127.0.0.1)."""
+    low, high = _ephemeral_range()
+    span = (10000, low - 1) if low - 10000 >= 5000 else (high + 1, 65000)
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randint(*span)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in {span[0]}-{span[1]}")
 
 
 def env_port(var: str) -> int | None:

@@ -13,18 +13,13 @@ from typing import Any
 
 from bridge.config import from_data
 from bridge.runtime import Bridge
+from tests.infra.servers import free_port
 from tests.support.schema import check_line
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def free_ports(n: int, bases: Iterable[int] | None = None) -> list[int]:
-    """``n`` consecutive free ports (ranks use port + r) from a base the kernel picks, or from the
-    first of ``bases`` that has them."""
+    """``n`` consecutive free ports (ranks use port + r) from a base outside the kernel's
+    ephemeral range (see ``free_port``), or from the first of ``bases`` that has them."""
     for base in (free_port() for _ in range(200)) if bases is None else bases:
         if all(_bindable(p) for p in range(base, base + n)):
             return list(range(base, base + n))
