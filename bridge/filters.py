@@ -250,7 +250,7 @@ class EventFilter:
             gone = [k for k in _TOKENS if k in event]
         else:
             suffix = TOKEN_SUFFIX
-            gone = [k for k in event.keys() - _PLAIN if k == EXTRA or (type(k) is str and k.endswith(suffix))]
+            gone = [k for k in event.keys() - _PLAIN if k == EXTRA or _name(k).endswith(suffix)]
         if not gone:
             return event
         out = _without(event, gone)
@@ -258,6 +258,14 @@ class EventFilter:
         if hasher is not None and TOKEN_FIELD in gone:
             out[TOKEN_HASHES] = hasher.blocks(event[TOKEN_FIELD], event.get("block_size"), self._hex_tokens)
         return out
+
+
+def _name(key: object) -> str:
+    """A field name as a consumer reads it: a binary key (msgpack ``bin``) is written as text
+    too (base64 in JSON, bytes in msgpack), so it is matched by its UTF-8 text."""
+    if isinstance(key, bytes | bytearray | memoryview):
+        return bytes(key).decode("utf-8", "replace")
+    return key if isinstance(key, str) else ""
 
 
 def _without(event: Event, gone: Iterable[str]) -> Event:

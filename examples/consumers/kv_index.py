@@ -40,10 +40,11 @@ Record = dict[str, Any]
 def position(record: Record) -> tuple[int, int, int]:
     """Where ``record`` stands in its stream: (epoch, seq, sub), as the bridge orders it."""
     kind = record.get("type")
-    if "events" in record:  # a batch (batch granularity)
-        return record["epoch"], record["seq"], 0
+    # "index" first: an event record carries its event's own fields, which may include "events".
     if "index" in record:  # one event (event granularity)
         return record["epoch"], record["seq"], record["index"] + 1
+    if "events" in record:  # a batch (batch granularity)
+        return record["epoch"], record["seq"], 0
     if kind == "SourceReset":
         return record["epoch"], -1, 0
     return record["epoch"], record["seq"], LAST  # EventsLost (seq = its to_seq)
@@ -105,11 +106,11 @@ class KvIndex:
             view = self.streams[stream] = StreamView(pos[0], pos, starts, "" if starts else "joined mid-stream")
         view.pos = pos
         self.applied += 1
-        if "events" in record:  # a batch
+        if "index" in record:  # one event (its own fields may include "events")
+            self._event(stream, view, record)
+        elif "events" in record:  # a batch
             for event in record["events"]:
                 self._event(stream, view, event)
-        elif "index" in record:  # one event
-            self._event(stream, view, record)
         elif kind == "EventsLost":  # rule 4
             self._clear(stream, view)
             view.complete = False

@@ -324,3 +324,14 @@ def test_index_rules() -> None:
     index.apply(_batch(1, 0, _stored(10), source="f"))
     assert index.streams_holding(10) == {e, ("f", 0)}
     assert index.summary().startswith("2 distinct blocks")  # 3 (stream g) and 10
+
+
+def test_an_event_field_named_events_does_not_make_an_event_record_a_batch() -> None:
+    """An engine field ``events`` stays at the top of an event record (unknown fields are kept by
+    name): the index tells an event record by its ``index`` (found by a breaker)."""
+    kv_index = example("kv_index")
+    index = kv_index.KvIndex()
+    head = {"source": "e", "dp_rank": 0, "epoch": 5, "ts": 1.0, "schema_version": 1}
+    index.apply({**head, "seq": 0, "index": 0, "type": "BlockStored", "block_hashes": [42], "medium": "GPU"})
+    index.apply({**head, "seq": 1, "index": 0, "type": "BlockRemoved", "block_hashes": [42], "medium": "GPU", "events": []})
+    assert index.streams_holding(42) == set() and index.incomplete() == {}

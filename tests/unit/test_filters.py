@@ -93,6 +93,15 @@ def test_drop_removes_every_token_field_and_unnamed_positions() -> None:
     assert EventFilter(token_ids="drop")([REMOVED])[0] is REMOVED
 
 
+def test_a_token_field_under_a_binary_key_is_dropped_too() -> None:
+    """A hostile engine's map event with ``token_ids`` as a msgpack bin key (found by a breaker:
+    it went out as base64 in JSON and as bytes in msgpack)."""
+    event = {**STORED, b"token_ids": [900001, 900002], b"lora_token_ids": [3]}
+    del event["token_ids"]
+    (out,) = EventFilter(token_ids="drop")([event])
+    assert b"token_ids" not in out and b"lora_token_ids" not in out
+
+
 def test_hash_gives_one_keyed_hash_per_block_in_place_of_the_tokens() -> None:
     (out,) = EventFilter(token_ids="hash", key=KEY)([STORED])
     assert list(out) == ["type", "block_hashes", "parent_block_hash", "block_size", "medium", "extra_keys", "token_hashes"]
