@@ -141,11 +141,12 @@ def json_event(event: Event, hash_hex: bool) -> Event:
 
 
 _CONVERT = frozenset({bytes, bytearray, memoryview, dict, tuple})
-_HEADER_KEYS = HEADER_KEYS
+# An engine's own "shadowed" field goes under "shadowed" too, rather than being replaced.
+_HEADER_KEYS = HEADER_KEYS | {"shadowed"}
 
 
 def unshadow(event: Event) -> Event:
-    """The event with fields named like header keys moved under ``"shadowed"``.
+    """The event with fields named like header keys (or ``shadowed``) moved under ``"shadowed"``.
 
     At event granularity header and event share one object: such a field (a hostile or a future
     engine) would otherwise override the stream identity consumers deduplicate on.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import msgspec
+import pytest
 
 from bridge.formats import Renderer, hex64
 from bridge.records import Record, Stream, events_lost, source_reset
@@ -119,3 +120,14 @@ def test_a_ts_of_zero_is_a_ts_not_a_missing_one() -> None:
             assert message.headers["ts"] == "0.0", (fmt, granularity, message.headers)
             if fmt == "json":
                 assert json.loads(message.value)["ts"] == 0.0
+
+
+@pytest.mark.parametrize("fmt", ["json", "msgpack"])
+def test_an_engines_own_shadowed_field_is_kept_under_shadowed_not_replaced(fmt: str) -> None:
+    """Found by a breaker: an event with its own ``shadowed`` and a header-named field lost the
+    engine's ``shadowed`` value."""
+    event = {"type": "Future", "shadowed": {"engine": "data"}, "seq": 7}
+    record = Record(stream=Stream("s", 0), epoch=1, seq=3, ts=1.0, payload=b"x", events=[event])
+    (message,) = Renderer(fmt, "event").render(record)
+    body = msgspec.json.decode(message.value) if fmt == "json" else msgspec.msgpack.decode(message.value)
+    assert body["seq"] == 3 and body["shadowed"] == {"shadowed": {"engine": "data"}, "seq": 7}
