@@ -741,7 +741,11 @@ class KafkaServer(ManagedServer):
         if (self.data_dir / "meta.properties").exists():
             return
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        # Base64 may start with "-", which the storage tool's argument parser takes for an option
+        # (1 start in 64 failed with "--cluster-id: expected one argument"): draw until it doesn't.
+        cluster_id = "-"
+        while cluster_id.startswith("-"):
+            cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
         argv = [
             *self._java(libs),
             "kafka.tools.StorageTool",
