@@ -317,18 +317,16 @@ class CheckpointStore:
 
     async def _save(self) -> None:
         assert self.path
-        generation, snapshot = self.checkpointer.snapshot()
-        try:
-            await asyncio.to_thread(self.checkpointer.write, self.path, generation, snapshot)
-        except OSError as exc:
-            log.error("cannot save the checkpoint", extra={"path": self.path, "error": str(exc)})
+        await asyncio.to_thread(self._write, *self.checkpointer.snapshot())  # snapshot on the loop
 
     def save_now(self) -> None:
         """Save from the event loop itself (at shutdown: a save still writing in its thread
         cannot replace this one, see :meth:`Checkpointer.write`)."""
-        if not self.path:
-            return
-        generation, snapshot = self.checkpointer.snapshot()
+        if self.path:
+            self._write(*self.checkpointer.snapshot())
+
+    def _write(self, generation: int, snapshot: CheckpointFile) -> None:
+        assert self.path
         try:
             self.checkpointer.write(self.path, generation, snapshot)
         except OSError as exc:
