@@ -158,14 +158,10 @@ class Metrics:
             self.dead_letters.labels(reason)
 
     def start_sink(self, sink: str) -> None:
-        """Series of a configured sink whose labels are known, at 0: a healthy bridge's panels
-        show 0, not "no data"."""
-        for outcome in SINK_OUTCOMES:
-            self.sink_batches.labels(sink, outcome)
+        """A configured sink's error series, at 0 for every known reason: a healthy bridge's
+        panels show 0, not "no data" (its SinkWorker binds the outcome, event and retry series)."""
         for reason in SINK_ERROR_REASONS:
             self.sink_errors.labels(sink, reason)
-        self.sink_events.labels(sink)
-        self.sink_retries.labels(sink)
 
     def forget_source(self, source: str) -> None:
         """Drop every series of ``source`` (gone for good), so that label sets do not grow forever
