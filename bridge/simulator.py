@@ -244,15 +244,21 @@ class RankPublisher:
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
-        if bind:
-            self.pub.bind(endpoint)
-        else:
-            self.pub.connect(endpoint)
         self.router: zmq.asyncio.Socket | None = None
-        if replay_endpoint:
-            self.router = ctx.socket(zmq.ROUTER)
-            self.router.setsockopt(zmq.LINGER, 0)
-            self.router.bind(replay_endpoint)
+        try:
+            if bind:
+                self.pub.bind(endpoint)
+            else:
+                self.pub.connect(endpoint)
+            if replay_endpoint:
+                self.router = ctx.socket(zmq.ROUTER)
+                self.router.setsockopt(zmq.LINGER, 0)
+                self.router.bind(replay_endpoint)
+        except zmq.ZMQError:
+            self.pub.close(linger=0)
+            if self.router is not None:
+                self.router.close(linger=0)
+            raise
         self._replay_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -341,6 +347,14 @@ class Simulator:
         self.factories: list[EventFactory] = []
 
     async def __aenter__(self) -> Simulator:
+        try:
+            self._open_ranks()
+        except BaseException:
+            await self.__aexit__()
+            raise
+        return self
+
+    def _open_ranks(self) -> None:
         o = self.options
         for r in range(o.dp_ranks):
             pub = RankPublisher(
@@ -360,7 +374,6 @@ class Simulator:
             self.factories.append(
                 EventFactory(self.profile, seed=o.seed * 31 + r, block_size=o.block_size, blocks_per_event=o.blocks_per_event)
             )
-        return self
 
     async def __aexit__(self, *exc: object) -> None:
         for pub in self.ranks:

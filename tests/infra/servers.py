@@ -32,7 +32,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, Self, TypeVar
 
@@ -106,13 +106,34 @@ def free_port(host: str = LOOPBACK) -> int:
     rng = random.Random()
     for _ in range(500):
         port = rng.randint(*span)
+        if port in _handed_out:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
             except OSError:
                 continue
-            return port
+        reserve_ports([port])
+        return port
     raise RuntimeError(f"no free TCP port in {span[0]}-{span[1]}")
+
+
+# Ports free_port returned in this process. A test often picks several ports before it binds any
+# (an engine's, its replay socket's, a server's), and each is free when picked: without this, two
+# picks could return the same port and the second bind fail with "Address already in use".
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
+def reserve_ports(ports: Iterable[int]) -> None:
+    """Never hand these ports out again in this process."""
+    with _handed_out_lock:
+        _handed_out.update(ports)
+
+
+def port_reserved(port: int) -> bool:
+    """Whether free_port already handed this port out in this process."""
+    return port in _handed_out
 
 
 def env_port(var: str) -> int | None:

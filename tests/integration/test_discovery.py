@@ -19,7 +19,7 @@ import zmq.asyncio
 from bridge.runtime import Bridge
 from bridge.simulator import Simulator, SimulatorOptions
 from tests.support.dns import StubDns, stub_dns
-from tests.support.harness import batches, metric, read_lines, running_bridge, wait_for
+from tests.support.harness import batches, free_ports, metric, read_lines, running_bridge, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -30,9 +30,7 @@ HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 def _ports_free_on(hosts: list[str]) -> tuple[int, int]:
     """A PUB port and a replay port free on every host (discovery gives every engine the same ports)."""
     for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
+        base = free_ports(2)[0]
         ports = (base, base + 1)
         try:
             for h in hosts:
@@ -220,12 +218,13 @@ async def test_a_returning_source_resumes_after_what_it_delivered(tmp_path: Path
 
 async def test_ipv6_engines(tmp_path: Path) -> None:
     """AAAA records become tcp://[addr]:port sources (ZMQ needs its IPV6 option for those)."""
-    with socket.socket(socket.AF_INET6) as s:
-        try:
-            s.bind(("::1", 0))
-        except OSError as exc:
-            pytest.skip(f"no IPv6 loopback here: {exc}")
-        base = int(s.getsockname()[1])
+    base = free_ports(2)[0]
+    for port in (base, base + 1):
+        with socket.socket(socket.AF_INET6) as s:
+            try:
+                s.bind(("::1", port))
+            except OSError as exc:
+                pytest.skip(f"no IPv6 loopback here (or [::1]:{port} taken): {exc}")
     ctx = zmq.asyncio.Context()
     ctx.set(zmq.IPV6, 1)
     opts = SimulatorOptions(endpoint=f"tcp://[::1]:{base}", replay_endpoint=f"tcp://[::1]:{base + 1}", rate=0)

@@ -325,3 +325,22 @@ async def test_corrupt_checkpoint_is_reported_and_the_bridge_starts_fresh(
     saved = json.loads(ck.read_text())
     assert (saved["streams"]["ck/0"]["epoch"], saved["streams"]["ck/0"]["seq"]) == (first, 19)
     assert saved["epochs"] == {"ck/0": first}
+
+
+async def test_a_simulator_that_cannot_bind_closes_what_it_opened() -> None:
+    """A taken replay port fails the simulator's start with the bind error, and the sockets and
+    context it had opened are closed then, not left to the garbage collector (whose unclosed
+    socket warnings once failed whichever test ran next)."""
+    ports = free_ports(2)
+    taken = zmq.asyncio.Context()
+    blocker = taken.socket(zmq.ROUTER)
+    blocker.setsockopt(zmq.LINGER, 0)
+    blocker.bind(f"tcp://127.0.0.1:{ports[1]}")
+    try:
+        sim = Simulator(_sim(ports))
+        with pytest.raises(zmq.ZMQError, match="Address already in use"):
+            await sim.__aenter__()
+        assert sim.ctx.closed
+        assert not sim.ranks
+    finally:
+        taken.destroy(linger=0)

@@ -13,7 +13,7 @@ from typing import Any
 
 from bridge.config import from_data
 from bridge.runtime import Bridge
-from tests.infra.servers import free_port
+from tests.infra.servers import free_port, port_reserved, reserve_ports
 from tests.support.schema import check_line
 
 
@@ -21,8 +21,11 @@ def free_ports(n: int, bases: Iterable[int] | None = None) -> list[int]:
     """``n`` consecutive free ports (ranks use port + r) from a base outside the kernel's
     ephemeral range (see ``free_port``), or from the first of ``bases`` that has them."""
     for base in (free_port() for _ in range(200)) if bases is None else bases:
-        if all(_bindable(p) for p in range(base, base + n)):
-            return list(range(base, base + n))
+        ports = range(base, base + n)
+        others = ports[1:] if bases is None else ports  # free_port reserved the base it drew
+        if all(_bindable(p) for p in ports) and not any(port_reserved(p) for p in others):
+            reserve_ports(ports)
+            return list(ports)
     raise RuntimeError(f"no {n} consecutive free ports")
 
 
