@@ -233,7 +233,7 @@ def _run(coro_factory: Callable[[], Coroutine[Any, Any, int]]) -> int:
         return runner.run(coro_factory())
 
 
-def _tune_gc() -> None:
+def tune_gc() -> None:
     """Garbage collection for a long-running service that allocates many short-lived containers.
 
     Every decoded event is a dict holding lists, and the sink queues hold thousands of batches:
@@ -252,7 +252,7 @@ def serve(cfg: Config, registry: Registry | None = None) -> int:
     async def go() -> int:
         stop = asyncio.Event()
         _install_signals(stop)
-        _tune_gc()
+        tune_gc()
         return await run_bridge(cfg, stop, registry=registry)
 
     try:

@@ -264,7 +264,7 @@ class Renderer:
         else:
             s = record.stream
             json_ = self.format == "json"
-            if json_:
+            if json_ and (self.hash_hex or not record.plain):
                 events = [json_event(e, self.hash_hex) for e in events]
             body = EventBatch(s.source, s.dp_rank, record.epoch, record.seq, record.ts, SCHEMA_VERSION, events)
             value = _json.encode(body) if json_ else _msgpack.encode(body)
@@ -291,15 +291,28 @@ class Renderer:
             cut = head.index(_INDEX_ZERO) + len(_INDEX_ZERO) - 1
             prefix, rest = head[:cut], head[cut + 1 : -1] + b","
             encode, hash_hex, join, header_keys = _json.encode, self.hash_hex, b"".join, _HEADER_KEYS
+            # Plain batches (the decoder proved it) hold nothing to convert: no per-value check.
+            check = not record.plain
+            append, index_text, index_bytes = out.append, _INDEX_TEXT, _INDEX
             for i, event in enumerate(events):
                 # The common event (no binary, no field named like a header) is encoded as it is.
-                if hash_hex or not header_keys.isdisjoint(event) or _needs_json_fix(event):
+                if hash_hex or not header_keys.isdisjoint(event) or (check and _needs_json_fix(event)):
                     body = encode(json_event(unshadow(event), hash_hex))
                 else:
                     body = encode(event)
-                index = _INDEX[i] if i < 4096 else str(i).encode()
+                if i < 4096:
+                    index, text = index_bytes[i], index_text[i]
+                else:
+                    text = str(i)
+                    index = text.encode()
+                # The message, inline (one per event: a call per event costs as much as the rest).
+                type_ = event.get("type")
+                type_ = type_ if type_.__class__ is str else "Unknown"
+                headers = base.copy()
+                headers["type"] = type_
+                headers["index"] = text
                 value = join((prefix, index, rest, body[1:]))
-                out.append(self._event_message(record, i, event, value, id_prefix, epoch, slot, base))
+                append(Message(record, i, type_, value, headers, id_prefix + text, (epoch, slot, i + 1)))
         else:
             header = msgspec.structs.asdict(self._event_header(record))
             for i, event in enumerate(events):

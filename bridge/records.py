@@ -51,6 +51,9 @@ class Record(msgspec.Struct):
     event_count: int = -1
     """Events in the batch when ``events`` was left empty because no sink needs them (only the
     engine's bytes are forwarded); -1: ``len(events)``."""
+    plain: bool = False
+    """The decoder proved every event holds only JSON scalars and lists of them (see
+    ``wire.DecodedBatch.plain``): the JSON renderer has nothing to check or convert."""
 
     @property
     def n_events(self) -> int:

@@ -327,7 +327,14 @@ class StreamPipeline:
             counts[t] = counts.get(t, 0) + 1
         self._last = (seq, batch.ts)
         return Record(
-            stream=self.stream, epoch=epoch, seq=seq, ts=batch.ts, payload=payload, events=batch.events, received=received
+            stream=self.stream,
+            epoch=epoch,
+            seq=seq,
+            ts=batch.ts,
+            payload=payload,
+            events=batch.events,
+            received=received,
+            plain=batch.plain,
         )
 
     def _flush_metrics(self) -> None:

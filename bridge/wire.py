@@ -77,6 +77,9 @@ class DecodedBatch(msgspec.Struct):
     dp_rank: int | None = None
     bad_events: list[BadEvent] = msgspec.field(default_factory=list)
     extra: Any = None
+    plain: bool = False
+    """Every event field is a JSON scalar, a list of them or a list of such lists: nothing to
+    convert for JSON (no binary, no map, nothing nested deeper), known without looking."""
 
 
 def parse_seq(frame: bytes) -> int:
@@ -156,8 +159,68 @@ def normalise_event(raw: Any) -> Event:
     raise DecodeError("bad_event", f"event is a {_first_byte_kind(raw)}, expected an array or a map")
 
 
+# -- the plain fast path -------------------------------------------------------------------------
+#
+# Most batches hold only scalars and lists of scalars. A typed decoder that accepts exactly those
+# (it costs what the generic decode costs: both parse every byte once) yields the very objects the
+# generic decoder would, and proves on the way that the batch needs no JSON conversion, which the
+# renderer would otherwise check value by value. Anything else (binary, a map inside an event,
+# deeper nesting, extra batch fields, a bool rank, malformed input) fails it and takes the generic
+# path below, which decides and reports exactly as before.
+
+_Scalar = Union[bool, int, float, str, None]  # noqa: UP007 - a union of types, for msgspec
+_PlainValue = Union[bool, int, float, str, list[Union[bool, int, float, str, list[_Scalar], None]], None]  # noqa: UP007
+_PlainEvent = Union[dict[str, _PlainValue], list[_PlainValue]]  # noqa: UP007
+
+
+class _PlainArrayBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_PlainEvent]
+    rank: int | None = None
+    more: Any = msgspec.UNSET  # set: the batch has extra elements (the generic path keeps them)
+
+
+class _PlainMapBatch(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    ts: float
+    events: list[_PlainEvent]
+    data_parallel_rank: int | msgspec.UnsetType | None = msgspec.UNSET
+    attn_dp_rank: int | msgspec.UnsetType | None = msgspec.UNSET
+
+
+_plain_array = msgspec.msgpack.Decoder(_PlainArrayBatch)
+_plain_map = msgspec.msgpack.Decoder(_PlainMapBatch)
+
+
+def _decode_plain(payload: bytes) -> DecodedBatch | None:
+    """The batch by the plain fast path; None when it is not plain (or not well formed)."""
+    first = payload[0] if payload else 0
+    try:
+        if 0x92 <= first <= 0x9F or first in (0xDC, 0xDD):
+            a = _plain_array.decode(payload)
+            if a.more is not msgspec.UNSET:
+                return None
+            ts, events, rank = a.ts, a.events, a.rank
+        elif 0x82 <= first <= 0x8F or first in (0xDE, 0xDF):
+            m = _plain_map.decode(payload)
+            ts, events = m.ts, m.events
+            dpr, attn = m.data_parallel_rank, m.attn_dp_rank  # as the generic path: the first key present
+            rank = dpr if dpr is not msgspec.UNSET else (None if attn is msgspec.UNSET else attn)
+        else:
+            return None
+        out = [normalise_event(raw) for raw in events]
+    except (msgspec.DecodeError, ValueError, RecursionError, DecodeError):
+        return None  # the generic path decides, and reports a bad event without losing the others
+    return DecodedBatch(ts, out, rank, plain=True)
+
+
 def decode_batch(payload: bytes) -> DecodedBatch:
     """Decode one batch payload (any generation). Raises DecodeError for a malformed batch."""
+    plain = _decode_plain(payload)
+    return plain if plain is not None else decode_generic(payload)
+
+
+def decode_generic(payload: bytes) -> DecodedBatch:
+    """:func:`decode_batch` without the plain fast path (what the fast path must agree with)."""
     try:
         obj = _decoder.decode(payload)
     except (msgspec.DecodeError, ValueError, RecursionError) as exc:

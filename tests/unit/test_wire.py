@@ -228,3 +228,67 @@ def test_mutated_vectors_never_escape(vector: Any, data: st.DataObject) -> None:
         wire.parse_replay(frames)
     except DecodeError:
         pass
+
+
+# -- the plain fast path agrees with the generic decode --------------------------------------------
+
+_leaf = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=False),
+    st.text(max_size=4),
+    st.binary(max_size=4),
+)
+_values = st.recursive(
+    _leaf, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3), max_leaves=12
+)
+_event_shapes = st.one_of(
+    st.dictionaries(st.sampled_from(["type", "block_hashes", "x", "medium"]), _values, max_size=4).map(
+        lambda d: {"type": "BlockRemoved", **d} if "type" not in d else d
+    ),
+    st.lists(_values, max_size=4).map(lambda v: ["BlockStored", *v]),
+    _values,
+)
+_batches = st.one_of(
+    st.tuples(st.floats() | st.integers(-(2**63), 2**64 - 1) | st.booleans(), st.lists(_event_shapes, max_size=4)).flatmap(
+        lambda te: st.lists(_values, max_size=3).map(lambda tail: [te[0], te[1], *tail])
+    ),
+    st.fixed_dictionaries(
+        {"ts": st.floats() | st.integers(-(2**63), 2**64 - 1), "events": st.lists(_event_shapes, max_size=4)},
+        optional={"data_parallel_rank": _values, "attn_dp_rank": _values, "other": _values},
+    ),
+)
+
+
+def _outcome(decode: Any, payload: bytes) -> Any:
+    try:
+        b = decode(payload)
+    except DecodeError as exc:
+        return ("error", exc.reason)
+    return (b.ts, b.events, b.dp_rank, b.bad_events, b.extra)
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_batches)
+def test_the_plain_fast_path_decodes_exactly_as_the_generic_path(batch: Any) -> None:
+    """decode_batch (the typed fast path first) and decode_generic give the same result for any
+    batch; a batch decoded as plain holds nothing the JSON renderer would convert."""
+    from bridge.formats import json_event
+
+    payload = msgspec.msgpack.encode(batch)
+    fast, generic = _outcome(wire.decode_batch, payload), _outcome(wire.decode_generic, payload)
+    assert repr(fast) == repr(generic)  # repr: NaN equals itself, and 1 == 1.0 == True would hide a type change
+    decoded = None if fast[0] == "error" else wire.decode_batch(payload)
+    if decoded is not None and decoded.plain:
+        assert all(json_event(e, False) == e for e in decoded.events)
+
+
+def test_common_batches_take_the_plain_path_and_odd_ones_do_not() -> None:
+    payload = encode_batch(PROFILES["vllm-0.33.0"], 1.0, EventFactory(PROFILES["vllm-0.33.0"], seed=1).batch(4), 0)
+    assert wire.decode_batch(payload).plain
+    assert not wire.decode_batch(msgspec.msgpack.encode([1.0, [["BlockRemoved", [b"\x01" * 32], "GPU"]], 0])).plain
+    assert not wire.decode_batch(msgspec.msgpack.encode([1.0, [], 0, "extra"])).plain
+    assert wire.decode_batch(msgspec.msgpack.encode([1.0, [], 0, "extra"])).extra == ["extra"]
+    lone_attn = wire.decode_batch(msgspec.msgpack.encode({"ts": 1.0, "events": [], "attn_dp_rank": 0}))
+    assert lone_attn.plain and lone_attn.dp_rank == 0
