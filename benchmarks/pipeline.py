@@ -55,7 +55,7 @@ FILTERS: dict[str, dict[str, object]] = {
 }
 
 
-async def one(fmt: str, batches: int, burst: int) -> float:
+async def one(fmt: str, batches: int, burst: int, sinks: int = 1) -> float:
     """CPU microseconds per batch for ``batches`` batches in format ``fmt`` (FORMAT/GRANULARITY[/FILTER])."""
     f, g, *rest = fmt.split("/")
     filter_ = FILTERS[rest[0] if rest else ""]
@@ -63,7 +63,16 @@ async def one(fmt: str, batches: int, burst: int) -> float:
         {
             "sources": [{"name": "idle", "endpoint": "tcp://127.0.0.1:9"}],  # required; nothing publishes there
             "sinks": [
-                {"type": "file", "path": "/dev/null", "format": f, "granularity": g, "binary": "length-prefixed", **filter_}
+                {
+                    "type": "file",
+                    "name": f"null{i}",
+                    "path": "/dev/null",
+                    "format": f,
+                    "granularity": g,
+                    "binary": "length-prefixed",
+                    **filter_,
+                }
+                for i in range(sinks)
             ],
             "metrics": {"listen": ""},
             "replay": {"idle_probe": 0},
@@ -75,12 +84,12 @@ async def one(fmt: str, batches: int, burst: int) -> float:
     try:
         pipeline = StreamPipeline(bridge.context, Stream("bench", 0), replay_endpoint=None, replay_on_start=False, epoch=0)
         frames = _frames(batches)
-        worker = bridge.workers[0]
         started = time.process_time()
         for i in range(0, batches, burst):
             await pipeline.on_live(frames[i : i + burst], time.time())
             await asyncio.sleep(0)  # the sink worker's turn, as the event loop would give it
-        assert await worker.flush(60), "sink did not drain"
+        for worker in bridge.workers:
+            assert await worker.flush(60), f"sink {worker.name} did not drain"
         return (time.process_time() - started) / batches * 1e6
     finally:
         await bridge.stop()
@@ -141,6 +150,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=100_000)
     parser.add_argument("--burst", type=int, default=256, help="batches per on_live call (ingest.drain_max)")
     parser.add_argument("--rounds", type=int, default=5, help="runs per format; the best is shown")
+    parser.add_argument("--sinks", type=int, default=1, help="identical file sinks (they share one renderer)")
     parser.add_argument("--gc", choices=("cli", "default"), default="cli", help="GC settings: as python -m bridge, or Python's")
     args = parser.parse_args()
     if args.gc == "cli":
@@ -153,13 +163,13 @@ def main() -> None:
         factory = None
     print(f"{'format':16s} {'bridge us/batch':>16s} {'floor us/batch':>15s} {'bridge/floor':>13s}   all rounds (bridge | floor)")
     for fmt in args.formats.split(","):
-        floor = FLOORS.get("/".join(fmt.split("/")[:2])) if len(fmt.split("/")) == 2 else None
+        floor = FLOORS.get(fmt) if args.sinks == 1 else None
         frames = _frames(args.batches) if floor else []
         runs: list[float] = []
         floors: list[float] = []
         for _ in range(args.rounds):  # alternating, so that the machine's drift touches both alike
             with asyncio.Runner(loop_factory=factory) as runner:
-                runs.append(runner.run(one(fmt, args.batches, args.burst)))
+                runs.append(runner.run(one(fmt, args.batches, args.burst, args.sinks)))
             if floor is not None:
                 gc.collect()
                 floors.append(floor(frames))

@@ -158,6 +158,9 @@ def unshadow(event: Event) -> Event:
     return out
 
 
+SHARED_MAX = 1024
+"""Batches whose messages a shared renderer keeps for the sinks that have not taken them yet."""
+
 _INDEX_TEXT = [str(i) for i in range(4096)]
 _INDEX = [t.encode() for t in _INDEX_TEXT]
 # The encoded header's index key with the value 0: keys and string values are JSON-escaped, so
@@ -186,14 +189,39 @@ class Renderer:
         if fmt == "msgpack" and self.hash_hex:  # json converts hashes as it encodes; msgpack here
             event_filter = (event_filter or EventFilter()).with_hex_hashes()
         self.event_filter = None if fmt == "raw" else event_filter
+        self.sharers = 1
+        """Sinks that take a batch's messages from one rendering (the runtime counts them)."""
+        self._shared: dict[int, tuple[Record, list[Message], list[int]]] = {}
 
     def render(self, record: Record) -> list[Message]:
         """All messages for ``record``, in order.
+
+        With several sharers (sinks), the first to render a batch keeps the messages for
+        the others (they are read-only), until every one has taken them or ``SHARED_MAX`` newer
+        batches pushed them out (a sink far behind, or one that dropped the batch, renders again).
 
         Raises on values that cannot be encoded, including ones nested deeper than the stack allows
         (RecursionError: the decoder's bound depends on its own stack depth, not ours); the sink
         worker dead-letters the record on any Exception.
         """
+        if self.sharers == 1 or record.kind != "batch":
+            return self._render(record)
+        shared = self._shared
+        key = id(record)
+        hit = shared.get(key)
+        if hit is not None and hit[0] is record:
+            left = hit[2]
+            left[0] -= 1
+            if left[0] == 0:
+                del shared[key]
+            return hit[1]
+        messages = self._render(record)
+        shared[key] = (record, messages, [self.sharers - 1])
+        if len(shared) > SHARED_MAX:
+            del shared[next(iter(shared))]
+        return messages
+
+    def _render(self, record: Record) -> list[Message]:
         if record.kind != "batch":
             return [self._control(record)]
         events = record.events if self.event_filter is None else self.event_filter(record.events)

@@ -110,6 +110,8 @@ class Bridge:
             renderer = renderers.get(key)
             if renderer is None:
                 renderer = renderers[key] = Renderer(sink.format, sink.granularity, sink.hash_format, event_filter)
+            elif sink.format != "raw":  # a raw message costs less to render than to share
+                renderer.sharers += 1
             worker = SinkWorker(i, sink, conn, renderer, self.metrics, self.dead_letters, self.checkpointer.on_ack)
             self.metrics.start_sink(worker.name)
             self.workers.append(worker)

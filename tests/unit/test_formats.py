@@ -151,3 +151,29 @@ def test_a_batch_the_decoder_proved_plain_renders_as_when_every_value_is_checked
             checked = Record(stream=Stream("e", 0), epoch=1, seq=4, ts=batch.ts, events=batch.events, plain=False)
             trusted = msgspec.structs.replace(checked, plain=batch.plain)
             assert [m.value for m in renderer.render(trusted)] == [m.value for m in renderer.render(checked)], (name, hash_format)
+
+
+def test_sinks_sharing_a_renderer_take_one_rendering_of_each_batch() -> None:
+    from bridge import formats
+
+    renderer = Renderer("json", "event")
+    renderer.sharers = 3
+    stream = Stream("e", 0)
+    batches = [Record(stream=stream, epoch=1, seq=s, events=[{"type": "BlockRemoved", "block_hashes": [s]}]) for s in range(3)]
+    first = [renderer.render(b) for b in batches]
+    # The other two sinks get the very same messages; after the last, the batch is forgotten.
+    assert all(renderer.render(b) is m for b, m in zip(batches, first, strict=True))
+    assert all(renderer.render(b) is m for b, m in zip(batches, first, strict=True))
+    again = renderer.render(batches[0])
+    assert again is not first[0] and [m.value for m in again] == [m.value for m in first[0]]
+    renderer.render(batches[0])
+    renderer.render(batches[0])  # the three sharers of the second rendering have taken it
+    # Control records are rendered per sink (rare, and tiny).
+    reset = source_reset(stream, 2, "publisher_restart", 0.0)
+    assert renderer.render(reset) is not renderer.render(reset)
+    # A sink far behind (or one that dropped a batch) renders it again: the kept ones are bounded.
+    many = [Record(stream=stream, epoch=1, seq=s, events=[{"type": "AllBlocksCleared"}]) for s in range(formats.SHARED_MAX + 5)]
+    kept = [renderer.render(b) for b in many]
+    assert renderer.render(many[0]) is not kept[0]
+    assert renderer.render(many[-1]) is kept[-1]
+    assert len(renderer._shared) <= formats.SHARED_MAX
