@@ -207,7 +207,13 @@ def _decode_plain(payload: bytes) -> DecodedBatch | None:
             rank = dpr if dpr is not msgspec.UNSET else (None if attn is msgspec.UNSET else attn)
         else:
             return None
-        out = [normalise_event(raw) for raw in events]
+        out = [
+            # A map event with its type first (every current release) is used as decoded.
+            raw
+            if raw.__class__ is dict and next(iter(raw), None) == "type" and raw["type"].__class__ is str and raw["type"]
+            else normalise_event(raw)
+            for raw in events
+        ]
     except (msgspec.DecodeError, ValueError, RecursionError, DecodeError):
         return None  # the generic path decides, and reports a bad event without losing the others
     return DecodedBatch(ts, out, rank, plain=True)
