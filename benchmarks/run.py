@@ -281,7 +281,8 @@ class Result:
 class BridgeProcess:
     """``python -m bridge --config FILE`` with metrics on a free port."""
 
-    def __init__(self, workdir: Path, sink: dict[str, Any], shape: LoadShape, name: str) -> None:
+    def __init__(self, workdir: Path, sink: dict[str, Any], shape: LoadShape, name: str, cpus: set[int] | None = None) -> None:
+        self.cpus = cpus  # pinned to these CPUs (a pod's CPU limit, roughly), or free to use all
         self.metrics_port = free_port()
         self.config_path = workdir / f"{name}.yaml"
         config = {
@@ -303,6 +304,7 @@ class BridgeProcess:
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=self._log,
+            preexec_fn=(lambda cpus=self.cpus: os.sched_setaffinity(0, cpus)) if self.cpus else None,
         )
         try:
             wait_readyz(self.metrics_port, 90, self.proc)
@@ -342,12 +344,18 @@ def profile(pid: int, seconds: float, out: Path) -> subprocess.Popen[bytes] | No
 
 
 def bench_bridge(
-    pub: Publisher, workdir: Path, sink: dict[str, Any], fmt: str, duration: float, profile_dir: Path | None
+    pub: Publisher,
+    workdir: Path,
+    sink: dict[str, Any],
+    fmt: str,
+    duration: float,
+    profile_dir: Path | None,
+    cpus: set[int] | None = None,
 ) -> Result:
     shape = pub.shape
     name = f"{sink['type']}-{fmt.replace('/', '-')}"
     result = Result(sink["type"], fmt, shape.events, load=load_average())
-    with BridgeProcess(workdir, sink, shape, name) as bridge:
+    with BridgeProcess(workdir, sink, shape, name, cpus) as bridge:
         log(f"{name}: bridge pid {bridge.pid} ready")
         spy = None
         if profile_dir is not None:
@@ -680,6 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1, help="runs of each bridge and drain measurement (best kept)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--plot", type=Path, help="write a PNG plot here (needs matplotlib)")
+    parser.add_argument("--bridge-cpus", help="pin the bridge to these CPUs (e.g. 1: one core, as a pod limited to one core)")
     parser.add_argument("--profile", type=Path, help="py-spy raw profiles of the bridge at saturation, into this directory")
     args = parser.parse_args(argv)
     # SIGTERM (and SIGINT, even when started in the background with it ignored) end the run
@@ -694,7 +703,10 @@ def main(argv: list[str] | None = None) -> int:
     for f in formats:
         if f not in FORMATS_ALL:
             parser.error(f"unknown format {f!r}")
+    cpus = {int(c) for c in args.bridge_cpus.split(",")} if args.bridge_cpus else None
     info = machine()
+    if cpus:
+        info["bridge_cpus"] = sorted(cpus)
     load_start = load_average()
     log(f"machine: {info}; load {load_start}")
     run_id = uuid.uuid4().hex[:6]
@@ -739,7 +751,7 @@ def main(argv: list[str] | None = None) -> int:
                         runs = []
                         for _ in range(args.repeat):
                             try:
-                                runs.append(bench_bridge(pub, workdir, entry, fmt, args.duration, args.profile))
+                                runs.append(bench_bridge(pub, workdir, entry, fmt, args.duration, args.profile, cpus))
                             finally:
                                 if kind in addresses:
                                     cleanup(kind, addresses[kind], run_id)
