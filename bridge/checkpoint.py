@@ -18,6 +18,14 @@ So a bridge that starts without its checkpoint does not reuse an epoch a sink al
 unless the previous run opened its last epoch for the stream in the same minute as this start
 (or later: a stream that restarted more than once a minute ran ahead of the clock) and the
 engine restarted in between. Minutes, because Redis entry ids hold epochs below 2**24 (year 2056).
+
+Handover (``checkpoint.from_sinks``). A pod that takes over a stream without its previous owner's
+file asks each sink for the last message it holds of it (:class:`SinkPosition`); :func:`combine`
+turns those and the file's position into where the stream resumes (the lowest position a sink
+needs, never before the file's) and, per sink, what it skips (everything at or below what it
+holds), and :meth:`Checkpointer.adopt` takes the result: the stream goes on in the epoch the sinks
+hold, and any epoch it opens later is above every epoch a sink holds. The last batch a sink holds
+fingerprints the engine instance as a checkpoint's ``ts``/``crc`` do.
 """
 
 from __future__ import annotations
@@ -28,11 +36,14 @@ import os
 import tempfile
 import threading
 import zlib
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
 from .errors import BridgeError
+from .formats import CONTENT_TYPES
 from .records import Record
 
 log = logging.getLogger("bridge.checkpoint")
@@ -199,6 +210,23 @@ class Checkpointer:
         first = self.opened.get(key)
         return (first is not None and first.epoch > pos.epoch) or self.epochs.get(key, pos.epoch) > pos.epoch
 
+    def adopt(self, key: str, handover: Handover) -> None:
+        """Take what the sinks hold for a stream (see :func:`combine`) as its position: it resumes
+        from ``handover.resume``, and any epoch it opens is above every epoch a sink holds. Only
+        for a stream not started yet in this process (its position then is what was loaded)."""
+        if handover.resume is None:
+            self.loaded.pop(key, None)
+            self.opened.pop(key, None)
+        else:
+            self.loaded[key] = handover.resume
+            first = self.opened.get(key)
+            if first is not None and first.epoch < handover.resume.epoch:
+                del self.opened[key]
+        if handover.epoch is not None and handover.epoch > self.epochs.get(key, -1):
+            self.epochs[key] = handover.epoch
+        self._acked.pop(key, None)
+        self._generation += 1
+
     def note_first(self, key: str, record: Record) -> bool:
         """Record ``record`` as the first batch of its epoch if it is; True: save before it goes out."""
         first = self.opened.get(key)
@@ -337,3 +365,130 @@ class CheckpointStore:
         while True:
             await asyncio.sleep(interval)
             await self.save()
+
+
+# -- handover: the position a sink holds ----------------------------------------------------------
+
+MAX_SUB = (1 << 64) - 1
+"""The last sub-position of a slot: a whole batch (every event of it), or an ``EventsLost``."""
+
+SinkRecordKind = Literal["batch", "SourceReset", "EventsLost"]
+
+
+class SinkPosition(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The last message of one stream a sink holds (what a connector's ``positions()`` answers).
+
+    ``index``: the event's index at event granularity (None: the message holds the whole batch, or
+    is a control record); the batch may then be there only in part, up to that event. ``ts``: the
+    engine's timestamp of that batch; ``crc``: CRC-32 of the engine's payload when the sink holds
+    the bytes (``format: raw``), else None. Both fingerprint the batch, so that a restart of the
+    engine that kept counting on from this seq is still seen (see :class:`StreamPosition`)."""
+
+    epoch: int
+    seq: int
+    kind: SinkRecordKind = "batch"
+    index: int | None = None
+    ts: float | None = None
+    crc: int | None = None
+
+    @classmethod
+    def from_headers(cls, headers: Mapping[str, str | bytes], payload: bytes | None = None) -> SinkPosition:
+        """The position of a message from its stream header (Kafka / NATS headers, Redis entry
+        fields) and its body (the engine's payload when the header says ``raw``: its CRC-32 is kept;
+        ignored otherwise). ValueError when the header is not
+        one the bridge writes."""
+
+        def text(name: str) -> str | None:
+            value = headers.get(name)
+            return value.decode() if isinstance(value, bytes) else value
+
+        epoch, seq, type_ = text("epoch"), text("seq"), text("type")
+        if epoch is None or seq is None or type_ is None:
+            raise ValueError("not a bridge message: no epoch, seq or type header")
+        kind: SinkRecordKind = type_ if type_ in ("SourceReset", "EventsLost") else "batch"  # type: ignore[assignment]
+        index_text, ts_text = text("index"), text("ts")
+        ts = float(ts_text) if ts_text else None
+        raw = kind == "batch" and index_text is None and text("content-type") == CONTENT_TYPES["raw"]
+        crc = zlib.crc32(payload) if payload is not None and raw else None
+        return cls(int(epoch), int(seq), kind, int(index_text) if index_text else None, ts, crc)
+
+    def held_through(self) -> tuple[int, int, int]:
+        """The message position (epoch, slot, sub) up to which the sink holds the stream; a message
+        at or below it is one the sink has (see :meth:`bridge.formats.Message.position`)."""
+        if self.kind == "SourceReset":
+            return (self.epoch, 0, 0)
+        if self.kind == "batch" and self.index is not None:
+            return (self.epoch, self.seq + 1, self.index + 1)
+        return (self.epoch, self.seq + 1, MAX_SUB)
+
+    def resume(self) -> StreamPosition:
+        """Where a stream resumes for this sink to miss nothing. A batch held in part (event
+        granularity: the sink cannot tell whether its last event is the batch's last) counts as not
+        delivered; its fingerprint is kept at ``at`` so that the replay of it still verifies the
+        engine instance (the events the sink has are skipped, see :class:`Handover`)."""
+        if self.kind == "SourceReset":
+            return StreamPosition(self.epoch, -1)
+        if self.kind == "EventsLost":
+            return StreamPosition(self.epoch, self.seq)  # the batch before the loss is not known here
+        if self.index is not None:
+            return StreamPosition(self.epoch, self.seq - 1, self.ts, self.crc, self.seq)
+        return StreamPosition(self.epoch, self.seq, self.ts, self.crc)
+
+
+Held = SinkPosition | None | Literal["unknown"]
+"""What one sink says of one stream: its last message; None: nothing of the stream; ``"unknown"``:
+the sink cannot tell (no ``positions()``, a template it cannot resolve, a failed or timed-out read)."""
+
+
+def _order(p: StreamPosition) -> tuple[int, int]:
+    return (p.epoch, p.seq)
+
+
+def _held_through(p: StreamPosition) -> tuple[int, int, int]:
+    return (p.epoch, 0, 0) if p.seq < 0 else (p.epoch, p.seq + 1, MAX_SUB)
+
+
+class Handover(msgspec.Struct, frozen=True):
+    """Where one stream resumes when the sinks said what they hold (see :func:`combine`).
+
+    ``resume``: the position to resume from (None: fresh, in a new epoch); ``skip[i]``: sink i
+    already holds every message at or below this position (None: nothing to skip); ``epoch``: the
+    highest epoch any sink holds (a new epoch must be above it), or None."""
+
+    resume: StreamPosition | None
+    skip: list[tuple[int, int, int] | None]
+    epoch: int | None
+
+
+def combine(local: StreamPosition | None, held: Sequence[Held]) -> Handover:
+    """The rule for resuming one stream from the local checkpoint ``local`` and what each sink holds.
+
+    Per sink, the position it needs the stream from: the later of ``local`` (every sink
+    acknowledged it) and what it says it holds; ``local`` alone when it holds nothing or cannot
+    tell (nothing at all without a local checkpoint: fresh start). The stream resumes from the
+    lowest of those, so no sink misses anything, never before ``local``. A sink that holds more
+    skips, once, every message at or below what it holds: no duplicates even for a sink that
+    cannot drop them itself (Kafka). Positions compare by (epoch, seq): epochs grow along a stream.
+    """
+    needs: list[StreamPosition | None] = []
+    skip: list[tuple[int, int, int] | None] = []
+    epochs: list[int] = []
+    for h in held:
+        if isinstance(h, SinkPosition):
+            epochs.append(h.epoch)
+            own = h.resume()
+            need = own if local is None or _order(own) > _order(local) else local
+            through = h.held_through()
+            if local is not None and _held_through(local) > through:
+                through = _held_through(local)
+            needs.append(need)
+            skip.append(through)
+        else:
+            needs.append(local)
+            skip.append(_held_through(local) if local is not None else None)
+    resume: StreamPosition | None
+    if not needs or any(n is None for n in needs):
+        resume = None if needs else local
+    else:
+        resume = min((n for n in needs if n is not None), key=_order)
+    return Handover(resume, skip, max(epochs) if epochs else None)

@@ -198,6 +198,22 @@ class DiscoveryConfig(Struct):
 class CheckpointConfig(Struct):
     path: Annotated[str | None, doc("Checkpoint file (null: no checkpoint, start fresh every time).")] = None
     interval: Annotated[Duration, doc("How often the checkpoint is saved (also on shutdown).")] = Duration(5.0)
+    from_sinks: Annotated[
+        bool,
+        doc(
+            "Before a stream starts, ask each sink what it holds of it (Redis: the last entry of its key; "
+            "JetStream: the last message on its subject; Kafka: its last message in its partition) and resume "
+            "from the lowest of those and the checkpoint file; a sink that holds more skips what it has. "
+            "For pods that take over streams without the previous owner's checkpoint (sharded replicas)."
+        ),
+    ] = False
+    from_sinks_timeout: Annotated[
+        Duration,
+        doc(
+            "Bound on asking one sink for the positions of the streams starting together; a sink that does not "
+            "answer in time counts as holding what the checkpoint file says (nothing without one)."
+        ),
+    ] = Duration(10.0)
 
 
 class BatchConfig(Struct):

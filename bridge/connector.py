@@ -24,6 +24,19 @@ A connector class has:
 - ``async close()``: flush and release; must not raise;
 - ``async health()``: ``None`` when healthy, else a short reason (used by ``/readyz``, ``--check``).
 
+Optional, for ``checkpoint.from_sinks`` (a pod taking over streams it has no checkpoint for):
+
+- ``async positions(streams)``: what the sink holds of each stream, read from the sink itself:
+  ``{stream.key: SinkPosition}`` for the last message of the stream it holds (its header gives
+  epoch, seq, type, index and ts; :meth:`SinkPosition.from_headers` reads it, given the engine's
+  bytes for a ``raw`` batch), ``{stream.key: None}`` when it holds nothing of it, and no entry
+  when it cannot tell (a name template with ``{type}`` or ``{epoch}``, a read past its scan limit).
+  Called after ``connect()`` succeeded, possibly while writes run; read-only; bounded by
+  ``checkpoint.from_sinks_timeout`` (the runtime cancels it); raise on failure (every stream of
+  the call then counts as unknown). The runtime resumes each stream from the lowest position any
+  sink needs and drops, per sink, the messages at or below what that sink holds
+  (:func:`bridge.checkpoint.combine`), so the sink sees no duplicate even if it cannot drop one.
+
 The delivery contract (design.md, "Delivery"), kept by the runtime and this API together:
 
 - Per stream (``message.record.stream``), each sink receives messages in order. A message that
@@ -55,6 +68,7 @@ from typing import Annotated, Any, ClassVar, Protocol, runtime_checkable
 
 import msgspec
 
+from .checkpoint import SinkPosition
 from .config import ByteSize, Duration, SinkConfig, convert_options, doc
 from .config import Struct as ConnectorOptions
 from .errors import ConfigError, ConnectorError, NotConnected, PartialFailure, Permanent, Retriable
@@ -79,6 +93,13 @@ class Connector(Protocol):
     async def close(self) -> None: ...
 
     async def health(self) -> str | None: ...
+
+
+@runtime_checkable
+class PositionReader(Protocol):
+    """A connector that can say what it holds of each stream (see ``positions`` above)."""
+
+    async def positions(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]: ...
 
 
 class ConnectorFactory(Protocol):
@@ -242,11 +263,13 @@ __all__ = [
     "NotConnected",
     "PartialFailure",
     "Permanent",
+    "PositionReader",
     "Record",
     "Registry",
     "Retriable",
     "Secret",
     "SinkConfig",
+    "SinkPosition",
     "Stream",
     "Template",
     "TlsOptions",

@@ -4,6 +4,12 @@
 CLI and tests use; :func:`run` is the whole program given a config and a stop event. Shutdown
 goes in a fixed order within ``shutdown_timeout``: stop ingest and replays, flush every sink
 queue, save the checkpoint, close the connectors and the endpoints.
+
+With ``checkpoint.from_sinks``, every stream about to start (configured, or found by discovery)
+that this process has not run yet first asks each sink what it holds of it
+(:meth:`Bridge.take_over`): it resumes from the lowest position a sink needs (never before the
+checkpoint file's), and each sink drops, once per stream, the messages at or below what it holds
+(:class:`SkipHeld`). That is how a pod takes over streams without their previous owner's checkpoint.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import contextlib
 import logging
 import resource
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import zmq
@@ -21,14 +27,14 @@ import zmq.asyncio
 
 from . import checkpoint as ckpt
 from .config import Config, SourceConfig
-from .connector import Registry
+from .connector import Connector, PositionReader, Registry
 from .deadletter import DeadLetters, DecodeFailures
 from .discovery import Discovery
 from .endpoints import for_rank
-from .errors import ConfigError
+from .errors import ConfigError, PartialFailure
 from .fanout import Fanout
 from .filters import EventFilter, for_sink
-from .formats import Renderer
+from .formats import Message, Renderer
 from .health import HealthServer
 from .metrics import Metrics
 from .records import Stream
@@ -38,6 +44,58 @@ from .source import SourceReader
 from .stream import StreamContext, StreamPipeline
 
 log = logging.getLogger("bridge")
+
+
+class SkipHeld:
+    """A sink's connector that leaves out, per stream and once, the messages the sink already holds
+    (``through``: stream key -> message position, from :func:`bridge.checkpoint.combine`). A stream
+    that resumed below what this sink holds is re-sent from there for the other sinks' sake; this sink
+    gets only what follows. A stream's entry goes with its first message past it (positions grow
+    along a stream, and an epoch opened now is above every epoch a sink holds)."""
+
+    def __init__(self, inner: Connector) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.needs_events = getattr(inner, "needs_events", True)
+        self.through: dict[str, tuple[int, int, int]] = {}
+        self.skipped = 0  # messages left out (tests, logs)
+
+    async def connect(self) -> None:
+        await self.inner.connect()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def health(self) -> str | None:
+        return await self.inner.health()
+
+    async def write(self, messages: Sequence[Message]) -> None:
+        through = self.through
+        if not through:
+            await self.inner.write(messages)
+            return
+        keep: list[int] = []
+        for i, m in enumerate(messages):
+            key = m.record.stream.key
+            limit = through.get(key)
+            if limit is not None:
+                position = m.position
+                if m.record.kind == "EventsLost":  # it sorts after the batch at its to_seq
+                    position = (position[0], position[1], ckpt.MAX_SUB)
+                if position <= limit:
+                    continue
+                del through[key]
+            keep.append(i)
+        if len(keep) == len(messages):
+            await self.inner.write(messages)
+            return
+        self.skipped += len(messages) - len(keep)
+        if not keep:
+            return
+        try:
+            await self.inner.write([messages[i] for i in keep])
+        except PartialFailure as exc:
+            raise PartialFailure({keep[j]: e for j, e in exc.errors.items() if 0 <= j < len(keep)}) from None
 
 
 class Bridge:
@@ -82,6 +140,7 @@ class Bridge:
         self.health: HealthServer | None = None
         self._checkpoint_task: asyncio.Task[None] | None = None
         self.discovery: Discovery | None = None
+        self.skips: list[SkipHeld] = []  # with checkpoint.from_sinks: every sink's connector, wrapped
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def __aenter__(self) -> Bridge:
@@ -93,7 +152,7 @@ class Bridge:
 
     async def start(self) -> None:
         cfg = self.config
-        connectors = []
+        connectors: list[Connector] = []
         problems: list[str] = []
         for i, sink in enumerate(cfg.sinks):
             try:
@@ -103,6 +162,11 @@ class Bridge:
         if problems:
             raise ConfigError(problems)
         self.store = self.context.epochs = ckpt.CheckpointStore(cfg.checkpoint.path, len(cfg.sinks))
+        if cfg.checkpoint.from_sinks:
+            self.skips = [SkipHeld(c) for c in connectors]
+            connectors = [skip for skip in self.skips]
+            await self._connect_position_readers()
+            await self.take_over([s for source in cfg.sources for s in _streams(source)])
         renderers: dict[tuple[str, str, str, EventFilter | None], Renderer] = {}
         for i, (sink, conn) in enumerate(zip(cfg.sinks, connectors, strict=True)):
             event_filter = for_sink(sink)
@@ -141,6 +205,8 @@ class Bridge:
 
     async def add_source(self, source: SourceConfig) -> None:
         """Subscribe to every rank of ``source`` (also used by discovery at run time)."""
+        if self.skips:
+            await self.take_over(_streams(source))
         added = self._add_pipelines(source)
         await self.persist_epochs()  # epochs opened here are on disk before any record of them
         await self._start_readers(source, added)
@@ -291,6 +357,92 @@ class Bridge:
                 if pipeline.replay_endpoint is not None and now - pipeline.last_activity >= quiet:
                     await pipeline.probe()
 
+    # -- handover (checkpoint.from_sinks) --------------------------------------------------------
+    async def _connect_position_readers(self) -> None:
+        """Connect the sinks that can tell positions, each within ``from_sinks_timeout``, before their
+        workers start (``connect()`` again is a no-op for them); one that fails is read as unknown."""
+        timeout = self.config.checkpoint.from_sinks_timeout
+
+        async def connect(skip: SkipHeld) -> None:
+            try:
+                async with asyncio.timeout(timeout):
+                    await skip.inner.connect()
+            except Exception as exc:  # TimeoutError, NotConnected, a client's own error
+                log.error(
+                    "sink not reachable to read stream positions: streams resume from the checkpoint file (or afresh)",
+                    extra={"sink": skip.name, "error": str(exc) or type(exc).__name__},
+                )
+
+        await asyncio.gather(*(connect(s) for s in self.skips if isinstance(s.inner, PositionReader)))
+
+    async def take_over(self, streams: Sequence[Stream]) -> None:
+        """Before ``streams`` start: ask every sink what it holds of them (all sinks at once, each
+        within ``checkpoint.from_sinks_timeout``), set where each resumes and what each sink skips
+        (:func:`bridge.checkpoint.combine`). Streams this process ran already resume where they
+        stopped and are not asked for."""
+        wanted = [s for s in streams if s.key not in self.pipelines and s.key not in self._retired]
+        if not wanted or not self.skips:
+            return
+        held = await asyncio.gather(*(self._positions(skip, wanted) for skip in self.skips))
+        for stream in wanted:
+            key = stream.key
+            local = self.checkpointer.resume_position(key)
+            handover = ckpt.combine(local, [h.get(key, "unknown") for h in held])
+            self.checkpointer.adopt(key, handover)
+            for skip, through in zip(self.skips, handover.skip, strict=True):
+                if through is not None:
+                    skip.through[key] = through
+                else:
+                    skip.through.pop(key, None)
+            if handover.resume != local:
+                log.debug(
+                    "stream resumes from what the sinks hold",
+                    extra={
+                        "stream": key,
+                        "epoch": handover.resume.epoch if handover.resume else None,
+                        "seq": handover.resume.seq if handover.resume else None,
+                    },
+                )
+
+    async def _positions(self, skip: SkipHeld, streams: list[Stream]) -> dict[str, ckpt.Held]:
+        """What one sink holds of ``streams``; nothing (every stream unknown) when it cannot say."""
+        reader = skip.inner
+        if not isinstance(reader, PositionReader):
+            return {}
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.config.checkpoint.from_sinks_timeout):
+                found = await reader.positions(streams)
+        except Exception as exc:  # TimeoutError, a connector error, a client's own
+            names = [s.key for s in streams]
+            log.error(
+                "cannot read stream positions from the sink: these streams resume from the checkpoint file "
+                "(or afresh, in a new epoch), and the sink may get records it holds again",
+                extra={
+                    "sink": skip.name,
+                    "stream": ", ".join(names[:20]) + (f" (+{len(names) - 20} more)" if len(names) > 20 else ""),
+                    "count": len(names),
+                    "error": str(exc) or type(exc).__name__,
+                },
+            )
+            return {}
+        unknown = [s.key for s in streams if s.key not in found]
+        if unknown:
+            log.warning(
+                "the sink cannot tell what it holds of these streams: they resume from the checkpoint file (or afresh)",
+                extra={"sink": skip.name, "stream": ", ".join(unknown[:20]), "count": len(unknown)},
+            )
+        log.info(
+            "stream positions read from the sink",
+            extra={
+                "sink": skip.name,
+                "count": len(streams),
+                "held": sum(1 for v in found.values() if v is not None),
+                "seconds": round(time.perf_counter() - started, 4),
+            },
+        )
+        return dict(found)
+
     # -- checkpoint -----------------------------------------------------------------------------
     @property
     def checkpointer(self) -> ckpt.Checkpointer:
@@ -323,3 +475,7 @@ async def run(config: Config, stop: asyncio.Event, *, registry: Registry | None 
     finally:
         await bridge.stop()
     return 1 if bridge.failed is not None else 0
+
+
+def _streams(source: SourceConfig) -> list[Stream]:
+    return [Stream(source.name, rank, dict(source.labels)) for rank in range(source.dp_ranks)]

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka import errors as kafka_errors
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.codec import has_lz4, has_snappy, has_zstd
@@ -45,9 +45,12 @@ from bridge.connector import (
     NotConnected,
     PartialFailure,
     Permanent,
+    Record,
     Retriable,
     Secret,
     SinkConfig,
+    SinkPosition,
+    Stream,
     Template,
     TlsOptions,
     doc,
@@ -97,6 +100,7 @@ _UNREACHABLE = (
 )
 _METADATA_RETRY_PAUSE = 0.5  # seconds between metadata updates while no broker answers
 _HEADROOM = 4096  # a message this close to max_batch_bytes gets its exact size computed
+_SCAN_CHUNK = 2_000  # records read at a time, backward from a partition's end (positions())
 _MEMORY = 10_000  # msg_ids remembered as refused by the broker, or to be sent alone
 
 
@@ -153,6 +157,17 @@ class KafkaOptions(ConnectorOptions):
         bool, doc("Let the broker auto-create a missing topic on first use (if the broker allows it).")
     ] = True
     client_id: Annotated[str | None, doc("Client id seen by the brokers (default: kv-event-bridge-SINKNAME).")] = None
+    position_scan: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1,
+            description=(
+                "checkpoint.from_sinks: records read back from the end of a partition, at most, to find the last "
+                "message of each stream starting; a stream not found within them counts as unknown (it resumes "
+                "from the checkpoint file, or afresh)."
+            ),
+        ),
+    ] = 100_000
 
     def __post_init__(self) -> None:
         # msgspec turns a ValueError here into a validation error at the sink's path.
@@ -273,6 +288,8 @@ class KafkaConnector:
         self._alone: dict[str, None] = {}  # msg_ids to send one per batch (they were in a refused batch)
         self._refused: dict[str, Permanent] = {}  # msg_id -> why the broker refused it alone
         self._created: set[str] = set()
+        self._reader: Any = None  # the consumer positions() reads partitions back with
+        self._windows: dict[Any, _Window] = {}  # what it read of each partition
 
     def __repr__(self) -> str:
         return f"KafkaConnector(name={self.name!r}, servers={self._servers!r}, topic={self.options.topic!r})"
@@ -312,6 +329,13 @@ class KafkaConnector:
     async def close(self) -> None:
         """Stop the producer, dropping what it still holds (the runtime bounds the call); never raises."""
         self._closed = True
+        reader, self._reader = self._reader, None
+        self._windows.clear()
+        if reader is not None:
+            try:
+                await reader.stop()
+            except (kafka_errors.KafkaError, OSError) as exc:
+                log.debug("kafka position reader did not stop cleanly", extra={"sink": self.name, "error": _describe(exc)})
         if self._producer is not None:
             try:
                 await self._discard()
@@ -341,6 +365,91 @@ class KafkaConnector:
         except (kafka_errors.KafkaError, OSError) as exc:
             return f"cannot reach {self._servers} ({_describe(exc)})"
         return None
+
+    async def positions(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:
+        """The last message of each stream in its partition (``checkpoint.from_sinks``).
+
+        A partition holds many streams, so it is read backward from its end in chunks of
+        :data:`_SCAN_CHUNK` records, once for every stream wanted in it, until each has its last
+        message, the partition's start (the rest hold nothing), or ``position_scan`` records (the
+        rest cannot tell). A message counts when its key is the stream's and its headers name the
+        stream. A topic template with ``{type}`` or ``{epoch}`` spreads a stream over topics: cannot
+        tell."""
+        if any(f in self._topic.fields for f in ("type", "epoch")):
+            return {}
+        producer = self._producer  # started by connect(); not here, beside the sink's own reconnects
+        if producer is None:
+            raise NotConnected(f"{self._where}: not connected to {self._servers}")
+        wanted: dict[tuple[str, int], dict[bytes, Stream]] = {}
+        for stream in streams:
+            probe = Message(Record(stream=stream, epoch=0, seq=0), None, "EventBatch", b"", {}, "", (0, 1, 0))
+            topic = self._topic.render(probe)
+            if topic not in self._partitions:
+                await self._prepare_topic(producer, topic)
+            parts = self._partitions[topic]
+            key = stream.key.encode()
+            fixed = self.options.partition
+            partition = fixed if fixed is not None else _PARTITIONER(key, parts, parts)
+            wanted.setdefault((topic, partition), {})[key] = stream
+        consumer = self._reader
+        if consumer is None:
+            # Kept for later calls (discovery asks source by source) until close().
+            consumer = AIOKafkaConsumer(
+                **client_settings(self.options, self.name),
+                ssl_context=ssl_context(self.options),
+                group_id=None,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+            )
+            await consumer.start()
+            self._reader = consumer
+        try:
+            out: dict[str, SinkPosition | None] = {}
+            tps = [TopicPartition(t, p) for t, p in wanted]
+            consumer.assign(tps)
+            ends = await consumer.end_offsets(tps)
+            begins = await consumer.beginning_offsets(tps)
+            for tp in tps:
+                out.update(await self._scan(consumer, tp, begins[tp], ends[tp], wanted[(tp.topic, tp.partition)]))
+            return out
+        except BaseException:
+            self._reader = None  # cancelled (timed out) or failed half-way: start over next time
+            self._windows.clear()
+            await consumer.stop()
+            raise
+
+    async def _scan(
+        self, consumer: Any, tp: Any, begin: int, end: int, wanted: dict[bytes, Stream]
+    ) -> dict[str, SinkPosition | None]:
+        """The last message of each wanted stream in one partition (see :meth:`positions`).
+
+        What was read of the partition is kept (:class:`_Window`): a later call reads only the
+        records written since, then further back if a stream is not found yet, so discovery asking
+        source by source reads each record of a partition at most once."""
+        window = self._windows.get(tp)
+        if window is None or window.hi > end or window.lo < begin or end - window.hi > self.options.position_scan:
+            window = self._windows[tp] = _Window(end)  # new, truncated or too far behind: start at the end
+        if end > window.hi:  # written since the last call: newer than anything kept
+            window.last.update(await _read(consumer, tp, window.hi, end))
+            window.hi = end
+        out: dict[str, SinkPosition | None] = {}
+        left = {k: s for k, s in wanted.items() if k not in window.last}
+        while left and window.lo > begin and window.hi - window.lo < self.options.position_scan:
+            lo = max(begin, window.lo - min(_SCAN_CHUNK, self.options.position_scan - (window.hi - window.lo)))
+            for key, older in (await _read(consumer, tp, lo, window.lo)).items():
+                window.last.setdefault(key, older)  # what a later record said stands
+                left.pop(key, None)
+            window.lo = lo
+        for key, stream in wanted.items():
+            found = window.last.get(key)
+            if found is None:
+                if window.lo <= begin:
+                    out[stream.key] = None  # read back to the partition's start: holds nothing
+                continue  # past position_scan: cannot tell
+            source, rank, position = found
+            if source == stream.source and rank == str(stream.dp_rank) and position is not None:
+                out[stream.key] = position
+        return out
 
     # -- the write path -------------------------------------------------------------------------
     async def _build(self, producer: Any, messages: Sequence[Message], errors: dict[int, ConnectorError]) -> list[list[_Chunk]]:
@@ -604,6 +713,44 @@ class KafkaConnector:
                 raise NotConnected(f"{self._where}: {self._topic_problem}", reason="create_topic")
         self._created.add(topic)
         log.info("kafka topic ready (created or already there)", extra={"sink": self.name, "topic": topic})
+
+
+# Per record key: the stream its last message names (source, dp_rank) and that message's position
+# (None: a header the bridge does not write).
+_Found = tuple[str, str, SinkPosition | None]
+
+
+class _Window:
+    """What :meth:`KafkaConnector.positions` has read of one partition: offsets ``lo``..``hi``, and
+    per key its last message in that range."""
+
+    def __init__(self, end: int) -> None:
+        self.lo = self.hi = end
+        self.last: dict[bytes, _Found] = {}
+
+
+async def _read(consumer: Any, tp: Any, lo: int, hi: int) -> dict[bytes, _Found]:
+    """The last message of each key among offsets ``lo``..``hi - 1`` of one partition that the
+    bridge wrote (headers ``source`` and ``dp_rank``)."""
+    last: dict[bytes, _Found] = {}
+    consumer.seek(tp, lo)
+    while await consumer.position(tp) < hi:
+        got = await consumer.getmany(tp, timeout_ms=200, max_records=_SCAN_CHUNK)
+        for record in got.get(tp, []):
+            if record.offset >= hi:
+                break
+            if record.offset < lo or record.key is None:  # the broker answers from a record batch's start
+                continue
+            headers = dict(record.headers)
+            source, rank = headers.get("source"), headers.get("dp_rank")
+            if source is None or rank is None:
+                continue  # not the bridge's
+            try:
+                position: SinkPosition | None = SinkPosition.from_headers(headers, record.value)
+                last[record.key] = (source.decode(), rank.decode(), position)
+            except (ValueError, UnicodeDecodeError):
+                last[record.key] = ("", "", None)
+    return last
 
 
 def _remember(memory: dict[str, Any], entries: dict[str, Any]) -> None:

@@ -62,6 +62,7 @@ from bridge.connector import (
     Retriable,
     Secret,
     SinkConfig,
+    SinkPosition,
     Stream,
     Template,
     TlsOptions,
@@ -353,6 +354,7 @@ class NatsConnector:
         self._ack_prefix = ""  # JetStream acks: one wildcard inbox subscription, a token per publish
         self._tokens = itertools.count()
         self._acks: dict[str, tuple[_Acks, int]] = {}  # reply token -> who waits for it, at which position
+        self._position_stream: str | None = None  # the JetStream stream positions() reads, once found
 
     # -- connector hooks ------------------------------------------------------------------------
     async def connect(self) -> None:
@@ -426,6 +428,44 @@ class NatsConnector:
         if not nc.is_connected:
             return self._reconnecting()
         return self._stream_problem
+
+    async def positions(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:
+        """The last message on each stream's subject (``checkpoint.from_sinks``, JetStream mode): the
+        JetStream stream capturing the subjects is found once, then one ``STREAM.MSG.GET`` request
+        (last by subject) per stream, up to 64 in flight. Core NATS keeps nothing, and a subject
+        template with ``{type}`` or ``{epoch}`` spreads a stream over subjects: cannot tell."""
+        nc = self._nc
+        fields = self._subjects.template.fields
+        if self.options.mode != "jetstream" or "type" in fields or "epoch" in fields:
+            return {}
+        if nc is None or nc.is_closed or not nc.is_connected:
+            raise NotConnected(f"{self._prefix}: not connected to NATS at {self._where}")
+        js = nc.jetstream(timeout=self.options.connect_timeout)
+        name = self._position_stream
+        if name is None:
+            name = self._position_stream = await js.find_stream_name_by_subject(subject_filter(self.options.subject))
+        window = asyncio.Semaphore(64)
+        out: dict[str, SinkPosition | None] = {}
+
+        async def last(stream: Stream) -> None:
+            probe = Message(Record(stream=stream, epoch=0, seq=0), None, "EventBatch", b"", {}, "", (0, 1, 0))
+            subject = self._subjects.render(probe)
+            async with window:
+                try:
+                    msg = await js.get_last_msg(name, subject)
+                except nats.js.errors.NotFoundError:
+                    out[stream.key] = None
+                    return
+            headers = msg.headers or {}
+            if headers.get("source") != stream.source or headers.get("dp_rank") != str(stream.dp_rank):
+                return  # another publisher's message, or a subject shared with another stream: cannot tell
+            try:
+                out[stream.key] = SinkPosition.from_headers(headers, msg.data)
+            except ValueError:
+                return
+
+        await asyncio.gather(*(last(s) for s in streams))
+        return out
 
     # -- writes ---------------------------------------------------------------------------------
     async def _write_core(self, nc: Client, messages: Sequence[Message]) -> dict[int, ConnectorError]:

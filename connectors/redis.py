@@ -112,6 +112,7 @@ from bridge.connector import (
     Retriable,
     Secret,
     SinkConfig,
+    SinkPosition,
     Stream,
     Template,
     TlsOptions,
@@ -291,6 +292,12 @@ class RedisOptions(ConnectorOptions):
 def _sample(source: str, dp_rank: int, type_: str) -> Message:
     rec = Record(stream=Stream(source, dp_rank), epoch=1, seq=0)
     return Message(record=rec, index=None, type=type_, value=b"", headers={}, msg_id="", position=(1, 1, 0))
+
+
+def _sample_of(stream: Stream) -> Message:
+    """A message of ``stream`` to render its key with (the template names no type or epoch)."""
+    rec = Record(stream=stream, epoch=0, seq=0)
+    return Message(record=rec, index=None, type="EventBatch", value=b"", headers={}, msg_id="", position=(0, 1, 0))
 
 
 _SAMPLES = [
@@ -688,6 +695,43 @@ class RedisConnector:
             if all(e is first for e in errors.values()) or not any(isinstance(e, Permanent) for e in errors.values()):
                 raise first
         raise PartialFailure(errors)
+
+    async def positions(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:
+        """The last entry of each stream's key (``checkpoint.from_sinks``): one ``XREVRANGE key + -
+        COUNT 1`` per stream, all in one pipeline (per node in a cluster). A key that does not exist
+        holds nothing; a key template with ``{type}`` or ``{epoch}`` (a stream spread over keys), a key
+        that is no stream or whose top entry is not the bridge's, cannot tell."""
+        if any(f in self._stream.fields for f in ("type", "epoch")):
+            return {}
+        keys = {s.key: self._stream.render(_sample_of(s)) for s in streams}
+        pipe = self._connection().pipeline(transaction=False)
+        for key in keys.values():
+            pipe.execute_command("XREVRANGE", key, "+", "-", "COUNT", 1)
+        try:
+            replies = await pipe.execute(raise_on_error=False)
+        except (RedisError, RedisClusterException, OSError) as exc:
+            raise self._classify(exc, "cannot read stream positions") from None
+        out: dict[str, SinkPosition | None] = {}
+        for stream, reply in zip(streams, replies, strict=True):
+            if isinstance(reply, BaseException):
+                continue  # WRONGTYPE, ...: cannot tell
+            if not reply:
+                out[stream.key] = None
+                continue
+            entry_id_, raw = reply[0]
+            fields = raw if isinstance(raw, dict) else dict(zip(raw[::2], raw[1::2], strict=True))
+            if fields.get(b"source") != stream.source.encode() or fields.get(b"dp_rank") != str(stream.dp_rank).encode():
+                continue
+            try:
+                held = SinkPosition.from_headers(
+                    {k.decode(): v for k, v in fields.items() if k != b"payload"}, fields.get(b"payload")
+                )
+            except (ValueError, UnicodeDecodeError):
+                continue
+            if entry_position(entry_id_)[0] != held.epoch:
+                continue  # not an id this connector wrote
+            out[stream.key] = held
+        return out
 
     # -- internals --------------------------------------------------------------------------
     def _claim(self, stream: str, key: str, field: str) -> Retriable | None:

@@ -1,0 +1,391 @@
+"""Handover without a shared volume (``checkpoint.from_sinks``), on the real brokers.
+
+A bridge delivers part of an engine's streams to one sink and goes away: stopped, or killed
+(SIGKILL, in a process of its own, while the engine publishes). A new bridge with no checkpoint
+file and the switch on takes the streams over. Read back from the sink, every (epoch, seq, index)
+is there exactly once, all in the epoch the first bridge opened, with no SourceReset; when the
+engine restarted meanwhile (and counted on past the old seqs, so only the fingerprint of the last
+batch the sink holds shows it), the new instance is in a new epoch opened by a SourceReset.
+
+Each sink in another shape: Redis json/event (a batch may be held in part), NATS JetStream
+msgpack/batch, Kafka raw/batch (the fingerprint holds the payload's CRC; two streams share one
+partition, read backward to find each).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bridge.checkpoint import SinkPosition
+from bridge.config import from_data
+from bridge.connector import Registry
+from bridge.formats import Message
+from bridge.records import Stream
+from bridge.runtime import Bridge
+from bridge.simulator import Simulator, SimulatorOptions
+from tests.support.harness import free_ports
+from tests.support.memory import MemoryConnector
+from tests.support.process import BridgeProcess, bridge_config
+from tests.support.readback import Readback, read_jetstream, read_kafka, read_redis
+
+pytestmark = pytest.mark.integration
+
+RANKS = 2
+EVENTS = 3
+SOURCE = "eng"
+Rows = list[tuple[int, int, int, int, str]]
+
+
+class Sink:
+    """One sink under test: its config and how to read it back."""
+
+    def __init__(self, kind: str, config: dict[str, Any], read: Callable[[], Any], granularity: str) -> None:
+        self.kind = kind
+        self.config = config
+        self.read = read
+        self.granularity = granularity
+
+
+@pytest.fixture(params=["redis", "nats", "kafka"])
+async def sink(request: pytest.FixtureRequest) -> Sink:
+    uid = uuid.uuid4().hex[:8]
+    kind = request.param
+    retry = {"initial_backoff": "20ms", "max_backoff": "200ms", "write_timeout": "10s"}
+    base = {"type": kind, "name": kind, "batch": {"linger": 0}, "retry": retry}
+    if kind == "redis":
+        server = request.getfixturevalue("fresh_redis")
+        template = f"h{uid}:{{source}}:{{dp_rank}}"
+        keys = [f"h{uid}:{SOURCE}:{r}" for r in range(RANKS)]
+        cfg = {**base, "format": "json", "granularity": "event", "url": server.url, "stream": template}
+        return Sink(kind, cfg, lambda: read_redis(server.url, keys), "event")
+    if kind == "nats":
+        server = request.getfixturevalue("nats_server")
+        name = f"H{uid}"
+        options = {"servers": server.url, "subject": f"h{uid}.{{source}}.{{dp_rank}}", "stream": {"create": True, "name": name}}
+        cfg = {**base, "format": "msgpack", "granularity": "batch", **options}
+        return Sink(kind, cfg, lambda: read_jetstream(server.url, name), "batch")
+    server = request.getfixturevalue("kafka")
+    topic = await server.anew_topic(1)  # both ranks in one partition
+    cfg = {**base, "format": "raw", "bootstrap_servers": server.bootstrap_servers, "topic": topic}
+    return Sink(kind, cfg, lambda: read_kafka(server.bootstrap_servers, topic, 1), "batch")
+
+
+@contextlib.asynccontextmanager
+async def engine() -> AsyncIterator[tuple[Simulator, dict[str, Any]]]:
+    live, replay = free_ports(RANKS), free_ports(RANKS)
+    opts = SimulatorOptions(
+        endpoint=f"tcp://127.0.0.1:{live[0]}",
+        replay_endpoint=f"tcp://127.0.0.1:{replay[0]}",
+        dp_ranks=RANKS,
+        rate=0,
+        events_per_batch=EVENTS,
+    )
+    source = {"name": SOURCE, "endpoint": opts.endpoint, "replay_endpoint": opts.replay_endpoint, "dp_ranks": RANKS}
+    async with Simulator(opts) as sim:
+        yield sim, source
+
+
+def config(tmp: Path, source: dict[str, Any], sink: Sink, *, from_sinks: bool, local: bool = False) -> dict[str, Any]:
+    return bridge_config(
+        tmp,
+        [source],
+        [sink.config],
+        metrics={"listen": ""},
+        checkpoint={"from_sinks": from_sinks, "from_sinks_timeout": "20s", "path": str(tmp / "ck.json") if local else None},
+        replay={"timeout": "500ms", "initial_backoff": "50ms", "max_backoff": "500ms"},
+        shutdown_timeout="10s",
+    )
+
+
+async def publish(sim: Simulator, n: int) -> None:
+    for _ in range(n):
+        for r in range(RANKS):
+            await sim.step(r)
+
+
+async def delivered_through(bridge: Bridge, sim: Simulator) -> None:
+    """Until the bridge has handed every published batch on and every sink took it."""
+
+    def caught_up() -> bool:
+        for r, rank in enumerate(sim.ranks):
+            p = bridge.pipelines.get(f"{SOURCE}/{r}")
+            if p is None or p.sequencer.delivered != rank.seq - 1:
+                return False
+        return True
+
+    # Traffic goes on meanwhile: a live batch is how a stream notices what it has not seen yet
+    # (a restarted engine's batches published before the bridge subscribed).
+    deadline = time.monotonic() + 30
+    while not caught_up():
+        state = {k: (p.sequencer.epoch, p.sequencer.delivered) for k, p in bridge.pipelines.items()}
+        assert time.monotonic() < deadline, (
+            f"not every published batch delivered: {state}, published {[r.seq for r in sim.ranks]}"
+        )
+        await publish(sim, 1)
+        for _ in range(10):
+            if caught_up():
+                break
+            await asyncio.sleep(0.05)
+    for w in bridge.workers:
+        assert await w.flush(20), f"sink {w.name} not flushed"
+
+
+def data(rows: Rows, rank: int) -> list[tuple[int, int, int]]:
+    return [(e, s, i) for r, e, s, i, t in rows if r == rank and t not in ("SourceReset", "EventsLost")]
+
+
+def control(rows: Rows, rank: int, kind: str) -> list[int]:
+    return [e for r, e, _s, _i, t in rows if r == rank and t == kind]
+
+
+def expect(epoch: int, seqs: range, granularity: str) -> list[tuple[int, int, int]]:
+    indexes = range(EVENTS) if granularity == "event" else [-1]
+    return [(epoch, s, i) for s in seqs for i in indexes]
+
+
+async def read(sink: Sink) -> Rows:
+    back: Readback = await sink.read()
+    return back.rows
+
+
+@pytest.mark.parametrize("stop", ["stopped", "killed"])
+async def test_a_new_bridge_resumes_from_the_sink_exactly_once(tmp_path: Path, sink: Sink, stop: str) -> None:
+    async with engine() as (sim, source):
+        await publish(sim, 15)
+        if stop == "stopped":
+            first = Bridge(from_data(config(tmp_path, source, sink, from_sinks=True), env={}))
+            await first.start()
+            await publish(sim, 25)
+            await delivered_through(first, sim)
+            await first.stop()
+        else:
+            # Killed mid-traffic: whatever reached the sink, maybe half a batch's events.
+            proc = BridgeProcess(tmp_path, {**config(tmp_path, source, sink, from_sinks=False), "metrics": {"listen": ""}})
+            proc.start()
+            try:
+                stored = 0
+                deadline = time.monotonic() + 30
+                while stored < 20 * RANKS:
+                    assert proc.alive(), proc.log()[-3000:]
+                    assert time.monotonic() < deadline, "the first bridge delivered too little"
+                    await publish(sim, 2)
+                    await asyncio.sleep(0.02)
+                    with contextlib.suppress(Exception):
+                        stored = len({(r, s) for r, _e, s, _i, _t in await read(sink)})
+            finally:
+                proc.kill()
+        held = await read(sink)
+        epochs = {e for _r, e, _s, _i, t in held if t not in ("SourceReset", "EventsLost")}
+        assert len(epochs) == 1, epochs
+        epoch = epochs.pop()
+        await publish(sim, 10)  # while no bridge runs: the replay buffer keeps it
+        second = Bridge(from_data(config(tmp_path, source, sink, from_sinks=True), env={}))
+        await second.start()
+        try:
+            for r in range(RANKS):
+                # Resumed where the sink's last batch is (its first seq not there, for the
+                # epoch's ids could hide copies in Redis and NATS), not afresh from seq 0.
+                last = max(s for rr, _e, s, _i, t in held if rr == r and t not in ("SourceReset", "EventsLost"))
+                resumed = second.pipelines[f"{SOURCE}/{r}"]._resumed_from
+                assert resumed is not None and resumed[0] == epoch, resumed
+                assert resumed[1] == (last - 1 if sink.granularity == "event" else last), (resumed, last)
+            await publish(sim, 5)
+            await delivered_through(second, sim)
+        finally:
+            await second.stop()
+        rows = await read(sink)
+        for r, rank in enumerate(sim.ranks):
+            got = data(rows, r)
+            want = expect(epoch, range(rank.seq), sink.granularity)
+            assert len(got) == len(set(got)), f"rank {r}: {len(got) - len(set(got))} duplicates"
+            assert got == want, f"rank {r}: missing {sorted(set(want) - set(got))[:5]}, extra {sorted(set(got) - set(want))[:5]}"
+            assert control(rows, r, "SourceReset") == []
+            assert control(rows, r, "EventsLost") == []
+        skipped = sum(s.skipped for s in second.skips)
+        if stop == "stopped":
+            # Right after what the sink holds; at event granularity the last batch again (the sink
+            # cannot tell it has all its events), whose events the sink already has are left out.
+            assert skipped == (EVENTS * RANKS if sink.granularity == "event" else 0)
+
+
+@pytest.mark.parametrize(("local", "after"), [(False, 30), (False, 5), (True, 30), (True, 5)])
+async def test_an_engine_restart_meanwhile_opens_a_new_epoch(tmp_path: Path, sink: Sink, local: bool, after: int) -> None:
+    """``after``: batches the restarted engine publishes before the next bridge starts (30: its
+    seq counts on past the old one's; 5: it stays below). ``local``: the same with the checkpoint
+    file instead of the sinks (the reference behaviour)."""
+    async with engine() as (sim, source):
+        first = Bridge(from_data(config(tmp_path, source, sink, from_sinks=True, local=local), env={}))
+        await first.start()
+        await publish(sim, 20)
+        await delivered_through(first, sim)
+        await first.stop()
+        epoch = first.pipelines[f"{SOURCE}/0"].sequencer.epoch
+        before = [rank.seq for rank in sim.ranks]
+        # Restarted, and counted on past seq 19 before the next bridge looks: only the fingerprint
+        # (ts, and the CRC for raw) of the last batch the sink holds tells the instances apart.
+        for rank in sim.ranks:
+            rank.restart()
+        await asyncio.sleep(0.01)  # a later engine clock
+        await publish(sim, after)
+        second = Bridge(from_data(config(tmp_path, source, sink, from_sinks=not local, local=local), env={}))
+        await second.start()
+        try:
+            await publish(sim, 5)
+            await delivered_through(second, sim)
+            new = second.pipelines[f"{SOURCE}/0"].sequencer.epoch
+        finally:
+            await second.stop()
+        assert new > epoch
+        rows = await read(sink)
+        for r in range(RANKS):
+            got = data(rows, r)
+            assert len(got) == len(set(got)), f"rank {r}: duplicates"
+            old = [x for x in got if x[0] == epoch]
+            assert old == expect(epoch, range(before[r]), sink.granularity)
+            assert [x for x in got if x[0] not in (epoch, new)] == []
+            assert [x for x in got if x[0] == new] == expect(new, range(sim.ranks[r].seq), sink.granularity)
+            # What replay cannot prove the old instance's (at event granularity the last batch
+            # the sink holds, maybe in part) is announced lost in the old epoch, never delivered
+            # under the new one (I1), and before the SourceReset (I3).
+            lost_at = [i for i, row in enumerate(rows) if row[0] == r and row[4] == "EventsLost"]
+            assert all(rows[i][1] == epoch for i in lost_at), "losses belong to the old epoch"
+            resets = [(e, s, i) for rr, e, s, i, t in rows if rr == r and t == "SourceReset"]
+            assert [e for e, *_ in resets] == [new], resets
+            position = next(i for i, row in enumerate(rows) if row[0] == r and row[4] == "SourceReset")
+            assert all(row[1] == epoch for row in rows[:position] if row[0] == r), "the SourceReset precedes the new epoch"
+            assert all(i < position for i in lost_at), "losses announced before the SourceReset"
+
+
+# -- a sink that cannot say what it holds ---------------------------------------------------------
+
+STORE: dict[str, list[Message]] = {}  # what each in-memory sink holds, across bridges
+
+
+class HeldInMemory(MemoryConnector):
+    """Keeps what it is given in STORE (it outlives the bridge) and says what it holds."""
+
+    hang = False  # positions() never answers (the runtime's timeout must end it)
+
+    async def write(self, messages: Sequence[Message]) -> None:
+        await super().write(messages)
+        STORE.setdefault(self.name, []).extend(messages)
+
+    async def positions(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:
+        if self.hang:
+            await asyncio.Event().wait()
+        out: dict[str, SinkPosition | None] = {}
+        for s in streams:
+            mine = [m for m in STORE.get(self.name, []) if m.record.stream.key == s.key]
+            out[s.key] = SinkPosition.from_headers(mine[-1].headers, mine[-1].value) if mine else None
+        return out
+
+
+class Hanging(HeldInMemory):
+    hang = True
+
+
+def memory_config(tmp: Path, source: dict[str, Any], *, checkpoint: bool) -> Any:
+    sinks = [
+        {"type": kind, "name": kind, "format": "json", "granularity": "batch", "batch": {"linger": 0}}
+        for kind in ("held", "hanging")
+    ]
+    cfg = bridge_config(
+        tmp,
+        [source],
+        sinks,
+        metrics={"listen": ""},
+        checkpoint={"from_sinks": True, "from_sinks_timeout": "300ms", "path": str(tmp / "ck.json") if checkpoint else None},
+        replay={"timeout": "500ms", "initial_backoff": "50ms", "max_backoff": "500ms"},
+    )
+    return from_data(cfg, env={})
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+async def test_a_sink_that_does_not_answer_falls_back_and_loses_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, checkpoint: bool
+) -> None:
+    """Its streams resume from the checkpoint file (every sink acknowledged that), or without one
+    afresh in a new epoch announced by a SourceReset; a clear line names the sink and the streams."""
+    STORE.clear()
+    registry = Registry({"held": HeldInMemory, "hanging": Hanging}, entry_points=False)
+    async with engine() as (sim, source):
+        first = Bridge(memory_config(tmp_path, source, checkpoint=checkpoint), registry=registry)
+        await first.start()
+        await publish(sim, 10)
+        await delivered_through(first, sim)
+        await first.stop()
+        epoch = first.pipelines[f"{SOURCE}/0"].sequencer.epoch
+        before = [rank.seq for rank in sim.ranks]
+        caplog.clear()
+        second = Bridge(memory_config(tmp_path, source, checkpoint=checkpoint), registry=registry)
+        started = time.monotonic()
+        await second.start()
+        assert time.monotonic() - started < 5
+        try:
+            await publish(sim, 5)
+            await delivered_through(second, sim)
+        finally:
+            await second.stop()
+    failed = [r for r in caplog.records if r.getMessage().startswith("cannot read stream positions")]
+    assert len(failed) == 1 and failed[0].levelname == "ERROR"
+    assert failed[0].sink == "hanging" and f"{SOURCE}/0" in failed[0].stream and f"{SOURCE}/1" in failed[0].stream  # type: ignore[attr-defined]
+    for name in ("held", "hanging"):
+        for r in range(RANKS):
+            mine = [m for m in STORE[name] if m.record.stream.dp_rank == r]
+            batches = [(m.record.epoch, m.record.seq) for m in mine if m.record.kind == "batch"]
+            resets = [m.record.epoch for m in mine if m.record.kind == "SourceReset"]
+            published = sim.ranks[r].seq
+            if checkpoint:  # the file says where every sink is: on from there, same epoch
+                assert batches == [(epoch, s) for s in range(published)] and resets == []
+            else:  # afresh: the engine's whole buffer again, in a new epoch opened by a SourceReset
+                new = second.pipelines[f"{SOURCE}/{r}"].sequencer.epoch
+                assert new > epoch and resets == [new]
+                assert batches == [(epoch, s) for s in range(before[r])] + [(new, s) for s in range(published)]
+
+
+async def test_a_sink_ahead_of_the_others_gets_no_copies(tmp_path: Path, fresh_redis: Any, kafka: Any) -> None:
+    """Kafka holds more than Redis (a bridge wrote to Kafka alone for a while): the stream resumes
+    from Redis's position, and Kafka, which cannot drop copies itself, skips what it holds."""
+    uid = uuid.uuid4().hex[:8]
+    topic = await kafka.anew_topic(1)
+    retry = {"initial_backoff": "20ms", "max_backoff": "200ms", "write_timeout": "10s"}
+    redis_sink = {"type": "redis", "name": "redis", "format": "json", "granularity": "batch", "batch": {"linger": 0}}
+    redis_sink |= {"retry": retry, "url": fresh_redis.url, "stream": f"h{uid}:{{source}}:{{dp_rank}}"}
+    kafka_sink = {"type": "kafka", "name": "kafka", "format": "raw", "batch": {"linger": 0}, "retry": retry}
+    kafka_sink |= {"bootstrap_servers": kafka.bootstrap_servers, "topic": topic}
+    redis_of = Sink(
+        "redis", redis_sink, lambda: read_redis(fresh_redis.url, [f"h{uid}:{SOURCE}:{r}" for r in range(RANKS)]), "batch"
+    )
+    kafka_of = Sink("kafka", kafka_sink, lambda: read_kafka(kafka.bootstrap_servers, topic, 1), "batch")
+
+    def cfg(*sinks: Sink) -> Any:
+        c = config(tmp_path, source, sinks[0], from_sinks=True)
+        c["sinks"] = [s.config for s in sinks]
+        return from_data(c, env={})
+
+    async with engine() as (sim, source):
+        for sinks, n in (((redis_of, kafka_of), 10), ((kafka_of,), 10), ((redis_of, kafka_of), 5)):
+            bridge = Bridge(cfg(*sinks))
+            await bridge.start()
+            try:
+                await publish(sim, n)
+                await delivered_through(bridge, sim)
+            finally:
+                await bridge.stop()
+        skipped = sum(s.skipped for s in bridge.skips)
+        epoch = bridge.pipelines[f"{SOURCE}/0"].sequencer.epoch
+    for s in (redis_of, kafka_of):
+        rows = await read(s)
+        for r, rank in enumerate(sim.ranks):
+            got = data(rows, r)
+            assert got == expect(epoch, range(rank.seq), "batch"), f"{s.kind} rank {r}: {len(got)} of {rank.seq}"
+            assert control(rows, r, "SourceReset") == [] and control(rows, r, "EventsLost") == []
+    assert skipped > 0  # the last bridge re-sent what Redis lacked, and Kafka left its copies out

@@ -1,0 +1,214 @@
+"""Handover (checkpoint.from_sinks): combining what each sink holds with the local checkpoint.
+
+The model: one stream in one epoch, its messages in order (a SourceReset, then each batch as one
+message or one per event); each sink holds a prefix of them (what a bridge that died got through
+to it, possibly ending inside a batch); the local checkpoint, if any, is at or below every sink's
+last whole batch (every sink acknowledged it). After :func:`combine`, the stream is re-sent from
+the resume position and each sink drops what its skip position covers: every sink that said what
+it holds must then hold every message exactly once, in order; one that could not tell loses
+nothing (it may get copies).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bridge.checkpoint import (
+    MAX_SUB,
+    Checkpointer,
+    Handover,
+    Held,
+    SinkPosition,
+    StreamPosition,
+    combine,
+)
+from bridge.formats import CONTENT_TYPES
+from bridge.records import Record, Stream
+from bridge.runtime import SkipHeld
+
+E = 7
+Position = tuple[int, int, int]
+
+
+def messages(events_per_batch: list[int]) -> list[tuple[Position, SinkPosition]]:
+    """Every message of the stream in order: its position, and what a sink holding it up to there says."""
+    out: list[tuple[Position, SinkPosition]] = [((E, 0, 0), SinkPosition(E, 0, "SourceReset"))]
+    for seq, n in enumerate(events_per_batch):
+        ts = 1000.0 + seq
+        if n == 0:  # batch granularity: one message
+            out.append(((E, seq + 1, 0), SinkPosition(E, seq, ts=ts)))
+        else:
+            out += [((E, seq + 1, i + 1), SinkPosition(E, seq, index=i, ts=ts)) for i in range(n)]
+    return out
+
+
+def last_whole_batch(stream: list[tuple[Position, SinkPosition]], held: int) -> int:
+    """The highest seq whose every message is among the first ``held`` messages (-1: none)."""
+    if held == 0:
+        return -2
+    complete = -1
+    for i, (pos, _) in enumerate(stream[:held]):
+        nxt = stream[i + 1][0] if i + 1 < len(stream) else None
+        if pos[1] > 0 and (nxt is None or nxt[1] != pos[1]):
+            complete = pos[1] - 1
+    return complete
+
+
+@st.composite
+def worlds(draw: Any) -> tuple[list[tuple[Position, SinkPosition]], list[int], list[bool], StreamPosition | None]:
+    granularity = draw(st.sampled_from(["batch", "event", "mixed"]))
+    n = draw(st.integers(1, 8))
+    sizes = [
+        0 if granularity == "batch" else draw(st.integers(1, 4)) if granularity == "event" else draw(st.integers(0, 3))
+        for _ in range(n)
+    ]
+    stream = messages(sizes)
+    sinks = draw(st.integers(1, 4))
+    held = [draw(st.integers(0, len(stream))) for _ in range(sinks)]
+    known = [draw(st.booleans()) or True if i == 0 else draw(st.booleans()) for i in range(sinks)]
+    floor = min(last_whole_batch(stream, h) for h in held)
+    local: StreamPosition | None = None
+    if floor >= -1 and draw(st.booleans()):
+        seq = draw(st.integers(-1, floor))
+        local = StreamPosition(E, seq, 1000.0 + seq if seq >= 0 else None)
+    return stream, held, known, local
+
+
+def resend(stream: list[tuple[Position, SinkPosition]], resume: StreamPosition) -> list[Position]:
+    """What the bridge hands every sink after resuming at ``resume``: every batch above its seq."""
+    return [pos for pos, _ in stream if pos[1] > resume.seq + 1]
+
+
+@settings(max_examples=400, deadline=None)
+@given(worlds())
+def test_every_sink_that_tells_ends_with_every_message_once(world: Any) -> None:
+    stream, held, known, local = world
+    says: list[Held] = [("unknown" if not k else None if h == 0 else stream[h - 1][1]) for h, k in zip(held, known, strict=True)]
+    result = combine(local, says)
+    everything = [pos for pos, _ in stream]
+    if local is not None:
+        assert result.resume is not None and (result.resume.epoch, result.resume.seq) >= (local.epoch, local.seq)
+    if result.resume is None:
+        # Fresh start: a new epoch above every epoch held, so no skip can drop any of it.
+        assert local is None and any(s is None or s == "unknown" for s in says)
+        assert result.epoch in (None, E)
+        return
+    again = resend(stream, result.resume)
+    for h, say, through in zip(held, says, result.skip, strict=True):
+        got = [pos for pos, _ in stream[:h]]
+        if isinstance(say, SinkPosition) or (say is None and local is not None):
+            assert through is not None
+        for pos in again:
+            if through is None or pos > through:
+                through = None  # once: the first message past it ends the skip
+                got.append(pos)
+        if say == "unknown":
+            assert set(got) == set(everything), "a sink that could not tell loses nothing"
+        else:
+            assert got == everything, f"sink holding {h} of {len(stream)}: {says} -> {result}"
+
+
+def test_fingerprint_of_a_partly_held_batch_is_kept_for_its_replay() -> None:
+    held = SinkPosition(E, 5, index=2, ts=1005.0)
+    h = combine(None, [held])
+    assert h.resume == StreamPosition(E, 4, 1005.0, None, 5)  # batch 5 again, verified by its ts
+    assert h.skip == [(E, 6, 3)]
+
+
+def test_whole_batch_resumes_after_it_with_its_fingerprint() -> None:
+    h = combine(None, [SinkPosition(E, 5, ts=1005.0, crc=99)])
+    assert h.resume == StreamPosition(E, 5, 1005.0, 99)
+    assert h.skip == [(E, 6, MAX_SUB)] and h.epoch == E
+
+
+def test_lowest_sink_wins_and_the_higher_one_skips() -> None:
+    h = combine(StreamPosition(E, 2, 1002.0, 1), [SinkPosition(E, 9, ts=1009.0), SinkPosition(E, 4, ts=1004.0)])
+    assert h.resume == StreamPosition(E, 4, 1004.0)
+    assert h.skip == [(E, 10, MAX_SUB), (E, 5, MAX_SUB)]
+
+
+def test_never_before_the_local_checkpoint() -> None:
+    local = StreamPosition(E, 20, 1020.0, 5)
+    h = combine(local, [SinkPosition(E, 3), None, "unknown"])
+    assert h.resume == local  # a sink that lost data (trimmed, deleted) does not pull the stream back
+
+
+def test_a_sink_that_cannot_tell_without_a_checkpoint_starts_fresh() -> None:
+    h = combine(None, [SinkPosition(E, 9, ts=1.0), "unknown"])
+    assert h.resume is None and h.epoch == E
+    assert h.skip == [(E, 10, MAX_SUB), None]
+
+
+def test_control_records() -> None:
+    assert combine(None, [SinkPosition(E, 0, "SourceReset")]).resume == StreamPosition(E, -1)
+    lost = combine(None, [SinkPosition(E, 30, "EventsLost")])
+    assert lost.resume == StreamPosition(E, 30) and lost.skip == [(E, 31, MAX_SUB)]
+
+
+def test_header_reading() -> None:
+    raw = CONTENT_TYPES["raw"]
+    payload = b"\x93\xcb"
+    headers = {"source": "a", "dp_rank": "0", "epoch": "7", "seq": "12", "type": "EventBatch", "ts": "1.25", "content-type": raw}
+    assert SinkPosition.from_headers(headers, payload) == SinkPosition(7, 12, ts=1.25, crc=zlib.crc32(payload))
+    as_json = {**headers, "content-type": CONTENT_TYPES["json"]}
+    assert SinkPosition.from_headers(as_json, b"{}") == SinkPosition(7, 12, ts=1.25)
+    event = {**as_json, "type": "BlockStored", "index": "3"}
+    assert SinkPosition.from_headers({k: v.encode() for k, v in event.items()}).index == 3
+    assert SinkPosition.from_headers({**headers, "type": "EventsLost"}).kind == "EventsLost"
+    with pytest.raises(ValueError):
+        SinkPosition.from_headers({"source": "a"})
+
+
+def test_adopt_resumes_there_and_opens_epochs_above_what_sinks_hold() -> None:
+    c = Checkpointer(2)
+    c.adopt("a/0", Handover(StreamPosition(E, 4, 1.0), [None, None], E + 3))
+    assert c.resume_position("a/0") is None  # a sink holds a later epoch than the resume point: fresh
+    assert c.needs_reset("a/0")
+    c = Checkpointer(2)
+    c.adopt("a/0", Handover(StreamPosition(E, 4, 1.0), [None, None], E))
+    assert c.resume_position("a/0") == StreamPosition(E, 4, 1.0)
+    assert not c.needs_reset("a/0")  # continuing the epoch the sinks hold: no SourceReset
+    assert c.next_epoch("a/0", E, 0.0) == E + 1
+    c.adopt("b/0", Handover(None, [None, None], E))
+    assert c.resume_position("b/0") is None and c.needs_reset("b/0")
+    assert c.first_epoch("b/0", 0.0) == E + 1
+
+
+class _Sink:
+    name = "s"
+    needs_events = False
+
+    def __init__(self) -> None:
+        self.written: list[Position] = []
+
+    async def connect(self) -> None: ...
+    async def close(self) -> None: ...
+    async def health(self) -> str | None:
+        return None
+
+    async def write(self, messages: Any) -> None:
+        self.written += [m.position for m in messages]
+
+
+async def test_skip_held_drops_what_the_sink_has_once() -> None:
+    from bridge.formats import Renderer
+
+    inner = _Sink()
+    skip = SkipHeld(inner)
+    skip.through["a/0"] = (E, 3, 2)  # holds batch 2 up to its second event
+    renderer = Renderer("json", "event")
+    stream = Stream("a", 0)
+
+    def rec(seq: int) -> Record:
+        return Record(stream=stream, epoch=E, seq=seq, ts=1.0, events=[{"type": "AllBlocksCleared"}] * 3)
+
+    await skip.write([m for seq in (1, 2) for m in renderer.render(rec(seq))])
+    assert inner.written == [(E, 3, 3)]
+    assert "a/0" not in skip.through and skip.skipped == 5
+    await skip.write(renderer.render(rec(1)))  # past it once: nothing is skipped any more
+    assert inner.written[-1] == (E, 2, 3)
