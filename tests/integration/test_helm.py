@@ -358,6 +358,10 @@ def test_sharded_statefulset(helm: str, tmp_path: Path) -> None:
     assert not [d for d in docs if d["kind"] in ("Deployment", "PersistentVolumeClaim")]
     shard = config_of(docs)["discovery"]["dns"]["shard"]
     assert shard == {"count": 3, "index": "auto", "pod_name": "${POD_NAME}"}
+    # streams move between shards when replicas change: each pod asks the sinks where they stand
+    assert config_of(docs)["checkpoint"]["from_sinks"] is True
+    assert config_of(render(helm, CASES["sharded"], ["config.checkpoint.from_sinks=false"]))["checkpoint"]["from_sinks"] is False
+    assert "from_sinks" not in config_of(render(helm))["checkpoint"]  # unsharded: the bridge's default (off)
     # scaling changes the config, so every shard restarts with the new count
     three = by_kind(docs, "StatefulSet")["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
     four = by_kind(render(helm, CASES["sharded"], ["replicas=4"]), "StatefulSet")

@@ -63,7 +63,9 @@ app.kubernetes.io/component: {{ .Values.mode }}
 
 {{/*
 The bridge's config.yaml: values.config as given; with sharding, discovery.dns.shard is set so
-that the count follows `replicas` and each pod takes its ordinal from its name.
+that the count follows `replicas` and each pod takes its ordinal from its name, and
+checkpoint.from_sinks is on unless config.checkpoint sets it (streams move between pods when
+`replicas` changes, and their positions do not follow them in the pods' checkpoint files).
 */}}
 {{- define "kv-event-bridge.config" -}}
 {{- include "kv-event-bridge.validate" . }}
@@ -71,6 +73,11 @@ that the count follows `replicas` and each pod takes its ordinal from its name.
 {{- if include "kv-event-bridge.sharded" . }}
 {{- $shard := dict "count" (int .Values.replicas) "index" "auto" "pod_name" "${POD_NAME}" }}
 {{- $_ := set $config.discovery.dns "shard" $shard }}
+{{- $checkpoint := $config.checkpoint | default dict }}
+{{- if not (hasKey $checkpoint "from_sinks") }}
+{{- $_ := set $checkpoint "from_sinks" true }}
+{{- $_ := set $config "checkpoint" $checkpoint }}
+{{- end }}
 {{- end }}
 {{- toYaml $config }}
 {{- end }}
