@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import tempfile
 import threading
@@ -214,6 +215,13 @@ class Checkpointer:
         """Take what the sinks hold for a stream (see :func:`combine`) as its position: it resumes
         from ``handover.resume``, and any epoch it opens is above every epoch a sink holds. Only
         for a stream not started yet in this process (its position then is what was loaded)."""
+        if handover.resume is not None and handover.resume == self.resume_position(key):
+            # The sinks hold no more than the file says: the file's state stands as it is (an epoch
+            # it opened after its position is still to be announced, see needs_reset).
+            if handover.epoch is not None and handover.epoch > self.epochs.get(key, -1):
+                self.epochs[key] = handover.epoch
+                self._generation += 1
+            return
         if handover.resume is None:
             self.loaded.pop(key, None)
             self.opened.pop(key, None)
@@ -405,12 +413,22 @@ class SinkPosition(msgspec.Struct, frozen=True, omit_defaults=True):
         epoch, seq, type_ = text("epoch"), text("seq"), text("type")
         if epoch is None or seq is None or type_ is None:
             raise ValueError("not a bridge message: no epoch, seq or type header")
-        kind: SinkRecordKind = type_ if type_ in ("SourceReset", "EventsLost") else "batch"  # type: ignore[assignment]
         index_text, ts_text = text("index"), text("ts")
+        # A control record has no index; an event message's type is the engine's (which may be
+        # named anything, "SourceReset" too), and the message is a batch's.
+        control = index_text is None and type_ in ("SourceReset", "EventsLost")
+        kind: SinkRecordKind = type_ if control else "batch"  # type: ignore[assignment]
         ts = float(ts_text) if ts_text else None
         raw = kind == "batch" and index_text is None and text("content-type") == CONTENT_TYPES["raw"]
         crc = zlib.crc32(payload) if payload is not None and raw else None
         return cls(int(epoch), int(seq), kind, int(index_text) if index_text else None, ts, crc)
+
+    @property
+    def fingerprinted(self) -> bool:
+        """Whether this is a batch with a fingerprint (a finite ts, or a CRC) to verify an engine
+        instance with; a control record, or a batch without either, has none."""
+        finite = self.ts is not None and math.isfinite(self.ts)
+        return self.kind == "batch" and (finite or self.crc is not None)
 
     def held_through(self) -> tuple[int, int, int]:
         """The message position (epoch, slot, sub) up to which the sink holds the stream; a message
@@ -453,14 +471,17 @@ class Handover(msgspec.Struct, frozen=True):
 
     ``resume``: the position to resume from (None: fresh, in a new epoch); ``skip[i]``: sink i
     already holds every message at or below this position (None: nothing to skip); ``epoch``: the
-    highest epoch any sink holds (a new epoch must be above it), or None."""
+    highest epoch any sink holds (a new epoch must be above it), or None; ``top``: the highest seq
+    a sink holds in the resume epoch (known published by its instance: if the engine restarted
+    since, the sinks below it are told those seqs are lost), or None."""
 
     resume: StreamPosition | None
     skip: list[tuple[int, int, int] | None]
     epoch: int | None
+    top: int | None = None
 
 
-def combine(local: StreamPosition | None, held: Sequence[Held]) -> Handover:
+def combine(local: StreamPosition | None, held: Sequence[Held], acked: StreamPosition | None = None) -> Handover:
     """The rule for resuming one stream from the local checkpoint ``local`` and what each sink holds.
 
     Per sink, the position it needs the stream from: the later of ``local`` (every sink
@@ -469,26 +490,48 @@ def combine(local: StreamPosition | None, held: Sequence[Held]) -> Handover:
     lowest of those, so no sink misses anything, never before ``local``. A sink that holds more
     skips, once, every message at or below what it holds: no duplicates even for a sink that
     cannot drop them itself (Kafka). Positions compare by (epoch, seq): epochs grow along a stream.
+
+    A resume in a sink's epoch must be able to tell the engine instance: its last record must be a
+    batch with a fingerprint, or another sink must hold one of that epoch at or below the resume
+    point (+1, delivered again). A sink whose last record is a control record (a ``SourceReset``
+    right before a crash; an ``EventsLost``), with no such batch elsewhere, cannot anchor a resume:
+    it counts as unknown for where the stream resumes (the checkpoint file's position, or afresh
+    in a new epoch), while it still skips what it holds. ``acked``: what every sink is known to
+    have acknowledged (default ``local``; lower when ``local`` is the first batch of an epoch opened
+    after it, whose ``SourceReset`` no sink is known to hold).
     """
+    acked = local if acked is None else acked
+    anchors = [h for h in held if isinstance(h, SinkPosition) and h.fingerprinted]
     needs: list[StreamPosition | None] = []
     skip: list[tuple[int, int, int] | None] = []
     epochs: list[int] = []
     for h in held:
+        own = _own_need(h, anchors) if isinstance(h, SinkPosition) else None
+        through = acked_through = _held_through(acked) if acked is not None else None
         if isinstance(h, SinkPosition):
             epochs.append(h.epoch)
-            own = h.resume()
-            need = own if local is None or _order(own) > _order(local) else local
-            through = h.held_through()
-            if local is not None and _held_through(local) > through:
-                through = _held_through(local)
-            needs.append(need)
-            skip.append(through)
-        else:
-            needs.append(local)
-            skip.append(_held_through(local) if local is not None else None)
+            through = h.held_through() if acked_through is None else max(h.held_through(), acked_through)
+        skip.append(through)
+        needs.append(own if own is not None and (local is None or _order(own) > _order(local)) else local)
     resume: StreamPosition | None
     if not needs or any(n is None for n in needs):
         resume = None if needs else local
     else:
         resume = min((n for n in needs if n is not None), key=_order)
-    return Handover(resume, skip, max(epochs) if epochs else None)
+    tops = [h.seq for h in held if isinstance(h, SinkPosition) and resume is not None and h.epoch == resume.epoch and h.seq >= 0]
+    return Handover(resume, skip, max(epochs) if epochs else None, max(tops) if tops else None)
+
+
+def _own_need(h: SinkPosition, anchors: Sequence[SinkPosition]) -> StreamPosition | None:
+    """Where one sink needs its stream from, with a fingerprint to verify the instance; None when
+    no batch of its epoch anchors it (see :func:`combine`)."""
+    if h.fingerprinted:
+        return h.resume()
+    need = h.resume()
+    # A batch another sink holds in this epoch at or below the point (or right after it, which
+    # is then delivered again) verifies the instance; the highest such.
+    fits = [a for a in anchors if a.epoch == need.epoch and a.seq <= need.seq + 1]
+    if not fits:
+        return None
+    a = max(fits, key=lambda a: a.seq)
+    return StreamPosition(need.epoch, need.seq, a.ts, a.crc, None if a.seq == need.seq else a.seq)

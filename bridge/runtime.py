@@ -37,7 +37,7 @@ from .filters import EventFilter, for_sink
 from .formats import Message, Renderer
 from .health import HealthServer
 from .metrics import Metrics
-from .records import Stream
+from .records import Stream, events_lost
 from .replay import ReplayClient
 from .sink import SinkWorker
 from .source import SourceReader
@@ -59,6 +59,19 @@ class SkipHeld:
         self.needs_events = getattr(inner, "needs_events", True)
         self.through: dict[str, tuple[int, int, int]] = {}
         self.skipped = 0  # messages left out (tests, logs)
+        self.renderer: Renderer | None = None  # the sink's, to narrow an EventsLost (see write)
+
+    def _narrowed(self, m: Message, limit: tuple[int, int, int]) -> Message | None:
+        """An ``EventsLost`` that reaches down into batches this sink holds whole (the stream
+        resumed below it for another sink, and the engine's buffer no longer had those), told to
+        this sink from its first batch it does not hold (I4); None: nothing to narrow."""
+        r = m.record
+        epoch, slot, sub = limit
+        held = slot - 1  # the highest seq held: whole when sub is MAX_SUB, else in part (still lost in part)
+        if self.renderer is None or sub != ckpt.MAX_SUB or r.epoch != epoch or r.from_seq is None or r.from_seq > held:
+            return None
+        rest = events_lost(r.stream, r.epoch, held + 1, r.seq, r.reason or "unrecoverable", r.received)
+        return self.renderer.render(rest)[0]
 
     async def connect(self) -> None:
         await self.inner.connect()
@@ -75,6 +88,8 @@ class SkipHeld:
             await self.inner.write(messages)
             return
         keep: list[int] = []
+        past: set[str] = set()  # streams with a message past what the sink holds in this write
+        narrowed: dict[int, Message] = {}
         for i, m in enumerate(messages):
             key = m.record.stream.key
             limit = through.get(key)
@@ -82,20 +97,28 @@ class SkipHeld:
                 position = m.position
                 if m.record.kind == "EventsLost":  # it sorts after the batch at its to_seq
                     position = (position[0], position[1], ckpt.MAX_SUB)
+                    if position > limit:
+                        narrow = self._narrowed(m, limit)
+                        if narrow is not None:
+                            narrowed[i] = narrow
                 if position <= limit:
                     continue
-                del through[key]
+                past.add(key)
             keep.append(i)
-        if len(keep) == len(messages):
-            await self.inner.write(messages)
-            return
-        self.skipped += len(messages) - len(keep)
-        if not keep:
-            return
-        try:
-            await self.inner.write([messages[i] for i in keep])
-        except PartialFailure as exc:
-            raise PartialFailure({keep[j]: e for j, e in exc.errors.items() if 0 <= j < len(keep)}) from None
+        skipped = len(messages) - len(keep)
+        if keep:
+            try:
+                out = messages if not skipped and not narrowed else [narrowed.get(i, messages[i]) for i in keep]
+                await self.inner.write(out)
+            except PartialFailure as exc:
+                if not skipped:
+                    raise
+                raise PartialFailure({keep[j]: e for j, e in exc.errors.items() if 0 <= j < len(keep)}) from None
+        # Only once written: a write that fails is tried again with the same messages, and what
+        # the sink holds must still be left out then.
+        self.skipped += skipped
+        for key in past:
+            del through[key]
 
 
 class Bridge:
@@ -141,6 +164,7 @@ class Bridge:
         self._checkpoint_task: asyncio.Task[None] | None = None
         self.discovery: Discovery | None = None
         self.skips: list[SkipHeld] = []  # with checkpoint.from_sinks: every sink's connector, wrapped
+        self._held_top: dict[str, int] = {}  # from_sinks: the highest seq a sink holds in a stream's resume epoch
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def __aenter__(self) -> Bridge:
@@ -176,6 +200,8 @@ class Bridge:
                 renderer = renderers[key] = Renderer(sink.format, sink.granularity, sink.hash_format, event_filter)
             elif sink.format != "raw":  # a raw message costs less to render than to share
                 renderer.sharers += 1
+            if self.skips:
+                self.skips[i].renderer = renderer
             worker = SinkWorker(i, sink, conn, renderer, self.metrics, self.dead_letters, self.checkpointer.on_ack)
             self.metrics.start_sink(worker.name)
             self.workers.append(worker)
@@ -221,11 +247,13 @@ class Bridge:
                 continue
             # A stream read before in this process resumes exactly where it stopped; otherwise from
             # the checkpoint (what every sink acknowledged), or fresh in a new epoch.
+            top: int | None
             if key in self._retired:
                 pos, top, _ = self._retired.pop(key)
                 announce = False  # every sink has what it handed on, its SourceReset included
             else:
-                pos, top = self.checkpointer.resume_position(key), None
+                pos = self.checkpointer.resume_position(key)
+                top = self._held_top.pop(key) if key in self._held_top else None
                 announce = self.checkpointer.needs_reset(key)
             pipeline = StreamPipeline(
                 self.context,
@@ -387,8 +415,14 @@ class Bridge:
         for stream in wanted:
             key = stream.key
             local = self.checkpointer.resume_position(key)
-            handover = ckpt.combine(local, [h.get(key, "unknown") for h in held])
+            acked = self.checkpointer.position(key)  # below local when local is an epoch opened after it
+            handover = ckpt.combine(local, [h.get(key, "unknown") for h in held], acked)
             self.checkpointer.adopt(key, handover)
+            resumed, top = self.checkpointer.resume_position(key), handover.top
+            if top is not None and resumed is not None and handover.resume is not None and resumed.epoch == handover.resume.epoch:
+                self._held_top[key] = top
+            else:
+                self._held_top.pop(key, None)  # a fresh start (a new epoch) knows nothing of the old one's seqs
             for skip, through in zip(self.skips, handover.skip, strict=True):
                 if through is not None:
                     skip.through[key] = through

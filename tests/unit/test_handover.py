@@ -94,10 +94,18 @@ def test_every_sink_that_tells_ends_with_every_message_once(world: Any) -> None:
     if local is not None:
         assert result.resume is not None and (result.resume.epoch, result.resume.seq) >= (local.epoch, local.seq)
     if result.resume is None:
-        # Fresh start: a new epoch above every epoch held, so no skip can drop any of it.
-        assert local is None and any(s is None or s == "unknown" for s in says)
+        # Fresh start: a new epoch above every epoch held, so no skip can drop any of it. Only
+        # without a checkpoint, when a sink holds nothing or cannot tell, or holds only the
+        # SourceReset while no sink holds a batch to verify the instance by.
+        first_batch = any(isinstance(s, SinkPosition) and s.fingerprinted and s.seq == 0 for s in says)
+        only_reset = any(isinstance(s, SinkPosition) and s.kind == "SourceReset" for s in says)
+        assert local is None
+        assert any(s is None or s == "unknown" for s in says) or (only_reset and not first_batch)
         assert result.epoch in (None, E)
         return
+    # A resume inside the epoch verifies the engine instance: a fingerprint, unless it starts the
+    # epoch from the checkpoint file's own position.
+    assert result.resume == local or result.resume.ts is not None
     again = resend(stream, result.resume)
     for h, say, through in zip(held, says, result.skip, strict=True):
         got = [pos for pos, _ in stream[:h]]
@@ -145,9 +153,25 @@ def test_a_sink_that_cannot_tell_without_a_checkpoint_starts_fresh() -> None:
 
 
 def test_control_records() -> None:
-    assert combine(None, [SinkPosition(E, 0, "SourceReset")]).resume == StreamPosition(E, -1)
-    lost = combine(None, [SinkPosition(E, 30, "EventsLost")])
-    assert lost.resume == StreamPosition(E, 30) and lost.skip == [(E, 31, MAX_SUB)]
+    """A control record last cannot verify the engine instance (no batch to compare a replay with):
+    alone it counts as unknown (fresh start, a new epoch), or takes the fingerprint of a batch
+    another sink holds in its epoch at or below it (or right after it, delivered again)."""
+    reset = SinkPosition(E, 0, "SourceReset")
+    alone = combine(None, [reset])
+    assert alone.resume is None and alone.skip == [(E, 0, 0)] and alone.epoch == E
+    beside = combine(None, [reset, SinkPosition(E, 0, ts=1000.0, crc=3)])
+    assert beside.resume == StreamPosition(E, -1, 1000.0, 3, 0)
+    assert beside.skip == [(E, 0, 0), (E, 1, MAX_SUB)]
+    assert combine(None, [reset, SinkPosition(E, 4, ts=1004.0)]).resume is None  # batch 4 cannot verify from seq 0
+    lost = SinkPosition(E, 30, "EventsLost")
+    assert combine(None, [lost]).resume is None
+    both = combine(None, [lost, SinkPosition(E, 28, ts=1028.0)])
+    assert both.resume == StreamPosition(E, 28, 1028.0)  # the batch holder needs 29 on; the loss is skipped by its holder
+    assert both.skip == [(E, 31, MAX_SUB), (E, 29, MAX_SUB)]
+    ahead = combine(None, [lost, SinkPosition(E, 40, ts=1040.0)])
+    assert ahead.resume is None  # nothing verifies from 30: fresh
+    local = StreamPosition(E, 12, 1012.0, 9)
+    assert combine(local, [lost]).resume == local  # the file's own fingerprint
 
 
 def test_header_reading() -> None:
@@ -160,6 +184,10 @@ def test_header_reading() -> None:
     event = {**as_json, "type": "BlockStored", "index": "3"}
     assert SinkPosition.from_headers({k: v.encode() for k, v in event.items()}).index == 3
     assert SinkPosition.from_headers({**headers, "type": "EventsLost"}).kind == "EventsLost"
+    # An engine event may be named anything: with an index, the message is a batch's event.
+    for named in ("SourceReset", "EventsLost"):
+        held = SinkPosition.from_headers({**as_json, "type": named, "index": "0"})
+        assert held == SinkPosition(7, 12, index=0, ts=1.25) and held.fingerprinted
     with pytest.raises(ValueError):
         SinkPosition.from_headers({"source": "a"})
 
@@ -177,6 +205,24 @@ def test_adopt_resumes_there_and_opens_epochs_above_what_sinks_hold() -> None:
     c.adopt("b/0", Handover(None, [None, None], E))
     assert c.resume_position("b/0") is None and c.needs_reset("b/0")
     assert c.first_epoch("b/0", 0.0) == E + 1
+
+
+def test_adopt_keeps_the_announcement_of_an_epoch_the_file_opened() -> None:
+    """A crash right after the bridge opened a new epoch (its first batch saved, nothing of it
+    acknowledged): with the sinks holding no more than the file says, the stream still announces
+    that epoch with a SourceReset, and no sink's skip covers that SourceReset."""
+    from bridge.checkpoint import CheckpointFile
+
+    loaded = CheckpointFile(
+        streams={"a/0": StreamPosition(E - 1, 50, 0.5, 9)}, epochs={"a/0": E}, opened={"a/0": StreamPosition(E, 0, 2.0, 5)}
+    )
+    c = Checkpointer(2, loaded)
+    assert c.needs_reset("a/0")
+    local, acked = c.resume_position("a/0"), c.position("a/0")
+    handover = combine(local, [SinkPosition(E - 1, 50, ts=0.5, crc=9), None], acked)
+    assert all(t is not None and t < (E, 0, 0) for t in handover.skip)
+    c.adopt("a/0", handover)
+    assert c.resume_position("a/0") == local and c.needs_reset("a/0")
 
 
 class _Sink:
@@ -212,3 +258,65 @@ async def test_skip_held_drops_what_the_sink_has_once() -> None:
     assert "a/0" not in skip.through and skip.skipped == 5
     await skip.write(renderer.render(rec(1)))  # past it once: nothing is skipped any more
     assert inner.written[-1] == (E, 2, 3)
+
+
+async def test_a_write_that_fails_is_retried_with_the_same_messages_left_out() -> None:
+    """The skip ends only once a message past it was written: a failed write (the worker retries
+    the same messages) must leave out again what the sink holds."""
+    from bridge.errors import NotConnected
+    from bridge.formats import Renderer
+
+    class Failing(_Sink):
+        fail = True
+
+        async def write(self, messages: Any) -> None:
+            if self.fail:
+                self.fail = False
+                raise NotConnected("down")
+            await super().write(messages)
+
+    inner = Failing()
+    skip = SkipHeld(inner)
+    skip.through["a/0"] = (E, 3, MAX_SUB)  # holds batches 0..2
+    renderer = Renderer("json", "batch")
+    batches = [m for seq in range(5) for m in renderer.render(Record(stream=Stream("a", 0), epoch=E, seq=seq, ts=1.0))]
+    with pytest.raises(NotConnected):
+        await skip.write(batches)
+    assert skip.through == {"a/0": (E, 3, MAX_SUB)} and skip.skipped == 0
+    await skip.write(batches)
+    assert inner.written == [(E, 4, 0), (E, 5, 0)] and skip.skipped == 3 and not skip.through
+
+
+async def test_a_loss_reaching_into_batches_the_sink_holds_is_told_from_its_first_missing_batch() -> None:
+    """The stream resumed below this sink (another sink held less) and the engine's buffer had slid:
+    the EventsLost the bridge announces covers batches this sink holds whole. It is told to this
+    sink from the first batch it lacks (I4); a batch it holds only in part stays in it."""
+    from bridge.formats import Renderer
+    from bridge.records import events_lost
+
+    renderer = Renderer("json", "batch")
+    stream = Stream("a", 0)
+    loss = renderer.render(events_lost(stream, E, 6, 13, "replay_exhausted", 0.0))
+    inner = _Sink()
+    skip = SkipHeld(inner)
+    skip.renderer = renderer
+    skip.through["a/0"] = (E, 7, MAX_SUB)  # holds batch 6 whole
+    sent: list[Any] = []
+
+    async def capture(messages: Any) -> None:
+        sent.extend(messages)
+
+    inner.write = capture  # type: ignore[method-assign]
+    await skip.write(loss)
+    assert [(m.record.from_seq, m.record.seq, m.msg_id) for m in sent] == [(7, 13, "a/0/7/lost/7-13")]
+    sent.clear()
+    skip.through["a/0"] = (E, 7, 2)  # batch 6 held up to its second event: the loss of 6 stands
+    await skip.write(loss)
+    assert [(m.record.from_seq, m.record.seq) for m in sent] == [(6, 13)]
+
+
+def test_the_highest_seq_held_in_the_resume_epoch_is_known_published() -> None:
+    """If the engine restarted while no pod read it, the sinks below the highest held seq are told
+    the rest of that epoch is lost (known_top), not left without it (I3)."""
+    h = combine(None, [SinkPosition(E, 10, ts=1010.0), SinkPosition(E, 5, ts=1005.0)])
+    assert h.resume == StreamPosition(E, 5, 1005.0) and h.top == 10
