@@ -1,0 +1,318 @@
+"""The state tracker by example: duplicates, tiers, losses, parents, hash forms, the cap, the table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bridge.records import Record, Stream, events_lost, source_reset
+from bridge.state import BlockTable, StateDelta, StateTracker, block_id
+
+A = Stream("llama-a", 0)
+B = Stream("llama-b", 0)
+
+
+def stored(hashes: list[Any], parent: Any = None, medium: str | None = "GPU", group: int | None = None) -> dict[str, Any]:
+    ev: dict[str, Any] = {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": list(range(2 * len(hashes))),
+        "block_size": 2,
+        "medium": medium,
+    }
+    if group is not None:
+        ev["group_idx"] = group
+    return ev
+
+
+def removed(hashes: list[Any], medium: str | None = "GPU", group: int | None = None) -> dict[str, Any]:
+    ev: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
+    if group is not None:
+        ev["group_idx"] = group
+    return ev
+
+
+CLEARED = {"type": "AllBlocksCleared"}
+
+
+class Feed:
+    """One stream's records, numbered like the sequencer does."""
+
+    def __init__(self, tracker: StateTracker, stream: Stream = A, epoch: int = 1) -> None:
+        self.tracker, self.stream, self.epoch, self.seq = tracker, stream, epoch, 0
+
+    def batch(self, *events: dict[str, Any]) -> StateDelta:
+        rec = Record(stream=self.stream, epoch=self.epoch, seq=self.seq, events=list(events))
+        self.seq += 1
+        return self.tracker.apply(rec)
+
+    def reset(self) -> StateDelta:
+        self.epoch += 1
+        self.seq = 0
+        return self.tracker.apply(source_reset(self.stream, self.epoch, "publisher_restart", 0.0))
+
+    def lost(self, n: int) -> StateDelta:
+        rec = events_lost(self.stream, self.epoch, self.seq, self.seq + n - 1, "unrecoverable", 0.0)
+        self.seq += n
+        return self.tracker.apply(rec)
+
+
+def cleared_keys(d: StateDelta) -> set[tuple[str | None, int | None, int]]:
+    return {(c.medium, c.group_idx, k) for c in d.cleared for k in c.blocks}
+
+
+# -- sketch item 3: duplicates ----------------------------------------------------------------------
+
+
+def test_two_stores_and_one_remove_leave_count_one() -> None:
+    t = StateTracker()
+    f = Feed(t)
+    f.batch(stored([7]))
+    d = f.batch(stored([7]))
+    assert [(c.block, c.count) for c in d.changes] == [(7, 2)]
+    assert t.count(A, "GPU", None, 7) == 2
+    d = f.batch(removed([7]))
+    assert t.count(A, "GPU", None, 7) == 1
+    # the remaining copy is still described in full (a compacted topic rewrites the whole value)
+    assert [(c.block, c.count) for c in d.changes] == [(7, 1)]
+    assert d.changes[0].fact is not None and d.changes[0].fact.hash == 7
+    assert t.version(A, "GPU", None, 7) == (1, 2)
+    d = f.batch(removed([7]))
+    assert [(c.block, c.count, c.fact) for c in d.changes] == [(7, 0, None)]
+    assert t.count(A, "GPU", None, 7) == 0 and t.version(A, "GPU", None, 7) is None
+    d = f.batch(removed([7]))  # a remove of an absent block: a counted no-op, never below 0
+    assert d.changes == [] and d.absent_removals == 1 and t.stats.absent_removals == 1
+    assert t.count(A, "GPU", None, 7) == 0
+    assert t.head(A) == t.head(A) and t.head(A).live == 0  # type: ignore[union-attr]
+
+
+def test_changes_are_net_per_record() -> None:
+    t = StateTracker()
+    f = Feed(t)
+    f.batch(stored([1]))
+    d = f.batch(stored([2]), removed([2]), removed([1]), stored([1]), stored([1]))
+    # 2 came and went within the record: no sink ever had it; 1 ended with two copies
+    assert [(c.block, c.count) for c in d.changes] == [(1, 2)]
+    assert t.version(A, "GPU", None, 1) == (1, 1)
+
+
+# -- sketch item 4: tiers and groups ----------------------------------------------------------------
+
+
+def test_a_remove_on_one_tier_leaves_the_other_tiers() -> None:
+    t = StateTracker()
+    f = Feed(t)
+    f.batch(stored([5], medium="GPU"), stored([5], medium="CPU"), stored([5], medium="GPU", group=1))
+    d = f.batch(removed([5], medium="CPU"))
+    assert [(c.medium, c.group_idx, c.block, c.count) for c in d.changes] == [("CPU", None, 5, 0)]
+    assert t.count(A, "GPU", None, 5) == 1 and t.count(A, "CPU", None, 5) == 0 and t.count(A, "GPU", 1, 5) == 1
+    f.batch(removed([5], medium="GPU", group=1))
+    assert sorted((m or "", g or 0, k, c) for m, g, k, c, _v in t.entries(A)) == [("GPU", 0, 5, 1)]
+    d = f.batch(CLEARED)  # no medium: every tier
+    assert d.clear and cleared_keys(d) == {("GPU", None, 5)} and t.head(A).live == 0  # type: ignore[union-attr]
+
+
+def test_every_hash_form_names_one_block() -> None:
+    digest = bytes(range(24)) + (2**64 - 3).to_bytes(8, "big")
+    assert block_id(2**64 - 3) == block_id(-3) == block_id(digest) == 2**64 - 3
+    assert block_id(True) is None and block_id("ab") is None and block_id(2**64) is None and block_id(b"") is None
+    t = StateTracker()
+    f = Feed(t)
+    d = f.batch(stored([digest]), stored([-3]))
+    assert t.count(A, "GPU", None, 2**64 - 3) == 2
+    assert d.changes[0].fact is not None and d.changes[0].fact.hash == -3  # the latest store, as sent
+    f.batch(removed([2**64 - 3]), removed([digest]))
+    assert t.count(A, "GPU", None, -3) == 0
+
+
+# -- sketch item 6: EventsLost ----------------------------------------------------------------------
+
+
+def test_events_lost_clears_and_complete_returns_at_the_next_clear() -> None:
+    t = StateTracker()
+    f = Feed(t)
+    f.batch(stored([1, 2, 3]))
+    assert t.head(A).complete  # type: ignore[union-attr]
+    d = f.lost(3)
+    assert d.clear and cleared_keys(d) == {("GPU", None, k) for k in (1, 2, 3)}
+    assert not d.head.complete and d.head.live == 0 and d.head.seq == 3
+    # what follows is tracked (a subset of the truth), still incomplete: never a false positive
+    d = f.batch(stored([4]), removed([1]))
+    assert not d.head.complete and d.absent_removals == 1 and t.count(A, "GPU", None, 1) == 0
+    d = f.batch(CLEARED)
+    assert d.head.complete and cleared_keys(d) == {("GPU", None, 4)}
+    f.lost(1)
+    d = f.reset()
+    assert d.head.complete and d.head.epoch == 2 and d.head.seq == 0 and d.clear
+
+
+def test_a_stream_joined_late_is_incomplete_until_a_clear() -> None:
+    t = StateTracker()
+    t.apply(Record(stream=A, epoch=4, seq=17, events=[stored([1])]))
+    assert not t.head(A).complete  # type: ignore[union-attr]
+    t.apply(Record(stream=B, epoch=4, seq=0, events=[stored([1])]))  # seq 0 follows an empty cache
+    assert t.head(B).complete  # type: ignore[union-attr]
+    # a new epoch without its SourceReset (not expected from the sequencer): a clear
+    d = t.apply(Record(stream=B, epoch=5, seq=2, events=[]))
+    assert d.clear and not d.head.complete and cleared_keys(d) == {("GPU", None, 1)}
+
+
+def test_undecoded_batches_make_the_stream_unknown() -> None:
+    t = StateTracker()
+    f = Feed(t)
+    f.batch(stored([1]))
+    d = t.apply(Record(stream=A, epoch=1, seq=1, payload=b"x", event_count=3))
+    assert d.clear and not d.head.complete and t.stats.undecoded_batches == 1
+
+
+def test_a_redelivered_record_changes_nothing() -> None:
+    t = StateTracker()
+    rec = Record(stream=A, epoch=1, seq=0, events=[stored([1])])
+    t.apply(rec)
+    d = t.apply(rec)
+    assert d.stale and not d.changes and t.count(A, "GPU", None, 1) == 1 and t.stats.stale_records == 1
+
+
+def test_a_reset_of_many_blocks_enumerates_every_key_without_copying() -> None:
+    t = StateTracker()
+    f = Feed(t)
+    n = 20_000
+    f.batch(stored(list(range(n))), stored(list(range(n // 2)), medium="CPU"))
+    d = f.reset()
+    assert sum(len(c.blocks) for c in d.cleared) == n + n // 2
+    assert cleared_keys(d) == {("GPU", None, k) for k in range(n)} | {("CPU", None, k) for k in range(n // 2)}
+    assert any(isinstance(c.blocks, BlockTable) for c in d.cleared)
+    assert t.total == 0 and d.head.generation == 1 and list(t.entries(A)) == []
+
+
+def test_a_clear_enumerates_blocks_removed_earlier_in_its_record() -> None:
+    t = StateTracker()
+    f = Feed(t)
+    f.batch(stored([1, 2]))
+    d = f.batch(removed([1]), stored([3]), CLEARED, stored([4]), CLEARED, stored([5]))
+    assert cleared_keys(d) == {("GPU", None, 1), ("GPU", None, 2), ("GPU", None, 3)}
+    assert [(c.block, c.count) for c in d.changes] == [(5, 1)]
+    assert d.head.generation == 2
+
+
+# -- sketch item 11: parents first ------------------------------------------------------------------
+
+
+def test_changes_come_parents_first() -> None:
+    t = StateTracker()
+    f = Feed(t)
+    # the child is touched first (stored, with its parent named), then the chain above it
+    d = f.batch(stored([30], parent=20), stored([10, 20], parent=None), stored([40], parent=30))
+    order = [c.block for c in d.changes]
+    assert order == [10, 20, 30, 40]
+    facts = {c.block: c.fact for c in d.changes}
+    assert facts[20] is not None and facts[20].parent == 10 and facts[20].token_ids == [2, 3]
+    assert facts[10] is not None and facts[10].parent is None and facts[10].token_ids == [0, 1]
+    # a parent in another tier is another block: no reordering across tiers; a cycle terminates
+    d = f.batch(stored([50], parent=60, medium="CPU"), stored([60], parent=50, medium="CPU"))
+    assert sorted(c.block for c in d.changes) == [50, 60]
+
+
+@given(st.permutations(list(range(8))))
+def test_any_touch_order_comes_out_parents_first(order: list[int]) -> None:
+    t = StateTracker()
+    f = Feed(t)
+    chain = [100 + i for i in range(8)]
+    d = f.batch(*(stored([chain[i]], parent=chain[i - 1] if i else None) for i in order))
+    pos = {c.block: n for n, c in enumerate(d.changes)}
+    assert all(pos[chain[i - 1]] < pos[chain[i]] for i in range(1, 8))
+
+
+# -- the cap ----------------------------------------------------------------------------------------
+
+
+def test_the_cap_switches_the_stream_that_exceeds_it_off_and_back_on() -> None:
+    t = StateTracker(max_entries=5)
+    fa, fb = Feed(t, A), Feed(t, B)
+    fa.batch(stored([1, 2, 3]))
+    fb.batch(stored([1, 2]))
+    assert t.total == 5
+    d = fb.batch(stored([3]), stored([4]))  # b would hold the sixth entry
+    assert d.switched_off and d.clear and cleared_keys(d) >= {("GPU", None, 1), ("GPU", None, 2)}
+    assert d.changes == []
+    assert d.head == t.head(B) and not d.head.complete and not d.head.tracking and d.head.live == 0
+    assert t.total == 3 and t.count(A, "GPU", None, 3) == 1 and t.stats.switched_off == 1
+    # b's records keep flowing: its head advances, nothing is tracked
+    d = fb.batch(stored([9]))
+    assert not d.head.tracking and d.head.seq == 2 and d.changes == [] and t.total == 3
+    # its next clear switches it back on (there is room), complete again
+    d = fb.batch(CLEARED, stored([7]))
+    assert d.switched_on and d.head.tracking and d.head.complete and t.count(B, "GPU", None, 7) == 1
+    # no room at b's reset: it stays off
+    fa.batch(stored([4]))
+    assert t.total == 5
+    d = fb.batch(stored([8]))
+    assert d.switched_off and cleared_keys(d) >= {("GPU", None, 7)} and t.total == 4
+    fa.batch(stored([5]))
+    assert t.total == 5
+    d = fb.reset()
+    assert not d.switched_on and not d.head.tracking and not d.head.complete
+    # a stream first seen while the tracker is full starts off
+    d = t.apply(Record(stream=Stream("c", 0), epoch=1, seq=0, events=[stored([1])]))
+    assert d.switched_off and not d.head.tracking and t.total == 5
+
+
+# -- the table ----------------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 300) | st.sampled_from([0, 2**64 - 1, 2**63])), max_size=2000))
+def test_the_table_is_a_multiset(ops: list[tuple[bool, int]]) -> None:
+    table, ref = BlockTable(), dict[int, int]()
+    for seq, (add, k) in enumerate(ops):
+        if add:
+            assert table.add(k, seq + 1) == ref.get(k, 0) + 1
+            ref[k] = ref.get(k, 0) + 1
+        else:
+            c, _fact = table.remove(k, seq + 1)
+            assert c == (ref[k] - 1 if k in ref else -1)
+            if k in ref:
+                ref[k] -= 1
+                if not ref[k]:
+                    del ref[k]
+        assert len(table) == len(ref)
+    assert {k: c for k, c, _v in table.items()} == ref
+    assert all(k in table for k in ref)
+    assert len(table) <= table.cap * 0.7 + 1
+
+
+def test_versions_widen_past_32_bits() -> None:
+    t = StateTracker()
+    t.apply(Record(stream=A, epoch=1, seq=5, events=[stored([1])]))
+    big = 2**40
+    t.apply(Record(stream=A, epoch=1, seq=big, events=[stored([2])]))
+    t.apply(Record(stream=A, epoch=1, seq=2**64 - 2, events=[stored([3])]))
+    assert t.version(A, "GPU", None, 1) == (1, 5)
+    assert t.version(A, "GPU", None, 2) == (1, big)
+    assert t.version(A, "GPU", None, 3) == (1, 2**64 - 2)
+
+
+def test_malformed_events_are_counted_and_skipped() -> None:
+    t = StateTracker()
+    f = Feed(t)
+    d = f.batch(
+        {"type": "BlockStored", "block_hashes": 5},
+        {"type": "BlockStored", "block_hashes": [1], "medium": ["GPU"]},
+        {"type": "BlockStored", "block_hashes": [1], "group_idx": "0"},
+        {"type": "BlockStored", "block_hashes": ["x", 2]},
+        {"type": "SomethingNew", "block_hashes": [3]},
+    )
+    assert [c.block for c in d.changes] == [2]
+    assert t.stats.bad_events == 3 and t.stats.bad_hashes == 1
+
+
+def test_a_forgotten_stream_gives_its_blocks_and_room_back() -> None:
+    t = StateTracker(max_entries=3)
+    Feed(t, A).batch(stored([1, 2]))
+    Feed(t, B).batch(stored([1]))
+    cleared = t.forget(A)
+    assert {k for c in cleared for k in c.blocks} == {1, 2} and t.total == 1 and t.head(A) is None
+    assert t.forget(A) == []
