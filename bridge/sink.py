@@ -22,6 +22,7 @@ Control records (``SourceReset``, ``EventsLost``) are never dropped.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections import deque
@@ -44,6 +45,17 @@ AckCallback = Callable[[int, list[Record]], None]
 # How often an idle sink asks its connector's health(): a sink learns of an outage from a failed
 # write, so without this an idle sink whose server went away would stay "ready" until traffic.
 HEALTH_INTERVAL = 5.0
+
+
+def _collect_failure() -> None:
+    """Collect the young generations after a failed connector call, before its backoff.
+
+    A failure leaves reference cycles (an exception, its traceback and the frames it holds, with
+    whatever buffers those reference, in the connector and its client), which only the cycle
+    collector frees; with ``python -m bridge``'s high young threshold (``cli.tune_gc``) and little
+    else allocated during an outage, they would pile up for a long time. At most once per retry
+    (every ``retry.initial_backoff`` at most), and the young generations are small."""
+    gc.collect(1)
 
 
 @dataclass
@@ -249,6 +261,7 @@ class SinkWorker:
             except (ConnectorError, TimeoutError, OSError) as exc:
                 attempt += 1
                 self._set_down(exc, attempt)
+                _collect_failure()
                 await asyncio.sleep(self.backoff.delay(attempt))
 
     def _set_up(self) -> None:
@@ -396,6 +409,7 @@ class SinkWorker:
             attempt += 1
             self._m_retries.inc()
             self._set_down(error, attempt)
+            _collect_failure()
             await asyncio.sleep(retry_after if retry_after is not None else self.backoff.delay(attempt))
         return dead
 
