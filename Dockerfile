@@ -24,7 +24,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY bridge/ bridge/
 COPY connectors/ connectors/
-# "fast" adds uvloop; add e.g. cramjam for Kafka snappy/lz4/zstd compression with --build-arg EXTRA_PACKAGES=cramjam
+# "fast" adds uvloop; more PyPI packages (e.g. a third-party connector) with --build-arg EXTRA_PACKAGES="pkg ..."
 ARG EXTRAS=fast
 ARG EXTRA_PACKAGES=""
 RUN /opt/venv/bin/pip wheel --no-deps --wheel-dir /wheels . \

@@ -30,6 +30,7 @@ servers-stop:
 
 test: install
 	$(PY) -m tests.infra install
+	$(PY) -m tests.infra image
 	bash tools/helm.sh >/dev/null
 	$(PY) tools/chart_schema.py --check
 	$(PY) tools/config_reference.py --check

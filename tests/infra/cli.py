@@ -1,4 +1,4 @@
-"""Command line for the test servers: ``python -m tests.infra install|start|stop|status``.
+"""Command line for the test servers: ``python -m tests.infra install|start|stop|status|image``.
 
 ``start`` leaves servers running and records them in the state file, so pytest runs reuse them
 (a fast edit-test loop); ``stop`` stops them and deletes their data.
@@ -106,6 +106,17 @@ def status() -> int:
     return 0
 
 
+def build_image(mount: bool) -> int:
+    from tests.infra import image
+
+    try:
+        print(image.build_and_describe(mount))
+    except InstallError as exc:
+        print(f"FAILED {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.infra", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -129,7 +140,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if name == "stop":
             cmd.add_argument("--keep-data", action="store_true", help="keep logs and data directories")
     sub.add_parser("status", help="show recorded servers and installed versions")
+    cmd = sub.add_parser("image", help="build the Dockerfile as kv-event-bridge:test (see tests/infra/image.py)")
+    cmd.add_argument("--mount", action="store_true", help="also mount a working container and print its rootfs")
     args = parser.parse_args(argv)
+    if args.command == "image":
+        return build_image(args.mount)
     if args.command == "install":
         return install(_kinds(args.kinds))
     if args.command == "start":
