@@ -160,6 +160,8 @@ def unshadow(event: Event) -> Event:
 
 SHARED_MAX = 1024
 """Batches whose messages a shared renderer keeps for the sinks that have not taken them yet."""
+SHARED_MAX_BYTES = 8 * 2**20
+"""And the bytes of their rendered values, at most (kept outside every queue's byte bound)."""
 
 _INDEX_TEXT = [str(i) for i in range(4096)]
 _INDEX = [t.encode() for t in _INDEX_TEXT]
@@ -191,14 +193,16 @@ class Renderer:
         self.event_filter = None if fmt == "raw" else event_filter
         self.sharers = 1
         """Sinks that take a batch's messages from one rendering (the runtime counts them)."""
-        self._shared: dict[int, tuple[Record, list[Message], list[int]]] = {}
+        self._shared: dict[int, tuple[Record, list[Message], list[int]]] = {}  # [sinks yet to take them, bytes]
+        self._shared_bytes = 0
 
     def render(self, record: Record) -> list[Message]:
         """All messages for ``record``, in order.
 
         With several sharers (sinks), the first to render a batch keeps the messages for
-        the others (they are read-only), until every one has taken them or ``SHARED_MAX`` newer
-        batches pushed them out (a sink far behind, or one that dropped the batch, renders again).
+        the others (they are read-only), until every one has taken them or newer batches pushed
+        them out (``SHARED_MAX`` batches, ``SHARED_MAX_BYTES`` of values: a sink far behind, or
+        one that dropped the batch, renders again).
 
         Raises on values that cannot be encoded, including ones nested deeper than the stack allows
         (RecursionError: the decoder's bound depends on its own stack depth, not ours); the sink
@@ -214,11 +218,14 @@ class Renderer:
             left[0] -= 1
             if left[0] == 0:
                 del shared[key]
+                self._shared_bytes -= left[1]
             return hit[1]
         messages = self._render(record)
-        shared[key] = (record, messages, [self.sharers - 1])
-        if len(shared) > SHARED_MAX:
-            del shared[next(iter(shared))]
+        size = sum(len(m.value) for m in messages)
+        shared[key] = (record, messages, [self.sharers - 1, size])
+        self._shared_bytes += size
+        while len(shared) > SHARED_MAX or (self._shared_bytes > SHARED_MAX_BYTES and len(shared) > 1):
+            self._shared_bytes -= shared.pop(next(iter(shared)))[2][1]
         return messages
 
     def _render(self, record: Record) -> list[Message]:

@@ -177,3 +177,18 @@ def test_sinks_sharing_a_renderer_take_one_rendering_of_each_batch() -> None:
     assert renderer.render(many[0]) is not kept[0]
     assert renderer.render(many[-1]) is kept[-1]
     assert len(renderer._shared) <= formats.SHARED_MAX
+
+
+def test_the_batches_kept_for_sharing_sinks_are_bounded_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bridge import formats
+
+    monkeypatch.setattr(formats, "SHARED_MAX_BYTES", 6_000)
+    renderer = Renderer("json", "batch")
+    renderer.sharers = 2
+    stream = Stream("e", 0)
+    big = [{"type": "BlockStored", "token_ids": list(range(1000))}]  # ~4 KB rendered: one fits
+    batches = [Record(stream=stream, epoch=1, seq=s, events=big) for s in range(5)]
+    kept = [renderer.render(b) for b in batches]
+    assert len(renderer._shared) == 1 and renderer._shared_bytes == len(kept[-1][0].value)
+    assert renderer.render(batches[-1]) is kept[-1] and renderer._shared_bytes == 0
+    assert renderer.render(batches[0]) is not kept[0]  # pushed out: rendered again, the same bytes
