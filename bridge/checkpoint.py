@@ -215,12 +215,11 @@ class Checkpointer:
         """Take what the sinks hold for a stream (see :func:`combine`) as its position: it resumes
         from ``handover.resume``, and any epoch it opens is above every epoch a sink holds. Only
         for a stream not started yet in this process (its position then is what was loaded)."""
-        if handover.resume is not None and handover.resume == self.resume_position(key):
+        resume = handover.resume
+        if resume is not None and resume == self.resume_position(key) and (handover.epoch or -1) <= resume.epoch:
             # The sinks hold no more than the file says: the file's state stands as it is (an epoch
-            # it opened after its position is still to be announced, see needs_reset).
-            if handover.epoch is not None and handover.epoch > self.epochs.get(key, -1):
-                self.epochs[key] = handover.epoch
-                self._generation += 1
+            # it opened after its position is still to be announced, see needs_reset). A sink
+            # holding a later epoch than that (another pod ran the stream since) makes it fresh.
             return
         if handover.resume is None:
             self.loaded.pop(key, None)

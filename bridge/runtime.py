@@ -67,10 +67,12 @@ class SkipHeld:
         this sink from its first batch it does not hold (I4); None: nothing to narrow."""
         r = m.record
         epoch, slot, sub = limit
-        held = slot - 1  # the highest seq held: whole when sub is MAX_SUB, else in part (still lost in part)
-        if self.renderer is None or sub != ckpt.MAX_SUB or r.epoch != epoch or r.from_seq is None or r.from_seq > held:
+        # The first batch not held whole: the one after slot - 1, or slot - 1 itself when it is
+        # held only in part (its other events are lost, and the loss is told from it).
+        missing = slot if sub == ckpt.MAX_SUB else slot - 1
+        if self.renderer is None or r.epoch != epoch or r.from_seq is None or r.from_seq >= missing:
             return None
-        rest = events_lost(r.stream, r.epoch, held + 1, r.seq, r.reason or "unrecoverable", r.received)
+        rest = events_lost(r.stream, r.epoch, missing, r.seq, r.reason or "unrecoverable", r.received)
         return self.renderer.render(rest)[0]
 
     async def connect(self) -> None:

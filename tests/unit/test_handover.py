@@ -225,6 +225,23 @@ def test_adopt_keeps_the_announcement_of_an_epoch_the_file_opened() -> None:
     assert c.resume_position("a/0") == local and c.needs_reset("a/0")
 
 
+def test_a_file_epoch_below_the_epoch_the_sinks_hold_starts_afresh() -> None:
+    """The file opened E+1 after its position (a crash), and since then another pod ran the stream
+    and the sinks hold E+2 (its SourceReset): resuming in the file's E+1 would put every message
+    below what the sinks hold, skipped by all of them (found by the second breaker round)."""
+    from bridge.checkpoint import CheckpointFile
+
+    loaded = CheckpointFile(
+        streams={"a/0": StreamPosition(E, 9, 1.0, 11)}, epochs={"a/0": E + 1}, opened={"a/0": StreamPosition(E + 1, 0, 2.0, 22)}
+    )
+    c = Checkpointer(2, loaded)
+    local, acked = c.resume_position("a/0"), c.position("a/0")
+    held = SinkPosition(E + 2, 0, "SourceReset")
+    c.adopt("a/0", combine(local, [held, held], acked))
+    assert c.resume_position("a/0") is None and c.needs_reset("a/0")
+    assert c.next_epoch("a/0", E + 1, 0.0) > E + 2
+
+
 class _Sink:
     name = "s"
     needs_events = False
@@ -312,6 +329,10 @@ async def test_a_loss_reaching_into_batches_the_sink_holds_is_told_from_its_firs
     sent.clear()
     skip.through["a/0"] = (E, 7, 2)  # batch 6 held up to its second event: the loss of 6 stands
     await skip.write(loss)
+    assert [(m.record.from_seq, m.record.seq) for m in sent] == [(6, 13)]
+    sent.clear()
+    skip.through["a/0"] = (E, 7, 2)  # an event-granularity sink: batches below 6 are held whole
+    await skip.write(renderer.render(events_lost(stream, E, 3, 13, "replay_exhausted", 0.0)))
     assert [(m.record.from_seq, m.record.seq) for m in sent] == [(6, 13)]
 
 
