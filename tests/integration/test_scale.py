@@ -109,6 +109,8 @@ def test_thousand_streams_bounded_memory_order_and_no_starvation(tmp_path: Path)
         # Below the ephemeral range (32768 and up here), where the bridge's own connections take their ports.
         base = free_ports(STREAMS, bases=range(20000, 32000 - STREAMS, 1500))[0]
     except RuntimeError as exc:
+        if os.environ.get("CI") == "true":  # in CI a skipped scale test would hide a regression
+            raise
         pytest.skip(f"{exc} between 20000 and 32000")
     per_process = STREAMS // PROCESSES
     out = tmp_path / "out.jsonl"

@@ -22,7 +22,10 @@ def free_ports(n: int, bases: Iterable[int] | None = None) -> list[int]:
     ephemeral range (see ``free_port``), or from the first of ``bases`` that has them."""
     for base in (free_port() for _ in range(200)) if bases is None else bases:
         ports = range(base, base + n)
-        others = ports[1:] if bases is None else ports  # free_port reserved the base it drew
+        # Random draws skip ports handed out before in this process (a test may not have bound
+        # them yet); explicit bases (the 1,000-stream test's wide ranges, which a session's draws
+        # would fence off) only need the ports free now.
+        others = ports[1:] if bases is None else ()
         if all(_bindable(p) for p in ports) and not any(port_reserved(p) for p in others):
             reserve_ports(ports)
             return list(ports)
