@@ -47,6 +47,11 @@ AckCallback = Callable[[int, list[Record]], None]
 HEALTH_INTERVAL = 5.0
 
 
+RETRY_FLOOR = 0.001
+"""The shortest pause before a connector call is tried again, whatever ``retry.initial_backoff``
+(which may be 0) or a connector's ``retry_after`` says: a sink that fails at once must not spin."""
+
+
 def _collect_failure() -> None:
     """Collect the young generations after a failed connector call, before its backoff.
 
@@ -262,7 +267,7 @@ class SinkWorker:
                 attempt += 1
                 self._set_down(exc, attempt)
                 _collect_failure()
-                await asyncio.sleep(self.backoff.delay(attempt))
+                await asyncio.sleep(max(RETRY_FLOOR, self.backoff.delay(attempt)))
 
     def _set_up(self) -> None:
         if not self.connected:
@@ -410,7 +415,7 @@ class SinkWorker:
             self._m_retries.inc()
             self._set_down(error, attempt)
             _collect_failure()
-            await asyncio.sleep(retry_after if retry_after is not None else self.backoff.delay(attempt))
+            await asyncio.sleep(max(RETRY_FLOOR, retry_after if retry_after is not None else self.backoff.delay(attempt)))
         return dead
 
     def _dead_letter_messages(self, messages: list[Message], exc: ConnectorError) -> set[int]:

@@ -322,3 +322,30 @@ async def test_a_transient_failure_with_retry_after_waits_that_long(tmp_path: Pa
     worker.dead_letters.close()
     assert 0.37 in slept
     assert [m.record.seq for m in conn.messages] == [0]
+
+
+@pytest.mark.parametrize("failure", [Retriable("throttled", retry_after=0.0), NotConnected("refused at once")])
+async def test_a_sink_that_fails_at_once_does_not_spin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: Exception
+) -> None:
+    """No pause between attempts is shorter than the floor, whatever a connector's retry_after or
+    retry.initial_backoff (0 is accepted) says: a failing sink must not spin the event loop."""
+    from bridge.sink import RETRY_FLOOR
+
+    worker, conn, _acked, _ = make(tmp_path, batch={"linger": 0}, retry={"initial_backoff": 0, "max_backoff": 0, "jitter": 0})
+    conn.failures = [failure, failure, None]
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(delay: float, *args: object) -> None:
+        slept.append(delay)
+        await real_sleep(0)
+
+    monkeypatch.setattr("bridge.sink.asyncio.sleep", sleep)
+    worker.start()
+    await fill(worker, stream_records(STREAM, 1))
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    assert len(slept) == 2 and min(slept) >= RETRY_FLOOR > 0
+    assert [m.record.seq for m in conn.messages] == [0]
