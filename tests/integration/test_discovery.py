@@ -19,7 +19,7 @@ import zmq.asyncio
 from bridge.runtime import Bridge
 from bridge.simulator import Simulator, SimulatorOptions
 from tests.support.dns import StubDns, stub_dns
-from tests.support.harness import batches, free_ports, metric, read_lines, running_bridge, wait_for
+from tests.support.harness import batches, free_ports, free_ports_on, metric, read_lines, running_bridge, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -29,18 +29,8 @@ HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 
 def _ports_free_on(hosts: list[str]) -> tuple[int, int]:
     """A PUB port and a replay port free on every host (discovery gives every engine the same ports)."""
-    for _ in range(200):
-        base = free_ports(2)[0]
-        ports = (base, base + 1)
-        try:
-            for h in hosts:
-                for p in ports:
-                    with socket.socket() as t:
-                        t.bind((h, p))
-        except OSError:
-            continue
-        return ports
-    raise RuntimeError("no free port pair on the loopback hosts")
+    pub, replay = free_ports_on(hosts, 2)
+    return pub, replay
 
 
 @asynccontextmanager

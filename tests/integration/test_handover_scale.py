@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,7 +30,7 @@ from bridge.runtime import Bridge
 from bridge.simulator import Simulator, SimulatorOptions
 from tests.infra.servers import RedisServer
 from tests.support.dns import StubDns, stub_dns
-from tests.support.harness import free_ports, metric
+from tests.support.harness import free_ports_on, metric
 from tests.support.readback import read_redis
 
 pytestmark = pytest.mark.integration
@@ -49,18 +48,8 @@ def _source(host: str) -> str:
 
 def _ports_free_on(hosts: list[str]) -> tuple[int, int]:
     """A PUB base port and a replay base port (RANKS each) free on every host."""
-    for _ in range(200):
-        base = free_ports(2 * RANKS)[0]
-        ports = range(base, base + 2 * RANKS)
-        try:
-            for h in hosts:
-                for p in ports:
-                    with socket.socket() as t:
-                        t.bind((h, p))
-        except OSError:
-            continue
-        return base, base + RANKS
-    raise RuntimeError("no free ports on the loopback hosts")
+    base = free_ports_on(hosts, 2 * RANKS)[0]
+    return base, base + RANKS
 
 
 @contextlib.asynccontextmanager

@@ -32,10 +32,21 @@ def free_ports(n: int, bases: Iterable[int] | None = None) -> list[int]:
     raise RuntimeError(f"no {n} consecutive free ports")
 
 
-def _bindable(port: int) -> bool:
+def free_ports_on(hosts: Iterable[str], n: int) -> list[int]:
+    """``n`` consecutive ports free on every one of ``hosts`` (loopback addresses such as
+    127.0.0.2: DNS discovery gives every engine the same ports)."""
+    hosts = list(hosts)
+    for _ in range(200):
+        ports = free_ports(n)
+        if all(_bindable(p, h) for h in hosts for p in ports):
+            return ports
+    raise RuntimeError(f"no {n} consecutive ports free on {', '.join(hosts)}")
+
+
+def _bindable(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
             return False
     return True

@@ -302,11 +302,8 @@ async def test_sink_goes_on_when_dead_letters_cannot_be_written(tmp_path: Path) 
     assert letters.write_failures == 1
 
 
-async def test_a_transient_failure_with_retry_after_waits_that_long(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A sink that says when to retry (a broker's throttle time) is retried after that, not after
-    the backoff."""
-    worker, conn, _acked, _ = make(tmp_path, batch={"linger": 0}, retry={"initial_backoff": 0.001, "max_backoff": 0.01})
-    conn.failures = [Retriable("throttled", retry_after=0.37), None]
+def record_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The pauses the sink worker takes (each returns at once)."""
     slept: list[float] = []
     real_sleep = asyncio.sleep
 
@@ -315,6 +312,15 @@ async def test_a_transient_failure_with_retry_after_waits_that_long(tmp_path: Pa
         await real_sleep(0)
 
     monkeypatch.setattr("bridge.sink.asyncio.sleep", sleep)
+    return slept
+
+
+async def test_a_transient_failure_with_retry_after_waits_that_long(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sink that says when to retry (a broker's throttle time) is retried after that, not after
+    the backoff."""
+    worker, conn, _acked, _ = make(tmp_path, batch={"linger": 0}, retry={"initial_backoff": 0.001, "max_backoff": 0.01})
+    conn.failures = [Retriable("throttled", retry_after=0.37), None]
+    slept = record_sleeps(monkeypatch)
     worker.start()
     await fill(worker, stream_records(STREAM, 1))
     assert await worker.flush(5)
@@ -334,14 +340,7 @@ async def test_a_sink_that_fails_at_once_does_not_spin(
 
     worker, conn, _acked, _ = make(tmp_path, batch={"linger": 0}, retry={"initial_backoff": 0, "max_backoff": 0, "jitter": 0})
     conn.failures = [failure, failure, None]
-    slept: list[float] = []
-    real_sleep = asyncio.sleep
-
-    async def sleep(delay: float, *args: object) -> None:
-        slept.append(delay)
-        await real_sleep(0)
-
-    monkeypatch.setattr("bridge.sink.asyncio.sleep", sleep)
+    slept = record_sleeps(monkeypatch)
     worker.start()
     await fill(worker, stream_records(STREAM, 1))
     assert await worker.flush(5)

@@ -18,7 +18,7 @@ from bridge.records import Record, Stream, events_lost, source_reset
 from bridge.sink import SinkWorker
 from tests.support.memory import MemoryConnector, MemoryOptions
 from tests.support.records import stream_records
-from tests.unit.test_sink import STREAM, fill, make
+from tests.unit.test_sink import STREAM, fill, make, record_sleeps
 
 STREAM_RECORDS: list[Record] = stream_records(STREAM, 10)
 STREAM_RECORDS_OTHER: list[Record] = stream_records(Stream("other", 0), 1)
@@ -43,18 +43,6 @@ async def done(worker: SinkWorker) -> None:
 
 def seqs(conn: MemoryConnector, stream: Stream = STREAM) -> list[tuple[str, int | None, int]]:
     return [(m.record.kind, m.record.from_seq, m.record.seq) for m in conn.messages if m.record.stream == stream]
-
-
-def record_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    slept: list[float] = []
-    real_sleep = asyncio.sleep
-
-    async def sleep(delay: float, *args: object) -> None:
-        slept.append(delay)
-        await real_sleep(0)
-
-    monkeypatch.setattr("bridge.sink.asyncio.sleep", sleep)
-    return slept
 
 
 # -- connecting ----------------------------------------------------------------------------------
