@@ -504,12 +504,16 @@ def combine(local: StreamPosition | None, held: Sequence[Held], acked: StreamPos
     needs: list[StreamPosition | None] = []
     skip: list[tuple[int, int, int] | None] = []
     epochs: list[int] = []
+    acked_through = _held_through(acked) if acked is not None else None
     for h in held:
-        own = _own_need(h, anchors) if isinstance(h, SinkPosition) else None
-        through = acked_through = _held_through(acked) if acked is not None else None
+        own: StreamPosition | None
+        through: tuple[int, int, int] | None
         if isinstance(h, SinkPosition):
             epochs.append(h.epoch)
+            own = _own_need(h, anchors)
             through = h.held_through() if acked_through is None else max(h.held_through(), acked_through)
+        else:
+            own, through = None, acked_through
         skip.append(through)
         needs.append(own if own is not None and (local is None or _order(own) > _order(local)) else local)
     resume: StreamPosition | None

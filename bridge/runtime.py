@@ -50,8 +50,8 @@ class SkipHeld:
     """A sink's connector that leaves out, per stream and once, the messages the sink already holds
     (``through``: stream key -> message position, from :func:`bridge.checkpoint.combine`). A stream
     that resumed below what this sink holds is re-sent from there for the other sinks' sake; this sink
-    gets only what follows. A stream's entry goes with its first message past it (positions grow
-    along a stream, and an epoch opened now is above every epoch a sink holds)."""
+    gets only what follows. A stream's entry goes once a message past it was written (positions
+    grow along a stream, and an epoch opened now is above every epoch a sink holds)."""
 
     def __init__(self, inner: Connector) -> None:
         self.inner = inner
