@@ -21,7 +21,6 @@ entries of a stream after a refused one (the retry used to dead-letter the refus
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -29,21 +28,15 @@ from pathlib import Path
 
 import msgspec
 import pytest
-import redis
 import redis.asyncio as aioredis
 
-from bridge import config
-from bridge.config import SinkConfig
-from bridge.connector import Registry, Template
-from bridge.deadletter import DeadLetters
-from bridge.formats import Message, Renderer
-from bridge.metrics import Metrics
+from bridge.formats import Renderer
 from bridge.records import Event, Record, Stream, events_lost
-from bridge.sink import SinkWorker
 from connectors.redis import entry_id, message_position
 from tests.infra.servers import RedisServer
 from tests.integration.conftest import own_server
 from tests.support.records import batch, block_stored
+from tests.support.redis_sink import RedisDelivery
 from tests.support.schema import check_entry
 
 pytestmark = pytest.mark.integration
@@ -90,85 +83,18 @@ def interleaved(big_every: int = 0) -> list[Record]:
     return [engine_batch(s, seq, big_every) for seq in range(BATCHES) for s in STREAMS]
 
 
-class Delivery:
-    """A SinkWorker writing to Redis through the connector as the runtime does, with short backoff.
-
-    ``refused``: ids of messages expected to be dead-lettered (refused for themselves).
-    ``unbacked``: every acknowledged message whose entry Redis did not hold at the moment of the
-    acknowledgement.
-    """
-
-    def __init__(self, tmp: Path, url: str, template: str, refused: set[str]) -> None:
-        sink = config.convert(
-            {
-                "type": "redis",
-                "name": "redis",
-                "format": "json",
-                "granularity": "event",
-                "retry": {"initial_backoff": "20ms", "max_backoff": "200ms", "write_timeout": "10s"},
-                "options": {"url": url, "stream": template, "timeout": "5s"},
-            },
-            SinkConfig,
-            "sink",
-            [],
-        )
-        assert sink is not None
-        self.renderer = Renderer(sink.format, sink.granularity)
-        self.template = Template(template)
-        self.refused = refused
-        self.metrics = Metrics()
-        self.dead_path = tmp / "dead.jsonl"
-        self.acked: list[Record] = []
-        self.unbacked: list[str] = []
-        self._check = redis.Redis.from_url(url, socket_timeout=10)
-        self.worker = SinkWorker(
-            0, sink, Registry().build(sink, 0), self.renderer, self.metrics, DeadLetters(str(self.dead_path)), self._on_ack
-        )
-
-    def key(self, m: Message) -> str:
-        return self.template.render(m)
-
-    def _on_ack(self, _index: int, records: list[Record]) -> None:
-        # Synchronous on purpose: the check sees Redis as it is at the acknowledgement.
-        messages = [m for r in records for m in self.renderer.render(r) if m.msg_id not in self.refused]
-        pipe = self._check.pipeline(transaction=False)
-        for m in messages:
-            ident = entry_id(message_position(m))
-            pipe.xrange(self.key(m), ident, ident)
-        for m, found in zip(messages, pipe.execute(), strict=True):
-            if not found:
-                self.unbacked.append(f"{m.msg_id} acknowledged, not in {self.key(m)}")
-        self.acked.extend(records)
-
-    async def feed(self, records: list[Record]) -> None:
-        for r in records:
-            while not self.worker.offer(r):
-                await self.worker.wait_room()
-
-    def count(self, name: str, **labels: str) -> float:
-        return self.metrics.registry.get_sample_value(name, labels) or 0.0
-
-    def felt(self, reason: str) -> bool:
-        return self.count("kv_bridge_sink_errors_total", sink="redis", reason=reason) > 0
-
-    async def finish(self, records: list[Record]) -> None:
-        """Wait until everything fed is acknowledged; check the acknowledgements."""
-        assert await self.worker.flush(120), "not delivered within 120 s"
-        assert len(self.acked) == len(records)
-        assert not self.unbacked, self.unbacked[:5]
-
-    def dead_letters(self) -> list[dict[str, object]]:
-        return [json.loads(line) for line in self.dead_path.read_text().splitlines()] if self.dead_path.exists() else []
-
-    async def close(self) -> None:
-        await self.worker.stop()
-        self.worker.dead_letters.close()
-        self._check.close()
+def delivery(tmp: Path, url: str, template: str, refused: set[str]) -> RedisDelivery:
+    """The Redis sink at event granularity; ``refused``: ids of messages expected to be
+    dead-lettered (refused for themselves)."""
+    retry = {"initial_backoff": "20ms", "max_backoff": "200ms", "write_timeout": "10s"}
+    return RedisDelivery(tmp, url, {"stream": template, "timeout": "5s"}, granularity="event", retry=retry, refused=refused)
 
 
 @asynccontextmanager
-async def delivering(server: RedisServer, tmp: Path, template: str, refused: set[str] | None = None) -> AsyncIterator[Delivery]:
-    d = Delivery(tmp, server.url, template, refused or set())
+async def delivering(
+    server: RedisServer, tmp: Path, template: str, refused: set[str] | None = None
+) -> AsyncIterator[RedisDelivery]:
+    d = delivery(tmp, server.url, template, refused or set())
     d.worker.start()
     try:
         await until(lambda: d.worker.connected, "the sink to connect")
@@ -185,7 +111,7 @@ async def until(condition: Callable[[], bool], what: str, timeout: float = 30.0)
 
 
 async def deliver_through_oom(
-    d: Delivery, client: aioredis.Redis, records: list[Record], margin: int, heal: Callable[[], Awaitable[None]]
+    d: RedisDelivery, client: aioredis.Redis, records: list[Record], margin: int, heal: Callable[[], Awaitable[None]]
 ) -> None:
     """Set ``maxmemory`` to what the server uses now plus ``margin`` bytes, feed ``records``, and
     once the writes meet OOM, ``heal``; returns when everything is acknowledged."""
@@ -204,7 +130,7 @@ async def raise_the_limit(client: aioredis.Redis) -> None:
     await client.config_set("maxmemory", 0)
 
 
-async def assert_every_stream_in_order(d: Delivery, client: aioredis.Redis, records: list[Record]) -> None:
+async def assert_every_stream_in_order(d: RedisDelivery, client: aioredis.Redis, records: list[Record]) -> None:
     """Every message but the refused ones stored once; per engine stream, id order is seq order."""
     for stream in STREAMS:
         kept = [m for r in records if r.stream == stream for m in d.renderer.render(r) if m.msg_id not in d.refused]

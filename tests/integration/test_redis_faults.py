@@ -19,29 +19,23 @@ was found "already there" by the retry, which then never applied that set change
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 import redis.asyncio as aioredis
 
-from bridge import config
 from bridge.config import SinkConfig, convert_options
-from bridge.connector import Registry, Template
-from bridge.deadletter import DeadLetters
 from bridge.errors import ConfigError, Retriable
-from bridge.formats import Message, Renderer
-from bridge.metrics import Metrics
+from bridge.formats import Renderer
 from bridge.records import Record, Stream, source_reset
-from bridge.sink import SinkWorker
 from connectors.redis import RedisConnector, RedisOptions, entry_id, message_position
 from tests.infra.servers import RedisServer
 from tests.integration.conftest import own_server
 from tests.support.records import batch
+from tests.support.redis_sink import RedisDelivery
 from tests.support.schema import check_entry
 
 pytestmark = pytest.mark.integration
@@ -73,73 +67,12 @@ async def allow(admin: aioredis.Redis, *denied: str) -> None:
     )
 
 
-class Delivery:
-    """A SinkWorker over the real connector, as the runtime runs it, with short backoff; checks
-    every acknowledgement against Redis the moment it is given."""
-
-    def __init__(self, tmp: Path, url: str, options: dict[str, Any], *, user: str | None = USER) -> None:
-        credentials = {"username": user, "password": PASSWORD} if user else {}
-        sink = config.convert(
-            {
-                "type": "redis",
-                "name": "redis",
-                "format": "json",
-                "granularity": "batch",
-                "retry": {"initial_backoff": "20ms", "max_backoff": "100ms", "write_timeout": "5s"},
-                "options": {"url": url, **credentials, **options},
-            },
-            SinkConfig,
-            "sink",
-            [],
-        )
-        assert sink is not None
-        self.renderer = Renderer(sink.format, sink.granularity)
-        self.stream_template = Template(options.get("stream", "kv:{source}:{dp_rank}"))
-        self.metrics = Metrics()
-        self.dead_path = tmp / f"dead-{time.monotonic_ns()}.jsonl"
-        self.acked: list[Record] = []
-        self.unbacked: list[str] = []
-        self._check = redis.Redis.from_url(url, socket_timeout=10)
-        self.worker = SinkWorker(
-            0, sink, Registry().build(sink, 0), self.renderer, self.metrics, DeadLetters(str(self.dead_path)), self._on_ack
-        )
-
-    def key(self, m: Message) -> str:
-        return self.stream_template.render(m)
-
-    def _on_ack(self, _index: int, records: list[Record]) -> None:
-        messages = [m for r in records for m in self.renderer.render(r)]
-        pipe = self._check.pipeline(transaction=False)
-        for m in messages:
-            ident = entry_id(message_position(m))
-            pipe.xrange(self.key(m), ident, ident)
-        for m, found in zip(messages, pipe.execute(), strict=True):
-            if not found or found[0][1].get(b"data") != m.value:
-                self.unbacked.append(f"{m.msg_id} acknowledged, not in {self.key(m)}")
-        self.acked.extend(records)
-
-    async def feed(self, records: list[Record]) -> None:
-        for r in records:
-            while not self.worker.offer(r):
-                await self.worker.wait_room()
-
-    def errors(self) -> dict[str, float]:
-        """sink error counts by reason (retries and dead letters)."""
-        out: dict[str, float] = {}
-        for metric in self.metrics.registry.collect():
-            if metric.name == "kv_bridge_sink_errors":
-                for s in metric.samples:
-                    if s.name.endswith("_total") and s.value:
-                        out[s.labels["reason"]] = s.value
-        return out
-
-    def dead_letters(self) -> list[dict[str, object]]:
-        return [json.loads(line) for line in self.dead_path.read_text().splitlines()] if self.dead_path.exists() else []
-
-    async def close(self) -> None:
-        await self.worker.stop()
-        self.worker.dead_letters.close()
-        self._check.close()
+def delivery(tmp: Path, url: str, options: dict[str, Any], *, user: str | None = USER) -> RedisDelivery:
+    """The Redis sink at batch granularity as ``user`` (None: the default user), each
+    acknowledged entry's body checked too."""
+    credentials = {"username": user, "password": PASSWORD} if user else {}
+    retry = {"initial_backoff": "20ms", "max_backoff": "100ms", "write_timeout": "5s"}
+    return RedisDelivery(tmp, url, {**credentials, **options}, granularity="batch", retry=retry, check_values=True)
 
 
 async def until(condition: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
@@ -149,13 +82,13 @@ async def until(condition: Callable[[], bool], what: str, timeout: float = 15.0)
         await asyncio.sleep(0.005)
 
 
-async def started(d: Delivery) -> Delivery:
+async def started(d: RedisDelivery) -> RedisDelivery:
     d.worker.start()
     await until(lambda: d.worker.connected, "the sink to connect")
     return d
 
 
-async def assert_stored_in_order(d: Delivery, admin: aioredis.Redis, stream: Stream, records: list[Record]) -> None:
+async def assert_stored_in_order(d: RedisDelivery, admin: aioredis.Redis, stream: Stream, records: list[Record]) -> None:
     """The stream's entries are exactly the messages of ``records``, once each, in order."""
     expected = [m for r in records for m in d.renderer.render(r)]
     keys = {d.key(m) for m in expected}
@@ -202,7 +135,7 @@ async def test_an_acl_refusal_in_the_index_mode_script_is_retried_and_the_index_
     records = [batch(stream, q, epoch=1) for q in range(3)]
     records += [source_reset(stream, 2, "publisher_restart", 0.0), *(batch(stream, q, epoch=2) for q in range(2))]
     await allow(admin, denied)
-    d = await started(Delivery(tmp_path, acl_redis.url, {"index": {"enabled": True}}))
+    d = await started(delivery(tmp_path, acl_redis.url, {"index": {"enabled": True}}))
     try:
         await d.feed(records)
         await until(lambda: bool(d.errors()), "the write to meet the ACL")
@@ -232,14 +165,14 @@ async def test_an_acl_refusal_of_the_duplicate_check_on_a_resend_is_retried_not_
     dead-lettered; after the fix seqs 0-2 count as delivered and 3-4 are stored, each once."""
     stream = Stream("eng", 0)
     records = [batch(stream, q, epoch=1) for q in range(5)]
-    first = await started(Delivery(tmp_path, acl_redis.url, {}))
+    first = await started(delivery(tmp_path, acl_redis.url, {}))
     try:
         await first.feed(records[:3])
         assert await first.worker.flush(10)
     finally:
         await first.close()
     await allow(admin, "xrevrange")
-    d = await started(Delivery(tmp_path, acl_redis.url, {}))
+    d = await started(delivery(tmp_path, acl_redis.url, {}))
     try:
         await d.feed(records)
         await until(lambda: bool(d.errors()), "the write to meet the ACL")
@@ -279,7 +212,7 @@ async def test_two_engine_streams_rendering_one_stream_key_is_a_transient_key_co
     key_collision (retried, the sink not ready, nothing acknowledged, nothing dead-lettered) and
     the key holds X's entries only."""
     records = both(5)
-    d = await started(Delivery(tmp_path, acl_redis.url, {"stream": AMBIGUOUS}, user=None))
+    d = await started(delivery(tmp_path, acl_redis.url, {"stream": AMBIGUOUS}, user=None))
     try:
         await d.feed(records)
         await until(lambda: bool(d.errors() or d.acked), "the key collision")
@@ -303,7 +236,7 @@ async def test_two_engine_streams_rendering_one_index_key_is_a_transient_key_col
     other's blocks): the second stream is not written (neither its entries nor its blocks)."""
     records = both(3)
     options = {"stream": "kv:{source}:{dp_rank}", "index": {"enabled": True, "key": AMBIGUOUS + ":blocks"}}
-    d = await started(Delivery(tmp_path, acl_redis.url, options, user=None))
+    d = await started(delivery(tmp_path, acl_redis.url, options, user=None))
     try:
         await d.feed(records)
         await until(lambda: bool(d.errors() or d.acked), "the key collision")
