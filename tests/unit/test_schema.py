@@ -29,6 +29,7 @@ from bridge.schema import (
     render,
 )
 from tests.support.schema import SCHEMA_FILE, as_json, check_message, check_record, valid_by_parts, validator
+from tests.support.strategies import msgpack_values
 from tests.support.vectors import load_all
 
 STREAM = Stream("llama-a", 1, {"model": "m"})
@@ -222,17 +223,7 @@ def test_msgpack_binary_is_checked_as_hex() -> None:
 # -- any event an engine may send, in any form: the rendered records are valid ---------------------
 
 _hash = st.one_of(st.integers(-(2**63), 2**64 - 1), st.binary(min_size=32, max_size=32))
-_scalar = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(-(2**63), 2**64 - 1),
-    st.floats(allow_nan=False),
-    st.text(max_size=5),
-    st.binary(max_size=4),
-)
-_value = st.recursive(
-    _scalar, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=8
-)
+_value = msgpack_values(text=5, key=4, max_leaves=8)
 _unknown_name = st.text(min_size=1, max_size=8).filter(lambda k: k not in {"type", "extra", "shadowed"})
 _known = {
     "BlockStored": {

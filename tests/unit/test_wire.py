@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from bridge import wire
 from bridge.errors import DecodeError
 from bridge.simulator import PROFILES, EventFactory, encode_batch
+from tests.support.strategies import msgpack_values
 from tests.support.vectors import expected_events, load_all, plain
 
 VECTORS = load_all()
@@ -232,17 +233,7 @@ def test_mutated_vectors_never_escape(vector: Any, data: st.DataObject) -> None:
 
 # -- the plain fast path agrees with the generic decode --------------------------------------------
 
-_leaf = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(-(2**63), 2**64 - 1),
-    st.floats(allow_nan=False),
-    st.text(max_size=4),
-    st.binary(max_size=4),
-)
-_values = st.recursive(
-    _leaf, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3), max_leaves=12
-)
+_values = msgpack_values(text=4, key=3, max_leaves=12)
 _event_shapes = st.one_of(
     st.dictionaries(st.sampled_from(["type", "block_hashes", "x", "medium"]), _values, max_size=4).map(
         lambda d: {"type": "BlockRemoved", **d} if "type" not in d else d
