@@ -121,6 +121,7 @@ class StreamSequencer:
     _verdict: str  # is it this epoch's instance?
     _replay_first: bool  # no reply at or above _replay_start yet
     _answered: bool  # a reply came
+    _asked_unverified: bool  # unverified batches were waiting when it was asked for
 
     def __init__(
         self,
@@ -344,14 +345,19 @@ class StreamSequencer:
         if request_id != self._replay:
             return out
         self._replay = None
-        if complete and not self._answered and (self.unverified or (self._replay_start > 0 and self._buffers)):
+        if complete and not self._answered and (self._asked_unverified or (self._replay_start > 0 and self._buffers)):
             # The engine holds nothing from our position on, yet the instance that published it
             # still holds its latest seq (a fresh DEALER's first reply is never dropped by the
             # ROUTER's high-water mark), and the one that published the unverified batches would
             # hold those: another instance, which has not got this far yet. (Unless its buffer
-            # is off by configuration: then only after it was seen to work.)
+            # is off by configuration: then only after it was seen to work.) Only batches read
+            # before the replay was asked for count: those read since may have been published
+            # after the engine answered (from seq 0, nothing buffered yet is no proof).
             self._restart(out, "publisher_restart")
             self._request(out)
+            return out
+        if complete and not self._answered and self.unverified:
+            self._request(out)  # ask again, now that the batches waiting are known published
             return out
         if self._doubt:
             # Nothing in this replay could tell whether the instance is the same one.
@@ -533,6 +539,7 @@ class StreamSequencer:
         self._replay_start = self.delivered + 1
         self._replay_first = True
         self._answered = False
+        self._asked_unverified = bool(self.unverified)
         waiting = [*self.held, *self.unverified]
         # The last seq this replay must bring; -1: read to the end marker.
         if waiting:
