@@ -216,6 +216,30 @@ class CheckpointConfig(Struct):
     ] = Duration(10.0)
 
 
+class StateConfig(Struct):
+    """The live-block state kept for sinks with ``state.enabled`` (README "State bootstrap")."""
+
+    max_entries: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1,
+            description=(
+                "Live blocks kept across all streams, at most (about 20 bytes each). Past it, the stream whose "
+                "store crossed it has its state switched off (cleared, complete: false, logged and counted) while "
+                "its events keep flowing; it is switched on again at its next reset if there is room."
+            ),
+        ),
+    ] = 10_000_000
+    load_timeout: Annotated[
+        Duration,
+        doc(
+            "Bound on reading back one sink's state of the streams starting together (a restarted bridge rebuilds "
+            "its tables from it); a sink that does not answer in time has those streams' state cleared and started "
+            "afresh (complete: false until the engine's next reset)."
+        ),
+    ] = Duration(60.0)
+
+
 class BatchConfig(Struct):
     """How many queued messages one connector write may carry."""
 
@@ -398,6 +422,9 @@ class Config(Struct):
         default_factory=DiscoveryConfig
     )
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    state: Annotated[StateConfig, doc("Bounds of the live-block state (sinks with state.enabled).")] = msgspec.field(
+        default_factory=StateConfig
+    )
     sinks: Annotated[list[SinkConfig], doc("Where events go: one or more sinks (see Sinks).")] = msgspec.field(
         default_factory=list
     )

@@ -37,6 +37,20 @@ Optional, for ``checkpoint.from_sinks`` (a pod taking over streams it has no che
   sink needs and drops, per sink, the messages at or below what that sink holds
   (:func:`bridge.checkpoint.combine`), so the sink sees no duplicate even if it cannot drop one.
 
+Optional, for the live-block state (``state:`` in a sink's options; README "State bootstrap"):
+
+- ``writes_state``: ``True`` when the sink keeps state. The runtime then keeps a
+  :class:`bridge.state.StateTracker`, decodes every batch, and follows each record's messages in a
+  write with one message of type :data:`STATE_TYPE` (no value; ``message.record.state`` is the
+  record's :class:`StateDelta`; ``delta.stale``: nothing to write). The connector writes it after
+  the record's messages and only once they are stored (Redis: in the same script call, an exact
+  cut), with the documents of :mod:`bridge.state_docs`; a failed state write is transient (never
+  ``Permanent``: the state is not dead-lettered), reported at the state message's index;
+- ``async read_state(streams)``: the state the sink holds of each stream, for a restarted bridge:
+  ``{stream.key: (Head, [SeedEntry, ...])}`` (``bridge.state_docs.head_of`` and ``seed_entry``
+  read the documents), ``{stream.key: None}`` when it holds none, no entry when it cannot tell.
+  Called after ``connect()``, before the streams start, bounded by ``state.load_timeout``.
+
 The delivery contract (design.md, "Delivery"), kept by the runtime and this API together:
 
 - Per stream (``message.record.stream``), each sink receives messages in order. A message that
@@ -72,9 +86,10 @@ from .checkpoint import SinkPosition
 from .config import ByteSize, Duration, SinkConfig, convert_options, doc
 from .config import Struct as ConnectorOptions
 from .errors import ConfigError, ConnectorError, NotConnected, PartialFailure, Permanent, Retriable
-from .formats import Message, hex64
+from .formats import STATE_TYPE, Message, hex64
 from .records import Event, Record, Stream
 from .secret import Secret, redact, redact_url, reveal
+from .state import Head, SeedEntry, StateDelta
 
 ENTRY_POINT_GROUP = "kv_bridge.connectors"
 
@@ -93,6 +108,13 @@ class Connector(Protocol):
     async def close(self) -> None: ...
 
     async def health(self) -> str | None: ...
+
+
+@runtime_checkable
+class StateReader(Protocol):
+    """A connector that keeps state and can read it back (see ``read_state`` above)."""
+
+    async def read_state(self, streams: Sequence[Stream]) -> Mapping[str, tuple[Head, list[SeedEntry]] | None]: ...
 
 
 @runtime_checkable
@@ -251,6 +273,7 @@ class Template:
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "STATE_TYPE",
     "ByteSize",
     "ConfigError",
     "Connector",
@@ -259,6 +282,7 @@ __all__ = [
     "ConnectorOptions",
     "Duration",
     "Event",
+    "Head",
     "Message",
     "NotConnected",
     "PartialFailure",
@@ -268,8 +292,11 @@ __all__ = [
     "Registry",
     "Retriable",
     "Secret",
+    "SeedEntry",
     "SinkConfig",
     "SinkPosition",
+    "StateDelta",
+    "StateReader",
     "Stream",
     "Template",
     "TlsOptions",

@@ -8,25 +8,46 @@ never make anyone wait (see :mod:`bridge.sink`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .records import Record
 from .sink import SinkWorker
+from .state import StateTracker
 
 
 class Fanout:
-    def __init__(self, workers: Sequence[SinkWorker]) -> None:
+    """Hands each record to every sink; with a state tracker (a sink keeps state), applies the
+    record to it first, once, in stream order (``record.state``)."""
+
+    def __init__(
+        self,
+        workers: Sequence[SinkWorker],
+        tracker: StateTracker | None = None,
+        on_switched_off: Callable[[Record], None] | None = None,
+    ) -> None:
         self.workers = list(workers)
+        self.tracker = tracker
+        self.on_switched_off = on_switched_off
+
+    def _track(self, record: Record) -> None:
+        assert self.tracker is not None
+        delta = record.state = self.tracker.apply(record)
+        if delta.switched_off and self.on_switched_off is not None:
+            self.on_switched_off(record)
 
     def offer(self, record: Record) -> list[SinkWorker]:
         """Queue ``record`` on every sink with room; returns the blocking sinks still to wait for.
 
         The hot path calls this (no coroutine per batch) and :meth:`finish` only when needed.
         """
+        if self.tracker is not None:
+            self._track(record)
         return [w for w in self.workers if not w.offer(record)]
 
     def force(self, record: Record) -> None:
         """Queue ``record`` on every sink now, past a full queue's bounds (see StreamPipeline)."""
+        if self.tracker is not None:
+            self._track(record)
         for w in self.workers:
             if not w.offer(record):
                 w.force(record)

@@ -78,6 +78,19 @@ class Message(msgspec.Struct):
         return self.record.events[self.index]
 
 
+STATE_TYPE = "StateDelta"
+"""The type of the message that follows each record for a sink whose connector writes state
+(``writes_state``): no value, ``record.state`` is what it writes, its position is after every
+message of the record."""
+STATE_SUB = (1 << 64) - 1
+
+
+def state_message(record: Record) -> Message:
+    """The state message of ``record`` (see STATE_TYPE)."""
+    epoch, slot = record.position
+    return Message(record, None, STATE_TYPE, b"", {}, "", (epoch, slot, STATE_SUB))
+
+
 def hex64(value: int) -> str:
     """A 64-bit hash as 16 lowercase hex digits (negative values as two's complement)."""
     return format(value & _U64, "016x")

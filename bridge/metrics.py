@@ -151,6 +151,20 @@ class Metrics:
         self.dead_letter_write_failures = Counter(
             p + "dead_letter_write_failures", "Dead letters not written (destination full or unwritable).", registry=r
         )
+        # State (sinks with state.enabled)
+        self.state_entries = Gauge(p + "state_entries", "Live blocks kept in the state, all streams.", registry=r)
+        self.state_streams_off = Gauge(
+            p + "state_streams_off", "Streams whose state is switched off (state.max_entries reached).", registry=r
+        )
+        self.state_switched_off = Counter(
+            p + "state_switched_off", "Times a stream's state was switched off (state.max_entries).", ["source"], registry=r
+        )
+        self.state_rebuilds = Counter(
+            p + "state_rebuilds",
+            "Streams whose state was read back from the sinks at start (rebuilt) or could not be (fresh).",
+            ["outcome"],
+            registry=r,
+        )
         self.ready = Gauge(p + "ready", "1 when every sink is connected and every source subscribed.", registry=r)
         self.build_info = Gauge(p + "build_info", "Build information.", ["version"], registry=r)
         self.build_info.labels(__version__).set(1)
@@ -179,6 +193,7 @@ class Metrics:
             self.source_last_seq,
             self.source_last_event_ts,
             self.source_disconnects,
+            self.state_switched_off,
         )
         for metric in per_source:
             metric.remove_by_labels({"source": source})

@@ -54,6 +54,9 @@ class Record(msgspec.Struct):
     plain: bool = False
     """The decoder proved every event holds only JSON scalars and lists of them (see
     ``wire.DecodedBatch.plain``): the JSON renderer has nothing to check or convert."""
+    state: Any = None
+    """What this record changed in its stream's live-block state (a ``bridge.state.StateDelta``),
+    when a sink keeps state; set once, as the record is handed to the sinks."""
 
     @property
     def n_events(self) -> int:

@@ -27,20 +27,21 @@ import zmq.asyncio
 
 from . import checkpoint as ckpt
 from .config import Config, SourceConfig
-from .connector import Connector, PositionReader, Registry
+from .connector import Connector, PositionReader, Registry, StateReader
 from .deadletter import DeadLetters, DecodeFailures
 from .discovery import Discovery
 from .endpoints import for_rank
 from .errors import ConfigError, PartialFailure
 from .fanout import Fanout
 from .filters import EventFilter, for_sink
-from .formats import Message, Renderer
+from .formats import STATE_TYPE, Message, Renderer
 from .health import HealthServer
 from .metrics import Metrics
-from .records import Stream, events_lost
+from .records import Record, Stream, events_lost
 from .replay import ReplayClient
 from .sink import SinkWorker
 from .source import SourceReader
+from .state import StateTracker
 from .stream import StreamContext, StreamPipeline
 
 log = logging.getLogger("bridge")
@@ -57,6 +58,7 @@ class SkipHeld:
         self.inner = inner
         self.name = inner.name
         self.needs_events = getattr(inner, "needs_events", True)
+        self.writes_state = getattr(inner, "writes_state", False)
         self.through: dict[str, tuple[int, int, int]] = {}
         self.skipped = 0  # messages left out (tests, logs)
         self.renderer: Renderer | None = None  # the sink's, to narrow an EventsLost (see write)
@@ -97,7 +99,7 @@ class SkipHeld:
             limit = through.get(key)
             if limit is not None:
                 position = m.position
-                if m.record.kind == "EventsLost":  # it sorts after the batch at its to_seq
+                if m.record.kind == "EventsLost" and m.type != STATE_TYPE:  # it sorts after the batch at its to_seq
                     position = (position[0], position[1], ckpt.MAX_SUB)
                     if position > limit:
                         narrow = self._narrowed(m, limit)
@@ -167,6 +169,8 @@ class Bridge:
         self.discovery: Discovery | None = None
         self.skips: list[SkipHeld] = []  # with checkpoint.from_sinks: every sink's connector, wrapped
         self._held_top: dict[str, int] = {}  # from_sinks: the highest seq a sink holds in a stream's resume epoch
+        self.tracker: StateTracker | None = None  # when a sink keeps state (state.enabled)
+        self._state_sinks: list[Connector] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def __aenter__(self) -> Bridge:
@@ -188,11 +192,24 @@ class Bridge:
         if problems:
             raise ConfigError(problems)
         self.store = self.context.epochs = ckpt.CheckpointStore(cfg.checkpoint.path, len(cfg.sinks))
+        configured = [s for source in cfg.sources for s in _streams(source)]
+        self._state_sinks = [c for c in connectors if getattr(c, "writes_state", False)]
+        if self._state_sinks:
+            tracker = self.tracker = StateTracker(cfg.state.max_entries, generation_base=int(time.time() * 1000))
+            self.metrics.state_entries.set_function(lambda: tracker.total)
+            self.metrics.state_streams_off.set_function(tracker.streams_off)
+        early: list[Connector] = [
+            c
+            for c in connectors
+            if (isinstance(c, StateReader) and c in self._state_sinks)
+            or (cfg.checkpoint.from_sinks and isinstance(c, PositionReader))
+        ]
+        await self._connect_early(early)
+        await self.load_state(configured)
         if cfg.checkpoint.from_sinks:
             self.skips = [SkipHeld(c) for c in connectors]
             connectors = [skip for skip in self.skips]
-            await self._connect_position_readers()
-            await self.take_over([s for source in cfg.sources for s in _streams(source)])
+            await self.take_over(configured)
         renderers: dict[tuple[str, str, str, EventFilter | None], Renderer] = {}
         for i, (sink, conn) in enumerate(zip(cfg.sinks, connectors, strict=True)):
             event_filter = for_sink(sink)
@@ -208,8 +225,8 @@ class Bridge:
             self.metrics.start_sink(worker.name)
             self.workers.append(worker)
             self._watch(worker.start())
-        self.context.fanout = Fanout(self.workers)
-        self.context.needs_events = any(
+        self.context.fanout = Fanout(self.workers, self.tracker, self._state_switched_off)
+        self.context.needs_events = self.tracker is not None or any(
             sink.format != "raw" or getattr(conn, "needs_events", True) for sink, conn in zip(cfg.sinks, connectors, strict=True)
         )
         if cfg.metrics.listen:
@@ -233,6 +250,7 @@ class Bridge:
 
     async def add_source(self, source: SourceConfig) -> None:
         """Subscribe to every rank of ``source`` (also used by discovery at run time)."""
+        await self.load_state(_streams(source))
         if self.skips:
             await self.take_over(_streams(source))
         added = self._add_pipelines(source)
@@ -387,23 +405,90 @@ class Bridge:
                 if pipeline.replay_endpoint is not None and now - pipeline.last_activity >= quiet:
                     await pipeline.probe()
 
-    # -- handover (checkpoint.from_sinks) --------------------------------------------------------
-    async def _connect_position_readers(self) -> None:
-        """Connect the sinks that can tell positions, each within ``from_sinks_timeout``, before their
-        workers start (``connect()`` again is a no-op for them); one that fails is read as unknown."""
-        timeout = self.config.checkpoint.from_sinks_timeout
+    # -- state (sinks with state.enabled) ----------------------------------------------------------
+    def _state_switched_off(self, record: Record) -> None:
+        s = record.stream
+        self.metrics.state_switched_off.labels(s.source).inc()
+        log.warning(
+            "state.max_entries reached: this stream's state is switched off (cleared, complete: false) until its "
+            "next reset; its events keep flowing",
+            extra={"stream": s.key, "entries": self.tracker.total if self.tracker else None},
+        )
 
-        async def connect(skip: SkipHeld) -> None:
+    async def load_state(self, streams: Sequence[Stream]) -> None:
+        """Before ``streams`` start: read back what every state sink holds of them (all at once, each
+        within ``state.load_timeout``) and rebuild the tracker from it, so that a restarted bridge
+        goes on changing the sinks' state key by key. A stream is rebuilt only when every state sink
+        holds it in the same (epoch, generation), from the one that is furthest behind (a sink
+        ahead gets the records since again: each change sets a key to its value, so that is
+        harmless); otherwise its first record clears it everywhere (a new generation, incomplete
+        until the engine's next reset)."""
+        tracker = self.tracker
+        if tracker is None:
+            return
+        wanted = [s for s in streams if tracker.head(s) is None]
+        if not wanted:
+            return
+        reads = await asyncio.gather(*(self._read_state(c, wanted) for c in self._state_sinks))
+        rebuilt = fresh = 0
+        for stream in wanted:
+            got = [r.get(stream.key, "unknown") for r in reads]
+            held = [g for g in got if isinstance(g, tuple)]
+            for head, _ in held:  # a stream started afresh must open a generation above what sinks hold
+                tracker.generation_base = max(tracker.generation_base, head.generation + 1)
+            if held and len(held) == len(got) and len({(h.epoch, h.generation) for h, _ in held}) == 1:
+                head, entries = min(held, key=lambda g: (g[0].epoch, g[0].seq))
+                if tracker.seed(stream, head, entries):
+                    rebuilt += 1
+                    continue
+            fresh += 1
+            if held:
+                log.warning(
+                    "the sinks' state of this stream cannot be rebuilt (a sink holds none, or another generation): "
+                    "it is cleared at its first record and incomplete until the engine's next reset",
+                    extra={"stream": stream.key},
+                )
+        self.metrics.state_rebuilds.labels("rebuilt").inc(rebuilt)
+        self.metrics.state_rebuilds.labels("fresh").inc(fresh)
+        if rebuilt:
+            log.info("state rebuilt from the sinks", extra={"count": rebuilt, "entries": tracker.total})
+
+    async def _read_state(self, conn: Connector, streams: list[Stream]) -> dict[str, Any]:
+        """What one state sink holds of ``streams``; nothing (every stream unknown) when it cannot say."""
+        if not isinstance(conn, StateReader):
+            return {}
+        try:
+            async with asyncio.timeout(self.config.state.load_timeout):
+                return dict(await conn.read_state(streams))
+        except Exception as exc:  # TimeoutError, a connector error, a client's own
+            log.error(
+                "cannot read the state back from the sink: these streams' state starts afresh (cleared)",
+                extra={"sink": conn.name, "count": len(streams), "error": str(exc) or type(exc).__name__},
+            )
+            return {}
+
+    # -- handover (checkpoint.from_sinks) --------------------------------------------------------
+    async def _connect_early(self, connectors: Sequence[Connector]) -> None:
+        """Connect the sinks read before streams start (positions, state), each within its bound,
+        before their workers start (``connect()`` again is a no-op for them); one that fails is read
+        as unknown."""
+
+        async def connect(conn: Connector) -> None:
+            timeout = max(
+                self.config.checkpoint.from_sinks_timeout if isinstance(conn, PositionReader) else 0.0,
+                self.config.state.load_timeout if conn in self._state_sinks else 0.0,
+            )
             try:
                 async with asyncio.timeout(timeout):
-                    await skip.inner.connect()
+                    await conn.connect()
             except Exception as exc:  # TimeoutError, NotConnected, a client's own error
                 log.error(
-                    "sink not reachable to read stream positions: streams resume from the checkpoint file (or afresh)",
-                    extra={"sink": skip.name, "error": str(exc) or type(exc).__name__},
+                    "sink not reachable before streams start: their positions (checkpoint.from_sinks) and state are "
+                    "read as unknown",
+                    extra={"sink": conn.name, "error": str(exc) or type(exc).__name__},
                 )
 
-        await asyncio.gather(*(connect(s) for s in self.skips if isinstance(s.inner, PositionReader)))
+        await asyncio.gather(*(connect(c) for c in connectors))
 
     async def take_over(self, streams: Sequence[Stream]) -> None:
         """Before ``streams`` start: ask every sink what it holds of them (all sinks at once, each

@@ -34,7 +34,7 @@ from .config import SinkConfig
 from .connector import Connector
 from .deadletter import DeadLetters
 from .errors import ConnectorError, NotConnected, PartialFailure, Permanent, Retriable
-from .formats import Message, Renderer
+from .formats import Message, Renderer, state_message
 from .metrics import Metrics
 from .records import Record, events_lost
 
@@ -126,6 +126,9 @@ class SinkWorker:
         self.dead_letters = dead_letters
         self.on_ack = on_ack
         self.block = config.backpressure == "block"
+        # Its connector writes the live-block state: each record's messages are followed by its
+        # state message (formats.STATE_TYPE), written in the same write.
+        self.writes_state = bool(getattr(connector, "writes_state", False))
         self.max_batches = config.queue.max_batches
         self.max_bytes = config.queue.max_bytes
         self.backoff = Backoff(
@@ -352,6 +355,8 @@ class SinkWorker:
                 )
             records.append(record)
             messages.extend(rendered)
+            if self.writes_state and record.state is not None:
+                messages.append(state_message(record))
             size += record.size
         return records, messages, unrendered
 

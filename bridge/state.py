@@ -53,7 +53,7 @@ after the whole batch.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 import msgspec
@@ -302,7 +302,12 @@ class ClearedTier(msgspec.Struct, frozen=True):
 
 
 class Head(msgspec.Struct, frozen=True):
-    """A stream's state as of its last record (the sinks add the position that follows it)."""
+    """A stream's state as of its last record (the sinks add the position that follows it).
+
+    ``seq``: the last record's seq (an ``EventsLost``'s ``to_seq``), -1 after a ``SourceReset``
+    (nothing of the epoch yet): the state reflects every record at or below ``(epoch, seq + 1)``.
+    ``generation`` rises at every clear, and starts above any earlier process's (see StateTracker).
+    """
 
     epoch: int
     generation: int
@@ -329,6 +334,10 @@ class StateDelta(msgspec.Struct):
     """The record was at or below the stream's last position: nothing applied (a re-delivery)."""
 
 
+SeedEntry = tuple[str | None, int | None, int, int, int, "BlockFact | None"]
+"""One live entry a sink holds: (medium, group_idx, block id, count, seq of its last change, fact)."""
+
+
 class TrackerStats(msgspec.Struct):
     """Counters since the tracker was made, for metrics."""
 
@@ -343,9 +352,9 @@ class TrackerStats(msgspec.Struct):
 class _StreamState:
     __slots__ = ("complete", "epoch", "generation", "live", "position", "seq", "tiers", "tracking")
 
-    def __init__(self, epoch: int) -> None:
+    def __init__(self, epoch: int, generation: int) -> None:
         self.epoch = epoch
-        self.generation = 0
+        self.generation = generation
         self.seq = -1
         self.position = (epoch, -1)
         self.complete = False
@@ -399,8 +408,11 @@ class _Pending:
 class StateTracker:
     """The live blocks of every stream; :meth:`apply` each delivered record once, in order."""
 
-    def __init__(self, max_entries: int | None = None) -> None:
+    def __init__(self, max_entries: int | None = None, generation_base: int = 0) -> None:
         self.max_entries = max_entries
+        # Generations of streams first met here start at this number (the runtime passes the
+        # clock in ms): above any generation an earlier process wrote, rebuilt or not.
+        self.generation_base = generation_base
         self.total = 0
         self.stats = TrackerStats()
         self._streams: dict[str, _StreamState] = {}
@@ -434,6 +446,10 @@ class StateTracker:
             for k, c, v in table.items():
                 yield medium, group, k, c, v - 1
 
+    def streams_off(self) -> int:
+        """Streams whose state is switched off (the cap)."""
+        return sum(1 for st in self._streams.values() if not st.tracking)
+
     def nbytes(self) -> int:
         """Bytes held by the tables' arrays (side dicts not included)."""
         return sum(t.nbytes() for st in self._streams.values() for t in st.tiers.values())
@@ -446,6 +462,43 @@ class StateTracker:
         self.total -= st.live
         return [ClearedTier(m, g, t) for (m, g), t in st.tiers.items() if t.n]
 
+    def seed(self, stream: Stream, head: Head, entries: Iterable[SeedEntry]) -> bool:
+        """Start ``stream`` from the state a sink holds (a restarted bridge rebuilding its tables):
+        its head and live entries ``(medium, group_idx, block id, count, seq of the last change,
+        fact)`` (the fact is kept only for counts above 1). Records at or below the head's position
+        are then stale. False, and nothing kept, when the entries would take the tracker past
+        ``max_entries`` or the stream is already tracked: its first record then clears the sink's
+        state (a fresh start)."""
+        if stream.key in self._streams:
+            return False
+        st = _StreamState(head.epoch, head.generation)
+        st.seq = head.seq
+        st.position = (head.epoch, head.seq + 1)
+        st.complete = head.complete
+        st.tracking = head.tracking
+        cap = self.max_entries
+        live = 0
+        for medium, group, k, count, seq, fact in entries if head.tracking else ():
+            if count <= 0 or not 0 <= k <= U64:
+                continue
+            tier = (medium, group)
+            table = st.tiers.get(tier)
+            if table is None:
+                table = st.tiers[tier] = BlockTable()
+            if table.count(k):
+                continue  # a key given twice: the first stands
+            for _ in range(count):
+                table.add(k, seq + 1)
+            if count > 1:
+                table.multi[k][1] = fact
+            live += 1
+            if cap is not None and self.total + live > cap:
+                return False
+        st.live = live
+        self.total += live
+        self._streams[stream.key] = st
+        return True
+
     def _table(self, stream: Stream, medium: str | None, group: int | None) -> BlockTable | None:
         st = self._streams.get(stream.key)
         return None if st is None else st.tiers.get((medium, group))
@@ -456,7 +509,7 @@ class StateTracker:
         st = self._streams.get(record.stream.key)
         fresh = st is None
         if st is None:
-            st = self._streams[record.stream.key] = _StreamState(record.epoch)
+            st = self._streams[record.stream.key] = _StreamState(record.epoch, self.generation_base)
         elif record.position <= st.position:
             self.stats.stale_records += 1
             return StateDelta(record.stream, st.head(), stale=True)
@@ -470,10 +523,14 @@ class StateTracker:
         new_epoch = record.epoch != st.epoch
         st.epoch = record.epoch
         st.position = position
+        if fresh:
+            # Not rebuilt (see seed): a sink may hold this stream's state from an earlier process,
+            # which this tracker cannot change key by key. Clear it (a new generation).
+            self._clear(st, delta, pending)
         if record.kind == "SourceReset":
             self._clear(st, delta, pending)
             self._restart(st, delta)
-            st.seq = 0
+            st.seq = -1  # nothing of the new epoch yet
         elif record.kind == "EventsLost":
             self._clear(st, delta, pending)
             st.complete = False
@@ -482,7 +539,7 @@ class StateTracker:
             st.seq = record.seq
             if fresh or new_epoch:
                 # No reset opened this epoch here: only a batch at seq 0 follows an empty cache.
-                if new_epoch:
+                if new_epoch and not fresh:
                     self._clear(st, delta, pending)
                 if record.seq == 0:
                     self._restart(st, delta)

@@ -85,6 +85,10 @@ CONTRACT: dict[str, tuple[str, frozenset[str]]] = {
         ("kv_bridge_sink_queue_limit_bytes", "gauge", ["sink"]),
         ("kv_bridge_source_disconnects_total", "counter", ["source", "dp_rank"]),
         ("kv_bridge_sink_events_total", "counter", ["sink"]),
+        ("kv_bridge_state_entries", "gauge", []),
+        ("kv_bridge_state_streams_off", "gauge", []),
+        ("kv_bridge_state_switched_off_total", "counter", ["source"]),
+        ("kv_bridge_state_rebuilds_total", "counter", ["outcome"]),
     ]
 }
 LOW_CARDINALITY = frozenset({"source", "dp_rank", "sink", "reason", "type", "outcome", "version"})

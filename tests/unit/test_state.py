@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bridge.records import Record, Stream, events_lost, source_reset
-from bridge.state import BlockTable, StateDelta, StateTracker, block_id
+from bridge.state import BlockTable, Head, StateDelta, StateTracker, block_id
 
 A = Stream("llama-a", 0)
 B = Stream("llama-b", 0)
@@ -146,7 +146,7 @@ def test_events_lost_clears_and_complete_returns_at_the_next_clear() -> None:
     assert d.head.complete and cleared_keys(d) == {("GPU", None, 4)}
     f.lost(1)
     d = f.reset()
-    assert d.head.complete and d.head.epoch == 2 and d.head.seq == 0 and d.clear
+    assert d.head.complete and d.head.epoch == 2 and d.head.seq == -1 and d.clear
 
 
 def test_a_stream_joined_late_is_incomplete_until_a_clear() -> None:
@@ -185,7 +185,7 @@ def test_a_reset_of_many_blocks_enumerates_every_key_without_copying() -> None:
     assert sum(len(c.blocks) for c in d.cleared) == n + n // 2
     assert cleared_keys(d) == {("GPU", None, k) for k in range(n)} | {("CPU", None, k) for k in range(n // 2)}
     assert any(isinstance(c.blocks, BlockTable) for c in d.cleared)
-    assert t.total == 0 and d.head.generation == 1 and list(t.entries(A)) == []
+    assert t.total == 0 and d.head.generation == 2 and list(t.entries(A)) == []  # the fresh start, then the reset
 
 
 def test_a_clear_enumerates_blocks_removed_earlier_in_its_record() -> None:
@@ -195,7 +195,7 @@ def test_a_clear_enumerates_blocks_removed_earlier_in_its_record() -> None:
     d = f.batch(removed([1]), stored([3]), CLEARED, stored([4]), CLEARED, stored([5]))
     assert cleared_keys(d) == {("GPU", None, 1), ("GPU", None, 2), ("GPU", None, 3)}
     assert [(c.block, c.count) for c in d.changes] == [(5, 1)]
-    assert d.head.generation == 2
+    assert d.head.generation == 3  # the fresh start, then two clears
 
 
 # -- sketch item 11: parents first ------------------------------------------------------------------
@@ -316,3 +316,49 @@ def test_a_forgotten_stream_gives_its_blocks_and_room_back() -> None:
     cleared = t.forget(A)
     assert {k for c in cleared for k in c.blocks} == {1, 2} and t.total == 1 and t.head(A) is None
     assert t.forget(A) == []
+
+
+# -- a restarted bridge: seeded from what a sink holds --------------------------------------------
+
+
+def test_a_fresh_stream_clears_what_a_sink_may_hold_in_a_new_generation() -> None:
+    t = StateTracker(generation_base=5000)
+    d = t.apply(Record(stream=A, epoch=3, seq=40, events=[stored([1])]))
+    assert d.clear and d.cleared == [] and d.head.generation == 5001 and not d.head.complete
+
+
+def test_a_tracker_seeded_from_the_documents_goes_on_like_the_original() -> None:
+    from bridge.state_docs import StateFormat, head_of, parse, seed_entry
+
+    fmt = StateFormat()
+    first = StateTracker()
+    f = Feed(first)
+    docs: dict[tuple[Any, Any, int], bytes] = {}
+    for d in (f.batch(stored([1, 2, 3]), stored([2], medium="CPU")), f.batch(stored([2]), removed([3])), f.batch(stored([2]))):
+        for c in d.changes:
+            if c.count:
+                docs[(c.medium, c.group_idx, c.block)] = fmt.entry(A, d.head, c)
+            else:
+                docs.pop((c.medium, c.group_idx, c.block), None)
+    head = head_of(parse(fmt.head(A, first.head(A), 7)) or {})  # type: ignore[arg-type]
+    assert head is not None
+    entries = [seed_entry(parse(v) or {}) for v in docs.values()]
+    second = StateTracker()
+    assert second.seed(A, head, [e for e in entries if e is not None])
+    assert sorted(second.entries(A)) == sorted(first.entries(A)) and second.head(A) == first.head(A)
+    assert second.count(A, "GPU", None, 2) == 3  # counts above 1 come back with their facts
+    # the records up to the head come again (a checkpoint below it): stale
+    assert second.apply(Record(stream=A, epoch=1, seq=2, events=[stored([2])])).stale
+    # and the next ones change both alike, the facts of counts above 1 included
+    nxt = [removed([2]), removed([2]), stored([9])]
+    a, b = (t.apply(Record(stream=A, epoch=1, seq=3, events=nxt)) for t in (first, second))
+    assert a.changes == b.changes and a.head == b.head and a.changes[0].fact is not None
+
+
+def test_seeding_past_the_cap_or_a_known_stream_is_refused() -> None:
+    t = StateTracker(max_entries=2)
+    head = Head(epoch=1, generation=3, seq=5, complete=True, live=3)
+    entries = [("GPU", None, k, 1, 5, None) for k in (1, 2, 3)]
+    assert not t.seed(A, head, entries) and t.head(A) is None and t.total == 0
+    assert t.seed(A, head, entries[:2]) and t.total == 2
+    assert not t.seed(A, head, entries[:1])  # already tracked

@@ -121,12 +121,14 @@ class StateModel(RuleBasedStateMachine):
         r = self.refs.setdefault(key, Ref(epoch=rec.epoch))
         if fresh and not self.room():
             r.tracking = False
+        if fresh:
+            self.ref_clear(r)  # a sink may hold an earlier process's state of it: a new generation
         new_epoch = rec.epoch != r.epoch
         r.epoch = rec.epoch
         if rec.kind == "SourceReset":
             self.ref_clear(r)
             self.ref_restart(r)
-            r.seq = 0
+            r.seq = -1
             return
         if rec.kind == "EventsLost":
             self.ref_clear(r)
@@ -135,7 +137,7 @@ class StateModel(RuleBasedStateMachine):
             return
         r.seq = rec.seq
         if fresh or new_epoch:
-            if new_epoch:
+            if new_epoch and not fresh:
                 self.ref_clear(r)
             if rec.seq == 0:
                 self.ref_restart(r)
