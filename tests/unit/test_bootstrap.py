@@ -1,0 +1,258 @@
+"""The state bootstrap as a model: any cut, writes interleaved with the sweep, equals the tracker.
+
+A stream's records (stores with duplicates on two tiers, removals of held and absent blocks,
+``AllBlocksCleared``, engine restarts with and without their ``SourceReset``, ``EventsLost``) go
+through a :class:`StateTracker`; a model sink keeps what a sink writes: the output messages (one
+per event, as json decodes them) and the state documents of :mod:`bridge.state_docs`, its clears
+applied as a purge of the stream's keys (Redis, NATS) or as tombstones of the keys a delta lists
+(Kafka). The bridge may restart between records: rebuilt from the sink's documents
+(``StateTracker.seed``, what ``read_state`` gives it; the records since its head come again and
+are stale) or afresh (a new generation; the tombstone sink keeps the old keys, which a consumer
+must leave out by their generation).
+
+A consumer bootstraps after any record: it reads the head, then sweeps the keys in order while
+the sink goes on writing between two keys (each key read as it is when the sweep reaches it; a
+key written behind the sweep is missed), reads the head again (starts over if a clear ran), and
+follows the messages from the head's ``next``. Once it has read every message, its blocks equal
+the tracker's and its ``complete`` the tracker's head's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import msgspec
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from bridge.bootstrap import StreamState, block_id, position
+from bridge.records import Record, Stream, events_lost, source_reset
+from bridge.state import StateDelta, StateTracker
+from bridge.state_docs import StateFormat, entry_key, head_of, parse, seed_entry
+
+EXAMPLES = int(os.environ.get("KV_MODEL_EXAMPLES", "300"))
+S = Stream("llama-a", 0)
+FORMAT = StateFormat()
+IDS = [1, 2, 3, 4, 2**63, 2**64 - 1]
+
+
+class ModelSink:
+    """What a sink holds of one stream: its messages and its state documents."""
+
+    def __init__(self, purge: bool) -> None:
+        self.purge = purge
+        self.log: list[dict[str, Any]] = []
+        self.kv: dict[str, bytes] = {}
+
+    def write(self, record: Record, delta: StateDelta) -> None:
+        base = {"source": S.source, "dp_rank": S.dp_rank, "epoch": record.epoch, "seq": record.seq}
+        if record.kind != "batch":
+            self.log.append({**base, **record.control()})
+        else:
+            for i, ev in enumerate(record.events):
+                self.log.append(msgspec.json.decode(msgspec.json.encode({**base, "index": i, **ev})))
+        if delta.stale:
+            return
+        if delta.clear:
+            if self.purge:
+                self.kv = {k: v for k, v in self.kv.items() if k == "_head"}
+            for tier in delta.cleared:
+                for k in tier.blocks:
+                    self.kv.pop(entry_key(tier.medium, tier.group_idx, k), None)
+        for c in delta.changes:
+            key = entry_key(c.medium, c.group_idx, c.block)
+            if c.count:
+                self.kv[key] = FORMAT.entry(S, delta.head, c)
+            else:
+                self.kv.pop(key, None)
+        self.kv["_head"] = FORMAT.head(S, delta.head, len(self.log))
+
+    def read_state(self) -> tuple[Any, list[Any]] | None:
+        """What ``read_state`` gives a restarted bridge."""
+        head = head_of(parse(self.kv["_head"]) or {}) if "_head" in self.kv else None
+        if head is None:
+            return None
+        entries = [seed_entry(parse(v) or {}) for k, v in self.kv.items() if k != "_head"]
+        return head, [e for e in entries if e is not None]
+
+
+@st.composite
+def event(draw: st.DrawFn) -> dict[str, Any]:
+    kind = draw(st.sampled_from(["BlockStored"] * 3 + ["BlockRemoved"] * 2 + ["AllBlocksCleared"]))
+    if kind == "AllBlocksCleared":
+        return {"type": kind}
+    hashes = draw(st.lists(st.sampled_from(IDS), min_size=1, max_size=3))
+    ev: dict[str, Any] = {"type": kind, "block_hashes": hashes, "medium": draw(st.sampled_from(["GPU", "CPU"])), "group_idx": 0}
+    if kind == "BlockStored":
+        ev.update(parent_block_hash=None, token_ids=list(range(len(hashes) * 2)), block_size=2)
+    return ev
+
+
+step = st.one_of(
+    st.tuples(st.just("batch"), st.lists(event(), min_size=1, max_size=4)),
+    st.tuples(st.just("restart"), st.booleans()),
+    st.tuples(st.just("lost"), st.integers(1, 3)),
+    st.tuples(st.just("bridge"), st.sampled_from(["rebuilt", "fresh"])),
+)
+
+
+class World:
+    """The engine's records, the bridge's tracker and the sink, one step at a time; ``truth`` is
+    the engine's cache as the delivered records tell it (copies per key)."""
+
+    def __init__(self, purge: bool) -> None:
+        self.sink = ModelSink(purge)
+        self.tracker = StateTracker(generation_base=1000)
+        self.epoch, self.seq = 1, 0
+        self.records: list[Record] = []
+        self.restarts = 0
+        self.fresh = False  # the bridge restarted without rebuilding its state
+        self.truth: dict[tuple[Any, Any, int], int] = {}
+
+    def deliver(self, record: Record) -> None:
+        self.records.append(record)
+        self.sink.write(record, self.tracker.apply(record))
+        if record.kind == "SourceReset" or (len(self.records) > 1 and self.records[-2].epoch != record.epoch):
+            self.truth.clear()  # a new engine instance starts empty (a loss changes nothing the engine holds)
+        for ev in record.events:
+            if ev["type"] == "AllBlocksCleared":
+                self.truth.clear()
+                continue
+            for h in ev["block_hashes"]:
+                key = (ev["medium"], ev["group_idx"], h)
+                n = self.truth.get(key, 0) + (1 if ev["type"] == "BlockStored" else -1)
+                if n > 0:
+                    self.truth[key] = n
+                else:
+                    self.truth.pop(key, None)
+
+    def step(self, op: tuple[str, Any]) -> None:
+        kind, arg = op
+        if kind == "batch":
+            self.deliver(Record(stream=S, epoch=self.epoch, seq=self.seq, events=arg))
+            self.seq += 1
+        elif kind == "restart":
+            self.epoch, self.seq = self.epoch + 1, 0
+            if arg:
+                self.deliver(source_reset(S, self.epoch, "publisher_restart", 0.0))
+        elif kind == "lost" and self.seq:
+            self.deliver(events_lost(S, self.epoch, self.seq, self.seq + arg - 1, "unrecoverable", 0.0))
+            self.seq += arg
+        elif kind == "bridge":
+            self.restarts += 1
+            self.fresh = self.fresh or arg == "fresh"
+            self.tracker = StateTracker(generation_base=1000 * (self.restarts + 1))
+            held = self.sink.read_state() if arg == "rebuilt" else None
+            if held is not None:
+                assert self.tracker.seed(S, *held)
+                # it resumes from a checkpoint below its head: the last records come again, stale
+                for record in self.records[-3:]:
+                    delta = self.tracker.apply(record)
+                    assert delta.stale and not delta.changes and not delta.clear
+                    self.sink.write(record, delta)
+
+
+def sweep(world: World, ops: list[tuple[str, Any]], moves: list[int]) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """A consumer's sweep while ``ops`` go on (``moves[i]`` of them before key i is read): the head
+    read first, each key as it is when reached, a key written behind the sweep missed; None when
+    the head read again shows a clear (another generation): the consumer starts over."""
+    kv = world.sink.kv
+    if "_head" not in kv:
+        return None
+    head = msgspec.json.decode(kv["_head"])
+    docs: list[dict[str, Any]] = []
+    cursor = ""
+    i = 0
+    while True:
+        for _ in range(moves[i % len(moves)] if moves else 0):
+            if ops:
+                world.step(ops.pop(0))
+        i += 1
+        kv = world.sink.kv
+        later = sorted(k for k in kv if k > cursor and k != "_head")
+        if not later:
+            break
+        cursor = later[0]
+        docs.append(msgspec.json.decode(kv[cursor]))
+    again = msgspec.json.decode(world.sink.kv["_head"])
+    if (again["epoch"], again["gen"]) != (head["epoch"], head["gen"]):
+        return None
+    return head, docs
+
+
+STORE = {"type": "BlockStored", "block_hashes": [1], "medium": "GPU", "group_idx": 0, "token_ids": [0, 1], "block_size": 2}
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(
+    purge=st.booleans(),
+    before=st.lists(step, min_size=1, max_size=14),
+    during=st.lists(step, min_size=1, max_size=10),
+    moves=st.lists(st.integers(0, 2), min_size=1, max_size=6),
+)
+@example(purge=True, before=[("batch", [STORE])], during=[("batch", [{**STORE, "block_hashes": [2]}])], moves=[1])
+def test_a_bootstrap_at_any_cut_equals_the_tracker(
+    purge: bool, before: list[tuple[str, Any]], during: list[tuple[str, Any]], moves: list[int]
+) -> None:
+    world = World(purge)
+    for op in before:
+        world.step(op)
+    ops = list(during)
+    swept = sweep(world, ops, moves)
+    for op in ops:  # what the sweep did not wait for
+        world.step(op)
+    if swept is None:
+        return  # no head yet, or a clear during the sweep: a consumer starts over (tested below)
+    head, docs = swept
+    state = StreamState(head, docs)
+    for message in world.sink.log[head["next"] :]:
+        state.apply(message)
+    check(state, world)
+
+
+def check(state: StreamState, world: World) -> None:
+    """Never a block the engine lacks; exact when complete; as complete as the tracker, unless
+    the bridge started afresh (it then knows less than a consumer that followed every message)."""
+    __tracebackhide__ = True
+    mine = state.blocks()
+    assert all(world.truth.get(k, 0) >= n for k, n in mine.items()), (mine, world.truth)
+    if state.complete:
+        assert mine == world.truth
+    head = world.tracker.head(S)
+    if head is not None and not world.fresh:
+        assert state.complete == head.complete
+        assert mine == {(m, g, k): c for m, g, k, c, _ in world.tracker.entries(S)}
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(purge=st.booleans(), before=st.lists(step, max_size=14))
+def test_a_sweep_between_writes_equals_the_tracker(purge: bool, before: list[tuple[str, Any]]) -> None:
+    """No writes during the sweep (a fresh start leaves the tombstone sink's old keys behind:
+    their generation excludes them)."""
+    world = World(purge)
+    for op in before:
+        world.step(op)
+    swept = sweep(world, [], [])
+    if swept is None:
+        return
+    head, docs = swept
+    state = StreamState(head, docs)
+    for message in world.sink.log[head["next"] :]:
+        state.apply(message)
+    check(state, world)
+
+
+def test_position_orders_the_messages_of_a_stream() -> None:
+    reset = {"type": "SourceReset", "epoch": 2, "seq": 0}
+    batch = {"epoch": 2, "seq": 0, "events": []}
+    first, second = ({"epoch": 2, "seq": 0, "index": i, "type": "BlockStored"} for i in (0, 1))
+    lost = {"type": "EventsLost", "epoch": 2, "seq": 0, "from_seq": 0, "to_seq": 0}
+    assert position(reset) < position(batch) < position(first) < position(second) < position(lost)
+
+
+def test_block_ids_of_every_hash_form() -> None:
+    assert block_id(5) == 5 and block_id(-1) == 2**64 - 1 and block_id("ffffffffffffffff") == 2**64 - 1
+    assert block_id(bytes(24) + (7).to_bytes(8, "big")) == 7 and block_id((bytes(24) + b"\0" * 7 + b"\x07").hex()) == 7
+    assert block_id(True) is None or block_id(True) == 1  # bools are ints in Python; never sent as hashes
+    assert block_id("") is None and block_id(None) is None and block_id(2**64) is None
