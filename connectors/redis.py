@@ -98,7 +98,9 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from bridge.bootstrap import StreamState
 from bridge.connector import (
+    STATE_TYPE,
     ConfigError,
     ConnectorError,
     ConnectorOptions,
@@ -113,6 +115,7 @@ from bridge.connector import (
     Secret,
     SinkConfig,
     SinkPosition,
+    StateDelta,
     Stream,
     Template,
     TlsOptions,
@@ -121,6 +124,8 @@ from bridge.connector import (
     redact_url,
     reveal,
 )
+from bridge.state import Head, SeedEntry
+from bridge.state_docs import StateFormat, entry_key, head_of, parse, seed_entry
 
 from . import _redis_internals as internals
 from ._redis_internals import one_pass_packing, resp_command
@@ -177,6 +182,8 @@ DEFAULT_INDEX_KEY = "kv:{source}:{dp_rank}:blocks"
 # The outer braces stay literal around the rendered placeholders: "kv:{llama-a:0}".
 CLUSTER_STREAM = "kv:{{source}:{dp_rank}}"
 CLUSTER_INDEX_KEY = "kv:{{source}:{dp_rank}}:blocks"
+DEFAULT_STATE_KEY = "kv:{source}:{dp_rank}:state"
+CLUSTER_STATE_KEY = "kv:{{source}:{dp_rank}}:state"
 # {source} right before or after {dp_rank}: the rendered key does not tell where one ends ("llama1" + "2"
 # and "llama" + "12"). Other ambiguous templates (a label between them) are caught when writing.
 _ADJACENT = re.compile(r"\{source\}\{dp_rank\}|\{dp_rank\}\{source\}")
@@ -200,6 +207,25 @@ class IndexOptions(ConnectorOptions):
             "until the next AllBlocksCleared or SourceReset), or clear it (it refills as blocks are stored)."
         ),
     ] = "keep"
+
+
+class StateOptions(ConnectorOptions):
+    """A HASH per engine stream of its live blocks and its head, written with its entries (README "State bootstrap")."""
+
+    enabled: Annotated[
+        bool,
+        doc(
+            "Keep the stream's live-block state (entries with counts, versions and facts, and the head) "
+            "next to each stream, in the same script call as its entries: an exact cut."
+        ),
+    ] = False
+    key: Annotated[
+        str | None,
+        doc(
+            "Key template of the hash, over {source}, {dp_rank} and labels; must name {source} and {dp_rank}. "
+            f"Default {DEFAULT_STATE_KEY} ({CLUSTER_STATE_KEY} with cluster: true)."
+        ),
+    ] = None
 
 
 class RedisOptions(ConnectorOptions):
@@ -226,6 +252,9 @@ class RedisOptions(ConnectorOptions):
     ] = None
     timeout: Annotated[Duration, doc("Connect and socket read/write timeout.")] = Duration(5.0)
     index: Annotated[IndexOptions, doc("The optional block index.")] = msgspec.field(default_factory=IndexOptions)
+    state: Annotated[StateOptions, doc("The optional live-block state (state bootstrap).")] = msgspec.field(
+        default_factory=StateOptions
+    )
     cluster: Annotated[bool, doc("url names a node of a Redis Cluster (redis.asyncio.RedisCluster).")] = False
 
     def __post_init__(self) -> None:
@@ -241,8 +270,8 @@ class RedisOptions(ConnectorOptions):
             raise ValueError("tls: only used with a rediss:// url")
         if self.timeout <= 0:
             raise ValueError("timeout: must be greater than 0")
-        stream, index = self.templates()
-        for field, text in (("stream", stream), ("index.key", index)):
+        stream, index, state = self.templates()
+        for field, text in (("stream", stream), ("index.key", index), ("state.key", state)):
             try:
                 t = Template(text, field)
             except ConfigError as exc:
@@ -265,27 +294,40 @@ class RedisOptions(ConnectorOptions):
                 f"index.key: {' and '.join(banned)} not allowed: one set holds the blocks of an engine "
                 "for its whole life, and a SourceReset must empty that same set"
             )
-        if self.cluster and self.index.enabled:
+        for text, field in ((state, "state.key"), (stream, "stream")):
+            banned = [f"{{{p}}}" for p in ("type", "epoch") if p in Template(text).fields]
+            if self.state.enabled and banned:
+                raise ValueError(
+                    f"{field}: {' and '.join(banned)} not allowed with state.enabled: a consumer bootstraps from one "
+                    "hash, then follows the engine stream's messages in one stream key"
+                )
+        for enabled, other, field, default in (
+            (self.index.enabled, index, "index.key", CLUSTER_INDEX_KEY),
+            (self.state.enabled, state, "state.key", CLUSTER_STATE_KEY),
+        ):
+            if not (self.cluster and enabled):
+                continue
             for sample in _SAMPLES:
-                s, i = Template(stream).render(sample), Template(index).render(sample)
+                s, i = Template(stream).render(sample), Template(other).render(sample)
                 if internals.key_slot(s) != internals.key_slot(i):
                     raise ValueError(
-                        f"index.key: in a cluster the stream {s!r} and its index {i!r} must hash to one slot; "
-                        f"wrap the shared part in a hash tag, e.g. stream: {CLUSTER_STREAM!r} and "
-                        f"index.key: {CLUSTER_INDEX_KEY!r}"
+                        f"{field}: in a cluster the stream {s!r} and {i!r} must hash to one slot (one script "
+                        f"writes both); wrap the shared part in a hash tag, e.g. stream: {CLUSTER_STREAM!r} and "
+                        f"{field}: {default!r}"
                     )
 
-    def templates(self) -> tuple[str, str]:
-        """The stream and index key templates, defaults resolved."""
+    def templates(self) -> tuple[str, str, str]:
+        """The stream, index and state key templates, defaults resolved."""
         stream = self.stream or (CLUSTER_STREAM if self.cluster else DEFAULT_STREAM)
         index = self.index.key or (CLUSTER_INDEX_KEY if self.cluster else DEFAULT_INDEX_KEY)
-        return stream, index
+        state = self.state.key or (CLUSTER_STATE_KEY if self.cluster else DEFAULT_STATE_KEY)
+        return stream, index, state
 
     def __repr__(self) -> str:
         # The default Struct repr would print the url as given, with a password inside it.
         return (
             f"RedisOptions(url={redact_url(self.url)!r}, username={self.username!r}, password={self.password!r}, "
-            f"stream={self.stream!r}, cluster={self.cluster!r}, index={self.index!r})"
+            f"stream={self.stream!r}, cluster={self.cluster!r}, index={self.index!r}, state={self.state!r})"
         )
 
 
@@ -386,9 +428,16 @@ local function compare(a, b)
   end
   return am < bm and -1 or 1
 end
-local set = nil
+local set, hash = nil, nil
+if ARGV[5] == '1' then
+  hash = KEYS[#KEYS]
+  local kind = redis.call('TYPE', hash)['ok']
+  if kind ~= 'none' and kind ~= 'hash' then
+    return redis.error_reply('WRONGTYPE state key ' .. hash .. ' holds a ' .. kind .. ', not a hash')
+  end
+end
 if ARGV[2] == '1' then
-  set = KEYS[#KEYS]
+  set = KEYS[#KEYS - (hash and 1 or 0)]
   local kind = redis.call('TYPE', set)['ok']
   if kind ~= 'none' and kind ~= 'set' then
     return redis.error_reply('WRONGTYPE index key ' .. set .. ' holds a ' .. kind .. ', not a set')
@@ -446,55 +495,97 @@ local function change(clear, at)
     at = last + 1
   end
 end
+-- A record's state change: applied unless the hash already holds that record or a later one of
+-- the same generation ('_at', '_gen'), so a re-sent change never undoes a later one. Its first
+-- write is an HSET (refused near maxmemory before anything is changed); '_at' is set last, so a
+-- change that fails midway is applied again, whole and in order, by the retry.
+local function state(p)
+  local clear, at, gen = ARGV[p + 1] == '1', ARGV[p + 2], ARGV[p + 3]
+  local nd = tonumber(ARGV[p + 4])
+  local puts = p + 5 + nd
+  local np = tonumber(ARGV[puts])
+  local head = ARGV[puts + 1 + 2 * np]
+  local after = puts + 2 + 2 * np
+  local cur = redis.call('HMGET', hash, '_at', '_gen')
+  if cur[1] and cur[2] == gen and compare(at, cur[1]) <= 0 then
+    return after, 0
+  end
+  redis.call('HSET', hash, '_w', '1')
+  written = true
+  if clear then
+    redis.call('UNLINK', hash)
+  end
+  local first, last = p + 5, p + 4 + nd
+  while first <= last do
+    local upto = math.min(first + 999, last)
+    redis.call('HDEL', hash, unpack(ARGV, first, upto))
+    first = upto + 1
+  end
+  first, last = puts + 1, puts + 2 * np
+  while first <= last do
+    local upto = math.min(first + 1999, last)
+    redis.call('HSET', hash, unpack(ARGV, first, upto))
+    first = upto + 1
+  end
+  redis.call('HSET', hash, '_head', head, '_gen', gen, '_at', at)
+  redis.call('HDEL', hash, '_w')
+  return after, 1
+end
 local out = {}
-local p = 5
+local p = 6
 while p <= #ARGV do
-  local key, id, n = KEYS[tonumber(ARGV[p])], ARGV[p + 1], tonumber(ARGV[p + 2])
-  local xadd = {key}
-  if ARGV[1] ~= '' then
-    xadd = {key, 'MAXLEN', '~', ARGV[1]}
-  end
-  xadd[#xadd + 1] = id
-  for i = p + 3, p + 2 + n do
-    xadd[#xadd + 1] = ARGV[i]
-  end
-  p = p + 3 + n
-  local clear, at = false, nil
-  if set then
-    clear, at = ARGV[p] == '1', p + 1
-    p = at + 1 + tonumber(ARGV[at])
-    p = p + 1 + tonumber(ARGV[p])
-  end
-  local t = top(key)
-  local result = 1
-  if t.err then
-    result = t.err
-  elseif t.id and compare(id, t.id) <= 0 then
-    result = 0
-    if id ~= t.id then
-      local below = redis.call('XREVRANGE', key, id, '-', 'COUNT', 1)
-      if #below > 0 and below[1][1] ~= id then
-        result = 'OUT_OF_ORDER entry ' .. id .. ' is below the top of ' .. key .. ' but not in it'
-      end
-    end
+  if ARGV[p] == '0' then
+    local after, result = state(p)
+    out[#out + 1] = result
+    p = after
   else
-    if set then
-      change(clear, at)
+    local key, id, n = KEYS[tonumber(ARGV[p])], ARGV[p + 1], tonumber(ARGV[p + 2])
+    local xadd = {key}
+    if ARGV[1] ~= '' then
+      xadd = {key, 'MAXLEN', '~', ARGV[1]}
     end
-    local added = redis.pcall('XADD', unpack(xadd))
-    written = true
-    if type(added) == 'table' and added['err'] then
-      result = added['err']
-      if string.find(result, 'equal or smaller', 1, true) then
-        result = 'OUT_OF_ORDER entry ' .. id .. ' is above the top of ' .. key .. ' but not above its last id (entries deleted)'
+    xadd[#xadd + 1] = id
+    for i = p + 3, p + 2 + n do
+      xadd[#xadd + 1] = ARGV[i]
+    end
+    p = p + 3 + n
+    local clear, at = false, nil
+    if set then
+      clear, at = ARGV[p] == '1', p + 1
+      p = at + 1 + tonumber(ARGV[at])
+      p = p + 1 + tonumber(ARGV[p])
+    end
+    local t = top(key)
+    local result = 1
+    if t.err then
+      result = t.err
+    elseif t.id and compare(id, t.id) <= 0 then
+      result = 0
+      if id ~= t.id then
+        local below = redis.call('XREVRANGE', key, id, '-', 'COUNT', 1)
+        if #below > 0 and below[1][1] ~= id then
+          result = 'OUT_OF_ORDER entry ' .. id .. ' is below the top of ' .. key .. ' but not in it'
+        end
       end
     else
-      t.id = id
+      if set then
+        change(clear, at)
+      end
+      local added = redis.pcall('XADD', unpack(xadd))
+      written = true
+      if type(added) == 'table' and added['err'] then
+        result = added['err']
+        if string.find(result, 'equal or smaller', 1, true) then
+          result = 'OUT_OF_ORDER entry ' .. id .. ' is above the top of ' .. key .. ' but not above its last id (entries deleted)'
+        end
+      else
+        t.id = id
+      end
     end
-  end
-  out[#out + 1] = result
-  if type(result) == 'string' and not string.find(result, '^WRONGTYPE') and not string.find(result, '^OUT_OF_ORDER') then
-    return out
+    out[#out + 1] = result
+    if type(result) == 'string' and not string.find(result, '^WRONGTYPE') and not string.find(result, '^OUT_OF_ORDER') then
+      return out
+    end
   end
 end
 return out
@@ -531,11 +622,18 @@ _KEYS_PER_STREAM = 64
 class _Call:
     """The script call of one engine stream in a write: its keys, arguments and message indexes."""
 
-    def __init__(self, maxlen: str, index_key: str | None, stream: Stream) -> None:
+    def __init__(self, maxlen: str, index_key: str | None, state_key: str | None, stream: Stream) -> None:
         self.keys: list[str] = []
-        self.args: list[str | bytes | int] = [maxlen, "1" if index_key else "0", stream.source, str(stream.dp_rank)]
+        self.args: list[str | bytes | int] = [
+            maxlen,
+            "1" if index_key else "0",
+            stream.source,
+            str(stream.dp_rank),
+            "1" if state_key else "0",
+        ]
         self.indexes: list[int] = []
         self.index_key = index_key
+        self.state_key = state_key
 
     def add(self, i: int, key: str, ident: str, fields: list[str | bytes]) -> None:
         if key not in self.keys:
@@ -543,9 +641,43 @@ class _Call:
         self.args += [self.keys.index(key) + 1, ident, len(fields), *fields]
         self.indexes.append(i)
 
+    def add_state(self, i: int, args: list[str | bytes | int]) -> None:
+        """A record's state change (see state_args), after its entries."""
+        self.args += args
+        self.indexes.append(i)
+
     def command(self) -> list[str | bytes | int]:
-        keys = [*self.keys, self.index_key] if self.index_key else self.keys
+        keys = [*self.keys, *(k for k in (self.index_key, self.state_key) if k)]
         return ["EVAL", WRITE_SCRIPT, len(keys), *keys, *self.args]
+
+
+def state_args(m: Message, fmt: StateFormat) -> list[str | bytes | int]:
+    """The script's arguments for the state change of ``m``'s record (a STATE_TYPE message):
+    ``0``, the clear flag, its position as an entry id (``_at``), its generation, the fields to
+    delete, the fields to set with their documents, the head. The head's ``next`` is that same id:
+    every entry of the record is at or below it, every later one above."""
+    delta: StateDelta = m.record.state
+    stream, head = delta.stream, delta.head
+    at = entry_id(m.position)
+    deletes: list[str | bytes | int] = []
+    puts: list[str | bytes | int] = []
+    for c in delta.changes:
+        field = entry_key(c.medium, c.group_idx, c.block)
+        if c.count > 0:
+            puts += [field, fmt.entry(stream, head, c)]
+        else:
+            deletes.append(field)
+    return [
+        0,
+        "1" if delta.clear else "0",
+        at,
+        str(head.generation),
+        len(deletes),
+        *deletes,
+        len(puts) // 2,
+        *puts,
+        fmt.head(stream, head, at),
+    ]
 
 
 # -- the connector ------------------------------------------------------------------------------
@@ -560,10 +692,21 @@ class RedisConnector:
         """Prepare templates and client settings; no I/O."""
         self.name = name
         self.options = options
-        stream, index = options.templates()
+        stream, index, state = options.templates()
         self._stream = Template(stream, "stream")
         self._index = Template(index, "index.key") if options.index.enabled else None
-        self.needs_events = self._index is not None  # the block index reads the events, even of raw batches
+        self._state = Template(state, "state.key") if options.state.enabled else None
+        self._state_format = StateFormat.for_sink(sink)
+        self.writes_state = self._state is not None
+        if self.writes_state and sink.backpressure == "drop":
+            raise ConfigError(
+                [
+                    f"sinks[{name}].state.enabled: needs backpressure: block (a dropped batch would leave the "
+                    "state wrong); set backpressure: block or turn state off"
+                ]
+            )
+        # the block index and the state read the events, even of raw batches
+        self.needs_events = self._index is not None or self.writes_state
         self._clear_on_lost = options.index.on_events_lost == "clear"
         self._hash_hex = sink.hash_format == "hex"
         self._raw = sink.format == "raw"
@@ -654,6 +797,9 @@ class RedisConnector:
             if stream in stopped:  # nothing of a stream after its failed message
                 errors[i] = stopped[stream]
                 continue
+            if m.type == STATE_TYPE:
+                self._add_state(i, m, calls, errors, stopped)
+                continue
             try:
                 ident = entry_id(message_position(m))
             except ValueError as exc:
@@ -670,7 +816,8 @@ class RedisConnector:
             group: object = (stream, _slot(key)) if self.options.cluster else stream
             call = calls.get(group)
             if call is None:
-                call = calls[group] = _Call(self._maxlen, index_key, m.record.stream)
+                state_key = self._state.render(m) if self._state else None
+                call = calls[group] = _Call(self._maxlen, index_key, state_key, m.record.stream)
             fields: list[str | bytes] = [x for kv in m.headers.items() for x in kv]
             fields += ["payload" if self._raw and m.record.kind == "batch" else "data", m.value]
             call.add(i, key, ident, fields)
@@ -733,7 +880,66 @@ class RedisConnector:
             out[stream.key] = held
         return out
 
+    async def read_state(self, streams: Sequence[Stream]) -> dict[str, tuple[Head, list[SeedEntry]] | None]:
+        """Each stream's state hash, for a restarted bridge's rebuild: ``HSCAN`` of each (nothing
+        writes them meanwhile: their streams have not started). A hash that does not exist holds
+        nothing; one whose head is missing or unreadable, or that is no hash, cannot tell."""
+        if self._state is None:
+            return {}
+        client = self._connection()
+        out: dict[str, tuple[Head, list[SeedEntry]] | None] = {}
+        for stream in streams:
+            key = self._state.render(_sample_of(stream))
+            try:
+                fields = await _hash_fields(client, key)
+            except ResponseError:
+                continue  # WRONGTYPE: cannot tell
+            except (RedisError, RedisClusterException, OSError) as exc:
+                raise self._classify(exc, "cannot read the state back") from None
+            if not fields:
+                out[stream.key] = None
+                continue
+            doc = parse(fields.pop(b"_head", b""))
+            head = head_of(doc) if doc is not None else None
+            if head is None or b"_w" in fields:
+                continue  # a change cut midway by a script error: the retry was never made
+            entries = []
+            for field, value in fields.items():
+                if b"/" not in field:
+                    continue  # _at, _gen
+                d = parse(value)
+                entry = seed_entry(d) if d is not None else None
+                if entry is not None:
+                    entries.append(entry)
+            out[stream.key] = (head, entries)
+        return out
+
     # -- internals --------------------------------------------------------------------------
+    def _add_state(
+        self,
+        i: int,
+        m: Message,
+        calls: dict[object, _Call],
+        errors: dict[int, ConnectorError],
+        stopped: dict[str, ConnectorError],
+    ) -> None:
+        """Add the state change of ``m``'s record to its stream's script call (after its entries)."""
+        delta = m.record.state
+        if self._state is None or delta is None or delta.stale:
+            return  # nothing to change: written as it is
+        stream = m.record.stream.key
+        state_key = self._state.render(m)
+        collision = self._claim(stream, state_key, "state.key")
+        if collision is not None:
+            errors[i] = stopped[stream] = collision
+            return
+        group: object = (stream, _slot(state_key)) if self.options.cluster else stream
+        call = calls.get(group)
+        if call is None:
+            index_key = self._index.render(m) if self._index else None
+            call = calls[group] = _Call(self._maxlen, index_key, state_key, m.record.stream)
+        call.add_state(i, state_args(m, self._state_format))
+
     def _claim(self, stream: str, key: str, field: str) -> Retriable | None:
         """None when ``key`` belongs to engine ``stream`` (claimed now if no stream had it), else
         the key collision: retried (the sink not ready) until the template is fixed, never written."""
@@ -815,6 +1021,43 @@ class RedisConnector:
         if isinstance(exc, RedisClusterException):
             return Retriable(f"{where}: {text}", retry_after=0.5, reason="cluster")
         return Retriable(f"{where}: {text}")
+
+
+async def _hash_fields(client: aioredis.Redis | aioredis.RedisCluster, key: str) -> dict[bytes, bytes]:
+    """Every field of a hash, read with HSCAN (no single long command on a big hash)."""
+    out: dict[bytes, bytes] = {}
+    cursor: int = 0
+    while True:
+        cursor, chunk = await client.hscan(key, cursor, count=1000)
+        out.update(chunk)  # type: ignore[arg-type]  # bytes: the client does not decode responses
+        if not cursor:
+            return out
+
+
+async def bootstrap(
+    client: aioredis.Redis | aioredis.RedisCluster, state_key: str, *, attempts: int = 5
+) -> tuple[StreamState, str | None]:
+    """A consumer's state bootstrap of one engine stream (README "State bootstrap"): its head, its
+    state hash read with HSCAN, then its head read again (a clear that ran meanwhile makes it start over, up
+    to ``attempts`` times). Returns the state and the entry id to follow the stream key from
+    (``XRANGE key (ID +`` or ``XREAD ... ID``), then :meth:`StreamState.apply` each entry's
+    ``data``; None (no state yet): follow from the stream's first entry. Raises redis-py's errors,
+    and RuntimeError when clears kept cutting the sweep."""
+    for _ in range(attempts):
+        # The head first: every entry the sweep reads afterwards is at or after it (one read
+        # before the head may predate changes the head already covers, and would miss them).
+        raw_head = await client.hget(state_key, "_head")
+        if raw_head is None:
+            return StreamState({"epoch": 0, "gen": 0, "seq": -1, "complete": False}, []), None
+        head = parse(raw_head) or {}
+        fields = await _hash_fields(client, state_key)
+        fields.pop(b"_head", None)
+        again = parse(await client.hget(state_key, "_head") or b"") or {}
+        if (again.get("epoch"), again.get("gen")) != (head.get("epoch"), head.get("gen")) or b"_w" in fields:
+            continue
+        docs = [d for f, v in fields.items() if b"/" in f and (d := parse(v)) is not None]
+        return StreamState(head, docs), head.get("next")
+    raise RuntimeError(f"{state_key}: the state was cleared during each of {attempts} sweeps")
 
 
 @lru_cache(maxsize=65536)

@@ -33,6 +33,7 @@ from bridge.records import Event, Record, Stream, events_lost, source_reset
 from bridge.sink import fold
 from connectors.redis import (
     CLUSTER_INDEX_KEY,
+    CLUSTER_STATE_KEY,
     CLUSTER_STREAM,
     MAX_SLOT,
     RedisConnector,
@@ -977,6 +978,16 @@ def test_registry_builds_the_connector_from_sink_keys() -> None:
             "hash to one slot",
         ),
         ({"url": "redis://x", "strem": "a"}, "sinks[0].strem: unknown key (did you mean stream?)"),
+        ({"url": "redis://x", "state": {"enabled": True, "key": "s:{source}:{dp_rank}:{epoch}"}}, "{epoch} not allowed"),
+        (
+            {"url": "redis://x", "stream": "kv:{source}:{dp_rank}:{type}", "state": {"enabled": True}},
+            "stream: {type} not allowed",
+        ),
+        ({"url": "redis://x", "state": {"enabled": True, "key": "s:{source}"}}, "state.key: 's:{source}' must name"),
+        (
+            {"url": "redis://x", "cluster": True, "state": {"enabled": True, "key": "s:{source}:{dp_rank}"}},
+            "state.key: in a cluster",
+        ),
     ],
 )
 def test_options_are_checked_with_their_path(keys: dict[str, Any], problem: str) -> None:
@@ -990,7 +1001,7 @@ def test_cluster_defaults_put_stream_and_index_in_one_slot() -> None:
     from redis.crc import key_slot
 
     o = options("redis://x", cluster=True, index={"enabled": True})
-    assert o.templates() == (CLUSTER_STREAM, CLUSTER_INDEX_KEY)
+    assert o.templates() == (CLUSTER_STREAM, CLUSTER_INDEX_KEY, CLUSTER_STATE_KEY)
     m = render(sink(), [batch(Stream("llama-a", 0), 0)])[0]
     conn = RedisConnector("c", o, sink())
     key = conn._stream.render(m)
@@ -1057,3 +1068,13 @@ async def test_cluster_with_index(cluster_redis: RedisServer) -> None:
         assert {m.decode() for m in await client.smembers(key + ":blocks")} == model.blocks
     finally:
         await client.aclose()
+
+
+def test_state_needs_backpressure_block() -> None:
+    drop = SinkConfig(type="redis", name="r", backpressure="drop")
+    with pytest.raises(ConfigError) as info:
+        make("redis://x", drop, state={"enabled": True})
+    assert "sinks[r].state.enabled: needs backpressure: block" in str(info.value)
+    assert make("redis://x", drop).writes_state is False  # without state, drop is fine
+    conn = make("redis://x", SinkConfig(type="redis", name="r", format="raw"), state={"enabled": True})
+    assert conn.writes_state and conn.needs_events  # raw batches are decoded for the state

@@ -1,0 +1,291 @@
+"""The Redis sink's live-block state (``state.enabled``), bootstrapped by a consumer, on a real Redis.
+
+A :class:`~tests.support.cache_engine.CacheEngine` (real ZMQ sockets, a true cache multiset per
+instance) feeds a bridge writing json events and the state hash to Redis. A consumer bootstraps
+with :func:`connectors.redis.bootstrap` (HSCAN sweep, head read again), then follows the stream
+key from the head's ``next`` with :meth:`bridge.bootstrap.StreamState.apply`; once it has applied
+the engine's last batch, its blocks must equal the engine's true cache:
+
+- at cut points taken while the engine publishes (the sweep interleaved with writes), across
+  duplicates, CPU copies, removals, an engine restart, a lost span (incomplete: never a block the
+  engine lacks) and a cache clear;
+- after the bridge is SIGKILLed at random points and restarted (it rebuilds its tables from the
+  hash: ``kv_bridge_state_rebuilds_total{outcome="rebuilt"}``);
+- a reset of a stream with 10^5 live blocks leaves no old key, and no bootstrap mixes epochs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from bridge.bootstrap import StreamState, block_id
+from bridge.config import from_data
+from bridge.runtime import Bridge
+from connectors.redis import bootstrap
+from tests.infra.servers import RedisServer
+from tests.support.cache_engine import CacheEngine, event
+from tests.support.harness import free_port, wait_for
+from tests.support.process import BridgeProcess, bridge_config, metric
+
+pytestmark = pytest.mark.integration
+
+REPLAY = {"timeout": "300ms", "max_attempts": 20, "initial_backoff": "50ms", "max_backoff": "200ms", "idle_probe": 0}
+
+
+def truth(engine: CacheEngine) -> Counter[tuple[Any, Any, int]]:
+    """The engine's true cache as the state keys it: (medium, group_idx, block id) -> copies."""
+    out: Counter[tuple[Any, Any, int]] = Counter()
+    for (h, medium), n in engine.cache.items():
+        k = block_id(h)
+        assert k is not None
+        out[(medium, 0, k)] += n
+    return out
+
+
+def sink(url: str, prefix: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "type": "redis",
+        "name": "out",
+        "url": url,
+        "format": "json",
+        "stream": prefix + ":{source}:{dp_rank}",
+        "state": {"enabled": True, "key": prefix + ":{source}:{dp_rank}:state"},
+        "batch": {"linger": 0},
+        **extra,
+    }
+
+
+async def top_seq(client: aioredis.Redis, key: str) -> int | None:
+    """The seq of the stream key's last entry (None when empty)."""
+    last = await client.xrevrange(key, "+", "-", count=1)
+    return int(last[0][1][b"seq"]) if last else None
+
+
+async def follow(client: aioredis.Redis, key: str, state: StreamState, after: str | None) -> None:
+    """Apply every entry of ``key`` after ``after`` (exclusive; None: from the first)."""
+    start = "-" if after is None else "(" + after
+    while True:
+        entries = await client.xrange(key, start, "+", count=2000)
+        if not entries:
+            return
+        for entry_id, fields in entries:
+            state.apply(json.loads(fields[b"data"]))
+            start = "(" + entry_id.decode()
+
+
+async def bootstrapped(client: aioredis.Redis, prefix: str, source: str) -> StreamState:
+    state, after = await bootstrap(client, f"{prefix}:{source}:0:state")
+    await follow(client, f"{prefix}:{source}:0", state, after)
+    return state
+
+
+async def settled(client: aioredis.Redis, prefix: str, engine: CacheEngine, source: str) -> None:
+    """Until the bridge has written the engine's last batch."""
+    key = f"{prefix}:{source}:0"
+
+    async def at_top() -> bool:
+        return await top_seq(client, key) == engine.last_seq
+
+    deadline = asyncio.get_running_loop().time() + 20
+    while not await at_top():
+        assert asyncio.get_running_loop().time() < deadline, f"{key}: the bridge did not write seq {engine.last_seq}"
+        await asyncio.sleep(0.05)
+
+
+def check(state: StreamState, engine: CacheEngine, *, complete: bool = True) -> None:
+    __tracebackhide__ = True
+    mine, want = Counter(state.blocks()), truth(engine)
+    assert state.ready
+    if complete:
+        assert state.complete
+        assert mine == want, f"missing {want - mine}, extra {mine - want}"
+    else:
+        assert not state.complete
+        assert not mine - want, f"blocks the engine does not hold: {mine - want}"
+
+
+@pytest.fixture
+async def client(redis_server: RedisServer) -> Any:
+    c = aioredis.Redis.from_url(redis_server.url)
+    yield c
+    await c.aclose()
+
+
+async def test_bootstrap_at_any_cut_equals_the_engine(tmp_path: Path, redis_server: RedisServer, client: Any) -> None:
+    prefix = f"kvs{uuid.uuid4().hex[:8]}"
+    (la, ra), (lb, rb) = (free_port(), free_port()), (free_port(), free_port())
+    config = {
+        "sources": [
+            {"name": n, "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}
+            for n, live, rep in [("a", la, ra), ("b", lb, rb)]
+        ],
+        "sinks": [sink(redis_server.url, prefix)],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "replay": REPLAY,
+        "shutdown_timeout": "3s",
+    }
+    rand = random.Random(7)
+    async with CacheEngine(la, ra, seed=1) as a, CacheEngine(lb, rb, seed=2, buffer_steps=4) as b:
+        bridge = Bridge(from_data(config, env={}))
+        await bridge.start()
+        try:
+            await a.wait_subscribed()
+            await b.wait_subscribed()
+
+            async def cuts(engine: CacheEngine, source: str, steps: int) -> list[StreamState]:
+                """Bootstraps taken while ``engine`` publishes ``steps`` batches."""
+                states: list[Any] = []
+
+                async def publish() -> None:
+                    for _ in range(steps):
+                        await engine.step(1)
+                        await asyncio.sleep(0.01)
+
+                publishing = asyncio.create_task(publish())
+                while not publishing.done():
+                    await asyncio.sleep(rand.uniform(0, 0.02))
+                    states.append(await bootstrap(client, f"{prefix}:{source}:0:state"))
+                await publishing
+                await settled(client, prefix, engine, source)
+                assert len(states) >= 5, len(states)  # cuts all along
+                out = []
+                for state, after in states:
+                    await follow(client, f"{prefix}:{source}:0", state, after)
+                    out.append(state)
+                return out
+
+            # 1. stores, copies, CPU offloads, removals; bootstraps cut anywhere meanwhile. Enough
+            # blocks that a sweep takes several HSCAN calls, writes landing between them.
+            for first in range(1, 4_001, 1_000):
+                ev = event("BlockStored", block_hashes=list(range(first, first + 1_000)), medium="GPU", group_idx=0)
+                a.apply(ev)
+                await a.send([ev])
+            for state in await cuts(a, "a", 60):
+                check(state, a)
+            assert any(n > 1 for n in a.cache.values()) and any(m == "CPU" for _, m in a.cache)
+            await b.step(10)
+            await settled(client, prefix, b, "b")
+            check(await bootstrapped(client, prefix, "b"), b)
+            # 2. engine a restarts: only the new instance's blocks, whatever the cut
+            await a.restart()
+            await a.wait_subscribed()
+            for state in await cuts(a, "a", 30):
+                check(state, a)
+            assert a.caches[0] and not set(a.caches[0]) <= set(a.cache)
+            # 3. engine b loses 6 batches its buffer (4) cannot replay: incomplete, never a false block
+            await b.step(6, deliver=False)
+            await b.step(3)
+            await settled(client, prefix, b, "b")
+            check(await bootstrapped(client, prefix, "b"), b, complete=False)
+            # 4. engine b clears its cache: complete and exact again
+            await b.clear()
+            for state in await cuts(b, "b", 20):
+                check(state, b)
+        finally:
+            await bridge.stop()
+            keys = [k async for k in client.scan_iter(match=prefix + ":*")]
+            if keys:
+                await client.delete(*keys)
+
+
+async def test_a_sigkilled_bridge_rebuilds_its_state_from_redis(tmp_path: Path, redis_server: RedisServer, client: Any) -> None:
+    """SIGKILL at random points while the engine publishes (between an entry and the next, a
+    write and its acknowledgement...); the restarted bridge reads the hash back and goes on."""
+    prefix = f"kvk{uuid.uuid4().hex[:8]}"
+    live, rep = free_port(), free_port()
+    source = {"name": "a", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}
+    cfg = bridge_config(
+        tmp_path,
+        [source],
+        [sink(redis_server.url, prefix)],
+        checkpoint={"path": str(tmp_path / "checkpoint.json"), "interval": "50ms"},
+        replay=REPLAY,
+    )
+    rand = random.Random(3)
+    rebuilt = 0.0
+    async with CacheEngine(live, rep, seed=5) as engine:
+        bridge = BridgeProcess(tmp_path, cfg).start()
+        try:
+            for kill in range(4):
+                await bridge.wait_ready()
+                await engine.wait_subscribed()
+                publishing = asyncio.create_task(engine.step(40, events_per_batch=4))
+                await asyncio.sleep(rand.uniform(0.05, 0.4))
+                bridge.kill()  # SIGKILL
+                await publishing
+                if kill == 2:
+                    await engine.restart()  # a restart while the bridge is down
+                bridge = BridgeProcess(tmp_path, cfg, name=f"bridge{kill}").start()
+                await bridge.wait_ready()
+                rebuilt = metric(await bridge.metrics(), "kv_bridge_state_rebuilds_total", outcome="rebuilt")
+            await engine.step(10)
+            await settled(client, prefix, engine, "a")
+            await wait_for(lambda: True, 0.1)
+            check(await bootstrapped(client, prefix, "a"), engine)
+            assert rebuilt == 1, bridge.log()[-3000:]  # the last start rebuilt its one stream
+        finally:
+            await bridge.terminate()
+            keys = [k async for k in client.scan_iter(match=prefix + ":*")]
+            if keys:
+                await client.delete(*keys)
+
+
+async def test_a_reset_of_100k_blocks_leaves_no_old_key(tmp_path: Path, redis_server: RedisServer, client: Any) -> None:
+    prefix = f"kvr{uuid.uuid4().hex[:8]}"
+    live, rep = free_port(), free_port()
+    config = {
+        "sources": [{"name": "a", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}],
+        "sinks": [sink(redis_server.url, prefix, granularity="batch")],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "replay": REPLAY,
+        "shutdown_timeout": "3s",
+    }
+    n, per = 100_000, 2_000
+    state_key = f"{prefix}:a:0:state"
+    async with CacheEngine(live, rep, seed=9) as engine:
+        bridge = Bridge(from_data(config, env={}))
+        await bridge.start()
+        try:
+            await engine.wait_subscribed()
+            for first in range(1, n + 1, per):
+                hashes = list(range(first, first + per))
+                ev = event("BlockStored", block_hashes=hashes, token_ids=[], block_size=16, medium="GPU", group_idx=0)
+                engine.apply(ev)
+                await engine.send([ev])
+            await settled(client, prefix, engine, "a")
+            assert await client.hlen(state_key) == n + 3  # the entries, _head, _gen, _at
+            before = json.loads(await client.hget(state_key, "_head"))
+            # the restart's SourceReset clears the hash while consumers bootstrap
+            await engine.restart()
+            await engine.wait_subscribed()
+            sweeps = [asyncio.create_task(bootstrap(client, state_key)) for _ in range(3)]  # type: ignore[arg-type]
+            await engine.step(5)
+            await settled(client, prefix, engine, "a")
+            for state, _after in await asyncio.gather(*sweeps):
+                epochs = {(d["epoch"], d["gen"]) for d in state.entries.values()}
+                assert epochs <= {(state.epoch, state.head["gen"])}, "a bootstrap mixed epochs"
+            fields = await client.hgetall(state_key)
+            head = json.loads(fields[b"_head"])
+            assert head["epoch"] > before["epoch"] and head["complete"]
+            old = [f for f, v in fields.items() if b"/" in f and json.loads(v)["epoch"] != head["epoch"]]
+            assert not old, f"{len(old)} keys of the old epoch survived"
+            assert len(fields) - 3 == len(truth(engine))
+            check(await bootstrapped(client, prefix, "a"), engine)
+        finally:
+            await bridge.stop()
+            with contextlib.suppress(Exception):
+                keys = [k async for k in client.scan_iter(match=prefix + ":*")]
+                if keys:
+                    await client.delete(*keys)
