@@ -57,6 +57,9 @@ class StreamView:
     complete: bool
     why: str = ""  # why it is incomplete
     blocks: dict[Hash, Counter[str | None]] = field(default_factory=dict)  # hash -> medium -> count
+    # After a state bootstrap: (medium, group_idx, block id) -> the (epoch, seq) the sweep read it at
+    floors: dict[tuple[Any, Any, int], tuple[int, int]] = field(default_factory=dict)
+    block_id: Callable[[Any], int | None] | None = None
 
 
 class KvIndex:
@@ -85,6 +88,25 @@ class KvIndex:
             state = "complete" if v.complete else f"INCOMPLETE ({v.why})"
             lines.append(f"  {source}/{rank} epoch {v.epoch} seq {v.pos[1]}: {len(v.blocks)} blocks, {state}")
         return "\n".join(lines)
+
+    # -- a state bootstrap (README "State bootstrap") -------------------------------------------
+    def seed(self, stream: Stream, state: Any) -> None:
+        """Start ``stream`` from a bridge.bootstrap.StreamState (a sink's state, swept): its live
+        blocks; records at or below its head are then duplicates, and a block event no newer than
+        the version the sweep read for its key is skipped (the entry already holds it)."""
+        from bridge.bootstrap import block_id  # only bootstrapping needs the bridge package
+
+        old = self.streams.get(stream)
+        if old is not None:
+            self._clear(stream, old)
+        epoch, slot, sub = state.applied
+        view = StreamView(epoch, (epoch, slot - 1, sub), state.complete, "" if state.complete else "incomplete state")
+        view.floors, view.block_id = dict(state.floor), block_id
+        for doc in state.entries.values():
+            h = doc["hash"]
+            view.blocks.setdefault(h, Counter())[doc["medium"]] += int(doc["count"])
+            self.holders.setdefault(h, set()).add(stream)
+        self.streams[stream] = view
 
     # -- applying records -----------------------------------------------------------------------
     def apply(self, record: Record) -> None:
@@ -116,8 +138,16 @@ class KvIndex:
             view.complete = False
             view.why = f"seqs {record['from_seq']}-{record['to_seq']} of epoch {view.epoch} lost ({record['reason']})"
 
+    def _floored(self, view: StreamView, event: Record, h: Hash) -> bool:
+        """A bootstrapped stream's entry already holds this event (read at or after its batch)."""
+        assert view.block_id is not None
+        floor = view.floors.get((event.get("medium"), event.get("group_idx"), view.block_id(h) or 0))
+        return floor is not None and floor >= view.pos[:2]
+
     def _event(self, stream: Stream, view: StreamView, event: Record) -> None:
         kind, medium = event.get("type"), event.get("medium")
+        if kind in ("BlockStored", "BlockRemoved") and view.floors:
+            event = {**event, "block_hashes": [h for h in event["block_hashes"] if not self._floored(view, event, h)]}
         if kind == "BlockStored":
             for h in event["block_hashes"]:
                 counts = view.blocks.setdefault(h, Counter())
@@ -142,6 +172,7 @@ class KvIndex:
         for h in view.blocks:
             self._unhold(h, stream)
         view.blocks.clear()
+        view.floors.clear()  # what the sweep read is gone with the blocks
 
     def _unhold(self, h: Hash, stream: Stream) -> None:
         holders = self.holders.get(h)

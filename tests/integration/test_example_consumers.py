@@ -96,7 +96,8 @@ async def caught_up(index: Any, consumer: asyncio.Task[None], engines: dict[tupl
             view = index.streams.get((source, rank))
             if view is None or view.epoch <= after.get(source, -1):
                 return False
-            if view.pos[1] != engine.last_seq or view.pos[2] not in (0, engine.last_events):
+            # sub: 0 a batch, the last event's index + 1, or past every event (a bootstrap's head)
+            if view.pos[1] != engine.last_seq or view.pos[2] not in (0, engine.last_events, 2**64):
                 return False
         return True
 
@@ -231,6 +232,88 @@ async def test_redis_consumer(tmp_path: Path, redis_server: RedisServer) -> None
         if keys:
             await client.delete(*keys)
         await client.aclose()
+
+
+async def test_redis_consumer_bootstraps_from_the_state(tmp_path: Path, redis_server: RedisServer) -> None:
+    """``--bootstrap``: a consumer that starts after the stream was trimmed (``maxlen``) takes each
+    engine's blocks from the state, then follows; exact, while the engines go on publishing."""
+    prefix = f"kvb{uuid.uuid4().hex[:8]}"
+    consume_redis = example("consume_redis")
+    kv_index = example("kv_index")
+    (la, ra), (lb, rb) = (free_port(), free_port()), (free_port(), free_port())
+    config = {
+        "sources": [
+            {"name": name, "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}
+            for name, live, rep in [("a", la, ra), ("b", lb, rb)]
+        ],
+        "sinks": [
+            {
+                "type": "redis",
+                "name": "out",
+                "url": redis_server.url,
+                "format": "json",
+                "stream": prefix + ":{source}:{dp_rank}",
+                "maxlen": 40,
+                "state": {"enabled": True, "key": prefix + ":{source}:{dp_rank}:state"},
+                "batch": {"linger": 0},
+            }
+        ],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "replay": REPLAY,
+        "shutdown_timeout": "3s",
+    }
+    client = aioredis.Redis.from_url(redis_server.url)
+    async with CacheEngine(la, ra, seed=1) as a, CacheEngine(lb, rb, seed=2) as b:
+        engines = {A: a, B: b}
+        bridge = Bridge(from_data(config, env={}))
+        await bridge.start()
+        index = kv_index.KvIndex()
+        stopped = False
+        consumer: asyncio.Task[None] | None = None
+        try:
+            await a.wait_subscribed()
+            await b.wait_subscribed()
+            await a.step(60)
+            await b.step(60)
+            await wait_written(client, prefix, engines)
+            assert await client.xlen(f"{prefix}:a:0") < 100  # trimmed: the history alone no longer tells
+            consumer = asyncio.create_task(
+                consume_redis.consume(
+                    index, redis_server.url, lambda: stopped, match=prefix + ":*", rescan=0.2, bootstrap=":state"
+                )
+            )
+            await asyncio.gather(a.step(10), b.step(10))  # publishing while the consumer bootstraps
+            await caught_up(index, consumer, engines)
+            check(index, engines)
+            old = index.streams[A].epoch
+            await a.restart()
+            await a.wait_subscribed()
+            await a.step(6)
+            await caught_up(index, consumer, engines, a=old)
+            check(index, engines)
+        finally:
+            stopped = True
+            if consumer is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(consumer, 10)
+            await bridge.stop()
+            keys = [k async for k in client.scan_iter(match=prefix + ":*")]
+            if keys:
+                await client.delete(*keys)
+            await client.aclose()
+
+
+async def wait_written(client: Any, prefix: str, engines: dict[tuple[str, int], CacheEngine]) -> None:
+    """Until each engine's last batch is in its stream key."""
+    deadline = time.monotonic() + WAIT
+    for (source, rank), engine in engines.items():
+        while True:
+            last = await client.xrevrange(f"{prefix}:{source}:{rank}", "+", "-", count=1)
+            if last and int(last[0][1][b"seq"]) == engine.last_seq:
+                break
+            assert time.monotonic() < deadline, f"{source}/{rank}: the bridge did not write seq {engine.last_seq}"
+            await asyncio.sleep(0.05)
 
 
 async def test_nats_consumer(tmp_path: Path, nats_server: NatsServer) -> None:
