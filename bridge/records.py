@@ -54,6 +54,8 @@ class Record(msgspec.Struct):
     plain: bool = False
     """The decoder proved every event holds only JSON scalars and lists of them (see
     ``wire.DecodedBatch.plain``): the JSON renderer has nothing to check or convert."""
+    bad_events: int = 0
+    """Events of the batch that could not be decoded (dead-lettered; ``events`` holds the rest)."""
     state: Any = None
     """What this record changed in its stream's live-block state (a ``bridge.state.StateDelta``),
     when a sink keeps state; set once, as the record is handed to the sinks."""

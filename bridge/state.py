@@ -545,8 +545,9 @@ class StateTracker:
                     self._restart(st, delta)
                 else:
                     st.complete = False
-            if record.n_events and not record.events:
-                self.stats.undecoded_batches += 1  # the events are needed: say the stream is unknown
+            if (record.n_events and not record.events) or record.bad_events:
+                # Events not decoded (all, or some: a lost one may be a removal): the stream is unknown.
+                self.stats.undecoded_batches += 1
                 self._clear(st, delta, pending)
                 st.complete = False
             else:

@@ -335,6 +335,7 @@ class StreamPipeline:
             events=batch.events,
             received=received,
             plain=batch.plain,
+            bad_events=len(batch.bad_events),
         )
 
     def _flush_metrics(self) -> None:

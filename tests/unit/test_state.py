@@ -166,6 +166,11 @@ def test_undecoded_batches_make_the_stream_unknown() -> None:
     f.batch(stored([1]))
     d = t.apply(Record(stream=A, epoch=1, seq=1, payload=b"x", event_count=3))
     assert d.clear and not d.head.complete and t.stats.undecoded_batches == 1
+    # one bad event among good ones (it may have been a removal): unknown too, the rest kept out
+    f.seq = 2
+    t.apply(Record(stream=A, epoch=1, seq=2, events=[CLEARED]))
+    d = t.apply(Record(stream=A, epoch=1, seq=3, events=[stored([2])], bad_events=1))
+    assert d.clear and not d.head.complete and t.count(A, "GPU", None, 2) == 0 and t.stats.undecoded_batches == 2
 
 
 def test_a_redelivered_record_changes_nothing() -> None:
