@@ -389,6 +389,9 @@ class Bridge:
         for key in gone:
             del self._retired[key]
             self.checkpointer.forget(key, now)
+            if self.tracker is not None:  # its room back; what the sinks hold of it stays there
+                source, _, rank = key.rpartition("/")
+                self.tracker.forget(Stream(source, int(rank)))
         self.checkpointer.prune(now)
         active = {p.stream.source for p in self.pipelines.values()}
         retired = {k.rsplit("/", 1)[0] for k in self._retired}

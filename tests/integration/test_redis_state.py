@@ -30,6 +30,7 @@ import redis.asyncio as aioredis
 
 from bridge.bootstrap import StreamState, block_id
 from bridge.config import from_data
+from bridge.records import Stream
 from bridge.runtime import Bridge
 from connectors.redis import bootstrap
 from tests.infra.servers import RedisServer
@@ -289,3 +290,45 @@ async def test_a_reset_of_100k_blocks_leaves_no_old_key(tmp_path: Path, redis_se
                 keys = [k async for k in client.scan_iter(match=prefix + ":*")]
                 if keys:
                     await client.delete(*keys)
+
+
+async def test_a_forgotten_source_gives_its_room_back_and_is_rebuilt_when_back(
+    tmp_path: Path, redis_server: RedisServer, client: Any
+) -> None:
+    """Discovery churn: a removed source's blocks leave the tracker after discovery.forget_after;
+    when it comes back (add_source), its state is read back from the hash (then, as a stream met
+    anew, it opens a new epoch: replay brings the engine's batches again from seq 0)."""
+    prefix = f"kvf{uuid.uuid4().hex[:8]}"
+    live, rep = free_port(), free_port()
+    source = {"name": "a", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}
+    config = {
+        "sources": [source],
+        "sinks": [sink(redis_server.url, prefix)],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "replay": REPLAY,
+        "shutdown_timeout": "3s",
+    }
+    cfg = from_data(config, env={})
+    async with CacheEngine(live, rep, seed=4) as engine:
+        bridge = Bridge(cfg)
+        await bridge.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(20)
+            await settled(client, prefix, engine, "a")
+            assert bridge.tracker is not None and bridge.tracker.total == len(truth(engine)) > 0
+            await bridge.remove_source("a")
+            bridge.forget_retired(asyncio.get_running_loop().time() + 10**6)
+            assert bridge.tracker.total == 0 and bridge.tracker.head(Stream("a", 0)) is None
+            await bridge.add_source(cfg.sources[0])
+            assert bridge.metrics.registry.get_sample_value("kv_bridge_state_rebuilds_total", {"outcome": "rebuilt"}) == 1
+            await engine.wait_subscribed()
+            await engine.step(10)
+            await settled(client, prefix, engine, "a")
+            check(await bootstrapped(client, prefix, "a"), engine)
+        finally:
+            await bridge.stop()
+            keys = [k async for k in client.scan_iter(match=prefix + ":*")]
+            if keys:
+                await client.delete(*keys)
