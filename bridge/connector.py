@@ -173,7 +173,38 @@ class Registry:
         path = f"sinks[{index}]"
         factory = self.get(sink.type, f"{path}.type")
         options = convert_options(sink.options, factory.Options, path)
-        return factory(sink.name, options, sink)
+        connector = factory(sink.name, options, sink)
+        if getattr(connector, "writes_state", False):
+            check_state_sink(sink, path)
+        return connector
+
+
+STATE_FIELDS = ("block_hashes", "medium", "group_idx")
+"""Event fields a consumer of the state needs in the messages it follows (``type`` is always written)."""
+
+
+def check_state_sink(sink: SinkConfig, path: str) -> None:
+    """What a sink that keeps state needs of the sink's own keys: ConfigError naming each problem."""
+    problems: list[str] = []
+    if sink.backpressure == "drop":
+        problems.append(
+            f"{path}.state.enabled: needs backpressure: block (a dropped batch would leave the state wrong); "
+            "set backpressure: block or turn state off"
+        )
+    fields = sink.fields
+    if fields is not None:
+        rules = [("fields", fields)] + [
+            (f"fields.by_type.{t}", r) for t, r in fields.by_type.items() if t in ("BlockStored", "BlockRemoved")
+        ]
+        for where, rule in rules:
+            gone = [f for f in STATE_FIELDS if (rule.keep is not None and f not in rule.keep) or f in (rule.drop or ())]
+            if gone and (rule.keep is not None or rule.drop is not None):
+                problems.append(
+                    f"{path}.{where}: state.enabled needs {', '.join(gone)} in the messages (a consumer follows them "
+                    "from the state's head); keep them, or turn state off"
+                )
+    if problems:
+        raise ConfigError(problems)
 
 
 # -- TLS ---------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import resource
 import time
 from collections.abc import Coroutine, Sequence
@@ -97,9 +98,14 @@ class SkipHeld:
         for i, m in enumerate(messages):
             key = m.record.stream.key
             limit = through.get(key)
+            if limit is not None and m.type == STATE_TYPE:
+                # Never left out: the sink's own guard drops a change it holds, and a change it does
+                # not hold (a clear of a new generation, after a loss or a fresh start) must reach it.
+                keep.append(i)
+                continue
             if limit is not None:
                 position = m.position
-                if m.record.kind == "EventsLost" and m.type != STATE_TYPE:  # it sorts after the batch at its to_seq
+                if m.record.kind == "EventsLost":  # it sorts after the batch at its to_seq
                     position = (position[0], position[1], ckpt.MAX_SUB)
                     if position > limit:
                         narrow = self._narrowed(m, limit)
@@ -195,7 +201,10 @@ class Bridge:
         configured = [s for source in cfg.sources for s in _streams(source)]
         self._state_sinks = [c for c in connectors if getattr(c, "writes_state", False)]
         if self._state_sinks:
-            tracker = self.tracker = StateTracker(cfg.state.max_entries, generation_base=int(time.time() * 1000))
+            # Generations start at the clock in microseconds plus a random part: above an earlier
+            # process's, and unlike another's started at the same time (see StateTracker).
+            base = int(time.time() * 1_000_000) + random.randrange(1000)
+            tracker = self.tracker = StateTracker(cfg.state.max_entries, generation_base=base)
             self.metrics.state_entries.set_function(lambda: tracker.total)
             self.metrics.state_streams_off.set_function(tracker.streams_off)
         early: list[Connector] = [
@@ -221,7 +230,9 @@ class Bridge:
                 renderer.sharers += 1
             if self.skips:
                 self.skips[i].renderer = renderer
-            worker = SinkWorker(i, sink, conn, renderer, self.metrics, self.dead_letters, self.checkpointer.on_ack)
+            worker = SinkWorker(
+                i, sink, conn, renderer, self.metrics, self.dead_letters, self.checkpointer.on_ack, self._state_lost
+            )
             self.metrics.start_sink(worker.name)
             self.workers.append(worker)
             self._watch(worker.start())
@@ -417,6 +428,10 @@ class Bridge:
             "next reset; its events keep flowing",
             extra={"stream": s.key, "entries": self.tracker.total if self.tracker else None},
         )
+
+    def _state_lost(self, stream: Stream) -> None:
+        if self.tracker is not None:
+            self.tracker.invalidate(stream)
 
     async def load_state(self, streams: Sequence[Stream]) -> None:
         """Before ``streams`` start: read back what every state sink holds of them (all at once, each

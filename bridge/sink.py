@@ -34,9 +34,9 @@ from .config import SinkConfig
 from .connector import Connector
 from .deadletter import DeadLetters
 from .errors import ConnectorError, NotConnected, PartialFailure, Permanent, Retriable
-from .formats import Message, Renderer, state_message
+from .formats import STATE_TYPE, Message, Renderer, state_message
 from .metrics import Metrics
-from .records import Record, events_lost
+from .records import Record, Stream, events_lost
 
 log = logging.getLogger("bridge.sink")
 
@@ -116,8 +116,10 @@ class SinkWorker:
         metrics: Metrics,
         dead_letters: DeadLetters,
         on_ack: AckCallback,
+        on_state_lost: Callable[[Stream], None] | None = None,
     ) -> None:
         self.index = index
+        self.on_state_lost = on_state_lost
         self.config = config
         self.name = config.name
         self.connector = connector
@@ -425,6 +427,18 @@ class SinkWorker:
 
     def _dead_letter_messages(self, messages: list[Message], exc: ConnectorError) -> set[int]:
         self.metrics.sink_errors.labels(self.name, exc.reason).inc()
+        state = [m for m in messages if m.type == STATE_TYPE]
+        if state:
+            # A state change the sink refused: nothing to dead-letter (it has no body), and its
+            # record's events were written; the sink's state now differs from the tracker's.
+            messages = [m for m in messages if m.type != STATE_TYPE]
+            for m in state:
+                log.error(
+                    "state change refused by the sink: the stream's state is cleared at its next record",
+                    extra={"sink": self.name, "stream": m.record.stream.key, "error": str(exc)},
+                )
+                if self.on_state_lost is not None:
+                    self.on_state_lost(m.record.stream)
         dead = {id(m.record) for m in messages if m.record.kind == "batch"}
         log.error(
             "messages rejected by the sink, dead-lettered", extra={"sink": self.name, "count": len(messages), "error": str(exc)}

@@ -277,6 +277,8 @@ class BlockFact(msgspec.Struct, frozen=True, gc=False):
     lora_id: int | None = None
     lora_name: str | None = None
     extra_keys: object = None
+    token_hashes: list[object] | None = None
+    """Read back from a sink that writes ``token_ids: hash`` (its tokens are not kept anywhere)."""
 
 
 class EntryChange(msgspec.Struct, frozen=True, gc=False):
@@ -350,12 +352,16 @@ class TrackerStats(msgspec.Struct):
 
 
 class _StreamState:
-    __slots__ = ("complete", "epoch", "generation", "live", "position", "seq", "tiers", "tracking")
+    __slots__ = ("ahead", "complete", "epoch", "generation", "live", "lost", "position", "seq", "tiers", "tracking")
 
     def __init__(self, epoch: int, generation: int) -> None:
         self.epoch = epoch
         self.generation = generation
         self.seq = -1
+        # The highest seq a seeded entry holds, when above the head (a sink's read-back may hold
+        # entries written after its head): records up to it skip the blocks already that new.
+        self.ahead = -1
+        self.lost = False  # a sink could not write a change: the next record clears the stream
         self.position = (epoch, -1)
         self.complete = False
         self.tracking = True
@@ -446,6 +452,14 @@ class StateTracker:
             for k, c, v in table.items():
                 yield medium, group, k, c, v - 1
 
+    def invalidate(self, stream: Stream) -> None:
+        """A sink could not write a change of ``stream`` (refused for itself): what it holds may
+        differ from the tracker from now on. The stream's next record clears it everywhere (a new
+        generation) and makes it incomplete until the engine's next reset or clear."""
+        st = self._streams.get(stream.key)
+        if st is not None:
+            st.lost = True
+
     def streams_off(self) -> int:
         """Streams whose state is switched off (the cap)."""
         return sum(1 for st in self._streams.values() if not st.tracking)
@@ -496,6 +510,8 @@ class StateTracker:
                 return False
         st.live = live
         self.total += live
+        newest = max((v - 1 for t in st.tiers.values() for _k, _c, v in t.items()), default=-1)
+        st.ahead = newest if newest > head.seq else -1
         self._streams[stream.key] = st
         return True
 
@@ -523,10 +539,13 @@ class StateTracker:
         new_epoch = record.epoch != st.epoch
         st.epoch = record.epoch
         st.position = position
-        if fresh:
+        if fresh or st.lost:
             # Not rebuilt (see seed): a sink may hold this stream's state from an earlier process,
-            # which this tracker cannot change key by key. Clear it (a new generation).
+            # which this tracker cannot change key by key; or a sink refused a change (see
+            # invalidate). Clear it (a new generation), incomplete unless the record restarts it.
             self._clear(st, delta, pending)
+            if st.lost:
+                st.lost = st.complete = False
         if record.kind == "SourceReset":
             self._clear(st, delta, pending)
             self._restart(st, delta)
@@ -581,6 +600,7 @@ class StateTracker:
         self.total -= st.live
         st.live = 0
         st.tiers = {}
+        st.ahead = -1
         st.generation += 1
         pending.clear()
 
@@ -595,11 +615,19 @@ class StateTracker:
         stats = self.stats
         ver = record.seq + 1
         cap = self.max_entries
+        # Blocks whose seeded entry already holds this record (or a later one): left as they are.
+        ahead: set[tuple[Tier, int]] | None = None
+        if st.ahead >= 0:
+            if st.ahead >= record.seq:
+                ahead = set()
+            else:
+                st.ahead = -1
         for event in record.events:
             kind = event.get("type")
             if kind == "AllBlocksCleared":
                 self._clear(st, delta, pending)
                 self._restart(st, delta)
+                ahead = None  # the seeded entries are gone
                 continue
             stored = kind == "BlockStored"
             if not stored and kind != "BlockRemoved":
@@ -634,6 +662,9 @@ class StateTracker:
                     stats.bad_hashes += 1
                     continue
                 p = pending.get((tier, k))
+                if ahead is not None and p is None and ((tier, k) in ahead or table.version(k) >= ver):
+                    ahead.add((tier, k))
+                    continue
                 if stored:
                     c = table.add(k, ver)
                     source: object = (event, i, n)

@@ -3,8 +3,8 @@
 Pure (no I/O). One stream's state is its *head* and one *entry* per live block, each a JSON
 object; every sink stores them under its own names (README "State bootstrap"), with the entry key
 ``{medium}/{group_idx}/{block id as 16 hex digits}`` inside the stream (``-`` for a medium or
-group the engine did not send; characters other than letters, digits, ``_`` and ``-`` in a medium
-become ``_``; the document keeps the medium as sent).
+group the engine did not send; characters other than letters, digits and ``_`` in a medium as
+``=XX``, its UTF-8 bytes in hex; the document keeps the medium as sent).
 
 Head: ``{"source", "dp_rank", "epoch", "gen", "seq", "complete", "live", "tracking", "next"}``:
 the state reflects every record of the stream up to ``(epoch, seq)`` (``seq`` -1: the epoch's
@@ -19,6 +19,7 @@ the generation it was written in; the token policy of the sink applies (``drop``
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -31,12 +32,18 @@ from .state import BlockFact, EntryChange, Head, SeedEntry, block_id
 
 _json = msgspec.json.Encoder()
 _decode = msgspec.json.Decoder(dict[str, Any])
-_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_]+")
+
+
+def _escape(m: re.Match[str]) -> str:
+    return "".join(f"={b:02X}" for b in m.group(0).encode())
 
 
 def tier_text(medium: str | None, group_idx: int | None) -> str:
-    """``{medium}/{group_idx}`` as an entry key writes them."""
-    m = "-" if medium is None else (_UNSAFE.sub("_", medium) or "_")
+    """``{medium}/{group_idx}`` as an entry key writes them: ``-`` for one not sent, a medium's
+    characters other than letters, digits and ``_`` as ``=XX`` (UTF-8 bytes), so that two tiers
+    never share a key."""
+    m = "-" if medium is None else (_UNSAFE.sub(_escape, medium) or "=")
     return f"{m}/{'-' if group_idx is None else group_idx}"
 
 
@@ -102,8 +109,11 @@ class StateFormat:
             if self.token_ids == "keep":
                 doc["token_ids"] = fact.token_ids
             elif self._hasher is not None:
-                blocks = self._hasher.blocks(fact.token_ids, len(fact.token_ids) or None, self.hash_hex)
-                doc["token_hashes"] = blocks or []
+                if fact.token_hashes is not None and not fact.token_ids:  # a fact read back: as it was written
+                    doc["token_hashes"] = fact.token_hashes
+                else:
+                    blocks = self._hasher.blocks(fact.token_ids, len(fact.token_ids) or None, self.hash_hex)
+                    doc["token_hashes"] = blocks or []
             doc["block_size"] = fact.block_size
             doc["lora_id"] = fact.lora_id
             doc["lora_name"] = fact.lora_name
@@ -184,8 +194,32 @@ def seed_entry(doc: dict[str, Any]) -> SeedEntry | None:
             lora_id=doc.get("lora_id"),
             lora_name=doc.get("lora_name"),
             extra_keys=doc.get("extra_keys"),
+            token_hashes=doc["token_hashes"] if isinstance(doc.get("token_hashes"), list) else None,
         )
     return (medium, group, block, count, seq, fact)
 
 
-__all__ = ["StateFormat", "block_id", "entry_key", "head_of", "parse", "seed_entry", "tier_text"]
+def seed_of(head_doc: dict[str, Any], entry_docs: Iterable[dict[str, Any]]) -> tuple[Head, list[SeedEntry]] | None:
+    """What a restarted bridge rebuilds a stream from (``read_state``): the head and the entries of
+    its (epoch, generation). Older entries are left out (a clear the sink applies key by key may
+    leave them behind); None (cannot tell) when the head is unreadable or an entry is of a newer
+    generation (a clear whose head was never written)."""
+    head = head_of(head_doc)
+    if head is None:
+        return None
+    current = (head.epoch, head.generation)
+    entries: list[SeedEntry] = []
+    for doc in entry_docs:
+        try:
+            generation = (int(doc["epoch"]), int(doc["gen"]))
+        except (KeyError, TypeError, ValueError):
+            continue
+        if generation > current:
+            return None
+        entry = seed_entry(doc) if generation == current else None
+        if entry is not None:
+            entries.append(entry)
+    return head, entries
+
+
+__all__ = ["StateFormat", "block_id", "entry_key", "head_of", "parse", "seed_entry", "seed_of", "tier_text"]

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from bridge.bootstrap import StreamState, block_id, position
 from bridge.records import Record, Stream, events_lost, source_reset
 from bridge.state import StateDelta, StateTracker
-from bridge.state_docs import StateFormat, entry_key, head_of, parse, seed_entry
+from bridge.state_docs import StateFormat, entry_key, parse, seed_of
 
 EXAMPLES = int(os.environ.get("KV_MODEL_EXAMPLES", "300"))
 S = Stream("llama-a", 0)
@@ -70,11 +70,9 @@ class ModelSink:
 
     def read_state(self) -> tuple[Any, list[Any]] | None:
         """What ``read_state`` gives a restarted bridge."""
-        head = head_of(parse(self.kv["_head"]) or {}) if "_head" in self.kv else None
-        if head is None:
+        if "_head" not in self.kv:
             return None
-        entries = [seed_entry(parse(v) or {}) for k, v in self.kv.items() if k != "_head"]
-        return head, [e for e in entries if e is not None]
+        return seed_of(parse(self.kv["_head"]) or {}, [parse(v) or {} for k, v in self.kv.items() if k != "_head"])
 
 
 @st.composite
@@ -192,6 +190,20 @@ STORE = {"type": "BlockStored", "block_hashes": [1], "medium": "GPU", "group_idx
     moves=st.lists(st.integers(0, 2), min_size=1, max_size=6),
 )
 @example(purge=True, before=[("batch", [STORE])], during=[("batch", [{**STORE, "block_hashes": [2]}])], moves=[1])
+@example(  # a rebuild after a fresh start must leave out the entries the tombstone sink kept from before it
+    purge=False,
+    before=[
+        ("batch", [STORE]),
+        ("bridge", "fresh"),
+        ("batch", [{**STORE, "block_hashes": [2]}]),
+        ("batch", [{"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "group_idx": 0}]),
+        ("bridge", "rebuilt"),
+        ("batch", [STORE]),
+        ("batch", [{"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "group_idx": 0}]),
+    ],
+    during=[("batch", [STORE])],
+    moves=[0],
+)
 def test_a_bootstrap_at_any_cut_equals_the_tracker(
     purge: bool, before: list[tuple[str, Any]], during: list[tuple[str, Any]], moves: list[int]
 ) -> None:

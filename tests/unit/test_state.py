@@ -367,3 +367,34 @@ def test_seeding_past_the_cap_or_a_known_stream_is_refused() -> None:
     assert not t.seed(A, head, entries) and t.head(A) is None and t.total == 0
     assert t.seed(A, head, entries[:2]) and t.total == 2
     assert not t.seed(A, head, entries[:1])  # already tracked
+
+
+def test_a_seeded_entry_ahead_of_its_head_is_not_applied_twice() -> None:
+    """A sink read back with entries written after its head (a write cut between its entries and
+    its head): the records since the head come again, and change only the blocks not that new."""
+    head = Head(epoch=1, generation=3, seq=4, complete=True, live=2)
+    t = StateTracker()
+    # block 1 holds record 5 already (count 2); block 2 is as of the head (seq 3)
+    assert t.seed(A, head, [("GPU", None, 1, 2, 5, None), ("GPU", None, 2, 1, 3, None)])
+    d = t.apply(Record(stream=A, epoch=1, seq=5, events=[stored([1, 2]), removed([1]), stored([1])]))
+    assert t.count(A, "GPU", None, 1) == 2 and t.count(A, "GPU", None, 2) == 2
+    assert [(c.block, c.count) for c in d.changes] == [(2, 2)]
+    # past the newest seeded entry, every block counts again
+    t.apply(Record(stream=A, epoch=1, seq=6, events=[stored([1])]))
+    assert t.count(A, "GPU", None, 1) == 3
+
+
+def test_a_fact_read_back_from_a_token_hashing_sink_keeps_its_token_hashes() -> None:
+    from bridge.state_docs import StateFormat, parse, seed_entry
+
+    fmt = StateFormat("hash", b"k" * 16)
+    t = StateTracker()
+    d = Feed(t).batch(stored([7]), stored([7]))
+    doc = parse(fmt.entry(A, d.head, d.changes[0])) or {}
+    assert doc["count"] == 2 and len(doc["token_hashes"]) == 1 and "token_ids" not in doc
+    entry = seed_entry(doc)
+    assert entry is not None and entry[5] is not None
+    again = StateTracker()
+    assert again.seed(A, d.head, [entry])
+    d = again.apply(Record(stream=A, epoch=1, seq=2, events=[removed([7])]))
+    assert (parse(fmt.entry(A, d.head, d.changes[0])) or {})["token_hashes"] == doc["token_hashes"]
