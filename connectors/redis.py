@@ -125,7 +125,7 @@ from bridge.connector import (
     reveal,
 )
 from bridge.state import Head, SeedEntry
-from bridge.state_docs import StateFormat, entry_key, head_of, parse, seed_entry
+from bridge.state_docs import StateFormat, entry_key, parse, seed_of
 
 from . import _redis_internals as internals
 from ._redis_internals import one_pass_packing, resp_command
@@ -431,10 +431,6 @@ end
 local set, hash = nil, nil
 if ARGV[5] == '1' then
   hash = KEYS[#KEYS]
-  local kind = redis.call('TYPE', hash)['ok']
-  if kind ~= 'none' and kind ~= 'hash' then
-    return redis.error_reply('WRONGTYPE state key ' .. hash .. ' holds a ' .. kind .. ', not a hash')
-  end
 end
 if ARGV[2] == '1' then
   set = KEYS[#KEYS - (hash and 1 or 0)]
@@ -506,6 +502,11 @@ local function state(p)
   local np = tonumber(ARGV[puts])
   local head = ARGV[puts + 1 + 2 * np]
   local after = puts + 2 + 2 * np
+  -- Checked here, not for the whole call: the stream's entries before it are written all the same.
+  local kind = redis.call('TYPE', hash)['ok']
+  if kind ~= 'none' and kind ~= 'hash' then
+    return after, 'STATE_WRONGTYPE state key ' .. hash .. ' holds a ' .. kind .. ', not a hash'
+  end
   local cur = redis.call('HMGET', hash, '_at', '_gen')
   if cur[1] and cur[2] == gen and compare(at, cur[1]) <= 0 then
     return after, 0
@@ -537,6 +538,9 @@ while p <= #ARGV do
   if ARGV[p] == '0' then
     local after, result = state(p)
     out[#out + 1] = result
+    if type(result) == 'string' then
+      return out
+    end
     p = after
   else
     local key, id, n = KEYS[tonumber(ARGV[p])], ARGV[p + 1], tonumber(ARGV[p + 2])
@@ -600,6 +604,7 @@ _TRANSIENT: dict[str, tuple[str, float | None]] = {
     "NOREPLICAS": ("noreplicas", None),
     **{code: ("cluster", 0.5) for code in ("TRYAGAIN", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "MOVED", "ASK")},
     "KEY_COLLISION": ("key_collision", None),  # two engine streams render one key: the template needs fixing
+    "STATE_WRONGTYPE": ("state_key_type", None),  # the state key holds something else: an operator fixes it
 }
 # An ACL refusal, however it reaches us: NOPERM from a command, "ERR The user executing the script
 # can't run this command or subcommand" / "... can't access at least one of the keys ..." from a
@@ -698,13 +703,6 @@ class RedisConnector:
         self._state = Template(state, "state.key") if options.state.enabled else None
         self._state_format = StateFormat.for_sink(sink)
         self.writes_state = self._state is not None
-        if self.writes_state and sink.backpressure == "drop":
-            raise ConfigError(
-                [
-                    f"sinks[{name}].state.enabled: needs backpressure: block (a dropped batch would leave the "
-                    "state wrong); set backpressure: block or turn state off"
-                ]
-            )
         # the block index and the state read the events, even of raw batches
         self.needs_events = self._index is not None or self.writes_state
         self._clear_on_lost = options.index.on_events_lost == "clear"
@@ -881,9 +879,11 @@ class RedisConnector:
         return out
 
     async def read_state(self, streams: Sequence[Stream]) -> dict[str, tuple[Head, list[SeedEntry]] | None]:
-        """Each stream's state hash, for a restarted bridge's rebuild: ``HSCAN`` of each (nothing
-        writes them meanwhile: their streams have not started). A hash that does not exist holds
-        nothing; one whose head is missing or unreadable, or that is no hash, cannot tell."""
+        """Each stream's state hash, for a restarted bridge's rebuild: ``HSCAN`` of each, between two
+        reads of its ``_at`` (another writer, e.g. the previous pod of a rolling update still
+        running, may change it meanwhile: read again, up to 3 times). A hash that does not exist
+        holds nothing; one whose head is missing or unreadable, that kept changing, or that is no
+        hash, cannot tell."""
         if self._state is None:
             return {}
         client = self._connection()
@@ -891,7 +891,13 @@ class RedisConnector:
         for stream in streams:
             key = self._state.render(_sample_of(stream))
             try:
-                fields = await _hash_fields(client, key)
+                for _ in range(3):
+                    at = await client.hget(key, "_at")
+                    fields = await _hash_fields(client, key)
+                    if fields.get(b"_at") == at and await client.hget(key, "_at") == at:
+                        break
+                else:
+                    continue  # written all along: cannot tell
             except ResponseError:
                 continue  # WRONGTYPE: cannot tell
             except (RedisError, RedisClusterException, OSError) as exc:
@@ -900,18 +906,12 @@ class RedisConnector:
                 out[stream.key] = None
                 continue
             doc = parse(fields.pop(b"_head", b""))
-            head = head_of(doc) if doc is not None else None
-            if head is None or b"_w" in fields:
-                continue  # a change cut midway by a script error: the retry was never made
-            entries = []
-            for field, value in fields.items():
-                if b"/" not in field:
-                    continue  # _at, _gen
-                d = parse(value)
-                entry = seed_entry(d) if d is not None else None
-                if entry is not None:
-                    entries.append(entry)
-            out[stream.key] = (head, entries)
+            if doc is None or b"_w" in fields:
+                continue  # a change cut midway by a script error (the retry was never made): cannot tell
+            docs = [d for f, v in fields.items() if b"/" in f and (d := parse(v)) is not None]
+            seed = seed_of(doc, docs)
+            if seed is not None:
+                out[stream.key] = seed
         return out
 
     # -- internals --------------------------------------------------------------------------
@@ -933,12 +933,17 @@ class RedisConnector:
         if collision is not None:
             errors[i] = stopped[stream] = collision
             return
+        try:
+            args = state_args(m, self._state_format)
+        except ValueError as exc:  # a position no entry id holds: its entries are refused alike
+            errors[i] = Permanent(f"{self._prefix}: state: {exc}", reason="id_range")
+            return
         group: object = (stream, _slot(state_key)) if self.options.cluster else stream
         call = calls.get(group)
         if call is None:
             index_key = self._index.render(m) if self._index else None
             call = calls[group] = _Call(self._maxlen, index_key, state_key, m.record.stream)
-        call.add_state(i, state_args(m, self._state_format))
+        call.add_state(i, args)
 
     def _claim(self, stream: str, key: str, field: str) -> Retriable | None:
         """None when ``key`` belongs to engine ``stream`` (claimed now if no stream had it), else
@@ -1035,29 +1040,45 @@ async def _hash_fields(client: aioredis.Redis | aioredis.RedisCluster, key: str)
 
 
 async def bootstrap(
-    client: aioredis.Redis | aioredis.RedisCluster, state_key: str, *, attempts: int = 5
+    client: aioredis.Redis | aioredis.RedisCluster, state_key: str, stream_key: str | None = None, *, attempts: int = 5
 ) -> tuple[StreamState, str | None]:
     """A consumer's state bootstrap of one engine stream (README "State bootstrap"): its head, its
-    state hash read with HSCAN, then its head read again (a clear that ran meanwhile makes it start over, up
-    to ``attempts`` times). Returns the state and the entry id to follow the stream key from
+    state hash read with HSCAN, then its head read again (a clear that ran meanwhile makes it start
+    over, up to ``attempts`` times). With ``stream_key``, also that the stream still holds
+    everything after the head (``maxlen`` trims the oldest entries: a sweep slower than the
+    trimming starts over too). Returns the state and the entry id to follow the stream key from
     (``XRANGE key (ID +`` or ``XREAD ... ID``), then :meth:`StreamState.apply` each entry's
-    ``data``; None (no state yet): follow from the stream's first entry. Raises redis-py's errors,
-    and RuntimeError when clears kept cutting the sweep."""
+    ``data``; None (no state yet): follow from the stream's first entry. Keep up with the trimming
+    while following, too. Raises redis-py's errors, and RuntimeError when clears or trimming kept
+    cutting the sweep."""
     for _ in range(attempts):
         # The head first: every entry the sweep reads afterwards is at or after it (one read
         # before the head may predate changes the head already covers, and would miss them).
         raw_head = await client.hget(state_key, "_head")
         if raw_head is None:
-            return StreamState({"epoch": 0, "gen": 0, "seq": -1, "complete": False}, []), None
+            return StreamState({"epoch": -1, "gen": 0, "seq": -1, "complete": False}, []), None
         head = parse(raw_head) or {}
         fields = await _hash_fields(client, state_key)
         fields.pop(b"_head", None)
         again = parse(await client.hget(state_key, "_head") or b"") or {}
         if (again.get("epoch"), again.get("gen")) != (head.get("epoch"), head.get("gen")) or b"_w" in fields:
             continue
+        after = head.get("next")
+        if stream_key is not None and isinstance(after, str) and await _trimmed_after(client, stream_key, after):
+            continue
         docs = [d for f, v in fields.items() if b"/" in f and (d := parse(v)) is not None]
-        return StreamState(head, docs), head.get("next")
-    raise RuntimeError(f"{state_key}: the state was cleared during each of {attempts} sweeps")
+        return StreamState(head, docs), after
+    raise RuntimeError(
+        f"{state_key}: the state was cleared, or its stream trimmed past its head, during each of {attempts} sweeps"
+    )
+
+
+async def _trimmed_after(client: aioredis.Redis | aioredis.RedisCluster, stream_key: str, after: str) -> bool:
+    """Whether the stream may have lost entries after ``after``: its first entry is past it (the
+    head's own entries, and maybe more, trimmed away; a stream that still holds the head's record
+    or an earlier one lost nothing after it)."""
+    first: Any = await client.xrange(stream_key, "-", "+", count=1)
+    return bool(first) and entry_position(first[0][0]) > entry_position(after)
 
 
 @lru_cache(maxsize=65536)

@@ -43,7 +43,7 @@ async def consume(
             return b"0-0"
         from connectors.redis import bootstrap as read_state  # the bridge's package, for --bootstrap only
 
-        state, after = await read_state(client, key.decode() + bootstrap)
+        state, after = await read_state(client, key.decode() + bootstrap, key.decode())
         head = state.head
         if after is None or "source" not in head:
             return b"0-0"  # no state (yet): the whole stream

@@ -1070,11 +1070,6 @@ async def test_cluster_with_index(cluster_redis: RedisServer) -> None:
         await client.aclose()
 
 
-def test_state_needs_backpressure_block() -> None:
-    drop = SinkConfig(type="redis", name="r", backpressure="drop")
-    with pytest.raises(ConfigError) as info:
-        make("redis://x", drop, state={"enabled": True})
-    assert "sinks[r].state.enabled: needs backpressure: block" in str(info.value)
-    assert make("redis://x", drop).writes_state is False  # without state, drop is fine
+def test_state_decodes_raw_batches() -> None:
     conn = make("redis://x", SinkConfig(type="redis", name="r", format="raw"), state={"enabled": True})
     assert conn.writes_state and conn.needs_events  # raw batches are decoded for the state

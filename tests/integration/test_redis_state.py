@@ -85,7 +85,7 @@ async def follow(client: aioredis.Redis, key: str, state: StreamState, after: st
 
 
 async def bootstrapped(client: aioredis.Redis, prefix: str, source: str) -> StreamState:
-    state, after = await bootstrap(client, f"{prefix}:{source}:0:state")
+    state, after = await bootstrap(client, f"{prefix}:{source}:0:state", f"{prefix}:{source}:0")
     await follow(client, f"{prefix}:{source}:0", state, after)
     return state
 
@@ -156,7 +156,7 @@ async def test_bootstrap_at_any_cut_equals_the_engine(tmp_path: Path, redis_serv
                 publishing = asyncio.create_task(publish())
                 while not publishing.done():
                     await asyncio.sleep(rand.uniform(0, 0.02))
-                    states.append(await bootstrap(client, f"{prefix}:{source}:0:state"))
+                    states.append(await bootstrap(client, f"{prefix}:{source}:0:state", f"{prefix}:{source}:0"))
                 await publishing
                 await settled(client, prefix, engine, source)
                 assert len(states) >= 5, len(states)  # cuts all along
@@ -332,3 +332,21 @@ async def test_a_forgotten_source_gives_its_room_back_and_is_rebuilt_when_back(
             keys = [k async for k in client.scan_iter(match=prefix + ":*")]
             if keys:
                 await client.delete(*keys)
+
+
+async def test_a_bootstrap_whose_head_the_stream_was_trimmed_past_starts_over(client: Any) -> None:
+    """maxlen trimmed entries after the head's next (the state lagging, or a slow sweep): following
+    from there would miss them silently, so the bootstrap tries again, then gives up."""
+    key = f"kvt{uuid.uuid4().hex[:8]}"
+    head = {"source": "a", "dp_rank": 0, "epoch": 1, "gen": 1, "seq": 0, "complete": True, "live": 0, "next": "1-5"}
+    try:
+        await client.hset(key + ":state", "_head", json.dumps(head))
+        await client.xadd(key, {"data": "{}"}, id="1-5")  # the head's own entry
+        for i in range(2, 12):
+            await client.xadd(key, {"data": "{}"}, id=f"{i}-0")
+        assert (await bootstrap(client, key + ":state", key))[1] == "1-5"  # nothing after the head is gone
+        await client.xtrim(key, maxlen=3, approximate=False)  # 1-5 .. 8-0 gone
+        with pytest.raises(RuntimeError, match="trimmed past its head"):
+            await bootstrap(client, key + ":state", key, attempts=2)
+    finally:
+        await client.delete(key, key + ":state")
