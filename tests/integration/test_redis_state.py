@@ -25,12 +25,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 
 from bridge.bootstrap import StreamState, block_id
 from bridge.config import from_data
-from bridge.records import Stream
+from bridge.records import Record, Stream
 from bridge.runtime import Bridge
 from connectors.redis import bootstrap
 from tests.infra.servers import RedisServer
@@ -350,3 +351,53 @@ async def test_a_bootstrap_whose_head_the_stream_was_trimmed_past_starts_over(cl
             await bootstrap(client, key + ":state", key, attempts=2)
     finally:
         await client.delete(key, key + ":state")
+
+
+async def test_a_state_key_of_another_type_stops_only_the_state(redis_server: RedisServer, client: Any) -> None:
+    """The stream's entries are written; the state message fails on its own, transient (an operator
+    fixes the key), and nothing of the stream after it is written meanwhile."""
+    from bridge.config import SinkConfig
+    from bridge.errors import PartialFailure, Permanent, Retriable
+    from bridge.formats import Renderer, state_message
+    from bridge.state import StateTracker
+    from connectors.redis import RedisConnector, RedisOptions
+
+    prefix = f"kvw{uuid.uuid4().hex[:8]}"
+    cfg = SinkConfig(type="redis", name="r")
+    options = msgspec.convert(
+        {
+            "url": redis_server.url,
+            "stream": prefix + ":{source}:{dp_rank}",
+            "state": {"enabled": True, "key": prefix + ":{source}:{dp_rank}:s"},
+        },
+        RedisOptions,
+    )
+    conn = RedisConnector("r", options, cfg)
+    tracker, renderer, stream = StateTracker(), Renderer("json", "batch"), Stream("a", 0)
+    store = {"type": "BlockStored", "block_hashes": [1], "medium": "GPU", "token_ids": [], "block_size": 1}
+    messages = []
+    for seq in range(2):
+        r = Record(stream=stream, epoch=1, seq=seq, ts=1.0, events=[store])
+        r.state = tracker.apply(r)
+        messages += [*renderer.render(r), state_message(r)]
+    try:
+        await conn.connect()
+        await client.set(prefix + ":a:0:s", "not a hash")
+        with pytest.raises(PartialFailure) as info:
+            await conn.write(messages)
+        errors = info.value.errors
+        assert sorted(errors) == [1, 2, 3] and all(isinstance(e, Retriable) for e in errors.values())
+        assert errors[1].reason == "state_key_type" and "holds a string" in str(errors[1])
+        assert await client.xlen(prefix + ":a:0") == 1  # the first record's entry is written
+        # a record beyond what entry ids hold: its state message is refused alone, not the write
+        await client.delete(prefix + ":a:0:s")
+        far = Record(stream=stream, epoch=1, seq=2**41, ts=1.0, events=[store])
+        far.state = tracker.apply(far)
+        with pytest.raises(PartialFailure) as info:
+            await conn.write([*messages, *renderer.render(far), state_message(far)])
+        assert {i: e.reason for i, e in info.value.errors.items()} == {4: "id_range", 5: "id_range"}
+        assert all(isinstance(e, Permanent) for e in info.value.errors.values())
+        assert await client.xlen(prefix + ":a:0") == 2 and await client.hexists(prefix + ":a:0:s", "_head")
+    finally:
+        await conn.close()
+        await client.delete(prefix + ":a:0", prefix + ":a:0:s")

@@ -53,3 +53,60 @@ def test_other_field_selections_are_fine_with_state() -> None:
             "by_type": {"BlockStored": {"keep": [*["block_hashes", "medium", "group_idx", "parent_block_hash"]]}},
         },
     )
+
+
+# -- the runtime's side: state messages in a write ------------------------------------------------
+
+
+async def test_skipheld_never_leaves_out_a_state_message() -> None:
+    """A sink that holds the records still gets their state messages: its own guard drops a change
+    it holds, and a clear of a new generation (a loss, a fresh start) must reach it."""
+    from bridge.formats import Renderer, state_message
+    from bridge.records import Record, Stream, events_lost
+    from bridge.runtime import SkipHeld
+    from bridge.state import StateTracker
+    from tests.support.memory import MemoryConnector, MemoryOptions
+
+    inner = MemoryConnector("m", MemoryOptions(), None)  # type: ignore[arg-type]
+    skip = SkipHeld(inner)
+    skip.through["a/0"] = (5, 4, 0)  # holds batches 0..3
+    tracker, renderer, stream = StateTracker(), Renderer("json", "batch"), Stream("a", 0)
+    records = [Record(stream=stream, epoch=5, seq=s, ts=1.0, events=[]) for s in range(3)]
+    records.append(events_lost(stream, 5, 3, 3, "replay_exhausted", 0.0))
+    messages = []
+    for r in records:
+        r.state = tracker.apply(r)
+        messages += [*renderer.render(r), state_message(r)]
+    await skip.write(messages)
+    kept = [(m.type, m.record.seq) for m in inner.messages]
+    assert kept == [("StateDelta", 0), ("StateDelta", 1), ("StateDelta", 2), ("EventsLost", 3), ("StateDelta", 3)]
+    assert inner.messages[0].record.state.clear  # the fresh start's clear
+
+
+async def test_a_state_change_refused_for_itself_clears_the_stream_at_its_next_record(tmp_path: Any) -> None:
+    """Not dead-lettered with its record (whose events were written): the tracker makes the
+    stream's next delta a clear, in a new generation, incomplete."""
+    from bridge.errors import PartialFailure, Permanent
+    from bridge.records import Record, Stream
+    from bridge.state import StateTracker
+    from tests.unit.test_sink import make
+
+    worker, conn, acked, metrics = make(tmp_path)
+    tracker = StateTracker()
+    worker.writes_state = True
+    worker.on_state_lost = tracker.invalidate
+    stream = Stream("llama-a", 0)
+    store = {"type": "BlockStored", "block_hashes": [1], "medium": "GPU", "token_ids": [], "block_size": 1}
+    first = Record(stream=stream, epoch=1, seq=0, ts=1.0, events=[store])
+    first.state = tracker.apply(first)
+    conn.failures = [PartialFailure({1: Permanent("state refused", reason="rejected")})]
+    worker.start()
+    assert worker.offer(first)
+    await worker.flush(5.0)
+    assert acked == [first] and metrics.registry.get_sample_value(
+        "kv_bridge_sink_batches_total", {"sink": "mem", "outcome": "dead_lettered"}
+    ) in (None, 0.0)
+    second = Record(stream=stream, epoch=1, seq=1, ts=1.0, events=[store])
+    delta = tracker.apply(second)
+    assert delta.clear and not delta.head.complete and delta.head.generation > first.state.head.generation
+    await worker.stop()
