@@ -17,6 +17,17 @@ one whose write was cancelled half-way (it still holds batches it would retry fo
 Delivery is at least once: the broker cannot tell a re-sent message from new data, so a consumer
 deduplicates on the headers ``source``, ``dp_rank``, ``epoch``, ``seq`` (and ``index`` at event
 granularity); within a stream the first copy of every message comes in order.
+
+State (``state.enabled``, README "State bootstrap"): each stream's live blocks and head go to a
+log-compacted topic, keyed ``source/dp_rank/{medium}/{group}/{block}`` (:mod:`bridge.state_docs`)
+and ``source/dp_rank/_head``, partitioned like the events by murmur2 of ``source/dp_rank``, so a
+stream's state is the subsequence of one partition, in the bridge's order. A write sends its
+messages first; once they are acknowledged, the state of each record (tombstones of a clear, the
+changes, then the head, whose ``next`` is the offset after the record's last message in its events
+partition). There is no transaction: the head is a fuzzy cut (a consumer's sweep may read entries
+of records after it), made exact by the entries' versions (:mod:`bridge.bootstrap`); a bridge that
+rebuilds its tables (:meth:`KafkaConnector.read_state`) reads each stream up to its last head,
+which is exact. :func:`bootstrap` is the consumers' side.
 """
 
 from __future__ import annotations
@@ -25,22 +36,26 @@ import asyncio
 import logging
 import re
 import ssl
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka import errors as kafka_errors
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.codec import has_lz4, has_snappy, has_zstd
 from aiokafka.partitioner import DefaultPartitioner
 
+from bridge.bootstrap import StreamState
 from bridge.connector import (
+    STATE_TYPE,
     ByteSize,
     ConfigError,
     ConnectorError,
     ConnectorOptions,
     Duration,
+    Head,
     Message,
     NotConnected,
     PartialFailure,
@@ -48,14 +63,18 @@ from bridge.connector import (
     Record,
     Retriable,
     Secret,
+    SeedEntry,
     SinkConfig,
     SinkPosition,
+    StateDelta,
     Stream,
     Template,
     TlsOptions,
     doc,
     redact,
 )
+from bridge.state import EntryChange
+from bridge.state_docs import StateFormat, entry_key, head_of, parse, seed_entry, tier_text
 
 from . import _aiokafka_internals as internals
 
@@ -102,6 +121,11 @@ _METADATA_RETRY_PAUSE = 0.5  # seconds between metadata updates while no broker 
 _HEADROOM = 4096  # a message this close to max_batch_bytes gets its exact size computed
 _SCAN_CHUNK = 2_000  # records read at a time, backward from a partition's end (positions())
 _MEMORY = 10_000  # msg_ids remembered as refused by the broker, or to be sent alone
+STATE_TOPIC_CONFIGS = {"cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.1", "segment.ms": str(3600 * 1000)}
+"""Topic configs of a state topic the sink creates (``state.create``)."""
+HEAD = "_head"
+"""The last part of a head's key: ``source/dp_rank/_head``."""
+_STATE_RECORD_OVERHEAD = 32  # bytes a record adds to its key and value in a batch (varints, no headers)
 
 
 class CreateTopicsOptions(ConnectorOptions):
@@ -115,6 +139,33 @@ class CreateTopicsOptions(ConnectorOptions):
     configs: Annotated[dict[str, str], doc("Topic configs of a created topic, e.g. retention.ms.")] = msgspec.field(
         default_factory=dict
     )
+
+
+class StateOptions(ConnectorOptions):
+    """The live-block state of every stream in a log-compacted topic (README "State bootstrap").
+
+    Written without transactions: a stream's head is a fuzzy cut (entries of later records may be
+    read with it), made exact by the entries' versions (:mod:`bridge.bootstrap`); no fencing of a
+    second bridge writing the same streams."""
+
+    enabled: Annotated[
+        bool,
+        doc(
+            "Keep each stream's live blocks (entries with counts, versions and facts) and its head in a "
+            "log-compacted topic, written once the events before them are acknowledged (needs backpressure: block)."
+        ),
+    ] = False
+    topic: Annotated[
+        str, doc("The state topic: log-compacted (cleanup.policy=compact), never auto-created; keys source/dp_rank/...")
+    ] = "kv-state"
+    create: Annotated[
+        bool,
+        doc(
+            "Create the state topic at connect when missing: cleanup.policy=compact, min.cleanable.dirty.ratio=0.1, "
+            "segment.ms=1h, the partitions below and create_topics.replication_factor."
+        ),
+    ] = False
+    partitions: Annotated[int, msgspec.Meta(ge=1, description="Partitions of a created state topic.")] = 6
 
 
 class KafkaOptions(ConnectorOptions):
@@ -157,6 +208,9 @@ class KafkaOptions(ConnectorOptions):
         bool, doc("Let the broker auto-create a missing topic on first use (if the broker allows it).")
     ] = True
     client_id: Annotated[str | None, doc("Client id seen by the brokers (default: kv-event-bridge-SINKNAME).")] = None
+    state: Annotated[StateOptions, doc("The optional live-block state (a compacted topic).")] = msgspec.field(
+        default_factory=StateOptions
+    )
     position_scan: Annotated[
         int,
         msgspec.Meta(
@@ -195,6 +249,17 @@ class KafkaOptions(ConnectorOptions):
             )
         if self.tls is not None and not self.security_protocol.endswith("SSL"):
             problems.append(f"tls is set but security_protocol is {self.security_protocol}: use SSL or SASL_SSL")
+        if self.state.enabled:
+            if not _TOPIC_NAME.fullmatch(self.state.topic):
+                problems.append(f"state.topic: {self.state.topic!r} is not a valid Kafka topic name (1-249 of A-Z a-z 0-9 . _ -)")
+            if self.state.topic == self.topic:
+                problems.append("state.topic: must differ from topic (the state topic is compacted)")
+            banned = [f"{{{f}}}" for f in ("type", "epoch") if f"{{{f}" in self.topic]
+            if banned:
+                problems.append(
+                    f"state.enabled: topic may not use {' or '.join(banned)} "
+                    "(a head's next offset needs each stream in one partition)"
+                )
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -288,8 +353,18 @@ class KafkaConnector:
         self._alone: dict[str, None] = {}  # msg_ids to send one per batch (they were in a refused batch)
         self._refused: dict[str, Permanent] = {}  # msg_id -> why the broker refused it alone
         self._created: set[str] = set()
+        self._policy_checked: set[str] = set()  # state topics whose cleanup.policy was looked at
         self._reader: Any = None  # the consumer positions() reads partitions back with
         self._windows: dict[Any, _Window] = {}  # what it read of each partition
+        # The live-block state (state.enabled): see _write_state.
+        self.writes_state = options.state.enabled
+        self._state_format = StateFormat.for_sink(sink)
+        self._state_topic = options.state.topic
+        # Where each stream's messages continue in its events partition: per record whose messages
+        # were acknowledged but whose state is not written yet (the offset after its last message),
+        # and per stream, the ``next`` of the last head written (or read back).
+        self._record_next: dict[tuple[str, int, int], int] = {}
+        self._stream_next: dict[str, int] = {}
 
     def __repr__(self) -> str:
         return f"KafkaConnector(name={self.name!r}, servers={self._servers!r}, topic={self.options.topic!r})"
@@ -301,6 +376,8 @@ class KafkaConnector:
         producer = await self._ensure_producer()
         if self._topic.static and self.options.topic not in self._partitions:
             await self._prepare_topic(producer, self.options.topic)
+        if self.writes_state and self._state_topic not in self._partitions:
+            await self._prepare_topic(producer, self._state_topic, state=True)
 
     async def write(self, messages: Sequence[Message]) -> None:
         """Deliver ``messages``; return once the broker acknowledged every one (see the module docstring)."""
@@ -311,13 +388,11 @@ class KafkaConnector:
         producer = await self._ensure_producer()
         self._stale = True  # until this write ends: one cancelled half-way leaves batches behind
         errors: dict[int, ConnectorError] = {}
+        offsets: dict[int, int] | None = {} if self.writes_state else None
         chains = await self._build(producer, messages, errors)
-        if len(chains) == 1:
-            failed = await self._send(producer, chains[0], messages, errors)
-        else:
-            async with asyncio.TaskGroup() as group:
-                sends = [group.create_task(self._send(producer, chain, messages, errors)) for chain in chains]
-            failed = any(s.result() for s in sends)
+        failed = await self._send_all(producer, chains, messages, errors, offsets)
+        if offsets is not None:
+            failed = await self._write_state(producer, messages, errors, offsets) or failed
         self._stale = failed
         if errors:
             distinct = {id(e): e for e in errors.values()}
@@ -355,6 +430,8 @@ class KafkaConnector:
             producer = await self._ensure_producer()
             if self._topic_problem is not None and self._topic.static:
                 await self._prepare_topic(producer, self.options.topic)
+            if self._topic_problem is not None and self.writes_state:
+                await self._prepare_topic(producer, self._state_topic, state=True)
             problem = self._denied or self._topic_problem
             if problem is not None:
                 return problem
@@ -451,6 +528,56 @@ class KafkaConnector:
                 out[stream.key] = position
         return out
 
+    async def read_state(self, streams: Sequence[Stream]) -> dict[str, tuple[Head, list[SeedEntry]] | None]:
+        """The state this sink holds of each stream (a restarted bridge rebuilds its tables from it).
+
+        Reads the state topic's partitions of ``streams`` from their start to the end offsets taken
+        first, keeping each stream's records up to its last head (:class:`StateLog`: the exact cut
+        of that head; records after it are a state write a crash cut short, which the bridge
+        writes again). ``{stream.key: None}`` for a stream with no head; no entry for one whose
+        head cannot be read. Bounded by the runtime (``state.load_timeout``)."""
+        if not self.writes_state or not streams:
+            return {}
+        producer = self._producer  # started by connect()
+        if producer is None:
+            raise NotConnected(f"{self._where}: not connected to {self._servers}")
+        topic = self._state_topic
+        if topic not in self._partitions:
+            await self._prepare_topic(producer, topic, state=True)
+        parts = self._partitions[topic]
+        tps = sorted({TopicPartition(topic, _PARTITIONER(s.key.encode(), parts, parts)) for s in streams})
+        log = StateLog(s.key for s in streams)
+        consumer = AIOKafkaConsumer(
+            **client_settings(self.options, self.name),
+            ssl_context=ssl_context(self.options),
+            group_id=None,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+        )
+        await consumer.start()
+        try:
+            consumer.assign(tps)
+            ends = await consumer.end_offsets(tps)
+            begins = await consumer.beginning_offsets(tps)
+            for tp in tps:
+                await read_log(consumer, tp, begins[tp], ends[tp], log)
+        finally:
+            await consumer.stop()
+        out: dict[str, tuple[Head, list[SeedEntry]] | None] = {}
+        for stream in streams:
+            raw, values = log.cut(stream.key)
+            doc = None if raw is None else parse(raw)
+            head = None if doc is None else head_of(doc)
+            if raw is None:
+                out[stream.key] = None
+                continue
+            if doc is None or head is None:
+                continue  # a damaged head: cannot tell
+            if type(doc.get("next")) is int:
+                self._stream_next.setdefault(stream.key, doc["next"])
+            out[stream.key] = (head, seed_entries(head, values))
+        return out
+
     # -- the write path -------------------------------------------------------------------------
     async def _build(self, producer: Any, messages: Sequence[Message], errors: dict[int, ConnectorError]) -> list[list[_Chunk]]:
         """Route every message and append it to its partition's record batches.
@@ -464,6 +591,8 @@ class KafkaConnector:
         record: Any = None
         key = b""
         for i, m in enumerate(messages):
+            if m.type == STATE_TYPE:
+                continue  # written once the messages before it are stored (_write_state)
             topic = self._topic.render(m)
             problem = topics[topic] if topic in topics else topics.setdefault(topic, await self._check_topic(producer, topic))
             if problem is None and self._refused:
@@ -502,17 +631,42 @@ class KafkaConnector:
             chunk.indexes.append(i)
         return list(chains.values())
 
-    async def _send(
-        self, producer: Any, chain: list[_Chunk], messages: Sequence[Message], errors: dict[int, ConnectorError]
+    async def _send_all(
+        self,
+        producer: Any,
+        chains: list[list[_Chunk]],
+        messages: Sequence[Message],
+        errors: dict[int, ConnectorError],
+        offsets: dict[int, int] | None,
     ) -> bool:
-        """Send one partition's batches in order, each once the previous one was acknowledged.
+        """Send every partition's chain (partitions in parallel); True when a batch failed."""
+        if not chains:
+            return False
+        if len(chains) == 1:
+            return await self._send(producer, chains[0], messages, errors, offsets)
+        async with asyncio.TaskGroup() as group:
+            sends = [group.create_task(self._send(producer, chain, messages, errors, offsets)) for chain in chains]
+        return any(s.result() for s in sends)
+
+    async def _send(
+        self,
+        producer: Any,
+        chain: list[_Chunk],
+        messages: Sequence[Message],
+        errors: dict[int, ConnectorError],
+        offsets: dict[int, int] | None,
+    ) -> bool:
+        """Send one partition's batches in order, each once the previous one was acknowledged;
+        ``offsets`` (when given) gets the offset of each message stored.
 
         After a failed batch the rest of the chain is not sent (reported transient). True when a
         batch failed.
         """
         for n, chunk in enumerate(chain):
             try:
-                await (await producer.send_batch(chunk.builder, chunk.topic, partition=chunk.partition))
+                stored = await (await producer.send_batch(chunk.builder, chunk.topic, partition=chunk.partition))
+                if offsets is not None:  # the records of a batch take consecutive offsets from its base
+                    offsets.update((i, stored.offset + j) for j, i in enumerate(chunk.indexes))
             except kafka_errors.KafkaError as exc:
                 error = self._error(exc, chunk.topic) or self._refused_batch(exc, chunk, messages)
                 errors.update(dict.fromkeys(chunk.indexes, error))
@@ -522,6 +676,142 @@ class KafkaConnector:
                         reason="not_sent",
                     )
                     errors.update((i, held) for later in chain[n + 1 :] for i in later.indexes)
+                return True
+        return False
+
+    # -- the live-block state (state.enabled) ----------------------------------------------------
+    async def _write_state(
+        self, producer: Any, messages: Sequence[Message], errors: dict[int, ConnectorError], offsets: dict[int, int]
+    ) -> bool:
+        """The second step of a write: the state of each record, now that the messages before it
+        are stored; True when a batch failed.
+
+        A record's state goes to the state topic's partition of its stream, in order: for a clear,
+        a tombstone for each key the clear removed (``delta.cleared``), then each change (count 0:
+        a tombstone), then the head, whose ``next`` is the offset after the record's last message
+        in its events partition (``offsets``, or remembered from the write that stored them), or
+        the last head's when the record wrote none. A state message is not written when a message
+        of its stream before it failed transiently (the runtime writes it again from there); when
+        its write fails, the state messages of its partition after it are not sent either (the
+        state is never ahead of its head's order). Failures are transient, never Permanent."""
+        record_next = self._record_next
+        for i in sorted(offsets):
+            m = messages[i]
+            key = (m.record.stream.key, *m.record.position)
+            record_next[key] = max(record_next.get(key, 0), offsets[i] + 1)
+        while len(record_next) > _MEMORY:  # records whose state never came (a dropped stream)
+            del record_next[next(iter(record_next))]
+        blocked: set[str] = set()  # streams with a transient failure earlier in the write
+        wanted: list[tuple[int, int | None]] = []  # (index, next) of the state messages to write
+        latest: dict[str, int | None] = {}  # per stream, the next of its last head in this write
+        for i, m in enumerate(messages):
+            stream_key = m.record.stream.key
+            if m.type != STATE_TYPE:
+                error = errors.get(i)
+                if error is not None and not isinstance(error, Permanent):
+                    blocked.add(stream_key)
+                continue
+            if stream_key in blocked:
+                errors[i] = Retriable(
+                    f"{self._where}: state not written: an earlier message of {stream_key} failed", reason="not_sent"
+                )
+                continue
+            delta = m.record.state
+            if not isinstance(delta, StateDelta) or delta.stale:
+                record_next.pop((stream_key, *m.record.position), None)
+                continue  # a record the state already reflects (a re-delivery): nothing to write
+            next_ = record_next.get((stream_key, *m.record.position))
+            if next_ is None:  # the record wrote no message: where the stream's last head said
+                next_ = latest[stream_key] if stream_key in latest else self._stream_next.get(stream_key)
+            latest[stream_key] = next_
+            wanted.append((i, next_))
+        if not wanted:
+            return False
+        topic = self._state_topic
+        problem = await self._check_topic(producer, topic, state=True)
+        if problem is not None:
+            held = problem if not isinstance(problem, Permanent) else Retriable(str(problem), reason=problem.reason)
+            errors.update((i, held) for i, _ in wanted)
+            return False
+        parts = self._partitions[topic]
+        limit = self._batch_limit.get(topic, self._max_bytes)
+        chains: dict[int, list[_Chunk]] = {}
+        for i, next_ in wanted:
+            m = messages[i]
+            partition = _PARTITIONER(m.key, parts, parts)
+            chain = chains.setdefault(partition, [])
+            for name, value in self._state_records(m.record.stream, m.record.state, next_):
+                size = len(name) + (len(value) if value is not None else 0) + _STATE_RECORD_OVERHEAD
+                if not chain or chain[-1].used + size > limit:
+                    chain.append(_Chunk(producer.create_batch(), topic, partition, False))
+                chunk = chain[-1]
+                if chunk.builder.append(timestamp=None, key=name, value=value, headers=[]) is None:
+                    chunk = _Chunk(producer.create_batch(), topic, partition, False)
+                    chain.append(chunk)
+                    chunk.builder.append(timestamp=None, key=name, value=value, headers=[])
+                chunk.used += size
+                if not chunk.indexes or chunk.indexes[-1] != i:
+                    chunk.indexes.append(i)
+        sends = list(chains.values())
+        if len(sends) == 1:
+            failed = await self._send_state(producer, sends[0], errors)
+        else:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._send_state(producer, chain, errors)) for chain in sends]
+            failed = any(t.result() for t in tasks)
+        for i, next_ in wanted:
+            if i not in errors:
+                m = messages[i]
+                record_next.pop((m.record.stream.key, *m.record.position), None)
+                if next_ is not None:
+                    self._stream_next[m.record.stream.key] = next_
+        return failed
+
+    def _state_records(self, stream: Stream, delta: StateDelta, next_: int | None) -> Iterator[tuple[bytes, bytes | None]]:
+        """(key, value) of the state records of one delta, in their order (see _write_state)."""
+        prefix = f"{stream.key}/"
+        fmt, head = self._state_format, delta.head
+        if delta.clear:
+            for tier in delta.cleared:
+                base = f"{prefix}{tier_text(tier.medium, tier.group_idx)}/"
+                for block in tier.blocks:
+                    yield f"{base}{block:016x}".encode(), None
+        room = self._max_bytes - _STATE_RECORD_OVERHEAD
+        for change in delta.changes:
+            key = (prefix + entry_key(change.medium, change.group_idx, change.block)).encode()
+            if change.count <= 0:
+                yield key, None
+                continue
+            value = fmt.entry(stream, head, change)
+            if len(key) + len(value) > room:
+                # A fact too large for a record (huge extra_keys): the entry without it (its count
+                # and version stand) rather than a sink stuck on a state it can never write.
+                log.warning(
+                    "state entry too large for a record: written without its fact",
+                    extra={"sink": self.name, "stream": stream.key, "count": len(value)},
+                )
+                value = fmt.entry(stream, head, EntryChange(change.medium, change.group_idx, change.block, change.count, None))
+            yield key, value
+        yield (prefix + HEAD).encode(), fmt.head(stream, head, next_)
+
+    async def _send_state(self, producer: Any, chain: list[_Chunk], errors: dict[int, ConnectorError]) -> bool:
+        """Send one state partition's batches in order, each once the previous one was
+        acknowledged; after a failed batch, the rest is not sent. True when a batch failed."""
+        for n, chunk in enumerate(chain):
+            try:
+                await (await producer.send_batch(chunk.builder, chunk.topic, partition=chunk.partition))
+            except kafka_errors.KafkaError as exc:
+                error = self._error(exc, chunk.topic)
+                if error is None:  # the broker refused the records (too large for the topic?)
+                    if isinstance(exc, _SIZE_ERRORS):
+                        limit = self._batch_limit.get(chunk.topic, self._max_bytes)
+                        self._batch_limit[chunk.topic] = max(1024, min(limit, chunk.used) // 2)
+                    error = Retriable(
+                        f"{self._where}: state topic {chunk.topic!r} refused a batch ({_describe(exc)})", reason="state_refused"
+                    )
+                elif isinstance(error, Permanent):  # the state is never dead-lettered
+                    error = Retriable(str(error), reason=error.reason)
+                errors.update((i, error) for later in chain[n:] for i in later.indexes)
                 return True
         return False
 
@@ -628,7 +918,7 @@ class KafkaConnector:
         await producer.stop()
 
     # -- topics ---------------------------------------------------------------------------------
-    async def _check_topic(self, producer: Any, topic: str) -> ConnectorError | None:
+    async def _check_topic(self, producer: Any, topic: str, *, state: bool = False) -> ConnectorError | None:
         """None when ``topic`` can be written (checked once per producer, and again when its
         partitions changed), else why not."""
         parts = self._partitions.get(topic)
@@ -639,23 +929,26 @@ class KafkaConnector:
         if parts is not None:
             return None
         try:
-            await self._prepare_topic(producer, topic)
+            await self._prepare_topic(producer, topic, state=state)
         except ConnectorError as exc:
             return exc
         return None
 
-    async def _prepare_topic(self, producer: Any, topic: str) -> None:
-        """Make sure ``topic`` exists (creating it if configured) and learn its partitions."""
+    async def _prepare_topic(self, producer: Any, topic: str, *, state: bool = False) -> None:
+        """Make sure ``topic`` exists (creating it if configured) and learn its partitions.
+
+        The state topic (``state``) is never auto-created by the broker: it must be compacted."""
         if not _TOPIC_NAME.fullmatch(topic):
             raise Permanent(
                 f"{self._where}: {topic!r} is not a valid Kafka topic name (1-249 of A-Z a-z 0-9 . _ -)", reason="invalid_topic"
             )
-        if self.options.create_topics.enabled and topic not in self._created:
-            await self._create_topic(topic)
+        create = self.options.state.create if state else self.options.create_topics.enabled
+        if create and topic not in self._created:
+            await self._create_topic(topic, state=state)
         # A broker that auto-creates answers "unknown topic" (KRaft) or "leader not available"
         # until the new topic has a leader, so "unknown" is final only after a grace period.
-        allow = self.options.allow_auto_create_topics
-        creates = allow or self.options.create_topics.enabled
+        allow = self.options.allow_auto_create_topics and not state
+        creates = allow or create
         loop = asyncio.get_running_loop()
         grace = loop.time() + min(self._timeout / 2, 5.0)
         while True:
@@ -670,7 +963,11 @@ class KafkaConnector:
             if code == _UNKNOWN_TOPIC and (late or not creates):
                 why = "the broker did not auto-create it (auto.create.topics.enable=false?)" if allow else "auto-creation is off"
                 self._topic_problem = (
-                    f"topic {topic!r} does not exist on {self._servers} and {why}; create it, or set create_topics.enabled: true"
+                    f"state topic {topic!r} does not exist on {self._servers}; create it (cleanup.policy=compact), "
+                    "or set state.create: true"
+                    if state
+                    else f"topic {topic!r} does not exist on {self._servers} and {why}; "
+                    "create it, or set create_topics.enabled: true"
                 )
                 raise NotConnected(f"{self._where}: {self._topic_problem}", reason="unknown_topic")
             if code == _INVALID_TOPIC:
@@ -684,7 +981,7 @@ class KafkaConnector:
                 name = kafka_errors.for_code(code).__name__
                 raise Retriable(f"{self._where}: metadata for topic {topic!r}: {name}", reason="metadata")
             await asyncio.sleep(0.1)
-        if self.options.partition is not None and self.options.partition not in partitions:
+        if not state and self.options.partition is not None and self.options.partition not in partitions:
             self._topic_problem = (
                 f"topic {topic!r} has {len(partitions)} partition(s); partition {self.options.partition} does not exist"
             )
@@ -692,15 +989,43 @@ class KafkaConnector:
         self._partitions[topic] = partitions
         if self._topic_problem is not None and repr(topic) in self._topic_problem:
             self._topic_problem = None
+        if state and topic not in self._policy_checked:
+            self._policy_checked.add(topic)
+            await self._check_compacted(topic)
 
-    async def _create_topic(self, topic: str) -> None:
-        spec = self.options.create_topics
+    async def _check_compacted(self, topic: str) -> None:
+        """Warn (once per topic) when the state topic is not log-compacted: its retention would
+        delete heads and live entries, and bootstraps would silently miss blocks."""
         admin = AIOKafkaAdminClient(**client_settings(self.options, self.name), ssl_context=ssl_context(self.options))
         try:
             await admin.start()
-            response = await admin.create_topics(
-                [NewTopic(topic, spec.partitions, spec.replication_factor, topic_configs=dict(spec.configs))]
+            responses = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic, {"cleanup.policy": None})])
+            policy = next(
+                (entry[1] for r in responses for res in r.resources for entry in res[4] if entry[0] == "cleanup.policy"), None
             )
+        except (kafka_errors.KafkaError, OSError, IndexError, TypeError) as exc:
+            log.debug("cannot read the state topic's cleanup.policy", extra={"sink": self.name, "error": _describe(exc)})
+            return
+        finally:
+            await admin.close()
+        if policy is not None and "compact" not in policy:
+            log.warning(
+                "the state topic is not log-compacted (cleanup.policy=%s): retention will delete live entries "
+                "and heads; set cleanup.policy=compact",
+                policy,
+                extra={"sink": self.name, "topic": topic},
+            )
+
+    async def _create_topic(self, topic: str, *, state: bool = False) -> None:
+        spec = self.options.create_topics
+        if state:
+            new = NewTopic(topic, self.options.state.partitions, spec.replication_factor, topic_configs=dict(STATE_TOPIC_CONFIGS))
+        else:
+            new = NewTopic(topic, spec.partitions, spec.replication_factor, topic_configs=dict(spec.configs))
+        admin = AIOKafkaAdminClient(**client_settings(self.options, self.name), ssl_context=ssl_context(self.options))
+        try:
+            await admin.start()
+            response = await admin.create_topics([new])
         except kafka_errors.KafkaError as exc:
             raise NotConnected(f"{self._where}: cannot create topic {topic!r}: {_describe(exc)}") from None
         finally:
@@ -753,6 +1078,176 @@ async def _read(consumer: Any, tp: Any, lo: int, hi: int) -> dict[bytes, _Found]
     return last
 
 
+# -- reading the state back (the bridge's rebuild, consumers' bootstrap) ---------------------------
+
+
+def stream_of(key: bytes) -> bytes:
+    """The stream key (``source/dp_rank``) of a state record's key."""
+    if key.endswith(b"/" + HEAD.encode()):
+        return key[: -len(HEAD) - 1]
+    return key.rsplit(b"/", 3)[0]  # source/dp_rank/medium/group/block (medium and group hold no '/')
+
+
+class StateLog:
+    """The state records of some streams, fed in partition order (pure).
+
+    Per stream: the newest value of each key (a tombstone deletes it) as of its last head, the
+    head, and the *tail*: the records after the last head (a state write in progress, or cut
+    short by a crash). :meth:`cut` is the exact state of the head (the bridge's rebuild);
+    :meth:`newest` adds the tail (consumers: the versions sort it out)."""
+
+    def __init__(self, streams: Iterable[str]) -> None:
+        self._wanted = {s.encode() for s in streams}
+        self._heads: dict[bytes, bytes] = {}
+        self._entries: dict[bytes, dict[bytes, bytes]] = {}
+        self._tails: dict[bytes, dict[bytes, bytes | None]] = {}
+        self.records = 0  # records fed that belong to a wanted stream
+
+    def add(self, key: bytes, value: bytes | None) -> None:
+        stream = stream_of(key)
+        if stream not in self._wanted:
+            return
+        self.records += 1
+        if len(key) - len(stream) == len(HEAD) + 1:  # the head
+            entries = self._entries.setdefault(stream, {})
+            tail = self._tails.pop(stream, None)
+            if tail:
+                _merge(entries, tail)
+            if value is None:
+                self._heads.pop(stream, None)  # never written by the bridge: a head deleted by hand
+            else:
+                self._heads[stream] = value
+        else:
+            self._tails.setdefault(stream, {})[key] = value
+
+    def open(self, stream: str) -> bool:
+        """Whether records of ``stream`` follow its last head (a state write not finished)."""
+        return bool(self._tails.get(stream.encode()))
+
+    def cut(self, stream: str) -> tuple[bytes | None, list[bytes]]:
+        """(last head, entry values as of it); (None, []) when the stream has no head."""
+        s = stream.encode()
+        head = self._heads.get(s)
+        return (None, []) if head is None else (head, list(self._entries.get(s, {}).values()))
+
+    def newest(self, stream: str) -> tuple[bytes | None, list[bytes]]:
+        """(last head, newest value of every live key, the tail included)."""
+        s = stream.encode()
+        entries = dict(self._entries.get(s, {}))
+        _merge(entries, self._tails.get(s, {}))
+        return self._heads.get(s), list(entries.values())
+
+
+def _merge(entries: dict[bytes, bytes], records: dict[bytes, bytes | None]) -> None:
+    for key, value in records.items():
+        if value is None:
+            entries.pop(key, None)
+        else:
+            entries[key] = value
+
+
+def seed_entries(head: Head, values: Iterable[bytes]) -> list[SeedEntry]:
+    """The tracker's entries of a stream from its entry documents: those of the head's (epoch,
+    generation) (a clear without tombstones, a fresh start, leaves older ones behind)."""
+    out: list[SeedEntry] = []
+    current = (head.epoch, head.generation)
+    for value in values:
+        doc = parse(value)
+        if doc is None:
+            continue
+        try:
+            if (int(doc["epoch"]), int(doc["gen"])) != current:
+                continue
+        except (KeyError, TypeError, ValueError):
+            continue
+        entry = seed_entry(doc)
+        if entry is not None:
+            out.append(entry)
+    return out
+
+
+async def read_log(consumer: Any, tp: Any, lo: int, hi: int, log: StateLog) -> None:
+    """Feed ``log`` the records of offsets ``lo``..``hi - 1`` of one partition, in order."""
+    consumer.seek(tp, lo)
+    while await consumer.position(tp) < hi:
+        got = await consumer.getmany(tp, timeout_ms=200, max_records=_SCAN_CHUNK * 5)
+        for record in got.get(tp, []):
+            if record.offset >= hi:
+                break
+            if record.offset >= lo and record.key is not None:
+                log.add(record.key, record.value)
+
+
+_NO_HEAD = {"epoch": -1, "gen": 0, "seq": -1, "complete": False}
+
+
+async def bootstrap(
+    consumer: AIOKafkaConsumer,
+    source: str,
+    dp_rank: int,
+    *,
+    topic: str = "kv-events",
+    state_topic: str = "kv-state",
+    partition: int | None = None,
+    settle: float = 2.0,
+) -> tuple[StreamState, TopicPartition, int]:
+    """A consumer's state bootstrap of one engine stream (README "State bootstrap"), from a sink
+    with ``state.enabled``; ``topic``, ``state_topic`` and ``partition`` as the sink's options.
+
+    1. Read the stream's state partition (murmur2 of ``source/dp_rank``, as the bridge routes
+       it) from its start to the end offset taken first: the newest value per key (tombstones
+       delete) and the last head ``H`` of the pass.
+    2. Read the head again: if records of the stream follow ``H`` (a state write in progress),
+       read on to the new end offsets until a head closes them (up to ``settle`` seconds).
+    3. Return the :class:`~bridge.bootstrap.StreamState` of ``H`` and those entries, the stream's
+       events partition and the offset to follow it from (``H["next"]``; the partition's start
+       when there is no head yet or it says nothing), with ``consumer`` assigned to that partition
+       and positioned there: :meth:`StreamState.apply` each message of the stream read from it
+       (the value decoded; the key is ``source/dp_rank``).
+
+    The head is a fuzzy cut, not a transaction: entries written after ``H`` (by the next
+    records) may be in the pass. Their versions make it exact: ``StreamState`` applies an event
+    to a key only if it is newer than the entry read, and is ``ready`` once the events passed the
+    newest version read. A tombstone has no version: when the pass ends in a state write that
+    never closes (a crashed bridge), the state is not ready before the next record is applied.
+    Raises aiokafka's errors; ``consumer`` must be started (``group_id=None`` suits it)."""
+    key = f"{source}/{dp_rank}"
+    known = await internals.topic_partitions(consumer, [state_topic, topic])
+    missing = [t for t in (state_topic, topic) if t not in known]
+    if missing:
+        raise ValueError(f"topic {missing[0]!r} does not exist")
+    state_parts, event_parts = known[state_topic], known[topic]
+    stp = TopicPartition(state_topic, _PARTITIONER(key.encode(), state_parts, state_parts))
+    etp = TopicPartition(topic, partition if partition is not None else _PARTITIONER(key.encode(), event_parts, event_parts))
+    consumer.assign([stp])
+    log = StateLog([key])
+    lo = (await consumer.beginning_offsets([stp]))[stp]
+    deadline = asyncio.get_running_loop().time() + settle
+    while True:
+        hi = (await consumer.end_offsets([stp]))[stp]
+        await read_log(consumer, stp, lo, hi, log)
+        lo = hi
+        if not log.open(key) or asyncio.get_running_loop().time() >= deadline:
+            break
+        await asyncio.sleep(0.05)
+    raw, values = log.newest(key)
+    head = None if raw is None else parse(raw)
+    if head is None or head_of(head) is None:
+        state = StreamState(_NO_HEAD, [])
+        start = None
+    else:
+        docs = [d for v in values if (d := parse(v)) is not None]
+        state = StreamState(head, docs)
+        if log.open(key):  # tombstones of a later record may be in: not exact before it is applied
+            state.ready_at = max(state.ready_at, (state.epoch, int(head["seq"]) + 1))
+        start = head.get("next")
+    if type(start) is not int:
+        start = (await consumer.beginning_offsets([etp]))[etp]
+    consumer.assign([etp])
+    consumer.seek(etp, start)
+    return state, etp, start
+
+
 def _remember(memory: dict[str, Any], entries: dict[str, Any]) -> None:
     """Add ``entries`` to a bounded memory (the oldest entries go first)."""
     memory.update(entries)
@@ -768,4 +1263,16 @@ def _describe(exc: BaseException) -> str:
     return redact(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
 
 
-__all__ = ["KafkaConnector", "KafkaOptions", "TlsOptions", "client_settings", "producer_settings", "ssl_context"]
+__all__ = [
+    "KafkaConnector",
+    "KafkaOptions",
+    "StateLog",
+    "StateOptions",
+    "TlsOptions",
+    "bootstrap",
+    "client_settings",
+    "producer_settings",
+    "seed_entries",
+    "ssl_context",
+    "stream_of",
+]

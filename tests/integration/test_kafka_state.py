@@ -1,0 +1,365 @@
+"""The Kafka sink's live-block state (``state.enabled``) and ``connectors.kafka.bootstrap`` on a real broker.
+
+Each test holds a consumer's bootstrap (the state topic's head and entries, then the stream's
+events from the head's ``next``) against the true cache of :class:`~tests.support.cache_engine.CacheEngine`
+s publishing through a bridge:
+
+- ``test_bootstrap_at_any_cut_equals_the_engines_cache``: consumers bootstrap at random moments
+  while the engines publish (stores, copies, CPU offloads, removals, a clear, an engine restart);
+  each one, once it followed the events, holds exactly each engine's cache (nothing applied twice,
+  nothing skipped);
+- ``test_sigkill_between_event_and_state_writes_then_rebuild``: a bridge process is SIGKILLed at
+  random points while an engine publishes many small batches (kills between a write's events and
+  its state are counted: some runs must have one), restarted (it rebuilds its tables from the state
+  topic: ``read_state``), and a bootstrap still equals the engine's cache, complete;
+- ``test_reset_tombstones_every_old_key``: a reset of a stream with 10^5 live blocks leaves no live
+  key of the old epoch in the state topic, and a rebuild reads 10^5 keys back (timed);
+- ``test_state_topic_is_created_compacted_and_a_plain_one_is_warned_about``: ``state.create`` makes
+  a compacted topic; a missing one is never auto-created; a non-compacted one is warned about.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiokafka import TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.partitioner import DefaultPartitioner
+
+from bridge.config import SinkConfig, convert_options, from_data
+from bridge.errors import NotConnected
+from bridge.records import Stream
+from bridge.runtime import Bridge
+from connectors.kafka import KafkaConnector, KafkaOptions, StateLog
+from tests.infra.servers import KafkaServer, free_port
+from tests.support.cache_engine import CacheEngine, event
+from tests.support.process import BridgeProcess, bridge_config
+from tests.support.state_kafka import Follower, last_head, offsets, read_partition, truth
+
+pytestmark = pytest.mark.integration
+
+REPLAY = {"timeout": "300ms", "max_attempts": 20, "initial_backoff": "50ms", "max_backoff": "200ms", "idle_probe": 0}
+_PARTITIONER = DefaultPartitioner()
+
+
+def partition_of(stream: str, partitions: int) -> int:
+    return int(_PARTITIONER(stream.encode(), list(range(partitions)), list(range(partitions))))
+
+
+def sink(kafka: KafkaServer, topic: str, state_topic: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "type": "kafka",
+        "name": "k",
+        "bootstrap_servers": kafka.bootstrap_servers,
+        "topic": topic,
+        "format": "json",
+        "granularity": "event",
+        "batch": {"linger": 0},
+        "state": {"enabled": True, "topic": state_topic, "create": True, "partitions": 2},
+        **extra,
+    }
+
+
+def source(name: str, live: int, replay: int) -> dict[str, Any]:
+    return {"name": name, "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
+
+
+async def delivered(bridge: Bridge, engines: dict[str, CacheEngine], timeout: float = 30.0) -> dict[str, tuple[int, int]]:
+    """Until the bridge took each engine's last batch: {stream: (epoch, seq)} of each."""
+    assert bridge.tracker is not None
+    deadline = time.monotonic() + timeout
+    while True:
+        heads = {name: bridge.tracker.head(Stream(name, 0)) for name in engines}
+        if all(h is not None and h.seq == engines[n].last_seq for n, h in heads.items()):
+            return {f"{n}/0": (h.epoch, h.seq) for n, h in heads.items() if h is not None}
+        assert time.monotonic() < deadline, f"the bridge did not take every batch: {heads}"
+        await asyncio.sleep(0.05)
+
+
+# -- (a) bootstrap at any cut -----------------------------------------------------------------------
+
+
+async def test_bootstrap_at_any_cut_equals_the_engines_cache(tmp_path: Path, kafka: KafkaServer) -> None:
+    topic = await kafka.anew_topic(partitions=2)
+    state_topic = f"kvb-state-{uuid.uuid4().hex[:12]}"  # created by the sink (state.create)
+    ports = {name: (free_port(), free_port()) for name in ("a", "b")}
+    config = {
+        "sources": [source(n, *p) for n, p in ports.items()],
+        "sinks": [sink(kafka, topic, state_topic, batch={"linger": 0, "max_messages": 40})],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "replay": REPLAY,
+        "shutdown_timeout": "3s",
+    }
+    rand = random.Random(7)
+    async with CacheEngine(*ports["a"], seed=1) as a, CacheEngine(*ports["b"], seed=2) as b:
+        engines = {"a": a, "b": b}
+        bridge = Bridge(from_data(config, env={}))
+        await bridge.start()
+        followers: list[tuple[str, Follower]] = []
+        try:
+            await a.wait_subscribed()
+            await b.wait_subscribed()
+
+            async def publish() -> None:
+                for step in range(240):
+                    if step == 80:
+                        await a.clear()
+                    elif step == 150:
+                        await b.restart()
+                        await b.wait_subscribed()
+                    for engine in engines.values():
+                        await engine.step(1, events_per_batch=rand.randrange(1, 6))
+                    await asyncio.sleep(0.01)
+
+            async def cut(name: str, delay: float) -> None:
+                await asyncio.sleep(delay)
+                follower = await Follower.start(kafka.bootstrap_servers, name, 0, topic=topic, state_topic=state_topic)
+                followers.append((f"{name}/0", follower))
+
+            publisher = asyncio.create_task(publish())
+            cuts = [asyncio.create_task(cut(n, rand.uniform(0.0, 3.0))) for n in ("a", "b") for _ in range(4)]
+            await asyncio.gather(publisher, *cuts)
+            assert b.caches[0] and any(n > 1 for n in a.cache.values()) and any(m == "CPU" for _, m in a.cache)
+            # And one cut after everything, with nothing left to follow.
+            last = await delivered(bridge, engines)
+            for name in engines:
+                follower = await Follower.start(kafka.bootstrap_servers, name, 0, topic=topic, state_topic=state_topic)
+                followers.append((f"{name}/0", follower))
+            mid = sum(1 for _, f in followers if f.state.head["seq"] >= 0 and f.state.head["seq"] < 200)
+            assert mid >= 4, "too few cuts in the middle of the run"
+            for key, follower in followers:
+                await follower.catch_up(*last[key])
+                engine = engines[key.split("/")[0]]
+                assert follower.state.blocks() == truth(engine), f"{key} cut at {follower.state.head}"
+                assert follower.state.complete
+        finally:
+            for _, follower in followers:
+                await follower.close()
+            await bridge.stop()
+
+
+# -- (b) SIGKILL between the event write and the state write ---------------------------------------
+
+
+async def test_sigkill_between_event_and_state_writes_then_rebuild(tmp_path: Path, kafka: KafkaServer) -> None:
+    topic = await kafka.anew_topic(partitions=1)
+    state_topic = f"kvb-state-{uuid.uuid4().hex[:12]}"
+    live, replay = free_port(), free_port()
+    # Small writes: each is its events, then their state, so a kill often falls between the two.
+    # Small record batches: a state write often takes several, so some kills fall inside one.
+    sinks = [sink(kafka, topic, state_topic, batch={"linger": 0, "max_messages": 4}, max_batch_bytes="1KiB")]
+    cfg = bridge_config(
+        tmp_path, [source("a", live, replay)], sinks, replay=REPLAY, checkpoint={"path": str(tmp_path / "ckpt.json")}
+    )
+    rand = random.Random(int(os.environ.get("KVB_SEED", "11")))
+    state_partition = partition_of("a/0", 2)
+    between = 0  # kills that left events stored past the last head's next
+    torn = 0  # kills that left records of a state write after its last head
+    async with CacheEngine(live, replay, seed=3) as engine:
+        stop = asyncio.Event()
+
+        async def publish() -> None:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                if n % 97 == 0:
+                    await engine.clear()
+                else:
+                    await engine.step(1, events_per_batch=1)
+                if n % 2 == 0:
+                    await asyncio.sleep(0.002)
+
+        proc = BridgeProcess(tmp_path, cfg).start()
+        publisher: asyncio.Task[None] | None = None
+        try:
+            await proc.wait_ready()
+            await engine.wait_subscribed()
+            publisher = asyncio.create_task(publish())
+            kills = 0
+            while kills < 4 or (between < 1 and kills < 30):
+                await asyncio.sleep(rand.uniform(0.2, 1.0))
+                proc.kill()
+                kills += 1
+                records = await read_partition(kafka.bootstrap_servers, TopicPartition(state_topic, state_partition))
+                heads = [json.loads(v) for k, v in records if k == b"a/0/_head" and v is not None]
+                end = (await offsets(kafka.bootstrap_servers, TopicPartition(topic, 0)))[1]
+                if heads and isinstance(heads[-1]["next"], int) and end > heads[-1]["next"]:
+                    between += 1
+                if records and records[-1][0] != b"a/0/_head":
+                    torn += 1  # killed in the middle of a state write: read_state must cut at the head
+                proc = BridgeProcess(tmp_path, cfg).start()
+                await proc.wait_ready()
+            stop.set()
+            await publisher
+            deadline = time.monotonic() + 90  # the last bridge replays what the kills left behind
+            while True:
+                head = await last_head(kafka.bootstrap_servers, state_topic, state_partition, "a/0")
+                if head is not None and head["seq"] == engine.last_seq:
+                    break
+                assert time.monotonic() < deadline, f"the state did not reach seq {engine.last_seq}: {head}"
+                await asyncio.sleep(0.2)
+            samples = await proc.metrics()
+            rebuilt = sum(v for k, v in samples.items() if k.startswith("kv_bridge_state_rebuilds_total") and "rebuilt" in k)
+            fresh = sum(v for k, v in samples.items() if k.startswith("kv_bridge_state_rebuilds_total") and "fresh" in k)
+            assert (rebuilt, fresh) == (1, 0), proc.log()[-3000:]
+            follower = await Follower.start(kafka.bootstrap_servers, "a", 0, topic=topic, state_topic=state_topic)
+            try:
+                await follower.catch_up(head["epoch"], head["seq"])
+                assert follower.state.complete, follower.state.head
+                assert follower.state.blocks() == truth(engine)
+            finally:
+                await follower.close()
+            print("kills", kills, "between", between, "torn", torn, "batches", engine.last_seq)
+            assert between >= 1, "no kill fell between a write's events and its state"
+        finally:
+            stop.set()
+            if publisher is not None:
+                with contextlib.suppress(Exception):
+                    await publisher
+            with contextlib.suppress(AssertionError):
+                await proc.terminate()
+
+
+# -- (c) a reset tombstones every live key -----------------------------------------------------------
+
+
+async def test_reset_tombstones_every_old_key(tmp_path: Path, kafka: KafkaServer) -> None:
+    topic = await kafka.anew_topic(partitions=1)
+    state_topic = f"kvb-state-{uuid.uuid4().hex[:12]}"
+    live, replay = free_port(), free_port()
+    n_blocks, per_batch = 100_000, 2_000
+    config = {
+        "sources": [source("a", live, replay)],
+        "sinks": [sink(kafka, topic, state_topic, token_ids="drop", granularity="batch")],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "replay": REPLAY,
+        "shutdown_timeout": "3s",
+    }
+    async with CacheEngine(live, replay, seed=4) as engine:
+        bridge = Bridge(from_data(config, env={}))
+        await bridge.start()
+        try:
+            await engine.wait_subscribed()
+            rand = random.Random(5)
+            for _ in range(n_blocks // per_batch):
+                hashes = [rand.getrandbits(64) for _ in range(per_batch)]
+                ev = event(
+                    "BlockStored",
+                    block_hashes=hashes,
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=16,
+                    medium="GPU",
+                    group_idx=0,
+                )
+                engine.apply(ev)
+                await engine.send([ev])
+            old = (await delivered(bridge, {"a": engine}, timeout=60))["a/0"]
+            assert await bridge.workers[0].flush(60)
+            stream = Stream("a", 0)
+            # A rebuild reads the 10^5 keys back (what a restarted bridge does), timed.
+            connector = bridge.workers[0].connector
+            assert isinstance(connector, KafkaConnector)
+            t0 = time.perf_counter()
+            got = await connector.read_state([stream])
+            took = time.perf_counter() - t0
+            held = got["a/0"]
+            assert held is not None and len(held[1]) == n_blocks and held[0].live == n_blocks, held and held[0]
+            t0 = time.perf_counter()
+            follower = await Follower.start(kafka.bootstrap_servers, "a", 0, topic=topic, state_topic=state_topic)
+            swept = time.perf_counter() - t0
+            try:
+                assert follower.state.ready and follower.state.blocks() == truth(engine)
+            finally:
+                await follower.close()
+            print(f"read_state of {n_blocks} keys: {took:.2f}s; a consumer's bootstrap: {swept:.2f}s")
+            t_reset = time.monotonic()
+            await engine.restart()
+            await engine.wait_subscribed()
+            await engine.step(3)
+            new = (await delivered(bridge, {"a": engine}, timeout=60))["a/0"]
+            assert new[0] > old[0]
+            deadline = time.monotonic() + 60
+            part = partition_of("a/0", 2)
+            while True:
+                records = await read_partition(kafka.bootstrap_servers, TopicPartition(state_topic, part))
+                log = StateLog(["a/0"])
+                for k, v in records:
+                    assert k is not None
+                    log.add(k, v)
+                head, values = log.newest("a/0")
+                if head is not None and json.loads(head)["epoch"] == new[0] and json.loads(head)["seq"] == new[1]:
+                    break
+                assert time.monotonic() < deadline, "the new epoch's head did not come"
+                await asyncio.sleep(0.2)
+            print(f"reset of {n_blocks} live blocks: new head in the state topic after {time.monotonic() - t_reset:.2f}s")
+            docs = [json.loads(v) for v in values]
+            assert not [d for d in docs if d["epoch"] != new[0]], "live keys of the old epoch"
+            assert len(docs) == json.loads(head)["live"] == len(truth(engine))
+            tombstones = sum(1 for _, v in records if v is None)
+            assert tombstones >= n_blocks
+            follower = await Follower.start(kafka.bootstrap_servers, "a", 0, topic=topic, state_topic=state_topic)
+            try:
+                await follower.catch_up(*new)
+                assert follower.state.epoch == new[0] and follower.state.blocks() == truth(engine)
+                assert {d["epoch"] for d in follower.state.entries.values()} == {new[0]}
+            finally:
+                await follower.close()
+        finally:
+            await bridge.stop()
+
+
+# -- the state topic ---------------------------------------------------------------------------------
+
+
+async def topic_configs(kafka: KafkaServer, topic: str) -> dict[str, str]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        responses = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)])
+    finally:
+        await admin.close()
+    return {entry[0]: entry[1] for r in responses for res in r.resources for entry in res[4]}
+
+
+def state_connector(kafka: KafkaServer, events: str, **state: Any) -> KafkaConnector:
+    values = {"bootstrap_servers": kafka.bootstrap_servers, "topic": events, "state": {"enabled": True, **state}}
+    return KafkaConnector("k", convert_options(values, KafkaOptions, "sinks[0]"), SinkConfig(type="kafka", name="k"))
+
+
+async def test_state_topic_is_created_compacted_and_a_plain_one_is_warned_about(
+    kafka: KafkaServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    topic = await kafka.anew_topic()
+    created = f"kvb-state-{uuid.uuid4().hex[:12]}"
+    conn = state_connector(kafka, topic, topic=created, create=True, partitions=3)
+    await conn.connect()
+    await conn.close()
+    configs = await topic_configs(kafka, created)
+    assert configs["cleanup.policy"] == "compact"
+    assert (configs["min.cleanable.dirty.ratio"], configs["segment.ms"]) == ("0.1", "3600000")
+    assert conn._partitions[created] == [0, 1, 2]
+    # Not created by the sink and not there: never auto-created (a plain topic would lose the state).
+    conn = state_connector(kafka, topic, topic=f"kvb-state-{uuid.uuid4().hex[:12]}")
+    with pytest.raises(NotConnected, match=r"state topic .* does not exist"):
+        await conn.connect()
+    await conn.close()
+    # A plain (delete-policy) topic: connected, with a warning.
+    conn = state_connector(kafka, topic, topic=await kafka.anew_topic())
+    with caplog.at_level(logging.WARNING, logger="connectors.kafka"):
+        await conn.connect()
+    await conn.close()
+    assert any("not log-compacted" in r.getMessage() for r in caplog.records)

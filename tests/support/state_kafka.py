@@ -1,0 +1,111 @@
+"""A Kafka state-bootstrap consumer for tests: ``connectors.kafka.bootstrap`` then the events.
+
+:class:`Follower` bootstraps one engine stream from a sink with ``state.enabled`` and applies the
+stream's messages (json, either granularity) from the head's ``next`` on, as a router replica
+would; :func:`truth` is a :class:`~tests.support.cache_engine.CacheEngine`'s cache in the same
+shape as :meth:`StreamState.blocks`, and :func:`read_partition` reads one partition's records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from bridge.bootstrap import StreamState
+from connectors.kafka import bootstrap
+from tests.support.cache_engine import CacheEngine
+
+U64 = (1 << 64) - 1
+
+
+def truth(engine: CacheEngine) -> dict[tuple[Any, Any, int], int]:
+    """The engine's true cache as (medium, group_idx, block id) -> copies (its events use group 0)."""
+    return {(medium, 0, h & U64): n for (h, medium), n in engine.cache.items()}
+
+
+class Follower:
+    """One consumer of one stream: ``await Follower.start(...)``, then ``await f.catch_up(...)``."""
+
+    def __init__(self, consumer: AIOKafkaConsumer, stream: str, state: StreamState, tp: TopicPartition, start: int) -> None:
+        self.consumer = consumer
+        self.stream = stream.encode()
+        self.state = state
+        self.tp = tp
+        self.start_offset = start
+        self.applied = 0
+        self.read = 0
+
+    @classmethod
+    async def start(cls, servers: str, source: str, dp_rank: int, *, topic: str, state_topic: str) -> Follower:
+        consumer = AIOKafkaConsumer(bootstrap_servers=servers, group_id=None, enable_auto_commit=False)
+        await consumer.start()
+        try:
+            state, tp, start = await bootstrap(consumer, source, dp_rank, topic=topic, state_topic=state_topic)
+        except BaseException:
+            await consumer.stop()
+            raise
+        return cls(consumer, f"{source}/{dp_rank}", state, tp, start)
+
+    async def poll(self) -> None:
+        """Apply what the events partition holds now."""
+        end = (await self.consumer.end_offsets([self.tp]))[self.tp]
+        while await self.consumer.position(self.tp) < end:
+            got = await self.consumer.getmany(self.tp, timeout_ms=200, max_records=5000)
+            for record in got.get(self.tp, []):
+                self.read += 1
+                if record.key == self.stream and record.value is not None:
+                    self.applied += self.state.apply(json.loads(record.value))
+
+    async def catch_up(self, epoch: int, seq: int, timeout: float = 30.0) -> None:
+        """Until a message of (``epoch``, ``seq``) or later was applied."""
+        deadline = time.monotonic() + timeout
+        while self.state.applied[:2] < (epoch, seq + 1):
+            assert time.monotonic() < deadline, (
+                f"{self.stream!r}: at {self.state.applied}, not at ({epoch}, {seq}) after {timeout}s"
+            )
+            await self.poll()
+            await asyncio.sleep(0.02)
+
+    async def close(self) -> None:
+        await self.consumer.stop()
+
+
+async def read_partition(servers: str, tp: TopicPartition) -> list[tuple[bytes | None, bytes | None]]:
+    """(key, value) of every record ``tp`` holds now, in order."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=servers, group_id=None, enable_auto_commit=False)
+    await consumer.start()
+    out: list[tuple[bytes | None, bytes | None]] = []
+    try:
+        consumer.assign([tp])
+        end = (await consumer.end_offsets([tp]))[tp]
+        await consumer.seek_to_beginning(tp)
+        while await consumer.position(tp) < end:
+            got = await consumer.getmany(tp, timeout_ms=500, max_records=10_000)
+            out.extend((r.key, r.value) for r in got.get(tp, []) if r.offset < end)
+    finally:
+        await consumer.stop()
+    return out
+
+
+async def offsets(servers: str, tp: TopicPartition) -> tuple[int, int]:
+    """(first, end) offsets of ``tp`` now."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=servers, group_id=None, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        return (await consumer.beginning_offsets([tp]))[tp], (await consumer.end_offsets([tp]))[tp]
+    finally:
+        await consumer.stop()
+
+
+async def last_head(servers: str, state_topic: str, partition: int, stream: str) -> dict[str, Any] | None:
+    """The last head of ``stream`` in one state partition."""
+    key = f"{stream}/_head".encode()
+    head = None
+    for k, v in await read_partition(servers, TopicPartition(state_topic, partition)):
+        if k == key and v is not None:
+            head = v
+    return None if head is None else dict(json.loads(head))
