@@ -27,11 +27,38 @@ buffered for a lost socket is dropped, so the first copies arrive in order.
 A subject no JetStream stream captures fails at once (the server answers "no responders") with
 reason ``no_stream``; ``connect()`` checks that a stream captures the subjects, so ``health()``,
 ``/readyz`` and ``--check`` report it before any traffic.
+
+``state.enabled`` (JetStream mode; README "State bootstrap"): each engine stream's live blocks go
+to a JetStream KV bucket (history 1), under ``{source token}.{dp_rank}.{entry key}`` (the entry
+key of :mod:`bridge.state_docs`, ``GPU/0/<16 hex>``; :func:`state_token` escapes the source
+injectively) and its head under ``{source token}.{dp_rank}._head``, with ``next`` = the JetStream
+sequence after the last message of the stream stored so far. A write stores its messages first;
+then, per engine stream, the state messages up to its first failure are folded into one bucket
+write (:func:`fold_deltas`), in this order, each step acknowledged before the next:
+
+1. the write's *journal* (``_journal.{source token}.{dp_rank}.N``: whether it clears, every entry
+   it puts or deletes, the head it ends with), unless it only moves the head;
+2. a clear: one subject-filtered purge of the stream's keys (ADR-8 / ADR-10: no per-key marker,
+   whatever their number; it takes the head too);
+3. every entry put (a :mod:`bridge.state_docs` document) or delete (a ``KV-Operation: DEL``
+   marker) at once;
+4. the head.
+
+A deleted entry leaves its ``DEL`` marker (history 1: the marker replaces the value) until the
+stream's next clear purges it: the bucket holds the live entries plus the blocks deleted since the
+last reset, which bounds how long a stream can go without one (the server keeps an index entry per
+subject; plan for 10^6-10^7 keys per bucket).
+
+A consumer never reads a head ahead of its entries (the head is last); entries ahead of the head
+are what the bootstrap's version rule is for. A tracker rebuilt by ``read_state`` has no such
+rule (it would apply those records twice), so ``read_state`` first finishes, from its journal, a
+write the last process was killed in. :func:`bootstrap` is the consumer side.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import random
@@ -48,7 +75,9 @@ from nats.aio.msg import Msg
 from nats.js import api as js_api
 from nats.js.client import JetStreamContext
 
+from bridge.bootstrap import StreamState
 from bridge.connector import (
+    STATE_TYPE,
     ByteSize,
     ConfigError,
     ConnectorError,
@@ -61,8 +90,10 @@ from bridge.connector import (
     Record,
     Retriable,
     Secret,
+    SeedEntry,
     SinkConfig,
     SinkPosition,
+    StateDelta,
     Stream,
     Template,
     TlsOptions,
@@ -71,6 +102,8 @@ from bridge.connector import (
     redact_url,
     reveal,
 )
+from bridge.state import EntryChange, Head
+from bridge.state_docs import StateFormat, entry_key, head_of, parse, seed_entry
 
 from . import _nats_internals as internals
 
@@ -136,6 +169,128 @@ class _Subjects:
         return subject
 
 
+# -- state keys and writes (pure) ----------------------------------------------------------------
+
+_KV_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+HEAD_KEY = "_head"
+JOURNAL_KEY = "_journal"
+KV_OPERATION = "KV-Operation"
+
+
+def state_token(source: str) -> str:
+    """``source`` as one KV key token: letters, digits, ``_`` and ``-`` as they are, every other
+    byte of its UTF-8 as ``=XX`` (hex), so that two sources never share a token (``llama-3.1`` ->
+    ``llama-3=2e1``) and every KV client accepts the key; a leading ``_`` too (``=5f``): the
+    bucket's top-level names starting with ``_`` are the bridge's own (``_journal``)."""
+    token = _KV_UNSAFE.sub(lambda m: "".join(f"={b:02x}" for b in m.group().encode()), source)
+    return "=5f" + token[1:] if token.startswith("_") else token or "="
+
+
+def state_prefix(source: str, dp_rank: int) -> str:
+    """The key prefix of one engine stream's state in the bucket: ``{source token}.{dp_rank}``;
+    its head is ``{prefix}._head``, its entries ``{prefix}.{entry_key}`` (``GPU/0/<16 hex>``), the
+    journal of its last write ``_journal.{prefix}.{part}`` (outside the prefix: a clear's purge
+    leaves it)."""
+    return f"{state_token(source)}.{dp_rank}"
+
+
+class StateOp(msgspec.Struct):
+    """The deltas of one stream in one write, folded into what the bucket must change: when
+    ``clear``, every key of the stream goes (one purge); then each change (the newest per entry,
+    with the head of the delta that made it: its version); then ``head`` (with ``next``)."""
+
+    head: Head
+    next: int | None
+    clear: bool = False
+    changes: dict[tuple[str | None, int | None, int], tuple[EntryChange, Head]] = msgspec.field(default_factory=dict)
+
+
+def fold_deltas(deltas: Sequence[tuple[StateDelta, int | None]]) -> StateOp | None:
+    """One :class:`StateOp` for a stream's consecutive ``(delta, next)`` pairs (stale ones left
+    out); None when there is nothing to write. A clear drops the changes before it (it purges
+    them), a later change of an entry replaces an earlier one: the bucket ends as after each in turn."""
+    op: StateOp | None = None
+    for delta, next_ in deltas:
+        if delta.stale:
+            continue
+        if op is None:
+            op = StateOp(delta.head, next_)
+        if delta.clear:
+            op.clear = True
+            op.changes.clear()
+        for change in delta.changes:
+            key = (change.medium, change.group_idx, change.block)
+            op.changes.pop(key, None)  # re-inserted last: the newest delta's order (parents first)
+            op.changes[key] = (change, delta.head)
+        op.head = delta.head
+        op.next = next_
+    return op
+
+
+def _order(head: Head) -> tuple[int, int, int]:
+    return (head.epoch, head.generation, head.seq)
+
+
+_journal_encoder = msgspec.json.Encoder()
+
+
+class _Journal(msgspec.Struct):
+    target: tuple[int, int, int]
+    part: int
+    parts: int
+    head: msgspec.Raw
+    ops: list[tuple[str, msgspec.Raw]]  # a document, or null (a delete)
+    clear: bool = False
+
+
+_journal_decoder = msgspec.json.Decoder(_Journal)
+_NULL = msgspec.Raw(b"null")
+
+
+def journal_parts(
+    head: Head, head_doc: bytes, ops: Sequence[tuple[str, bytes | None]], limit: int, *, clear: bool = False
+) -> list[bytes]:
+    """The journal of one state write: whether it purges the stream first, every entry it puts (a
+    document) or deletes (None) and the head it ends with, in parts of about ``limit`` bytes. It is
+    stored before anything else of the write, so a bridge killed half-way finds it and completes
+    the write (see read_state)."""
+    target = _order(head)
+    chunks: list[list[tuple[str, msgspec.Raw]]] = [[]]
+    size = 0
+    for key, value in ops:
+        n = len(key) + (len(value) if value is not None else 4) + 8
+        if chunks[-1] and size + n > limit:
+            chunks.append([])
+            size = 0
+        chunks[-1].append((key, _NULL if value is None else msgspec.Raw(value)))
+        size += n
+    raw_head = msgspec.Raw(head_doc)
+    return [_journal_encoder.encode(_Journal(target, i, len(chunks), raw_head, c, clear)) for i, c in enumerate(chunks)]
+
+
+def journal_redo(parts: Sequence[bytes], head: Head | None) -> tuple[bool, list[tuple[str, bytes | None]], bytes] | None:
+    """What a stored journal says to write again: (purge first?, [(entry key, document or None)],
+    head document), when it is complete and ahead of ``head`` (the stored head, None when there is
+    none: the write did not finish); else None."""
+    by_target: dict[tuple[int, int, int], dict[int, _Journal]] = {}
+    for raw in parts:
+        try:
+            j = _journal_decoder.decode(raw)
+        except msgspec.DecodeError:
+            continue
+        by_target.setdefault(j.target, {})[j.part] = j
+    for target in sorted(by_target, reverse=True):
+        if head is not None and target <= _order(head):
+            return None
+        got = by_target[target]
+        first = next(iter(got.values()))
+        if len(got) != first.parts or set(got) != set(range(first.parts)):
+            continue  # written in part only: no entry of that write was stored
+        ops = [(k, None if bytes(v) == b"null" else bytes(v)) for i in range(first.parts) for k, v in got[i].ops]
+        return first.clear, ops, bytes(first.head)
+    return None
+
+
 # -- options ------------------------------------------------------------------------------------
 
 
@@ -172,6 +327,35 @@ class StreamOptions(ConnectorOptions):
                 raise ValueError(f"stream.subjects: {subject!r} is not a valid NATS subject: {problem}")
 
 
+_BUCKET_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+class StateOptions(ConnectorOptions):
+    """The live-block state (README "State bootstrap"): a JetStream key-value bucket, JetStream mode only."""
+
+    enabled: Annotated[
+        bool,
+        doc(
+            "Keep each engine stream's live blocks and head in a JetStream KV bucket (keys <source>.<dp_rank>.<entry> "
+            "and <source>.<dp_rank>._head; characters of the source other than letters, digits, _ and - become =XX), "
+            "written after the stream's messages are acknowledged. JetStream mode, backpressure: block."
+        ),
+    ] = False
+    bucket: Annotated[str, doc("KV bucket name (its JetStream stream is KV_<bucket>).")] = "KV_STATE"
+    create: Annotated[
+        bool, doc("Create the bucket at connect (history 1) when it does not exist (an existing one is left as is).")
+    ] = False
+    replicas: Annotated[int, msgspec.Meta(ge=1, le=5, description="Replicas of a bucket created here.")] = 1
+    storage: Annotated[Literal["file", "memory"], doc("Storage of a bucket created here.")] = "file"
+    max_bytes: Annotated[
+        ByteSize | None, doc("Size limit of a bucket created here (null: none); a full bucket fails state writes (retried).")
+    ] = None
+
+    def __post_init__(self) -> None:
+        if not _BUCKET_NAME.fullmatch(self.bucket):
+            raise ValueError(f"bucket {self.bucket!r} is not a valid KV bucket name (letters, digits, '_', '-')")
+
+
 class NatsOptions(ConnectorOptions):
     """Keys of a ``type: nats`` sink."""
 
@@ -206,6 +390,9 @@ class NatsOptions(ConnectorOptions):
     stream: Annotated[StreamOptions, doc("JetStream stream to create when missing (see stream.create).")] = msgspec.field(
         default_factory=StreamOptions
     )
+    state: Annotated[StateOptions, doc('Live-block state in a JetStream KV bucket (README "State bootstrap").')] = msgspec.field(
+        default_factory=StateOptions
+    )
 
     def __post_init__(self) -> None:
         if not self.server_list or any(not s.strip() for s in self.server_list):
@@ -227,6 +414,8 @@ class NatsOptions(ConnectorOptions):
             raise ValueError(f"give one way to authenticate, not {' and '.join(given)}")
         if (self.user is None) != (self.password is None):
             raise ValueError("user and password go together")
+        if self.state.enabled and self.mode != "jetstream":
+            raise ValueError("state.enabled: the state needs mode: jetstream (core NATS keeps nothing)")
 
     @property
     def server_list(self) -> list[str]:
@@ -257,7 +446,10 @@ def header_block(headers: dict[str, str], msg_id: str | None = None, expected_la
 
 
 def hpub(subject: str, reply: str, hdr: bytes, payload: bytes) -> bytes:
-    """One ``HPUB`` protocol command (``reply`` empty: none)."""
+    """One ``HPUB`` protocol command (``reply`` empty: none); a ``PUB`` when ``hdr`` is empty."""
+    if not hdr:
+        line = f"PUB {subject} {reply} {len(payload)}\r\n" if reply else f"PUB {subject} {len(payload)}\r\n"
+        return b"".join((line.encode(), payload, b"\r\n"))
     size = len(hdr)
     line = (
         f"HPUB {subject} {reply} {size} {size + len(payload)}\r\n"
@@ -355,6 +547,19 @@ class NatsConnector:
         self._tokens = itertools.count()
         self._acks: dict[str, tuple[_Acks, int]] = {}  # reply token -> who waits for it, at which position
         self._position_stream: str | None = None  # the JetStream stream positions() reads, once found
+        state = options.state
+        self.writes_state = state.enabled
+        self._bucket = state.bucket
+        self._kv_stream = f"KV_{state.bucket}"
+        self._kv_prefix = f"$KV.{state.bucket}."
+        self._state_problem: str | None = None
+        self._next: dict[str, int | None] = {}  # stream key -> JetStream seq its messages continue from
+        self._format: StateFormat | None = None
+        if state.enabled:
+            try:
+                self._format = StateFormat.for_sink(sink)
+            except ValueError as exc:
+                raise ConfigError([f"{self._prefix}.state.enabled: {exc}"]) from None
 
     # -- connector hooks ------------------------------------------------------------------------
     async def connect(self) -> None:
@@ -385,6 +590,8 @@ class NatsConnector:
                 await self._ensure_stream(js)
             if self.options.mode == "jetstream":
                 await self._check_stream(js)
+            if self.writes_state:
+                await self._check_bucket(js)
         except NotConnected:
             await self.close()
             raise
@@ -427,7 +634,7 @@ class NatsConnector:
             return f"{self._prefix}: not connected to NATS at {self._where}"
         if not nc.is_connected:
             return self._reconnecting()
-        return self._stream_problem
+        return self._stream_problem or self._state_problem
 
     async def positions(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:
         """The last message on each stream's subject (``checkpoint.from_sinks``, JetStream mode): the
@@ -491,19 +698,24 @@ class NatsConnector:
 
     async def _write_jetstream(self, nc: Client, messages: Sequence[Message]) -> dict[int, ConnectorError]:
         errors: dict[int, ConnectorError] = {}
-        await self._publish_chained(nc, messages, errors)
+        seqs: dict[int, int] = {}  # index -> JetStream stream seq of the stored message
+        await self._publish_chained(nc, messages, errors, seqs)
         again = _refused_for_turn(messages, errors)
         if again:
             streams: dict[str, list[int]] = {}
             for i in again:
                 streams.setdefault(messages[i].record.stream.key, []).append(i)
-            chains = [self._publish_in_turn(nc, messages, indexes, errors) for indexes in streams.values()]
+            chains = [self._publish_in_turn(nc, messages, indexes, errors, seqs) for indexes in streams.values()]
             await (chains[0] if len(chains) == 1 else asyncio.gather(*chains))
         if not errors:
             self._stream_problem = None
+        if self.writes_state:
+            await self._write_state(nc, messages, errors, seqs)
         return errors
 
-    async def _publish_chained(self, nc: Client, messages: Sequence[Message], errors: dict[int, ConnectorError]) -> None:
+    async def _publish_chained(
+        self, nc: Client, messages: Sequence[Message], errors: dict[int, ConnectorError], seqs: dict[int, int]
+    ) -> None:
         """Publish every message at once, each with ``Nats-Expected-Last-Msg-Id`` = the id of the one
         sent before it: JetStream then stores a message only right after its predecessor, so after a
         failure nothing later in the write is stored (refused with "wrong last msg ID")."""
@@ -514,7 +726,7 @@ class NatsConnector:
         # predecessor in the chain is the one before it in its own stream: a duplicate (stored by
         # an earlier try) passes the server's check whatever it expects, and a message of another
         # stream between the two would let the chain go on past a failure of this stream.
-        order = _by_stream(messages)
+        order = [i for i in _by_stream(messages) if messages[i].type != STATE_TYPE]  # state: see _write_state
         try:
             for n, i in enumerate(order):
                 m = messages[i]
@@ -534,12 +746,17 @@ class NatsConnector:
         finally:
             self._forget(acks)
         for (i, subject), msg in zip(sent, acks.msgs, strict=True):
-            error = self._ack_error(msg, messages[i], subject) if msg is not None else acks.error
+            error = self._ack_error(msg, messages[i], subject, seqs, i) if msg is not None else acks.error
             if error is not None:
                 errors[i] = error
 
     async def _publish_in_turn(
-        self, nc: Client, messages: Sequence[Message], indexes: list[int], errors: dict[int, ConnectorError]
+        self,
+        nc: Client,
+        messages: Sequence[Message],
+        indexes: list[int],
+        errors: dict[int, ConnectorError],
+        seqs: dict[int, int],
     ) -> None:
         """Publish one stream's messages of a write, each after the previous one's ack; at the
         first transient failure, the rest of the stream stays unsent (failed at its indexes)."""
@@ -555,7 +772,7 @@ class NatsConnector:
             try:
                 await self._send(nc, subject, hdr, m.value, acks)
                 await acks.wait()
-                error = self._ack_error(acks.msgs[0], m, subject) if acks.msgs[0] is not None else acks.error
+                error = self._ack_error(acks.msgs[0], m, subject, seqs, i) if acks.msgs[0] is not None else acks.error
             except NotConnected as exc:
                 error = exc
             finally:
@@ -595,7 +812,8 @@ class NatsConnector:
         for acks, _ in list(self._acks.values()):
             acks.fail(error)
 
-    def _ack_error(self, msg: Msg, m: Message, subject: str) -> ConnectorError | None:
+    def _ack_error(self, msg: Msg, m: Message, subject: str, seqs: dict[int, int], i: int) -> ConnectorError | None:
+        """Why JetStream did not store message ``i`` (``m``), or None and its stream seq in ``seqs``."""
         if not msg.data and msg.headers and msg.headers.get("Status") == "503":
             self._stream_problem = (
                 f"{self._prefix}: no JetStream stream captures subject {subject!r}: create a stream whose subjects "
@@ -603,10 +821,12 @@ class NatsConnector:
             )
             return Retriable(self._stream_problem, reason="no_stream")
         try:
-            err = _ack_decoder.decode(msg.data).error
+            ack = _ack_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return Retriable(f"{self._prefix}: unreadable JetStream ack {msg.data[:200]!r}", reason="bad_ack")
+        err = ack.error
         if err is None:
+            seqs[i] = ack.seq  # a duplicate's ack names the copy stored first
             return None
         text = f"{self._prefix}: JetStream refused {m.msg_id} on {subject!r}: {err.description} (code {err.code}/{err.err_code})"
         if err.err_code in _REFUSED_FOR_ITSELF:
@@ -630,6 +850,244 @@ class NatsConnector:
     def _reconnecting(self) -> str:
         detail = f": {self._last_error}" if self._last_error else ""
         return f"{self._prefix}: reconnecting to NATS at {self._where}{detail}"
+
+    # -- state (state.enabled) ---------------------------------------------------------------------
+    async def _write_state(
+        self, nc: Client, messages: Sequence[Message], errors: dict[int, ConnectorError], seqs: dict[int, int]
+    ) -> None:
+        """Apply the state messages of a write, once the messages before them are stored: per bridge
+        stream (streams in parallel), the deltas up to its first transient failure folded into one
+        bucket write (see _apply_state); the state messages after a failure fail with it."""
+        streams: dict[str, list[int]] = {}
+        for i, m in enumerate(messages):
+            streams.setdefault(m.record.stream.key, []).append(i)
+        jobs = [
+            self._stream_state(nc, messages, indexes, errors, seqs)
+            for indexes in streams.values()
+            if any(messages[i].type == STATE_TYPE for i in indexes)
+        ]
+        if jobs:
+            await (jobs[0] if len(jobs) == 1 else asyncio.gather(*jobs))
+
+    async def _stream_state(
+        self,
+        nc: Client,
+        messages: Sequence[Message],
+        indexes: list[int],
+        errors: dict[int, ConnectorError],
+        seqs: dict[int, int],
+    ) -> None:
+        stream = messages[indexes[0]].record.stream
+        next_ = self._next.get(stream.key)
+        deltas: list[tuple[StateDelta, int | None]] = []
+        states = [i for i in indexes if messages[i].type == STATE_TYPE]
+        blocked: ConnectorError | None = None
+        for i in indexes:
+            m = messages[i]
+            if m.type == STATE_TYPE:
+                deltas.append((m.record.state, next_))
+                continue
+            error = errors.get(i)
+            if error is not None and not isinstance(error, Permanent):
+                blocked = error  # this and every later message of the stream are not stored
+                break
+            if i in seqs:
+                next_ = seqs[i] + 1
+        if deltas:
+            try:
+                await self._apply_state(nc, stream, deltas)
+            except ConnectorError as exc:
+                failure = exc if not isinstance(exc, Permanent) else Retriable(str(exc), reason=exc.reason)
+                errors.update(dict.fromkeys(states, failure))
+                self._state_problem = str(failure)
+                return
+            self._state_problem = None
+            if deltas[-1][1] is not None:
+                self._next[stream.key] = deltas[-1][1]
+        if blocked is not None:
+            errors.update(dict.fromkeys(states[len(deltas) :], blocked))
+
+    async def _apply_state(self, nc: Client, stream: Stream, deltas: Sequence[tuple[StateDelta, int | None]]) -> None:
+        """Write one stream's state changes: the purge of a clear (awaited), the journal (awaited),
+        every entry put or delete at once (their acks gathered), then the head. The head comes
+        last, so a consumer never reads a head ahead of its entries; entries ahead of the head are
+        what the bootstrap's version rule is for, and the journal lets a restarted bridge finish
+        a write it was killed in (see read_state)."""
+        op = fold_deltas(deltas)
+        if op is None:
+            return
+        fmt = self._format
+        assert fmt is not None
+        prefix = state_prefix(stream.source, stream.dp_rank)
+        ops = [
+            (entry_key(c.medium, c.group_idx, c.block), fmt.entry(stream, head, c) if c.count > 0 else None)
+            for c, head in op.changes.values()
+        ]
+        head_doc = fmt.head(stream, op.head, op.next)
+        parts: list[bytes] = []
+        if ops or op.clear:
+            parts = journal_parts(op.head, head_doc, ops, max(4096, nc.max_payload // 2), clear=op.clear)
+            await self._kv_write(nc, [(f"{JOURNAL_KEY}.{prefix}.{i}", part) for i, part in enumerate(parts)])
+        await self._finish(nc, prefix, op.clear, ops, head_doc)
+        if len(parts) > 1:  # a large write: its parts would stay until a write as large
+            await self._purge(nc, f"{JOURNAL_KEY}.{prefix}")
+
+    async def _finish(
+        self, nc: Client, prefix: str, clear: bool, ops: Sequence[tuple[str, bytes | None]], head_doc: bytes
+    ) -> None:
+        """The writes a journal stands for: the purge, every entry at once, then the head."""
+        if clear:
+            await self._purge(nc, prefix)
+        if ops:
+            await self._kv_write(nc, [(f"{prefix}.{key}", doc) for key, doc in ops])
+        await self._kv_write(nc, [(f"{prefix}.{HEAD_KEY}", head_doc)])
+
+    async def _purge(self, nc: Client, prefix: str) -> None:
+        """Remove every key under ``prefix`` (one stream's) with one subject-filtered purge of the
+        bucket's stream (ADR-8 / ADR-10): no per-key marker is left, whatever the number of keys."""
+        js = nc.jetstream(timeout=self.options.connect_timeout)
+        try:
+            await js.purge_stream(self._kv_stream, subject=f"{self._kv_prefix}{prefix}.>")
+        except nats.js.errors.NotFoundError:
+            raise Retriable(self._no_bucket(), reason="no_bucket") from None
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise Retriable(f"{self._prefix}: state purge in bucket {self._bucket!r} failed: {_describe(exc)}") from None
+
+    async def _kv_write(self, nc: Client, ops: Sequence[tuple[str, bytes | None]]) -> None:
+        """Put each (key, value) into the bucket, or delete the key (value None), all at once;
+        return when every one is stored. The server stores one connection's publishes to a stream
+        in the order sent."""
+        acks = _Acks()
+        sent: list[str] = []
+        try:
+            for key, value in ops:
+                subject = self._kv_prefix + key
+                await self._send(nc, subject, _KV_DEL if value is None else _KV_PUT, value or b"", acks)
+                sent.append(subject)
+            await acks.wait()
+        finally:
+            self._forget(acks)
+        for subject, msg in zip(sent, acks.msgs, strict=True):
+            if msg is None:
+                raise acks.error or NotConnected(f"{self._prefix}: no ack for state key {subject!r}")
+            error = self._kv_ack_error(msg, subject)
+            if error is not None:
+                raise error
+
+    def _kv_ack_error(self, msg: Msg, subject: str) -> ConnectorError | None:
+        if not msg.data and msg.headers and msg.headers.get("Status") == "503":
+            return Retriable(self._no_bucket(), reason="no_bucket")
+        try:
+            err = _ack_decoder.decode(msg.data).error
+        except msgspec.DecodeError:
+            return Retriable(f"{self._prefix}: unreadable JetStream ack {msg.data[:200]!r}", reason="bad_ack")
+        if err is None:
+            return None
+        text = f"{self._prefix}: JetStream refused state key {subject!r}: {err.description} (code {err.code}/{err.err_code})"
+        return Retriable(text, reason="stream_full" if "maximum" in err.description.lower() else "state_rejected")
+
+    def _no_bucket(self) -> str:
+        return f"{self._prefix}: KV bucket {self._bucket!r} does not exist: create it (history 1), or set state.create: true"
+
+    async def _check_bucket(self, js: JetStreamContext) -> None:
+        """Create the bucket (state.create) or check that it exists (health, ``--check``)."""
+        so = self.options.state
+        try:
+            await js.stream_info(self._kv_stream)
+            self._state_problem = None
+            return
+        except nats.js.errors.NotFoundError:
+            pass
+        if not so.create:
+            self._state_problem = self._no_bucket()
+            log.warning("%s", self._state_problem, extra={"sink": self.name})
+            return
+        config = js_api.KeyValueConfig(
+            bucket=so.bucket,
+            history=1,
+            replicas=so.replicas,
+            storage=js_api.StorageType(so.storage),
+            max_bytes=so.max_bytes if so.max_bytes is not None else -1,
+        )
+        try:
+            await js.create_key_value(config)
+        except nats.js.errors.APIError as exc:
+            if exc.err_code != _STREAM_NAME_EXISTS:
+                raise NotConnected(f"{self._prefix}: cannot create KV bucket {so.bucket!r}: {_describe(exc)}") from None
+        self._state_problem = None
+        log.info("%s: created KV bucket %s for the state", self._prefix, so.bucket, extra={"sink": self.name})
+
+    async def read_state(self, streams: Sequence[Stream]) -> dict[str, tuple[Head, list[SeedEntry]] | None]:
+        """The state the bucket holds of each stream (a restarted bridge rebuilds from it): its keys
+        swept with an ordered consumer (DeliverLastPerSubject), 16 streams at a time. A write the
+        last process was killed in (a complete journal ahead of the head) is finished first, so
+        the entries are exactly those of the head. ``None``: no key of the stream; no entry (cannot
+        tell): entries without a head, a head of another source, entries of a newer generation."""
+        nc = self._nc
+        if nc is None or nc.is_closed or not nc.is_connected:
+            raise NotConnected(f"{self._prefix}: not connected to NATS at {self._where}")
+        js = nc.jetstream(timeout=self.options.connect_timeout)
+        window = asyncio.Semaphore(16)
+        out: dict[str, tuple[Head, list[SeedEntry]] | None] = {}
+
+        async def one(stream: Stream) -> None:
+            prefix = state_prefix(stream.source, stream.dp_rank)
+            async with window:
+                try:
+                    journal = await sweep(js, self._bucket, f"{JOURNAL_KEY}.{prefix}")
+                    held = await sweep(js, self._bucket, prefix)
+                except nats.js.errors.NotFoundError:
+                    out[stream.key] = None  # no bucket: nothing held
+                    return
+                got = await self._rebuild(nc, stream, prefix, held, [v for v in journal.values() if v])
+            if got != "unknown":
+                out[stream.key] = got  # type: ignore[assignment]
+
+        await asyncio.gather(*(one(s) for s in streams))
+        return out
+
+    async def _rebuild(
+        self, nc: Client, stream: Stream, prefix: str, held: dict[str, bytes | None], journal: list[bytes]
+    ) -> tuple[Head, list[SeedEntry]] | str | None:
+        head_raw = held.pop(HEAD_KEY, None)
+        entries = {k: v for k, v in held.items() if "/" in k}
+        head_doc = parse(head_raw) if head_raw else None
+        head = head_of(head_doc) if head_doc is not None else None
+        redo = journal_redo(journal, head)
+        if redo is not None:
+            clear, ops, redo_head = redo
+            await self._finish(nc, prefix, clear, ops, redo_head)
+            if clear:
+                entries.clear()
+            entries.update(ops)
+            head_doc = parse(redo_head)
+            head = head_of(head_doc) if head_doc is not None else None
+            log.info("%s: finished an interrupted state write", self._prefix, extra={"stream": stream.key, "count": len(ops)})
+        if head_doc is None or head is None:
+            return None if not any(entries.values()) else "unknown"
+        if head_doc.get("source") != stream.source or head_doc.get("dp_rank") != stream.dp_rank:
+            return "unknown"
+        generation = (head.epoch, head.generation)
+        seeds: list[SeedEntry] = []
+        for value in entries.values():
+            doc = parse(value) if value else None
+            if doc is None:
+                continue
+            try:
+                written = (int(doc["epoch"]), int(doc["gen"]))
+            except (KeyError, TypeError, ValueError):
+                continue
+            if written < generation:
+                continue  # not expected (a clear purges): left behind, not part of the head's state
+            if written > generation:
+                return "unknown"  # a clear whose head is missing: cannot tell
+            seed = seed_entry(doc)
+            if seed is not None:
+                seeds.append(seed)
+        next_ = head_doc.get("next")
+        if type(next_) is int:
+            self._next[stream.key] = next_
+        return head, seeds
 
     # -- connection -----------------------------------------------------------------------------
     def _client_options(self) -> dict[str, Any]:
@@ -746,6 +1204,124 @@ class NatsConnector:
         log.warning("%s", self._stream_problem, extra={"sink": self.name})
 
 
+_KV_PUT = b""  # a plain PUB: no header block to store and parse back
+_KV_DEL = header_block({KV_OPERATION: "DEL"})
+
+
+async def sweep(js: JetStreamContext, bucket: str, prefix: str) -> dict[str, bytes | None]:
+    """The newest value of every key of bucket ``bucket`` under ``prefix`` (``{prefix}.>``), by key
+    relative to the prefix (None: deleted or purged), as of about now: an ordered consumer with
+    DeliverLastPerSubject, read until it has delivered what was pending when it was made (writes
+    made meanwhile may show, never an older value than that). NotFoundError when the bucket does
+    not exist."""
+    pre = f"$KV.{bucket}.{prefix}."
+    n = len(pre)
+    out: dict[str, bytes | None] = {}
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    total: int | None = None
+    received = 0
+
+    async def on_msg(msg: Msg) -> None:
+        nonlocal received
+        received += 1
+        headers = msg.headers
+        out[msg.subject[n:]] = None if headers and headers.get(KV_OPERATION) in ("DEL", "PURGE") else msg.data
+        # The ack subject's metadata costs a parse: read it only until the total is known.
+        if not done.done() and (received >= total if total is not None else msg.metadata.num_pending == 0):
+            done.set_result(None)
+
+    sub = await js.subscribe(
+        pre + ">",
+        stream=f"KV_{bucket}",
+        cb=on_msg,
+        ordered_consumer=True,
+        deliver_policy=js_api.DeliverPolicy.LAST_PER_SUBJECT,
+        inactive_threshold=60.0,
+        pending_msgs_limit=-1,
+        pending_bytes_limit=-1,
+    )
+    try:
+        info = await sub.consumer_info()
+        delivered = info.delivered.consumer_seq if info.delivered is not None else None
+        total = (info.num_pending or 0) + (delivered or 0)
+        if not done.done() and received >= total:
+            done.set_result(None)
+        while not done.done():
+            # Keys purged while the sweep runs are never delivered: when nothing comes, ask.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(done), 0.5)
+            if not done.done() and not (await sub.consumer_info()).num_pending:
+                break
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+async def bootstrap(
+    js_or_nc: JetStreamContext | Client,
+    bucket: str,
+    source: str,
+    dp_rank: int,
+    *,
+    events_stream: str | None = None,
+    subject: str | None = None,
+    attempts: int = 20,
+    pause: float = 0.1,
+) -> tuple[StreamState, int]:
+    """A consumer's start on one engine stream: its live blocks from the bridge's state bucket,
+    and the JetStream sequence of the events stream to follow its messages from.
+
+    1. read the head ``{source}.{dp_rank}._head`` (keys: :func:`state_prefix`);
+    2. sweep the stream's entries (:func:`sweep`: newest per key);
+    3. read the head again: when its (epoch, gen) moved, or it is missing (a clear purges every
+       key of the stream, the head too, and writes it again at once), start over (``attempts``
+       times, ``pause`` seconds apart; then LookupError).
+
+    Returns ``(state, start)``: ``state`` is a :class:`bridge.bootstrap.StreamState`; follow the
+    stream's subject of the events stream from JetStream sequence ``start`` (the head's ``next``:
+    a consumer with ``DeliverByStartSequence`` and the stream's subject as filter) and give every
+    message, decoded, to ``state.apply``. ``state.ready`` says when it is exact. When the head has
+    no ``next`` (the bridge did not know it), ``start`` is the first message of ``subject`` in
+    ``events_stream`` if both are given, else 1 (every held message; ``apply`` skips the old ones).
+    The events stream must keep the messages since the head was written (its ``max_age``).
+    """
+    js = js_or_nc.jetstream() if isinstance(js_or_nc, Client) else js_or_nc
+    prefix = state_prefix(source, dp_rank)
+    kv_stream = f"KV_{bucket}"
+    head_subject = f"$KV.{bucket}.{prefix}.{HEAD_KEY}"
+    for attempt in range(attempts):
+        if attempt:
+            await asyncio.sleep(pause)
+        first = await _head_doc(js, kv_stream, head_subject)
+        if first is None:
+            continue
+        held = await sweep(js, bucket, prefix)
+        again = await _head_doc(js, kv_stream, head_subject)
+        if again is None or (again["epoch"], again["gen"]) != (first["epoch"], first["gen"]):
+            continue  # a clear ran during the sweep
+        docs = [d for k, v in held.items() if "/" in k and v for d in (parse(v),) if d is not None]
+        state = StreamState(first, docs)
+        start = first.get("next")
+        if type(start) is not int:
+            start = 1
+            if events_stream is not None and subject is not None:
+                try:
+                    start = (await js.get_msg(events_stream, seq=1, subject=subject, next=True)).seq or 1
+                except nats.js.errors.NotFoundError:
+                    start = 1
+        return state, start
+    raise LookupError(f"no consistent state of {source}/{dp_rank} in bucket {bucket!r} after {attempts} attempts")
+
+
+async def _head_doc(js: JetStreamContext, kv_stream: str, subject: str) -> dict[str, Any] | None:
+    try:
+        msg = await js.get_last_msg(kv_stream, subject)
+    except nats.js.errors.NotFoundError:
+        return None
+    doc = parse(msg.data) if msg.data else None
+    return doc if doc is not None and head_of(doc) is not None else None
+
+
 def _by_stream(messages: Sequence[Message]) -> list[int]:
     """Indexes of ``messages`` with each bridge stream's together, streams in order of first
     appearance, each stream's in write order."""
@@ -787,9 +1363,14 @@ __all__ = [
     "MSG_ID_HEADER",
     "NatsConnector",
     "NatsOptions",
+    "StateOptions",
     "StreamOptions",
     "TlsOptions",
+    "bootstrap",
     "header_block",
     "hpub",
+    "state_prefix",
+    "state_token",
     "subject_token",
+    "sweep",
 ]

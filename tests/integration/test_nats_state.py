@@ -1,0 +1,524 @@
+"""The NATS sink's live-block state (issue 19) on a real nats-server with JetStream: a KV bucket
+holding each engine stream's head and entries, written after the stream's messages are stored.
+
+- a consumer's ``bootstrap()`` (head, sweep, head again) plus the stream's messages from the head's
+  ``next`` equals the engine's true cache, at four cut points taken while the engine publishes
+  (the sweep interleaved with state writes), through stores, copies, CPU offloads, removals, a
+  clear and an engine restart (an in-process bridge over a CacheEngine, batch granularity);
+- a bridge process SIGKILLed at four random points while the engine publishes (a clear among
+  them), and restarted, rebuilds its tables from the bucket (``read_state``, finishing from its
+  journal a write it was killed in) and ends exact (event granularity);
+- a reset of a stream with 10^5 live blocks is one purge and leaves no old key, the other stream
+  is untouched, and bootstraps running meanwhile never mix the two generations;
+- a write stopped between its entries and its head, or between a reset's purge and its head, is
+  finished by the next process's ``read_state``, which returns exactly the tracker's state;
+- a missing bucket is reported by ``health()`` and fails state writes transiently (no_bucket).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import api as js_api
+
+from bridge import config
+from bridge.bootstrap import StreamState
+from bridge.config import SinkConfig, convert_options, from_data
+from bridge.errors import ConnectorError, Permanent
+from bridge.formats import state_message
+from bridge.records import Record, Stream, source_reset
+from bridge.runtime import Bridge
+from bridge.state import StateTracker
+from connectors.nats import HEAD_KEY, NatsConnector, NatsOptions, bootstrap, state_prefix, subject_token, sweep
+from tests.infra.servers import NatsServer
+from tests.support.cache_engine import CacheEngine
+from tests.support.harness import free_port
+from tests.support.process import BridgeProcess, bridge_config, metric
+
+pytestmark = pytest.mark.integration
+
+U64 = (1 << 64) - 1
+REPLAY = {"timeout": "300ms", "max_attempts": 20, "initial_backoff": "50ms", "max_backoff": "200ms", "idle_probe": 0}
+WAIT = 30.0
+
+
+@pytest.fixture
+async def reader(nats_server: NatsServer) -> AsyncIterator[Client]:
+    nc = await nats.connect(nats_server.url, reconnect_time_wait=0.2, max_reconnect_attempts=-1)
+    yield nc
+    await nc.close()
+
+
+@pytest.fixture
+async def names(reader: Client) -> AsyncIterator[tuple[str, str]]:
+    """(events stream name = subject prefix, KV bucket name), removed after the test."""
+    uid = uuid.uuid4().hex[:8].upper()
+    dest, bucket = f"KVS{uid}", f"ST{uid}"
+    yield dest, bucket
+    js = reader.jetstream(timeout=10)
+    for name in (dest, f"KV_{bucket}"):
+        with contextlib.suppress(nats.errors.Error):
+            await js.delete_stream(name)
+
+
+def truth(engine: CacheEngine) -> dict[tuple[Any, Any, int], int]:
+    """The engine's true cache as StreamState.blocks() keys it: (medium, group_idx, block id) -> copies."""
+    return {(medium, 0, h & U64): n for (h, medium), n in engine.cache.items()}
+
+
+class Follower:
+    """A consumer of one engine stream: ``bootstrap()``, then the stream's messages from ``start``
+    (an ordered consumer on its subject) into the StreamState."""
+
+    def __init__(self, nc: Client, bucket: str, dest: str, source: str, dp_rank: int = 0) -> None:
+        self.nc, self.bucket, self.dest = nc, bucket, dest
+        self.source, self.dp_rank = source, dp_rank
+        self.subject = f"{dest}.{subject_token(source)}.{dp_rank}"
+        self.state: StreamState | None = None
+        self.start = 0
+        self.applied = 0
+        self.swept = 0
+        self.bootstrap_seconds = 0.0
+        self._sub: Any = None
+
+    async def begin(self) -> None:
+        t0 = time.perf_counter()
+        self.state, self.start = await bootstrap(self.nc, self.bucket, self.source, self.dp_rank)
+        self.bootstrap_seconds = time.perf_counter() - t0
+        self.swept = len(self.state.floor)
+
+        async def on_msg(msg: Msg) -> None:
+            assert self.state is not None
+            self.applied += self.state.apply(msgspec.json.decode(msg.data))
+
+        self._sub = await self.nc.jetstream(timeout=10).subscribe(
+            self.subject,
+            stream=self.dest,
+            cb=on_msg,
+            ordered_consumer=True,
+            config=js_api.ConsumerConfig(deliver_policy=js_api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.start),
+        )
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+    def at(self, epoch: int, seq: int) -> bool:
+        """The state has applied the batch ``seq`` of ``epoch`` (batch granularity)."""
+        return self.state is not None and self.state.applied[:2] >= (epoch, seq + 1)
+
+
+async def until(predicate: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def sink(url: str, dest: str, bucket: str, granularity: str = "batch") -> dict[str, Any]:
+    return {
+        "type": "nats",
+        "name": "nats-s",
+        "servers": url,
+        "subject": dest + ".{source}.{dp_rank}",
+        "format": "json",
+        "granularity": granularity,
+        "batch": {"linger": 0, "max_messages": 200},
+        "retry": {"initial_backoff": "50ms", "max_backoff": "200ms", "jitter": 0.0, "write_timeout": 10},
+        "stream": {"create": True, "name": dest},
+        "state": {"enabled": True, "bucket": bucket, "create": True},
+    }
+
+
+# -- (a) cut points while the engine publishes, through copies, removals, a clear and a restart -------
+
+
+async def test_bootstrap_at_cut_points_equals_the_engine(
+    tmp_path: Path, nats_server: NatsServer, reader: Client, names: tuple[str, str]
+) -> None:
+    dest, bucket = names
+    live, rep = free_port(), free_port()
+    cfg = {
+        "sources": [{"name": "eng.a", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}],
+        "sinks": [sink(nats_server.url, dest, bucket)],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "checkpoint": {"path": str(tmp_path / "checkpoint.json")},
+        "replay": REPLAY,
+        "shutdown_timeout": "3s",
+    }
+    stream = Stream("eng.a", 0)
+    async with CacheEngine(live, rep, seed=7) as engine:
+        bridge = Bridge(from_data(cfg, env={}))
+        await bridge.start()
+        followers: list[Follower] = []
+        cuts: list[tuple[int, int, float]] = []  # per cut: entries swept, messages applied after, seconds
+        try:
+            await engine.wait_subscribed()
+            tracker = bridge.tracker
+            assert tracker is not None
+
+            def epoch() -> int:
+                head = tracker.head(stream)
+                return -1 if head is None else head.epoch
+
+            async def check_cut(work: Callable[[], Any]) -> None:
+                """Bootstrap while ``work`` publishes (sweep and state writes interleave), follow,
+                then once the engine is quiet: exact."""
+                follower = Follower(reader, bucket, dest, "eng.a")
+                followers.append(follower)
+                publishing = asyncio.create_task(work())
+                await asyncio.sleep(random.Random(len(followers)).uniform(0.05, 0.2))
+                await follower.begin()
+                await publishing
+                await until(lambda: epoch() >= 0 and follower.at(epoch(), engine.last_seq), "the follower caught up")
+                assert follower.state is not None and follower.state.ready
+                assert follower.state.blocks() == truth(engine), f"cut {len(followers)}"
+                cuts.append((follower.swept, follower.applied, round(follower.bootstrap_seconds, 3)))
+                await follower.stop()
+
+            async def steps(n: int) -> None:
+                for _ in range(n):
+                    await engine.step(1, events_per_batch=4)
+                    await asyncio.sleep(0.01)
+
+            await engine.step(30, events_per_batch=4)
+            await check_cut(lambda: steps(40))
+            assert any(n > 1 for n in engine.cache.values()) and any(m == "CPU" for _, m in engine.cache)
+
+            async def clear_then_steps() -> None:
+                await steps(30)  # the bootstrap falls before the clear: the follower applies it
+                await engine.clear()
+                await steps(20)
+
+            before = tracker.head(stream)
+            assert before is not None
+            generation = before.generation
+            await check_cut(clear_then_steps)
+            assert followers[-1].state is not None and int(followers[-1].state.head["gen"]) == generation
+            old = epoch()
+
+            async def restart_then_steps() -> None:
+                await steps(30)  # the bootstrap falls before the restart: the follower applies its reset
+                await engine.restart()
+                await engine.wait_subscribed()
+                await steps(25)
+
+            await check_cut(restart_then_steps)
+            assert epoch() > old and followers[-1].state is not None and followers[-1].state.head["epoch"] == old
+            await check_cut(lambda: steps(30))
+            # a last cut with the engine quiet: the head alone is exact
+            follower = Follower(reader, bucket, dest, "eng.a")
+            await follower.begin()
+            assert follower.state is not None and follower.state.blocks() == truth(engine)
+            assert len(cuts) == 4 and all(applied > 0 for _, applied, _ in cuts), cuts  # each cut fell while publishing
+            print(f"\ncuts (entries swept, messages followed, bootstrap seconds): {cuts}")
+        finally:
+            for f in followers:
+                with contextlib.suppress(Exception):
+                    await f.stop()
+            await bridge.stop()
+
+
+# -- (b) SIGKILL of the bridge at random points, restart: rebuilt from the bucket, exact ----------------
+
+
+async def test_sigkilled_bridge_rebuilds_from_the_bucket(
+    tmp_path: Path, nats_server: NatsServer, reader: Client, names: tuple[str, str]
+) -> None:
+    dest, bucket = names
+    live, rep = free_port(), free_port()
+    source = {"name": "eng.k", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}
+    cfg = bridge_config(
+        tmp_path,
+        [source],
+        [sink(nats_server.url, dest, bucket, granularity="event")],
+        checkpoint={"path": str(tmp_path / "checkpoint.json"), "interval": "300ms"},
+        replay=REPLAY,
+        state={"load_timeout": "20s"},
+        shutdown_timeout="3s",
+    )
+    rand = random.Random(19)
+    finished = 0  # interrupted state writes a restarted bridge finished (the journal)
+    async with CacheEngine(live, rep, seed=19) as engine:
+        bridge = BridgeProcess(tmp_path, cfg)
+        stop = asyncio.Event()
+
+        async def publish() -> None:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                if n == 120:
+                    await engine.clear()
+                else:
+                    await engine.step(1, events_per_batch=int(rand.uniform(2, 12)))
+                await asyncio.sleep(0.004)
+
+        publishing: asyncio.Task[None] | None = None
+        try:
+            bridge.start()
+            await bridge.wait_ready()
+            publishing = asyncio.create_task(publish())
+            for _ in range(4):
+                await asyncio.sleep(rand.uniform(0.3, 0.9))
+                bridge.kill()  # SIGKILL, wherever it is
+                await asyncio.sleep(rand.uniform(0.0, 0.2))
+                bridge.start()
+                await bridge.wait_ready()
+            await asyncio.sleep(0.5)
+            stop.set()
+            await publishing
+            last = engine.last_seq
+
+            async def head_at_last() -> bool:
+                with contextlib.suppress(LookupError):
+                    state, _ = await bootstrap(reader, bucket, "eng.k", 0)
+                    return int(state.head["seq"]) == last
+                return False
+
+            deadline = time.monotonic() + WAIT
+            while not await head_at_last():
+                assert time.monotonic() < deadline, f"the state never reached seq {last}\n{bridge.log()[-3000:]}"
+                await asyncio.sleep(0.1)
+            follower = Follower(reader, bucket, dest, "eng.k")
+            await follower.begin()
+            assert follower.state is not None and follower.state.ready
+            assert follower.state.complete
+            assert follower.state.blocks() == truth(engine)
+            samples = await bridge.metrics()
+            rebuilt = metric(samples, "kv_bridge_state_rebuilds_total", outcome="rebuilt")
+            fresh = metric(samples, "kv_bridge_state_rebuilds_total", outcome="fresh")
+            assert (rebuilt, fresh) == (1, 0), bridge.log()[-3000:]
+            finished = bridge.log().count("finished an interrupted state write")
+            await follower.stop()
+            assert await bridge.terminate() == 0
+        finally:
+            stop.set()
+            if publishing is not None:
+                await asyncio.gather(publishing, return_exceptions=True)
+            bridge.kill()
+    print(f"\n4 SIGKILLs: {finished} interrupted state writes finished from the journal; {len(engine.cache)} live blocks")
+
+
+# -- (c) a reset of 10^5 live blocks: one purge, no old key, no mixed bootstrap ----------------------
+
+
+class Writer:
+    """One NATS sink with state, written directly: each record's state message, as the runtime
+    appends it, applied through a StateTracker (no events: the head's next stays unknown)."""
+
+    def __init__(self, url: str, dest: str, bucket: str, *, create: bool = True) -> None:
+        opts = sink(url, dest, bucket)
+        opts["state"]["create"] = create
+        keys = {k: v for k, v in opts.items() if k not in config.SINK_KEYS}  # the connector's own
+        common = {k: v for k, v in opts.items() if k in config.SINK_KEYS}
+        cfg = config.convert({**common, "options": keys}, SinkConfig, "sink", [])
+        assert cfg is not None
+        self.connector = NatsConnector("nats-s", convert_options(keys, NatsOptions, "sinks[0]"), cfg)
+        self.tracker = StateTracker()
+
+    async def write(self, records: list[Record]) -> float:
+        """Seconds the write took."""
+        for r in records:
+            r.state = self.tracker.apply(r)
+        t0 = time.perf_counter()
+        await self.connector.write([state_message(r) for r in records])
+        return time.perf_counter() - t0
+
+
+def many_blocks(stream: Stream, epoch: int, seq: int, n: int, rand: random.Random) -> Record:
+    hashes = [rand.getrandbits(64) for _ in range(n)]
+    event = {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": None,
+        "token_ids": [],
+        "block_size": 16,
+        "medium": "GPU",
+        "group_idx": 0,
+    }
+    return Record(stream=stream, epoch=epoch, seq=seq, ts=1.0, events=[event])
+
+
+async def test_reset_of_100k_live_blocks_is_one_purge(nats_server: NatsServer, reader: Client, names: tuple[str, str]) -> None:
+    dest, bucket = names
+    w = Writer(nats_server.url, dest, bucket)
+    await w.connector.connect()
+    js = reader.jetstream(timeout=30)
+    big, other = Stream("big", 0), Stream("other", 0)
+    rand = random.Random(3)
+    try:
+        await w.write([source_reset(big, 1, "publisher_restart", 0.0), source_reset(other, 1, "publisher_restart", 0.0)])
+        fill = 0.0
+        for k in range(10):  # 10 writes of 10 records of 1,000 new blocks
+            fill += await w.write([many_blocks(big, 1, k * 10 + j, 1000, rand) for j in range(10)])
+        await w.write([many_blocks(other, 1, 0, 10, rand)])
+        head = w.tracker.head(big)
+        assert head is not None and head.live == 100_000
+        t0 = time.perf_counter()
+        held = await sweep(js, bucket, state_prefix("big", 0))
+        sweep_s = time.perf_counter() - t0
+        assert len([k for k in held if "/" in k]) == 100_000 and HEAD_KEY in held  # (and the journal's parts)
+        before = (await js.stream_info(f"KV_{bucket}")).state
+
+        # bootstraps running while the stream resets: each sees one generation, whole
+        results: list[StreamState] = []
+
+        async def bootstraps() -> None:
+            for _ in range(3):
+                state, _start = await bootstrap(reader, bucket, "big", 0, attempts=50)
+                results.append(state)
+
+        readers = asyncio.create_task(bootstraps())
+        await asyncio.sleep(0.3)  # the first sweep is under way
+        reset_s = await w.write([source_reset(big, 2, "publisher_restart", 0.0)])
+        await w.write([many_blocks(big, 2, 0, 5, rand)])
+        await readers
+
+        held = await sweep(js, bucket, state_prefix("big", 0))
+        assert HEAD_KEY in held and all(v is not None for v in held.values())
+        assert len([k for k in held if "/" in k]) == 5  # no old key: only the 5 of the new epoch
+        after = (await js.stream_info(f"KV_{bucket}")).state
+        assert after.messages <= 5 + 2 + 12  # big: 5 entries, head, journal; other: its 10, head, journal
+        assert len(await sweep(js, bucket, state_prefix("other", 0))) == 11  # the other stream untouched: 10 + head
+        other_state, start = await bootstrap(reader, bucket, "other", 0, events_stream=dest, subject=f"{dest}.other.0")
+        assert len(other_state.blocks()) == 10 and start == 1  # no next (no events written here): from the start
+        assert results
+        for state in results:
+            blocks = state.blocks()
+            assert state.epoch in (1, 2)
+            if state.epoch == 1:
+                assert len(blocks) == 100_000, len(blocks)
+            else:
+                assert len(blocks) in (0, 5)
+            assert all(int(d["epoch"]) == state.epoch for d in state.entries.values())
+        print(
+            f"\n10^5 entries: written in {fill:.2f}s, swept in {sweep_s:.2f}s; reset (one purge + head) {reset_s * 1000:.0f} ms;"
+            f" bucket {before.messages} -> {after.messages} messages; bootstraps during the reset saw epochs"
+            f" {[s.epoch for s in results]}"
+        )
+    finally:
+        await w.connector.close()
+
+
+# -- the journal: a write stopped between its entries and its head is finished by read_state ----------
+
+
+async def test_read_state_finishes_a_write_stopped_half_way(
+    nats_server: NatsServer, reader: Client, names: tuple[str, str]
+) -> None:
+    """A bridge killed after the journal and half the entries of a write, before its head: the
+    bucket holds entries ahead of its head (fine for a consumer's bootstrap, not for a tracker
+    rebuilt from it, which would apply those records twice). read_state finishes the write from
+    the journal and returns exactly the tracker's state after it."""
+    dest, bucket = names
+    stream = Stream("half", 0)
+    rand = random.Random(5)
+    w = Writer(nats_server.url, dest, bucket)
+    await w.connector.connect()
+    try:
+        await w.write([source_reset(stream, 1, "publisher_restart", 0.0)])
+        first = [many_blocks(stream, 1, s, 50, rand) for s in range(3)]
+        await w.write(first)
+        # the next write: stores again a held block (count 2), removes one, stores new ones
+        again = first[0].events[0]["block_hashes"][:2]
+        events = [
+            {"type": "BlockStored", "block_hashes": again[:1], "parent_block_hash": None, "token_ids": [], "block_size": 16},
+            {"type": "BlockRemoved", "block_hashes": again[1:]},
+            *many_blocks(stream, 1, 3, 40, rand).events,
+        ]
+        for e in events:
+            e.update(medium="GPU", group_idx=0)
+        records = [Record(stream=stream, epoch=1, seq=3, ts=1.0, events=events)]
+        kv_write = w.connector._kv_write
+        calls = 0
+
+        async def stopped(nc: Client, ops: Any) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 2:  # the entries: half of them (the head: none), then the process is gone
+                await kv_write(nc, ops[: len(ops) // 2])
+                raise asyncio.CancelledError
+            await kv_write(nc, ops)
+
+        w.connector._kv_write = stopped  # type: ignore[method-assign]
+        with pytest.raises(asyncio.CancelledError):
+            await w.write(records)
+        assert calls == 2
+        w.connector._kv_write = kv_write  # type: ignore[method-assign]
+        js = reader.jetstream(timeout=10)
+        held = await sweep(js, bucket, state_prefix("half", 0))
+        stored_head = msgspec.json.decode(held[HEAD_KEY])
+        assert stored_head["seq"] == 2  # the head of the write before
+        ahead = [k for k, v in held.items() if "/" in k and v and msgspec.json.decode(v)["seq"] == 3]
+        assert ahead  # entries of seq 3 are there already
+
+        restarted = Writer(nats_server.url, dest, bucket)
+        await restarted.connector.connect()
+        try:
+            got = (await restarted.connector.read_state([stream]))[stream.key]
+        finally:
+            await restarted.connector.close()
+        assert got is not None
+        head, seeds = got
+        assert head == w.tracker.head(stream)
+        want = {(m, g, k): (c, seq) for m, g, k, c, seq in w.tracker.entries(stream)}
+        assert {(m, g, k): (c, seq) for m, g, k, c, seq, _ in seeds} == want
+        assert any(c == 2 for c, _ in want.values())
+        state, _ = await bootstrap(reader, bucket, "half", 0)
+        assert state.head["seq"] == 3 and len(state.blocks()) == len(want)
+
+        # a reset stopped after its purge, before its head: the stream has no key at all
+        calls = 0
+        w.connector._kv_write = stopped  # type: ignore[method-assign]
+        with pytest.raises(asyncio.CancelledError):
+            await w.write([source_reset(stream, 2, "publisher_restart", 0.0)])
+        w.connector._kv_write = kv_write  # type: ignore[method-assign]
+        assert await sweep(js, bucket, state_prefix("half", 0)) == {}
+        restarted = Writer(nats_server.url, dest, bucket)
+        await restarted.connector.connect()
+        try:
+            got = (await restarted.connector.read_state([stream]))[stream.key]
+        finally:
+            await restarted.connector.close()
+        assert got is not None and got[0] == w.tracker.head(stream) and got[1] == []
+        assert got[0].epoch == 2 and got[0].complete
+    finally:
+        await w.connector.close()
+
+
+async def test_a_missing_bucket_is_reported_and_state_writes_are_retried(
+    nats_server: NatsServer, reader: Client, names: tuple[str, str]
+) -> None:
+    dest, bucket = names
+    stream = Stream("m", 0)
+    w = Writer(nats_server.url, dest, bucket, create=False)
+    await w.connector.connect()
+    try:
+        problem = await w.connector.health()
+        assert problem is not None and f"KV bucket {bucket!r} does not exist" in problem
+        record = source_reset(stream, 1, "publisher_restart", 0.0)
+        with pytest.raises(ConnectorError) as info:
+            await w.write([record])
+        assert not isinstance(info.value, Permanent) and info.value.reason == "no_bucket", info.value
+        await reader.jetstream(timeout=10).create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1))
+        await w.connector.write([state_message(record)])  # the runtime's retry: the same delta
+        assert await w.connector.health() is None
+        state, _ = await bootstrap(reader, bucket, "m", 0)
+        assert state.epoch == 1 and state.complete and state.blocks() == {}
+    finally:
+        await w.connector.close()

@@ -1,0 +1,138 @@
+"""The NATS sink's state helpers without a server: key tokens, folding a write's deltas into one
+bucket write, the journal, and the state options."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bridge import config
+from bridge.config import SinkConfig, convert_options
+from bridge.errors import ConfigError, ConnectorError, Permanent, Retriable
+from bridge.formats import Message, state_message
+from bridge.records import Record, Stream
+from bridge.state import EntryChange, Head, StateDelta
+from connectors.nats import NatsConnector, NatsOptions, fold_deltas, hpub, journal_parts, journal_redo, state_prefix, state_token
+
+S = Stream("a", 0)
+
+
+def test_a_put_without_headers_is_a_plain_pub() -> None:
+    assert hpub("$KV.b.k", "_INBOX.1", b"", b"xy") == b"PUB $KV.b.k _INBOX.1 2\r\nxy\r\n"
+    assert hpub("s", "", b"", b"") == b"PUB s 0\r\n\r\n"
+
+
+def test_state_token_is_one_safe_token_and_injective() -> None:
+    assert state_token("llama-3_1") == "llama-3_1"
+    assert state_token("llama-3.1") == "llama-3=2e1"
+    assert state_token("a b*>/=") == "a=20b=2a=3e=2f=3d"
+    assert state_token("é") == "=c3=a9"
+    assert state_token("") == "="
+    assert state_token("_journal") == "=5fjournal" and state_token("a_") == "a_"
+    names = ["a.b", "a_b", "a=2eb", "a-b", "a b", "a/b", "ab", "a=b", "_a", "=5fa"]
+    assert len({state_token(n) for n in names}) == len(names)
+    assert state_prefix("eng.a", 3) == "eng=2ea.3"
+
+
+def head(seq: int, gen: int = 1, epoch: int = 1) -> Head:
+    return Head(epoch, gen, seq, True, 0)
+
+
+def change(block: int, count: int, medium: str = "GPU") -> EntryChange:
+    return EntryChange(medium, 0, block, count, None)
+
+
+def test_fold_deltas_keeps_the_newest_change_and_drops_what_a_clear_purges() -> None:
+    d1 = StateDelta(S, head(1), changes=[change(1, 1), change(2, 1)])
+    d2 = StateDelta(S, head(2), changes=[change(1, 2), change(3, 1)])
+    op = fold_deltas([(d1, 10), (d2, 12)])
+    assert op is not None and not op.clear and op.head == head(2) and op.next == 12
+    assert [(c.block, c.count, h.seq) for c, h in op.changes.values()] == [(2, 1, 1), (1, 2, 2), (3, 1, 2)]
+    d3 = StateDelta(S, head(3, gen=2), clear=True, changes=[change(4, 1)])
+    d4 = StateDelta(S, head(4, gen=2), changes=[change(4, 0), change(5, 1, "CPU")])
+    op = fold_deltas([(d1, 10), (d3, 13), (d4, None)])
+    assert op is not None and op.clear and op.head == head(4, gen=2) and op.next is None
+    assert [(c.block, c.count) for c, _ in op.changes.values()] == [(4, 0), (5, 1)]
+    stale = StateDelta(S, head(0), stale=True, changes=[change(9, 1)])
+    assert fold_deltas([(stale, 1)]) is None
+    op = fold_deltas([(stale, 1), (d2, 12)])
+    assert op is not None and 9 not in {b for _, _, b in op.changes}
+
+
+def test_journal_round_trip_in_parts_and_only_when_ahead() -> None:
+    ops: list[tuple[str, bytes | None]] = [(f"GPU/0/{i:016x}", b'{"count":%d}' % i) for i in range(50)] + [("CPU/0/01", None)]
+    parts = journal_parts(head(7), b'{"seq":7}', ops, 300)
+    assert len(parts) > 3
+    assert journal_redo(parts, head(6)) == (False, ops, b'{"seq":7}')
+    assert journal_redo(parts, None) == (False, ops, b'{"seq":7}')
+    assert journal_redo(parts, head(7)) is None  # the write finished
+    assert journal_redo(parts, head(3, gen=2)) is None  # a later generation
+    assert journal_redo(parts[:-1], head(6)) is None  # written in part: nothing else of the write was
+    old = journal_parts(head(5), b'{"seq":5}', ops[:1], 300)
+    assert journal_redo([*parts[:-1], *old], head(4)) == (False, ops[:1], b'{"seq":5}')  # a complete older one
+    assert journal_redo([b"junk", *parts], head(6)) == (False, ops, b'{"seq":7}')
+    reset = journal_parts(head(-1, gen=2, epoch=2), b'{"seq":-1}', [], 300, clear=True)
+    assert journal_redo(reset, None) == (True, [], b'{"seq":-1}')  # killed after the purge: no head
+
+
+def sink(**state: Any) -> tuple[SinkConfig, NatsOptions]:
+    options = {"state": {"enabled": True, **state}}
+    cfg = config.convert({"type": "nats", "name": "n", "backpressure": state.pop("backpressure", "block")}, SinkConfig, "s", [])
+    assert cfg is not None
+    return cfg, convert_options(options, NatsOptions, "sinks[0]")
+
+
+def test_state_options() -> None:
+    cfg, options = sink()
+    conn = NatsConnector("n", options, cfg)
+    assert conn.writes_state and options.state.bucket == "KV_STATE" and not options.state.create
+    assert not NatsConnector("n", NatsOptions(), cfg).writes_state
+    with pytest.raises(ConfigError, match=r"sinks\[0\]: state.enabled: the state needs mode: jetstream"):
+        convert_options({"mode": "core", "state": {"enabled": True}}, NatsOptions, "sinks[0]")
+    with pytest.raises(ConfigError, match=r"sinks\[0\].state: bucket 'a.b' is not a valid KV bucket name"):
+        convert_options({"state": {"bucket": "a.b"}}, NatsOptions, "sinks[0]")
+
+
+async def test_state_messages_wait_for_their_stream_and_carry_next() -> None:
+    """Which state messages of a write are applied (those before the stream's first transient
+    failure), with which ``next`` (the JetStream seq after the last stored message of the stream,
+    else the last known one), and how a failed state write is reported."""
+    cfg, options = sink()
+    conn = NatsConnector("n", options, cfg)
+    applied: list[tuple[str, list[tuple[int, int | None]]]] = []
+    fail: list[ConnectorError] = []
+
+    async def apply_state(_nc: object, stream: Stream, deltas: Any) -> None:
+        if fail:
+            raise fail[0]
+        applied.append((stream.key, [(d.head.seq, nxt) for d, nxt in deltas]))
+
+    conn._apply_state = apply_state  # type: ignore[method-assign]
+    a, b = Stream("a", 0), Stream("b", 0)
+
+    def rec(stream: Stream, seq: int) -> list[Message]:
+        r = Record(stream=stream, epoch=1, seq=seq)
+        r.state = StateDelta(stream, head(seq))
+        event = Message(r, 0, "BlockStored", b"{}", {}, f"{stream.key}/1/{seq}/0", (1, seq + 1, 1))
+        return [event, state_message(r)]
+
+    # a0 a1 b0 a2 b1: a1's event failed (transient), b0's permanently (dead-lettered: b goes on)
+    messages = [*rec(a, 0), *rec(a, 1), *rec(b, 0), *rec(a, 2), *rec(b, 1)]
+    stored = {0: 100, 4: 104, 8: 108}  # a0, b0?, ... by index: JetStream seqs of stored messages
+    errors: dict[int, ConnectorError] = {2: Retriable("x"), 4: Permanent("too big"), 6: Retriable("x")}
+    seqs = {i: s for i, s in stored.items() if i not in errors}
+    conn._next["b/0"] = 50
+    await conn._write_state(None, messages, errors, seqs)  # type: ignore[arg-type]
+    assert applied == [("a/0", [(0, 101)]), ("b/0", [(0, 50), (1, 109)])]
+    assert set(errors) == {2, 3, 4, 6, 7}  # a1's and a2's state messages fail with a1's event
+    assert errors[3] is errors[2] and errors[7] is errors[2]
+    assert conn._next == {"a/0": 101, "b/0": 109}
+
+    # a failed state write: its state messages fail, transient, whatever the cause
+    applied.clear()
+    fail.append(Permanent("refused"))
+    errors = {}
+    await conn._write_state(None, rec(a, 3) + rec(a, 4), errors, {0: 200, 2: 201})  # type: ignore[arg-type]
+    assert set(errors) == {1, 3} and all(isinstance(e, Retriable) for e in errors.values())
+    assert conn._next["a/0"] == 101 and conn._state_problem is not None and "refused" in conn._state_problem
