@@ -401,3 +401,46 @@ async def test_a_state_key_of_another_type_stops_only_the_state(redis_server: Re
     finally:
         await conn.close()
         await client.delete(prefix + ":a:0", prefix + ":a:0:s")
+
+
+async def test_past_state_max_entries_a_streams_state_is_switched_off_and_its_events_flow(
+    tmp_path: Path, redis_server: RedisServer, client: Any
+) -> None:
+    prefix = f"kvm{uuid.uuid4().hex[:8]}"
+    live, rep = free_port(), free_port()
+    config = {
+        "sources": [{"name": "a", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}],
+        "sinks": [sink(redis_server.url, prefix)],
+        "state": {"max_entries": 10},
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "replay": REPLAY,
+        "shutdown_timeout": "3s",
+    }
+    async with CacheEngine(live, rep, seed=6) as engine:
+        bridge = Bridge(from_data(config, env={}))
+        await bridge.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(30)  # far more than 10 live blocks
+            await settled(client, prefix, engine, "a")
+            head = json.loads(await client.hget(f"{prefix}:a:0:state", "_head"))
+            assert head["tracking"] is False and head["complete"] is False and head["seq"] == engine.last_seq
+            assert await client.hlen(f"{prefix}:a:0:state") == 3  # _head, _gen, _at: no entries
+            registry = bridge.metrics.registry
+            assert registry.get_sample_value("kv_bridge_state_switched_off_total", {"source": "a"}) == 1
+            assert registry.get_sample_value("kv_bridge_state_streams_off") == 1
+            assert registry.get_sample_value("kv_bridge_state_entries") == 0
+            assert await client.xlen(f"{prefix}:a:0") > 30  # the events flow on
+            # the engine clears its cache: the stream is tracked again, as long as it fits
+            await engine.clear()
+            await settled(client, prefix, engine, "a")
+            head = json.loads(await client.hget(f"{prefix}:a:0:state", "_head"))
+            assert head["tracking"] is True and head["complete"] is True
+            assert registry.get_sample_value("kv_bridge_state_streams_off") == 0
+            check(await bootstrapped(client, prefix, "a"), engine)
+        finally:
+            await bridge.stop()
+            keys = [k async for k in client.scan_iter(match=prefix + ":*")]
+            if keys:
+                await client.delete(*keys)
