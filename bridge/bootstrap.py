@@ -13,8 +13,9 @@ function that reads its sink (``connectors.redis.bootstrap``, ``connectors.nats.
    ``AllBlocksCleared`` and ``EventsLost`` drop every entry (``EventsLost``: incomplete); a block
    event at (epoch, seq) changes a key only if that is newer than the version the sweep read for
    it (entries read after ``H`` already hold later changes); counts never go below 0.
-4. The state is exact once the messages are followed past the newest version the sweep read
-   (:attr:`StreamState.ready_at`); before that it may lag, never hold a block of another epoch.
+4. The state is exact once every message of the newest batch the sweep read a version of is
+   applied (see :attr:`StreamState.ready`); before that it may lag, never hold a block of
+   another epoch.
 """
 
 from __future__ import annotations
@@ -101,6 +102,9 @@ class StreamState:
 
     @property
     def ready(self) -> bool:
+        """A message of the newest batch the sweep read a version of, or of a later one, was
+        applied: exact once that batch's other messages are too (event granularity: read on to
+        a later batch, or to the end of what the sink holds)."""
         return self.applied[:2] >= (self.ready_at[0], self.ready_at[1] + 1)
 
     def _clear(self, epoch: int, complete: bool) -> None:
