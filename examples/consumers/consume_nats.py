@@ -1,6 +1,6 @@
 """Keep a KV block index from the bridge's NATS JetStream stream (nats-py).
 
-    python examples/consumers/consume_nats.py --servers nats://localhost:4222 --subject 'kv.>'
+    python examples/consumers/consume_nats.py --servers nats://localhost:4222 --subject 'kv.>' [--bootstrap]
 
 The sink: ``mode: jetstream``, ``format: json`` (event or batch granularity), a subject template
 without ``{type}`` or ``{epoch}`` (default ``kv.{source}.{dp_rank}``). The consumer reads the
@@ -12,24 +12,59 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 from collections.abc import Callable
 
 import nats
 from kv_index import KvIndex, decode, main
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 
+async def seed(index: KvIndex, js: JetStreamContext, bucket: str) -> int:
+    """Seed ``index`` with every engine stream that has a head in KV ``bucket``; the lowest
+    JetStream sequence one of them continues from (1: no state)."""
+    from connectors.nats import bootstrap  # the bridge's package, for --bootstrap only
+
+    try:  # the heads' subjects: $KV.<bucket>.<source>.<dp_rank>._head
+        info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"$KV.{bucket}.*.*._head")
+    except NotFoundError:  # no bucket (yet): every message
+        return 1
+    starts = []
+    for subject in info.state.subjects or {}:
+        try:
+            head = json.loads((await js.get_last_msg(f"KV_{bucket}", subject)).data or b"")
+        except (NotFoundError, ValueError):
+            continue  # removed meanwhile (a delete marker is no JSON)
+        state, start = await bootstrap(js, bucket, head["source"], head["dp_rank"])
+        index.seed((head["source"], head["dp_rank"]), state)
+        starts.append(start)
+    return min(starts, default=1)
+
+
 async def consume(
-    index: KvIndex, servers: str, stop: Callable[[], bool], subject: str = "kv.>", stream: str | None = None, wait: float = 0.2
+    index: KvIndex,
+    servers: str,
+    stop: Callable[[], bool],
+    subject: str = "kv.>",
+    stream: str | None = None,
+    wait: float = 0.2,
+    bootstrap: str | None = None,
 ) -> None:
     """Apply every message on ``subject`` (JetStream ``stream``, found by subject when None) to
-    ``index`` until ``stop()`` is true (checked after each fetch)."""
+    ``index`` until ``stop()`` is true (checked after each fetch).
+
+    ``bootstrap``: the sink's KV bucket (``state.bucket``, e.g. ``KV_STATE``): each engine stream
+    with a head there starts from its state, and the messages are read from the lowest sequence
+    they continue from (README "State bootstrap"); older ones are skipped as duplicates.
+    """
     nc = await nats.connect(servers)
     try:
         js = nc.jetstream()
-        config = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL)
+        start = await seed(index, js, bootstrap) if bootstrap else 1
+        config = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
         while True:  # until the bridge has created the stream
             try:
                 sub = await js.pull_subscribe(subject, stream=stream, config=config)
@@ -55,4 +90,17 @@ if __name__ == "__main__":
     cli.add_argument("--servers", default="nats://localhost:4222")
     cli.add_argument("--subject", default="kv.>", help="subjects the bridge's sink writes (its template, wildcarded)")
     cli.add_argument("--stream", default=None, help="JetStream stream name (default: the one capturing --subject)")
-    main(cli, lambda index, args, stop: consume(index, args.servers, stop, subject=args.subject, stream=args.stream))
+    cli.add_argument(
+        "--bootstrap",
+        nargs="?",
+        const="KV_STATE",
+        default=None,
+        metavar="BUCKET",
+        help="start each stream from its state (the sink's state.enabled; its state.bucket, default KV_STATE)",
+    )
+    main(
+        cli,
+        lambda index, args, stop: consume(
+            index, args.servers, stop, subject=args.subject, stream=args.stream, bootstrap=args.bootstrap
+        ),
+    )

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import json
 import sys
 import time
 import uuid
@@ -202,7 +203,10 @@ async def resend(bootstrap_servers: str, topic: str, partitions: int) -> int:
     try:
         tps = [TopicPartition(topic, p) for p in range(partitions)]
         consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
+        # An explicit seek: seek_to_beginning right after assign can lose the race with the default
+        # reset to the latest offset, already in flight (aiokafka's fetcher).
+        for tp, first in (await consumer.beginning_offsets(tps)).items():
+            consumer.seek(tp, first)
         ends = await consumer.end_offsets(tps)
         held: list[ConsumerRecord[bytes, bytes]] = []
         while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
@@ -418,3 +422,171 @@ def test_an_event_field_named_events_does_not_make_an_event_record_a_batch() -> 
     index.apply({**head, "seq": 0, "index": 0, "type": "BlockStored", "block_hashes": [42], "medium": "GPU"})
     index.apply({**head, "seq": 1, "index": 0, "type": "BlockRemoved", "block_hashes": [42], "medium": "GPU", "events": []})
     assert index.streams_holding(42) == set() and index.incomplete() == {}
+
+
+# -- --bootstrap on Kafka and NATS (the Redis test's steps, with a helper) ---------------------------
+
+
+async def run_bootstrap_scenario(
+    tmp: Path,
+    sink: dict[str, Any],
+    consume: Consume,
+    heads_at: Callable[[dict[tuple[str, int], CacheEngine]], Awaitable[None]],
+) -> Any:
+    """``test_redis_consumer_bootstraps_from_the_state`` with ``sink`` (state enabled, batch
+    granularity): 60 batches per engine, until ``heads_at`` sees each engine's last batch in the
+    state; then the consumer (``consume``, with ``--bootstrap``) starts while both engines publish
+    (until it has seeded both streams, and 3 batches more): exact; then engine ``a`` restarts:
+    exact. Returns the index."""
+    kv_index = example("kv_index")
+    (la, ra), (lb, rb) = (free_port(), free_port()), (free_port(), free_port())
+    config = {
+        "sources": [
+            {"name": name, "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}
+            for name, live, rep in [("a", la, ra), ("b", lb, rb)]
+        ],
+        "sinks": [{**sink, "name": "out", "format": "json", "granularity": "batch", "batch": {"linger": 0}}],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp / "dead.jsonl")},
+        "replay": REPLAY,
+        "shutdown_timeout": "3s",
+    }
+    async with CacheEngine(la, ra, seed=1) as a, CacheEngine(lb, rb, seed=2) as b:
+        engines = {A: a, B: b}
+        bridge = Bridge(from_data(config, env={}))
+        await bridge.start()
+        index = kv_index.KvIndex()
+        stopped = False
+        consumer: asyncio.Task[None] | None = None
+        try:
+            await a.wait_subscribed()
+            await b.wait_subscribed()
+            await a.step(60)
+            await b.step(60)
+            await heads_at(engines)
+            consumer = asyncio.create_task(consume(index, lambda: stopped), name="example-consumer")
+            deadline = time.monotonic() + WAIT
+            while len(index.streams) < 2:  # publishing while the consumer bootstraps (seeds the streams)
+                assert time.monotonic() < deadline and not consumer.done(), index.summary()
+                await asyncio.gather(a.step(), b.step())
+                await asyncio.sleep(0.01)
+            await asyncio.gather(a.step(3), b.step(3))  # and after: followed from the heads
+            await caught_up(index, consumer, engines)
+            check(index, engines)
+            old = index.streams[A].epoch
+            await a.restart()
+            await a.wait_subscribed()
+            await a.step(6)
+            await caught_up(index, consumer, engines, a=old)
+            check(index, engines)
+        finally:
+            stopped = True
+            if consumer is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(consumer, 10)
+            await bridge.stop()
+    return index
+
+
+def records_read(index: Any) -> int:
+    return int(index.applied + index.duplicates + index.stale)
+
+
+async def test_kafka_consumer_bootstraps_from_the_state(tmp_path: Path, kafka: KafkaServer) -> None:
+    """``--bootstrap STATE_TOPIC``: a consumer started after 60 batches per engine takes each
+    engine's blocks from the compacted state topic and reads each partition only from where its
+    streams' heads continue (far fewer records than the topic holds); exact, while the engines go
+    on publishing, and through an engine restart."""
+    from tests.support.state_kafka import offsets
+
+    servers = kafka.bootstrap_servers
+    topic = await kafka.anew_topic(partitions=2)
+    state_topic = f"kvb-state-{uuid.uuid4().hex[:12]}"  # created by the sink (state.create)
+    state = {"enabled": True, "topic": state_topic, "create": True, "partitions": 2}
+    sink = {"type": "kafka", "bootstrap_servers": servers, "topic": topic, "state": state}
+    consume_kafka = example("consume_kafka")
+
+    def consume(index: Any, stop: Callable[[], bool]) -> Coroutine[Any, Any, None]:
+        return consume_kafka.consume(index, servers, topic, stop, bootstrap=state_topic)  # type: ignore[no-any-return]
+
+    async def heads_at(engines: dict[tuple[str, int], CacheEngine]) -> None:
+        deadline = time.monotonic() + WAIT
+        while True:
+            seqs = await kafka_heads(servers, state_topic)
+            if all(seqs.get(f"{s}/{r}/_head".encode()) == e.last_seq for (s, r), e in engines.items()):
+                return
+            assert time.monotonic() < deadline, f"the heads are at {seqs}"
+            await asyncio.sleep(0.1)
+
+    index = await run_bootstrap_scenario(tmp_path, sink, consume, heads_at)
+    written = sum(end for _, end in [await offsets(servers, TopicPartition(topic, p)) for p in range(2)])
+    assert records_read(index) < written / 2, (records_read(index), written)  # started from the heads
+
+
+async def kafka_heads(servers: str, state_topic: str) -> dict[bytes, int]:
+    """The seq of each head (key ``source/dp_rank/_head``) the state topic's 2 partitions hold now.
+    (Reset to the earliest by the consumer itself: a ``seek_to_beginning`` right after ``assign``
+    can lose the race with the default reset to the latest offset.)"""
+    consumer = AIOKafkaConsumer(bootstrap_servers=servers, group_id=None, enable_auto_commit=False, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        tps = [TopicPartition(state_topic, p) for p in range(2)]
+        consumer.assign(tps)
+        ends, seqs = await consumer.end_offsets(tps), {}
+        while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
+            for records in (await consumer.getmany(timeout_ms=200)).values():
+                for r in records:
+                    if r.key is not None and r.key.endswith(b"/_head") and r.value is not None:
+                        seqs[r.key] = int(json.loads(r.value)["seq"])
+        return seqs
+    finally:
+        await consumer.stop()
+
+
+async def test_nats_consumer_bootstraps_from_the_state(tmp_path: Path, nats_server: NatsServer) -> None:
+    """``--bootstrap BUCKET``: a consumer started after the JetStream stream (``max_msgs`` 40) lost
+    the engines' first batches takes each engine's blocks from the KV bucket, then follows from
+    the lowest ``next`` of the heads; exact, while the engines go on publishing, and through an
+    engine restart."""
+    from connectors.nats import state_prefix
+
+    uid = uuid.uuid4().hex[:8]
+    subject, stream, bucket = f"kvb{uid}", f"KVB_{uid}", f"KVBS{uid}"
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    await js.add_stream(name=stream, subjects=[subject + ".>"], max_msgs=40)  # trims the history
+    sink = {
+        "type": "nats",
+        "servers": nats_server.url,
+        "subject": subject + ".{source}.{dp_rank}",
+        "mode": "jetstream",
+        "stream": {"name": stream},
+        "state": {"enabled": True, "bucket": bucket, "create": True},
+    }
+    consume_nats = example("consume_nats")
+
+    def consume(index: Any, stop: Callable[[], bool]) -> Coroutine[Any, Any, None]:
+        return consume_nats.consume(index, nats_server.url, stop, subject=subject + ".>", stream=stream, bootstrap=bucket)  # type: ignore[no-any-return]
+
+    async def heads_at(engines: dict[tuple[str, int], CacheEngine]) -> None:
+        kv = await js.key_value(bucket)
+        deadline = time.monotonic() + WAIT
+        for (source, rank), engine in engines.items():
+            while True:
+                with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+                    entry = await kv.get(f"{state_prefix(source, rank)}._head")
+                    if entry.value and json.loads(entry.value)["seq"] == engine.last_seq:
+                        break
+                assert time.monotonic() < deadline, f"{source}/{rank}: no head at seq {engine.last_seq}"
+                await asyncio.sleep(0.05)
+        assert (await js.stream_info(stream)).state.first_seq > 1  # trimmed: the history alone no longer tells
+
+    try:
+        index = await run_bootstrap_scenario(tmp_path, sink, consume, heads_at)
+        written = (await js.stream_info(stream)).state.last_seq
+        assert records_read(index) < written, (records_read(index), written)
+    finally:
+        for name in (stream, f"KV_{bucket}"):
+            with contextlib.suppress(Exception):
+                await js.delete_stream(name)
+        await nc.close()

@@ -76,13 +76,15 @@ class Follower:
 
 async def read_partition(servers: str, tp: TopicPartition) -> list[tuple[bytes | None, bytes | None]]:
     """(key, value) of every record ``tp`` holds now, in order."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=servers, group_id=None, enable_auto_commit=False)
+    # An explicit seek: seek_to_beginning right after assign can lose the race with the default
+    # reset to the latest offset, already in flight (aiokafka's fetcher).
+    consumer = AIOKafkaConsumer(bootstrap_servers=servers, group_id=None, enable_auto_commit=False, auto_offset_reset="earliest")
     await consumer.start()
     out: list[tuple[bytes | None, bytes | None]] = []
     try:
         consumer.assign([tp])
         end = (await consumer.end_offsets([tp]))[tp]
-        await consumer.seek_to_beginning(tp)
+        consumer.seek(tp, (await consumer.beginning_offsets([tp]))[tp])
         while await consumer.position(tp) < end:
             got = await consumer.getmany(tp, timeout_ms=500, max_records=10_000)
             out.extend((r.key, r.value) for r in got.get(tp, []) if r.offset < end)
