@@ -271,22 +271,48 @@ def test_the_cap_switches_the_stream_that_exceeds_it_off_and_back_on() -> None:
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 300) | st.sampled_from([0, 2**64 - 1, 2**63])), max_size=2000))
 def test_the_table_is_a_multiset(ops: list[tuple[bool, int]]) -> None:
-    table, ref = BlockTable(), dict[int, int]()
+    table, ref, vers = BlockTable(), dict[int, int](), dict[int, int]()
     for seq, (add, k) in enumerate(ops):
         if add:
             assert table.add(k, seq + 1) == ref.get(k, 0) + 1
             ref[k] = ref.get(k, 0) + 1
+            vers[k] = seq + 1
         else:
             c, _fact = table.remove(k, seq + 1)
             assert c == (ref[k] - 1 if k in ref else -1)
             if k in ref:
                 ref[k] -= 1
+                vers[k] = seq + 1
                 if not ref[k]:
                     del ref[k]
         assert len(table) == len(ref)
-    assert {k: c for k, c, _v in table.items()} == ref
-    assert all(k in table for k in ref)
+    assert {k: c for k, c, _v in table.items()} == ref  # each live block once, old arrays or new
+    assert {k: table.version(k) for k in ref} == {k: vers[k] for k in ref}
+    assert all(k in table and table.count(k) == c for k, c in ref.items())
     assert len(table) <= table.cap * 0.7 + 1
+
+
+def test_a_growing_table_moves_a_few_slots_per_change() -> None:
+    """No single change copies the whole table: the one past the load limit allocates the larger
+    arrays, and each change after it moves MOVE_STEP old slots, until none is left."""
+    from bridge.state import MOVE_STEP
+
+    table = BlockTable()
+    k = 0
+    while table._old is None:
+        k += 1
+        table.add(k * 7919, 1)
+    old_cap = table._old[2]
+    assert table._cursor == 0 and len(table) == k and all(table.count(i * 7919) == 1 for i in range(1, k + 1))
+    changes = 0
+    while table._old is not None:
+        before = table._cursor
+        table.add(10**9 + changes, 2)
+        changes += 1
+        assert table._old is None or table._cursor - before == MOVE_STEP
+    assert changes == -(-old_cap // MOVE_STEP) and sorted(table) == sorted(
+        [i * 7919 for i in range(1, k + 1)] + [10**9 + c for c in range(changes)]
+    )
 
 
 def test_versions_widen_past_32_bits() -> None:
