@@ -165,6 +165,8 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        for outcome in ("rebuilt", "fresh"):
+            self.state_rebuilds.labels(outcome)
         self.ready = Gauge(p + "ready", "1 when every sink is connected and every source subscribed.", registry=r)
         self.build_info = Gauge(p + "build_info", "Build information.", ["version"], registry=r)
         self.build_info.labels(__version__).set(1)

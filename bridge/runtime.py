@@ -286,6 +286,8 @@ class Bridge:
                 pos = self.checkpointer.resume_position(key)
                 top = self._held_top.pop(key) if key in self._held_top else None
                 announce = self.checkpointer.needs_reset(key)
+            if self.tracker is not None:
+                self.metrics.state_switched_off.labels(source.name)  # at 0 from the start
             pipeline = StreamPipeline(
                 self.context,
                 stream,

@@ -165,7 +165,10 @@ async def test_metrics_endpoint_passes_promtool_and_health_endpoints_answer(tmp_
 
 
 class FlakySink:
-    """A sink that fails now and then: a transient error every ``fail_every`` writes, one rejection."""
+    """A sink that fails now and then: a transient error every ``fail_every`` writes, one rejection.
+    It says it keeps state (and keeps none), so that the state series exist."""
+
+    writes_state = True
 
     class Options(msgspec.Struct, forbid_unknown_fields=True):
         fail_every: int = 5
@@ -236,6 +239,7 @@ async def test_every_dashboard_query_and_alert_on_a_real_prometheus(tmp_path: Pa
         "metrics": {"listen": f"127.0.0.1:{port}"},
         "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
         "replay": {"timeout": "300ms", "initial_backoff": "20ms", "max_backoff": "200ms"},
+        "state": {"max_entries": 50},  # the simulated engine stores more: a stream's state is switched off
     }
     registry = Registry({"flaky": FlakySink})
     ctx = zmq.asyncio.Context()
