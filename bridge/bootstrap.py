@@ -6,8 +6,9 @@ function that reads its sink (``connectors.redis.bootstrap``, ``connectors.nats.
 
 1. Read the stream's head ``H`` (a document of :mod:`bridge.state_docs`).
 2. Sweep its entries (newest value per key) and read the head again: if its (epoch, gen) moved, a
-   clear ran during the sweep: start over. Entries of an older (epoch, gen) than ``H`` are left
-   out (a sink that cannot delete key by key leaves them behind a clear).
+   clear ran during the sweep: start over. Entries of another (epoch, gen) than ``H`` are left
+   out (a sink that cannot delete key by key leaves them behind a clear; a write cut short by a
+   crash may leave some of a generation no head names).
 3. Follow the stream's messages from ``H["next"]`` with :meth:`StreamState.apply`: a message at or
    below ``H`` or below the last one applied is skipped (copies); ``SourceReset``,
    ``AllBlocksCleared`` and ``EventsLost`` drop every entry (``EventsLost``: incomplete); a block
@@ -78,8 +79,8 @@ class StreamState:
         generation = (self.epoch, int(head["gen"]))
         newest = (self.epoch, int(head["seq"]))
         for doc in entries:
-            if (int(doc["epoch"]), int(doc["gen"])) < generation:
-                continue  # left behind by a clear the sink could not apply key by key
+            if (int(doc["epoch"]), int(doc["gen"])) != generation:
+                continue  # left behind by a clear the sink could not apply key by key, or by a write cut short
             try:
                 key: Key = (doc.get("medium"), doc.get("group_idx"), int(doc["block"], 16))
             except (KeyError, TypeError, ValueError):

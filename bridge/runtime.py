@@ -526,6 +526,12 @@ class Bridge:
             handover = ckpt.combine(local, [h.get(key, "unknown") for h in held], acked)
             self.checkpointer.adopt(key, handover)
             resumed, top = self.checkpointer.resume_position(key), handover.top
+            head = self.tracker.head(stream) if self.tracker is not None else None
+            if head is not None and resumed is not None and (resumed.epoch, resumed.seq) > (head.epoch, head.seq):
+                # The sinks hold messages past their state (a pod killed between the two writes):
+                # the records in between will not come again, so the state cannot follow them.
+                assert self.tracker is not None
+                self.tracker.invalidate(stream)
             if top is not None and resumed is not None and handover.resume is not None and resumed.epoch == handover.resume.epoch:
                 self._held_top[key] = top
             else:

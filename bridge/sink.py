@@ -440,6 +440,11 @@ class SinkWorker:
                 if self.on_state_lost is not None:
                     self.on_state_lost(m.record.stream)
         dead = {id(m.record) for m in messages if m.record.kind == "batch"}
+        if self.writes_state and self.on_state_lost is not None:
+            # The sink's state holds what the refused messages said, its messages do not: a consumer
+            # following them would disagree with one bootstrapped later. Clear, incomplete.
+            for stream in {m.record.stream.key: m.record.stream for m in messages}.values():
+                self.on_state_lost(stream)
         log.error(
             "messages rejected by the sink, dead-lettered", extra={"sink": self.name, "count": len(messages), "error": str(exc)}
         )

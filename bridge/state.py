@@ -340,19 +340,14 @@ class BlockTable:
             self._move_some(-1)
 
     def _rebuild(self, cap: int) -> None:
+        """Shrink at once (rare, and the table is small by then: see MIN_LOAD)."""
         self._finish()
         old_ids, old_vers = self.ids, self.vers
         self._alloc(cap, old_vers.typecode)
-        ids, vers = self.ids, self.vers
+        put = self._put
         for k, v in zip(old_ids, old_vers, strict=True):
             if v:
-                i = k % cap
-                while vers[i]:
-                    i += 1
-                    if i == cap:
-                        i = 0
-                ids[i] = k
-                vers[i] = v
+                put(k, v)
 
 
 # -- what a record changes ------------------------------------------------------------------------
@@ -694,7 +689,9 @@ class StateTracker:
         st.live = 0
         st.tiers = {}
         st.ahead = -1
-        st.generation += 1
+        # Above every generation an earlier process may have left in a sink (a write a crash cut
+        # after its clear, which no head covers): at least this process's base.
+        st.generation = max(st.generation + 1, self.generation_base)
         pending.clear()
 
     def _switch_off(self, st: _StreamState, delta: StateDelta, pending: dict[tuple[Tier, int], _Pending]) -> None:

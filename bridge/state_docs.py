@@ -201,9 +201,9 @@ def seed_entry(doc: dict[str, Any]) -> SeedEntry | None:
 
 def seed_of(head_doc: dict[str, Any], entry_docs: Iterable[dict[str, Any]]) -> tuple[Head, list[SeedEntry]] | None:
     """What a restarted bridge rebuilds a stream from (``read_state``): the head and the entries of
-    its (epoch, generation). Older entries are left out (a clear the sink applies key by key may
-    leave them behind); None (cannot tell) when the head is unreadable or an entry is of a newer
-    generation (a clear whose head was never written)."""
+    its (epoch, generation); others are left out (a clear the sink applies key by key may leave
+    older ones behind, a write a crash cut after its clear newer ones, which the next clear, in a
+    generation above both, makes irrelevant). None (cannot tell) when the head is unreadable."""
     head = head_of(head_doc)
     if head is None:
         return None
@@ -214,8 +214,6 @@ def seed_of(head_doc: dict[str, Any], entry_docs: Iterable[dict[str, Any]]) -> t
             generation = (int(doc["epoch"]), int(doc["gen"]))
         except (KeyError, TypeError, ValueError):
             continue
-        if generation > current:
-            return None
         entry = seed_entry(doc) if generation == current else None
         if entry is not None:
             entries.append(entry)

@@ -110,3 +110,57 @@ async def test_a_state_change_refused_for_itself_clears_the_stream_at_its_next_r
     delta = tracker.apply(second)
     assert delta.clear and not delta.head.complete and delta.head.generation > first.state.head.generation
     await worker.stop()
+    worker.dead_letters.close()
+
+
+async def test_a_message_refused_for_itself_clears_its_streams_state_at_the_next_record(tmp_path: Any) -> None:
+    """A state sink dead-letters an event (too large for the broker, say): its state says what the
+    event said, its messages do not; the next record clears the stream, incomplete."""
+    from bridge.errors import PartialFailure, Permanent
+    from bridge.records import Record, Stream
+    from bridge.state import StateTracker
+    from tests.unit.test_sink import make
+
+    worker, conn, _acked, _metrics = make(tmp_path)
+    tracker = StateTracker()
+    worker.writes_state = True
+    worker.on_state_lost = tracker.invalidate
+    stream = Stream("llama-a", 0)
+    store = {"type": "BlockStored", "block_hashes": [1], "medium": "GPU", "token_ids": [], "block_size": 1}
+    first = Record(stream=stream, epoch=1, seq=0, ts=1.0, events=[store])
+    first.state = tracker.apply(first)
+    conn.failures = [PartialFailure({0: Permanent("too large", reason="too_large")})]
+    worker.start()
+    assert worker.offer(first)
+    await worker.flush(5.0)
+    delta = tracker.apply(Record(stream=stream, epoch=1, seq=1, ts=1.0, events=[store]))
+    assert delta.clear and not delta.head.complete
+    await worker.stop()
+    worker.dead_letters.close()
+
+
+def test_a_generation_is_above_the_process_base_after_a_rebuild() -> None:
+    """Seeded from a head of generation g, the next clear opens a generation at or above this
+    process's base, not g + 1, which a write an earlier process's crash cut may already hold."""
+    from bridge.records import Record, Stream, events_lost
+    from bridge.state import Head, StateTracker
+
+    t = StateTracker(generation_base=10**15)
+    stream = Stream("a", 0)
+    assert t.seed(stream, Head(epoch=1, generation=5, seq=3, complete=True, live=0), [])
+    d = t.apply(events_lost(stream, 1, 4, 5, "replay_exhausted", 0.0))
+    assert d.clear and d.head.generation == 10**15
+    d = t.apply(Record(stream=stream, epoch=1, seq=6, events=[{"type": "AllBlocksCleared"}]))
+    assert d.head.generation == 10**15 + 1
+
+
+def test_a_consumer_leaves_out_entries_of_any_other_generation() -> None:
+    from bridge.bootstrap import StreamState
+
+    head = {"epoch": 2, "gen": 7, "seq": 4, "complete": True}
+
+    def doc(gen: int, block: int) -> dict[str, Any]:
+        return {"epoch": 2, "gen": gen, "seq": 3, "medium": "GPU", "group_idx": 0, "block": f"{block:016x}", "count": 1}
+
+    state = StreamState(head, [doc(6, 1), doc(7, 2), doc(9, 3)])
+    assert state.blocks() == {("GPU", 0, 2): 1}
