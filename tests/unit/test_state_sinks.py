@@ -164,3 +164,45 @@ def test_a_consumer_leaves_out_entries_of_any_other_generation() -> None:
 
     state = StreamState(head, [doc(6, 1), doc(7, 2), doc(9, 3)])
     assert state.blocks() == {("GPU", 0, 2): 1}
+
+
+async def test_a_stream_taken_over_past_its_state_head_is_cleared_at_its_next_record(tmp_path: Any) -> None:
+    """checkpoint.from_sinks: the sink holds messages up to seq 5 but its state only up to seq 3
+    (the previous pod was killed between the two writes). The stream resumes after seq 5, so
+    seqs 4-5 never reach the tracker: it must not go on saying complete."""
+    from bridge.checkpoint import SinkPosition
+    from bridge.records import Record, Stream
+    from bridge.runtime import Bridge, SkipHeld
+    from bridge.state import Head, StateTracker
+    from tests.support.memory import MemoryConnector, MemoryOptions
+
+    stream = Stream("a", 0)
+
+    class Holder(MemoryConnector):
+        writes_state = True
+
+        async def positions(self, streams: Any) -> dict[str, SinkPosition | None]:
+            return {stream.key: SinkPosition(epoch=1, seq=5, ts=1.0)}
+
+        async def read_state(self, streams: Any) -> dict[str, Any]:
+            return {stream.key: (Head(epoch=1, generation=3, seq=3, complete=True, live=1), [("GPU", 0, 9, 1, 2, None)])}
+
+    cfg = from_data(
+        {
+            "sources": [{"name": "a", "endpoint": "tcp://127.0.0.1:5557"}],
+            "sinks": [{"type": "file", "path": str(tmp_path / "x")}],
+            "checkpoint": {"from_sinks": True},
+            "metrics": {"listen": ""},
+        },
+        env={},
+    )
+    bridge = Bridge(cfg)
+    conn = Holder("h", MemoryOptions(), cfg.sinks[0])
+    bridge.tracker, bridge._state_sinks, bridge.skips = StateTracker(), [conn], [SkipHeld(conn)]
+    await bridge.load_state([stream])
+    assert bridge.tracker.total == 1
+    await bridge.take_over([stream])
+    delta = bridge.tracker.apply(Record(stream=stream, epoch=1, seq=6, events=[]))
+    assert delta.clear and not delta.head.complete
+    bridge.zmq_context.destroy(linger=0)
+    bridge.dead_letters.close()
