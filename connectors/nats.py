@@ -554,6 +554,10 @@ class NatsConnector:
         self._kv_prefix = f"$KV.{state.bucket}."
         self._state_problem: str | None = None
         self._next: dict[str, int | None] = {}  # stream key -> JetStream seq its messages continue from
+        # How many times this process created the bucket, and at which count each stream last wrote
+        # its state (a bucket created again has lost the state of the streams written before).
+        self._bucket_life = 0
+        self._bucket_lives: dict[str, int] = {}
         self._format: StateFormat | None = None
         if state.enabled:
             try:
@@ -893,13 +897,25 @@ class NatsConnector:
                 break
             if i in seqs:
                 next_ = seqs[i] + 1
+        if deltas and self._bucket_lives.get(stream.key, self._bucket_life) != self._bucket_life:
+            # The bucket was created again since this stream's last state write (a server that kept
+            # it in memory restarted): what it held is gone. Refused for itself, the runtime clears
+            # the stream at its next record (incomplete), which writes it whole again.
+            self._bucket_lives[stream.key] = self._bucket_life
+            lost = Permanent(f"{self._prefix}: KV bucket {self._bucket!r} was created again: state lost", reason="state_lost")
+            errors.update(dict.fromkeys(states, lost))
+            return
         if deltas:
+            self._bucket_lives[stream.key] = self._bucket_life
             try:
                 await self._apply_state(nc, stream, deltas)
             except ConnectorError as exc:
                 failure = exc if not isinstance(exc, Permanent) else Retriable(str(exc), reason=exc.reason)
                 errors.update(dict.fromkeys(states, failure))
                 self._state_problem = str(failure)
+                if failure.reason == "no_bucket" and self.options.state.create:
+                    with contextlib.suppress(ConnectorError, TimeoutError, nats.errors.Error):
+                        await self._check_bucket(nc.jetstream(timeout=self.options.connect_timeout))
                 return
             self._state_problem = None
             if deltas[-1][1] is not None:
@@ -919,8 +935,16 @@ class NatsConnector:
         fmt = self._format
         assert fmt is not None
         prefix = state_prefix(stream.source, stream.dp_rank)
+        limit = max(4096, nc.max_payload // 2) - 512  # a journal part holds one entry at least
+
+        def document(c: EntryChange, head: Head) -> bytes:
+            doc = fmt.entry(stream, head, c)
+            if len(doc) > limit:  # a fact too large for a message (a huge lora_name): the count and version
+                doc = fmt.entry(stream, head, msgspec.structs.replace(c, fact=None))
+            return doc
+
         ops = [
-            (entry_key(c.medium, c.group_idx, c.block), fmt.entry(stream, head, c) if c.count > 0 else None)
+            (entry_key(c.medium, c.group_idx, c.block), document(c, head) if c.count > 0 else None)
             for c, head in op.changes.values()
         ]
         head_doc = fmt.head(stream, op.head, op.next)
@@ -1014,6 +1038,7 @@ class NatsConnector:
         except nats.js.errors.APIError as exc:
             if exc.err_code != _STREAM_NAME_EXISTS:
                 raise NotConnected(f"{self._prefix}: cannot create KV bucket {so.bucket!r}: {_describe(exc)}") from None
+        self._bucket_life += 1  # created (again): streams written before lost their state
         self._state_problem = None
         log.info("%s: created KV bucket %s for the state", self._prefix, so.bucket, extra={"sink": self.name})
 

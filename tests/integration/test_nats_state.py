@@ -522,3 +522,47 @@ async def test_a_missing_bucket_is_reported_and_state_writes_are_retried(
         assert state.epoch == 1 and state.complete and state.blocks() == {}
     finally:
         await w.connector.close()
+
+
+async def test_a_bucket_lost_and_created_again_tells_the_state_lost_once_per_stream(
+    nats_server: NatsServer, reader: Client, names: tuple[str, str]
+) -> None:
+    """A bucket the server lost (memory storage, a restart) is created again at the next failed
+    write (state.create); each stream's next state message is then refused for itself, once
+    (the runtime clears the stream at its next record, incomplete), and written again after."""
+    dest, bucket = names
+    stream = Stream("m", 0)
+    w = Writer(nats_server.url, dest, bucket)
+    await w.connector.connect()
+    try:
+        rand = random.Random(3)
+        await w.write([source_reset(stream, 1, "publisher_restart", 0.0), many_blocks(stream, 1, 0, 3, rand)])
+        await reader.jetstream(timeout=10).delete_key_value(bucket)  # what a restarted in-memory server lost
+        with pytest.raises(ConnectorError) as info:
+            await w.write([many_blocks(stream, 1, 1, 1, rand)])
+        assert info.value.reason == "no_bucket"
+        second = many_blocks(stream, 1, 2, 1, rand)
+        with pytest.raises(ConnectorError) as info:  # the bucket is back, empty: this stream's state is lost
+            await w.write([second])
+        assert isinstance(info.value, Permanent) and info.value.reason == "state_lost"
+        await w.connector.write([state_message(second)])  # told once: the runtime's next record writes again
+    finally:
+        await w.connector.close()
+
+
+async def test_an_entry_too_large_for_a_message_is_written_without_its_fact(
+    nats_server: NatsServer, reader: Client, names: tuple[str, str]
+) -> None:
+    dest, bucket = names
+    stream = Stream("m", 0)
+    w = Writer(nats_server.url, dest, bucket)
+    await w.connector.connect()
+    try:
+        big = many_blocks(stream, 1, 0, 1, random.Random(1))
+        big.events[0]["lora_name"] = "x" * (reader.max_payload + 10)
+        await w.write([source_reset(stream, 1, "publisher_restart", 0.0), big])
+        state, _ = await bootstrap(reader, bucket, "m", 0)
+        [doc] = state.entries.values()
+        assert doc["count"] == 1 and "lora_name" not in doc and doc["seq"] == 0
+    finally:
+        await w.connector.close()
