@@ -125,6 +125,7 @@ STATE_TOPIC_CONFIGS = {"cleanup.policy": "compact", "min.cleanable.dirty.ratio":
 """Topic configs of a state topic the sink creates (``state.create``)."""
 HEAD = "_head"
 """The last part of a head's key: ``source/dp_rank/_head``."""
+_YIELD_EVERY = 4096  # state records built between two yields to the event loop
 _STATE_RECORD_OVERHEAD = 32  # bytes a record adds to its key and value in a batch (varints, no headers)
 
 
@@ -736,11 +737,15 @@ class KafkaConnector:
         parts = self._partitions[topic]
         limit = self._batch_limit.get(topic, self._max_bytes)
         chains: dict[int, list[_Chunk]] = {}
+        built = 0
         for i, next_ in wanted:
             m = messages[i]
             partition = _PARTITIONER(m.key, parts, parts)
             chain = chains.setdefault(partition, [])
             for name, value in self._state_records(m.record.stream, m.record.state, next_):
+                built += 1
+                if not built % _YIELD_EVERY:
+                    await asyncio.sleep(0)  # a clear of 10^5 keys: let the other streams' work run between
                 size = len(name) + (len(value) if value is not None else 0) + _STATE_RECORD_OVERHEAD
                 if not chain or chain[-1].used + size > limit:
                     chain.append(_Chunk(producer.create_batch(), topic, partition, False))
