@@ -74,7 +74,7 @@ from bridge.connector import (
     redact,
 )
 from bridge.state import EntryChange
-from bridge.state_docs import StateFormat, entry_key, head_of, parse, seed_entry, tier_text
+from bridge.state_docs import StateFormat, entry_key, head_of, parse, seed_of, tier_text
 
 from . import _aiokafka_internals as internals
 
@@ -472,15 +472,7 @@ class KafkaConnector:
         consumer = self._reader
         if consumer is None:
             # Kept for later calls (discovery asks source by source) until close().
-            consumer = AIOKafkaConsumer(
-                **client_settings(self.options, self.name),
-                ssl_context=ssl_context(self.options),
-                group_id=None,
-                enable_auto_commit=False,
-                auto_offset_reset="earliest",
-            )
-            await consumer.start()
-            self._reader = consumer
+            consumer = self._reader = await self._start_reader()
         try:
             out: dict[str, SinkPosition | None] = {}
             tps = [TopicPartition(t, p) for t, p in wanted]
@@ -548,14 +540,7 @@ class KafkaConnector:
         parts = self._partitions[topic]
         tps = sorted({TopicPartition(topic, _PARTITIONER(s.key.encode(), parts, parts)) for s in streams})
         log = StateLog(s.key for s in streams)
-        consumer = AIOKafkaConsumer(
-            **client_settings(self.options, self.name),
-            ssl_context=ssl_context(self.options),
-            group_id=None,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-        )
-        await consumer.start()
+        consumer = await self._start_reader()
         try:
             consumer.assign(tps)
             ends = await consumer.end_offsets(tps)
@@ -567,17 +552,29 @@ class KafkaConnector:
         out: dict[str, tuple[Head, list[SeedEntry]] | None] = {}
         for stream in streams:
             raw, values = log.cut(stream.key)
-            doc = None if raw is None else parse(raw)
-            head = None if doc is None else head_of(doc)
             if raw is None:
                 out[stream.key] = None
                 continue
-            if doc is None or head is None:
+            doc = parse(raw)
+            seed = None if doc is None else seed_of(doc, [d for v in values if (d := parse(v)) is not None])
+            if doc is None or seed is None:
                 continue  # a damaged head: cannot tell
             if type(doc.get("next")) is int:
                 self._stream_next.setdefault(stream.key, doc["next"])
-            out[stream.key] = (head, seed_entries(head, values))
+            out[stream.key] = seed
         return out
+
+    async def _start_reader(self) -> AIOKafkaConsumer:
+        """A started consumer of the sink's cluster that reads partitions it is assigned (no group)."""
+        consumer = AIOKafkaConsumer(
+            **client_settings(self.options, self.name),
+            ssl_context=ssl_context(self.options),
+            group_id=None,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+        )
+        await consumer.start()
+        return consumer
 
     # -- the write path -------------------------------------------------------------------------
     async def _build(self, producer: Any, messages: Sequence[Message], errors: dict[int, ConnectorError]) -> list[list[_Chunk]]:
@@ -1151,26 +1148,6 @@ def _merge(entries: dict[bytes, bytes], records: dict[bytes, bytes | None]) -> N
             entries[key] = value
 
 
-def seed_entries(head: Head, values: Iterable[bytes]) -> list[SeedEntry]:
-    """The tracker's entries of a stream from its entry documents: those of the head's (epoch,
-    generation) (a clear without tombstones, a fresh start, leaves older ones behind)."""
-    out: list[SeedEntry] = []
-    current = (head.epoch, head.generation)
-    for value in values:
-        doc = parse(value)
-        if doc is None:
-            continue
-        try:
-            if (int(doc["epoch"]), int(doc["gen"])) != current:
-                continue
-        except (KeyError, TypeError, ValueError):
-            continue
-        entry = seed_entry(doc)
-        if entry is not None:
-            out.append(entry)
-    return out
-
-
 async def read_log(consumer: Any, tp: Any, lo: int, hi: int, log: StateLog) -> None:
     """Feed ``log`` the records of offsets ``lo``..``hi - 1`` of one partition, in order."""
     consumer.seek(tp, lo)
@@ -1277,7 +1254,6 @@ __all__ = [
     "bootstrap",
     "client_settings",
     "producer_settings",
-    "seed_entries",
     "ssl_context",
     "stream_of",
 ]

@@ -21,7 +21,8 @@ from bridge.errors import ConfigError, PartialFailure, Permanent, Retriable
 from bridge.formats import Message, Renderer, state_message
 from bridge.records import Record, Stream, source_reset
 from bridge.state import StateTracker
-from connectors.kafka import KafkaConnector, KafkaOptions, StateLog, seed_entries, stream_of
+from bridge.state_docs import parse, seed_of
+from connectors.kafka import KafkaConnector, KafkaOptions, StateLog, stream_of
 
 A, B = Stream("llama-a", 0), Stream("llama-b", 1)
 TOPIC, STATE = "kv-events", "kv-state"
@@ -98,7 +99,7 @@ def test_state_log_cut_stops_at_the_last_head_newest_adds_the_tail() -> None:
     assert log.cut("t/0") == (None, []) and log.records == 6
 
 
-def test_seed_entries_keep_the_heads_generation_only() -> None:
+def test_a_rebuild_keeps_the_heads_generation_only() -> None:
     tracker = StateTracker()
     delta = tracker.apply(Record(stream=A, epoch=1, seq=0, events=[stored([1, 2])]))
     conn = connector()
@@ -108,8 +109,8 @@ def test_seed_entries_keep_the_heads_generation_only() -> None:
     values = [v for k, v in records.items() if v is not None and not k.endswith(b"_head")]
     old = json.dumps({**json.loads(values[0]), "gen": head["gen"] - 1}).encode()  # left behind by a fresh start
     assert delta.head is not None
-    seeds = seed_entries(delta.head, [*values, old, b"not json"])
-    assert sorted(s[2] for s in seeds) == [1, 2]
+    seed = seed_of(head, [d for v in [*values, old, b"not json"] if (d := parse(v)) is not None])  # as read_state does
+    assert seed is not None and sorted(s[2] for s in seed[1]) == [1, 2]
 
 
 def test_state_records_order_tombstones_changes_head() -> None:
