@@ -83,9 +83,20 @@ async def test_skipheld_never_leaves_out_a_state_message() -> None:
     assert inner.messages[0].record.state.clear  # the fresh start's clear
 
 
-async def test_a_state_change_refused_for_itself_clears_the_stream_at_its_next_record(tmp_path: Any) -> None:
-    """Not dead-lettered with its record (whose events were written): the tracker makes the
-    stream's next delta a clear, in a new generation, incomplete."""
+@pytest.mark.parametrize(
+    ("refused", "reason"),
+    [
+        # a state change refused for itself: not dead-lettered with its record (whose events were written)
+        (1, "rejected"),
+        # an event refused for itself (too large for the broker, say): the state says what it said,
+        # the sink's messages do not
+        (0, "too_large"),
+    ],
+)
+async def test_a_message_refused_for_itself_clears_its_streams_state_at_the_next_record(
+    tmp_path: Any, refused: int, reason: str
+) -> None:
+    """Either way the tracker makes the stream's next delta a clear, in a new generation, incomplete."""
     from bridge.errors import PartialFailure, Permanent
     from bridge.records import Record, Stream
     from bridge.state import StateTracker
@@ -99,42 +110,15 @@ async def test_a_state_change_refused_for_itself_clears_the_stream_at_its_next_r
     store = {"type": "BlockStored", "block_hashes": [1], "medium": "GPU", "token_ids": [], "block_size": 1}
     first = Record(stream=stream, epoch=1, seq=0, ts=1.0, events=[store])
     first.state = tracker.apply(first)
-    conn.failures = [PartialFailure({1: Permanent("state refused", reason="rejected")})]
+    conn.failures = [PartialFailure({refused: Permanent("refused by the test", reason=reason)})]
     worker.start()
     assert worker.offer(first)
     await worker.flush(5.0)
-    assert acked == [first] and metrics.registry.get_sample_value(
-        "kv_bridge_sink_batches_total", {"sink": "mem", "outcome": "dead_lettered"}
-    ) in (None, 0.0)
-    second = Record(stream=stream, epoch=1, seq=1, ts=1.0, events=[store])
-    delta = tracker.apply(second)
-    assert delta.clear and not delta.head.complete and delta.head.generation > first.state.head.generation
-    await worker.stop()
-    worker.dead_letters.close()
-
-
-async def test_a_message_refused_for_itself_clears_its_streams_state_at_the_next_record(tmp_path: Any) -> None:
-    """A state sink dead-letters an event (too large for the broker, say): its state says what the
-    event said, its messages do not; the next record clears the stream, incomplete."""
-    from bridge.errors import PartialFailure, Permanent
-    from bridge.records import Record, Stream
-    from bridge.state import StateTracker
-    from tests.unit.test_sink import make
-
-    worker, conn, _acked, _metrics = make(tmp_path)
-    tracker = StateTracker()
-    worker.writes_state = True
-    worker.on_state_lost = tracker.invalidate
-    stream = Stream("llama-a", 0)
-    store = {"type": "BlockStored", "block_hashes": [1], "medium": "GPU", "token_ids": [], "block_size": 1}
-    first = Record(stream=stream, epoch=1, seq=0, ts=1.0, events=[store])
-    first.state = tracker.apply(first)
-    conn.failures = [PartialFailure({0: Permanent("too large", reason="too_large")})]
-    worker.start()
-    assert worker.offer(first)
-    await worker.flush(5.0)
+    assert acked == [first]
+    dead = metrics.registry.get_sample_value("kv_bridge_sink_batches_total", {"sink": "mem", "outcome": "dead_lettered"})
+    assert (dead in (None, 0.0)) == (refused == 1)  # only a refused event dead-letters its record
     delta = tracker.apply(Record(stream=stream, epoch=1, seq=1, ts=1.0, events=[store]))
-    assert delta.clear and not delta.head.complete
+    assert delta.clear and not delta.head.complete and delta.head.generation > first.state.head.generation
     await worker.stop()
     worker.dead_letters.close()
 
