@@ -30,7 +30,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from bridge.bootstrap import StreamState, block_id
-from bridge.config import from_data
+from bridge.config import Config, from_data
 from bridge.records import Record, Stream
 from bridge.runtime import Bridge
 from connectors.redis import bootstrap
@@ -65,6 +65,30 @@ def sink(url: str, prefix: str, **extra: Any) -> dict[str, Any]:
         "batch": {"linger": 0},
         **extra,
     }
+
+
+def in_process(tmp: Path, engines: list[tuple[str, int, int]], sink_entry: dict[str, Any], **sections: Any) -> Config:
+    """The config of an in-process bridge: ``engines`` as (source, live port, replay port)."""
+    config = {
+        "sources": [
+            {"name": n, "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}
+            for n, live, rep in engines
+        ],
+        "sinks": [sink_entry],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp / "dead.jsonl")},
+        "replay": REPLAY,
+        "shutdown_timeout": "3s",
+        **sections,
+    }
+    return from_data(config, env={})
+
+
+async def remove_keys(client: aioredis.Redis, prefix: str) -> None:
+    """Delete the keys a test wrote (its prefix)."""
+    keys = [k async for k in client.scan_iter(match=prefix + ":*")]
+    if keys:
+        await client.delete(*keys)
 
 
 async def top_seq(client: aioredis.Redis, key: str) -> int | None:
@@ -126,20 +150,10 @@ async def client(redis_server: RedisServer) -> Any:
 async def test_bootstrap_at_any_cut_equals_the_engine(tmp_path: Path, redis_server: RedisServer, client: Any) -> None:
     prefix = f"kvs{uuid.uuid4().hex[:8]}"
     (la, ra), (lb, rb) = (free_port(), free_port()), (free_port(), free_port())
-    config = {
-        "sources": [
-            {"name": n, "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}
-            for n, live, rep in [("a", la, ra), ("b", lb, rb)]
-        ],
-        "sinks": [sink(redis_server.url, prefix)],
-        "metrics": {"listen": ""},
-        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
-        "replay": REPLAY,
-        "shutdown_timeout": "3s",
-    }
+    cfg = in_process(tmp_path, [("a", la, ra), ("b", lb, rb)], sink(redis_server.url, prefix))
     rand = random.Random(7)
     async with CacheEngine(la, ra, seed=1) as a, CacheEngine(lb, rb, seed=2, buffer_steps=4) as b:
-        bridge = Bridge(from_data(config, env={}))
+        bridge = Bridge(cfg)
         await bridge.start()
         try:
             await a.wait_subscribed()
@@ -196,9 +210,7 @@ async def test_bootstrap_at_any_cut_equals_the_engine(tmp_path: Path, redis_serv
                 check(state, b)
         finally:
             await bridge.stop()
-            keys = [k async for k in client.scan_iter(match=prefix + ":*")]
-            if keys:
-                await client.delete(*keys)
+            await remove_keys(client, prefix)
 
 
 async def test_a_sigkilled_bridge_rebuilds_its_state_from_redis(tmp_path: Path, redis_server: RedisServer, client: Any) -> None:
@@ -238,26 +250,17 @@ async def test_a_sigkilled_bridge_rebuilds_its_state_from_redis(tmp_path: Path, 
             assert rebuilt == 1, bridge.log()[-3000:]  # the last start rebuilt its one stream
         finally:
             await bridge.terminate()
-            keys = [k async for k in client.scan_iter(match=prefix + ":*")]
-            if keys:
-                await client.delete(*keys)
+            await remove_keys(client, prefix)
 
 
 async def test_a_reset_of_100k_blocks_leaves_no_old_key(tmp_path: Path, redis_server: RedisServer, client: Any) -> None:
     prefix = f"kvr{uuid.uuid4().hex[:8]}"
     live, rep = free_port(), free_port()
-    config = {
-        "sources": [{"name": "a", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}],
-        "sinks": [sink(redis_server.url, prefix, granularity="batch")],
-        "metrics": {"listen": ""},
-        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
-        "replay": REPLAY,
-        "shutdown_timeout": "3s",
-    }
+    cfg = in_process(tmp_path, [("a", live, rep)], sink(redis_server.url, prefix, granularity="batch"))
     n, per = 100_000, 2_000
     state_key = f"{prefix}:a:0:state"
     async with CacheEngine(live, rep, seed=9) as engine:
-        bridge = Bridge(from_data(config, env={}))
+        bridge = Bridge(cfg)
         await bridge.start()
         try:
             await engine.wait_subscribed()
@@ -288,9 +291,7 @@ async def test_a_reset_of_100k_blocks_leaves_no_old_key(tmp_path: Path, redis_se
         finally:
             await bridge.stop()
             with contextlib.suppress(Exception):
-                keys = [k async for k in client.scan_iter(match=prefix + ":*")]
-                if keys:
-                    await client.delete(*keys)
+                await remove_keys(client, prefix)
 
 
 async def test_a_forgotten_source_gives_its_room_back_and_is_rebuilt_when_back(
@@ -301,16 +302,7 @@ async def test_a_forgotten_source_gives_its_room_back_and_is_rebuilt_when_back(
     anew, it opens a new epoch: replay brings the engine's batches again from seq 0)."""
     prefix = f"kvf{uuid.uuid4().hex[:8]}"
     live, rep = free_port(), free_port()
-    source = {"name": "a", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}
-    config = {
-        "sources": [source],
-        "sinks": [sink(redis_server.url, prefix)],
-        "metrics": {"listen": ""},
-        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
-        "replay": REPLAY,
-        "shutdown_timeout": "3s",
-    }
-    cfg = from_data(config, env={})
+    cfg = in_process(tmp_path, [("a", live, rep)], sink(redis_server.url, prefix))
     async with CacheEngine(live, rep, seed=4) as engine:
         bridge = Bridge(cfg)
         await bridge.start()
@@ -330,9 +322,7 @@ async def test_a_forgotten_source_gives_its_room_back_and_is_rebuilt_when_back(
             check(await bootstrapped(client, prefix, "a"), engine)
         finally:
             await bridge.stop()
-            keys = [k async for k in client.scan_iter(match=prefix + ":*")]
-            if keys:
-                await client.delete(*keys)
+            await remove_keys(client, prefix)
 
 
 async def test_a_bootstrap_whose_head_the_stream_was_trimmed_past_starts_over(client: Any) -> None:
@@ -408,17 +398,9 @@ async def test_past_state_max_entries_a_streams_state_is_switched_off_and_its_ev
 ) -> None:
     prefix = f"kvm{uuid.uuid4().hex[:8]}"
     live, rep = free_port(), free_port()
-    config = {
-        "sources": [{"name": "a", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}],
-        "sinks": [sink(redis_server.url, prefix)],
-        "state": {"max_entries": 10},
-        "metrics": {"listen": ""},
-        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
-        "replay": REPLAY,
-        "shutdown_timeout": "3s",
-    }
+    cfg = in_process(tmp_path, [("a", live, rep)], sink(redis_server.url, prefix), state={"max_entries": 10})
     async with CacheEngine(live, rep, seed=6) as engine:
-        bridge = Bridge(from_data(config, env={}))
+        bridge = Bridge(cfg)
         await bridge.start()
         try:
             await engine.wait_subscribed()
@@ -441,6 +423,4 @@ async def test_past_state_max_entries_a_streams_state_is_switched_off_and_its_ev
             check(await bootstrapped(client, prefix, "a"), engine)
         finally:
             await bridge.stop()
-            keys = [k async for k in client.scan_iter(match=prefix + ":*")]
-            if keys:
-                await client.delete(*keys)
+            await remove_keys(client, prefix)
