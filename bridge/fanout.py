@@ -44,6 +44,23 @@ class Fanout:
             self._track(record)
         return [w for w in self.workers if not w.offer(record)]
 
+    def offer_all(self, records: Sequence[Record]) -> bool:
+        """Queue ``records`` (one stream's, in order) on every sink at once when each has room for
+        all of them now (True); else nothing is queued or tracked (False: offer them one by one)."""
+        size = 0
+        for r in records:
+            size += r.size
+        n = len(records)
+        for w in self.workers:
+            if not w.has_room_for(n, size):
+                return False
+        if self.tracker is not None:
+            for r in records:
+                self._track(r)
+        for w in self.workers:
+            w.push_all(records, size)
+        return True
+
     def force(self, record: Record) -> None:
         """Queue ``record`` on every sink now, past a full queue's bounds (see StreamPipeline)."""
         if self.tracker is not None:

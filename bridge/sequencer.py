@@ -187,6 +187,28 @@ class StreamSequencer:
         return _finite(self._raw_ts_of(payload))
 
     # -- inputs ---------------------------------------------------------------------------------
+    def accept(self, seq: int, payload: bytes, ts: float | None = None) -> bool:
+        """:meth:`live` for its common case, without building actions: True when ``live`` would
+        return exactly ``[Deliver(seq, payload, epoch)]`` (the next seq, nothing held, in doubt
+        or older than this instance), with the same effect on the sequencer; False, and nothing
+        changed, otherwise (then call ``live``). The hot path of every steady stream."""
+        if seq != self.delivered + 1 or seq <= self._top or self.held or self._doubt:
+            return False
+        last = self.last_live
+        if last is not None and seq <= last:
+            return False
+        floor = self._floor_ts
+        if floor is not None:
+            ts = _finite(ts) if ts is not None else self._ts_of(payload)
+            if ts is not None and ts < floor:
+                return False
+        # seq == delivered + 1 > _top >= delivered: no restart, no head to lose (seq 0 when
+        # nothing was delivered), nothing held to drain; what live() and _deliver() set.
+        self._resumed = False
+        self.last_live = self._top = self.delivered = self._anchor_seq = seq
+        self._last_payload = payload
+        return True
+
     def live(self, seq: int, payload: bytes, ts: float | None = None) -> list[Action]:
         """A message from the live PUB stream (``ts``: its engine ts, when the caller has it)."""
         out: list[Action] = []

@@ -168,6 +168,21 @@ class SinkWorker:
     def has_room(self, size: int) -> bool:
         return not self._queue or (len(self._queue) < self.max_batches and self._bytes + size <= self.max_bytes)
 
+    def has_room_for(self, n: int, size: int) -> bool:
+        """Room for ``n`` more records of ``size`` bytes in all, within both bounds."""
+        return len(self._queue) + n <= self.max_batches and self._bytes + size <= self.max_bytes
+
+    def push_all(self, records: Sequence[Record], size: int) -> None:
+        """Queue ``records`` (one stream's, ``size`` bytes in all) after :meth:`has_room_for` said yes."""
+        if self._dropped:
+            self._flush_dropped(records[0].stream.key)
+        self._queue.extend(records)
+        self._bytes += size
+        self._idle.clear()
+        self._work.set()
+        if not self.has_room(0):
+            self._room.clear()
+
     def _push(self, record: Record) -> None:
         self._queue.append(record)
         self._bytes += record.size

@@ -100,6 +100,7 @@ class StreamPipeline:
         self._first_pending = True
         self._announce = announce
         self._pending: Record | None = None  # decided, being handed on (see _hand_decided)
+        self._run: list[Record] = []  # decided in order, to be handed on together (see on_live)
         self.backoff = Backoff(cfg.initial_backoff, cfg.max_backoff)
         self.lock = asyncio.Lock()
         self._replay_task: asyncio.Task[None] | None = None
@@ -130,12 +131,18 @@ class StreamPipeline:
             self._flush_metrics()
 
     async def on_live(self, burst: Sequence[list[bytes]], received: float) -> None:
-        """A burst of live messages drained from the SUB socket."""
+        """A burst of live messages drained from the SUB socket.
+
+        The common batch (the next seq, see ``StreamSequencer.accept``) joins ``_run`` and the
+        run is handed to the sinks in one call at the end of the burst, or before anything else
+        the sequencer decides; everything else goes through ``live`` and ``_execute``."""
         self.metrics.received.inc(len(burst))
         self.last_activity = time.monotonic()
         observe = self.metrics.ingest_lag.observe
-        parse, peek_ts, live = wire.parse_live, wire.peek_ts, self.sequencer.live
-        offer, finish = self.ctx.fanout.offer, self.ctx.fanout.finish
+        parse, peek_ts = wire.parse_live, wire.peek_ts
+        sequencer = self.sequencer
+        accept, live, decode = sequencer.accept, sequencer.live, self._decode
+        run = self._run
         async with self.lock:
             i = 0
             try:
@@ -145,23 +152,20 @@ class StreamPipeline:
                     except DecodeError as exc:
                         self.ctx.decode_failures(self.stream, exc, None, frames)
                         continue
-                    ts = peek_ts(f.payload)
+                    seq, payload = f.seq, f.payload
+                    ts = peek_ts(payload)
                     if ts is not None:
                         observe(received - ts if received > ts else 0.0)
-                    actions = live(f.seq, f.payload, ts)
-                    if len(actions) == 1 and type(a := actions[0]) is Deliver:  # the common case, without the dispatch
-                        record = self._pending = self._decode(a.seq, a.payload, received, a.epoch)
-                        if self._first_pending:
-                            await self._note_first(record)
-                        self._handed = record  # every sink has it once offered (see Fanout.finish)
-                        if record.kind == "batch":
-                            self._handed_batch = record
-                        waiting = offer(record)
-                        if waiting:
-                            await finish(record, waiting)
-                        self._pending = None
-                    else:
-                        await self._execute(actions, received)
+                    # An epoch's first batch is noted (and saved) before it goes out: not here.
+                    if not self._first_pending and accept(seq, payload, ts):
+                        run.append(decode(seq, payload, received, sequencer.epoch))
+                        continue
+                    actions = live(seq, payload, ts)
+                    if run:
+                        await self._hand_run()
+                    await self._execute(actions, received)
+                if run:
+                    await self._hand_run()
             except asyncio.CancelledError:
                 await self._hand_decided([], received)
                 # Removed while waiting for a full sink: the rest of the burst was read from the
@@ -172,6 +176,26 @@ class StreamPipeline:
                         self._unread_top = max(self._unread_top, parse(frames).seq)
                 raise
             self._flush_metrics()
+
+    async def _hand_run(self) -> None:
+        """Hand ``_run`` (records decided in order, not yet offered) to every sink: in one call
+        when every sink has room for all of it, else one by one, waiting for blocking sinks."""
+        run = self._run
+        fanout = self.ctx.fanout
+        if fanout.offer_all(run):
+            self._handed = run[-1]
+            for record in reversed(run):
+                if record.kind == "batch":
+                    self._handed_batch = record
+                    break
+            run.clear()
+            return
+        while run:
+            record = run.pop(0)
+            self._handed = record  # every sink has it once offered (see Fanout.finish)
+            if record.kind == "batch":
+                self._handed_batch = record
+            await fanout.publish(record)
 
     async def probe(self) -> None:
         """Called when the stream has been quiet for ``replay.idle_probe`` (see StreamSequencer.probe)."""
@@ -261,7 +285,10 @@ class StreamPipeline:
         restart left unannounced (I3), and the epochs and first batches they open are saved first."""
         pending = self._pending
         self._pending = None
-        records = [pending] if pending is not None and pending is not self._handed else []
+        records = self._run[:]  # decided before anything else
+        self._run.clear()
+        if pending is not None and pending is not self._handed:
+            records.append(pending)
         for a in rest:
             if isinstance(a, RequestReplay):
                 continue  # the stream is going away: no new replay

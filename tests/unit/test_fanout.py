@@ -6,9 +6,13 @@ import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from bridge.fanout import Fanout
 from bridge.formats import Message
 from bridge.records import Record, Stream
+from bridge.sink import SinkWorker
 from tests.support.memory import MemoryConnector, MemoryOptions
 from tests.support.records import batch, stream_records
 from tests.unit.test_sink import make
@@ -121,3 +125,49 @@ async def test_a_record_waiting_on_several_full_sinks_reaches_each_of_them(tmp_p
         await w.stop()
         w.dead_letters.close()
         assert [m.record.seq for m in conn.messages] == list(range(4))
+
+
+def _queue_state(w: SinkWorker) -> tuple[object, ...]:
+    shown = [(r.kind, r.epoch, r.from_seq, r.seq) for r in w._queue]
+    return shown, w._bytes, sorted(w._dropped), w._room.is_set(), w._work.is_set(), w._idle.is_set()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    sinks=st.lists(
+        st.tuples(st.sampled_from(["block", "drop"]), st.integers(1, 8), st.integers(1, 6), st.integers(0, 6)),
+        min_size=1,
+        max_size=3,
+    ),
+    run=st.lists(st.integers(0, 30), min_size=1, max_size=8),
+)
+async def test_offer_all_queues_a_run_exactly_as_offering_it_record_by_record_would(
+    tmp_path: Path, sinks: list[tuple[str, int, int, int]], run: list[int]
+) -> None:
+    """Per sink (backpressure, max_batches, max_bytes in records, records already queued, forced or
+    dropped): ``offer_all`` either takes the whole run, leaving every queue as one ``offer`` per
+    record would have (no record waiting), or takes nothing and changes nothing."""
+    unit = batch(STREAM, 0).size
+    runs = [[batch(STREAM, 100 + i, n_events=1 + n % 3) for i, n in enumerate(run)] for _ in range(2)]
+    sides: list[list[SinkWorker]] = [[], []]
+    for side in sides:
+        for policy, max_batches, max_bytes, before in sinks:
+            queue = {"max_batches": max_batches, "max_bytes": max_bytes * unit * 2}
+            w, _, _, _ = make(tmp_path, backpressure=policy, queue=queue)
+            for seq in range(before):  # a drop sink drops past its bounds (a span pending), a block sink is forced
+                if not w.offer(record := batch(STREAM, seq)):
+                    w.force(record)
+            side.append(w)
+    try:
+        one, other = Fanout(sides[0]), Fanout(sides[1])
+        untouched = [_queue_state(w) for w in sides[0]]
+        if one.offer_all(runs[0]):
+            for r in runs[1]:
+                assert other.offer(r) == [], "offer_all took a run that a sink would have made wait"
+            assert [_queue_state(w) for w in sides[0]] == [_queue_state(w) for w in sides[1]]
+        else:
+            assert [_queue_state(w) for w in sides[0]] == untouched
+    finally:
+        for side in sides:
+            for w in side:
+                w.dead_letters.close()

@@ -6,7 +6,7 @@ epochs store), and answer replays from a script (the replay client)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +38,11 @@ class Recording(Fanout):
         self.records.append(record)
         self.log.append(("record", (record.kind, record.epoch, record.seq)))
         return []
+
+    def offer_all(self, records: Sequence[Record]) -> bool:
+        for record in records:
+            self.offer(record)
+        return True
 
 
 class Epochs:

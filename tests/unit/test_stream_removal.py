@@ -14,7 +14,7 @@ resume point exactly as ``Bridge.remove_source`` / ``Bridge.add_source`` do.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -69,6 +69,12 @@ class Out(Fanout):
             return [self.full]  # type: ignore[list-item]
         self.got.append(record)
         return []
+
+    def offer_all(self, records: Sequence[Record]) -> bool:
+        if self.full is not None:
+            return False
+        self.got.extend(records)
+        return True
 
     def force(self, record: Record) -> None:
         self.got.append(record)
