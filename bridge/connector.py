@@ -86,7 +86,7 @@ from .checkpoint import SinkPosition
 from .config import ByteSize, Duration, SinkConfig, convert_options, doc
 from .config import Struct as ConnectorOptions
 from .errors import ConfigError, ConnectorError, NotConnected, PartialFailure, Permanent, Retriable
-from .formats import STATE_TYPE, Message, hex64
+from .formats import STATE_TYPE, Envelope, Message, hex64, sample_message
 from .records import Event, Record, Stream
 from .secret import Secret, redact, redact_url, reveal
 from .state import Head, SeedEntry, StateDelta
@@ -312,6 +312,7 @@ __all__ = [
     "ConnectorFactory",
     "ConnectorOptions",
     "Duration",
+    "Envelope",
     "Event",
     "Head",
     "Message",
@@ -336,4 +337,5 @@ __all__ = [
     "redact",
     "redact_url",
     "reveal",
+    "sample_message",
 ]

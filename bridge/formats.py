@@ -27,7 +27,7 @@ from typing import Any, Literal
 import msgspec
 
 from .filters import EventFilter
-from .records import Event, Record
+from .records import Event, Record, Stream
 from .schema import HASH_FIELDS, HEADER_KEYS, SCHEMA_VERSION, EventBatch, EventRecordHeader, EventsLost, SourceReset
 
 Format = Literal["json", "msgpack", "raw"]
@@ -47,13 +47,75 @@ _json = msgspec.json.Encoder()
 _msgpack = msgspec.msgpack.Encoder()
 
 
+class Envelope:
+    """What every message of one record shares: its header fields and its message id, both built
+    on first use (a sink that writes only values, such as a file of JSON lines, never pays for
+    them) and then kept. ``type_`` is the messages' type (event messages set their own)."""
+
+    __slots__ = ("_encoded", "_fields", "_id", "content_type", "record", "type")
+
+    def __init__(self, record: Record, type_: str, content_type: str, msg_id: str | None = None) -> None:
+        self.record = record
+        self.type = type_
+        self.content_type = content_type
+        self._fields: dict[str, str] | None = None
+        self._encoded: tuple[list[tuple[str, bytes]], list[tuple[str, bytes]]] | None = None
+        self._id = msg_id
+
+    @property
+    def fields(self) -> dict[str, str]:
+        """The header as text: source, dp_rank, epoch, seq, type, content-type, schema_version, ts."""
+        f = self._fields
+        if f is None:
+            r = self.record
+            s = r.stream
+            f = self._fields = {
+                "source": s.source,
+                "dp_rank": str(s.dp_rank),
+                "epoch": str(r.epoch),
+                "seq": str(r.seq),
+                "type": self.type,
+                "content-type": self.content_type,
+                "schema_version": SCHEMA_VERSION_TEXT,
+            }
+            if r.ts is not None:
+                f["ts"] = repr(r.ts)
+        return f
+
+    @property
+    def encoded(self) -> tuple[list[tuple[str, bytes]], list[tuple[str, bytes]]]:
+        """The fields as (name, UTF-8 value) pairs, split around ``type``: (before it, after it)."""
+        e = self._encoded
+        if e is None:
+            items = [(k, v.encode()) for k, v in self.fields.items()]
+            cut = next(i for i, (k, _) in enumerate(items) if k == "type")
+            e = self._encoded = (items[:cut], items[cut + 1 :])
+        return e
+
+    @property
+    def id(self) -> str:
+        """The record's message id (``source/dp_rank/epoch/seq`` for engine data)."""
+        i = self._id
+        if i is None:
+            r = self.record
+            s = r.stream
+            i = self._id = f"{s.source}/{s.dp_rank}/{r.epoch}/{r.seq}"
+        return i
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Envelope) and (self.fields, self.id) == (other.fields, other.id)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 class Message(msgspec.Struct):
     """One message for a sink.
 
-    ``value`` is the rendered body; ``headers`` carry the stream header as text (Kafka / NATS
+    ``value`` is the rendered body. Read from its :class:`Envelope` (shared by the record's
+    messages, built when first read): ``headers`` carry the stream header as text (Kafka / NATS
     headers, Redis entry fields for ``raw``); ``msg_id`` is unique per stream message and stable
     across retries and bridge restarts (``source/dp_rank/epoch/seq[/index]`` for engine data,
-    ``.../reset`` and ``.../lost/FROM-TO`` for control records); ``position`` orders messages of a
+    ``.../reset`` and ``.../lost/FROM-TO`` for control records). ``position`` orders messages of a
     stream (epoch, slot, sub) and is what id schemes that need numbers (Redis) build on.
     """
 
@@ -61,9 +123,34 @@ class Message(msgspec.Struct):
     index: int | None
     type: str
     value: bytes
-    headers: dict[str, str]
-    msg_id: str
+    envelope: Envelope
     position: tuple[int, int, int]
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The message's header fields (a new dict on each read: read it once per write)."""
+        h = self.envelope.fields.copy()
+        i = self.index
+        if i is not None:
+            h["type"] = self.type
+            h["index"] = _INDEX_TEXT[i] if i < 4096 else str(i)
+        return h
+
+    def header_items(self) -> list[tuple[str, bytes]]:
+        """``headers`` as (name, UTF-8 value) pairs, in the same order (what Kafka's client takes),
+        from the envelope's pairs encoded once per record."""
+        before, after = self.envelope.encoded
+        i = self.index
+        if i is None:
+            return [*before, ("type", self.type.encode()), *after]
+        return [*before, ("type", self.type.encode()), *after, ("index", _INDEX[i] if i < 4096 else str(i).encode())]
+
+    @property
+    def msg_id(self) -> str:
+        i = self.index
+        if i is None:
+            return self.envelope.id
+        return self.envelope.id + "/" + (_INDEX_TEXT[i] if i < 4096 else str(i))
 
     @property
     def key(self) -> bytes:
@@ -88,7 +175,13 @@ STATE_SUB = (1 << 64) - 1
 def state_message(record: Record) -> Message:
     """The state message of ``record`` (see STATE_TYPE)."""
     epoch, slot = record.position
-    return Message(record, None, STATE_TYPE, b"", {}, "", (epoch, slot, STATE_SUB))
+    return Message(record, None, STATE_TYPE, b"", Envelope(record, STATE_TYPE, "", ""), (epoch, slot, STATE_SUB))
+
+
+def sample_message(stream: Stream, type_: str = BATCH_TYPE, epoch: int = 0) -> Message:
+    """An empty message of ``stream`` (seq 0), to render a name template (topic, key, subject) with."""
+    record = Record(stream=stream, epoch=epoch, seq=0)
+    return Message(record, None, type_, b"", Envelope(record, type_, ""), (epoch, 1, 0))
 
 
 def hex64(value: int) -> str:
@@ -250,28 +343,6 @@ class Renderer:
         return self._events(record, events)
 
     # -- the header ---------------------------------------------------------------------------
-    def _headers(self, record: Record, type_: str, index: int | None, content_type: str) -> dict[str, str]:
-        s = record.stream
-        h = {
-            "source": s.source,
-            "dp_rank": str(s.dp_rank),
-            "epoch": str(record.epoch),
-            "seq": str(record.seq),
-            "type": type_,
-            "content-type": content_type,
-            "schema_version": SCHEMA_VERSION_TEXT,
-        }
-        if index is not None:
-            h["index"] = str(index)
-        if record.ts is not None:
-            h["ts"] = repr(record.ts)
-        return h
-
-    @staticmethod
-    def _base_id(record: Record) -> str:
-        s = record.stream
-        return f"{s.source}/{s.dp_rank}/{record.epoch}/{record.seq}"
-
     @staticmethod
     def _event_header(record: Record) -> EventRecordHeader:
         """The header of the batch's events, with index 0 (each event sets its own)."""
@@ -296,15 +367,7 @@ class Renderer:
         else:
             msg_id = f"{s.source}/{s.dp_rank}/{record.epoch}/lost/{record.from_seq}-{record.seq}"
         epoch, slot = record.position
-        return Message(
-            record=record,
-            index=None,
-            type=ctype,
-            value=value,
-            headers=self._headers(record, ctype, None, content_type),
-            msg_id=msg_id,
-            position=(epoch, slot, 0),
-        )
+        return Message(record, None, ctype, value, Envelope(record, ctype, content_type, msg_id), (epoch, slot, 0))
 
     def _batch(self, record: Record, events: list[Event]) -> Message:
         if self.format == "raw":
@@ -317,20 +380,11 @@ class Renderer:
             body = EventBatch(s.source, s.dp_rank, record.epoch, record.seq, record.ts, SCHEMA_VERSION, events)
             value = _json.encode(body) if json_ else _msgpack.encode(body)
         epoch, slot = record.position
-        return Message(
-            record=record,
-            index=None,
-            type=BATCH_TYPE,
-            value=value,
-            headers=self._headers(record, BATCH_TYPE, None, self.content_type),
-            msg_id=self._base_id(record),
-            position=(epoch, slot, 0),
-        )
+        return Message(record, None, BATCH_TYPE, value, Envelope(record, BATCH_TYPE, self.content_type), (epoch, slot, 0))
 
     def _events(self, record: Record, events: list[Event]) -> list[Message]:
-        id_prefix = self._base_id(record) + "/"
         epoch, slot = record.position
-        base = self._headers(record, "", None, self.content_type)  # per event: a copy plus type and index
+        envelope = Envelope(record, "", self.content_type)  # each event's message sets its type and index
         out: list[Message] = []
         if self.format == "json":
             # The header, encoded once, is cut around its index: per event, prefix + index + rest +
@@ -341,52 +395,25 @@ class Renderer:
             encode, hash_hex, join, header_keys = _json.encode, self.hash_hex, b"".join, _HEADER_KEYS
             # Plain batches (the decoder proved it) hold nothing to convert: no per-value check.
             check = not record.plain
-            append, index_text, index_bytes = out.append, _INDEX_TEXT, _INDEX
+            append, index_bytes = out.append, _INDEX
             for i, event in enumerate(events):
                 # The common event (no binary, no field named like a header) is encoded as it is.
                 if hash_hex or not header_keys.isdisjoint(event) or (check and _needs_json_fix(event)):
                     body = encode(json_event(unshadow(event), hash_hex))
                 else:
                     body = encode(event)
-                if i < 4096:
-                    index, text = index_bytes[i], index_text[i]
-                else:
-                    text = str(i)
-                    index = text.encode()
+                index = index_bytes[i] if i < 4096 else str(i).encode()
                 # The message, inline (one per event: a call per event costs as much as the rest).
                 type_ = event.get("type")
                 type_ = type_ if type_.__class__ is str else "Unknown"
-                headers = base.copy()
-                headers["type"] = type_
-                headers["index"] = text
-                value = join((prefix, index, rest, body[1:]))
-                append(Message(record, i, type_, value, headers, id_prefix + text, (epoch, slot, i + 1)))
+                append(Message(record, i, type_, join((prefix, index, rest, body[1:])), envelope, (epoch, slot, i + 1)))
         else:
             header = msgspec.structs.asdict(self._event_header(record))
             for i, event in enumerate(events):
                 fields = header.copy()
                 fields["index"] = i
                 fields.update(unshadow(event))
-                out.append(self._event_message(record, i, event, _msgpack.encode(fields), id_prefix, epoch, slot, base))
+                type_ = event.get("type")
+                type_ = type_ if type_.__class__ is str else "Unknown"
+                out.append(Message(record, i, type_, _msgpack.encode(fields), envelope, (epoch, slot, i + 1)))
         return out
-
-    @staticmethod
-    def _event_message(
-        record: Record, i: int, event: Event, value: bytes, id_prefix: str, epoch: int, slot: int, base: dict[str, str]
-    ) -> Message:
-        """The message of event ``i``: ``base`` headers plus its type and index; ``id_prefix`` is
-        the batch's id and a slash."""
-        type_ = event.get("type")
-        type_ = type_ if type_.__class__ is str else "Unknown"
-        headers = base.copy()
-        headers["type"] = type_
-        headers["index"] = index = _INDEX_TEXT[i] if i < 4096 else str(i)
-        return Message(
-            record=record,
-            index=i,
-            type=type_,
-            value=value,
-            headers=headers,
-            msg_id=id_prefix + index,
-            position=(epoch, slot, i + 1),
-        )

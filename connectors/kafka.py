@@ -60,7 +60,6 @@ from bridge.connector import (
     NotConnected,
     PartialFailure,
     Permanent,
-    Record,
     Retriable,
     Secret,
     SeedEntry,
@@ -72,6 +71,7 @@ from bridge.connector import (
     TlsOptions,
     doc,
     redact,
+    sample_message,
 )
 from bridge.state import EntryChange
 from bridge.state_docs import StateFormat, entry_key, head_of, parse, seed_of, tier_text
@@ -460,7 +460,7 @@ class KafkaConnector:
             raise NotConnected(f"{self._where}: not connected to {self._servers}")
         wanted: dict[tuple[str, int], dict[bytes, Stream]] = {}
         for stream in streams:
-            probe = Message(Record(stream=stream, epoch=0, seq=0), None, "EventBatch", b"", {}, "", (0, 1, 0))
+            probe = sample_message(stream)
             topic = self._topic.render(probe)
             if topic not in self._partitions:
                 await self._prepare_topic(producer, topic)
@@ -605,7 +605,7 @@ class KafkaConnector:
             elif (partition := routes.get((topic, key), -1)) < 0:
                 parts = self._partitions[topic]
                 partition = routes[(topic, key)] = _PARTITIONER(key, parts, parts)
-            headers = [(k, v.encode()) for k, v in m.headers.items()]
+            headers = m.header_items()
             value = m.value
             size = len(value) + len(key)  # the headers add ~150 bytes; exact near the limit only
             if size + _HEADROOM > self._max_bytes and (size := internals.record_size(key, value, headers)) > self._max_bytes:
@@ -615,7 +615,7 @@ class KafkaConnector:
                 )
                 continue
             chain = chains.setdefault((topic, partition), [])
-            solo = m.msg_id in self._alone
+            solo = bool(self._alone) and m.msg_id in self._alone
             limit = self._batch_limit.get(topic, self._max_bytes)
             if not chain or solo or chain[-1].alone or chain[-1].used + size > limit:
                 chain.append(_Chunk(producer.create_batch(), topic, partition, solo))

@@ -101,6 +101,7 @@ from bridge.connector import (
     redact,
     redact_url,
     reveal,
+    sample_message,
 )
 from bridge.state import EntryChange, Head
 from bridge.state_docs import StateFormat, entry_key, head_of, parse, seed_entry
@@ -659,7 +660,7 @@ class NatsConnector:
         out: dict[str, SinkPosition | None] = {}
 
         async def last(stream: Stream) -> None:
-            probe = Message(Record(stream=stream, epoch=0, seq=0), None, "EventBatch", b"", {}, "", (0, 1, 0))
+            probe = sample_message(stream)
             subject = self._subjects.render(probe)
             async with window:
                 try:

@@ -110,7 +110,6 @@ from bridge.connector import (
     NotConnected,
     PartialFailure,
     Permanent,
-    Record,
     Retriable,
     Secret,
     SinkConfig,
@@ -123,6 +122,7 @@ from bridge.connector import (
     hex64,
     redact_url,
     reveal,
+    sample_message,
 )
 from bridge.state import Head, SeedEntry
 from bridge.state_docs import StateFormat, entry_key, parse, seed_of
@@ -332,14 +332,12 @@ class RedisOptions(ConnectorOptions):
 
 
 def _sample(source: str, dp_rank: int, type_: str) -> Message:
-    rec = Record(stream=Stream(source, dp_rank), epoch=1, seq=0)
-    return Message(record=rec, index=None, type=type_, value=b"", headers={}, msg_id="", position=(1, 1, 0))
+    return sample_message(Stream(source, dp_rank), type_, epoch=1)
 
 
 def _sample_of(stream: Stream) -> Message:
     """A message of ``stream`` to render its key with (the template names no type or epoch)."""
-    rec = Record(stream=stream, epoch=0, seq=0)
-    return Message(record=rec, index=None, type="EventBatch", value=b"", headers={}, msg_id="", position=(0, 1, 0))
+    return sample_message(stream)
 
 
 _SAMPLES = [

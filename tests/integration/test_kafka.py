@@ -319,7 +319,7 @@ async def test_message_larger_than_max_batch_bytes_is_permanent(kafka: KafkaServ
     topic = await kafka.anew_topic()
     stream = Stream("llama-a", 0)
     small = render(stream_records(stream, 2))
-    big = msgspec.structs.replace(small[0], value=b"x" * 100_000, msg_id="llama-a/0/0/99/0")
+    big = msgspec.structs.replace(render(stream_records(stream, 1, start=99))[0], value=b"x" * 100_000)
     connector = build(kafka, topic, max_batch_bytes="64KiB")
     await connector.connect()
     try:
@@ -340,7 +340,7 @@ async def test_message_refused_by_the_topic_is_permanent_and_the_rest_delivered(
     topic = await kafka.anew_topic(config={"max.message.bytes": "20000"})
     stream = Stream("llama-a", 0)
     small = render(stream_records(stream, 6))
-    big = msgspec.structs.replace(small[2], value=b"y" * 30_000, msg_id="llama-a/0/0/99/0")
+    big = msgspec.structs.replace(render(stream_records(stream, 1, start=99))[0], value=b"y" * 30_000)
     messages = [*small[:3], big, *small[3:]]
     connector = build(kafka, topic)
     await connector.connect()

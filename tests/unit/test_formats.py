@@ -192,3 +192,32 @@ def test_the_batches_kept_for_sharing_sinks_are_bounded_in_bytes(monkeypatch: py
     assert len(renderer._shared) == 1 and renderer._shared_bytes == len(kept[-1][0].value)
     assert renderer.render(batches[-1]) is kept[-1] and renderer._shared_bytes == 0
     assert renderer.render(batches[0]) is not kept[0]  # pushed out: rendered again, the same bytes
+
+
+@pytest.mark.parametrize("fmt", ["json/event", "json/batch", "msgpack/event", "msgpack/batch", "raw/batch"])
+def test_every_messages_headers_follow_the_contract_and_their_encoded_pairs_agree(fmt: str) -> None:
+    """Headers are built from the record's envelope when read: the same fields, in the same order,
+    for every kind of message, and ``header_items`` is exactly them encoded (what Kafka sends)."""
+    f, g = fmt.split("/")
+    renderer = Renderer(f, g)  # type: ignore[arg-type]
+    no_ts = msgspec.structs.replace(RECORD, ts=None)
+    records = [RECORD, no_ts, source_reset(STREAM, 3, "publisher_restart", 0.0), events_lost(STREAM, 3, 0, 4, "gap", 0.0)]
+    for record in records:
+        for m in renderer.render(record):
+            expected = {
+                "source": "llama-a",
+                "dp_rank": "1",
+                "epoch": str(record.epoch),
+                "seq": str(record.seq),
+                "type": m.type,
+                "content-type": m.headers["content-type"],
+                "schema_version": "1",
+            }
+            if record.ts is not None:
+                expected["ts"] = repr(record.ts)
+            if m.index is not None:
+                expected["index"] = str(m.index)
+            assert list(m.headers.items()) == list(expected.items())
+            assert m.header_items() == [(k, v.encode()) for k, v in expected.items()]
+            m.headers["type"] = "changed"  # each read is the message's own copy
+            assert m.headers["type"] == m.type

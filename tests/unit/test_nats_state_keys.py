@@ -10,7 +10,7 @@ import pytest
 from bridge import config
 from bridge.config import SinkConfig, convert_options
 from bridge.errors import ConfigError, ConnectorError, Permanent, Retriable
-from bridge.formats import Message, state_message
+from bridge.formats import Envelope, Message, state_message
 from bridge.records import Record, Stream
 from bridge.state import EntryChange, Head, StateDelta
 from connectors.nats import NatsConnector, NatsOptions, fold_deltas, hpub, journal_parts, journal_redo, state_prefix, state_token
@@ -114,7 +114,7 @@ async def test_state_messages_wait_for_their_stream_and_carry_next() -> None:
     def rec(stream: Stream, seq: int) -> list[Message]:
         r = Record(stream=stream, epoch=1, seq=seq)
         r.state = StateDelta(stream, head(seq))
-        event = Message(r, 0, "BlockStored", b"{}", {}, f"{stream.key}/1/{seq}/0", (1, seq + 1, 1))
+        event = Message(r, 0, "BlockStored", b"{}", Envelope(r, "", "application/json"), (1, seq + 1, 1))
         return [event, state_message(r)]
 
     # a0 a1 b0 a2 b1: a1's event failed (transient), b0's permanently (dead-lettered: b goes on)
