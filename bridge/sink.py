@@ -380,19 +380,26 @@ class SinkWorker:
     def _settle(self, records: list[Record], dead: set[int]) -> None:
         """Remove ``records`` from the queue and acknowledge them; ``dead``: ids of dead-lettered ones."""
         now = time.time()
-        for _ in records:
-            r = self._queue.popleft()
-            self._bytes -= r.size
-        batches = [r for r in records if r.kind == "batch" and id(r) not in dead]
-        if dead:  # each record once, however many of its messages were refused, in however many tries
-            self._m_dead.inc(sum(1 for r in records if r.kind == "batch" and id(r) in dead))
-        if batches:
-            self._m_ok.inc(len(batches))
-            events = 0
-            for r in batches:
-                events += r.n_events
-                if r.ts is not None:
-                    self._m_lag.observe(max(0.0, now - r.ts))
+        pop, lag = self._queue.popleft, self._m_lag.observe
+        size = delivered = events = dead_batches = 0
+        for r in records:  # one pass: a write holds up to batch.max_messages records
+            pop()
+            size += r.size
+            if r.kind != "batch":
+                continue
+            if dead and id(r) in dead:  # each record once, however many of its messages were refused
+                dead_batches += 1
+                continue
+            delivered += 1
+            events += r.n_events
+            ts = r.ts
+            if ts is not None:
+                lag(now - ts if now > ts else 0.0)
+        self._bytes -= size
+        if dead_batches:
+            self._m_dead.inc(dead_batches)
+        if delivered:
+            self._m_ok.inc(delivered)
             self._m_events.inc(events)
         self.on_ack(self.index, records)
         if self.has_room(0):
