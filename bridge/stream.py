@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import operator
 import time
+from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -30,6 +32,7 @@ from .replay import ReplayClient, ReplayOutcome
 from .sequencer import Action, Deliver, Duplicate, Fingerprint, Gap, Lost, RequestReplay, Reset, StreamSequencer, fingerprint
 
 log = logging.getLogger("bridge.stream")
+_type_of = operator.itemgetter("type")
 
 
 class Epochs(Protocol):
@@ -109,7 +112,7 @@ class StreamPipeline:
         # Per-batch metric updates are gathered here and applied once per burst (or per
         # replayed reply): a labelled prometheus_client update takes a lock and costs about a
         # microsecond, which per batch was a sizeable share of ingest.
-        self._counts: dict[str, int] = {}
+        self._types: list[str] = []  # the types of the events handed on since the last flush
         self._last: tuple[int, float] | None = None
         # The last record (and batch) handed to every sink, as a position to resume from: a
         # stream removed while a full sink made it wait resumes there, not where the sequencer
@@ -147,12 +150,20 @@ class StreamPipeline:
             i = 0
             try:
                 for i, frames in enumerate(burst):  # noqa: B007 (i is read when cut short)
-                    try:
-                        f = parse(frames)
-                    except DecodeError as exc:
-                        self.ctx.decode_failures(self.stream, exc, None, frames)
-                        continue
-                    seq, payload = f.seq, f.payload
+                    # wire.parse_live inline for the well-formed message (what the socket gives: bytes)
+                    if (
+                        len(frames) == 3
+                        and len(seq_frame := frames[1]) == wire.SEQ_BYTES
+                        and (payload := frames[2]).__class__ is bytes
+                    ):
+                        seq = int.from_bytes(seq_frame, "big")
+                    else:
+                        try:
+                            f = parse(frames)
+                        except DecodeError as exc:
+                            self.ctx.decode_failures(self.stream, exc, None, frames)
+                            continue
+                        seq, payload = f.seq, f.payload
                     ts = peek_ts(payload)
                     if ts is not None:
                         observe(received - ts if received > ts else 0.0)
@@ -328,19 +339,10 @@ class StreamPipeline:
         if not self.ctx.needs_events:
             counted = wire.count_batch(payload)
             if counted is not None:  # else: decode it, which reports what is wrong with it
-                counts = self._counts
-                for t in counted.types:
-                    counts[t] = counts.get(t, 0) + 1
+                types = counted.types
+                self._types.extend(types)
                 self._last = (seq, counted.ts)
-                return Record(
-                    stream=self.stream,
-                    epoch=epoch,
-                    seq=seq,
-                    ts=counted.ts,
-                    payload=payload,
-                    received=received,
-                    event_count=len(counted.types),
-                )
+                return Record(self.stream, epoch, seq, "batch", counted.ts, payload, [], None, None, received, len(types))
         try:
             batch = wire.decode_batch(payload)
         except DecodeError as exc:
@@ -348,10 +350,7 @@ class StreamPipeline:
             return events_lost(self.stream, epoch, seq, seq, "undecodable", received)
         for bad in batch.bad_events:
             self.ctx.decode_failures(self.stream, DecodeError("bad_event", bad.reason), seq, None, None, index=bad.index)
-        counts = self._counts
-        for e in batch.events:
-            t = e["type"]
-            counts[t] = counts.get(t, 0) + 1
+        self._types.extend(map(_type_of, batch.events))
         self._last = (seq, batch.ts)
         return Record(
             stream=self.stream,
@@ -367,11 +366,11 @@ class StreamPipeline:
 
     def _flush_metrics(self) -> None:
         """Apply the metric updates gathered since the last flush (see ``__init__``)."""
-        if self._counts:
-            for t, n in self._counts.items():
+        if self._types:
+            for t, n in Counter(self._types).items():
                 label = t if t in wire.KNOWN_TYPES else "other"  # keyed by label: unknown type names must not grow the cache
                 self.metrics.events(label).inc(n)
-            self._counts.clear()
+            self._types.clear()
         if self._last is not None:
             seq, ts = self._last
             self.metrics.last_seq.set(seq)
