@@ -45,7 +45,7 @@ import msgspec
 
 from .errors import BridgeError
 from .formats import CONTENT_TYPES
-from .records import Record
+from .records import Record, Stream
 
 log = logging.getLogger("bridge.checkpoint")
 
@@ -150,8 +150,15 @@ class Checkpointer:
     # -- acknowledgements -------------------------------------------------------------------------
     def on_ack(self, sink: int, records: list[Record]) -> None:
         acked = self._acked
-        for r in records:
-            key = r.stream.key
+        stream: Stream | None = None
+        key = ""
+        n = len(records)
+        for i, r in enumerate(records):
+            if r.kind == "batch" and i + 1 < n and (nxt := records[i + 1]).kind == "batch" and nxt.stream is r.stream:
+                continue  # the next batch of its stream replaces it
+            if r.stream is not stream:  # a write's records come in runs of one stream
+                stream = r.stream
+                key = stream.key
             row = acked.get(key)
             if row is None:
                 base = self.loaded.get(key)

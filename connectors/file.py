@@ -63,7 +63,9 @@ class FileConnector:
 
     def _encode(self, messages: Sequence[Message]) -> bytes:
         if self.text:
-            return b"".join(m.value + b"\n" for m in messages)
+            values = [m.value for m in messages]
+            values.append(b"")  # a newline after the last line too
+            return b"\n".join(values)
         if self.options.binary == "length-prefixed":
             return b"".join(len(m.value).to_bytes(4, "big") + m.value for m in messages)
         return b"".join(
