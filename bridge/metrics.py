@@ -7,7 +7,7 @@ source, dp_rank, sink, reason, type, outcome.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -33,6 +33,21 @@ class HistogramChild:
     def observe(self, value: float) -> None:
         self.counts[bisect_left(self._bounds, value)] += 1  # first bound >= value: Prometheus' "le"
         self.sum += value
+
+    def observe_all(self, values: list[float]) -> None:
+        """``observe`` each of ``values`` (none NaN), for a burst at once: sorted, then one bisect per
+        bucket instead of one per value. Sorts ``values`` in place."""
+        if not values:
+            return
+        values.sort()
+        counts = self.counts
+        below = 0
+        for i, bound in enumerate(self._bounds):
+            upto = bisect_right(values, bound, below)  # values <= bound: those whose first bound >= them is here or before
+            counts[i] += upto - below
+            below = upto
+        counts[-1] += len(values) - below
+        self.sum += sum(values)
 
 
 class FastHistogram:

@@ -359,11 +359,13 @@ class SinkWorker:
         unrendered: set[int] = set()
         size = 0
         max_messages, max_bytes = self.config.batch.max_messages, self.config.batch.max_bytes
+        render, state = self.renderer.render, self.writes_state
         for record in self._queue:
-            if records and (len(messages) >= max_messages or size + record.size > max_bytes):
+            record_size = record.size
+            if records and (len(messages) >= max_messages or size + record_size > max_bytes):
                 break
             try:
-                rendered = self.renderer.render(record)
+                rendered = render(record)
             except Exception as exc:  # I5: any record (e.g. nested past the recursion limit) must not kill the sink
                 self._dead_letter_record(record, "unrenderable", f"{type(exc).__name__}: {exc}")
                 unrendered.add(id(record))
@@ -372,15 +374,17 @@ class SinkWorker:
                 )
             records.append(record)
             messages.extend(rendered)
-            if self.writes_state and record.state is not None:
+            if state and record.state is not None:
                 messages.append(state_message(record))
-            size += record.size
+            size += record_size
         return records, messages, unrendered
 
     def _settle(self, records: list[Record], dead: set[int]) -> None:
         """Remove ``records`` from the queue and acknowledge them; ``dead``: ids of dead-lettered ones."""
         now = time.time()
-        pop, lag = self._queue.popleft, self._m_lag.observe
+        pop = self._queue.popleft
+        lags: list[float] = []
+        lag = lags.append
         size = delivered = events = dead_batches = 0
         for r in records:  # one pass: a write holds up to batch.max_messages records
             pop()
@@ -396,6 +400,7 @@ class SinkWorker:
             if ts is not None:
                 lag(now - ts if now > ts else 0.0)
         self._bytes -= size
+        self._m_lag.observe_all(lags)
         if dead_batches:
             self._m_dead.inc(dead_batches)
         if delivered:

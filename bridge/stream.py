@@ -141,7 +141,8 @@ class StreamPipeline:
         the sequencer decides; everything else goes through ``live`` and ``_execute``."""
         self.metrics.received.inc(len(burst))
         self.last_activity = time.monotonic()
-        observe = self.metrics.ingest_lag.observe
+        lags: list[float] = []  # observed per burst (ingest_lag.observe_all)
+        lag = lags.append
         parse, peek_ts = wire.parse_live, wire.peek_ts
         sequencer = self.sequencer
         accept, live, decode = sequencer.accept, sequencer.live, self._decode
@@ -166,7 +167,7 @@ class StreamPipeline:
                         seq, payload = f.seq, f.payload
                     ts = peek_ts(payload)
                     if ts is not None:
-                        observe(received - ts if received > ts else 0.0)
+                        lag(received - ts if received > ts else 0.0)  # never NaN: a NaN ts compares false
                     # An epoch's first batch is noted (and saved) before it goes out: not here.
                     if not self._first_pending and accept(seq, payload, ts):
                         run.append(decode(seq, payload, received, sequencer.epoch))
@@ -178,6 +179,7 @@ class StreamPipeline:
                 if run:
                     await self._hand_run()
             except asyncio.CancelledError:
+                self.metrics.ingest_lag.observe_all(lags)
                 await self._hand_decided([], received)
                 # Removed while waiting for a full sink: the rest of the burst was read from the
                 # engine but never sequenced; if the engine restarts before the stream resumes,
@@ -186,6 +188,7 @@ class StreamPipeline:
                     with contextlib.suppress(DecodeError):
                         self._unread_top = max(self._unread_top, parse(frames).seq)
                 raise
+            self.metrics.ingest_lag.observe_all(lags)
             self._flush_metrics()
 
     async def _hand_run(self) -> None:

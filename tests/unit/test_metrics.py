@@ -39,6 +39,7 @@ from bridge.logs import JsonFormatter, RateLimit
 from bridge.metrics import (
     DEAD_LETTER_REASONS,
     DECODE_REASONS,
+    LAG_BUCKETS,
     REPLAY_OUTCOMES,
     SINK_ERROR_REASONS,
     SINK_OUTCOMES,
@@ -488,6 +489,30 @@ def test_fast_histogram_exposes_what_prometheus_client_does(observations: list[t
         )
 
     assert samples(mine) == samples(theirs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(min_value=0, max_value=400, allow_nan=False) | st.sampled_from([0.0, *LAG_BUCKETS]), max_size=80),
+    st.integers(1, 5),
+)
+def test_observing_a_burst_at_once_counts_as_observing_each_value(values: list[float], parts: int) -> None:
+    """``observe_all`` (per burst: sort, one bisect per bucket) leaves the same bucket counts as
+    ``observe`` per value, edges included, and the same sum up to rounding."""
+    from prometheus_client import CollectorRegistry
+
+    from bridge.metrics import FastHistogram
+
+    one = FastHistogram("h_seconds", "doc", [], LAG_BUCKETS, CollectorRegistry()).labels()
+    many = FastHistogram("h_seconds", "doc", [], LAG_BUCKETS, CollectorRegistry()).labels()
+    for v in values:
+        one.observe(v)
+    step = max(1, len(values) // parts)
+    for i in range(0, len(values), step):  # several bursts, and an empty one
+        many.observe_all(values[i : i + step])
+    many.observe_all([])
+    assert many.counts == one.counts
+    assert many.sum == pytest.approx(one.sum, rel=1e-9, abs=1e-9)
 
 
 def test_fast_histogram_refuses_wrong_labels() -> None:
