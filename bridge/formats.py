@@ -271,9 +271,9 @@ SHARED_MAX_BYTES = 8 * 2**20
 
 _INDEX_TEXT = [str(i) for i in range(4096)]
 _INDEX = [t.encode() for t in _INDEX_TEXT]
-# The encoded header's index key with the value 0: keys and string values are JSON-escaped, so
-# these bytes occur once, where the key is.
-_INDEX_ZERO = b',"index":0'
+# How an EventRecordHeader with seq 0, index 0 and no ts ends once encoded (the fields after
+# epoch, in the schema's order): what _json_header cuts off to splice the batch's own values in.
+_HEADER_TAIL = b'"seq":0,"index":0,"ts":null,"schema_version":%d}' % SCHEMA_VERSION
 
 
 class Renderer:
@@ -301,6 +301,7 @@ class Renderer:
         """Sinks that take a batch's messages from one rendering (the runtime counts them)."""
         self._shared: dict[int, tuple[Record, list[Message], list[int]]] = {}  # [sinks yet to take them, bytes]
         self._shared_bytes = 0
+        self._heads: dict[tuple[str, int, int], bytes] = {}  # see _json_header
 
     def render(self, record: Record) -> list[Message]:
         """All messages for ``record``, in order.
@@ -343,6 +344,25 @@ class Renderer:
         return self._events(record, events)
 
     # -- the header ---------------------------------------------------------------------------
+    def _json_header(self, record: Record) -> tuple[bytes, bytes]:
+        """The JSON event header of ``record`` cut around its index: what comes before the index
+        value, and what follows it up to the event's fields (with their comma). The part up to
+        ``"seq":`` is encoded once per (source, dp_rank, epoch) and kept."""
+        s = record.stream
+        key = (s.source, s.dp_rank, record.epoch)
+        head = self._heads.get(key)
+        if head is None:
+            if len(self._heads) >= 4096:
+                self._heads.clear()
+            encoded = _json.encode(EventRecordHeader(s.source, s.dp_rank, record.epoch, 0, 0, None, SCHEMA_VERSION))
+            assert encoded.endswith(_HEADER_TAIL), "EventRecordHeader changed: update _HEADER_TAIL"
+            head = self._heads[key] = encoded[: -len(_HEADER_TAIL)] + b'"seq":'
+        ts = record.ts
+        return b'%b%d,"index":' % (head, record.seq), b',"ts":%b,"schema_version":%d,' % (
+            b"null" if ts is None else _json.encode(ts),
+            SCHEMA_VERSION,
+        )
+
     @staticmethod
     def _event_header(record: Record) -> EventRecordHeader:
         """The header of the batch's events, with index 0 (each event sets its own)."""
@@ -387,11 +407,9 @@ class Renderer:
         envelope = Envelope(record, "", self.content_type)  # each event's message sets its type and index
         out: list[Message] = []
         if self.format == "json":
-            # The header, encoded once, is cut around its index: per event, prefix + index + rest +
-            # the event without its '{' ('{"source":..,"index":' + i + ',"ts":..,"schema_version":..,' + ...).
-            head = _json.encode(self._event_header(record))
-            cut = head.index(_INDEX_ZERO) + len(_INDEX_ZERO) - 1
-            prefix, rest = head[:cut], head[cut + 1 : -1] + b","
+            # The header around its index: per event, prefix + index + rest + the event without
+            # its '{' ('{"source":..,"seq":..,"index":' + i + ',"ts":..,"schema_version":..,' + ...).
+            prefix, rest = self._json_header(record)
             encode, hash_hex, join, header_keys = _json.encode, self.hash_hex, b"".join, _HEADER_KEYS
             # Plain batches (the decoder proved it) hold nothing to convert: no per-value check.
             check = not record.plain

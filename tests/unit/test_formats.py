@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bridge.formats import Renderer, hex64
 from bridge.records import Record, Stream, events_lost, source_reset
+from bridge.schema import SCHEMA_VERSION, EventRecordHeader
 
 STREAM = Stream("llama-a", 1, {"model": "m"})
 EVENTS = [
@@ -221,3 +225,27 @@ def test_every_messages_headers_follow_the_contract_and_their_encoded_pairs_agre
             assert m.header_items() == [(k, v.encode()) for k, v in expected.items()]
             m.headers["type"] = "changed"  # each read is the message's own copy
             assert m.headers["type"] == m.type
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    source=st.text(min_size=1, max_size=12),
+    dp_rank=st.integers(0, 2**31),
+    epoch=st.integers(0, 2**63),
+    seq=st.integers(0, 2**64 - 1),
+    ts=st.none() | st.floats(allow_nan=True) | st.integers(-(2**53), 2**53),
+    n=st.integers(1, 3),
+)
+def test_a_json_event_is_its_header_then_its_fields_byte_for_byte(
+    source: str, dp_rank: int, epoch: int, seq: int, ts: float | int | None, n: int
+) -> None:
+    """The header spliced in front of each event (cached per stream and epoch across batches)
+    is exactly the schema's EventRecordHeader encoded, with the event's fields after it."""
+    renderer = Renderer("json", "event")
+    stream = Stream(source, dp_rank)
+    events: list[dict[str, Any]] = [{"type": "BlockRemoved", "block_hashes": [i], "medium": "GPU"} for i in range(n)]
+    for s in (seq, seq // 2):  # a second batch of the same stream and epoch takes the kept header
+        record = Record(stream=stream, epoch=epoch, seq=s, ts=ts, payload=b"x", events=events, plain=True)
+        for i, m in enumerate(renderer.render(record)):
+            header = msgspec.json.encode(EventRecordHeader(source, dp_rank, epoch, s, i, ts, SCHEMA_VERSION))
+            assert m.value == header[:-1] + b"," + msgspec.json.encode(events[i])[1:]
