@@ -169,13 +169,12 @@ class SinkWorker:
         return not self._queue or (len(self._queue) < self.max_batches and self._bytes + size <= self.max_bytes)
 
     def has_room_for(self, n: int, size: int) -> bool:
-        """Room for ``n`` more records of ``size`` bytes in all, within both bounds."""
-        return len(self._queue) + n <= self.max_batches and self._bytes + size <= self.max_bytes
+        """Room for ``n`` more records of ``size`` bytes in all, within both bounds, and no dropped
+        span waiting to be announced (its EventsLost takes a place too: offer them one by one)."""
+        return not self._dropped and len(self._queue) + n <= self.max_batches and self._bytes + size <= self.max_bytes
 
     def push_all(self, records: Sequence[Record], size: int) -> None:
-        """Queue ``records`` (one stream's, ``size`` bytes in all) after :meth:`has_room_for` said yes."""
-        if self._dropped:
-            self._flush_dropped(records[0].stream.key)
+        """Queue ``records`` (``size`` bytes in all) after :meth:`has_room_for` said yes."""
         self._queue.extend(records)
         self._bytes += size
         self._idle.clear()
@@ -395,7 +394,8 @@ class SinkWorker:
                 dead_batches += 1
                 continue
             delivered += 1
-            events += r.n_events
+            n = r.event_count
+            events += n if n >= 0 else len(r.events)  # Record.n_events, inline
             ts = r.ts
             if ts is not None:
                 lag(now - ts if now > ts else 0.0)

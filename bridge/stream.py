@@ -147,49 +147,71 @@ class StreamPipeline:
         sequencer = self.sequencer
         accept, live, decode = sequencer.accept, sequencer.live, self._decode
         run = self._run
-        async with self.lock:
-            i = 0
-            try:
-                for i, frames in enumerate(burst):  # noqa: B007 (i is read when cut short)
-                    # wire.parse_live inline for the well-formed message (what the socket gives: bytes)
-                    if (
-                        len(frames) == 3
-                        and len(seq_frame := frames[1]) == wire.SEQ_BYTES
-                        and (payload := frames[2]).__class__ is bytes
-                    ):
-                        seq = int.from_bytes(seq_frame, "big")
-                    else:
-                        try:
-                            f = parse(frames)
-                        except DecodeError as exc:
-                            self.ctx.decode_failures(self.stream, exc, None, frames)
+        sequenced = 0  # frames of the burst the sequencer has seen (the rest is unread if cut short)
+        decided: list[Action] = []  # decided by live(), not yet taken by _execute
+        try:
+            async with self.lock:
+                i = 0
+                try:
+                    for i, frames in enumerate(burst):  # noqa: B007 (i is read when cut short)
+                        # wire.parse_live inline for the well-formed message (what the socket gives: bytes)
+                        if (
+                            len(frames) == 3
+                            and len(seq_frame := frames[1]) == wire.SEQ_BYTES
+                            and (payload := frames[2]).__class__ is bytes
+                        ):
+                            seq = int.from_bytes(seq_frame, "big")
+                        else:
+                            try:
+                                f = parse(frames)
+                            except DecodeError as exc:
+                                self.ctx.decode_failures(self.stream, exc, None, frames)
+                                continue
+                            seq, payload = f.seq, f.payload
+                        ts = peek_ts(payload)
+                        if ts is not None:
+                            lag(received - ts if received > ts else 0.0)  # never NaN: a NaN ts compares false
+                        # An epoch's first batch is noted (and saved) before it goes out: not here.
+                        if not self._first_pending and accept(seq, payload, ts):
+                            run.append(decode(seq, payload, received, sequencer.epoch))
                             continue
-                        seq, payload = f.seq, f.payload
-                    ts = peek_ts(payload)
-                    if ts is not None:
-                        lag(received - ts if received > ts else 0.0)  # never NaN: a NaN ts compares false
-                    # An epoch's first batch is noted (and saved) before it goes out: not here.
-                    if not self._first_pending and accept(seq, payload, ts):
-                        run.append(decode(seq, payload, received, sequencer.epoch))
-                        continue
-                    actions = live(seq, payload, ts)
+                        actions = live(seq, payload, ts)
+                        if run:
+                            decided = actions
+                            await self._hand_run()
+                            decided = []
+                        await self._execute(actions, received)
                     if run:
                         await self._hand_run()
-                    await self._execute(actions, received)
-                if run:
-                    await self._hand_run()
-            except asyncio.CancelledError:
-                self.metrics.ingest_lag.observe_all(lags)
-                await self._hand_decided([], received)
-                # Removed while waiting for a full sink: the rest of the burst was read from the
-                # engine but never sequenced; if the engine restarts before the stream resumes,
-                # those seqs are announced lost with the old epoch.
-                for frames in burst[i:]:
-                    with contextlib.suppress(DecodeError):
-                        self._unread_top = max(self._unread_top, parse(frames).seq)
-                raise
-            self.metrics.ingest_lag.observe_all(lags)
-            self._flush_metrics()
+                except asyncio.CancelledError:
+                    # Removed while waiting for a full sink: what the sequencer decided is handed on
+                    # all the same (the run, and the actions of frame i if _execute had not taken them).
+                    sequenced = i + 1
+                    await self._hand_decided(decided, received)
+                    raise
+                finally:
+                    self.metrics.ingest_lag.observe_all(lags)
+                self._flush_metrics()
+        except asyncio.CancelledError:
+            # Removed (waiting for the lock or for a sink): the rest of the burst was read from the
+            # engine but never sequenced; if the engine restarts before the stream resumes, those
+            # seqs are announced lost with the old epoch.
+            self._note_unread(burst[sequenced:])
+            raise
+
+    def _note_unread(self, frames: Sequence[list[bytes]]) -> None:
+        """Raise ``_unread_top`` to the seqs of ``frames`` (read, never sequenced) up to the first
+        that does not follow the one before it: from there on they are another instance's."""
+        last = self.sequencer.last_live
+        for f in frames:
+            try:
+                seq = wire.parse_live(f).seq
+            except DecodeError:
+                continue
+            if last is not None and seq <= last:
+                return
+            last = seq
+            self._unread_top = max(self._unread_top, seq)
 
     async def _hand_run(self) -> None:
         """Hand ``_run`` (records decided in order, not yet offered) to every sink: in one call
@@ -355,16 +377,9 @@ class StreamPipeline:
             self.ctx.decode_failures(self.stream, DecodeError("bad_event", bad.reason), seq, None, None, index=bad.index)
         self._types.extend(map(_type_of, batch.events))
         self._last = (seq, batch.ts)
+        n_bad = len(batch.bad_events)
         return Record(
-            stream=self.stream,
-            epoch=epoch,
-            seq=seq,
-            ts=batch.ts,
-            payload=payload,
-            events=batch.events,
-            received=received,
-            plain=batch.plain,
-            bad_events=len(batch.bad_events),
+            self.stream, epoch, seq, "batch", batch.ts, payload, batch.events, None, None, received, -1, batch.plain, n_bad
         )
 
     def _flush_metrics(self) -> None:

@@ -154,6 +154,100 @@ def shown(records: list[Record]) -> list[tuple[object, ...]]:
     return [(r.kind, r.epoch, r.from_seq, r.seq) if r.kind == "EventsLost" else (r.kind, r.epoch, r.seq) for r in records]
 
 
+async def readd(pipe: StreamPipeline, ctx: StreamContext) -> Out:
+    """The source comes back (Bridge.add_source): a pipeline from the removed one's resume point,
+    run until its replay is done; what it handed on."""
+    point, top = pipe.resume_point()
+    assert point is not None
+    epoch, seq, fp, at = point
+    pos = StreamPosition(epoch, seq, *(fp or (None, None)), None if at == seq else at)
+    pipe2 = StreamPipeline(
+        ctx,
+        STREAM,
+        replay_endpoint="tcp://x:1",
+        replay_on_start=True,
+        epoch=pos.epoch,
+        delivered=pos.seq,
+        delivered_fp=(pos.ts, pos.crc) if pos.ts is not None or pos.crc is not None else None,
+        anchor=pos.at,
+        known_top=top,
+    )
+    await pipe2.start()
+    await until(lambda: pipe2._replay_task is not None and pipe2._replay_task.done(), what="the re-added stream's replay")
+    await pipe2.stop()
+    assert isinstance(ctx.fanout, Out)
+    return ctx.fanout
+
+
+async def remove(pipe: StreamPipeline, task: asyncio.Task[None]) -> None:
+    """Discovery removes the source (Bridge.remove_source): reader cancelled, pipeline stopped."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await pipe.stop()
+
+
+async def test_a_restart_decided_in_a_burst_cut_short_by_removal_is_handed_on(context: Build) -> None:
+    """One burst: the old instance's last in-order batches 10, 11, then the restarted instance's
+    0..30. The sequencer decides the restart at the new 0 while the run 10, 11 waits for a full
+    sink; the source is removed there, then added again. The restart it decided (SourceReset, the
+    new 0) is handed on with the run, the unread 1..30 count for the new epoch, not the old one:
+    the old epoch ends at 11, with no EventsLost for seqs its instance never published."""
+    epochs = Epochs()
+    out1 = Out()
+    pipe = StreamPipeline(
+        context(out1, epochs, Replays(None)), STREAM, replay_endpoint="tcp://x:1", replay_on_start=False, epoch=OLD_EPOCH
+    )
+    await pipe.start()
+    await pipe.on_live([frames(s) for s in range(10)], 1.0)
+    full = out1.full = FullSink(out1.got)
+    burst = [frames(10), frames(11), *(frames(s, payload(s, instance=1)) for s in range(NEW_TOP + 1))]
+    task = asyncio.create_task(pipe.on_live(burst, 2.0))
+    await until(full.waiting.is_set, what="the run waiting for the full sink")
+    await remove(pipe, task)
+    out2 = await readd(pipe, context(Out(), epochs, Replays(new_instance())))
+    everything = out1.got + out2.got
+    new_epoch = epochs.top
+    assert new_epoch > OLD_EPOCH
+    assert shown(everything) == (
+        [("batch", OLD_EPOCH, s) for s in range(12)]
+        + [("SourceReset", new_epoch, 0)]
+        + [("batch", new_epoch, s) for s in range(NEW_TOP + 1)]
+    )
+
+
+async def test_a_burst_removed_while_waiting_for_the_lock_is_announced_if_the_engine_restarts(context: Build) -> None:
+    """The replay task holds the stream's lock, waiting for a full sink, while a live burst (8..10)
+    waits for the lock; the source is removed, and the engine restarts before it is added again.
+    Those batches were read from the engine: they are delivered or announced lost in the old
+    epoch, never silently missing (I3)."""
+    epochs = Epochs()
+    out1 = Out()
+    old = {s: payload(s) for s in range(11)}
+    pipe = StreamPipeline(
+        context(out1, epochs, Replays(old)), STREAM, replay_endpoint="tcp://x:1", replay_on_start=False, epoch=OLD_EPOCH
+    )
+    await pipe.start()
+    await pipe.on_live([frames(s) for s in range(5)], 1.0)
+    full = out1.full = FullSink(out1.got)
+    await pipe.on_live([frames(7)], 1.0)  # 5, 6 dropped by the PUB: 7 held, replay asked
+    await until(full.waiting.is_set, what="the replay waiting for the full sink, holding the lock")
+    assert pipe.lock.locked()
+    task = asyncio.create_task(pipe.on_live([frames(s) for s in (8, 9, 10)], 2.0))
+    await asyncio.sleep(0.02)
+    assert not task.done()
+    await remove(pipe, task)
+    restarted = {s: payload(s, instance=1) for s in range(13)}  # the new instance got past seq 10
+    out2 = await readd(pipe, context(Out(), epochs, Replays(restarted)))
+    settled: set[int] = set()
+    for r in out1.got + out2.got:
+        if r.epoch == OLD_EPOCH and r.kind == "batch":
+            settled.add(r.seq)
+        elif r.epoch == OLD_EPOCH and r.kind == "EventsLost":
+            assert r.from_seq is not None
+            settled.update(range(r.from_seq, r.seq + 1))
+    assert sorted(settled) == list(range(11)), shown(out1.got + out2.got)
+
+
 @pytest.mark.parametrize("doubt", [False, True], ids=["restart-seen-live", "disconnect-noticed-first"])
 async def test_a_stream_removed_while_a_full_sink_waits_after_a_restart_keeps_each_instance_in_its_epoch(
     context: Build, doubt: bool
@@ -187,30 +281,8 @@ async def test_a_stream_removed_while_a_full_sink_waits_after_a_restart_keeps_ea
     task = asyncio.create_task(pipe.on_live([frames(s, payload(s, instance=1)) for s in range(NEW_TOP + 1)], 2.0))
     await until(full.waiting.is_set, what="the stream waiting for the full sink")
     assert pipe.sequencer.epoch > OLD_EPOCH  # the sequencer already took the burst for a restart
-    # Discovery removes the source (Bridge.remove_source): reader cancelled, pipeline stopped.
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    await pipe.stop()
-    point, top = pipe.resume_point()
-    assert point is not None
-    epoch, seq, fp, at = point
-    pos = StreamPosition(epoch, seq, *(fp or (None, None)), None if at == seq else at)
-    # The source comes back (Bridge.add_source: a pipeline from the retired position).
-    out2 = Out()
-    pipe2 = StreamPipeline(
-        build(out2, epochs, Replays(new_instance())),
-        STREAM,
-        replay_endpoint="tcp://x:1",
-        replay_on_start=True,
-        epoch=pos.epoch,
-        delivered=pos.seq,
-        delivered_fp=(pos.ts, pos.crc) if pos.ts is not None or pos.crc is not None else None,
-        anchor=pos.at,
-        known_top=top,
-    )
-    await pipe2.start()
-    await until(lambda: pipe2._replay_task is not None and pipe2._replay_task.done(), what="the re-added stream's replay")
-    await pipe2.stop()
+    await remove(pipe, task)
+    out2 = await readd(pipe, build(out2 := Out(), epochs, Replays(new_instance())))
 
     everything = out1.got + out2.got
     new_epoch = next((r.epoch for r in everything if r.kind == "SourceReset"), None)
