@@ -580,6 +580,18 @@ class StreamSequencer:
             start = self.delivered  # one early: shows the engine answering even when the next batch never comes
         out.append(RequestReplay(self._request_id, start, max(until, start) if until >= 0 else -1, self._attempts))
 
+    def unanchor(self, seq: int, before: tuple[int, bytes] | None) -> None:
+        """The batch delivered at ``seq`` carries no engine ts (it could not be decoded): verify
+        instances against ``before`` (the last earlier batch of this epoch that could, as the
+        checkpoint does), or against nothing, instead. Without it, a restarted engine's earlier
+        seqs could not be told from late copies (no ts to compare) and were taken for duplicates."""
+        if seq != self._anchor_seq:
+            return  # delivered past it since: the anchor is a later batch
+        if before is None:
+            self._anchor_seq, self._fp, self._last_payload = -1, None, None
+        else:
+            self._anchor_seq, self._last_payload = before
+
     def _fingerprint(self) -> Fingerprint | None:
         """The fingerprint of the last delivered batch, taken lazily (only a replay needs it)."""
         if self._last_payload is not None:

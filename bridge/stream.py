@@ -104,6 +104,7 @@ class StreamPipeline:
         self._announce = announce
         self._pending: Record | None = None  # decided, being handed on (see _hand_decided)
         self._run: list[Record] = []  # decided in order, to be handed on together (see on_live)
+        self._decoded: Record | None = None  # the last batch decoded (what an undecodable one anchors back to)
         self.backoff = Backoff(cfg.initial_backoff, cfg.max_backoff)
         self.lock = asyncio.Lock()
         self._replay_task: asyncio.Task[None] | None = None
@@ -367,20 +368,26 @@ class StreamPipeline:
                 types = counted.types
                 self._types.extend(types)
                 self._last = (seq, counted.ts)
-                return Record(self.stream, epoch, seq, "batch", counted.ts, payload, [], None, None, received, len(types))
+                record = self._decoded = Record(
+                    self.stream, epoch, seq, "batch", counted.ts, payload, [], None, None, received, len(types)
+                )
+                return record
         try:
             batch = wire.decode_batch(payload)
         except DecodeError as exc:
             self.ctx.decode_failures(self.stream, exc, seq, None, payload)
+            good = self._decoded
+            self.sequencer.unanchor(seq, (good.seq, good.payload) if good is not None and good.epoch == epoch else None)
             return events_lost(self.stream, epoch, seq, seq, "undecodable", received)
         for bad in batch.bad_events:
             self.ctx.decode_failures(self.stream, DecodeError("bad_event", bad.reason), seq, None, None, index=bad.index)
         self._types.extend(map(_type_of, batch.events))
         self._last = (seq, batch.ts)
         n_bad = len(batch.bad_events)
-        return Record(
+        record = self._decoded = Record(
             self.stream, epoch, seq, "batch", batch.ts, payload, batch.events, None, None, received, -1, batch.plain, n_bad
         )
+        return record
 
     def _flush_metrics(self) -> None:
         """Apply the metric updates gathered since the last flush (see ``__init__``)."""

@@ -18,9 +18,10 @@ from bridge.fanout import Fanout
 from bridge.metrics import Metrics
 from bridge.records import Record, Stream
 from bridge.replay import ReplayClient, ReplayOutcome
+from bridge.sequencer import fingerprint
 from bridge.sink import SinkWorker
 from bridge.stream import StreamContext, StreamPipeline
-from bridge.wire import ReplayReply
+from bridge.wire import ReplayReply, peek_ts
 from tests.support.records import batch
 
 STREAM = Stream("engine", 0)
@@ -216,3 +217,38 @@ async def test_a_stream_resumed_without_an_acknowledged_reset_announces_its_epoc
         ("batch", 5, 0, None),
     ]
     assert sample(f.metrics, "kv_bridge_source_restarts_total", source="engine") == 0  # not an engine restart
+
+
+async def test_an_undecodable_last_batch_does_not_hide_a_restart_of_a_resumed_stream(make: Callable[..., Fakes]) -> None:
+    """Resumed at 7, the stream replays 8 and 9, and 9 cannot be decoded (no engine ts to tell
+    instances apart by). The engine restarts; the new instance publishes 0..13, every batch read
+    live, its replay buffer keeping the last 4. The restart shows at its first batch (checked
+    against 8, the last batch with a ts, as the checkpoint would): all of 0..13 are delivered in
+    the new epoch, none announced lost (I4)."""
+    f = make({})
+    old = {s: payload(s) for s in range(9)} | {9: b"\xc1\xc1 not msgpack"}
+    f.replays.payloads = old
+    pipeline = StreamPipeline(
+        f.pipeline.ctx,
+        STREAM,
+        replay_endpoint="tcp://fake:1",
+        replay_on_start=True,
+        epoch=5,
+        delivered=7,
+        delivered_fp=fingerprint(peek_ts(old[7]), old[7]),
+    )
+    await pipeline.start()
+    await settle(pipeline)
+    await pipeline.disconnected()
+    new = {s: payload(s, instance=1) for s in range(14)}
+    for s in range(14):
+        f.replays.payloads = {k: v for k, v in new.items() if s - 4 < k <= s}
+        await pipeline.on_live([frames(s, new[s])], 1_800_000_000.0)
+        await settle(pipeline)
+    shown = [(r.kind, r.epoch, r.from_seq, r.seq) for r in f.fanout.records]
+    assert shown == [
+        ("batch", 5, None, 8),
+        ("EventsLost", 5, 9, 9),
+        ("SourceReset", 6, None, 0),
+        *[("batch", 6, None, s) for s in range(14)],
+    ]
