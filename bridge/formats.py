@@ -124,7 +124,16 @@ class Message(msgspec.Struct):
     type: str
     value: bytes
     envelope: Envelope
-    position: tuple[int, int, int]
+
+    @property
+    def position(self) -> tuple[int, int, int]:
+        """(epoch, slot, sub): the record's position, and the event's index + 1 (0 for a whole
+        batch or a control record, STATE_SUB for a state message: after all of its record's)."""
+        epoch, slot = self.record.position
+        i = self.index
+        if i is not None:
+            return (epoch, slot, i + 1)
+        return (epoch, slot, STATE_SUB if self.type == STATE_TYPE else 0)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -174,14 +183,13 @@ STATE_SUB = (1 << 64) - 1
 
 def state_message(record: Record) -> Message:
     """The state message of ``record`` (see STATE_TYPE)."""
-    epoch, slot = record.position
-    return Message(record, None, STATE_TYPE, b"", Envelope(record, STATE_TYPE, "", ""), (epoch, slot, STATE_SUB))
+    return Message(record, None, STATE_TYPE, b"", Envelope(record, STATE_TYPE, "", ""))
 
 
 def sample_message(stream: Stream, type_: str = BATCH_TYPE, epoch: int = 0) -> Message:
     """An empty message of ``stream`` (seq 0), to render a name template (topic, key, subject) with."""
     record = Record(stream=stream, epoch=epoch, seq=0)
-    return Message(record, None, type_, b"", Envelope(record, type_, ""), (epoch, 1, 0))
+    return Message(record, None, type_, b"", Envelope(record, type_, ""))
 
 
 def hex64(value: int) -> str:
@@ -315,7 +323,9 @@ class Renderer:
         (RecursionError: the decoder's bound depends on its own stack depth, not ours); the sink
         worker dead-letters the record on any Exception.
         """
-        if self.sharers == 1 or record.kind != "batch":
+        if record.kind != "batch":
+            return [self._control(record)]
+        if self.sharers == 1:
             return self._render(record)
         shared = self._shared
         key = id(record)
@@ -336,8 +346,7 @@ class Renderer:
         return messages
 
     def _render(self, record: Record) -> list[Message]:
-        if record.kind != "batch":
-            return [self._control(record)]
+        """The messages of a batch record."""
         events = record.events if self.event_filter is None else self.event_filter(record.events)
         if self.granularity == "batch":
             return [self._batch(record, events)]
@@ -386,8 +395,7 @@ class Renderer:
             msg_id = f"{s.source}/{s.dp_rank}/{record.epoch}/reset"
         else:
             msg_id = f"{s.source}/{s.dp_rank}/{record.epoch}/lost/{record.from_seq}-{record.seq}"
-        epoch, slot = record.position
-        return Message(record, None, ctype, value, Envelope(record, ctype, content_type, msg_id), (epoch, slot, 0))
+        return Message(record, None, ctype, value, Envelope(record, ctype, content_type, msg_id))
 
     def _batch(self, record: Record, events: list[Event]) -> Message:
         if self.format == "raw":
@@ -399,11 +407,9 @@ class Renderer:
                 events = [json_event(e, self.hash_hex) for e in events]
             body = EventBatch(s.source, s.dp_rank, record.epoch, record.seq, record.ts, SCHEMA_VERSION, events)
             value = _json.encode(body) if json_ else _msgpack.encode(body)
-        epoch, slot = record.position
-        return Message(record, None, BATCH_TYPE, value, Envelope(record, BATCH_TYPE, self.content_type), (epoch, slot, 0))
+        return Message(record, None, BATCH_TYPE, value, Envelope(record, BATCH_TYPE, self.content_type))
 
     def _events(self, record: Record, events: list[Event]) -> list[Message]:
-        epoch, slot = record.position
         envelope = Envelope(record, "", self.content_type)  # each event's message sets its type and index
         out: list[Message] = []
         if self.format == "json":
@@ -424,7 +430,7 @@ class Renderer:
                 # The message, inline (one per event: a call per event costs as much as the rest).
                 type_ = event.get("type")
                 type_ = type_ if type_.__class__ is str else "Unknown"
-                append(Message(record, i, type_, join((prefix, index, rest, body[1:])), envelope, (epoch, slot, i + 1)))
+                append(Message(record, i, type_, join((prefix, index, rest, body[1:])), envelope))
         else:
             header = msgspec.structs.asdict(self._event_header(record))
             for i, event in enumerate(events):
@@ -433,5 +439,5 @@ class Renderer:
                 fields.update(unshadow(event))
                 type_ = event.get("type")
                 type_ = type_ if type_.__class__ is str else "Unknown"
-                out.append(Message(record, i, type_, _msgpack.encode(fields), envelope, (epoch, slot, i + 1)))
+                out.append(Message(record, i, type_, _msgpack.encode(fields), envelope))
         return out

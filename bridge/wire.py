@@ -207,8 +207,17 @@ def _decode_plain(payload: bytes) -> DecodedBatch | None:
             rank = dpr if dpr is not msgspec.UNSET else (None if attn is msgspec.UNSET else attn)
         else:
             return None
+        # A map event with its type first (every current release) is used as decoded; a batch of
+        # only such events, as the decoder made it (no new list).
+        for raw in events:
+            if raw.__class__ is not dict or next(iter(raw), None) != "type":
+                break
+            t = raw["type"]
+            if t.__class__ is not str or not t:
+                break
+        else:
+            return DecodedBatch(ts, events, rank, plain=True)  # type: ignore[arg-type]  # only dicts, checked above
         out = [
-            # A map event with its type first (every current release) is used as decoded.
             raw
             if raw.__class__ is dict and next(iter(raw), None) == "type" and raw["type"].__class__ is str and raw["type"]
             else normalise_event(raw)

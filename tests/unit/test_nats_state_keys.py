@@ -114,7 +114,7 @@ async def test_state_messages_wait_for_their_stream_and_carry_next() -> None:
     def rec(stream: Stream, seq: int) -> list[Message]:
         r = Record(stream=stream, epoch=1, seq=seq)
         r.state = StateDelta(stream, head(seq))
-        event = Message(r, 0, "BlockStored", b"{}", Envelope(r, "", "application/json"), (1, seq + 1, 1))
+        event = Message(r, 0, "BlockStored", b"{}", Envelope(r, "", "application/json"))
         return [event, state_message(r)]
 
     # a0 a1 b0 a2 b1: a1's event failed (transient), b0's permanently (dead-lettered: b goes on)
