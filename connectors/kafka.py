@@ -585,38 +585,48 @@ class KafkaConnector:
         """
         chains: dict[tuple[str, int], list[_Chunk]] = {}
         topics: dict[str, ConnectorError | None] = {}  # why a topic cannot be written in this write
-        fixed, routes = self.options.partition, self._routes
+        fixed, routes, template = self.options.partition, self._routes, self._topic
+        static = template.text if template.static else None
+        refused, alone, max_bytes, batch_limit = self._refused, self._alone, self._max_bytes, self._batch_limit
         record: Any = None
         key = b""
+        topic = ""
+        chain: list[_Chunk] = []
+        limit = max_bytes
         for i, m in enumerate(messages):
             if m.type == STATE_TYPE:
                 continue  # written once the messages before it are stored (_write_state)
-            topic = self._topic.render(m)
-            problem = topics[topic] if topic in topics else topics.setdefault(topic, await self._check_topic(producer, topic))
-            if problem is None and self._refused:
-                problem = self._refused.get(m.msg_id)
-            if problem is not None:
+            new_topic = static if static is not None else template.render(m)
+            if m.record is not record or new_topic != topic:
+                # The messages of one record are consecutive: routing is done once per record
+                # (and again where a template gives one of its messages another topic).
+                topic = new_topic
+                problem = topics[topic] if topic in topics else topics.setdefault(topic, await self._check_topic(producer, topic))
+                if problem is not None:
+                    record = None  # route again at the next message
+                    errors[i] = problem
+                    continue
+                record, key = m.record, m.key
+                if fixed is not None:
+                    partition = fixed
+                elif (partition := routes.get((topic, key), -1)) < 0:
+                    parts = self._partitions[topic]
+                    partition = routes[(topic, key)] = _PARTITIONER(key, parts, parts)
+                chain = chains.setdefault((topic, partition), [])
+                limit = batch_limit.get(topic, max_bytes)
+            if refused and (problem := refused.get(m.msg_id)) is not None:
                 errors[i] = problem
                 continue
-            if m.record is not record:  # the messages of one record are consecutive
-                record, key = m.record, m.key
-            if fixed is not None:
-                partition = fixed
-            elif (partition := routes.get((topic, key), -1)) < 0:
-                parts = self._partitions[topic]
-                partition = routes[(topic, key)] = _PARTITIONER(key, parts, parts)
             headers = m.header_items()
             value = m.value
             size = len(value) + len(key)  # the headers add ~150 bytes; exact near the limit only
-            if size + _HEADROOM > self._max_bytes and (size := internals.record_size(key, value, headers)) > self._max_bytes:
+            if size + _HEADROOM > max_bytes and (size := internals.record_size(key, value, headers)) > max_bytes:
                 errors[i] = Permanent(
-                    f"{self._where}: message {m.msg_id} is {size} bytes, more than max_batch_bytes ({self._max_bytes})",
+                    f"{self._where}: message {m.msg_id} is {size} bytes, more than max_batch_bytes ({max_bytes})",
                     reason="too_large",
                 )
                 continue
-            chain = chains.setdefault((topic, partition), [])
-            solo = bool(self._alone) and m.msg_id in self._alone
-            limit = self._batch_limit.get(topic, self._max_bytes)
+            solo = bool(alone) and m.msg_id in alone
             if not chain or solo or chain[-1].alone or chain[-1].used + size > limit:
                 chain.append(_Chunk(producer.create_batch(), topic, partition, solo))
             chunk = chain[-1]
