@@ -147,6 +147,7 @@ class StreamPipeline:
         parse, peek_ts = wire.parse_live, wire.peek_ts
         sequencer = self.sequencer
         accept, live, decode = sequencer.accept, sequencer.live, self._decode
+        needs_events, decode_batch, count_batch = self.ctx.needs_events, wire.decode_batch, wire.count_batch
         run = self._run
         sequenced = 0  # frames of the burst the sequencer has seen (the rest is unread if cut short)
         decided: list[Action] = []  # decided by live(), not yet taken by _execute
@@ -169,12 +170,26 @@ class StreamPipeline:
                                 self.ctx.decode_failures(self.stream, exc, None, frames)
                                 continue
                             seq, payload = f.seq, f.payload
-                        ts = peek_ts(payload)
+                        # Decoded (or counted) before it is sequenced: the ts comes with it. A batch
+                        # that fails here is decoded again once delivered, which reports it.
+                        counted: wire.EventCount | None = None
+                        batch: wire.DecodedBatch | None = None
+                        ts: float | None
+                        if needs_events:
+                            try:
+                                batch = decode_batch(payload)
+                                ts = batch.ts
+                            except DecodeError:
+                                ts = peek_ts(payload)
+                        elif (counted := count_batch(payload)) is not None:
+                            ts = counted.ts
+                        else:
+                            ts = peek_ts(payload)
                         if ts is not None:
                             lag(received - ts if received > ts else 0.0)  # never NaN: a NaN ts compares false
                         # An epoch's first batch is noted (and saved) before it goes out: not here.
                         if not self._first_pending and accept(seq, payload, ts):
-                            run.append(decode(seq, payload, received, sequencer.epoch))
+                            run.append(decode(seq, payload, received, sequencer.epoch, counted, batch))
                             continue
                         actions = live(seq, payload, ts)
                         if run:
@@ -361,9 +376,19 @@ class StreamPipeline:
             self._handed_batch = record
         await self.ctx.fanout.publish(record)
 
-    def _decode(self, seq: int, payload: bytes, received: float, epoch: int) -> Record:
+    def _decode(
+        self,
+        seq: int,
+        payload: bytes,
+        received: float,
+        epoch: int,
+        counted: wire.EventCount | None = None,
+        batch: wire.DecodedBatch | None = None,
+    ) -> Record:
+        """The record of a delivered batch (``counted`` or ``batch``: already counted or decoded)."""
         if not self.ctx.needs_events:
-            counted = wire.count_batch(payload)
+            if counted is None:
+                counted = wire.count_batch(payload)
             if counted is not None:  # else: decode it, which reports what is wrong with it
                 types = counted.types
                 self._types.extend(types)
@@ -373,7 +398,8 @@ class StreamPipeline:
                 )
                 return record
         try:
-            batch = wire.decode_batch(payload)
+            if batch is None:
+                batch = wire.decode_batch(payload)
         except DecodeError as exc:
             self.ctx.decode_failures(self.stream, exc, seq, None, payload)
             good = self._decoded
