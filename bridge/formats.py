@@ -47,29 +47,28 @@ _json = msgspec.json.Encoder()
 _msgpack = msgspec.msgpack.Encoder()
 
 
-class Envelope:
+class Envelope(msgspec.Struct, eq=False):
     """What every message of one record shares: its header fields and its message id, both built
     on first use (a sink that writes only values, such as a file of JSON lines, never pays for
-    them) and then kept. ``type_`` is the messages' type (event messages set their own)."""
+    them) and then kept. ``type`` is the messages' type (event messages set their own);
+    ``given_id``: the id when it is not the record's ``source/dp_rank/epoch/seq`` (control records).
+    A msgspec Struct: built once per record on the hot path, at a third of a class's cost."""
 
-    __slots__ = ("_encoded", "_fields", "_id", "content_type", "record", "type")
-
-    def __init__(self, record: Record, type_: str, content_type: str, msg_id: str | None = None) -> None:
-        self.record = record
-        self.type = type_
-        self.content_type = content_type
-        self._fields: dict[str, str] | None = None
-        self._encoded: tuple[list[tuple[str, bytes]], list[tuple[str, bytes]]] | None = None
-        self._id = msg_id
+    record: Record
+    type: str
+    content_type: str
+    given_id: str | None = None
+    built_fields: dict[str, str] | None = None
+    built_encoded: tuple[list[tuple[str, bytes]], list[tuple[str, bytes]]] | None = None
 
     @property
     def fields(self) -> dict[str, str]:
         """The header as text: source, dp_rank, epoch, seq, type, content-type, schema_version, ts."""
-        f = self._fields
+        f = self.built_fields
         if f is None:
             r = self.record
             s = r.stream
-            f = self._fields = {
+            f = self.built_fields = {
                 "source": s.source,
                 "dp_rank": str(s.dp_rank),
                 "epoch": str(r.epoch),
@@ -85,21 +84,21 @@ class Envelope:
     @property
     def encoded(self) -> tuple[list[tuple[str, bytes]], list[tuple[str, bytes]]]:
         """The fields as (name, UTF-8 value) pairs, split around ``type``: (before it, after it)."""
-        e = self._encoded
+        e = self.built_encoded
         if e is None:
             items = [(k, v.encode()) for k, v in self.fields.items()]
             cut = next(i for i, (k, _) in enumerate(items) if k == "type")
-            e = self._encoded = (items[:cut], items[cut + 1 :])
+            e = self.built_encoded = (items[:cut], items[cut + 1 :])
         return e
 
     @property
     def id(self) -> str:
         """The record's message id (``source/dp_rank/epoch/seq`` for engine data)."""
-        i = self._id
+        i = self.given_id
         if i is None:
             r = self.record
             s = r.stream
-            i = self._id = f"{s.source}/{s.dp_rank}/{r.epoch}/{r.seq}"
+            i = self.given_id = f"{s.source}/{s.dp_rank}/{r.epoch}/{r.seq}"
         return i
 
     def __eq__(self, other: object) -> bool:
