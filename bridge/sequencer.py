@@ -178,6 +178,8 @@ class StreamSequencer:
         self._buffers = False  # a replay ever brought a batch (the engine's buffer is not empty by design)
         self._attempts = 0
         self._suspect: int | None = None  # a start that a previous attempt's first reply skipped
+        # (seq, ts) of a batch of this epoch below an anchor without a ts (see reference()).
+        self._ref: tuple[int, float] | None = None
         self._floor_ts: float | None = None  # engine ts of the batch that showed this epoch's instance
         self._doubt_since: float | None = None  # wall clock when the disconnect was noticed
         self._drops = 0  # disconnects noticed since continuity came into doubt
@@ -480,7 +482,10 @@ class StreamSequencer:
             if seq == self._anchor_seq:
                 return not _matches(fp, ts, payload)
             if seq < self._anchor_seq:
-                return ts is not None and fp[0] is not None and ts > fp[0]  # an earlier seq, a later clock
+                bound = fp[0]
+                if bound is None and self._ref is not None and seq <= self._ref[0]:
+                    bound = self._ref[1]  # the anchor has no ts: an earlier batch's
+                return ts is not None and bound is not None and ts > bound  # an earlier seq, a later clock
         return self._contradicts(self.held, seq, payload, ts)
 
     def _contradicts(self, batches: dict[int, bytes], seq: int, payload: bytes, ts: float | None) -> bool:
@@ -580,17 +585,13 @@ class StreamSequencer:
             start = self.delivered  # one early: shows the engine answering even when the next batch never comes
         out.append(RequestReplay(self._request_id, start, max(until, start) if until >= 0 else -1, self._attempts))
 
-    def unanchor(self, seq: int, before: tuple[int, bytes] | None) -> None:
-        """The batch delivered at ``seq`` carries no engine ts (it could not be decoded): verify
-        instances against ``before`` (the last earlier batch of this epoch that could, as the
-        checkpoint does), or against nothing, instead. Without it, a restarted engine's earlier
-        seqs could not be told from late copies (no ts to compare) and were taken for duplicates."""
-        if seq != self._anchor_seq:
-            return  # delivered past it since: the anchor is a later batch
-        if before is None:
-            self._anchor_seq, self._fp, self._last_payload = -1, None, None
-        else:
-            self._anchor_seq, self._last_payload = before
+    def reference(self, seq: int, ts: float | None) -> None:
+        """The last delivered batch has no engine ts (it could not be decoded); ``seq``, ``ts``: an
+        earlier batch of this epoch that has one. A live batch at or below ``seq`` with a later ts
+        is then another instance's (the anchor, whose fingerprint has only a CRC, cannot say)."""
+        ts = _finite(ts)
+        if ts is not None:
+            self._ref = (seq, ts)
 
     def _fingerprint(self) -> Fingerprint | None:
         """The fingerprint of the last delivered batch, taken lazily (only a replay needs it)."""
@@ -658,7 +659,7 @@ class StreamSequencer:
         self._floor_ts = None
         self.epoch = self._next_epoch(self.epoch)
         self.delivered = self._top = -1
-        self._fp = self._last_payload = None
+        self._fp = self._last_payload = self._ref = None
         self._anchor_seq = -1
         # Live seqs seen after the carried batches (some perhaps not kept, past the bound) are the
         # new instance's too: the gap up to them is fetched by replay.

@@ -104,7 +104,7 @@ class StreamPipeline:
         self._announce = announce
         self._pending: Record | None = None  # decided, being handed on (see _hand_decided)
         self._run: list[Record] = []  # decided in order, to be handed on together (see on_live)
-        self._decoded: Record | None = None  # the last batch decoded (what an undecodable one anchors back to)
+        self._decoded: Record | None = None  # the last batch decoded (see StreamSequencer.reference)
         self.backoff = Backoff(cfg.initial_backoff, cfg.max_backoff)
         self.lock = asyncio.Lock()
         self._replay_task: asyncio.Task[None] | None = None
@@ -403,7 +403,8 @@ class StreamPipeline:
         except DecodeError as exc:
             self.ctx.decode_failures(self.stream, exc, seq, None, payload)
             good = self._decoded
-            self.sequencer.unanchor(seq, (good.seq, good.payload) if good is not None and good.epoch == epoch else None)
+            if good is not None and good.epoch == epoch:
+                self.sequencer.reference(good.seq, good.ts)
             return events_lost(self.stream, epoch, seq, seq, "undecodable", received)
         for bad in batch.bad_events:
             self.ctx.decode_failures(self.stream, DecodeError("bad_event", bad.reason), seq, None, None, index=bad.index)

@@ -252,3 +252,54 @@ async def test_an_undecodable_last_batch_does_not_hide_a_restart_of_a_resumed_st
         ("SourceReset", 6, None, 0),
         *[("batch", 6, None, s) for s in range(14)],
     ]
+
+
+async def test_an_undecodable_batch_sent_twice_is_a_duplicate_not_a_restart(make: Callable[..., Fakes]) -> None:
+    """The live stream repeats its last batch, which could not be decoded: it is still the very
+    batch delivered last (same bytes), not a new instance."""
+    f = make({})
+    bad = b"\xc1\xc1 not msgpack"
+    await f.pipeline.start()
+    await f.pipeline.on_live([frames(0), frames(1, bad)], 1_700_000_001.0)
+    await f.pipeline.on_live([frames(1, bad)], 1_700_000_001.5)
+    await f.pipeline.on_live([frames(2), frames(3)], 1_700_000_002.0)
+    await settle(f.pipeline)
+    assert [(r.kind, r.epoch, r.seq) for r in f.fanout.records] == [
+        ("batch", 5, 0),
+        ("EventsLost", 5, 1),
+        ("batch", 5, 2),
+        ("batch", 5, 3),
+    ]
+
+
+async def test_a_resumed_stream_whose_replay_brings_only_an_undecodable_batch_still_sees_a_restart(
+    make: Callable[..., Fakes],
+) -> None:
+    """Resumed at 10 (a checkpoint with its fingerprint), the start-up replay brings only 11, which
+    cannot be decoded. The engine restarts and its new instance publishes 0..14: the restart is
+    seen (against 11's CRC), and nothing of the new instance goes out in the old epoch (I1)."""
+    f = make({})
+    old = {s: payload(s) for s in range(11)} | {11: b"\xc1\xc1 not msgpack"}
+    f.replays.payloads = old
+    pipeline = StreamPipeline(
+        f.pipeline.ctx,
+        STREAM,
+        replay_endpoint="tcp://fake:1",
+        replay_on_start=True,
+        epoch=5,
+        delivered=10,
+        delivered_fp=fingerprint(peek_ts(old[10]), old[10]),
+    )
+    await pipeline.start()
+    await settle(pipeline)
+    await pipeline.disconnected()
+    f.replays.payloads = {s: payload(s, instance=1) for s in range(15)}
+    await pipeline.on_live([frames(14, f.replays.payloads[14])], 1_800_000_000.0)
+    for _ in range(3):
+        await settle(pipeline)
+        await pipeline.probe()
+    await settle(pipeline)
+    new_instance = {f.replays.payloads[s] for s in range(15)}
+    in_old_epoch = [r.seq for r in f.fanout.records if r.epoch == 5 and r.kind == "batch" and r.payload in new_instance]
+    assert in_old_epoch == []
+    assert [r.seq for r in f.fanout.records if r.epoch > 5 and r.kind == "batch"] == list(range(15))
