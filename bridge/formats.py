@@ -59,7 +59,7 @@ class Envelope(msgspec.Struct, eq=False):
     content_type: str
     given_id: str | None = None
     built_fields: dict[str, str] | None = None
-    built_encoded: tuple[list[tuple[str, bytes]], list[tuple[str, bytes]]] | None = None
+    built_encoded: tuple[list[tuple[str, bytes]], int] | None = None
 
     @property
     def fields(self) -> dict[str, str]:
@@ -81,14 +81,12 @@ class Envelope(msgspec.Struct, eq=False):
                 f["ts"] = repr(r.ts)
         return f
 
-    @property
-    def encoded(self) -> tuple[list[tuple[str, bytes]], list[tuple[str, bytes]]]:
-        """The fields as (name, UTF-8 value) pairs, split around ``type``: (before it, after it)."""
+    def encoded(self) -> tuple[list[tuple[str, bytes]], int]:
+        """The fields as (name, UTF-8 value) pairs, and where ``type`` is among them."""
         e = self.built_encoded
         if e is None:
             items = [(k, v.encode()) for k, v in self.fields.items()]
-            cut = next(i for i, (k, _) in enumerate(items) if k == "type")
-            e = self.built_encoded = (items[:cut], items[cut + 1 :])
+            e = self.built_encoded = (items, next(i for i, (k, _) in enumerate(items) if k == "type"))
         return e
 
     @property
@@ -147,11 +145,13 @@ class Message(msgspec.Struct):
     def header_items(self) -> list[tuple[str, bytes]]:
         """``headers`` as (name, UTF-8 value) pairs, in the same order (what Kafka's client takes),
         from the envelope's pairs encoded once per record."""
-        before, after = self.envelope.encoded
+        items, at = self.envelope.encoded()
+        items = items.copy()
         i = self.index
-        if i is None:
-            return [*before, ("type", self.type.encode()), *after]
-        return [*before, ("type", self.type.encode()), *after, ("index", _INDEX[i] if i < 4096 else str(i).encode())]
+        if i is not None:
+            items[at] = ("type", self.type.encode())
+            items.append(("index", _INDEX[i] if i < 4096 else str(i).encode()))
+        return items
 
     @property
     def msg_id(self) -> str:
