@@ -20,7 +20,10 @@ A connector class has:
 - ``async write(messages)``: one network call that delivers every message; returning means every
   message is acknowledged as the sink defines it. Otherwise raise ``NotConnected`` / ``Retriable``
   (nothing known to be stored, or the whole write failed), ``Permanent`` (every message refused for
-  itself), or ``PartialFailure({index: error})`` with each failed message's own classification;
+  itself), or ``PartialFailure({index: error})`` with each failed message's own classification.
+  A :class:`Message` builds its ``headers`` (a new dict on each read), ``msg_id`` and
+  ``position`` from its record when read: read each once per message (``header_items()`` gives
+  the headers as (name, UTF-8 bytes) pairs, encoded once per record);
 - ``async close()``: flush and release; must not raise;
 - ``async health()``: ``None`` when healthy, else a short reason (used by ``/readyz``, ``--check``).
 

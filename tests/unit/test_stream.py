@@ -219,14 +219,11 @@ async def test_a_stream_resumed_without_an_acknowledged_reset_announces_its_epoc
     assert sample(f.metrics, "kv_bridge_source_restarts_total", source="engine") == 0  # not an engine restart
 
 
-async def test_an_undecodable_last_batch_does_not_hide_a_restart_of_a_resumed_stream(make: Callable[..., Fakes]) -> None:
-    """Resumed at 7, the stream replays 8 and 9, and 9 cannot be decoded (no engine ts to tell
-    instances apart by). The engine restarts; the new instance publishes 0..13, every batch read
-    live, its replay buffer keeping the last 4. The restart shows at its first batch (checked
-    against 8, the last batch with a ts, as the checkpoint would): all of 0..13 are delivered in
-    the new epoch, none announced lost (I4)."""
-    f = make({})
-    old = {s: payload(s) for s in range(9)} | {9: b"\xc1\xc1 not msgpack"}
+async def resumed_then_disconnected(f: Fakes, *, delivered: int, undecodable: int) -> StreamPipeline:
+    """A pipeline resumed at ``delivered`` (its checkpoint fingerprint), whose start-up replay
+    brings the engine's batches up to ``undecodable``, which cannot be decoded; then the
+    connection drops."""
+    old = {s: payload(s) for s in range(undecodable)} | {undecodable: b"\xc1\xc1 not msgpack"}
     f.replays.payloads = old
     pipeline = StreamPipeline(
         f.pipeline.ctx,
@@ -234,12 +231,23 @@ async def test_an_undecodable_last_batch_does_not_hide_a_restart_of_a_resumed_st
         replay_endpoint="tcp://fake:1",
         replay_on_start=True,
         epoch=5,
-        delivered=7,
-        delivered_fp=fingerprint(peek_ts(old[7]), old[7]),
+        delivered=delivered,
+        delivered_fp=fingerprint(peek_ts(old[delivered]), old[delivered]),
     )
     await pipeline.start()
     await settle(pipeline)
     await pipeline.disconnected()
+    return pipeline
+
+
+async def test_an_undecodable_last_batch_does_not_hide_a_restart_of_a_resumed_stream(make: Callable[..., Fakes]) -> None:
+    """Resumed at 7, the stream replays 8 and 9, and 9 cannot be decoded (no engine ts to tell
+    instances apart by). The engine restarts; the new instance publishes 0..13, every batch read
+    live, its replay buffer keeping the last 4. The restart shows at its first batch (checked
+    against 8, the last batch with a ts, as the checkpoint would): all of 0..13 are delivered in
+    the new epoch, none announced lost (I4)."""
+    f = make({})
+    pipeline = await resumed_then_disconnected(f, delivered=7, undecodable=9)
     new = {s: payload(s, instance=1) for s in range(14)}
     for s in range(14):
         f.replays.payloads = {k: v for k, v in new.items() if s - 4 < k <= s}
@@ -279,20 +287,7 @@ async def test_a_resumed_stream_whose_replay_brings_only_an_undecodable_batch_st
     cannot be decoded. The engine restarts and its new instance publishes 0..14: the restart is
     seen (against 11's CRC), and nothing of the new instance goes out in the old epoch (I1)."""
     f = make({})
-    old = {s: payload(s) for s in range(11)} | {11: b"\xc1\xc1 not msgpack"}
-    f.replays.payloads = old
-    pipeline = StreamPipeline(
-        f.pipeline.ctx,
-        STREAM,
-        replay_endpoint="tcp://fake:1",
-        replay_on_start=True,
-        epoch=5,
-        delivered=10,
-        delivered_fp=fingerprint(peek_ts(old[10]), old[10]),
-    )
-    await pipeline.start()
-    await settle(pipeline)
-    await pipeline.disconnected()
+    pipeline = await resumed_then_disconnected(f, delivered=10, undecodable=11)
     f.replays.payloads = {s: payload(s, instance=1) for s in range(15)}
     await pipeline.on_live([frames(14, f.replays.payloads[14])], 1_800_000_000.0)
     for _ in range(3):
