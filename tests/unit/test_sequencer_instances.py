@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import zlib
 
+import pytest
+
 from bridge.sequencer import Action, Deliver, Duplicate, Lost, RequestReplay, Reset, StreamSequencer
 
 
@@ -173,3 +175,26 @@ def test_a_batch_known_published_is_announced_lost_even_when_the_new_instance_sh
     out = s.replayed(req.request_id, 3, p(1, 3))
     assert out[:2] == [Lost(3, 3, "publisher_restart", 7), Reset(8, "publisher_restart")]
     assert s.known_top >= s.delivered
+
+
+@pytest.mark.parametrize("anchor_ts", [1002.6, None], ids=["decodable-anchor", "undecodable-anchor"])
+def test_an_engine_clock_stepping_back_a_little_is_not_a_restart(anchor_ts: float | None) -> None:
+    """One instance, its clock stepped back 0.5 s between seq 3 and 4 (an NTP correction). A
+    probe's replay delivers 1..5 before the live copies of 1..3 arrive: an earlier seq with a
+    later ts than the anchor's (or, when the anchor has no ts, than the last batch before it that
+    has one) by less than ``clock_skew`` is a late copy, not another instance (I1)."""
+    stamps = {b"0": 1000.0, b"1": 1001.0, b"2": 1002.0, b"3": 1003.0, b"4": 1002.5, b"5": anchor_ts}
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=stamps.__getitem__, clock_skew=1.0)
+    assert delivered(s.live(0, b"0")) == [(0, b"0")]
+    (req,) = [a for a in s.probe() if isinstance(a, RequestReplay)]
+    out: list[object] = []
+    for q in range(1, 6):
+        out += s.replayed(req.request_id, q, str(q).encode())
+    out += s.replay_finished(req.request_id, complete=True)
+    if anchor_ts is None:
+        s.reference(4, 1002.5)  # what the pipeline does when it cannot decode 5
+    for q in (1, 2, 3):
+        out += s.live(q, str(q).encode())
+    assert not [a for a in out if isinstance(a, Reset)]
+    assert s.epoch == 0
+    assert delivered(out) == [(0, str(q).encode()) for q in range(1, 6)]
