@@ -356,4 +356,7 @@ def peek_ts(payload: bytes) -> float | None:
     try:
         return decode_batch(payload).ts
     except DecodeError:
-        return None
+        # What count_batch reads of it, if anything: a raw-only bridge delivers such a batch with
+        # that ts (Record.ts, the checkpoint's fingerprint), and its sequencer must agree.
+        counted = count_batch(payload)
+        return counted.ts if counted is not None else None

@@ -283,3 +283,21 @@ def test_common_batches_take_the_plain_path_and_odd_ones_do_not() -> None:
     assert wire.decode_batch(msgspec.msgpack.encode([1.0, [], 0, "extra"])).extra == ["extra"]
     lone_attn = wire.decode_batch(msgspec.msgpack.encode({"ts": 1.0, "events": [], "attn_dp_rank": 0}))
     assert lone_attn.plain and lone_attn.dp_rank == 0
+
+
+def test_peek_ts_agrees_with_count_batch_on_a_batch_only_counting_accepts() -> None:
+    """A map batch whose event holds invalid UTF-8 in a string field: decode_batch refuses it,
+    count_batch (a raw-only bridge) accepts it and delivers it with its ts. peek_ts (the
+    sequencer's clock of a batch) must read the same ts, or the checkpoint's fingerprint of that
+    batch would never match it again (a false restart on resume)."""
+    enc = msgspec.msgpack.encode
+    event = (
+        b"\x83" + enc("type") + enc("BlockRemoved") + enc("block_hashes") + enc([7]) + enc("medium") + b"\xa1\xff"
+    )  # "medium": a one-byte str that is not UTF-8
+    payload = b"\x82" + enc("ts") + enc(1001.5) + enc("events") + b"\x91" + event
+    with pytest.raises(DecodeError):
+        wire.decode_batch(payload)
+    counted = wire.count_batch(payload)
+    assert counted is not None and counted.ts == 1001.5
+    assert wire.peek_ts(payload) == 1001.5
+    assert wire.peek_ts(b"\xc1 not msgpack") is None
