@@ -144,9 +144,7 @@ class StreamSequencer:
         self.max_held = max_held
         self.max_attempts = max_attempts
         # How far an engine's clock may be ahead of the bridge's: a batch stamped earlier than a
-        # disconnect was noticed, by more than this, was published before it. Also how far an
-        # engine's clock may step back between two of its batches (an earlier seq must be this
-        # much later than the anchor to show another instance).
+        # disconnect was noticed, by more than this, was published before it.
         self.clock_skew = clock_skew
         self.epoch = epoch
         # A ts that is not a finite number (NaN never equals itself; JSON keeps neither NaN nor
@@ -487,8 +485,7 @@ class StreamSequencer:
                 bound = fp[0]
                 if bound is None and self._ref is not None and seq <= self._ref[0]:
                     bound = self._ref[1]  # the anchor has no ts: an earlier batch's
-                # An earlier seq, a later clock: beyond what an engine's clock may step back by.
-                return ts is not None and bound is not None and ts > bound + self.clock_skew
+                return ts is not None and bound is not None and ts > bound  # an earlier seq, a later clock
         return self._contradicts(self.held, seq, payload, ts)
 
     def _contradicts(self, batches: dict[int, bytes], seq: int, payload: bytes, ts: float | None) -> bool:
