@@ -340,6 +340,17 @@ class Writer:
         return time.perf_counter() - t0
 
 
+@contextlib.asynccontextmanager
+async def connected(url: str, dest: str, bucket: str, *, create: bool = True) -> AsyncIterator[Writer]:
+    """A :class:`Writer` whose connector is connected for the block and closed after it."""
+    w = Writer(url, dest, bucket, create=create)
+    await w.connector.connect()
+    try:
+        yield w
+    finally:
+        await w.connector.close()
+
+
 def many_blocks(stream: Stream, epoch: int, seq: int, n: int, rand: random.Random) -> Record:
     hashes = [rand.getrandbits(64) for _ in range(n)]
     event = {
@@ -356,12 +367,10 @@ def many_blocks(stream: Stream, epoch: int, seq: int, n: int, rand: random.Rando
 
 async def test_reset_of_100k_live_blocks_is_one_purge(nats_server: NatsServer, reader: Client, names: tuple[str, str]) -> None:
     dest, bucket = names
-    w = Writer(nats_server.url, dest, bucket)
-    await w.connector.connect()
-    js = reader.jetstream(timeout=30)
-    big, other = Stream("big", 0), Stream("other", 0)
-    rand = random.Random(3)
-    try:
+    async with connected(nats_server.url, dest, bucket) as w:
+        js = reader.jetstream(timeout=30)
+        big, other = Stream("big", 0), Stream("other", 0)
+        rand = random.Random(3)
         await w.write([source_reset(big, 1, "publisher_restart", 0.0), source_reset(other, 1, "publisher_restart", 0.0)])
         fill = 0.0
         for k in range(10):  # 10 writes of 10 records of 1,000 new blocks
@@ -411,8 +420,6 @@ async def test_reset_of_100k_live_blocks_is_one_purge(nats_server: NatsServer, r
             f" bucket {before.messages} -> {after.messages} messages; bootstraps during the reset saw epochs"
             f" {[s.epoch for s in results]}"
         )
-    finally:
-        await w.connector.close()
 
 
 # -- the journal: a write stopped between its entries and its head is finished by read_state ----------
@@ -428,9 +435,7 @@ async def test_read_state_finishes_a_write_stopped_half_way(
     dest, bucket = names
     stream = Stream("half", 0)
     rand = random.Random(5)
-    w = Writer(nats_server.url, dest, bucket)
-    await w.connector.connect()
-    try:
+    async with connected(nats_server.url, dest, bucket) as w:
         await w.write([source_reset(stream, 1, "publisher_restart", 0.0)])
         first = [many_blocks(stream, 1, s, 50, rand) for s in range(3)]
         await w.write(first)
@@ -497,8 +502,6 @@ async def test_read_state_finishes_a_write_stopped_half_way(
             await restarted.connector.close()
         assert got is not None and got[0] == w.tracker.head(stream) and got[1] == []
         assert got[0].epoch == 2 and got[0].complete
-    finally:
-        await w.connector.close()
 
 
 async def test_a_missing_bucket_is_reported_and_state_writes_are_retried(
@@ -506,9 +509,7 @@ async def test_a_missing_bucket_is_reported_and_state_writes_are_retried(
 ) -> None:
     dest, bucket = names
     stream = Stream("m", 0)
-    w = Writer(nats_server.url, dest, bucket, create=False)
-    await w.connector.connect()
-    try:
+    async with connected(nats_server.url, dest, bucket, create=False) as w:
         problem = await w.connector.health()
         assert problem is not None and f"KV bucket {bucket!r} does not exist" in problem
         record = source_reset(stream, 1, "publisher_restart", 0.0)
@@ -520,8 +521,6 @@ async def test_a_missing_bucket_is_reported_and_state_writes_are_retried(
         assert await w.connector.health() is None
         state, _ = await bootstrap(reader, bucket, "m", 0)
         assert state.epoch == 1 and state.complete and state.blocks() == {}
-    finally:
-        await w.connector.close()
 
 
 async def test_a_bucket_lost_and_created_again_tells_the_state_lost_once_per_stream(
@@ -532,9 +531,7 @@ async def test_a_bucket_lost_and_created_again_tells_the_state_lost_once_per_str
     (the runtime clears the stream at its next record, incomplete), and written again after."""
     dest, bucket = names
     stream = Stream("m", 0)
-    w = Writer(nats_server.url, dest, bucket)
-    await w.connector.connect()
-    try:
+    async with connected(nats_server.url, dest, bucket) as w:
         rand = random.Random(3)
         await w.write([source_reset(stream, 1, "publisher_restart", 0.0), many_blocks(stream, 1, 0, 3, rand)])
         await reader.jetstream(timeout=10).delete_key_value(bucket)  # what a restarted in-memory server lost
@@ -546,8 +543,6 @@ async def test_a_bucket_lost_and_created_again_tells_the_state_lost_once_per_str
             await w.write([second])
         assert isinstance(info.value, Permanent) and info.value.reason == "state_lost"
         await w.connector.write([state_message(second)])  # told once: the runtime's next record writes again
-    finally:
-        await w.connector.close()
 
 
 async def test_an_entry_too_large_for_a_message_is_written_without_its_fact(
@@ -555,14 +550,10 @@ async def test_an_entry_too_large_for_a_message_is_written_without_its_fact(
 ) -> None:
     dest, bucket = names
     stream = Stream("m", 0)
-    w = Writer(nats_server.url, dest, bucket)
-    await w.connector.connect()
-    try:
+    async with connected(nats_server.url, dest, bucket) as w:
         big = many_blocks(stream, 1, 0, 1, random.Random(1))
         big.events[0]["lora_name"] = "x" * (reader.max_payload + 10)
         await w.write([source_reset(stream, 1, "publisher_restart", 0.0), big])
         state, _ = await bootstrap(reader, bucket, "m", 0)
         [doc] = state.entries.values()
         assert doc["count"] == 1 and "lora_name" not in doc and doc["seq"] == 0
-    finally:
-        await w.connector.close()
