@@ -114,7 +114,7 @@ class StreamPipeline:
         # replayed reply): a labelled prometheus_client update takes a lock and costs about a
         # microsecond, which per batch was a sizeable share of ingest.
         self._types: list[str] = []  # the types of the events handed on since the last flush
-        self._last: tuple[int, float] | None = None
+        self._shown: Record | None = None  # the decoded batch the last_seq / last_ts gauges show
         # The last record (and batch) handed to every sink, as a position to resume from: a
         # stream removed while a full sink made it wait resumes there, not where the sequencer
         # got to. _unread_top: the highest seq of a burst cut short by that removal.
@@ -392,7 +392,6 @@ class StreamPipeline:
             if counted is not None:  # else: decode it, which reports what is wrong with it
                 types = counted.types
                 self._types.extend(types)
-                self._last = (seq, counted.ts)
                 record = self._decoded = Record(
                     self.stream, epoch, seq, "batch", counted.ts, payload, [], None, None, received, len(types)
                 )
@@ -409,7 +408,6 @@ class StreamPipeline:
         for bad in batch.bad_events:
             self.ctx.decode_failures(self.stream, DecodeError("bad_event", bad.reason), seq, None, None, index=bad.index)
         self._types.extend(map(_type_of, batch.events))
-        self._last = (seq, batch.ts)
         n_bad = len(batch.bad_events)
         record = self._decoded = Record(
             self.stream, epoch, seq, "batch", batch.ts, payload, batch.events, None, None, received, -1, batch.plain, n_bad
@@ -423,11 +421,12 @@ class StreamPipeline:
                 label = t if t in wire.KNOWN_TYPES else "other"  # keyed by label: unknown type names must not grow the cache
                 self.metrics.events(label).inc(n)
             self._types.clear()
-        if self._last is not None:
-            seq, ts = self._last
-            self.metrics.last_seq.set(seq)
-            self.metrics.last_ts.set(ts)
-            self._last = None
+        last = self._decoded
+        if last is not None and last is not self._shown:
+            self.metrics.last_seq.set(last.seq)
+            if last.ts is not None:  # always, for a decoded or counted batch
+                self.metrics.last_ts.set(last.ts)
+            self._shown = last
 
     # -- replay ---------------------------------------------------------------------------------
     def _start_replay(self, req: RequestReplay) -> None:
