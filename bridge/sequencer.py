@@ -24,7 +24,15 @@ Engine instances. The protocol carries no instance id, so the sequencer infers o
 - every replay asks from the last delivered seq and compares that batch's fingerprint (engine ts
   and CRC-32 of the payload) with the one delivered; without one, it compares its first reply
   with a held live batch of the same seq, and a replayed seq below a held one but with a later
-  engine ts comes from a later instance.
+  engine ts comes from a later instance;
+- where a batch has no ts (it could not be decoded), bytes decide: in doubt, a replay also
+  brings the seqs of the batches waiting without one, and its replies are kept until the reply
+  of such a seq compares bytes (``_LATER``; when another instance answers, its replies sort the
+  batches waiting into its own and not its own: ``_SORTING``); a replay that stops before that
+  reply is followed by one for exactly that seq, whose first reply is never dropped ("nothing":
+  the answering instance never published it); a late live copy of a replayed batch is told by
+  its CRC-32. What cannot be told this way is announced lost rather than delivered under the
+  wrong epoch (README, "instance detection").
 
 Replay rules (protocol.md section 1): the first reply above the requested start means the span
 left the engine's buffer, but a ROUTER under load may also drop replies, so a loss is declared
@@ -99,7 +107,10 @@ class Reset(msgspec.Struct, frozen=True):
 
 Action = Deliver | Duplicate | Gap | RequestReplay | Lost | Reset
 
-_SAME, _NEW, _UNSURE = "same", "new", "unsure"
+# Verdicts on the instance answering a replay (see _check); _LATER: a later reply will tell.
+_SAME, _NEW, _UNSURE, _LATER = "same", "new", "unsure", "later"
+_SORTING = "sorting"  # another instance answers: its next replies tell whose the batches waiting are
+_LATE_COPIES = 1024  # replayed batches whose late live copy a stream recognises by its bytes
 
 
 class StreamSequencer:
@@ -119,9 +130,11 @@ class StreamSequencer:
     _replay_start: int  # its first seq needed
     _anchor: tuple[int, Fingerprint] | None  # what it verifies
     _verdict: str  # is it this epoch's instance?
+    _until: int  # the last seq it brings (-1: to the end marker)
     _replay_first: bool  # no reply at or above _replay_start yet
     _answered: bool  # a reply came
     _asked_unverified: bool  # unverified batches were waiting when it was asked for
+    _asked_top: int  # the highest seq waiting then (-1: none)
 
     def __init__(
         self,
@@ -178,6 +191,20 @@ class StreamSequencer:
         self._buffers = False  # a replay ever brought a batch (the engine's buffer is not empty by design)
         self._attempts = 0
         self._suspect: int | None = None  # a start that a previous attempt's first reply skipped
+        # Seen live, announced lost with the previous epoch, perhaps this instance's: settled by
+        # this epoch too (delivered, or lost when it ends first; see _restart).
+        self._owed = -1
+        self._unclaimed = -1  # the highest of replies read and dropped without a verdict: whose?
+        # seq -> (CRC-32, engine ts) of batches replayed above last_live: their late live copies.
+        self._replayed_crc: dict[int, tuple[int, float | None]] = {}
+        # Replies of the replay in flight kept until a later reply tells whose they are (_LATER).
+        self._early: dict[int, bytes] = {}
+        self._heard = -1  # the last reply seen while the verdict was pending
+        self._skipped = False  # and a reply that would have compared bytes did not come
+        self._verdict = _UNSURE
+        self._until = -1
+        self._probing = False  # the replay in flight asks for one batch waiting (see replay_finished)
+        self._overlap: tuple[int, int] | None = None  # (seq, CRC-32) its first reply must repeat (_SORTING)
         # (seq, ts) of a batch of this epoch below an anchor without a ts (see reference()).
         self._ref: tuple[int, float] | None = None
         self._floor_ts: float | None = None  # engine ts of the batch that showed this epoch's instance
@@ -209,6 +236,8 @@ class StreamSequencer:
         self._resumed = False
         self.last_live = self._top = self.delivered = self._anchor_seq = seq
         self._last_payload = payload
+        if self._replayed_crc:
+            self._replayed_crc.clear()  # all at or below _top < seq: no late copy can follow
         return True
 
     def live(self, seq: int, payload: bytes, ts: float | None = None) -> list[Action]:
@@ -223,6 +252,7 @@ class StreamSequencer:
                 out.append(Duplicate(seq))
                 return out
         last = self.last_live
+        copy = False  # proven a copy of a batch of this epoch's instance, by its bytes
         if last is not None and seq <= last:
             fp = self._fingerprint() if seq == self._anchor_seq else None
             if fp is not None and _matches(fp, self._ts_of(payload), payload):
@@ -232,13 +262,28 @@ class StreamSequencer:
             self._floor_ts = self._ts_of(payload)
         elif seq <= self._top:
             # At or below what this instance is known to have published, yet above anything seen
-            # live: a late copy of a replayed batch, or a new instance starting over.
-            if self._other_instance(seq, payload):
+            # live: a late copy of a replayed batch, or a new instance starting over. The same
+            # bytes as a batch replayed is a copy (no clock needed). Other bytes: another
+            # instance's, older (a late batch) or newer, which the two clocks tell; without both,
+            # newer (an older one's late batch would be older than the epoch's first: _floor_ts).
+            replayed = self._replayed_crc.get(seq)
+            if replayed is None:
+                other = self._other_instance(seq, payload)
+                copy = not other and seq == self._anchor_seq and self._fingerprint() is not None
+            elif zlib.crc32(payload) == replayed[0]:
+                other, copy = False, True
+            else:
+                ts, theirs = self._ts_of(payload), replayed[1]
+                other = ts is None or theirs is None or ts > theirs
+            if other:
                 self._restart(out, "publisher_restart", evidence=(seq, self._ts_of(payload)))
             elif self._resumed and seq <= self.delivered and self._fingerprint() is None:
                 self._restart(out, "publisher_restart")  # nothing to compare with: the plain rule
         self._resumed = False
         self.last_live = seq
+        if self._replayed_crc:
+            for s in [s for s in self._replayed_crc if s <= seq]:
+                del self._replayed_crc[s]
         if self._doubt:
             if seq > self.delivered:
                 self._keep(self.unverified, seq, payload)
@@ -247,6 +292,11 @@ class StreamSequencer:
                     self._request(out)
             else:
                 out.append(Duplicate(seq))
+                if self._replay is None and not copy:
+                    # A late copy or a new instance's batch that the checks above could not tell
+                    # (no ts to compare): a replay can.
+                    self._attempts = 0
+                    self._request(out)
             return out
         self._top = max(self._top, seq)
         if self._join and self.delivered < 0 and seq > 0:  # the head (this batch goes out below: once)
@@ -285,6 +335,15 @@ class StreamSequencer:
         out: list[Action] = []
         if not self.can_replay:
             return out  # nothing to verify an instance with
+        if self._verdict is _SORTING and self._replay is not None:
+            # The rest of what the answering instance was asked for may now come from another.
+            self._new_instance(out)
+        elif self._heard >= 0 and self._replay is not None:
+            # Replies kept for a verdict: the rest may now come from another instance. Ask again
+            # (and settle their seqs, as when a replay ends without a verdict).
+            self._owed = self._unclaimed = max(self._owed, self._unclaimed, self._heard)
+            self._early, self._heard, self._skipped = {}, -1, False
+            self._request(out)
         self._drops += 1
         self._last_drop = now
         if not self._doubt:
@@ -318,28 +377,95 @@ class StreamSequencer:
             return out
         self._answered = True
         self._buffers = True
+        if self._verdict is _SORTING:
+            if self._overlap is not None:
+                if (seq, zlib.crc32(payload)) != self._overlap:
+                    self._new_instance(out)  # not the instance that answered before: sort no further
+                    return out
+                self._overlap = None
+                return out  # (kept already)
+            self._hold(seq, payload)
+            if not self._unsorted(seq):
+                self._new_instance(out)
+            return out
         if self._verdict is _UNSURE:
             verdict = self._check(seq, payload)
-            if verdict is _NEW:
-                self._restart(out, "publisher_restart", evidence=(seq, self._ts_of(payload)))
-                self._top = max(self._top, seq)
-                self.held.pop(seq, None)  # the new instance's own copy of this seq wins
-                if seq == 0:
-                    self._deliver(out, seq, payload, replayed=True)
-                    self._drain(out)
-                else:
-                    self._keep(self.held, seq, payload)
-                self._request(out)
+            if verdict is _LATER:
+                self._hold(seq, payload)
                 return out
+            if verdict is _NEW:
+                self._hold(seq, payload, always=True)  # this reply and those held before it are the new instance's
+                if self._unsorted(seq):
+                    self._verdict = _SORTING
+                else:
+                    self._new_instance(out)
+                return out
+            early, self._early, self._heard, self._skipped = self._early, {}, -1, False
             if verdict is _UNSURE:
                 out.append(Duplicate(seq))  # below the verification point: already delivered
                 return out
             self._verdict = _SAME
             self._trust(out)
+            for s in sorted(early):
+                self._take(out, s, early[s])
             if self._anchor is not None and seq == self._anchor[0] and seq <= self.delivered:
                 out.append(Duplicate(seq))  # the verification reply itself (delivered before)
                 return out
+        self._take(out, seq, payload)
+        return out
+
+    def _hold(self, seq: int, payload: bytes, always: bool = False) -> None:
+        """Keep a reply until the verdict (past the bound it is not kept: fetched again later)."""
+        self._heard = seq
+        if always or len(self.held) + len(self.unverified) + len(self._early) < self.max_held:
+            self._early[seq] = payload
+
+    def _request_more(self, out: list[Action], start: int, until: int) -> None:
+        """Ask the instance that answered for the rest of what tells whose the batches waiting are."""
+        self._request_id += 1
+        self._replay = self._request_id
+        self._until = until
+        out.append(RequestReplay(self._request_id, start, until, self._attempts))
+
+    def _note_replayed(self, seq: int, payload: bytes) -> None:
+        """A reply of this epoch's instance above the live stream: its live copy may still come
+        (see live())."""
+        if len(self._replayed_crc) < _LATE_COPIES and (self.last_live is None or seq > self.last_live):
+            self._replayed_crc[seq] = (zlib.crc32(payload), self._ts_of(payload))
+
+    def _unsorted(self, seq: int) -> list[int]:
+        """The unverified batches above reply ``seq`` whose instance only a later reply of this
+        replay can tell, by its bytes: their ts, or that of the first reply, is unknown."""
+        first = self._ts_of(self._early[min(self._early)]) if self._early else None
+        return [u for u, p in self.unverified.items() if u > seq and (first is None or self._ts_of(p) is None)]
+
+    def _new_instance(self, out: list[Action]) -> None:
+        """The replay in flight was answered by another instance than this epoch's: the replies
+        kept (``_early``) are its."""
+        replies, heard = self._early, self._heard
+        self._early, self._heard, self._skipped = {}, -1, False
+        first = min(replies)
+        self._restart(out, "publisher_restart", evidence=(first, self._ts_of(replies[first])), theirs=replies)
+        if heard > max(replies):
+            self._owed = max(self._owed, heard)  # its replies read but not kept (past max_held)
+        # A live batch stamped before the new instance's first one known is an older instance's,
+        # read late (as after a restart shown on the live stream).
+        self._floor_ts = min((t for t in map(self._ts_of, replies.values()) if t is not None), default=None)
+        for seq in sorted(replies):
+            self._top = max(self._top, seq)
+            self._note_replayed(seq, replies[seq])
+            self.held.pop(seq, None)  # the new instance's own copy of this seq wins
+            if seq == self.delivered + 1:
+                self._deliver(out, seq, replies[seq], replayed=True)
+            else:
+                self._keep(self.held, seq, replies[seq])
+        self._drain(out)
+        self._request(out)
+
+    def _take(self, out: list[Action], seq: int, payload: bytes) -> None:
+        """A reply of this epoch's instance."""
         self._top = max(self._top, seq)
+        self._note_replayed(seq, payload)
         if self._replay_first and seq >= self._replay_start:
             self._replay_first = False
             if seq > self._replay_start > self.delivered:
@@ -351,17 +477,14 @@ class StreamSequencer:
                 self._suspect = None
         if seq <= self.delivered:
             out.append(Duplicate(seq))
-            return out
-        if seq == self.delivered + 1:
+        elif seq == self.delivered + 1:
             self.held.pop(seq, None)
             self._deliver(out, seq, payload, replayed=True)
             self._drain(out)
-            return out
-        if seq in self.held:
+        elif seq in self.held:
             out.append(Duplicate(seq))
         else:
             self._keep(self.held, seq, payload)
-        return out
 
     def replay_finished(self, request_id: int, complete: bool) -> list[Action]:
         """The replay ended: ``complete`` when its end marker (or everything needed) arrived."""
@@ -369,6 +492,35 @@ class StreamSequencer:
         if request_id != self._replay:
             return out
         self._replay = None
+        if self._verdict is _SORTING:
+            end = self._heard
+            cut = 0 <= self._until <= end  # it stopped at the last seq asked for, not at the engine's last
+            if complete and cut and self._overlap is None and self._unsorted(end):
+                # The rest from the same instance: from its last reply, which the first reply of
+                # the next replay must repeat (a fresh DEALER's first reply is never dropped).
+                self._overlap = (end, zlib.crc32(self._early[end])) if end in self._early else None
+                if self._overlap is not None:
+                    self._request_more(out, end, max(self._unsorted(end)))
+                    return out
+            self._new_instance(out)
+            return out
+        heard, verdict_pending = self._heard, self._heard >= 0 and self._verdict is _UNSURE and not self._skipped
+        probed = self._until if self._probing else None
+        # Otherwise the replies kept for a verdict that never came are fetched again; the epoch
+        # settles their seqs if it ends first (they may be another instance's that goes away).
+        self._owed = self._unclaimed = max(self._owed, self._unclaimed, heard)
+        self._early, self._heard, self._skipped = {}, -1, False
+        if complete and verdict_pending and not self._probing:
+            # It stopped (at the last seq asked for, or at the engine's last) before the reply that
+            # would compare bytes: ask for exactly that seq. The first reply of a fresh DEALER is
+            # never dropped: that batch, or nothing (its instance would hold it). A held batch
+            # (this epoch's instance's) first: the unverified ones may be the answering one's.
+            mine = [w for w, p in self.held.items() if w > heard and self._ts_of(p) is None]
+            above = mine or [w for w in (*self.held, *self.unverified) if w > heard]
+            if above:
+                self._attempts = 0  # an answer came: the probe's attempts start afresh
+                self._request(out, probe=min(above))
+                return out
         if complete and not self._answered and (self._asked_unverified or (self._replay_start > 0 and self._buffers)):
             # The engine holds nothing from our position on, yet the instance that published it
             # still holds its latest seq (a fresh DEALER's first reply is never dropped by the
@@ -384,10 +536,14 @@ class StreamSequencer:
             self._request(out)  # ask again, now that the batches waiting are known published
             return out
         if self._doubt:
-            # Nothing in this replay could tell whether the instance is the same one.
-            self._attempts += 1
+            # Nothing in this replay could tell whether the instance is the same one. (One asked
+            # for before the batches waiting now came could not check them: it does not count.)
+            if self._asked_top >= 0 or not self.unverified:
+                self._attempts += 1
             if self._attempts < self.max_attempts:
-                if self.unverified or self._gap_open():
+                if probed is not None and (probed in self.unverified or probed in self.held):
+                    self._request(out, probe=probed)  # the answer before it told nothing more
+                elif self.unverified or self._gap_open():
                     self._request(out)
                 return out
             self._attempts = 0
@@ -460,7 +616,7 @@ class StreamSequencer:
     def _keep(self, where: dict[int, bytes], seq: int, payload: bytes) -> None:
         # Past the bound a live batch is simply not held: it is still in the engine's buffer and
         # the next replay fetches it (or it is announced lost). Memory stays bounded.
-        if len(self.held) + len(self.unverified) < self.max_held:
+        if len(self.held) + len(self.unverified) + len(self._early) < self.max_held:
             where[seq] = payload
 
     def _trust(self, out: list[Action]) -> None:
@@ -515,6 +671,21 @@ class StreamSequencer:
         # Against live batches: those of this epoch's instance, then unverified ones.
         if self._contradicts(self.held, seq, payload, ts) or self._contradicts(self.unverified, seq, payload, ts):
             return _NEW
+        # No clock to compare with a batch waiting above (one of them could not be decoded): the
+        # reply at its seq, which this replay brings, compares bytes. If that reply was skipped
+        # (dropped under load), nothing can be told: this attempt ends without a verdict.
+        if self._probing:
+            # The batch asked for compared, and nothing contradicts; a first reply above it (it
+            # left the engine's buffer) tells nothing.
+            return _SAME if seq == self._until else _LATER
+        if self._heard >= 0 and any(self._heard < w < seq for w in (*self.held, *self.unverified)):
+            self._skipped = True
+        if self._skipped:
+            return _LATER
+        if self._doubt:
+            for where in (self.held, self.unverified):
+                if any(u > seq and (ts is None or self._ts_of(p) is None) for u, p in where.items()):
+                    return _LATER  # (if the replay stops before that reply, the rest is asked for)
         return _SAME
 
     def _adopt_published_before_doubt(self) -> None:
@@ -560,17 +731,24 @@ class StreamSequencer:
         out.append(Lost(from_seq, to_seq, reason, self.epoch))
         self.delivered = to_seq  # the anchor stays at the last batch delivered
 
-    def _request(self, out: list[Action], to_end: bool = False) -> None:
+    def _request(self, out: list[Action], to_end: bool = False, probe: int | None = None) -> None:
         self._request_id += 1
         self._replay = self._request_id
         self._replay_start = self.delivered + 1
         self._replay_first = True
         self._answered = False
-        self._asked_unverified = bool(self.unverified)
+        # (In doubt, held batches too: read before it, their instance would hold their seqs.)
+        self._asked_unverified = bool(self.unverified) or (self._doubt and bool(self.held))
+        self._asked_top = max([*self.held, *self.unverified], default=-1)
         waiting = [*self.held, *self.unverified]
-        # The last seq this replay must bring; -1: read to the end marker.
+        # The last seq this replay must bring; -1: read to the end marker. In doubt, batches
+        # waiting without a ts too: the replies of their seqs tell whose they are (_check).
         if waiting:
             until = min(waiting) - 1
+            if self._doubt:
+                until = max([until, *(u for u, p in (*self.held.items(), *self.unverified.items()) if self._ts_of(p) is None)])
+            if self._owed > self.delivered:
+                until = -1  # and whatever this instance published of the seqs it owes
         elif to_end or self.last_live is None:
             until = -1
         else:
@@ -579,11 +757,17 @@ class StreamSequencer:
         fp = self._fingerprint()
         self._anchor = (self._anchor_seq, fp) if fp is not None else None
         self._verdict = _UNSURE
-        if self._anchor is not None:
+        self._early, self._heard, self._skipped = {}, -1, False
+        self._probing, self._overlap = probe is not None, None
+        if probe is not None:
+            start = until = probe  # one batch waiting, read before this was asked for
+            self._asked_unverified = True
+        elif self._anchor is not None:
             start = self._anchor_seq  # its reply verifies the instance against the fingerprint
         elif self.delivered >= 0:
             start = self.delivered  # one early: shows the engine answering even when the next batch never comes
-        out.append(RequestReplay(self._request_id, start, max(until, start) if until >= 0 else -1, self._attempts))
+        self._until = max(until, start) if until >= 0 else -1
+        out.append(RequestReplay(self._request_id, start, self._until, self._attempts))
 
     def reference(self, seq: int, ts: float | None) -> None:
         """The last delivered batch has no engine ts (it could not be decoded); ``seq``, ``ts``: an
@@ -606,6 +790,7 @@ class StreamSequencer:
         reason: str,
         evidence: tuple[int, float | None] | None = None,
         trigger_ts: float | None = None,
+        theirs: dict[int, bytes] | None = None,
     ) -> None:
         """The engine restarted: settle the old epoch, then open a new one.
 
@@ -615,18 +800,26 @@ class StreamSequencer:
         and every batch held so far is the old instance's. With it, a replay revealed the restart
         through its reply (seq, engine ts): held batches with a later engine ts than that reply
         (or an equal one at a higher seq) were published by the new instance and move to the new
-        epoch; so do unverified ones whose ts is unknown.
+        epoch. A batch whose ts or the reply's is unknown (undecodable) proves nothing: a held one
+        stays the old instance's; an unverified one is not carried either (it may be a late batch
+        of the old instance): it is announced lost with the old epoch's tail, and the new epoch
+        fetches the new instance's own copy of its seq by replay (I1 before I4). ``theirs``: the
+        new instance's replies; a batch with the same seq and bytes as one of them is its.
         """
         carried: dict[int, bytes] = {}
         last_live = self.last_live
         if evidence is not None:
             r, ts_r = evidence
-            for where, default_new in ((self.held, False), (self.unverified, True)):
+            theirs = theirs or {}
+            for where in (self.held, self.unverified):
                 for seq in list(where):
                     ts = self._ts_of(where[seq])
-                    if seq == r:
-                        continue  # the new instance's copy of this seq differs: this one is older
-                    if default_new if ts is None or ts_r is None else ts > ts_r or (ts == ts_r and seq > r):
+                    if where[seq] == theirs.get(seq):
+                        carried[seq] = where.pop(seq)
+                        continue
+                    if seq == r or ts is None:
+                        continue  # (at r: the new instance's copy of this seq differs: this one is older)
+                    if ts_r is not None and (ts > ts_r or (ts == ts_r and seq > r)):
                         carried[seq] = where.pop(seq)
         # What is left unverified was published before the connection dropped (then it is the
         # old instance's, read late: a stream waiting on a full sink reads its queue late), or
@@ -636,13 +829,21 @@ class StreamSequencer:
         self._adopt_published_before_doubt()
         # The anchor is the old instance's even when above delivered (a batch known published,
         # resumed from the checkpoint, not known delivered).
-        known = [self.delivered, self._anchor_seq, *self.held, *self.unverified]
+        known = [self.delivered, self._anchor_seq, self._owed, *self.held, *self.unverified]
         if not carried:
             # Seen live or replayed (perhaps not kept, past the bound) before the new instance
             # showed. With carried batches, those numbers may already count the new instance's
             # live seqs (nothing reported a disconnect): only what was kept is the old one's.
             known += [self._top, self.last_live if self.last_live is not None else -1]
         top = max(known)
+        # Unverified batches whose clock could not be compared may be the new instance's:
+        # announced lost here, they are fetched again in the new epoch, which settles their seqs
+        # too (delivered, or lost if it never published them).
+        unsure = -1
+        if evidence is not None:
+            unsure = max((seq for seq, p in self.unverified.items() if self._ts_of(p) is None or evidence[1] is None), default=-1)
+            if unsure >= 0 and last_live is not None:
+                unsure = max(unsure, last_live)  # and those seen live but not kept (past max_held)
         self.unverified.clear()
         # The connection may have dropped again since continuity came into doubt: if what showed
         # the new instance was published before that, the instance connected now is unknown too.
@@ -658,8 +859,12 @@ class StreamSequencer:
         self._fresh = self._join = self._resumed = False
         self._floor_ts = None
         self.epoch = self._next_epoch(self.epoch)
-        self.delivered = self._top = -1
+        self.delivered = -1
+        self._top = -1
+        self._owed = max(unsure, self._unclaimed)  # (replies without a verdict may be its too)
+        self._unclaimed = -1
         self._fp = self._last_payload = self._ref = None
+        self._replayed_crc = {}
         self._anchor_seq = -1
         # Live seqs seen after the carried batches (some perhaps not kept, past the bound) are the
         # new instance's too: the gap up to them is fetched by replay.

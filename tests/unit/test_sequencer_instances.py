@@ -197,3 +197,104 @@ def test_a_restart_within_a_second_is_seen_by_the_earlier_seq_with_a_later_clock
         out += s.live(q, stamped("B", q, 1000.8 + 0.01 * q))
     assert [a for a in out if isinstance(a, Reset)], "B was taken for A"
     assert not [a for a in out if isinstance(a, Deliver) and a.payload.startswith(b"B") and a.epoch == 0]
+
+
+def test_a_late_live_copy_of_a_replayed_batch_is_a_duplicate_even_when_the_clock_stepped_back() -> None:
+    """1..4 come by replay (above the live stream), their live copies later. The engine clock
+    stepped back 0.5 s between 2 and 3, so the copy of 2 is an earlier seq than the anchor (4)
+    with a later clock, which alone reads as another instance. Its bytes are those replayed:
+    the same batch, not a restart (the same instance in two epochs: I1)."""
+    stamps = {b"A:0": 100.0, b"A:1": 100.1, b"A:2": 100.2, b"A:3": 99.8, b"A:4": 99.9}
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=stamps.get)
+    out = list(s.live(0, b"A:0"))
+    (req,) = [a for a in s.probe() if isinstance(a, RequestReplay)]
+    for q in range(1, 5):
+        out += s.replayed(req.request_id, q, f"A:{q}".encode())
+    out += s.replay_finished(req.request_id, complete=True)
+    out += s.live(2, b"A:2")
+    assert out[-1] == Duplicate(2)
+    assert not [a for a in out if isinstance(a, Reset)] and s.epoch == 0
+
+
+def test_a_late_batch_of_the_old_instance_after_a_replay_showed_the_restart_is_not_the_new_ones() -> None:
+    """The replay that shows the new instance sets the new epoch's floor: a batch of the old
+    instance still in the live queue (read after the SourceReset, above the new instance's top)
+    is older than the new instance's first batch known, never delivered under its epoch (I1)."""
+    s = seqr()
+    for q in range(10):
+        s.live(q, p(0, q))
+    s.disconnected(now=11.5)
+    (req,) = [a for a in s.live(10, p(0, 10)) if isinstance(a, RequestReplay)]  # late, read after the drop
+    out = s.replayed(req.request_id, 9, p(1, 9)) + s.replay_finished(req.request_id, complete=True)
+    assert [a for a in out if isinstance(a, Reset)]
+    for _ in range(3):
+        reqs = [a for a in out if isinstance(a, RequestReplay)]
+        if not s.replaying:
+            break
+        r = reqs[-1]
+        out += [x for q in range(r.start, 10) for x in s.replayed(r.request_id, q, p(1, q))]
+        out += s.replay_finished(r.request_id, complete=True)
+    out += s.live(11, p(0, 11))  # the old instance's, still in the queue
+    assert out[-1] == Duplicate(11)
+    out += s.live(10, p(1, 10))
+    assert [a.payload for a in out if isinstance(a, Deliver) and a.epoch == 1] == [p(1, q) for q in range(11)]
+
+
+def test_an_undecodable_late_batch_of_the_old_instance_never_goes_out_in_the_new_epoch() -> None:
+    """No ts (undecodable batches): the old instance's last batch is read only after the
+    disconnect; then the new instance answers the verifying replay. The reply of that seq
+    shows by its bytes that the batch is not the new instance's; without a clock nothing tells
+    the old instance's from one that came and went in between, so its seq is announced lost with
+    the old epoch, and the new epoch delivers the new instance's own batch of that seq."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=lambda _p: None)
+    assert s.live(0, p(0, 0)) == [Deliver(0, p(0, 0), 0)]
+    s.disconnected()
+    (req,) = s.live(1, p(0, 1))
+    assert isinstance(req, RequestReplay) and req.until == 1  # to the batch waiting: its reply compares bytes
+    out = s.replayed(req.request_id, 0, p(1, 0))  # the anchor's seq, other bytes: another instance
+    assert out == []  # but whose is the batch waiting?
+    out = s.replayed(req.request_id, 1, p(1, 1))
+    assert out[:3] == [Lost(1, 1, "publisher_restart", 0), Reset(1, "publisher_restart"), Deliver(0, p(1, 0), 1, True)]
+    assert [a.payload for a in out if isinstance(a, Deliver) and a.epoch == 1] == [p(1, 0), p(1, 1)]
+
+
+def test_an_undecodable_batch_waiting_is_the_new_instances_when_its_reply_has_the_same_bytes() -> None:
+    """The same, but the batch read after the disconnect is the new instance's own: the reply of
+    its seq has the same bytes, so it goes on in the new epoch and nothing is lost."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=lambda _p: None)
+    s.live(0, p(0, 0))
+    s.disconnected()
+    (req,) = s.live(1, p(1, 1))
+    out = s.replayed(req.request_id, 0, p(1, 0)) + s.replayed(req.request_id, 1, p(1, 1))
+    assert out[:3] == [Reset(1, "publisher_restart"), Deliver(0, p(1, 0), 1, True), Deliver(1, p(1, 1), 1, True)]
+    assert not [a for a in out if isinstance(a, Lost)]
+
+
+def test_an_undecodable_stream_is_told_a_new_instance_by_a_replay_of_what_it_read() -> None:
+    """No ts at all and no fingerprint (resumed from a checkpoint at 5); the answer ends below the
+    batch read before it was asked for (8): the replies that would compare bytes may have been
+    dropped under load, so the bridge asks for exactly that seq. The first reply of a fresh
+    DEALER is never dropped: "nothing" means the instance answering never published it."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=lambda _p: None, max_attempts=3, delivered=5)
+    (req,) = [a for a in s.live(8, p(0, 8)) if isinstance(a, RequestReplay)]
+    assert req.until == 8  # to the batch waiting: its reply would compare bytes
+    out = [x for q in (5, 6) for x in s.replayed(req.request_id, q, p(1, q))] + s.replay_finished(req.request_id, complete=True)
+    assert out == [RequestReplay(2, 8, 8, 0)]
+    out = s.replay_finished(2, complete=True)  # nothing from 8 on
+    assert out == [Lost(6, 8, "publisher_restart", 0), Reset(1, "publisher_restart"), RequestReplay(3, 0, -1, 0)]
+
+
+def test_an_undecodable_batch_asked_for_again_with_the_same_bytes_is_the_same_instances() -> None:
+    """The same, but the engine (one instance, a connection blip) only dropped the replies under
+    load: the batch asked for comes back with the same bytes, and it is delivered in its epoch."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=lambda _p: None, max_attempts=3, delivered=5)
+    (req,) = [a for a in s.live(8, p(0, 8)) if isinstance(a, RequestReplay)]
+    out = [x for q in (5, 6) for x in s.replayed(req.request_id, q, p(0, q))] + s.replay_finished(req.request_id, complete=True)
+    (probe,) = out
+    assert isinstance(probe, RequestReplay) and probe.start == probe.until == 8
+    out = s.replayed(probe.request_id, 8, p(0, 8)) + s.replay_finished(probe.request_id, complete=True)
+    assert not [a for a in out if isinstance(a, Reset | Lost)] and s.epoch == 0 and not s.in_doubt
+    (req,) = [a for a in out if isinstance(a, RequestReplay)]  # the gap below 8, from the same instance
+    out = [x for q in (6, 7, 8) for x in s.replayed(req.request_id, q, p(0, q))]
+    out += s.replay_finished(req.request_id, complete=True)
+    assert [(a.seq, a.epoch) for a in out if isinstance(a, Deliver)] == [(6, 0), (7, 0), (8, 0)]

@@ -14,7 +14,12 @@ bridge saw was left unsettled.
 Limits the model respects, because no protocol-level observer could see through them (README,
 "instance detection"): a new instance's buffer does not slide past its first seq before the
 bridge has heard from it, and while continuity is in doubt the replay socket answers one of
-``max_attempts`` requests in a row (after that the bridge presumes continuity).
+``max_attempts`` requests in a row (after that the bridge presumes continuity). With batches
+the bridge cannot decode (no ts), more: the answer must be in full (a reply dropped under load
+may be the one whose bytes tell the instances apart) and come one request earlier (a
+verification may take two: the second asks for exactly the batch waiting), and such a batch read
+after the connection dropped may be announced lost when the engine restarted (nothing tells it
+from the new instance's batch of the same seq).
 """
 
 from __future__ import annotations
@@ -34,18 +39,19 @@ from bridge.sequencer import Action, Deliver, Lost, RequestReplay, Reset, Stream
 EXAMPLES = int(os.environ.get("KV_MODEL_EXAMPLES", "400"))
 
 
-def payload_of(instance: int, seq: int) -> bytes:
-    return f"{instance}:{seq}".encode()
+def payload_of(instance: int, seq: int, bad: bool = False) -> bytes:
+    return f"{instance}:{seq}{':bad' if bad else ''}".encode()
 
 
-def ts_of(payload: bytes) -> float:
-    """Engine wall clock: a later instance has later timestamps, like a real restart."""
-    instance, seq = payload.decode().split(":")
-    return int(instance) * 1e6 + int(seq)
+def ts_of(payload: bytes) -> float | None:
+    """Engine wall clock: a later instance has later timestamps, like a real restart. A batch the
+    bridge cannot decode has none."""
+    instance, seq, *bad = payload.decode().split(":")
+    return None if bad else int(instance) * 1e6 + int(seq)
 
 
 def parse(payload: bytes) -> tuple[int, int]:
-    instance, seq = payload.decode().split(":")
+    instance, seq, *_ = payload.decode().split(":")
     return int(instance), int(seq)
 
 
@@ -54,15 +60,22 @@ class Engine:
     buffer: int
     instance: int = 0
     published: dict[int, int] = field(default_factory=dict)  # instance -> next seq
+    bad: set[tuple[int, int]] = field(default_factory=set)  # (instance, seq) the bridge cannot decode
+    unknown: bool = False  # publishing in an encoding the bridge cannot decode
 
-    def publish(self) -> tuple[int, bytes]:
+    def publish(self, bad: bool = False) -> tuple[int, bytes]:
         seq = self.published.get(self.instance, 0)
         self.published[self.instance] = seq + 1
-        return seq, payload_of(self.instance, seq)
+        if bad or self.unknown:
+            self.bad.add((self.instance, seq))
+        return seq, self.payload(self.instance, seq)
+
+    def payload(self, instance: int, seq: int) -> bytes:
+        return payload_of(instance, seq, (instance, seq) in self.bad)
 
     def replay(self, start: int) -> list[tuple[int, bytes]]:
         top = self.published.get(self.instance, 0)
-        return [(s, payload_of(self.instance, s)) for s in range(max(start, top - self.buffer), top)]
+        return [(s, self.payload(self.instance, s)) for s in range(max(start, top - self.buffer), top)]
 
     def restart(self) -> None:
         self.instance += 1
@@ -108,6 +121,8 @@ class Downstream:
 
 
 class SequencerModel(RuleBasedStateMachine):
+    UNDECODABLE = False  # does the engine publish batches the bridge cannot decode?
+
     def __init__(self) -> None:
         super().__init__()
         self.engine = Engine(buffer=8)
@@ -119,12 +134,20 @@ class SequencerModel(RuleBasedStateMachine):
         self.kept: set[tuple[int, int]] = set()  # (instance, seq) the bridge received and kept
         self.seen: dict[int, set[int]] = {}  # instance -> seqs the bridge received from it
         self.silent = 0  # replays in a row that ended without their end marker
+        self.decoded: Deliver | None = None  # the last batch delivered that the bridge could decode
         self.apply(self.seqr.start())
 
     # -- plumbing -------------------------------------------------------------------------------
     def apply(self, actions: list[Action]) -> None:
         self.down.apply(actions)
         self.pending.extend(a for a in actions if isinstance(a, RequestReplay))
+        for a in actions:
+            # What the stream pipeline does with each delivered batch it decodes (or cannot).
+            if isinstance(a, Deliver):
+                if ts_of(a.payload) is not None:
+                    self.decoded = a
+                elif self.decoded is not None and self.decoded.epoch == a.epoch:
+                    self.seqr.reference(self.decoded.seq, ts_of(self.decoded.payload))
 
     def live(self, seq: int, payload: bytes) -> list[Action]:
         """A live message, as the stream pipeline hands it on: ``accept`` first (the hot path),
@@ -142,7 +165,9 @@ class SequencerModel(RuleBasedStateMachine):
     def received(self, seq: int, payload: bytes) -> None:
         instance, _ = parse(payload)
         self.seen.setdefault(instance, set()).add(seq)
-        delivered = self.down.instance_of.get(self.down.epoch) == instance and seq in self.down.covered.get(self.down.epoch, [])
+        epoch = self.down.epoch
+        settled = seq in self.down.covered.get(epoch, []) and seq not in self.down.lost.get(epoch, set())
+        delivered = self.down.instance_of.get(epoch) == instance and settled  # (read after its seq was lost: not kept)
         if delivered or self.seqr.held.get(seq) == payload:
             self.kept.add((instance, seq))
 
@@ -164,7 +189,10 @@ class SequencerModel(RuleBasedStateMachine):
             if 0 <= req.until <= seq:
                 break
         self.apply(self.seqr.replay_finished(req.request_id, complete=mode in ("answer", "drop_some")))
-        self.silent = 0 if mode in ("answer", "drop_some") else self.silent + 1
+        # With undecodable batches an answer that drops replies may drop the one that compares
+        # bytes (module docstring): only a full answer counts then.
+        full = mode == "answer" or (mode == "drop_some" and not self.UNDECODABLE)
+        self.silent = 0 if full else self.silent + 1
 
     # -- steps ----------------------------------------------------------------------------------
     def can_slide(self, n: int) -> bool:
@@ -173,11 +201,11 @@ class SequencerModel(RuleBasedStateMachine):
         instance = self.engine.instance
         return instance in self.down.epoch_of or self.engine.published.get(instance, 0) + n <= self.engine.buffer
 
-    @rule(seen=st.booleans())
-    def publish(self, seen: bool) -> None:
+    @rule(seen=st.booleans(), bad=st.sampled_from([False, False, False, True]))
+    def publish(self, seen: bool, bad: bool = False) -> None:
         if not self.can_slide(1):
             return
-        seq, payload = self.engine.publish()
+        seq, payload = self.engine.publish(bad and self.UNDECODABLE)
         if seen:
             self.apply(self.live(seq, payload))
             self.received(seq, payload)
@@ -193,11 +221,20 @@ class SequencerModel(RuleBasedStateMachine):
         for seq, payload in last:
             self.apply(self.live(seq, payload))
             self.received(seq, payload)
-            if verified and self.seqr.unverified.get(seq) == payload:
-                self.kept.add(parse(payload))  # published before the drop: the old instance's, never lost
+            if verified and self.seqr.unverified.get(seq) == payload and ts_of(payload) is not None:
+                # Published before the drop: the old instance's, never lost. Without a ts the
+                # bridge cannot tell it from a new instance's (module docstring).
+                self.kept.add(parse(payload))
         self.engine.restart()
         for _ in range(missed):
             self.engine.publish()
+
+    @precondition(lambda self: self.UNDECODABLE)
+    @rule()
+    def switch_encoding(self) -> None:
+        """The engine starts (or stops) publishing in an encoding the bridge cannot decode: its
+        batches carry no timestamp the bridge can read."""
+        self.engine.unknown = not self.engine.unknown
 
     @rule()
     def blip(self) -> None:
@@ -215,8 +252,11 @@ class SequencerModel(RuleBasedStateMachine):
     @precondition(lambda self: self.pending)
     @rule(mode=st.sampled_from(["answer", "answer", "silent", "half", "drop_end", "drop_some"]))
     def answer_replay(self, mode: str) -> None:
-        if self.seqr.in_doubt and self.silent >= self.seqr.max_attempts - 1:
-            mode = "answer"  # the model's second limit (module docstring)
+        # The model's second limit (module docstring). Without a ts a verification may take two
+        # answers (the second asks for exactly the batch waiting): one of two then.
+        silent_max = self.seqr.max_attempts - (2 if self.UNDECODABLE else 1)
+        if self.seqr.in_doubt and self.silent >= silent_max:
+            mode = "answer"
         self.serve(mode)
 
     @rule()
@@ -227,6 +267,8 @@ class SequencerModel(RuleBasedStateMachine):
     @invariant()
     def bounded(self) -> None:
         assert len(self.seqr.held) + len(self.seqr.unverified) <= self.seqr.max_held
+        # Replies kept for a verdict, and the one that decided it.
+        assert len(self.seqr.held) + len(self.seqr.unverified) + len(self.seqr._early) <= self.seqr.max_held + 1
 
     @invariant()
     def kept_batches_never_lost(self) -> None:
@@ -277,6 +319,18 @@ SequencerModel.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestSequencerModel = SequencerModel.TestCase
+
+
+class UndecodableModel(SequencerModel):
+    """The same engine, but some of its batches cannot be decoded (no ts), one at a time or all
+    of them for a while (an encoding the bridge does not know): instances are then told apart by
+    bytes and seqs alone."""
+
+    UNDECODABLE = True
+
+
+UndecodableModel.TestCase.settings = SequencerModel.TestCase.settings
+TestUndecodableModel = UndecodableModel.TestCase
 
 
 # The compound faults reported against 9bf2006, each as a script through the same model and
