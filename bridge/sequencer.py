@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import msgspec
 
@@ -385,7 +385,7 @@ class StreamSequencer:
                 self._overlap = None
                 return out  # (kept already)
             self._hold(seq, payload)
-            if not self._unsorted(seq):
+            if next(self._unsorted(seq), None) is None:
                 self._new_instance(out)
             return out
         if self._verdict is _UNSURE:
@@ -395,7 +395,7 @@ class StreamSequencer:
                 return out
             if verdict is _NEW:
                 self._hold(seq, payload, always=True)  # this reply and those held before it are the new instance's
-                if self._unsorted(seq):
+                if next(self._unsorted(seq), None) is not None:
                     self._verdict = _SORTING
                 else:
                     self._new_instance(out)
@@ -433,11 +433,12 @@ class StreamSequencer:
         if len(self._replayed_crc) < _LATE_COPIES and (self.last_live is None or seq > self.last_live):
             self._replayed_crc[seq] = (zlib.crc32(payload), self._ts_of(payload))
 
-    def _unsorted(self, seq: int) -> list[int]:
+    def _unsorted(self, seq: int) -> Iterator[int]:
         """The unverified batches above reply ``seq`` whose instance only a later reply of this
-        replay can tell, by its bytes: their ts, or that of the first reply, is unknown."""
+        replay can tell, by its bytes: their ts, or that of the first reply, is unknown. The
+        latest read first: asked for one, it is found at once (this runs for every reply)."""
         first = self._ts_of(self._early[min(self._early)]) if self._early else None
-        return [u for u, p in self.unverified.items() if u > seq and (first is None or self._ts_of(p) is None)]
+        return (u for u, p in reversed(self.unverified.items()) if u > seq and (first is None or self._ts_of(p) is None))
 
     def _new_instance(self, out: list[Action]) -> None:
         """The replay in flight was answered by another instance than this epoch's: the replies
@@ -495,12 +496,13 @@ class StreamSequencer:
         if self._verdict is _SORTING:
             end = self._heard
             cut = 0 <= self._until <= end  # it stopped at the last seq asked for, not at the engine's last
-            if complete and cut and self._overlap is None and self._unsorted(end):
+            rest = max(self._unsorted(end), default=-1) if complete and cut and self._overlap is None else -1
+            if rest >= 0:
                 # The rest from the same instance: from its last reply, which the first reply of
                 # the next replay must repeat (a fresh DEALER's first reply is never dropped).
                 self._overlap = (end, zlib.crc32(self._early[end])) if end in self._early else None
                 if self._overlap is not None:
-                    self._request_more(out, end, max(self._unsorted(end)))
+                    self._request_more(out, end, rest)
                     return out
             self._new_instance(out)
             return out
@@ -678,13 +680,15 @@ class StreamSequencer:
             # The batch asked for compared, and nothing contradicts; a first reply above it (it
             # left the engine's buffer) tells nothing.
             return _SAME if seq == self._until else _LATER
-        if self._heard >= 0 and any(self._heard < w < seq for w in (*self.held, *self.unverified)):
+        # (Replies come in seq order: only one that jumped past the last can have skipped one.)
+        if 0 <= self._heard < seq - 1 and any(self._heard < w < seq for w in (*self.held, *self.unverified)):
             self._skipped = True
         if self._skipped:
             return _LATER
         if self._doubt:
             for where in (self.held, self.unverified):
-                if any(u > seq and (ts is None or self._ts_of(p) is None) for u, p in where.items()):
+                # (The latest read first: they are the ones above a reply; this runs for every reply.)
+                if any(u > seq and (ts is None or self._ts_of(p) is None) for u, p in reversed(where.items())):
                     return _LATER  # (if the replay stops before that reply, the rest is asked for)
         return _SAME
 
