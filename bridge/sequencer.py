@@ -551,10 +551,13 @@ class StreamSequencer:
             self._attempts = 0
             if not self.unverified:
                 # The old instance's gap cannot be filled by anyone who can be trusted: settle it
-                # (its held batches delivered, the rest lost) and stay in doubt.
+                # (its held batches delivered, the rest lost) and stay in doubt. Live seqs above it
+                # (read in doubt, past the bound) are not known to be its: verify them afresh.
                 top = max(self._top, max(self.held, default=-1))
                 if top > self.delivered:
                     self._lose(out, top, "replay_unavailable")
+                if self._gap_open():
+                    self._request(out)
                 return out
             # The replay socket cannot tell: presume continuity (README, "instance detection")
             # rather than hold live batches forever.

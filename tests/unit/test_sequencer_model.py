@@ -392,3 +392,34 @@ def test_reported_case(case: str) -> None:
         state.bounded()
         state.kept_batches_never_lost()
     state.teardown()
+
+
+# Found by UndecodableModel, each as a script through the same checks.
+UNDECODABLE_CASES = {
+    # Settled after replays that could not verify, a live seq read in doubt past max_held was
+    # left open with nothing asked for it (I3).
+    "a live seq past the bound after the doubt settled": [
+        "publish(bad=False, seen=True)",
+        "switch_encoding()",
+        "slide(n=5)",
+        "switch_encoding()",
+        "slide(n=4)",
+        "answer_replay(mode='answer')",
+        "blip()",
+        "answer_replay(mode='answer')",
+        "answer_replay(mode='answer')",
+        "slide(n=5)",
+    ],
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNDECODABLE_CASES))
+def test_undecodable_case(case: str) -> None:
+    state = UndecodableModel()
+    for step in UNDECODABLE_CASES[case]:
+        name, _, args = step.partition("(")
+        kwargs = dict(kv.split("=") for kv in args.rstrip(")").split(", ") if kv)
+        getattr(state, name)(**{k: ast.literal_eval(v) for k, v in kwargs.items()})
+        state.bounded()
+        state.kept_batches_never_lost()
+    state.teardown()
