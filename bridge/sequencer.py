@@ -184,6 +184,8 @@ class StreamSequencer:
         # Continuity in doubt (see the module docstring): live batches wait here until verified.
         self._doubt = delivered is not None and can_replay
         self.unverified: dict[int, bytes] = {}
+        # The lowest and highest live seqs read in doubt and not kept (past max_held): whose?
+        self._unkept_lo = self._unkept = -1
         # Known published by this instance (an anchor above delivered: published, not known delivered).
         self._top = max(self.delivered, self._anchor_seq, known_top if known_top is not None else -1)
         self._request_id = 0
@@ -287,6 +289,10 @@ class StreamSequencer:
         if self._doubt:
             if seq > self.delivered:
                 self._keep(self.unverified, seq, payload)
+                if seq not in self.unverified:
+                    self._unkept = seq
+                    if self._unkept_lo < 0:
+                        self._unkept_lo = seq
                 if self._replay is None:
                     self._attempts = 0
                     self._request(out)
@@ -633,6 +639,7 @@ class StreamSequencer:
             if seq > self.delivered:
                 self.held.setdefault(seq, payload)
         self.unverified.clear()
+        self._unkept_lo = self._unkept = -1
         self._drain(out)
 
     def _other_instance(self, seq: int, payload: bytes) -> bool:
@@ -839,9 +846,17 @@ class StreamSequencer:
         known = [self.delivered, self._anchor_seq, self._owed, *self.held, *self.unverified]
         if not carried:
             # Seen live or replayed (perhaps not kept, past the bound) before the new instance
-            # showed. With carried batches, those numbers may already count the new instance's
-            # live seqs (nothing reported a disconnect): only what was kept is the old one's.
+            # showed.
             known += [self._top, self.last_live if self.last_live is not None else -1]
+        elif self._doubt:
+            # With carried batches, last_live may count the new instance's live seqs; _top does
+            # not (live batches in doubt do not raise it). Live seqs in doubt grow, so those not
+            # kept below the first carried one were read before it and may be the old instance's:
+            # the old epoch settles them (I3; announcing lost a seq the old instance never
+            # published hides nothing).
+            known.append(self._top)
+            if 0 <= self._unkept_lo < min(carried):
+                known.append(min(carried) - 1)
         top = max(known)
         # Unverified batches whose clock could not be compared may be the new instance's:
         # announced lost here, they are fetched again in the new epoch, which settles their seqs
@@ -851,7 +866,10 @@ class StreamSequencer:
             unsure = max((seq for seq, p in self.unverified.items() if self._ts_of(p) is None or evidence[1] is None), default=-1)
             if unsure >= 0 and last_live is not None:
                 unsure = max(unsure, last_live)  # and those seen live but not kept (past max_held)
+            if not carried:  # (with carried batches, last_live carries over: see below)
+                unsure = max(unsure, self._unkept)  # read in doubt, not kept: perhaps the new instance's
         self.unverified.clear()
+        self._unkept_lo = self._unkept = -1
         # The connection may have dropped again since continuity came into doubt: if what showed
         # the new instance was published before that, the instance connected now is unknown too.
         shown_at = evidence[1] if evidence is not None else trigger_ts
