@@ -158,6 +158,8 @@ class SinkWorker:
         self._m_dead = metrics.sink_batches.labels(self.name, "dead_lettered")
         self._m_send = metrics.sink_send_duration.labels(self.name)
         self._m_lag = metrics.lag.labels(self.name)
+        self._n_ok = self._n_events = 0  # delivered since the last flush_metrics (see bridge.metrics)
+        metrics.defer(self)
         self._m_retries = metrics.sink_retries.labels(self.name)
         self._m_up = metrics.sink_up.labels(self.name)
         metrics.sink_queue_limit_batches.labels(self.name).set(self.max_batches)
@@ -251,6 +253,13 @@ class SinkWorker:
         except TimeoutError:
             return False
 
+    def flush_metrics(self) -> None:
+        """Apply the counts gathered since the last flush (see bridge.metrics)."""
+        if self._n_ok:
+            self._m_ok.inc(self._n_ok)
+            self._m_events.inc(self._n_events)
+            self._n_ok = self._n_events = 0
+
     async def stop(self) -> None:
         self._closing = True
         if self._task is not None:
@@ -261,6 +270,7 @@ class SinkWorker:
                 pass
             except Exception:  # already reported by the task's done-callback
                 pass
+        self.flush_metrics()
         try:
             # Bounded here, like every call into a connector: a connector adds no timeout of its own.
             async with asyncio.timeout(self.config.retry.write_timeout):
@@ -403,9 +413,8 @@ class SinkWorker:
         self._m_lag.observe_all(lags)
         if dead_batches:
             self._m_dead.inc(dead_batches)
-        if delivered:
-            self._m_ok.inc(delivered)
-            self._m_events.inc(events)
+        self._n_ok += delivered
+        self._n_events += events
         self.on_ack(self.index, records)
         if self.has_room(0):
             self._room.set()

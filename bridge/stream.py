@@ -33,6 +33,7 @@ from .sequencer import Action, Deliver, Duplicate, Fingerprint, Gap, Lost, Reque
 
 log = logging.getLogger("bridge.stream")
 _type_of = operator.itemgetter("type")
+_MAX_TYPES = 8192  # event types gathered for the metrics before they are applied (memory bound)
 
 
 class Epochs(Protocol):
@@ -110,10 +111,11 @@ class StreamPipeline:
         self._replay_task: asyncio.Task[None] | None = None
         self.last_activity = time.monotonic()
         self.metrics = StreamMetrics(ctx.metrics, stream.source, stream.dp_rank)
-        # Per-batch metric updates are gathered here and applied once per burst (or per
-        # replayed reply): a labelled prometheus_client update takes a lock and costs about a
-        # microsecond, which per batch was a sizeable share of ingest.
+        # The busiest metric updates are gathered here and applied when the metrics are collected
+        # (see bridge.metrics), or once _types grows past _MAX_TYPES.
+        self._received = 0  # live messages read since the last flush
         self._types: list[str] = []  # the types of the events handed on since the last flush
+        ctx.metrics.defer(self)
         self._shown: Record | None = None  # the decoded batch the last_seq / last_ts gauges show
         # The last record (and batch) handed to every sink, as a position to resume from: a
         # stream removed while a full sink made it wait resumes there, not where the sequencer
@@ -132,7 +134,6 @@ class StreamPipeline:
                 self._announce = False
                 await self._execute([Reset(self.sequencer.epoch, "bridge_restart")], now, persist=False)
             await self._execute(self.sequencer.start(), now)
-            self._flush_metrics()
 
     async def on_live(self, burst: Sequence[list[bytes]], received: float) -> None:
         """A burst of live messages drained from the SUB socket.
@@ -140,7 +141,7 @@ class StreamPipeline:
         The common batch (the next seq, see ``StreamSequencer.accept``) joins ``_run`` and the
         run is handed to the sinks in one call at the end of the burst, or before anything else
         the sequencer decides; everything else goes through ``live`` and ``_execute``."""
-        self.metrics.received.inc(len(burst))
+        self._received += len(burst)
         self.last_activity = time.monotonic()
         lags: list[float] = []  # observed per burst (ingest_lag.observe_all)
         lag = lags.append
@@ -207,7 +208,8 @@ class StreamPipeline:
                     raise
                 finally:
                     self.metrics.ingest_lag.observe_all(lags)
-                self._flush_metrics()
+                if len(self._types) > _MAX_TYPES:
+                    self.flush_metrics()
         except asyncio.CancelledError:
             # Removed (waiting for the lock or for a sink): the rest of the burst was read from the
             # engine but never sequenced; if the engine restarts before the stream resumes, those
@@ -254,7 +256,6 @@ class StreamPipeline:
         self.last_activity = time.monotonic()
         async with self.lock:
             await self._execute(self.sequencer.probe(), time.time())
-            self._flush_metrics()
 
     async def disconnected(self) -> None:
         """The live connection dropped (from the source's socket monitor)."""
@@ -279,6 +280,7 @@ class StreamPipeline:
         return (r.epoch, r.seq, fp, at), top
 
     async def stop(self) -> None:
+        self.flush_metrics()
         task = self._replay_task
         if task is not None and not task.done():
             task.cancel()
@@ -360,7 +362,6 @@ class StreamPipeline:
                 self._handed_batch = record
             self.ctx.fanout.force(record)
         self._pending = None
-        self._flush_metrics()
 
     async def _note_first(self, record: Record) -> None:
         if record.kind == "batch":
@@ -414,8 +415,11 @@ class StreamPipeline:
         )
         return record
 
-    def _flush_metrics(self) -> None:
+    def flush_metrics(self) -> None:
         """Apply the metric updates gathered since the last flush (see ``__init__``)."""
+        if self._received:
+            self.metrics.received.inc(self._received)
+            self._received = 0
         if self._types:
             for t, n in Counter(self._types).items():
                 label = t if t in wire.KNOWN_TYPES else "other"  # keyed by label: unknown type names must not grow the cache
@@ -447,7 +451,8 @@ class StreamPipeline:
                 async for reply in replies:
                     async with self.lock:
                         await self._execute(self.sequencer.replayed(req.request_id, reply.seq, reply.payload), time.time())
-                        self._flush_metrics()
+                        if len(self._types) > _MAX_TYPES:
+                            self.flush_metrics()
             label = "complete" if outcome.complete else "timeout"
         except zmq.ZMQError as exc:
             log.warning("replay failed", extra={"stream": self.stream.key, "error": str(exc)})
@@ -459,4 +464,3 @@ class StreamPipeline:
             )
         async with self.lock:
             await self._execute(self.sequencer.replay_finished(req.request_id, outcome.complete), time.time())
-            self._flush_metrics()
