@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -24,7 +24,7 @@ Readiness = Callable[[], tuple[bool, dict[str, Any]]]
 
 
 class HealthServer:
-    def __init__(self, listen: str, exposition: Callable[[], bytes], readiness: Readiness) -> None:
+    def __init__(self, listen: str, exposition: Callable[[], Awaitable[bytes]], readiness: Readiness) -> None:
         host, _, port = listen.rpartition(":")
         self.host = host.strip("[]") or "0.0.0.0"
         self.port = int(port)
@@ -52,7 +52,7 @@ class HealthServer:
                 status, ctype, body = 405, "text/plain", b"method not allowed\n"
             elif path == "/metrics":
                 self.readiness()  # keeps kv_bridge_ready current for every scrape, not only /readyz
-                status, ctype, body = 200, CONTENT_TYPE_LATEST, self.exposition()
+                status, ctype, body = 200, CONTENT_TYPE_LATEST, await self.exposition()
             elif path == "/healthz":
                 status, ctype, body = 200, "text/plain", b"ok\n"
             elif path == "/readyz":

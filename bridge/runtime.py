@@ -241,7 +241,7 @@ class Bridge:
             sink.format != "raw" or getattr(conn, "needs_events", True) for sink, conn in zip(cfg.sinks, connectors, strict=True)
         )
         if cfg.metrics.listen:
-            self.health = HealthServer(cfg.metrics.listen, self.metrics.exposition, self.readiness)
+            self.health = HealthServer(cfg.metrics.listen, self.metrics.scrape, self.readiness)
             await self.health.start()
         added = [(source, self._add_pipelines(source)) for source in cfg.sources]
         await self.persist_epochs()  # one write for every epoch opened at start-up

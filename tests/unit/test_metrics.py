@@ -529,6 +529,53 @@ def test_fast_histogram_refuses_wrong_labels() -> None:
         h.labels(source="x")
 
 
+class _Gathering:
+    """An owner of deferred updates (like a stream pipeline): counts in a plain attribute."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.pending = 0
+        self.flushed_on: set[int] = set()
+        self.child = metrics.batches_received.labels("engine", "0")
+        metrics.defer(self)
+
+    def flush_metrics(self) -> None:
+        import threading
+
+        self.flushed_on.add(threading.get_ident())
+        self.child.inc(self.pending)
+        self.pending = 0
+
+
+async def test_deferred_updates_are_applied_before_every_reading_on_the_loops_thread() -> None:
+    """What the hot path gathers shows in a scrape and in a direct read, never twice; a scrape
+    renders in a worker thread, and the gathered updates are applied before, on the loop."""
+    import threading
+
+    metrics = Metrics()
+    owner = _Gathering(metrics)
+    name = "kv_bridge_batches_received_total"
+    labels = {"source": "engine", "dp_rank": "0"}
+    owner.pending = 3
+    assert metrics.registry.get_sample_value(name, labels) == 3
+    owner.pending = 4
+    text = (await metrics.scrape()).decode()
+    assert f'{name}{{dp_rank="0",source="engine"}} 7.0' in text
+    assert metrics.registry.get_sample_value(name, labels) == 7
+    assert owner.flushed_on == {threading.get_ident()}
+    assert "_created" not in text  # (not rendered: see bridge.metrics)
+
+
+def test_an_owner_gone_is_no_longer_flushed() -> None:
+    import gc
+
+    metrics = Metrics()
+    owner = _Gathering(metrics)
+    owner.pending = 2
+    del owner
+    gc.collect()
+    assert metrics.registry.get_sample_value("kv_bridge_batches_received_total", {"source": "engine", "dp_rank": "0"}) == 0
+
+
 # -- series at 0 -------------------------------------------------------------------------------
 
 
