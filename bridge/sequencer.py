@@ -638,6 +638,7 @@ class StreamSequencer:
             self._top = max(self._top, seq)
             if seq > self.delivered:
                 self.held.setdefault(seq, payload)
+        self._top = max(self._top, self._unkept)  # read in doubt, not kept: its too (I3 if it restarts)
         self.unverified.clear()
         self._unkept_lo = self._unkept = -1
         self._drain(out)
@@ -895,6 +896,8 @@ class StreamSequencer:
         # new instance's too: the gap up to them is fetched by replay.
         self.held = carried
         self.last_live = max(max(carried), last_live if last_live is not None else -1) if carried else None
+        if carried:  # and known published by it: settled by its epoch if it restarts first (I3)
+            self._top = max(self._top, self.last_live if self.last_live is not None else -1)
         out.append(Reset(self.epoch, reason))
         if again:
             self._doubt, self._doubt_since, self._drops = True, last, 1

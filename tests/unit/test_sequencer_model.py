@@ -379,19 +379,58 @@ CASES = {
         "publish(seen=True)",
         "answer_replay(mode='answer')",
     ],
+    # Found against 10004ac (max_held 2): a live seq read in doubt past the bound was forgotten
+    # once a replay verified its instance, which then restarted before the tail was fetched (I3).
+    "a seq past the bound, verified, then its instance restarts": [
+        "answer_replay(mode='answer')",
+        "publish(seen=True)",
+        "publish(seen=True)",
+        "publish(seen=False)",
+        "publish(seen=True)",
+        "publish(seen=True)",
+        "blip()",
+        "publish(seen=True)",
+        "answer_replay(mode='answer')",
+        "answer_replay(mode='answer')",
+        "restart(missed=6, late=0)",
+        "publish(seen=True)",
+        "answer_replay(mode='answer')",
+    ],
+    # ... and one read after the batches carried to a new epoch, whose instance restarted before
+    # its tail was fetched (I3).
+    "a seq past the bound after carried batches, then that instance restarts": [
+        "answer_replay(mode='answer')",
+        "publish(seen=True)",
+        "publish(seen=True)",
+        "blip()",
+        "restart(missed=2, late=0)",
+        "publish(seen=True)",
+        "publish(seen=True)",
+        "publish(seen=True)",
+        "answer_replay(mode='answer')",
+        "answer_replay(mode='answer')",
+        "restart(missed=5, late=0)",
+        "publish(seen=True)",
+        "answer_replay(mode='answer')",
+    ],
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_reported_case(case: str) -> None:
-    state = SequencerModel()
-    for step in CASES[case]:
+def _run_case(state: SequencerModel, steps: list[str], max_held: int | None) -> None:
+    if max_held is not None:
+        state.seqr.max_held = max_held  # nothing is held yet
+    for step in steps:
         name, _, args = step.partition("(")
         kwargs = dict(kv.split("=") for kv in args.rstrip(")").split(", ") if kv)
         getattr(state, name)(**{k: ast.literal_eval(v) for k, v in kwargs.items()})
         state.bounded()
         state.kept_batches_never_lost()
     state.teardown()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_reported_case(case: str) -> None:
+    _run_case(SequencerModel(), CASES[case], MAX_HELD.get(case))
 
 
 # Found by UndecodableModel, each as a script through the same checks.
@@ -459,18 +498,14 @@ UNDECODABLE_CASES = {
         "answer_replay(mode='silent')",
     ],
 }
-# The max_held of a case, where not the model's.
-UNDECODABLE_MAX_HELD = {"the old instance's last seq past the bound when batches are carried": 2}
+# The max_held of a case (of either list), where not the model's.
+MAX_HELD = {
+    "the old instance's last seq past the bound when batches are carried": 2,
+    "a seq past the bound, verified, then its instance restarts": 2,
+    "a seq past the bound after carried batches, then that instance restarts": 2,
+}
 
 
 @pytest.mark.parametrize("case", sorted(UNDECODABLE_CASES))
 def test_undecodable_case(case: str) -> None:
-    state = UndecodableModel()
-    state.seqr.max_held = UNDECODABLE_MAX_HELD.get(case, state.seqr.max_held)  # nothing is held yet
-    for step in UNDECODABLE_CASES[case]:
-        name, _, args = step.partition("(")
-        kwargs = dict(kv.split("=") for kv in args.rstrip(")").split(", ") if kv)
-        getattr(state, name)(**{k: ast.literal_eval(v) for k, v in kwargs.items()})
-        state.bounded()
-        state.kept_batches_never_lost()
-    state.teardown()
+    _run_case(UndecodableModel(), UNDECODABLE_CASES[case], MAX_HELD.get(case))
