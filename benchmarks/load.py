@@ -172,6 +172,21 @@ def drain_main(endpoints: list[str], received: Synchronized[int], events: Synchr
             ctx.term()
 
 
+def start_publisher(shape: LoadShape) -> tuple[Any, Synchronized[float], Synchronized[int]]:
+    """A :func:`publisher_main` process for ``shape``, started (spawn) and ready, paused (rate 0):
+    (process, rate, sent)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    rate, sent, ready = ctx.Value("d", 0.0, lock=False), ctx.Value("q", 0, lock=False), ctx.Event()
+    proc = ctx.Process(target=publisher_main, args=(shape, rate, sent, ready), daemon=True)
+    proc.start()
+    if not ready.wait(60):
+        proc.terminate()
+        raise RuntimeError("publisher did not start within 60 s")
+    return proc, rate, sent
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (all its threads) from /proc."""
     with open(f"/proc/{pid}/stat", "rb") as f:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import resource
 import signal
@@ -37,7 +36,7 @@ from typing import Any
 
 from tests.support.harness import free_port, free_ports
 
-from .load import LoadShape, cpu_seconds, publisher_main, thread_cpu
+from .load import LoadShape, cpu_seconds, start_publisher, thread_cpu
 from .run import cleanup, servers, sink_entry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,17 +74,11 @@ def measure(
     }
     path = workdir / f"bridge-{streams}.json"
     path.write_text(json.dumps(config))
-    ctx = mp.get_context("spawn")
     publishers: list[tuple[Any, Any, Any]] = []
     bridge: subprocess.Popen[bytes] | None = None
     try:
         for i in range(procs):
-            shape = LoadShape("127.0.0.1", base + i * per, ranks=per, events=4, pool=64, seed=i + 1)
-            rate, sent, ready = ctx.Value("d", 0.0, lock=False), ctx.Value("q", 0, lock=False), ctx.Event()
-            proc = ctx.Process(target=publisher_main, args=(shape, rate, sent, ready), daemon=True)
-            proc.start()
-            publishers.append((proc, rate, sent))
-            assert ready.wait(60), "publisher did not start"
+            publishers.append(start_publisher(LoadShape("127.0.0.1", base + i * per, ranks=per, events=4, pool=64, seed=i + 1)))
         bridge = subprocess.Popen(
             [sys.executable, "-m", "bridge", "--config", str(path)],
             cwd=root,

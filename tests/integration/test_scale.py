@@ -15,7 +15,6 @@ writing JSON batches to a file. Checked:
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import resource
 import signal
@@ -30,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.load import LoadShape, publisher_main, rss_bytes
+from benchmarks.load import LoadShape, rss_bytes, start_publisher
 from tests.support.harness import free_port, free_ports
 from tests.support.process import wait_readyz
 
@@ -128,18 +127,13 @@ def test_thousand_streams_bounded_memory_order_and_no_starvation(tmp_path: Path)
     cfg = tmp_path / "bridge.yaml"
     cfg.write_text(json.dumps(config))
 
-    ctx = mp.get_context("spawn")
     publishers: list[tuple[Any, Any, Any]] = []
     bridge: subprocess.Popen[bytes] | None = None
     tail: _Tail | None = None
     try:
         for i in range(PROCESSES):
             shape = LoadShape("127.0.0.1", base + i * per_process, ranks=per_process, events=3, pool=8, seed=i + 1)
-            rate, sent, ready = ctx.Value("d", 0.0, lock=False), ctx.Value("q", 0, lock=False), ctx.Event()
-            proc = ctx.Process(target=publisher_main, args=(shape, rate, sent, ready), daemon=True)
-            proc.start()
-            publishers.append((proc, rate, sent))
-            assert ready.wait(60), "publisher did not start"
+            publishers.append(start_publisher(shape))
 
         with open(tmp_path / "bridge.log", "wb") as log:
             bridge = subprocess.Popen([sys.executable, "-m", "bridge", "--config", str(cfg)], cwd=ROOT, stderr=log)
