@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -37,14 +36,9 @@ from typing import Any
 from tests.support.harness import free_port, free_ports
 
 from .load import LoadShape, cpu_seconds, start_publisher, thread_cpu
-from .run import cleanup, servers, sink_entry
+from .run import cleanup, quantile, scrape, servers, sink_entry
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _metric(port: int, prefix: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines() if line.startswith(prefix))
 
 
 def measure(
@@ -88,7 +82,7 @@ def measure(
         deadline = time.monotonic() + 60
         while True:  # every SUB connected before the first message
             try:
-                if _metric(port, "kv_bridge_sources_connected ") >= per * procs:
+                if scrape(port).total("kv_bridge_sources_connected") >= per * procs:
                     break
             except OSError:
                 pass
@@ -99,13 +93,15 @@ def measure(
         for _, rate, _ in publishers:
             rate.value = total / procs
         time.sleep(3.0)  # past the start-up and the first young collections
-        delivered = 'kv_bridge_sink_batches_total{outcome="delivered"'
         s0 = sum(sent.value for _, _, sent in publishers)
-        c0, t0, n0, w0 = cpu_seconds(bridge.pid), thread_cpu(bridge.pid), _metric(port, delivered), time.monotonic()
+        c0, t0, m0, w0 = cpu_seconds(bridge.pid), thread_cpu(bridge.pid), scrape(port), time.monotonic()
         time.sleep(duration)
-        c1, t1, n1, w1 = cpu_seconds(bridge.pid), thread_cpu(bridge.pid), _metric(port, delivered), time.monotonic()
+        c1, t1, m1, w1 = cpu_seconds(bridge.pid), thread_cpu(bridge.pid), scrape(port), time.monotonic()
         s1 = sum(sent.value for _, _, sent in publishers)
-        n = n1 - n0
+        n = m1.total("kv_bridge_sink_batches_total", outcome="delivered") - m0.total(
+            "kv_bridge_sink_batches_total", outcome="delivered"
+        )
+        lag0, lag1 = m0.buckets("kv_bridge_lag_seconds"), m1.buckets("kv_bridge_lag_seconds")
         io = sum(t1[k] - t0.get(k, 0.0) for k in t1 if k.startswith("ZMQbg/IO"))
         return {
             "streams": per * procs,
@@ -115,6 +111,8 @@ def measure(
             "cpu_us_per_batch": (c1 - c0) / n * 1e6,
             "zmq_io_us_per_batch": io / n * 1e6,
             "core_share": (c1 - c0) / (w1 - w0),
+            "p50_ms": (quantile(0.5, lag0, lag1) or 0.0) * 1e3,  # engine ts to sink ack (see benchmarks.run)
+            "p99_ms": (quantile(0.99, lag0, lag1) or 0.0) * 1e3,
         }
     finally:
         if bridge is not None:
@@ -157,14 +155,14 @@ def main() -> None:
     print(f"{args.sink} {args.format}, {args.total:,.0f} batches/s offered in total, 4 events per batch")
     print(
         f"{'streams':>8s} {'batches/s per stream':>21s} {'published/s':>12s} {'delivered/s':>12s} {'CPU us/batch':>13s} "
-        f"{'of which ZMQ I/O':>17s} {'core share':>11s} {'batches/s per core':>19s}"
+        f"{'of which ZMQ I/O':>17s} {'core share':>11s} {'batches/s per core':>19s} {'p50 / p99 ms':>14s}"
     )
     for streams, r in best.items():
         print(
             f"{streams:8d} {r['delivered_per_s'] / r['streams']:21.1f} "
             f"{r['published_per_s']:12,.0f} {r['delivered_per_s']:12,.0f} "
             f"{r['cpu_us_per_batch']:13.1f} {r['zmq_io_us_per_batch']:17.1f} {r['core_share']:11.2f} "
-            f"{1e6 / r['cpu_us_per_batch']:19,.0f}"
+            f"{1e6 / r['cpu_us_per_batch']:19,.0f} {r['p50_ms']:6.1f} / {r['p99_ms']:5.1f}"
         )
 
 

@@ -13,6 +13,7 @@ a batch's cost.
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import weakref
 from bisect import bisect_left, bisect_right
@@ -135,6 +136,7 @@ class Deferred(Protocol):
 
 
 _rendering = threading.local()  # set in the worker thread of Metrics.scrape
+_SCRAPE_SWITCH_INTERVAL = 0.0002
 
 
 class _Pending:
@@ -279,9 +281,14 @@ class Metrics:
 
     def _render(self) -> bytes:
         _rendering.active = True
+        # The loop waits for the GIL each time it wakes while this thread renders: at most a
+        # switch interval (5 ms by default), per wake-up. Shorter while rendering.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, _SCRAPE_SWITCH_INTERVAL))
         try:
             return generate_latest(self.registry)
         finally:
+            sys.setswitchinterval(interval)
             _rendering.active = False
 
 

@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -558,7 +559,9 @@ async def test_deferred_updates_are_applied_before_every_reading_on_the_loops_th
     owner.pending = 3
     assert metrics.registry.get_sample_value(name, labels) == 3
     owner.pending = 4
+    interval = sys.getswitchinterval()
     text = (await metrics.scrape()).decode()
+    assert sys.getswitchinterval() == interval  # shortened only while rendering
     assert f'{name}{{dp_rank="0",source="engine"}} 7.0' in text
     assert metrics.registry.get_sample_value(name, labels) == 7
     assert owner.flushed_on == {threading.get_ident()}
