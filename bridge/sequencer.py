@@ -345,10 +345,8 @@ class StreamSequencer:
             # The rest of what the answering instance was asked for may now come from another.
             self._new_instance(out)
         elif self._heard >= 0 and self._replay is not None:
-            # Replies kept for a verdict: the rest may now come from another instance. Ask again
-            # (and settle their seqs, as when a replay ends without a verdict).
-            self._owed = self._unclaimed = max(self._owed, self._unclaimed, self._heard)
-            self._early, self._heard, self._skipped = {}, -1, False
+            # Replies kept for a verdict: the rest may now come from another instance. Ask again.
+            self._unclaim()
             self._request(out)
         self._drops += 1
         self._last_drop = now
@@ -426,12 +424,23 @@ class StreamSequencer:
         if always or len(self.held) + len(self.unverified) + len(self._early) < self.max_held:
             self._early[seq] = payload
 
-    def _request_more(self, out: list[Action], start: int, until: int) -> None:
-        """Ask the instance that answered for the rest of what tells whose the batches waiting are."""
+    def _unclaim(self) -> None:
+        """The replies kept for a verdict that never came are dropped, to be fetched again; the
+        epoch settles their seqs if it ends first (they may be another instance's that goes away)."""
+        self._owed = self._unclaimed = max(self._owed, self._unclaimed, self._heard)
+        self._early, self._heard, self._skipped = {}, -1, False
+
+    def _next_request(self) -> int:
+        """A new replay in flight (replies of any earlier one are ignored from now on)."""
         self._request_id += 1
         self._replay = self._request_id
+        return self._request_id
+
+    def _request_more(self, out: list[Action], start: int, until: int) -> None:
+        """Ask the instance that answered for the rest of what tells whose the batches waiting are
+        (the verdict's state stays as it is, unlike _request)."""
         self._until = until
-        out.append(RequestReplay(self._request_id, start, until, self._attempts))
+        out.append(RequestReplay(self._next_request(), start, until, self._attempts))
 
     def _note_replayed(self, seq: int, payload: bytes) -> None:
         """A reply of this epoch's instance above the live stream: its live copy may still come
@@ -514,10 +523,7 @@ class StreamSequencer:
             return out
         heard, verdict_pending = self._heard, self._heard >= 0 and self._verdict is _UNSURE and not self._skipped
         probed = self._until if self._probing else None
-        # Otherwise the replies kept for a verdict that never came are fetched again; the epoch
-        # settles their seqs if it ends first (they may be another instance's that goes away).
-        self._owed = self._unclaimed = max(self._owed, self._unclaimed, heard)
-        self._early, self._heard, self._skipped = {}, -1, False
+        self._unclaim()  # (no verdict came of them)
         if complete and verdict_pending and not self._probing:
             # It stopped (at the last seq asked for, or at the engine's last) before the reply that
             # would compare bytes: ask for exactly that seq. The first reply of a fresh DEALER is
@@ -747,8 +753,7 @@ class StreamSequencer:
         self.delivered = to_seq  # the anchor stays at the last batch delivered
 
     def _request(self, out: list[Action], to_end: bool = False, probe: int | None = None) -> None:
-        self._request_id += 1
-        self._replay = self._request_id
+        request_id = self._next_request()
         self._replay_start = self.delivered + 1
         self._replay_first = True
         self._answered = False
@@ -782,7 +787,7 @@ class StreamSequencer:
         elif self.delivered >= 0:
             start = self.delivered  # one early: shows the engine answering even when the next batch never comes
         self._until = max(until, start) if until >= 0 else -1
-        out.append(RequestReplay(self._request_id, start, self._until, self._attempts))
+        out.append(RequestReplay(request_id, start, self._until, self._attempts))
 
     def reference(self, seq: int, ts: float | None) -> None:
         """The last delivered batch has no engine ts (it could not be decoded); ``seq``, ``ts``: an
@@ -886,7 +891,6 @@ class StreamSequencer:
         self._floor_ts = None
         self.epoch = self._next_epoch(self.epoch)
         self.delivered = -1
-        self._top = -1
         self._owed = max(unsure, self._unclaimed)  # (replies without a verdict may be its too)
         self._unclaimed = -1
         self._fp = self._last_payload = self._ref = None
@@ -896,8 +900,8 @@ class StreamSequencer:
         # new instance's too: the gap up to them is fetched by replay.
         self.held = carried
         self.last_live = max(max(carried), last_live if last_live is not None else -1) if carried else None
-        if carried:  # and known published by it: settled by its epoch if it restarts first (I3)
-            self._top = max(self._top, self.last_live if self.last_live is not None else -1)
+        # Known published by it (so settled by its epoch if it restarts first: I3).
+        self._top = self.last_live if self.last_live is not None else -1
         out.append(Reset(self.epoch, reason))
         if again:
             self._doubt, self._doubt_since, self._drops = True, last, 1
