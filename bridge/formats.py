@@ -304,6 +304,7 @@ class Renderer:
         if fmt == "msgpack" and self.hash_hex:  # json converts hashes as it encodes; msgpack here
             event_filter = (event_filter or EventFilter()).with_hex_hashes()
         self.event_filter = None if fmt == "raw" else event_filter
+        self._raw = fmt == "raw"
         self.sharers = 1
         """Sinks that take a batch's messages from one rendering (the runtime counts them)."""
         self._shared: dict[int, tuple[Record, list[Message], list[int]]] = {}  # [sinks yet to take them, bytes]
@@ -325,6 +326,8 @@ class Renderer:
         if record.kind != "batch":
             return [self._control(record)]
         if self.sharers == 1:
+            if self._raw:  # the engine's bytes as they are (_batch, inline: the raw sinks' hot path)
+                return [Message(record, None, BATCH_TYPE, record.payload, Envelope(record, BATCH_TYPE, self.content_type))]
             return self._render(record)
         shared = self._shared
         key = id(record)

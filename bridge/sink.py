@@ -327,10 +327,10 @@ class SinkWorker:
                 await self._wait_for_work()
                 if linger > 0 and len(self._queue) < self.config.batch.max_messages:
                     await asyncio.sleep(linger)
-            records, messages, unrendered = self._take()
+            records, messages, unrendered, size = self._take()
             dead = await self._deliver(messages) if messages else set()
             dead |= unrendered
-            self._settle(records, dead)
+            self._settle(records, dead, size)
 
     async def _wait_for_work(self) -> None:
         """Wait for records; meanwhile check the connector's health every ``health_interval``."""
@@ -359,10 +359,10 @@ class SinkWorker:
         self.last_error = f"health: {problem}"
         self._m_up.set(0)
 
-    def _take(self) -> tuple[list[Record], list[Message], set[int]]:
+    def _take(self) -> tuple[list[Record], list[Message], set[int], int]:
         """Records from the head of the queue (left there), their messages, within the batch
-        bounds, and the ids of records that could not be rendered (dead-lettered, an EventsLost
-        goes in their place)."""
+        bounds, the ids of records that could not be rendered (dead-lettered, an EventsLost
+        goes in their place), and the records' size (``Record.size``) in all."""
         records: list[Record] = []
         messages: list[Message] = []
         unrendered: set[int] = set()
@@ -386,18 +386,18 @@ class SinkWorker:
             if state and record.state is not None:
                 messages.append(state_message(record))
             size += record_size
-        return records, messages, unrendered
+        return records, messages, unrendered, size
 
-    def _settle(self, records: list[Record], dead: set[int]) -> None:
-        """Remove ``records`` from the queue and acknowledge them; ``dead``: ids of dead-lettered ones."""
+    def _settle(self, records: list[Record], dead: set[int], size: int) -> None:
+        """Remove ``records`` (``size`` bytes in all) from the queue and acknowledge them; ``dead``:
+        ids of dead-lettered ones."""
         now = time.time()
         pop = self._queue.popleft
         lags: list[float] = []
         lag = lags.append
-        size = delivered = events = dead_batches = 0
+        delivered = events = dead_batches = 0
         for r in records:  # one pass: a write holds up to batch.max_messages records
             pop()
-            size += r.size
             if r.kind != "batch":
                 continue
             if dead and id(r) in dead:  # each record once, however many of its messages were refused

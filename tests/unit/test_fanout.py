@@ -159,7 +159,8 @@ async def test_offer_all_queues_a_run_exactly_as_offering_it_record_by_record_wo
             for seq in range(before):  # a drop sink drops past its bounds (a span pending), a block sink is forced
                 if not w.offer(record := batch(STREAM, seq)):
                     w.force(record)
-            w._settle(list(w._queue)[:freed], set())  # written since: room again, a dropped span still pending
+            written = list(w._queue)[:freed]  # written since: room again, a dropped span still pending
+            w._settle(written, set(), sum(r.size for r in written))
             side.append(w)
     try:
         one, other = Fanout(sides[0]), Fanout(sides[1])
