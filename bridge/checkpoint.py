@@ -31,6 +31,7 @@ fingerprints the engine instance as a checkpoint's ``ts``/``crc`` do.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import os
@@ -45,7 +46,7 @@ import msgspec
 
 from .errors import BridgeError
 from .formats import CONTENT_TYPES
-from .records import Record, Stream
+from .records import Record
 
 log = logging.getLogger("bridge.checkpoint")
 
@@ -149,32 +150,33 @@ class Checkpointer:
 
     # -- acknowledgements -------------------------------------------------------------------------
     def on_ack(self, sink: int, records: list[Record]) -> None:
-        acked = self._acked
-        stream: Stream | None = None
-        key = ""
-        n = len(records)
-        for i, r in enumerate(records):
-            if r.kind == "batch" and i + 1 < n and (nxt := records[i + 1]).kind == "batch" and nxt.stream is r.stream:
-                continue  # the next batch of its stream replaces it
-            if r.stream is not stream:  # a write's records come in runs of one stream
-                stream = r.stream
-                key = stream.key
-            row = acked.get(key)
-            if row is None:
-                base = self.loaded.get(key)
-                init: _Acked | None = None
-                if base is not None:
-                    init = (base.epoch, base.seq, base.seq if base.at is None else base.at, base.ts, None)
-                row = acked[key] = [init] * self.sinks
-            if r.kind == "SourceReset":
-                row[sink] = (r.epoch, -1, -1, None, None)
-            elif r.kind == "batch":
-                row[sink] = (r.epoch, r.seq, r.seq, r.ts, r.payload)
-            else:  # a loss: the anchor stays at the batch before it
-                last = row[sink]
-                same_epoch = last is not None and last[0] == r.epoch
-                row[sink] = (r.epoch, r.seq, *last[2:]) if last is not None and same_epoch else (r.epoch, r.seq, -1, None, None)
+        """``sink`` acknowledged ``records`` (a write's, in order)."""
+        # A batch followed by the next batch of its stream is replaced by it: of a run of one
+        # stream's batches (what a write mostly holds) only the last is noted.
+        for r, nxt in itertools.pairwise(records):
+            if nxt.stream is not r.stream or r.kind != "batch" or nxt.kind != "batch":
+                self._ack(sink, r)
+        if records:
+            self._ack(sink, records[-1])
         self._generation += 1
+
+    def _ack(self, sink: int, r: Record) -> None:
+        key = r.stream.key
+        row = self._acked.get(key)
+        if row is None:
+            base = self.loaded.get(key)
+            init: _Acked | None = None
+            if base is not None:
+                init = (base.epoch, base.seq, base.seq if base.at is None else base.at, base.ts, None)
+            row = self._acked[key] = [init] * self.sinks
+        if r.kind == "SourceReset":
+            row[sink] = (r.epoch, -1, -1, None, None)
+        elif r.kind == "batch":
+            row[sink] = (r.epoch, r.seq, r.seq, r.ts, r.payload)
+        else:  # a loss: the anchor stays at the batch before it
+            last = row[sink]
+            same_epoch = last is not None and last[0] == r.epoch
+            row[sink] = (r.epoch, r.seq, *last[2:]) if last is not None and same_epoch else (r.epoch, r.seq, -1, None, None)
 
     def position(self, key: str) -> StreamPosition | None:
         """The checkpoint position of one stream (None: nothing known)."""
