@@ -142,6 +142,33 @@ async def test_bad_input_is_counted_and_the_next_good_message_served(tmp_path: P
         ctx.destroy(linger=0)
 
 
+async def test_each_message_of_a_quiet_stream_is_read_without_waiting_for_the_next(tmp_path: Path) -> None:
+    """The reader stops a wake-up's burst when ZMQ_EVENTS says nothing more is there, or at
+    zmq.Again: either way a message arriving after it must wake the reader by itself (alone,
+    two at once, during the hand-off of the one before), never wait for a later one."""
+    (port,) = free_ports(1)
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    good = next(v for v in VECTORS if v.file == "vllm-0.33.0" and v.kind == "live").frames
+    try:
+        async with running_bridge(tmp_path, [{"name": "quiet", "endpoint": f"tcp://127.0.0.1:{port}"}]) as (bridge, out):
+            reader = bridge.readers["quiet/0"]
+            await wait_for(lambda: reader.connections > 0, what="subscription")
+            await asyncio.sleep(0.2)
+            seq = 0
+            for together, pause in [(1, 0.0), (1, 0.0), (2, 0.0), (1, 0.05), (3, 0.0), (1, 0.001), (1, 0.001), (1, 0.0)]:
+                for _ in range(together):
+                    await pub.send_multipart([b"", seq.to_bytes(8, "big"), good[2]])
+                    seq += 1
+                await asyncio.sleep(pause)
+                await wait_for(lambda n=seq: len(read_lines(out)) >= n, timeout=5, what=f"seq {seq - 1} before any later one")
+        assert [ln["seq"] for ln in read_lines(out)] == list(range(seq))
+    finally:
+        pub.close(linger=0)
+        ctx.destroy(linger=0)
+
+
 # -- sequencing with the simulator ------------------------------------------------------------
 
 
