@@ -67,7 +67,13 @@ class FileConnector:
             values.append(b"")  # a newline after the last line too
             return b"\n".join(values)
         if self.options.binary == "length-prefixed":
-            return b"".join(len(m.value).to_bytes(4, "big") + m.value for m in messages)
+            parts: list[bytes] = []  # prefix, value, ...: one copy of each value, into the join
+            add = parts.append
+            for m in messages:
+                value = m.value
+                add(len(value).to_bytes(4, "big"))
+                add(value)
+            return b"".join(parts)
         return b"".join(
             _json.encode({"headers": m.headers, "value_b64": base64.b64encode(m.value).decode()}) + b"\n" for m in messages
         )
