@@ -370,7 +370,7 @@ class SinkWorker:
         max_messages, max_bytes = self.config.batch.max_messages, self.config.batch.max_bytes
         render, state = self.renderer.render, self.writes_state
         for record in self._queue:
-            record_size = record.size
+            record_size = len(record.payload) or 64  # Record.size, inline (the hot path)
             if records and (len(messages) >= max_messages or size + record_size > max_bytes):
                 break
             try:
