@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 
-from .records import Record
+from .records import EMPTY_RECORD_BYTES, Record
 from .sink import SinkWorker
 from .state import StateTracker
 
@@ -49,7 +49,7 @@ class Fanout:
         all of them now (True); else nothing is queued or tracked (False: offer them one by one)."""
         size = 0
         for r in records:
-            size += len(r.payload) or 64  # Record.size, inline (the hot path)
+            size += len(r.payload) or EMPTY_RECORD_BYTES  # Record.size, inline (the hot path)
         n = len(records)
         for w in self.workers:
             if not w.has_room_for(n, size):

@@ -16,6 +16,9 @@ Event = dict[str, Any]
 
 RecordKind = Literal["batch", "SourceReset", "EventsLost"]
 
+EMPTY_RECORD_BYTES = 64
+"""What a record without payload (a control record) counts for in queue bounds (``Record.size``)."""
+
 
 class Stream(msgspec.Struct, frozen=True):
     """One (source, dp_rank): the unit of ordering, sequencing and checkpointing."""
@@ -74,8 +77,9 @@ class Record(msgspec.Struct):
 
     @property
     def size(self) -> int:
-        """Bytes this record accounts for in queue bounds (its payload, or a small constant)."""
-        return len(self.payload) or 64
+        """Bytes this record accounts for in queue bounds (its payload, or ``EMPTY_RECORD_BYTES``).
+        Hot paths compute it inline, from the same constant."""
+        return len(self.payload) or EMPTY_RECORD_BYTES
 
     def control(self) -> dict[str, Any]:
         """The body of a control record (everything but the common header)."""

@@ -36,7 +36,7 @@ from .deadletter import DeadLetters
 from .errors import ConnectorError, NotConnected, PartialFailure, Permanent, Retriable
 from .formats import STATE_TYPE, Message, Renderer, state_message
 from .metrics import Metrics
-from .records import Record, Stream, events_lost
+from .records import EMPTY_RECORD_BYTES, Record, Stream, events_lost
 
 log = logging.getLogger("bridge.sink")
 
@@ -370,7 +370,7 @@ class SinkWorker:
         max_messages, max_bytes = self.config.batch.max_messages, self.config.batch.max_bytes
         render, state = self.renderer.render, self.writes_state
         for record in self._queue:
-            record_size = len(record.payload) or 64  # Record.size, inline (the hot path)
+            record_size = len(record.payload) or EMPTY_RECORD_BYTES  # Record.size, inline (the hot path)
             if records and (len(messages) >= max_messages or size + record_size > max_bytes):
                 break
             try:
