@@ -71,6 +71,8 @@ def fleet_cost(tree: Path, fmt: str, streams: int, rate: float, batches: int) ->
 
 # -- what runs under valgrind -------------------------------------------------------------------
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    # benchmarks.pipeline.main's choice, written here again: a --tree from before this file has
+    # no shared helper to import.
     try:
         import uvloop  # type: ignore[import-not-found,unused-ignore]
 
