@@ -59,7 +59,11 @@ def _collect_failure() -> None:
     whatever buffers those reference, in the connector and its client), which only the cycle
     collector frees; with ``python -m bridge``'s high young threshold (``cli.tune_gc``) and little
     else allocated during an outage, they would pile up for a long time. At most once per retry
-    (every ``retry.initial_backoff`` at most), and the young generations are small."""
+    (every ``retry.initial_backoff`` at most), and the young generations are small.
+
+    Call it where nothing refers to the failure any more: a collection survived is a promotion,
+    and a failure promoted to the oldest generation stays until a full collection, which an
+    outage may not see for minutes (one failure's buffers per retry)."""
     gc.collect(1)
 
 
@@ -295,8 +299,8 @@ class SinkWorker:
             except (ConnectorError, TimeoutError, OSError) as exc:
                 attempt += 1
                 self._set_down(exc, attempt)
-                _collect_failure()
-                await asyncio.sleep(max(RETRY_FLOOR, self.backoff.delay(attempt)))
+            _collect_failure()  # out of the except block: ``exc`` is gone
+            await asyncio.sleep(max(RETRY_FLOOR, self.backoff.delay(attempt)))
 
     def _set_up(self) -> None:
         if not self.connected:
@@ -445,6 +449,7 @@ class SinkWorker:
                 messages = [messages[i] for i in outcome.retry]
                 error = outcome.cause
                 retry_after = outcome.retry_after
+                del outcome  # it holds the failure too (see _collect_failure)
             except Permanent as exc:
                 return dead | self._dead_letter_messages(messages, exc)
             except (ConnectorError, TimeoutError, OSError) as exc:
@@ -457,6 +462,7 @@ class SinkWorker:
             attempt += 1
             self._m_retries.inc()
             self._set_down(error, attempt)
+            del error  # see _collect_failure
             _collect_failure()
             await asyncio.sleep(max(RETRY_FLOOR, retry_after if retry_after is not None else self.backoff.delay(attempt)))
         return dead
