@@ -57,6 +57,7 @@ async def _exit_code(proc: subprocess.Popen[bytes], timeout: float) -> int:
             return proc.returncode
         await asyncio.sleep(0.05)
     proc.kill()
+    proc.wait(10)
     raise AssertionError("the bridge did not exit in time")
 
 
@@ -80,6 +81,7 @@ async def test_sigterm_flushes_checkpoints_and_exits_0(tmp_path: Path) -> None:
         finally:
             if proc.poll() is None:
                 proc.kill()
+                proc.wait(10)
     seqs = _batch_seqs(read_lines(out))
     assert seqs == list(range(len(seqs)))
     epoch = assert_first_epoch(read_lines(out)[0]["epoch"], since)  # the clock's: no checkpoint before
@@ -114,6 +116,7 @@ async def test_sigkill_then_resume_loses_nothing_the_engine_buffered(tmp_path: P
         finally:
             if proc.poll() is None:
                 proc.kill()
+                proc.wait(10)  # reaped, or a later test's collection reports it still running
     run1, run2 = _batch_seqs(read_lines(out1)), _batch_seqs(read_lines(out2))
     assert run1 == list(range(len(run1)))  # in order within each run
     assert run2 == list(range(run2[0], run2[0] + len(run2)))

@@ -57,7 +57,10 @@ def read_lines(path: Path, *, records: bool = True) -> list[dict[str, Any]]:
     output schema; ``records=False`` for other files (dead letters)."""
     if not path.exists():
         return []
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    data = path.read_bytes()
+    # A line counts once its newline is written: what follows the last one is a write in
+    # progress (read while the bridge writes, or cut by a SIGKILL), possibly mid-character.
+    lines = [line for line in data[: data.rfind(b"\n") + 1].decode().splitlines() if line.strip()]
     return [check_line(line) for line in lines] if records else [json.loads(line) for line in lines]
 
 
