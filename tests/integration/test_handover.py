@@ -182,7 +182,6 @@ async def test_a_new_bridge_resumes_from_the_sink_exactly_once(tmp_path: Path, s
                         stored = len({(r, s) for r, _e, s, _i, _t in await read(sink)})
             finally:
                 proc.kill()
-                proc.wait(10)
         held = await read(sink)
         epochs = {e for _r, e, _s, _i, t in held if t not in ("SourceReset", "EventsLost")}
         assert len(epochs) == 1, epochs
