@@ -88,7 +88,7 @@ import msgspec
 from .checkpoint import SinkPosition
 from .config import ByteSize, Duration, SinkConfig, convert_options, doc
 from .config import Struct as ConnectorOptions
-from .errors import ConfigError, ConnectorError, NotConnected, PartialFailure, Permanent, Retriable
+from .errors import ConfigError, ConnectorError, NotConnected, PartialFailure, Permanent, Retriable, SinkLost
 from .formats import STATE_TYPE, Envelope, Message, hex64, sample_message
 from .records import Event, Record, Stream
 from .secret import Secret, redact, redact_url, reveal
@@ -329,6 +329,7 @@ __all__ = [
     "Secret",
     "SeedEntry",
     "SinkConfig",
+    "SinkLost",
     "SinkPosition",
     "StateDelta",
     "StateReader",

@@ -8,6 +8,10 @@ and dead-lettering without knowing any client library.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .records import Stream
 
 
 class BridgeError(Exception):
@@ -88,3 +92,23 @@ class PartialFailure(ConnectorError):
         self.failed = sorted(self.errors)
         self.cause = cause if cause is not None else next(iter(self.errors.values()))
         super().__init__(f"{len(self.errors)} message(s) failed: {self.cause}", reason=self.cause.reason)
+
+
+class SinkLost(ConnectorError):
+    """The sink no longer holds messages it acknowledged earlier (I6): raised by ``write`` when a
+    connector finds, before storing anything of that write, that its broker lost, replaced or
+    deleted data on its own (a restart from an older snapshot, a deleted topic, stream or bucket).
+
+    ``spans`` lists, per stream, what is gone: ``(stream, epoch, from_seq, to_seq)``, inclusive,
+    as far as the connector can tell (``from_seq`` 0 when it cannot tell where the loss starts).
+    The runtime announces each span to this sink alone (an ``EventsLost``, reason
+    ``sink_lost:<sink>``, written ahead of the stream's next messages), clears the state of each
+    stream named (a new generation, incomplete) and writes the same messages again. Before raising,
+    the connector resets what it expects of the sink, so the write that follows goes through.
+    """
+
+    reason = "sink_lost"
+
+    def __init__(self, message: str, spans: Sequence[tuple[Stream, int, int, int]], *, reason: str | None = None) -> None:
+        super().__init__(message, reason=reason)
+        self.spans = list(spans)
