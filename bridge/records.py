@@ -37,8 +37,9 @@ class Record(msgspec.Struct):
     """One ordered item of a stream, handed to every sink.
 
     ``seq`` is the engine sequence number for batches; for ``EventsLost`` it is ``to_seq`` (the
-    record stands where the lost span ends) and for ``SourceReset`` it is 0 (the first seq of the
-    new epoch). ``position`` orders every record of a stream, control records included.
+    record stands where the lost span ends; ``to_seq`` has the one exception) and for
+    ``SourceReset`` it is 0 (the first seq of the new epoch). ``position`` orders every record of
+    a stream, control records included.
     """
 
     stream: Stream
@@ -62,6 +63,10 @@ class Record(msgspec.Struct):
     state: Any = None
     """What this record changed in its stream's live-block state (a ``bridge.state.StateDelta``),
     when a sink keeps state; set once, as the record is handed to the sinks."""
+    to_seq: int | None = None
+    """An ``EventsLost`` whose lost span ends below where it stands (``seq``): a sink's announcement
+    of a batch it refused for itself, written after later batches of the stream it stored, so
+    that a consumer ordering by position does not take it for a copy. None: ``seq``."""
 
     @property
     def n_events(self) -> int:
@@ -85,11 +90,12 @@ class Record(msgspec.Struct):
         """The body of a control record (everything but the common header)."""
         if self.kind == "SourceReset":
             return {"type": "SourceReset", "reason": self.reason or "publisher_restart"}
+        to_seq = self.seq if self.to_seq is None else self.to_seq
         return {
             "type": "EventsLost",
             "from_seq": self.from_seq,
-            "to_seq": self.seq,
-            "count": self.seq - (self.from_seq if self.from_seq is not None else self.seq) + 1,
+            "to_seq": to_seq,
+            "count": to_seq - (self.from_seq if self.from_seq is not None else to_seq) + 1,
             "reason": self.reason or "unrecoverable",
         }
 

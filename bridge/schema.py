@@ -92,7 +92,13 @@ class StreamHeader(msgspec.Struct):
     source: Annotated[str, Meta(description="Source name from the bridge's configuration.")]
     dp_rank: Annotated[int, Meta(ge=0, description="Data-parallel rank of the engine process.")]
     epoch: Annotated[int, Meta(ge=0, description="Grows along a stream; a new one after every engine restart.")]
-    seq: Annotated[Seq, Meta(description="The engine's sequence number of the batch; to_seq in EventsLost, 0 in SourceReset.")]
+    seq: Annotated[
+        Seq,
+        Meta(
+            description="The engine's sequence number of the batch; in EventsLost where the record stands (to_seq, "
+            "or later: see EventsLost), 0 in SourceReset."
+        ),
+    ]
 
 
 class EventRecordHeader(StreamHeader):
@@ -124,7 +130,9 @@ class SourceReset(StreamHeader):
 
 
 class EventsLost(StreamHeader):
-    """Batches from_seq to to_seq (inclusive) of this epoch will never be delivered; seq is to_seq."""
+    """Batches from_seq to to_seq (inclusive) of this epoch will never be delivered; seq is where the
+    record stands: to_seq, or later when a sink announces a batch it refused for itself after
+    storing later batches of the stream (order by seq, not by to_seq)."""
 
     schema_version: Version
     type: Literal["EventsLost"]

@@ -9,7 +9,15 @@ time, renders them in the sink's format, and calls ``connector.write`` until it 
   (forever: retried is not dropped); the sink is not ready meanwhile and its queue fills, which
   blocks ingest (``backpressure: block``) or drops new batches (``drop``, announced downstream
   with one ``EventsLost`` per dropped span once there is room again);
-- ``Permanent``: the messages go to the dead-letter destination, and the stream goes on;
+- ``Permanent``: the messages go to the dead-letter destination, and the stream goes on; each
+  batch refused is announced to this sink (an ``EventsLost``, reason ``sink_refused:<sink>``,
+  written next), so its consumers know what they miss (I6);
+- ``SinkLost``: the sink lost messages it had acknowledged: each span is announced to this sink
+  (``EventsLost``, reason ``sink_lost:<sink>``) ahead of the write, which goes again;
+- any other exception (a connector's bug, or a record it cannot handle): retried; when it comes
+  again, the write is cut into single records, and a record whose write keeps failing that way
+  while the connector's health check passes is dead-lettered and announced (I5: one record never
+  stops a sink);
 - ``PartialFailure``: :func:`fold` decides, per stream: from the stream's first transient failure
   on, every message of the stream is written again (in order, even those the sink took: its
   idempotence drops the copies); a message refused for itself (``Permanent``) before that point
@@ -33,7 +41,7 @@ from .backoff import Backoff
 from .config import SinkConfig
 from .connector import Connector
 from .deadletter import DeadLetters
-from .errors import ConnectorError, NotConnected, PartialFailure, Permanent, Retriable
+from .errors import ConnectorError, NotConnected, PartialFailure, Permanent, Retriable, SinkLost
 from .formats import STATE_TYPE, Message, Renderer, state_message
 from .metrics import Metrics
 from .records import EMPTY_RECORD_BYTES, Record, Stream, events_lost
@@ -46,6 +54,10 @@ AckCallback = Callable[[int, list[Record]], None]
 # write, so without this an idle sink whose server went away would stay "ready" until traffic.
 HEALTH_INTERVAL = 5.0
 
+
+UNEXPECTED_TRIES = 2
+"""Writes of the same messages that may fail with an unclassified exception before the runtime
+looks for the record that causes it (see ``SinkWorker._isolate``)."""
 
 RETRY_FLOOR = 0.001
 """The shortest pause before a connector call is tried again, whatever ``retry.initial_backoff``
@@ -347,12 +359,7 @@ class SinkWorker:
                 await self._check_health()
 
     async def _check_health(self) -> None:
-        try:
-            problem = await asyncio.wait_for(self.connector.health(), self.config.retry.write_timeout)
-        except TimeoutError:
-            problem = "health check timed out"
-        except Exception as exc:  # a health hook must not raise; if it does, that is its answer
-            problem = f"health check failed: {type(exc).__name__}: {exc}"
+        problem = await self._health()
         if problem is None:
             self._set_up()
             return
@@ -373,6 +380,7 @@ class SinkWorker:
         size = 0
         max_messages, max_bytes = self.config.batch.max_messages, self.config.batch.max_bytes
         render, state = self.renderer.render, self.writes_state
+        state_off = False
         for record in self._queue:
             record_size = len(record.payload) or EMPTY_RECORD_BYTES  # Record.size, inline (the hot path)
             if records and (len(messages) >= max_messages or size + record_size > max_bytes):
@@ -385,10 +393,15 @@ class SinkWorker:
                 rendered = self.renderer.render(
                     events_lost(record.stream, record.epoch, record.seq, record.seq, "unrenderable", record.received)
                 )
+                if state and record.state is not None:
+                    # Its events are not written, so neither is its state change: clear, incomplete.
+                    self._state_lost(record.stream)
+                    state_off = True
             records.append(record)
             messages.extend(rendered)
-            if state and record.state is not None:
+            if state and record.state is not None and not state_off:
                 messages.append(state_message(record))
+            state_off = False
             size += record_size
         return records, messages, unrendered, size
 
@@ -421,13 +434,17 @@ class SinkWorker:
         self._n_events += events
         self.on_ack(self.index, records)
         if self.has_room(0):
+            if self._dropped:  # announce each dropped span now that there is room, not at its stream's next batch
+                for key in list(self._dropped):
+                    self._flush_dropped(key)
             self._room.set()
 
     async def _deliver(self, messages: list[Message]) -> set[int]:
         """Write until delivered; returns the ids of records dead-lettered (counted once, not as delivered)."""
-        attempt = 0
+        attempt = unexpected = 0
         timeout = self.config.retry.write_timeout
         dead: set[int] = set()
+        announced: set[int] = set()  # ids of refused records announced already (a record may be refused in two tries)
         while messages:
             start = time.perf_counter()
             retry_after: float | None = None
@@ -440,32 +457,159 @@ class SinkWorker:
                 return dead
             except PartialFailure as exc:
                 outcome = fold(messages, {i: e for i, e in exc.errors.items() if 0 <= i < len(messages)})
+                refusals: list[Message] = []
                 for cause, group in _by_cause(outcome.dead):
                     dead |= self._dead_letter_messages([messages[i] for i in group], cause)
+                if outcome.dead:
+                    refusals = self._refusals(messages, [i for i, _ in outcome.dead], outcome.retry, announced)
                 if outcome.cause is None:
                     self._m_send.observe(time.perf_counter() - start)
                     self._set_up()
-                    return dead
-                messages = [messages[i] for i in outcome.retry]
+                    messages, attempt = refusals, 0
+                    continue
+                messages = refusals + [messages[i] for i in outcome.retry]
                 error = outcome.cause
                 retry_after = outcome.retry_after
                 del outcome  # it holds the failure too (see _collect_failure)
             except Permanent as exc:
-                return dead | self._dead_letter_messages(messages, exc)
+                dead |= self._dead_letter_messages(messages, exc)
+                messages, attempt = self._refusals(messages, range(len(messages)), [], announced), 0
+                continue
+            except SinkLost as exc:
+                messages = self._announce_lost(exc, messages)
+                error = exc
+                retry_after = RETRY_FLOOR if attempt == 0 else None  # at once, unless it comes again
             except (ConnectorError, TimeoutError, OSError) as exc:
                 error = exc
                 retry_after = getattr(exc, "retry_after", None)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # an unclassified client error: treat as transient, say what it was
+            except Exception as exc:  # an unclassified error: the client's, or a record the connector cannot handle
+                unexpected += 1
+                if unexpected >= UNEXPECTED_TRIES:
+                    detail = f"{type(exc).__name__}: {exc}"
+                    del exc  # see _collect_failure
+                    return dead | await self._isolate(messages, detail)
                 error = NotConnected(f"{type(exc).__name__}: {exc}", reason="unexpected")
             attempt += 1
             self._m_retries.inc()
-            self._set_down(error, attempt)
+            if isinstance(error, SinkLost):  # the sink is up: only this write goes again
+                self.metrics.sink_errors.labels(self.name, error.reason).inc()
+            else:
+                self._set_down(error, attempt)
             del error  # see _collect_failure
             _collect_failure()
             await asyncio.sleep(max(RETRY_FLOOR, retry_after if retry_after is not None else self.backoff.delay(attempt)))
         return dead
+
+    async def _isolate(self, messages: list[Message], detail: str) -> set[int]:
+        """Deliver ``messages`` after an unclassified exception came again: record by record (in
+        order, so each stream's order holds). A lone record is written once more when the
+        connector's health check passes; if that raises it again, the record is what causes it:
+        dead-lettered and announced, never retried as if the network had failed. Returns the ids
+        of records dead-lettered."""
+        runs: list[list[Message]] = []
+        for m in messages:
+            if runs and runs[-1][0].record is m.record:
+                runs[-1].append(m)
+            else:
+                runs.append([m])
+        if len(runs) > 1:
+            dead: set[int] = set()
+            for run in runs:
+                dead |= await self._deliver(run)
+            return dead
+        attempt = 0
+        while (problem := await self._health()) is not None:  # the sink is not well: not this record's fault
+            attempt += 1
+            self._set_down(NotConnected(f"{detail} (health: {problem})", reason="unexpected"), attempt)
+            await asyncio.sleep(max(RETRY_FLOOR, self.backoff.delay(attempt)))
+        try:  # once more, with the connector healthy
+            async with asyncio.timeout(self.config.retry.write_timeout):
+                await self.connector.write(messages)
+            self._set_up()
+            return set()
+        except asyncio.CancelledError:
+            raise
+        except (ConnectorError, TimeoutError, OSError):  # a failure it knows: the usual handling
+            return await self._deliver(messages)
+        except Exception as exc:
+            detail = f"{type(exc).__name__}: {exc}"
+        refused = Permanent(f"unexpected error in the connector: {detail}", reason="unexpected")
+        dead = self._dead_letter_messages(messages, refused)
+        return dead | await self._deliver(self._refusals(messages, range(len(messages)), [], set()))
+
+    def _refusals(
+        self, messages: Sequence[Message], refused: Sequence[int], retry: Sequence[int], announced: set[int]
+    ) -> list[Message]:
+        """The ``EventsLost`` messages announcing the batches of ``messages[i] for i in refused``
+        (dead-lettered) to this sink, to be written next (I6). Each stands after what the write
+        stored of its stream (the messages neither refused nor in ``retry``), so a consumer that
+        orders by position does not take it for a copy; its span is the refused batch's seq. A
+        record in ``announced`` is not announced again; those announced now are added to it."""
+        retried = set(retry)
+        stored: dict[tuple[str, int], int] = {}  # (stream, epoch) -> highest seq stored by the write
+        for i, m in enumerate(messages):
+            if i not in retried:
+                key = (m.record.stream.key, m.record.epoch)
+                if m.record.seq > stored.get(key, -1):
+                    stored[key] = m.record.seq
+        records = {
+            id(messages[i].record): messages[i].record
+            for i in refused
+            if messages[i].record.kind == "batch" and id(messages[i].record) not in announced
+        }
+        announced.update(records)
+        out: list[Message] = []
+        now = time.time()
+        for r in records.values():
+            at = max(r.seq, stored.get((r.stream.key, r.epoch), r.seq))
+            lost = events_lost(r.stream, r.epoch, r.seq, r.seq, f"sink_refused:{self.name}", now)
+            lost.seq, lost.to_seq = at, r.seq
+            out.extend(self.renderer.render(lost))
+        return out
+
+    def _announce_lost(self, exc: SinkLost, messages: list[Message]) -> list[Message]:
+        """``messages`` preceded by the announcement of each span ``exc`` names that they do not
+        announce already (I6); each stream named has its state cleared."""
+        reason = f"sink_lost:{self.name}"
+        have = {
+            (m.record.stream.key, m.record.epoch, m.record.from_seq, m.record.seq)
+            for m in messages
+            if m.record.kind == "EventsLost" and m.record.reason == reason
+        }
+        out: list[Message] = []
+        now = time.time()
+        for stream, epoch, first, last in exc.spans:
+            self._state_lost(stream)
+            if (stream.key, epoch, first, last) in have:
+                continue
+            log.error(
+                "the sink lost messages it had acknowledged: announced to its consumers",
+                extra={
+                    "sink": self.name,
+                    "stream": stream.key,
+                    "epoch": epoch,
+                    "from_seq": first,
+                    "to_seq": last,
+                    "error": str(exc),
+                },
+            )
+            out.extend(self.renderer.render(events_lost(stream, epoch, first, last, reason, now)))
+        return out + messages
+
+    def _state_lost(self, stream: Stream) -> None:
+        if self.writes_state and self.on_state_lost is not None:
+            self.on_state_lost(stream)
+
+    async def _health(self) -> str | None:
+        """The connector's health check, bounded: None when healthy, else why not."""
+        try:
+            return await asyncio.wait_for(self.connector.health(), self.config.retry.write_timeout)
+        except TimeoutError:
+            return "health check timed out"
+        except Exception as exc:  # a health hook must not raise; if it does, that is its answer
+            return f"health check failed: {type(exc).__name__}: {exc}"
 
     def _dead_letter_messages(self, messages: list[Message], exc: ConnectorError) -> set[int]:
         self.metrics.sink_errors.labels(self.name, exc.reason).inc()

@@ -112,7 +112,13 @@ async def test_permanent_failure_goes_to_dead_letters(tmp_path: Path) -> None:
     assert await worker.flush(5)
     await worker.stop()
     worker.dead_letters.close()
-    assert [m.record.seq for m in conn.messages] == [1]
+    # I6: the refused batch is announced to this sink's consumers, in its place, before the next one
+    lost, batch = conn.messages
+    assert (lost.record.kind, lost.record.control()) == (
+        "EventsLost",
+        {"type": "EventsLost", "from_seq": 0, "to_seq": 0, "count": 1, "reason": "sink_refused:mem"},
+    )
+    assert (batch.record.kind, batch.record.seq) == ("batch", 1)
     assert [r.seq for r in acked] == [0, 1]  # settled: the stream goes on
     dead = (tmp_path / "dead.jsonl").read_text().splitlines()
     assert len(dead) == 1 and '"reason":"sink_rejected"' in dead[0] and '"seq":0' in dead[0]
@@ -297,7 +303,7 @@ async def test_sink_goes_on_when_dead_letters_cannot_be_written(tmp_path: Path) 
     assert not task.done()
     await worker.stop()
     letters.close()
-    assert [m.record.seq for m in conn.messages] == [1]
+    assert [(m.record.kind, m.record.seq) for m in conn.messages] == [("EventsLost", 0), ("batch", 1)]
     assert [r.seq for r in acked] == [0, 1]
     assert letters.write_failures == 1
 

@@ -85,8 +85,11 @@ async def test_a_batch_two_of_whose_events_are_refused_in_one_write_is_counted_d
     conn = answering(worker, [PartialFailure(too_large)])
     (record,) = stream_records(STREAM, 1)
     await settle_all(worker, [record])
-    assert stored(conn) == [("batch", 0, 1)]
-    assert conn.writes == [3]  # nothing retried: both refusals are permanent
+    # I6: the batch is announced to the sink after the event it took, so a consumer does not take
+    # the announcement for a copy; once, however many of its events were refused.
+    assert stored(conn) == [("batch", 0, 1), ("EventsLost", 0, None)]
+    assert conn.messages[1].record.control()["reason"] == "sink_refused:mem"
+    assert conn.writes == [3, 1]  # nothing retried (both refusals are permanent), then the announcement
     assert acked == [record]  # settled: the stream goes on
     assert [(d["reason"], d["seq"]) for d in dead_lines(tmp_path)] == [("sink_rejected", 0), ("sink_rejected", 0)]
     assert counted(metrics) == {"delivered": 0.0, "dead_lettered": 1.0}
@@ -101,15 +104,16 @@ async def test_a_batch_with_an_event_refused_in_each_of_two_tries_is_counted_dea
         worker,
         [
             PartialFailure({0: Permanent("too large"), 1: Retriable("busy")}),
-            PartialFailure({0: Permanent("too large")}),  # index 0 of the retry: event 1
+            # The retry is the batch's announcement, then events 1 and 2: event 1 refused.
+            PartialFailure({1: Permanent("too large")}),
         ],
     )
     (record,) = stream_records(STREAM, 1)
     await settle_all(worker, [record])
     # Event 2, taken by the first write, is written again after event 1 (retried from the stream's
     # first transient failure on, in order).
-    assert stored(conn) == [("batch", 0, 2), ("batch", 0, 2)]
-    assert conn.writes == [3, 2]
+    assert stored(conn) == [("batch", 0, 2), ("EventsLost", 0, None), ("batch", 0, 2)]
+    assert conn.writes == [3, 3]
     assert acked == [record]
     assert len(dead_lines(tmp_path)) == 2  # event 0, then event 1
     assert counted(metrics) == {"delivered": 0.0, "dead_lettered": 1.0}
@@ -123,7 +127,11 @@ async def test_refused_batches_are_counted_once_each_and_the_others_delivered(tm
     conn = answering(worker, [PartialFailure(refused)])
     records = stream_records(STREAM, 3)
     await settle_all(worker, records)
-    assert [(kind, seq) for kind, seq, _ in stored(conn)] == [("batch", 0)] * 2 + [("batch", 1)] * 3 + [("batch", 2)]
+    # Each refused batch announced once, after the last batch of the stream the write stored.
+    assert [(kind, seq) for kind, seq, _ in stored(conn)] == [("batch", 0)] * 2 + [("batch", 1)] * 3 + [("batch", 2)] + [
+        ("EventsLost", 2)
+    ] * 2
+    assert [m.record.control()["to_seq"] for m in conn.messages[-2:]] == [0, 2]
     assert acked == records
     assert counted(metrics) == {"delivered": 1.0, "dead_lettered": 2.0}
 

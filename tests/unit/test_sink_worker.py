@@ -349,7 +349,15 @@ async def test_permanent_partial_failure_dead_letters_only_the_refused(tmp_path:
     assert await worker.flush(5)
     assert not task.done()
     await done(worker)
-    assert [m.record.seq for m in conn.messages] == [0, 2]
+    # I6: batch 1 announced to the sink, standing after batch 2 (stored by the same write)
+    assert [(m.record.kind, m.record.seq) for m in conn.messages] == [("batch", 0), ("batch", 2), ("EventsLost", 2)]
+    assert conn.messages[-1].record.control() == {
+        "type": "EventsLost",
+        "from_seq": 1,
+        "to_seq": 1,
+        "count": 1,
+        "reason": "sink_refused:mem",
+    }
     assert [r.seq for r in acked] == [0, 1, 2]  # settled: the stream goes on
     assert value(metrics, "kv_bridge_sink_batches_total", sink="mem", outcome="dead_lettered") == 1
     assert value(metrics, "kv_bridge_sink_batches_total", sink="mem", outcome="delivered") == 2

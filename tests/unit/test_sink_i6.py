@@ -1,0 +1,176 @@
+"""I6 in the shared delivery loop: what a sink lost or refused is announced to that sink, and one
+record a connector cannot handle never stops the sink (I5).
+
+Each test is a regression test of issue 29 (cases 6, 14 and 15): it fails on the loop before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+from bridge import wire
+from bridge.errors import SinkLost
+from bridge.formats import STATE_TYPE, Message
+from bridge.records import Record, Stream
+from tests.support.memory import MemoryConnector, MemoryOptions
+from tests.support.records import stream_records
+from tests.unit.test_hostile_input import deep_payload
+from tests.unit.test_sink import fill, make
+
+STREAM = Stream("s", 0)
+OTHER = Stream("t", 0)
+
+
+def delta() -> object:
+    """A state change (the worker only passes it to the connector)."""
+    return object()
+
+
+def kinds(conn: MemoryConnector) -> list[tuple[str, str, int]]:
+    return [(m.record.stream.key, m.record.kind, m.record.seq) for m in conn.messages]
+
+
+def value(worker_metrics: object, name: str, **labels: str) -> float:
+    return worker_metrics.registry.get_sample_value(name, labels) or 0.0  # type: ignore[attr-defined]
+
+
+async def test_a_span_the_sink_lost_is_announced_to_it_ahead_of_the_write_which_goes_again(tmp_path: Path) -> None:
+    worker, conn, acked, metrics = make(tmp_path, batch={"linger": 0, "max_messages": 2})
+    lost_streams: list[Stream] = []
+    worker.writes_state, worker.on_state_lost = True, lost_streams.append
+    records = stream_records(STREAM, 4) + stream_records(OTHER, 1)
+    await fill(worker, records[:2])
+    worker.start()
+    assert await worker.flush(5)
+    # The broker lost seqs 0..1 of STREAM; the connector says so at the next write, twice (it must
+    # be announced once), and the write then goes through.
+    span = (STREAM, 0, 0, 1)
+    conn.failures = [SinkLost("stream reset", [span]), SinkLost("stream reset", [span]), None]
+    await fill(worker, records[2:])
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    assert kinds(conn) == [
+        ("s/0", "batch", 0),
+        ("s/0", "batch", 1),
+        ("s/0", "EventsLost", 1),  # ahead of the write that found the loss, once
+        ("s/0", "batch", 2),
+        ("s/0", "batch", 3),
+        ("t/0", "batch", 0),
+    ]
+    lost = conn.messages[2].record
+    assert lost.control() == {"type": "EventsLost", "from_seq": 0, "to_seq": 1, "count": 2, "reason": "sink_lost:mem"}
+    assert lost_streams and {s.key for s in lost_streams} == {STREAM.key}  # the stream's state is cleared, incomplete
+    assert [r.seq for r in acked] == [0, 1, 2, 3, 0]  # every batch settled once, nothing dropped
+    assert value(metrics, "kv_bridge_sink_errors_total", sink="mem", reason="sink_lost") == 2
+    assert value(metrics, "kv_bridge_sink_batches_total", sink="mem", outcome="dead_lettered") == 0
+    assert worker.connected  # a loss is announced, not an outage
+
+
+class Raising(MemoryConnector):
+    """Raises ``exc`` for every write holding a message of ``bad`` (seq of STREAM); while ``down``
+    (counted down by each write and health check), every write raises and health() says so."""
+
+    bad: int = -1
+    down: int = 0
+    exc: Exception = RecursionError("maximum recursion depth exceeded")
+
+    async def write(self, messages: Sequence[Message]) -> None:
+        self.writes.append(len(messages))
+        if self.down > 0:
+            self.down -= 1
+            raise ValueError("client in a bad state")
+        if any(m.record.kind == "batch" and m.record.seq == self.bad for m in messages):
+            raise self.exc
+        self.messages.extend(messages)
+
+    async def health(self) -> str | None:
+        if self.down > 0:  # recovering meanwhile
+            self.down -= 1
+            return "reconnecting"
+        return None
+
+
+async def test_a_record_the_connector_keeps_failing_on_is_dead_lettered_and_announced(tmp_path: Path) -> None:
+    """Case 14: an unexpected error inside a connector is not retried for ever as if it were the
+    network: the write is cut into records, the one that fails alone is dead-lettered and announced."""
+    worker, _, acked, metrics = make(tmp_path, batch={"linger": 0})
+    conn = Raising("mem", MemoryOptions(), worker.config)
+    conn.bad = 1
+    worker.connector = conn
+    await fill(worker, stream_records(STREAM, 3))
+    task = worker.start()
+    assert await worker.flush(5)
+    assert not task.done()
+    await worker.stop()
+    worker.dead_letters.close()
+    assert kinds(conn) == [("s/0", "batch", 0), ("s/0", "EventsLost", 1), ("s/0", "batch", 2)]
+    assert conn.messages[1].record.control()["reason"] == "sink_refused:mem"
+    assert [r.seq for r in acked] == [0, 1, 2]
+    (dead,) = (tmp_path / "dead.jsonl").read_text().splitlines()
+    assert '"seq":1' in dead and "RecursionError" in dead
+    assert value(metrics, "kv_bridge_sink_batches_total", sink="mem", outcome="dead_lettered") == 1
+    assert value(metrics, "kv_bridge_sink_errors_total", sink="mem", reason="unexpected") >= 1
+
+
+async def test_an_unexpected_error_while_the_connector_is_unhealthy_dead_letters_nothing(tmp_path: Path) -> None:
+    """The same error while the connector's health check fails is the connector's state, not the
+    record's: retried until it passes, nothing dead-lettered."""
+    worker, _, acked, metrics = make(tmp_path, batch={"linger": 0, "max_messages": 1})
+    conn = Raising("mem", MemoryOptions(), worker.config)
+    conn.down = 6
+    worker.connector = conn
+    await fill(worker, stream_records(STREAM, 2))
+    worker.start()
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    assert kinds(conn) == [("s/0", "batch", 0), ("s/0", "batch", 1)]
+    assert [r.seq for r in acked] == [0, 1]
+    assert not (tmp_path / "dead.jsonl").exists() or not (tmp_path / "dead.jsonl").read_text().strip()
+    assert value(metrics, "kv_bridge_sink_batches_total", sink="mem", outcome="dead_lettered") == 0
+
+
+async def test_an_unrenderable_record_writes_no_state_change_and_clears_the_state(tmp_path: Path) -> None:
+    """Case 14: a record the renderer dead-letters must not have its state change written (building
+    the state document from it fails inside the sink's write, for ever)."""
+    worker, conn, acked, _ = make(tmp_path, granularity="event", batch={"linger": 0})
+    lost_streams: list[Stream] = []
+    worker.writes_state, worker.on_state_lost = True, lost_streams.append
+    payload = deep_payload()
+    batch = wire.decode_batch(payload)
+    hostile = Record(stream=STREAM, epoch=0, seq=1, ts=batch.ts, payload=payload, events=batch.events, state=delta())
+    first, last = stream_records(STREAM, 3)[0::2]
+    first.state = last.state = delta()
+    await fill(worker, [first, hostile, last])
+    worker.start()
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    states = [m.record.seq for m in conn.messages if m.type == STATE_TYPE]
+    assert states == [0, 2]  # none for the dead-lettered record
+    assert lost_streams == [STREAM]
+    assert [r.seq for r in acked] == [0, 1, 2]
+
+
+async def test_a_dropped_span_is_announced_once_there_is_room_while_the_stream_is_quiet(tmp_path: Path) -> None:
+    """Case 15: the EventsLost of a ``drop`` sink's span comes once the queue has room again, not
+    with the stream's next batch (which may not come for a long time)."""
+    worker, conn, _acked, metrics = make(tmp_path, queue={"max_batches": 1}, backpressure="drop", batch={"linger": 0})
+    conn.gate = asyncio.Event()
+    worker.start()
+    first, *dropped = stream_records(STREAM, 4)
+    assert worker.offer(first)  # fills the queue, held in the write
+    await asyncio.sleep(0.01)
+    for r in dropped:
+        assert worker.offer(r)  # dropped: no room
+    conn.gate.set()  # the sink recovers; the stream says nothing more
+    # Not flush(): it announces dropped spans itself. Idle: the queue (and the announcement) written.
+    await asyncio.wait_for(worker._idle.wait(), 5)
+    await worker.stop()
+    worker.dead_letters.close()
+    assert kinds(conn) == [("s/0", "batch", 0), ("s/0", "EventsLost", 3)]
+    assert conn.messages[1].record.control()["from_seq"] == 1
+    assert value(metrics, "kv_bridge_batches_lost_total", source="s") == 3
