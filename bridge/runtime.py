@@ -27,7 +27,8 @@ import zmq
 import zmq.asyncio
 
 from . import checkpoint as ckpt
-from .config import Config, SourceConfig
+from .backoff import Backoff
+from .config import Config, SinkConfig, SourceConfig
 from .connector import Connector, PositionReader, Registry, StateReader
 from .deadletter import DeadLetters, DecodeFailures
 from .discovery import Discovery
@@ -207,9 +208,9 @@ class Bridge:
             tracker = self.tracker = StateTracker(cfg.state.max_entries, generation_base=base)
             self.metrics.state_entries.set_function(lambda: tracker.total)
             self.metrics.state_streams_off.set_function(tracker.streams_off)
-        early: list[Connector] = [
-            c
-            for c in connectors
+        early: list[tuple[Connector, SinkConfig]] = [
+            (c, sink)
+            for c, sink in zip(connectors, cfg.sinks, strict=True)
             if (isinstance(c, StateReader) and c in self._state_sinks)
             or (cfg.checkpoint.from_sinks and isinstance(c, PositionReader))
         ]
@@ -488,27 +489,45 @@ class Bridge:
             return {}
 
     # -- handover (checkpoint.from_sinks) --------------------------------------------------------
-    async def _connect_early(self, connectors: Sequence[Connector]) -> None:
-        """Connect the sinks read before streams start (positions, state), each within its bound,
-        before their workers start (``connect()`` again is a no-op for them); one that fails is read
-        as unknown."""
+    async def _connect_early(self, connectors: Sequence[tuple[Connector, SinkConfig]]) -> None:
+        """Connect the sinks read before streams start (positions, state), each retried with capped,
+        jittered backoff within its bound (a sink that comes up a few seconds after the bridge must
+        not start every stream afresh), before their workers start (``connect()`` again is a no-op
+        for them); one still unreachable at its bound is read as unknown."""
 
-        async def connect(conn: Connector) -> None:
+        async def connect(conn: Connector, sink: SinkConfig) -> None:
             timeout = max(
                 self.config.checkpoint.from_sinks_timeout if isinstance(conn, PositionReader) else 0.0,
                 self.config.state.load_timeout if conn in self._state_sinks else 0.0,
             )
-            try:
-                async with asyncio.timeout(timeout):
-                    await conn.connect()
-            except Exception as exc:  # TimeoutError, NotConnected, a client's own error
-                log.error(
-                    "sink not reachable before streams start: their positions (checkpoint.from_sinks) and state are "
-                    "read as unknown",
-                    extra={"sink": conn.name, "error": str(exc) or type(exc).__name__},
-                )
+            retry = sink.retry
+            backoff = Backoff(retry.initial_backoff, retry.max_backoff, retry.multiplier, retry.jitter)
+            deadline = time.monotonic() + timeout
+            attempt = 0
+            while True:
+                attempt += 1
+                try:
+                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                        await conn.connect()
+                    return
+                except Exception as exc:  # TimeoutError, NotConnected, a client's own error
+                    error = str(exc) or type(exc).__name__
+                pause = backoff.delay(attempt)
+                if time.monotonic() + pause >= deadline:
+                    break
+                if attempt == 1:
+                    log.warning(
+                        "sink not reachable before streams start: retrying until its bound",
+                        extra={"sink": conn.name, "error": error, "timeout": timeout},
+                    )
+                await asyncio.sleep(pause)
+            log.error(
+                "sink not reachable before streams start: their positions (checkpoint.from_sinks) and state are "
+                "read as unknown",
+                extra={"sink": conn.name, "error": error, "attempts": attempt},
+            )
 
-        await asyncio.gather(*(connect(c) for c in connectors))
+        await asyncio.gather(*(connect(c, sink) for c, sink in connectors))
 
     async def take_over(self, streams: Sequence[Stream]) -> None:
         """Before ``streams`` start: ask every sink what it holds of them (all sinks at once, each

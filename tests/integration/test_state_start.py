@@ -1,0 +1,68 @@
+"""A state sink that comes up a few seconds after the bridge (issue 29, case 8).
+
+Kubernetes starts the bridge and Redis together; the bridge must not take a sink that is still
+starting for one that holds nothing, or every stream's state starts afresh (incomplete until the
+engine's next reset, hours or days). It retries within ``state.load_timeout`` and rebuilds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from bridge.runtime import Bridge
+from tests.infra.servers import RedisServer
+from tests.integration.test_redis_state import bootstrapped, check, in_process, remove_keys, settled, sink
+from tests.support.cache_engine import CacheEngine
+from tests.support.harness import free_port
+
+pytestmark = pytest.mark.integration
+
+
+async def test_a_state_sink_down_for_3s_at_start_is_waited_for_and_the_state_rebuilt(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    del redis_server  # only for its install and CI check: this test stops and starts a Redis of its own
+    server = RedisServer(tmp_path / "redis")  # persistent (AOF): a restart keeps what was written
+    await server.astart()
+    prefix = f"kvw{uuid.uuid4().hex[:8]}"
+    live, rep = free_port(), free_port()
+    cfg = in_process(tmp_path, [("a", live, rep)], sink(server.url, prefix), state={"load_timeout": "30s"})
+    client = aioredis.Redis.from_url(server.url)
+    try:
+        async with CacheEngine(live, rep, seed=11) as engine:
+            first = Bridge(cfg)
+            await first.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(20)
+                await settled(client, prefix, engine, "a")
+            finally:
+                await first.stop()
+            await server.astop()
+            await client.aclose()
+
+            second = Bridge(cfg)
+            starting = asyncio.create_task(second.start())
+            await asyncio.sleep(3)  # the bridge meets no Redis for 3 s
+            assert not starting.done()  # waiting for the sink, not started afresh
+            await server.astart()
+            await asyncio.wait_for(starting, 30)
+            client = aioredis.Redis.from_url(server.url)
+            try:
+                rebuilt = second.metrics.registry.get_sample_value("kv_bridge_state_rebuilds_total", {"outcome": "rebuilt"})
+                assert rebuilt == 1
+                await engine.wait_subscribed()
+                await engine.step(10)
+                await settled(client, prefix, engine, "a")
+                check(await bootstrapped(client, prefix, "a"), engine)  # complete, and equal to the engine's cache
+            finally:
+                await second.stop()
+                await remove_keys(client, prefix)
+    finally:
+        await client.aclose()
+        await server.astop()
