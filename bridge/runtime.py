@@ -522,8 +522,7 @@ class Bridge:
                     )
                 await asyncio.sleep(pause)
             log.error(
-                "sink not reachable before streams start: their positions (checkpoint.from_sinks) and state are "
-                "read as unknown",
+                "sink not reachable before streams start: their positions (checkpoint.from_sinks) and state are read as unknown",
                 extra={"sink": conn.name, "error": error, "attempts": attempt},
             )
 
