@@ -234,8 +234,9 @@ class StateConfig(Struct):
         Duration,
         doc(
             "Bound on reading back one sink's state of the streams starting together (a restarted bridge rebuilds "
-            "its tables from it); a sink that does not answer in time has those streams' state cleared and started "
-            "afresh (complete: false until the engine's next reset)."
+            "its tables from it); a sink not reachable yet is retried with backoff meanwhile, and one that does not "
+            "answer in time has those streams' state cleared and started afresh (complete: false until the "
+            "engine's next reset)."
         ),
     ] = Duration(60.0)
 
