@@ -6,6 +6,12 @@ unknown and malformed events) over several tiers and groups, with every hash for
 re-delivered (stale) records, and a cap that switches streams off. After every record the tracker
 equals the reference (counts, versions, heads) and a sink that applies the deltas (per-key deletes
 from ``cleared``, then ``changes``) equals the tracker.
+
+The sink can lose its state at any step (I6): wiped (a restart without persistence, a deleted key
+or bucket) or put back to an older snapshot (a restart from an older RDB file). The runtime is told
+(``StateTracker.invalidate``, as it is when a connector reports the loss): the stream's next record
+clears the sink whole into a new generation, incomplete until the engine's next reset. Whatever
+the sink holds, a head it marks complete equals the engine's cache at that head.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from bridge.records import Record, Stream, events_lost, source_reset
-from bridge.state import BlockFact, StateDelta, StateTracker, block_id
+from bridge.state import BlockFact, Head, StateDelta, StateTracker, block_id
 
 EXAMPLES = int(os.environ.get("KV_MODEL_EXAMPLES", "300"))
 U64 = (1 << 64) - 1
@@ -89,6 +95,13 @@ class StateModel(RuleBasedStateMachine):
         self.next_seq = {s.key: 0 for s in STREAMS}
         self.epoch = {s.key: 1 for s in STREAMS}
         self.sink: dict[str, dict[Key, tuple[int, BlockFact | None, int]]] = {s.key: {} for s in STREAMS}
+        self.sink_head: dict[str, Head | None] = {s.key: None for s in STREAMS}
+        # What the sink held after each record (its entries and head), to put it back to (a snapshot)
+        self.snapshots: dict[str, list[tuple[dict[Key, tuple[int, BlockFact | None, int]], Head | None]]] = {
+            s.key: [] for s in STREAMS
+        }
+        self.truth: dict[tuple[str, int, int, int], dict[Key, int]] = {}  # the engine's cache at each head
+        self.lost: set[str] = set()  # streams whose sink lost its state, until their next record
         self.history: list[Record] = []
         self.cap: int | None = None
         self.tracker = StateTracker()
@@ -125,6 +138,9 @@ class StateModel(RuleBasedStateMachine):
             self.ref_clear(r)  # a sink may hold an earlier process's state of it: a new generation
         new_epoch = rec.epoch != r.epoch
         r.epoch = rec.epoch
+        if key in self.lost and not fresh:  # cleared whole into a new generation, incomplete
+            self.ref_clear(r)
+            r.complete = False
         if rec.kind == "SourceReset":
             self.ref_clear(r)
             self.ref_restart(r)
@@ -173,7 +189,11 @@ class StateModel(RuleBasedStateMachine):
     # -- the sink that applies deltas ------------------------------------------------------------
     def sink_apply(self, d: StateDelta) -> None:
         entries = self.sink[d.stream.key]
-        if d.clear:
+        if d.clear and d.stream.key in self.lost:
+            # A sink that lost its state may hold keys the tracker never listed (an older
+            # snapshot's): the connector clears it whole, not key by key.
+            entries.clear()
+        elif d.clear:
             for tier in d.cleared:
                 for k in tier.blocks:
                     entries.pop((tier.medium, tier.group_idx, k), None)
@@ -196,7 +216,12 @@ class StateModel(RuleBasedStateMachine):
         assert not delta.stale
         self.ref_apply(rec)
         self.sink_apply(delta)
-        r = self.refs[rec.stream.key]
+        self.lost.discard(rec.stream.key)
+        key = rec.stream.key
+        self.sink_head[key] = delta.head
+        r = self.refs[key]
+        self.truth[(key, delta.head.epoch, delta.head.seq, delta.head.generation)] = dict(r.counts)
+        self.snapshots[key].append((dict(self.sink[key]), delta.head))
         if delta.switched_off and not delta.switched_on:
             assert not r.tracking
         if before is not None and before.tracking and not r.tracking:
@@ -226,6 +251,21 @@ class StateModel(RuleBasedStateMachine):
         self.next_seq[s.key] = first
 
     @precondition(lambda self: bool(self.history))
+    @rule(s=st.sampled_from(STREAMS), older=st.booleans(), i=st.integers(0, 10**6))
+    def sink_loses_its_state(self, s: Stream, older: bool, i: int) -> None:
+        """I6 fault: the sink's state is wiped, or put back to what it held after an earlier record."""
+        key = s.key
+        snapshots = self.snapshots[key]
+        if older and snapshots:
+            entries, head = snapshots[i % len(snapshots)]
+            self.sink[key], self.sink_head[key] = dict(entries), head
+        else:
+            self.sink[key], self.sink_head[key] = {}, None
+        self.tracker.invalidate(s)  # what the runtime does when the connector reports the loss
+        if key in self.refs:
+            self.lost.add(key)
+
+    @precondition(lambda self: bool(self.history))
     @rule(i=st.integers(0, 10**6))
     def redeliver(self, i: int) -> None:
         rec = self.history[i % len(self.history)]
@@ -235,6 +275,16 @@ class StateModel(RuleBasedStateMachine):
         assert self.tracker.head(rec.stream) == head
 
     # -- checks ---------------------------------------------------------------------------------
+    @invariant()
+    def a_complete_head_in_the_sink_is_true(self) -> None:
+        """I6: whatever the sink holds (lost, put back), a head it marks complete equals the
+        engine's cache at that head."""
+        for s in STREAMS:
+            head = self.sink_head[s.key]
+            if head is not None and head.complete:
+                held = {bk: c for bk, (c, _f, _v) in self.sink[s.key].items()}
+                assert held == self.truth[(s.key, head.epoch, head.seq, head.generation)]
+
     @invariant()
     def equals_reference(self) -> None:
         for s in STREAMS:
@@ -254,6 +304,8 @@ class StateModel(RuleBasedStateMachine):
             assert head.tracking == r.tracking
             assert head.complete == (r.complete and r.tracking)
             assert head.live == len(want)
+            if s.key in self.lost:  # the sink's state is what it lost to, until the stream's next record
+                continue
             sink = self.sink[s.key]
             assert {bk: c for bk, (c, _f, _v) in sink.items()} == dict(r.counts)
             assert {bk: v for bk, (_c, _f, v) in sink.items()} == r.versions
