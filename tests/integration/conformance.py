@@ -40,7 +40,7 @@ from bridge.connector import Connector
 from bridge.errors import PartialFailure
 from bridge.formats import Message, Renderer
 from bridge.records import Record, Stream
-from tests.support.contract import Result, Scenario, first_copies, run, transient_partial
+from tests.support.contract import Result, Scenario, first_copy_items, run, transient_partial
 from tests.support.records import control_records, stream_records
 from tests.support.schema import check_message
 
@@ -49,6 +49,22 @@ FORMATS = [("json", "event"), ("json", "batch"), ("msgpack", "event"), ("msgpack
 CONTRACT_FORMATS = [("json", "event"), ("raw", "batch")]
 # Per stream, what the server stored: (value, headers) in server order.
 Readback = list[tuple[Stream, list[tuple[bytes, dict[str, str]]]]]
+
+
+def decode_body(value: bytes) -> dict[str, Any]:
+    """A control record's body: JSON (json and raw sinks) or msgpack."""
+    try:
+        body = msgspec.json.decode(value)
+    except msgspec.DecodeError:
+        body = msgspec.msgpack.decode(value)
+    assert isinstance(body, dict)
+    return body
+
+
+def control_type(value: bytes, headers: dict[str, str]) -> str | None:
+    """``SourceReset`` / ``EventsLost`` for a control record, else None."""
+    kind = headers.get("type")
+    return kind if kind in ("SourceReset", "EventsLost") else None
 
 
 class Stored(msgspec.Struct):
@@ -193,24 +209,45 @@ class ConformanceSuite:
     # -- the delivery contract under partial failure (bridge/connector.py) ---------------------
     def check_stored(self, scenario: Scenario, sink: SinkConfig, result: Result, stored: Readback) -> None:
         """Every record acknowledged; every message but the refused one stored once (first
-        copies, for at-least-once sinks), in order per stream."""
+        copies, for at-least-once sinks), in order per stream; the refused batch announced to the
+        sink's consumers (I6) when it is a batch: one ``EventsLost`` of its seq, reason
+        ``sink_refused:<sink>``, standing where a consumer that orders by position keeps it."""
         renderer = Renderer(sink.format, sink.granularity, sink.hash_format)
         assert len(result.acked) == len(scenario.records)
+        refused = scenario.refused
         for stream, got in stored:
-            kept = [r for r in scenario.records if r.stream.key == stream.key and r is not scenario.refused]
+            kept = [r for r in scenario.records if r.stream.key == stream.key and r is not refused]
             expected = [m.value for r in kept for m in renderer.render(r)]
-            assert first_copies(got) == expected, f"{stream.key}: a message missing, repeated or out of order"
+            firsts = first_copy_items(got)
+            lost = [i for i, (value, headers) in enumerate(firsts) if control_type(value, headers) == "EventsLost"]
+            assert [v for i, (v, _) in enumerate(firsts) if i not in lost] == expected, (
+                f"{stream.key}: a message missing, repeated or out of order"
+            )
+            if refused is not None and refused.kind == "batch" and stream.key == refused.stream.key:
+                assert len(lost) == 1, f"{stream.key}: the refused batch must be announced once, got {len(lost)}"
+                (at,) = lost
+                body = decode_body(firsts[at][0])
+                want = (refused.seq, refused.seq, f"sink_refused:{sink.name}")
+                assert (body["from_seq"], body["to_seq"], body["reason"]) == want
+                seqs = [int(headers["seq"]) for _, headers in firsts]
+                assert all(q <= body["seq"] for q in seqs[:at]) and all(q > body["seq"] for q in seqs[at + 1 :]), (
+                    f"{stream.key}: the announcement at seq {body['seq']} is out of order among {seqs}"
+                )
+            else:  # nothing lost (a refused control record is not announced: it announces nothing lost)
+                assert not lost, f"{stream.key}: an announcement for a stream that lost nothing"
             if self.dedup_on_redelivery:
-                assert [v for v, _ in got] == expected, f"{stream.key}: stored more than once"
+                assert [v for v, _ in got] == [v for v, _ in firsts], f"{stream.key}: stored more than once"
 
     async def read_all(self, scenario: Scenario, sink: SinkConfig) -> Readback:
-        """What the server stored, per stream of the scenario."""
+        """What the server stored, per stream of the scenario (the refused batch's announcement too)."""
         renderer = Renderer(sink.format, sink.granularity, sink.hash_format)
         streams = {r.stream.key: r.stream for r in scenario.records}
         out = []
         for key, stream in streams.items():
             kept = [r for r in scenario.records if r.stream.key == key and r is not scenario.refused]
-            got = await scenario.read(stream, sum(len(renderer.render(r)) for r in kept))
+            refused = scenario.refused
+            announced = 1 if refused is not None and refused.kind == "batch" and refused.stream.key == key else 0
+            got = await scenario.read(stream, sum(len(renderer.render(r)) for r in kept) + announced)
             for value, headers in got:
                 check_message(value, headers)
             out.append((stream, got))

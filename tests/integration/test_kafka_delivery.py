@@ -31,7 +31,7 @@ from bridge.sink import SinkWorker
 from connectors.kafka import KafkaConnector, KafkaOptions
 from tests.infra.servers import KafkaServer, ServerError
 from tests.integration.conftest import unavailable
-from tests.support.readback import read_kafka
+from tests.support.readback import CONTROL, read_kafka
 
 pytestmark = pytest.mark.integration
 
@@ -91,15 +91,27 @@ def dead_letters(tmp: Path) -> list[tuple[str, int, int]]:
 
 
 async def first_copies(bootstrap: str, topic: str, partitions: int) -> dict[int, list[int]]:
-    """Per dp_rank, the seqs of the first copy of every message, in stored order (what a consumer that
-    deduplicates on the headers keeps)."""
-    seen: set[tuple[int, int, int, int]] = set()
+    """Per dp_rank, the seqs of the first copy of every batch, in stored order (what a consumer that
+    deduplicates on the headers keeps); control records (announcements) are checked to stand where
+    that consumer, ordering by position, keeps them, and left out."""
+    seen: set[tuple[int, int, int, int, str]] = set()
     out: dict[int, list[int]] = {}
-    for rank, epoch, seq, index, _type in (await read_kafka(bootstrap, topic, partitions)).rows:
-        if (rank, epoch, seq, index) not in seen:
-            seen.add((rank, epoch, seq, index))
+    last: dict[int, tuple[int, int, int]] = {}
+    for rank, epoch, seq, index, type_ in (await read_kafka(bootstrap, topic, partitions)).rows:
+        if (rank, epoch, seq, index, type_) in seen:
+            continue
+        seen.add((rank, epoch, seq, index, type_))
+        position = (epoch, seq, 2**64 if type_ == "EventsLost" else index)
+        assert position > last.get(rank, (-1, -1, -1)), f"stream {rank}: {type_} at {position} after {last[rank]}"
+        last[rank] = position
+        if type_ not in CONTROL:
             out.setdefault(rank, []).append(seq)
     return out
+
+
+async def announced(bootstrap: str, topic: str, partitions: int) -> list[tuple[int, int, int, str]]:
+    """The EventsLost records stored: (dp_rank, from_seq, to_seq, reason), first copies."""
+    return list(dict.fromkeys((await read_kafka(bootstrap, topic, partitions)).lost))
 
 
 async def copies(bootstrap: str, topic: str, partitions: int) -> int:
@@ -132,6 +144,8 @@ async def test_refused_multi_record_batch_keeps_order_and_dead_letters_only_the_
         assert await worker.flush(120)
     assert dead_letters(tmp_path) == [("llama-a", 0, oversized)]
     assert await first_copies(kafka.bootstrap_servers, topic, 1) == {0: [s for s in range(30) if s != oversized]}
+    # I6: the topic's consumers are told what they miss
+    assert await announced(kafka.bootstrap_servers, topic, 1) == [(0, oversized, oversized, "sink_refused:kafka-delivery")]
 
 
 # -- a partial failure in the middle of a write ------------------------------------------------------
@@ -152,8 +166,11 @@ async def test_one_message_refused_mid_write_others_stored_once_in_order(kafka: 
     assert dead_letters(tmp_path) == [("llama-a", 1, 3)]
     expected = {s.dp_rank: [seq for seq in range(12) if (s.dp_rank, seq) != refused] for s in streams}
     assert await first_copies(kafka.bootstrap_servers, topic, 2) == expected
-    # Nothing of a stream was stored after a failed message of it in the same write: no copies.
-    assert await copies(kafka.bootstrap_servers, topic, 2) == len(records) - 1
+    # I6: the refused batch is announced, once
+    assert await announced(kafka.bootstrap_servers, topic, 2) == [(1, 3, 3, "sink_refused:kafka-delivery")]
+    # Nothing of a stream was stored after a failed message of it in the same write: no copies
+    # (the records but the refused one, and its announcement).
+    assert await copies(kafka.bootstrap_servers, topic, 2) == len(records)
 
 
 # -- authorization revoked while running -------------------------------------------------------------

@@ -34,7 +34,7 @@ from bridge.deadletter import DeadLetters
 from bridge.errors import Retriable
 from bridge.formats import Renderer
 from bridge.metrics import Metrics
-from bridge.records import Record, Stream
+from bridge.records import Record, Stream, events_lost
 from bridge.sink import SinkWorker
 from connectors.nats import NatsConnector, NatsOptions, subject_token
 from tests.infra.servers import NatsServer
@@ -224,7 +224,11 @@ async def test_refused_message_is_isolated_and_a_transient_failure_after_it_keep
     finally:
         await h.finish()
     stored = await _stored(reader, dest)
-    assert stored[_subject(dest, A)] == [(r.seq, r.payload) for r in records if r.stream == A and r.seq != 1]
+    # I6: A1 is announced to the stream's consumers in its place (the write stored nothing of A past it)
+    lost = events_lost(A, records[2].epoch, 1, 1, "sink_refused:nats-d", 0.0)
+    (announcement,) = Renderer("raw", "batch").render(lost)
+    kept = [(r.seq, r.payload) for r in records if r.stream == A and r.seq != 1]
+    assert stored[_subject(dest, A)] == [kept[0], (1, announcement.value), *kept[1:]]
     assert stored[_subject(dest, B)] == [(r.seq, r.payload) for r in records if r.stream == B]
     dead = h.dead()
     assert [(d["source"], d["seq"]) for d in dead] == [("eng-a", 1)]

@@ -210,16 +210,21 @@ def identity(headers: dict[str, str]) -> tuple[str | None, ...]:
     return tuple(headers.get(k) for k in IDENTITY)
 
 
-def first_copies(stored: Sequence[tuple[bytes, dict[str, str]]]) -> list[bytes]:
-    """The first copy of each message (by its stream header), in stored order."""
+def first_copy_items(stored: Sequence[tuple[bytes, dict[str, str]]]) -> list[tuple[bytes, dict[str, str]]]:
+    """The first copy of each message (by its stream header), value and headers, in stored order."""
     seen: set[tuple[str | None, ...]] = set()
-    out: list[bytes] = []
+    out: list[tuple[bytes, dict[str, str]]] = []
     for value, headers in stored:
         key = identity(headers)
         if key not in seen:
             seen.add(key)
-            out.append(value)
+            out.append((value, headers))
     return out
+
+
+def first_copies(stored: Sequence[tuple[bytes, dict[str, str]]]) -> list[bytes]:
+    """The first copy of each message (by its stream header), in stored order."""
+    return [value for value, _ in first_copy_items(stored)]
 
 
 def transient_partial(outcomes: Sequence[tuple[int, BaseException | None]]) -> bool:
