@@ -554,10 +554,10 @@ class SinkWorker:
                 key = (m.record.stream.key, m.record.epoch)
                 if m.record.seq > stored.get(key, -1):
                     stored[key] = m.record.seq
-        records = {
+        records = {  # not for a refused state change: its record's events were stored (the state is cleared)
             id(messages[i].record): messages[i].record
             for i in refused
-            if messages[i].record.kind == "batch" and id(messages[i].record) not in announced
+            if messages[i].record.kind == "batch" and messages[i].type != STATE_TYPE and id(messages[i].record) not in announced
         }
         announced.update(records)
         out: list[Message] = []
@@ -631,9 +631,11 @@ class SinkWorker:
             # following them would disagree with one bootstrapped later. Clear, incomplete.
             for stream in {m.record.stream.key: m.record.stream for m in messages}.values():
                 self.on_state_lost(stream)
-        log.error(
-            "messages rejected by the sink, dead-lettered", extra={"sink": self.name, "count": len(messages), "error": str(exc)}
-        )
+        if messages:
+            log.error(
+                "messages rejected by the sink, dead-lettered",
+                extra={"sink": self.name, "count": len(messages), "error": str(exc)},
+            )
         for m in messages:
             self.metrics.dead_letters.labels("sink_rejected").inc()
             s = m.record.stream

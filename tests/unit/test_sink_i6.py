@@ -11,13 +11,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bridge import wire
-from bridge.errors import SinkLost
+from bridge.errors import PartialFailure, Permanent, SinkLost
 from bridge.formats import STATE_TYPE, Message
 from bridge.records import Record, Stream
 from tests.support.memory import MemoryConnector, MemoryOptions
 from tests.support.records import stream_records
 from tests.unit.test_hostile_input import deep_payload
 from tests.unit.test_sink import fill, make
+from tests.unit.test_sink_counts import answering
 
 STREAM = Stream("s", 0)
 OTHER = Stream("t", 0)
@@ -174,3 +175,24 @@ async def test_a_dropped_span_is_announced_once_there_is_room_while_the_stream_i
     assert kinds(conn) == [("s/0", "batch", 0), ("s/0", "EventsLost", 3)]
     assert conn.messages[1].record.control()["from_seq"] == 1
     assert value(metrics, "kv_bridge_batches_lost_total", source="s") == 3
+
+
+async def test_a_refused_state_change_clears_the_state_and_announces_no_batch(tmp_path: Path) -> None:
+    """A state message refused for itself (``state_lost``): its record's events were stored, so no
+    EventsLost is announced for the batch; the stream's state is cleared instead."""
+    worker, _, acked, _ = make(tmp_path, batch={"linger": 0})
+    lost_streams: list[Stream] = []
+    worker.writes_state, worker.on_state_lost = True, lost_streams.append
+    records = stream_records(STREAM, 2)
+    for r in records:
+        r.state = delta()
+    # b0, its state change (refused), b1, its state change: the others stored
+    conn = answering(worker, [PartialFailure({1: Permanent("bucket created again: state lost", reason="state_lost")})])
+    await fill(worker, records)
+    worker.start()
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    assert [(m.record.kind, m.record.seq) for m in conn.messages if m.type != STATE_TYPE] == [("batch", 0), ("batch", 1)]
+    assert [s.key for s in lost_streams] == [STREAM.key]
+    assert [r.seq for r in acked] == [0, 1]
