@@ -400,6 +400,14 @@ class IngestConfig(Struct):
         ),
     ] = 5000
     drain_max: Annotated[int, msgspec.Meta(ge=1, description="Messages read per socket wake-up before yielding.")] = 256
+    connect_grace: Annotated[
+        Duration,
+        doc(
+            "How long after start-up the bridge may read from no engine and still be ready: past it, /readyz says "
+            "not ready while no source is connected (or discovery finds none), and names why. One engine down "
+            "among several does not make the bridge unready."
+        ),
+    ] = Duration(60.0)
 
 
 class MetricsConfig(Struct):

@@ -195,6 +195,18 @@ class Metrics:
             registry=r,
         )
         self.sources_connected = Gauge(p + "sources_connected", "Engine connections currently established.", registry=r)
+        self.source_up = Gauge(
+            p + "source_up", "1 while the stream's live socket is connected to its engine (handshake done).",
+            ["source", "dp_rank"], registry=r,
+        )  # fmt: skip
+        self.source_problem = Gauge(
+            p + "source_problem",
+            "1 for why a stream's live socket is not connected: waiting, disconnected, refused, unresolvable, "
+            "unreachable, no_answer, not_zmq, wrong_peer (README: Metrics and health).",
+            ["source", "dp_rank", "reason"],
+            registry=r,
+        )
+        self.sources_configured = Gauge(p + "sources_configured", "Streams the bridge subscribes to (all ranks).", registry=r)
         # Lag
         self.lag = FastHistogram(p + "lag_seconds", "Sink acknowledgement time minus engine ts.", ["sink"], LAG_BUCKETS, r)
         self.ingest_lag = FastHistogram(p + "ingest_lag_seconds", "Receive time minus engine ts.", [], LAG_BUCKETS, r)
@@ -264,6 +276,8 @@ class Metrics:
             self.source_last_seq,
             self.source_last_event_ts,
             self.source_disconnects,
+            self.source_up,
+            self.source_problem,
             self.state_switched_off,
         )
         for metric in per_source:
@@ -309,6 +323,7 @@ class StreamMetrics:
         self.last_ts = m.source_last_event_ts.labels(source, rank)
         self.disconnects = m.source_disconnects.labels(source, rank)
         self.connected = m.sources_connected
+        self.metrics = m
         self.ingest_lag = m.ingest_lag.labels()
         self._events = m.events_received
         self._event_children: dict[str, Counter] = {}

@@ -48,6 +48,9 @@ from .stream import StreamContext, StreamPipeline
 
 log = logging.getLogger("bridge")
 
+MAX_SHOWN = 50
+"""Streams named at most in /readyz's sources_not_connected (a fleet has thousands)."""
+
 
 class SkipHeld:
     """A sink's connector that leaves out, per stream and once, the messages the sink already holds
@@ -174,6 +177,7 @@ class Bridge:
         self.health: HealthServer | None = None
         self._checkpoint_task: asyncio.Task[None] | None = None
         self.discovery: Discovery | None = None
+        self._started_at: float | None = None  # monotonic; ingest.connect_grace counts from here
         self.skips: list[SkipHeld] = []  # with checkpoint.from_sinks: every sink's connector, wrapped
         self._held_top: dict[str, int] = {}  # from_sinks: the highest seq a sink holds in a stream's resume epoch
         self.tracker: StateTracker | None = None  # when a sink keeps state (state.enabled)
@@ -189,6 +193,8 @@ class Bridge:
 
     async def start(self) -> None:
         cfg = self.config
+        self._started_at = time.monotonic()
+        self.metrics.sources_configured.set_function(lambda: len(self.readers))
         connectors: list[Connector] = []
         problems: list[str] = []
         for i, sink in enumerate(cfg.sinks):
@@ -619,11 +625,36 @@ class Bridge:
 
     # -- health ---------------------------------------------------------------------------------
     def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Ready: no background task failed, every sink connected, every source subscribed, and,
+        once ``ingest.connect_grace`` has passed since start-up, at least one engine connected
+        (a bridge that reads nothing is not ready; one engine down among several is not enough
+        to say so). The detail names each sink's state, and why sources are not connected."""
         sinks = {w.name: ("ok" if w.connected else (w.last_error or "not connected")) for w in self.workers}
         waiting = sorted(k for k, r in self.readers.items() if not r.subscribed)
+        down = {k: r.problem for k, r in self.readers.items() if r.problem is not None}
         ready = self.failed is None and all(w.connected for w in self.workers) and not waiting
-        self.metrics.ready.set(1 if ready else 0)
         detail: dict[str, Any] = {"sinks": sinks, "sources_not_subscribed": waiting}
+        if down:
+            shown = dict(sorted(down.items())[:MAX_SHOWN])
+            detail["sources_not_connected"] = shown
+            if len(down) > len(shown):
+                detail["sources_not_connected_more"] = len(down) - len(shown)
+        replay = {k: p.replay_problem for k, p in self.pipelines.items() if p.replay_problem is not None}
+        if replay:
+            detail["replay_not_usable"] = dict(sorted(replay.items())[:MAX_SHOWN])
+        if self._started_at is not None and time.monotonic() - self._started_at >= self.config.ingest.connect_grace:
+            why = None
+            if not self.readers:
+                if self.discovery is not None:
+                    why = f"discovery finds no engine at {self.config.discovery.dns.name if self.config.discovery.dns else '?'}"
+                else:
+                    why = "no source configured"
+            elif len(down) == len(self.readers):
+                why = "no source connected: see sources_not_connected"
+            if why is not None:
+                ready = False
+                detail["not_ready"] = why
+        self.metrics.ready.set(1 if ready else 0)
         if self.failed is not None:
             detail["failed"] = repr(self.failed)
         return ready, detail

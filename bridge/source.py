@@ -8,6 +8,13 @@ message. ZMQ's
 ``MAXMSGSIZE`` refuses oversized messages before allocating them (the connection is dropped and
 re-established; the sequence gap is then repaired through replay). A monitor socket tracks
 connections for ``kv_bridge_sources_connected`` and the logs.
+
+Health (README "Metrics and health"): a connection counts once its ZMTP handshake succeeded (a
+SUB that reached the engine's replay ROUTER connects, then is dropped without one). While a
+source is not connected, the reader finds out why, at most every ``_DIAGNOSE_EVERY`` seconds, by
+asking the endpoint itself (:mod:`bridge.zmtp`): a name that does not resolve, a refused port, no
+answer, or a peer of the wrong type (named, with the likely fix). ``problem`` holds the answer for
+``/readyz`` and ``kv_bridge_source_problem``.
 """
 
 from __future__ import annotations
@@ -24,12 +31,17 @@ import zmq.asyncio
 from zmq.backend import Socket as _BackendSocket
 from zmq.utils.monitor import parse_monitor_message
 
+from . import zmtp
 from .config import IngestConfig
 from .stream import StreamPipeline
 
 log = logging.getLogger("bridge.source")
 
-_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+_MONITOR_EVENTS = (
+    zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+)
+# While a source is not connected, how often the reader asks the endpoint why (one TCP connection).
+_DIAGNOSE_EVERY = 15.0
 # libzmq does not reconnect a session it ended for a protocol error (e.g. a message over
 # MAXMSGSIZE): if a dropped connection shows no sign of retrying within this time, re-dial.
 _REDIAL_AFTER = 1.0
@@ -66,8 +78,20 @@ class SourceReader:
         self.ingest = ingest
         self.subscribed = False
         self.connections = 0
+        self.problem: str | None = "not connected yet"
+        """Why the source is not connected (None while it is), for /readyz and the metrics."""
+        self._reason = "waiting"
+        self._diagnosed_at = -_DIAGNOSE_EVERY
+        self._diagnosing: asyncio.Task[None] | None = None
         self._connected_gauge = pipeline.metrics.connected
         self._disconnects = pipeline.metrics.disconnects
+        metrics = pipeline.metrics.metrics
+        labels = (pipeline.stream.source, str(pipeline.stream.dp_rank))
+        self._up = metrics.source_up.labels(*labels)
+        self._problem_metric = metrics.source_problem
+        self._labels = labels
+        self._up.set(0)
+        self._problem_metric.labels(*labels, self._reason).set(1)
 
     def _socket(self) -> tuple[zmq.Socket[bytes], zmq.asyncio.Socket]:
         # A plain socket (see the module docstring), made by the context so that its options
@@ -147,8 +171,13 @@ class SourceReader:
             with contextlib.suppress(zmq.ZMQError):
                 sock.disable_monitor()
             monitor.close(linger=0)
+            if self._diagnosing is not None:
+                self._diagnosing.cancel()
             self._connected_gauge.dec(self.connections)
             self.connections = 0
+            self._up.set(0)
+            with contextlib.suppress(KeyError):
+                self._problem_metric.remove(*self._labels, self._reason)
             sock.close(linger=0)
 
     async def _monitor(self, monitor: zmq.asyncio.Socket, sock: zmq.Socket[bytes]) -> None:
@@ -158,17 +187,22 @@ class SourceReader:
         while True:
             msg = parse_monitor_message(await monitor.recv_multipart())
             event = msg["event"]
-            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # a PUB at the other end (or an engine connected in)
                 self.connections += 1
                 self._connected_gauge.inc()
+                self._set_problem(None, "")
                 log.info("source connected", extra={"stream": key, "endpoint": self.endpoint})
             elif event == zmq.EVENT_DISCONNECTED and self.connections > 0:
                 self.connections -= 1
                 self._connected_gauge.dec()
                 self._disconnects.inc()
+                if not self.connections:
+                    self._set_problem("the engine went away: reconnecting", "disconnected")
                 log.warning("source disconnected", extra={"stream": key, "endpoint": self.endpoint})
                 # Whoever is there when it reconnects may be a new engine instance.
                 await self.pipeline.disconnected()
+            elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED) and not self.connections:
+                self._diagnose()  # never handshaken (a peer of the wrong type?), or not reachable
             if redial is not None and event in (zmq.EVENT_CONNECTED, zmq.EVENT_CONNECT_RETRIED):
                 redial.cancel()
                 redial = None
@@ -176,6 +210,43 @@ class SourceReader:
                 if redial is not None:
                     redial.cancel()
                 redial = loop.call_later(_REDIAL_AFTER, self._redial, sock)
+
+    def _set_problem(self, problem: str | None, reason: str) -> None:
+        """Record why the source is not connected (None: it is), in the metrics too."""
+        self.problem = problem
+        self._up.set(1 if problem is None else 0)
+        if reason != self._reason:
+            with contextlib.suppress(KeyError):
+                self._problem_metric.remove(*self._labels, self._reason)
+            if problem is not None:
+                self._problem_metric.labels(*self._labels, reason).set(1)
+            self._reason = reason if problem is not None else ""
+
+    def _diagnose(self) -> None:
+        """Find out, in the background and at most every ``_DIAGNOSE_EVERY``, why nothing connects."""
+        now = time.monotonic()
+        if self.bind:
+            self._set_problem(f"no engine has connected to {self.endpoint} yet", "waiting")
+            return
+        if now - self._diagnosed_at < _DIAGNOSE_EVERY or (self._diagnosing is not None and not self._diagnosing.done()):
+            return
+        self._diagnosed_at = now
+        self._diagnosing = self.pipeline.ctx.spawn(self._ask_peer(), f"diagnose:{self.endpoint}")
+
+    async def _ask_peer(self) -> None:
+        """Ask the endpoint what it is (see bridge.zmtp) and record the answer as the problem."""
+        answer = await zmtp.diagnose(self.endpoint, "live")
+        if answer is None:
+            return  # a PUB (libzmq connects on its next try), or not a TCP endpoint
+        if self.connections:
+            return  # connected meanwhile
+        problem, reason = answer
+        was = self._reason
+        self._set_problem(problem, reason)
+        if reason != was:
+            log_at = log.error if reason == "wrong_peer" else log.warning
+            key = self.pipeline.stream.key
+            log_at("source not connected", extra={"stream": key, "endpoint": self.endpoint, "error": problem})
 
     def _redial(self, sock: zmq.Socket[bytes]) -> None:
         if self.connections > 0 or sock.closed:
@@ -189,3 +260,4 @@ class SourceReader:
             sock.connect(self.endpoint)
         except zmq.ZMQError as exc:  # a timer callback: nobody else would see this
             log.error("re-dial failed", extra={"endpoint": self.endpoint, "error": str(exc)})
+

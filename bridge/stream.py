@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import zmq
 
-from . import wire
+from . import wire, zmtp
 from .backoff import Backoff
 from .config import ReplayConfig
 from .deadletter import DecodeFailures
@@ -32,6 +32,9 @@ from .replay import ReplayClient, ReplayOutcome
 from .sequencer import Action, Deliver, Duplicate, Fingerprint, Gap, Lost, RequestReplay, Reset, StreamSequencer, fingerprint
 
 log = logging.getLogger("bridge.stream")
+
+REPLAY_DIAGNOSE_EVERY = 60.0
+"""At most this often (seconds) a stream asks its replay endpoint why a replay got no reply."""
 _type_of = operator.itemgetter("type")
 _MAX_TYPES = 8192  # event types gathered for the metrics before they are applied (memory bound)
 
@@ -83,6 +86,8 @@ class StreamPipeline:
         self.ctx = ctx
         self.stream = stream
         self.replay_endpoint = replay_endpoint
+        self.replay_problem: str | None = None  # why the replay endpoint does not answer, once asked
+        self._replay_diagnosed = -REPLAY_DIAGNOSE_EVERY
         cfg = ctx.replay_config
         key = stream.key
         self.sequencer = StreamSequencer(
@@ -440,6 +445,18 @@ class StreamPipeline:
             old.cancel()  # superseded (e.g. the engine restarted): its replies would be ignored anyway
         self._replay_task = self.ctx.spawn(self._replay(req), f"replay:{self.stream.key}")
 
+    async def _diagnose_replay(self) -> None:
+        """A replay that got no reply at all: ask the endpoint what it is (bridge.zmtp). A socket
+        of the wrong type (the engine's PUB, easy with dp ranks) or a dead port is logged once per
+        change, as what it is and how to fix it, and kept for /readyz (``replay_problem``)."""
+        assert self.replay_endpoint is not None
+        answer = await zmtp.diagnose(self.replay_endpoint, "replay")
+        problem = answer[0] if answer is not None else None
+        if problem is not None and problem != self.replay_problem:
+            log_at = log.error if answer is not None and answer[1] == "wrong_peer" else log.warning
+            log_at("replay endpoint not usable", extra={"stream": self.stream.key, "error": problem})
+        self.replay_problem = problem
+
     async def _replay(self, req: RequestReplay) -> None:
         assert self.replay_endpoint is not None
         if req.attempt > 0:
@@ -462,5 +479,8 @@ class StreamPipeline:
                 "replay incomplete, will retry",
                 extra={"stream": self.stream.key, "start": req.start, "attempt": req.attempt, "outcome": label},
             )
+            if not outcome.replies and time.monotonic() - self._replay_diagnosed >= REPLAY_DIAGNOSE_EVERY:
+                self._replay_diagnosed = time.monotonic()
+                self.ctx.spawn(self._diagnose_replay(), f"diagnose-replay:{self.stream.key}")
         async with self.lock:
             await self._execute(self.sequencer.replay_finished(req.request_id, outcome.complete), time.time())

@@ -24,16 +24,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from bridge import __version__
 from bridge import config as config_mod
-from bridge.config import BatchConfig, Duration, QueueConfig, RetryConfig, SinkConfig
+from bridge.config import BatchConfig, DnsDiscovery, Duration, QueueConfig, RetryConfig, SinkConfig
 from bridge.deadletter import DeadLetters
+from bridge.discovery import Discovery
 from bridge.errors import Permanent, Retriable
 from bridge.formats import Message, Renderer
 from bridge.logs import JsonFormatter, RateLimit
@@ -70,6 +73,9 @@ CONTRACT: dict[str, tuple[str, frozenset[str]]] = {
         ("kv_bridge_source_last_seq", "gauge", ["source", "dp_rank"]),
         ("kv_bridge_source_last_event_timestamp_seconds", "gauge", ["source", "dp_rank"]),
         ("kv_bridge_sources_connected", "gauge", []),
+        ("kv_bridge_sources_configured", "gauge", []),
+        ("kv_bridge_source_up", "gauge", ["source", "dp_rank"]),
+        ("kv_bridge_source_problem", "gauge", ["source", "dp_rank", "reason"]),
         ("kv_bridge_lag_seconds", "histogram", ["sink"]),
         ("kv_bridge_ingest_lag_seconds", "histogram", []),
         ("kv_bridge_sink_batches_total", "counter", ["sink", "outcome"]),
@@ -366,6 +372,14 @@ def _families_of_metrics() -> set[str]:
     return {c._name for c in set(Metrics().registry._names_to_collectors.values())}
 
 
+def _families_of_discovery() -> set[str]:
+    """Family names of the metrics DNS discovery adds when it is on."""
+    registry = CollectorRegistry()
+    config = msgspec.convert({"name": "vllm.default.svc", "port": 5557}, DnsDiscovery)
+    Discovery(config, None, registry=registry, hostname=lambda: "kv-event-bridge-0")  # type: ignore[arg-type]
+    return {c._name for c in set(registry._names_to_collectors.values())}
+
+
 def _family(name: str) -> str:
     """The family a series name in a query belongs to."""
     for suffix in ("_total", "_bucket", "_count", "_sum"):
@@ -427,8 +441,11 @@ def test_alert_rules_are_labelled_annotated_and_use_existing_metrics() -> None:
         "KvBridgeSinkErrors",
         "KvBridgeSinkQueueNearFull",
         "KvBridgeSourceSilent",
+        "KvBridgeNoSourceConnected",
+        "KvBridgeSourceNotConnected",
+        "KvBridgeDiscoveryEmpty",
     }
-    families = _families_of_metrics()
+    families = _families_of_metrics() | _families_of_discovery()
     for r in alerts:
         assert r["labels"]["severity"] in {"warning", "critical"}, r["alert"]
         assert r["annotations"]["summary"] and r["annotations"]["description"], r["alert"]

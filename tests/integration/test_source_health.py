@@ -1,0 +1,145 @@
+"""Health that matches reality (issue 30, item 1), with real sockets: a bridge that reads from no
+engine is not ready and says why; one engine down among several is not; a port of the wrong kind
+is named with its fix.
+
+Each case runs an in-process bridge with a file sink and ``ingest.connect_grace`` of 1 s, and
+reads what an operator would: ``readiness()`` (the body of ``/readyz``), the metrics, the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from bridge.runtime import Bridge
+from tests.support.cache_engine import CacheEngine
+from tests.support.dns import stub_dns
+from tests.support.harness import free_port, metric, running_bridge, wait_for
+
+pytestmark = pytest.mark.integration
+
+GRACE = {"connect_grace": "1s"}
+
+
+def source(name: str, live: str, replay: str | None = None) -> dict[str, Any]:
+    return {"name": name, "endpoint": live, **({"replay_endpoint": replay} if replay else {})}
+
+
+async def not_ready(bridge: Bridge) -> dict[str, Any]:
+    """The readiness detail once the bridge says it is not ready (within 10 s)."""
+    await wait_for(lambda: not bridge.readiness()[0] and "not_ready" in bridge.readiness()[1], what="not ready", timeout=10)
+    return bridge.readiness()[1]
+
+
+def problem(bridge: Bridge, key: str, reason: str) -> float:
+    source, rank = key.split("/")
+    return metric(bridge, "kv_bridge_source_problem", source=source, dp_rank=rank, reason=reason)
+
+
+def lines(caplog: pytest.LogCaptureFixture, message: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.getMessage() == message]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "reason", "says"),
+    [
+        ("tcp://127.0.0.1:{port}", "refused", "connection refused at 127.0.0.1:"),
+        ("tcp://no-such-engine.invalid:5557", "unresolvable", "cannot resolve 'no-such-engine.invalid'"),
+    ],
+    ids=["dead port", "unresolvable name"],
+)
+async def test_a_bridge_whose_only_engine_cannot_be_reached_is_not_ready_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, endpoint: str, reason: str, says: str
+) -> None:
+    caplog.set_level(logging.INFO)
+    live = endpoint.format(port=free_port())
+    async with running_bridge(tmp_path, [source("a", live)], ingest=GRACE) as (bridge, _out):
+        detail = await not_ready(bridge)
+        assert detail["not_ready"] == "no source connected: see sources_not_connected"
+        await wait_for(lambda: problem(bridge, "a/0", reason) == 1, what=f"source_problem {reason}", timeout=10)
+        assert says in bridge.readiness()[1]["sources_not_connected"]["a/0"]
+        assert metric(bridge, "kv_bridge_source_up", source="a", dp_rank="0") == 0
+        assert metric(bridge, "kv_bridge_ready") == 0
+        assert metric(bridge, "kv_bridge_sources_configured") == 1
+        (line,) = lines(caplog, "source not connected")  # one line per change, not one per retry
+        assert line.levelno == logging.WARNING and says in line.error  # type: ignore[attr-defined]
+
+
+async def test_a_live_endpoint_that_reached_the_replay_router_is_an_error_naming_the_fix(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """dp ranks use port + r on both sockets: a live endpoint one off lands on a replay ROUTER."""
+    caplog.set_level(logging.INFO)
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        async with running_bridge(tmp_path, [source("a", f"tcp://127.0.0.1:{port}")], ingest=GRACE) as (bridge, _out):
+            detail = await not_ready(bridge)
+            await wait_for(lambda: problem(bridge, "a/0", "wrong_peer") == 1, what="wrong_peer", timeout=10)
+            said = bridge.readiness()[1]["sources_not_connected"]["a/0"]
+            assert f"tcp://127.0.0.1:{port} is a ROUTER socket, not a PUB" in said and "replay port" in said
+            assert metric(bridge, "kv_bridge_sources_connected") == 0  # a connection without a handshake is none
+            (line,) = lines(caplog, "source not connected")
+            assert line.levelno == logging.ERROR and "replay port" in line.error  # type: ignore[attr-defined]
+            assert detail["not_ready"]
+    finally:
+        router.close(0)
+        ctx.term()
+
+
+async def test_a_replay_endpoint_that_is_the_engines_pub_is_an_error_naming_the_fix(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    live, rep = free_port(), free_port()
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)  # another engine's live socket, given as this one's replay endpoint
+    wrong = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+    try:
+        async with CacheEngine(live, rep, seed=3) as engine:
+            sources = [source("a", f"tcp://127.0.0.1:{live}", wrong)]
+            replay = {"timeout": "200ms", "max_attempts": 3}
+            async with running_bridge(tmp_path, sources, ingest=GRACE, replay=replay) as (bridge, _out):
+                await engine.wait_subscribed()
+                await engine.step(3, deliver=False)  # a gap: the bridge needs its replay endpoint
+                await engine.step(1)
+                await wait_for(lambda: "replay_not_usable" in bridge.readiness()[1], what="replay diagnosed", timeout=15)
+                said = bridge.readiness()[1]["replay_not_usable"]["a/0"]
+                assert f"{wrong} is a PUB socket, not a ROUTER" in said and "live port" in said
+                (line,) = lines(caplog, "replay endpoint not usable")
+                assert line.levelno == logging.ERROR
+                assert bridge.readiness()[0]  # the source is connected: ready, with the replay problem named
+    finally:
+        pub.close(0)
+        ctx.term()
+
+
+async def test_one_engine_down_among_several_leaves_the_bridge_ready(tmp_path: Path) -> None:
+    live, rep = free_port(), free_port()
+    async with CacheEngine(live, rep, seed=4) as engine:
+        sources = [source("up", f"tcp://127.0.0.1:{live}"), source("down", f"tcp://127.0.0.1:{free_port()}")]
+        async with running_bridge(tmp_path, sources, ingest=GRACE) as (bridge, _out):
+            await engine.wait_subscribed()
+            await wait_for(lambda: problem(bridge, "down/0", "refused") == 1, what="the dead one diagnosed", timeout=10)
+            ready, detail = bridge.readiness()
+            assert ready and "not_ready" not in detail
+            assert list(detail["sources_not_connected"]) == ["down/0"]
+            assert metric(bridge, "kv_bridge_source_up", source="up", dp_rank="0") == 1
+
+
+async def test_discovery_that_finds_no_engine_is_not_ready(tmp_path: Path) -> None:
+    async with stub_dns() as dns:
+        dns.records["engines.test.svc.cluster.local"] = []  # the Service exists, with no ready pod
+        discovery = {
+            "dns": {"name": "engines.test.svc.cluster.local", "port": 5557, "resolver": dns.address, "interval": "100ms"}
+        }
+        async with running_bridge(tmp_path, [], ingest=GRACE, discovery=discovery) as (bridge, _out):
+            detail = await not_ready(bridge)
+            assert detail["not_ready"] == "discovery finds no engine at engines.test.svc.cluster.local"
+            assert metric(bridge, "kv_bridge_discovery_sources") == 0
