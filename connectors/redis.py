@@ -40,8 +40,8 @@ SADD or XADD (never DEL or SREM, which would let everything after them past the 
   ``out_of_order``, dead-lettered), and the stream goes on. The bridge must be the only writer;
 - WRONGTYPE (the key is no stream): refused for itself, the stream goes on;
 - anything else stops the stream, the entries after it reported transient (not attempted):
-  LOADING, BUSY, TRYAGAIN, OOM, READONLY, NOPERM, MASTERDOWN, CLUSTERDOWN, redirections and key
-  collisions are transient (retried, sink not ready), other refusals ``Permanent``. An ACL refusal
+  LOADING, BUSY, TRYAGAIN, OOM, MISCONF, READONLY, NOPERM, MASTERDOWN, CLUSTERDOWN, redirections and
+  key collisions are transient (retried, sink not ready), other refusals ``Permanent``. An ACL refusal
   is NOPERM however it is worded: a command the script calls and the user may not run aborts the
   script with "ERR The user executing the script can't run this command ..." (Redis 7.0; 7.2:
   "NOPERM ... no permissions ..."), and redis-py strips the code from it.
@@ -596,6 +596,8 @@ return out
 # Server error codes that an operator or time heals: retried, never dead-lettered.
 _TRANSIENT: dict[str, tuple[str, float | None]] = {
     "OOM": ("oom", None),  # consumers trimming or a raised maxmemory heal it; backpressure holds the data
+    # RDB or AOF writes failing (a full disk, an unwritable dir): refused until an operator fixes the disk
+    "MISCONF": ("misconf", None),
     "NOPERM": ("no_permission", None),  # an ACL mistake an operator fixes
     "BUSY": ("busy", None),
     "LOADING": ("loading", 1.0),

@@ -334,3 +334,66 @@ async def test_a_write_starting_with_a_clear_or_a_removal_is_still_refused_at_ma
         await conn.close()
     assert await admin.smembers("kv:eng:0:blocks") == before
     assert await admin.exists("kv:eng:0") == 0
+
+
+# -- MISCONF: persistence failing is an operator's fix, not a refusal of the entries ------------
+
+
+async def bgsave_status(admin: aioredis.Redis) -> str:
+    """``rdb_last_bgsave_status`` once no BGSAVE runs (each wait bounded)."""
+    deadline = time.monotonic() + 15
+    while (info := await admin.info("persistence"))["rdb_bgsave_in_progress"]:
+        assert time.monotonic() < deadline, "BGSAVE still running after 15 s"
+        await asyncio.sleep(0.02)
+    return str(info["rdb_last_bgsave_status"])
+
+
+@pytest.fixture
+def snapshotting_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A redis-server that snapshots (save 3600 1, stop-writes-on-bgsave-error yes, its default)
+    and lets a test move its dir (CONFIG SET dir is a protected config)."""
+    extra = {"save": "3600 1", "enable-protected-configs": "yes"}
+    server = RedisServer(tmp_path_factory.mktemp("redis-misconf"), persistent=False, extra_config=extra)
+    with own_server("redis (MISCONF)", server) as started:
+        yield started
+
+
+async def test_misconf_is_retried_not_ready_and_nothing_is_dead_lettered(snapshotting_redis: RedisServer, tmp_path: Path) -> None:
+    """The server's RDB snapshots fail (its dir removed under it): with
+    ``stop-writes-on-bgsave-error yes`` Redis refuses every write with MISCONF until an operator
+    fixes the disk. The bridge dead-lettered each batch while ready. Now the batches are retried
+    (reason ``misconf``), the sink is not ready (health() names the cause), nothing is
+    dead-lettered or acknowledged; once the disk is fixed every batch is stored once, in order."""
+    stream = Stream("eng", 0)
+    records = [batch(stream, q, epoch=1) for q in range(6)]
+    admin = aioredis.Redis.from_url(snapshotting_redis.url)
+    good = (await admin.config_get("dir"))["dir"]
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    d = await started(delivery(tmp_path, snapshotting_redis.url, {}, user=None))
+    try:
+        await d.feed(records[:2])
+        assert await d.worker.flush(10)
+        await admin.config_set("dir", str(gone))
+        gone.rmdir()  # the snapshot's temporary file can no longer be created (even by root)
+        await admin.bgsave()
+        assert await bgsave_status(admin) == "err"
+        await d.feed(records[2:])
+        await until(lambda: bool(d.errors()), "the write to meet MISCONF")
+        await asyncio.sleep(1.0)
+        assert d.errors().keys() == {"misconf"}, d.errors()
+        assert d.dead_letters() == [], "a batch dead-lettered while the server cannot persist"
+        assert d.acked == records[:2]
+        problem = await d.worker.connector.health()
+        assert problem is not None and "MISCONF" in problem, problem
+        assert not d.worker.connected and "misconf" in str(d.worker.last_error).lower()
+        await admin.config_set("dir", good)  # the operator fixes the disk; the next snapshot succeeds
+        await admin.bgsave()
+        assert await bgsave_status(admin) == "ok"
+        assert await d.worker.flush(30), "not delivered within 30 s of the fix"
+        assert d.acked == records and not d.unbacked, d.unbacked
+        assert d.dead_letters() == []
+        await assert_stored_in_order(d, admin, stream, records)
+    finally:
+        await d.close()
+        await admin.aclose()
