@@ -231,7 +231,13 @@ class StateOptions(ConnectorOptions):
 class RedisOptions(ConnectorOptions):
     """The redis sink's own keys."""
 
-    url: Annotated[str, doc("redis://host:port/db or rediss://host:port/db (TLS). Credentials belong in username/password.")]
+    url: Annotated[
+        str,
+        doc(
+            "redis://host:port/db or rediss://host:port/db (TLS). Credentials belong in username/password, "
+            "TLS settings in tls (ssl_* url options, such as ssl_cert_reqs=none, are refused)."
+        ),
+    ]
     username: Annotated[str | None, doc("ACL user (Redis 6+); null: the default user.")] = None
     password: Annotated[Secret | None, doc("Password, e.g. ${REDIS_PASSWORD}; never logged.")] = None
     tls: Annotated[
@@ -268,6 +274,15 @@ class RedisOptions(ConnectorOptions):
             raise ValueError("url: give the password either in url or in password, not both")
         if self.tls is not None and parts.scheme != "rediss":
             raise ValueError("tls: only used with a rediss:// url")
+        # redis-py lets url query options override the client's settings: ?ssl_cert_reqs=none
+        # would turn off certificate verification silently, even with a tls block.
+        ssl = sorted({k for k, _ in parse_qsl(parts.query) if k.lower().startswith("ssl")})
+        if ssl:
+            raise ValueError(
+                f"url: {', '.join(ssl)} not allowed in the url (it would override the tls block; ssl_cert_reqs=none "
+                "turns off certificate verification): remove it and set tls: {ca_file, cert_file, key_file, "
+                "check_hostname} instead; the server's certificate is always verified"
+            )
         if self.timeout <= 0:
             raise ValueError("timeout: must be greater than 0")
         stream, index, state = self.templates()

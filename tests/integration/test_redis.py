@@ -972,6 +972,10 @@ def test_registry_builds_the_connector_from_sink_keys() -> None:
         ({"url": "redis://x", "index": {"enabled": True, "key": "i:{source}:{dp_rank}:{epoch}"}}, "{epoch} not allowed"),
         ({"url": "redis://x", "tls": {"ca_file": "/ca.pem"}}, "tls: only used with a rediss:// url"),
         ({"url": "redis://:a@x", "password": "b"}, "either in url or in password"),
+        ({"url": "rediss://x?ssl_cert_reqs=none", "tls": {"ca_file": "/ca.pem"}}, "url: ssl_cert_reqs not allowed"),
+        ({"url": "rediss://x/0?ssl_cert_reqs=none"}, "turns off certificate verification"),
+        ({"url": "rediss://x/0?SSL_CHECK_HOSTNAME=false&ssl_ca_certs=/a"}, "SSL_CHECK_HOSTNAME, ssl_ca_certs not allowed"),
+        ({"url": "rediss://x/0?ssl_cert_reqs=none"}, "set tls: {ca_file, cert_file, key_file, check_hostname} instead"),
         ({"url": "redis://x", "maxlen": 0}, "maxlen"),
         (
             {"url": "redis://x", "cluster": True, "stream": "kv:{source}:{dp_rank}", "index": {"enabled": True}},
