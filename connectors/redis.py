@@ -46,6 +46,12 @@ SADD or XADD (never DEL or SREM, which would let everything after them past the 
   script with "ERR The user executing the script can't run this command ..." (Redis 7.0; 7.2:
   "NOPERM ... no permissions ..."), and redis-py strips the code from it.
 
+A refusal of a whole script call is no entry's own: an operator's ``SCRIPT KILL`` (reason
+``script_killed``) and a protocol error are retried. An argument over the server's
+``proto-max-bulk-len`` would make the server refuse the whole call (and close the connection), so
+the connector reads that limit at connect (Redis's default, 512 MB, when CONFIG is not allowed)
+and refuses a longer entry for itself (``Permanent``, reason ``too_large``) before the call.
+
 The runtime (:func:`bridge.sink.fold`) then writes each stream again from its first transient
 failure, in order. Connection refused, timeouts and failed authentication are ``NotConnected``;
 redis-py's own retries are off, its socket timeouts (``timeout``) stay.
@@ -635,6 +641,17 @@ _CODES = (
     (ClusterDownError, "CLUSTERDOWN"),
     (AskError, "MOVED"),
 )
+# Refusals of a whole script call that no entry caused for itself: retried.
+_CALL_REFUSALS = (
+    (re.compile(r"Script killed by user", re.I), "script_killed", "an operator's SCRIPT KILL: the call is made again"),
+    (
+        re.compile(r"^Protocol error", re.I),
+        "protocol",
+        "the server refused the call's framing, e.g. proto-max-bulk-len lowered since connect: read again, retried",
+    ),
+)
+_MAX_BULK = 512 * 1024 * 1024  # Redis's default proto-max-bulk-len
+_SETTINGS = ("proto-max-bulk-len",)
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
 _KEYS_PER_STREAM = 64
 
@@ -732,6 +749,7 @@ class RedisConnector:
         # new keys as epochs go by), so bounded by the number of streams.
         self._owners: dict[str, str] = {}
         self._keys: dict[str, dict[str, None]] = {}
+        self._max_bulk: int | None = None  # the server's proto-max-bulk-len (None: read it again)
 
     def __repr__(self) -> str:
         return f"<RedisConnector {self.name!r} {self._server}>"
@@ -770,13 +788,37 @@ class RedisConnector:
 
     # -- hooks ------------------------------------------------------------------------------
     async def connect(self) -> None:
-        """PING the server; NotConnected naming the sink and the server if it does not answer."""
+        """PING the server, then read the settings the writes depend on (see :meth:`_read_settings`);
+        NotConnected naming the sink and the server if it does not answer."""
         try:
             await self._connection().ping()
+            await self._read_settings()
         except (RedisError, RedisClusterException, OSError) as exc:
             error = self._classify(exc, f"cannot connect to {self._server}")
             raise NotConnected(str(error), reason=error.reason) from None
         log.info("redis sink connected", extra={"sink": self.name, "server": self._server})
+
+    async def _read_settings(self) -> dict[str, str]:
+        """The server's settings this sink depends on (``CONFIG GET``, one command per setting: Redis
+        6 takes one pattern; in a cluster, one node's), and ``proto-max-bulk-len`` remembered: an
+        argument longer than it makes the server refuse the whole script call (and close the
+        connection), so a longer entry is refused for itself before the call is sent. A server that
+        does not allow CONFIG (an ACL, a managed service) keeps Redis's defaults."""
+        client = self._connection()
+        settings: dict[str, str] = {}
+        for name in _SETTINGS:
+            try:
+                reply: Any = await client.config_get(name)
+            except ResponseError:
+                continue  # not allowed: Redis's default is assumed
+            pairs = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
+            for k, v in pairs:
+                settings[_text(k)] = _text(v)
+        try:
+            self._max_bulk = int(settings.get("proto-max-bulk-len", _MAX_BULK))
+        except ValueError:
+            self._max_bulk = _MAX_BULK
+        return settings
 
     async def health(self) -> str | None:
         """None when a PING is answered, else a short reason."""
@@ -805,6 +847,12 @@ class RedisConnector:
         errors: dict[int, ConnectorError] = {}
         calls: dict[object, _Call] = {}
         stopped: dict[str, ConnectorError] = {}  # engine streams stopped at a key collision in this write
+        if self._max_bulk is None:
+            try:
+                await self._read_settings()
+            except (RedisError, RedisClusterException, OSError) as exc:
+                raise self._classify(exc, "cannot read the server's settings") from None
+        max_bulk = self._max_bulk or _MAX_BULK
         for i, m in enumerate(messages):
             stream = m.record.stream.key
             if stream in stopped:  # nothing of a stream after its failed message
@@ -831,8 +879,18 @@ class RedisConnector:
             if call is None:
                 state_key = self._state.render(m) if self._state else None
                 call = calls[group] = _Call(self._maxlen, index_key, state_key, m.record.stream)
+            value = m.value
+            if len(value) > max_bulk:
+                # The server would refuse the whole call (every entry of the stream in this write).
+                errors[i] = Permanent(
+                    f"{self._prefix}: entry {ident} of {key} is {len(value)} bytes, over the server's "
+                    f"proto-max-bulk-len ({max_bulk} bytes): refused; raise proto-max-bulk-len or keep "
+                    "batches smaller at the engine",
+                    reason="too_large",
+                )
+                continue
             fields: list[str | bytes] = [x for kv in m.headers.items() for x in kv]
-            fields += ["payload" if self._raw and m.record.kind == "batch" else "data", m.value]
+            fields += ["payload" if self._raw and m.record.kind == "batch" else "data", value]
             call.add(i, key, ident, fields)
             if self._index is not None:
                 delta = self._delta(m)
@@ -985,7 +1043,12 @@ class RedisConnector:
     def _results(self, call: _Call, reply: Any) -> dict[int, ConnectorError]:
         """The errors of one script call's entries (a failed call fails every entry alike)."""
         if isinstance(reply, BaseException):
-            return dict.fromkeys(call.indexes, self._classify(reply))
+            # The whole call refused: no entry's own doing (an oversized entry is refused before
+            # the call), so retried (see _CALL_REFUSALS).
+            error = self._classify(reply)
+            if error.reason == "protocol":
+                self._max_bulk = None  # proto-max-bulk-len lowered since connect: read it again
+            return dict.fromkeys(call.indexes, error)
         errors: dict[int, ConnectorError] = {}
         for i, result in zip(call.indexes, reply, strict=False):
             if isinstance(result, bytes):
@@ -1019,6 +1082,9 @@ class RedisConnector:
         if code in _TRANSIENT:
             reason, wait = _TRANSIENT[code]
             return Retriable(text, retry_after=wait, reason=reason)
+        for pattern, reason, why in _CALL_REFUSALS:
+            if pattern.search(line):
+                return Retriable(f"{text} ({why})", reason=reason)
         if code == "OUT_OF_ORDER":
             return Permanent(f"{text} (another client wrote or deleted entries of the stream)", reason="out_of_order")
         return Permanent(text, reason="rejected")
@@ -1041,6 +1107,10 @@ class RedisConnector:
         if isinstance(exc, RedisClusterException):
             return Retriable(f"{where}: {text}", retry_after=0.5, reason="cluster")
         return Retriable(f"{where}: {text}")
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 async def _hash_fields(client: aioredis.Redis | aioredis.RedisCluster, key: str) -> dict[bytes, bytes]:

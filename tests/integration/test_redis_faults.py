@@ -19,22 +19,25 @@ was found "already there" by the retry, which then never applied that set change
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from bridge.config import SinkConfig, convert_options
-from bridge.errors import ConfigError, Retriable
+from bridge.errors import ConfigError, ConnectorError, Retriable
 from bridge.formats import Renderer
 from bridge.records import Record, Stream, source_reset
 from connectors.redis import RedisConnector, RedisOptions, entry_id, message_position
 from tests.infra.servers import RedisServer
 from tests.integration.conftest import own_server
-from tests.support.records import batch
+from tests.support.records import batch, block_stored
 from tests.support.redis_sink import RedisDelivery
 from tests.support.schema import check_entry
 
@@ -397,3 +400,83 @@ async def test_misconf_is_retried_not_ready_and_nothing_is_dead_lettered(snapsho
     finally:
         await d.close()
         await admin.aclose()
+
+
+# -- a refusal of a whole script call: only an entry refused for itself is dead-lettered --------
+
+
+def huge(stream: Stream, seq: int) -> Record:
+    """A batch whose JSON message is over 1 MiB (one BlockStored of 20,000 blocks)."""
+    events = [block_stored(seq, n_blocks=20_000)]
+    payload = msgspec.msgpack.encode([0.0, events, stream.dp_rank])
+    return Record(stream=stream, epoch=1, seq=seq, ts=0.0, payload=payload, events=events, received=0.0)
+
+
+async def test_an_entry_over_proto_max_bulk_len_alone_is_dead_lettered(
+    acl_redis: RedisServer, admin: aioredis.Redis, tmp_path: Path
+) -> None:
+    """proto-max-bulk-len 1 MiB and seq 2's message over it, in one write with seqs 0-4: the server
+    refuses the whole script call, which dead-lettered seqs 0-4. Now seq 2 alone is refused for
+    itself (reason too_large, dead-lettered, announced to the sink's consumers by the runtime); the
+    others are stored once, in order."""
+    stream = Stream("eng", 0)
+    records = [batch(stream, q, epoch=1) for q in range(5)]
+    records[2] = huge(stream, 2)
+    await admin.config_set("proto-max-bulk-len", 1024 * 1024)
+    d = delivery(tmp_path, acl_redis.url, {})
+    assert len(d.renderer.render(records[2])[0].value) > 1024 * 1024
+    try:
+        await d.feed(records)  # queued before the worker starts: one write holds them all
+        await started(d)
+        assert await d.worker.flush(30), "not delivered within 30 s"
+        dead = d.dead_letters()
+        assert [(x["seq"], x["detail"]) for x in dead] == [(2, dead[0]["detail"])], [x["seq"] for x in dead]
+        assert "proto-max-bulk-len" in str(dead[0]["detail"]), dead[0]["detail"]
+        assert d.errors().keys() == {"too_large"}, d.errors()
+        assert d.acked == records
+    finally:
+        await admin.config_set("proto-max-bulk-len", 512 * 1024 * 1024)
+        await d.close()
+    entries = await admin.xrange("kv:eng:0")
+    assert [int(f[b"seq"]) for _, f in entries if f[b"type"] != b"EventsLost"] == [0, 1, 3, 4]
+    announced = [json.loads(f[b"data"]) for _, f in entries if f[b"type"] == b"EventsLost"]
+    assert [(x["from_seq"], x["to_seq"], x["reason"]) for x in announced] == [(2, 2, "sink_refused:redis")]
+
+
+async def test_a_script_killed_by_an_operator_is_retried_not_dead_lettered(acl_redis: RedisServer, admin: aioredis.Redis) -> None:
+    """An operator's SCRIPT KILL aborts the write script (before its first write: a long re-send
+    of stored entries, which only reads). The call's entries were all refused as Permanent (dead
+    letters); now the write fails as Retriable (script_killed), and the next one stores them."""
+    s = SinkConfig(type="redis", name="redis", format="json", granularity="batch")
+    renderer = Renderer(s.format, s.granularity)
+    stream = Stream("eng", 0)
+    records = [batch(stream, q, epoch=1, n_events=1) for q in range(20_003)]
+    messages = [m for r in records for m in renderer.render(r)]
+    conn = RedisConnector(s.name, convert_options({"url": acl_redis.url}, RedisOptions, "sinks[0]"), s)
+    await conn.connect()
+    killer = aioredis.Redis.from_url(acl_redis.url)
+    await admin.config_set("busy-reply-threshold", 1)  # ms: SCRIPT KILL is accepted once a script ran this long
+    try:
+        await conn.write(messages[:-3])
+
+        async def kill() -> None:
+            while True:  # until the script runs (NOTBUSY before); each attempt answered at once
+                try:
+                    await killer.script_kill()
+                    return
+                except ResponseError as exc:
+                    assert "NOTBUSY" in str(exc), exc
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(kill())
+        with pytest.raises(ConnectorError) as info:  # the re-send of 20,000 entries, then 3 new ones
+            await conn.write(messages)
+        await asyncio.wait_for(task, 10)
+        assert isinstance(info.value, Retriable) and info.value.reason == "script_killed", info.value
+        assert await admin.xlen("kv:eng:0") == 20_000
+        await conn.write(messages)
+    finally:
+        await admin.config_set("busy-reply-threshold", 5000)
+        await killer.aclose()
+        await conn.close()
+    assert await admin.xlen("kv:eng:0") == 20_003
