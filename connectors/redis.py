@@ -52,6 +52,16 @@ A refusal of a whole script call is no entry's own: an operator's ``SCRIPT KILL`
 the connector reads that limit at connect (Redis's default, 512 MB, when CONFIG is not allowed)
 and refuses a longer entry for itself (``Permanent``, reason ``too_large``) before the call.
 
+Losses (I6). The connector remembers the last entry id it stored in each stream key and the
+``_at``/``_gen`` it last wrote to each state hash, and the script checks them before it writes
+anything: a stream key whose top entry is below that id (Redis restarted from an older snapshot or
+without persistence, the key deleted) fails the write with ``SinkLost`` naming the seqs lost (the
+runtime announces them to this sink and writes the messages again; the connector has forgotten
+its expectation of that key); a hash that no longer holds the last ``_at`` is emptied and the
+state change refused for itself (``Permanent``, reason ``state_lost``: the runtime clears the
+stream into a new generation, incomplete). The connector writes no further change of the lost
+generation meanwhile, so the hash is never left holding part of a state marked complete.
+
 The runtime (:func:`bridge.sink.fold`) then writes each stream again from its first transient
 failure, in order. Connection refused, timeouts and failed authentication are ``NotConnected``;
 redis-py's own retries are off, its socket timeouts (``timeout``) stay.
@@ -119,6 +129,7 @@ from bridge.connector import (
     Retriable,
     Secret,
     SinkConfig,
+    SinkLost,
     SinkPosition,
     StateDelta,
     Stream,
@@ -414,8 +425,10 @@ def _member(h: Any, hash_hex: bool) -> str:
 # -- the write script ---------------------------------------------------------------------------
 
 # One call per engine stream and write. KEYS: the stream keys the call writes, then (index mode)
-# the block set. ARGV: maxlen ('' for none), '1' in index mode, the engine stream's source and
-# dp_rank, then per entry: the number of its key in KEYS, its id, the number of fields, the
+# the block set, then (state) the hash. ARGV: maxlen ('' for none), '1' in index mode, the engine
+# stream's source and dp_rank, '1' with state, the number of stream keys the connector stored in
+# before and per key its number in KEYS and the last id stored there, the state's '_at' and
+# '_gen' the connector last wrote ('' when none), then per entry: the number of its key in KEYS, its id, the number of fields, the
 # fields, and in index mode its set change (clear flag, count and members to remove, count and
 # members to add). Returns one result per entry tried: 1 stored, 0 already there (a re-send, or
 # below a trimmed head), or the error line; it stops after the first error that is not the
@@ -433,6 +446,10 @@ def _member(h: Any, hash_hex: bool) -> str:
 # collision (KEY_COLLISION), the stream stops there. Redis checks maxmemory at a script's first
 # write only, if that command may grow memory: the first write is always SADD or XADD (see
 # first_write), so either it is refused and nothing is written, or every entry is stored.
+# Before anything, what the connector stored before must still be there (I6): a stream key whose
+# top entry is below the last id stored there makes the call write nothing and return SINK_LOST
+# with each such key and its top id ('' for none); a state hash without the last '_at' written
+# (or a later one of that generation) is emptied and its change refused (STATE_LOST).
 WRITE_SCRIPT = """
 local function compare(a, b)
   local am, as = string.match(a, '^(%d+)-(%d+)$')
@@ -451,6 +468,32 @@ local set, hash = nil, nil
 if ARGV[5] == '1' then
   hash = KEYS[#KEYS]
 end
+-- What the bridge stored before (I6): each stream key's top entry must still be at or above the
+-- last id the connector stored there; a restart from an older snapshot or without persistence, or
+-- a deleted key, lost entries it acknowledged. Checked before anything is written.
+local nheld = tonumber(ARGV[6])
+local lost = {}
+for j = 1, nheld do
+  local key, want = KEYS[tonumber(ARGV[5 + 2 * j])], ARGV[6 + 2 * j]
+  local kind = redis.call('TYPE', key)['ok']
+  if kind == 'stream' or kind == 'none' then
+    local held = ''
+    if kind == 'stream' then
+      local last = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)
+      if #last > 0 then
+        held = last[1][1]
+      end
+    end
+    if held == '' or compare(held, want) < 0 then
+      lost[#lost + 1] = key
+      lost[#lost + 1] = held
+    end
+  end
+end
+if #lost > 0 then
+  return {'SINK_LOST', unpack(lost)}
+end
+local want_at, want_gen = ARGV[7 + 2 * nheld], ARGV[8 + 2 * nheld]
 if ARGV[2] == '1' then
   set = KEYS[#KEYS - (hash and 1 or 0)]
   local kind = redis.call('TYPE', set)['ok']
@@ -527,6 +570,17 @@ local function state(p)
     return after, 'STATE_WRONGTYPE state key ' .. hash .. ' holds a ' .. kind .. ', not a hash'
   end
   local cur = redis.call('HMGET', hash, '_at', '_gen')
+  if want_at ~= '' then
+    -- The hash must still hold the bridge's last state write (or a later one of its generation),
+    -- once per call: else it lost it (evicted, deleted, an older snapshot). Emptied, so that no
+    -- partial state stays marked complete; the state is written again as a new generation.
+    if not cur[1] or cur[2] ~= want_gen or compare(cur[1], want_at) < 0 then
+      redis.call('UNLINK', hash)
+      return after, 'STATE_LOST state key ' .. hash .. ' holds ' .. (cur[1] or 'nothing') .. ' of generation '
+        .. (cur[2] or '-') .. ' where the bridge wrote ' .. want_at .. ' of generation ' .. want_gen
+    end
+    want_at = ''
+  end
   if cur[1] and cur[2] == gen and compare(at, cur[1]) <= 0 then
     return after, 0
   end
@@ -552,7 +606,7 @@ local function state(p)
   return after, 1
 end
 local out = {}
-local p = 6
+local p = 9 + 2 * nheld
 while p <= #ARGV do
   if ARGV[p] == '0' then
     local after, result = state(p)
@@ -661,31 +715,44 @@ class _Call:
 
     def __init__(self, maxlen: str, index_key: str | None, state_key: str | None, stream: Stream) -> None:
         self.keys: list[str] = []
-        self.args: list[str | bytes | int] = [
+        self.head: list[str | bytes | int] = [
             maxlen,
             "1" if index_key else "0",
             stream.source,
             str(stream.dp_rank),
             "1" if state_key else "0",
         ]
+        self.args: list[str | bytes | int] = []  # per entry and state change
         self.indexes: list[int] = []
+        # Per index, in order: (stream key, entry id) of an entry, (None, (at, generation)) of a state change.
+        self.items: list[tuple[str | None, Any]] = []
         self.index_key = index_key
         self.state_key = state_key
+        self.stream = stream
 
     def add(self, i: int, key: str, ident: str, fields: list[str | bytes]) -> None:
         if key not in self.keys:
             self.keys.append(key)
         self.args += [self.keys.index(key) + 1, ident, len(fields), *fields]
         self.indexes.append(i)
+        self.items.append((key, ident))
 
     def add_state(self, i: int, args: list[str | bytes | int]) -> None:
         """A record's state change (see state_args), after its entries."""
         self.args += args
         self.indexes.append(i)
+        self.items.append((None, (args[2], args[3])))
 
-    def command(self) -> list[str | bytes | int]:
+    def command(self, held: dict[str, str], written: dict[str, tuple[str, str]]) -> list[str | bytes | int]:
+        """The EVAL, with the last id stored in each of its stream keys (``held``) and the state
+        last written (``written``) for the script to check (I6)."""
         keys = [*self.keys, *(k for k in (self.index_key, self.state_key) if k)]
-        return ["EVAL", WRITE_SCRIPT, len(keys), *keys, *self.args]
+        expect: list[str | bytes | int] = []
+        for n, key in enumerate(self.keys, 1):
+            if key in held:
+                expect += [n, held[key]]
+        at, gen = written.get(self.state_key, ("", "")) if self.state_key else ("", "")
+        return ["EVAL", WRITE_SCRIPT, len(keys), *keys, *self.head, len(expect) // 2, *expect, at, gen, *self.args]
 
 
 def state_args(m: Message, fmt: StateFormat) -> list[str | bytes | int]:
@@ -750,6 +817,13 @@ class RedisConnector:
         self._owners: dict[str, str] = {}
         self._keys: dict[str, dict[str, None]] = {}
         self._max_bulk: int | None = None  # the server's proto-max-bulk-len (None: read it again)
+        # What this connector stored, checked by the script before it builds on it (I6): the last
+        # entry id stored in each stream key (keys bounded like _keys), the (_at, _gen) last written
+        # to each state key, and per state key the generation whose state Redis lost (its changes
+        # still queued are not written: the runtime opens a new generation).
+        self._held: dict[str, str] = {}
+        self._written: dict[str, tuple[str, str]] = {}
+        self._state_lost: dict[str, int] = {}
 
     def __repr__(self) -> str:
         return f"<RedisConnector {self.name!r} {self._server}>"
@@ -898,14 +972,22 @@ class RedisConnector:
         if calls:
             pipe = self._connection().pipeline(transaction=False)
             for call in calls.values():
-                pipe.execute_command(*call.command())
+                pipe.execute_command(*call.command(self._held, self._written))
             try:
                 replies = await pipe.execute(raise_on_error=False)
             except (RedisError, RedisClusterException, OSError) as exc:
                 # The pipeline as a whole failed; what was stored is recognised by its id on retry.
                 raise self._classify(exc) from None
+            lost: list[SinkLost] = []
             for call, reply in zip(calls.values(), replies, strict=True):
+                if isinstance(reply, list) and reply and reply[0] == b"SINK_LOST":
+                    lost.append(self._sink_lost(call, reply[1:]))
+                    continue
                 errors.update(self._results(call, reply))
+            if lost:
+                # Other streams' calls went through; the runtime writes them again (each entry then
+                # found there), after announcing what the sink lost.
+                raise SinkLost("; ".join(map(str, lost)), [span for e in lost for span in e.spans])
         if not errors:
             return
         if len(errors) == len(messages):  # one error for all: their shared cause, or the first transient one
@@ -1002,6 +1084,11 @@ class RedisConnector:
             return  # nothing to change: written as it is
         stream = m.record.stream.key
         state_key = self._state.render(m)
+        lost = self._state_lost.get(state_key)
+        if lost is not None:
+            if delta.head.generation <= lost:
+                return  # a change of the generation Redis lost: the hash stays empty until the next one
+            del self._state_lost[state_key]
         collision = self._claim(stream, state_key, "state.key")
         if collision is not None:
             errors[i] = stopped[stream] = collision
@@ -1017,6 +1104,34 @@ class RedisConnector:
             index_key = self._index.render(m) if self._index else None
             call = calls[group] = _Call(self._maxlen, index_key, state_key, m.record.stream)
         call.add_state(i, args)
+
+    def _sink_lost(self, call: _Call, found: list[bytes]) -> SinkLost:
+        """The SinkLost of a call whose stream keys no longer hold the last entry stored in them
+        (``found``: key, top id or empty, ...): per key, the seqs from the one after its top entry
+        (0 when the top is of an earlier epoch, or there is none) to the last one stored, in the
+        epoch of the last one stored. A script call stores whole records, and Redis persists a
+        script's writes whole, so the top entry's record is whole. Forgets what it expected of
+        those keys, so that the write that follows goes through."""
+        spans: dict[int, tuple[int, int]] = {}
+        lines = []
+        for raw_key, raw_top in zip(found[::2], found[1::2], strict=True):
+            key, top = _text(raw_key), _text(raw_top)
+            want = self._held.pop(key)
+            epoch, slot, _ = entry_position(want)
+            first = 0
+            if top:
+                top_epoch, top_slot, _ = entry_position(top)
+                first = top_slot if top_epoch == epoch else 0
+            lines.append(f"{key} holds {top or 'nothing'}, below {want} it stored")
+            if first <= slot - 1:
+                low, high = spans.get(epoch, (first, slot - 1))
+                spans[epoch] = (min(low, first), max(high, slot - 1))
+        message = (
+            f"{self._prefix}: Redis lost entries it acknowledged (a restart from an older snapshot or without "
+            f"persistence, a deleted key): {'; '.join(lines)}; set appendonly yes (appendfsync everysec or always) "
+            "so a restart keeps them"
+        )
+        return SinkLost(message, [(call.stream, e, low, high) for e, (low, high) in spans.items()])
 
     def _claim(self, stream: str, key: str, field: str) -> Retriable | None:
         """None when ``key`` belongs to engine ``stream`` (claimed now if no stream had it), else
@@ -1036,6 +1151,7 @@ class RedisConnector:
             if len(keys) > _KEYS_PER_STREAM:
                 old = next(iter(keys))
                 del keys[old]
+                self._held.pop(old, None)
                 if self._owners.get(old) == stream:
                     del self._owners[old]
         return None
@@ -1050,9 +1166,21 @@ class RedisConnector:
                 self._max_bulk = None  # proto-max-bulk-len lowered since connect: read it again
             return dict.fromkeys(call.indexes, error)
         errors: dict[int, ConnectorError] = {}
-        for i, result in zip(call.indexes, reply, strict=False):
+        settled = True  # no transient failure yet: what is stored up to here is acknowledged
+        for i, (key, what), result in zip(call.indexes, call.items, reply, strict=False):
             if isinstance(result, bytes):
-                errors[i] = self._refused(result.decode(errors="replace"))
+                errors[i] = error = self._refused(result.decode(errors="replace"))
+                if error.reason == "state_lost" and call.state_key is not None:
+                    self._written.pop(call.state_key, None)
+                    self._state_lost[call.state_key] = int(what[1])
+                settled = settled and isinstance(error, Permanent)
+            elif not settled:
+                continue
+            elif key is not None:
+                if key not in self._held or entry_position(what) > entry_position(self._held[key]):
+                    self._held[key] = what
+            elif call.state_key is not None:
+                self._written[call.state_key] = (what[0], what[1])
         if len(reply) < len(call.indexes):  # the script stopped at a failure: the rest waits behind it
             stop = errors.get(call.indexes[len(reply) - 1]) if reply else None
             held = Retriable(f"{self._prefix}: not written, behind a failed entry of its stream ({stop})", reason="held_back")
@@ -1087,6 +1215,10 @@ class RedisConnector:
                 return Retriable(f"{text} ({why})", reason=reason)
         if code == "OUT_OF_ORDER":
             return Permanent(f"{text} (another client wrote or deleted entries of the stream)", reason="out_of_order")
+        if code == "STATE_LOST":
+            # Refused for itself: the runtime clears the stream's state into a new generation
+            # (incomplete), which writes the hash whole again; the script emptied it meanwhile.
+            return Permanent(f"{text}: the state is written again from its next change, incomplete", reason="state_lost")
         return Permanent(text, reason="rejected")
 
     def _classify(self, exc: BaseException, what: str = "") -> ConnectorError:

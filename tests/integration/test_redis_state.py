@@ -38,6 +38,7 @@ from tests.infra.servers import RedisServer
 from tests.support.cache_engine import CacheEngine, event
 from tests.support.harness import free_port, wait_for
 from tests.support.process import BridgeProcess, bridge_config, metric
+from tests.support.readback import read_redis
 
 pytestmark = pytest.mark.integration
 
@@ -424,3 +425,141 @@ async def test_past_state_max_entries_a_streams_state_is_switched_off_and_its_ev
         finally:
             await bridge.stop()
             await remove_keys(client, prefix)
+
+
+# -- Redis losing what it acknowledged (I6) ------------------------------------------------------
+
+
+@pytest.fixture
+def forgetful_redis(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A redis-server of the test's own without AOF (``save ""``): a restart comes back empty, or
+    with the last snapshot a test took with SAVE."""
+    from tests.integration.conftest import own_server
+
+    with own_server("redis (no AOF)", RedisServer(tmp_path_factory.mktemp("redis-lost"), persistent=False)) as server:
+        yield server
+
+
+@pytest.mark.parametrize("restart", ["empty", "snapshot"])
+async def test_entries_redis_lost_are_announced_and_the_state_cleared(
+    tmp_path: Path, forgetful_redis: RedisServer, restart: str
+) -> None:
+    """Redis restarts without persistence (empty) or from an older RDB snapshot, mid-run. The
+    bridge wrote the next batches on top of what was left: the stream silently lacked acknowledged
+    batches and the state, rebuilt on nothing or on an old snapshot, stayed complete: true. Now
+    the next write finds the stream's top below the last entry stored: an EventsLost (reason
+    sink_lost:out) covers exactly the seqs lost, and the state is incomplete (never a block the
+    engine lacks), or exact."""
+    prefix = "kvl"
+    live, rep = free_port(), free_port()
+    cfg = in_process(tmp_path, [("a", live, rep)], sink(forgetful_redis.url, prefix, retry={"initial_backoff": "20ms"}))
+    client = aioredis.Redis.from_url(forgetful_redis.url)
+    async with CacheEngine(live, rep, seed=11) as engine:
+        bridge = Bridge(cfg)
+        await bridge.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(10)
+            await settled(client, prefix, engine, "a")
+            kept = -1
+            if restart == "snapshot":
+                await client.save()
+                kept = engine.last_seq
+            await engine.step(10)
+            await settled(client, prefix, engine, "a")
+            acknowledged = engine.last_seq
+            check(await bootstrapped(client, prefix, "a"), engine)
+            await client.aclose()
+            await forgetful_redis.akill()
+            await forgetful_redis.astart()
+            client = aioredis.Redis.from_url(forgetful_redis.url)
+            assert await top_seq(client, f"{prefix}:a:0") == (kept if kept >= 0 else None)
+            await engine.step(10)
+            await settled(client, prefix, engine, "a")
+            back = await read_redis(forgetful_redis.url, [f"{prefix}:a:0"])
+            lost = [x for x in back.lost if x[3].startswith("sink_lost")]
+            assert lost == [(0, kept + 1, acknowledged, "sink_lost:out")], back.lost
+            present = {seq for _, _, seq, _, kind in back.rows if kind not in ("SourceReset", "EventsLost")}
+            gone = set(range(kept + 1, acknowledged + 1))
+            assert present | gone == set(range(engine.last_seq + 1)) and not present & gone, sorted(present)
+            state = await bootstrapped(client, prefix, "a")
+            check(state, engine, complete=False)  # cleared into a new generation: incomplete, no false block
+        finally:
+            await bridge.stop()
+            await client.aclose()
+            (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
+
+
+async def test_a_deleted_state_hash_is_never_rebuilt_partial_and_complete(
+    tmp_path: Path, redis_server: RedisServer, client: Any
+) -> None:
+    """The state hash is deleted (or evicted) mid-run. The bridge applied the next changes to the
+    empty hash, whose head said complete: true over a few blocks. Now the change is refused
+    (state_lost: the hash is emptied, the runtime opens a new generation, incomplete): a
+    bootstrap is incomplete with no block the engine lacks, or exact."""
+    prefix = f"kvd{uuid.uuid4().hex[:8]}"
+    live, rep = free_port(), free_port()
+    cfg = in_process(tmp_path, [("a", live, rep)], sink(redis_server.url, prefix))
+    async with CacheEngine(live, rep, seed=12) as engine:
+        bridge = Bridge(cfg)
+        await bridge.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(15)
+            await settled(client, prefix, engine, "a")
+            check(await bootstrapped(client, prefix, "a"), engine)
+            assert await client.delete(f"{prefix}:a:0:state") == 1
+            for _ in range(3):
+                await engine.step(5)
+                await settled(client, prefix, engine, "a")
+                state = await bootstrapped(client, prefix, "a")
+                check(state, engine, complete=state.complete)
+            assert not state.complete
+        finally:
+            await bridge.stop()
+            await remove_keys(client, prefix)
+
+
+@pytest.mark.parametrize("restart", ["empty", "snapshot"])
+async def test_the_write_after_redis_lost_entries_raises_sink_lost_with_the_span(
+    forgetful_redis: RedisServer, restart: str
+) -> None:
+    """The connector's part, without the runtime: the first write after Redis lost seqs it stored
+    raises SinkLost with exactly the lost span, storing nothing; the next write goes through."""
+    from bridge.config import SinkConfig
+    from bridge.errors import NotConnected, SinkLost
+    from bridge.formats import Renderer
+    from connectors.redis import RedisConnector, RedisOptions
+    from tests.support.records import batch
+
+    s = SinkConfig(type="redis", name="r", format="json", granularity="batch")
+    renderer, stream = Renderer(s.format, s.granularity), Stream("a", 0)
+    records = [batch(stream, q, epoch=3) for q in range(13)]
+    conn = RedisConnector("r", msgspec.convert({"url": forgetful_redis.url}, RedisOptions), s)
+    client = aioredis.Redis.from_url(forgetful_redis.url)
+    kept = -1
+    try:
+        await conn.connect()
+        await conn.write([m for r in records[:5] for m in renderer.render(r)])
+        if restart == "snapshot":
+            await client.save()
+            kept = 4
+        await conn.write([m for r in records[5:10] for m in renderer.render(r)])
+        await client.aclose()
+        await forgetful_redis.akill()
+        await forgetful_redis.astart()
+        client = aioredis.Redis.from_url(forgetful_redis.url)
+        later = [m for r in records[10:] for m in renderer.render(r)]
+        with pytest.raises(SinkLost) as info:
+            for _ in range(3):  # the first, on the connection the restart closed: NotConnected
+                with contextlib.suppress(NotConnected):
+                    await conn.write(later)
+        assert info.value.spans == [(stream, 3, kept + 1, 9)], info.value.spans
+        assert "appendonly yes" in str(info.value), info.value
+        assert await top_seq(client, "kv:a:0") == (kept if kept >= 0 else None)  # nothing stored
+        await conn.write(later)
+        assert [int(f[b"seq"]) for _, f in await client.xrange("kv:a:0")] == [*range(kept + 1), 10, 11, 12]
+    finally:
+        await conn.close()
+        await client.aclose()
+        (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
