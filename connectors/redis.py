@@ -705,7 +705,7 @@ _CALL_REFUSALS = (
     ),
 )
 _MAX_BULK = 512 * 1024 * 1024  # Redis's default proto-max-bulk-len
-_SETTINGS = ("proto-max-bulk-len",)
+_SETTINGS = ("proto-max-bulk-len", "appendonly", "maxmemory-policy")
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
 _KEYS_PER_STREAM = 64
 
@@ -824,6 +824,7 @@ class RedisConnector:
         self._held: dict[str, str] = {}
         self._written: dict[str, tuple[str, str]] = {}
         self._state_lost: dict[str, int] = {}
+        self._warned: set[str] = set()  # durability problems logged (see _warn_durability)
 
     def __repr__(self) -> str:
         return f"<RedisConnector {self.name!r} {self._server}>"
@@ -866,11 +867,41 @@ class RedisConnector:
         NotConnected naming the sink and the server if it does not answer."""
         try:
             await self._connection().ping()
-            await self._read_settings()
+            settings = await self._read_settings()
         except (RedisError, RedisClusterException, OSError) as exc:
             error = self._classify(exc, f"cannot connect to {self._server}")
             raise NotConnected(str(error), reason=error.reason) from None
         log.info("redis sink connected", extra={"sink": self.name, "server": self._server})
+        if self._state is not None:
+            self._warn_durability(settings)
+
+    def _warn_durability(self, settings: dict[str, str]) -> None:
+        """One WARNING per problem and connector when the server may lose what the state is built
+        on (README "Losses"). Warned, not refused: the bridge notices such a loss at its next write
+        and clears the state, and a managed Redis may not let the operator change these."""
+        problems = []
+        if settings.get("appendonly") == "no":
+            problems.append(
+                "runs without AOF (appendonly no): a restart keeps only the last RDB snapshot, if any, so "
+                "entries and state it acknowledged are lost; set appendonly yes"
+            )
+        policy = settings.get("maxmemory-policy", "noeviction")
+        if policy.startswith("allkeys-"):  # volatile-* evicts only keys with a TTL, and the bridge sets none
+            problems.append(
+                f"evicts keys at maxmemory (maxmemory-policy {policy}): a stream or state hash evicted is "
+                "lost; set maxmemory-policy noeviction (writes are then refused with OOM and retried)"
+            )
+        for problem in problems:
+            if problem not in self._warned:
+                self._warned.add(problem)
+                log.warning(
+                    "%s: %s %s. The bridge announces such a loss (EventsLost, reason sink_lost) and the state "
+                    "is incomplete until the engine's next reset",
+                    self._prefix,
+                    self._server,
+                    problem,
+                    extra={"sink": self.name, "server": self._server},
+                )
 
     async def _read_settings(self) -> dict[str, str]:
         """The server's settings this sink depends on (``CONFIG GET``, one command per setting: Redis

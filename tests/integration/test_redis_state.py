@@ -563,3 +563,48 @@ async def test_the_write_after_redis_lost_entries_raises_sink_lost_with_the_span
         await conn.close()
         await client.aclose()
         (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
+
+
+async def test_a_server_that_may_lose_the_state_is_warned_about_at_connect_and_in_check(
+    tmp_path: Path, forgetful_redis: RedisServer, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With state.enabled, a server without AOF or evicting any key at maxmemory would lose the
+    state the bridge builds on: connect (and so ``--check``) logs one WARNING per problem naming
+    the consequence and the fix. A server with AOF and noeviction, or a sink without state, none."""
+    from bridge.cli import check
+    from bridge.config import SinkConfig
+    from connectors.redis import RedisConnector, RedisOptions
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name == "connectors.redis"]
+
+    async def connect(url: str, state: bool) -> None:
+        options = msgspec.convert({"url": url, "state": {"enabled": state}}, RedisOptions)
+        conn = RedisConnector("r", options, SinkConfig(type="redis", name="r"))
+        try:
+            await conn.connect()
+            await conn.connect()  # a reconnect warns no more
+        finally:
+            await conn.close()
+
+    admin = aioredis.Redis.from_url(forgetful_redis.url)
+    await admin.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        with caplog.at_level("WARNING", logger="connectors.redis"):
+            await connect(redis_server.url, True)  # AOF, noeviction
+            await connect(forgetful_redis.url, False)  # no state
+            assert warnings() == []
+            await connect(forgetful_redis.url, True)
+            lines = warnings()
+            assert len(lines) == 2, lines
+            assert "appendonly no" in lines[0] and "set appendonly yes" in lines[0], lines[0]
+            assert "allkeys-lru" in lines[1] and "set maxmemory-policy noeviction" in lines[1], lines[1]
+            caplog.clear()
+            path = tmp_path / "bridge.yaml"
+            sink_entry = {"type": "redis", "name": "out", "url": forgetful_redis.url, "state": {"enabled": True}}
+            path.write_text(json.dumps({"sources": [{"name": "a", "endpoint": "tcp://127.0.0.1:1"}], "sinks": [sink_entry]}))
+            assert await asyncio.to_thread(check, str(path)) == 0  # warned, not refused
+            assert len(warnings()) == 2, warnings()
+    finally:
+        await admin.config_set("maxmemory-policy", "noeviction")
+        await admin.aclose()
