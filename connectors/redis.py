@@ -575,7 +575,10 @@ local function state(p)
     -- once per call: else it lost it (evicted, deleted, an older snapshot). Emptied, so that no
     -- partial state stays marked complete; the state is written again as a new generation.
     if not cur[1] or cur[2] ~= want_gen or compare(cur[1], want_at) < 0 then
-      redis.call('UNLINK', hash)
+      -- Left alone when another writer (the next pod of a rolling update) moved it to a later generation.
+      if not (cur[2] and tonumber(cur[2]) > tonumber(want_gen)) then
+        redis.call('UNLINK', hash)
+      end
       return after, 'STATE_LOST state key ' .. hash .. ' holds ' .. (cur[1] or 'nothing') .. ' of generation '
         .. (cur[2] or '-') .. ' where the bridge wrote ' .. want_at .. ' of generation ' .. want_gen
     end
@@ -1062,6 +1065,7 @@ class RedisConnector:
             if entry_position(entry_id_)[0] != held.epoch:
                 continue  # not an id this connector wrote
             out[stream.key] = held
+            self._held.setdefault(keys[stream.key], _text(entry_id_))  # checked at the next write (I6)
         return out
 
     async def read_state(self, streams: Sequence[Stream]) -> dict[str, tuple[Head, list[SeedEntry]] | None]:
@@ -1096,6 +1100,9 @@ class RedisConnector:
                 continue  # a change cut midway by a script error (the retry was never made): cannot tell
             docs = [d for f, v in fields.items() if b"/" in f and (d := parse(v)) is not None]
             seed = seed_of(doc, docs)
+            gen = fields.get(b"_gen")
+            if seed is not None and at is not None and gen is not None:
+                self._written.setdefault(key, (_text(at), _text(gen)))  # checked at the next write (I6)
             if seed is not None:
                 out[stream.key] = seed
         return out

@@ -608,3 +608,43 @@ async def test_a_server_that_may_lose_the_state_is_warned_about_at_connect_and_i
     finally:
         await admin.config_set("maxmemory-policy", "noeviction")
         await admin.aclose()
+
+
+async def test_a_restarted_bridge_checks_the_state_it_read_back(redis_server: RedisServer, client: Any) -> None:
+    """A connector that read the state back (a restarted bridge's rebuild) expects it at its first
+    write: the hash deleted in between is found lost (state_lost), emptied, never built on."""
+    from bridge.config import SinkConfig
+    from bridge.errors import PartialFailure, Permanent
+    from bridge.formats import Renderer, state_message
+    from bridge.state import StateTracker
+    from connectors.redis import RedisConnector, RedisOptions
+
+    prefix = f"kvb{uuid.uuid4().hex[:8]}"
+    options = {"url": redis_server.url, "stream": prefix + ":{source}:{dp_rank}", "state": {"enabled": True}}
+    options["state"]["key"] = prefix + ":{source}:{dp_rank}:s"
+
+    def connector() -> RedisConnector:
+        return RedisConnector("r", msgspec.convert(options, RedisOptions), SinkConfig(type="redis", name="r"))
+
+    tracker, renderer, stream = StateTracker(), Renderer("json", "batch"), Stream("a", 0)
+
+    def record(seq: int) -> list[Any]:
+        store = {"type": "BlockStored", "block_hashes": [seq], "medium": "GPU", "token_ids": [], "block_size": 1}
+        r = Record(stream=stream, epoch=1, seq=seq, ts=1.0, events=[store])
+        r.state = tracker.apply(r)
+        return [*renderer.render(r), state_message(r)]
+
+    first, second = connector(), connector()
+    try:
+        await first.write(record(0) + record(1))
+        assert (await second.read_state([stream]))[stream.key] is not None
+        await client.delete(prefix + ":a:0:s")
+        with pytest.raises(PartialFailure) as info:
+            await second.write(record(2))
+        assert {i: (type(e), e.reason) for i, e in info.value.errors.items()} == {1: (Permanent, "state_lost")}
+        assert await client.exists(prefix + ":a:0:s") == 0
+        assert await client.xlen(prefix + ":a:0") == 3
+    finally:
+        await first.close()
+        await second.close()
+        await remove_keys(client, prefix)
