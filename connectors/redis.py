@@ -66,21 +66,26 @@ The runtime (:func:`bridge.sink.fold`) then writes each stream again from its fi
 failure, in order. Connection refused, timeouts and failed authentication are ``NotConnected``;
 redis-py's own retries are off, its socket timeouts (``timeout``) stay.
 
-Index mode (``index.enabled``): a SET per engine stream holds the block hashes the engine caches
-(BlockStored adds, BlockRemoved removes, AllBlocksCleared and SourceReset empty it, EventsLost per
-``index.on_events_lost``); a router asks with ``SMISMEMBER``. Members: decimal text of integer
-hashes (16 hex digits with ``hash_format: hex``), lowercase hex of binary ones. The script applies
-a message's net set change with its entry, only when the entry is new: a re-sent message changes
-nothing (an old BlockStored re-applied after its BlockRemoved would resurrect the block). Order per
-entry: first whether it is new (its id above the top of its stream; read, nothing written), then
-its set change, then its XADD. A script that fails midway (an ACL without SADD, say) keeps what it
-did: the entries before the failure with their set changes, and maybe part of the failed entry's
-set change, never its entry without its set change. The retry finds that entry still new and
-applies its set change again (clear, remove, add: idempotent, since no later message of the stream
-came in between), then adds it. (Were the entry stored first, a failed set change would be lost:
-the retry finds the entry already there and changes nothing.) Another client deleting the top
+Index mode (``index.enabled``): a SET per engine stream holds the block hashes the engine caches;
+a router asks with ``SMISMEMBER``. A block is a member while the engine holds a copy of it in any
+(medium, group_idx): copies are counted as vLLM keeps them (it does not de-duplicate, and removes
+one copy per BlockRemoved, of the medium named), in a HASH beside the set (the index key +
+``:counts``: a count per copy and a total per block, and ``_at``, the id of the last entry whose
+change it holds). AllBlocksCleared and SourceReset empty both, EventsLost per
+``index.on_events_lost``. Members: decimal text of integer hashes (16 hex digits with
+``hash_format: hex``), lowercase hex of binary ones. The script applies a message's index change
+with its entry, only when the entry is new: a re-sent message changes nothing (an old BlockStored
+re-applied after its BlockRemoved would resurrect the block). Order per entry: first whether it is
+new (its id above the top of its stream; read, nothing written), then its index change, then its
+XADD. A script that fails midway (an ACL without SADD, say) keeps what it did: the entries before
+the failure with their changes, and maybe part of the failed entry's change, never its entry
+without its change. The retry finds that entry still new and applies its change again to the same
+result: the counts move in one HSET with ``_at`` (a retry that finds its id there leaves them), a
+change with a clear starts from nothing again, and the members follow the totals. Then it adds
+the entry. (Were the entry stored first, a failed change would be lost: the retry finds the entry
+already there and changes nothing.) Another client deleting the top
 entries of a stream (misuse) can make a new-looking entry out of order after its set change.
-In a cluster the stream and its set must share a slot: the cluster defaults are
+In a cluster the stream, its set and its counts must share a slot (a hash tag): the cluster defaults are
 ``kv:{{source}:{dp_rank}}`` and ``kv:{{source}:{dp_rank}}:blocks`` (keys like ``kv:{llama-a:0}``).
 """
 
@@ -383,35 +388,55 @@ _SAMPLES = [
 
 
 class IndexDelta(NamedTuple):
-    """The net effect of some events on a stream's block set: clear first, then remove, then add."""
+    """A message's change to its engine's block index: ``clear`` first (the set and its counts
+    emptied), then per copy (member, count field, step, floor): the copy's count ``c`` becomes
+    ``max(c + step, floor)``."""
 
     clear: bool
-    remove: list[str]
-    add: list[str]
+    changes: list[tuple[str, str, int, int]]
+
+    def args(self) -> list[str | int]:
+        """The write script's arguments: the clear flag, the number of copies, each copy's four."""
+        return ["1" if self.clear else "0", len(self.changes), *(x for c in self.changes for x in c)]
 
 
 def index_delta(events: Iterable[Event], hash_hex: bool = False, *, clear: bool = False) -> IndexDelta:
-    """The net change ``events`` make to the set, in order (a block's last event wins).
+    """The change ``events`` make to the index, in order.
 
+    A copy is a block in one (medium, group_idx), counted like the engine does: vLLM does not
+    de-duplicate cached blocks and removes one copy per ``BlockRemoved``, so two stores and one
+    removal leave one copy, and a removal from one medium leaves the block's other copies; a
+    removal of an absent copy changes nothing. A block is a member while any copy of it is held.
     Members: decimal text of integer hashes (``hex64`` with ``hash_hex``), lowercase hex of binary
-    hashes, text hashes as they are. Applying the delta equals applying the events one by one.
+    hashes, text hashes as they are. For each copy, ``step`` is the sum of its +1s and -1s and
+    ``floor`` the count they leave from 0 (never below 0 on the way): from any count ``c`` they
+    leave ``max(c + step, floor)``. Applying the delta equals applying the events one by one.
     """
-    state: dict[str, bool] = {}
+    walks: dict[tuple[str, str], list[int]] = {}  # (member, count field) -> [step, floor]
     for event in events:
         kind = event.get("type")
         if kind == "AllBlocksCleared":
             clear = True
-            state.clear()
+            walks.clear()
             continue
         if kind not in ("BlockStored", "BlockRemoved"):
             continue
         hashes = event.get("block_hashes")
-        if isinstance(hashes, list | tuple):
-            for h in hashes:
-                state[_member(h, hash_hex)] = kind == "BlockStored"
-    # After a clear the set is empty, so removals are no-ops and can be left out.
-    remove = [] if clear else [m for m, present in state.items() if not present]
-    return IndexDelta(clear, remove, [m for m, present in state.items() if present])
+        if not isinstance(hashes, list | tuple):
+            continue
+        d = 1 if kind == "BlockStored" else -1
+        tier = f"c:{_tier_text(event.get('medium'))}:{_tier_text(event.get('group_idx'))}:"
+        for h in hashes:
+            member = _member(h, hash_hex)
+            walk = walks.setdefault((member, tier + member), [0, 0])
+            walk[0] += d
+            walk[1] = max(walk[1] + d, 0)
+    return IndexDelta(clear, [(m, f, step, floor) for (m, f), (step, floor) in walks.items()])
+
+
+def _tier_text(value: Any) -> str:
+    """A medium or group in a count field: '-' when not sent; ':' escaped (the field's separator)."""
+    return "-" if value is None else str(value).replace("%", "%25").replace(":", "%3A")
 
 
 def _member(h: Any, hash_hex: bool) -> str:
@@ -425,26 +450,27 @@ def _member(h: Any, hash_hex: bool) -> str:
 # -- the write script ---------------------------------------------------------------------------
 
 # One call per engine stream and write. KEYS: the stream keys the call writes, then (index mode)
-# the block set, then (state) the hash. ARGV: maxlen ('' for none), '1' in index mode, the engine
-# stream's source and dp_rank, '1' with state, the number of stream keys the connector stored in
-# before and per key its number in KEYS and the last id stored there, the state's '_at' and
-# '_gen' the connector last wrote ('' when none), then per entry: the number of its key in KEYS, its id, the number of fields, the
-# fields, and in index mode its set change (clear flag, count and members to remove, count and
-# members to add). Returns one result per entry tried: 1 stored, 0 already there (a re-send, or
-# below a trimmed head), or the error line; it stops after the first error that is not the
+# the block set and its counts hash, then (state) the hash. ARGV: maxlen ('' for none), '1' in
+# index mode, the engine stream's source and dp_rank, '1' with state, the number of stream keys the
+# connector stored in before and per key its number in KEYS and the last id stored there, the
+# state's '_at' and '_gen' the connector last wrote ('' when none), then per entry: the number of
+# its key in KEYS, its id, the number of fields, the fields, and in index mode its index change
+# (IndexDelta.args: clear flag, number of copies, per copy member, count field, step, floor).
+# Returns one result per entry tried: 1 stored, 0 already there (a re-send, or below a trimmed
+# head), or the error line; it stops after the first error that is not the
 # entry's own (WRONGTYPE, OUT_OF_ORDER), so nothing later of the stream is stored.
 #
 # Per entry, in this order: (1) is it new? Its key's top entry (read once per key and call, then
 # followed as entries are added) decides without writing: an id at or below the top is a re-send
-# (or out of order) and changes nothing; (2) a new entry's set change; (3) its XADD. A command
+# (or out of order) and changes nothing; (2) a new entry's index change; (3) its XADD. A command
 # that fails aborts the script (its earlier effects stay): an entry is then either stored with
-# its set change, or not stored, with its set change applied in part, in full or not at all.
-# The retry writes the stream again from that entry: still new, its set change is applied again
-# (clear, then remove, then add: the same result however much of it was applied before, as no
-# later message of the stream came in between), then its XADD. The top entry also names its engine
+# its index change, or not stored, with its index change applied in part, in full or not at all.
+# The retry writes the stream again from that entry: still new, its index change is applied again
+# to the same result (see change: the counts move in one HSET with the entry's id, the members
+# follow the counts), then its XADD. The top entry also names its engine
 # stream (its first fields): a key whose top entry belongs to another engine stream is a key
 # collision (KEY_COLLISION), the stream stops there. Redis checks maxmemory at a script's first
-# write only, if that command may grow memory: the first write is always SADD or XADD (see
+# write only, if that command may grow memory: the first write is always SADD, HSET or XADD (see
 # first_write), so either it is refused and nothing is written, or every entry is stored.
 # Before anything, what the connector stored before must still be there (I6): a stream key whose
 # top entry is below the last id stored there makes the call write nothing and return SINK_LOST
@@ -464,7 +490,7 @@ local function compare(a, b)
   end
   return am < bm and -1 or 1
 end
-local set, hash = nil, nil
+local set, counts, hash = nil, nil, nil
 if ARGV[5] == '1' then
   hash = KEYS[#KEYS]
 end
@@ -495,10 +521,13 @@ if #lost > 0 then
 end
 local want_at, want_gen = ARGV[7 + 2 * nheld], ARGV[8 + 2 * nheld]
 if ARGV[2] == '1' then
-  set = KEYS[#KEYS - (hash and 1 or 0)]
-  local kind = redis.call('TYPE', set)['ok']
-  if kind ~= 'none' and kind ~= 'set' then
-    return redis.error_reply('WRONGTYPE index key ' .. set .. ' holds a ' .. kind .. ', not a set')
+  counts = KEYS[#KEYS - (hash and 1 or 0)]
+  set = KEYS[#KEYS - (hash and 2 or 1)]
+  for _, k in ipairs({{set, 'set'}, {counts, 'hash'}}) do
+    local kind = redis.call('TYPE', k[1])['ok']
+    if kind ~= 'none' and kind ~= k[2] then
+      return redis.error_reply('WRONGTYPE index key ' .. k[1] .. ' holds a ' .. kind .. ', not a ' .. k[2])
+    end
   end
 end
 local tops = {}
@@ -534,23 +563,88 @@ local function first_write(member)
     written = true
   end
 end
-local function change(clear, at)
+local function chunked(command, key, items)
+  local first = 1
+  while first <= #items do
+    local upto = math.min(first + 999, #items)
+    redis.call(command, key, unpack(items, first, upto))
+    written = true
+    first = upto + 1
+  end
+end
+-- An entry's index change: the clear flag, then per copy (member, its count field, step, floor):
+-- the copy's count c becomes max(c + step, floor), which is applying the entry's stores (+1) and
+-- removals (-1, never below 0) of that copy in order. The counts and the members' totals are set
+-- in one HSET with '_at' (the entry's id), so a retry after a failure later in the script finds
+-- the change applied and does not count it twice; a change with a clear starts from nothing, so
+-- applying it again gives the same counts. Then each member is in the set iff its total is above 0.
+local function change(clear, at, id)
+  local applied = false
   if clear then
     first_write('0')
-    redis.call('DEL', set)
+    redis.call('DEL', set, counts)
+  else
+    local done = redis.call('HGET', counts, '_at')
+    applied = done and compare(done, id) >= 0
   end
-  for _, command in ipairs({'SREM', 'SADD'}) do
-    local first, last = at + 1, at + tonumber(ARGV[at])
-    if command == 'SREM' and first <= last then
-      first_write(ARGV[first])
+  local n = tonumber(ARGV[at])
+  local puts, zeros, members, totals = {}, {}, {}, {}
+  for q = at + 1, at + 4 * n, 4 do
+    local member, field = ARGV[q], ARGV[q + 1]
+    local total = totals[member]
+    if total == nil then
+      members[#members + 1] = member
+      total = tonumber(redis.call('HGET', counts, 't:' .. member) or '0')
     end
-    while first <= last do
-      local upto = math.min(first + 999, last)
-      redis.call(command, set, unpack(ARGV, first, upto))
+    if not applied then
+      local c = tonumber(redis.call('HGET', counts, field) or '0')
+      local new = math.max(c + tonumber(ARGV[q + 2]), tonumber(ARGV[q + 3]))
+      if new ~= c then
+        puts[#puts + 1] = field
+        puts[#puts + 1] = new
+        total = total + new - c
+      end
+    end
+    totals[member] = total
+  end
+  if #puts > 0 then
+    for _, member in ipairs(members) do
+      puts[#puts + 1] = 't:' .. member
+      puts[#puts + 1] = totals[member]
+    end
+    -- Redis checks maxmemory here if this is the script's first write (HSET may grow memory).
+    local first = 1
+    while first <= #puts do
+      local upto = math.min(first + 1999, #puts)
+      if upto == #puts then
+        redis.call('HSET', counts, '_at', id, unpack(puts, first, upto))
+      else
+        redis.call('HSET', counts, unpack(puts, first, upto))
+      end
       written = true
       first = upto + 1
     end
-    at = last + 1
+    for q = 1, #puts, 2 do
+      if puts[q + 1] == 0 then
+        zeros[#zeros + 1] = puts[q]
+      end
+    end
+  end
+  local adds, removes = {}, {}
+  for _, member in ipairs(members) do
+    if totals[member] > 0 then
+      adds[#adds + 1] = member
+    else
+      removes[#removes + 1] = member
+    end
+  end
+  chunked('SADD', set, adds)
+  if #removes > 0 then
+    first_write(removes[1])
+  end
+  chunked('SREM', set, removes)
+  if #zeros > 0 then
+    chunked('HDEL', counts, zeros)
   end
 end
 -- A record's state change: applied unless the hash already holds that record or a later one of
@@ -632,8 +726,7 @@ while p <= #ARGV do
     local clear, at = false, nil
     if set then
       clear, at = ARGV[p] == '1', p + 1
-      p = at + 1 + tonumber(ARGV[at])
-      p = p + 1 + tonumber(ARGV[p])
+      p = at + 1 + 4 * tonumber(ARGV[at])
     end
     local t = top(key)
     local result = 1
@@ -649,7 +742,7 @@ while p <= #ARGV do
       end
     else
       if set then
-        change(clear, at)
+        change(clear, at, id)
       end
       local added = redis.pcall('XADD', unpack(xadd))
       written = true
@@ -749,7 +842,8 @@ class _Call:
     def command(self, held: dict[str, str], written: dict[str, tuple[str, str]]) -> list[str | bytes | int]:
         """The EVAL, with the last id stored in each of its stream keys (``held``) and the state
         last written (``written``) for the script to check (I6)."""
-        keys = [*self.keys, *(k for k in (self.index_key, self.state_key) if k)]
+        counts = self.index_key + ":counts" if self.index_key else None
+        keys = [*self.keys, *(k for k in (self.index_key, counts, self.state_key) if k)]
         expect: list[str | bytes | int] = []
         for n, key in enumerate(self.keys, 1):
             if key in held:
@@ -1001,8 +1095,7 @@ class RedisConnector:
             fields += ["payload" if self._raw and m.record.kind == "batch" else "data", value]
             call.add(i, key, ident, fields)
             if self._index is not None:
-                delta = self._delta(m)
-                call.args += ["1" if delta.clear else "0", len(delta.remove), *delta.remove, len(delta.add), *delta.add]
+                call.args += self._delta(m).args()
         if calls:
             pipe = self._connection().pipeline(transaction=False)
             for call in calls.values():
@@ -1228,9 +1321,9 @@ class RedisConnector:
     def _delta(self, m: Message) -> IndexDelta:
         record = m.record
         if record.kind == "SourceReset":
-            return IndexDelta(True, [], [])
+            return IndexDelta(True, [])
         if record.kind == "EventsLost":
-            return IndexDelta(self._clear_on_lost, [], [])
+            return IndexDelta(self._clear_on_lost, [])
         event = m.event
         return index_delta(record.events if event is None else (event,), self._hash_hex)
 

@@ -37,7 +37,7 @@ from bridge.records import Record, Stream, source_reset
 from connectors.redis import RedisConnector, RedisOptions, entry_id, message_position
 from tests.infra.servers import RedisServer
 from tests.integration.conftest import own_server
-from tests.support.records import batch, block_stored
+from tests.support.records import CacheModel, batch, block_stored
 from tests.support.redis_sink import RedisDelivery
 from tests.support.schema import check_entry
 
@@ -110,28 +110,21 @@ async def assert_stored_in_order(d: RedisDelivery, admin: aioredis.Redis, stream
 
 def index_of(records: list[Record]) -> set[str]:
     """The block set after ``records``, applied one by one (integer hashes as decimal text)."""
-    blocks: set[str] = set()
+    model = CacheModel(str)
     for r in records:
-        if r.kind == "SourceReset":
-            blocks.clear()
-        for event in r.events:
-            if event["type"] == "AllBlocksCleared":
-                blocks.clear()
-            elif event["type"] in ("BlockStored", "BlockRemoved"):
-                for h in event["block_hashes"]:
-                    (blocks.add if event["type"] == "BlockStored" else blocks.discard)(str(h))
-    return blocks
+        model.apply(r)
+    return model.blocks
 
 
 # -- ACL refusals: retried, never dead-lettered; a message's set change goes with its entry ------
 
 
-@pytest.mark.parametrize("denied", ["sadd", "srem", "del", "xadd"])
+@pytest.mark.parametrize("denied", ["sadd", "srem", "del", "xadd", "hset"])
 async def test_an_acl_refusal_in_the_index_mode_script_is_retried_and_the_index_matches_the_entries(
     acl_redis: RedisServer, admin: aioredis.Redis, tmp_path: Path, denied: str
 ) -> None:
     """Index mode, the bridge's user may not run ``denied`` (SADD / SREM: the set change of every
-    batch; DEL: the clear of the SourceReset; XADD: every entry) until an operator fixes the ACL
+    batch; HSET: its counts; DEL: the clear of the SourceReset; XADD: every entry) until an operator fixes the ACL
     1.5 s into the refusals. Nothing is dead-lettered, nothing acknowledged before the fix; after
     it every entry is stored once, in order, and the set holds exactly the blocks of the entries."""
     stream = Stream("eng", 0)
