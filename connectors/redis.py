@@ -667,8 +667,9 @@ local function state(p)
   if want_at ~= '' then
     -- The hash must still hold the bridge's last state write (or a later one of its generation),
     -- once per call: else it lost it (evicted, deleted, an older snapshot). Emptied, so that no
-    -- partial state stays marked complete; the state is written again as a new generation.
-    if not cur[1] or cur[2] ~= want_gen or compare(cur[1], want_at) < 0 then
+    -- partial state stays marked complete; the state is written again as a new generation. A
+    -- clear builds on nothing: it writes the whole state.
+    if not clear and (not cur[1] or cur[2] ~= want_gen or compare(cur[1], want_at) < 0) then
       -- Left alone when another writer (the next pod of a rolling update) moved it to a later generation.
       if not (cur[2] and tonumber(cur[2]) > tonumber(want_gen)) then
         redis.call('UNLINK', hash)
@@ -1027,7 +1028,9 @@ class RedisConnector:
         try:
             await self._connection().ping()
         except (RedisError, RedisClusterException, OSError) as exc:
-            return str(self._classify(exc, f"{self._server} does not answer"))
+            # A refusal (MISCONF, LOADING, NOPERM, ...) is an answer: say what the server said.
+            what = "refuses PING" if isinstance(exc, ResponseError) else "does not answer"
+            return str(self._classify(exc, f"{self._server} {what}"))
         return None
 
     async def close(self) -> None:

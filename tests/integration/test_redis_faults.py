@@ -381,7 +381,7 @@ async def test_misconf_is_retried_not_ready_and_nothing_is_dead_lettered(snapsho
         assert d.dead_letters() == [], "a batch dead-lettered while the server cannot persist"
         assert d.acked == records[:2]
         problem = await d.worker.connector.health()
-        assert problem is not None and "MISCONF" in problem, problem
+        assert problem is not None and "refuses PING: MISCONF" in problem, problem
         assert not d.worker.connected and "misconf" in str(d.worker.last_error).lower()
         await admin.config_set("dir", good)  # the operator fixes the disk; the next snapshot succeeds
         await admin.bgsave()
