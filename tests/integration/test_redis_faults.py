@@ -405,27 +405,34 @@ def huge(stream: Stream, seq: int) -> Record:
     return Record(stream=stream, epoch=1, seq=seq, ts=0.0, payload=payload, events=events, received=0.0)
 
 
+@pytest.mark.parametrize("lowered", ["before connect", "after connect"])
 async def test_an_entry_over_proto_max_bulk_len_alone_is_dead_lettered(
-    acl_redis: RedisServer, admin: aioredis.Redis, tmp_path: Path
+    acl_redis: RedisServer, admin: aioredis.Redis, tmp_path: Path, lowered: str
 ) -> None:
     """proto-max-bulk-len 1 MiB and seq 2's message over it, in one write with seqs 0-4: the server
     refuses the whole script call, which dead-lettered seqs 0-4. Now seq 2 alone is refused for
     itself (reason too_large, dead-lettered, announced to the sink's consumers by the runtime); the
-    others are stored once, in order."""
+    others are stored once, in order. A limit lowered after connect costs one retried write (the
+    protocol error makes the connector read it again)."""
     stream = Stream("eng", 0)
     records = [batch(stream, q, epoch=1) for q in range(5)]
     records[2] = huge(stream, 2)
-    await admin.config_set("proto-max-bulk-len", 1024 * 1024)
     d = delivery(tmp_path, acl_redis.url, {})
     assert len(d.renderer.render(records[2])[0].value) > 1024 * 1024
     try:
-        await d.feed(records)  # queued before the worker starts: one write holds them all
-        await started(d)
+        if lowered == "after connect":
+            await started(d)
+        await admin.config_set("proto-max-bulk-len", 1024 * 1024)
+        await d.feed(records)  # before connect: queued before the worker starts, one write holds them all
+        if lowered == "before connect":
+            await started(d)
         assert await d.worker.flush(30), "not delivered within 30 s"
         dead = d.dead_letters()
         assert [(x["seq"], x["detail"]) for x in dead] == [(2, dead[0]["detail"])], [x["seq"] for x in dead]
         assert "proto-max-bulk-len" in str(dead[0]["detail"]), dead[0]["detail"]
-        assert d.errors().keys() == {"too_large"}, d.errors()
+        errors = d.errors()
+        assert "too_large" in errors and errors.keys() <= {"too_large", "protocol", "not_connected"}, errors
+        assert ("protocol" in errors) == (lowered == "after connect"), errors
         assert d.acked == records
     finally:
         await admin.config_set("proto-max-bulk-len", 512 * 1024 * 1024)
