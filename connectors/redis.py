@@ -920,6 +920,7 @@ class RedisConnector:
         # to each state key, and per state key the generation whose state Redis lost (its changes
         # still queued are not written: the runtime opens a new generation).
         self._held: dict[str, str] = {}
+        self._held_before: dict[str, str] = {}  # per stream key, the last id stored in the epoch before
         self._written: dict[str, tuple[str, str]] = {}
         self._state_lost: dict[str, int] = {}
         self._warned: set[str] = set()  # durability problems logged (see _warn_durability)
@@ -1243,23 +1244,27 @@ class RedisConnector:
         """The SinkLost of a call whose stream keys no longer hold the last entry stored in them
         (``found``: key, top id or empty, ...): per key, the seqs from the one after its top entry
         (0 when the top is of an earlier epoch, or there is none) to the last one stored, in the
-        epoch of the last one stored. A script call stores whole records, and Redis persists a
-        script's writes whole, so the top entry's record is whole. Forgets what it expected of
-        those keys, so that the write that follows goes through."""
+        epoch of the last one stored, and likewise in the epoch before it when the top is below
+        its end too (earlier epochs are not remembered). A script call stores whole records, and
+        Redis persists a script's writes whole, so the top entry's record is whole. Forgets what it
+        expected of those keys, so that the write that follows goes through."""
         spans: dict[int, tuple[int, int]] = {}
         lines = []
         for raw_key, raw_top in zip(found[::2], found[1::2], strict=True):
             key, top = _text(raw_key), _text(raw_top)
             want = self._held.pop(key)
-            epoch, slot, _ = entry_position(want)
-            first = 0
-            if top:
-                top_epoch, top_slot, _ = entry_position(top)
-                first = top_slot if top_epoch == epoch else 0
+            before = self._held_before.pop(key, None)
             lines.append(f"{key} holds {top or 'nothing'}, below {want} it stored")
-            if first <= slot - 1:
-                low, high = spans.get(epoch, (first, slot - 1))
-                spans[epoch] = (min(low, first), max(high, slot - 1))
+            ends = [want] if before is None or (top and entry_position(top) >= entry_position(before)) else [before, want]
+            for end in ends:
+                epoch, slot, _ = entry_position(end)
+                first = 0
+                if top:
+                    top_epoch, top_slot, _ = entry_position(top)
+                    first = top_slot if top_epoch == epoch else 0
+                if first <= slot - 1:
+                    low, high = spans.get(epoch, (first, slot - 1))
+                    spans[epoch] = (min(low, first), max(high, slot - 1))
         message = (
             f"{self._prefix}: Redis lost entries it acknowledged (a restart from an older snapshot or without "
             f"persistence, a deleted key): {'; '.join(lines)}; set appendonly yes (appendfsync everysec or always) "
@@ -1286,6 +1291,7 @@ class RedisConnector:
                 old = next(iter(keys))
                 del keys[old]
                 self._held.pop(old, None)
+                self._held_before.pop(old, None)
                 if self._owners.get(old) == stream:
                     del self._owners[old]
         return None
@@ -1311,7 +1317,10 @@ class RedisConnector:
             elif not settled:
                 continue
             elif key is not None:
-                if key not in self._held or entry_position(what) > entry_position(self._held[key]):
+                last = self._held.get(key)
+                if last is None or entry_position(what) > entry_position(last):
+                    if last is not None and entry_position(what)[0] > entry_position(last)[0]:
+                        self._held_before[key] = last  # a new epoch: its predecessor's end, for _sink_lost
                     self._held[key] = what
             elif call.state_key is not None:
                 self._written[call.state_key] = (what[0], what[1])

@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 
 from bridge.bootstrap import StreamState, block_id
 from bridge.config import Config, from_data
-from bridge.records import Record, Stream
+from bridge.records import Record, Stream, source_reset
 from bridge.runtime import Bridge
 from connectors.redis import bootstrap
 from tests.infra.servers import RedisServer
@@ -520,12 +520,13 @@ async def test_a_deleted_state_hash_is_never_rebuilt_partial_and_complete(
             await remove_keys(client, prefix)
 
 
-@pytest.mark.parametrize("restart", ["empty", "snapshot"])
+@pytest.mark.parametrize("restart", ["empty", "snapshot", "snapshot, then an engine restart"])
 async def test_the_write_after_redis_lost_entries_raises_sink_lost_with_the_span(
     forgetful_redis: RedisServer, restart: str
 ) -> None:
     """The connector's part, without the runtime: the first write after Redis lost seqs it stored
-    raises SinkLost with exactly the lost span, storing nothing; the next write goes through."""
+    raises SinkLost with exactly the lost spans (in the epoch before the last one too, when the
+    engine restarted since the snapshot), storing nothing; the next write goes through."""
     from bridge.config import SinkConfig
     from bridge.errors import NotConnected, SinkLost
     from bridge.formats import Renderer
@@ -535,30 +536,37 @@ async def test_the_write_after_redis_lost_entries_raises_sink_lost_with_the_span
     s = SinkConfig(type="redis", name="r", format="json", granularity="batch")
     renderer, stream = Renderer(s.format, s.granularity), Stream("a", 0)
     records = [batch(stream, q, epoch=3) for q in range(13)]
+    spans = [(stream, 3, 0, 11)]
+    if restart == "snapshot, then an engine restart":  # seqs 10-12 are epoch 4's 0-2, after its SourceReset
+        records[10:] = [source_reset(stream, 4, "publisher_restart", 0.0), *(batch(stream, q, epoch=4) for q in range(3))]
+        spans = [(stream, 3, 5, 9), (stream, 4, 0, 1)]
+    elif restart == "snapshot":
+        spans = [(stream, 3, 5, 11)]
     conn = RedisConnector("r", msgspec.convert({"url": forgetful_redis.url}, RedisOptions), s)
     client = aioredis.Redis.from_url(forgetful_redis.url)
-    kept = -1
     try:
         await conn.connect()
         await conn.write([m for r in records[:5] for m in renderer.render(r)])
-        if restart == "snapshot":
-            await client.save()
-            kept = 4
-        await conn.write([m for r in records[5:10] for m in renderer.render(r)])
+        if restart != "empty":
+            await client.save()  # seqs 0-4 of epoch 3
+        await conn.write([m for r in records[5:-1] for m in renderer.render(r)])
+        kept = await client.xrange("kv:a:0")
         await client.aclose()
         await forgetful_redis.akill()
         await forgetful_redis.astart()
         client = aioredis.Redis.from_url(forgetful_redis.url)
-        later = [m for r in records[10:] for m in renderer.render(r)]
+        later = renderer.render(records[-1])
         with pytest.raises(SinkLost) as info:
             for _ in range(3):  # the first, on the connection the restart closed: NotConnected
                 with contextlib.suppress(NotConnected):
                     await conn.write(later)
-        assert info.value.spans == [(stream, 3, kept + 1, 9)], info.value.spans
+        assert info.value.spans == spans, info.value.spans
         assert "appendonly yes" in str(info.value), info.value
-        assert await top_seq(client, "kv:a:0") == (kept if kept >= 0 else None)  # nothing stored
+        held = await client.xrange("kv:a:0")
+        assert held == ([] if restart == "empty" else kept[:5])  # nothing stored by the refused write
         await conn.write(later)
-        assert [int(f[b"seq"]) for _, f in await client.xrange("kv:a:0")] == [*range(kept + 1), 10, 11, 12]
+        after = await client.xrange("kv:a:0")
+        assert after[:-1] == held and int(after[-1][1][b"seq"]) == records[-1].seq
     finally:
         await conn.close()
         await client.aclose()
