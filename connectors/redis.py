@@ -40,31 +40,52 @@ SADD or XADD (never DEL or SREM, which would let everything after them past the 
   ``out_of_order``, dead-lettered), and the stream goes on. The bridge must be the only writer;
 - WRONGTYPE (the key is no stream): refused for itself, the stream goes on;
 - anything else stops the stream, the entries after it reported transient (not attempted):
-  LOADING, BUSY, TRYAGAIN, OOM, READONLY, NOPERM, MASTERDOWN, CLUSTERDOWN, redirections and key
-  collisions are transient (retried, sink not ready), other refusals ``Permanent``. An ACL refusal
+  LOADING, BUSY, TRYAGAIN, OOM, MISCONF, READONLY, NOPERM, MASTERDOWN, CLUSTERDOWN, redirections and
+  key collisions are transient (retried, sink not ready), other refusals ``Permanent``. An ACL refusal
   is NOPERM however it is worded: a command the script calls and the user may not run aborts the
   script with "ERR The user executing the script can't run this command ..." (Redis 7.0; 7.2:
   "NOPERM ... no permissions ..."), and redis-py strips the code from it.
+
+A refusal of a whole script call is no entry's own: an operator's ``SCRIPT KILL`` (reason
+``script_killed``) and a protocol error are retried. An argument over the server's
+``proto-max-bulk-len`` would make the server refuse the whole call (and close the connection), so
+the connector reads that limit at connect (Redis's default, 512 MB, when CONFIG is not allowed)
+and refuses a longer entry for itself (``Permanent``, reason ``too_large``) before the call.
+
+Losses (I6). The connector remembers the last entry id it stored in each stream key and the
+``_at``/``_gen`` it last wrote to each state hash, and the script checks them before it writes
+anything: a stream key whose top entry is below that id (Redis restarted from an older snapshot or
+without persistence, the key deleted) fails the write with ``SinkLost`` naming the seqs lost (the
+runtime announces them to this sink and writes the messages again; the connector has forgotten
+its expectation of that key); a hash that no longer holds the last ``_at`` is emptied and the
+state change refused for itself (``Permanent``, reason ``state_lost``: the runtime clears the
+stream into a new generation, incomplete). The connector writes no further change of the lost
+generation meanwhile, so the hash is never left holding part of a state marked complete.
 
 The runtime (:func:`bridge.sink.fold`) then writes each stream again from its first transient
 failure, in order. Connection refused, timeouts and failed authentication are ``NotConnected``;
 redis-py's own retries are off, its socket timeouts (``timeout``) stay.
 
-Index mode (``index.enabled``): a SET per engine stream holds the block hashes the engine caches
-(BlockStored adds, BlockRemoved removes, AllBlocksCleared and SourceReset empty it, EventsLost per
-``index.on_events_lost``); a router asks with ``SMISMEMBER``. Members: decimal text of integer
-hashes (16 hex digits with ``hash_format: hex``), lowercase hex of binary ones. The script applies
-a message's net set change with its entry, only when the entry is new: a re-sent message changes
-nothing (an old BlockStored re-applied after its BlockRemoved would resurrect the block). Order per
-entry: first whether it is new (its id above the top of its stream; read, nothing written), then
-its set change, then its XADD. A script that fails midway (an ACL without SADD, say) keeps what it
-did: the entries before the failure with their set changes, and maybe part of the failed entry's
-set change, never its entry without its set change. The retry finds that entry still new and
-applies its set change again (clear, remove, add: idempotent, since no later message of the stream
-came in between), then adds it. (Were the entry stored first, a failed set change would be lost:
-the retry finds the entry already there and changes nothing.) Another client deleting the top
+Index mode (``index.enabled``): a SET per engine stream holds the block hashes the engine caches;
+a router asks with ``SMISMEMBER``. A block is a member while the engine holds a copy of it in any
+(medium, group_idx): copies are counted as vLLM keeps them (it does not de-duplicate, and removes
+one copy per BlockRemoved, of the medium named), in a HASH beside the set (the index key +
+``:counts``: a count per copy and a total per block, and ``_at``, the id of the last entry whose
+change it holds). AllBlocksCleared and SourceReset empty both, EventsLost per
+``index.on_events_lost``. Members: decimal text of integer hashes (16 hex digits with
+``hash_format: hex``), lowercase hex of binary ones. The script applies a message's index change
+with its entry, only when the entry is new: a re-sent message changes nothing (an old BlockStored
+re-applied after its BlockRemoved would resurrect the block). Order per entry: first whether it is
+new (its id above the top of its stream; read, nothing written), then its index change, then its
+XADD. A script that fails midway (an ACL without SADD, say) keeps what it did: the entries before
+the failure with their changes, and maybe part of the failed entry's change, never its entry
+without its change. The retry finds that entry still new and applies its change again to the same
+result: the counts move in one HSET with ``_at`` (a retry that finds its id there leaves them), a
+change with a clear starts from nothing again, and the members follow the totals. Then it adds
+the entry. (Were the entry stored first, a failed change would be lost: the retry finds the entry
+already there and changes nothing.) Another client deleting the top
 entries of a stream (misuse) can make a new-looking entry out of order after its set change.
-In a cluster the stream and its set must share a slot: the cluster defaults are
+In a cluster the stream, its set and its counts must share a slot (a hash tag): the cluster defaults are
 ``kv:{{source}:{dp_rank}}`` and ``kv:{{source}:{dp_rank}}:blocks`` (keys like ``kv:{llama-a:0}``).
 """
 
@@ -113,6 +134,7 @@ from bridge.connector import (
     Retriable,
     Secret,
     SinkConfig,
+    SinkLost,
     SinkPosition,
     StateDelta,
     Stream,
@@ -231,7 +253,13 @@ class StateOptions(ConnectorOptions):
 class RedisOptions(ConnectorOptions):
     """The redis sink's own keys."""
 
-    url: Annotated[str, doc("redis://host:port/db or rediss://host:port/db (TLS). Credentials belong in username/password.")]
+    url: Annotated[
+        str,
+        doc(
+            "redis://host:port/db or rediss://host:port/db (TLS). Credentials belong in username/password, "
+            "TLS settings in tls (ssl_* url options, such as ssl_cert_reqs=none, are refused)."
+        ),
+    ]
     username: Annotated[str | None, doc("ACL user (Redis 6+); null: the default user.")] = None
     password: Annotated[Secret | None, doc("Password, e.g. ${REDIS_PASSWORD}; never logged.")] = None
     tls: Annotated[
@@ -268,6 +296,15 @@ class RedisOptions(ConnectorOptions):
             raise ValueError("url: give the password either in url or in password, not both")
         if self.tls is not None and parts.scheme != "rediss":
             raise ValueError("tls: only used with a rediss:// url")
+        # redis-py lets url query options override the client's settings: ?ssl_cert_reqs=none
+        # would turn off certificate verification silently, even with a tls block.
+        ssl = sorted({k for k, _ in parse_qsl(parts.query) if k.lower().startswith("ssl")})
+        if ssl:
+            raise ValueError(
+                f"url: {', '.join(ssl)} not allowed in the url (it would override the tls block; ssl_cert_reqs=none "
+                "turns off certificate verification): remove it and set tls: {ca_file, cert_file, key_file, "
+                "check_hostname} instead; the server's certificate is always verified"
+            )
         if self.timeout <= 0:
             raise ValueError("timeout: must be greater than 0")
         stream, index, state = self.templates()
@@ -351,35 +388,55 @@ _SAMPLES = [
 
 
 class IndexDelta(NamedTuple):
-    """The net effect of some events on a stream's block set: clear first, then remove, then add."""
+    """A message's change to its engine's block index: ``clear`` first (the set and its counts
+    emptied), then per copy (member, count field, step, floor): the copy's count ``c`` becomes
+    ``max(c + step, floor)``."""
 
     clear: bool
-    remove: list[str]
-    add: list[str]
+    changes: list[tuple[str, str, int, int]]
+
+    def args(self) -> list[str | int]:
+        """The write script's arguments: the clear flag, the number of copies, each copy's four."""
+        return ["1" if self.clear else "0", len(self.changes), *(x for c in self.changes for x in c)]
 
 
 def index_delta(events: Iterable[Event], hash_hex: bool = False, *, clear: bool = False) -> IndexDelta:
-    """The net change ``events`` make to the set, in order (a block's last event wins).
+    """The change ``events`` make to the index, in order.
 
+    A copy is a block in one (medium, group_idx), counted like the engine does: vLLM does not
+    de-duplicate cached blocks and removes one copy per ``BlockRemoved``, so two stores and one
+    removal leave one copy, and a removal from one medium leaves the block's other copies; a
+    removal of an absent copy changes nothing. A block is a member while any copy of it is held.
     Members: decimal text of integer hashes (``hex64`` with ``hash_hex``), lowercase hex of binary
-    hashes, text hashes as they are. Applying the delta equals applying the events one by one.
+    hashes, text hashes as they are. For each copy, ``step`` is the sum of its +1s and -1s and
+    ``floor`` the count they leave from 0 (never below 0 on the way): from any count ``c`` they
+    leave ``max(c + step, floor)``. Applying the delta equals applying the events one by one.
     """
-    state: dict[str, bool] = {}
+    walks: dict[tuple[str, str], list[int]] = {}  # (member, count field) -> [step, floor]
     for event in events:
         kind = event.get("type")
         if kind == "AllBlocksCleared":
             clear = True
-            state.clear()
+            walks.clear()
             continue
         if kind not in ("BlockStored", "BlockRemoved"):
             continue
         hashes = event.get("block_hashes")
-        if isinstance(hashes, list | tuple):
-            for h in hashes:
-                state[_member(h, hash_hex)] = kind == "BlockStored"
-    # After a clear the set is empty, so removals are no-ops and can be left out.
-    remove = [] if clear else [m for m, present in state.items() if not present]
-    return IndexDelta(clear, remove, [m for m, present in state.items() if present])
+        if not isinstance(hashes, list | tuple):
+            continue
+        d = 1 if kind == "BlockStored" else -1
+        tier = f"c:{_tier_text(event.get('medium'))}:{_tier_text(event.get('group_idx'))}:"
+        for h in hashes:
+            member = _member(h, hash_hex)
+            walk = walks.setdefault((member, tier + member), [0, 0])
+            walk[0] += d
+            walk[1] = max(walk[1] + d, 0)
+    return IndexDelta(clear, [(m, f, step, floor) for (m, f), (step, floor) in walks.items()])
+
+
+def _tier_text(value: Any) -> str:
+    """A medium or group in a count field: '-' when not sent; ':' escaped (the field's separator)."""
+    return "-" if value is None else str(value).replace("%", "%25").replace(":", "%3A")
 
 
 def _member(h: Any, hash_hex: bool) -> str:
@@ -393,25 +450,32 @@ def _member(h: Any, hash_hex: bool) -> str:
 # -- the write script ---------------------------------------------------------------------------
 
 # One call per engine stream and write. KEYS: the stream keys the call writes, then (index mode)
-# the block set. ARGV: maxlen ('' for none), '1' in index mode, the engine stream's source and
-# dp_rank, then per entry: the number of its key in KEYS, its id, the number of fields, the
-# fields, and in index mode its set change (clear flag, count and members to remove, count and
-# members to add). Returns one result per entry tried: 1 stored, 0 already there (a re-send, or
-# below a trimmed head), or the error line; it stops after the first error that is not the
+# the block set and its counts hash, then (state) the hash. ARGV: maxlen ('' for none), '1' in
+# index mode, the engine stream's source and dp_rank, '1' with state, the number of stream keys the
+# connector stored in before and per key its number in KEYS and the last id stored there, the
+# state's '_at' and '_gen' the connector last wrote ('' when none), then per entry: the number of
+# its key in KEYS, its id, the number of fields, the fields, and in index mode its index change
+# (IndexDelta.args: clear flag, number of copies, per copy member, count field, step, floor).
+# Returns one result per entry tried: 1 stored, 0 already there (a re-send, or below a trimmed
+# head), or the error line; it stops after the first error that is not the
 # entry's own (WRONGTYPE, OUT_OF_ORDER), so nothing later of the stream is stored.
 #
 # Per entry, in this order: (1) is it new? Its key's top entry (read once per key and call, then
 # followed as entries are added) decides without writing: an id at or below the top is a re-send
-# (or out of order) and changes nothing; (2) a new entry's set change; (3) its XADD. A command
+# (or out of order) and changes nothing; (2) a new entry's index change; (3) its XADD. A command
 # that fails aborts the script (its earlier effects stay): an entry is then either stored with
-# its set change, or not stored, with its set change applied in part, in full or not at all.
-# The retry writes the stream again from that entry: still new, its set change is applied again
-# (clear, then remove, then add: the same result however much of it was applied before, as no
-# later message of the stream came in between), then its XADD. The top entry also names its engine
+# its index change, or not stored, with its index change applied in part, in full or not at all.
+# The retry writes the stream again from that entry: still new, its index change is applied again
+# to the same result (see change: the counts move in one HSET with the entry's id, the members
+# follow the counts), then its XADD. The top entry also names its engine
 # stream (its first fields): a key whose top entry belongs to another engine stream is a key
 # collision (KEY_COLLISION), the stream stops there. Redis checks maxmemory at a script's first
-# write only, if that command may grow memory: the first write is always SADD or XADD (see
+# write only, if that command may grow memory: the first write is always SADD, HSET or XADD (see
 # first_write), so either it is refused and nothing is written, or every entry is stored.
+# Before anything, what the connector stored before must still be there (I6): a stream key whose
+# top entry is below the last id stored there makes the call write nothing and return SINK_LOST
+# with each such key and its top id ('' for none); a state hash without the last '_at' written
+# (or a later one of that generation) is emptied and its change refused (STATE_LOST).
 WRITE_SCRIPT = """
 local function compare(a, b)
   local am, as = string.match(a, '^(%d+)-(%d+)$')
@@ -426,15 +490,44 @@ local function compare(a, b)
   end
   return am < bm and -1 or 1
 end
-local set, hash = nil, nil
+local set, counts, hash = nil, nil, nil
 if ARGV[5] == '1' then
   hash = KEYS[#KEYS]
 end
+-- What the bridge stored before (I6): each stream key's top entry must still be at or above the
+-- last id the connector stored there; a restart from an older snapshot or without persistence, or
+-- a deleted key, lost entries it acknowledged. Checked before anything is written.
+local nheld = tonumber(ARGV[6])
+local lost = {}
+for j = 1, nheld do
+  local key, want = KEYS[tonumber(ARGV[5 + 2 * j])], ARGV[6 + 2 * j]
+  local kind = redis.call('TYPE', key)['ok']
+  if kind == 'stream' or kind == 'none' then
+    local held = ''
+    if kind == 'stream' then
+      local last = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)
+      if #last > 0 then
+        held = last[1][1]
+      end
+    end
+    if held == '' or compare(held, want) < 0 then
+      lost[#lost + 1] = key
+      lost[#lost + 1] = held
+    end
+  end
+end
+if #lost > 0 then
+  return {'SINK_LOST', unpack(lost)}
+end
+local want_at, want_gen = ARGV[7 + 2 * nheld], ARGV[8 + 2 * nheld]
 if ARGV[2] == '1' then
-  set = KEYS[#KEYS - (hash and 1 or 0)]
-  local kind = redis.call('TYPE', set)['ok']
-  if kind ~= 'none' and kind ~= 'set' then
-    return redis.error_reply('WRONGTYPE index key ' .. set .. ' holds a ' .. kind .. ', not a set')
+  counts = KEYS[#KEYS - (hash and 1 or 0)]
+  set = KEYS[#KEYS - (hash and 2 or 1)]
+  for _, k in ipairs({{set, 'set'}, {counts, 'hash'}}) do
+    local kind = redis.call('TYPE', k[1])['ok']
+    if kind ~= 'none' and kind ~= k[2] then
+      return redis.error_reply('WRONGTYPE index key ' .. k[1] .. ' holds a ' .. kind .. ', not a ' .. k[2])
+    end
   end
 end
 local tops = {}
@@ -470,23 +563,88 @@ local function first_write(member)
     written = true
   end
 end
-local function change(clear, at)
+local function chunked(command, key, items)
+  local first = 1
+  while first <= #items do
+    local upto = math.min(first + 999, #items)
+    redis.call(command, key, unpack(items, first, upto))
+    written = true
+    first = upto + 1
+  end
+end
+-- An entry's index change: the clear flag, then per copy (member, its count field, step, floor):
+-- the copy's count c becomes max(c + step, floor), which is applying the entry's stores (+1) and
+-- removals (-1, never below 0) of that copy in order. The counts and the members' totals are set
+-- in one HSET with '_at' (the entry's id), so a retry after a failure later in the script finds
+-- the change applied and does not count it twice; a change with a clear starts from nothing, so
+-- applying it again gives the same counts. Then each member is in the set iff its total is above 0.
+local function change(clear, at, id)
+  local applied = false
   if clear then
     first_write('0')
-    redis.call('DEL', set)
+    redis.call('DEL', set, counts)
+  else
+    local done = redis.call('HGET', counts, '_at')
+    applied = done and compare(done, id) >= 0
   end
-  for _, command in ipairs({'SREM', 'SADD'}) do
-    local first, last = at + 1, at + tonumber(ARGV[at])
-    if command == 'SREM' and first <= last then
-      first_write(ARGV[first])
+  local n = tonumber(ARGV[at])
+  local puts, zeros, members, totals = {}, {}, {}, {}
+  for q = at + 1, at + 4 * n, 4 do
+    local member, field = ARGV[q], ARGV[q + 1]
+    local total = totals[member]
+    if total == nil then
+      members[#members + 1] = member
+      total = tonumber(redis.call('HGET', counts, 't:' .. member) or '0')
     end
-    while first <= last do
-      local upto = math.min(first + 999, last)
-      redis.call(command, set, unpack(ARGV, first, upto))
+    if not applied then
+      local c = tonumber(redis.call('HGET', counts, field) or '0')
+      local new = math.max(c + tonumber(ARGV[q + 2]), tonumber(ARGV[q + 3]))
+      if new ~= c then
+        puts[#puts + 1] = field
+        puts[#puts + 1] = new
+        total = total + new - c
+      end
+    end
+    totals[member] = total
+  end
+  if #puts > 0 then
+    for _, member in ipairs(members) do
+      puts[#puts + 1] = 't:' .. member
+      puts[#puts + 1] = totals[member]
+    end
+    -- Redis checks maxmemory here if this is the script's first write (HSET may grow memory).
+    local first = 1
+    while first <= #puts do
+      local upto = math.min(first + 1999, #puts)
+      if upto == #puts then
+        redis.call('HSET', counts, '_at', id, unpack(puts, first, upto))
+      else
+        redis.call('HSET', counts, unpack(puts, first, upto))
+      end
       written = true
       first = upto + 1
     end
-    at = last + 1
+    for q = 1, #puts, 2 do
+      if puts[q + 1] == 0 then
+        zeros[#zeros + 1] = puts[q]
+      end
+    end
+  end
+  local adds, removes = {}, {}
+  for _, member in ipairs(members) do
+    if totals[member] > 0 then
+      adds[#adds + 1] = member
+    else
+      removes[#removes + 1] = member
+    end
+  end
+  chunked('SADD', set, adds)
+  if #removes > 0 then
+    first_write(removes[1])
+  end
+  chunked('SREM', set, removes)
+  if #zeros > 0 then
+    chunked('HDEL', counts, zeros)
   end
 end
 -- A record's state change: applied unless the hash already holds that record or a later one of
@@ -506,6 +664,21 @@ local function state(p)
     return after, 'STATE_WRONGTYPE state key ' .. hash .. ' holds a ' .. kind .. ', not a hash'
   end
   local cur = redis.call('HMGET', hash, '_at', '_gen')
+  if want_at ~= '' then
+    -- The hash must still hold the bridge's last state write (or a later one of its generation),
+    -- once per call: else it lost it (evicted, deleted, an older snapshot). Emptied, so that no
+    -- partial state stays marked complete; the state is written again as a new generation. A
+    -- clear builds on nothing: it writes the whole state.
+    if not clear and (not cur[1] or cur[2] ~= want_gen or compare(cur[1], want_at) < 0) then
+      -- Left alone when another writer (the next pod of a rolling update) moved it to a later generation.
+      if not (cur[2] and tonumber(cur[2]) > tonumber(want_gen)) then
+        redis.call('UNLINK', hash)
+      end
+      return after, 'STATE_LOST state key ' .. hash .. ' holds ' .. (cur[1] or 'nothing') .. ' of generation '
+        .. (cur[2] or '-') .. ' where the bridge wrote ' .. want_at .. ' of generation ' .. want_gen
+    end
+    want_at = ''
+  end
   if cur[1] and cur[2] == gen and compare(at, cur[1]) <= 0 then
     return after, 0
   end
@@ -531,7 +704,7 @@ local function state(p)
   return after, 1
 end
 local out = {}
-local p = 6
+local p = 9 + 2 * nheld
 while p <= #ARGV do
   if ARGV[p] == '0' then
     local after, result = state(p)
@@ -554,8 +727,7 @@ while p <= #ARGV do
     local clear, at = false, nil
     if set then
       clear, at = ARGV[p] == '1', p + 1
-      p = at + 1 + tonumber(ARGV[at])
-      p = p + 1 + tonumber(ARGV[p])
+      p = at + 1 + 4 * tonumber(ARGV[at])
     end
     local t = top(key)
     local result = 1
@@ -571,7 +743,7 @@ while p <= #ARGV do
       end
     else
       if set then
-        change(clear, at)
+        change(clear, at, id)
       end
       local added = redis.pcall('XADD', unpack(xadd))
       written = true
@@ -596,6 +768,8 @@ return out
 # Server error codes that an operator or time heals: retried, never dead-lettered.
 _TRANSIENT: dict[str, tuple[str, float | None]] = {
     "OOM": ("oom", None),  # consumers trimming or a raised maxmemory heal it; backpressure holds the data
+    # RDB or AOF writes failing (a full disk, an unwritable dir): refused until an operator fixes the disk
+    "MISCONF": ("misconf", None),
     "NOPERM": ("no_permission", None),  # an ACL mistake an operator fixes
     "BUSY": ("busy", None),
     "LOADING": ("loading", 1.0),
@@ -618,6 +792,17 @@ _CODES = (
     (ClusterDownError, "CLUSTERDOWN"),
     (AskError, "MOVED"),
 )
+# Refusals of a whole script call that no entry caused for itself: retried.
+_CALL_REFUSALS = (
+    (re.compile(r"Script killed by user", re.I), "script_killed", "an operator's SCRIPT KILL: the call is made again"),
+    (
+        re.compile(r"^Protocol error", re.I),
+        "protocol",
+        "the server refused the call's framing, e.g. proto-max-bulk-len lowered since connect: read again, retried",
+    ),
+)
+_MAX_BULK = 512 * 1024 * 1024  # Redis's default proto-max-bulk-len
+_SETTINGS = ("proto-max-bulk-len", "appendonly", "maxmemory-policy")
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
 _KEYS_PER_STREAM = 64
 
@@ -627,31 +812,45 @@ class _Call:
 
     def __init__(self, maxlen: str, index_key: str | None, state_key: str | None, stream: Stream) -> None:
         self.keys: list[str] = []
-        self.args: list[str | bytes | int] = [
+        self.head: list[str | bytes | int] = [
             maxlen,
             "1" if index_key else "0",
             stream.source,
             str(stream.dp_rank),
             "1" if state_key else "0",
         ]
+        self.args: list[str | bytes | int] = []  # per entry and state change
         self.indexes: list[int] = []
+        # Per index, in order: (stream key, entry id) of an entry, (None, (at, generation)) of a state change.
+        self.items: list[tuple[str | None, Any]] = []
         self.index_key = index_key
         self.state_key = state_key
+        self.stream = stream
 
     def add(self, i: int, key: str, ident: str, fields: list[str | bytes]) -> None:
         if key not in self.keys:
             self.keys.append(key)
         self.args += [self.keys.index(key) + 1, ident, len(fields), *fields]
         self.indexes.append(i)
+        self.items.append((key, ident))
 
     def add_state(self, i: int, args: list[str | bytes | int]) -> None:
         """A record's state change (see state_args), after its entries."""
         self.args += args
         self.indexes.append(i)
+        self.items.append((None, (args[2], args[3])))
 
-    def command(self) -> list[str | bytes | int]:
-        keys = [*self.keys, *(k for k in (self.index_key, self.state_key) if k)]
-        return ["EVAL", WRITE_SCRIPT, len(keys), *keys, *self.args]
+    def command(self, held: dict[str, str], written: dict[str, tuple[str, str]]) -> list[str | bytes | int]:
+        """The EVAL, with the last id stored in each of its stream keys (``held``) and the state
+        last written (``written``) for the script to check (I6)."""
+        counts = self.index_key + ":counts" if self.index_key else None
+        keys = [*self.keys, *(k for k in (self.index_key, counts, self.state_key) if k)]
+        expect: list[str | bytes | int] = []
+        for n, key in enumerate(self.keys, 1):
+            if key in held:
+                expect += [n, held[key]]
+        at, gen = written.get(self.state_key, ("", "")) if self.state_key else ("", "")
+        return ["EVAL", WRITE_SCRIPT, len(keys), *keys, *self.head, len(expect) // 2, *expect, at, gen, *self.args]
 
 
 def state_args(m: Message, fmt: StateFormat) -> list[str | bytes | int]:
@@ -715,6 +914,16 @@ class RedisConnector:
         # new keys as epochs go by), so bounded by the number of streams.
         self._owners: dict[str, str] = {}
         self._keys: dict[str, dict[str, None]] = {}
+        self._max_bulk: int | None = None  # the server's proto-max-bulk-len (None: read it again)
+        # What this connector stored, checked by the script before it builds on it (I6): the last
+        # entry id stored in each stream key (keys bounded like _keys), the (_at, _gen) last written
+        # to each state key, and per state key the generation whose state Redis lost (its changes
+        # still queued are not written: the runtime opens a new generation).
+        self._held: dict[str, str] = {}
+        self._held_before: dict[str, str] = {}  # per stream key, the last id stored in the epoch before
+        self._written: dict[str, tuple[str, str]] = {}
+        self._state_lost: dict[str, int] = {}
+        self._warned: set[str] = set()  # durability problems logged (see _warn_durability)
 
     def __repr__(self) -> str:
         return f"<RedisConnector {self.name!r} {self._server}>"
@@ -753,20 +962,76 @@ class RedisConnector:
 
     # -- hooks ------------------------------------------------------------------------------
     async def connect(self) -> None:
-        """PING the server; NotConnected naming the sink and the server if it does not answer."""
+        """PING the server, then read the settings the writes depend on (see :meth:`_read_settings`);
+        NotConnected naming the sink and the server if it does not answer."""
         try:
             await self._connection().ping()
+            settings = await self._read_settings()
         except (RedisError, RedisClusterException, OSError) as exc:
             error = self._classify(exc, f"cannot connect to {self._server}")
             raise NotConnected(str(error), reason=error.reason) from None
         log.info("redis sink connected", extra={"sink": self.name, "server": self._server})
+        if self._state is not None:
+            self._warn_durability(settings)
+
+    def _warn_durability(self, settings: dict[str, str]) -> None:
+        """One WARNING per problem and connector when the server may lose what the state is built
+        on (README "Losses"). Warned, not refused: the bridge notices such a loss at its next write
+        and clears the state, and a managed Redis may not let the operator change these."""
+        problems = []
+        if settings.get("appendonly") == "no":
+            problems.append(
+                "runs without AOF (appendonly no): a restart keeps only the last RDB snapshot, if any, so "
+                "entries and state it acknowledged are lost; set appendonly yes"
+            )
+        policy = settings.get("maxmemory-policy", "noeviction")
+        if policy.startswith("allkeys-"):  # volatile-* evicts only keys with a TTL, and the bridge sets none
+            problems.append(
+                f"evicts keys at maxmemory (maxmemory-policy {policy}): a stream or state hash evicted is "
+                "lost; set maxmemory-policy noeviction (writes are then refused with OOM and retried)"
+            )
+        for problem in problems:
+            if problem not in self._warned:
+                self._warned.add(problem)
+                log.warning(
+                    "%s: %s %s. The bridge announces such a loss (EventsLost, reason sink_lost) and the state "
+                    "is incomplete until the engine's next reset",
+                    self._prefix,
+                    self._server,
+                    problem,
+                    extra={"sink": self.name, "server": self._server},
+                )
+
+    async def _read_settings(self) -> dict[str, str]:
+        """The server's settings this sink depends on (``CONFIG GET``, one command per setting: Redis
+        6 takes one pattern; in a cluster, one node's), and ``proto-max-bulk-len`` remembered: an
+        argument longer than it makes the server refuse the whole script call (and close the
+        connection), so a longer entry is refused for itself before the call is sent. A server that
+        does not allow CONFIG (an ACL, a managed service) keeps Redis's defaults."""
+        client = self._connection()
+        settings: dict[str, str] = {}
+        for name in _SETTINGS:
+            try:
+                reply: Any = await client.config_get(name)
+            except ResponseError:
+                continue  # not allowed: Redis's default is assumed
+            pairs = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
+            for k, v in pairs:
+                settings[_text(k)] = _text(v)
+        try:
+            self._max_bulk = int(settings.get("proto-max-bulk-len", _MAX_BULK))
+        except ValueError:
+            self._max_bulk = _MAX_BULK
+        return settings
 
     async def health(self) -> str | None:
         """None when a PING is answered, else a short reason."""
         try:
             await self._connection().ping()
         except (RedisError, RedisClusterException, OSError) as exc:
-            return str(self._classify(exc, f"{self._server} does not answer"))
+            # A refusal (MISCONF, LOADING, NOPERM, ...) is an answer: say what the server said.
+            what = "refuses PING" if isinstance(exc, ResponseError) else "does not answer"
+            return str(self._classify(exc, f"{self._server} {what}"))
         return None
 
     async def close(self) -> None:
@@ -788,6 +1053,12 @@ class RedisConnector:
         errors: dict[int, ConnectorError] = {}
         calls: dict[object, _Call] = {}
         stopped: dict[str, ConnectorError] = {}  # engine streams stopped at a key collision in this write
+        if self._max_bulk is None:
+            try:
+                await self._read_settings()
+            except (RedisError, RedisClusterException, OSError) as exc:
+                raise self._classify(exc, "cannot read the server's settings") from None
+        max_bulk = self._max_bulk or _MAX_BULK
         for i, m in enumerate(messages):
             stream = m.record.stream.key
             if stream in stopped:  # nothing of a stream after its failed message
@@ -814,23 +1085,40 @@ class RedisConnector:
             if call is None:
                 state_key = self._state.render(m) if self._state else None
                 call = calls[group] = _Call(self._maxlen, index_key, state_key, m.record.stream)
+            value = m.value
+            if len(value) > max_bulk:
+                # The server would refuse the whole call (every entry of the stream in this write).
+                errors[i] = Permanent(
+                    f"{self._prefix}: entry {ident} of {key} is {len(value)} bytes, over the server's "
+                    f"proto-max-bulk-len ({max_bulk} bytes): refused; raise proto-max-bulk-len or keep "
+                    "batches smaller at the engine",
+                    reason="too_large",
+                )
+                continue
             fields: list[str | bytes] = [x for kv in m.headers.items() for x in kv]
-            fields += ["payload" if self._raw and m.record.kind == "batch" else "data", m.value]
+            fields += ["payload" if self._raw and m.record.kind == "batch" else "data", value]
             call.add(i, key, ident, fields)
             if self._index is not None:
-                delta = self._delta(m)
-                call.args += ["1" if delta.clear else "0", len(delta.remove), *delta.remove, len(delta.add), *delta.add]
+                call.args += self._delta(m).args()
         if calls:
             pipe = self._connection().pipeline(transaction=False)
             for call in calls.values():
-                pipe.execute_command(*call.command())
+                pipe.execute_command(*call.command(self._held, self._written))
             try:
                 replies = await pipe.execute(raise_on_error=False)
             except (RedisError, RedisClusterException, OSError) as exc:
                 # The pipeline as a whole failed; what was stored is recognised by its id on retry.
                 raise self._classify(exc) from None
+            lost: list[SinkLost] = []
             for call, reply in zip(calls.values(), replies, strict=True):
+                if isinstance(reply, list) and reply and reply[0] == b"SINK_LOST":
+                    lost.append(self._sink_lost(call, reply[1:]))
+                    continue
                 errors.update(self._results(call, reply))
+            if lost:
+                # Other streams' calls went through; the runtime writes them again (each entry then
+                # found there), after announcing what the sink lost.
+                raise SinkLost("; ".join(map(str, lost)), [span for e in lost for span in e.spans])
         if not errors:
             return
         if len(errors) == len(messages):  # one error for all: their shared cause, or the first transient one
@@ -874,6 +1162,7 @@ class RedisConnector:
             if entry_position(entry_id_)[0] != held.epoch:
                 continue  # not an id this connector wrote
             out[stream.key] = held
+            self._held.setdefault(keys[stream.key], _text(entry_id_))  # checked at the next write (I6)
         return out
 
     async def read_state(self, streams: Sequence[Stream]) -> dict[str, tuple[Head, list[SeedEntry]] | None]:
@@ -908,6 +1197,9 @@ class RedisConnector:
                 continue  # a change cut midway by a script error (the retry was never made): cannot tell
             docs = [d for f, v in fields.items() if b"/" in f and (d := parse(v)) is not None]
             seed = seed_of(doc, docs)
+            gen = fields.get(b"_gen")
+            if seed is not None and at is not None and gen is not None:
+                self._written.setdefault(key, (_text(at), _text(gen)))  # checked at the next write (I6)
             if seed is not None:
                 out[stream.key] = seed
         return out
@@ -927,6 +1219,11 @@ class RedisConnector:
             return  # nothing to change: written as it is
         stream = m.record.stream.key
         state_key = self._state.render(m)
+        lost = self._state_lost.get(state_key)
+        if lost is not None:
+            if delta.head.generation <= lost:
+                return  # a change of the generation Redis lost: the hash stays empty until the next one
+            del self._state_lost[state_key]
         collision = self._claim(stream, state_key, "state.key")
         if collision is not None:
             errors[i] = stopped[stream] = collision
@@ -942,6 +1239,38 @@ class RedisConnector:
             index_key = self._index.render(m) if self._index else None
             call = calls[group] = _Call(self._maxlen, index_key, state_key, m.record.stream)
         call.add_state(i, args)
+
+    def _sink_lost(self, call: _Call, found: list[bytes]) -> SinkLost:
+        """The SinkLost of a call whose stream keys no longer hold the last entry stored in them
+        (``found``: key, top id or empty, ...): per key, the seqs from the one after its top entry
+        (0 when the top is of an earlier epoch, or there is none) to the last one stored, in the
+        epoch of the last one stored, and likewise in the epoch before it when the top is below
+        its end too (earlier epochs are not remembered). A script call stores whole records, and
+        Redis persists a script's writes whole, so the top entry's record is whole. Forgets what it
+        expected of those keys, so that the write that follows goes through."""
+        spans: dict[int, tuple[int, int]] = {}
+        lines = []
+        for raw_key, raw_top in zip(found[::2], found[1::2], strict=True):
+            key, top = _text(raw_key), _text(raw_top)
+            want = self._held.pop(key)
+            before = self._held_before.pop(key, None)
+            lines.append(f"{key} holds {top or 'nothing'}, below {want} it stored")
+            ends = [want] if before is None or (top and entry_position(top) >= entry_position(before)) else [before, want]
+            for end in ends:
+                epoch, slot, _ = entry_position(end)
+                first = 0
+                if top:
+                    top_epoch, top_slot, _ = entry_position(top)
+                    first = top_slot if top_epoch == epoch else 0
+                if first <= slot - 1:
+                    low, high = spans.get(epoch, (first, slot - 1))
+                    spans[epoch] = (min(low, first), max(high, slot - 1))
+        message = (
+            f"{self._prefix}: Redis lost entries it acknowledged (a restart from an older snapshot or without "
+            f"persistence, a deleted key): {'; '.join(lines)}; set appendonly yes (appendfsync everysec or always) "
+            "so a restart keeps them"
+        )
+        return SinkLost(message, [(call.stream, e, low, high) for e, (low, high) in spans.items()])
 
     def _claim(self, stream: str, key: str, field: str) -> Retriable | None:
         """None when ``key`` belongs to engine ``stream`` (claimed now if no stream had it), else
@@ -961,6 +1290,8 @@ class RedisConnector:
             if len(keys) > _KEYS_PER_STREAM:
                 old = next(iter(keys))
                 del keys[old]
+                self._held.pop(old, None)
+                self._held_before.pop(old, None)
                 if self._owners.get(old) == stream:
                     del self._owners[old]
         return None
@@ -968,11 +1299,31 @@ class RedisConnector:
     def _results(self, call: _Call, reply: Any) -> dict[int, ConnectorError]:
         """The errors of one script call's entries (a failed call fails every entry alike)."""
         if isinstance(reply, BaseException):
-            return dict.fromkeys(call.indexes, self._classify(reply))
+            # The whole call refused: no entry's own doing (an oversized entry is refused before
+            # the call), so retried (see _CALL_REFUSALS).
+            error = self._classify(reply)
+            if error.reason == "protocol":
+                self._max_bulk = None  # proto-max-bulk-len lowered since connect: read it again
+            return dict.fromkeys(call.indexes, error)
         errors: dict[int, ConnectorError] = {}
-        for i, result in zip(call.indexes, reply, strict=False):
+        settled = True  # no transient failure yet: what is stored up to here is acknowledged
+        for i, (key, what), result in zip(call.indexes, call.items, reply, strict=False):
             if isinstance(result, bytes):
-                errors[i] = self._refused(result.decode(errors="replace"))
+                errors[i] = error = self._refused(result.decode(errors="replace"))
+                if error.reason == "state_lost" and call.state_key is not None:
+                    self._written.pop(call.state_key, None)
+                    self._state_lost[call.state_key] = int(what[1])
+                settled = settled and isinstance(error, Permanent)
+            elif not settled:
+                continue
+            elif key is not None:
+                last = self._held.get(key)
+                if last is None or entry_position(what) > entry_position(last):
+                    if last is not None and entry_position(what)[0] > entry_position(last)[0]:
+                        self._held_before[key] = last  # a new epoch: its predecessor's end, for _sink_lost
+                    self._held[key] = what
+            elif call.state_key is not None:
+                self._written[call.state_key] = (what[0], what[1])
         if len(reply) < len(call.indexes):  # the script stopped at a failure: the rest waits behind it
             stop = errors.get(call.indexes[len(reply) - 1]) if reply else None
             held = Retriable(f"{self._prefix}: not written, behind a failed entry of its stream ({stop})", reason="held_back")
@@ -982,9 +1333,9 @@ class RedisConnector:
     def _delta(self, m: Message) -> IndexDelta:
         record = m.record
         if record.kind == "SourceReset":
-            return IndexDelta(True, [], [])
+            return IndexDelta(True, [])
         if record.kind == "EventsLost":
-            return IndexDelta(self._clear_on_lost, [], [])
+            return IndexDelta(self._clear_on_lost, [])
         event = m.event
         return index_delta(record.events if event is None else (event,), self._hash_hex)
 
@@ -1002,8 +1353,15 @@ class RedisConnector:
         if code in _TRANSIENT:
             reason, wait = _TRANSIENT[code]
             return Retriable(text, retry_after=wait, reason=reason)
+        for pattern, reason, why in _CALL_REFUSALS:
+            if pattern.search(line):
+                return Retriable(f"{text} ({why})", reason=reason)
         if code == "OUT_OF_ORDER":
             return Permanent(f"{text} (another client wrote or deleted entries of the stream)", reason="out_of_order")
+        if code == "STATE_LOST":
+            # Refused for itself: the runtime clears the stream's state into a new generation
+            # (incomplete), which writes the hash whole again; the script emptied it meanwhile.
+            return Permanent(f"{text}: the state is written again from its next change, incomplete", reason="state_lost")
         return Permanent(text, reason="rejected")
 
     def _classify(self, exc: BaseException, what: str = "") -> ConnectorError:
@@ -1024,6 +1382,10 @@ class RedisConnector:
         if isinstance(exc, RedisClusterException):
             return Retriable(f"{where}: {text}", retry_after=0.5, reason="cluster")
         return Retriable(f"{where}: {text}")
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 async def _hash_fields(client: aioredis.Redis | aioredis.RedisCluster, key: str) -> dict[bytes, bytes]:

@@ -47,7 +47,7 @@ from tests.infra.servers import RedisServer, free_port
 from tests.integration.conformance import FORMATS, ConformanceSuite, Stored
 from tests.integration.conftest import own_server, unavailable
 from tests.support.contract import BeforeFirstWrite, Scenario, interleaved
-from tests.support.records import batch, control_records, stream_records
+from tests.support.records import CacheModel, batch, control_records, stream_records
 from tests.support.schema import check_entry, check_message
 
 integration = pytest.mark.integration
@@ -463,26 +463,6 @@ async def test_maxlen_trims_approximately_and_redelivery_below_the_head_counts_a
 # -- the block index ----------------------------------------------------------------------------
 
 
-class CacheModel:
-    """The engine's cache as a plain set, to compare the index with."""
-
-    def __init__(self, member: Any) -> None:
-        self.member = member
-        self.blocks: set[str] = set()
-
-    def apply(self, record: Record) -> None:
-        if record.kind == "SourceReset":
-            self.blocks.clear()
-            return
-        for event in record.events:
-            if event["type"] == "AllBlocksCleared":
-                self.blocks.clear()
-            elif event["type"] == "BlockStored":
-                self.blocks.update(self.member(h) for h in event["block_hashes"])
-            elif event["type"] == "BlockRemoved":
-                self.blocks.difference_update(self.member(h) for h in event["block_hashes"])
-
-
 def random_records(rng: random.Random, stream: Stream, count: int, pool: list[Any]) -> list[Record]:
     """A long random history of one engine: stores, removals (of held and unknown blocks),
     rare full clears, and an engine restart (SourceReset, new epoch) in the middle."""
@@ -629,25 +609,83 @@ async def test_index_after_events_lost(redis_server: RedisServer, policy: str) -
     assert await smembers(redis_server.url, f"{prefix}:llama-l:0:b") == (before if policy == "keep" else set())
 
 
-def test_index_delta_is_the_net_effect_in_order() -> None:
+@integration
+@pytest.mark.parametrize("granularity", ["event", "batch"])
+async def test_the_index_counts_copies_per_medium(redis_server: RedisServer, granularity: str) -> None:
+    """vLLM stores a block twice and removes it once (one copy left), and a BlockRemoved of the
+    CPU copy leaves the GPU copy: the index used to answer "absent" for both. It counts copies per
+    (medium, group_idx): a block is a member while any copy is held, across writes and re-sends."""
+    s = sink("json", granularity)
+    prefix = new_prefix()
+    stream = Stream("llama-c", 0)
+
+    def stored(h: int, medium: str = "GPU") -> Event:
+        return {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": None, "token_ids": [1],
+                "block_size": 16, "lora_id": None, "medium": medium}  # fmt: skip
+
+    def removed(h: int, medium: str = "GPU") -> Event:
+        return {"type": "BlockRemoved", "block_hashes": [h], "medium": medium}
+
+    steps: list[list[Event]] = [
+        [stored(1)],
+        [stored(1), stored(2)],  # block 1 twice
+        [removed(1)],  # one copy of block 1 left
+        [removed(2, "CPU"), stored(3, "CPU"), stored(3), removed(3)],  # 2 keeps its GPU copy, 3 its CPU one
+        [removed(4)],  # never held: nothing
+    ]
+    records = [Record(stream=stream, epoch=1, seq=q, ts=1.0, events=events) for q, events in enumerate(steps)]
+    conn = make_indexed(redis_server.url, s, prefix, "blocks")
+    client = aioredis.Redis.from_url(redis_server.url)
+    set_key = f"{prefix}:llama-c:0:blocks"
+    try:
+        for q in range(len(records)):
+            await conn.write(render(s, records[q : q + 1]))
+            await conn.write(render(s, records[: q + 1]))  # re-sent: counted once
+        assert await client.smismember(set_key, ["1", "2", "3", "4"]) == [1, 1, 1, 0]
+        last = [removed(1), removed(2), removed(3, "CPU")]
+        records.append(Record(stream=stream, epoch=1, seq=len(records), ts=1.0, events=last))
+        await conn.write(render(s, records[-1:]))
+        assert await client.smismember(set_key, ["1", "2", "3"]) == [0, 0, 0]
+    finally:
+        await conn.close()
+        await client.delete(f"{prefix}:llama-c:0", set_key, set_key + ":counts")
+        await client.aclose()
+
+
+def test_index_delta_counts_each_copy_in_order() -> None:
     events: list[Event] = [
         {"type": "BlockStored", "block_hashes": [1, 2, 3]},
-        {"type": "BlockRemoved", "block_hashes": [2, 9]},
-        {"type": "BlockStored", "block_hashes": [2, b"\x0a\xff"]},
+        {"type": "BlockRemoved", "block_hashes": [2, 9, 2]},
+        {"type": "BlockStored", "block_hashes": [2, b"\x0a\xff", 1]},
+        {"type": "BlockRemoved", "block_hashes": [3], "medium": "CPU"},
         {"type": "Unknown", "block_hashes": [7]},
     ]
     d = index_delta(events)
-    assert (d.clear, sorted(d.remove), sorted(d.add)) == (False, ["9"], ["0aff", "1", "2", "3"])
+    assert d.clear is False
+    assert {(m, f): (step, floor) for m, f, step, floor in d.changes} == {
+        ("1", "c:-:-:1"): (2, 2),
+        ("2", "c:-:-:2"): (0, 1),  # +1 -1 -1 (floored at 0) +1
+        ("3", "c:-:-:3"): (1, 1),
+        ("9", "c:-:-:9"): (-1, 0),
+        ("0aff", "c:-:-:0aff"): (1, 1),
+        ("3", "c:CPU:-:3"): (-1, 0),  # a removal from another medium leaves the copy above
+    }
     d = index_delta(
         [
             {"type": "BlockStored", "block_hashes": [1]},
             {"type": "AllBlocksCleared"},
-            {"type": "BlockRemoved", "block_hashes": [5]},
-            {"type": "BlockStored", "block_hashes": [-1]},
+            {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU", "group_idx": 1},
+            {"type": "BlockStored", "block_hashes": [-1], "medium": "a:b"},
         ],
         True,
     )
-    assert d == (True, [], ["ffffffffffffffff"])
+    assert d == (
+        True,
+        [
+            ("0000000000000005", "c:GPU:1:0000000000000005", -1, 0),
+            ("ffffffffffffffff", "c:a%3Ab:-:ffffffffffffffff", 1, 1),
+        ],
+    )
 
 
 # -- failures -----------------------------------------------------------------------------------
@@ -972,6 +1010,10 @@ def test_registry_builds_the_connector_from_sink_keys() -> None:
         ({"url": "redis://x", "index": {"enabled": True, "key": "i:{source}:{dp_rank}:{epoch}"}}, "{epoch} not allowed"),
         ({"url": "redis://x", "tls": {"ca_file": "/ca.pem"}}, "tls: only used with a rediss:// url"),
         ({"url": "redis://:a@x", "password": "b"}, "either in url or in password"),
+        ({"url": "rediss://x?ssl_cert_reqs=none", "tls": {"ca_file": "/ca.pem"}}, "url: ssl_cert_reqs not allowed"),
+        ({"url": "rediss://x/0?ssl_cert_reqs=none"}, "turns off certificate verification"),
+        ({"url": "rediss://x/0?SSL_CHECK_HOSTNAME=false&ssl_ca_certs=/a"}, "SSL_CHECK_HOSTNAME, ssl_ca_certs not allowed"),
+        ({"url": "rediss://x/0?ssl_cert_reqs=none"}, "set tls: {ca_file, cert_file, key_file, check_hostname} instead"),
         ({"url": "redis://x", "maxlen": 0}, "maxlen"),
         (
             {"url": "redis://x", "cluster": True, "stream": "kv:{source}:{dp_rank}", "index": {"enabled": True}},

@@ -19,22 +19,25 @@ was found "already there" by the retry, which then never applied that set change
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from bridge.config import SinkConfig, convert_options
-from bridge.errors import ConfigError, Retriable
+from bridge.errors import ConfigError, ConnectorError, Retriable
 from bridge.formats import Renderer
 from bridge.records import Record, Stream, source_reset
 from connectors.redis import RedisConnector, RedisOptions, entry_id, message_position
 from tests.infra.servers import RedisServer
 from tests.integration.conftest import own_server
-from tests.support.records import batch
+from tests.support.records import CacheModel, batch, block_stored
 from tests.support.redis_sink import RedisDelivery
 from tests.support.schema import check_entry
 
@@ -107,28 +110,21 @@ async def assert_stored_in_order(d: RedisDelivery, admin: aioredis.Redis, stream
 
 def index_of(records: list[Record]) -> set[str]:
     """The block set after ``records``, applied one by one (integer hashes as decimal text)."""
-    blocks: set[str] = set()
+    model = CacheModel(str)
     for r in records:
-        if r.kind == "SourceReset":
-            blocks.clear()
-        for event in r.events:
-            if event["type"] == "AllBlocksCleared":
-                blocks.clear()
-            elif event["type"] in ("BlockStored", "BlockRemoved"):
-                for h in event["block_hashes"]:
-                    (blocks.add if event["type"] == "BlockStored" else blocks.discard)(str(h))
-    return blocks
+        model.apply(r)
+    return model.blocks
 
 
 # -- ACL refusals: retried, never dead-lettered; a message's set change goes with its entry ------
 
 
-@pytest.mark.parametrize("denied", ["sadd", "srem", "del", "xadd"])
+@pytest.mark.parametrize("denied", ["sadd", "srem", "del", "xadd", "hset"])
 async def test_an_acl_refusal_in_the_index_mode_script_is_retried_and_the_index_matches_the_entries(
     acl_redis: RedisServer, admin: aioredis.Redis, tmp_path: Path, denied: str
 ) -> None:
     """Index mode, the bridge's user may not run ``denied`` (SADD / SREM: the set change of every
-    batch; DEL: the clear of the SourceReset; XADD: every entry) until an operator fixes the ACL
+    batch; HSET: its counts; DEL: the clear of the SourceReset; XADD: every entry) until an operator fixes the ACL
     1.5 s into the refusals. Nothing is dead-lettered, nothing acknowledged before the fix; after
     it every entry is stored once, in order, and the set holds exactly the blocks of the entries."""
     stream = Stream("eng", 0)
@@ -334,3 +330,153 @@ async def test_a_write_starting_with_a_clear_or_a_removal_is_still_refused_at_ma
         await conn.close()
     assert await admin.smembers("kv:eng:0:blocks") == before
     assert await admin.exists("kv:eng:0") == 0
+
+
+# -- MISCONF: persistence failing is an operator's fix, not a refusal of the entries ------------
+
+
+async def bgsave_status(admin: aioredis.Redis) -> str:
+    """``rdb_last_bgsave_status`` once no BGSAVE runs (each wait bounded)."""
+    deadline = time.monotonic() + 15
+    while (info := await admin.info("persistence"))["rdb_bgsave_in_progress"]:
+        assert time.monotonic() < deadline, "BGSAVE still running after 15 s"
+        await asyncio.sleep(0.02)
+    return str(info["rdb_last_bgsave_status"])
+
+
+@pytest.fixture
+def snapshotting_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A redis-server that snapshots (save 3600 1, stop-writes-on-bgsave-error yes, its default)
+    and lets a test move its dir (CONFIG SET dir is a protected config)."""
+    extra = {"save": "3600 1", "enable-protected-configs": "yes"}
+    server = RedisServer(tmp_path_factory.mktemp("redis-misconf"), persistent=False, extra_config=extra)
+    with own_server("redis (MISCONF)", server) as started:
+        yield started
+
+
+async def test_misconf_is_retried_not_ready_and_nothing_is_dead_lettered(snapshotting_redis: RedisServer, tmp_path: Path) -> None:
+    """The server's RDB snapshots fail (its dir removed under it): with
+    ``stop-writes-on-bgsave-error yes`` Redis refuses every write with MISCONF until an operator
+    fixes the disk. The bridge dead-lettered each batch while ready. Now the batches are retried
+    (reason ``misconf``), the sink is not ready (health() names the cause), nothing is
+    dead-lettered or acknowledged; once the disk is fixed every batch is stored once, in order."""
+    stream = Stream("eng", 0)
+    records = [batch(stream, q, epoch=1) for q in range(6)]
+    admin = aioredis.Redis.from_url(snapshotting_redis.url)
+    good = (await admin.config_get("dir"))["dir"]
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    d = await started(delivery(tmp_path, snapshotting_redis.url, {}, user=None))
+    try:
+        await d.feed(records[:2])
+        assert await d.worker.flush(10)
+        await admin.config_set("dir", str(gone))
+        gone.rmdir()  # the snapshot's temporary file can no longer be created (even by root)
+        await admin.bgsave()
+        assert await bgsave_status(admin) == "err"
+        await d.feed(records[2:])
+        await until(lambda: bool(d.errors()), "the write to meet MISCONF")
+        await asyncio.sleep(1.0)
+        assert d.errors().keys() == {"misconf"}, d.errors()
+        assert d.dead_letters() == [], "a batch dead-lettered while the server cannot persist"
+        assert d.acked == records[:2]
+        problem = await d.worker.connector.health()
+        assert problem is not None and "refuses PING: MISCONF" in problem, problem
+        assert not d.worker.connected and "misconf" in str(d.worker.last_error).lower()
+        await admin.config_set("dir", good)  # the operator fixes the disk; the next snapshot succeeds
+        await admin.bgsave()
+        assert await bgsave_status(admin) == "ok"
+        assert await d.worker.flush(30), "not delivered within 30 s of the fix"
+        assert d.acked == records and not d.unbacked, d.unbacked
+        assert d.dead_letters() == []
+        await assert_stored_in_order(d, admin, stream, records)
+    finally:
+        await d.close()
+        await admin.aclose()
+
+
+# -- a refusal of a whole script call: only an entry refused for itself is dead-lettered --------
+
+
+def huge(stream: Stream, seq: int) -> Record:
+    """A batch whose JSON message is over 1 MiB (one BlockStored of 20,000 blocks)."""
+    events = [block_stored(seq, n_blocks=20_000)]
+    payload = msgspec.msgpack.encode([0.0, events, stream.dp_rank])
+    return Record(stream=stream, epoch=1, seq=seq, ts=0.0, payload=payload, events=events, received=0.0)
+
+
+@pytest.mark.parametrize("lowered", ["before connect", "after connect"])
+async def test_an_entry_over_proto_max_bulk_len_alone_is_dead_lettered(
+    acl_redis: RedisServer, admin: aioredis.Redis, tmp_path: Path, lowered: str
+) -> None:
+    """proto-max-bulk-len 1 MiB and seq 2's message over it, in one write with seqs 0-4: the server
+    refuses the whole script call, which dead-lettered seqs 0-4. Now seq 2 alone is refused for
+    itself (reason too_large, dead-lettered, announced to the sink's consumers by the runtime); the
+    others are stored once, in order. A limit lowered after connect costs one retried write (the
+    protocol error makes the connector read it again)."""
+    stream = Stream("eng", 0)
+    records = [batch(stream, q, epoch=1) for q in range(5)]
+    records[2] = huge(stream, 2)
+    d = delivery(tmp_path, acl_redis.url, {})
+    assert len(d.renderer.render(records[2])[0].value) > 1024 * 1024
+    try:
+        if lowered == "after connect":
+            await started(d)
+        await admin.config_set("proto-max-bulk-len", 1024 * 1024)
+        await d.feed(records)  # before connect: queued before the worker starts, one write holds them all
+        if lowered == "before connect":
+            await started(d)
+        assert await d.worker.flush(30), "not delivered within 30 s"
+        dead = d.dead_letters()
+        assert [(x["seq"], x["detail"]) for x in dead] == [(2, dead[0]["detail"])], [x["seq"] for x in dead]
+        assert "proto-max-bulk-len" in str(dead[0]["detail"]), dead[0]["detail"]
+        errors = d.errors()
+        assert "too_large" in errors and errors.keys() <= {"too_large", "protocol", "not_connected"}, errors
+        assert ("protocol" in errors) == (lowered == "after connect"), errors
+        assert d.acked == records
+    finally:
+        await admin.config_set("proto-max-bulk-len", 512 * 1024 * 1024)
+        await d.close()
+    entries = await admin.xrange("kv:eng:0")
+    assert [int(f[b"seq"]) for _, f in entries if f[b"type"] != b"EventsLost"] == [0, 1, 3, 4]
+    announced = [json.loads(f[b"data"]) for _, f in entries if f[b"type"] == b"EventsLost"]
+    assert [(x["from_seq"], x["to_seq"], x["reason"]) for x in announced] == [(2, 2, "sink_refused:redis")]
+
+
+async def test_a_script_killed_by_an_operator_is_retried_not_dead_lettered(acl_redis: RedisServer, admin: aioredis.Redis) -> None:
+    """An operator's SCRIPT KILL aborts the write script (before its first write: a long re-send
+    of stored entries, which only reads). The call's entries were all refused as Permanent (dead
+    letters); now the write fails as Retriable (script_killed), and the next one stores them."""
+    s = SinkConfig(type="redis", name="redis", format="json", granularity="batch")
+    renderer = Renderer(s.format, s.granularity)
+    stream = Stream("eng", 0)
+    records = [batch(stream, q, epoch=1, n_events=1) for q in range(20_003)]
+    messages = [m for r in records for m in renderer.render(r)]
+    conn = RedisConnector(s.name, convert_options({"url": acl_redis.url}, RedisOptions, "sinks[0]"), s)
+    await conn.connect()
+    killer = aioredis.Redis.from_url(acl_redis.url)
+    await admin.config_set("busy-reply-threshold", 1)  # ms: SCRIPT KILL is accepted once a script ran this long
+    try:
+        await conn.write(messages[:-3])
+
+        async def kill() -> None:
+            while True:  # until the script runs (NOTBUSY before); each attempt answered at once
+                try:
+                    await killer.script_kill()
+                    return
+                except ResponseError as exc:
+                    assert "NOTBUSY" in str(exc), exc
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(kill())
+        with pytest.raises(ConnectorError) as info:  # the re-send of 20,000 entries, then 3 new ones
+            await conn.write(messages)
+        await asyncio.wait_for(task, 10)
+        assert isinstance(info.value, Retriable) and info.value.reason == "script_killed", info.value
+        assert await admin.xlen("kv:eng:0") == 20_000
+        await conn.write(messages)
+    finally:
+        await admin.config_set("busy-reply-threshold", 5000)
+        await killer.aclose()
+        await conn.close()
+    assert await admin.xlen("kv:eng:0") == 20_003

@@ -31,13 +31,14 @@ import redis.asyncio as aioredis
 
 from bridge.bootstrap import StreamState, block_id
 from bridge.config import Config, from_data
-from bridge.records import Record, Stream
+from bridge.records import Record, Stream, source_reset
 from bridge.runtime import Bridge
 from connectors.redis import bootstrap
 from tests.infra.servers import RedisServer
 from tests.support.cache_engine import CacheEngine, event
 from tests.support.harness import free_port, wait_for
 from tests.support.process import BridgeProcess, bridge_config, metric
+from tests.support.readback import read_redis
 
 pytestmark = pytest.mark.integration
 
@@ -424,3 +425,234 @@ async def test_past_state_max_entries_a_streams_state_is_switched_off_and_its_ev
         finally:
             await bridge.stop()
             await remove_keys(client, prefix)
+
+
+# -- Redis losing what it acknowledged (I6) ------------------------------------------------------
+
+
+@pytest.fixture
+def forgetful_redis(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A redis-server of the test's own without AOF (``save ""``): a restart comes back empty, or
+    with the last snapshot a test took with SAVE."""
+    from tests.integration.conftest import own_server
+
+    with own_server("redis (no AOF)", RedisServer(tmp_path_factory.mktemp("redis-lost"), persistent=False)) as server:
+        yield server
+
+
+@pytest.mark.parametrize("restart", ["empty", "snapshot"])
+async def test_entries_redis_lost_are_announced_and_the_state_cleared(
+    tmp_path: Path, forgetful_redis: RedisServer, restart: str
+) -> None:
+    """Redis restarts without persistence (empty) or from an older RDB snapshot, mid-run. The
+    bridge wrote the next batches on top of what was left: the stream silently lacked acknowledged
+    batches and the state, rebuilt on nothing or on an old snapshot, stayed complete: true. Now
+    the next write finds the stream's top below the last entry stored: an EventsLost (reason
+    sink_lost:out) covers exactly the seqs lost, and the state is incomplete (never a block the
+    engine lacks), or exact."""
+    prefix = "kvl"
+    live, rep = free_port(), free_port()
+    cfg = in_process(tmp_path, [("a", live, rep)], sink(forgetful_redis.url, prefix, retry={"initial_backoff": "20ms"}))
+    client = aioredis.Redis.from_url(forgetful_redis.url)
+    async with CacheEngine(live, rep, seed=11) as engine:
+        bridge = Bridge(cfg)
+        await bridge.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(10)
+            await settled(client, prefix, engine, "a")
+            kept = -1
+            if restart == "snapshot":
+                await client.save()
+                kept = engine.last_seq
+            await engine.step(10)
+            await settled(client, prefix, engine, "a")
+            acknowledged = engine.last_seq
+            check(await bootstrapped(client, prefix, "a"), engine)
+            await client.aclose()
+            await forgetful_redis.akill()
+            await forgetful_redis.astart()
+            client = aioredis.Redis.from_url(forgetful_redis.url)
+            assert await top_seq(client, f"{prefix}:a:0") == (kept if kept >= 0 else None)
+            await engine.step(10)
+            await settled(client, prefix, engine, "a")
+            back = await read_redis(forgetful_redis.url, [f"{prefix}:a:0"])
+            lost = [x for x in back.lost if x[3].startswith("sink_lost")]
+            assert lost == [(0, kept + 1, acknowledged, "sink_lost:out")], back.lost
+            present = {seq for _, _, seq, _, kind in back.rows if kind not in ("SourceReset", "EventsLost")}
+            gone = set(range(kept + 1, acknowledged + 1))
+            assert present | gone == set(range(engine.last_seq + 1)) and not present & gone, sorted(present)
+            state = await bootstrapped(client, prefix, "a")
+            check(state, engine, complete=False)  # cleared into a new generation: incomplete, no false block
+        finally:
+            await bridge.stop()
+            await client.aclose()
+            (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
+
+
+async def test_a_deleted_state_hash_is_never_rebuilt_partial_and_complete(
+    tmp_path: Path, redis_server: RedisServer, client: Any
+) -> None:
+    """The state hash is deleted (or evicted) mid-run. The bridge applied the next changes to the
+    empty hash, whose head said complete: true over a few blocks. Now the change is refused
+    (state_lost: the hash is emptied, the runtime opens a new generation, incomplete): a
+    bootstrap is incomplete with no block the engine lacks, or exact."""
+    prefix = f"kvd{uuid.uuid4().hex[:8]}"
+    live, rep = free_port(), free_port()
+    cfg = in_process(tmp_path, [("a", live, rep)], sink(redis_server.url, prefix))
+    async with CacheEngine(live, rep, seed=12) as engine:
+        bridge = Bridge(cfg)
+        await bridge.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(15)
+            await settled(client, prefix, engine, "a")
+            check(await bootstrapped(client, prefix, "a"), engine)
+            assert await client.delete(f"{prefix}:a:0:state") == 1
+            for _ in range(3):
+                await engine.step(5)
+                await settled(client, prefix, engine, "a")
+                state = await bootstrapped(client, prefix, "a")
+                check(state, engine, complete=state.complete)
+            assert not state.complete
+        finally:
+            await bridge.stop()
+            await remove_keys(client, prefix)
+
+
+@pytest.mark.parametrize("restart", ["empty", "snapshot", "snapshot, then an engine restart"])
+async def test_the_write_after_redis_lost_entries_raises_sink_lost_with_the_span(
+    forgetful_redis: RedisServer, restart: str
+) -> None:
+    """The connector's part, without the runtime: the first write after Redis lost seqs it stored
+    raises SinkLost with exactly the lost spans (in the epoch before the last one too, when the
+    engine restarted since the snapshot), storing nothing; the next write goes through."""
+    from bridge.config import SinkConfig
+    from bridge.errors import NotConnected, SinkLost
+    from bridge.formats import Renderer
+    from connectors.redis import RedisConnector, RedisOptions
+    from tests.support.records import batch
+
+    s = SinkConfig(type="redis", name="r", format="json", granularity="batch")
+    renderer, stream = Renderer(s.format, s.granularity), Stream("a", 0)
+    records = [batch(stream, q, epoch=3) for q in range(13)]
+    spans = [(stream, 3, 0, 11)]
+    if restart == "snapshot, then an engine restart":  # seqs 10-12 are epoch 4's 0-2, after its SourceReset
+        records[10:] = [source_reset(stream, 4, "publisher_restart", 0.0), *(batch(stream, q, epoch=4) for q in range(3))]
+        spans = [(stream, 3, 5, 9), (stream, 4, 0, 1)]
+    elif restart == "snapshot":
+        spans = [(stream, 3, 5, 11)]
+    conn = RedisConnector("r", msgspec.convert({"url": forgetful_redis.url}, RedisOptions), s)
+    client = aioredis.Redis.from_url(forgetful_redis.url)
+    try:
+        await conn.connect()
+        await conn.write([m for r in records[:5] for m in renderer.render(r)])
+        if restart != "empty":
+            await client.save()  # seqs 0-4 of epoch 3
+        await conn.write([m for r in records[5:-1] for m in renderer.render(r)])
+        kept = await client.xrange("kv:a:0")
+        await client.aclose()
+        await forgetful_redis.akill()
+        await forgetful_redis.astart()
+        client = aioredis.Redis.from_url(forgetful_redis.url)
+        later = renderer.render(records[-1])
+        with pytest.raises(SinkLost) as info:
+            for _ in range(3):  # the first, on the connection the restart closed: NotConnected
+                with contextlib.suppress(NotConnected):
+                    await conn.write(later)
+        assert info.value.spans == spans, info.value.spans
+        assert "appendonly yes" in str(info.value), info.value
+        held = await client.xrange("kv:a:0")
+        assert held == ([] if restart == "empty" else kept[:5])  # nothing stored by the refused write
+        await conn.write(later)
+        after = await client.xrange("kv:a:0")
+        assert after[:-1] == held and int(after[-1][1][b"seq"]) == records[-1].seq
+    finally:
+        await conn.close()
+        await client.aclose()
+        (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
+
+
+async def test_a_server_that_may_lose_the_state_is_warned_about_at_connect_and_in_check(
+    tmp_path: Path, forgetful_redis: RedisServer, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With state.enabled, a server without AOF or evicting any key at maxmemory would lose the
+    state the bridge builds on: connect (and so ``--check``) logs one WARNING per problem naming
+    the consequence and the fix. A server with AOF and noeviction, or a sink without state, none."""
+    from bridge.cli import check
+    from bridge.config import SinkConfig
+    from connectors.redis import RedisConnector, RedisOptions
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name == "connectors.redis"]
+
+    async def connect(url: str, state: bool) -> None:
+        options = msgspec.convert({"url": url, "state": {"enabled": state}}, RedisOptions)
+        conn = RedisConnector("r", options, SinkConfig(type="redis", name="r"))
+        try:
+            await conn.connect()
+            await conn.connect()  # a reconnect warns no more
+        finally:
+            await conn.close()
+
+    admin = aioredis.Redis.from_url(forgetful_redis.url)
+    await admin.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        with caplog.at_level("WARNING", logger="connectors.redis"):
+            await connect(redis_server.url, True)  # AOF, noeviction
+            await connect(forgetful_redis.url, False)  # no state
+            assert warnings() == []
+            await connect(forgetful_redis.url, True)
+            lines = warnings()
+            assert len(lines) == 2, lines
+            assert "appendonly no" in lines[0] and "set appendonly yes" in lines[0], lines[0]
+            assert "allkeys-lru" in lines[1] and "set maxmemory-policy noeviction" in lines[1], lines[1]
+            caplog.clear()
+            path = tmp_path / "bridge.yaml"
+            sink_entry = {"type": "redis", "name": "out", "url": forgetful_redis.url, "state": {"enabled": True}}
+            path.write_text(json.dumps({"sources": [{"name": "a", "endpoint": "tcp://127.0.0.1:1"}], "sinks": [sink_entry]}))
+            assert await asyncio.to_thread(check, str(path)) == 0  # warned, not refused
+            assert len(warnings()) == 2, warnings()
+    finally:
+        await admin.config_set("maxmemory-policy", "noeviction")
+        await admin.aclose()
+
+
+async def test_a_restarted_bridge_checks_the_state_it_read_back(redis_server: RedisServer, client: Any) -> None:
+    """A connector that read the state back (a restarted bridge's rebuild) expects it at its first
+    write: the hash deleted in between is found lost (state_lost), emptied, never built on."""
+    from bridge.config import SinkConfig
+    from bridge.errors import PartialFailure, Permanent
+    from bridge.formats import Renderer, state_message
+    from bridge.state import StateTracker
+    from connectors.redis import RedisConnector, RedisOptions
+
+    prefix = f"kvb{uuid.uuid4().hex[:8]}"
+    options = {"url": redis_server.url, "stream": prefix + ":{source}:{dp_rank}", "state": {"enabled": True}}
+    options["state"]["key"] = prefix + ":{source}:{dp_rank}:s"
+
+    def connector() -> RedisConnector:
+        return RedisConnector("r", msgspec.convert(options, RedisOptions), SinkConfig(type="redis", name="r"))
+
+    tracker, renderer, stream = StateTracker(), Renderer("json", "batch"), Stream("a", 0)
+
+    def record(seq: int) -> list[Any]:
+        store = {"type": "BlockStored", "block_hashes": [seq], "medium": "GPU", "token_ids": [], "block_size": 1}
+        r = Record(stream=stream, epoch=1, seq=seq, ts=1.0, events=[store])
+        r.state = tracker.apply(r)
+        return [*renderer.render(r), state_message(r)]
+
+    first, second = connector(), connector()
+    try:
+        await first.write(record(0) + record(1))
+        assert (await second.read_state([stream]))[stream.key] is not None
+        await client.delete(prefix + ":a:0:s")
+        with pytest.raises(PartialFailure) as info:
+            await second.write(record(2))
+        assert {i: (type(e), e.reason) for i, e in info.value.errors.items()} == {1: (Permanent, "state_lost")}
+        assert await client.exists(prefix + ":a:0:s") == 0
+        assert await client.xlen(prefix + ":a:0") == 3
+    finally:
+        await first.close()
+        await second.close()
+        await remove_keys(client, prefix)

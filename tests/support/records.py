@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
 import msgspec
 
 from bridge.records import Event, Record, Stream, events_lost, source_reset
@@ -41,3 +45,33 @@ def stream_records(stream: Stream, count: int, *, epoch: int = 0, start: int = 0
 def control_records(stream: Stream, epoch: int) -> list[Record]:
     """A SourceReset for ``epoch`` and an EventsLost for seqs 0..4 of it."""
     return [source_reset(stream, epoch, "publisher_restart", 0.0), events_lost(stream, epoch, 0, 4, "replay_unavailable", 0.0)]
+
+
+class CacheModel:
+    """The engine's cache as vLLM keeps it, to compare a block index with: copies counted per
+    (block, medium, group_idx) (two stores and one removal leave one copy; a removal of an absent
+    copy changes nothing); ``blocks``: the members of the blocks with a copy held."""
+
+    def __init__(self, member: Callable[[Any], str]) -> None:
+        self.member = member
+        self.copies: Counter[tuple[str, Any, Any]] = Counter()
+
+    @property
+    def blocks(self) -> set[str]:
+        return {m for (m, _, _), n in self.copies.items() if n > 0}
+
+    def apply(self, record: Record) -> None:
+        if record.kind == "SourceReset":
+            self.copies.clear()
+            return
+        for event in record.events:
+            kind = event["type"]
+            if kind == "AllBlocksCleared":
+                self.copies.clear()
+            elif kind in ("BlockStored", "BlockRemoved"):
+                for h in event["block_hashes"]:
+                    copy = (self.member(h), event.get("medium"), event.get("group_idx"))
+                    if kind == "BlockStored":
+                        self.copies[copy] += 1
+                    elif self.copies[copy] > 0:
+                        self.copies[copy] -= 1

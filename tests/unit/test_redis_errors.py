@@ -77,3 +77,16 @@ def test_a_key_collision_reported_by_the_script_is_retried_and_says_how_to_fix_i
     )
     assert isinstance(error, Retriable) and error.reason == "key_collision"
     assert "separator" in str(error) and "kv:{source}:{dp_rank}" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("reply", "reason"),
+    [
+        ("ERR Script killed by user with SCRIPT KILL... script: b0eb, on @user_script:137.", "script_killed"),
+        ("ERR Protocol error: invalid bulk length", "protocol"),
+        ("MISCONF Errors writing to the AOF file: No space left on device", "misconf"),
+    ],
+)
+def test_a_refusal_of_the_whole_call_or_of_persistence_is_retried(reply: str, reason: str) -> None:
+    error = connector()._classify(parsed(reply))
+    assert isinstance(error, Retriable) and error.reason == reason, error
