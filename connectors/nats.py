@@ -40,14 +40,14 @@ write (:func:`fold_deltas`), in this order, each step acknowledged before the ne
    it puts or deletes, the head it ends with), unless it only moves the head;
 2. a clear: one subject-filtered purge of the stream's keys (ADR-8 / ADR-10: no per-key marker,
    whatever their number; it takes the head too);
-3. every entry put (a :mod:`bridge.state_docs` document) or delete (a ``KV-Operation: DEL``
-   marker) at once;
+3. every entry put (a :mod:`bridge.state_docs` document) or removed (a purge of its key) at once;
 4. the head.
 
-A deleted entry leaves its ``DEL`` marker (history 1: the marker replaces the value) until the
-stream's next clear purges it: the bucket holds the live entries plus the blocks deleted since the
-last reset, which bounds how long a stream can go without one (the server keeps an index entry per
-subject; plan for 10^6-10^7 keys per bucket).
+A removed entry is purged, not deleted: a KV delete leaves a ``DEL`` marker per key (history 1:
+the marker replaces the value) until the stream's next clear, and a long-running engine rarely
+clears, so the bucket would grow with every block ever removed. A purge leaves nothing: the bucket
+holds each stream's live entries, its head and its journal (one JetStream API request per removed
+block, up to 64 at once).
 
 A consumer never reads a head ahead of its entries (the head is last); entries ahead of the head
 are what the bootstrap's version rule is for. A tracker rebuilt by ``read_state`` has no such
@@ -955,39 +955,49 @@ class NatsConnector:
             await self._kv_write(nc, [(f"{JOURNAL_KEY}.{prefix}.{i}", part) for i, part in enumerate(parts)])
         await self._finish(nc, prefix, op.clear, ops, head_doc)
         if len(parts) > 1:  # a large write: its parts would stay until a write as large
-            await self._purge(nc, f"{JOURNAL_KEY}.{prefix}")
+            await self._purge(nc, [f"{JOURNAL_KEY}.{prefix}.>"])
 
     async def _finish(
         self, nc: Client, prefix: str, clear: bool, ops: Sequence[tuple[str, bytes | None]], head_doc: bytes
     ) -> None:
-        """The writes a journal stands for: the purge, every entry at once, then the head."""
+        """The writes a journal stands for: the purge, every entry put or removed at once, then the head."""
         if clear:
-            await self._purge(nc, prefix)
-        if ops:
-            await self._kv_write(nc, [(f"{prefix}.{key}", doc) for key, doc in ops])
+            await self._purge(nc, [prefix + ".>"])
+        puts = [(f"{prefix}.{key}", doc) for key, doc in ops if doc is not None]
+        gone = [f"{prefix}.{key}" for key, doc in ops if doc is None]
+        if puts and gone:
+            await asyncio.gather(self._kv_write(nc, puts), self._purge(nc, gone))
+        elif puts or gone:
+            await (self._kv_write(nc, puts) if puts else self._purge(nc, gone))
         await self._kv_write(nc, [(f"{prefix}.{HEAD_KEY}", head_doc)])
 
-    async def _purge(self, nc: Client, prefix: str) -> None:
-        """Remove every key under ``prefix`` (one stream's) with one subject-filtered purge of the
-        bucket's stream (ADR-8 / ADR-10): no per-key marker is left, whatever the number of keys."""
+    async def _purge(self, nc: Client, keys: Sequence[str]) -> None:
+        """Remove each key (or ``{prefix}.>``: every key of a stream) with a subject-filtered purge of
+        the bucket's stream (ADR-8 / ADR-10), up to 64 at once: unlike a KV delete, it leaves no
+        marker, so the bucket holds the live entries alone however many blocks come and go."""
         js = nc.jetstream(timeout=self.options.connect_timeout)
+        window = asyncio.Semaphore(64)
+
+        async def one(key: str) -> None:
+            async with window:
+                await js.purge_stream(self._kv_stream, subject=self._kv_prefix + key)
+
         try:
-            await js.purge_stream(self._kv_stream, subject=f"{self._kv_prefix}{prefix}.>")
+            await (one(keys[0]) if len(keys) == 1 else asyncio.gather(*(one(k) for k in keys)))
         except nats.js.errors.NotFoundError:
             raise Retriable(self._no_bucket(), reason="no_bucket") from None
         except (TimeoutError, nats.errors.Error) as exc:
             raise Retriable(f"{self._prefix}: state purge in bucket {self._bucket!r} failed: {_describe(exc)}") from None
 
-    async def _kv_write(self, nc: Client, ops: Sequence[tuple[str, bytes | None]]) -> None:
-        """Put each (key, value) into the bucket, or delete the key (value None), all at once;
-        return when every one is stored. The server stores one connection's publishes to a stream
-        in the order sent."""
+    async def _kv_write(self, nc: Client, ops: Sequence[tuple[str, bytes]]) -> None:
+        """Put each (key, value) into the bucket, all at once; return when every one is stored. The
+        server stores one connection's publishes to a stream in the order sent."""
         acks = _Acks()
         sent: list[str] = []
         try:
             for key, value in ops:
                 subject = self._kv_prefix + key
-                await self._send(nc, subject, _KV_DEL if value is None else _KV_PUT, value or b"", acks)
+                await self._send(nc, subject, _KV_PUT, value, acks)
                 sent.append(subject)
             await acks.wait()
         finally:
@@ -1231,7 +1241,6 @@ class NatsConnector:
 
 
 _KV_PUT = b""  # a plain PUB: no header block to store and parse back
-_KV_DEL = header_block({KV_OPERATION: "DEL"})
 
 
 async def sweep(js: JetStreamContext, bucket: str, prefix: str) -> dict[str, bytes | None]:

@@ -557,3 +557,54 @@ async def test_an_entry_too_large_for_a_message_is_written_without_its_fact(
         state, _ = await bootstrap(reader, bucket, "m", 0)
         [doc] = state.entries.values()
         assert doc["count"] == 1 and "lora_name" not in doc and doc["seq"] == 0
+
+
+# -- issue 29: the bucket stays within a bound of the live blocks; its value-size limit -------------
+
+
+def churn(stream: Stream, epoch: int, seq: int, stored: list[int], removed: list[int]) -> Record:
+    """A batch that stores ``stored`` and removes ``removed`` (GPU, group 0)."""
+    events: list[dict[str, Any]] = [
+        {"type": "BlockStored", "block_hashes": stored, "parent_block_hash": None, "token_ids": [], "block_size": 16},
+        {"type": "BlockRemoved", "block_hashes": removed},
+    ]
+    for e in events:
+        e.update(medium="GPU", group_idx=0)
+    return Record(stream=stream, epoch=epoch, seq=seq, ts=1.0, events=events)
+
+
+async def test_the_bucket_stays_within_a_bound_of_the_live_blocks_under_churn(
+    nats_server: NatsServer, reader: Client, names: tuple[str, str]
+) -> None:
+    """A long-running engine that never clears: every batch stores 8 blocks and removes 8. The
+    bucket holds the live entries, the head and the journal, not a marker per removed block."""
+    dest, bucket = names
+    stream = Stream("churn", 0)
+    rand = random.Random(10)
+    live: list[int] = []
+    async with connected(nats_server.url, dest, bucket) as w:
+        js = reader.jetstream(timeout=10)
+        await w.write([source_reset(stream, 1, "publisher_restart", 0.0)])
+        fill = [rand.getrandbits(63) for _ in range(200)]
+        live.extend(fill)
+        await w.write([churn(stream, 1, 0, fill, [])])
+        seq = 1
+        sizes: list[tuple[int, int]] = []  # (live blocks, bucket messages) every 100 batches
+        for _ in range(40):  # 40 writes of 10 batches: 3,200 blocks removed
+            records = []
+            for _ in range(10):
+                new = [rand.getrandbits(63) for _ in range(8)]
+                gone = [live.pop(rand.randrange(len(live))) for _ in range(8)]
+                live.extend(new)
+                records.append(churn(stream, 1, seq, new, gone))
+                seq += 1
+            await w.write(records)
+            if seq % 100 == 1:
+                sizes.append((len(live), (await js.stream_info(f"KV_{bucket}")).state.messages))
+        print(f"\n(live blocks, bucket messages) every 100 batches: {sizes}")
+        head = w.tracker.head(stream)
+        assert head is not None and head.live == len(live) == 200
+        for n_live, messages in sizes:
+            assert messages <= n_live + 2, sizes  # the entries, the head, the journal: no marker left
+        state, _ = await bootstrap(reader, bucket, "churn", 0)
+        assert sorted(k for _, _, k in state.blocks()) == sorted(h & U64 for h in live)
