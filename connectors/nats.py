@@ -399,7 +399,7 @@ class NatsOptions(ConnectorOptions):
         if not self.server_list or any(not s.strip() for s in self.server_list):
             raise ValueError("servers: give at least one non-empty server URL")
         for url in self.server_list:
-            redact_url(url)  # a password in a URL is remembered: redact() masks it wherever text leaves
+            redact_url(url, token_user=True)  # a password or token in a URL is remembered: redact() masks it
         try:
             fields = Template(self.subject, "subject").fields
         except ConfigError as exc:
@@ -421,6 +421,17 @@ class NatsOptions(ConnectorOptions):
     @property
     def server_list(self) -> list[str]:
         return [self.servers] if isinstance(self.servers, str) else list(self.servers)
+
+    def __repr__(self) -> str:
+        # The default Struct repr would print the servers as given, with a token or password inside.
+        rest = "".join(f", {f}={getattr(self, f)!r}" for f in self.__struct_fields__ if f != "servers")
+        return f"NatsOptions(servers={shown_servers(self.server_list)!r}{rest})"
+
+
+def shown_servers(urls: Sequence[str]) -> str:
+    """The server URLs as logs, errors, ``/readyz`` and ``--check`` show them: a token given as the
+    user part (``nats://TOKEN@host``, NATS's documented form) or a password masked."""
+    return ", ".join(redact_url(u, token_user=True) for u in urls)
 
 
 # -- the wire -----------------------------------------------------------------------------------
@@ -539,7 +550,7 @@ class NatsConnector:
         self.options = options
         self.sink = sink
         self._prefix = f"sinks[{name}]"
-        self._where = ", ".join(redact_url(s) for s in options.server_list)
+        self._where = shown_servers(options.server_list)
         self._subjects = _Subjects(options.subject)
         self._nc: Client | None = None
         self._last_error: str | None = None
