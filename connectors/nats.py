@@ -491,6 +491,16 @@ _ack_decoder = msgspec.json.Decoder(_PubAck)
 # server's limit (10097). Every other refusal is about the stream (see _ack_error).
 _REFUSED_FOR_ITSELF = frozenset({10054, 10097})
 _STREAM_NAME_EXISTS = 10058
+# A journal part: its JSON frame (target, part numbers, clear) and, beside an entry's document, its
+# key and list framing; a bucket whose values cannot hold a head and an entry is refused at connect.
+_JOURNAL_FRAME = 128
+_KEY_ROOM = 96
+MIN_STATE_VALUE = 1024
+_MEMORY_STREAM = (
+    "what it held is announced lost to this sink's consumers (EventsLost, reason sink_lost:{sink}) and their "
+    "states start again incomplete"
+)
+_MEMORY_BUCKET = "every stream's state starts again incomplete, until its engine's next clear or restart"
 _WRONG_LAST_MSG_ID = 10070  # JSStreamWrongLastMsgIDErr: Nats-Expected-Last-Msg-Id did not match
 EXPECTED_LAST_HEADER = "Nats-Expected-Last-Msg-Id"
 
@@ -570,6 +580,7 @@ class NatsConnector:
         # its state (a bucket created again has lost the state of the streams written before).
         self._bucket_life = 0
         self._bucket_lives: dict[str, int] = {}
+        self._value_limit: int | None = None  # the bucket's max_value_size, read at connect
         self._format: StateFormat | None = None
         if state.enabled:
             try:
@@ -947,7 +958,10 @@ class NatsConnector:
         fmt = self._format
         assert fmt is not None
         prefix = state_prefix(stream.source, stream.dp_rank)
-        limit = max(4096, nc.max_payload // 2) - 512  # a journal part holds one entry at least
+        head_doc = fmt.head(stream, op.head, op.next)
+        # A journal part holds the head and one entry at least, within the bucket's value limit.
+        budget = self._part_size(nc) - len(head_doc) - _JOURNAL_FRAME
+        limit = budget - _KEY_ROOM
 
         def document(c: EntryChange, head: Head) -> bytes:
             doc = fmt.entry(stream, head, c)
@@ -959,10 +973,9 @@ class NatsConnector:
             (entry_key(c.medium, c.group_idx, c.block), document(c, head) if c.count > 0 else None)
             for c, head in op.changes.values()
         ]
-        head_doc = fmt.head(stream, op.head, op.next)
         parts: list[bytes] = []
         if ops or op.clear:
-            parts = journal_parts(op.head, head_doc, ops, max(4096, nc.max_payload // 2), clear=op.clear)
+            parts = journal_parts(op.head, head_doc, ops, budget, clear=op.clear)
             await self._kv_write(nc, [(f"{JOURNAL_KEY}.{prefix}.{i}", part) for i, part in enumerate(parts)])
         await self._finish(nc, prefix, op.clear, ops, head_doc)
         if len(parts) > 1:  # a large write: its parts would stay until a write as large
@@ -1032,6 +1045,12 @@ class NatsConnector:
         text = f"{self._prefix}: JetStream refused state key {subject!r}: {err.description} (code {err.code}/{err.err_code})"
         return Retriable(text, reason="stream_full" if "maximum" in err.description.lower() else "state_rejected")
 
+    def _part_size(self, nc: Client) -> int:
+        """The size of a journal part: half the server's max_payload (4 KiB at least), within the
+        bucket's value limit (max_value_size)."""
+        size = max(4096, nc.max_payload // 2)
+        return size if self._value_limit is None else min(size, self._value_limit)
+
     def _no_bucket(self) -> str:
         return f"{self._prefix}: KV bucket {self._bucket!r} does not exist: create it (history 1), or set state.create: true"
 
@@ -1039,11 +1058,13 @@ class NatsConnector:
         """Create the bucket (state.create) or check that it exists (health, ``--check``)."""
         so = self.options.state
         try:
-            await js.stream_info(self._kv_stream)
-            self._state_problem = None
-            return
+            info = await js.stream_info(self._kv_stream)
         except nats.js.errors.NotFoundError:
             pass
+        else:
+            self._check_bucket_config(info.config)
+            self._state_problem = None
+            return
         if not so.create:
             self._state_problem = self._no_bucket()
             log.warning("%s", self._state_problem, extra={"sink": self.name})
@@ -1061,8 +1082,39 @@ class NatsConnector:
             if exc.err_code != _STREAM_NAME_EXISTS:
                 raise NotConnected(f"{self._prefix}: cannot create KV bucket {so.bucket!r}: {_describe(exc)}") from None
         self._bucket_life += 1  # created (again): streams written before lost their state
+        self._value_limit = None
         self._state_problem = None
         log.info("%s: created KV bucket %s for the state", self._prefix, so.bucket, extra={"sink": self.name})
+        if so.storage == "memory":
+            self._warn_memory(f"KV bucket {so.bucket!r}", _MEMORY_BUCKET, "state.storage: file")
+
+    def _check_bucket_config(self, config: js_api.StreamConfig) -> None:
+        """What the bridge needs of an existing bucket: values large enough for a journal part
+        (NotConnected naming the fix otherwise: the journal would be refused for ever), and it
+        warns when the bucket is kept in memory."""
+        limit = config.max_msg_size
+        self._value_limit = limit if limit is not None and limit > 0 else None
+        if self._value_limit is not None and self._value_limit < MIN_STATE_VALUE:
+            raise NotConnected(
+                f"{self._prefix}: KV bucket {self._bucket!r} takes values of at most {self._value_limit} bytes "
+                f"(max_value_size); the state's journal needs {MIN_STATE_VALUE} at least: raise it "
+                f"(nats stream edit {self._kv_stream} --max-msg-size={MIN_STATE_VALUE}, or -1: no limit), or use "
+                "another bucket",
+                reason="bucket_too_small",
+            )
+        if config.storage == js_api.StorageType.MEMORY:
+            self._warn_memory(f"KV bucket {self._bucket!r}", _MEMORY_BUCKET, "a bucket with file storage")
+
+    def _warn_memory(self, what: str, consequence: str, fix: str) -> None:
+        log.warning(
+            "%s: %s keeps its data in memory: a restart of the server loses it; %s. Use %s",
+            self._prefix,
+            what,
+            consequence,
+            fix,
+            extra={"sink": self.name},
+        )
+
 
     async def read_state(self, streams: Sequence[Stream]) -> dict[str, tuple[Head, list[SeedEntry]] | None]:
         """The state the bucket holds of each stream (a restarted bridge rebuilds from it): its keys
@@ -1240,8 +1292,11 @@ class NatsConnector:
         capturing only some sources passes here, and a write to the others fails ``no_stream``."""
         wildcard = subject_filter(self.options.subject)
         try:
-            await js.find_stream_name_by_subject(wildcard)
+            name = await js.find_stream_name_by_subject(wildcard)
             self._stream_problem = None
+            if (await js.stream_info(name)).config.storage == js_api.StorageType.MEMORY:
+                consequence = _MEMORY_STREAM.format(sink=self.name)
+                self._warn_memory(f"JetStream stream {name!r}", consequence, "file storage (stream.storage: file)")
             return
         except nats.js.errors.NotFoundError:
             problem = f"no JetStream stream captures subject {wildcard!r}: create one, or set stream.create: true"

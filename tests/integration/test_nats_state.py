@@ -38,7 +38,7 @@ from nats.js import api as js_api
 from bridge import config
 from bridge.bootstrap import StreamState
 from bridge.config import SinkConfig, convert_options, from_data
-from bridge.errors import ConnectorError, Permanent
+from bridge.errors import ConnectorError, NotConnected, Permanent
 from bridge.formats import state_message
 from bridge.records import Record, Stream, source_reset
 from bridge.runtime import Bridge
@@ -608,3 +608,37 @@ async def test_the_bucket_stays_within_a_bound_of_the_live_blocks_under_churn(
             assert messages <= n_live + 2, sizes  # the entries, the head, the journal: no marker left
         state, _ = await bootstrap(reader, bucket, "churn", 0)
         assert sorted(k for _, _, k in state.blocks()) == sorted(h & U64 for h in live)
+
+
+async def test_journal_parts_fit_a_bucket_with_a_value_size_limit(
+    nats_server: NatsServer, reader: Client, names: tuple[str, str]
+) -> None:
+    """A bucket made with max_value_size: the journal is written in parts the bucket takes (not of
+    half the server's max_payload, refused for ever), and an entry too large for it goes without its
+    fact; a bucket too small to hold a journal part is refused at connect, naming the fix."""
+    dest, bucket = names
+    js = reader.jetstream(timeout=10)
+    await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1, max_value_size=2048))
+    stream = Stream("limited", 0)
+    rand = random.Random(4)
+    async with connected(nats_server.url, dest, bucket, create=False) as w:
+        big = many_blocks(stream, 1, 1, 1, rand)
+        big.events[0]["lora_name"] = "x" * 3000
+        await w.write([source_reset(stream, 1, "publisher_restart", 0.0), many_blocks(stream, 1, 0, 60, rand), big])
+    state, _ = await bootstrap(reader, bucket, "limited", 0)
+    assert state.head["seq"] == 1 and len(state.blocks()) == 61
+    assert len([d for d in state.entries.values() if "hash" not in d]) == 1  # the large one: count and version
+    assert all(len(v) <= 2048 for v in (await sweep(js, bucket, state_prefix("limited", 0))).values() if v)
+
+    await js.delete_key_value(bucket)
+    await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1, max_value_size=300))
+    w = Writer(nats_server.url, dest, bucket, create=False)
+    try:
+        with pytest.raises(NotConnected) as refused:
+            await w.connector.connect()
+    finally:
+        await w.connector.close()
+    print(f"a bucket of 300-byte values: {refused.value}")
+    assert f"KV bucket {bucket!r}" in str(refused.value) and "max_value_size" in str(refused.value)
+    assert "--max-msg-size" in str(refused.value)
+
