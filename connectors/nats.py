@@ -92,6 +92,7 @@ from bridge.connector import (
     Secret,
     SeedEntry,
     SinkConfig,
+    SinkLost,
     SinkPosition,
     StateDelta,
     Stream,
@@ -546,6 +547,44 @@ class _Acks:
             await self._all_in.wait()
 
 
+class _Span(msgspec.Struct):
+    """What the events stream holds of one bridge stream, as far as this process knows: its newest
+    epoch acknowledged, from ``first`` (0: cannot tell where its copy starts) to ``last``."""
+
+    stream: Stream
+    epoch: int
+    first: int
+    last: int
+
+
+class _Held:
+    """The spans of each bridge stream the events stream acknowledged (SinkLost's spans when it
+    loses them). ``fresh``: the stream was created empty by this process, so a bridge stream's
+    copy there starts at the first seq acknowledged; else it may hold earlier ones (from 0)."""
+
+    __slots__ = ("fresh", "spans")
+
+    def __init__(self) -> None:
+        self.spans: dict[str, _Span] = {}
+        self.fresh = False
+
+    def note(self, record: Record) -> None:
+        if record.kind == "SourceReset":  # no seq of its own: nothing to announce for it
+            return
+        span = self.spans.get(record.stream.key)
+        if span is None or span.epoch < record.epoch:
+            first = record.from_seq if record.kind == "EventsLost" and record.from_seq is not None else record.seq
+            self.spans[record.stream.key] = _Span(record.stream, record.epoch, first if self.fresh else 0, record.seq)
+        elif span.epoch == record.epoch and record.seq > span.last:
+            span.last = record.seq
+
+    def take(self) -> list[tuple[Stream, int, int, int]]:
+        """Every span, forgotten: the stream that held them is gone."""
+        out = [(s.stream, s.epoch, s.first, s.last) for s in self.spans.values()]
+        self.spans.clear()
+        return out
+
+
 # -- the connector ------------------------------------------------------------------------------
 
 
@@ -569,6 +608,17 @@ class NatsConnector:
         self._tokens = itertools.count()
         self._acks: dict[str, tuple[_Acks, int]] = {}  # reply token -> who waits for it, at which position
         self._position_stream: str | None = None  # the JetStream stream positions() reads, once found
+        # The events stream, which the server may lose (deleted; a restart of a server that kept it
+        # in memory): its name (from the acks), per JetStream stream the highest seq stored before
+        # this write and this write's new ones, lowest and highest (at or below the highest before:
+        # a new stream), what it holds of each bridge stream, and what a lost one took with it:
+        # announced (SinkLost) at the start of the next write.
+        self._events_stream: str | None = None
+        self._stream_seqs: dict[str, int] = {}
+        self._new_seqs: dict[str, list[int]] = {}
+        self._held = _Held()
+        self._lost: list[tuple[Stream, int, int, int]] = []
+        self._lost_why = ""
         state = options.state
         self.writes_state = state.enabled
         self._bucket = state.bucket
@@ -580,6 +630,7 @@ class NatsConnector:
         # its state (a bucket created again has lost the state of the streams written before).
         self._bucket_life = 0
         self._bucket_lives: dict[str, int] = {}
+        self._bucket_gone = False  # seen missing since it last held state: its next life has begun
         self._value_limit: int | None = None  # the bucket's max_value_size, read at connect
         self._format: StateFormat | None = None
         if state.enabled:
@@ -636,6 +687,12 @@ class NatsConnector:
             raise NotConnected(f"{self._prefix}: not connected to NATS at {self._where}")
         if not nc.is_connected:
             raise NotConnected(self._reconnecting())
+        if self._lost:  # before anything of this write is stored: the runtime announces, then writes again
+            spans, self._lost = self._lost, []
+            raise SinkLost(
+                f"{self._prefix}: JetStream stream {self._lost_why}: what it held of {len(spans)} stream(s) is lost",
+                spans,
+            )
         errors = await (self._write_core(nc, messages) if self.options.mode == "core" else self._write_jetstream(nc, messages))
         if not errors:
             return
@@ -726,6 +783,7 @@ class NatsConnector:
     async def _write_jetstream(self, nc: Client, messages: Sequence[Message]) -> dict[int, ConnectorError]:
         errors: dict[int, ConnectorError] = {}
         seqs: dict[int, int] = {}  # index -> JetStream stream seq of the stored message
+        self._new_seqs.clear()
         await self._publish_chained(nc, messages, errors, seqs)
         again = _refused_for_turn(messages, errors)
         if again:
@@ -734,11 +792,87 @@ class NatsConnector:
                 streams.setdefault(messages[i].record.stream.key, []).append(i)
             chains = [self._publish_in_turn(nc, messages, indexes, errors, seqs) for indexes in streams.values()]
             await (chains[0] if len(chains) == 1 else asyncio.gather(*chains))
-        if not errors:
+        if seqs:
+            self._note_stored(messages, seqs)
+        if any(e.reason == "no_stream" for e in errors.values()):
+            await self._stream_missing(nc, self._subjects.render(messages[min(errors)]))
+        elif not errors:
             self._stream_problem = None
         if self.writes_state:
             await self._write_state(nc, messages, errors, seqs)
         return errors
+
+    def _note_stored(self, messages: Sequence[Message], seqs: dict[int, int]) -> None:
+        """Follow what the events stream holds of each bridge stream; a new message stored at or
+        below a seq the stream had reached before this write means the stream is a new one (lost
+        and created again by someone else): what it held is announced at the next write."""
+        last: Record | None = None
+        for i in seqs:
+            record = messages[i].record
+            if record is not last:
+                self._held.note(record)
+                last = record
+        for name, (low, high) in self._new_seqs.items():
+            if low <= self._stream_seqs.get(name, 0):  # this write's messages too: the announcement follows them
+                self._stream_lost(f"{name!r} was created again (its sequence went back)")
+            self._stream_seqs[name] = high
+
+    def _stream_lost(self, why: str) -> None:
+        """The events stream lost what it acknowledged: the spans it held are announced at the next
+        write (SinkLost); the JetStream seqs the state's heads continue from are void."""
+        spans = self._held.take()
+        self._held.fresh = False
+        self._stream_seqs.clear()
+        self._next.clear()
+        if not spans:
+            return
+        self._lost.extend(spans)
+        self._lost_why = why
+        log.warning(
+            "%s: JetStream stream %s: %d stream(s) lose what it acknowledged; announced to this sink's consumers "
+            "(EventsLost, reason sink_lost:%s) at the next write",
+            self._prefix,
+            why,
+            len(spans),
+            self.name,
+            extra={"sink": self.name, "count": len(spans)},
+        )
+
+    async def _stream_missing(self, nc: Client, subject: str) -> None:
+        """A write found no stream capturing ``subject``. When the stream that acknowledged earlier
+        writes is gone, what it held is lost (announced at the next write) and, with
+        ``stream.create``, it is created again (the configured settings) for the next write."""
+        so = self.options.stream
+        name = self._events_stream or (so.name if so.create else None)
+        js = nc.jetstream(timeout=self.options.connect_timeout)
+        wildcard = subject_filter(self.options.subject)
+        try:
+            if name is not None:
+                try:
+                    await js.stream_info(name)
+                except nats.js.errors.NotFoundError:
+                    pass
+                else:
+                    self._stream_problem = (
+                        f"{self._prefix}: JetStream stream {name!r} does not capture subject {subject!r}: "
+                        f"add {wildcard!r} to its subjects"
+                    )
+                    return
+                if name == self._events_stream:
+                    self._stream_lost(f"{name!r} is gone (deleted, or a server that kept it in memory restarted)")
+            if so.create:
+                await self._ensure_stream(js)
+                self._stream_problem = None
+            else:
+                gone = f" (stream {name!r} that held its messages is gone)" if name is not None else ""
+                self._stream_problem = (
+                    f"{self._prefix}: no JetStream stream captures subject {subject!r}{gone}: create one capturing "
+                    f"{wildcard!r}, or set stream.create: true"
+                )
+        except NotConnected as exc:
+            self._stream_problem = str(exc)
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.debug("%s: stream lookup failed: %s", self._prefix, _describe(exc), extra={"sink": self.name})
 
     async def _publish_chained(
         self, nc: Client, messages: Sequence[Message], errors: dict[int, ConnectorError], seqs: dict[int, int]
@@ -842,10 +976,12 @@ class NatsConnector:
     def _ack_error(self, msg: Msg, m: Message, subject: str, seqs: dict[int, int], i: int) -> ConnectorError | None:
         """Why JetStream did not store message ``i`` (``m``), or None and its stream seq in ``seqs``."""
         if not msg.data and msg.headers and msg.headers.get("Status") == "503":
-            self._stream_problem = (
-                f"{self._prefix}: no JetStream stream captures subject {subject!r}: create a stream whose subjects "
-                f"cover {subject_filter(self.options.subject)!r}, or set stream.create: true"
+            fix = (
+                f"stream.create: stream {self.options.stream.name!r} is created again"
+                if self.options.stream.create
+                else f"create a stream whose subjects cover {subject_filter(self.options.subject)!r}, or set stream.create: true"
             )
+            self._stream_problem = f"{self._prefix}: no JetStream stream captures subject {subject!r}: {fix}"
             return Retriable(self._stream_problem, reason="no_stream")
         try:
             ack = _ack_decoder.decode(msg.data)
@@ -854,6 +990,15 @@ class NatsConnector:
         err = ack.error
         if err is None:
             seqs[i] = ack.seq  # a duplicate's ack names the copy stored first
+            if not ack.duplicate:
+                span = self._new_seqs.get(ack.stream)
+                if span is None:
+                    self._new_seqs[ack.stream] = [ack.seq, ack.seq]
+                    self._events_stream = ack.stream
+                elif ack.seq < span[0]:
+                    span[0] = ack.seq
+                elif ack.seq > span[1]:
+                    span[1] = ack.seq
             return None
         text = f"{self._prefix}: JetStream refused {m.msg_id} on {subject!r}: {err.description} (code {err.code}/{err.err_code})"
         if err.err_code in _REFUSED_FOR_ITSELF:
@@ -921,25 +1066,39 @@ class NatsConnector:
             if i in seqs:
                 next_ = seqs[i] + 1
         if deltas and self._bucket_lives.get(stream.key, self._bucket_life) != self._bucket_life:
-            # The bucket was created again since this stream's last state write (a server that kept
-            # it in memory restarted): what it held is gone. Refused for itself, the runtime clears
-            # the stream at its next record (incomplete), which writes it whole again.
+            # The bucket went missing or was created again since this stream's last state write
+            # (deleted, a server that kept it in memory restarted): what it held is gone. Refused for
+            # itself, the runtime clears the stream at its next record (incomplete), which writes
+            # it whole again.
             self._bucket_lives[stream.key] = self._bucket_life
-            lost = Permanent(f"{self._prefix}: KV bucket {self._bucket!r} was created again: state lost", reason="state_lost")
+            lost = Permanent(
+                f"{self._prefix}: KV bucket {self._bucket!r} lost what it held (deleted, or a server that kept it in "
+                "memory restarted): the stream's state starts again",
+                reason="state_lost",
+            )
             errors.update(dict.fromkeys(states, lost))
             return
         if deltas:
-            self._bucket_lives[stream.key] = self._bucket_life
             try:
                 await self._apply_state(nc, stream, deltas)
             except ConnectorError as exc:
                 failure = exc if not isinstance(exc, Permanent) else Retriable(str(exc), reason=exc.reason)
                 errors.update(dict.fromkeys(states, failure))
                 self._state_problem = str(failure)
-                if failure.reason == "no_bucket" and self.options.state.create:
-                    with contextlib.suppress(ConnectorError, TimeoutError, nats.errors.Error):
-                        await self._check_bucket(nc.jetstream(timeout=self.options.connect_timeout))
+                if failure.reason == "no_bucket":
+                    if not self._bucket_gone:  # what it held is lost, whoever creates it again
+                        self._bucket_gone = True
+                        self._bucket_life += 1
+                    if self.options.state.create:
+                        try:
+                            await self._check_bucket(nc.jetstream(timeout=self.options.connect_timeout))
+                        except NotConnected as created:
+                            self._state_problem = str(created)
+                        except (TimeoutError, nats.errors.Error):
+                            pass
                 return
+            self._bucket_lives[stream.key] = self._bucket_life  # the bucket holds its state
+            self._bucket_gone = False
             self._state_problem = None
             if deltas[-1][1] is not None:
                 self._next[stream.key] = deltas[-1][1]
@@ -1052,7 +1211,9 @@ class NatsConnector:
         return size if self._value_limit is None else min(size, self._value_limit)
 
     def _no_bucket(self) -> str:
-        return f"{self._prefix}: KV bucket {self._bucket!r} does not exist: create it (history 1), or set state.create: true"
+        create = self.options.state.create
+        fix = "state.create: it is created again" if create else "create it (history 1), or set state.create: true"
+        return f"{self._prefix}: KV bucket {self._bucket!r} does not exist: {fix}"
 
     async def _check_bucket(self, js: JetStreamContext) -> None:
         """Create the bucket (state.create) or check that it exists (health, ``--check``)."""
@@ -1115,7 +1276,6 @@ class NatsConnector:
             extra={"sink": self.name},
         )
 
-
     async def read_state(self, streams: Sequence[Stream]) -> dict[str, tuple[Head, list[SeedEntry]] | None]:
         """The state the bucket holds of each stream (a restarted bridge rebuilds from it): its keys
         swept with an ordered consumer (DeliverLastPerSubject), 16 streams at a time. A write the
@@ -1141,6 +1301,8 @@ class NatsConnector:
                 got = await self._rebuild(nc, stream, prefix, held, [v for v in journal.values() if v])
             if got != "unknown":
                 out[stream.key] = got  # type: ignore[assignment]
+                if got is not None:
+                    self._bucket_lives[stream.key] = self._bucket_life  # the tracker builds on what it holds
 
         await asyncio.gather(*(one(s) for s in streams))
         return out
@@ -1261,6 +1423,7 @@ class NatsConnector:
 
     # -- streams --------------------------------------------------------------------------------
     async def _ensure_stream(self, js: JetStreamContext) -> None:
+        """Create the stream with the configured settings when it does not exist (stream.create)."""
         so = self.options.stream
         try:
             await js.stream_info(so.name)
@@ -1283,6 +1446,9 @@ class NatsConnector:
             if exc.err_code == _STREAM_NAME_EXISTS:  # another replica created it just now
                 return
             raise NotConnected(f"{self._prefix}: cannot create JetStream stream {so.name!r}: {_describe(exc)}") from None
+        self._held.fresh = True  # empty: a bridge stream's copy starts with the first message stored
+        self._events_stream = so.name
+        self._stream_seqs.pop(so.name, None)
         log.info("%s: created JetStream stream %s for %s", self._prefix, so.name, config.subjects, extra={"sink": self.name})
 
     async def _check_stream(self, js: JetStreamContext) -> None:
@@ -1292,7 +1458,7 @@ class NatsConnector:
         capturing only some sources passes here, and a write to the others fails ``no_stream``."""
         wildcard = subject_filter(self.options.subject)
         try:
-            name = await js.find_stream_name_by_subject(wildcard)
+            name = self._events_stream = await js.find_stream_name_by_subject(wildcard)
             self._stream_problem = None
             if (await js.stream_info(name)).config.storage == js_api.StorageType.MEMORY:
                 consequence = _MEMORY_STREAM.format(sink=self.name)

@@ -1,6 +1,11 @@
 """The NATS sink when the server loses, limits or keeps in memory what the bridge relies on (issue
 29, I6), on a real nats-server with JetStream:
 
+- the events stream deleted during a run: with ``stream.create`` it is created again (the
+  configured settings) at the next write and what it held is announced (``SinkLost``, spans per
+  bridge stream); without, the sink is not ready, naming the stream and the fix, and announces the
+  loss once an operator created it again; a stream deleted and created again between two writes
+  (its sequence goes back) is announced too;
 - a stream or bucket kept in memory is warned about at connect and in ``--check``: one WARNING
   each, with the consequence and the fix;
 """
@@ -21,9 +26,11 @@ import nats.errors
 import nats.js.errors
 import pytest
 from nats.aio.client import Client
+from nats.js import api as js_api
 
 from bridge.cli import check
 from bridge.config import SinkConfig, convert_options
+from bridge.errors import Retriable, SinkLost
 from bridge.formats import Message, Renderer
 from bridge.records import Stream
 from connectors.nats import NatsConnector, NatsOptions, subject_token
@@ -82,6 +89,92 @@ async def dest(reader: Client) -> AsyncIterator[str]:
     yield name
     with contextlib.suppress(nats.errors.Error):
         await reader.jetstream(timeout=5).delete_stream(name)
+
+
+# -- case 5: the events stream lost during a run --------------------------------------------------
+
+
+async def test_a_deleted_stream_is_created_again_and_its_loss_announced(
+    nats_server: NatsServer, reader: Client, dest: str
+) -> None:
+    js = reader.jetstream(timeout=5)
+    conn = NatsConnector("nats-l", _options(nats_server.url, dest), SINK)
+    await conn.connect()  # creates the stream: a bridge stream's copy starts at its first message
+    try:
+        await conn.write(_render([A], 3, 5) + _render([B], 0, 2))  # A: 3..7, B: 0..1
+        await js.delete_stream(dest)
+        retry = _render([A, B], 8, 2)
+        with pytest.raises(Retriable) as failed:
+            await conn.write(retry)
+        print(f"\nthe write meeting the deleted stream: {failed.value.reason}: {failed.value}")
+        assert failed.value.reason == "no_stream"
+        assert "set stream.create" not in str(failed.value)  # it is set: that advice would be wrong
+        info = await js.stream_info(dest)  # created again for the next write, as configured
+        assert info.config.subjects == [f"{dest}.*.*"] and info.config.duplicate_window == 90.0
+        assert info.config.max_age == 3600.0 and info.state.messages == 0
+        with pytest.raises(SinkLost) as lost:
+            await conn.write(retry)  # the runtime's retry: the loss first, nothing stored yet
+        print(f"announced: {lost.value}; spans {[(s.key, e, f, t) for s, e, f, t in lost.value.spans]}")
+        assert sorted((s.key, e, f, t) for s, e, f, t in lost.value.spans) == [(A.key, 1, 3, 7), (B.key, 1, 0, 1)]
+        assert (await js.stream_info(dest)).state.messages == 0
+        await conn.write(retry)  # the same messages again: they go through
+        assert await conn.health() is None
+    finally:
+        await conn.close()
+    assert await _subject_seqs(reader, dest, A) == [8, 9]
+
+
+async def test_without_create_a_lost_stream_is_announced_and_named_until_it_is_back(
+    nats_server: NatsServer, reader: Client, dest: str
+) -> None:
+    js = reader.jetstream(timeout=5)
+    config = js_api.StreamConfig(name=dest, subjects=[f"{dest}.>"])
+    await js.add_stream(config)
+    conn = NatsConnector("nats-l", _options(nats_server.url, dest, stream={"name": "UNUSED"}), SINK)
+    await conn.connect()
+    try:
+        await conn.write(_render([A], 3, 5))
+        await js.delete_stream(dest)
+        retry = _render([A], 8, 1)
+        with pytest.raises(Retriable) as failed:
+            await conn.write(retry)
+        assert failed.value.reason == "no_stream"
+        with pytest.raises(SinkLost) as lost:  # announced at once (the runtime queues it ahead of the stream)
+            await conn.write(retry)
+        assert [(s.key, e, f, t) for s, e, f, t in lost.value.spans] == [(A.key, 1, 0, 7)]  # its start unknown: from 0
+        for _ in range(2):  # then not ready, for as long as it lasts
+            with pytest.raises(Retriable) as failed:
+                await conn.write(retry)
+            assert failed.value.reason == "no_stream"
+            problem = await conn.health()
+            print(f"\nhealth: {problem}")
+            assert problem is not None and f"stream {dest!r}" in problem and "set stream.create: true" in problem
+        await js.add_stream(config)  # the operator's fix
+        await conn.write(retry)
+        assert await conn.health() is None
+    finally:
+        await conn.close()
+    assert await _subject_seqs(reader, dest, A) == [8]
+
+
+async def test_a_stream_created_again_between_two_writes_is_announced(
+    nats_server: NatsServer, reader: Client, dest: str
+) -> None:
+    """Deleted and created again (by an operator, or another replica after a restart that lost it)
+    before the bridge wrote to it: no write fails, but the sequence goes back."""
+    js = reader.jetstream(timeout=5)
+    conn = NatsConnector("nats-l", _options(nats_server.url, dest), SINK)
+    await conn.connect()
+    try:
+        await conn.write(_render([A], 0, 30))
+        await js.delete_stream(dest)
+        await js.add_stream(js_api.StreamConfig(name=dest, subjects=[f"{dest}.*.*"]))
+        await conn.write(_render([A], 30, 2))  # stored in the new stream, after the loss
+        with pytest.raises(SinkLost) as lost:
+            await conn.write(_render([A], 32, 1))
+        assert [(s.key, e, f, t) for s, e, f, t in lost.value.spans] == [(A.key, 1, 0, 31)]
+    finally:
+        await conn.close()
 
 
 # -- case 13: memory storage under a sink that relies on what it stored ---------------------------

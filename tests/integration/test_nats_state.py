@@ -642,3 +642,33 @@ async def test_journal_parts_fit_a_bucket_with_a_value_size_limit(
     assert f"KV bucket {bucket!r}" in str(refused.value) and "max_value_size" in str(refused.value)
     assert "--max-msg-size" in str(refused.value)
 
+
+async def test_without_create_a_lost_bucket_is_named_and_the_state_told_lost_once_it_is_back(
+    nats_server: NatsServer, reader: Client, names: tuple[str, str]
+) -> None:
+    """An operator's bucket deleted during a run, then created again by hand: the writes fail
+    (no_bucket, the sink not ready, the fix named), and the stream's next state message is refused
+    for itself (state_lost: the runtime clears the stream, incomplete), never written over an empty
+    bucket as if it were whole."""
+    dest, bucket = names
+    js = reader.jetstream(timeout=10)
+    config = js_api.KeyValueConfig(bucket=bucket, history=1)
+    await js.create_key_value(config)
+    stream = Stream("m", 0)
+    rand = random.Random(6)
+    async with connected(nats_server.url, dest, bucket, create=False) as w:
+        await w.write([source_reset(stream, 1, "publisher_restart", 0.0), many_blocks(stream, 1, 0, 5, rand)])
+        await js.delete_key_value(bucket)
+        with pytest.raises(ConnectorError) as info:
+            await w.write([many_blocks(stream, 1, 1, 1, rand)])
+        assert info.value.reason == "no_bucket"
+        problem = await w.connector.health()
+        print(f"\nhealth: {problem}")
+        assert problem is not None and f"KV bucket {bucket!r} does not exist" in problem and "state.create: true" in problem
+        await js.create_key_value(config)  # the operator's fix
+        second = many_blocks(stream, 1, 2, 1, rand)
+        with pytest.raises(ConnectorError) as info:
+            await w.write([second])
+        assert isinstance(info.value, Permanent) and info.value.reason == "state_lost", info.value
+        await w.connector.write([state_message(second)])  # told once
+        assert await w.connector.health() is None
