@@ -28,6 +28,14 @@ A subject no JetStream stream captures fails at once (the server answers "no res
 reason ``no_stream``; ``connect()`` checks that a stream captures the subjects, so ``health()``,
 ``/readyz`` and ``--check`` report it before any traffic.
 
+A stream lost during a run (deleted, or a restart of a server that kept it in memory) is noticed
+by the write that finds no stream capturing its subjects, or whose new messages are stored at
+sequence numbers the stream had passed (created again by someone else): ``stream.create`` creates
+it again (the configured settings), and the next write raises ``SinkLost`` before storing
+anything, with a span per bridge stream (:class:`_Held`: from the first seq the stream stored, 0
+when that is unknown, to the last acknowledged), so the runtime announces the loss to this sink's
+consumers and clears their state. ``connect()`` warns about a stream or bucket kept in memory.
+
 ``state.enabled`` (JetStream mode; README "State bootstrap"): each engine stream's live blocks go
 to a JetStream KV bucket (history 1), under ``{source token}.{dp_rank}.{entry key}`` (the entry
 key of :mod:`bridge.state_docs`, ``GPU/0/<16 hex>``; :func:`state_token` escapes the source

@@ -5,7 +5,8 @@
   configured settings) at the next write and what it held is announced (``SinkLost``, spans per
   bridge stream); without, the sink is not ready, naming the stream and the fix, and announces the
   loss once an operator created it again; a stream deleted and created again between two writes
-  (its sequence goes back) is announced too;
+  (its sequence goes back) is announced too, and two streams sharing the subjects are not taken
+  for that;
 - a stream or bucket kept in memory is warned about at connect and in ``--check``: one WARNING
   each, with the consequence and the fix;
 """
@@ -175,6 +176,26 @@ async def test_a_stream_created_again_between_two_writes_is_announced(
         assert [(s.key, e, f, t) for s, e, f, t in lost.value.spans] == [(A.key, 1, 0, 31)]
     finally:
         await conn.close()
+
+
+async def test_two_streams_sharing_the_subjects_are_not_taken_for_a_lost_one(
+    nats_server: NatsServer, reader: Client, dest: str
+) -> None:
+    """Each JetStream stream numbers its messages itself: a write whose messages go to two streams
+    (one per source here), in any order, is not a sequence going back."""
+    js = reader.jetstream(timeout=5)
+    await js.add_stream(js_api.StreamConfig(name=dest, subjects=[f"{dest}.eng-a.>"]))
+    await js.add_stream(js_api.StreamConfig(name=dest + "B", subjects=[f"{dest}.eng-b.>"]))
+    await js.publish(f"{dest}.eng-a.9", b"another publisher's")  # the streams' sequences differ
+    conn = NatsConnector("nats-l", _options(nats_server.url, dest, stream={}), SINK)
+    await conn.connect()
+    try:
+        for start in range(0, 12, 3):
+            await conn.write(_render([A, B] if start % 2 else [B, A], start, 3))
+    finally:
+        await conn.close()
+        await js.delete_stream(dest + "B")
+    assert await _subject_seqs(reader, dest, A) == list(range(12))
 
 
 # -- case 13: memory storage under a sink that relies on what it stored ---------------------------
