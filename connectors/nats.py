@@ -640,6 +640,7 @@ class NatsConnector:
         self._bucket_lives: dict[str, int] = {}
         self._bucket_gone = False  # seen missing since it last held state: its next life has begun
         self._value_limit: int | None = None  # the bucket's max_value_size, read at connect
+        self._warned: set[str] = set()  # the streams and buckets kept in memory, warned about
         self._format: StateFormat | None = None
         if state.enabled:
             try:
@@ -1275,6 +1276,10 @@ class NatsConnector:
             self._warn_memory(f"KV bucket {self._bucket!r}", _MEMORY_BUCKET, "a bucket with file storage")
 
     def _warn_memory(self, what: str, consequence: str, fix: str) -> None:
+        """One WARNING per stream or bucket kept in memory (not again when it is created again)."""
+        if what in self._warned:
+            return
+        self._warned.add(what)
         log.warning(
             "%s: %s keeps its data in memory: a restart of the server loses it; %s. Use %s",
             self._prefix,
