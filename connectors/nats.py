@@ -1074,11 +1074,13 @@ class NatsConnector:
                 break
             if i in seqs:
                 next_ = seqs[i] + 1
-        if deltas and self._bucket_lives.get(stream.key, self._bucket_life) != self._bucket_life:
+        first = next((d for d, _ in deltas if not d.stale), None)
+        if first is not None and not first.clear and self._bucket_lives.get(stream.key, self._bucket_life) != self._bucket_life:
             # The bucket went missing or was created again since this stream's last state write
             # (deleted, a server that kept it in memory restarted): what it held is gone. Refused for
             # itself, the runtime clears the stream at its next record (incomplete), which writes
-            # it whole again.
+            # it whole again. A write that clears first (the runtime cleared it already, after a
+            # SinkLost) needs nothing it held: it goes through.
             self._bucket_lives[stream.key] = self._bucket_life
             lost = Permanent(
                 f"{self._prefix}: KV bucket {self._bucket!r} lost what it held (deleted, or a server that kept it in "

@@ -7,6 +7,9 @@
   loss once an operator created it again; a stream deleted and created again between two writes
   (its sequence goes back) is announced too, and two streams sharing the subjects are not taken
   for that;
+- end to end, a server restart that loses a stream and a bucket kept in memory: the new stream
+  starts with an EventsLost (sink_lost:<sink>) over what the old one held, then the batches
+  after, and a consumer's bootstrap is incomplete;
 - a stream or bucket kept in memory is warned about at connect and in ``--check``: one WARNING
   each, with the consequence and the fix;
 """
@@ -30,18 +33,22 @@ from nats.aio.client import Client
 from nats.js import api as js_api
 
 from bridge.cli import check
-from bridge.config import SinkConfig, convert_options
+from bridge.config import SinkConfig, convert_options, from_data
 from bridge.errors import Retriable, SinkLost
 from bridge.formats import Message, Renderer
 from bridge.records import Stream
-from connectors.nats import NatsConnector, NatsOptions, subject_token
+from bridge.runtime import Bridge
+from connectors.nats import NatsConnector, NatsOptions, bootstrap, subject_token
 from tests.infra.servers import NatsServer
+from tests.support.cache_engine import CacheEngine
+from tests.support.harness import free_port
 from tests.support.records import stream_records
 
 pytestmark = pytest.mark.integration
 
 SINK = SinkConfig(type="nats", name="nats-l", format="json", granularity="batch")
 A, B = Stream("eng-a", 0), Stream("eng-b", 1)
+U64 = (1 << 64) - 1
 
 
 def _options(url: str, dest: str, **extra: Any) -> NatsOptions:
@@ -61,20 +68,25 @@ def _render(streams: Sequence[Stream], start: int, count: int, epoch: int = 1) -
     return [m for s in streams for rec in stream_records(s, count, start=start, epoch=epoch) for m in r.render(rec)]
 
 
-async def _subject_seqs(nc: Client, dest: str, stream: Stream) -> list[int]:
-    """The engine seqs held on ``stream``'s subject of JetStream stream ``dest``, in stream order."""
+async def _subject_messages(nc: Client, dest: str, stream: Stream) -> list[dict[str, Any]]:
+    """The messages (JSON) held on ``stream``'s subject of JetStream stream ``dest``, in stream order."""
     js = nc.jetstream(timeout=5)
     subject = f"{dest}.{subject_token(stream.source)}.{stream.dp_rank}"
-    out: list[int] = []
+    out: list[dict[str, Any]] = []
     seq = 1
     while True:
         try:
             msg = await js.get_msg(dest, seq=seq, subject=subject, next=True)
         except nats.js.errors.NotFoundError:
             return out
-        out.append(int((msg.headers or {})["seq"]))
+        out.append(json.loads(msg.data or b"{}"))
         assert msg.seq is not None
         seq = msg.seq + 1
+
+
+async def _subject_seqs(nc: Client, dest: str, stream: Stream) -> list[int]:
+    """The engine seqs held on ``stream``'s subject of JetStream stream ``dest``, in stream order."""
+    return [int(m["seq"]) for m in await _subject_messages(nc, dest, stream)]
 
 
 @pytest.fixture
@@ -236,3 +248,92 @@ async def test_memory_storage_is_warned_about_at_connect_and_in_check(
     finally:
         with contextlib.suppress(nats.errors.Error):
             await reader.jetstream(timeout=5).delete_key_value(bucket)
+
+
+# -- case 5 end to end: the runtime announces what the server lost --------------------------------
+
+
+async def test_a_server_restart_that_loses_a_memory_stream_is_announced_to_its_consumers(
+    tmp_path: Path, nats_server: NatsServer, reader: Client, dest: str
+) -> None:
+    """Stream and bucket kept in memory, the server restarts: the sink goes on by itself (both
+    created again), the new stream starts with an EventsLost (reason sink_lost:<sink>) covering
+    what the old one held, then the batches after, and a consumer's bootstrap is incomplete, never
+    complete with blocks missing."""
+    bucket = f"ST{dest}"
+    live, rep = free_port(), free_port()
+    sink = {
+        "type": "nats",
+        "name": "nats-m",
+        "servers": nats_server.url,
+        "subject": dest + ".{source}.{dp_rank}",
+        "format": "json",
+        "granularity": "batch",
+        "reconnect_wait": "200ms",
+        "batch": {"linger": 0, "max_messages": 200},
+        "retry": {"initial_backoff": "50ms", "max_backoff": "200ms", "jitter": 0.0, "write_timeout": 10},
+        "stream": {"create": True, "name": dest, "storage": "memory"},
+        "state": {"enabled": True, "bucket": bucket, "create": True, "storage": "memory"},
+    }
+    cfg = {
+        "sources": [{"name": "eng", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}],
+        "sinks": [sink],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "checkpoint": {"path": str(tmp_path / "checkpoint.json")},
+        "replay": {"timeout": "300ms", "max_attempts": 20, "initial_backoff": "50ms", "max_backoff": "200ms", "idle_probe": 0},
+        "shutdown_timeout": "3s",
+    }
+    stream = Stream("eng", 0)
+    js = reader.jetstream(timeout=5)
+
+    async def head_seq() -> int | None:
+        with contextlib.suppress(LookupError, nats.errors.Error):
+            state, _ = await bootstrap(reader, bucket, "eng", 0, attempts=1)
+            return int(state.head["seq"])
+        return None
+
+    async def until_head(seq: int) -> None:
+        for _ in range(600):  # bounded wait for the state's head, not a timing assertion
+            if await head_seq() == seq:
+                return
+            await asyncio.sleep(0.05)
+        pytest.fail(f"the state's head never reached seq {seq}")
+
+    async def until_stored(seq: int) -> None:
+        for _ in range(600):  # bounded wait for the stream to hold that batch
+            with contextlib.suppress(nats.errors.Error):
+                if seq in [m["seq"] for m in await _subject_messages(reader, dest, stream)]:
+                    return
+            await asyncio.sleep(0.05)
+        pytest.fail(f"the stream never held seq {seq}")
+
+    try:
+        async with CacheEngine(live, rep, seed=5) as engine:
+            bridge = Bridge(from_data(cfg, env={}))
+            await bridge.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(20, events_per_batch=4)
+                await until_head(engine.last_seq)
+                before = engine.last_seq
+                await nats_server.arestart()  # what it kept in memory is gone
+                await engine.step(10, events_per_batch=4)
+                await until_stored(engine.last_seq)
+                await engine.step(5, events_per_batch=4)  # a state cleared is written again at its next record
+                await until_head(engine.last_seq)
+            finally:
+                await bridge.stop()
+        held = await _subject_messages(reader, dest, stream)
+        shown = [(m.get("type", "batch"), m.get("reason"), m.get("from_seq"), m.get("to_seq", m["seq"])) for m in held]
+        print(f"\nthe new stream holds: {shown}")
+        first = held[0]
+        assert first.get("type") == "EventsLost" and first["reason"] == "sink_lost:nats-m", first
+        assert (first["from_seq"], first["to_seq"]) == (0, before)
+        assert [m["seq"] for m in held if "type" not in m] == list(range(before + 1, engine.last_seq + 1))
+        state, _ = await bootstrap(reader, bucket, "eng", 0)
+        assert not state.complete and int(state.head["seq"]) == engine.last_seq
+        assert set(state.blocks()) <= {(m, 0, h & U64) for h, m in engine.cache}
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await js.delete_key_value(bucket)
