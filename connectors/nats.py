@@ -1075,7 +1075,8 @@ class NatsConnector:
             if i in seqs:
                 next_ = seqs[i] + 1
         first = next((d for d, _ in deltas if not d.stale), None)
-        if first is not None and not first.clear and self._bucket_lives.get(stream.key, self._bucket_life) != self._bucket_life:
+        clears = first is not None and first.clear
+        if deltas and not clears and self._bucket_lives.get(stream.key, self._bucket_life) != self._bucket_life:
             # The bucket went missing or was created again since this stream's last state write
             # (deleted, a server that kept it in memory restarted): what it held is gone. Refused for
             # itself, the runtime clears the stream at its next record (incomplete), which writes

@@ -654,10 +654,11 @@ async def test_without_create_a_lost_bucket_is_named_and_the_state_told_lost_onc
     js = reader.jetstream(timeout=10)
     config = js_api.KeyValueConfig(bucket=bucket, history=1)
     await js.create_key_value(config)
-    stream = Stream("m", 0)
+    stream, other = Stream("m", 0), Stream("n", 0)
     rand = random.Random(6)
     async with connected(nats_server.url, dest, bucket, create=False) as w:
         await w.write([source_reset(stream, 1, "publisher_restart", 0.0), many_blocks(stream, 1, 0, 5, rand)])
+        await w.write([source_reset(other, 1, "publisher_restart", 0.0), many_blocks(other, 1, 0, 5, rand)])
         await js.delete_key_value(bucket)
         with pytest.raises(ConnectorError) as info:
             await w.write([many_blocks(stream, 1, 1, 1, rand)])
@@ -666,6 +667,9 @@ async def test_without_create_a_lost_bucket_is_named_and_the_state_told_lost_onc
         print(f"\nhealth: {problem}")
         assert problem is not None and f"KV bucket {bucket!r} does not exist" in problem and "state.create: true" in problem
         await js.create_key_value(config)  # the operator's fix
+        await w.write([source_reset(other, 2, "publisher_restart", 0.0)])  # a clear needs nothing it held
+        reset, _ = await bootstrap(reader, bucket, "n", 0)
+        assert reset.epoch == 2 and reset.complete and reset.blocks() == {}
         second = many_blocks(stream, 1, 2, 1, rand)
         with pytest.raises(ConnectorError) as info:
             await w.write([second])
