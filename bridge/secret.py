@@ -74,9 +74,10 @@ def reveal(secret: Secret | None) -> str | None:
     return secret.reveal() or None if secret is not None else None
 
 
-def redact_url(url: str) -> str:
+def redact_url(url: str, *, token_user: bool = False) -> str:
     """``url`` with the password of its user part and credential query parameters masked; both
-    are remembered, so :func:`redact` masks them in any other text too."""
+    are remembered, so :func:`redact` masks them in any other text too. ``token_user``: a user part
+    without a password is a credential as well (NATS's ``nats://TOKEN@host``)."""
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -87,6 +88,11 @@ def redact_url(url: str) -> str:
         userinfo, _, host = netloc.rpartition("@")
         user = userinfo.split(":", 1)[0]
         netloc = f"{user}:{MASK}@{host}"
+    elif token_user and "@" in netloc:
+        userinfo, _, host = netloc.rpartition("@")
+        if userinfo:
+            remember(unquote(userinfo))
+            netloc = f"{MASK}@{host}"
     query = parts.query
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)

@@ -28,6 +28,14 @@ A subject no JetStream stream captures fails at once (the server answers "no res
 reason ``no_stream``; ``connect()`` checks that a stream captures the subjects, so ``health()``,
 ``/readyz`` and ``--check`` report it before any traffic.
 
+A stream lost during a run (deleted, or a restart of a server that kept it in memory) is noticed
+by the write that finds no stream capturing its subjects, or whose new messages are stored at
+sequence numbers the stream had passed (created again by someone else): ``stream.create`` creates
+it again (the configured settings), and the next write raises ``SinkLost`` before storing
+anything, with a span per bridge stream (:class:`_Held`: from the first seq the stream stored, 0
+when that is unknown, to the last acknowledged), so the runtime announces the loss to this sink's
+consumers and clears their state. ``connect()`` warns about a stream or bucket kept in memory.
+
 ``state.enabled`` (JetStream mode; README "State bootstrap"): each engine stream's live blocks go
 to a JetStream KV bucket (history 1), under ``{source token}.{dp_rank}.{entry key}`` (the entry
 key of :mod:`bridge.state_docs`, ``GPU/0/<16 hex>``; :func:`state_token` escapes the source
@@ -40,14 +48,14 @@ write (:func:`fold_deltas`), in this order, each step acknowledged before the ne
    it puts or deletes, the head it ends with), unless it only moves the head;
 2. a clear: one subject-filtered purge of the stream's keys (ADR-8 / ADR-10: no per-key marker,
    whatever their number; it takes the head too);
-3. every entry put (a :mod:`bridge.state_docs` document) or delete (a ``KV-Operation: DEL``
-   marker) at once;
+3. every entry put (a :mod:`bridge.state_docs` document) or removed (a purge of its key) at once;
 4. the head.
 
-A deleted entry leaves its ``DEL`` marker (history 1: the marker replaces the value) until the
-stream's next clear purges it: the bucket holds the live entries plus the blocks deleted since the
-last reset, which bounds how long a stream can go without one (the server keeps an index entry per
-subject; plan for 10^6-10^7 keys per bucket).
+A removed entry is purged, not deleted: a KV delete leaves a ``DEL`` marker per key (history 1:
+the marker replaces the value) until the stream's next clear, and a long-running engine rarely
+clears, so the bucket would grow with every block ever removed. A purge leaves nothing: the bucket
+holds each stream's live entries, its head and its journal (one JetStream API request per removed
+block, up to 64 at once).
 
 A consumer never reads a head ahead of its entries (the head is last); entries ahead of the head
 are what the bootstrap's version rule is for. A tracker rebuilt by ``read_state`` has no such
@@ -92,6 +100,7 @@ from bridge.connector import (
     Secret,
     SeedEntry,
     SinkConfig,
+    SinkLost,
     SinkPosition,
     StateDelta,
     Stream,
@@ -399,7 +408,7 @@ class NatsOptions(ConnectorOptions):
         if not self.server_list or any(not s.strip() for s in self.server_list):
             raise ValueError("servers: give at least one non-empty server URL")
         for url in self.server_list:
-            redact_url(url)  # a password in a URL is remembered: redact() masks it wherever text leaves
+            redact_url(url, token_user=True)  # a password or token in a URL is remembered: redact() masks it
         try:
             fields = Template(self.subject, "subject").fields
         except ConfigError as exc:
@@ -421,6 +430,17 @@ class NatsOptions(ConnectorOptions):
     @property
     def server_list(self) -> list[str]:
         return [self.servers] if isinstance(self.servers, str) else list(self.servers)
+
+    def __repr__(self) -> str:
+        # The default Struct repr would print the servers as given, with a token or password inside.
+        rest = "".join(f", {f}={getattr(self, f)!r}" for f in self.__struct_fields__ if f != "servers")
+        return f"NatsOptions(servers={shown_servers(self.server_list)!r}{rest})"
+
+
+def shown_servers(urls: Sequence[str]) -> str:
+    """The server URLs as logs, errors, ``/readyz`` and ``--check`` show them: a token given as the
+    user part (``nats://TOKEN@host``, NATS's documented form) or a password masked."""
+    return ", ".join(redact_url(u, token_user=True) for u in urls)
 
 
 # -- the wire -----------------------------------------------------------------------------------
@@ -480,6 +500,16 @@ _ack_decoder = msgspec.json.Decoder(_PubAck)
 # server's limit (10097). Every other refusal is about the stream (see _ack_error).
 _REFUSED_FOR_ITSELF = frozenset({10054, 10097})
 _STREAM_NAME_EXISTS = 10058
+# A journal part: its JSON frame (target, part numbers, clear) and, beside an entry's document, its
+# key and list framing; a bucket whose values cannot hold a head and an entry is refused at connect.
+_JOURNAL_FRAME = 128
+_KEY_ROOM = 96
+MIN_STATE_VALUE = 1024
+_MEMORY_STREAM = (
+    "what it held is announced lost to this sink's consumers (EventsLost, reason sink_lost:{sink}) and their "
+    "states start again incomplete"
+)
+_MEMORY_BUCKET = "every stream's state starts again incomplete, until its engine's next clear or restart"
 _WRONG_LAST_MSG_ID = 10070  # JSStreamWrongLastMsgIDErr: Nats-Expected-Last-Msg-Id did not match
 EXPECTED_LAST_HEADER = "Nats-Expected-Last-Msg-Id"
 
@@ -525,6 +555,44 @@ class _Acks:
             await self._all_in.wait()
 
 
+class _Span(msgspec.Struct):
+    """What the events stream holds of one bridge stream, as far as this process knows: its newest
+    epoch acknowledged, from ``first`` (0: cannot tell where its copy starts) to ``last``."""
+
+    stream: Stream
+    epoch: int
+    first: int
+    last: int
+
+
+class _Held:
+    """The spans of each bridge stream the events stream acknowledged (SinkLost's spans when it
+    loses them). ``fresh``: the stream was created empty by this process, so a bridge stream's
+    copy there starts at the first seq acknowledged; else it may hold earlier ones (from 0)."""
+
+    __slots__ = ("fresh", "spans")
+
+    def __init__(self) -> None:
+        self.spans: dict[str, _Span] = {}
+        self.fresh = False
+
+    def note(self, record: Record) -> None:
+        if record.kind == "SourceReset":  # no seq of its own: nothing to announce for it
+            return
+        span = self.spans.get(record.stream.key)
+        if span is None or span.epoch < record.epoch:
+            first = record.from_seq if record.kind == "EventsLost" and record.from_seq is not None else record.seq
+            self.spans[record.stream.key] = _Span(record.stream, record.epoch, first if self.fresh else 0, record.seq)
+        elif span.epoch == record.epoch and record.seq > span.last:
+            span.last = record.seq
+
+    def take(self) -> list[tuple[Stream, int, int, int]]:
+        """Every span, forgotten: the stream that held them is gone."""
+        out = [(s.stream, s.epoch, s.first, s.last) for s in self.spans.values()]
+        self.spans.clear()
+        return out
+
+
 # -- the connector ------------------------------------------------------------------------------
 
 
@@ -539,7 +607,7 @@ class NatsConnector:
         self.options = options
         self.sink = sink
         self._prefix = f"sinks[{name}]"
-        self._where = ", ".join(redact_url(s) for s in options.server_list)
+        self._where = shown_servers(options.server_list)
         self._subjects = _Subjects(options.subject)
         self._nc: Client | None = None
         self._last_error: str | None = None
@@ -548,6 +616,17 @@ class NatsConnector:
         self._tokens = itertools.count()
         self._acks: dict[str, tuple[_Acks, int]] = {}  # reply token -> who waits for it, at which position
         self._position_stream: str | None = None  # the JetStream stream positions() reads, once found
+        # The events stream, which the server may lose (deleted; a restart of a server that kept it
+        # in memory): its name (from the acks), per JetStream stream the highest seq stored before
+        # this write and this write's new ones, lowest and highest (at or below the highest before:
+        # a new stream), what it holds of each bridge stream, and what a lost one took with it:
+        # announced (SinkLost) at the start of the next write.
+        self._events_stream: str | None = None
+        self._stream_seqs: dict[str, int] = {}
+        self._new_seqs: dict[str, list[int]] = {}
+        self._held = _Held()
+        self._lost: list[tuple[Stream, int, int, int]] = []
+        self._lost_why = ""
         state = options.state
         self.writes_state = state.enabled
         self._bucket = state.bucket
@@ -559,6 +638,9 @@ class NatsConnector:
         # its state (a bucket created again has lost the state of the streams written before).
         self._bucket_life = 0
         self._bucket_lives: dict[str, int] = {}
+        self._bucket_gone = False  # seen missing since it last held state: its next life has begun
+        self._value_limit: int | None = None  # the bucket's max_value_size, read at connect
+        self._warned: set[str] = set()  # the streams and buckets kept in memory, warned about
         self._format: StateFormat | None = None
         if state.enabled:
             try:
@@ -614,6 +696,12 @@ class NatsConnector:
             raise NotConnected(f"{self._prefix}: not connected to NATS at {self._where}")
         if not nc.is_connected:
             raise NotConnected(self._reconnecting())
+        if self._lost:  # before anything of this write is stored: the runtime announces, then writes again
+            spans, self._lost = self._lost, []
+            raise SinkLost(
+                f"{self._prefix}: JetStream stream {self._lost_why}: what it held of {len(spans)} stream(s) is lost",
+                spans,
+            )
         errors = await (self._write_core(nc, messages) if self.options.mode == "core" else self._write_jetstream(nc, messages))
         if not errors:
             return
@@ -704,6 +792,7 @@ class NatsConnector:
     async def _write_jetstream(self, nc: Client, messages: Sequence[Message]) -> dict[int, ConnectorError]:
         errors: dict[int, ConnectorError] = {}
         seqs: dict[int, int] = {}  # index -> JetStream stream seq of the stored message
+        self._new_seqs.clear()
         await self._publish_chained(nc, messages, errors, seqs)
         again = _refused_for_turn(messages, errors)
         if again:
@@ -712,11 +801,87 @@ class NatsConnector:
                 streams.setdefault(messages[i].record.stream.key, []).append(i)
             chains = [self._publish_in_turn(nc, messages, indexes, errors, seqs) for indexes in streams.values()]
             await (chains[0] if len(chains) == 1 else asyncio.gather(*chains))
-        if not errors:
+        if seqs:
+            self._note_stored(messages, seqs)
+        if any(e.reason == "no_stream" for e in errors.values()):
+            await self._stream_missing(nc, self._subjects.render(messages[min(errors)]))
+        elif not errors:
             self._stream_problem = None
         if self.writes_state:
             await self._write_state(nc, messages, errors, seqs)
         return errors
+
+    def _note_stored(self, messages: Sequence[Message], seqs: dict[int, int]) -> None:
+        """Follow what the events stream holds of each bridge stream; a new message stored at or
+        below a seq the stream had reached before this write means the stream is a new one (lost
+        and created again by someone else): what it held is announced at the next write."""
+        last: Record | None = None
+        for i in seqs:
+            record = messages[i].record
+            if record is not last:
+                self._held.note(record)
+                last = record
+        for name, (low, high) in self._new_seqs.items():
+            if low <= self._stream_seqs.get(name, 0):  # this write's messages too: the announcement follows them
+                self._stream_lost(f"{name!r} was created again (its sequence went back)")
+            self._stream_seqs[name] = high
+
+    def _stream_lost(self, why: str) -> None:
+        """The events stream lost what it acknowledged: the spans it held are announced at the next
+        write (SinkLost); the JetStream seqs the state's heads continue from are void."""
+        spans = self._held.take()
+        self._held.fresh = False
+        self._stream_seqs.clear()
+        self._next.clear()
+        if not spans:
+            return
+        self._lost.extend(spans)
+        self._lost_why = why
+        log.warning(
+            "%s: JetStream stream %s: %d stream(s) lose what it acknowledged; announced to this sink's consumers "
+            "(EventsLost, reason sink_lost:%s) at the next write",
+            self._prefix,
+            why,
+            len(spans),
+            self.name,
+            extra={"sink": self.name, "count": len(spans)},
+        )
+
+    async def _stream_missing(self, nc: Client, subject: str) -> None:
+        """A write found no stream capturing ``subject``. When the stream that acknowledged earlier
+        writes is gone, what it held is lost (announced at the next write) and, with
+        ``stream.create``, it is created again (the configured settings) for the next write."""
+        so = self.options.stream
+        name = self._events_stream or (so.name if so.create else None)
+        js = nc.jetstream(timeout=self.options.connect_timeout)
+        wildcard = subject_filter(self.options.subject)
+        try:
+            if name is not None:
+                try:
+                    await js.stream_info(name)
+                except nats.js.errors.NotFoundError:
+                    pass
+                else:
+                    self._stream_problem = (
+                        f"{self._prefix}: JetStream stream {name!r} does not capture subject {subject!r}: "
+                        f"add {wildcard!r} to its subjects"
+                    )
+                    return
+                if name == self._events_stream:
+                    self._stream_lost(f"{name!r} is gone (deleted, or a server that kept it in memory restarted)")
+            if so.create:
+                await self._ensure_stream(js)
+                self._stream_problem = None
+            else:
+                gone = f" (stream {name!r} that held its messages is gone)" if name is not None else ""
+                self._stream_problem = (
+                    f"{self._prefix}: no JetStream stream captures subject {subject!r}{gone}: create one capturing "
+                    f"{wildcard!r}, or set stream.create: true"
+                )
+        except NotConnected as exc:
+            self._stream_problem = str(exc)
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.debug("%s: stream lookup failed: %s", self._prefix, _describe(exc), extra={"sink": self.name})
 
     async def _publish_chained(
         self, nc: Client, messages: Sequence[Message], errors: dict[int, ConnectorError], seqs: dict[int, int]
@@ -820,10 +985,12 @@ class NatsConnector:
     def _ack_error(self, msg: Msg, m: Message, subject: str, seqs: dict[int, int], i: int) -> ConnectorError | None:
         """Why JetStream did not store message ``i`` (``m``), or None and its stream seq in ``seqs``."""
         if not msg.data and msg.headers and msg.headers.get("Status") == "503":
-            self._stream_problem = (
-                f"{self._prefix}: no JetStream stream captures subject {subject!r}: create a stream whose subjects "
-                f"cover {subject_filter(self.options.subject)!r}, or set stream.create: true"
+            fix = (
+                f"stream.create: stream {self.options.stream.name!r} is created again"
+                if self.options.stream.create
+                else f"create a stream whose subjects cover {subject_filter(self.options.subject)!r}, or set stream.create: true"
             )
+            self._stream_problem = f"{self._prefix}: no JetStream stream captures subject {subject!r}: {fix}"
             return Retriable(self._stream_problem, reason="no_stream")
         try:
             ack = _ack_decoder.decode(msg.data)
@@ -832,6 +999,15 @@ class NatsConnector:
         err = ack.error
         if err is None:
             seqs[i] = ack.seq  # a duplicate's ack names the copy stored first
+            if not ack.duplicate:
+                span = self._new_seqs.get(ack.stream)
+                if span is None:
+                    self._new_seqs[ack.stream] = [ack.seq, ack.seq]
+                    self._events_stream = ack.stream
+                elif ack.seq < span[0]:
+                    span[0] = ack.seq
+                elif ack.seq > span[1]:
+                    span[1] = ack.seq
             return None
         text = f"{self._prefix}: JetStream refused {m.msg_id} on {subject!r}: {err.description} (code {err.code}/{err.err_code})"
         if err.err_code in _REFUSED_FOR_ITSELF:
@@ -898,26 +1074,43 @@ class NatsConnector:
                 break
             if i in seqs:
                 next_ = seqs[i] + 1
-        if deltas and self._bucket_lives.get(stream.key, self._bucket_life) != self._bucket_life:
-            # The bucket was created again since this stream's last state write (a server that kept
-            # it in memory restarted): what it held is gone. Refused for itself, the runtime clears
-            # the stream at its next record (incomplete), which writes it whole again.
+        first = next((d for d, _ in deltas if not d.stale), None)
+        clears = first is not None and first.clear
+        if deltas and not clears and self._bucket_lives.get(stream.key, self._bucket_life) != self._bucket_life:
+            # The bucket went missing or was created again since this stream's last state write
+            # (deleted, a server that kept it in memory restarted): what it held is gone. Refused for
+            # itself, the runtime clears the stream at its next record (incomplete), which writes
+            # it whole again. A write that clears first (the runtime cleared it already, after a
+            # SinkLost) needs nothing it held: it goes through.
             self._bucket_lives[stream.key] = self._bucket_life
-            lost = Permanent(f"{self._prefix}: KV bucket {self._bucket!r} was created again: state lost", reason="state_lost")
+            lost = Permanent(
+                f"{self._prefix}: KV bucket {self._bucket!r} lost what it held (deleted, or a server that kept it in "
+                "memory restarted): the stream's state starts again",
+                reason="state_lost",
+            )
             errors.update(dict.fromkeys(states, lost))
             return
         if deltas:
-            self._bucket_lives[stream.key] = self._bucket_life
             try:
                 await self._apply_state(nc, stream, deltas)
             except ConnectorError as exc:
                 failure = exc if not isinstance(exc, Permanent) else Retriable(str(exc), reason=exc.reason)
                 errors.update(dict.fromkeys(states, failure))
                 self._state_problem = str(failure)
-                if failure.reason == "no_bucket" and self.options.state.create:
-                    with contextlib.suppress(ConnectorError, TimeoutError, nats.errors.Error):
-                        await self._check_bucket(nc.jetstream(timeout=self.options.connect_timeout))
+                if failure.reason == "no_bucket":
+                    if not self._bucket_gone:  # what it held is lost, whoever creates it again
+                        self._bucket_gone = True
+                        self._bucket_life += 1
+                    if self.options.state.create:
+                        try:
+                            await self._check_bucket(nc.jetstream(timeout=self.options.connect_timeout))
+                        except NotConnected as created:
+                            self._state_problem = str(created)
+                        except (TimeoutError, nats.errors.Error):
+                            pass
                 return
+            self._bucket_lives[stream.key] = self._bucket_life  # the bucket holds its state
+            self._bucket_gone = False
             self._state_problem = None
             if deltas[-1][1] is not None:
                 self._next[stream.key] = deltas[-1][1]
@@ -936,7 +1129,10 @@ class NatsConnector:
         fmt = self._format
         assert fmt is not None
         prefix = state_prefix(stream.source, stream.dp_rank)
-        limit = max(4096, nc.max_payload // 2) - 512  # a journal part holds one entry at least
+        head_doc = fmt.head(stream, op.head, op.next)
+        # A journal part holds the head and one entry at least, within the bucket's value limit.
+        budget = self._part_size(nc) - len(head_doc) - _JOURNAL_FRAME
+        limit = budget - _KEY_ROOM
 
         def document(c: EntryChange, head: Head) -> bytes:
             doc = fmt.entry(stream, head, c)
@@ -948,46 +1144,55 @@ class NatsConnector:
             (entry_key(c.medium, c.group_idx, c.block), document(c, head) if c.count > 0 else None)
             for c, head in op.changes.values()
         ]
-        head_doc = fmt.head(stream, op.head, op.next)
         parts: list[bytes] = []
         if ops or op.clear:
-            parts = journal_parts(op.head, head_doc, ops, max(4096, nc.max_payload // 2), clear=op.clear)
+            parts = journal_parts(op.head, head_doc, ops, budget, clear=op.clear)
             await self._kv_write(nc, [(f"{JOURNAL_KEY}.{prefix}.{i}", part) for i, part in enumerate(parts)])
         await self._finish(nc, prefix, op.clear, ops, head_doc)
         if len(parts) > 1:  # a large write: its parts would stay until a write as large
-            await self._purge(nc, f"{JOURNAL_KEY}.{prefix}")
+            await self._purge(nc, [f"{JOURNAL_KEY}.{prefix}.>"])
 
     async def _finish(
         self, nc: Client, prefix: str, clear: bool, ops: Sequence[tuple[str, bytes | None]], head_doc: bytes
     ) -> None:
-        """The writes a journal stands for: the purge, every entry at once, then the head."""
+        """The writes a journal stands for: the purge, every entry put or removed at once, then the head."""
         if clear:
-            await self._purge(nc, prefix)
-        if ops:
-            await self._kv_write(nc, [(f"{prefix}.{key}", doc) for key, doc in ops])
+            await self._purge(nc, [prefix + ".>"])
+        puts = [(f"{prefix}.{key}", doc) for key, doc in ops if doc is not None]
+        gone = [f"{prefix}.{key}" for key, doc in ops if doc is None]
+        if puts and gone:
+            await asyncio.gather(self._kv_write(nc, puts), self._purge(nc, gone))
+        elif puts or gone:
+            await (self._kv_write(nc, puts) if puts else self._purge(nc, gone))
         await self._kv_write(nc, [(f"{prefix}.{HEAD_KEY}", head_doc)])
 
-    async def _purge(self, nc: Client, prefix: str) -> None:
-        """Remove every key under ``prefix`` (one stream's) with one subject-filtered purge of the
-        bucket's stream (ADR-8 / ADR-10): no per-key marker is left, whatever the number of keys."""
+    async def _purge(self, nc: Client, keys: Sequence[str]) -> None:
+        """Remove each key (or ``{prefix}.>``: every key of a stream) with a subject-filtered purge of
+        the bucket's stream (ADR-8 / ADR-10), up to 64 at once: unlike a KV delete, it leaves no
+        marker, so the bucket holds the live entries alone however many blocks come and go."""
         js = nc.jetstream(timeout=self.options.connect_timeout)
+        window = asyncio.Semaphore(64)
+
+        async def one(key: str) -> None:
+            async with window:
+                await js.purge_stream(self._kv_stream, subject=self._kv_prefix + key)
+
         try:
-            await js.purge_stream(self._kv_stream, subject=f"{self._kv_prefix}{prefix}.>")
+            await (one(keys[0]) if len(keys) == 1 else asyncio.gather(*(one(k) for k in keys)))
         except nats.js.errors.NotFoundError:
             raise Retriable(self._no_bucket(), reason="no_bucket") from None
         except (TimeoutError, nats.errors.Error) as exc:
             raise Retriable(f"{self._prefix}: state purge in bucket {self._bucket!r} failed: {_describe(exc)}") from None
 
-    async def _kv_write(self, nc: Client, ops: Sequence[tuple[str, bytes | None]]) -> None:
-        """Put each (key, value) into the bucket, or delete the key (value None), all at once;
-        return when every one is stored. The server stores one connection's publishes to a stream
-        in the order sent."""
+    async def _kv_write(self, nc: Client, ops: Sequence[tuple[str, bytes]]) -> None:
+        """Put each (key, value) into the bucket, all at once; return when every one is stored. The
+        server stores one connection's publishes to a stream in the order sent."""
         acks = _Acks()
         sent: list[str] = []
         try:
             for key, value in ops:
                 subject = self._kv_prefix + key
-                await self._send(nc, subject, _KV_DEL if value is None else _KV_PUT, value or b"", acks)
+                await self._send(nc, subject, _KV_PUT, value, acks)
                 sent.append(subject)
             await acks.wait()
         finally:
@@ -1011,18 +1216,28 @@ class NatsConnector:
         text = f"{self._prefix}: JetStream refused state key {subject!r}: {err.description} (code {err.code}/{err.err_code})"
         return Retriable(text, reason="stream_full" if "maximum" in err.description.lower() else "state_rejected")
 
+    def _part_size(self, nc: Client) -> int:
+        """The size of a journal part: half the server's max_payload (4 KiB at least), within the
+        bucket's value limit (max_value_size)."""
+        size = max(4096, nc.max_payload // 2)
+        return size if self._value_limit is None else min(size, self._value_limit)
+
     def _no_bucket(self) -> str:
-        return f"{self._prefix}: KV bucket {self._bucket!r} does not exist: create it (history 1), or set state.create: true"
+        create = self.options.state.create
+        fix = "state.create: it is created again" if create else "create it (history 1), or set state.create: true"
+        return f"{self._prefix}: KV bucket {self._bucket!r} does not exist: {fix}"
 
     async def _check_bucket(self, js: JetStreamContext) -> None:
         """Create the bucket (state.create) or check that it exists (health, ``--check``)."""
         so = self.options.state
         try:
-            await js.stream_info(self._kv_stream)
-            self._state_problem = None
-            return
+            info = await js.stream_info(self._kv_stream)
         except nats.js.errors.NotFoundError:
             pass
+        else:
+            self._check_bucket_config(info.config)
+            self._state_problem = None
+            return
         if not so.create:
             self._state_problem = self._no_bucket()
             log.warning("%s", self._state_problem, extra={"sink": self.name})
@@ -1040,8 +1255,42 @@ class NatsConnector:
             if exc.err_code != _STREAM_NAME_EXISTS:
                 raise NotConnected(f"{self._prefix}: cannot create KV bucket {so.bucket!r}: {_describe(exc)}") from None
         self._bucket_life += 1  # created (again): streams written before lost their state
+        self._value_limit = None
         self._state_problem = None
         log.info("%s: created KV bucket %s for the state", self._prefix, so.bucket, extra={"sink": self.name})
+        if so.storage == "memory":
+            self._warn_memory(f"KV bucket {so.bucket!r}", _MEMORY_BUCKET, "state.storage: file")
+
+    def _check_bucket_config(self, config: js_api.StreamConfig) -> None:
+        """What the bridge needs of an existing bucket: values large enough for a journal part
+        (NotConnected naming the fix otherwise: the journal would be refused for ever), and it
+        warns when the bucket is kept in memory."""
+        limit = config.max_msg_size
+        self._value_limit = limit if limit is not None and limit > 0 else None
+        if self._value_limit is not None and self._value_limit < MIN_STATE_VALUE:
+            raise NotConnected(
+                f"{self._prefix}: KV bucket {self._bucket!r} takes values of at most {self._value_limit} bytes "
+                f"(max_value_size); the state's journal needs {MIN_STATE_VALUE} at least: raise it "
+                f"(nats stream edit {self._kv_stream} --max-msg-size={MIN_STATE_VALUE}, or -1: no limit), or use "
+                "another bucket",
+                reason="bucket_too_small",
+            )
+        if config.storage == js_api.StorageType.MEMORY:
+            self._warn_memory(f"KV bucket {self._bucket!r}", _MEMORY_BUCKET, "a bucket with file storage")
+
+    def _warn_memory(self, what: str, consequence: str, fix: str) -> None:
+        """One WARNING per stream or bucket kept in memory (not again when it is created again)."""
+        if what in self._warned:
+            return
+        self._warned.add(what)
+        log.warning(
+            "%s: %s keeps its data in memory: a restart of the server loses it; %s. Use %s",
+            self._prefix,
+            what,
+            consequence,
+            fix,
+            extra={"sink": self.name},
+        )
 
     async def read_state(self, streams: Sequence[Stream]) -> dict[str, tuple[Head, list[SeedEntry]] | None]:
         """The state the bucket holds of each stream (a restarted bridge rebuilds from it): its keys
@@ -1068,6 +1317,8 @@ class NatsConnector:
                 got = await self._rebuild(nc, stream, prefix, held, [v for v in journal.values() if v])
             if got != "unknown":
                 out[stream.key] = got  # type: ignore[assignment]
+                if got is not None:
+                    self._bucket_lives[stream.key] = self._bucket_life  # the tracker builds on what it holds
 
         await asyncio.gather(*(one(s) for s in streams))
         return out
@@ -1188,6 +1439,7 @@ class NatsConnector:
 
     # -- streams --------------------------------------------------------------------------------
     async def _ensure_stream(self, js: JetStreamContext) -> None:
+        """Create the stream with the configured settings when it does not exist (stream.create)."""
         so = self.options.stream
         try:
             await js.stream_info(so.name)
@@ -1210,6 +1462,9 @@ class NatsConnector:
             if exc.err_code == _STREAM_NAME_EXISTS:  # another replica created it just now
                 return
             raise NotConnected(f"{self._prefix}: cannot create JetStream stream {so.name!r}: {_describe(exc)}") from None
+        self._held.fresh = True  # empty: a bridge stream's copy starts with the first message stored
+        self._events_stream = so.name
+        self._stream_seqs.pop(so.name, None)
         log.info("%s: created JetStream stream %s for %s", self._prefix, so.name, config.subjects, extra={"sink": self.name})
 
     async def _check_stream(self, js: JetStreamContext) -> None:
@@ -1219,8 +1474,11 @@ class NatsConnector:
         capturing only some sources passes here, and a write to the others fails ``no_stream``."""
         wildcard = subject_filter(self.options.subject)
         try:
-            await js.find_stream_name_by_subject(wildcard)
+            name = self._events_stream = await js.find_stream_name_by_subject(wildcard)
             self._stream_problem = None
+            if (await js.stream_info(name)).config.storage == js_api.StorageType.MEMORY:
+                consequence = _MEMORY_STREAM.format(sink=self.name)
+                self._warn_memory(f"JetStream stream {name!r}", consequence, "file storage (stream.storage: file)")
             return
         except nats.js.errors.NotFoundError:
             problem = f"no JetStream stream captures subject {wildcard!r}: create one, or set stream.create: true"
@@ -1231,7 +1489,6 @@ class NatsConnector:
 
 
 _KV_PUT = b""  # a plain PUB: no header block to store and parse back
-_KV_DEL = header_block({KV_OPERATION: "DEL"})
 
 
 async def sweep(js: JetStreamContext, bucket: str, prefix: str) -> dict[str, bytes | None]:

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -37,6 +38,7 @@ from connectors.nats import MSG_ID_HEADER, NatsConnector, NatsOptions, subject_t
 from tests.infra.servers import NatsServer, free_port, port_open
 from tests.integration.conformance import ConformanceSuite, Stored
 from tests.support.contract import BeforeFirstWrite, Scenario, interleaved, sized, worker_config
+from tests.support.process import BridgeProcess, bridge_config, http_get
 from tests.support.records import control_records, stream_records
 from tests.support.schema import check_if_written_by_bridge
 
@@ -662,3 +664,52 @@ async def test_header_values_cannot_break_the_protocol(nats_server: NatsServer, 
     assert [s.data for s in stored] == [m.value for m in messages]
     headers = dict(stored[0].headers or {})
     assert headers["type"] == "Evil  PUB x 1" and headers["seq"] == "0" and headers[MSG_ID_HEADER] == "llama-a/0/0/0/0"
+
+
+@pytest.mark.integration
+async def test_a_token_in_the_server_url_is_never_shown(nats_server: NatsServer, tmp_path: Path) -> None:
+    """``nats://TOKEN@host`` (NATS's documented form): the bridge connects with it, and its logs
+    (debug), ``/readyz`` while the server is down, and ``--check`` (reachable, then not) show the
+    URL with the token masked."""
+    token = f"tok-{uuid.uuid4().hex}"
+    server = _GuardedNatsServer(tmp_path, extra_config=f'authorization {{ token: "{token}" }}')
+    await server.astart()
+    try:
+        url = f"nats://${{NATS_TOKEN}}@{server.host}:{server.port}"
+        sink = {"type": "nats", "name": "nats-t", "servers": url, "mode": "core", "connect_timeout": "1s"}
+        source = {"name": "e", "endpoint": f"tcp://127.0.0.1:{free_port()}"}
+        cfg = bridge_config(tmp_path, [source], [sink], log={"level": "debug"})
+        bridge = BridgeProcess(tmp_path, cfg, env={"NATS_TOKEN": token}).start()
+        texts: dict[str, str] = {}
+        try:
+            await bridge.wait_ready()
+            await server.astop()
+            assert bridge.metrics_port is not None
+            for _ in range(200):  # bounded: until /readyz says the sink is down
+                status, body = await http_get(bridge.metrics_port, "/readyz")
+                if status == 503 and b"nats-t" in body:
+                    break
+                await asyncio.sleep(0.05)
+            texts["/readyz"] = body.decode()
+            checks = [await asyncio.to_thread(_run_check, bridge)]  # the server down: unreachable
+            await server.astart()
+            checks.append(await asyncio.to_thread(_run_check, bridge))
+            assert await bridge.terminate() == 0
+        finally:
+            bridge.kill()
+        texts["log"] = bridge.log()
+        texts["--check (down)"], texts["--check (up)"] = (c.stdout + c.stderr for c in checks)
+        print(f"\n/readyz: {texts['/readyz']}\n--check (down): {texts['--check (down)']}")
+        assert [c.returncode for c in checks] == [2, 0], texts
+        assert f"***@{server.host}:{server.port}" in texts["/readyz"] and "***@" in texts["--check (down)"]
+        assert "***@" in texts["log"]
+        assert [where for where, text in texts.items() if token in text] == []
+    finally:
+        server.remove()
+
+
+def _run_check(bridge: BridgeProcess) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "bridge", "--config", str(bridge.config_path), "--check"],
+        env=bridge.env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip

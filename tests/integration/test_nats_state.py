@@ -38,7 +38,7 @@ from nats.js import api as js_api
 from bridge import config
 from bridge.bootstrap import StreamState
 from bridge.config import SinkConfig, convert_options, from_data
-from bridge.errors import ConnectorError, Permanent
+from bridge.errors import ConnectorError, NotConnected, Permanent
 from bridge.formats import state_message
 from bridge.records import Record, Stream, source_reset
 from bridge.runtime import Bridge
@@ -557,3 +557,122 @@ async def test_an_entry_too_large_for_a_message_is_written_without_its_fact(
         state, _ = await bootstrap(reader, bucket, "m", 0)
         [doc] = state.entries.values()
         assert doc["count"] == 1 and "lora_name" not in doc and doc["seq"] == 0
+
+
+# -- issue 29: the bucket stays within a bound of the live blocks; its value-size limit -------------
+
+
+def churn(stream: Stream, epoch: int, seq: int, stored: list[int], removed: list[int]) -> Record:
+    """A batch that stores ``stored`` and removes ``removed`` (GPU, group 0)."""
+    events: list[dict[str, Any]] = [
+        {"type": "BlockStored", "block_hashes": stored, "parent_block_hash": None, "token_ids": [], "block_size": 16},
+        {"type": "BlockRemoved", "block_hashes": removed},
+    ]
+    for e in events:
+        e.update(medium="GPU", group_idx=0)
+    return Record(stream=stream, epoch=epoch, seq=seq, ts=1.0, events=events)
+
+
+async def test_the_bucket_stays_within_a_bound_of_the_live_blocks_under_churn(
+    nats_server: NatsServer, reader: Client, names: tuple[str, str]
+) -> None:
+    """A long-running engine that never clears: every batch stores 8 blocks and removes 8. The
+    bucket holds the live entries, the head and the journal, not a marker per removed block."""
+    dest, bucket = names
+    stream = Stream("churn", 0)
+    rand = random.Random(10)
+    live: list[int] = []
+    async with connected(nats_server.url, dest, bucket) as w:
+        js = reader.jetstream(timeout=10)
+        await w.write([source_reset(stream, 1, "publisher_restart", 0.0)])
+        fill = [rand.getrandbits(63) for _ in range(200)]
+        live.extend(fill)
+        await w.write([churn(stream, 1, 0, fill, [])])
+        seq = 1
+        sizes: list[tuple[int, int]] = []  # (live blocks, bucket messages) every 100 batches
+        for _ in range(40):  # 40 writes of 10 batches: 3,200 blocks removed
+            records = []
+            for _ in range(10):
+                new = [rand.getrandbits(63) for _ in range(8)]
+                gone = [live.pop(rand.randrange(len(live))) for _ in range(8)]
+                live.extend(new)
+                records.append(churn(stream, 1, seq, new, gone))
+                seq += 1
+            await w.write(records)
+            if seq % 100 == 1:
+                sizes.append((len(live), (await js.stream_info(f"KV_{bucket}")).state.messages))
+        print(f"\n(live blocks, bucket messages) every 100 batches: {sizes}")
+        head = w.tracker.head(stream)
+        assert head is not None and head.live == len(live) == 200
+        for n_live, messages in sizes:
+            assert messages <= n_live + 2, sizes  # the entries, the head, the journal: no marker left
+        state, _ = await bootstrap(reader, bucket, "churn", 0)
+        assert sorted(k for _, _, k in state.blocks()) == sorted(h & U64 for h in live)
+
+
+async def test_journal_parts_fit_a_bucket_with_a_value_size_limit(
+    nats_server: NatsServer, reader: Client, names: tuple[str, str]
+) -> None:
+    """A bucket made with max_value_size: the journal is written in parts the bucket takes (not of
+    half the server's max_payload, refused for ever), and an entry too large for it goes without its
+    fact; a bucket too small to hold a journal part is refused at connect, naming the fix."""
+    dest, bucket = names
+    js = reader.jetstream(timeout=10)
+    await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1, max_value_size=2048))
+    stream = Stream("limited", 0)
+    rand = random.Random(4)
+    async with connected(nats_server.url, dest, bucket, create=False) as w:
+        big = many_blocks(stream, 1, 1, 1, rand)
+        big.events[0]["lora_name"] = "x" * 3000
+        await w.write([source_reset(stream, 1, "publisher_restart", 0.0), many_blocks(stream, 1, 0, 60, rand), big])
+    state, _ = await bootstrap(reader, bucket, "limited", 0)
+    assert state.head["seq"] == 1 and len(state.blocks()) == 61
+    assert len([d for d in state.entries.values() if "hash" not in d]) == 1  # the large one: count and version
+    assert all(len(v) <= 2048 for v in (await sweep(js, bucket, state_prefix("limited", 0))).values() if v)
+
+    await js.delete_key_value(bucket)
+    await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1, max_value_size=300))
+    w = Writer(nats_server.url, dest, bucket, create=False)
+    try:
+        with pytest.raises(NotConnected) as refused:
+            await w.connector.connect()
+    finally:
+        await w.connector.close()
+    print(f"a bucket of 300-byte values: {refused.value}")
+    assert f"KV bucket {bucket!r}" in str(refused.value) and "max_value_size" in str(refused.value)
+    assert "--max-msg-size" in str(refused.value)
+
+
+async def test_without_create_a_lost_bucket_is_named_and_the_state_told_lost_once_it_is_back(
+    nats_server: NatsServer, reader: Client, names: tuple[str, str]
+) -> None:
+    """An operator's bucket deleted during a run, then created again by hand: the writes fail
+    (no_bucket, the sink not ready, the fix named), and the stream's next state message is refused
+    for itself (state_lost: the runtime clears the stream, incomplete), never written over an empty
+    bucket as if it were whole."""
+    dest, bucket = names
+    js = reader.jetstream(timeout=10)
+    config = js_api.KeyValueConfig(bucket=bucket, history=1)
+    await js.create_key_value(config)
+    stream, other = Stream("m", 0), Stream("n", 0)
+    rand = random.Random(6)
+    async with connected(nats_server.url, dest, bucket, create=False) as w:
+        await w.write([source_reset(stream, 1, "publisher_restart", 0.0), many_blocks(stream, 1, 0, 5, rand)])
+        await w.write([source_reset(other, 1, "publisher_restart", 0.0), many_blocks(other, 1, 0, 5, rand)])
+        await js.delete_key_value(bucket)
+        with pytest.raises(ConnectorError) as info:
+            await w.write([many_blocks(stream, 1, 1, 1, rand)])
+        assert info.value.reason == "no_bucket"
+        problem = await w.connector.health()
+        print(f"\nhealth: {problem}")
+        assert problem is not None and f"KV bucket {bucket!r} does not exist" in problem and "state.create: true" in problem
+        await js.create_key_value(config)  # the operator's fix
+        await w.write([source_reset(other, 2, "publisher_restart", 0.0)])  # a clear needs nothing it held
+        reset, _ = await bootstrap(reader, bucket, "n", 0)
+        assert reset.epoch == 2 and reset.complete and reset.blocks() == {}
+        second = many_blocks(stream, 1, 2, 1, rand)
+        with pytest.raises(ConnectorError) as info:
+            await w.write([second])
+        assert isinstance(info.value, Permanent) and info.value.reason == "state_lost", info.value
+        await w.connector.write([state_message(second)])  # told once
+        assert await w.connector.health() is None

@@ -11,12 +11,13 @@ from bridge.config import convert_options
 from bridge.connector import Registry, Secret
 from bridge.errors import ConfigError, ConnectorError, NotConnected, Permanent, Retriable
 from bridge.formats import Message, Renderer
-from bridge.records import Stream
+from bridge.records import Stream, events_lost, source_reset
 from bridge.secret import redact
 from connectors.nats import (
     NatsConnector,
     NatsOptions,
     StreamOptions,
+    _Held,
     _refused_for_turn,
     header_block,
     hpub,
@@ -108,3 +109,25 @@ def test_refused_for_turn_resends_what_only_the_chain_refused() -> None:
     # until its own failure at 6.
     assert again == [3, 4, 7]
     assert errors == {0: full, 1: big, 2: turn, 5: turn, 6: lost}
+
+
+def test_what_a_lost_stream_held_per_bridge_stream() -> None:
+    """The spans SinkLost carries: per bridge stream, its newest epoch, from 0 (the stream may hold
+    earlier seqs) or, in a stream this process created, from the first seq stored, to the last."""
+    a, b = Stream("a", 0), Stream("b", 1)
+    held = _Held()
+    for r in [source_reset(a, 1, "publisher_restart", 0.0), *stream_records(a, 3, epoch=1, start=5)]:
+        held.note(r)
+    held.note(events_lost(b, 2, 3, 7, "replay_unavailable", 0.0))
+    held.note(stream_records(b, 1, epoch=2, start=8)[0])
+    held.note(stream_records(b, 1, epoch=2, start=4)[0])  # an older seq changes nothing
+    assert sorted((s.key, e, f, t) for s, e, f, t in held.take()) == [("a/0", 1, 0, 7), ("b/1", 2, 0, 8)]
+    assert held.take() == []  # forgotten once taken
+
+    held.fresh = True  # a stream created empty by this process
+    held.note(source_reset(a, 3, "publisher_restart", 0.0))  # no seq of its own: nothing to announce
+    assert held.take() == []
+    held.note(stream_records(a, 1, epoch=3, start=4)[0])
+    held.note(stream_records(a, 1, epoch=4, start=2)[0])  # a newer epoch replaces the span
+    held.note(events_lost(b, 2, 3, 7, "replay_unavailable", 0.0))
+    assert sorted((s.key, e, f, t) for s, e, f, t in held.take()) == [("a/0", 4, 2, 2), ("b/1", 2, 3, 7)]

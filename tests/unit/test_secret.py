@@ -42,6 +42,15 @@ def test_urls_are_shown_without_their_credentials_which_are_then_redacted_everyw
             assert secret not in redact(f"connect {url} failed")
 
 
+def test_a_user_part_alone_is_a_token_where_the_scheme_says_so() -> None:
+    """NATS takes ``nats://TOKEN@host``: its connector asks for the user part to be masked too."""
+    assert redact_url("nats://tok-in-userinfo@host:4222", token_user=True) == f"nats://{MASK}@host:4222"
+    assert "tok-in-userinfo" not in redact("connect nats://tok-in-userinfo@host:4222 failed")
+    assert redact_url("nats://u:pw-nats-1@host:4222", token_user=True) == f"nats://u:{MASK}@host:4222"
+    assert redact_url("nats://host:4222", token_user=True) == "nats://host:4222"
+    assert redact_url("redis://just-a-user@host/0") == "redis://just-a-user@host/0"  # a user name is no secret
+
+
 def test_config_decodes_a_secret_and_refuses_a_non_string() -> None:
     class Options(config_mod.Struct):
         password: Secret | None = None

@@ -1,0 +1,339 @@
+"""The NATS sink when the server loses, limits or keeps in memory what the bridge relies on (issue
+29, I6), on a real nats-server with JetStream:
+
+- the events stream deleted during a run: with ``stream.create`` it is created again (the
+  configured settings) at the next write and what it held is announced (``SinkLost``, spans per
+  bridge stream); without, the sink is not ready, naming the stream and the fix, and announces the
+  loss once an operator created it again; a stream deleted and created again between two writes
+  (its sequence goes back) is announced too, and two streams sharing the subjects are not taken
+  for that;
+- end to end, a server restart that loses a stream and a bucket kept in memory: the new stream
+  starts with an EventsLost (sink_lost:<sink>) over what the old one held, then the batches
+  after, and a consumer's bootstrap is incomplete;
+- a stream or bucket kept in memory is warned about at connect and in ``--check``: one WARNING
+  each, with the consequence and the fix;
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+import pytest
+from nats.aio.client import Client
+from nats.js import api as js_api
+
+from bridge.cli import check
+from bridge.config import SinkConfig, convert_options, from_data
+from bridge.errors import Retriable, SinkLost
+from bridge.formats import Message, Renderer
+from bridge.records import Stream
+from bridge.runtime import Bridge
+from connectors.nats import NatsConnector, NatsOptions, bootstrap, subject_token
+from tests.infra.servers import NatsServer
+from tests.support.cache_engine import CacheEngine
+from tests.support.harness import free_port
+from tests.support.records import stream_records
+
+pytestmark = pytest.mark.integration
+
+SINK = SinkConfig(type="nats", name="nats-l", format="json", granularity="batch")
+A, B = Stream("eng-a", 0), Stream("eng-b", 1)
+U64 = (1 << 64) - 1
+
+
+def _options(url: str, dest: str, **extra: Any) -> NatsOptions:
+    base: dict[str, Any] = {
+        "servers": url,
+        "subject": dest + ".{source}.{dp_rank}",
+        "connect_timeout": 5.0,
+        "reconnect_wait": 0.2,
+        "stream": {"create": True, "name": dest, "duplicate_window": "90s", "max_age": "1h"},
+    }
+    base.update(extra)
+    return convert_options(base, NatsOptions, "sinks[0]")
+
+
+def _render(streams: Sequence[Stream], start: int, count: int, epoch: int = 1) -> list[Message]:
+    r = Renderer("json", "batch")
+    return [m for s in streams for rec in stream_records(s, count, start=start, epoch=epoch) for m in r.render(rec)]
+
+
+async def _subject_messages(nc: Client, dest: str, stream: Stream) -> list[dict[str, Any]]:
+    """The messages (JSON) held on ``stream``'s subject of JetStream stream ``dest``, in stream order."""
+    js = nc.jetstream(timeout=5)
+    subject = f"{dest}.{subject_token(stream.source)}.{stream.dp_rank}"
+    out: list[dict[str, Any]] = []
+    seq = 1
+    while True:
+        try:
+            msg = await js.get_msg(dest, seq=seq, subject=subject, next=True)
+        except nats.js.errors.NotFoundError:
+            return out
+        out.append(json.loads(msg.data or b"{}"))
+        assert msg.seq is not None
+        seq = msg.seq + 1
+
+
+async def _subject_seqs(nc: Client, dest: str, stream: Stream) -> list[int]:
+    """The engine seqs held on ``stream``'s subject of JetStream stream ``dest``, in stream order."""
+    return [int(m["seq"]) for m in await _subject_messages(nc, dest, stream)]
+
+
+@pytest.fixture
+async def reader(nats_server: NatsServer) -> AsyncIterator[Client]:
+    nc = await nats.connect(nats_server.url, reconnect_time_wait=0.2, max_reconnect_attempts=-1)
+    yield nc
+    await nc.close()
+
+
+@pytest.fixture
+async def dest(reader: Client) -> AsyncIterator[str]:
+    name = f"KVL{uuid.uuid4().hex[:10].upper()}"
+    yield name
+    with contextlib.suppress(nats.errors.Error):
+        await reader.jetstream(timeout=5).delete_stream(name)
+
+
+# -- case 5: the events stream lost during a run --------------------------------------------------
+
+
+async def test_a_deleted_stream_is_created_again_and_its_loss_announced(
+    nats_server: NatsServer, reader: Client, dest: str
+) -> None:
+    js = reader.jetstream(timeout=5)
+    conn = NatsConnector("nats-l", _options(nats_server.url, dest), SINK)
+    await conn.connect()  # creates the stream: a bridge stream's copy starts at its first message
+    try:
+        await conn.write(_render([A], 3, 5) + _render([B], 0, 2))  # A: 3..7, B: 0..1
+        await js.delete_stream(dest)
+        retry = _render([A, B], 8, 2)
+        with pytest.raises(Retriable) as failed:
+            await conn.write(retry)
+        print(f"\nthe write meeting the deleted stream: {failed.value.reason}: {failed.value}")
+        assert failed.value.reason == "no_stream"
+        assert "set stream.create" not in str(failed.value)  # it is set: that advice would be wrong
+        info = await js.stream_info(dest)  # created again for the next write, as configured
+        assert info.config.subjects == [f"{dest}.*.*"] and info.config.duplicate_window == 90.0
+        assert info.config.max_age == 3600.0 and info.state.messages == 0
+        with pytest.raises(SinkLost) as lost:
+            await conn.write(retry)  # the runtime's retry: the loss first, nothing stored yet
+        print(f"announced: {lost.value}; spans {[(s.key, e, f, t) for s, e, f, t in lost.value.spans]}")
+        assert sorted((s.key, e, f, t) for s, e, f, t in lost.value.spans) == [(A.key, 1, 3, 7), (B.key, 1, 0, 1)]
+        assert (await js.stream_info(dest)).state.messages == 0
+        await conn.write(retry)  # the same messages again: they go through
+        assert await conn.health() is None
+    finally:
+        await conn.close()
+    assert await _subject_seqs(reader, dest, A) == [8, 9]
+
+
+async def test_without_create_a_lost_stream_is_announced_and_named_until_it_is_back(
+    nats_server: NatsServer, reader: Client, dest: str
+) -> None:
+    js = reader.jetstream(timeout=5)
+    config = js_api.StreamConfig(name=dest, subjects=[f"{dest}.>"])
+    await js.add_stream(config)
+    conn = NatsConnector("nats-l", _options(nats_server.url, dest, stream={"name": "UNUSED"}), SINK)
+    await conn.connect()
+    try:
+        await conn.write(_render([A], 3, 5))
+        await js.delete_stream(dest)
+        retry = _render([A], 8, 1)
+        with pytest.raises(Retriable) as failed:
+            await conn.write(retry)
+        assert failed.value.reason == "no_stream"
+        with pytest.raises(SinkLost) as lost:  # announced at once (the runtime queues it ahead of the stream)
+            await conn.write(retry)
+        assert [(s.key, e, f, t) for s, e, f, t in lost.value.spans] == [(A.key, 1, 0, 7)]  # its start unknown: from 0
+        for _ in range(2):  # then not ready, for as long as it lasts
+            with pytest.raises(Retriable) as failed:
+                await conn.write(retry)
+            assert failed.value.reason == "no_stream"
+            problem = await conn.health()
+            print(f"\nhealth: {problem}")
+            assert problem is not None and f"stream {dest!r}" in problem and "set stream.create: true" in problem
+        await js.add_stream(config)  # the operator's fix
+        await conn.write(retry)
+        assert await conn.health() is None
+    finally:
+        await conn.close()
+    assert await _subject_seqs(reader, dest, A) == [8]
+
+
+async def test_a_stream_created_again_between_two_writes_is_announced(
+    nats_server: NatsServer, reader: Client, dest: str
+) -> None:
+    """Deleted and created again (by an operator, or another replica after a restart that lost it)
+    before the bridge wrote to it: no write fails, but the sequence goes back."""
+    js = reader.jetstream(timeout=5)
+    conn = NatsConnector("nats-l", _options(nats_server.url, dest), SINK)
+    await conn.connect()
+    try:
+        await conn.write(_render([A], 0, 30))
+        await js.delete_stream(dest)
+        await js.add_stream(js_api.StreamConfig(name=dest, subjects=[f"{dest}.*.*"]))
+        await conn.write(_render([A], 30, 2))  # stored in the new stream, after the loss
+        with pytest.raises(SinkLost) as lost:
+            await conn.write(_render([A], 32, 1))
+        assert [(s.key, e, f, t) for s, e, f, t in lost.value.spans] == [(A.key, 1, 0, 31)]
+    finally:
+        await conn.close()
+
+
+async def test_two_streams_sharing_the_subjects_are_not_taken_for_a_lost_one(
+    nats_server: NatsServer, reader: Client, dest: str
+) -> None:
+    """Each JetStream stream numbers its messages itself: a write whose messages go to two streams
+    (one per source here), in any order, is not a sequence going back."""
+    js = reader.jetstream(timeout=5)
+    await js.add_stream(js_api.StreamConfig(name=dest, subjects=[f"{dest}.eng-a.>"]))
+    await js.add_stream(js_api.StreamConfig(name=dest + "B", subjects=[f"{dest}.eng-b.>"]))
+    await js.publish(f"{dest}.eng-a.9", b"another publisher's")  # the streams' sequences differ
+    conn = NatsConnector("nats-l", _options(nats_server.url, dest, stream={}), SINK)
+    await conn.connect()
+    try:
+        for start in range(0, 12, 3):
+            await conn.write(_render([A, B] if start % 2 else [B, A], start, 3))
+    finally:
+        await conn.close()
+        await js.delete_stream(dest + "B")
+    assert await _subject_seqs(reader, dest, A) == list(range(12))
+
+
+# -- case 13: memory storage under a sink that relies on what it stored ---------------------------
+
+
+async def test_memory_storage_is_warned_about_at_connect_and_in_check(
+    nats_server: NatsServer, reader: Client, dest: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    bucket = f"ST{dest}"
+    options = {
+        "servers": nats_server.url,
+        "subject": dest + ".{source}.{dp_rank}",
+        "stream": {"create": True, "name": dest, "storage": "memory"},
+        "state": {"enabled": True, "bucket": bucket, "create": True, "storage": "memory"},
+    }
+    sink = SinkConfig(type="nats", name="nats-m", format="json", granularity="batch")
+    try:
+        conn = NatsConnector("nats-m", convert_options(options, NatsOptions, "sinks[0]"), sink)
+        with caplog.at_level(logging.WARNING, logger="connectors.nats"):
+            await conn.connect()
+        await conn.close()
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        print("\n" + "\n".join(warnings))
+        assert len(warnings) == 2, warnings  # one for the stream, one for the bucket
+        stream_warning, bucket_warning = sorted(warnings, key=lambda w: "KV bucket" in w)
+        assert f"JetStream stream {dest!r} keeps its data in memory" in stream_warning
+        assert "sink_lost:nats-m" in stream_warning and "stream.storage: file" in stream_warning
+        assert f"KV bucket {bucket!r} keeps its data in memory" in bucket_warning
+        assert "incomplete" in bucket_warning and "state.storage: file" in bucket_warning
+
+        caplog.clear()
+        path = tmp_path / "bridge.yaml"
+        source = {"name": "e", "endpoint": "tcp://127.0.0.1:1"}
+        path.write_text(json.dumps({"sources": [source], "sinks": [{"type": "nats", "name": "nats-m", **options}]}))
+        with caplog.at_level(logging.WARNING, logger="connectors.nats"):
+            assert await asyncio.to_thread(check, str(path)) == 0  # a warning, not a refusal
+        assert len([r for r in caplog.records if "keeps its data in memory" in r.getMessage()]) == 2
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await reader.jetstream(timeout=5).delete_key_value(bucket)
+
+
+# -- case 5 end to end: the runtime announces what the server lost --------------------------------
+
+
+async def test_a_server_restart_that_loses_a_memory_stream_is_announced_to_its_consumers(
+    tmp_path: Path, nats_server: NatsServer, reader: Client, dest: str
+) -> None:
+    """Stream and bucket kept in memory, the server restarts: the sink goes on by itself (both
+    created again), the new stream starts with an EventsLost (reason sink_lost:<sink>) covering
+    what the old one held, then the batches after, and a consumer's bootstrap is incomplete, never
+    complete with blocks missing."""
+    bucket = f"ST{dest}"
+    live, rep = free_port(), free_port()
+    sink = {
+        "type": "nats",
+        "name": "nats-m",
+        "servers": nats_server.url,
+        "subject": dest + ".{source}.{dp_rank}",
+        "format": "json",
+        "granularity": "batch",
+        "reconnect_wait": "200ms",
+        "batch": {"linger": 0, "max_messages": 200},
+        "retry": {"initial_backoff": "50ms", "max_backoff": "200ms", "jitter": 0.0, "write_timeout": 10},
+        "stream": {"create": True, "name": dest, "storage": "memory"},
+        "state": {"enabled": True, "bucket": bucket, "create": True, "storage": "memory"},
+    }
+    cfg = {
+        "sources": [{"name": "eng", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}],
+        "sinks": [sink],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "checkpoint": {"path": str(tmp_path / "checkpoint.json")},
+        "replay": {"timeout": "300ms", "max_attempts": 20, "initial_backoff": "50ms", "max_backoff": "200ms", "idle_probe": 0},
+        "shutdown_timeout": "3s",
+    }
+    stream = Stream("eng", 0)
+    js = reader.jetstream(timeout=5)
+
+    async def head_seq() -> int | None:
+        with contextlib.suppress(LookupError, nats.errors.Error):
+            state, _ = await bootstrap(reader, bucket, "eng", 0, attempts=1)
+            return int(state.head["seq"])
+        return None
+
+    async def until_head(seq: int) -> None:
+        for _ in range(600):  # bounded wait for the state's head, not a timing assertion
+            if await head_seq() == seq:
+                return
+            await asyncio.sleep(0.05)
+        pytest.fail(f"the state's head never reached seq {seq}")
+
+    async def until_stored(seq: int) -> None:
+        for _ in range(600):  # bounded wait for the stream to hold that batch
+            with contextlib.suppress(nats.errors.Error):
+                if seq in [m["seq"] for m in await _subject_messages(reader, dest, stream)]:
+                    return
+            await asyncio.sleep(0.05)
+        pytest.fail(f"the stream never held seq {seq}")
+
+    try:
+        async with CacheEngine(live, rep, seed=5) as engine:
+            bridge = Bridge(from_data(cfg, env={}))
+            await bridge.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(20, events_per_batch=4)
+                await until_head(engine.last_seq)
+                before = engine.last_seq
+                await nats_server.arestart()  # what it kept in memory is gone
+                await engine.step(10, events_per_batch=4)
+                await until_stored(engine.last_seq)
+                await engine.step(5, events_per_batch=4)  # a state cleared is written again at its next record
+                await until_head(engine.last_seq)
+            finally:
+                await bridge.stop()
+        held = await _subject_messages(reader, dest, stream)
+        shown = [(m.get("type", "batch"), m.get("reason"), m.get("from_seq"), m.get("to_seq", m["seq"])) for m in held]
+        print(f"\nthe new stream holds: {shown}")
+        first = held[0]
+        assert first.get("type") == "EventsLost" and first["reason"] == "sink_lost:nats-m", first
+        assert (first["from_seq"], first["to_seq"]) == (0, before)
+        assert [m["seq"] for m in held if "type" not in m] == list(range(before + 1, engine.last_seq + 1))
+        state, _ = await bootstrap(reader, bucket, "eng", 0)
+        assert not state.complete and int(state.head["seq"]) == engine.last_seq
+        assert set(state.blocks()) <= {(m, 0, h & U64) for h, m in engine.cache}
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await js.delete_key_value(bucket)
