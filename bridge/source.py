@@ -260,4 +260,3 @@ class SourceReader:
             sock.connect(self.endpoint)
         except zmq.ZMQError as exc:  # a timer callback: nobody else would see this
             log.error("re-dial failed", extra={"endpoint": self.endpoint, "error": str(exc)})
-
