@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from aiokafka import errors as kafka_errors
 from aiokafka.conn import collect_hosts, create_conn
 from aiokafka.protocol.metadata import MetadataRequest
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
@@ -18,6 +19,24 @@ from aiokafka.record.default_records import DefaultRecordBatchBuilder
 # The exact size of one record in a batch (key, value, headers): checked only for messages
 # close to max_batch_bytes, so a message too large for a batch is refused before it is sent.
 record_size = DefaultRecordBatchBuilder.estimate_size_in_bytes
+
+
+class InvalidRecordError(kafka_errors.UnknownError):  # type: ignore[misc]  # aiokafka is untyped here
+    """Error code 87 (INVALID_RECORD): the broker refused a record itself (a compacted topic's
+    record without a key, a broker-side validation).
+
+    aiokafka has no class for it and raises :class:`~aiokafka.errors.UnknownError` for every code
+    it does not know, the same as for -1 (UNKNOWN_SERVER_ERROR: an exception inside the broker,
+    for an operator to fix). Registered under its code (a subclass of ``UnknownError``, so code
+    that catches that still catches it), the sink can tell a refused record from a broken broker.
+    """
+
+    errno = 87
+    message = "INVALID_RECORD"
+    description = "This record has failed the validation on broker and hence will be rejected."
+
+
+kafka_errors.kafka_errors.setdefault(InvalidRecordError.errno, InvalidRecordError)
 
 
 def fail_pending(producer: Any, exc: BaseException) -> None:
@@ -120,4 +139,13 @@ async def probe(settings: dict[str, Any], ssl_context: Any) -> str:
     return f"{host}:{port}"
 
 
-__all__ = ["fail_pending", "pace_metadata_retries", "ping", "probe", "record_size", "topic_error", "topic_partitions"]
+__all__ = [
+    "InvalidRecordError",
+    "fail_pending",
+    "pace_metadata_retries",
+    "ping",
+    "probe",
+    "record_size",
+    "topic_error",
+    "topic_partitions",
+]

@@ -91,15 +91,20 @@ _UNKNOWN_TOPIC, _INVALID_TOPIC, _TOPIC_AUTHORIZATION, _TOPIC_EXISTS = 3, 17, 29,
 _PARTITIONER = DefaultPartitioner()  # murmur2(key) % partitions, as Java's client does
 _CODECS = {"snappy": has_snappy, "lz4": has_lz4, "zstd": has_zstd}
 _SIZE_ERRORS = (kafka_errors.MessageSizeTooLargeError, kafka_errors.RecordListTooLargeError)
-# The broker refused the records themselves. aiokafka maps codes it does not know (87
-# INVALID_RECORD: e.g. no key on a compacted topic) to UnknownError.
-_RECORDS_REFUSED = (
-    *_SIZE_ERRORS,
-    kafka_errors.CorruptRecordException,
-    kafka_errors.InvalidTimestampError,
-    kafka_errors.UnsupportedForMessageFormatError,
-    kafka_errors.UnknownError,
-)
+# The broker refused the records themselves (87 INVALID_RECORD: e.g. a broker-side validation).
+_RECORDS_REFUSED = (*_SIZE_ERRORS, kafka_errors.CorruptRecordException, internals.InvalidRecordError)
+# The broker refuses every record until an operator acts: transient (the sink not ready), never a
+# reason to dead-letter. The fix each one needs, for /readyz and the log.
+_BROKER_REFUSES: dict[type[kafka_errors.KafkaError], str] = {
+    # The sink's records carry the bridge host's clock (CreateTime): skew beyond the topic's window.
+    kafka_errors.InvalidTimestampError: (
+        "the bridge host's clock is outside the topic's timestamp window: fix the clock (NTP) or raise the topic's "
+        "message.timestamp.before.max.ms / message.timestamp.after.max.ms"
+    ),
+    kafka_errors.UnsupportedForMessageFormatError: "the topic's message format predates record headers: upgrade it",
+    # UNKNOWN_SERVER_ERROR: an exception inside the broker (its log says which).
+    kafka_errors.UnknownError: "an unexpected error inside the broker: see the broker's log",
+}
 # Fixable by an operator (an ACL, a user): transient, never a reason to dead-letter.
 _AUTHORIZATION = (
     kafka_errors.TopicAuthorizationFailedError,
@@ -347,7 +352,7 @@ class KafkaConnector:
         self._closed = False
         self._down: str | None = "not connected yet"  # why there is no producer
         self._topic_problem: str | None = None  # a missing / unusable topic, rechecked by health()
-        self._denied: str | None = None  # the last write was not authorized; cleared by a delivered write
+        self._denied: str | None = None  # the last write was refused (ACL, broker); cleared by a delivered write
         self._partitions: dict[str, list[int]] = {}  # topic -> partition ids, once checked
         self._routes: dict[tuple[str, bytes], int] = {}  # (topic, key) -> partition
         self._batch_limit: dict[str, int] = {}  # topics whose broker limit is below max_batch_bytes
@@ -843,6 +848,10 @@ class KafkaConnector:
             return NotConnected(f"{self._where}: cannot reach {self._servers} ({text})")
         if isinstance(exc, _RECORDS_REFUSED):
             return None
+        fix = _BROKER_REFUSES.get(type(exc))
+        if fix is not None:
+            self._denied = f"topic {topic!r} refuses every write ({text}): {fix}"
+            return Retriable(f"{self._where}: {self._denied}", reason="broker_refuses")
         # Anything else (the producer's sequence state, a broker setting) is not the records'
         # fault: retried, with a new producer.
         return Retriable(f"{self._where}: {text}", reason="producer_reset")

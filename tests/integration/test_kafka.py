@@ -19,6 +19,7 @@ import msgspec
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.codec import has_zstd
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import ConsumerRecord
@@ -354,6 +355,50 @@ async def test_message_refused_by_the_topic_is_permanent_and_the_rest_delivered(
     values = [r.value for r in await consume(kafka, topic)]
     firsts = list(dict.fromkeys(values))  # at least once across the retries: keep first copies
     assert firsts == [m.value for m in small + more]
+
+
+@pytest.mark.integration
+async def test_a_clock_outside_the_topics_timestamp_window_is_retried_not_dead_lettered(kafka: KafkaServer) -> None:
+    # Records carry the bridge host's clock; a topic accepting no timestamp older than its arrival
+    # (before.max.ms 0) refuses every record as a skewed clock does (INVALID_TIMESTAMP). An
+    # operator fixes the clock or the topic: nothing is the records' fault, nothing dead-lettered.
+    topic = await kafka.anew_topic(config={"message.timestamp.before.max.ms": "0"})
+    messages = render(stream_records(Stream("llama-a", 0), 3))
+    connector = build(kafka, topic)
+    await connector.connect()
+    try:
+        # Written as the runtime does (fold), without the backoff: what would be dead-lettered.
+        everything = list(range(len(messages)))
+        pending, dead, last = everything, [], None
+        for _ in range(20):  # a record sent within the millisecond it was stamped passes: again
+            try:
+                await connector.write([messages[i] for i in pending])
+                pending, last = everything, None
+            except PartialFailure as exc:
+                outcome = fold([messages[i] for i in pending], exc.errors)
+                dead += [pending[i] for i, _ in outcome.dead]
+                pending, last = [pending[i] for i in outcome.retry], exc.cause
+            except ConnectorError as exc:
+                dead += pending if isinstance(exc, Permanent) else []
+                pending, last = ([] if isinstance(exc, Permanent) else pending), exc
+            if not pending or (last is not None and last.reason != "batch_refused"):
+                break
+        print("dead-lettered", dead, "last error:", last)
+        assert dead == [] and last is not None
+        assert last.reason == "broker_refuses" and "InvalidTimestamp" in str(last)
+        reason = await connector.health()
+        assert reason is not None and topic in reason and "clock" in reason
+        admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+        await admin.start()
+        try:
+            resource = ConfigResource(ConfigResourceType.TOPIC, topic, {"message.timestamp.before.max.ms": "3600000"})
+            await admin.alter_configs([resource])
+        finally:
+            await admin.close()
+        assert await deliver(connector, messages) == []
+        assert await connector.health() is None
+    finally:
+        await connector.close()
 
 
 @pytest.mark.integration
