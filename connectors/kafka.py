@@ -132,6 +132,7 @@ HEAD = "_head"
 """The last part of a head's key: ``source/dp_rank/_head``."""
 _YIELD_EVERY = 4096  # state records built between two yields to the event loop
 _STATE_RECORD_OVERHEAD = 32  # bytes a record adds to its key and value in a batch (varints, no headers)
+_BATCH_OVERHEAD = 61  # bytes of a record batch's header, counted in a topic's max.message.bytes
 
 
 class CreateTopicsOptions(ConnectorOptions):
@@ -793,7 +794,7 @@ class KafkaConnector:
                 base = f"{prefix}{tier_text(tier.medium, tier.group_idx)}/"
                 for block in tier.blocks:
                     yield f"{base}{block:016x}".encode(), None
-        room = self._max_bytes - _STATE_RECORD_OVERHEAD
+        room = self._batch_limit.get(self._state_topic, self._max_bytes) - _STATE_RECORD_OVERHEAD
         for change in delta.changes:
             key = (prefix + entry_key(change.medium, change.group_idx, change.block)).encode()
             if change.count <= 0:
@@ -801,10 +802,14 @@ class KafkaConnector:
                 continue
             value = fmt.entry(stream, head, change)
             if len(key) + len(value) > room:
-                # A fact too large for a record (huge extra_keys): the entry without it (its count
-                # and version stand) rather than a sink stuck on a state it can never write.
+                # A fact too large for a record (a long prompt, huge extra_keys): the entry without
+                # it (its count and version stand) rather than a sink stuck on a state it can never
+                # write. The room is the state topic's max.message.bytes (read at connect, or
+                # learnt from a refused batch) within max_batch_bytes.
                 log.warning(
-                    "state entry too large for a record: written without its fact",
+                    "state entry larger than a state topic record may be (max.message.bytes, max_batch_bytes: %d): "
+                    "written without its fact",
+                    room,
                     extra={"sink": self.name, "stream": stream.key, "count": len(value)},
                 )
                 value = fmt.entry(stream, head, EntryChange(change.medium, change.group_idx, change.block, change.count, None))
@@ -1012,23 +1017,24 @@ class KafkaConnector:
             self._topic_problem = None
         if state and topic not in self._policy_checked:
             self._policy_checked.add(topic)
-            await self._check_compacted(topic)
+            await self._check_state_topic(topic)
 
-    async def _check_compacted(self, topic: str) -> None:
-        """Warn (once per topic) when the state topic is not log-compacted: its retention would
-        delete heads and live entries, and bootstraps would silently miss blocks."""
+    async def _check_state_topic(self, topic: str) -> None:
+        """Read the state topic's configs (once per topic): warn when its cleanup policy or
+        retention would delete heads and live entries (bootstraps would silently miss blocks), and
+        bound its records by its ``max.message.bytes``."""
+        wanted = dict.fromkeys(("cleanup.policy", "retention.ms", "retention.bytes", "max.message.bytes"))
         admin = AIOKafkaAdminClient(**client_settings(self.options, self.name), ssl_context=ssl_context(self.options))
         try:
             await admin.start()
-            responses = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic, {"cleanup.policy": None})])
-            policy = next(
-                (entry[1] for r in responses for res in r.resources for entry in res[4] if entry[0] == "cleanup.policy"), None
-            )
+            responses = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic, wanted)])
+            configs = {entry[0]: entry[1] for r in responses for res in r.resources for entry in res[4] if entry[0] in wanted}
         except (kafka_errors.KafkaError, OSError, IndexError, TypeError) as exc:
-            log.debug("cannot read the state topic's cleanup.policy", extra={"sink": self.name, "error": _describe(exc)})
+            log.debug("cannot read the state topic's configs", extra={"sink": self.name, "error": _describe(exc)})
             return
         finally:
             await admin.close()
+        policy = configs.get("cleanup.policy")
         if policy is not None and "compact" not in policy:
             log.warning(
                 "the state topic is not log-compacted (cleanup.policy=%s): retention will delete live entries "
@@ -1036,6 +1042,20 @@ class KafkaConnector:
                 policy,
                 extra={"sink": self.name, "topic": topic},
             )
+        elif policy is not None and "delete" in policy:
+            limits = [f"{k}={configs.get(k)}" for k in ("retention.ms", "retention.bytes") if configs.get(k) not in (None, "-1")]
+            if limits:
+                log.warning(
+                    "the state topic deletes by retention as well as compacting (cleanup.policy=%s, %s): live entries "
+                    "and heads older than that are deleted and bootstraps miss blocks; set cleanup.policy=compact",
+                    policy,
+                    ", ".join(limits),
+                    extra={"sink": self.name, "topic": topic},
+                )
+        limit = configs.get("max.message.bytes")
+        if limit is not None and limit.isdigit() and int(limit) - _BATCH_OVERHEAD < self._batch_limit.get(topic, self._max_bytes):
+            # A larger entry is written without its fact (_state_records): never refused for ever.
+            self._batch_limit[topic] = max(1024, int(limit) - _BATCH_OVERHEAD)
 
     async def _create_topic(self, topic: str, *, state: bool = False) -> None:
         spec = self.options.create_topics

@@ -15,7 +15,10 @@ s publishing through a bridge:
 - ``test_reset_tombstones_every_old_key``: a reset of a stream with 10^5 live blocks leaves no live
   key of the old epoch in the state topic, and a rebuild reads 10^5 keys back (timed);
 - ``test_state_topic_is_created_compacted_and_a_plain_one_is_warned_about``: ``state.create`` makes
-  a compacted topic; a missing one is never auto-created; a non-compacted one is warned about.
+  a compacted topic; a missing one is never auto-created; a non-compacted one, or one that also
+  deletes by retention, is warned about;
+- ``test_a_state_entry_larger_than_the_state_topics_limit_neither_stalls_nor_lies``: an entry over
+  the state topic's ``max.message.bytes`` is written without its fact; the state goes on, exact.
 """
 
 from __future__ import annotations
@@ -363,3 +366,63 @@ async def test_state_topic_is_created_compacted_and_a_plain_one_is_warned_about(
         await conn.connect()
     await conn.close()
     assert any("not log-compacted" in r.getMessage() for r in caplog.records)
+    # Compacted and deleted by retention: heads and entries older than an hour would go.
+    caplog.clear()
+    both = await kafka.anew_topic(config={"cleanup.policy": "compact,delete", "retention.ms": "3600000"})
+    conn = state_connector(kafka, topic, topic=both)
+    with caplog.at_level(logging.WARNING, logger="connectors.kafka"):
+        await conn.connect()
+    await conn.close()
+    warned = [r.getMessage() for r in caplog.records if "retention" in r.getMessage()]
+    assert len(warned) == 1 and "retention.ms=3600000" in warned[0] and "set cleanup.policy=compact" in warned[0], warned
+
+
+async def test_a_state_entry_larger_than_the_state_topics_limit_neither_stalls_nor_lies(
+    tmp_path: Path, kafka: KafkaServer
+) -> None:
+    # The state topic takes records of up to 20000 bytes (max.message.bytes), the sink's batches
+    # 1MiB: one block with a 4,000-token prompt makes an entry of ~25KB, which the topic refuses.
+    topic = await kafka.anew_topic(partitions=1)
+    state_topic = await kafka.anew_topic(partitions=2, config={"cleanup.policy": "compact", "max.message.bytes": "20000"})
+    live, replay = free_port(), free_port()
+    config = {
+        "sources": [source("a", live, replay)],
+        "sinks": [sink(kafka, topic, state_topic, state={"enabled": True, "topic": state_topic})],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "replay": REPLAY,
+        "shutdown_timeout": "3s",
+    }
+    async with CacheEngine(live, replay, seed=6) as engine:
+        bridge = Bridge(from_data(config, env={}))
+        await bridge.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(3)
+            big = event(
+                "BlockStored",
+                block_hashes=[random.Random(6).getrandbits(64)],
+                parent_block_hash=None,
+                token_ids=[100_000 + i for i in range(4000)],
+                block_size=4000,
+                medium="GPU",
+                group_idx=0,
+            )
+            engine.apply(big)
+            await engine.send([big])
+            await engine.step(3)
+            deadline = time.monotonic() + 30
+            part = partition_of("a/0", 2)
+            while (head := await last_head(kafka.bootstrap_servers, state_topic, part, "a/0")) is None or head[
+                "seq"
+            ] != engine.last_seq:
+                assert time.monotonic() < deadline, f"the state did not reach seq {engine.last_seq}: {head}"
+                await asyncio.sleep(0.2)
+            follower = await Follower.start(kafka.bootstrap_servers, "a", 0, topic=topic, state_topic=state_topic)
+            try:
+                await follower.catch_up(head["epoch"], head["seq"])
+                assert follower.state.complete and follower.state.blocks() == truth(engine)
+            finally:
+                await follower.close()
+        finally:
+            await bridge.stop()
