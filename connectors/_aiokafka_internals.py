@@ -9,9 +9,12 @@ keeps aiokafka below the next minor until this module has been checked against i
 from __future__ import annotations
 
 import asyncio
+import functools
+import types
 from typing import Any
 
 from aiokafka import errors as kafka_errors
+from aiokafka.client import AIOKafkaClient
 from aiokafka.conn import collect_hosts, create_conn
 from aiokafka.protocol.metadata import MetadataRequest
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
@@ -56,6 +59,32 @@ def fail_pending(producer: Any, exc: BaseException) -> None:
         waiter = batch._drain_waiter  # nobody waits for the drain of a failed batch: mark it seen
         if waiter.done() and not waiter.cancelled():
             waiter.exception()
+
+
+# aiokafka's own metadata update, in a namespace where MetadataRequest never lets the broker
+# create the topics it names (see no_auto_create).
+_update = AIOKafkaClient._metadata_update
+_update_no_create = types.FunctionType(
+    _update.__code__,
+    {**_update.__globals__, "MetadataRequest": functools.partial(MetadataRequest, allow_auto_topic_creation=False)},
+    _update.__name__,
+    _update.__defaults__,
+    _update.__closure__,
+)
+
+
+def no_auto_create(client: Any) -> None:
+    """Make every metadata request ``client`` sends by itself say ``allow_auto_topic_creation=false``.
+
+    aiokafka's requests (a producer's or consumer's periodic refresh, the refresh after a produce
+    error, ``partitions_for``) always allow it: a topic deleted during a run comes back at once,
+    created by the broker with its defaults (a state topic no longer compacted, one partition, the
+    default retention), and the sink writes on into it as if nothing had been lost
+    (``auto.create.topics.enable`` is on by default). This runs aiokafka's own
+    ``_metadata_update`` with a request that forbids it. Metadata v0-v3 (brokers before 0.11)
+    cannot say it.
+    """
+    client._metadata_update = types.MethodType(_update_no_create, client)
 
 
 def pace_metadata_retries(client: Any, pause: float) -> None:
@@ -142,6 +171,7 @@ async def probe(settings: dict[str, Any], ssl_context: Any) -> str:
 __all__ = [
     "InvalidRecordError",
     "fail_pending",
+    "no_auto_create",
     "pace_metadata_retries",
     "ping",
     "probe",

@@ -14,6 +14,13 @@ authorization error is transient: an operator can fix the ACL. After any failed 
 is replaced before the next write (its sequence numbers no longer match the broker's), and so is
 one whose write was cancelled half-way (it still holds batches it would retry for ever).
 
+No metadata request of the sink's clients lets the broker create a topic (aiokafka's own would
+re-create a deleted topic with the broker's defaults). The sink remembers, per partition, the
+offset after the last record the broker acknowledged and each stream's last batch there; a topic
+found deleted, or whose partitions end before that (deleted and created again), lost them: the
+next write raises :class:`SinkLost` with each stream's span (an events topic), or refuses the
+next state of each stream it held (``state_lost``: a state topic).
+
 Delivery is at least once: the broker cannot tell a re-sent message from new data, so a consumer
 deduplicates on the headers ``source``, ``dp_rank``, ``epoch``, ``seq`` (and ``index`` at event
 granularity); within a stream the first copy of every message comes in order.
@@ -64,6 +71,7 @@ from bridge.connector import (
     Secret,
     SeedEntry,
     SinkConfig,
+    SinkLost,
     SinkPosition,
     StateDelta,
     Stream,
@@ -212,7 +220,11 @@ class KafkaOptions(ConnectorOptions):
     tls: Annotated[TlsOptions | None, doc("TLS files and checks (security_protocol SSL or SASL_SSL).")] = None
     create_topics: CreateTopicsOptions = msgspec.field(default_factory=CreateTopicsOptions)
     allow_auto_create_topics: Annotated[
-        bool, doc("Let the broker auto-create a missing topic on first use (if the broker allows it).")
+        bool,
+        doc(
+            "Let the broker auto-create a missing topic on first use (if the broker allows it); "
+            "never a topic deleted after the sink wrote to it."
+        ),
     ] = True
     client_id: Annotated[str | None, doc("Client id seen by the brokers (default: kv-event-bridge-SINKNAME).")] = None
     state: Annotated[StateOptions, doc("The optional live-block state (a compacted topic).")] = msgspec.field(
@@ -360,6 +372,15 @@ class KafkaConnector:
         self._alone: dict[str, None] = {}  # msg_ids to send one per batch (they were in a refused batch)
         self._refused: dict[str, Permanent] = {}  # msg_id -> why the broker refused it alone
         self._created: set[str] = set()
+        self._known: set[str] = set()  # topics this sink found or created: missing later, they were deleted
+        # What the broker acknowledged, to tell later whether a topic lost it (deleted, created again):
+        # per (topic, partition) the offset after its last record acknowledged, and each stream's last
+        # batch there (stream, epoch, seq).
+        self._acked: dict[tuple[str, int], int] = {}
+        self._acked_streams: dict[tuple[str, int], dict[str, tuple[Stream, int, int]]] = {}
+        self._lost: dict[str, tuple[Stream, int, int, int]] = {}  # stream key -> span to announce (SinkLost)
+        self._lost_topics: set[str] = set()  # the topics those spans were lost from
+        self._state_lost: set[str] = set()  # streams whose state a lost state topic held (refused: state_lost)
         self._policy_checked: set[str] = set()  # state topics whose cleanup.policy was looked at
         self._reader: Any = None  # the consumer positions() reads partitions back with
         self._windows: dict[Any, _Window] = {}  # what it read of each partition
@@ -397,6 +418,14 @@ class KafkaConnector:
         errors: dict[int, ConnectorError] = {}
         offsets: dict[int, int] | None = {} if self.writes_state else None
         chains = await self._build(producer, messages, errors)
+        if self._lost:  # found by _build, or by a health check: announced before anything is sent
+            spans, topics = list(self._lost.values()), sorted(self._lost_topics)
+            self._lost, self._lost_topics, self._stale = {}, set(), False
+            raise SinkLost(
+                f"{self._where}: topic(s) {', '.join(map(repr, topics))} no longer hold messages the broker "
+                f"acknowledged (deleted, or deleted and created again): {len(spans)} stream(s) lost messages",
+                spans,
+            )
         failed = await self._send_all(producer, chains, messages, errors, offsets)
         if offsets is not None:
             failed = await self._write_state(producer, messages, errors, offsets) or failed
@@ -579,6 +608,7 @@ class KafkaConnector:
             enable_auto_commit=False,
             auto_offset_reset="earliest",
         )
+        internals.no_auto_create(consumer._client)
         await consumer.start()
         return consumer
 
@@ -679,6 +709,7 @@ class KafkaConnector:
         for n, chunk in enumerate(chain):
             try:
                 stored = await (await producer.send_batch(chunk.builder, chunk.topic, partition=chunk.partition))
+                self._acknowledged(chunk, stored.offset, messages)
                 if offsets is not None:  # the records of a batch take consecutive offsets from its base
                     offsets.update((i, stored.offset + j) for j, i in enumerate(chunk.indexes))
             except kafka_errors.KafkaError as exc:
@@ -747,6 +778,22 @@ class KafkaConnector:
             held = problem if not isinstance(problem, Permanent) else Retriable(str(problem), reason=problem.reason)
             errors.update((i, held) for i, _ in wanted)
             return False
+        if self._state_lost:
+            # The state topic lost these streams' state (deleted, created again): refused for
+            # itself, the runtime clears each stream at its next record (a new generation,
+            # incomplete), which writes its state whole again. Every state message of the stream
+            # in this write: none may build on what is gone.
+            lost = {messages[i].record.stream.key for i, _ in wanted} & self._state_lost
+            if lost:
+                self._state_lost -= lost
+                refused = Permanent(
+                    f"{self._where}: state topic {topic!r} was deleted or created again: the state it held is lost",
+                    reason="state_lost",
+                )
+                errors.update((i, refused) for i, _ in wanted if messages[i].record.stream.key in lost)
+                wanted = [w for w in wanted if w[0] not in errors]
+                if not wanted:
+                    return False
         parts = self._partitions[topic]
         limit = self._batch_limit.get(topic, self._max_bytes)
         chains: dict[int, list[_Chunk]] = {}
@@ -772,10 +819,10 @@ class KafkaConnector:
                     chunk.indexes.append(i)
         sends = list(chains.values())
         if len(sends) == 1:
-            failed = await self._send_state(producer, sends[0], errors)
+            failed = await self._send_state(producer, sends[0], messages, errors)
         else:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._send_state(producer, chain, errors)) for chain in sends]
+                tasks = [group.create_task(self._send_state(producer, chain, messages, errors)) for chain in sends]
             failed = any(t.result() for t in tasks)
         for i, next_ in wanted:
             if i not in errors:
@@ -816,12 +863,15 @@ class KafkaConnector:
             yield key, value
         yield (prefix + HEAD).encode(), fmt.head(stream, head, next_)
 
-    async def _send_state(self, producer: Any, chain: list[_Chunk], errors: dict[int, ConnectorError]) -> bool:
+    async def _send_state(
+        self, producer: Any, chain: list[_Chunk], messages: Sequence[Message], errors: dict[int, ConnectorError]
+    ) -> bool:
         """Send one state partition's batches in order, each once the previous one was
         acknowledged; after a failed batch, the rest is not sent. True when a batch failed."""
         for n, chunk in enumerate(chain):
             try:
-                await (await producer.send_batch(chunk.builder, chunk.topic, partition=chunk.partition))
+                stored = await (await producer.send_batch(chunk.builder, chunk.topic, partition=chunk.partition))
+                self._acknowledged(chunk, stored.offset, messages)
             except kafka_errors.KafkaError as exc:
                 error = self._error(exc, chunk.topic)
                 if error is None:  # the broker refused the records (too large for the topic?)
@@ -900,6 +950,7 @@ class KafkaConnector:
             self._down = f"TLS setup failed: {exc}"
             raise NotConnected(f"{self._where}: {self._down}", reason="tls") from None
         producer = AIOKafkaProducer(**producer_settings(self.options, self.name), ssl_context=context)
+        internals.no_auto_create(producer.client)
         internals.pace_metadata_retries(producer.client, _METADATA_RETRY_PAUSE)
         try:
             await producer.start()
@@ -949,8 +1000,10 @@ class KafkaConnector:
         partitions changed), else why not."""
         parts = self._partitions.get(topic)
         known = producer.client.cluster.partitions_for_topic(topic)
-        if parts is not None and known is not None and len(known) != len(parts):
-            parts = None  # partitions were added: routes change, as with every client
+        if parts is not None and (known is None or len(known) != len(parts)):
+            # Partitions were added (routes change, as with every client), or the topic is gone
+            # from the producer's metadata (deleted?): checked again.
+            parts = None
             self._routes = {k: v for k, v in self._routes.items() if k[0] != topic}
         if parts is not None:
             return None
@@ -963,7 +1016,11 @@ class KafkaConnector:
     async def _prepare_topic(self, producer: Any, topic: str, *, state: bool = False) -> None:
         """Make sure ``topic`` exists (creating it if configured) and learn its partitions.
 
-        The state topic (``state``) is never auto-created by the broker: it must be compacted."""
+        The state topic (``state``) is never auto-created by the broker: it must be compacted; nor
+        is a topic this sink found before (deleted since: created again only with ``create``, with
+        its settings). A topic that lost what the broker acknowledged (deleted, created again) has
+        its streams' spans kept for the next write to announce (:class:`SinkLost`), or their state
+        refused (``state_lost``)."""
         if not _TOPIC_NAME.fullmatch(topic):
             raise Permanent(
                 f"{self._where}: {topic!r} is not a valid Kafka topic name (1-249 of A-Z a-z 0-9 . _ -)", reason="invalid_topic"
@@ -973,10 +1030,11 @@ class KafkaConnector:
             await self._create_topic(topic, state=state)
         # A broker that auto-creates answers "unknown topic" (KRaft) or "leader not available"
         # until the new topic has a leader, so "unknown" is final only after a grace period.
-        allow = self.options.allow_auto_create_topics and not state
+        allow = self.options.allow_auto_create_topics and not state and topic not in self._known
         creates = allow or create
         loop = asyncio.get_running_loop()
         grace = loop.time() + min(self._timeout / 2, 5.0)
+        recreated = False
         while True:
             try:
                 code = await internals.topic_error(producer.client, topic, allow_auto_create=allow)
@@ -986,6 +1044,19 @@ class KafkaConnector:
             except kafka_errors.KafkaError as exc:
                 raise (self._error(exc, topic) or Retriable(f"{self._where}: {_describe(exc)}")) from exc
             late = loop.time() >= grace
+            if code == _UNKNOWN_TOPIC and topic in self._known:
+                self._lose([tp for tp in self._acked if tp[0] == topic], state=state)
+                if create and not recreated:  # created again with its settings
+                    recreated = True
+                    await self._create_topic(topic, state=state)
+                    continue
+                if not create:
+                    fix = "(cleanup.policy=compact), or set state.create: true" if state else "or set create_topics.enabled: true"
+                    self._topic_problem = (
+                        f"{'state ' if state else ''}topic {topic!r} was deleted on {self._servers}: what it held is "
+                        f"lost (announced to its consumers); create it again {fix}"
+                    )
+                    raise NotConnected(f"{self._where}: {self._topic_problem}", reason="topic_deleted")
             if code == _UNKNOWN_TOPIC and (late or not creates):
                 why = "the broker did not auto-create it (auto.create.topics.enable=false?)" if allow else "auto-creation is off"
                 self._topic_problem = (
@@ -1012,6 +1083,9 @@ class KafkaConnector:
                 f"topic {topic!r} has {len(partitions)} partition(s); partition {self.options.partition} does not exist"
             )
             raise NotConnected(f"{self._where}: {self._topic_problem}", reason="unknown_partition")
+        if any(tp[0] == topic for tp in self._acked):
+            await self._check_kept(topic, partitions, state=state)
+        self._known.add(topic)
         self._partitions[topic] = partitions
         if self._topic_problem is not None and repr(topic) in self._topic_problem:
             self._topic_problem = None
@@ -1019,12 +1093,74 @@ class KafkaConnector:
             self._policy_checked.add(topic)
             await self._check_state_topic(topic)
 
+    async def _check_kept(self, topic: str, partitions: list[int], *, state: bool) -> None:
+        """Whether ``topic`` still holds what the broker acknowledged: a partition that ends before
+        the offset after the last record acknowledged there, or no longer exists, lost it (the
+        topic was deleted and created again, or truncated). Its streams' losses are kept (_lose)."""
+        acked = {tp: end for tp, end in self._acked.items() if tp[0] == topic}
+        present = [TopicPartition(*tp) for tp in acked if tp[1] in partitions]
+        ends: dict[Any, int] = {}
+        if present:
+            try:
+                consumer = await self._start_reader()
+                try:
+                    ends = await consumer.end_offsets(present)
+                finally:
+                    await consumer.stop()
+            except (kafka_errors.KafkaError, OSError) as exc:
+                raise NotConnected(f"{self._where}: cannot read the end offsets of topic {topic!r} ({_describe(exc)})") from None
+        lost = [tp for tp, end in acked.items() if ends.get(TopicPartition(*tp), -1) < end]
+        if lost:
+            log.error(
+                "a topic no longer holds what the broker acknowledged (deleted and created again, or truncated)",
+                extra={"sink": self.name, "topic": topic, "partitions": sorted(p for _, p in lost)},
+            )
+            self._lose(lost, state=state)
+
+    def _lose(self, tps: list[tuple[str, int]], *, state: bool) -> None:
+        """Forget what the broker acknowledged in partitions ``tps`` (they lost it): the state
+        topic's streams have their next state refused (``state_lost``); an events topic's streams
+        have their span (from 0 to the last batch acknowledged) kept for the next write's
+        :class:`SinkLost`, and the offsets their heads point to forgotten."""
+        for tp in tps:
+            self._acked.pop(tp, None)
+            streams = self._acked_streams.pop(tp, {})
+            if state:
+                self._state_lost.update(streams)
+                continue
+            for key, (stream, epoch, seq) in streams.items():
+                self._lost_topics.add(tp[0])
+                old = self._lost.get(key)
+                if old is None or (epoch, seq) > (old[1], old[3]):
+                    self._lost[key] = (stream, epoch, 0, seq)
+                self._stream_next.pop(key, None)
+            if streams:
+                self._record_next = {k: v for k, v in self._record_next.items() if k[0] not in streams}
+
+    def _acknowledged(self, chunk: _Chunk, base: int, messages: Sequence[Message]) -> None:
+        """Remember what the broker acknowledged of ``chunk`` (stored from offset ``base``): the
+        offset after it in its partition, and each stream's last batch there (see _check_kept)."""
+        tp = (chunk.topic, chunk.partition)
+        end = base + chunk.builder.record_count()
+        if end > self._acked.get(tp, 0):
+            self._acked[tp] = end
+        streams = self._acked_streams.setdefault(tp, {})
+        record: Any = None
+        for i in chunk.indexes:
+            r = messages[i].record
+            if r is record or r.kind == "SourceReset":  # a reset says nothing of the seqs it opens
+                continue
+            record = r
+            last = streams.get(r.stream.key)
+            if last is None or (r.epoch, r.seq) >= (last[1], last[2]):
+                streams[r.stream.key] = (r.stream, r.epoch, r.seq)
+
     async def _check_state_topic(self, topic: str) -> None:
         """Read the state topic's configs (once per topic): warn when its cleanup policy or
         retention would delete heads and live entries (bootstraps would silently miss blocks), and
         bound its records by its ``max.message.bytes``."""
         wanted = dict.fromkeys(("cleanup.policy", "retention.ms", "retention.bytes", "max.message.bytes"))
-        admin = AIOKafkaAdminClient(**client_settings(self.options, self.name), ssl_context=ssl_context(self.options))
+        admin = self._admin()
         try:
             await admin.start()
             responses = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic, wanted)])
@@ -1057,13 +1193,19 @@ class KafkaConnector:
             # A larger entry is written without its fact (_state_records): never refused for ever.
             self._batch_limit[topic] = max(1024, int(limit) - _BATCH_OVERHEAD)
 
+    def _admin(self) -> AIOKafkaAdminClient:
+        """An admin client of the sink's cluster (not started), whose metadata requests create nothing."""
+        admin = AIOKafkaAdminClient(**client_settings(self.options, self.name), ssl_context=ssl_context(self.options))
+        internals.no_auto_create(admin._client)
+        return admin
+
     async def _create_topic(self, topic: str, *, state: bool = False) -> None:
         spec = self.options.create_topics
         if state:
             new = NewTopic(topic, self.options.state.partitions, spec.replication_factor, topic_configs=dict(STATE_TOPIC_CONFIGS))
         else:
             new = NewTopic(topic, spec.partitions, spec.replication_factor, topic_configs=dict(spec.configs))
-        admin = AIOKafkaAdminClient(**client_settings(self.options, self.name), ssl_context=ssl_context(self.options))
+        admin = self._admin()
         try:
             await admin.start()
             response = await admin.create_topics([new])

@@ -18,7 +18,10 @@ s publishing through a bridge:
   a compacted topic; a missing one is never auto-created; a non-compacted one, or one that also
   deletes by retention, is warned about;
 - ``test_a_state_entry_larger_than_the_state_topics_limit_neither_stalls_nor_lies``: an entry over
-  the state topic's ``max.message.bytes`` is written without its fact; the state goes on, exact.
+  the state topic's ``max.message.bytes`` is written without its fact; the state goes on, exact;
+- ``test_a_state_topic_deleted_during_a_run_comes_back_compacted_and_the_state_incomplete``: no
+  metadata request re-creates it with the broker's defaults; ``state.create`` makes it again as
+  configured, and the stream's state starts a new generation, incomplete.
 """
 
 from __future__ import annotations
@@ -422,6 +425,103 @@ async def test_a_state_entry_larger_than_the_state_topics_limit_neither_stalls_n
             try:
                 await follower.catch_up(head["epoch"], head["seq"])
                 assert follower.state.complete and follower.state.blocks() == truth(engine)
+            finally:
+                await follower.close()
+        finally:
+            await bridge.stop()
+
+
+async def delete_topic(kafka: KafkaServer, topic: str) -> None:
+    """Delete ``topic`` and wait until the broker no longer lists it."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        await admin.delete_topics([topic])
+    finally:
+        await admin.close()
+    deadline = time.monotonic() + 20
+    while await exists(kafka, topic):
+        assert time.monotonic() < deadline, f"topic {topic} still listed"
+        await asyncio.sleep(0.1)
+
+
+async def exists(kafka: KafkaServer, topic: str) -> bool:
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        return topic in await admin.list_topics()
+    finally:
+        await admin.close()
+
+
+async def test_a_state_topic_deleted_during_a_run_comes_back_compacted_and_the_state_incomplete(
+    tmp_path: Path, kafka: KafkaServer
+) -> None:
+    # aiokafka's metadata refreshes let the broker auto-create the deleted state topic with its
+    # defaults (1 partition, cleanup.policy=delete), and the sink wrote on into it: a state with
+    # most blocks missing, marked complete. With state.create it comes back as configured, and
+    # the state it held is announced lost: the stream starts a new generation, incomplete.
+    topic = await kafka.anew_topic(partitions=1)
+    state_topic = f"kvb-state-{uuid.uuid4().hex[:12]}"
+    live, replay = free_port(), free_port()
+    config = {
+        "sources": [source("a", live, replay)],
+        "sinks": [sink(kafka, topic, state_topic, request_timeout="2s")],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "replay": REPLAY,
+        "shutdown_timeout": "3s",
+    }
+    part = partition_of("a/0", 2)
+    async with CacheEngine(live, replay, seed=8) as engine:
+        bridge = Bridge(from_data(config, env={}))
+        await bridge.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(20)
+            await delivered(bridge, {"a": engine})
+            deadline = time.monotonic() + 30
+            while (head := await last_head(kafka.bootstrap_servers, state_topic, part, "a/0")) is None or head[
+                "seq"
+            ] != engine.last_seq:  # the state of every batch so far acknowledged
+                assert time.monotonic() < deadline, f"the state did not reach seq {engine.last_seq}: {head}"
+                await asyncio.sleep(0.2)
+            await delete_topic(kafka, state_topic)
+            for _ in range(20):  # batches while the topic is gone, then after it is back
+                await engine.step(1)
+                await asyncio.sleep(0.1)
+            deadline = time.monotonic() + 60
+            head = None
+            while not await exists(kafka, state_topic):  # one more batch at a time until it is back
+                assert time.monotonic() < deadline, "the state topic did not come back"
+                await engine.step(1)
+                await asyncio.sleep(0.3)
+            configs = await topic_configs(kafka, state_topic)
+            admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+            await admin.start()
+            try:
+                (described,) = await admin.describe_topics([state_topic])
+            finally:
+                await admin.close()
+            print("state topic after the deletion:", configs["cleanup.policy"], len(described["partitions"]), "partitions")
+            assert (configs["cleanup.policy"], len(described["partitions"])) == ("compact", 2)
+            await engine.step(1)  # a record after the loss was seen
+            while head is None or head["seq"] != engine.last_seq:
+                assert time.monotonic() < deadline, f"the state did not reach seq {engine.last_seq}: {head}"
+                await asyncio.sleep(0.3)
+                head = await last_head(kafka.bootstrap_servers, state_topic, part, "a/0")
+            follower = await Follower.start(kafka.bootstrap_servers, "a", 0, topic=topic, state_topic=state_topic)
+            try:
+                await follower.catch_up(head["epoch"], head["seq"])
+                print(
+                    "head",
+                    head,
+                    "bootstrap: complete",
+                    follower.state.complete,
+                    "exact",
+                    follower.state.blocks() == truth(engine),
+                )
+                assert not head["complete"] and not follower.state.complete  # what it held is gone: incomplete
             finally:
                 await follower.close()
         finally:
