@@ -418,15 +418,9 @@ class KafkaConnector:
         errors: dict[int, ConnectorError] = {}
         offsets: dict[int, int] | None = {} if self.writes_state else None
         chains = await self._build(producer, messages, errors)
-        if self._lost:  # found by _build, or by a health check: announced before anything is sent
-            spans, topics = list(self._lost.values()), sorted(self._lost_topics)
-            self._lost, self._lost_topics, self._stale = {}, set(), False
-            raise SinkLost(
-                f"{self._where}: topic(s) {', '.join(map(repr, topics))} no longer hold messages the broker "
-                f"acknowledged (deleted, or deleted and created again): {len(spans)} stream(s) lost messages",
-                spans,
-            )
+        self._raise_lost(stale=False)  # found by _build, or by a health check: before anything is sent
         failed = await self._send_all(producer, chains, messages, errors, offsets)
+        self._raise_lost(stale=failed)  # found in the offsets the broker gave (see _acknowledged)
         if offsets is not None:
             failed = await self._write_state(producer, messages, errors, offsets) or failed
         self._stale = failed
@@ -436,6 +430,19 @@ class KafkaConnector:
                 raise next(iter(distinct.values()))
             raise PartialFailure(errors)
         self._denied = None
+
+    def _raise_lost(self, *, stale: bool) -> None:
+        """Raise :class:`SinkLost` for the spans kept by _lose (and forget them: the write that
+        follows goes through)."""
+        if not self._lost:
+            return
+        spans, topics = list(self._lost.values()), sorted(self._lost_topics)
+        self._lost, self._lost_topics, self._stale = {}, set(), stale
+        raise SinkLost(
+            f"{self._where}: topic(s) {', '.join(map(repr, topics))} no longer hold messages the broker "
+            f"acknowledged (deleted, or deleted and created again): {len(spans)} stream(s) lost messages",
+            spans,
+        )
 
     async def close(self) -> None:
         """Stop the producer, dropping what it still holds (the runtime bounds the call); never raises."""
@@ -709,7 +716,7 @@ class KafkaConnector:
         for n, chunk in enumerate(chain):
             try:
                 stored = await (await producer.send_batch(chunk.builder, chunk.topic, partition=chunk.partition))
-                self._acknowledged(chunk, stored.offset, messages)
+                self._acknowledged(chunk, stored.offset, messages, state=False)
                 if offsets is not None:  # the records of a batch take consecutive offsets from its base
                     offsets.update((i, stored.offset + j) for j, i in enumerate(chunk.indexes))
             except kafka_errors.KafkaError as exc:
@@ -778,22 +785,9 @@ class KafkaConnector:
             held = problem if not isinstance(problem, Permanent) else Retriable(str(problem), reason=problem.reason)
             errors.update((i, held) for i, _ in wanted)
             return False
-        if self._state_lost:
-            # The state topic lost these streams' state (deleted, created again): refused for
-            # itself, the runtime clears each stream at its next record (a new generation,
-            # incomplete), which writes its state whole again. Every state message of the stream
-            # in this write: none may build on what is gone.
-            lost = {messages[i].record.stream.key for i, _ in wanted} & self._state_lost
-            if lost:
-                self._state_lost -= lost
-                refused = Permanent(
-                    f"{self._where}: state topic {topic!r} was deleted or created again: the state it held is lost",
-                    reason="state_lost",
-                )
-                errors.update((i, refused) for i, _ in wanted if messages[i].record.stream.key in lost)
-                wanted = [w for w in wanted if w[0] not in errors]
-                if not wanted:
-                    return False
+        wanted = self._refuse_lost_state(messages, wanted, errors)
+        if not wanted:
+            return False
         parts = self._partitions[topic]
         limit = self._batch_limit.get(topic, self._max_bytes)
         chains: dict[int, list[_Chunk]] = {}
@@ -824,6 +818,7 @@ class KafkaConnector:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(self._send_state(producer, chain, messages, errors)) for chain in sends]
             failed = any(t.result() for t in tasks)
+        self._refuse_lost_state(messages, wanted, errors)  # a state partition found created again
         for i, next_ in wanted:
             if i not in errors:
                 m = messages[i]
@@ -831,6 +826,25 @@ class KafkaConnector:
                 if next_ is not None:
                     self._stream_next[m.record.stream.key] = next_
         return failed
+
+    def _refuse_lost_state(
+        self, messages: Sequence[Message], wanted: list[tuple[int, int | None]], errors: dict[int, ConnectorError]
+    ) -> list[tuple[int, int | None]]:
+        """Refuse the state messages in ``wanted`` of streams whose state the state topic lost
+        (deleted, created again): ``Permanent(reason="state_lost")``, so that the runtime clears
+        each stream at its next record (a new generation, incomplete), which writes its state
+        whole again. Every state message of such a stream in the write: none may build on what is
+        gone. Returns the rest of ``wanted``."""
+        lost = {messages[i].record.stream.key for i, _ in wanted} & self._state_lost if self._state_lost else set()
+        if not lost:
+            return wanted
+        self._state_lost -= lost
+        refused = Permanent(
+            f"{self._where}: state topic {self._state_topic!r} was deleted or created again: the state it held is lost",
+            reason="state_lost",
+        )
+        errors.update((i, refused) for i, _ in wanted if messages[i].record.stream.key in lost)
+        return [w for w in wanted if w[0] not in errors]
 
     def _state_records(self, stream: Stream, delta: StateDelta, next_: int | None) -> Iterator[tuple[bytes, bytes | None]]:
         """(key, value) of the state records of one delta, in their order (see _write_state)."""
@@ -871,7 +885,7 @@ class KafkaConnector:
         for n, chunk in enumerate(chain):
             try:
                 stored = await (await producer.send_batch(chunk.builder, chunk.topic, partition=chunk.partition))
-                self._acknowledged(chunk, stored.offset, messages)
+                self._acknowledged(chunk, stored.offset, messages, state=True)
             except kafka_errors.KafkaError as exc:
                 error = self._error(exc, chunk.topic)
                 if error is None:  # the broker refused the records (too large for the topic?)
@@ -1137,11 +1151,21 @@ class KafkaConnector:
             if streams:
                 self._record_next = {k: v for k, v in self._record_next.items() if k[0] not in streams}
 
-    def _acknowledged(self, chunk: _Chunk, base: int, messages: Sequence[Message]) -> None:
+    def _acknowledged(self, chunk: _Chunk, base: int, messages: Sequence[Message], *, state: bool) -> None:
         """Remember what the broker acknowledged of ``chunk`` (stored from offset ``base``): the
-        offset after it in its partition, and each stream's last batch there (see _check_kept)."""
+        offset after it in its partition, and each stream's last batch there (see _check_kept).
+
+        A partition that stores it below what it acknowledged before was created again since (by
+        an operator, or another client's metadata request) without this sink seeing it missing:
+        what the old one held is lost (_lose), found only now that this chunk is in the new one."""
         tp = (chunk.topic, chunk.partition)
         end = base + chunk.builder.record_count()
+        if 0 <= base < self._acked.get(tp, 0):
+            log.error(
+                "a partition stored a batch below what it had acknowledged: the topic was deleted and created again",
+                extra={"sink": self.name, "topic": chunk.topic, "partition": chunk.partition},
+            )
+            self._lose([tp], state=state)
         if end > self._acked.get(tp, 0):
             self._acked[tp] = end
         streams = self._acked_streams.setdefault(tp, {})

@@ -493,6 +493,40 @@ async def test_a_topic_deleted_during_a_run_is_never_created_again_by_metadata_a
 
 
 @pytest.mark.integration
+async def test_a_topic_deleted_and_created_again_between_two_writes_is_announced(kafka: KafkaServer) -> None:
+    # No write saw the topic missing (an operator, or another client's auto-creation, was
+    # quicker): the next write is stored in the new topic below the offsets the broker had
+    # acknowledged in the old one, and raises SinkLost once stored (the runtime writes it again
+    # after the announcement).
+    topic = await kafka.anew_topic(partitions=2)
+    stream = Stream("llama-a", 0)
+    connector = build(kafka, topic, request_timeout="2s")
+    await connector.connect()
+    try:
+        await connector.write(render(stream_records(stream, 5, epoch=3)))
+        await delete_topic(kafka, topic)
+        await kafka.anew_topic(partitions=2, name=topic)
+        later = render(stream_records(stream, 2, epoch=3, start=5))
+        outcomes: list[str] = []
+        lost: list[tuple[str, int, int, int]] = []
+        for _ in range(6):
+            try:
+                async with asyncio.timeout(8):
+                    await connector.write(later)
+                outcomes.append("delivered")
+                if lost:
+                    break
+            except (ConnectorError, TimeoutError) as exc:
+                outcomes.append(getattr(exc, "reason", type(exc).__name__))
+                if isinstance(exc, SinkLost):
+                    lost += [(s.key, e, a, b) for s, e, a, b in exc.spans]
+        print("writes after the topic was created again:", outcomes)
+        assert lost == [("llama-a/0", 3, 0, 4)], outcomes
+    finally:
+        await connector.close()
+
+
+@pytest.mark.integration
 async def test_templated_topic_missing_for_one_stream_fails_only_its_messages(kafka: KafkaServer) -> None:
     prefix = f"kvb-part-{uuid.uuid4().hex[:8]}"
     await kafka.anew_topic(name=f"{prefix}-llama-a")
