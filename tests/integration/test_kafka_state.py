@@ -21,7 +21,10 @@ s publishing through a bridge:
   the state topic's ``max.message.bytes`` is written without its fact; the state goes on, exact;
 - ``test_a_state_topic_deleted_during_a_run_comes_back_compacted_and_the_state_incomplete``: no
   metadata request re-creates it with the broker's defaults; ``state.create`` makes it again as
-  configured, and the stream's state starts a new generation, incomplete.
+  configured, and the stream's state starts a new generation, incomplete;
+- ``test_an_events_topic_deleted_during_a_run_is_created_with_its_settings_and_the_loss_announced``:
+  the same for the events topic (``create_topics``), with an ``EventsLost`` (``sink_lost:k``) for
+  what it held ahead of everything else in the new topic.
 """
 
 from __future__ import annotations
@@ -522,6 +525,78 @@ async def test_a_state_topic_deleted_during_a_run_comes_back_compacted_and_the_s
                     follower.state.blocks() == truth(engine),
                 )
                 assert not head["complete"] and not follower.state.complete  # what it held is gone: incomplete
+            finally:
+                await follower.close()
+        finally:
+            await bridge.stop()
+
+
+async def test_an_events_topic_deleted_during_a_run_is_created_with_its_settings_and_the_loss_announced(
+    tmp_path: Path, kafka: KafkaServer
+) -> None:
+    # aiokafka's metadata refreshes let the broker auto-create the deleted events topic with its
+    # defaults (1 partition, the default retention) even with allow_auto_create_topics false; the
+    # sink wrote on, and nothing told consumers that what the old topic held is gone. With
+    # create_topics it comes back as configured, with an EventsLost for what it held, and the
+    # stream's state is cleared (incomplete).
+    topic = f"kvb-events-{uuid.uuid4().hex[:12]}"
+    state_topic = f"kvb-state-{uuid.uuid4().hex[:12]}"
+    live, replay = free_port(), free_port()
+    created = {"enabled": True, "partitions": 3, "configs": {"retention.ms": "7200000"}}
+    config = {
+        "sources": [source("a", live, replay)],
+        "sinks": [sink(kafka, topic, state_topic, request_timeout="2s", create_topics=created, allow_auto_create_topics=False)],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "replay": REPLAY,
+        "shutdown_timeout": "3s",
+    }
+    part = partition_of("a/0", 2)
+    async with CacheEngine(live, replay, seed=9) as engine:
+        bridge = Bridge(from_data(config, env={}))
+        await bridge.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(10)
+            deadline = time.monotonic() + 30
+            while (head := await last_head(kafka.bootstrap_servers, state_topic, part, "a/0")) is None or head[
+                "seq"
+            ] != engine.last_seq:  # every batch so far acknowledged, with its state
+                assert time.monotonic() < deadline, f"the state did not reach seq {engine.last_seq}: {head}"
+                await asyncio.sleep(0.2)
+            acked = engine.last_seq
+            await delete_topic(kafka, topic)
+            deadline = time.monotonic() + 60
+            while not await exists(kafka, topic):  # one more batch at a time until it is back
+                assert time.monotonic() < deadline, "the events topic did not come back"
+                await engine.step(1)
+                await asyncio.sleep(0.3)
+            configs = await topic_configs(kafka, topic)
+            admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+            await admin.start()
+            try:
+                (described,) = await admin.describe_topics([topic])
+            finally:
+                await admin.close()
+            print("events topic after the deletion:", configs["retention.ms"], len(described["partitions"]), "partitions")
+            assert (configs["retention.ms"], len(described["partitions"])) == ("7200000", 3)
+            await engine.step(1)
+            head = None
+            while head is None or head["seq"] != engine.last_seq:
+                assert time.monotonic() < deadline, f"the state did not reach seq {engine.last_seq}: {head}"
+                await asyncio.sleep(0.3)
+                head = await last_head(kafka.bootstrap_servers, state_topic, part, "a/0")
+            events = TopicPartition(topic, partition_of("a/0", 3))
+            docs = [json.loads(v) for k, v in await read_partition(kafka.bootstrap_servers, events) if k == b"a/0" and v]
+            lost = [(d["from_seq"], d["to_seq"], d["reason"]) for d in docs if d["type"] == "EventsLost"]
+            print("EventsLost in the new topic:", lost, "head", head)
+            assert lost[:1] == [(0, acked, "sink_lost:k")]
+            assert docs[0]["type"] == "EventsLost"  # ahead of everything the new topic holds of the stream
+            assert not head["complete"]
+            follower = await Follower.start(kafka.bootstrap_servers, "a", 0, topic=topic, state_topic=state_topic)
+            try:
+                await follower.catch_up(head["epoch"], head["seq"])
+                assert not follower.state.complete
             finally:
                 await follower.close()
         finally:
