@@ -1219,7 +1219,8 @@ class KafkaConnector:
             self._batch_limit[topic] = max(1024, int(limit) - _BATCH_OVERHEAD)
 
     def _admin(self) -> AIOKafkaAdminClient:
-        """An admin client of the sink's cluster (not started), whose metadata requests create nothing."""
+        """An admin client of the sink's cluster (not started), whose metadata refreshes create
+        nothing (its ``describe_topics`` would: the sink does not call it)."""
         admin = AIOKafkaAdminClient(**client_settings(self.options, self.name), ssl_context=ssl_context(self.options))
         internals.no_auto_create(admin._client)
         return admin
