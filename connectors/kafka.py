@@ -1060,6 +1060,7 @@ class KafkaConnector:
             late = loop.time() >= grace
             if code == _UNKNOWN_TOPIC and topic in self._known:
                 self._lose([tp for tp in self._acked if tp[0] == topic], state=state)
+                self._policy_checked.discard(topic)  # a state topic's configs are read again once it is back
                 if create and not recreated:  # created again with its settings
                     recreated = True
                     await self._create_topic(topic, state=state)
