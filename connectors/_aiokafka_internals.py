@@ -9,8 +9,12 @@ keeps aiokafka below the next minor until this module has been checked against i
 from __future__ import annotations
 
 import asyncio
+import functools
+import types
 from typing import Any
 
+from aiokafka import errors as kafka_errors
+from aiokafka.client import AIOKafkaClient
 from aiokafka.conn import collect_hosts, create_conn
 from aiokafka.protocol.metadata import MetadataRequest
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
@@ -18,6 +22,24 @@ from aiokafka.record.default_records import DefaultRecordBatchBuilder
 # The exact size of one record in a batch (key, value, headers): checked only for messages
 # close to max_batch_bytes, so a message too large for a batch is refused before it is sent.
 record_size = DefaultRecordBatchBuilder.estimate_size_in_bytes
+
+
+class InvalidRecordError(kafka_errors.UnknownError):  # type: ignore[misc]  # aiokafka is untyped here
+    """Error code 87 (INVALID_RECORD): the broker refused a record itself (a compacted topic's
+    record without a key, a broker-side validation).
+
+    aiokafka has no class for it and raises :class:`~aiokafka.errors.UnknownError` for every code
+    it does not know, the same as for -1 (UNKNOWN_SERVER_ERROR: an exception inside the broker,
+    for an operator to fix). Registered under its code (a subclass of ``UnknownError``, so code
+    that catches that still catches it), the sink can tell a refused record from a broken broker.
+    """
+
+    errno = 87
+    message = "INVALID_RECORD"
+    description = "This record has failed the validation on broker and hence will be rejected."
+
+
+kafka_errors.kafka_errors.setdefault(InvalidRecordError.errno, InvalidRecordError)
 
 
 def fail_pending(producer: Any, exc: BaseException) -> None:
@@ -37,6 +59,32 @@ def fail_pending(producer: Any, exc: BaseException) -> None:
         waiter = batch._drain_waiter  # nobody waits for the drain of a failed batch: mark it seen
         if waiter.done() and not waiter.cancelled():
             waiter.exception()
+
+
+# aiokafka's own metadata update, in a namespace where MetadataRequest never lets the broker
+# create the topics it names (see no_auto_create).
+_update = AIOKafkaClient._metadata_update
+_update_no_create = types.FunctionType(
+    _update.__code__,
+    {**_update.__globals__, "MetadataRequest": functools.partial(MetadataRequest, allow_auto_topic_creation=False)},
+    _update.__name__,
+    _update.__defaults__,
+    _update.__closure__,
+)
+
+
+def no_auto_create(client: Any) -> None:
+    """Make every metadata request ``client`` sends by itself say ``allow_auto_topic_creation=false``.
+
+    aiokafka's requests (a producer's or consumer's periodic refresh, the refresh after a produce
+    error, ``partitions_for``) always allow it: a topic deleted during a run comes back at once,
+    created by the broker with its defaults (a state topic no longer compacted, one partition, the
+    default retention), and the sink writes on into it as if nothing had been lost
+    (``auto.create.topics.enable`` is on by default). This runs aiokafka's own
+    ``_metadata_update`` with a request that forbids it. Metadata v0-v3 (brokers before 0.11)
+    cannot say it.
+    """
+    client._metadata_update = types.MethodType(_update_no_create, client)
 
 
 def pace_metadata_retries(client: Any, pause: float) -> None:
@@ -120,4 +168,14 @@ async def probe(settings: dict[str, Any], ssl_context: Any) -> str:
     return f"{host}:{port}"
 
 
-__all__ = ["fail_pending", "pace_metadata_retries", "ping", "probe", "record_size", "topic_error", "topic_partitions"]
+__all__ = [
+    "InvalidRecordError",
+    "fail_pending",
+    "no_auto_create",
+    "pace_metadata_retries",
+    "ping",
+    "probe",
+    "record_size",
+    "topic_error",
+    "topic_partitions",
+]

@@ -14,6 +14,13 @@ authorization error is transient: an operator can fix the ACL. After any failed 
 is replaced before the next write (its sequence numbers no longer match the broker's), and so is
 one whose write was cancelled half-way (it still holds batches it would retry for ever).
 
+No metadata request of the sink's clients lets the broker create a topic (aiokafka's own would
+re-create a deleted topic with the broker's defaults). The sink remembers, per partition, the
+offset after the last record the broker acknowledged and each stream's last batch there; a topic
+found deleted, or whose partitions end before that (deleted and created again), lost them: the
+next write raises :class:`SinkLost` with each stream's span (an events topic), or refuses the
+next state of each stream it held (``state_lost``: a state topic).
+
 Delivery is at least once: the broker cannot tell a re-sent message from new data, so a consumer
 deduplicates on the headers ``source``, ``dp_rank``, ``epoch``, ``seq`` (and ``index`` at event
 granularity); within a stream the first copy of every message comes in order.
@@ -64,6 +71,7 @@ from bridge.connector import (
     Secret,
     SeedEntry,
     SinkConfig,
+    SinkLost,
     SinkPosition,
     StateDelta,
     Stream,
@@ -91,15 +99,20 @@ _UNKNOWN_TOPIC, _INVALID_TOPIC, _TOPIC_AUTHORIZATION, _TOPIC_EXISTS = 3, 17, 29,
 _PARTITIONER = DefaultPartitioner()  # murmur2(key) % partitions, as Java's client does
 _CODECS = {"snappy": has_snappy, "lz4": has_lz4, "zstd": has_zstd}
 _SIZE_ERRORS = (kafka_errors.MessageSizeTooLargeError, kafka_errors.RecordListTooLargeError)
-# The broker refused the records themselves. aiokafka maps codes it does not know (87
-# INVALID_RECORD: e.g. no key on a compacted topic) to UnknownError.
-_RECORDS_REFUSED = (
-    *_SIZE_ERRORS,
-    kafka_errors.CorruptRecordException,
-    kafka_errors.InvalidTimestampError,
-    kafka_errors.UnsupportedForMessageFormatError,
-    kafka_errors.UnknownError,
-)
+# The broker refused the records themselves (87 INVALID_RECORD: e.g. a broker-side validation).
+_RECORDS_REFUSED = (*_SIZE_ERRORS, kafka_errors.CorruptRecordException, internals.InvalidRecordError)
+# The broker refuses every record until an operator acts: transient (the sink not ready), never a
+# reason to dead-letter. The fix each one needs, for /readyz and the log.
+_BROKER_REFUSES: dict[type[kafka_errors.KafkaError], str] = {
+    # The sink's records carry the bridge host's clock (CreateTime): skew beyond the topic's window.
+    kafka_errors.InvalidTimestampError: (
+        "the bridge host's clock is outside the topic's timestamp window: fix the clock (NTP) or raise the topic's "
+        "message.timestamp.before.max.ms / message.timestamp.after.max.ms"
+    ),
+    kafka_errors.UnsupportedForMessageFormatError: "the topic's message format predates record headers: upgrade it",
+    # UNKNOWN_SERVER_ERROR: an exception inside the broker (its log says which).
+    kafka_errors.UnknownError: "an unexpected error inside the broker: see the broker's log",
+}
 # Fixable by an operator (an ACL, a user): transient, never a reason to dead-letter.
 _AUTHORIZATION = (
     kafka_errors.TopicAuthorizationFailedError,
@@ -127,6 +140,7 @@ HEAD = "_head"
 """The last part of a head's key: ``source/dp_rank/_head``."""
 _YIELD_EVERY = 4096  # state records built between two yields to the event loop
 _STATE_RECORD_OVERHEAD = 32  # bytes a record adds to its key and value in a batch (varints, no headers)
+_BATCH_OVERHEAD = 61  # bytes of a record batch's header, counted in a topic's max.message.bytes
 
 
 class CreateTopicsOptions(ConnectorOptions):
@@ -206,7 +220,11 @@ class KafkaOptions(ConnectorOptions):
     tls: Annotated[TlsOptions | None, doc("TLS files and checks (security_protocol SSL or SASL_SSL).")] = None
     create_topics: CreateTopicsOptions = msgspec.field(default_factory=CreateTopicsOptions)
     allow_auto_create_topics: Annotated[
-        bool, doc("Let the broker auto-create a missing topic on first use (if the broker allows it).")
+        bool,
+        doc(
+            "Let the broker auto-create a missing topic on first use (if the broker allows it); "
+            "never a topic deleted after the sink wrote to it."
+        ),
     ] = True
     client_id: Annotated[str | None, doc("Client id seen by the brokers (default: kv-event-bridge-SINKNAME).")] = None
     state: Annotated[StateOptions, doc("The optional live-block state (a compacted topic).")] = msgspec.field(
@@ -347,13 +365,22 @@ class KafkaConnector:
         self._closed = False
         self._down: str | None = "not connected yet"  # why there is no producer
         self._topic_problem: str | None = None  # a missing / unusable topic, rechecked by health()
-        self._denied: str | None = None  # the last write was not authorized; cleared by a delivered write
+        self._denied: str | None = None  # the last write was refused (ACL, broker); cleared by a delivered write
         self._partitions: dict[str, list[int]] = {}  # topic -> partition ids, once checked
         self._routes: dict[tuple[str, bytes], int] = {}  # (topic, key) -> partition
         self._batch_limit: dict[str, int] = {}  # topics whose broker limit is below max_batch_bytes
         self._alone: dict[str, None] = {}  # msg_ids to send one per batch (they were in a refused batch)
         self._refused: dict[str, Permanent] = {}  # msg_id -> why the broker refused it alone
         self._created: set[str] = set()
+        self._known: set[str] = set()  # topics this sink found or created: missing later, they were deleted
+        # What the broker acknowledged, to tell later whether a topic lost it (deleted, created again):
+        # per (topic, partition) the offset after its last record acknowledged, and each stream's last
+        # batch there (stream, epoch, seq).
+        self._acked: dict[tuple[str, int], int] = {}
+        self._acked_streams: dict[tuple[str, int], dict[str, tuple[Stream, int, int]]] = {}
+        self._lost: dict[str, tuple[Stream, int, int, int]] = {}  # stream key -> span to announce (SinkLost)
+        self._lost_topics: set[str] = set()  # the topics those spans were lost from
+        self._state_lost: set[str] = set()  # streams whose state a lost state topic held (refused: state_lost)
         self._policy_checked: set[str] = set()  # state topics whose cleanup.policy was looked at
         self._reader: Any = None  # the consumer positions() reads partitions back with
         self._windows: dict[Any, _Window] = {}  # what it read of each partition
@@ -391,7 +418,9 @@ class KafkaConnector:
         errors: dict[int, ConnectorError] = {}
         offsets: dict[int, int] | None = {} if self.writes_state else None
         chains = await self._build(producer, messages, errors)
+        self._raise_lost(stale=False)  # found by _build, or by a health check: before anything is sent
         failed = await self._send_all(producer, chains, messages, errors, offsets)
+        self._raise_lost(stale=failed)  # found in the offsets the broker gave (see _acknowledged)
         if offsets is not None:
             failed = await self._write_state(producer, messages, errors, offsets) or failed
         self._stale = failed
@@ -401,6 +430,19 @@ class KafkaConnector:
                 raise next(iter(distinct.values()))
             raise PartialFailure(errors)
         self._denied = None
+
+    def _raise_lost(self, *, stale: bool) -> None:
+        """Raise :class:`SinkLost` for the spans kept by _lose (and forget them: the write that
+        follows goes through)."""
+        if not self._lost:
+            return
+        spans, topics = list(self._lost.values()), sorted(self._lost_topics)
+        self._lost, self._lost_topics, self._stale = {}, set(), stale
+        raise SinkLost(
+            f"{self._where}: topic(s) {', '.join(map(repr, topics))} no longer hold messages the broker "
+            f"acknowledged (deleted, or deleted and created again): {len(spans)} stream(s) lost messages",
+            spans,
+        )
 
     async def close(self) -> None:
         """Stop the producer, dropping what it still holds (the runtime bounds the call); never raises."""
@@ -573,6 +615,7 @@ class KafkaConnector:
             enable_auto_commit=False,
             auto_offset_reset="earliest",
         )
+        internals.no_auto_create(consumer._client)
         await consumer.start()
         return consumer
 
@@ -673,6 +716,7 @@ class KafkaConnector:
         for n, chunk in enumerate(chain):
             try:
                 stored = await (await producer.send_batch(chunk.builder, chunk.topic, partition=chunk.partition))
+                self._acknowledged(chunk, stored.offset, messages, state=False)
                 if offsets is not None:  # the records of a batch take consecutive offsets from its base
                     offsets.update((i, stored.offset + j) for j, i in enumerate(chunk.indexes))
             except kafka_errors.KafkaError as exc:
@@ -741,6 +785,9 @@ class KafkaConnector:
             held = problem if not isinstance(problem, Permanent) else Retriable(str(problem), reason=problem.reason)
             errors.update((i, held) for i, _ in wanted)
             return False
+        wanted = self._refuse_lost_state(messages, wanted, errors)
+        if not wanted:
+            return False
         parts = self._partitions[topic]
         limit = self._batch_limit.get(topic, self._max_bytes)
         chains: dict[int, list[_Chunk]] = {}
@@ -766,11 +813,12 @@ class KafkaConnector:
                     chunk.indexes.append(i)
         sends = list(chains.values())
         if len(sends) == 1:
-            failed = await self._send_state(producer, sends[0], errors)
+            failed = await self._send_state(producer, sends[0], messages, errors)
         else:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._send_state(producer, chain, errors)) for chain in sends]
+                tasks = [group.create_task(self._send_state(producer, chain, messages, errors)) for chain in sends]
             failed = any(t.result() for t in tasks)
+        self._refuse_lost_state(messages, wanted, errors)  # a state partition found created again
         for i, next_ in wanted:
             if i not in errors:
                 m = messages[i]
@@ -778,6 +826,25 @@ class KafkaConnector:
                 if next_ is not None:
                     self._stream_next[m.record.stream.key] = next_
         return failed
+
+    def _refuse_lost_state(
+        self, messages: Sequence[Message], wanted: list[tuple[int, int | None]], errors: dict[int, ConnectorError]
+    ) -> list[tuple[int, int | None]]:
+        """Refuse the state messages in ``wanted`` of streams whose state the state topic lost
+        (deleted, created again): ``Permanent(reason="state_lost")``, so that the runtime clears
+        each stream at its next record (a new generation, incomplete), which writes its state
+        whole again. Every state message of such a stream in the write: none may build on what is
+        gone. Returns the rest of ``wanted``."""
+        lost = {messages[i].record.stream.key for i, _ in wanted} & self._state_lost if self._state_lost else set()
+        if not lost:
+            return wanted
+        self._state_lost -= lost
+        refused = Permanent(
+            f"{self._where}: state topic {self._state_topic!r} was deleted or created again: the state it held is lost",
+            reason="state_lost",
+        )
+        errors.update((i, refused) for i, _ in wanted if messages[i].record.stream.key in lost)
+        return [w for w in wanted if w[0] not in errors]
 
     def _state_records(self, stream: Stream, delta: StateDelta, next_: int | None) -> Iterator[tuple[bytes, bytes | None]]:
         """(key, value) of the state records of one delta, in their order (see _write_state)."""
@@ -788,7 +855,7 @@ class KafkaConnector:
                 base = f"{prefix}{tier_text(tier.medium, tier.group_idx)}/"
                 for block in tier.blocks:
                     yield f"{base}{block:016x}".encode(), None
-        room = self._max_bytes - _STATE_RECORD_OVERHEAD
+        room = self._batch_limit.get(self._state_topic, self._max_bytes) - _STATE_RECORD_OVERHEAD
         for change in delta.changes:
             key = (prefix + entry_key(change.medium, change.group_idx, change.block)).encode()
             if change.count <= 0:
@@ -796,22 +863,29 @@ class KafkaConnector:
                 continue
             value = fmt.entry(stream, head, change)
             if len(key) + len(value) > room:
-                # A fact too large for a record (huge extra_keys): the entry without it (its count
-                # and version stand) rather than a sink stuck on a state it can never write.
+                # A fact too large for a record (a long prompt, huge extra_keys): the entry without
+                # it (its count and version stand) rather than a sink stuck on a state it can never
+                # write. The room is the state topic's max.message.bytes (read at connect, or
+                # learnt from a refused batch) within max_batch_bytes.
                 log.warning(
-                    "state entry too large for a record: written without its fact",
+                    "state entry larger than a state topic record may be (max.message.bytes, max_batch_bytes: %d): "
+                    "written without its fact",
+                    room,
                     extra={"sink": self.name, "stream": stream.key, "count": len(value)},
                 )
                 value = fmt.entry(stream, head, EntryChange(change.medium, change.group_idx, change.block, change.count, None))
             yield key, value
         yield (prefix + HEAD).encode(), fmt.head(stream, head, next_)
 
-    async def _send_state(self, producer: Any, chain: list[_Chunk], errors: dict[int, ConnectorError]) -> bool:
+    async def _send_state(
+        self, producer: Any, chain: list[_Chunk], messages: Sequence[Message], errors: dict[int, ConnectorError]
+    ) -> bool:
         """Send one state partition's batches in order, each once the previous one was
         acknowledged; after a failed batch, the rest is not sent. True when a batch failed."""
         for n, chunk in enumerate(chain):
             try:
-                await (await producer.send_batch(chunk.builder, chunk.topic, partition=chunk.partition))
+                stored = await (await producer.send_batch(chunk.builder, chunk.topic, partition=chunk.partition))
+                self._acknowledged(chunk, stored.offset, messages, state=True)
             except kafka_errors.KafkaError as exc:
                 error = self._error(exc, chunk.topic)
                 if error is None:  # the broker refused the records (too large for the topic?)
@@ -843,6 +917,10 @@ class KafkaConnector:
             return NotConnected(f"{self._where}: cannot reach {self._servers} ({text})")
         if isinstance(exc, _RECORDS_REFUSED):
             return None
+        fix = _BROKER_REFUSES.get(type(exc))
+        if fix is not None:
+            self._denied = f"topic {topic!r} refuses every write ({text}): {fix}"
+            return Retriable(f"{self._where}: {self._denied}", reason="broker_refuses")
         # Anything else (the producer's sequence state, a broker setting) is not the records'
         # fault: retried, with a new producer.
         return Retriable(f"{self._where}: {text}", reason="producer_reset")
@@ -886,6 +964,7 @@ class KafkaConnector:
             self._down = f"TLS setup failed: {exc}"
             raise NotConnected(f"{self._where}: {self._down}", reason="tls") from None
         producer = AIOKafkaProducer(**producer_settings(self.options, self.name), ssl_context=context)
+        internals.no_auto_create(producer.client)
         internals.pace_metadata_retries(producer.client, _METADATA_RETRY_PAUSE)
         try:
             await producer.start()
@@ -935,8 +1014,10 @@ class KafkaConnector:
         partitions changed), else why not."""
         parts = self._partitions.get(topic)
         known = producer.client.cluster.partitions_for_topic(topic)
-        if parts is not None and known is not None and len(known) != len(parts):
-            parts = None  # partitions were added: routes change, as with every client
+        if parts is not None and (known is None or len(known) != len(parts)):
+            # Partitions were added (routes change, as with every client), or the topic is gone
+            # from the producer's metadata (deleted?): checked again.
+            parts = None
             self._routes = {k: v for k, v in self._routes.items() if k[0] != topic}
         if parts is not None:
             return None
@@ -949,7 +1030,11 @@ class KafkaConnector:
     async def _prepare_topic(self, producer: Any, topic: str, *, state: bool = False) -> None:
         """Make sure ``topic`` exists (creating it if configured) and learn its partitions.
 
-        The state topic (``state``) is never auto-created by the broker: it must be compacted."""
+        The state topic (``state``) is never auto-created by the broker: it must be compacted; nor
+        is a topic this sink found before (deleted since: created again only with ``create``, with
+        its settings). A topic that lost what the broker acknowledged (deleted, created again) has
+        its streams' spans kept for the next write to announce (:class:`SinkLost`), or their state
+        refused (``state_lost``)."""
         if not _TOPIC_NAME.fullmatch(topic):
             raise Permanent(
                 f"{self._where}: {topic!r} is not a valid Kafka topic name (1-249 of A-Z a-z 0-9 . _ -)", reason="invalid_topic"
@@ -959,10 +1044,11 @@ class KafkaConnector:
             await self._create_topic(topic, state=state)
         # A broker that auto-creates answers "unknown topic" (KRaft) or "leader not available"
         # until the new topic has a leader, so "unknown" is final only after a grace period.
-        allow = self.options.allow_auto_create_topics and not state
+        allow = self.options.allow_auto_create_topics and not state and topic not in self._known
         creates = allow or create
         loop = asyncio.get_running_loop()
         grace = loop.time() + min(self._timeout / 2, 5.0)
+        recreated = False
         while True:
             try:
                 code = await internals.topic_error(producer.client, topic, allow_auto_create=allow)
@@ -972,6 +1058,20 @@ class KafkaConnector:
             except kafka_errors.KafkaError as exc:
                 raise (self._error(exc, topic) or Retriable(f"{self._where}: {_describe(exc)}")) from exc
             late = loop.time() >= grace
+            if code == _UNKNOWN_TOPIC and topic in self._known:
+                self._lose([tp for tp in self._acked if tp[0] == topic], state=state)
+                self._policy_checked.discard(topic)  # a state topic's configs are read again once it is back
+                if create and not recreated:  # created again with its settings
+                    recreated = True
+                    await self._create_topic(topic, state=state)
+                    continue
+                if not create:
+                    fix = "(cleanup.policy=compact), or set state.create: true" if state else "or set create_topics.enabled: true"
+                    self._topic_problem = (
+                        f"{'state ' if state else ''}topic {topic!r} was deleted on {self._servers}: what it held is "
+                        f"lost (announced to its consumers); create it again {fix}"
+                    )
+                    raise NotConnected(f"{self._where}: {self._topic_problem}", reason="topic_deleted")
             if code == _UNKNOWN_TOPIC and (late or not creates):
                 why = "the broker did not auto-create it (auto.create.topics.enable=false?)" if allow else "auto-creation is off"
                 self._topic_problem = (
@@ -998,28 +1098,105 @@ class KafkaConnector:
                 f"topic {topic!r} has {len(partitions)} partition(s); partition {self.options.partition} does not exist"
             )
             raise NotConnected(f"{self._where}: {self._topic_problem}", reason="unknown_partition")
+        if self.options.acks == "all" and any(tp[0] == topic for tp in self._acked):
+            # (With acks 1 the end offset, the high watermark, may trail what the leader acknowledged.)
+            await self._check_kept(topic, partitions, state=state)
+        self._known.add(topic)
         self._partitions[topic] = partitions
         if self._topic_problem is not None and repr(topic) in self._topic_problem:
             self._topic_problem = None
         if state and topic not in self._policy_checked:
             self._policy_checked.add(topic)
-            await self._check_compacted(topic)
+            await self._check_state_topic(topic)
 
-    async def _check_compacted(self, topic: str) -> None:
-        """Warn (once per topic) when the state topic is not log-compacted: its retention would
-        delete heads and live entries, and bootstraps would silently miss blocks."""
-        admin = AIOKafkaAdminClient(**client_settings(self.options, self.name), ssl_context=ssl_context(self.options))
+    async def _check_kept(self, topic: str, partitions: list[int], *, state: bool) -> None:
+        """Whether ``topic`` still holds what the broker acknowledged: a partition that ends before
+        the offset after the last record acknowledged there, or no longer exists, lost it (the
+        topic was deleted and created again, or truncated). Its streams' losses are kept (_lose)."""
+        acked = {tp: end for tp, end in self._acked.items() if tp[0] == topic}
+        present = [TopicPartition(*tp) for tp in acked if tp[1] in partitions]
+        ends: dict[Any, int] = {}
+        if present:
+            try:
+                consumer = await self._start_reader()
+                try:
+                    ends = await consumer.end_offsets(present)
+                finally:
+                    await consumer.stop()
+            except (kafka_errors.KafkaError, OSError) as exc:
+                raise NotConnected(f"{self._where}: cannot read the end offsets of topic {topic!r} ({_describe(exc)})") from None
+        lost = [tp for tp, end in acked.items() if ends.get(TopicPartition(*tp), -1) < end]
+        if lost:
+            log.error(
+                "a topic no longer holds what the broker acknowledged (deleted and created again, or truncated)",
+                extra={"sink": self.name, "topic": topic, "partitions": sorted(p for _, p in lost)},
+            )
+            self._lose(lost, state=state)
+
+    def _lose(self, tps: list[tuple[str, int]], *, state: bool) -> None:
+        """Forget what the broker acknowledged in partitions ``tps`` (they lost it): the state
+        topic's streams have their next state refused (``state_lost``); an events topic's streams
+        have their span (from 0 to the last batch acknowledged) kept for the next write's
+        :class:`SinkLost`, and the offsets their heads point to forgotten."""
+        for tp in tps:
+            self._acked.pop(tp, None)
+            streams = self._acked_streams.pop(tp, {})
+            if state:
+                self._state_lost.update(streams)
+                continue
+            for key, (stream, epoch, seq) in streams.items():
+                self._lost_topics.add(tp[0])
+                old = self._lost.get(key)
+                if old is None or (epoch, seq) > (old[1], old[3]):
+                    self._lost[key] = (stream, epoch, 0, seq)
+                self._stream_next.pop(key, None)
+            if streams:
+                self._record_next = {k: v for k, v in self._record_next.items() if k[0] not in streams}
+
+    def _acknowledged(self, chunk: _Chunk, base: int, messages: Sequence[Message], *, state: bool) -> None:
+        """Remember what the broker acknowledged of ``chunk`` (stored from offset ``base``): the
+        offset after it in its partition, and each stream's last batch there (see _check_kept).
+
+        A partition that stores it below what it acknowledged before was created again since (by
+        an operator, or another client's metadata request) without this sink seeing it missing:
+        what the old one held is lost (_lose), found only now that this chunk is in the new one."""
+        tp = (chunk.topic, chunk.partition)
+        end = base + chunk.builder.record_count()
+        if 0 <= base < self._acked.get(tp, 0):
+            log.error(
+                "a partition stored a batch below what it had acknowledged: the topic was deleted and created again",
+                extra={"sink": self.name, "topic": chunk.topic, "partition": chunk.partition},
+            )
+            self._lose([tp], state=state)
+        if end > self._acked.get(tp, 0):
+            self._acked[tp] = end
+        streams = self._acked_streams.setdefault(tp, {})
+        record: Any = None
+        for i in chunk.indexes:
+            r = messages[i].record
+            if r is record or r.kind == "SourceReset":  # a reset says nothing of the seqs it opens
+                continue
+            record = r
+            last = streams.get(r.stream.key)
+            if last is None or (r.epoch, r.seq) >= (last[1], last[2]):
+                streams[r.stream.key] = (r.stream, r.epoch, r.seq)
+
+    async def _check_state_topic(self, topic: str) -> None:
+        """Read the state topic's configs (once per topic): warn when its cleanup policy or
+        retention would delete heads and live entries (bootstraps would silently miss blocks), and
+        bound its records by its ``max.message.bytes``."""
+        wanted = dict.fromkeys(("cleanup.policy", "retention.ms", "retention.bytes", "max.message.bytes"))
+        admin = self._admin()
         try:
             await admin.start()
-            responses = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic, {"cleanup.policy": None})])
-            policy = next(
-                (entry[1] for r in responses for res in r.resources for entry in res[4] if entry[0] == "cleanup.policy"), None
-            )
+            responses = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic, wanted)])
+            configs = {entry[0]: entry[1] for r in responses for res in r.resources for entry in res[4] if entry[0] in wanted}
         except (kafka_errors.KafkaError, OSError, IndexError, TypeError) as exc:
-            log.debug("cannot read the state topic's cleanup.policy", extra={"sink": self.name, "error": _describe(exc)})
+            log.debug("cannot read the state topic's configs", extra={"sink": self.name, "error": _describe(exc)})
             return
         finally:
             await admin.close()
+        policy = configs.get("cleanup.policy")
         if policy is not None and "compact" not in policy:
             log.warning(
                 "the state topic is not log-compacted (cleanup.policy=%s): retention will delete live entries "
@@ -1027,6 +1204,27 @@ class KafkaConnector:
                 policy,
                 extra={"sink": self.name, "topic": topic},
             )
+        elif policy is not None and "delete" in policy:
+            limits = [f"{k}={configs.get(k)}" for k in ("retention.ms", "retention.bytes") if configs.get(k) not in (None, "-1")]
+            if limits:
+                log.warning(
+                    "the state topic deletes by retention as well as compacting (cleanup.policy=%s, %s): live entries "
+                    "and heads older than that are deleted and bootstraps miss blocks; set cleanup.policy=compact",
+                    policy,
+                    ", ".join(limits),
+                    extra={"sink": self.name, "topic": topic},
+                )
+        limit = configs.get("max.message.bytes")
+        if limit is not None and limit.isdigit() and int(limit) - _BATCH_OVERHEAD < self._batch_limit.get(topic, self._max_bytes):
+            # A larger entry is written without its fact (_state_records): never refused for ever.
+            self._batch_limit[topic] = max(1024, int(limit) - _BATCH_OVERHEAD)
+
+    def _admin(self) -> AIOKafkaAdminClient:
+        """An admin client of the sink's cluster (not started), whose metadata refreshes create
+        nothing (its ``describe_topics`` would: the sink does not call it)."""
+        admin = AIOKafkaAdminClient(**client_settings(self.options, self.name), ssl_context=ssl_context(self.options))
+        internals.no_auto_create(admin._client)
+        return admin
 
     async def _create_topic(self, topic: str, *, state: bool = False) -> None:
         spec = self.options.create_topics
@@ -1034,7 +1232,7 @@ class KafkaConnector:
             new = NewTopic(topic, self.options.state.partitions, spec.replication_factor, topic_configs=dict(STATE_TOPIC_CONFIGS))
         else:
             new = NewTopic(topic, spec.partitions, spec.replication_factor, topic_configs=dict(spec.configs))
-        admin = AIOKafkaAdminClient(**client_settings(self.options, self.name), ssl_context=ssl_context(self.options))
+        admin = self._admin()
         try:
             await admin.start()
             response = await admin.create_topics([new])

@@ -19,13 +19,14 @@ import msgspec
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.codec import has_zstd
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import ConsumerRecord
 
 from bridge.config import SinkConfig, convert_options
 from bridge.connector import Registry
-from bridge.errors import ConnectorError, NotConnected, PartialFailure, Permanent
+from bridge.errors import ConnectorError, NotConnected, PartialFailure, Permanent, SinkLost
 from bridge.formats import Message, Renderer
 from bridge.logs import JsonFormatter, TextFormatter
 from bridge.records import Stream
@@ -357,6 +358,50 @@ async def test_message_refused_by_the_topic_is_permanent_and_the_rest_delivered(
 
 
 @pytest.mark.integration
+async def test_a_clock_outside_the_topics_timestamp_window_is_retried_not_dead_lettered(kafka: KafkaServer) -> None:
+    # Records carry the bridge host's clock; a topic accepting no timestamp older than its arrival
+    # (before.max.ms 0) refuses every record as a skewed clock does (INVALID_TIMESTAMP). An
+    # operator fixes the clock or the topic: nothing is the records' fault, nothing dead-lettered.
+    topic = await kafka.anew_topic(config={"message.timestamp.before.max.ms": "0"})
+    messages = render(stream_records(Stream("llama-a", 0), 3))
+    connector = build(kafka, topic)
+    await connector.connect()
+    try:
+        # Written as the runtime does (fold), without the backoff: what would be dead-lettered.
+        everything = list(range(len(messages)))
+        pending, dead, last = everything, [], None
+        for _ in range(20):  # a record sent within the millisecond it was stamped passes: again
+            try:
+                await connector.write([messages[i] for i in pending])
+                pending, last = everything, None
+            except PartialFailure as exc:
+                outcome = fold([messages[i] for i in pending], exc.errors)
+                dead += [pending[i] for i, _ in outcome.dead]
+                pending, last = [pending[i] for i in outcome.retry], exc.cause
+            except ConnectorError as exc:
+                dead += pending if isinstance(exc, Permanent) else []
+                pending, last = ([] if isinstance(exc, Permanent) else pending), exc
+            if not pending or (last is not None and last.reason != "batch_refused"):
+                break
+        print("dead-lettered", dead, "last error:", last)
+        assert dead == [] and last is not None
+        assert last.reason == "broker_refuses" and "InvalidTimestamp" in str(last)
+        reason = await connector.health()
+        assert reason is not None and topic in reason and "clock" in reason
+        admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+        await admin.start()
+        try:
+            resource = ConfigResource(ConfigResourceType.TOPIC, topic, {"message.timestamp.before.max.ms": "3600000"})
+            await admin.alter_configs([resource])
+        finally:
+            await admin.close()
+        assert await deliver(connector, messages) == []
+        assert await connector.health() is None
+    finally:
+        await connector.close()
+
+
+@pytest.mark.integration
 async def test_unknown_topic_without_auto_creation_is_a_clear_error(kafka: KafkaServer) -> None:
     # The broker auto-creates topics; the producer asks it not to (allow.auto.create.topics).
     topic = f"kvb-missing-{uuid.uuid4().hex[:8]}"
@@ -377,6 +422,108 @@ async def test_unknown_topic_without_auto_creation_is_a_clear_error(kafka: Kafka
     finally:
         await connector.close()
     assert [r.value for r in await consume(kafka, topic)] == [m.value for m in messages]
+
+
+async def topic_exists(kafka: KafkaServer, topic: str) -> bool:
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        return topic in await admin.list_topics()
+    finally:
+        await admin.close()
+
+
+async def delete_topic(kafka: KafkaServer, topic: str) -> None:
+    """Delete ``topic`` and wait until the broker no longer lists it."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        await admin.delete_topics([topic])
+    finally:
+        await admin.close()
+    deadline = time.monotonic() + 20
+    while await topic_exists(kafka, topic):
+        assert time.monotonic() < deadline, f"topic {topic} still listed"
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.integration
+async def test_a_topic_deleted_during_a_run_is_never_created_again_by_metadata_and_its_loss_is_announced(
+    kafka: KafkaServer,
+) -> None:
+    # The broker auto-creates topics and the sink allows it (the default) for a topic it never
+    # saw; a topic it wrote to and that was deleted must not come back with the broker's defaults
+    # through a metadata request (aiokafka's own refreshes allowed that), nor silently.
+    topic = await kafka.anew_topic(partitions=2)
+    stream = Stream("llama-a", 0)
+    first = render(stream_records(stream, 5, epoch=3))
+    later = render(stream_records(stream, 2, epoch=3, start=5))
+    connector = build(kafka, topic, request_timeout="2s")
+    await connector.connect()
+    try:
+        await connector.write(first)
+        await delete_topic(kafka, topic)
+        outcomes: list[str] = []
+        lost: list[tuple[str, int, int, int]] = []
+        for _ in range(6):  # the write in flight when the topic went away fails first (request_timeout)
+            try:
+                async with asyncio.timeout(8):
+                    await connector.write(later)
+                outcomes.append("delivered")
+            except (ConnectorError, TimeoutError) as exc:
+                outcomes.append(getattr(exc, "reason", type(exc).__name__))
+                if isinstance(exc, SinkLost):
+                    lost += [(s.key, e, a, b) for s, e, a, b in exc.spans]
+            if outcomes[-1] in ("topic_deleted", "delivered"):
+                break
+        print("writes after the deletion:", outcomes, "topic exists:", await topic_exists(kafka, topic))
+        assert outcomes[-1] == "topic_deleted", outcomes
+        assert not await topic_exists(kafka, topic), "the topic was created again by a metadata request"
+        # What the old topic held is announced, once (the runtime writes it ahead of the retry).
+        assert lost == [("llama-a/0", 3, 0, 4)]
+        reason = await connector.health()
+        assert reason is not None and f"topic '{topic}' was deleted" in reason and "create it again" in reason, reason
+        # The operator creates it again: the sink is ready and delivers, with nothing more to announce.
+        await kafka.anew_topic(partitions=2, name=topic)
+        assert await connector.health() is None
+        await connector.write(later)
+    finally:
+        await connector.close()
+    assert [r.value for r in await consume(kafka, topic)] == [m.value for m in later]
+
+
+@pytest.mark.integration
+async def test_a_topic_deleted_and_created_again_between_two_writes_is_announced(kafka: KafkaServer) -> None:
+    # No write saw the topic missing (an operator, or another client's auto-creation, was
+    # quicker): the next write is stored in the new topic below the offsets the broker had
+    # acknowledged in the old one, and raises SinkLost once stored (the runtime writes it again
+    # after the announcement).
+    topic = await kafka.anew_topic(partitions=2)
+    stream = Stream("llama-a", 0)
+    connector = build(kafka, topic, request_timeout="2s")
+    await connector.connect()
+    try:
+        await connector.write(render(stream_records(stream, 5, epoch=3)))
+        await delete_topic(kafka, topic)
+        await kafka.anew_topic(partitions=2, name=topic)
+        later = render(stream_records(stream, 2, epoch=3, start=5))
+        outcomes: list[str] = []
+        lost: list[tuple[str, int, int, int]] = []
+        for _ in range(6):
+            try:
+                async with asyncio.timeout(8):
+                    await connector.write(later)
+                outcomes.append("delivered")
+                if lost:
+                    break
+            except (ConnectorError, TimeoutError) as exc:
+                outcomes.append(getattr(exc, "reason", type(exc).__name__))
+                if isinstance(exc, SinkLost):
+                    lost += [(s.key, e, a, b) for s, e, a, b in exc.spans]
+        print("writes after the topic was created again:", outcomes)
+        assert lost == [("llama-a/0", 3, 0, 4)], outcomes
+    finally:
+        await connector.close()
 
 
 @pytest.mark.integration

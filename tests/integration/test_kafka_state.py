@@ -15,7 +15,16 @@ s publishing through a bridge:
 - ``test_reset_tombstones_every_old_key``: a reset of a stream with 10^5 live blocks leaves no live
   key of the old epoch in the state topic, and a rebuild reads 10^5 keys back (timed);
 - ``test_state_topic_is_created_compacted_and_a_plain_one_is_warned_about``: ``state.create`` makes
-  a compacted topic; a missing one is never auto-created; a non-compacted one is warned about.
+  a compacted topic; a missing one is never auto-created; a non-compacted one, or one that also
+  deletes by retention, is warned about;
+- ``test_a_state_entry_larger_than_the_state_topics_limit_neither_stalls_nor_lies``: an entry over
+  the state topic's ``max.message.bytes`` is written without its fact; the state goes on, exact;
+- ``test_a_state_topic_deleted_during_a_run_comes_back_compacted_and_the_state_incomplete``: no
+  metadata request re-creates it with the broker's defaults; ``state.create`` makes it again as
+  configured, and the stream's state starts a new generation, incomplete;
+- ``test_an_events_topic_deleted_during_a_run_is_created_with_its_settings_and_the_loss_announced``:
+  the same for the events topic (``create_topics``), with an ``EventsLost`` (``sink_lost:k``) for
+  what it held ahead of everything else in the new topic.
 """
 
 from __future__ import annotations
@@ -363,3 +372,232 @@ async def test_state_topic_is_created_compacted_and_a_plain_one_is_warned_about(
         await conn.connect()
     await conn.close()
     assert any("not log-compacted" in r.getMessage() for r in caplog.records)
+    # Compacted and deleted by retention: heads and entries older than an hour would go.
+    caplog.clear()
+    both = await kafka.anew_topic(config={"cleanup.policy": "compact,delete", "retention.ms": "3600000"})
+    conn = state_connector(kafka, topic, topic=both)
+    with caplog.at_level(logging.WARNING, logger="connectors.kafka"):
+        await conn.connect()
+    await conn.close()
+    warned = [r.getMessage() for r in caplog.records if "retention" in r.getMessage()]
+    assert len(warned) == 1 and "retention.ms=3600000" in warned[0] and "set cleanup.policy=compact" in warned[0], warned
+
+
+async def test_a_state_entry_larger_than_the_state_topics_limit_neither_stalls_nor_lies(
+    tmp_path: Path, kafka: KafkaServer
+) -> None:
+    # The state topic takes records of up to 20000 bytes (max.message.bytes), the sink's batches
+    # 1MiB: one block with a 4,000-token prompt makes an entry of ~25KB, which the topic refuses.
+    topic = await kafka.anew_topic(partitions=1)
+    state_topic = await kafka.anew_topic(partitions=2, config={"cleanup.policy": "compact", "max.message.bytes": "20000"})
+    live, replay = free_port(), free_port()
+    config = {
+        "sources": [source("a", live, replay)],
+        "sinks": [sink(kafka, topic, state_topic, state={"enabled": True, "topic": state_topic})],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "replay": REPLAY,
+        "shutdown_timeout": "3s",
+    }
+    async with CacheEngine(live, replay, seed=6) as engine:
+        bridge = Bridge(from_data(config, env={}))
+        await bridge.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(3)
+            big = event(
+                "BlockStored",
+                block_hashes=[random.Random(6).getrandbits(64)],
+                parent_block_hash=None,
+                token_ids=[100_000 + i for i in range(4000)],
+                block_size=4000,
+                medium="GPU",
+                group_idx=0,
+            )
+            engine.apply(big)
+            await engine.send([big])
+            await engine.step(3)
+            deadline = time.monotonic() + 30
+            part = partition_of("a/0", 2)
+            while (head := await last_head(kafka.bootstrap_servers, state_topic, part, "a/0")) is None or head[
+                "seq"
+            ] != engine.last_seq:
+                assert time.monotonic() < deadline, f"the state did not reach seq {engine.last_seq}: {head}"
+                await asyncio.sleep(0.2)
+            follower = await Follower.start(kafka.bootstrap_servers, "a", 0, topic=topic, state_topic=state_topic)
+            try:
+                await follower.catch_up(head["epoch"], head["seq"])
+                assert follower.state.complete and follower.state.blocks() == truth(engine)
+            finally:
+                await follower.close()
+        finally:
+            await bridge.stop()
+
+
+async def delete_topic(kafka: KafkaServer, topic: str) -> None:
+    """Delete ``topic`` and wait until the broker no longer lists it."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        await admin.delete_topics([topic])
+    finally:
+        await admin.close()
+    deadline = time.monotonic() + 20
+    while await exists(kafka, topic):
+        assert time.monotonic() < deadline, f"topic {topic} still listed"
+        await asyncio.sleep(0.1)
+
+
+async def exists(kafka: KafkaServer, topic: str) -> bool:
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        return topic in await admin.list_topics()
+    finally:
+        await admin.close()
+
+
+async def test_a_state_topic_deleted_during_a_run_comes_back_compacted_and_the_state_incomplete(
+    tmp_path: Path, kafka: KafkaServer
+) -> None:
+    # aiokafka's metadata refreshes let the broker auto-create the deleted state topic with its
+    # defaults (1 partition, cleanup.policy=delete), and the sink wrote on into it: a state with
+    # most blocks missing, marked complete. With state.create it comes back as configured, and
+    # the state it held is announced lost: the stream starts a new generation, incomplete.
+    topic = await kafka.anew_topic(partitions=1)
+    state_topic = f"kvb-state-{uuid.uuid4().hex[:12]}"
+    live, replay = free_port(), free_port()
+    config = {
+        "sources": [source("a", live, replay)],
+        "sinks": [sink(kafka, topic, state_topic, request_timeout="2s")],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "replay": REPLAY,
+        "shutdown_timeout": "3s",
+    }
+    part = partition_of("a/0", 2)
+    async with CacheEngine(live, replay, seed=8) as engine:
+        bridge = Bridge(from_data(config, env={}))
+        await bridge.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(20)
+            await delivered(bridge, {"a": engine})
+            deadline = time.monotonic() + 30
+            while (head := await last_head(kafka.bootstrap_servers, state_topic, part, "a/0")) is None or head[
+                "seq"
+            ] != engine.last_seq:  # the state of every batch so far acknowledged
+                assert time.monotonic() < deadline, f"the state did not reach seq {engine.last_seq}: {head}"
+                await asyncio.sleep(0.2)
+            await delete_topic(kafka, state_topic)
+            for _ in range(20):  # batches while the topic is gone, then after it is back
+                await engine.step(1)
+                await asyncio.sleep(0.1)
+            deadline = time.monotonic() + 60
+            head = None
+            while not await exists(kafka, state_topic):  # one more batch at a time until it is back
+                assert time.monotonic() < deadline, "the state topic did not come back"
+                await engine.step(1)
+                await asyncio.sleep(0.3)
+            configs = await topic_configs(kafka, state_topic)
+            admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+            await admin.start()
+            try:
+                (described,) = await admin.describe_topics([state_topic])
+            finally:
+                await admin.close()
+            print("state topic after the deletion:", configs["cleanup.policy"], len(described["partitions"]), "partitions")
+            assert (configs["cleanup.policy"], len(described["partitions"])) == ("compact", 2)
+            await engine.step(1)  # a record after the loss was seen
+            while head is None or head["seq"] != engine.last_seq:
+                assert time.monotonic() < deadline, f"the state did not reach seq {engine.last_seq}: {head}"
+                await asyncio.sleep(0.3)
+                head = await last_head(kafka.bootstrap_servers, state_topic, part, "a/0")
+            follower = await Follower.start(kafka.bootstrap_servers, "a", 0, topic=topic, state_topic=state_topic)
+            try:
+                await follower.catch_up(head["epoch"], head["seq"])
+                print(
+                    "head",
+                    head,
+                    "bootstrap: complete",
+                    follower.state.complete,
+                    "exact",
+                    follower.state.blocks() == truth(engine),
+                )
+                assert not head["complete"] and not follower.state.complete  # what it held is gone: incomplete
+            finally:
+                await follower.close()
+        finally:
+            await bridge.stop()
+
+
+async def test_an_events_topic_deleted_during_a_run_is_created_with_its_settings_and_the_loss_announced(
+    tmp_path: Path, kafka: KafkaServer
+) -> None:
+    # aiokafka's metadata refreshes let the broker auto-create the deleted events topic with its
+    # defaults (1 partition, the default retention) even with allow_auto_create_topics false; the
+    # sink wrote on, and nothing told consumers that what the old topic held is gone. With
+    # create_topics it comes back as configured, with an EventsLost for what it held, and the
+    # stream's state is cleared (incomplete).
+    topic = f"kvb-events-{uuid.uuid4().hex[:12]}"
+    state_topic = f"kvb-state-{uuid.uuid4().hex[:12]}"
+    live, replay = free_port(), free_port()
+    created = {"enabled": True, "partitions": 3, "configs": {"retention.ms": "7200000"}}
+    config = {
+        "sources": [source("a", live, replay)],
+        "sinks": [sink(kafka, topic, state_topic, request_timeout="2s", create_topics=created, allow_auto_create_topics=False)],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "replay": REPLAY,
+        "shutdown_timeout": "3s",
+    }
+    part = partition_of("a/0", 2)
+    async with CacheEngine(live, replay, seed=9) as engine:
+        bridge = Bridge(from_data(config, env={}))
+        await bridge.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(10)
+            deadline = time.monotonic() + 30
+            while (head := await last_head(kafka.bootstrap_servers, state_topic, part, "a/0")) is None or head[
+                "seq"
+            ] != engine.last_seq:  # every batch so far acknowledged, with its state
+                assert time.monotonic() < deadline, f"the state did not reach seq {engine.last_seq}: {head}"
+                await asyncio.sleep(0.2)
+            acked = engine.last_seq
+            await delete_topic(kafka, topic)
+            deadline = time.monotonic() + 60
+            while not await exists(kafka, topic):  # one more batch at a time until it is back
+                assert time.monotonic() < deadline, "the events topic did not come back"
+                await engine.step(1)
+                await asyncio.sleep(0.3)
+            configs = await topic_configs(kafka, topic)
+            admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+            await admin.start()
+            try:
+                (described,) = await admin.describe_topics([topic])
+            finally:
+                await admin.close()
+            print("events topic after the deletion:", configs["retention.ms"], len(described["partitions"]), "partitions")
+            assert (configs["retention.ms"], len(described["partitions"])) == ("7200000", 3)
+            await engine.step(1)
+            head = None
+            while head is None or head["seq"] != engine.last_seq:
+                assert time.monotonic() < deadline, f"the state did not reach seq {engine.last_seq}: {head}"
+                await asyncio.sleep(0.3)
+                head = await last_head(kafka.bootstrap_servers, state_topic, part, "a/0")
+            events = TopicPartition(topic, partition_of("a/0", 3))
+            docs = [json.loads(v) for k, v in await read_partition(kafka.bootstrap_servers, events) if k == b"a/0" and v]
+            lost = [(d["from_seq"], d["to_seq"], d["reason"]) for d in docs if d["type"] == "EventsLost"]
+            print("EventsLost in the new topic:", lost, "head", head)
+            assert lost[:1] == [(0, acked, "sink_lost:k")]
+            assert docs[0]["type"] == "EventsLost"  # ahead of everything the new topic holds of the stream
+            assert not head["complete"]
+            follower = await Follower.start(kafka.bootstrap_servers, "a", 0, topic=topic, state_topic=state_topic)
+            try:
+                await follower.catch_up(head["epoch"], head["seq"])
+                assert not follower.state.complete
+            finally:
+                await follower.close()
+        finally:
+            await bridge.stop()

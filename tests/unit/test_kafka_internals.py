@@ -51,6 +51,35 @@ def test_client_internals_keep_their_shape() -> None:
     assert internals.record_size(b"k", b"v" * 100, [("h", b"x")]) > 100
 
 
+async def test_no_auto_create_sends_aiokafkas_metadata_requests_without_auto_creation() -> None:
+    # It runs aiokafka's own _metadata_update with another MetadataRequest: that method must
+    # still build its request from the module-level name.
+    assert "MetadataRequest" in AIOKafkaClient._metadata_update.__code__.co_names
+    assert not AIOKafkaClient._metadata_update.__code__.co_freevars
+    producer = AIOKafkaProducer(bootstrap_servers="127.0.0.1:1")
+    internals.no_auto_create(producer.client)
+    sent: list[Any] = []
+
+    class Conn:
+        async def send(self, request: Any) -> Any:
+            sent.append(request)
+            raise KafkaConnectionError("no broker")
+
+    async def get_conn(node_id: Any) -> Conn:
+        return Conn()
+
+    producer.client._get_conn = get_conn
+    producer.client._conns[("bootstrap", 0)] = object()  # one node to ask
+    try:
+        assert await producer.client._metadata_update(producer.client.cluster, {"t"}) is False
+    finally:
+        producer.client._conns.clear()
+        await producer.stop()
+    (request,) = sent
+    assert isinstance(request, MetadataRequest) and request._topics == ["t"]
+    assert request._allow_auto_topic_creation is False
+
+
 async def test_pace_metadata_retries_waits_after_a_failed_update(monkeypatch: pytest.MonkeyPatch) -> None:
     producer = AIOKafkaProducer(bootstrap_servers="127.0.0.1:1")
     answers = [False, True]

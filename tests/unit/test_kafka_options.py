@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from aiokafka import errors as kafka_errors
 
 from bridge.config import SinkConfig, convert_options
 from bridge.connector import Registry
-from bridge.errors import ConfigError, NotConnected
+from bridge.errors import ConfigError, NotConnected, Retriable
+from connectors._aiokafka_internals import InvalidRecordError
 from connectors.kafka import KafkaConnector, KafkaOptions, client_settings, producer_settings, ssl_context
 
 SECRET = "s3cr3t-Pa55w0rd-never-logged"
@@ -135,3 +137,21 @@ def test_secrets_never_in_repr_or_config_errors() -> None:
     with pytest.raises(ConfigError) as info:
         options(security_protocol="SASL_SSL", sasl_password=SECRET)  # no user: invalid
     assert SECRET not in str(info.value)
+
+
+def test_a_broker_that_refuses_everything_is_transient_a_refused_record_is_not() -> None:
+    # aiokafka raises UnknownError for -1 (UNKNOWN_SERVER_ERROR) and for codes it does not know;
+    # 87 (INVALID_RECORD, a record's own fault) is registered apart.
+    assert kafka_errors.for_code(87) is InvalidRecordError and issubclass(InvalidRecordError, kafka_errors.UnknownError)
+    connector = KafkaConnector("k", options(), SinkConfig(type="kafka", name="k"))
+    refusals = (
+        kafka_errors.UnknownError(),
+        kafka_errors.InvalidTimestampError(),
+        kafka_errors.UnsupportedForMessageFormatError(),
+    )
+    for exc in refusals:
+        error = connector._error(exc, "t")
+        assert isinstance(error, Retriable) and error.reason == "broker_refuses", exc
+        assert connector._denied is not None and "'t'" in connector._denied
+    assert connector._error(InvalidRecordError(), "t") is None  # the records' own fault (_refused_batch)
+    assert connector._error(kafka_errors.MessageSizeTooLargeError(), "t") is None

@@ -143,6 +143,9 @@ class FakeBuilder:
         self.used += size
         return SimpleNamespace(size=size)
 
+    def record_count(self) -> int:
+        return len(self.records)
+
 
 class FakeProducer:
     """Partition logs in memory; ``fail(topic, partition, n)`` says whether the n-th batch sent there fails."""
