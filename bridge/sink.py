@@ -380,7 +380,6 @@ class SinkWorker:
         size = 0
         max_messages, max_bytes = self.config.batch.max_messages, self.config.batch.max_bytes
         render, state = self.renderer.render, self.writes_state
-        state_off = False
         for record in self._queue:
             record_size = len(record.payload) or EMPTY_RECORD_BYTES  # Record.size, inline (the hot path)
             if records and (len(messages) >= max_messages or size + record_size > max_bytes):
@@ -396,12 +395,10 @@ class SinkWorker:
                 if state and record.state is not None:
                     # Its events are not written, so neither is its state change: clear, incomplete.
                     self._state_lost(record.stream)
-                    state_off = True
             records.append(record)
             messages.extend(rendered)
-            if state and record.state is not None and not state_off:
+            if state and record.state is not None and id(record) not in unrendered:
                 messages.append(state_message(record))
-            state_off = False
             size += record_size
         return records, messages, unrendered, size
 
