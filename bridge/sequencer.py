@@ -206,6 +206,10 @@ class StreamSequencer:
         self._verdict = _UNSURE
         self._until = -1
         self._probing = False  # the replay in flight asks for one batch waiting (see replay_finished)
+        self._asked_from = -1  # the first seq the replay in flight asks for
+        # >= 0: the replay in flight asks from seq 0 because one from this seq (published by this
+        # epoch's instance) answered nothing: a reply below it is another instance's (see _check).
+        self._floor = -1
         self._overlap: tuple[int, int] | None = None  # (seq, CRC-32) its first reply must repeat (_SORTING)
         # (seq, ts) of a batch of this epoch below an anchor without a ts (see reference()).
         self._ref: tuple[int, float] | None = None
@@ -366,10 +370,14 @@ class StreamSequencer:
 
         A live message dropped at the end of a burst shows as a gap only when the next one
         arrives; an idle engine may send none for a long time. The probe fetches such a tail, and
-        its verification also reveals a restart the live stream has not shown yet.
+        its verification also reveals a restart the live stream has not shown yet. Every stream
+        that has a position probes, a new epoch's included before any live message of it came
+        (a quiet engine is never left behind); only one that joins late and has heard nothing
+        yet, with no doubt to settle, has no history to ask for.
         """
         out: list[Action] = []
-        if self.can_replay and self._replay is None and (self.last_live is not None or self._doubt or self.held):
+        heard = not self._join or self.last_live is not None or self._doubt or bool(self.held)
+        if self.can_replay and self._replay is None and heard:
             self._attempts = 0
             self._request(out, to_end=True)
         return out
@@ -546,6 +554,13 @@ class StreamSequencer:
             self._restart(out, "publisher_restart")
             self._request(out)
             return out
+        if complete and not self._answered and self._asked_from > 0 and self._floor < 0 and not self._probing:
+            # Nothing from a seq this epoch's instance published, and no replay has shown the
+            # engine's buffer at work: an engine whose buffer is off answers so, and so does a new
+            # instance that has not got this far (and may never, when the engine stays quiet).
+            # Ask from seq 0: a batch below that seq is the new instance's.
+            self._request(out, floor=self._asked_from)
+            return out
         if complete and not self._answered and self.unverified:
             self._request(out)  # ask again, now that the batches waiting are known published
             return out
@@ -678,6 +693,10 @@ class StreamSequencer:
     def _check(self, seq: int, payload: bytes) -> str:
         """Does this reply come from this epoch's instance? (_SAME, _NEW, or _UNSURE: look further.)"""
         ts = self._ts_of(payload)
+        if seq < self._floor:
+            # It answered nothing from _floor on, yet holds this earlier seq: the instance that
+            # published _floor would hold every seq after this one too.
+            return _NEW
         if self._anchor is not None:
             at, fp = self._anchor
             anchor_ts = fp[0]
@@ -752,7 +771,7 @@ class StreamSequencer:
         out.append(Lost(from_seq, to_seq, reason, self.epoch))
         self.delivered = to_seq  # the anchor stays at the last batch delivered
 
-    def _request(self, out: list[Action], to_end: bool = False, probe: int | None = None) -> None:
+    def _request(self, out: list[Action], to_end: bool = False, probe: int | None = None, floor: int = -1) -> None:
         request_id = self._next_request()
         self._replay_start = self.delivered + 1
         self._replay_first = True
@@ -786,6 +805,10 @@ class StreamSequencer:
             start = self._anchor_seq  # its reply verifies the instance against the fingerprint
         elif self.delivered >= 0:
             start = self.delivered  # one early: shows the engine answering even when the next batch never comes
+        self._floor = floor
+        if floor >= 0:
+            start, until = 0, -1
+        self._asked_from = start
         self._until = max(until, start) if until >= 0 else -1
         out.append(RequestReplay(request_id, start, self._until, self._attempts))
 

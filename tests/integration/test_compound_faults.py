@@ -236,3 +236,40 @@ async def test_first_contact_without_history_announces_the_head(tmp_path: Path) 
     lost = [(r["from_seq"], r["to_seq"], r["reason"]) for r in records if r.get("type") == "EventsLost"]
     assert lost == [(0, 5, "joined_late")], lost
     assert [r["seq"] for r in records if "events" in r] == list(range(6, 12))
+
+
+# -- issue 29 case 16: a quiet engine is never left behind ------------------------------------------
+
+
+async def test_a_quiet_engine_restarted_below_the_position_is_found(tmp_path: Path) -> None:
+    """0..4 live (no replay ever brought a batch: nothing tells that the engine buffers at all);
+    the engine restarts, publishes 0..1 before the SUB is back, and goes quiet. The replay from
+    the position (seq 4) answers nothing: the idle probe must still open the new epoch with 0..1
+    (before the fix the stream stayed in doubt under epoch 0 until the engine published again)."""
+    async with scenario(tmp_path, idle_probe="300ms") as (engine, bridge, out):
+        await engine.publish(5)
+        await bridge.wait_metric(RECEIVED, 5, timeout=10)
+        await engine.restart()
+        await engine.publish(2, deliver=False)
+        await engine.wait_subscribed()
+        records = await finish(engine, bridge, out)
+    assert layout(check_invariants(records, engine)) == [(False, {0}, list(range(5)), []), (True, {1}, [0, 1], [])]
+
+
+async def test_a_quiet_engine_after_a_replay_opened_the_new_epoch(tmp_path: Path) -> None:
+    """A replay filled a gap (so the engine is known to buffer); the engine restarts, its 0..1
+    are missed live, a replay opens the new epoch with them; then 2..3 are missed live too and the
+    engine goes quiet. The idle probe must fetch 2..3 (before the fix it was off until the new
+    instance's first live message)."""
+    async with scenario(tmp_path, idle_probe="300ms") as (engine, bridge, out):
+        await engine.publish(2)
+        await engine.publish(1, deliver=False)
+        await engine.publish(1)
+        await bridge.wait_metric(RECEIVED, 3, timeout=10)
+        await engine.restart()
+        await engine.publish(2, deliver=False)
+        await engine.wait_subscribed()
+        await wait_for(lambda: any("events" in r and identify(r) == (1, 1) for r in read_lines(out)), timeout=10)
+        await engine.publish(2, deliver=False)
+        records = await finish(engine, bridge, out)
+    assert layout(check_invariants(records, engine)) == [(False, {0}, list(range(4)), []), (True, {1}, list(range(4)), [])]

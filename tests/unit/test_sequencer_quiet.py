@@ -1,0 +1,77 @@
+"""A quiet engine is never left behind (issue 29, cases 16 and 18): what a stream needs after a
+restart comes by the idle probe alone, without the engine publishing again, and a batch that
+reached the bridge is never announced lost because the engine's clock stepped back.
+
+Payloads are ``instance:seq`` and the engine ts is ``instance * 1e6 + seq`` (a later instance has
+a later clock), as in ``test_sequencer_replay.py``; a test that needs other clocks stamps its
+payloads by hand.
+"""
+
+from __future__ import annotations
+
+from bridge.sequencer import Action, Deliver, RequestReplay, Reset, StreamSequencer
+from tests.unit.test_sequencer_replay import only_request, p, seqr, settled
+
+
+def answer(s: StreamSequencer, req: RequestReplay, replies: list[tuple[int, bytes]], complete: bool = True) -> list[Action]:
+    """Serve ``req`` with the engine's buffer ``replies`` (from its start), as the replay client does."""
+    out: list[Action] = []
+    for seq, payload in replies:
+        if seq < req.start:
+            continue
+        out += s.replayed(req.request_id, seq, payload)
+        if 0 <= req.until <= seq:
+            break
+    return out + s.replay_finished(req.request_id, complete)
+
+
+def test_the_idle_probe_goes_on_after_a_replay_opened_the_new_epoch() -> None:
+    """A replay showed the restart and delivered the new instance's seq 0; the next replay goes
+    silent. The engine publishes nothing more: the idle probe must still fetch its seqs 1 and 2
+    (before the fix, no epoch position counted until a live message came: the probe asked nothing)."""
+    s = seqr()
+    answer(s, only_request(s.start()), [])
+    s.live(0, p(0, 0))
+    s.disconnected(now=0.5)
+    req = only_request(s.live(1, p(0, 1)))  # the old instance's last batch, read late
+    new = [(q, p(1, q)) for q in range(3)]  # the new instance, its seqs missed live
+    out = s.replayed(req.request_id, 0, p(1, 0))
+    assert Reset(1, "publisher_restart") in out and Deliver(0, p(1, 0), 1, replayed=True) in out
+    assert settled(answer(s, only_request(out), [], complete=False)) == []  # silent, and nothing open is known
+    probe = only_request(s.probe())
+    assert [a for a in settled(answer(s, probe, new)) if isinstance(a, Deliver)] == [
+        Deliver(1, p(1, 1), 1, replayed=True),
+        Deliver(2, p(1, 2), 1, replayed=True),
+    ]
+    assert s.delivered == 2
+
+
+def test_a_replay_answering_nothing_from_the_position_is_asked_from_zero() -> None:
+    """No replay ever brought a batch (no gap needed one), so "nothing from seq 2 on" may be an
+    engine whose buffer is off. The engine restarted and its new instance published seqs 0 and 1,
+    missed live, then went quiet. Its buffer holds 0 and 1, below the stream's position: the
+    probe must find them and open the new epoch (before the fix the stream stayed in doubt under
+    the old epoch, asking from seq 2 for ever)."""
+    s = seqr()
+    answer(s, only_request(s.start()), [])
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=2.5)
+    new = [(q, p(1, q)) for q in range(2)]
+    out: list[Action] = []
+    for _ in range(4 * s.max_attempts):  # idle probes, every replay answered
+        req = only_request(s.probe())
+        while True:
+            got = answer(s, req, new)
+            out += got
+            if not any(isinstance(a, RequestReplay) for a in got):
+                break
+            req = only_request(got)
+        if s.epoch == 1 and s.delivered == 1:
+            break
+    assert settled(out) == [
+        Reset(1, "publisher_restart"),
+        Deliver(0, p(1, 0), 1, replayed=True),
+        Deliver(1, p(1, 1), 1, replayed=True),
+    ]
+    assert not s.in_doubt
