@@ -41,6 +41,7 @@ from .health import HealthServer
 from .metrics import Metrics
 from .records import Record, Stream, events_lost
 from .replay import ReplayClient
+from .sequencer import StreamSequencer
 from .sink import SinkWorker
 from .source import SourceReader
 from .state import StateTracker
@@ -168,9 +169,10 @@ class Bridge:
         self.pipelines: dict[str, StreamPipeline] = {}
         self.readers: dict[str, SourceReader] = {}
         self._reader_tasks: dict[str, asyncio.Task[None]] = {}
-        # Removed sources' streams, for their return: where to resume, the highest seq known, and
-        # when (monotonic) the source was removed; forgotten after discovery.forget_after.
-        self._retired: dict[str, tuple[ckpt.StreamPosition | None, int, float]] = {}
+        # Removed sources' streams, for their return: where to resume, the highest seq known,
+        # when (monotonic) the source was removed, and the stream's sequencer (what it read and
+        # has not settled); forgotten after discovery.forget_after.
+        self._retired: dict[str, tuple[ckpt.StreamPosition | None, int, float, StreamSequencer]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.failed: BaseException | None = None
         self.stopped = asyncio.Event()
@@ -286,8 +288,9 @@ class Bridge:
             # A stream read before in this process resumes exactly where it stopped; otherwise from
             # the checkpoint (what every sink acknowledged), or fresh in a new epoch.
             top: int | None
+            sequencer: StreamSequencer | None = None
             if key in self._retired:
-                pos, top, _ = self._retired.pop(key)
+                pos, top, _, sequencer = self._retired.pop(key)
                 announce = False  # every sink has what it handed on, its SourceReset included
             else:
                 pos = self.checkpointer.resume_position(key)
@@ -306,6 +309,7 @@ class Bridge:
                 anchor=pos.at if pos else None,
                 known_top=top,
                 announce=announce,
+                sequencer=sequencer,
             )
             self.pipelines[key] = pipeline
             added.append((pipeline, for_rank(source.endpoint, rank)))
@@ -335,7 +339,7 @@ class Bridge:
             if point is not None:
                 epoch, seq, fp, at = point
                 pos = ckpt.StreamPosition(epoch, seq, *(fp or (None, None)), None if at == seq else at)
-            self._retired[key] = (pos, top, time.monotonic())
+            self._retired[key] = (pos, top, time.monotonic(), pipeline.retire())
             self.readers.pop(key)
 
     async def stop(self) -> None:
@@ -404,7 +408,7 @@ class Bridge:
 
     def forget_retired(self, removed_before: float) -> None:
         """Forget the streams of sources removed before ``removed_before`` (monotonic) and not back."""
-        gone = {k for k, (_pos, _top, at) in self._retired.items() if at < removed_before}
+        gone = {k for k, (_pos, _top, at, _seqr) in self._retired.items() if at < removed_before}
         now = time.time()
         for key in gone:
             del self._retired[key]

@@ -339,6 +339,17 @@ class StreamSequencer:
             self._request(out, to_end=True)
         return out
 
+    def detached(self, unread_top: int = -1) -> None:
+        """The stream stopped (discovery removed its source); this sequencer resumes it when the
+        source is added again, with everything it had read and not settled (I3), after
+        :meth:`disconnected`. The replay in flight is gone with its task: replies kept for a
+        verdict are dropped, to be fetched again (their seqs owed). ``unread_top``: the highest
+        seq of live messages read but never sequenced (settled by this epoch if it ends first)."""
+        if self._replay is not None:
+            self._unclaim()
+            self._replay = None
+        self._top = max(self._top, unread_top)
+
     def disconnected(self, now: float | None = None) -> list[Action]:
         """The live connection dropped (noticed at wall-clock ``now``, if given): whatever arrives
         next may come from a new instance."""

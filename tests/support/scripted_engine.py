@@ -103,6 +103,13 @@ class ScriptedEngine:
         self._buffer = deque(maxlen=self.buffer_steps)
         await self._open()
 
+    async def blip(self) -> None:
+        """Close the live socket and bind a new one on the same port: the bridge sees the connection
+        drop and come back; the same instance goes on (its seqs and replay buffer)."""
+        self.pub.close(linger=0)
+        self.pub = await self._bind(zmq.XPUB, self.ports[0])
+        self._subscribed = False
+
     async def wait_subscribed(self, timeout: float = 10.0) -> None:
         """Until the bridge's SUB has subscribed to the current instance's socket."""
         deadline = time.monotonic() + timeout

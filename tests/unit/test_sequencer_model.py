@@ -241,6 +241,17 @@ class SequencerModel(RuleBasedStateMachine):
         """The connection dropped and came back; the same instance goes on."""
         self.apply(self.seqr.disconnected(self.engine.now()))
 
+    @rule()
+    def removed(self) -> None:
+        """Discovery removes the source and adds it back (a pod flapping in DNS), as
+        ``Bridge.remove_source`` / ``_add_pipelines`` do: the replay in flight is dropped with the
+        stream's tasks, and the stream resumes with its sequencer, as after a dropped connection
+        (issue 29 case 17: what it had read and not settled is never forgotten)."""
+        self.seqr.detached()
+        self.pending.clear()  # (the silent replays in a row still count: the model's second limit)
+        self.apply(self.seqr.disconnected(self.engine.now()))
+        self.apply(self.seqr.start())
+
     @rule(n=st.integers(1, 12))
     def slide(self, n: int) -> None:
         """A burst the bridge misses entirely (a PUB high-water-mark drop): the buffer slides."""

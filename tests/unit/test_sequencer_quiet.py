@@ -1,6 +1,7 @@
-"""A quiet engine is never left behind (issue 29, cases 16 and 18): what a stream needs after a
-restart comes by the idle probe alone, without the engine publishing again, and a batch that
-reached the bridge is never announced lost because the engine's clock stepped back.
+"""Issue 29's sequencing cases. A quiet engine is never left behind (16): what a stream needs after
+a restart comes by the idle probe alone, without the engine publishing again. A stream whose
+source is removed and added again keeps what it read and has not settled (17). A batch that
+reached the bridge is never announced lost because the engine's clock stepped back (18).
 
 Payloads are ``instance:seq`` and the engine ts is ``instance * 1e6 + seq`` (a later instance has
 a later clock), as in ``test_sequencer_replay.py``; a test that needs other clocks stamps its
@@ -9,7 +10,7 @@ payloads by hand.
 
 from __future__ import annotations
 
-from bridge.sequencer import Action, Deliver, RequestReplay, Reset, StreamSequencer
+from bridge.sequencer import Action, Deliver, Lost, RequestReplay, Reset, StreamSequencer
 from tests.unit.test_sequencer_replay import only_request, p, seqr, settled
 
 
@@ -75,3 +76,33 @@ def test_a_replay_answering_nothing_from_the_position_is_asked_from_zero() -> No
         Deliver(1, p(1, 1), 1, replayed=True),
     ]
     assert not s.in_doubt
+
+
+def test_a_stream_resumed_after_its_removal_settles_what_it_held() -> None:
+    """0..2 live, 3 missed, 4 held above the gap; the source is removed while the replay is in
+    flight (``detached``), the engine restarts, the source comes back (``disconnected``, then
+    ``start``). The new instance answers: 4 reached the bridge and is delivered under the old
+    epoch, 3 announced lost; the old replay's replies are ignored."""
+    s = seqr()
+    answer(s, only_request(s.start()), [])
+    for q in range(3):
+        s.live(q, p(0, q))
+    old = only_request(s.live(4, p(0, 4)))
+    s.detached()
+    req = only_request(s.disconnected(now=4.5) + s.start())  # (the gap is asked for at once)
+    assert req.request_id != old.request_id and s.replayed(old.request_id, 3, p(0, 3)) == []
+    out: list[Action] = []
+    new = [(q, p(1, q)) for q in range(2)]
+    for _ in range(3):
+        got = answer(s, req, new)
+        out += got
+        if s.epoch == 1 and s.delivered == 1:
+            break
+        req = only_request(got)
+    assert settled(out) == [
+        Lost(3, 3, "publisher_restart", 0),
+        Deliver(4, p(0, 4), 0),
+        Reset(1, "publisher_restart"),
+        Deliver(0, p(1, 0), 1, replayed=True),
+        Deliver(1, p(1, 1), 1, replayed=True),
+    ]
