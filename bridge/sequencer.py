@@ -214,12 +214,29 @@ class StreamSequencer:
         # (seq, ts) of a batch of this epoch below an anchor without a ts (see reference()).
         self._ref: tuple[int, float] | None = None
         self._floor_ts: float | None = None  # engine ts of the batch that showed this epoch's instance
+        # The last live seq of the instance before it, when the live stream showed the restart
+        # (-1: unknown; see _late_of_older).
+        self._older_last = -1
         self._doubt_since: float | None = None  # wall clock when the disconnect was noticed
         self._drops = 0  # disconnects noticed since continuity came into doubt
         self._last_drop: float | None = None  # wall clock of the latest one
 
     def _ts_of(self, payload: bytes) -> float | None:
         return _finite(self._raw_ts_of(payload))
+
+    def _late_of_older(self, seq: int) -> bool:
+        """Can a live batch stamped before this epoch's first be a late one of the instance before
+        it, rather than this instance's with a clock that stepped back (NTP)? The older
+        instance's seqs grow on its connection: not at or below the last one read of it. And
+        this instance's next seq in order, where the older one's next is another, is this one's.
+        Unknown (-1, a restart a replay showed, which replay also repairs): always."""
+        older = self._older_last
+        if older < 0:
+            return True
+        if seq <= older:
+            return False
+        last = self.last_live
+        return last is None or seq != last + 1 or seq == older + 1
 
     # -- inputs ---------------------------------------------------------------------------------
     def accept(self, seq: int, payload: bytes, ts: float | None = None) -> bool:
@@ -253,10 +270,14 @@ class StreamSequencer:
         if floor is not None:
             ts = _finite(ts) if ts is not None else self._ts_of(payload)
             if ts is not None and ts < floor:
-                # Older than the first batch seen of this epoch's instance: a late batch of an
-                # instance that came before it (read after the restart showed), never this one's.
-                out.append(Duplicate(seq))
-                return out
+                if self._late_of_older(seq):
+                    # Older than the first batch seen of this epoch's instance: a late batch of an
+                    # instance that came before it (read after the restart showed), never this one's.
+                    if self._older_last >= 0:
+                        self._older_last = seq
+                    out.append(Duplicate(seq))
+                    return out
+                self._floor_ts = ts  # this instance's clock stepped back: its batches are stamped from here
         last = self.last_live
         copy = False  # proven a copy of a batch of this epoch's instance, by its bytes
         if last is not None and seq <= last:
@@ -266,6 +287,7 @@ class StreamSequencer:
                 return out
             self._restart(out, "publisher_restart", trigger_ts=self._ts_of(payload))  # a live seq never repeats
             self._floor_ts = self._ts_of(payload)
+            self._older_last = last
         elif seq <= self._top:
             # At or below what this instance is known to have published, yet above anything seen
             # live: a late copy of a replayed batch, or a new instance starting over. The same
@@ -923,6 +945,7 @@ class StreamSequencer:
         self._suspect = None
         self._fresh = self._join = self._resumed = False
         self._floor_ts = None
+        self._older_last = -1
         self.epoch = self._next_epoch(self.epoch)
         self.delivered = -1
         self._owed = max(unsure, self._unclaimed)  # (replies without a verdict may be its too)

@@ -273,3 +273,35 @@ async def test_a_quiet_engine_after_a_replay_opened_the_new_epoch(tmp_path: Path
         await engine.publish(2, deliver=False)
         records = await finish(engine, bridge, out)
     assert layout(check_invariants(records, engine)) == [(False, {0}, list(range(4)), []), (True, {1}, list(range(4)), [])]
+
+
+# -- issue 29 case 18: an engine clock stepping back right after a restart ---------------------------
+
+
+async def test_a_clock_stepping_back_after_a_restart_loses_nothing_received(tmp_path: Path) -> None:
+    """No replay endpoint. 0..2 live; the engine restarts and its seq 0 shows it live; then its
+    clock steps back 2.5 ms: its 1 and 2 are stamped before its 0, 3 after. All four reached the
+    bridge: delivered in the new epoch (before the fix 1 and 2 were dropped as a late batch of
+    the old instance, then announced lost as no_replay: I4)."""
+    live = free_port()
+    out = tmp_path / "out.jsonl"
+    source = {"name": "engine", "endpoint": f"tcp://127.0.0.1:{live}"}
+    sink = {"type": "file", "name": "out", "path": str(out), "format": "json", "granularity": "batch", "batch": {"linger": 0}}
+    config = bridge_config(tmp_path, [source], [sink], replay=REPLAY)
+    async with ScriptedEngine(live, free_port()) as engine:
+        bridge = BridgeProcess(tmp_path, config).start()
+        try:
+            await bridge.wait_ready()
+            await engine.wait_subscribed()
+            await engine.publish(3)
+            await bridge.wait_metric(RECEIVED, 3, timeout=10)
+            await engine.restart()
+            await engine.wait_subscribed()
+            await engine.publish(1)
+            await bridge.wait_metric(RECEIVED, 4, timeout=10)
+            engine.step_back(0.0025)
+            await engine.publish(3)
+            records = await finish(engine, bridge, out)
+        finally:
+            bridge.kill()
+    assert layout(check_invariants(records, engine)) == [(False, {0}, [0, 1, 2], []), (True, {1}, [0, 1, 2, 3], [])]

@@ -39,15 +39,16 @@ from bridge.sequencer import Action, Deliver, Lost, RequestReplay, Reset, Stream
 EXAMPLES = int(os.environ.get("KV_MODEL_EXAMPLES", "400"))
 
 
-def payload_of(instance: int, seq: int, bad: bool = False) -> bytes:
-    return f"{instance}:{seq}{':bad' if bad else ''}".encode()
+def payload_of(instance: int, seq: int, bad: bool = False, back: int = 0) -> bytes:
+    return f"{instance}:{seq}{':bad' if bad else ''}{f':back{back}' if back else ''}".encode()
 
 
 def ts_of(payload: bytes) -> float | None:
-    """Engine wall clock: a later instance has later timestamps, like a real restart. A batch the
-    bridge cannot decode has none."""
-    instance, seq, *bad = payload.decode().split(":")
-    return None if bad else int(instance) * 1e6 + int(seq)
+    """Engine wall clock: a later instance has later timestamps, like a real restart, unless its
+    clock stepped back (``back`` seconds: NTP). A batch the bridge cannot decode has none."""
+    instance, seq, *rest = payload.decode().split(":")
+    back = sum(int(r[4:]) for r in rest if r.startswith("back"))
+    return None if "bad" in rest else int(instance) * 1e6 + int(seq) - back
 
 
 def parse(payload: bytes) -> tuple[int, int]:
@@ -62,16 +63,20 @@ class Engine:
     published: dict[int, int] = field(default_factory=dict)  # instance -> next seq
     bad: set[tuple[int, int]] = field(default_factory=set)  # (instance, seq) the bridge cannot decode
     unknown: bool = False  # publishing in an encoding the bridge cannot decode
+    back: dict[tuple[int, int], int] = field(default_factory=dict)  # (instance, seq) -> how far its clock stepped back
+    clock_back: int = 0  # how far the current instance's clock has stepped back so far
 
     def publish(self, bad: bool = False) -> tuple[int, bytes]:
         seq = self.published.get(self.instance, 0)
         self.published[self.instance] = seq + 1
         if bad or self.unknown:
             self.bad.add((self.instance, seq))
+        if self.clock_back:
+            self.back[self.instance, seq] = self.clock_back
         return seq, self.payload(self.instance, seq)
 
     def payload(self, instance: int, seq: int) -> bytes:
-        return payload_of(instance, seq, (instance, seq) in self.bad)
+        return payload_of(instance, seq, (instance, seq) in self.bad, self.back.get((instance, seq), 0))
 
     def replay(self, start: int) -> list[tuple[int, bytes]]:
         top = self.published.get(self.instance, 0)
@@ -79,6 +84,7 @@ class Engine:
 
     def restart(self) -> None:
         self.instance += 1
+        self.clock_back = 0
 
     def now(self) -> float:
         """The wall clock (ts_of's scale) right after the current instance's last batch."""
@@ -353,6 +359,89 @@ UndecodableModel.TestCase.settings = SequencerModel.TestCase.settings
 TestUndecodableModel = UndecodableModel.TestCase
 
 
+class NoReplayModel(SequencerModel):
+    """An engine without a replay endpoint (KAITO's default): restarts show only on the live
+    stream (a seq back at or below the last one), and its clock may step back (NTP) at any step,
+    right after a restart included. Every batch the bridge received of an instance is delivered,
+    never announced lost (I4; issue 29 case 18). The model's limits (see step_back for the third):
+    a restart is seen (the new
+    instance's first seqs are not missed: without replay a restart hidden by a continuing seq is
+    delivered as the same epoch, README "instance detection"), and a step back stays below one
+    instance's lifetime (1e6 s in this model's clock)."""
+
+    def __init__(self) -> None:
+        RuleBasedStateMachine.__init__(self)
+        self.engine = Engine(buffer=8)
+        self.seqr = StreamSequencer(can_replay=False, replay_on_start=False, max_held=6, max_attempts=3, ts_of=ts_of)
+        self.down = Downstream(epoch=self.seqr.epoch)
+        self.pending = []
+        self.kept = set()
+        self.seen = {}
+        self.silent = 0
+        self.decoded = None
+        self.missed: set[int] = set()  # instances with live batches the bridge missed
+
+    @rule(missed=st.just(0), late=st.integers(0, 2))
+    def restart(self, missed: int, late: int) -> None:
+        super().restart(missed, late)
+
+    def unseen_allowed(self) -> bool:
+        """The model's limits: nothing of a new instance is missed before the bridge saw it; and
+        an instance after a restart whose clock steps back has none of its live batches missed
+        (a batch after a gap, stamped before the new instance's first, could be a late one of the
+        old instance: README "instance detection")."""
+        instance = self.engine.instance
+        return instance == 0 or (instance in self.seen and not self.engine.clock_back)
+
+    @rule(seen=st.booleans())
+    def publish(self, seen: bool, bad: bool = False) -> None:
+        if seen or self.unseen_allowed():
+            if not seen:
+                self.missed.add(self.engine.instance)
+            super().publish(seen)
+
+    @rule(n=st.integers(1, 12))
+    def slide(self, n: int) -> None:
+        if self.unseen_allowed():
+            self.missed.add(self.engine.instance)
+            super().slide(n)
+
+    @rule(seconds=st.integers(1, 20))
+    def step_back(self, seconds: int) -> None:
+        """The engine's clock steps back; not while the new instance's next seq is exactly the one
+        after the previous instance's last seen (the model's third limit: that batch is stamped
+        before the new instance's first, and a late batch of the old one would be the same seq,
+        so the bridge takes it for the old instance's: README "instance detection")."""
+        earlier = [i for i in self.seen if i < self.engine.instance]
+        previous = self.seen[max(earlier)] if earlier else set()
+        if self.engine.published.get(self.engine.instance, 0) == max(previous, default=-2) + 1:
+            return
+        if self.engine.instance and self.engine.instance in self.missed:
+            return  # (see unseen_allowed)
+        self.engine.clock_back += seconds
+
+    @invariant()
+    def received_never_lost(self) -> None:
+        """I4: without replay, every batch received is delivered, never announced lost."""
+        for instance, seqs in self.seen.items():
+            epoch = self.down.epoch_of.get(instance)
+            if epoch is not None:
+                lost = sorted(seqs & self.down.lost.get(epoch, set()))
+                assert not lost, f"I4: instance {instance}'s {lost} received, announced lost"
+
+    def teardown(self) -> None:
+        """One more live batch (no replay to ask: the gaps it shows are announced), then the
+        checks of the quiet phase."""
+        seq, payload = self.engine.publish()
+        self.apply(self.live(seq, payload))
+        self.received(seq, payload)
+        super().teardown()
+
+
+NoReplayModel.TestCase.settings = SequencerModel.TestCase.settings
+TestNoReplayModel = NoReplayModel.TestCase
+
+
 # The compound faults reported against 9bf2006, each as a script through the same model and
 # checks (each fails there: the old sequencer, with its runtime's epoch stamping, breaks I1-I4).
 CASES = {
@@ -462,6 +551,8 @@ def _run_case(state: SequencerModel, steps: list[str], max_held: int | None) -> 
         getattr(state, name)(**{k: ast.literal_eval(v) for k, v in kwargs.items()})
         state.bounded()
         state.kept_batches_never_lost()
+        if isinstance(state, NoReplayModel):
+            state.received_never_lost()
     state.teardown()
 
 
@@ -546,3 +637,31 @@ MAX_HELD = {
 @pytest.mark.parametrize("case", sorted(UNDECODABLE_CASES))
 def test_undecodable_case(case: str) -> None:
     _run_case(UndecodableModel(), UNDECODABLE_CASES[case], MAX_HELD.get(case))
+
+
+# Issue 29 case 18, through the no-replay model: the engine's clock steps back right after a
+# restart; the new instance's batches stamped before its first one must not be dropped as a late
+# batch of the old instance (then announced lost: I4).
+NO_REPLAY_CASES = {
+    "18 the clock steps back right after a restart": [
+        "publish(seen=True)",
+        "publish(seen=True)",
+        "restart(late=0, missed=0)",
+        "publish(seen=True)",
+        "step_back(seconds=5)",
+        "publish(seen=True)",
+        "publish(seen=True)",
+    ],
+    "18 ... with the old instance's late batches read after the new one's first": [
+        "publish(seen=True)",
+        "restart(late=2, missed=0)",
+        "publish(seen=True)",
+        "step_back(seconds=3)",
+        "publish(seen=True)",
+    ],
+}
+
+
+@pytest.mark.parametrize("case", sorted(NO_REPLAY_CASES))
+def test_no_replay_case(case: str) -> None:
+    _run_case(NoReplayModel(), NO_REPLAY_CASES[case], None)

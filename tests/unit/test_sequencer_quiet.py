@@ -10,7 +10,7 @@ payloads by hand.
 
 from __future__ import annotations
 
-from bridge.sequencer import Action, Deliver, Lost, RequestReplay, Reset, StreamSequencer
+from bridge.sequencer import Action, Deliver, Duplicate, Lost, RequestReplay, Reset, StreamSequencer
 from tests.unit.test_sequencer_replay import only_request, p, seqr, settled
 
 
@@ -106,3 +106,35 @@ def test_a_stream_resumed_after_its_removal_settles_what_it_held() -> None:
         Deliver(0, p(1, 0), 1, replayed=True),
         Deliver(1, p(1, 1), 1, replayed=True),
     ]
+
+
+def stamped_seqr(stamps: dict[bytes, float]) -> StreamSequencer:
+    return StreamSequencer(can_replay=False, replay_on_start=False, ts_of=stamps.__getitem__)
+
+
+def test_a_clock_stepping_back_right_after_a_restart_loses_nothing_received() -> None:
+    """No replay endpoint. The old instance publishes 0..3 (ts 100..103); the new one shows with
+    its seq 0 (ts 200), then its clock steps back: 1 and 2 are stamped 150 and 151, 3 is 201. All
+    reached the bridge: delivered in the new epoch, nothing announced lost (before the fix 1 and 2
+    were dropped as a late batch of the old instance, then announced lost as no_replay: I4)."""
+    stamps = {p(0, q): 100.0 + q for q in range(4)} | {p(1, 0): 200.0, p(1, 1): 150.0, p(1, 2): 151.0, p(1, 3): 201.0}
+    s = stamped_seqr(stamps)
+    out: list[Action] = []
+    for q in range(4):
+        out += s.live(q, p(0, q))
+    for q in range(4):
+        out += s.live(q, p(1, q))
+    assert settled(out)[4:] == [Reset(1, "publisher_restart")] + [Deliver(q, p(1, q), 1) for q in range(4)]
+
+
+def test_a_late_batch_of_the_old_instance_is_still_told_by_its_clock() -> None:
+    """Without replay: after the new instance's seq 0 (ts 200), the old instance's seq 4 (ts 104),
+    read late, is not the new instance's (its next seq is 1, and it is stamped before the new
+    instance's first): dropped, not delivered under the new epoch (I1)."""
+    stamps = {p(0, q): 100.0 + q for q in range(5)} | {p(1, 0): 200.0, p(1, 1): 201.0}
+    s = stamped_seqr(stamps)
+    for q in range(4):
+        s.live(q, p(0, q))
+    s.live(0, p(1, 0))
+    assert s.live(4, p(0, 4)) == [Duplicate(4)]
+    assert s.live(1, p(1, 1)) == [Deliver(1, p(1, 1), 1)]
