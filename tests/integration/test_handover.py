@@ -31,7 +31,7 @@ from bridge.formats import Message
 from bridge.records import Stream
 from bridge.runtime import Bridge
 from bridge.simulator import Simulator, SimulatorOptions
-from tests.support.harness import free_ports
+from tests.support.harness import free_ports, wait_for
 from tests.support.memory import MemoryConnector
 from tests.support.process import BridgeProcess, bridge_config
 from tests.support.readback import Readback, read_jetstream, read_kafka, read_redis
@@ -389,3 +389,79 @@ async def test_a_sink_ahead_of_the_others_gets_no_copies(tmp_path: Path, fresh_r
             assert got == expect(epoch, range(rank.seq), "batch"), f"{s.kind} rank {r}: {len(got)} of {rank.seq}"
             assert control(rows, r, "SourceReset") == [] and control(rows, r, "EventsLost") == []
     assert skipped > 0  # the last bridge re-sent what Redis lacked, and Kafka left its copies out
+
+
+# -- issue 29 case 19: a lagging sink behind an epoch another sink closed ----------------------------
+
+
+class Fast(HeldInMemory):
+    pass
+
+
+class Slow(HeldInMemory):
+    pass
+
+
+async def test_a_sink_left_behind_an_epoch_another_sink_closed_is_told_what_it_lacks(tmp_path: Path) -> None:
+    """Two sinks that say what they hold. The slow one stops taking writes after 0..4 (its queue
+    holds the rest); the engine publishes 5..7, restarts, and its new instance's 0..1 open a new
+    epoch, which the fast sink takes. The pod dies (nothing more reaches the slow sink). The next
+    pod (checkpoint.from_sinks, no file) sees the slow sink behind an epoch the fast one closed:
+    before its first record of a later epoch it must be told that the rest of its epoch, 5..7
+    at least, is lost (before the fix it went on with a silent hole: I3)."""
+    from tests.support.scripted_engine import ScriptedEngine
+
+    STORE.clear()
+    live, rep = free_ports(2)
+    source = {"name": SOURCE, "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}
+    sinks = [{"type": k, "name": k, "format": "json", "granularity": "batch", "batch": {"linger": 0}} for k in ("fast", "slow")]
+    cfg = from_data(
+        bridge_config(
+            tmp_path,
+            [source],
+            sinks,
+            metrics={"listen": ""},
+            checkpoint={"from_sinks": True, "from_sinks_timeout": "2s", "path": None},
+            replay={"timeout": "300ms", "initial_backoff": "50ms", "max_backoff": "200ms"},
+            shutdown_timeout="500ms",
+        ),
+        env={},
+    )
+    registry = Registry({"fast": Fast, "slow": Slow}, entry_points=False)
+    key = f"{SOURCE}/0"
+
+    def held(name: str) -> list[Any]:
+        return [m.record for m in STORE.get(name, []) if m.record.stream.key == key]
+
+    async with ScriptedEngine(live, rep) as engine:
+        first = Bridge(cfg, registry=registry)
+        await first.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.publish(5)
+            await wait_for(lambda: len(held("slow")) == 5 and len(held("fast")) == 5, what="0..4 in both sinks")
+            slow = first.workers[1].connector.inner
+            assert isinstance(slow, Slow)
+            slow.gate = asyncio.Event()  # its writes hang from here: its queue holds the rest
+            await engine.publish(3)
+            await engine.restart()
+            await engine.wait_subscribed()
+            await engine.publish(2)
+            await wait_for(lambda: [r.kind for r in held("fast")][-3:] == ["SourceReset", "batch", "batch"], what="the new epoch")
+        finally:
+            await first.stop()  # (the slow sink cannot be flushed: what its queue held is gone with the pod)
+        old_epoch, new_epoch = held("fast")[0].epoch, held("fast")[-1].epoch
+        assert [(r.epoch, r.seq) for r in held("slow")] == [(old_epoch, s) for s in range(5)]
+        second = Bridge(cfg, registry=registry)
+        await second.start()
+        try:
+            await engine.publish(1)
+            await wait_for(lambda: any(r.kind == "SourceReset" for r in held("slow")), what="the slow sink's SourceReset")
+            await wait_for(lambda: (held("slow")[-1].kind, held("slow")[-1].seq) == ("batch", 2), what="the new instance's 2")
+        finally:
+            await second.stop()
+    got = held("slow")
+    reset = next(i for i, r in enumerate(got) if r.kind == "SourceReset")
+    told = [r for r in got[:reset] if r.kind == "EventsLost" and r.epoch == old_epoch]
+    assert [(r.from_seq, r.reason) for r in told] == [(5, "sink_behind:slow")] and told[0].seq >= 7, got[: reset + 1]
+    assert got[reset].epoch > new_epoch
