@@ -6,10 +6,14 @@ lost), and answers a pending replay with whichever instance is running when it i
 request made to one instance may be answered by the next). The bridge side sees a dropped
 connection at each restart (as the ZMQ monitor reports it) and may also see one without a
 restart, and may miss the new instance's first messages (published while it reconnected).
+Discovery may remove the source and add it back at any step (the stream resumes with its
+sequencer, its replay in flight gone). Without a replay endpoint (NoReplayModel) the engine's
+clock may also step back at any step.
 
 After every step the actions emitted so far are checked (design.md, "Engine instances and
-epochs"); a final quiet phase (one live message, every replay answered) checks that nothing the
-bridge saw was left unsettled.
+epochs"); a final quiet phase (the engine publishes nothing more; the bridge only probes, every
+replay answered) checks that nothing the bridge saw was left unsettled and that the stream
+caught up with the current instance without new traffic.
 
 Limits the model respects, because no protocol-level observer could see through them (README,
 "instance detection"): a new instance's buffer does not slide past its first seq before the
