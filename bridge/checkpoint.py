@@ -447,6 +447,13 @@ class SinkPosition(msgspec.Struct, frozen=True, omit_defaults=True):
             return (self.epoch, self.seq + 1, self.index + 1)
         return (self.epoch, self.seq + 1, MAX_SUB)
 
+    def first_missing(self) -> int:
+        """The first seq of its epoch this sink does not hold whole: after a batch or a loss it
+        holds, at a batch it holds only in part (event granularity), 0 after a SourceReset."""
+        if self.kind == "SourceReset":
+            return 0
+        return self.seq if self.kind == "batch" and self.index is not None else self.seq + 1
+
     def resume(self) -> StreamPosition:
         """Where a stream resumes for this sink to miss nothing. A batch held in part (event
         granularity: the sink cannot tell whether its last event is the batch's last) counts as not
@@ -481,12 +488,16 @@ class Handover(msgspec.Struct, frozen=True):
     already holds every message at or below this position (None: nothing to skip); ``epoch``: the
     highest epoch any sink holds (a new epoch must be above it), or None; ``top``: the highest seq
     a sink holds in the resume epoch (known published by its instance: if the engine restarted
-    since, the sinks below it are told those seqs are lost), or None."""
+    since, the sinks below it are told those seqs are lost), or None. ``behind[i]``: (epoch, first
+    seq it lacks) when sink i holds an epoch that another sink holds a later one of: that epoch
+    was closed, and what sink i lacks of it will never reach it (a pod killed while its queue
+    still held that epoch's tail: :class:`bridge.runtime.SkipHeld` announces it), else None."""
 
     resume: StreamPosition | None
     skip: list[tuple[int, int, int] | None]
     epoch: int | None
     top: int | None = None
+    behind: list[tuple[int, int] | None] = msgspec.field(default_factory=list)
 
 
 def combine(local: StreamPosition | None, held: Sequence[Held], acked: StreamPosition | None = None) -> Handover:
@@ -531,7 +542,12 @@ def combine(local: StreamPosition | None, held: Sequence[Held], acked: StreamPos
     else:
         resume = min((n for n in needs if n is not None), key=_order)
     tops = [h.seq for h in held if isinstance(h, SinkPosition) and resume is not None and h.epoch == resume.epoch and h.seq >= 0]
-    return Handover(resume, skip, max(epochs) if epochs else None, max(tops) if tops else None)
+    latest = max(epochs) if epochs else None
+    behind = [
+        (h.epoch, h.first_missing()) if isinstance(h, SinkPosition) and latest is not None and h.epoch < latest else None
+        for h in held
+    ]
+    return Handover(resume, skip, latest, max(tops) if tops else None, behind)
 
 
 def _own_need(h: SinkPosition, anchors: Sequence[SinkPosition]) -> StreamPosition | None:

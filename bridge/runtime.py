@@ -41,6 +41,7 @@ from .health import HealthServer
 from .metrics import Metrics
 from .records import Record, Stream, events_lost
 from .replay import ReplayClient
+from .sequencer import StreamSequencer
 from .sink import SinkWorker
 from .source import SourceReader
 from .state import StateTracker
@@ -66,7 +67,13 @@ class SkipHeld:
         self.writes_state = getattr(inner, "writes_state", False)
         self.through: dict[str, tuple[int, int, int]] = {}
         self.skipped = 0  # messages left out (tests, logs)
-        self.renderer: Renderer | None = None  # the sink's, to narrow an EventsLost (see write)
+        self.renderer: Renderer | None = None  # the sink's, to narrow or announce an EventsLost (see write)
+        # stream key -> (epoch, first seq): the sink was behind in an epoch another sink closed
+        # (Handover.behind); announced before its first record of a later epoch (see _behind).
+        self.behind: dict[str, tuple[int, int]] = {}
+        # How many seqs past its last record the sink can have lacked: its queue's bound (the
+        # previous pod's queue held the rest when it died), plus one burst forced past it.
+        self.lag_bound = 1
 
     def _narrowed(self, m: Message, limit: tuple[int, int, int]) -> Message | None:
         """An ``EventsLost`` that reaches down into batches this sink holds whole (the stream
@@ -91,16 +98,36 @@ class SkipHeld:
     async def health(self) -> str | None:
         return await self.inner.health()
 
+    def _behind(self, m: Message) -> list[Message]:
+        """The ``EventsLost`` this sink is told before ``m``, the first record it gets of a later
+        epoch than one it was behind in (reason ``sink_behind:<sink>``): the rest of that epoch,
+        which no pod will deliver to it any more (I3). Where that epoch ended is not known here
+        (the sinks that got it whole hold a later epoch now): the span reaches as far as the sink
+        can have lagged (``lag_bound``)."""
+        epoch, first = self.behind[m.record.stream.key]
+        if self.renderer is None or m.record.epoch <= epoch:
+            return []
+        r = m.record
+        loss = events_lost(r.stream, epoch, first, first + self.lag_bound - 1, f"sink_behind:{self.name}", r.received)
+        return self.renderer.render(loss)
+
     async def write(self, messages: Sequence[Message]) -> None:
         through = self.through
-        if not through:
+        if not through and not self.behind:
             await self.inner.write(messages)
             return
         keep: list[int] = []
         past: set[str] = set()  # streams with a message past what the sink holds in this write
         narrowed: dict[int, Message] = {}
+        told: dict[int, list[Message]] = {}  # announced before message i (see _behind)
         for i, m in enumerate(messages):
             key = m.record.stream.key
+            if key in self.behind and key not in past and m.type != STATE_TYPE:
+                limit = through.get(key)
+                position = m.position if m.record.kind != "EventsLost" else (m.position[0], m.position[1], ckpt.MAX_SUB)
+                if limit is None or position > limit:
+                    told[i] = self._behind(m)
+                    past.add(key)  # (the first record it gets: its epoch decides, once)
             limit = through.get(key)
             if limit is not None and m.type == STATE_TYPE:
                 # Never left out: the sink's own guard drops a change it holds, and a change it does
@@ -121,18 +148,26 @@ class SkipHeld:
             keep.append(i)
         skipped = len(messages) - len(keep)
         if keep:
+            origin: list[int] = []  # per message written: the index in ``messages`` it stands for
+            out: list[Message] = []
+            for i in keep:
+                for loss in told.get(i, ()):
+                    origin.append(i)  # (a failure of the announcement is one of the record it precedes)
+                    out.append(loss)
+                origin.append(i)
+                out.append(narrowed.get(i, messages[i]))
             try:
-                out = messages if not skipped and not narrowed else [narrowed.get(i, messages[i]) for i in keep]
-                await self.inner.write(out)
+                await self.inner.write(messages if len(out) == len(messages) and not narrowed else out)
             except PartialFailure as exc:
-                if not skipped:
+                if len(out) == len(messages):
                     raise
-                raise PartialFailure({keep[j]: e for j, e in exc.errors.items() if 0 <= j < len(keep)}) from None
+                raise PartialFailure({origin[j]: e for j, e in exc.errors.items() if 0 <= j < len(out)}) from None
         # Only once written: a write that fails is tried again with the same messages, and what
-        # the sink holds must still be left out then.
+        # the sink holds must still be left out (and what it lacks announced) then.
         self.skipped += skipped
         for key in past:
-            del through[key]
+            through.pop(key, None)
+            self.behind.pop(key, None)
 
 
 class Bridge:
@@ -168,9 +203,10 @@ class Bridge:
         self.pipelines: dict[str, StreamPipeline] = {}
         self.readers: dict[str, SourceReader] = {}
         self._reader_tasks: dict[str, asyncio.Task[None]] = {}
-        # Removed sources' streams, for their return: where to resume, the highest seq known, and
-        # when (monotonic) the source was removed; forgotten after discovery.forget_after.
-        self._retired: dict[str, tuple[ckpt.StreamPosition | None, int, float]] = {}
+        # Removed sources' streams, for their return: where to resume, the highest seq known,
+        # when (monotonic) the source was removed, and the stream's sequencer (what it read and
+        # has not settled); forgotten after discovery.forget_after.
+        self._retired: dict[str, tuple[ckpt.StreamPosition | None, int, float, StreamSequencer]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.failed: BaseException | None = None
         self.stopped = asyncio.Event()
@@ -237,6 +273,7 @@ class Bridge:
                 renderer.sharers += 1
             if self.skips:
                 self.skips[i].renderer = renderer
+                self.skips[i].lag_bound = sink.queue.max_batches + cfg.ingest.drain_max
             worker = SinkWorker(
                 i, sink, conn, renderer, self.metrics, self.dead_letters, self.checkpointer.on_ack, self._state_lost
             )
@@ -286,8 +323,9 @@ class Bridge:
             # A stream read before in this process resumes exactly where it stopped; otherwise from
             # the checkpoint (what every sink acknowledged), or fresh in a new epoch.
             top: int | None
+            sequencer: StreamSequencer | None = None
             if key in self._retired:
-                pos, top, _ = self._retired.pop(key)
+                pos, top, _, sequencer = self._retired.pop(key)
                 announce = False  # every sink has what it handed on, its SourceReset included
             else:
                 pos = self.checkpointer.resume_position(key)
@@ -306,6 +344,7 @@ class Bridge:
                 anchor=pos.at if pos else None,
                 known_top=top,
                 announce=announce,
+                sequencer=sequencer,
             )
             self.pipelines[key] = pipeline
             added.append((pipeline, for_rank(source.endpoint, rank)))
@@ -335,7 +374,7 @@ class Bridge:
             if point is not None:
                 epoch, seq, fp, at = point
                 pos = ckpt.StreamPosition(epoch, seq, *(fp or (None, None)), None if at == seq else at)
-            self._retired[key] = (pos, top, time.monotonic())
+            self._retired[key] = (pos, top, time.monotonic(), pipeline.retire())
             self.readers.pop(key)
 
     async def stop(self) -> None:
@@ -404,7 +443,7 @@ class Bridge:
 
     def forget_retired(self, removed_before: float) -> None:
         """Forget the streams of sources removed before ``removed_before`` (monotonic) and not back."""
-        gone = {k for k, (_pos, _top, at) in self._retired.items() if at < removed_before}
+        gone = {k for k, (_pos, _top, at, _seqr) in self._retired.items() if at < removed_before}
         now = time.time()
         for key in gone:
             del self._retired[key]
@@ -560,11 +599,16 @@ class Bridge:
                 self._held_top[key] = top
             else:
                 self._held_top.pop(key, None)  # a fresh start (a new epoch) knows nothing of the old one's seqs
-            for skip, through in zip(self.skips, handover.skip, strict=True):
+            behind = handover.behind or [None] * len(self.skips)
+            for skip, through, lag in zip(self.skips, handover.skip, behind, strict=True):
                 if through is not None:
                     skip.through[key] = through
                 else:
                     skip.through.pop(key, None)
+                if lag is not None:
+                    skip.behind[key] = lag
+                else:
+                    skip.behind.pop(key, None)
             if handover.resume != local:
                 log.debug(
                     "stream resumes from what the sinks hold",

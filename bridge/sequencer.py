@@ -206,16 +206,37 @@ class StreamSequencer:
         self._verdict = _UNSURE
         self._until = -1
         self._probing = False  # the replay in flight asks for one batch waiting (see replay_finished)
+        self._asked_from = -1  # the first seq the replay in flight asks for
+        # >= 0: the replay in flight asks from seq 0 because one from this seq (published by this
+        # epoch's instance) answered nothing: a reply below it is another instance's (see _check).
+        self._floor = -1
         self._overlap: tuple[int, int] | None = None  # (seq, CRC-32) its first reply must repeat (_SORTING)
         # (seq, ts) of a batch of this epoch below an anchor without a ts (see reference()).
         self._ref: tuple[int, float] | None = None
         self._floor_ts: float | None = None  # engine ts of the batch that showed this epoch's instance
+        # The last live seq of the instance before it, when the live stream showed the restart
+        # (-1: unknown; see _late_of_older).
+        self._older_last = -1
         self._doubt_since: float | None = None  # wall clock when the disconnect was noticed
         self._drops = 0  # disconnects noticed since continuity came into doubt
         self._last_drop: float | None = None  # wall clock of the latest one
 
     def _ts_of(self, payload: bytes) -> float | None:
         return _finite(self._raw_ts_of(payload))
+
+    def _late_of_older(self, seq: int) -> bool:
+        """Can a live batch stamped before this epoch's first be a late one of the instance before
+        it, rather than this instance's with a clock that stepped back (NTP)? The older
+        instance's seqs grow on its connection: not at or below the last one read of it. And
+        this instance's next seq in order, where the older one's next is another, is this one's.
+        Unknown (-1, a restart a replay showed, which replay also repairs): always."""
+        older = self._older_last
+        if older < 0:
+            return True
+        if seq <= older:
+            return False
+        last = self.last_live
+        return last is None or seq != last + 1 or seq == older + 1
 
     # -- inputs ---------------------------------------------------------------------------------
     def accept(self, seq: int, payload: bytes, ts: float | None = None) -> bool:
@@ -249,10 +270,14 @@ class StreamSequencer:
         if floor is not None:
             ts = _finite(ts) if ts is not None else self._ts_of(payload)
             if ts is not None and ts < floor:
-                # Older than the first batch seen of this epoch's instance: a late batch of an
-                # instance that came before it (read after the restart showed), never this one's.
-                out.append(Duplicate(seq))
-                return out
+                if self._late_of_older(seq):
+                    # Older than the first batch seen of this epoch's instance: a late batch of an
+                    # instance that came before it (read after the restart showed), never this one's.
+                    if self._older_last >= 0:
+                        self._older_last = seq
+                    out.append(Duplicate(seq))
+                    return out
+                self._floor_ts = ts  # this instance's clock stepped back: its batches are stamped from here
         last = self.last_live
         copy = False  # proven a copy of a batch of this epoch's instance, by its bytes
         if last is not None and seq <= last:
@@ -262,6 +287,7 @@ class StreamSequencer:
                 return out
             self._restart(out, "publisher_restart", trigger_ts=self._ts_of(payload))  # a live seq never repeats
             self._floor_ts = self._ts_of(payload)
+            self._older_last = last
         elif seq <= self._top:
             # At or below what this instance is known to have published, yet above anything seen
             # live: a late copy of a replayed batch, or a new instance starting over. The same
@@ -335,6 +361,17 @@ class StreamSequencer:
             self._request(out, to_end=True)
         return out
 
+    def detached(self, unread_top: int = -1) -> None:
+        """The stream stopped (discovery removed its source); this sequencer resumes it when the
+        source is added again, with everything it had read and not settled (I3), after
+        :meth:`disconnected`. The replay in flight is gone with its task: replies kept for a
+        verdict are dropped, to be fetched again (their seqs owed). ``unread_top``: the highest
+        seq of live messages read but never sequenced (settled by this epoch if it ends first)."""
+        if self._replay is not None:
+            self._unclaim()
+            self._replay = None
+        self._top = max(self._top, unread_top)
+
     def disconnected(self, now: float | None = None) -> list[Action]:
         """The live connection dropped (noticed at wall-clock ``now``, if given): whatever arrives
         next may come from a new instance."""
@@ -366,10 +403,14 @@ class StreamSequencer:
 
         A live message dropped at the end of a burst shows as a gap only when the next one
         arrives; an idle engine may send none for a long time. The probe fetches such a tail, and
-        its verification also reveals a restart the live stream has not shown yet.
+        its verification also reveals a restart the live stream has not shown yet. Every stream
+        that has a position probes, a new epoch's included before any live message of it came
+        (a quiet engine is never left behind); only one that joins late and has heard nothing
+        yet, with no doubt to settle, has no history to ask for.
         """
         out: list[Action] = []
-        if self.can_replay and self._replay is None and (self.last_live is not None or self._doubt or self.held):
+        heard = not self._join or self.last_live is not None or self._doubt or bool(self.held)
+        if self.can_replay and self._replay is None and heard:
             self._attempts = 0
             self._request(out, to_end=True)
         return out
@@ -546,6 +587,13 @@ class StreamSequencer:
             self._restart(out, "publisher_restart")
             self._request(out)
             return out
+        if complete and not self._answered and self._asked_from > 0 and self._floor < 0 and not self._probing:
+            # Nothing from a seq this epoch's instance published, and no replay has shown the
+            # engine's buffer at work: an engine whose buffer is off answers so, and so does a new
+            # instance that has not got this far (and may never, when the engine stays quiet).
+            # Ask from seq 0: a batch below that seq is the new instance's.
+            self._request(out, floor=self._asked_from)
+            return out
         if complete and not self._answered and self.unverified:
             self._request(out)  # ask again, now that the batches waiting are known published
             return out
@@ -678,6 +726,10 @@ class StreamSequencer:
     def _check(self, seq: int, payload: bytes) -> str:
         """Does this reply come from this epoch's instance? (_SAME, _NEW, or _UNSURE: look further.)"""
         ts = self._ts_of(payload)
+        if seq < self._floor:
+            # It answered nothing from _floor on, yet holds this earlier seq: the instance that
+            # published _floor would hold every seq after this one too.
+            return _NEW
         if self._anchor is not None:
             at, fp = self._anchor
             anchor_ts = fp[0]
@@ -752,7 +804,7 @@ class StreamSequencer:
         out.append(Lost(from_seq, to_seq, reason, self.epoch))
         self.delivered = to_seq  # the anchor stays at the last batch delivered
 
-    def _request(self, out: list[Action], to_end: bool = False, probe: int | None = None) -> None:
+    def _request(self, out: list[Action], to_end: bool = False, probe: int | None = None, floor: int = -1) -> None:
         request_id = self._next_request()
         self._replay_start = self.delivered + 1
         self._replay_first = True
@@ -786,6 +838,10 @@ class StreamSequencer:
             start = self._anchor_seq  # its reply verifies the instance against the fingerprint
         elif self.delivered >= 0:
             start = self.delivered  # one early: shows the engine answering even when the next batch never comes
+        self._floor = floor
+        if floor >= 0:
+            start, until = 0, -1
+        self._asked_from = start
         self._until = max(until, start) if until >= 0 else -1
         out.append(RequestReplay(request_id, start, self._until, self._attempts))
 
@@ -889,6 +945,7 @@ class StreamSequencer:
         self._suspect = None
         self._fresh = self._join = self._resumed = False
         self._floor_ts = None
+        self._older_last = -1
         self.epoch = self._next_epoch(self.epoch)
         self.delivered = -1
         self._owed = max(unsure, self._unclaimed)  # (replies without a verdict may be its too)

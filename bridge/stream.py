@@ -82,6 +82,7 @@ class StreamPipeline:
         anchor: int | None = None,
         known_top: int | None = None,
         announce: bool = False,
+        sequencer: StreamSequencer | None = None,
     ) -> None:
         self.ctx = ctx
         self.stream = stream
@@ -90,7 +91,10 @@ class StreamPipeline:
         self._replay_diagnosed = -REPLAY_DIAGNOSE_EVERY
         cfg = ctx.replay_config
         key = stream.key
-        self.sequencer = StreamSequencer(
+        # ``sequencer``: the one of this stream's earlier pipeline (its source removed and added
+        # again, see ``retire``), resumed with what it had read and not settled.
+        self._reattached = sequencer is not None
+        self.sequencer = sequencer or StreamSequencer(
             can_replay=replay_endpoint is not None,
             replay_on_start=replay_on_start,
             max_held=cfg.max_held_batches,
@@ -138,6 +142,9 @@ class StreamPipeline:
                 # the epoch it runs in now is known acknowledged: announce it (again) first.
                 self._announce = False
                 await self._execute([Reset(self.sequencer.epoch, "bridge_restart")], now, persist=False)
+            if self._reattached:
+                self._reattached = False
+                await self._execute(self.sequencer.disconnected(now), now)  # whoever answers now may be another instance
             await self._execute(self.sequencer.start(), now)
 
     async def on_live(self, burst: Sequence[list[bytes]], received: float) -> None:
@@ -270,6 +277,13 @@ class StreamPipeline:
         task = self._replay_task
         if task is not None and not task.done() and not self.sequencer.replaying:
             task.cancel()  # it asked the instance that went away; the sequencer no longer listens
+
+    def retire(self) -> StreamSequencer:
+        """The stream's source was removed (after ``stop``): its sequencer, to resume the stream
+        with when the source comes back, so that the live batches it read and has not settled
+        (held above a gap, or in doubt) are delivered or announced, never forgotten (I3)."""
+        self.sequencer.detached(self._unread_top)
+        return self.sequencer
 
     def resume_point(self) -> tuple[tuple[int, int, Fingerprint | None, int | None] | None, int]:
         """Where a stream removed now resumes: (epoch, seq, fingerprint, its seq) of the last record

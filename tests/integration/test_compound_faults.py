@@ -236,3 +236,72 @@ async def test_first_contact_without_history_announces_the_head(tmp_path: Path) 
     lost = [(r["from_seq"], r["to_seq"], r["reason"]) for r in records if r.get("type") == "EventsLost"]
     assert lost == [(0, 5, "joined_late")], lost
     assert [r["seq"] for r in records if "events" in r] == list(range(6, 12))
+
+
+# -- issue 29 case 16: a quiet engine is never left behind ------------------------------------------
+
+
+async def test_a_quiet_engine_restarted_below_the_position_is_found(tmp_path: Path) -> None:
+    """0..4 live (no replay ever brought a batch: nothing tells that the engine buffers at all);
+    the engine restarts, publishes 0..1 before the SUB is back, and goes quiet. The replay from
+    the position (seq 4) answers nothing: the idle probe must still open the new epoch with 0..1
+    (before the fix the stream stayed in doubt under epoch 0 until the engine published again)."""
+    async with scenario(tmp_path, idle_probe="300ms") as (engine, bridge, out):
+        await engine.publish(5)
+        await bridge.wait_metric(RECEIVED, 5, timeout=10)
+        await engine.restart()
+        await engine.publish(2, deliver=False)
+        await engine.wait_subscribed()
+        records = await finish(engine, bridge, out)
+    assert layout(check_invariants(records, engine)) == [(False, {0}, list(range(5)), []), (True, {1}, [0, 1], [])]
+
+
+async def test_a_quiet_engine_after_a_replay_opened_the_new_epoch(tmp_path: Path) -> None:
+    """A replay filled a gap (so the engine is known to buffer); the engine restarts, its 0..1
+    are missed live, a replay opens the new epoch with them; then 2..3 are missed live too and the
+    engine goes quiet. The idle probe must fetch 2..3 (before the fix it was off until the new
+    instance's first live message)."""
+    async with scenario(tmp_path, idle_probe="300ms") as (engine, bridge, out):
+        await engine.publish(2)
+        await engine.publish(1, deliver=False)
+        await engine.publish(1)
+        await bridge.wait_metric(RECEIVED, 3, timeout=10)
+        await engine.restart()
+        await engine.publish(2, deliver=False)
+        await engine.wait_subscribed()
+        await wait_for(lambda: any("events" in r and identify(r) == (1, 1) for r in read_lines(out)), timeout=10)
+        await engine.publish(2, deliver=False)
+        records = await finish(engine, bridge, out)
+    assert layout(check_invariants(records, engine)) == [(False, {0}, list(range(4)), []), (True, {1}, list(range(4)), [])]
+
+
+# -- issue 29 case 18: an engine clock stepping back right after a restart ---------------------------
+
+
+async def test_a_clock_stepping_back_after_a_restart_loses_nothing_received(tmp_path: Path) -> None:
+    """No replay endpoint. 0..2 live; the engine restarts and its seq 0 shows it live; then its
+    clock steps back 2.5 ms: its 1 and 2 are stamped before its 0, 3 after. All four reached the
+    bridge: delivered in the new epoch (before the fix 1 and 2 were dropped as a late batch of
+    the old instance, then announced lost as no_replay: I4)."""
+    live = free_port()
+    out = tmp_path / "out.jsonl"
+    source = {"name": "engine", "endpoint": f"tcp://127.0.0.1:{live}"}
+    sink = {"type": "file", "name": "out", "path": str(out), "format": "json", "granularity": "batch", "batch": {"linger": 0}}
+    config = bridge_config(tmp_path, [source], [sink], replay=REPLAY)
+    async with ScriptedEngine(live, free_port()) as engine:
+        bridge = BridgeProcess(tmp_path, config).start()
+        try:
+            await bridge.wait_ready()
+            await engine.wait_subscribed()
+            await engine.publish(3)
+            await bridge.wait_metric(RECEIVED, 3, timeout=10)
+            await engine.restart()
+            await engine.wait_subscribed()
+            await engine.publish(1)
+            await bridge.wait_metric(RECEIVED, 4, timeout=10)
+            engine.step_back(0.0025)
+            await engine.publish(3)
+            records = await finish(engine, bridge, out)
+        finally:
+            bridge.kill()
+    assert layout(check_invariants(records, engine)) == [(False, {0}, [0, 1, 2], []), (True, {1}, [0, 1, 2, 3], [])]

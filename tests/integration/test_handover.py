@@ -18,11 +18,12 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 
 from bridge.checkpoint import SinkPosition
 from bridge.config import from_data
@@ -31,7 +32,9 @@ from bridge.formats import Message
 from bridge.records import Stream
 from bridge.runtime import Bridge
 from bridge.simulator import Simulator, SimulatorOptions
-from tests.support.harness import free_ports
+from tests.infra.servers import RedisServer
+from tests.integration.conftest import own_server
+from tests.support.harness import free_ports, wait_for
 from tests.support.memory import MemoryConnector
 from tests.support.process import BridgeProcess, bridge_config
 from tests.support.readback import Readback, read_jetstream, read_kafka, read_redis
@@ -389,3 +392,167 @@ async def test_a_sink_ahead_of_the_others_gets_no_copies(tmp_path: Path, fresh_r
             assert got == expect(epoch, range(rank.seq), "batch"), f"{s.kind} rank {r}: {len(got)} of {rank.seq}"
             assert control(rows, r, "SourceReset") == [] and control(rows, r, "EventsLost") == []
     assert skipped > 0  # the last bridge re-sent what Redis lacked, and Kafka left its copies out
+
+
+# -- issue 29 case 19: a lagging sink behind an epoch another sink closed ----------------------------
+
+
+class Fast(HeldInMemory):
+    pass
+
+
+class Slow(HeldInMemory):
+    pass
+
+
+async def test_a_sink_left_behind_an_epoch_another_sink_closed_is_told_what_it_lacks(tmp_path: Path) -> None:
+    """Two sinks that say what they hold. The slow one stops taking writes after 0..4 (its queue
+    holds the rest); the engine publishes 5..7, restarts, and its new instance's 0..1 open a new
+    epoch, which the fast sink takes. The pod dies (nothing more reaches the slow sink). The next
+    pod (checkpoint.from_sinks, no file) sees the slow sink behind an epoch the fast one closed:
+    before its first record of a later epoch it must be told that the rest of its epoch, 5..7
+    at least, is lost (before the fix it went on with a silent hole: I3)."""
+    from tests.support.scripted_engine import ScriptedEngine
+
+    STORE.clear()
+    live, rep = free_ports(2)
+    source = {"name": SOURCE, "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}
+    sinks = [{"type": k, "name": k, "format": "json", "granularity": "batch", "batch": {"linger": 0}} for k in ("fast", "slow")]
+    cfg = from_data(
+        bridge_config(
+            tmp_path,
+            [source],
+            sinks,
+            metrics={"listen": ""},
+            checkpoint={"from_sinks": True, "from_sinks_timeout": "2s", "path": None},
+            replay={"timeout": "300ms", "initial_backoff": "50ms", "max_backoff": "200ms"},
+            shutdown_timeout="500ms",
+        ),
+        env={},
+    )
+    registry = Registry({"fast": Fast, "slow": Slow}, entry_points=False)
+    key = f"{SOURCE}/0"
+
+    def held(name: str) -> list[Any]:
+        return [m.record for m in STORE.get(name, []) if m.record.stream.key == key]
+
+    async with ScriptedEngine(live, rep) as engine:
+        first = Bridge(cfg, registry=registry)
+        await first.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.publish(5)
+            await wait_for(lambda: len(held("slow")) == 5 and len(held("fast")) == 5, what="0..4 in both sinks")
+            slow = first.workers[1].connector.inner
+            assert isinstance(slow, Slow)
+            slow.gate = asyncio.Event()  # its writes hang from here: its queue holds the rest
+            await engine.publish(3)
+            await engine.restart()
+            await engine.wait_subscribed()
+            await engine.publish(2)
+            await wait_for(lambda: [r.kind for r in held("fast")][-3:] == ["SourceReset", "batch", "batch"], what="the new epoch")
+        finally:
+            await first.stop()  # (the slow sink cannot be flushed: what its queue held is gone with the pod)
+        old_epoch, new_epoch = held("fast")[0].epoch, held("fast")[-1].epoch
+        assert [(r.epoch, r.seq) for r in held("slow")] == [(old_epoch, s) for s in range(5)]
+        second = Bridge(cfg, registry=registry)
+        await second.start()
+        try:
+            await engine.publish(1)
+            await wait_for(lambda: any(r.kind == "SourceReset" for r in held("slow")), what="the slow sink's SourceReset")
+            await wait_for(lambda: (held("slow")[-1].kind, held("slow")[-1].seq) == ("batch", 2), what="the new instance's 2")
+        finally:
+            await second.stop()
+    got = held("slow")
+    reset = next(i for i, r in enumerate(got) if r.kind == "SourceReset")
+    told = [r for r in got[:reset] if r.kind == "EventsLost" and r.epoch == old_epoch]
+    assert [(r.from_seq, r.reason) for r in told] == [(5, "sink_behind:slow")] and told[0].seq >= 7, got[: reset + 1]
+    assert got[reset].epoch > new_epoch
+
+
+@pytest.fixture(scope="module")
+def slow_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A redis-server of this module's own: a test refuses its writes (maxmemory) for a while."""
+    with own_server("redis (slow sink)", RedisServer(tmp_path_factory.mktemp("redis-slow"), persistent=False)) as server:
+        yield server
+
+
+async def test_a_lagging_redis_sink_is_told_what_a_killed_pod_left_in_its_queue(
+    tmp_path: Path, fresh_redis: Any, slow_redis: RedisServer
+) -> None:
+    """Issue 29 case 19 on real brokers: two Redis sinks. 0..4 reach both; the slow one's Redis
+    then refuses every write (maxmemory: retried, so its queue holds the rest) while the engine
+    publishes 5..7, restarts, and its new instance's 0..1 open a new epoch in the fast sink. The
+    pod is killed (SIGKILL); the slow Redis recovers. The next pod (checkpoint.from_sinks, no
+    file) must tell the slow sink, before its SourceReset, that the rest of its epoch (5..7 at
+    least) is lost (before the fix: a silent hole, I3)."""
+    from tests.support.scripted_engine import ScriptedEngine
+
+    uid = uuid.uuid4().hex[:8]
+    live, rep = free_ports(2)
+    source = {"name": SOURCE, "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}
+    retry = {"initial_backoff": "20ms", "max_backoff": "200ms", "write_timeout": "5s"}
+    sinks = [
+        {"type": "redis", "name": name, "url": url, "stream": f"h{uid}:{{source}}:{{dp_rank}}", "retry": retry}
+        | {"format": "json", "granularity": "batch", "batch": {"linger": 0}}
+        for name, url in (("fast", fresh_redis.url), ("slow", slow_redis.url))
+    ]
+    cfg = bridge_config(
+        tmp_path,
+        [source],
+        sinks,
+        checkpoint={"from_sinks": True, "from_sinks_timeout": "10s", "path": None},
+        replay={"timeout": "300ms", "initial_backoff": "50ms", "max_backoff": "200ms"},
+    )
+    keys = [f"h{uid}:{SOURCE}:0"]
+
+    async def rows(url: str) -> list[tuple[int, int, int, int, str]]:
+        return (await read_redis(url, keys)).rows
+
+    async def until(url: str, what: str, check: Callable[[list[tuple[int, int, int, int, str]]], bool]) -> None:
+        deadline = time.monotonic() + 20
+        while not check(await rows(url)):
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: {await rows(url)}"
+            await asyncio.sleep(0.05)
+
+    admin = aioredis.Redis.from_url(slow_redis.url)
+    try:
+        async with ScriptedEngine(live, rep) as engine:
+            first = BridgeProcess(tmp_path, cfg, name="first").start()
+            try:
+                await first.wait_ready()
+                await engine.wait_subscribed()
+                await engine.publish(5)
+                for url in (fresh_redis.url, slow_redis.url):
+                    await until(url, "0..4", lambda r: len(r) == 5)
+                await admin.config_set("maxmemory", 1)  # every write refused (OOM), and retried
+                await engine.publish(3)
+                await engine.restart()
+                await engine.wait_subscribed()
+                await engine.publish(2)
+                new = ["SourceReset", "EventBatch", "EventBatch"]
+                await until(fresh_redis.url, "the new epoch", lambda r: [t for *_, t in r][-3:] == new)
+            finally:
+                first.kill()
+            await admin.config_set("maxmemory", 0)
+            old_epoch = (await rows(slow_redis.url))[-1][1]
+            new_epoch = (await rows(fresh_redis.url))[-1][1]
+            assert [(e, s) for _, e, s, _, _ in await rows(slow_redis.url)] == [(old_epoch, s) for s in range(5)]
+            second = BridgeProcess(tmp_path, cfg, name="second").start()
+            try:
+                await second.wait_ready()
+                await engine.wait_subscribed()
+                await engine.publish(1)
+                await until(slow_redis.url, "the new instance's 2", lambda r: bool(r) and r[-1][2:] == (2, -1, "EventBatch"))
+            finally:
+                assert await second.terminate() == 0, second.log()[-3000:]
+        got = await read_redis(slow_redis.url, keys)
+    finally:
+        await admin.flushall()
+        await admin.aclose()
+    kinds = [(e, t) for _, e, _, _, t in got.rows]
+    reset = kinds.index((kinds[-1][0], "SourceReset"))
+    assert kinds[5:reset] == [(old_epoch, "EventsLost")], got.rows
+    ((_, first_lost, last_lost, reason),) = got.lost
+    assert (first_lost, reason) == (5, "sink_behind:slow") and last_lost >= 7
+    assert kinds[-1][0] > new_epoch

@@ -37,9 +37,10 @@ class Instance:
     start: float
     payloads: list[bytes] = field(default_factory=list)  # index: seq
     live: set[int] = field(default_factory=set)  # sent on PUB while the bridge was known subscribed
+    back: dict[int, float] = field(default_factory=dict)  # seq -> how far the clock had stepped back
 
     def ts(self, seq: int) -> float:
-        return self.start + seq * 0.001
+        return self.start + seq * 0.001 - self.back.get(seq, 0.0)
 
 
 class ScriptedEngine:
@@ -63,6 +64,7 @@ class ScriptedEngine:
         self.router: zmq.asyncio.Socket
         self._serving: asyncio.Task[None] | None = None
         self._factory = EventFactory(PROFILE)
+        self.clock_back = 0.0  # how far the current instance's clock has stepped back (step_back)
 
     @property
     def current(self) -> Instance:
@@ -83,6 +85,8 @@ class ScriptedEngine:
         inst, seqs = self.current, []
         for _ in range(n):
             seq = len(inst.payloads)
+            if self.clock_back:
+                inst.back[seq] = self.clock_back
             event = self._factory.stored_event()
             event["block_hashes"] = [inst.number * MARK + seq, *event["block_hashes"][1:]]
             payload = encode_batch(PROFILE, inst.ts(seq), [event])
@@ -97,11 +101,24 @@ class ScriptedEngine:
             seqs.append(seq)
         return seqs
 
+    def step_back(self, seconds: float) -> None:
+        """The engine's clock steps back (NTP): the current instance's next batches are stamped
+        ``seconds`` earlier than they would be."""
+        self.clock_back += seconds
+
     async def restart(self) -> None:
         """Close both sockets, bind new ones on the same ports: seq from 0, empty buffer."""
+        self.clock_back = 0.0
         await self._close()
         self._buffer = deque(maxlen=self.buffer_steps)
         await self._open()
+
+    async def blip(self) -> None:
+        """Close the live socket and bind a new one on the same port: the bridge sees the connection
+        drop and come back; the same instance goes on (its seqs and replay buffer)."""
+        self.pub.close(linger=0)
+        self.pub = await self._bind(zmq.XPUB, self.ports[0])
+        self._subscribed = False
 
     async def wait_subscribed(self, timeout: float = 10.0) -> None:
         """Until the bridge's SUB has subscribed to the current instance's socket."""

@@ -341,3 +341,53 @@ def test_the_highest_seq_held_in_the_resume_epoch_is_known_published() -> None:
     the rest of that epoch is lost (known_top), not left without it (I3)."""
     h = combine(None, [SinkPosition(E, 10, ts=1010.0), SinkPosition(E, 5, ts=1005.0)])
     assert h.resume == StreamPosition(E, 5, 1005.0) and h.top == 10
+
+
+# -- issue 29 case 19: a sink behind an epoch another sink closed ------------------------------------
+
+
+def test_a_sink_behind_an_epoch_another_sink_closed_is_told_where_it_stands() -> None:
+    """The fast sink holds epoch E + 1 (the engine restarted); the slow one's last record is batch
+    5 of epoch E (its queue held the rest when the pod died): it lacks epoch E from seq 6. A sink
+    in the latest epoch, or one that cannot tell, is behind nothing."""
+    fast, slow = SinkPosition(E + 1, 2, ts=2000.0), SinkPosition(E, 5, ts=1005.0)
+    assert combine(None, [fast, slow, "unknown"]).behind == [None, (E, 6), None]
+    partial = SinkPosition(E, 5, index=1, ts=1005.0)  # batch 5 held only in part
+    assert combine(None, [fast, partial]).behind == [None, (E, 5)]
+    assert combine(None, [fast, SinkPosition(E, 0, "SourceReset")]).behind == [None, (E, 0)]
+    assert combine(None, [SinkPosition(E, 5, ts=1.0), SinkPosition(E, 3, ts=1.0)]).behind == [None, None]
+
+
+async def test_a_sink_behind_is_told_what_it_lacks_before_the_next_epoch_reaches_it() -> None:
+    """Before its first record of a later epoch, the sink gets an EventsLost of its own (reason
+    ``sink_behind:<sink>``) for the rest of the epoch it was behind in, as far as it can have
+    lagged; once. A sink whose epoch the stream goes on in is told nothing (the stream settles it)."""
+    from bridge.formats import Renderer
+    from bridge.records import source_reset
+
+    renderer = Renderer("json", "batch")
+    stream = Stream("a", 0)
+    inner = _Sink()
+    sent: list[Any] = []
+
+    async def capture(messages: Any) -> None:
+        sent.extend(messages)
+
+    inner.write = capture  # type: ignore[method-assign]
+    skip = SkipHeld(inner)
+    skip.name = "slow"
+    skip.renderer, skip.lag_bound = renderer, 100
+    skip.behind["a/0"] = (E, 6)
+    skip.through["a/0"] = (E, 6, MAX_SUB)
+    new = [source_reset(stream, E + 2, "publisher_restart", 0.0), Record(stream=stream, epoch=E + 2, seq=0, ts=1.0)]
+    await skip.write([m for r in new for m in renderer.render(r)])
+    assert [(m.record.kind, m.record.epoch, m.record.from_seq, m.record.seq, m.record.reason) for m in sent] == [
+        ("EventsLost", E, 6, 105, "sink_behind:slow"),
+        ("SourceReset", E + 2, None, 0, "publisher_restart"),
+        ("batch", E + 2, None, 0, None),
+    ]
+    assert not skip.behind and not skip.through
+    sent.clear()
+    skip.behind["a/0"] = (E, 6)
+    await skip.write(renderer.render(Record(stream=stream, epoch=E, seq=6, ts=1.0)))  # the stream goes on in E
+    assert [(m.record.kind, m.record.seq) for m in sent] == [("batch", 6)] and not skip.behind

@@ -6,10 +6,14 @@ lost), and answers a pending replay with whichever instance is running when it i
 request made to one instance may be answered by the next). The bridge side sees a dropped
 connection at each restart (as the ZMQ monitor reports it) and may also see one without a
 restart, and may miss the new instance's first messages (published while it reconnected).
+Discovery may remove the source and add it back at any step (the stream resumes with its
+sequencer, its replay in flight gone). Without a replay endpoint (NoReplayModel) the engine's
+clock may also step back at any step.
 
 After every step the actions emitted so far are checked (design.md, "Engine instances and
-epochs"); a final quiet phase (one live message, every replay answered) checks that nothing the
-bridge saw was left unsettled.
+epochs"); a final quiet phase (the engine publishes nothing more; the bridge only probes, every
+replay answered) checks that nothing the bridge saw was left unsettled and that the stream
+caught up with the current instance without new traffic.
 
 Limits the model respects, because no protocol-level observer could see through them (README,
 "instance detection"): a new instance's buffer does not slide past its first seq before the
@@ -39,15 +43,16 @@ from bridge.sequencer import Action, Deliver, Lost, RequestReplay, Reset, Stream
 EXAMPLES = int(os.environ.get("KV_MODEL_EXAMPLES", "400"))
 
 
-def payload_of(instance: int, seq: int, bad: bool = False) -> bytes:
-    return f"{instance}:{seq}{':bad' if bad else ''}".encode()
+def payload_of(instance: int, seq: int, bad: bool = False, back: int = 0) -> bytes:
+    return f"{instance}:{seq}{':bad' if bad else ''}{f':back{back}' if back else ''}".encode()
 
 
 def ts_of(payload: bytes) -> float | None:
-    """Engine wall clock: a later instance has later timestamps, like a real restart. A batch the
-    bridge cannot decode has none."""
-    instance, seq, *bad = payload.decode().split(":")
-    return None if bad else int(instance) * 1e6 + int(seq)
+    """Engine wall clock: a later instance has later timestamps, like a real restart, unless its
+    clock stepped back (``back`` seconds: NTP). A batch the bridge cannot decode has none."""
+    instance, seq, *rest = payload.decode().split(":")
+    back = sum(int(r[4:]) for r in rest if r.startswith("back"))
+    return None if "bad" in rest else int(instance) * 1e6 + int(seq) - back
 
 
 def parse(payload: bytes) -> tuple[int, int]:
@@ -62,16 +67,20 @@ class Engine:
     published: dict[int, int] = field(default_factory=dict)  # instance -> next seq
     bad: set[tuple[int, int]] = field(default_factory=set)  # (instance, seq) the bridge cannot decode
     unknown: bool = False  # publishing in an encoding the bridge cannot decode
+    back: dict[tuple[int, int], int] = field(default_factory=dict)  # (instance, seq) -> how far its clock stepped back
+    clock_back: int = 0  # how far the current instance's clock has stepped back so far
 
     def publish(self, bad: bool = False) -> tuple[int, bytes]:
         seq = self.published.get(self.instance, 0)
         self.published[self.instance] = seq + 1
         if bad or self.unknown:
             self.bad.add((self.instance, seq))
+        if self.clock_back:
+            self.back[self.instance, seq] = self.clock_back
         return seq, self.payload(self.instance, seq)
 
     def payload(self, instance: int, seq: int) -> bytes:
-        return payload_of(instance, seq, (instance, seq) in self.bad)
+        return payload_of(instance, seq, (instance, seq) in self.bad, self.back.get((instance, seq), 0))
 
     def replay(self, start: int) -> list[tuple[int, bytes]]:
         top = self.published.get(self.instance, 0)
@@ -79,6 +88,7 @@ class Engine:
 
     def restart(self) -> None:
         self.instance += 1
+        self.clock_back = 0
 
     def now(self) -> float:
         """The wall clock (ts_of's scale) right after the current instance's last batch."""
@@ -241,6 +251,17 @@ class SequencerModel(RuleBasedStateMachine):
         """The connection dropped and came back; the same instance goes on."""
         self.apply(self.seqr.disconnected(self.engine.now()))
 
+    @rule()
+    def removed(self) -> None:
+        """Discovery removes the source and adds it back (a pod flapping in DNS), as
+        ``Bridge.remove_source`` / ``_add_pipelines`` do: the replay in flight is dropped with the
+        stream's tasks, and the stream resumes with its sequencer, as after a dropped connection
+        (issue 29 case 17: what it had read and not settled is never forgotten)."""
+        self.seqr.detached()
+        self.pending.clear()  # (the silent replays in a row still count: the model's second limit)
+        self.apply(self.seqr.disconnected(self.engine.now()))
+        self.apply(self.seqr.start())
+
     @rule(n=st.integers(1, 12))
     def slide(self, n: int) -> None:
         """A burst the bridge misses entirely (a PUB high-water-mark drop): the buffer slides."""
@@ -279,16 +300,19 @@ class SequencerModel(RuleBasedStateMachine):
                 assert seq not in self.down.lost.get(epoch, set()), f"I4: kept batch {instance}:{seq} announced lost"
 
     def teardown(self) -> None:
-        """Quiet phase: one more live message, every replay answered; then nothing may be unsettled."""
-        self.engine.buffer += 1  # room for that message within the model's limit
-        seq, payload = self.engine.publish()
-        self.apply(self.live(seq, payload))
-        self.received(seq, payload)
-        for _ in range(1000):
-            if not self.pending:
-                break
+        """Quiet phase: the engine publishes nothing more; the bridge only probes (``replay.idle_probe``)
+        and every replay is answered. Within a bounded number of probes nothing may be unsettled,
+        and the stream must be in the current instance's epoch with everything it published
+        (issue 29 case 16: a quiet engine is never left behind)."""
+        for _ in range(4 * self.seqr.max_attempts):
+            for _ in range(1000):
+                if not self.pending:
+                    break
+                self.serve("answer")
+            assert not self.pending, "replays never settle"
+            self.apply(self.seqr.probe())
+        while self.pending:  # the last probe's answer
             self.serve("answer")
-        assert not self.pending, "replays never settle"
         self.kept_batches_never_lost()
         # I3: every seq of every instance the bridge heard from, up to the highest it heard of,
         # is delivered or announced lost in that instance's epoch.
@@ -303,10 +327,16 @@ class SequencerModel(RuleBasedStateMachine):
                 continue
             covered = self.down.covered[epoch]
             assert covered[: top + 1] == list(range(top + 1)), f"I3: epoch {epoch} (instance {instance}) not settled to {top}"
+        assert not self.seqr.held and not self.seqr.unverified, "batches left waiting"
         current = self.engine.instance
-        assert self.down.instance_of.get(self.down.epoch) == current, "the live instance is not the current epoch's"
-        assert self.seqr.delivered == self.engine.published[current] - 1
-        assert not self.seqr.held and not self.seqr.unverified
+        published = self.engine.published.get(current, 0)
+        if published:
+            epoch = self.down.epoch
+            assert self.down.instance_of.get(epoch) == current, (
+                f"the quiet engine's instance {current} is not the current epoch's ({epoch}: {self.down.instance_of.get(epoch)})"
+            )
+            assert self.seqr.delivered == published - 1, f"the quiet instance's seqs up to {published - 1} not all settled"
+            assert not self.seqr.in_doubt
 
 
 # CI runs the same examples every time (a CI result can be reproduced); a developer explores new
@@ -331,6 +361,89 @@ class UndecodableModel(SequencerModel):
 
 UndecodableModel.TestCase.settings = SequencerModel.TestCase.settings
 TestUndecodableModel = UndecodableModel.TestCase
+
+
+class NoReplayModel(SequencerModel):
+    """An engine without a replay endpoint (KAITO's default): restarts show only on the live
+    stream (a seq back at or below the last one), and its clock may step back (NTP) at any step,
+    right after a restart included. Every batch the bridge received of an instance is delivered,
+    never announced lost (I4; issue 29 case 18). The model's limits (see step_back for the third):
+    a restart is seen (the new
+    instance's first seqs are not missed: without replay a restart hidden by a continuing seq is
+    delivered as the same epoch, README "instance detection"), and a step back stays below one
+    instance's lifetime (1e6 s in this model's clock)."""
+
+    def __init__(self) -> None:
+        RuleBasedStateMachine.__init__(self)
+        self.engine = Engine(buffer=8)
+        self.seqr = StreamSequencer(can_replay=False, replay_on_start=False, max_held=6, max_attempts=3, ts_of=ts_of)
+        self.down = Downstream(epoch=self.seqr.epoch)
+        self.pending = []
+        self.kept = set()
+        self.seen = {}
+        self.silent = 0
+        self.decoded = None
+        self.missed: set[int] = set()  # instances with live batches the bridge missed
+
+    @rule(missed=st.just(0), late=st.integers(0, 2))
+    def restart(self, missed: int, late: int) -> None:
+        super().restart(missed, late)
+
+    def unseen_allowed(self) -> bool:
+        """The model's limits: nothing of a new instance is missed before the bridge saw it; and
+        an instance after a restart whose clock steps back has none of its live batches missed
+        (a batch after a gap, stamped before the new instance's first, could be a late one of the
+        old instance: README "instance detection")."""
+        instance = self.engine.instance
+        return instance == 0 or (instance in self.seen and not self.engine.clock_back)
+
+    @rule(seen=st.booleans())
+    def publish(self, seen: bool, bad: bool = False) -> None:
+        if seen or self.unseen_allowed():
+            if not seen:
+                self.missed.add(self.engine.instance)
+            super().publish(seen)
+
+    @rule(n=st.integers(1, 12))
+    def slide(self, n: int) -> None:
+        if self.unseen_allowed():
+            self.missed.add(self.engine.instance)
+            super().slide(n)
+
+    @rule(seconds=st.integers(1, 20))
+    def step_back(self, seconds: int) -> None:
+        """The engine's clock steps back; not while the new instance's next seq is exactly the one
+        after the previous instance's last seen (the model's third limit: that batch is stamped
+        before the new instance's first, and a late batch of the old one would be the same seq,
+        so the bridge takes it for the old instance's: README "instance detection")."""
+        earlier = [i for i in self.seen if i < self.engine.instance]
+        previous = self.seen[max(earlier)] if earlier else set()
+        if self.engine.published.get(self.engine.instance, 0) == max(previous, default=-2) + 1:
+            return
+        if self.engine.instance and self.engine.instance in self.missed:
+            return  # (see unseen_allowed)
+        self.engine.clock_back += seconds
+
+    @invariant()
+    def received_never_lost(self) -> None:
+        """I4: without replay, every batch received is delivered, never announced lost."""
+        for instance, seqs in self.seen.items():
+            epoch = self.down.epoch_of.get(instance)
+            if epoch is not None:
+                lost = sorted(seqs & self.down.lost.get(epoch, set()))
+                assert not lost, f"I4: instance {instance}'s {lost} received, announced lost"
+
+    def teardown(self) -> None:
+        """One more live batch (no replay to ask: the gaps it shows are announced), then the
+        checks of the quiet phase."""
+        seq, payload = self.engine.publish()
+        self.apply(self.live(seq, payload))
+        self.received(seq, payload)
+        super().teardown()
+
+
+NoReplayModel.TestCase.settings = SequencerModel.TestCase.settings
+TestNoReplayModel = NoReplayModel.TestCase
 
 
 # The compound faults reported against 9bf2006, each as a script through the same model and
@@ -413,6 +526,23 @@ CASES = {
         "publish(seen=True)",
         "answer_replay(mode='answer')",
     ],
+    # Issue 29 case 16: the engine restarts and goes quiet before the bridge saw any of its new
+    # instance; no replay ever brought a batch (nothing from the position on may mean a buffer
+    # that is off). The quiet phase must still find the new instance's batches.
+    "16 a quiet engine restarted below the position, no replay ever answered": [
+        "answer_replay(mode='answer')",
+        "publish(seen=True)",
+        "publish(seen=True)",
+        "publish(seen=True)",
+        "restart(late=0, missed=2)",
+    ],
+    # ... and after a replay opened the new epoch, the next one goes silent.
+    "16 a quiet engine after the new epoch opened": [
+        "restart(late=1, missed=2)",
+        "answer_replay(mode='answer')",
+        "answer_replay(mode='answer')",
+        "answer_replay(mode='silent')",
+    ],
 }
 
 
@@ -425,6 +555,8 @@ def _run_case(state: SequencerModel, steps: list[str], max_held: int | None) -> 
         getattr(state, name)(**{k: ast.literal_eval(v) for k, v in kwargs.items()})
         state.bounded()
         state.kept_batches_never_lost()
+        if isinstance(state, NoReplayModel):
+            state.received_never_lost()
     state.teardown()
 
 
@@ -509,3 +641,31 @@ MAX_HELD = {
 @pytest.mark.parametrize("case", sorted(UNDECODABLE_CASES))
 def test_undecodable_case(case: str) -> None:
     _run_case(UndecodableModel(), UNDECODABLE_CASES[case], MAX_HELD.get(case))
+
+
+# Issue 29 case 18, through the no-replay model: the engine's clock steps back right after a
+# restart; the new instance's batches stamped before its first one must not be dropped as a late
+# batch of the old instance (then announced lost: I4).
+NO_REPLAY_CASES = {
+    "18 the clock steps back right after a restart": [
+        "publish(seen=True)",
+        "publish(seen=True)",
+        "restart(late=0, missed=0)",
+        "publish(seen=True)",
+        "step_back(seconds=5)",
+        "publish(seen=True)",
+        "publish(seen=True)",
+    ],
+    "18 ... with the old instance's late batches read after the new one's first": [
+        "publish(seen=True)",
+        "restart(late=2, missed=0)",
+        "publish(seen=True)",
+        "step_back(seconds=3)",
+        "publish(seen=True)",
+    ],
+}
+
+
+@pytest.mark.parametrize("case", sorted(NO_REPLAY_CASES))
+def test_no_replay_case(case: str) -> None:
+    _run_case(NoReplayModel(), NO_REPLAY_CASES[case], None)
