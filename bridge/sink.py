@@ -9,9 +9,9 @@ time, renders them in the sink's format, and calls ``connector.write`` until it 
   (forever: retried is not dropped); the sink is not ready meanwhile and its queue fills, which
   blocks ingest (``backpressure: block``) or drops new batches (``drop``, announced downstream
   with one ``EventsLost`` per dropped span once there is room again);
-- ``Permanent``: the messages go to the dead-letter destination, and the stream goes on; each
-  batch refused is announced to this sink (an ``EventsLost``, reason ``sink_refused:<sink>``,
-  written next), so its consumers know what they miss (I6);
+- ``Permanent``: the messages go to the dead-letter destination, and the stream goes on; the
+  batches refused are announced to this sink (an ``EventsLost``, reason ``sink_refused:<sink>``,
+  written next, after what goes again), so its consumers know what they miss (I6);
 - ``SinkLost``: the sink lost messages it had acknowledged: each span is announced to this sink
   (``EventsLost``, reason ``sink_lost:<sink>``) ahead of the write, which goes again;
 - any other exception (a connector's bug, or a record it cannot handle): retried; when it comes
@@ -382,7 +382,9 @@ class SinkWorker:
         render, state = self.renderer.render, self.writes_state
         for record in self._queue:
             record_size = len(record.payload) or EMPTY_RECORD_BYTES  # Record.size, inline (the hot path)
-            if records and (len(messages) >= max_messages or size + record_size > max_bytes):
+            if records and (len(messages) >= max_messages or size + record_size > max_bytes or record.kind == "SourceReset"):
+                # A new epoch starts a write of its own: what a write refused of the old epoch is
+                # announced (in that epoch) before the SourceReset reaches the sink (I3).
                 break
             try:
                 rendered = render(record)
@@ -458,19 +460,20 @@ class SinkWorker:
                 for cause, group in _by_cause(outcome.dead):
                     dead |= self._dead_letter_messages([messages[i] for i in group], cause)
                 if outcome.dead:
-                    refusals = self._refusals(messages, [i for i, _ in outcome.dead], outcome.retry, announced)
+                    refusals = self._refusals(messages, [i for i, _ in outcome.dead], announced)
                 if outcome.cause is None:
                     self._m_send.observe(time.perf_counter() - start)
                     self._set_up()
                     messages, attempt = refusals, 0
                     continue
-                messages = refusals + [messages[i] for i in outcome.retry]
+                # after what goes again: an announcement stands at the highest seq of its stream
+                messages = [messages[i] for i in outcome.retry] + refusals
                 error = outcome.cause
                 retry_after = outcome.retry_after
                 del outcome  # it holds the failure too (see _collect_failure)
             except Permanent as exc:
                 dead |= self._dead_letter_messages(messages, exc)
-                messages, attempt = self._refusals(messages, range(len(messages)), [], announced), 0
+                messages, attempt = self._refusals(messages, range(len(messages)), announced), 0
                 continue
             except SinkLost as exc:
                 messages = self._announce_lost(exc, messages)
@@ -534,35 +537,43 @@ class SinkWorker:
             detail = f"{type(exc).__name__}: {exc}"
         refused = Permanent(f"unexpected error in the connector: {detail}", reason="unexpected")
         dead = self._dead_letter_messages(messages, refused)
-        return dead | await self._deliver(self._refusals(messages, range(len(messages)), [], set()))
+        return dead | await self._deliver(self._refusals(messages, range(len(messages)), set()))
 
-    def _refusals(
-        self, messages: Sequence[Message], refused: Sequence[int], retry: Sequence[int], announced: set[int]
-    ) -> list[Message]:
+    def _refusals(self, messages: Sequence[Message], refused: Sequence[int], announced: set[int]) -> list[Message]:
         """The ``EventsLost`` messages announcing the batches of ``messages[i] for i in refused``
-        (dead-lettered) to this sink, to be written next (I6). Each stands after what the write
-        stored of its stream (the messages neither refused nor in ``retry``), so a consumer that
-        orders by position does not take it for a copy; its span is the refused batch's seq. A
-        record in ``announced`` is not announced again; those announced now are added to it."""
-        retried = set(retry)
-        stored: dict[tuple[str, int], int] = {}  # (stream, epoch) -> highest seq stored by the write
-        for i, m in enumerate(messages):
-            if i not in retried:
-                key = (m.record.stream.key, m.record.epoch)
-                if m.record.seq > stored.get(key, -1):
-                    stored[key] = m.record.seq
-        records = {  # not for a refused state change: its record's events were stored (the state is cleared)
-            id(messages[i].record): messages[i].record
-            for i in refused
-            if messages[i].record.kind == "batch" and messages[i].type != STATE_TYPE and id(messages[i].record) not in announced
-        }
-        announced.update(records)
+        (dead-lettered) to this sink, to be written after the messages of the write that go again
+        (I6). One per stream and epoch: its span runs from the first to the last batch refused
+        (a batch between them that the sink stored is covered too: a consumer drops the stream's
+        view either way), and it stands at the highest seq of its stream in the write, so a
+        consumer that orders by position does not take it for a copy (a write holds one epoch of
+        a stream: see ``_take``). A record in ``announced`` is not announced again; those
+        announced now are added to it."""
+        spans: dict[tuple[str, int], list[int]] = {}  # (stream, epoch) -> [first, last] refused
+        streams: dict[str, Stream] = {}
+        for i in refused:
+            r = messages[i].record
+            # not for a refused state change: its record's events were stored (the state is cleared)
+            if r.kind != "batch" or messages[i].type == STATE_TYPE or id(r) in announced:
+                continue
+            announced.add(id(r))
+            streams[r.stream.key] = r.stream
+            span = spans.get((r.stream.key, r.epoch))
+            if span is None:
+                spans[(r.stream.key, r.epoch)] = [r.seq, r.seq]
+            else:
+                span[0], span[1] = min(span[0], r.seq), max(span[1], r.seq)
+        if not spans:
+            return []
+        top: dict[tuple[str, int], int] = {}
+        for m in messages:
+            at = (m.record.stream.key, m.record.epoch)
+            if at in spans and m.record.seq > top.get(at, -1):
+                top[at] = m.record.seq
         out: list[Message] = []
         now = time.time()
-        for r in records.values():
-            at = max(r.seq, stored.get((r.stream.key, r.epoch), r.seq))
-            lost = events_lost(r.stream, r.epoch, r.seq, r.seq, f"sink_refused:{self.name}", now)
-            lost.seq, lost.to_seq = at, r.seq
+        for (stream_key, epoch), (first, last) in spans.items():
+            lost = events_lost(streams[stream_key], epoch, first, last, f"sink_refused:{self.name}", now)
+            lost.seq, lost.to_seq = max(last, top[(stream_key, epoch)]), last
             out.extend(self.renderer.render(lost))
         return out
 

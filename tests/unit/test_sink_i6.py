@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bridge import wire
-from bridge.errors import PartialFailure, Permanent, SinkLost
+from bridge.errors import PartialFailure, Permanent, Retriable, SinkLost
 from bridge.formats import STATE_TYPE, Message
-from bridge.records import Record, Stream
+from bridge.records import Record, Stream, source_reset
 from tests.support.memory import MemoryConnector, MemoryOptions
 from tests.support.records import stream_records
 from tests.unit.test_hostile_input import deep_payload
@@ -196,3 +196,77 @@ async def test_a_refused_state_change_clears_the_state_and_announces_no_batch(tm
     assert [(m.record.kind, m.record.seq) for m in conn.messages if m.type != STATE_TYPE] == [("batch", 0), ("batch", 1)]
     assert [s.key for s in lost_streams] == [STREAM.key]
     assert [r.seq for r in acked] == [0, 1]
+
+
+def positions(conn: MemoryConnector) -> list[tuple[int, int, int]]:
+    """What a consumer orders by: (epoch, seq, sub), an EventsLost after everything of its seq."""
+    out = []
+    for m in conn.messages:
+        r = m.record
+        if r.kind == "SourceReset":
+            out.append((r.epoch, -1, 0))
+        elif r.kind == "EventsLost":
+            out.append((r.epoch, r.seq, 2**64))
+        else:
+            out.append((r.epoch, r.seq, -1 if m.index is None else m.index))
+    return out
+
+
+async def test_two_batches_refused_in_one_write_are_announced_by_one_span_in_order(tmp_path: Path) -> None:
+    """Found by the invariant breaker (B1): each refusal was announced at the same position, so a
+    consumer (or Redis, by entry id) took the second for a copy of the first."""
+    worker, _, acked, _ = make(tmp_path, batch={"linger": 0})
+    too_large = Permanent("too large", reason="too_large")
+    conn = answering(worker, [PartialFailure({1: too_large, 2: too_large})])
+    await fill(worker, stream_records(STREAM, 5))
+    worker.start()
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    lost = [m.record.control() for m in conn.messages if m.record.kind == "EventsLost"]
+    assert lost == [{"type": "EventsLost", "from_seq": 1, "to_seq": 2, "count": 2, "reason": "sink_refused:mem"}]
+    seen = positions(conn)
+    assert seen == sorted(set(seen)), "positions must strictly increase"
+    assert [r.seq for r in acked] == [0, 1, 2, 3, 4]
+
+
+async def test_an_announcement_follows_the_messages_of_its_stream_that_go_again(tmp_path: Path) -> None:
+    """Found by the invariant breaker (B7): at event granularity, a refusal in batch 1 and a
+    transient failure of batch 2's last event: the announcement stands at seq 2, so it must be
+    written after the event that goes again, not before it."""
+    worker, _, _acked, _ = make(tmp_path, granularity="event", batch={"linger": 0})
+    records = stream_records(STREAM, 3)
+    events = [len(r.events) for r in records]
+    first_of_1, last_of_2 = events[0], sum(events) - 1
+    conn = answering(worker, [PartialFailure({first_of_1: Permanent("too large"), last_of_2: Retriable("stream full")})])
+    await fill(worker, records)
+    worker.start()
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    seen = positions(conn)
+    assert seen == sorted(set(seen)), f"positions must strictly increase: {seen}"
+    assert seen[-1] == (0, 2, 2**64)
+
+
+async def test_a_refusal_is_announced_in_its_epoch_before_the_next_epochs_reset(tmp_path: Path) -> None:
+    """Found by the invariant breaker (B9): a write that held epoch 1's refused batch and epoch 2's
+    SourceReset announced the refusal after the reset (I3). A new epoch starts a write of its own."""
+    worker, _, _acked, _ = make(tmp_path, batch={"linger": 0})
+    old = stream_records(STREAM, 3, epoch=1)
+    new = [source_reset(STREAM, 2, "publisher_restart", 0.0), *stream_records(STREAM, 2, epoch=2)]
+    conn = answering(worker, [PartialFailure({1: Permanent("too large")})])
+    await fill(worker, old + new)
+    worker.start()
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    assert [(m.record.epoch, m.record.kind, m.record.seq) for m in conn.messages] == [
+        (1, "batch", 0),
+        (1, "batch", 2),
+        (1, "EventsLost", 2),  # epoch 1's refusal, before epoch 2 opens
+        (2, "SourceReset", 0),
+        (2, "batch", 0),
+        (2, "batch", 1),
+    ]
+    assert conn.writes[0] == 3  # the first write stopped at the SourceReset
