@@ -257,6 +257,26 @@ def test_values_schema_is_generated_from_the_config_structs() -> None:
     assert out.returncode == 0, out.stderr
 
 
+def test_chart_readme_is_generated_from_the_values(helm: str, tmp_path: Path) -> None:
+    tool = [sys.executable, str(ROOT / "tools" / "chart_readme.py"), "--check"]
+    out = subprocess.run(tool, capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    shown = _helm(helm, "show", "readme", ".").stdout
+    assert shown.rstrip("\n") == (CHART / "README.md").read_text().rstrip("\n")
+    assert "[`ci/deployment-values.yaml`](ci/deployment-values.yaml)" in shown
+    assert (CHART / "ci" / "deployment-values.yaml").read_text().strip() in shown
+    values_text = (CHART / "values.yaml").read_text()
+    for key in yaml.safe_load(values_text):
+        assert f"| `{key}" in shown, f"{key} is not in the chart README"
+    assert "| `config.checkpoint.from_sinks` | `true` | Ask the sinks where each stream stands" in shown
+    # an edited description, without regenerating, is drift
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART, chart)
+    (chart / "values.yaml").write_text(values_text.replace("# -- Pin an image digest", "# -- Pin a digest"))
+    out = subprocess.run([*tool, "--chart", str(chart)], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 1 and "README.md is out of date: run python tools/chart_readme.py" in out.stderr
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_lint_is_clean(helm: str, case: str) -> None:
     args = ["lint", "--strict", "."]
