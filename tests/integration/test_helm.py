@@ -438,6 +438,8 @@ def test_listing_sources_turns_the_default_discovery_off(helm: str, tmp_path: Pa
     sources = [{"name": "a", "endpoint": "tcp://10.0.0.1:5557"}]
     listed = render(helm, [values_file(tmp_path, {"config": {"sources": sources}})])
     assert "discovery" not in config_of(listed) and config_of(listed)["sources"] == sources
+    dropped = config_of(render(helm, [values_file(tmp_path, {"config": {"sources": sources, "discovery": None}})]))
+    assert "discovery" not in dropped and dropped["sources"] == sources  # the old recipe still works
     asked = {"config": {"sources": sources, "discovery": {"dns": {"name": "vllm.ml.svc.cluster.local", "port": 5557}}}}
     both = config_of(render(helm, [values_file(tmp_path, asked)]))
     assert both["discovery"]["dns"]["name"] == "vllm.ml.svc.cluster.local" and both["sources"] == sources
