@@ -33,6 +33,7 @@ test: install
 	$(PY) -m tests.infra image
 	bash tools/helm.sh >/dev/null
 	$(PY) tools/chart_schema.py --check
+	$(PY) tools/chart_readme.py --check
 	$(PY) tools/config_reference.py --check
 	$(PY) -m bridge schema --check schema/kv-events.schema.json
 	$(VENV)/bin/ruff check .

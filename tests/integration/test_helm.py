@@ -10,6 +10,7 @@ schemas cannot be had the tests are skipped, or fail under ``CI=true``.
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import os
@@ -92,16 +93,20 @@ def containers(doc: Manifest) -> list[Manifest]:
     return [*spec.get("initContainers", []), *spec["containers"]]
 
 
+def config_text(docs: list[Manifest]) -> str:
+    """The rendered config.yaml, from the Secret that holds it."""
+    secrets = [d for d in docs if d["kind"] == "Secret" and "config.yaml" in d.get("data", {})]
+    assert len(secrets) == 1, [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"]
+    return base64.b64decode(secrets[0]["data"]["config.yaml"]).decode()
+
+
 def config_of(docs: list[Manifest]) -> dict[str, Any]:
-    cm = [d for d in docs if d["kind"] == "ConfigMap" and "config.yaml" in d.get("data", {})]
-    assert len(cm) == 1
-    return yaml.safe_load(cm[0]["data"]["config.yaml"])  # type: ignore[no-any-return]
+    return yaml.safe_load(config_text(docs))  # type: ignore[no-any-return]
 
 
 def bridge_check(tmp_path: Path, docs: list[Manifest]) -> subprocess.CompletedProcess[str]:
-    cm = next(d for d in docs if d["kind"] == "ConfigMap" and "config.yaml" in d.get("data", {}))
     path = tmp_path / "config.yaml"
-    path.write_text(cm["data"]["config.yaml"])
+    path.write_text(config_text(docs))
     return subprocess.run(
         [sys.executable, "-m", "bridge", "--config", str(path), "--check", "--offline"],
         capture_output=True,
@@ -252,6 +257,26 @@ def test_values_schema_is_generated_from_the_config_structs() -> None:
     assert out.returncode == 0, out.stderr
 
 
+def test_chart_readme_is_generated_from_the_values(helm: str, tmp_path: Path) -> None:
+    tool = [sys.executable, str(ROOT / "tools" / "chart_readme.py"), "--check"]
+    out = subprocess.run(tool, capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    shown = _helm(helm, "show", "readme", ".").stdout
+    assert shown.rstrip("\n") == (CHART / "README.md").read_text().rstrip("\n")
+    assert "[`ci/deployment-values.yaml`](ci/deployment-values.yaml)" in shown
+    assert (CHART / "ci" / "deployment-values.yaml").read_text().strip() in shown
+    values_text = (CHART / "values.yaml").read_text()
+    for key in yaml.safe_load(values_text):
+        assert f"| `{key}" in shown, f"{key} is not in the chart README"
+    assert "| `config.checkpoint.from_sinks` | `true` | Ask the sinks where each stream stands" in shown
+    # an edited description, without regenerating, is drift
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART, chart)
+    (chart / "values.yaml").write_text(values_text.replace("# -- Pin an image digest", "# -- Pin a digest"))
+    out = subprocess.run([*tool, "--chart", str(chart)], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 1 and "README.md is out of date: run python tools/chart_readme.py" in out.stderr
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_lint_is_clean(helm: str, case: str) -> None:
     args = ["lint", "--strict", "."]
@@ -282,7 +307,7 @@ def test_rendered_config_passes_the_bridge_check(helm: str, tmp_path: Path, case
 def test_default_is_one_hardened_deployment(helm: str) -> None:
     docs = render(helm)
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "ServiceAccount"]
+    assert kinds == ["Deployment", "Secret", "Service", "ServiceAccount"]
     dep = by_kind(docs, "Deployment")
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
     pod = dep["spec"]["template"]["spec"]
@@ -358,10 +383,6 @@ def test_sharded_statefulset(helm: str, tmp_path: Path) -> None:
     assert not [d for d in docs if d["kind"] in ("Deployment", "PersistentVolumeClaim")]
     shard = config_of(docs)["discovery"]["dns"]["shard"]
     assert shard == {"count": 3, "index": "auto", "pod_name": "${POD_NAME}"}
-    # streams move between shards when replicas change: each pod asks the sinks where they stand
-    assert config_of(docs)["checkpoint"]["from_sinks"] is True
-    assert config_of(render(helm, CASES["sharded"], ["config.checkpoint.from_sinks=false"]))["checkpoint"]["from_sinks"] is False
-    assert "from_sinks" not in config_of(render(helm))["checkpoint"]  # unsharded: the bridge's default (off)
     # scaling changes the config, so every shard restarts with the new count
     three = by_kind(docs, "StatefulSet")["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
     four = by_kind(render(helm, CASES["sharded"], ["replicas=4"]), "StatefulSet")
@@ -381,7 +402,7 @@ def test_config_change_rolls_the_pods(helm: str) -> None:
 def test_sidecar_renders_a_patch_and_no_workload(helm: str) -> None:
     docs = render(helm, CASES["sidecar"])
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ConfigMap", "ConfigMap", "ConfigMap", "PodMonitor", "PrometheusRule"]
+    assert kinds == ["ConfigMap", "ConfigMap", "PodMonitor", "PrometheusRule", "Secret"]
     config = config_of(docs)
     assert "discovery" not in config and config["sources"][0]["name"] == "${POD_NAME}"
     patched = sidecar_patched_deployment(docs)
@@ -401,6 +422,114 @@ def test_sidecar_renders_a_patch_and_no_workload(helm: str) -> None:
     assert "restartPolicy" not in patch["spec"]["template"]["spec"]["containers"][0]
 
 
+# -- defaults that do not surprise an operator --------------------------------------------------
+
+
+def values_file(tmp_path: Path, values: dict[str, Any], name: str = "values.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+def test_listing_sources_turns_the_default_discovery_off(helm: str, tmp_path: Path) -> None:
+    default = config_of(render(helm))
+    assert default["discovery"]["dns"]["name"] == "vllm-kv.${POD_NAMESPACE}.svc.cluster.local"
+    assert "sources" not in default
+    sources = [{"name": "a", "endpoint": "tcp://10.0.0.1:5557"}]
+    listed = render(helm, [values_file(tmp_path, {"config": {"sources": sources}})])
+    assert "discovery" not in config_of(listed) and config_of(listed)["sources"] == sources
+    dropped = config_of(render(helm, [values_file(tmp_path, {"config": {"sources": sources, "discovery": None}})]))
+    assert "discovery" not in dropped and dropped["sources"] == sources  # the old recipe still works
+    asked = {"config": {"sources": sources, "discovery": {"dns": {"name": "vllm.ml.svc.cluster.local", "port": 5557}}}}
+    both = config_of(render(helm, [values_file(tmp_path, asked)]))
+    assert both["discovery"]["dns"]["name"] == "vllm.ml.svc.cluster.local" and both["sources"] == sources
+    out = bridge_check(tmp_path, listed)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_replaced_pod_asks_the_sinks_in_every_mode(helm: str, case: str) -> None:
+    assert config_of(render(helm, CASES[case]))["checkpoint"]["from_sinks"] is True
+    off = render(helm, CASES[case], ["config.checkpoint.from_sinks=false"])
+    assert config_of(off)["checkpoint"]["from_sinks"] is False
+
+
+@pytest.mark.parametrize("mode", ["deployment", "sidecar"])
+def test_a_literal_password_never_lands_in_a_configmap(helm: str, tmp_path: Path, mode: str) -> None:
+    password = "hunter2-in-plain-values"
+    sink = {"type": "kafka", "bootstrap_servers": "kafka:9092", "topic": "kv", "sasl_password": password}
+    docs = render(helm, [values_file(tmp_path, {"mode": mode, "config": {"sinks": [sink]}})])
+    leaks = [f"{d['kind']}/{d['metadata']['name']}" for d in docs if d["kind"] != "Secret" and password in yaml.safe_dump(d)]
+    assert not leaks, f"the password is readable in {leaks}"
+    assert config_of(docs)["sinks"][0]["sasl_password"] == password
+    pod = sidecar_patched_deployment(docs) if mode == "sidecar" else by_kind(docs, "Deployment")
+    volumes = {v["name"]: v for v in pod["spec"]["template"]["spec"]["volumes"]}
+    (config_volume,) = [v for name, v in volumes.items() if name.endswith("config")]
+    secret = next(d for d in docs if d["kind"] == "Secret")
+    assert config_volume["secret"] == {"secretName": secret["metadata"]["name"]}
+
+
+def test_memory_limit_must_hold_the_sinks_queues(helm: str, tmp_path: Path) -> None:
+    sinks = [
+        {"type": "kafka", "name": "a", "bootstrap_servers": "kafka:9092", "topic": "kv"},
+        {"type": "redis", "name": "b", "url": "redis://redis:6379/0"},
+    ]
+    out = _helm(helm, *_template_args([values_file(tmp_path, {"config": {"sinks": sinks}})], []), check=False)
+    assert out.returncode != 0, "two sinks with 64 MiB queues passed a 1Gi limit"
+    assert (
+        "resources.limits.memory 1Gi (1024 MiB) is below what the sinks' queues may hold: "
+        "128 MiB + 9 x 64 MiB (sinks[0] a) + 9 x 64 MiB (sinks[1] b) = 1280 MiB" in out.stderr
+    ), out.stderr
+    assert "Raise resources.limits.memory to at least 1280 MiB or lower the sinks' queue.max_bytes" in out.stderr
+    small = [{**s, "queue": {"max_bytes": "16MiB"}} for s in sinks]
+    render(helm, [values_file(tmp_path, {"config": {"sinks": small}})])  # 128 + 2 x 144 MiB fits
+    render(helm, [values_file(tmp_path, {"config": {"sinks": sinks}})], ["resources.limits.memory=1.25Gi"])
+    render(helm, [values_file(tmp_path, {"config": {"sinks": sinks}})], ["resources.limits=null"])  # no limit
+    render(helm, [values_file(tmp_path, {"config": {"sinks": sinks}, "resources": {"limits": {"memory": 1500 * 2**20}}})])
+    bytes_bound = [{**sinks[0], "queue": {"max_bytes": 100 * 2**20}}]
+    out = _helm(
+        helm,
+        *_template_args([values_file(tmp_path, {"config": {"sinks": bytes_bound}})], ["resources.limits.memory=512M"]),
+        check=False,
+    )
+    assert "resources.limits.memory 512M (488.3 MiB)" in out.stderr and "9 x 100 MiB (sinks[0] a) = 1028 MiB" in out.stderr, (
+        out.stderr
+    )
+    # a ${VAR} bound is known only in the pod: not checked
+    unknown = [{**s, "queue": {"max_bytes": "${QUEUE_BYTES}"}} for s in sinks]
+    render(helm, [values_file(tmp_path, {"config": {"sinks": unknown}})])
+
+
+@pytest.mark.parametrize("mode", ["deployment", "sidecar"])
+def test_default_sink_keeps_token_ids_out_of_the_pod_log(helm: str, mode: str) -> None:
+    docs = render(helm, sets=[f"mode={mode}"])
+    (sink,) = config_of(docs)["sinks"]
+    assert sink["type"] == "file" and sink["path"] == "-"
+    assert sink["token_ids"] == "drop"
+
+
+@pytest.mark.parametrize("values", [["ci/sidecar-values.yaml"], []], ids=["ci-values", "mode-only"])
+def test_sidecar_reads_its_engine_on_loopback_and_binds(helm: str, tmp_path: Path, values: list[str]) -> None:
+    docs = render(helm, values, ["mode=sidecar"])
+    config = config_of(docs)
+    assert "discovery" not in config
+    (source,) = config["sources"]
+    assert source["name"] == "${POD_NAME}"
+    assert source["endpoint"] == "tcp://127.0.0.1:5557" and source["bind"] is True
+    assert source["replay_endpoint"] == "tcp://127.0.0.1:5558"
+    out = bridge_check(tmp_path, docs)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_disruption_budget_only_for_shards(helm: str) -> None:
+    assert not [d for d in render(helm) if d["kind"] == "PodDisruptionBudget"]
+    assert not [d for d in render(helm, CASES["sharded"], ["replicas=1"]) if d["kind"] == "PodDisruptionBudget"]
+    pdb = by_kind(render(helm, CASES["sharded"]), "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    sts = by_kind(render(helm, CASES["sharded"]), "StatefulSet")
+    assert pdb["spec"]["selector"] == sts["spec"]["selector"]
+
+
 BAD_VALUES: list[tuple[str, dict[str, Any], str]] = [
     ("unknown mode", {"mode": "daemonset"}, "value must be one of 'deployment', 'sidecar'"),
     ("typo at the top", {"replica": 3}, "additional properties 'replica' not allowed"),
@@ -409,7 +538,7 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str]] = [
     ("kafka without servers", {"config": {"sinks": [{"type": "kafka", "topic": "t"}]}}, "missing property 'bootstrap_servers'"),
     ("unknown config key", {"config": {"sinkz": []}}, "additional properties 'sinkz' not allowed"),
     ("bad duration", {"config": {"checkpoint": {"interval": "soon"}}}, "/config/checkpoint/interval"),
-    ("port out of range", {"config": {"discovery": {"dns": {"port": 70000}}}}, "/config/discovery"),
+    ("port out of range", {"config": {"discovery": {"dns": {"name": "vllm-kv", "port": 70000}}}}, "/config/discovery"),
     ("secret without key", {"secretEnv": [{"name": "X", "secretName": "s"}]}, "missing property 'key'"),
     ("bad env name", {"secretEnv": [{"name": "1X", "secretName": "s", "key": "k"}]}, "does not match pattern"),
     ("replicas without sharding", {"replicas": 2}, "replicas > 1 needs sharding.enabled"),
@@ -440,7 +569,7 @@ def test_bad_values_are_refused(helm: str, tmp_path: Path, what: str, values: di
 
 def test_env_placeholders_pass_the_schema(helm: str, tmp_path: Path) -> None:
     f = tmp_path / "env.yaml"
-    values = {"config": {"discovery": {"dns": {"port": "${ENGINE_PORT:-5557}", "interval": "${INTERVAL}"}}}}
+    values = {"config": {"discovery": {"dns": {"name": "vllm-kv", "port": "${ENGINE_PORT:-5557}", "interval": "${INTERVAL}"}}}}
     f.write_text(yaml.safe_dump(values))
     docs = render(helm, [str(f)])
     assert config_of(docs)["discovery"]["dns"]["port"] == "${ENGINE_PORT:-5557}"
@@ -457,10 +586,12 @@ def test_notes_render(helm: str, tmp_path: Path) -> None:
         'data:\n  notes: {{ tpl (.Files.Get "notes-under-test.txt") . | toJson }}\n'
     )
 
-    def notes(*files: str) -> str:
+    def notes(*files: str, sets: tuple[str, ...] = ()) -> str:
         args = ["template", "rel", str(chart), "--namespace", "ml", "--show-only", "templates/zz-notes.yaml"]
         for f in files:
             args += ["-f", str(CHART / f)]
+        for s in sets:
+            args += ["--set", s]
         return str(yaml.safe_load(_helm(helm, *args).stdout)["data"]["notes"])
 
     sidecar = notes("ci/sidecar-values.yaml")
@@ -468,5 +599,9 @@ def test_notes_render(helm: str, tmp_path: Path) -> None:
     assert '{{- include "kv-event-bridge.sidecar.container" (index .Subcharts "kv-event-bridge") | nindent 8 }}' in sidecar
     default = notes()
     assert "port-forward svc/rel-kv-event-bridge 9300:9300" in default
-    assert "checkpoint.persistence.enabled is false" in default
+    assert "are both off" not in default  # from_sinks is on by default
+    assert "checkpoint.persistence.enabled and config.checkpoint.from_sinks are both off" in notes(
+        sets=("config.checkpoint.from_sinks=false",)
+    )
+    assert '"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558"' in sidecar
     assert "3 shards (StatefulSet rel-kv-event-bridge)" in notes("ci/sharded-values.yaml")

@@ -30,7 +30,7 @@ from tests.infra import image as images
 from tests.infra.servers import InstallError, free_port
 from tests.integration.conftest import unavailable
 from tests.integration.test_helm import ENV as CHART_ENV
-from tests.integration.test_helm import by_kind, containers, render
+from tests.integration.test_helm import by_kind, config_text, containers, render
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]  # a first build makes the base
 
@@ -102,7 +102,7 @@ def test_metadata_is_what_the_chart_expects(image: images.Image, chart: list[dic
     for context in (pod["securityContext"], container["securityContext"]):
         assert (context["runAsUser"], context["runAsGroup"], context["runAsNonRoot"]) == (UID, UID, True)
     # The chart gives args only: the image's ENTRYPOINT must run the bridge, and its CMD is the
-    # same config path the chart mounts its ConfigMap at.
+    # same config path the chart mounts its Secret at.
     assert "command" not in container
     assert image.entrypoint == ["python", "-m", "bridge"]
     assert image.cmd == container["args"] == ["--config", "/etc/kv-event-bridge/config.yaml"]
@@ -151,9 +151,8 @@ def test_demo_prints_events_and_answers_its_healthcheck(rootfs: Path, image: ima
 
 
 def test_check_accepts_the_charts_config(rootfs: Path, image: images.Image, chart: list[dict[str, Any]]) -> None:
-    config_map = next(d for d in chart if d["kind"] == "ConfigMap" and "config.yaml" in d.get("data", {}))
     config = rootfs / "etc" / "kv-event-bridge" / "config.yaml"
-    config.write_text(config_map["data"]["config.yaml"])
+    config.write_text(config_text(chart))
     config.chmod(0o644)
     listen = yaml.safe_load(config.read_text())["metrics"]["listen"]
     assert listen.rsplit(":", 1)[1] == str(PORT)

@@ -62,24 +62,42 @@ app.kubernetes.io/component: {{ .Values.mode }}
 {{- end }}
 
 {{/*
-The bridge's config.yaml: values.config as given; with sharding, discovery.dns.shard is set so
-that the count follows `replicas` and each pod takes its ordinal from its name, and
-checkpoint.from_sinks is on unless config.checkpoint sets it (streams move between pods when
-`replicas` changes, and their positions do not follow them in the pods' checkpoint files).
+The bridge's config as a dict (YAML; read it back with fromYaml): values.config as given, sections
+set to null dropped, plus the chart's defaults:
+- engines: when config lists neither `sources` nor `discovery`, deployment mode discovers the
+  headless Service vllm-kv.${POD_NAMESPACE}.svc.cluster.local (ports 5557/5558) and sidecar mode
+  reads its own engine on loopback, the bridge binding tcp://127.0.0.1:5557 (README "Security").
+  Listing sources never turns discovery on behind the user's back.
+- with sharding, discovery.dns.shard: the count follows `replicas`, each pod takes its ordinal
+  from its name.
 */}}
-{{- define "kv-event-bridge.config" -}}
-{{- include "kv-event-bridge.validate" . }}
-{{- $config := deepCopy (.Values.config | default dict) }}
-{{- if include "kv-event-bridge.sharded" . }}
+{{- define "kv-event-bridge.configDict" -}}
+{{- $config := dict }}
+{{- range $key, $value := (.Values.config | default dict) }}
+{{- if not (kindIs "invalid" $value) }}
+{{- $_ := set $config $key (deepCopy $value) }}
+{{- end }}
+{{- end }}
+{{- if not (or $config.sources $config.discovery) }}
+{{- if eq .Values.mode "sidecar" }}
+{{- $source := dict "name" "${POD_NAME}" "endpoint" "tcp://127.0.0.1:5557" "bind" true "replay_endpoint" "tcp://127.0.0.1:5558" }}
+{{- $_ := set $config "sources" (list $source) }}
+{{- else }}
+{{- $dns := dict "name" "vllm-kv.${POD_NAMESPACE}.svc.cluster.local" "port" 5557 "replay_port" 5558 "interval" "15s" }}
+{{- $_ := set $config "discovery" (dict "dns" $dns) }}
+{{- end }}
+{{- end }}
+{{- if and (include "kv-event-bridge.sharded" .) $config.discovery $config.discovery.dns }}
 {{- $shard := dict "count" (int .Values.replicas) "index" "auto" "pod_name" "${POD_NAME}" }}
 {{- $_ := set $config.discovery.dns "shard" $shard }}
-{{- $checkpoint := $config.checkpoint | default dict }}
-{{- if not (hasKey $checkpoint "from_sinks") }}
-{{- $_ := set $checkpoint "from_sinks" true }}
-{{- $_ := set $config "checkpoint" $checkpoint }}
-{{- end }}
 {{- end }}
 {{- toYaml $config }}
+{{- end }}
+
+{{/* The bridge's config.yaml (the Secret's one key). */}}
+{{- define "kv-event-bridge.config" -}}
+{{- include "kv-event-bridge.validate" . }}
+{{- include "kv-event-bridge.configDict" . }}
 {{- end }}
 
 {{/* The port of config.metrics.listen ("host:port"); probes, Service and scrapes use it. */}}
@@ -105,8 +123,9 @@ checkpoint.from_sinks is on unless config.checkpoint sets it (streams move betwe
 {{- fail (printf "config.checkpoint.path %q must be under checkpoint.mountPath %q (the root filesystem is read-only)" $path .Values.checkpoint.mountPath) }}
 {{- end }}
 {{- end }}
+{{- $effective := include "kv-event-bridge.configDict" . | fromYaml }}
 {{- if include "kv-event-bridge.sharded" . }}
-{{- if not (and $config.discovery $config.discovery.dns) }}
+{{- if not (and $effective.discovery $effective.discovery.dns) }}
 {{- fail "sharding.enabled needs config.discovery.dns: shards split the discovered engines" }}
 {{- end }}
 {{- if .Values.checkpoint.persistence.existingClaim }}
@@ -116,6 +135,62 @@ checkpoint.from_sinks is on unless config.checkpoint sets it (streams move betwe
 {{- fail "replicas > 1 needs sharding.enabled: unsharded bridges would each publish every event" }}
 {{- end }}
 {{- $_ := include "kv-event-bridge.metricsPort" . }}
+{{- include "kv-event-bridge.validateMemory" (dict "ctx" . "config" $effective) }}
+{{- end }}
+
+{{/*
+Bytes of a bridge size (65536, "64KiB", "16MiB", "1GiB", "10MB"), as a float; "" when it is a
+${VAR} placeholder (known only in the pod). dict: value, path (named in the error).
+*/}}
+{{- define "kv-event-bridge.bytes" -}}
+{{- $v := .value }}
+{{- if or (kindIs "float64" $v) (kindIs "int64" $v) (kindIs "int" $v) }}
+{{- float64 $v }}
+{{- else if contains "${" (toString $v) }}
+{{- else }}
+{{- $m := regexFindAll "^\\s*([0-9]+)\\s*([A-Za-z]*)\\s*$" (toString $v) -1 }}
+{{- $units := dict "" 1 "b" 1 "kb" 1000 "kib" 1024 "mb" 1000000 "mib" 1048576 "gb" 1000000000 "gib" 1073741824 }}
+{{- $unit := lower (regexReplaceAll "^\\s*[0-9]+\\s*([A-Za-z]*)\\s*$" (toString $v) "${1}") }}
+{{- if or (not $m) (not (hasKey $units $unit)) }}
+{{- fail (printf "%s: %q is not a size such as 16MiB or 65536" .path (toString $v)) }}
+{{- end }}
+{{- mulf (float64 (regexFind "[0-9]+" (toString $v))) (index $units $unit) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The memory limit against the sinks' queue bounds (README "Sizing"): a pod needs about 128 MiB plus,
+for each sink, up to 9 x its queue.max_bytes (a queued batch also holds its decoded events).
+Skipped without resources.limits.memory, or when a bound is a ${VAR} placeholder.
+dict: ctx, config (the effective config).
+*/}}
+{{- define "kv-event-bridge.validateMemory" -}}
+{{- $limit := "" }}
+{{- with .ctx.Values.resources }}{{ with .limits }}{{ with .memory }}{{ $limit = ternary (int64 . | toString) (toString .) (kindIs "float64" .) }}{{ end }}{{ end }}{{ end }}
+{{- if $limit }}
+{{- $m := regexFind "^[0-9]+(\\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$" $limit }}
+{{- if not $m }}
+{{- fail (printf "resources.limits.memory %q: the chart reads quantities such as 1Gi, 512Mi, 1.5Gi or 1000M (write it that way)" $limit) }}
+{{- end }}
+{{- $units := dict "" 1.0 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "k" 1000.0 "M" 1000000.0 "G" 1000000000.0 "T" 1000000000000.0 }}
+{{- $limitBytes := mulf (float64 (regexFind "^[0-9]+(\\.[0-9]+)?" $limit)) (index $units (regexReplaceAll "^[0-9.]+" $limit "")) }}
+{{- $mib := 1048576.0 }}
+{{- $need := mulf 128.0 $mib }}
+{{- $parts := list }}
+{{- $known := true }}
+{{- range $i, $sink := (.config.sinks | default list) }}
+{{- $bound := 67108864.0 }}
+{{- if and (kindIs "map" $sink.queue) (hasKey $sink.queue "max_bytes") }}
+{{- $b := include "kv-event-bridge.bytes" (dict "value" $sink.queue.max_bytes "path" (printf "config.sinks[%d].queue.max_bytes" $i)) }}
+{{- if $b }}{{ $bound = float64 $b }}{{ else }}{{ $known = false }}{{ end }}
+{{- end }}
+{{- $need = addf $need (mulf 9.0 $bound) }}
+{{- $parts = append $parts (printf "9 x %s MiB (sinks[%d] %s)" (round (divf $bound $mib) 1 | toString) $i ($sink.name | default $sink.type)) }}
+{{- end }}
+{{- if and $known (gt $need $limitBytes) }}
+{{- fail (printf "resources.limits.memory %s (%s MiB) is below what the sinks' queues may hold: 128 MiB + %s = %s MiB (README \"Sizing\"). Raise resources.limits.memory to at least %s MiB or lower the sinks' queue.max_bytes" $limit (round (divf $limitBytes $mib) 1 | toString) (join " + " $parts) (round (divf $need $mib) 1 | toString) (divf $need $mib | ceil | toString)) }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{- define "kv-event-bridge.env" -}}
@@ -212,8 +287,8 @@ The bridge container. Takes a dict: ctx (the chart context), name (container nam
 {{/* Pod volumes; dict: ctx, volumePrefix, checkpointClaim ("" for an emptyDir, "-" for none). */}}
 {{- define "kv-event-bridge.volumeSpecs" -}}
 - name: {{ .volumePrefix }}config
-  configMap:
-    name: {{ include "kv-event-bridge.fullname" .ctx }}
+  secret:
+    secretName: {{ include "kv-event-bridge.fullname" .ctx }}
 {{- if eq .checkpointClaim "" }}
 - name: {{ .volumePrefix }}checkpoint
   emptyDir:
