@@ -567,28 +567,32 @@ class _Span(msgspec.Struct):
 
 class _Held:
     """The spans of each bridge stream the events stream acknowledged (SinkLost's spans when it
-    loses them). ``fresh``: the stream was created empty by this process, so a bridge stream's
-    copy there starts at the first seq acknowledged; else it may hold earlier ones (from 0)."""
+    loses them), in its two newest epochs (a loss reaches back past an engine restart: the old
+    epoch's tail is announced too). ``fresh``: the stream was created empty by this process, so a
+    bridge stream's copy there starts at the first seq acknowledged; else it may hold earlier ones
+    (from 0)."""
 
     __slots__ = ("fresh", "spans")
 
     def __init__(self) -> None:
-        self.spans: dict[str, _Span] = {}
+        self.spans: dict[str, list[_Span]] = {}  # oldest first, at most two
         self.fresh = False
 
     def note(self, record: Record) -> None:
         if record.kind == "SourceReset":  # no seq of its own: nothing to announce for it
             return
-        span = self.spans.get(record.stream.key)
+        spans = self.spans.setdefault(record.stream.key, [])
+        span = spans[-1] if spans else None
         if span is None or span.epoch < record.epoch:
             first = record.from_seq if record.kind == "EventsLost" and record.from_seq is not None else record.seq
-            self.spans[record.stream.key] = _Span(record.stream, record.epoch, first if self.fresh else 0, record.seq)
+            spans.append(_Span(record.stream, record.epoch, first if self.fresh else 0, record.seq))
+            del spans[:-2]
         elif span.epoch == record.epoch and record.seq > span.last:
             span.last = record.seq
 
     def take(self) -> list[tuple[Stream, int, int, int]]:
-        """Every span, forgotten: the stream that held them is gone."""
-        out = [(s.stream, s.epoch, s.first, s.last) for s in self.spans.values()]
+        """Every span, oldest epoch first per stream, forgotten: the stream that held them is gone."""
+        out = [(s.stream, s.epoch, s.first, s.last) for spans in self.spans.values() for s in spans]
         self.spans.clear()
         return out
 

@@ -170,9 +170,7 @@ async def test_without_create_a_lost_stream_is_announced_and_named_until_it_is_b
     assert await _subject_seqs(reader, dest, A) == [8]
 
 
-async def test_a_stream_created_again_between_two_writes_is_announced(
-    nats_server: NatsServer, reader: Client, dest: str
-) -> None:
+async def test_a_stream_created_again_between_two_writes_is_announced(nats_server: NatsServer, reader: Client, dest: str) -> None:
     """Deleted and created again (by an operator, or another replica after a restart that lost it)
     before the bridge wrote to it: no write fails, but the sequence goes back."""
     js = reader.jetstream(timeout=5)

@@ -112,7 +112,7 @@ def test_refused_for_turn_resends_what_only_the_chain_refused() -> None:
 
 
 def test_what_a_lost_stream_held_per_bridge_stream() -> None:
-    """The spans SinkLost carries: per bridge stream, its newest epoch, from 0 (the stream may hold
+    """The spans SinkLost carries: per bridge stream, its two newest epochs, from 0 (the stream may hold
     earlier seqs) or, in a stream this process created, from the first seq stored, to the last."""
     a, b = Stream("a", 0), Stream("b", 1)
     held = _Held()
@@ -128,6 +128,19 @@ def test_what_a_lost_stream_held_per_bridge_stream() -> None:
     held.note(source_reset(a, 3, "publisher_restart", 0.0))  # no seq of its own: nothing to announce
     assert held.take() == []
     held.note(stream_records(a, 1, epoch=3, start=4)[0])
-    held.note(stream_records(a, 1, epoch=4, start=2)[0])  # a newer epoch replaces the span
+    held.note(stream_records(a, 1, epoch=4, start=2)[0])  # a newer epoch: the older one's span is kept too
     held.note(events_lost(b, 2, 3, 7, "replay_unavailable", 0.0))
-    assert sorted((s.key, e, f, t) for s, e, f, t in held.take()) == [("a/0", 4, 2, 2), ("b/1", 2, 3, 7)]
+    assert sorted((s.key, e, f, t) for s, e, f, t in held.take()) == [("a/0", 3, 4, 4), ("a/0", 4, 2, 2), ("b/1", 2, 3, 7)]
+
+
+def test_a_loss_reaching_back_past_an_engine_restart_is_announced_in_both_epochs() -> None:
+    """Found by the invariant breaker (B5): epoch 1's seqs 0-4 acknowledged, then epoch 2's 0-2, then
+    the stream lost: both epochs' spans are announced, the older first; a third epoch drops the first."""
+    a = Stream("a", 0)
+    held = _Held()
+    for r in [*stream_records(a, 5, epoch=1), source_reset(a, 2, "publisher_restart", 0.0), *stream_records(a, 3, epoch=2)]:
+        held.note(r)
+    assert [(e, f, t) for _s, e, f, t in held.take()] == [(1, 0, 4), (2, 0, 2)]
+    for epoch in (1, 2, 3):
+        held.note(stream_records(a, 1, epoch=epoch)[0])
+    assert [e for _s, e, _f, _t in held.take()] == [2, 3]
