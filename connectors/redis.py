@@ -1262,6 +1262,11 @@ class RedisConnector:
                 if top:
                     top_epoch, top_slot, _ = entry_position(top)
                     first = top_slot if top_epoch == epoch else 0
+                    if top_epoch == epoch and top_slot == slot and entry_position(top) < entry_position(end):
+                        # Only what stood after the top's batch in its slot is gone: an EventsLost
+                        # (one announcing a refusal, say). Which seqs it announced is not known
+                        # here: announce that batch's seq, so consumers know their view misses.
+                        first = slot - 1
                 if first <= slot - 1:
                     low, high = spans.get(epoch, (first, slot - 1))
                     spans[epoch] = (min(low, first), max(high, slot - 1))

@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 
 from bridge.bootstrap import StreamState, block_id
 from bridge.config import Config, from_data
-from bridge.records import Record, Stream, source_reset
+from bridge.records import Record, Stream, events_lost, source_reset
 from bridge.runtime import Bridge
 from connectors.redis import bootstrap
 from tests.infra.servers import RedisServer
@@ -656,3 +656,39 @@ async def test_a_restarted_bridge_checks_the_state_it_read_back(redis_server: Re
         await first.close()
         await second.close()
         await remove_keys(client, prefix)
+
+
+async def test_an_announcement_lost_after_its_batch_is_announced_again(forgetful_redis: RedisServer) -> None:
+    """Found by the invariant breaker (B3): a refusal's EventsLost stands in the slot of the last
+    batch of its write; a snapshot taken between that batch and the announcement lost only the
+    announcement, and the span computed per slot was empty: nothing was announced again."""
+    from bridge.config import SinkConfig
+    from bridge.errors import NotConnected, SinkLost
+    from bridge.formats import Renderer
+    from connectors.redis import RedisConnector, RedisOptions
+    from tests.support.records import batch
+
+    s = SinkConfig(type="redis", name="r", format="json", granularity="batch")
+    renderer, stream = Renderer(s.format, s.granularity), Stream("a", 0)
+    refusal = events_lost(stream, 3, 2, 2, "sink_refused:r", 0.0)
+    refusal.seq, refusal.to_seq = 4, 2  # seq 2 refused, announced after batch 4 (stored by the same write)
+    conn = RedisConnector("r", msgspec.convert({"url": forgetful_redis.url}, RedisOptions), s)
+    client = aioredis.Redis.from_url(forgetful_redis.url)
+    try:
+        await conn.connect()
+        await conn.write([m for q in (0, 1, 3, 4) for m in renderer.render(batch(stream, q, epoch=3))])
+        await client.save()  # the batches, not the announcement
+        await conn.write(renderer.render(refusal))
+        await client.aclose()
+        await forgetful_redis.akill()
+        await forgetful_redis.astart()
+        client = aioredis.Redis.from_url(forgetful_redis.url)
+        with pytest.raises(SinkLost) as info:
+            for _ in range(3):  # the first, on the connection the restart closed: NotConnected
+                with contextlib.suppress(NotConnected):
+                    await conn.write(renderer.render(batch(stream, 5, epoch=3)))
+        assert info.value.spans == [(stream, 3, 4, 4)]  # consumers learn their view misses something
+    finally:
+        await conn.close()
+        await client.aclose()
+        (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
