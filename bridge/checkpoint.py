@@ -438,6 +438,13 @@ class SinkPosition(msgspec.Struct, frozen=True, omit_defaults=True):
         finite = self.ts is not None and math.isfinite(self.ts)
         return self.kind == "batch" and (finite or self.crc is not None)
 
+    def held_at_most(self) -> tuple[int, int, int]:
+        """The highest message position the sink may hold the stream through: ``held_through``,
+        except that a batch held up to one of its events may be whole (its last event)."""
+        if self.kind == "batch" and self.index is not None:
+            return (self.epoch, self.seq + 1, MAX_SUB)
+        return self.held_through()
+
     def held_through(self) -> tuple[int, int, int]:
         """The message position (epoch, slot, sub) up to which the sink holds the stream; a message
         at or below it is one the sink has (see :meth:`bridge.formats.Message.position`)."""
@@ -506,7 +513,9 @@ def combine(local: StreamPosition | None, held: Sequence[Held], acked: StreamPos
     Per sink, the position it needs the stream from: the later of ``local`` (every sink
     acknowledged it) and what it says it holds; ``local`` alone when it holds nothing or cannot
     tell (nothing at all without a local checkpoint: fresh start). The stream resumes from the
-    lowest of those, so no sink misses anything, never before ``local``. A sink that holds more
+    lowest of those, so no sink misses anything, never before ``local`` unless a sink holds less
+    than ``acked`` (it lost what it acknowledged: I6; the engine's replay buffer gives it back, or
+    the gap is announced lost as usual). A sink that holds more
     skips, once, every message at or below what it holds: no duplicates even for a sink that
     cannot drop them itself (Kafka). Positions compare by (epoch, seq): epochs grow along a stream.
 
@@ -528,14 +537,18 @@ def combine(local: StreamPosition | None, held: Sequence[Held], acked: StreamPos
     for h in held:
         own: StreamPosition | None
         through: tuple[int, int, int] | None
+        lost = False
         if isinstance(h, SinkPosition):
             epochs.append(h.epoch)
             own = _own_need(h, anchors)
-            through = h.held_through() if acked_through is None else max(h.held_through(), acked_through)
+            # Below what every sink acknowledged: the sink lost it (a broker restarted from an older
+            # snapshot, I6). It needs the stream from what it still holds, and skips only that.
+            lost = acked_through is not None and own is not None and h.held_at_most() < acked_through
+            through = h.held_through() if acked_through is None or lost else max(h.held_through(), acked_through)
         else:
             own, through = None, acked_through
         skip.append(through)
-        needs.append(own if own is not None and (local is None or _order(own) > _order(local)) else local)
+        needs.append(own if own is not None and (local is None or lost or _order(own) > _order(local)) else local)
     resume: StreamPosition | None
     if not needs or any(n is None for n in needs):
         resume = None if needs else local

@@ -38,7 +38,7 @@ from tests.infra.servers import RedisServer
 from tests.support.cache_engine import CacheEngine, event
 from tests.support.harness import free_port, wait_for
 from tests.support.process import BridgeProcess, bridge_config, metric
-from tests.support.readback import read_redis
+from tests.support.readback import CONTROL, read_redis
 
 pytestmark = pytest.mark.integration
 
@@ -691,4 +691,57 @@ async def test_an_announcement_lost_after_its_batch_is_announced_again(forgetful
     finally:
         await conn.close()
         await client.aclose()
+        (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
+
+
+async def test_a_bridge_restarted_after_redis_lost_what_it_acknowledged_gives_it_back(
+    tmp_path: Path, forgetful_redis: RedisServer, client: Any
+) -> None:
+    """Found by the invariant breaker (B4): the bridge stops with its checkpoint at seq 19; Redis
+    (no AOF) comes back from a snapshot at seq 9; the bridge starts again. With
+    ``checkpoint.from_sinks`` it reads what Redis holds, sees it below the checkpoint, and resumes
+    that sink from there: the engine's replay buffer gives it back (before: seqs 10-19 missing,
+    nothing announced, the state rebuilt from the snapshot and resumed at 20, marked complete)."""
+    del client  # the session's Redis: this test runs its own
+    prefix = f"kvg{uuid.uuid4().hex[:8]}"
+    live, rep = free_port(), free_port()
+    cfg = in_process(
+        tmp_path,
+        [("a", live, rep)],
+        sink(forgetful_redis.url, prefix),
+        checkpoint={"path": str(tmp_path / "ckpt.json"), "interval": "200ms", "from_sinks": True},
+    )
+    redis = aioredis.Redis.from_url(forgetful_redis.url)
+    try:
+        async with CacheEngine(live, rep, seed=5) as engine:
+            bridge = Bridge(cfg)
+            await bridge.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(10)
+                await settled(redis, prefix, engine, "a")
+                await redis.save()  # the snapshot: seqs 0-9
+                await engine.step(10)
+                await settled(redis, prefix, engine, "a")
+            finally:
+                await bridge.stop()  # the checkpoint says 19
+            await redis.aclose()
+            await forgetful_redis.akill()
+            await forgetful_redis.astart()
+            redis = aioredis.Redis.from_url(forgetful_redis.url)
+            assert await top_seq(redis, f"{prefix}:a:0") == 9
+            bridge = Bridge(cfg)
+            await bridge.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(5)
+                await settled(redis, prefix, engine, "a")
+                back = await read_redis(forgetful_redis.url, [f"{prefix}:a:0"])
+                seqs = sorted({seq for _, _, seq, _, kind in back.rows if kind not in CONTROL})
+                assert seqs == list(range(engine.last_seq + 1)) and not back.lost
+                check(await bootstrapped(redis, prefix, "a"), engine)  # complete and equal to the engine's cache
+            finally:
+                await bridge.stop()
+    finally:
+        await redis.aclose()
         (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)

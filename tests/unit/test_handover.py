@@ -391,3 +391,18 @@ async def test_a_sink_behind_is_told_what_it_lacks_before_the_next_epoch_reaches
     skip.behind["a/0"] = (E, 6)
     await skip.write(renderer.render(Record(stream=stream, epoch=E, seq=6, ts=1.0)))  # the stream goes on in E
     assert [(m.record.kind, m.record.seq) for m in sent] == [("batch", 6)] and not skip.behind
+
+
+def test_a_sink_holding_less_than_every_sink_acknowledged_is_fed_again_from_what_it_holds() -> None:
+    """I6 (breaker B4): a sink whose broker lost what it acknowledged (a restart from an older
+    snapshot) says it holds seq 9 of a stream checkpointed at 19. The stream resumes from 9 (the
+    engine's replay buffer gives 10..19 back); that sink skips only what it holds, the others
+    everything up to the checkpoint."""
+    local = StreamPosition(E, 19, 1019.0)
+    lossy, whole = SinkPosition(E, 9, ts=1009.0), SinkPosition(E, 19, ts=1019.0)
+    result = combine(local, [lossy, whole])
+    assert result.resume is not None and (result.resume.epoch, result.resume.seq) == (E, 9)
+    assert result.skip == [lossy.held_through(), whole.held_through()]
+    # A batch held up to one of its events may be whole: not taken for a loss.
+    partial = SinkPosition(E, 19, index=0, ts=1019.0)
+    assert combine(local, [partial, whole]).resume == local
