@@ -31,7 +31,9 @@ from . import __version__, logs
 from . import config as config_mod
 from .config import Config
 from .connector import Connector, Registry, template_labels, unwritable
+from .endpoints import for_rank
 from .errors import ConfigError, ConnectorError, StartupError
+from .probe import ProbeError, socket_type
 from .runtime import run as run_bridge
 from .secret import redact
 from .simulator import DEFAULT_PROFILE, PROFILES, Faults, Simulator, SimulatorOptions
@@ -353,6 +355,10 @@ def check(path: str, *, offline: bool = False, registry: Registry | None = None)
         problem = unwritable(target) if target and target != "-" else None
         if problem is not None:
             unreachable.append(f"{key}: {problem}")
+    probed, wrong = asyncio.run(_probe_engines(cfg))
+    if probed:
+        print(f"engines: {probed - len(wrong)} of {probed} endpoint(s) answer as they should")
+    unreachable.extend(wrong)
     with _quiet_logs():
         for i, conn in result.connectors:
             reason = asyncio.run(_reach(conn))
@@ -365,6 +371,53 @@ def check(path: str, *, offline: bool = False, registry: Registry | None = None)
         return EXIT_UNREACHABLE
     print("config ok")
     return EXIT_OK
+
+
+PROBE_TIMEOUT = 3.0
+_EXPECTED = {"endpoint": ("PUB", "XPUB"), "replay_endpoint": ("ROUTER",)}
+
+
+async def _probe_engines(cfg: Config) -> tuple[int, list[str]]:
+    """``--check``: ask every engine endpoint the bridge connects to which ZMQ socket answers (ZMTP
+    greeting; nothing subscribed or requested): how many were asked, and one line per endpoint that
+    is not what it should be."""
+    checks: list[tuple[str, str, int, str, Coroutine[Any, Any, str]]] = []
+    for i, source in enumerate(cfg.sources):
+        for key in ("endpoint", "replay_endpoint"):
+            endpoint = getattr(source, key)
+            if endpoint is None or (key == "endpoint" and source.bind):
+                continue
+            for rank in range(source.dp_ranks):
+                ep = for_rank(endpoint, rank)
+                host, _, port = ep.removeprefix("tcp://").rpartition(":")
+                if not ep.startswith("tcp://") or "*" in host:
+                    continue
+                checks.append((f"sources[{i}].{key}", ep, rank, key, socket_type(host.strip("[]"), int(port), PROBE_TIMEOUT)))
+    found = await asyncio.gather(*(c[4] for c in checks), return_exceptions=True)
+    lines: list[str] = []
+    for (path, ep, rank, key, _), got in zip(checks, found, strict=True):
+        where = f"{path}: {ep}" + (f" (rank {rank})" if rank else "")
+        if isinstance(got, str):
+            if got.upper() in _EXPECTED[key]:
+                continue
+            if key == "endpoint":
+                fix = "this looks like the engine's replay port: give its PUB (kv-events endpoint) port here"
+            else:
+                fix = "this looks like the engine's live PUB port: give its replay_endpoint port here"
+            lines.append(f"{where} is a {got} socket, not {' or '.join(_EXPECTED[key])}; {fix}")
+        elif isinstance(got, TimeoutError):
+            lines.append(f"{where}: no answer in {PROBE_TIMEOUT:g}s (a firewall, or not a ZMQ socket?)")
+        elif isinstance(got, socket.gaierror):
+            lines.append(f"{where}: cannot resolve the host ({got.strerror}); check the name")
+        elif isinstance(got, OSError):
+            lines.append(
+                f"{where}: cannot connect ({got.strerror or got}); is the engine running with KV events on, and is this its port?"
+            )
+        elif isinstance(got, ProbeError):
+            lines.append(f"{where}: {got}")
+        elif isinstance(got, BaseException):
+            raise got
+    return len(checks), lines
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import zmq
 
 from tests.support.harness import free_ports
 
@@ -214,3 +215,39 @@ def test_a_mistake_ends_in_one_line_per_problem(case: Case, tmp_path: Path, busy
     if "--check" in case.args:
         assert _files(tmp_path) == before, "--check created a file"
         assert not [ln for ln in lines if ln.startswith("  ") and ln.count(": ") < 1], err  # path: problem
+
+
+def test_check_asks_each_engine_endpoint_which_socket_answers(tmp_path: Path) -> None:
+    """A live endpoint on the engine's replay ROUTER (easy with dp ranks: rank r uses port + r on
+    both sockets), a replay endpoint on a PUB, a name that does not resolve, a port nobody listens
+    on: --check says which, with the fix, and exits 3 (valid, but not reachable as configured)."""
+    ctx = zmq.Context()
+    try:
+        router, pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PUB)
+        r, p = router.bind_to_random_port("tcp://127.0.0.1"), pub.bind_to_random_port("tcp://127.0.0.1")
+        dead = free_ports(1)[0]
+        (tmp_path / "c.yaml").write_text(
+            f"sources:\n  - {{name: a, endpoint: 'tcp://127.0.0.1:{r}', replay_endpoint: 'tcp://127.0.0.1:{p}'}}\n"
+            "  - {name: b, endpoint: 'tcp://no-such-host.invalid:5557'}\n"
+            f"  - {{name: c, endpoint: 'tcp://127.0.0.1:{dead}'}}\n"
+            "sinks:\n  - {type: file, path: '-'}\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-m", "bridge", "--config", str(tmp_path / "c.yaml"), "--check"],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        ctx.destroy(linger=0)
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr
+    assert "engines: 0 of 4 endpoint(s) answer as they should" in proc.stdout
+    problems = [ln.strip() for ln in proc.stderr.splitlines() if ln.startswith("  ")]
+    assert problems == [
+        f"sources[0].endpoint: tcp://127.0.0.1:{r} is a ROUTER socket, not PUB or XPUB; this looks like the engine's "
+        "replay port: give its PUB (kv-events endpoint) port here",
+        f"sources[0].replay_endpoint: tcp://127.0.0.1:{p} is a PUB socket, not ROUTER; this looks like the engine's live "
+        "PUB port: give its replay_endpoint port here",
+        problems[2],
+        f"sources[2].endpoint: tcp://127.0.0.1:{dead}: cannot connect (Connect call failed ('127.0.0.1', {dead})); is the "
+        "engine running with KV events on, and is this its port?",
+    ]
+    assert problems[2].startswith("sources[1].endpoint: tcp://no-such-host.invalid:5557: cannot resolve the host (")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import zmq
 
 from bridge import config
 from bridge.cli import check
@@ -104,13 +105,21 @@ def test_check_prints_three_paths_and_exits_2(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_check_ok_and_creates_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    p = tmp_path / "ok.yaml"
-    p.write_text(
-        f"sources:\n  - name: a\n    endpoint: tcp://127.0.0.1:5557\nsinks:\n  - type: file\n    path: {tmp_path}/out/o\n"
-        f"checkpoint: {{path: {tmp_path}/ck/ck.json}}\ndead_letter: {{path: {tmp_path}/dl/dl.jsonl}}\n"
-    )
-    assert check(str(p)) == 0
-    assert "sinks[0] (file): reachable" in capsys.readouterr().out
+    ctx = zmq.Context()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    try:
+        live, replay = pub.bind_to_random_port("tcp://127.0.0.1"), router.bind_to_random_port("tcp://127.0.0.1")
+        p = tmp_path / "ok.yaml"
+        p.write_text(
+            f"sources:\n  - {{name: a, endpoint: 'tcp://127.0.0.1:{live}', replay_endpoint: 'tcp://127.0.0.1:{replay}'}}\n"
+            f"sinks:\n  - type: file\n    path: {tmp_path}/out/o\n"
+            f"checkpoint: {{path: {tmp_path}/ck/ck.json}}\ndead_letter: {{path: {tmp_path}/dl/dl.jsonl}}\n"
+        )
+        assert check(str(p)) == 0, capsys.readouterr().err
+    finally:
+        ctx.destroy(linger=0)
+    out = capsys.readouterr().out
+    assert "sinks[0] (file): reachable" in out and "engines: 2 of 2 endpoint(s) answer as they should" in out
     assert sorted(x.name for x in tmp_path.iterdir()) == ["ok.yaml"]  # --check writes nothing
 
 
