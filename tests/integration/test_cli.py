@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from bridge.simulator import Simulator, SimulatorOptions
+from bridge.simulator import Faults, Simulator, SimulatorOptions
 from tests.support.epochs import assert_first_epoch
 from tests.support.harness import free_ports, read_lines, wait_for
 from tests.support.schema import check_line
@@ -200,3 +201,27 @@ async def test_tail_piped_into_head_exits_0_and_says_where_it_waits(tmp_path: Pa
     assert json.loads(line)["dp_rank"] in (0, 1)
     assert code == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
     assert f"# connecting to tcp://127.0.0.1:{ports[0]}, tcp://127.0.0.1:{ports[0] + 1} (topic ''); waiting for events" in err
+
+
+async def test_tail_marks_the_gaps_it_sees() -> None:
+    """Live messages the engine never sent (kept for its replay): tail says which seqs it missed."""
+    ports = free_ports(1)
+    opts = SimulatorOptions(endpoint=f"tcp://127.0.0.1:{ports[0]}", replay_endpoint=None, rate=100, faults=Faults(0.3), seed=7)
+    async with Simulator(opts) as sim:
+        tail = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bridge", "tail", f"tcp://127.0.0.1:{ports[0]}", "--count", "30", "--granularity", "batch",
+            cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        runner = asyncio.create_task(sim.run())
+        try:
+            stdout, stderr = await asyncio.wait_for(tail.communicate(), 60)
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+    seqs = [json.loads(x)["seq"] for x in stdout.decode().splitlines()]
+    err = stderr.decode()
+    assert tail.returncode == 0 and "Traceback" not in err, err
+    missed = [(a + 1, b - 1) for a, b in itertools.pairwise(seqs) if b > a + 1]
+    assert missed, seqs  # 30% dropped: some gap among 30 batches
+    for first, last in missed:
+        assert f"# rank 0: gap: seq {first}..{last} missed" in err, err
