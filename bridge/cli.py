@@ -333,13 +333,13 @@ def check(path: str, *, offline: bool = False, registry: Registry | None = None)
         result = validate(data, registry)
     cfg = result.config
     sinks = config_mod.raw_sink_options(data)
+    names = {i: cfg.sinks[i].name if cfg is not None else str(data["sinks"][i].get("name") or t) for i, t, _ in sinks}
     if cfg is not None:
         print(f"parse: ok ({len(cfg.sources)} source(s), {len(cfg.sinks)} sink(s))")
     else:
-        own = sum(len(result.of_sink(i, "")) for i, _, _ in sinks)
+        own = sum(len(result.of_sink(i, name)) for i, name in names.items())
         print(f"parse: {len(result.problems) - own} problem(s)")
-    for i, type_name, _ in sinks:
-        name = cfg.sinks[i].name if cfg is not None else type_name
+    for i, name in names.items():
         found = result.of_sink(i, name)
         print(f"sinks[{i}] ({name}): {f'{len(found)} problem(s)' if found else 'config ok'}")
     for line in result.warnings:
