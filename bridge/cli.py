@@ -27,7 +27,7 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from . import __version__, logs
+from . import __version__, discovery, logs
 from . import config as config_mod
 from .config import Config
 from .connector import Connector, Registry, template_labels, unwritable
@@ -355,9 +355,9 @@ def check(path: str, *, offline: bool = False, registry: Registry | None = None)
         problem = unwritable(target) if target and target != "-" else None
         if problem is not None:
             unreachable.append(f"{key}: {problem}")
-    probed, wrong = asyncio.run(_probe_engines(cfg))
-    if probed:
-        print(f"engines: {probed - len(wrong)} of {probed} endpoint(s) answer as they should")
+    probed, answering, wrong = asyncio.run(_probe_engines(cfg))
+    if probed or wrong:
+        print(f"engines: {answering} of {probed} endpoint(s) answer as they should")
     unreachable.extend(wrong)
     with _quiet_logs():
         for i, conn in result.connectors:
@@ -374,15 +374,33 @@ def check(path: str, *, offline: bool = False, registry: Registry | None = None)
 
 
 PROBE_TIMEOUT = 3.0
+PROBE_MAX = 32
+"""Discovered engines probed by ``--check``, at most (the first addresses in sorted order)."""
 _EXPECTED = {"endpoint": ("PUB", "XPUB"), "replay_endpoint": ("ROUTER",)}
 
 
-async def _probe_engines(cfg: Config) -> tuple[int, list[str]]:
+async def _probe_engines(cfg: Config) -> tuple[int, int, list[str]]:
     """``--check``: ask every engine endpoint the bridge connects to which ZMQ socket answers (ZMTP
-    greeting; nothing subscribed or requested): how many were asked, and one line per endpoint that
-    is not what it should be."""
+    greeting; nothing subscribed or requested), DNS discovery's engines included: how many were
+    asked, how many answered as they should, and one line per problem."""
     checks: list[tuple[str, str, int, str, Coroutine[Any, Any, str]]] = []
-    for i, source in enumerate(cfg.sources):
+    lines: list[str] = []
+    targets = [(f"sources[{i}]", source) for i, source in enumerate(cfg.sources)]
+    dns = cfg.discovery.dns
+    if dns is not None:
+        resolver = discovery.UdpResolver(dns.resolver) if dns.resolver else discovery.SystemResolver()
+        try:
+            addresses = await asyncio.wait_for(resolver.resolve(dns.name), dns.timeout)
+        except (discovery.ResolveError, TimeoutError) as exc:
+            detail = exc.detail if isinstance(exc, discovery.ResolveError) else f"no answer in {dns.timeout:g}s"
+            lines.append(
+                f"discovery.dns.name: {dns.name} finds no engine ({detail}); check the Service name and namespace "
+                "(a headless Service with no ready pods does not resolve either)"
+            )
+            addresses = frozenset()
+        prefix = dns.name_prefix or discovery.default_prefix(dns.name)
+        targets += [(f"discovery.dns ({a})", discovery.source_for(dns, a, prefix)) for a in sorted(addresses)[:PROBE_MAX]]
+    for where_from, source in targets:
         for key in ("endpoint", "replay_endpoint"):
             endpoint = getattr(source, key)
             if endpoint is None or (key == "endpoint" and source.bind):
@@ -392,9 +410,8 @@ async def _probe_engines(cfg: Config) -> tuple[int, list[str]]:
                 host, _, port = ep.removeprefix("tcp://").rpartition(":")
                 if not ep.startswith("tcp://") or "*" in host:
                     continue
-                checks.append((f"sources[{i}].{key}", ep, rank, key, socket_type(host.strip("[]"), int(port), PROBE_TIMEOUT)))
+                checks.append((f"{where_from}.{key}", ep, rank, key, socket_type(host.strip("[]"), int(port), PROBE_TIMEOUT)))
     found = await asyncio.gather(*(c[4] for c in checks), return_exceptions=True)
-    lines: list[str] = []
     for (path, ep, rank, key, _), got in zip(checks, found, strict=True):
         where = f"{path}: {ep}" + (f" (rank {rank})" if rank else "")
         if isinstance(got, str):
@@ -417,7 +434,11 @@ async def _probe_engines(cfg: Config) -> tuple[int, list[str]]:
             lines.append(f"{where}: {got}")
         elif isinstance(got, BaseException):
             raise got
-    return len(checks), lines
+    return (
+        len(checks),
+        sum(isinstance(got, str) and got.upper() in _EXPECTED[c[3]] for c, got in zip(checks, found, strict=True)),
+        lines,
+    )
 
 
 @contextlib.contextmanager

@@ -133,6 +133,9 @@ CASES = [
          SOURCE + "sinks:\n  - {type: file, path: '{tmp}/plain/o'}\n"),
     Case("dead-letter-unwritable", CHECK, 3, ["dead_letter.path: cannot create {tmp}/plain/dl: {tmp}/plain is not a directory"],
          SOURCE + FILE_SINK + "dead_letter: {path: '{tmp}/plain/dl'}\ncheckpoint: {path: '{tmp}/ck/ck.json'}\n"),
+    Case("discovery-finds-nothing", CHECK, 3,
+         ["discovery.dns.name: no-such-service.invalid finds no engine (", "check the Service name and namespace"],
+         "discovery: {dns: {name: no-such-service.invalid, timeout: 2s}}\n" + FILE_SINK),
     Case("redis-unreachable", CHECK, 3, ["(is the server up and reachable from here? --offline skips this step)"],
          SOURCE + "sinks:\n  - {type: redis, url: 'redis://127.0.0.1:{dead}/0', timeout: 2s}\n"),
     # -- run: the same validation at start, and start-up failures in one line
