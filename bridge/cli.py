@@ -189,6 +189,11 @@ def _main(argv: Sequence[str] | None) -> int:
     logs.setup(cfg.log.format, cfg.log.level)
     for line in result.warnings:
         log.warning(redact(line))
+    unwritable_paths = _unwritable_paths(cfg)  # fail at once, not with an error at every save
+    for line in unwritable_paths:
+        log.error(f"cannot start: {line}")
+    if unwritable_paths:
+        return EXIT_FAILED
     if any(s.type == "file" and s.options.get("path", "-") == "-" for s in cfg.sinks):
         _exit_when_stdout_closes()
     return serve(cfg)
@@ -350,11 +355,7 @@ def check(path: str, *, offline: bool = False, registry: Registry | None = None)
     if offline:
         print("config ok (offline: sinks not contacted)")
         return EXIT_OK
-    unreachable: list[str] = []
-    for key, target in (("checkpoint.path", cfg.checkpoint.path), ("dead_letter.path", cfg.dead_letter.path)):
-        problem = unwritable(target) if target and target != "-" else None
-        if problem is not None:
-            unreachable.append(f"{key}: {problem}")
+    unreachable = _unwritable_paths(cfg)
     probed, answering, wrong = asyncio.run(_probe_engines(cfg))
     if probed or wrong:
         print(f"engines: {answering} of {probed} endpoint(s) answer as they should")
@@ -371,6 +372,16 @@ def check(path: str, *, offline: bool = False, registry: Registry | None = None)
         return EXIT_UNREACHABLE
     print("config ok")
     return EXIT_OK
+
+
+def _unwritable_paths(cfg: Config) -> list[str]:
+    """The bridge's own files (checkpoint, dead letters) that could not be written, one line each."""
+    lines = []
+    for key, target in (("checkpoint.path", cfg.checkpoint.path), ("dead_letter.path", cfg.dead_letter.path)):
+        problem = unwritable(target) if target and target != "-" else None
+        if problem is not None:
+            lines.append(f"{key}: {problem}")
+    return lines
 
 
 PROBE_TIMEOUT = 3.0

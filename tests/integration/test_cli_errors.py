@@ -147,6 +147,9 @@ CASES = [
          ["metrics.listen: cannot listen on 127.0.0.1:{busy}", "another process holds the port: stop it, or choose another "
           "host:port in metrics.listen"],
          SOURCE + FILE_SINK + "metrics: {listen: '127.0.0.1:{busy}'}\n"),
+    Case("run-checkpoint-unwritable", RUN, 1,
+         ["cannot start: checkpoint.path: cannot create {tmp}/plain/ck.json: {tmp}/plain is not a directory; give a path"],
+         SOURCE + FILE_SINK + "checkpoint: {path: '{tmp}/plain/ck.json'}\n"),
     Case("no-config", [], 2, ["--config FILE is required"]),
     # -- the other commands
     Case("tail-endpoint-without-transport", ["tail", "vllm-host:5557"], 2,
