@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--check", action="store_true", help="validate the config and exit (0 ok, 2 invalid, 3 valid but something unreachable)"
     )
-    p.add_argument("--offline", action="store_true", help="with --check: do not contact the sinks")
+    p.add_argument("--offline", action="store_true", help="with --check: contact no sink or engine, look at no path")
     p.add_argument("--version", action="version", version=f"kv-event-bridge {__version__}")
     sub = p.add_subparsers(dest="command")
 
@@ -132,8 +132,9 @@ def _terminated(signum: int, frame: object) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Every command; the exit code. A user sees one line per problem, never a traceback."""
+    previous: Any = None
     with contextlib.suppress(ValueError):  # not the main thread (a program calling main): its own signals
-        signal.signal(signal.SIGTERM, _terminated)  # until the event loop takes SIGTERM over
+        previous = signal.signal(signal.SIGTERM, _terminated)  # until the event loop takes SIGTERM over
     try:
         return _main(argv)
     except _Terminated:
@@ -157,6 +158,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _main(argv: Sequence[str] | None) -> int:
