@@ -1,7 +1,7 @@
 """The command line. Only this module chooses exit codes; everything else raises.
 
 python -m bridge --config FILE            run the bridge
-python -m bridge --config FILE --check    validate (parse, build connectors, reach sinks) -> 0 or 2
+python -m bridge --config FILE --check    validate (parse, build connectors, reach sinks) -> 0, 2 or 3
 python -m bridge simulate [...]           a vLLM-compatible publisher
 python -m bridge tail ENDPOINT [...]      print an engine's decoded events
 python -m bridge demo                     simulator + bridge + stdout sink, no broker needed
@@ -17,22 +17,29 @@ import copy
 import gc
 import logging
 import os
+import select
 import signal
 import socket
+import stat
 import sys
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
 
-from . import __version__, logs
+from . import __version__, discovery, logs
 from . import config as config_mod
 from .config import Config
-from .connector import Connector, Registry
-from .errors import ConfigError, ConnectorError
+from .connector import Connector, Registry, template_labels, unwritable
+from .endpoints import for_rank
+from .errors import ConfigError, ConnectorError, StartupError
+from .probe import ProbeError, socket_type
 from .runtime import run as run_bridge
 from .secret import redact
 from .simulator import DEFAULT_PROFILE, PROFILES, Faults, Simulator, SimulatorOptions
 
-EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_UNREACHABLE = 0, 1, 2, 3
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
 
 log = logging.getLogger("bridge.cli")
 
@@ -42,8 +49,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m bridge", description="KV-cache events from inference engines to Kafka, Redis Streams and NATS."
     )
     p.add_argument("--config", "-c", help="config file (.yaml, .yml or .toml)")
-    p.add_argument("--check", action="store_true", help="validate the config and exit (0 ok, 2 problems)")
-    p.add_argument("--offline", action="store_true", help="with --check: do not contact the sinks")
+    p.add_argument(
+        "--check", action="store_true", help="validate the config and exit (0 ok, 2 invalid, 3 valid but something unreachable)"
+    )
+    p.add_argument("--offline", action="store_true", help="with --check: contact no sink or engine, look at no path")
     p.add_argument("--version", action="version", version=f"kv-event-bridge {__version__}")
     sub = p.add_subparsers(dest="command")
 
@@ -51,32 +60,34 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--endpoint", default="tcp://127.0.0.1:5557", help="PUB endpoint of rank 0 (rank r: port + r)")
     s.add_argument("--replay-endpoint", default="tcp://127.0.0.1:5558", help="ROUTER replay endpoint of rank 0; '' for none")
     s.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES), help="engine release to imitate")
-    s.add_argument("--ranks", type=int, default=1, help="data-parallel ranks")
+    s.add_argument("--ranks", type=_positive, default=1, help="data-parallel ranks")
     s.add_argument("--topic", default="", help="ZMQ topic")
-    s.add_argument("--rate", type=float, default=100.0, help="batches per second per rank (0: as fast as possible)")
-    s.add_argument("--count", type=int, default=0, help="batches per rank, then stop (0: forever)")
-    s.add_argument("--events-per-batch", type=int, default=4)
-    s.add_argument("--blocks-per-event", type=int, default=2)
-    s.add_argument("--block-size", type=int, default=16)
-    s.add_argument("--buffer-steps", type=int, default=10_000, help="replay buffer (batches)")
-    s.add_argument("--drop-rate", type=float, default=0.0, help="fraction of live messages never sent (kept for replay)")
-    s.add_argument("--replay-drop-rate", type=float, default=0.0, help="fraction of replay replies lost")
-    s.add_argument("--restart-every", type=int, default=0, help="restart the engine every N batches")
+    s.add_argument("--rate", type=_rate, default=100.0, help="batches per second per rank (0: as fast as possible)")
+    s.add_argument("--count", type=_count, default=0, help="batches per rank, then stop (0: forever)")
+    s.add_argument("--events-per-batch", type=_count, default=4)
+    s.add_argument("--blocks-per-event", type=_count, default=2)
+    s.add_argument("--block-size", type=_positive, default=16)
+    s.add_argument("--buffer-steps", type=_positive, default=10_000, help="replay buffer (batches)")
+    s.add_argument("--drop-rate", type=_fraction, default=0.0, help="fraction of live messages never sent (kept for replay)")
+    s.add_argument("--replay-drop-rate", type=_fraction, default=0.0, help="fraction of replay replies lost")
+    s.add_argument("--restart-every", type=_count, default=0, help="restart the engine every N batches")
     s.add_argument("--connect", action="store_true", help="connect to the endpoint instead of binding it")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--linger", type=float, default=0.0, help="keep serving replay this long after the last batch")
+    s.add_argument("--linger", type=_rate, default=0.0, help="keep serving replay this long after the last batch")
 
     t = sub.add_parser("tail", help="print decoded events of an engine")
-    t.add_argument("endpoint")
+    t.add_argument("endpoint", help="the engine's PUB endpoint of rank 0, e.g. tcp://vllm-host:5557")
     t.add_argument("--topic", default="")
-    t.add_argument("--replay-endpoint", default=None)
-    t.add_argument("--from-seq", type=int, default=None, help="replay from this seq first (needs --replay-endpoint)")
-    t.add_argument("--count", type=int, default=0, help="stop after N batches")
+    t.add_argument("--replay-endpoint", default=None, help="the engine's ROUTER replay endpoint of rank 0")
+    t.add_argument("--from-seq", type=_count, default=None, help="replay from this seq first (needs --replay-endpoint)")
+    t.add_argument("--count", type=_count, default=0, help="stop after N batches")
     t.add_argument("--granularity", choices=["event", "batch"], default="event")
+    t.add_argument("--dp-ranks", type=_positive, default=1, help="read ranks 0..n-1 (rank r at port + r)")
+    t.add_argument("--bind", action="store_true", help="bind the endpoint and let the engine connect in")
 
     d = sub.add_parser("demo", help="simulator + bridge + stdout sink (no broker needed)")
-    d.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: until Ctrl-C)")
-    d.add_argument("--rate", type=float, default=2.0, help="batches per second per rank")
+    d.add_argument("--duration", type=_rate, default=0.0, help="stop after this many seconds (0: until Ctrl-C)")
+    d.add_argument("--rate", type=_rate, default=2.0, help="batches per second per rank")
     d.add_argument("--format", choices=["json", "msgpack", "raw"], default="json")
     d.add_argument("--granularity", choices=["event", "batch"], default="event")
     d.add_argument("--metrics", default="127.0.0.1:9300", help="metrics listen address ('' to disable)")
@@ -86,43 +97,155 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _number(kind: type[int] | type[float], low: float, what: str) -> Callable[[str], Any]:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return value
+
+    return parse
+
+
+_positive = _number(int, 1, "a whole number of at least 1")
+_count = _number(int, 0, "a whole number of at least 0")
+_rate = _number(float, 0, "a number of at least 0")
+
+
+def _fraction(text: str) -> float:
+    value = float(_rate(text))
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction from 0 to 1, got {text}")
+    return value
+
+
+class _Terminated(BaseException):
+    """SIGTERM before the event loop handles it (a BaseException: nothing on the way may swallow it)."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Every command; the exit code. A user sees one line per problem, never a traceback."""
+    previous: Any = None
+    with contextlib.suppress(ValueError):  # not the main thread (a program calling main): its own signals
+        previous = signal.signal(signal.SIGTERM, _terminated)  # until the event loop takes SIGTERM over
+    try:
+        return _main(argv)
+    except _Terminated:
+        print("python -m bridge: stopped by SIGTERM during start-up", file=sys.stderr)
+        return EXIT_TERMINATED
+    except BrokenPipeError:  # the reader of stdout went away (``... | head -1``): that is how it ends
+        _quiet_stdout()
+        return EXIT_OK
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except (ConfigError, StartupError) as exc:
+        for line in exc.problems if isinstance(exc, ConfigError) else [str(exc)]:
+            print(f"python -m bridge: {redact(line)}", file=sys.stderr)
+        return EXIT_CONFIG if isinstance(exc, ConfigError) else EXIT_FAILED
+    except Exception as exc:  # a bug: say what, in one line; KVB_TRACEBACK=1 shows where
+        if os.environ.get("KVB_TRACEBACK"):
+            raise
+        print(
+            f"python -m bridge: unexpected {type(exc).__name__}: {redact(str(exc))} (please report it; run with "
+            "KVB_TRACEBACK=1 to see where it happened)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.command == "simulate":
         return _simulate(args)
     if args.command == "tail":
-        from .tail import tail
-
-        logs.setup()
-        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how tail usually ends
-            _run(
-                lambda: tail(
-                    args.endpoint,
-                    topic=args.topic,
-                    replay_endpoint=args.replay_endpoint,
-                    from_seq=args.from_seq,
-                    count=args.count,
-                    granularity=args.granularity,
-                )
-            )
-        return EXIT_OK
+        return _tail(args)
     if args.command == "demo":
         return _demo(args)
     if args.command == "schema":
         return _schema(args.check)
     if not args.config:
-        _parser().print_usage(sys.stderr)
+        parser.print_usage(sys.stderr)
         print("python -m bridge: error: --config FILE is required (or a command: simulate, tail, demo, schema)", file=sys.stderr)
         return EXIT_CONFIG
     if args.check:
         return check(args.config, offline=args.offline)
     try:
-        cfg = config_mod.load(args.config)
+        data = config_mod.read(args.config)
+        result = validate(data)
     except ConfigError as exc:
         _print_problems(args.config, exc.problems)
         return EXIT_CONFIG
+    if result.problems or result.config is None:
+        _print_problems(args.config, result.problems)
+        return EXIT_CONFIG
+    cfg = result.config
     logs.setup(cfg.log.format, cfg.log.level)
+    for line in result.warnings:
+        log.warning(redact(line))
+    unwritable_paths = _unwritable_paths(cfg)  # fail at once, not with an error at every save
+    for line in unwritable_paths:
+        log.error(f"cannot start: {line}")
+    if unwritable_paths:
+        return EXIT_FAILED
+    if any(s.type == "file" and s.options.get("path", "-") == "-" for s in cfg.sinks):
+        _exit_when_stdout_closes()
     return serve(cfg)
+
+
+def _tail(args: argparse.Namespace) -> int:
+    from .tail import tail
+
+    for flag, endpoint in (("endpoint", args.endpoint), ("--replay-endpoint", args.replay_endpoint)):
+        problem = config_mod.endpoint_problem(endpoint) if endpoint else None
+        if problem is not None:
+            print(f"python -m bridge tail: {flag}: {problem}", file=sys.stderr)
+            return EXIT_CONFIG
+    if args.from_seq is not None and not args.replay_endpoint:
+        print(
+            "python -m bridge tail: --from-seq needs --replay-endpoint (the engine's ROUTER replay socket, "
+            "e.g. tcp://vllm-host:5558)",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
+    logs.setup()
+    _exit_when_stdout_closes()
+
+    async def go() -> int:
+        stop = asyncio.Event()
+        _install_signals(stop)
+        task = asyncio.ensure_future(
+            tail(
+                args.endpoint,
+                topic=args.topic,
+                replay_endpoint=args.replay_endpoint,
+                from_seq=args.from_seq,
+                count=args.count,
+                granularity=args.granularity,
+                dp_ranks=args.dp_ranks,
+                bind=args.bind,
+            )
+        )
+        waiter = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if not task.done():
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return EXIT_OK
+
+    return _run(go)
 
 
 def _schema(check: str | None) -> int:
@@ -146,63 +269,217 @@ def _schema(check: str | None) -> int:
     return EXIT_OK
 
 
-def _print_problems(path: str, problems: Sequence[str]) -> None:
-    print(f"{path}: {len(problems)} problem(s)", file=sys.stderr)
+def _print_problems(path: str, problems: Sequence[str], lead: str = "") -> None:
+    print(f"{path}: {lead + ' ' if lead else ''}{len(problems)} problem(s)", file=sys.stderr)
     for line in problems:
         print(f"  {redact(line)}", file=sys.stderr)
 
 
-def check(path: str, *, offline: bool = False, registry: Registry | None = None) -> int:
-    """``--check``: parse, validate each connector's keys, then (unless offline) reach every sink."""
+@dataclass
+class Validation:
+    """What :func:`validate` found: the problems (each once), the warnings, and what it built."""
+
+    config: Config | None
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    connectors: list[tuple[int, Connector]] = field(default_factory=list)
+
+    def of_sink(self, index: int, name: str) -> list[str]:
+        return [p for p in self.problems if p.startswith((f"sinks[{index}]", f"sinks[{name}]"))]
+
+
+def validate(data: Any, registry: Registry | None = None, env: Mapping[str, str] | None = None) -> Validation:
+    """The whole offline validation of parsed config ``data``: the config, then each sink's own keys
+    and connector (built, no I/O), each sink's even while other parts are wrong. ``--check`` and the
+    start of a run both use it, so what ``--check --offline`` accepts starts."""
     problems: list[str] = []
     cfg: Config | None = None
+    try:
+        cfg = config_mod.from_data(copy.deepcopy(data), env)
+    except ConfigError as exc:
+        problems.extend(exc.problems)
+    reg = registry or Registry()
+    result = Validation(cfg)
+    labels = config_mod.label_names(data)
+    for i, type_name, options in config_mod.raw_sink_options(data, env):
+        try:
+            factory = reg.get(type_name, f"sinks[{i}].type")
+            result.warnings.extend(config_mod.plain_secrets(_unsubstituted(data, i), factory.Options, f"sinks[{i}]"))
+            sink = cfg.sinks[i] if cfg is not None else config_mod.sink_config(data, i, env)
+            if sink is not None:
+                conn = reg.build(sink, i, labels)
+                if cfg is not None:
+                    result.connectors.append((i, conn))
+            else:
+                with template_labels(labels):
+                    config_mod.convert_options(options, factory.Options, f"sinks[{i}]")
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+        except Exception as exc:  # a plugin's constructor must not end validation with a traceback
+            problems.append(f"sinks[{i}]: connector {type_name!r} failed to build: {type(exc).__name__}: {exc}")
+    result.warnings.extend(config_mod.plain_secrets(data, config_mod.Config, ""))
+    result.problems = list(dict.fromkeys(problems))  # a problem found two ways is told once
+    result.warnings = list(dict.fromkeys(result.warnings))
+    return result
+
+
+def _unsubstituted(data: Any, index: int) -> dict[str, Any]:
+    """The connector keys of sink ``index`` as written (``${VAR}`` not replaced yet)."""
+    raw = data["sinks"][index]
+    return {k: v for k, v in raw.items() if k not in config_mod.SINK_KEYS}
+
+
+def check(path: str, *, offline: bool = False, registry: Registry | None = None) -> int:
+    """``--check``: parse, validate each connector's keys, then (unless offline) reach every sink and
+    look at the checkpoint and dead-letter directories. Writes nothing. 0 ok, 2 invalid, 3 valid but
+    something unreachable or unwritable."""
     try:
         data = config_mod.read(path)
     except ConfigError as exc:
         _print_problems(path, exc.problems)
         return EXIT_CONFIG
-    try:
-        cfg = config_mod.from_data(copy.deepcopy(data))
+    with _quiet_logs():
+        result = validate(data, registry)
+    cfg = result.config
+    sinks = config_mod.raw_sink_options(data)
+    names = {i: cfg.sinks[i].name if cfg is not None else str(data["sinks"][i].get("name") or t) for i, t, _ in sinks}
+    if cfg is not None:
         print(f"parse: ok ({len(cfg.sources)} source(s), {len(cfg.sinks)} sink(s))")
-    except ConfigError as exc:
-        problems.extend(exc.problems)
-        print(f"parse: {len(exc.problems)} problem(s)")
-    reg = registry or Registry()
-    connectors: list[Connector] = []
-    for i, type_name, options in config_mod.raw_sink_options(data):
-        try:
-            factory = reg.get(type_name, f"sinks[{i}].type")
-            config_mod.convert_options(options, factory.Options, f"sinks[{i}]")
-            if cfg is not None:
-                connectors.append(reg.build(cfg.sinks[i], i))
-            print(f"sinks[{i}] ({type_name}): config ok")
-        except ConfigError as exc:
-            problems.extend(exc.problems)
-            print(f"sinks[{i}] ({type_name}): {len(exc.problems)} problem(s)")
-    if not problems and not offline:
-        for i, conn in enumerate(connectors):
-            reason = asyncio.run(_reach(conn))
-            if reason is None:
-                print(f"sinks[{i}] {conn.name}: reachable")
-            else:
-                problems.append(f"sinks[{i}]: {reason}")
-                print(f"sinks[{i}] {conn.name}: unreachable")
-    if problems:
-        _print_problems(path, problems)
+    else:
+        own = sum(len(result.of_sink(i, name)) for i, name in names.items())
+        print(f"parse: {len(result.problems) - own} problem(s)")
+    for i, name in names.items():
+        found = result.of_sink(i, name)
+        print(f"sinks[{i}] ({name}): {f'{len(found)} problem(s)' if found else 'config ok'}")
+    for line in result.warnings:
+        print(f"warning: {redact(line)}", file=sys.stderr)
+    if result.problems or cfg is None:
+        _print_problems(path, result.problems)
         return EXIT_CONFIG
+    if offline:
+        print("config ok (offline: sinks not contacted)")
+        return EXIT_OK
+    unreachable = _unwritable_paths(cfg)
+    probed, answering, wrong = asyncio.run(_probe_engines(cfg))
+    if probed or wrong:
+        print(f"engines: {answering} of {probed} endpoint(s) answer as they should")
+    unreachable.extend(wrong)
+    with _quiet_logs():
+        for i, conn in result.connectors:
+            reason = asyncio.run(_reach(conn))
+            print(f"sinks[{i}] ({conn.name}): {'reachable' if reason is None else 'unreachable'}")
+            if reason is not None:
+                line = reason if reason.startswith("sinks[") else f"sinks[{i}] ({conn.name}): {reason}"
+                unreachable.append(f"{line} (is the server up and reachable from here? --offline skips this step)")
+    if unreachable:
+        _print_problems(path, unreachable, "valid, but")
+        return EXIT_UNREACHABLE
     print("config ok")
     return EXIT_OK
 
 
-async def _reach(conn: Connector) -> str | None:
+def _unwritable_paths(cfg: Config) -> list[str]:
+    """The bridge's own files (checkpoint, dead letters) that could not be written, one line each."""
+    lines = []
+    for key, target in (("checkpoint.path", cfg.checkpoint.path), ("dead_letter.path", cfg.dead_letter.path)):
+        problem = unwritable(target) if target and target != "-" else None
+        if problem is not None:
+            lines.append(f"{key}: {problem}")
+    return lines
+
+
+PROBE_TIMEOUT = 3.0
+PROBE_MAX = 32
+"""Discovered engines probed by ``--check``, at most (the first addresses in sorted order)."""
+_EXPECTED = {"endpoint": ("PUB", "XPUB"), "replay_endpoint": ("ROUTER",)}
+
+
+async def _probe_engines(cfg: Config) -> tuple[int, int, list[str]]:
+    """``--check``: ask every engine endpoint the bridge connects to which ZMQ socket answers (ZMTP
+    greeting; nothing subscribed or requested), DNS discovery's engines included: how many were
+    asked, how many answered as they should, and one line per problem."""
+    checks: list[tuple[str, str, int, str, Coroutine[Any, Any, str]]] = []
+    lines: list[str] = []
+    targets = [(f"sources[{i}]", source) for i, source in enumerate(cfg.sources)]
+    dns = cfg.discovery.dns
+    if dns is not None:
+        resolver = discovery.UdpResolver(dns.resolver) if dns.resolver else discovery.SystemResolver()
+        try:
+            addresses = await asyncio.wait_for(resolver.resolve(dns.name), dns.timeout)
+        except (discovery.ResolveError, TimeoutError) as exc:
+            detail = exc.detail if isinstance(exc, discovery.ResolveError) else f"no answer in {dns.timeout:g}s"
+            lines.append(
+                f"discovery.dns.name: {dns.name} finds no engine ({detail}); check the Service name and namespace "
+                "(a headless Service with no ready pods does not resolve either)"
+            )
+            addresses = frozenset()
+        prefix = dns.name_prefix or discovery.default_prefix(dns.name)
+        targets += [(f"discovery.dns ({a})", discovery.source_for(dns, a, prefix)) for a in sorted(addresses)[:PROBE_MAX]]
+    for where_from, source in targets:
+        for key in ("endpoint", "replay_endpoint"):
+            endpoint = getattr(source, key)
+            if endpoint is None or (key == "endpoint" and source.bind):
+                continue
+            for rank in range(source.dp_ranks):
+                ep = for_rank(endpoint, rank)
+                host, _, port = ep.removeprefix("tcp://").rpartition(":")
+                if not ep.startswith("tcp://") or "*" in host:
+                    continue
+                checks.append((f"{where_from}.{key}", ep, rank, key, socket_type(host.strip("[]"), int(port), PROBE_TIMEOUT)))
+    found = await asyncio.gather(*(c[4] for c in checks), return_exceptions=True)
+    for (path, ep, rank, key, _), got in zip(checks, found, strict=True):
+        where = f"{path}: {ep}" + (f" (rank {rank})" if rank else "")
+        if isinstance(got, str):
+            if got.upper() in _EXPECTED[key]:
+                continue
+            if key == "endpoint":
+                fix = "this looks like the engine's replay port: give its PUB (kv-events endpoint) port here"
+            else:
+                fix = "this looks like the engine's live PUB port: give its replay_endpoint port here"
+            lines.append(f"{where} is a {got} socket, not {' or '.join(_EXPECTED[key])}; {fix}")
+        elif isinstance(got, TimeoutError):
+            lines.append(f"{where}: no answer in {PROBE_TIMEOUT:g}s (a firewall, or not a ZMQ socket?)")
+        elif isinstance(got, socket.gaierror):
+            lines.append(f"{where}: cannot resolve the host ({got.strerror}); check the name")
+        elif isinstance(got, OSError):
+            lines.append(
+                f"{where}: cannot connect ({got.strerror or got}); is the engine running with KV events on, and is this its port?"
+            )
+        elif isinstance(got, ProbeError):
+            lines.append(f"{where}: {got}")
+        elif isinstance(got, BaseException):
+            raise got
+    return (
+        len(checks),
+        sum(isinstance(got, str) and got.upper() in _EXPECTED[c[3]] for c, got in zip(checks, found, strict=True)),
+        lines,
+    )
+
+
+@contextlib.contextmanager
+def _quiet_logs() -> Iterator[None]:
+    """``--check`` speaks for itself: client libraries' log lines would interleave with its report."""
+    logging.disable(logging.CRITICAL)
     try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+async def _reach(conn: Connector) -> str | None:
+    """Why ``conn`` cannot be reached, or None; changes nothing (a connector's ``probe`` when it has one)."""
+    probe = getattr(conn, "probe", None)
+    try:
+        if probe is not None:
+            return cast("str | None", await asyncio.wait_for(probe(), 15))
         await asyncio.wait_for(conn.connect(), 15)
         return await asyncio.wait_for(conn.health(), 15)
     except (ConnectorError, TimeoutError, OSError) as exc:
         return str(exc) or type(exc).__name__
     finally:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(conn.close(), 5)
+        if probe is None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.close(), 5)
 
 
 def _install_signals(stop: asyncio.Event) -> None:
@@ -264,9 +541,50 @@ def serve(cfg: Config, registry: Registry | None = None) -> int:
     except ConfigError as exc:
         _print_problems("config", exc.problems)
         return EXIT_CONFIG
+    except StartupError as exc:
+        log.error(redact(str(exc)))
+        return EXIT_FAILED
+
+
+def _exit_when_stdout_closes() -> None:
+    """End the process (exit 0) once the reader of a stdout pipe goes away (``... | head -1``).
+
+    Nothing written later could reach anyone: waiting for the sinks' queues to drain into a closed
+    pipe would only hold the process until the shutdown timeout. A pipe's write end reports POLLERR
+    when its reader closes, whatever events are asked for, so a thread waits for that alone; a
+    terminal or a file never reports it."""
+    try:
+        if not stat.S_ISFIFO(os.fstat(sys.stdout.fileno()).st_mode):
+            return
+    except (OSError, ValueError, AttributeError):
+        return
+    fd = sys.stdout.fileno()
+
+    def watch() -> None:
+        poller = select.poll()
+        poller.register(fd, 0)
+        while True:
+            if any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll()):
+                _quiet_stdout()
+                os._exit(EXIT_OK)
+
+    threading.Thread(target=watch, name="stdout-watch", daemon=True).start()
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's last flush does not fail on a closed pipe."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    for flag, endpoint in (("--endpoint", args.endpoint), ("--replay-endpoint", args.replay_endpoint)):
+        problem = config_mod.endpoint_problem(endpoint) if endpoint else None
+        if problem is not None:
+            print(f"python -m bridge simulate: {flag}: {problem}", file=sys.stderr)
+            return EXIT_CONFIG
     logs.setup()
     opts = SimulatorOptions(
         endpoint=args.endpoint,
@@ -315,6 +633,10 @@ def _demo(args: argparse.Namespace) -> int:
     pub, rep = _free_port(), _free_port()
     while rep == pub + 1 or pub == rep + 1:
         rep = _free_port()
+    problem = config_mod.listen_problem(args.metrics)
+    if problem is not None:
+        print(f"python -m bridge demo: --metrics: {problem}", file=sys.stderr)
+        return EXIT_CONFIG
     cfg = config_mod.from_data(
         {
             "sources": [
@@ -339,6 +661,8 @@ def _demo(args: argparse.Namespace) -> int:
         faults=Faults(drop_rate=0.05),
     )
 
+    _exit_when_stdout_closes()
+
     async def go() -> int:
         stop = asyncio.Event()
         _install_signals(stop)
@@ -349,6 +673,8 @@ def _demo(args: argparse.Namespace) -> int:
             log.info("demo: simulated vLLM engine -> bridge -> stdout (Ctrl-C to stop)", extra={"metrics": args.metrics})
             try:
                 return await run_bridge(cfg, stop)
+            except StartupError as exc:  # the demo's metrics address is its --metrics flag
+                raise StartupError(str(exc).replace("in metrics.listen", "with --metrics")) from None
             finally:
                 runner.cancel()
                 await asyncio.gather(runner, return_exceptions=True)

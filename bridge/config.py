@@ -33,6 +33,11 @@ class Duration(float):
     """Seconds; in files also ``"250ms"``, ``"15s"``, ``"2m"``, ``"1h"``."""
 
 
+class Interval(Duration):
+    """A :class:`Duration` greater than 0: a timeout, period or bound that 0 would turn into "never"
+    or "at once, forever" (nothing written, a busy loop)."""
+
+
 class ByteSize(int):
     """Bytes; in files also ``"64KiB"``, ``"16MiB"``, ``"1GiB"``, ``"10MB"``."""
 
@@ -48,13 +53,20 @@ def _dec_hook(tp: type, obj: Any) -> Any:
         if not isinstance(obj, str):
             raise ValueError("expected a string (a password or token, e.g. ${PASSWORD})")
         return Secret(obj)
-    if tp is Duration:
+    if tp is Duration or tp is Interval:
         if isinstance(obj, int | float) and not isinstance(obj, bool) and obj >= 0:
-            return Duration(obj)
-        m = _DURATION.match(obj) if isinstance(obj, str) else None
-        if m is None:
-            raise ValueError(f"expected a duration such as 15s or 250ms, got {json.dumps(obj)}")
-        return Duration(float(m.group(1)) * _UNITS[m.group(2) or "s"])
+            seconds = float(obj)
+        else:
+            m = _DURATION.match(obj) if isinstance(obj, str) else None
+            if m is None:
+                raise ValueError(f"expected a duration such as 15s or 250ms, got {json.dumps(obj)}")
+            seconds = float(m.group(1)) * _UNITS[m.group(2) or "s"]
+        if tp is Interval and seconds <= 0:
+            raise ValueError(
+                f"must be greater than 0, got {json.dumps(obj)} (give a duration such as 5s, or leave the key out "
+                "for its default)"
+            )
+        return tp(seconds)
     if tp is ByteSize:
         if isinstance(obj, int) and not isinstance(obj, bool) and obj >= 0:
             return ByteSize(obj)
@@ -148,8 +160,8 @@ class DnsDiscovery(Struct):
     replay_port: Annotated[Annotated[int, msgspec.Meta(ge=1, le=65535)] | None, doc("Engine replay port (null: no replay).")] = (
         5558
     )
-    interval: Annotated[Duration, doc("How often to re-resolve.")] = Duration(15.0)
-    timeout: Annotated[Duration, doc("Bound on one resolution; a timed-out one keeps the known sources.")] = Duration(5.0)
+    interval: Annotated[Interval, doc("How often to re-resolve.")] = Interval(15.0)
+    timeout: Annotated[Interval, doc("Bound on one resolution; a timed-out one keeps the known sources.")] = Interval(5.0)
     resolver: Annotated[
         str | None,
         doc("host:port of a DNS server to ask directly over UDP (TCP when truncated); default: the system resolver."),
@@ -197,7 +209,7 @@ class DiscoveryConfig(Struct):
 
 class CheckpointConfig(Struct):
     path: Annotated[str | None, doc("Checkpoint file (null: no checkpoint, start fresh every time).")] = None
-    interval: Annotated[Duration, doc("How often the checkpoint is saved (also on shutdown).")] = Duration(5.0)
+    interval: Annotated[Interval, doc("How often the checkpoint is saved (also on shutdown).")] = Interval(5.0)
     from_sinks: Annotated[
         bool,
         doc(
@@ -208,12 +220,12 @@ class CheckpointConfig(Struct):
         ),
     ] = False
     from_sinks_timeout: Annotated[
-        Duration,
+        Interval,
         doc(
             "Bound on asking one sink for the positions of the streams starting together; a sink that does not "
             "answer in time counts as holding what the checkpoint file says (nothing without one)."
         ),
-    ] = Duration(10.0)
+    ] = Interval(10.0)
 
 
 class StateConfig(Struct):
@@ -231,14 +243,14 @@ class StateConfig(Struct):
         ),
     ] = 10_000_000
     load_timeout: Annotated[
-        Duration,
+        Interval,
         doc(
             "Bound on reading back one sink's state of the streams starting together (a restarted bridge rebuilds "
             "its tables from it); a sink not reachable yet is retried with backoff meanwhile, and one that does not "
             "answer in time has those streams' state cleared and started afresh (complete: false until the "
             "engine's next reset)."
         ),
-    ] = Duration(60.0)
+    ] = Interval(60.0)
 
 
 class BatchConfig(Struct):
@@ -257,6 +269,10 @@ class QueueConfig(Struct):
     max_batches: Annotated[int, msgspec.Meta(ge=1, description="Engine batches queued per sink, at most.")] = 10000
     max_bytes: Annotated[ByteSize, doc("Payload bytes queued per sink, at most.")] = ByteSize(64 * 2**20)
 
+    def __post_init__(self) -> None:
+        if self.max_bytes < 1:
+            raise ValueError("max_bytes: must be at least 1 byte, got 0 (nothing could be queued); e.g. 64MiB")
+
 
 class RetryConfig(Struct):
     """Capped exponential backoff with jitter, shared by every sink."""
@@ -264,10 +280,13 @@ class RetryConfig(Struct):
     initial_backoff: Annotated[Duration, doc("First pause between write attempts (capped exponential, jittered).")] = Duration(
         0.1
     )
-    max_backoff: Annotated[Duration, doc("Longest pause between write attempts.")] = Duration(10.0)
+    max_backoff: Annotated[Interval, doc("Longest pause between write attempts.")] = Interval(10.0)
     multiplier: Annotated[float, msgspec.Meta(ge=1.0, description="Factor between one pause and the next.")] = 2.0
     jitter: Annotated[float, msgspec.Meta(ge=0.0, le=1.0, description="Fraction of each delay drawn at random.")] = 0.2
-    write_timeout: Annotated[Duration, doc("A write that has not returned after this is retried.")] = Duration(30.0)
+    write_timeout: Annotated[Interval, doc("A write that has not returned after this is retried.")] = Interval(30.0)
+
+    def __post_init__(self) -> None:
+        _check_backoff(self.initial_backoff, self.max_backoff)
 
 
 SinkFormat = Literal["json", "msgpack", "raw"]
@@ -368,12 +387,12 @@ _SECRET = re.compile(r"pass|secret|token|key|cred|seed", re.IGNORECASE)
 class ReplayConfig(Struct):
     """The replay client (gap recovery through the engines' ROUTER sockets)."""
 
-    timeout: Annotated[Duration, doc("Silence after which a replay is uncertain and retried.")] = Duration(2.0)
+    timeout: Annotated[Interval, doc("Silence after which a replay is uncertain and retried.")] = Interval(2.0)
     max_attempts: Annotated[int, msgspec.Meta(ge=1, description="Attempts without progress before a gap is declared lost.")] = 5
     initial_backoff: Annotated[Duration, doc("First pause between replay attempts (capped exponential, jittered).")] = Duration(
         0.2
     )
-    max_backoff: Annotated[Duration, doc("Longest pause between replay attempts.")] = Duration(5.0)
+    max_backoff: Annotated[Interval, doc("Longest pause between replay attempts.")] = Interval(5.0)
     max_concurrent: Annotated[
         int,
         msgspec.Meta(
@@ -388,15 +407,30 @@ class ReplayConfig(Struct):
         msgspec.Meta(ge=1, description="Live batches held per stream while a gap is open (beyond, they are fetched by replay)."),
     ] = 5000
 
+    def __post_init__(self) -> None:
+        _check_backoff(self.initial_backoff, self.max_backoff)
+
+
+def _check_backoff(initial: float, maximum: float) -> None:
+    if initial > maximum:
+        raise ValueError(
+            f"initial_backoff: {_seconds(initial)} is above max_backoff {_seconds(maximum)}: the first pause would "
+            "already be the longest; lower initial_backoff or raise max_backoff"
+        )
+
+
+def _seconds(value: float) -> str:
+    return f"{value:g}s"
+
 
 class IngestConfig(Struct):
     max_frame_bytes: Annotated[ByteSize, doc("Larger ZMQ messages are refused before allocation.")] = ByteSize(64 * 2**20)
     receive_hwm: Annotated[
         int,
         msgspec.Meta(
-            ge=0,
+            ge=1,
             description="ZMQ receive high-water mark per socket: messages buffered while ingest waits for a full sink "
-            "(beyond, the engine drops and replay repairs).",
+            "(beyond, the engine drops and replay repairs). At least 1 (ZMQ would take 0 as no bound).",
         ),
     ] = 5000
     drain_max: Annotated[int, msgspec.Meta(ge=1, description="Messages read per socket wake-up before yielding.")] = 256
@@ -409,9 +443,29 @@ class IngestConfig(Struct):
         ),
     ] = Duration(60.0)
 
+    def __post_init__(self) -> None:
+        if self.max_frame_bytes < 1:
+            raise ValueError("max_frame_bytes: must be at least 1 byte, got 0 (every message would be refused); e.g. 64MiB")
+
 
 class MetricsConfig(Struct):
     listen: Annotated[str, doc("host:port of /metrics, /healthz, /readyz; empty string disables.")] = "0.0.0.0:9300"
+
+    def __post_init__(self) -> None:
+        problem = listen_problem(self.listen)
+        if problem is not None:
+            raise ValueError(f"listen: {problem}")
+
+
+def listen_problem(listen: str) -> str | None:
+    """Why ``listen`` is not a host:port to serve HTTP on (empty: off), with the fix; None when it is."""
+    _host, sep, port = listen.rpartition(":")
+    if not listen or (sep and port.isdigit() and int(port) <= 65535 and "/" not in listen):
+        return None
+    return (
+        f"{listen!r} is not host:port; give e.g. 0.0.0.0:9300 (all interfaces) or 127.0.0.1:9300 (loopback), "
+        "or an empty string to turn the endpoints off"
+    )
 
 
 class LogConfig(Struct):
@@ -442,7 +496,7 @@ class Config(Struct):
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     dead_letter: DeadLetterConfig = msgspec.field(default_factory=DeadLetterConfig)
-    shutdown_timeout: Annotated[Duration, doc("Bound on the graceful shutdown (flush, checkpoint).")] = Duration(20.0)
+    shutdown_timeout: Annotated[Interval, doc("Bound on the graceful shutdown (flush, checkpoint).")] = Interval(20.0)
 
 
 # -- environment substitution -------------------------------------------------------------------
@@ -490,13 +544,20 @@ def _type_name(tp: Any) -> str:
     if origin is Literal:
         return " | ".join(json.dumps(a) for a in get_args(tp))
     if origin in (Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in get_args(tp))
+        args = get_args(tp)
+        if any(_struct_of(a) is not None or get_origin(a) in (list, dict) for a in args):
+            args = tuple(a for a in args if a is not type(None))  # "a mapping", not "a mapping | null"
+        return " | ".join(_type_name(a) for a in args)
     if tp is type(None):
         return "null"
-    if tp is Duration:
+    if isinstance(tp, type) and issubclass(tp, Duration):
         return "duration"
     if tp is ByteSize:
         return "size"
+    if origin is dict or (isinstance(tp, type) and issubclass(tp, msgspec.Struct)):
+        return "a mapping"
+    if origin is list:
+        return "a list"
     if origin is not None:
         return getattr(origin, "__name__", str(origin))
     return getattr(tp, "__name__", str(tp))
@@ -538,7 +599,7 @@ def convert(data: Any, tp: type[T], path: str, problems: list[str]) -> T | None:
     before = len(problems)
     _explain(data, tp, path, problems)
     if len(problems) == before:  # a constraint msgspec saw that the walk did not: report it as is
-        problems.append(_rewrite(first, path))
+        problems.extend(_rewrite(first, path, data, tp))
     return None
 
 
@@ -578,27 +639,72 @@ def _leaf(value: Any, tp: Any, path: str, problems: list[str]) -> None:
         message = str(exc)
     struct, item, entry = _struct_of(tp), _list_item(tp), _dict_value(tp)
     if ((struct is not None or entry is not None) and isinstance(value, dict)) or (item is not None and isinstance(value, list)):
+        before = len(problems)
         _explain(value, tp, path, problems)
-        return
-    problems.append(_rewrite(message, path, value, tp))
+        if len(problems) > before:
+            return
+        # Every key is fine on its own: the struct refused their combination (its __post_init__).
+    problems.extend(_rewrite(message, path, value, tp))
 
 
 _AT = re.compile(r"^(.*?)(?: - at `\$([^`]*)`)?$", re.DOTALL)
+_BOUND = re.compile(r"^Expected `(\w+)` (>=|<=|>|<) (\S+)$")
+_LENGTH = re.compile(r"^Expected `(\w+)` of length (>=|<=) (\d+)$")
+_BOUND_WORDS = {">=": "at least", "<=": "at most", ">": "greater than", "<": "less than"}
+_KEYED = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*): (.*)$", re.DOTALL)
 
 
-def _rewrite(message: str, path: str, value: Any = None, tp: Any = None) -> str:
-    """A msgspec message as ``path: message``, with our own wording for plain type mismatches."""
+def _rewrite(message: str, path: str, value: Any = None, tp: Any = None) -> list[str]:
+    """A msgspec message as ``path: message`` lines, with our own wording for type mismatches and
+    bounds. A struct's ``__post_init__`` may report several problems, one per line; a line that
+    starts with one of the struct's keys (``initial_backoff: ...``) is placed at that key's path."""
     m = _AT.match(message)
     text, sub = (m.group(1), m.group(2) or "") if m else (message, "")
     full = path + sub if sub.startswith("[") or not sub else _join(path, sub.lstrip("."))
+    known = _value_at(value, sub)
+    bound, length = _BOUND.match(text), _LENGTH.match(text)
     if "matching regex" in text:  # say what the pattern means rather than show it
         allowed = "letters, digits and . _ : - (starting with a letter or digit)" if SOURCE_NAME in text else None
-        text = f"{json.dumps(value, default=str)} is not allowed" + (f": use {allowed}" if allowed else f" ({text})")
+        shown = json.dumps(value if known is _UNKNOWN else known, default=str)
+        text = f"{shown} is not allowed" + (f": use {allowed}" if allowed else f" ({text})")
+    elif bound is not None:
+        limit = bound.group(3).removesuffix(".0")
+        got = f", got {json.dumps(known, default=str)}" if known is not _UNKNOWN else ""
+        text = f"must be {_BOUND_WORDS[bound.group(2)]} {limit}{got}"
+    elif length is not None:
+        n, op = int(length.group(3)), length.group(2)
+        text = "must not be empty" if (op, n) == (">=", 1) else f"must have {_BOUND_WORDS[op]} {n} item(s) or character(s)"
     elif (text.startswith("Expected `") or text.startswith("Invalid enum")) and tp is not None and not sub:
         text = f"expected {_type_name(tp)}, got {json.dumps(value, default=str)}"
-    elif text:
-        text = text[0].lower() + text[1:]
-    return f"{full}: {text.replace('`', '')}"
+    lines = []
+    struct = _struct_of(tp) if not sub else None
+    keys = {f.encode_name for f in msgspec.structs.fields(struct)} if struct is not None else set()
+    for line in text.split("\n"):
+        keyed = _KEYED.match(line)
+        if keyed is not None and keyed.group(1).split(".")[0] in keys:
+            lines.append(f"{_join(full, keyed.group(1))}: {_lower(keyed.group(2))}")
+        else:
+            lines.append(f"{full}: {_lower(line)}")
+    return [line.replace("`", "") for line in lines]
+
+
+_UNKNOWN = object()
+
+
+def _value_at(value: Any, sub: str) -> Any:
+    """The value msgspec complained about: ``value`` itself, or the part at ``sub`` (``.a[0].b``)."""
+    if not sub:
+        return value
+    for key, index in re.findall(r"\.([^.\[]+)|\[(\d+)\]", sub):
+        try:
+            value = value[key] if key else value[int(index)]
+        except (KeyError, IndexError, TypeError, ValueError):
+            return _UNKNOWN
+    return value
+
+
+def _lower(text: str) -> str:
+    return text[0].lower() + text[1:] if text else text
 
 
 # -- loading ------------------------------------------------------------------------------------
@@ -612,8 +718,16 @@ def parse_text(text: str, suffix: str) -> Any:
         if suffix in (".yaml", ".yml", ".json"):
             return yaml.safe_load(text)
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError([f"cannot parse the file: {exc}"]) from exc
+        raise ConfigError([f"cannot parse the file: {_parse_error(exc)}"]) from exc
     raise ConfigError([f"unknown config file type {suffix!r}: use .yaml, .yml or .toml"])
+
+
+def _parse_error(exc: Exception) -> str:
+    """A parser's message on one line: where, then what (YAML's spans several lines with a caret)."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        return f"line {mark.line + 1}, column {mark.column + 1}: {exc.problem} (fix the YAML syntax there)"
+    return " ".join(str(exc).split())
 
 
 def from_data(data: Any, env: Mapping[str, str] | None = None) -> Config:
@@ -622,7 +736,7 @@ def from_data(data: Any, env: Mapping[str, str] | None = None) -> Config:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError([f"the file must hold a mapping at the top, not {type(data).__name__}"])
+        raise ConfigError([f"top level: expected a mapping (sources:, sinks:, ...), got a {type(data).__name__}"])
     data = substitute(data, os.environ if env is None else env, "", problems)
     raw_sinks = data.pop("sinks", [])
     config = convert(data, Config, "", problems)
@@ -640,6 +754,7 @@ def from_data(data: Any, env: Mapping[str, str] | None = None) -> Config:
         if sink is not None:
             sinks.append(sink)
     _check_names(data.get("sources"), "sources", problems)
+    _check_endpoints(data.get("sources"), problems)
     if config is not None:
         _check_semantics(config, sinks, raw_sinks, problems)
     if problems or config is None:
@@ -660,6 +775,43 @@ def _check_names(entries: Any, section: str, problems: list[str]) -> None:
         if name in seen:
             problems.append(f"{section}[{i}].name: {name!r} is already used by {section}[{seen[name]}]")
         seen[name] = i
+
+
+_ENDPOINT = re.compile(r"^([a-z]+)://(.*)$")
+
+
+def endpoint_problem(endpoint: str) -> str | None:
+    """Why ``endpoint`` is not a ZMQ endpoint the bridge can use (tcp://host:port, ipc://path,
+    inproc://name), with the fix; None when it is."""
+    m = _ENDPOINT.match(endpoint)
+    if m is None:
+        guess = f"tcp://{endpoint}" if re.fullmatch(r"[^/:\s]+:\d+", endpoint) else "tcp://HOST:PORT"
+        return f"{endpoint!r} has no transport: write {guess} (or ipc://PATH, inproc://NAME)"
+    scheme, rest = m.groups()
+    if scheme in ("ipc", "inproc"):
+        return None if rest else f"{endpoint!r} names no {'path' if scheme == 'ipc' else 'name'}"
+    if scheme != "tcp":
+        return f"{endpoint!r}: transport {scheme}:// is not supported; use tcp://HOST:PORT, ipc://PATH or inproc://NAME"
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return f"{endpoint!r} has no port: write tcp://{rest or 'HOST'}:PORT (vLLM's default live port is 5557, replay 5558)"
+    if not 0 < int(port) < 65536:
+        return f"{endpoint!r}: port {port} is out of range (1-65535)"
+    return None
+
+
+def _check_endpoints(entries: Any, problems: list[str]) -> None:
+    """Every source's endpoints are ZMQ endpoints (checked on the raw data, beside other problems)."""
+    if not isinstance(entries, list):
+        return
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            continue
+        for key in ("endpoint", "replay_endpoint"):
+            value = entry.get(key)
+            problem = endpoint_problem(value) if isinstance(value, str) else None
+            if problem is not None:
+                problems.append(f"sources[{i}].{key}: {problem}")
 
 
 def _check_semantics(config: Config, sinks: list[SinkConfig], raw: list[Any], problems: list[str]) -> None:
@@ -805,6 +957,73 @@ def _overlap(n: int) -> str:
     return "overlap" if n > 1 else "overlaps"
 
 
+def label_names(data: Any) -> frozenset[str]:
+    """Every label a source of the (parsed, maybe invalid) config ``data`` can carry: the labels of
+    the static sources, and with DNS discovery its labels and ``address``. Name templates may use these."""
+    names: set[str] = set()
+    if not isinstance(data, dict):
+        return frozenset()
+    for source in data.get("sources") or []:
+        if isinstance(source, dict) and isinstance(source.get("labels"), dict):
+            names |= {str(k) for k in source["labels"]}
+    discovery = data.get("discovery")
+    dns = discovery.get("dns") if isinstance(discovery, dict) else None
+    if isinstance(dns, dict):
+        names.add("address")
+        if isinstance(dns.get("labels"), dict):
+            names |= {str(k) for k in dns["labels"]}
+    return frozenset(names)
+
+
+_URL_PASSWORD = re.compile(r"^[a-z][a-z0-9+.-]*://[^/@\s]*:([^/@\s]+)@", re.IGNORECASE)
+
+
+def plain_secrets(data: Any, tp: Any, path: str) -> list[str]:
+    """Where the raw (not yet substituted) ``data`` of type ``tp`` holds a secret written out: a
+    secret string (:class:`~bridge.secret.Secret`) or a password inside a URL that is not taken
+    from the environment with ``${VAR}``. One warning line per place, with the fix."""
+    out: list[str] = []
+    fix = "is written in plain text in the config file: give it as ${VAR} from the environment (the chart: secretEnv)"
+    if isinstance(data, str):
+        if _holds_secret(tp) and data and "${" not in data:
+            out.append(f"{path}: this secret {fix}")
+        m = _URL_PASSWORD.match(data)
+        if m is not None and "${" not in m.group(1):
+            out.append(f"{path}: the password in this URL {fix}")
+        return out
+    struct, item = _struct_of(tp), _list_item(tp)
+    if isinstance(data, dict) and struct is not None:
+        fields = {f.encode_name: f.type for f in msgspec.structs.fields(struct)}
+        for key, value in data.items():
+            if key in fields:
+                out.extend(plain_secrets(value, fields[key], _join(path, str(key))))
+    elif isinstance(data, dict) and get_origin(tp) is dict:
+        for key, value in data.items():
+            out.extend(plain_secrets(value, get_args(tp)[1], _join(path, str(key))))
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            out.extend(plain_secrets(value, item if item is not None else _element(tp), f"{path}[{i}]"))
+    return out
+
+
+def _holds_secret(tp: Any) -> bool:
+    if get_origin(tp) is Annotated:
+        return _holds_secret(get_args(tp)[0])
+    if get_origin(tp) in (Union, types.UnionType):
+        return any(_holds_secret(a) for a in get_args(tp))
+    return tp is Secret
+
+
+def _element(tp: Any) -> Any:
+    """The list type inside ``tp`` (``str | list[str]``), or Any."""
+    if get_origin(tp) is Annotated:
+        return _element(get_args(tp)[0])
+    for a in get_args(tp) if get_origin(tp) in (Union, types.UnionType) else ():
+        if get_origin(a) is list:
+            return get_args(a)[0]
+    return Any
+
+
 def read(path: str | Path) -> Any:
     """The parsed (not yet validated) content of a config file."""
     p = Path(path)
@@ -833,6 +1052,20 @@ def raw_sink_options(data: Any, env: Mapping[str, str] | None = None) -> list[tu
             options = {k: v for k, v in raw.items() if k not in SINK_KEYS}
             out.append((i, raw["type"], substitute(options, os.environ if env is None else env, f"sinks[{i}]", ignored)))
     return out
+
+
+def sink_config(data: Any, index: int, env: Mapping[str, str] | None = None) -> SinkConfig | None:
+    """Sink ``index`` of the parsed ``data`` on its own (None if its own keys are wrong), named as
+    given or after its type: to check a sink's connector while other parts of the file are wrong."""
+    raw = data["sinks"][index]
+    ignored: list[str] = []
+    raw = substitute(raw, os.environ if env is None else env, f"sinks[{index}]", ignored)
+    common = {k: v for k, v in raw.items() if k in SINK_KEYS}
+    common["options"] = {k: v for k, v in raw.items() if k not in SINK_KEYS}
+    sink = convert(common, SinkConfig, f"sinks[{index}]", ignored)
+    if sink is not None and not sink.name:
+        sink.name = sink.type
+    return sink
 
 
 def convert_options(options: Mapping[str, Any], tp: type[T], path: str) -> T:

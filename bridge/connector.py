@@ -27,6 +27,10 @@ A connector class has:
 - ``async close()``: flush and release; must not raise;
 - ``async health()``: ``None`` when healthy, else a short reason (used by ``/readyz``, ``--check``).
 
+Optional, for ``--check``, which must change nothing: ``async probe()``: ``None`` when the sink could
+be used, else the reason, found without writing or creating anything. Without it ``--check`` calls
+``connect()``, ``health()`` and ``close()``.
+
 Optional, for ``checkpoint.from_sinks`` (a pod taking over streams it has no checkpoint for):
 
 - ``async positions(streams)``: what the sink holds of each stream, read from the sink itself:
@@ -77,10 +81,15 @@ Connectors are registered under the ``kv_bridge.connectors`` entry-point group
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import difflib
 import importlib.metadata
+import os
 import re
 import ssl
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Annotated, Any, ClassVar, Protocol, runtime_checkable
 
 import msgspec
@@ -171,15 +180,48 @@ class Registry:
         self._loaded[type_name] = factory
         return factory  # type: ignore[no-any-return]
 
-    def build(self, sink: SinkConfig, index: int) -> Connector:
-        """Validate ``sink.options`` with the connector's Options and construct it (no I/O)."""
+    def build(self, sink: SinkConfig, index: int, labels: Collection[str] | None = None) -> Connector:
+        """Validate ``sink.options`` with the connector's Options and construct it (no I/O).
+
+        ``labels``: every label a source can have (``Config.label_names()``); given, a name template
+        with a placeholder that is neither fixed nor one of them (``{sorce}``) is refused."""
         path = f"sinks[{index}]"
         factory = self.get(sink.type, f"{path}.type")
-        options = convert_options(sink.options, factory.Options, path)
-        connector = factory(sink.name, options, sink)
+        with template_labels(labels):
+            options = convert_options(sink.options, factory.Options, path)
+            connector = factory(sink.name, options, sink)
         if getattr(connector, "writes_state", False):
             check_state_sink(sink, path)
         return connector
+
+
+@contextlib.contextmanager
+def template_labels(labels: Collection[str] | None) -> Iterator[None]:
+    """While inside, a :class:`Template` refuses a placeholder that is neither fixed nor one of
+    ``labels`` (None: any label is accepted, as a program building connectors by hand expects)."""
+    token = _LABELS.set(frozenset(labels) if labels is not None else None)
+    try:
+        yield
+    finally:
+        _LABELS.reset(token)
+
+
+def unwritable(path: str) -> str | None:
+    """Why a file at ``path`` could not be appended to, or created with its missing directories;
+    None when it could. Looks without creating anything (``--check`` writes nothing)."""
+    p = Path(path)
+    if p.is_dir():
+        return f"{path} is a directory; give a file path"
+    if p.exists():
+        return None if os.access(p, os.W_OK) else f"{path} is not writable by uid {os.getuid()}; fix its permissions"
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"cannot create {path}: {parent} is not a directory; give a path in a writable directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot create {path}: {parent} is not writable by uid {os.getuid()}; give a writable path or fix the permissions"
+    return None
 
 
 STATE_FIELDS = ("block_hashes", "medium", "group_idx")
@@ -257,6 +299,8 @@ class TlsOptions(ConnectorOptions):
 
 _PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
 _FIXED = ("source", "dp_rank", "type", "epoch")
+_LABELS: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar("template_labels", default=None)
+"""The labels templates built now may name (set by :meth:`Registry.build`); None: any."""
 
 
 class Template:
@@ -274,6 +318,18 @@ class Template:
         for f in self.fields:
             if not f or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", f):
                 raise ConfigError([f"{path}: bad placeholder {{{f}}} in {text!r}"])
+        labels = _LABELS.get()
+        unknown = [f for f in self.fields if labels is not None and f not in _FIXED and f.removeprefix("labels.") not in labels]
+        if unknown:
+            known = [f"{{{f}}}" for f in _FIXED] + [f"{{labels.{name}}}" for name in sorted(labels or ())]
+            near = difflib.get_close_matches(unknown[0], [*_FIXED, *sorted(labels or ())], n=1)
+            hint = f"did you mean {{{near[0]}}}? " if near else ""
+            raise ConfigError(
+                [
+                    f"{path}: unknown placeholder {{{unknown[0]}}} in {text!r}: no source has such a label, so it would "
+                    f"render as 'unknown'; {hint}known: {', '.join(known)}"
+                ]
+            )
         self.static = not self.fields
         self._cache: dict[tuple[str, int, str, int], str] = {}
 
@@ -342,4 +398,6 @@ __all__ = [
     "redact_url",
     "reveal",
     "sample_message",
+    "template_labels",
+    "unwritable",
 ]

@@ -26,6 +26,11 @@ class ConfigError(BridgeError):
         super().__init__("\n".join(self.problems))
 
 
+class StartupError(BridgeError):
+    """Something the bridge needs at start-up is unavailable (a port in use, a path it cannot write):
+    the message names the thing and the fix, in one line."""
+
+
 class DecodeError(BridgeError):
     """A frame or payload could not be decoded; ``reason`` is a short, low-cardinality label."""
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from .errors import StartupError
 from .secret import redact
 
 Readiness = Callable[[], tuple[bool, dict[str, Any]]]
@@ -33,7 +35,14 @@ class HealthServer:
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port, limit=16384)
+        try:
+            self._server = await asyncio.start_server(self._handle, self.host, self.port, limit=16384)
+        except OSError as exc:
+            why = "another process holds the port: stop it, or" if exc.errno == errno.EADDRINUSE else "fix the address, or"
+            raise StartupError(
+                f"metrics.listen: cannot listen on {self.host}:{self.port} ({exc.strerror or exc}); {why} choose another "
+                "host:port in metrics.listen (an empty string turns the endpoints off)"
+            ) from exc
         sock = self._server.sockets[0]
         self.port = sock.getsockname()[1]
 

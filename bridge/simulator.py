@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import random
 import time
 from collections import deque
@@ -25,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from .endpoints import for_rank
+from .errors import StartupError
 from .records import Event
 from .wire import END_SEQ, FIELDS
 
@@ -245,20 +247,27 @@ class RankPublisher:
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
         self.router: zmq.asyncio.Socket | None = None
+        doing = f"{'bind' if bind else 'connect'} the PUB socket to {endpoint}"
         try:
             if bind:
                 self.pub.bind(endpoint)
             else:
                 self.pub.connect(endpoint)
             if replay_endpoint:
+                doing = f"bind the replay ROUTER socket to {replay_endpoint}"
                 self.router = ctx.socket(zmq.ROUTER)
                 self.router.setsockopt(zmq.LINGER, 0)
                 self.router.bind(replay_endpoint)
-        except zmq.ZMQError:
+        except zmq.ZMQError as exc:
             self.pub.close(linger=0)
             if self.router is not None:
                 self.router.close(linger=0)
-            raise
+            fix = (
+                "another process holds the port: stop it, or choose another port"
+                if exc.errno == errno.EADDRINUSE
+                else "give an endpoint such as tcp://127.0.0.1:5557"
+            )
+            raise StartupError(f"rank {rank}: cannot {doing} ({exc.strerror}); {fix}") from exc
         self._replay_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:

@@ -1,18 +1,33 @@
-"""``python -m bridge tail ENDPOINT``: print an engine's decoded events as JSON lines (debugging)."""
+"""``python -m bridge tail ENDPOINT``: print an engine's decoded events as JSON lines (debugging).
+
+Events go to stdout, one JSON line each; what tail notices goes to stderr as ``#`` lines: where it
+connects and whether anything answers, a silent engine, a gap or restart in an engine's seqs, a
+message it cannot decode.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from . import wire
-from .errors import DecodeError
+from .endpoints import for_rank
+from .errors import DecodeError, StartupError
 from .formats import Renderer
 from .records import Record, Stream
 from .replay import ReplayOutcome, replay
+
+IDLE_NOTICE = 10.0
+"""Seconds without an event after which tail says it is still waiting (and why that may be)."""
+
+
+def _note(text: str) -> None:
+    print(f"# {text}", file=sys.stderr, flush=True)
 
 
 async def tail(
@@ -24,25 +39,40 @@ async def tail(
     count: int = 0,
     granularity: str = "event",
     timeout: float = 2.0,
+    dp_ranks: int = 1,
+    bind: bool = False,
+    idle_notice: float = IDLE_NOTICE,
 ) -> int:
-    """Print batches as they arrive (after replaying from ``from_seq`` if asked); returns how many."""
+    """Print batches as they arrive (after replaying from ``from_seq`` if asked); returns how many.
+
+    Reads ranks 0..dp_ranks-1 (rank r at port + r); ``bind``: bind the endpoints and let the engine
+    connect in. Raises :class:`StartupError` when an endpoint cannot be bound or connected."""
     ctx = zmq.asyncio.Context()
     renderer = Renderer("json", "batch" if granularity == "batch" else "event")
-    stream = Stream(endpoint, 0)
     out = sys.stdout.buffer
     printed = 0
+    last: dict[int, int] = {}  # rank -> last seq printed
 
-    def emit(seq: int, payload: bytes, source: str) -> None:
+    def emit(rank: int, seq: int, payload: bytes) -> None:
         nonlocal printed
         try:
             batch = wire.decode_batch(payload)
         except DecodeError as exc:
-            print(f"# seq {seq}: undecodable batch ({exc})", file=sys.stderr)
+            _note(f"rank {rank} seq {seq}: undecodable batch ({exc})")
             return
         for bad in batch.bad_events:
-            print(f"# seq {seq}: bad event {bad.index} ({bad.reason})", file=sys.stderr)
+            _note(f"rank {rank} seq {seq}: bad event {bad.index} ({bad.reason})")
+        before = last.get(rank)
+        if before is not None and seq > before + 1:
+            _note(
+                f"rank {rank}: gap: seq {before + 1}..{seq - 1} missed (the engine's replay socket keeps them: "
+                "--replay-endpoint, --from-seq)"
+            )
+        elif before is not None and seq <= before:
+            _note(f"rank {rank}: seq went back from {before} to {seq}: the engine restarted (or a replay repeats)")
+        last[rank] = seq
         record = Record(
-            stream=Stream(stream.source, batch.dp_rank or 0),
+            stream=Stream(endpoint, batch.dp_rank if batch.dp_rank is not None else rank),
             epoch=0,
             seq=seq,
             ts=batch.ts,
@@ -53,35 +83,89 @@ async def tail(
         try:
             messages = renderer.render(record)
         except Exception as exc:  # a hostile batch (e.g. nested past the recursion limit) must not end tail
-            print(f"# seq {seq}: cannot render ({type(exc).__name__}: {exc})", file=sys.stderr)
+            _note(f"rank {rank} seq {seq}: cannot render ({type(exc).__name__}: {exc})")
             return
         for m in messages:
             out.write(m.value + b"\n")
         out.flush()
         printed += 1
 
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-    sub.connect(endpoint)
+    socks: list[tuple[int, str, zmq.asyncio.Socket]] = []
+    tasks: list[asyncio.Task[None]] = []
     try:
+        for rank in range(dp_ranks):
+            ep = for_rank(endpoint, rank)
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            socks.append((rank, ep, sub))
+            monitor = sub.get_monitor_socket()
+            tasks.append(asyncio.create_task(_watch(rank, ep, monitor, bind)))
+            try:
+                sub.bind(ep) if bind else sub.connect(ep)
+            except zmq.ZMQError as exc:
+                fix = "another process holds the port: stop it or choose another" if bind else "check the address"
+                raise StartupError(f"tail: cannot {'bind' if bind else 'connect to'} {ep} ({exc.strerror}); {fix}") from None
+        where = ", ".join(ep for _, ep, _ in socks)
+        _note(
+            f"{'bound' if bind else 'connecting to'} {where} (topic {topic!r}); waiting for events: an engine publishes "
+            "only when its cache changes, so an idle one prints nothing"
+        )
         if replay_endpoint and from_seq is not None:
-            outcome = ReplayOutcome()
-            async for reply in replay(ctx, replay_endpoint, from_seq, -1, timeout, outcome, 64 << 20):
-                emit(reply.seq, reply.payload, "replay")
-                if count and printed >= count:
-                    return printed
-            if not outcome.complete:
-                print("# replay went silent before its end marker", file=sys.stderr)
+            for rank in range(dp_ranks):
+                outcome = ReplayOutcome()
+                rep = for_rank(replay_endpoint, rank)
+                async for reply in replay(ctx, rep, from_seq, -1, timeout, outcome, 64 << 20):
+                    emit(rank, reply.seq, reply.payload)
+                    if count and printed >= count:
+                        return printed
+                if not outcome.complete:
+                    _note(f"rank {rank}: replay from {rep} went silent before its end marker (is it the engine's replay port?)")
+        queue: asyncio.Queue[tuple[int, list[bytes]]] = asyncio.Queue(maxsize=1000)
+        tasks += [asyncio.create_task(_read(rank, sub, queue)) for rank, _, sub in socks]
         while not count or printed < count:
-            frames = await sub.recv_multipart()
+            try:
+                rank, frames = await asyncio.wait_for(queue.get(), idle_notice)
+            except TimeoutError:
+                _note(
+                    f"no events from {where} in {idle_notice:g}s: the engine may be idle, or not publishing here "
+                    "(is it started with KV events on, and is this its PUB port?)"
+                )
+                continue
             try:
                 f = wire.parse_live(frames)
             except DecodeError as exc:
-                print(f"# bad message: {exc}", file=sys.stderr)
+                _note(f"rank {rank}: bad message: {exc}")
                 continue
-            emit(f.seq, f.payload, "live")
+            emit(rank, f.seq, f.payload)
     finally:
-        sub.close(linger=0)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for _, _, sub in socks:
+            sub.close(linger=0)
         ctx.destroy(linger=0)
     return printed
+
+
+async def _read(rank: int, sub: zmq.asyncio.Socket, queue: asyncio.Queue[tuple[int, list[bytes]]]) -> None:
+    while True:
+        await queue.put((rank, await sub.recv_multipart()))
+
+
+async def _watch(rank: int, endpoint: str, monitor: zmq.asyncio.Socket, bind: bool) -> None:
+    """Say when the connection comes up, cannot be made, or goes away (the SUB socket's monitor)."""
+    retried = False
+    try:
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                retried = False
+                _note(f"rank {rank}: {'a publisher connected to' if bind else 'connected to'} {endpoint}")
+            elif event == zmq.EVENT_CONNECT_RETRIED and not retried:
+                retried = True
+                _note(f"rank {rank}: nothing answers at {endpoint} yet (engine down, or a wrong host or port?); retrying")
+            elif event == zmq.EVENT_DISCONNECTED:
+                _note(f"rank {rank}: {endpoint} went away; {'waiting for it' if bind else 'reconnecting'}")
+    finally:
+        monitor.close(linger=0)

@@ -19,7 +19,7 @@ from typing import IO, Annotated, Literal
 
 import msgspec
 
-from bridge.connector import ConnectorOptions, Message, NotConnected, SinkConfig, doc
+from bridge.connector import ConnectorOptions, Message, NotConnected, SinkConfig, doc, unwritable
 
 _json = msgspec.json.Encoder()
 
@@ -102,3 +102,10 @@ class FileConnector:
 
     async def health(self) -> str | None:
         return None if self._out is not None else "not open"
+
+    async def probe(self) -> str | None:
+        """For ``--check``: whether the file could be opened, without creating it or its directory."""
+        if self.options.path == "-":
+            return None
+        problem = unwritable(self.options.path)
+        return None if problem is None else f"sinks[{self.name}].path: {problem}"

@@ -426,6 +426,12 @@ class NatsOptions(ConnectorOptions):
             raise ValueError("user and password go together")
         if self.state.enabled and self.mode != "jetstream":
             raise ValueError("state.enabled: the state needs mode: jetstream (core NATS keeps nothing)")
+        banned = [f"{{{f}}}" for f in ("type", "epoch") if f in fields]
+        if self.state.enabled and banned:
+            raise ValueError(
+                f"subject: {' and '.join(banned)} not allowed with state.enabled: a consumer bootstraps from the "
+                "state, then follows the engine stream's messages on one subject; remove it, or turn state off"
+            )
 
     @property
     def server_list(self) -> list[str]:

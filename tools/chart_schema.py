@@ -117,7 +117,7 @@ class Converter:
                 if getattr(t, attr) is not None:
                     s[key] = getattr(t, attr)
             return s
-        if isinstance(t, mi.CustomType) and t.cls is Duration:
+        if isinstance(t, mi.CustomType) and issubclass(t.cls, Duration):
             return DURATION
         if isinstance(t, mi.CustomType) and t.cls is ByteSize:
             return SIZE

@@ -34,7 +34,7 @@ import msgspec.inspect as mi
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bridge.config import DiscoveryConfig, SourceConfig  # noqa: E402
+from bridge.config import DiscoveryConfig, Interval, SourceConfig  # noqa: E402
 from bridge.connector import TlsOptions  # noqa: E402
 from tools.config_meta import (  # noqa: E402
     SINK_OPTIONS,
@@ -114,7 +114,7 @@ def type_text(t: mi.Type) -> str:
     if isinstance(t, mi.StrType):
         return "non-empty string" if t.min_length else "string"
     if isinstance(t, mi.CustomType):
-        names = {Duration: "duration", ByteSize: "size", Secret: "secret string"}
+        names = {Duration: "duration", Interval: "duration", ByteSize: "size", Secret: "secret string"}
         if t.cls not in names:
             raise NotImplementedError(f"no README type for {t.cls!r}")
         return names[t.cls]

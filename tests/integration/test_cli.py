@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from bridge.simulator import Simulator, SimulatorOptions
+from bridge.simulator import Faults, Simulator, SimulatorOptions
 from tests.support.epochs import assert_first_epoch
 from tests.support.harness import free_ports, read_lines, wait_for
 from tests.support.schema import check_line
@@ -159,3 +160,68 @@ async def test_simulate_and_tail_commands(tmp_path: Path) -> None:
     finally:
         sim.send_signal(signal.SIGTERM)
         assert sim.wait(10) == 0
+
+
+def _first_line_then_close(args: list[str], bound: float) -> tuple[int, bytes, str]:
+    """Run ``python -m bridge ARGS | head -1``: read one line, close the pipe, wait for the exit."""
+    proc = subprocess.Popen([sys.executable, "-m", "bridge", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        line = proc.stdout.readline()
+        proc.stdout.close()
+        code = proc.wait(bound)
+        return code, line, proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+def test_demo_piped_into_head_exits_0_without_draining_into_the_closed_pipe() -> None:
+    # The bound is below the 20 s shutdown timeout, which is what waiting on a closed pipe used to cost.
+    code, line, err = _first_line_then_close(["demo", "--metrics", "", "--rate", "20"], bound=15)
+    assert json.loads(line)["source"] == "demo-engine"
+    assert code == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+async def test_tail_piped_into_head_exits_0_and_says_where_it_waits(tmp_path: Path) -> None:
+    ports = free_ports(2)
+    opts = SimulatorOptions(endpoint=f"tcp://127.0.0.1:{ports[0]}", replay_endpoint=None, rate=50, dp_ranks=2)
+    async with Simulator(opts) as sim:
+        runner = asyncio.create_task(sim.run())
+        try:
+            args = ["tail", f"tcp://127.0.0.1:{ports[0]}", "--dp-ranks", "2", "--granularity", "batch"]
+            code, line, err = await asyncio.to_thread(_first_line_then_close, args, 15)
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+    assert json.loads(line)["dp_rank"] in (0, 1)
+    assert code == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
+    assert f"# connecting to tcp://127.0.0.1:{ports[0]}, tcp://127.0.0.1:{ports[0] + 1} (topic ''); waiting for events" in err
+
+
+async def test_tail_marks_the_gaps_it_sees() -> None:
+    """Live messages the engine never sent (kept for its replay): tail says which seqs it missed."""
+    ports = free_ports(1)
+    opts = SimulatorOptions(endpoint=f"tcp://127.0.0.1:{ports[0]}", replay_endpoint=None, rate=100, faults=Faults(0.3), seed=7)
+    async with Simulator(opts) as sim:
+        tail = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bridge", "tail", f"tcp://127.0.0.1:{ports[0]}", "--count", "30", "--granularity", "batch",
+            cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        runner = asyncio.create_task(sim.run())
+        try:
+            stdout, stderr = await asyncio.wait_for(tail.communicate(), 60)
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+    seqs = [json.loads(x)["seq"] for x in stdout.decode().splitlines()]
+    err = stderr.decode()
+    assert tail.returncode == 0 and "Traceback" not in err, err
+    missed = [(a + 1, b - 1) for a, b in itertools.pairwise(seqs) if b > a + 1]
+    assert missed, seqs  # 30% dropped: some gap among 30 batches
+    for first, last in missed:
+        assert f"# rank 0: gap: seq {first}..{last} missed" in err, err

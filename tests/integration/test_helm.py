@@ -302,6 +302,7 @@ def test_rendered_config_passes_the_bridge_check(helm: str, tmp_path: Path, case
     out = bridge_check(tmp_path, render(helm, CASES[case]))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "config ok" in out.stdout
+    assert "warning" not in out.stderr  # no secret in plain text: the chart's way is secretEnv
 
 
 def test_default_is_one_hardened_deployment(helm: str) -> None:

@@ -288,7 +288,7 @@ def test_a_template_with_source_and_rank_side_by_side_is_refused(keys: dict[str,
     with pytest.raises(ConfigError) as info:
         convert_options({"url": "redis://x", **keys}, RedisOptions, "sinks[0]")
     text = str(info.value)
-    assert text.startswith(f"sinks[0]: {field}: "), text
+    assert text.startswith(f"sinks[0].{field}: "), text
     assert "separator" in text and "kv:{source}:{dp_rank}" in text, text
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import zmq
 
 from bridge import config
 from bridge.cli import check
@@ -103,11 +104,36 @@ def test_check_prints_three_paths_and_exits_2(tmp_path: Path, capsys: pytest.Cap
     assert err.count("\n  ") == 3
 
 
-def test_check_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    p = tmp_path / "ok.yaml"
-    p.write_text(f"sources:\n  - name: a\n    endpoint: tcp://127.0.0.1:5557\nsinks:\n  - type: file\n    path: {tmp_path}/o\n")
-    assert check(str(p)) == 0
-    assert "sinks[0] file: reachable" in capsys.readouterr().out
+def test_check_ok_and_creates_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ctx = zmq.Context()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    try:
+        live, replay = pub.bind_to_random_port("tcp://127.0.0.1"), router.bind_to_random_port("tcp://127.0.0.1")
+        p = tmp_path / "ok.yaml"
+        p.write_text(
+            f"sources:\n  - {{name: a, endpoint: 'tcp://127.0.0.1:{live}', replay_endpoint: 'tcp://127.0.0.1:{replay}'}}\n"
+            f"sinks:\n  - type: file\n    path: {tmp_path}/out/o\n"
+            f"checkpoint: {{path: {tmp_path}/ck/ck.json}}\ndead_letter: {{path: {tmp_path}/dl/dl.jsonl}}\n"
+        )
+        assert check(str(p)) == 0, capsys.readouterr().err
+    finally:
+        ctx.destroy(linger=0)
+    out = capsys.readouterr().out
+    assert "sinks[0] (file): reachable" in out and "engines: 2 of 2 endpoint(s) answer as they should" in out
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["ok.yaml"]  # --check writes nothing
+
+
+def test_check_exits_3_when_valid_but_a_path_is_unwritable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "plain").write_text("")
+    p = tmp_path / "c.yaml"
+    p.write_text(
+        f"sources:\n  - name: a\n    endpoint: tcp://127.0.0.1:5557\nsinks:\n  - type: file\n    path: {tmp_path}/plain/o\n"
+        f"checkpoint: {{path: {tmp_path}/plain/ck.json}}\n"
+    )
+    assert check(str(p)) == 3
+    err = capsys.readouterr().err
+    assert f"checkpoint.path: cannot create {tmp_path}/plain/ck.json: {tmp_path}/plain is not a directory" in err
+    assert f"sinks[file].path: cannot create {tmp_path}/plain/o: {tmp_path}/plain is not a directory" in err
 
 
 def test_unknown_sink_type(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -215,3 +241,76 @@ def test_a_source_name_that_could_make_two_streams_keys_coincide_is_refused(name
 def test_ordinary_source_names_are_accepted(name: str) -> None:
     data = {"sources": [{"name": name, "endpoint": "tcp://127.0.0.1:5557"}], "sinks": [{"type": "file"}]}
     assert config.from_data(data, env={}).sources[0].name == name
+
+
+def _problems(data: dict[str, object]) -> list[str]:
+    base: dict[str, object] = {"sources": [{"name": "a", "endpoint": "tcp://h:5557"}], "sinks": [{"type": "file"}]}
+    try:
+        config.from_data({**base, **data}, env={})
+    except ConfigError as exc:
+        return exc.problems
+    return []
+
+
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        ({"sources": [{"name": "a", "endpoint": "tcp://h:1", "dp_ranks": 0}]}, "sources[0].dp_ranks: must be at least 1, got 0"),
+        ({"sinks": [{"type": "file", "retry": {"multiplier": 0.5}}]}, "sinks[0].retry.multiplier: must be at least 1, got 0.5"),
+        ({"sinks": [{"type": "file", "retry": {"jitter": 2}}]}, "sinks[0].retry.jitter: must be at most 1, got 2"),
+        ({"checkpoint": True}, "checkpoint: expected a mapping, got true"),
+        ({"discovery": {"dns": 3}}, "discovery.dns: expected a mapping, got 3"),
+        ({"ingest": {"receive_hwm": 0}}, "ingest.receive_hwm: must be at least 1, got 0"),
+        (
+            {"replay": {"timeout": "0ms"}},
+            'replay.timeout: must be greater than 0, got "0ms" (give a duration such as 5s, or leave the key out for its '
+            "default)",
+        ),
+        (
+            {"replay": {"initial_backoff": "6s", "max_backoff": "5s"}},
+            "replay.initial_backoff: 6s is above max_backoff 5s: the first pause would already be the longest; "
+            "lower initial_backoff or raise max_backoff",
+        ),
+        (
+            {"sources": [{"name": "a", "endpoint": "vllm-host:5557"}]},
+            "sources[0].endpoint: 'vllm-host:5557' has no transport: write tcp://vllm-host:5557 (or ipc://PATH, inproc://NAME)",
+        ),
+        (
+            {"metrics": {"listen": "localhost"}},
+            "metrics.listen: 'localhost' is not host:port; give e.g. 0.0.0.0:9300 (all interfaces) or 127.0.0.1:9300 "
+            "(loopback), or an empty string to turn the endpoints off",
+        ),
+    ],
+)
+def test_bounds_and_shapes_are_worded_as_such(data: dict[str, object], problem: str) -> None:
+    assert _problems(data) == [problem]
+
+
+def test_a_struct_refusing_a_combination_is_reported_beside_other_problems() -> None:
+    """A struct's own check (initial above max backoff) used to vanish when another part was wrong."""
+    assert _problems({"replay": {"initial_backoff": "9s"}, "nope": 1}) == [
+        "replay.initial_backoff: 9s is above max_backoff 5s: the first pause would already be the longest; "
+        "lower initial_backoff or raise max_backoff",
+        "nope: unknown key; expected one of: checkpoint, dead_letter, discovery, ingest, log, metrics, replay, "
+        "shutdown_timeout, sinks, sources, state",
+    ]
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://10.0.0.1:5557", "tcp://*:5557", "tcp://[::1]:5557", "ipc:///tmp/kv", "inproc://x"])
+def test_ordinary_endpoints_are_accepted(endpoint: str) -> None:
+    assert config.endpoint_problem(endpoint) is None
+
+
+def test_label_names_and_plain_secrets() -> None:
+    data = {
+        "sources": [{"name": "a", "endpoint": "tcp://h:1", "labels": {"model": "m"}}],
+        "discovery": {"dns": {"name": "x", "labels": {"pool": "p"}}},
+        "sinks": [{"type": "file", "token_ids": "hash", "token_ids_key": "0123456789abcdef0123"}],
+    }
+    assert config.label_names(data) == {"model", "pool", "address"}
+    assert config.plain_secrets(data, config.Config, "") == [
+        "sinks[0].token_ids_key: this secret is written in plain text in the config file: give it as ${VAR} from the "
+        "environment (the chart: secretEnv)"
+    ]
+    data["sinks"] = [{"type": "file", "token_ids": "hash", "token_ids_key": "${KEY}"}]
+    assert config.plain_secrets(data, config.Config, "") == []

@@ -49,7 +49,7 @@ def test_header_block_and_hpub_are_the_wire_format() -> None:
     [
         ({"subject": "kv..{source}"}, "empty token"),
         ({"subject": "kv.*.{source}"}, "wildcard"),
-        ({"subject": "kv.{}"}, "sinks[2]: subject: bad placeholder {} in 'kv.{}'"),
+        ({"subject": "kv.{}"}, "sinks[2].subject: bad placeholder {} in 'kv.{}'"),
         ({"user": "u"}, "user and password"),
         ({"token": "t", "credentials": "/c"}, "one way to authenticate"),
         ({"mode": "fast"}, "mode"),

@@ -88,10 +88,14 @@ def test_state_options() -> None:
     conn = NatsConnector("n", options, cfg)
     assert conn.writes_state and options.state.bucket == "KV_STATE" and not options.state.create
     assert not NatsConnector("n", NatsOptions(), cfg).writes_state
-    with pytest.raises(ConfigError, match=r"sinks\[0\]: state.enabled: the state needs mode: jetstream"):
+    with pytest.raises(ConfigError, match=r"sinks\[0\].state.enabled: the state needs mode: jetstream"):
         convert_options({"mode": "core", "state": {"enabled": True}}, NatsOptions, "sinks[0]")
     with pytest.raises(ConfigError, match=r"sinks\[0\].state: bucket 'a.b' is not a valid KV bucket name"):
         convert_options({"state": {"bucket": "a.b"}}, NatsOptions, "sinks[0]")
+    # README "State bootstrap": a sink with state needs a destination template without {type} or {epoch}.
+    for subject in ("kv.{source}.{dp_rank}.{type}", "kv.{source}.{dp_rank}.{epoch}"):
+        with pytest.raises(ConfigError, match=r"sinks\[0\].subject: \{(type|epoch)\} not allowed with state.enabled"):
+            convert_options({"subject": subject, "state": {"enabled": True}}, NatsOptions, "sinks[0]")
 
 
 async def test_state_messages_wait_for_their_stream_and_carry_next() -> None:

@@ -344,7 +344,9 @@ async def test_a_sink_that_fails_at_once_does_not_spin(
     retry.initial_backoff (0 is accepted) says: a failing sink must not spin the event loop."""
     from bridge.sink import RETRY_FLOOR
 
-    worker, conn, _acked, _ = make(tmp_path, batch={"linger": 0}, retry={"initial_backoff": 0, "max_backoff": 0, "jitter": 0})
+    # max_backoff must be above 0 (config refuses 0); initial_backoff 0 and retry_after 0 still ask for no pause.
+    retry = {"initial_backoff": 0, "max_backoff": "1ms", "jitter": 0}
+    worker, conn, _acked, _ = make(tmp_path, batch={"linger": 0}, retry=retry)
     conn.failures = [failure, failure, None]
     slept = record_sleeps(monkeypatch)
     worker.start()

@@ -1,0 +1,75 @@
+"""Ask a ZMQ TCP endpoint what socket type answers there, without ZMQ: the ZMTP 3 greeting.
+
+``--check`` uses it to tell a typo from a running engine before the bridge starts: a live
+endpoint must be a PUB (or XPUB) socket, a replay endpoint a ROUTER. After both greetings a ZMTP
+3 peer using the NULL mechanism sends a READY command whose ``Socket-Type`` property names its
+socket type (ZMTP RFC 23); nothing is subscribed or requested, so the engine publishes nothing
+for it and the connection is closed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+SIGNATURE = b"\xff" + b"\x00" * 8 + b"\x7f"
+GREETING = SIGNATURE + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
+
+
+class ProbeError(Exception):
+    """The peer does not speak ZMTP 3 as expected (the message says what it did)."""
+
+
+async def socket_type(host: str, port: int, timeout: float) -> str:
+    """The ZMQ socket type serving ``host:port`` (``PUB``, ``ROUTER``, ...). Raises OSError when it
+    cannot connect, TimeoutError when it does not answer in ``timeout``, ProbeError otherwise."""
+    async with asyncio.timeout(timeout):
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(GREETING)
+            await writer.drain()
+            try:
+                greeting = await reader.readexactly(64)
+            except asyncio.IncompleteReadError:
+                raise ProbeError("closed the connection without a ZMTP greeting (not a ZMQ socket?)") from None
+            if greeting[:1] != b"\xff" or greeting[9:10] != b"\x7f":
+                raise ProbeError("answered, but not with a ZMTP greeting (not a ZMQ socket?)")
+            if greeting[10] < 3:
+                raise ProbeError(f"speaks ZMTP {greeting[10]}, too old to say its socket type")
+            return _ready_socket_type(await _command(reader))
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+
+async def _command(reader: asyncio.StreamReader) -> bytes:
+    try:
+        flags = (await reader.readexactly(1))[0]
+        if not flags & 0x04:
+            raise ProbeError("sent a message before its READY command")
+        size_bytes = 8 if flags & 0x02 else 1
+        size = int.from_bytes(await reader.readexactly(size_bytes), "big")
+        if size > 1 << 16:
+            raise ProbeError(f"sent a {size}-byte command during the handshake")
+        return await reader.readexactly(size)
+    except asyncio.IncompleteReadError:
+        raise ProbeError("closed the connection during the ZMTP handshake") from None
+
+
+def _ready_socket_type(body: bytes) -> str:
+    """The Socket-Type property of a READY command body."""
+    name_len = body[0] if body else 0
+    if body[1 : 1 + name_len] != b"READY":
+        raise ProbeError(f"sent {body[1 : 1 + name_len]!r} instead of READY (a security mechanism other than NULL?)")
+    i = 1 + name_len
+    while i < len(body):
+        n = body[i]
+        name = body[i + 1 : i + 1 + n]
+        i += 1 + n
+        size = int.from_bytes(body[i : i + 4], "big")
+        value = body[i + 4 : i + 4 + size]
+        i += 4 + size
+        if name.lower() == b"socket-type":
+            return value.decode("ascii", "replace")
+    raise ProbeError("its READY command names no Socket-Type")

@@ -1,0 +1,259 @@
+"""What a user meets on a mistake: every command, on broken configs and bad invocations, ends with
+one line per problem naming the thing and the fix, the documented exit code, and never a traceback;
+``--check`` creates no file (issue 30)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import zmq
+
+from tests.support.harness import free_ports
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SOURCE = "sources:\n  - {name: a, endpoint: 'tcp://127.0.0.1:5557'}\n"
+FILE_SINK = "sinks:\n  - {type: file, path: '{tmp}/out/o.jsonl'}\n"
+OFFLINE = ["--config", "{cfg}", "--check", "--offline"]
+CHECK = ["--config", "{cfg}", "--check"]
+RUN = ["--config", "{cfg}"]
+
+
+@dataclass
+class Case:
+    id: str
+    args: list[str]
+    exit: int
+    lines: list[str]  # each appears in exactly one line of stderr (the problem and its fix)
+    config: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+CASES = [
+    # -- sources and listen addresses: refused at config time, with the fix
+    Case("endpoint-without-transport", OFFLINE, 2,
+         ["sources[0].endpoint: 'vllm-host:5557' has no transport: write tcp://vllm-host:5557"],
+         "sources:\n  - {name: a, endpoint: 'vllm-host:5557'}\n" + FILE_SINK),
+    Case("endpoint-without-port", OFFLINE, 2, ["sources[0].endpoint: 'tcp://vllm-host' has no port: write tcp://vllm-host:PORT"],
+         "sources:\n  - {name: a, endpoint: 'tcp://vllm-host'}\n" + FILE_SINK),
+    Case("replay-endpoint-without-transport", OFFLINE, 2,
+         ["sources[0].replay_endpoint: 'vllm-host:5558' has no transport: write tcp://vllm-host:5558"],
+         "sources:\n  - {name: a, endpoint: 'tcp://h:5557', replay_endpoint: 'vllm-host:5558'}\n" + FILE_SINK),
+    Case("endpoint-unknown-transport", OFFLINE, 2, ["transport udp:// is not supported; use tcp://HOST:PORT"],
+         "sources:\n  - {name: a, endpoint: 'udp://h:5557'}\n" + FILE_SINK),
+    Case("metrics-listen-without-port", OFFLINE, 2,
+         ["metrics.listen: 'localhost' is not host:port; give e.g. 0.0.0.0:9300"],
+         SOURCE + FILE_SINK + "metrics: {listen: localhost}\n"),
+    Case("metrics-listen-port-out-of-range", OFFLINE, 2, ["metrics.listen: '0.0.0.0:99999' is not host:port"],
+         SOURCE + FILE_SINK + "metrics: {listen: '0.0.0.0:99999'}\n"),
+    # -- bounds worded as bounds
+    Case("dp-ranks-zero", OFFLINE, 2, ["sources[0].dp_ranks: must be at least 1, got 0"],
+         "sources:\n  - {name: a, endpoint: 'tcp://h:5557', dp_ranks: 0}\n" + FILE_SINK),
+    Case("retry-multiplier-below-1", OFFLINE, 2, ["sinks[0].retry.multiplier: must be at least 1, got 0.5"],
+         SOURCE + "sinks:\n  - {type: file, path: '-', retry: {multiplier: 0.5}}\n"),
+    Case("section-given-a-scalar", OFFLINE, 2, ["sinks[0].create_topics: expected a mapping, got true"],
+         SOURCE + "sinks:\n  - {type: kafka, bootstrap_servers: 'k:9092', create_topics: true}\n"),
+    Case("top-section-given-a-scalar", OFFLINE, 2, ["checkpoint: expected a mapping, got true"],
+         SOURCE + FILE_SINK + "checkpoint: true\n"),
+    # -- values that make the bridge do nothing or drop its bounds
+    Case("write-timeout-zero", OFFLINE, 2, ["sinks[0].retry.write_timeout: must be greater than 0, got 0 (give a duration"],
+         SOURCE + "sinks:\n  - {type: file, path: '-', retry: {write_timeout: 0}}\n"),
+    Case("replay-timeout-zero", OFFLINE, 2, ["replay.timeout: must be greater than 0, got \"0s\""],
+         SOURCE + FILE_SINK + "replay: {timeout: 0s}\n"),
+    Case("checkpoint-interval-zero", OFFLINE, 2, ["checkpoint.interval: must be greater than 0, got 0"],
+         SOURCE + FILE_SINK + "checkpoint: {interval: 0}\n"),
+    Case("receive-hwm-zero", OFFLINE, 2, ["ingest.receive_hwm: must be at least 1, got 0"],
+         SOURCE + FILE_SINK + "ingest: {receive_hwm: 0}\n"),
+    Case("max-frame-bytes-zero", OFFLINE, 2, ["ingest.max_frame_bytes: must be at least 1 byte, got 0"],
+         SOURCE + FILE_SINK + "ingest: {max_frame_bytes: 0}\n"),
+    Case("queue-bytes-zero", OFFLINE, 2, ["sinks[0].queue.max_bytes: must be at least 1 byte, got 0"],
+         SOURCE + "sinks:\n  - {type: file, path: '-', queue: {max_bytes: 0}}\n"),
+    Case("shutdown-timeout-zero", OFFLINE, 2, ["shutdown_timeout: must be greater than 0, got 0"],
+         SOURCE + FILE_SINK + "shutdown_timeout: 0\n"),
+    Case("backoff-initial-above-max", OFFLINE, 2,
+         ["sinks[0].retry.initial_backoff: 20s is above max_backoff 1s: the first pause would already be the longest; "
+          "lower initial_backoff or raise max_backoff"],
+         SOURCE + "sinks:\n  - {type: file, path: '-', retry: {initial_backoff: 20s, max_backoff: 1s}}\n"),
+    Case("replay-backoff-initial-above-max", OFFLINE, 2, ["replay.initial_backoff: 9s is above max_backoff 5s"],
+         SOURCE + FILE_SINK + "replay: {initial_backoff: 9s}\n"),
+    Case("discovery-interval-zero", OFFLINE, 2, ["discovery.dns.interval: must be greater than 0"],
+         "discovery: {dns: {name: vllm.ns.svc.cluster.local, interval: 0}}\n" + FILE_SINK),
+    # -- templates and documented refusals, on every sink type
+    Case("kafka-placeholder-typo", OFFLINE, 2,
+         ["sinks[kafka].topic: unknown placeholder {sorce} in 'kv.{sorce}'", "did you mean {source}?"],
+         SOURCE + "sinks:\n  - {type: kafka, bootstrap_servers: 'k:9092', topic: 'kv.{sorce}'}\n"),
+    Case("nats-placeholder-typo", OFFLINE, 2, ["sinks[0].subject: unknown placeholder {rank}"],
+         SOURCE + "sinks:\n  - {type: nats, subject: 'kv.{source}.{rank}'}\n"),
+    Case("redis-placeholder-typo", OFFLINE, 2, ["sinks[0].stream: unknown placeholder {modle}", "known: {source}"],
+         "sources:\n  - {name: a, endpoint: 'tcp://h:5557', labels: {model: m}}\n"
+         "sinks:\n  - {type: redis, url: 'redis://r:6379', stream: 'kv:{modle}:{source}:{dp_rank}'}\n"),
+    Case("nats-state-with-type-in-subject", OFFLINE, 2,
+         ["sinks[0].subject: {type} not allowed with state.enabled", "remove it, or turn state off"],
+         SOURCE + "sinks:\n  - {type: nats, subject: 'kv.{source}.{dp_rank}.{type}', state: {enabled: true}}\n"),
+    Case("kafka-state-with-drop", OFFLINE, 2,
+         ["sinks[0].state.enabled: needs backpressure: block", "set backpressure: block or turn state off"],
+         SOURCE + "sinks:\n  - {type: kafka, bootstrap_servers: 'k:9092', backpressure: drop, state: {enabled: true}}\n"),
+    # -- every problem in one pass: sink-level problems beside others, each once
+    Case("sink-problem-beside-others", OFFLINE, 2,
+         ["sources[0].dp_ranks: must be at least 1, got 0", "sinks[0].state.enabled: needs backpressure: block",
+          "sinks[1].subject: {type} not allowed with state.enabled", "nope: unknown key"],
+         "sources:\n  - {name: a, endpoint: 'tcp://h:5557', dp_ranks: 0}\nnope: 1\n"
+         "sinks:\n  - {type: kafka, name: kafka-main, bootstrap_servers: 'k:9092', backpressure: drop, "
+         "state: {enabled: true}}\n  - {type: nats, subject: 'kv.{source}.{dp_rank}.{type}', state: {enabled: true}}\n"),
+    Case("unknown-sink-type", OFFLINE, 2, ["sinks[0].type: unknown sink type 'kafak'; known: "],
+         SOURCE + "sinks:\n  - {type: kafak}\n"),
+    Case("missing-env-variable", OFFLINE, 2, ["sinks[0].path: environment variable KVB_TEST_UNSET is not set (or give"],
+         SOURCE + "sinks:\n  - {type: file, path: '${KVB_TEST_UNSET}'}\n"),
+    Case("sinks-not-a-list", OFFLINE, 2, ["sinks: expected a list, got dict"], SOURCE + "sinks: {type: file}\n"),
+    Case("top-level-a-list", OFFLINE, 2, ["top level: expected a mapping (sources:, sinks:, ...), got a list"], "- a\n- b\n"),
+    Case("yaml-syntax-error", OFFLINE, 2, ["cannot parse the file: line 2, column 1: expected the node content"], "sources: [\n"),
+    Case("duplicate-source-name", OFFLINE, 2, ["sources[1].name: 'a' is already used by sources[0]"],
+         "sources:\n  - {name: a, endpoint: 'tcp://h:5557'}\n  - {name: a, endpoint: 'tcp://g:5557'}\n" + FILE_SINK),
+    Case("config-file-missing", ["--config", "{tmp}/nope.yaml", "--check", "--offline"], 2,
+         ["nope.yaml: cannot read the config file (No such file or directory)"]),
+    Case("config-file-type", ["--config", "{tmp}/c.ini", "--check"], 2, ["unknown config file type '.ini': use .yaml"]),
+    # -- valid, with a warning: a secret written in plain text
+    Case("plain-text-secret", OFFLINE, 0,
+         ["warning: sinks[0].password: this secret is written in plain text in the config file: give it as ${VAR} "
+          "from the environment (the chart: secretEnv)"],
+         SOURCE + "sinks:\n  - {type: nats, user: u, password: hunter2}\n"),
+    Case("plain-text-url-password", OFFLINE, 0, ["warning: sinks[0].url: the password in this URL is written in plain text"],
+         SOURCE + "sinks:\n  - {type: redis, url: 'redis://:hunter2@r:6379/0'}\n"),
+    # -- valid, but something unreachable or unwritable: 3, and nothing created
+    Case("file-sink-unwritable", CHECK, 3, ["sinks[file].path: cannot create {tmp}/plain/o: {tmp}/plain is not a directory"],
+         SOURCE + "sinks:\n  - {type: file, path: '{tmp}/plain/o'}\n"),
+    Case("dead-letter-unwritable", CHECK, 3, ["dead_letter.path: cannot create {tmp}/plain/dl: {tmp}/plain is not a directory"],
+         SOURCE + FILE_SINK + "dead_letter: {path: '{tmp}/plain/dl'}\ncheckpoint: {path: '{tmp}/ck/ck.json'}\n"),
+    Case("discovery-finds-nothing", CHECK, 3,
+         ["discovery.dns.name: no-such-service.invalid finds no engine (", "check the Service name and namespace"],
+         "discovery: {dns: {name: no-such-service.invalid, timeout: 2s}}\n" + FILE_SINK),
+    Case("redis-unreachable", CHECK, 3, ["(is the server up and reachable from here? --offline skips this step)"],
+         SOURCE + "sinks:\n  - {type: redis, url: 'redis://127.0.0.1:{dead}/0', timeout: 2s}\n"),
+    # -- run: the same validation at start, and start-up failures in one line
+    Case("run-invalid-config", RUN, 2, ["sources[0].endpoint: 'vllm-host:5557' has no transport"],
+         "sources:\n  - {name: a, endpoint: 'vllm-host:5557'}\n" + FILE_SINK),
+    Case("run-placeholder-typo", RUN, 2, ["unknown placeholder {sorce}"],
+         SOURCE + "sinks:\n  - {type: nats, subject: 'kv.{sorce}.{dp_rank}'}\n"),
+    Case("run-metrics-port-in-use", RUN, 1,
+         ["metrics.listen: cannot listen on 127.0.0.1:{busy}", "another process holds the port: stop it, or choose another "
+          "host:port in metrics.listen"],
+         SOURCE + FILE_SINK + "metrics: {listen: '127.0.0.1:{busy}'}\n"),
+    Case("run-checkpoint-unwritable", RUN, 1,
+         ["cannot start: checkpoint.path: cannot create {tmp}/plain/ck.json: {tmp}/plain is not a directory; give a path"],
+         SOURCE + FILE_SINK + "checkpoint: {path: '{tmp}/plain/ck.json'}\n"),
+    Case("no-config", [], 2, ["--config FILE is required"]),
+    # -- the other commands
+    Case("tail-endpoint-without-transport", ["tail", "vllm-host:5557"], 2,
+         ["tail: endpoint: 'vllm-host:5557' has no transport: write tcp://vllm-host:5557"]),
+    Case("tail-from-seq-without-replay", ["tail", "tcp://127.0.0.1:{dead}", "--from-seq", "0"], 2,
+         ["--from-seq needs --replay-endpoint"]),
+    Case("tail-bind-port-in-use", ["tail", "tcp://127.0.0.1:{busy}", "--bind"], 1,
+         ["tail: cannot bind tcp://127.0.0.1:{busy} (Address already in use", "another process holds the port"]),
+    Case("tail-dp-ranks-zero", ["tail", "tcp://127.0.0.1:{dead}", "--dp-ranks", "0"], 2,
+         ["--dp-ranks: expected a whole number of at least 1, got 0"]),
+    Case("simulate-port-in-use", ["simulate", "--endpoint", "tcp://127.0.0.1:{busy}", "--replay-endpoint", ""], 1,
+         ["cannot bind the PUB socket to tcp://127.0.0.1:{busy} (Address already in use", "choose another port"]),
+    Case("simulate-endpoint-without-transport", ["simulate", "--endpoint", "127.0.0.1:5557"], 2,
+         ["simulate: --endpoint: '127.0.0.1:5557' has no transport: write tcp://127.0.0.1:5557"]),
+    Case("simulate-ranks-zero", ["simulate", "--ranks", "0"], 2, ["--ranks: expected a whole number of at least 1, got 0"]),
+    Case("simulate-drop-rate", ["simulate", "--drop-rate", "2"], 2, ["--drop-rate: expected a fraction from 0 to 1, got 2"]),
+    Case("demo-metrics-without-port", ["demo", "--metrics", "localhost"], 2,
+         ["demo: --metrics: 'localhost' is not host:port"]),
+    Case("demo-metrics-port-in-use", ["demo", "--metrics", "127.0.0.1:{busy}", "--duration", "5"], 1,
+         ["cannot listen on 127.0.0.1:{busy}", "choose another host:port with --metrics"]),
+    Case("schema-check-missing-file", ["schema", "--check", "{tmp}/nope.json"], 1, ["nope.json: No such file or directory"]),
+]  # fmt: skip
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A port something else listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield int(s.getsockname()[1])
+
+
+def _files(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_a_mistake_ends_in_one_line_per_problem(case: Case, tmp_path: Path, busy_port: int) -> None:
+    (tmp_path / "plain").write_text("a file, not a directory\n")
+    values = {"tmp": str(tmp_path), "busy": str(busy_port), "dead": str(free_ports(1)[0]), "cfg": str(tmp_path / "c.yaml")}
+
+    def fill(text: str) -> str:
+        for key, value in values.items():
+            text = text.replace("{" + key + "}", value)
+        return text
+
+    if case.config is not None:
+        (tmp_path / "c.yaml").write_text(fill(case.config))
+    (tmp_path / "c.ini").write_text("[x]\n")
+    before = _files(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "KVB_TRACEBACK"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bridge", *[fill(a) for a in case.args]],
+        cwd=ROOT, env={**env, **case.env}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    out, err = proc.stdout, proc.stderr
+    assert "Traceback" not in out + err, err
+    assert proc.returncode == case.exit, f"exit {proc.returncode}\n{out}\n{err}"
+    lines = err.splitlines()
+    for expected in map(fill, case.lines):
+        holding = [ln for ln in lines if expected in ln]
+        assert len(holding) == 1, f"{expected!r} in {len(holding)} lines of:\n{err}"
+    problems = [ln for ln in lines if ln.startswith("  ")]
+    assert len(problems) == len(set(problems)), f"a problem told twice:\n{err}"  # each once
+    for ln in lines:
+        if ln.endswith("problem(s)"):  # the count is the number of lines that follow
+            assert ln.split()[-2].isdigit() and int(ln.split()[-2]) == len(problems), err
+    if "--check" in case.args:
+        assert _files(tmp_path) == before, "--check created a file"
+        assert not [ln for ln in lines if ln.startswith("  ") and ln.count(": ") < 1], err  # path: problem
+
+
+def test_check_asks_each_engine_endpoint_which_socket_answers(tmp_path: Path) -> None:
+    """A live endpoint on the engine's replay ROUTER (easy with dp ranks: rank r uses port + r on
+    both sockets), a replay endpoint on a PUB, a name that does not resolve, a port nobody listens
+    on: --check says which, with the fix, and exits 3 (valid, but not reachable as configured)."""
+    ctx = zmq.Context()
+    try:
+        router, pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PUB)
+        r, p = router.bind_to_random_port("tcp://127.0.0.1"), pub.bind_to_random_port("tcp://127.0.0.1")
+        dead = free_ports(1)[0]
+        (tmp_path / "c.yaml").write_text(
+            f"sources:\n  - {{name: a, endpoint: 'tcp://127.0.0.1:{r}', replay_endpoint: 'tcp://127.0.0.1:{p}'}}\n"
+            "  - {name: b, endpoint: 'tcp://no-such-host.invalid:5557'}\n"
+            f"  - {{name: c, endpoint: 'tcp://127.0.0.1:{dead}'}}\n"
+            "sinks:\n  - {type: file, path: '-'}\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-m", "bridge", "--config", str(tmp_path / "c.yaml"), "--check"],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        ctx.destroy(linger=0)
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr
+    assert "engines: 0 of 4 endpoint(s) answer as they should" in proc.stdout
+    problems = [ln.strip() for ln in proc.stderr.splitlines() if ln.startswith("  ")]
+    assert problems == [
+        f"sources[0].endpoint: tcp://127.0.0.1:{r} is a ROUTER socket, not PUB or XPUB; this looks like the engine's "
+        "replay port: give its PUB (kv-events endpoint) port here",
+        f"sources[0].replay_endpoint: tcp://127.0.0.1:{p} is a PUB socket, not ROUTER; this looks like the engine's live "
+        "PUB port: give its replay_endpoint port here",
+        problems[2],
+        f"sources[2].endpoint: tcp://127.0.0.1:{dead}: cannot connect (Connect call failed ('127.0.0.1', {dead})); is the "
+        "engine running with KV events on, and is this its port?",
+    ]
+    assert problems[2].startswith("sources[1].endpoint: tcp://no-such-host.invalid:5557: cannot resolve the host (")
