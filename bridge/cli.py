@@ -33,7 +33,7 @@ from .config import Config
 from .connector import Connector, Registry, template_labels, unwritable
 from .endpoints import for_rank
 from .errors import ConfigError, ConnectorError, StartupError
-from .probe import ProbeError, socket_type
+from .probe import diagnose, split_tcp
 from .runtime import run as run_bridge
 from .secret import redact
 from .simulator import DEFAULT_PROFILE, PROFILES, Faults, Simulator, SimulatorOptions
@@ -391,14 +391,13 @@ def _unwritable_paths(cfg: Config) -> list[str]:
 PROBE_TIMEOUT = 3.0
 PROBE_MAX = 32
 """Discovered engines probed by ``--check``, at most (the first addresses in sorted order)."""
-_EXPECTED = {"endpoint": ("PUB", "XPUB"), "replay_endpoint": ("ROUTER",)}
 
 
 async def _probe_engines(cfg: Config) -> tuple[int, int, list[str]]:
     """``--check``: ask every engine endpoint the bridge connects to which ZMQ socket answers (ZMTP
     greeting; nothing subscribed or requested), DNS discovery's engines included: how many were
     asked, how many answered as they should, and one line per problem."""
-    checks: list[tuple[str, str, int, str, Coroutine[Any, Any, str]]] = []
+    checks: list[tuple[str, str, int, Coroutine[Any, Any, tuple[str, str] | None]]] = []
     lines: list[str] = []
     targets = [(f"sources[{i}]", source) for i, source in enumerate(cfg.sources)]
     dns = cfg.discovery.dns
@@ -422,38 +421,15 @@ async def _probe_engines(cfg: Config) -> tuple[int, int, list[str]]:
                 continue
             for rank in range(source.dp_ranks):
                 ep = for_rank(endpoint, rank)
-                host, _, port = ep.removeprefix("tcp://").rpartition(":")
-                if not ep.startswith("tcp://") or "*" in host:
+                if split_tcp(ep) is None:
                     continue
-                checks.append((f"{where_from}.{key}", ep, rank, key, socket_type(host.strip("[]"), int(port), PROBE_TIMEOUT)))
-    found = await asyncio.gather(*(c[4] for c in checks), return_exceptions=True)
-    for (path, ep, rank, key, _), got in zip(checks, found, strict=True):
-        where = f"{path}: {ep}" + (f" (rank {rank})" if rank else "")
-        if isinstance(got, str):
-            if got.upper() in _EXPECTED[key]:
-                continue
-            if key == "endpoint":
-                fix = "this looks like the engine's replay port: give its PUB (kv-events endpoint) port here"
-            else:
-                fix = "this looks like the engine's live PUB port: give its replay_endpoint port here"
-            lines.append(f"{where} is a {got} socket, not {' or '.join(_EXPECTED[key])}; {fix}")
-        elif isinstance(got, TimeoutError):
-            lines.append(f"{where}: no answer in {PROBE_TIMEOUT:g}s (a firewall, or not a ZMQ socket?)")
-        elif isinstance(got, socket.gaierror):
-            lines.append(f"{where}: cannot resolve the host ({got.strerror}); check the name")
-        elif isinstance(got, OSError):
-            lines.append(
-                f"{where}: cannot connect ({got.strerror or got}); is the engine running with KV events on, and is this its port?"
-            )
-        elif isinstance(got, ProbeError):
-            lines.append(f"{where}: {got}")
-        elif isinstance(got, BaseException):
-            raise got
-    return (
-        len(checks),
-        sum(isinstance(got, str) and got.upper() in _EXPECTED[c[3]] for c, got in zip(checks, found, strict=True)),
-        lines,
-    )
+                role = "live" if key == "endpoint" else "replay"
+                checks.append((f"{where_from}.{key}", ep, rank, diagnose(ep, role, PROBE_TIMEOUT)))
+    found = await asyncio.gather(*(c[3] for c in checks))
+    for (path, ep, rank, _), got in zip(checks, found, strict=True):
+        if got is not None:
+            lines.append(f"{path}: {ep}" + (f" (rank {rank})" if rank else "") + f": {got[0]}")
+    return len(checks), sum(got is None for got in found), lines
 
 
 @contextlib.contextmanager

@@ -1,7 +1,9 @@
 """Ask a ZMQ TCP endpoint what socket type answers there, without ZMQ: the ZMTP 3 greeting.
 
-``--check`` uses it to tell a typo from a running engine before the bridge starts: a live
-endpoint must be a PUB (or XPUB) socket, a replay endpoint a ROUTER. After both greetings a ZMTP
+``--check`` uses it to tell a typo from a running engine before the bridge starts, and a running
+bridge to say why a source does not connect (libzmq drops a SUB that reached a ROUTER without a
+word: a connection, then a disconnection, no handshake): a live endpoint must be a PUB (or XPUB)
+socket, a replay endpoint a ROUTER. After both greetings a ZMTP
 3 peer using the NULL mechanism sends a READY command whose ``Socket-Type`` property names its
 socket type (ZMTP RFC 23); nothing is subscribed or requested, so the engine publishes nothing
 for it and the connection is closed at once.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 
 SIGNATURE = b"\xff" + b"\x00" * 8 + b"\x7f"
 GREETING = SIGNATURE + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
@@ -73,3 +76,56 @@ def _ready_socket_type(body: bytes) -> str:
         if name.lower() == b"socket-type":
             return value.decode("ascii", "replace")
     raise ProbeError("its READY command names no Socket-Type")
+
+
+EXPECTED = {"live": ("PUB", "XPUB"), "replay": ("ROUTER",)}
+"""The socket types each of an engine's endpoints has (protocol.md: PUB live, ROUTER replay)."""
+
+_FIX = {
+    ("live", "ROUTER"): "this looks like the engine's replay port: give its PUB (kv-events endpoint) port here "
+    "(with dp ranks, rank r uses port + r on both sockets)",
+    ("replay", "PUB"): "this looks like the engine's live PUB port: give its replay_endpoint port here",
+    ("replay", "XPUB"): "this looks like the engine's live PUB port: give its replay_endpoint port here",
+}
+
+
+def split_tcp(endpoint: str) -> tuple[str, int] | None:
+    """(host, port) of a ``tcp://host:port`` endpoint (``[v6]`` brackets removed); None otherwise
+    (another transport, a wildcard host)."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    if not port.isdigit() or "*" in host:
+        return None
+    return host.strip("[]"), int(port)
+
+
+async def diagnose(endpoint: str, role: str, timeout: float = 2.0) -> tuple[str, str] | None:
+    """Why an engine's ``role`` endpoint ("live" or "replay") does not work, as (problem, reason),
+    asked of the endpoint itself; None when the expected socket type answers (or it is not a TCP
+    endpoint). Reasons: unresolvable, refused, unreachable, no_answer, not_zmq, wrong_peer."""
+    address = split_tcp(endpoint)
+    if address is None:
+        return None
+    host, port = address
+    try:
+        found = await socket_type(host, port, timeout)
+    except socket.gaierror as exc:
+        return f"cannot resolve the host {host!r} ({exc.strerror}); check the name", "unresolvable"
+    except ConnectionRefusedError:
+        return (
+            "connection refused; is the engine running with KV events on (vLLM: --kv-events-config with "
+            "enable_kv_cache_events), and is this its port?",
+            "refused",
+        )
+    except OSError as exc:
+        return f"cannot connect ({exc.strerror or exc}); is the host up and the port right?", "unreachable"
+    except TimeoutError:
+        return f"no answer in {timeout:g}s (a firewall, or not a ZMQ socket?)", "no_answer"
+    except ProbeError as exc:
+        return str(exc), "not_zmq"
+    expected = EXPECTED[role]
+    if found.upper() in expected:
+        return None
+    fix = _FIX.get((role, found.upper()), f"point it at the engine's {expected[0]} socket")
+    return f"a {found} socket answers, not {' or '.join(expected)}; {fix}", "wrong_peer"

@@ -12,7 +12,7 @@ connections for ``kv_bridge_sources_connected`` and the logs.
 Health (README "Metrics and health"): a connection counts once its ZMTP handshake succeeded (a
 SUB that reached the engine's replay ROUTER connects, then is dropped without one). While a
 source is not connected, the reader finds out why, at most every ``_DIAGNOSE_EVERY`` seconds, by
-asking the endpoint itself (:mod:`bridge.zmtp`): a name that does not resolve, a refused port, no
+asking the endpoint itself (:mod:`bridge.probe`): a name that does not resolve, a refused port, no
 answer, or a peer of the wrong type (named, with the likely fix). ``problem`` holds the answer for
 ``/readyz`` and ``kv_bridge_source_problem``.
 """
@@ -31,7 +31,7 @@ import zmq.asyncio
 from zmq.backend import Socket as _BackendSocket
 from zmq.utils.monitor import parse_monitor_message
 
-from . import zmtp
+from . import probe
 from .config import IngestConfig
 from .stream import StreamPipeline
 
@@ -234,13 +234,13 @@ class SourceReader:
         self._diagnosing = self.pipeline.ctx.spawn(self._ask_peer(), f"diagnose:{self.endpoint}")
 
     async def _ask_peer(self) -> None:
-        """Ask the endpoint what it is (see bridge.zmtp) and record the answer as the problem."""
-        answer = await zmtp.diagnose(self.endpoint, "live")
+        """Ask the endpoint what it is (see bridge.probe) and record the answer as the problem."""
+        answer = await probe.diagnose(self.endpoint, "live")
         if answer is None:
             return  # a PUB (libzmq connects on its next try), or not a TCP endpoint
         if self.connections:
             return  # connected meanwhile
-        problem, reason = answer
+        problem, reason = f"{self.endpoint}: {answer[0]}", answer[1]
         was = self._reason
         self._set_problem(problem, reason)
         if reason != was:

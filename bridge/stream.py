@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import zmq
 
-from . import wire, zmtp
+from . import probe, wire
 from .backoff import Backoff
 from .config import ReplayConfig
 from .deadletter import DecodeFailures
@@ -460,12 +460,12 @@ class StreamPipeline:
         self._replay_task = self.ctx.spawn(self._replay(req), f"replay:{self.stream.key}")
 
     async def _diagnose_replay(self) -> None:
-        """A replay that got no reply at all: ask the endpoint what it is (bridge.zmtp). A socket
+        """A replay that got no reply at all: ask the endpoint what it is (bridge.probe). A socket
         of the wrong type (the engine's PUB, easy with dp ranks) or a dead port is logged once per
         change, as what it is and how to fix it, and kept for /readyz (``replay_problem``)."""
         assert self.replay_endpoint is not None
-        answer = await zmtp.diagnose(self.replay_endpoint, "replay")
-        problem = answer[0] if answer is not None else None
+        answer = await probe.diagnose(self.replay_endpoint, "replay")
+        problem = f"{self.replay_endpoint}: {answer[0]}" if answer is not None else None
         if problem is not None and problem != self.replay_problem:
             log_at = log.error if answer is not None and answer[1] == "wrong_peer" else log.warning
             log_at("replay endpoint not usable", extra={"stream": self.stream.key, "error": problem})

@@ -248,12 +248,15 @@ def test_check_asks_each_engine_endpoint_which_socket_answers(tmp_path: Path) ->
     assert "engines: 0 of 4 endpoint(s) answer as they should" in proc.stdout
     problems = [ln.strip() for ln in proc.stderr.splitlines() if ln.startswith("  ")]
     assert problems == [
-        f"sources[0].endpoint: tcp://127.0.0.1:{r} is a ROUTER socket, not PUB or XPUB; this looks like the engine's "
-        "replay port: give its PUB (kv-events endpoint) port here",
-        f"sources[0].replay_endpoint: tcp://127.0.0.1:{p} is a PUB socket, not ROUTER; this looks like the engine's live "
-        "PUB port: give its replay_endpoint port here",
+        f"sources[0].endpoint: tcp://127.0.0.1:{r}: a ROUTER socket answers, not PUB or XPUB; this looks like the "
+        "engine's replay port: give its PUB (kv-events endpoint) port here (with dp ranks, rank r uses port + r on "
+        "both sockets)",
+        f"sources[0].replay_endpoint: tcp://127.0.0.1:{p}: a PUB socket answers, not ROUTER; this looks like the "
+        "engine's live PUB port: give its replay_endpoint port here",
         problems[2],
-        f"sources[2].endpoint: tcp://127.0.0.1:{dead}: cannot connect (Connect call failed ('127.0.0.1', {dead})); is the "
-        "engine running with KV events on, and is this its port?",
+        f"sources[2].endpoint: tcp://127.0.0.1:{dead}: connection refused; is the engine running with KV events on "
+        "(vLLM: --kv-events-config with enable_kv_cache_events), and is this its port?",
     ]
-    assert problems[2].startswith("sources[1].endpoint: tcp://no-such-host.invalid:5557: cannot resolve the host (")
+    assert problems[2].startswith(
+        "sources[1].endpoint: tcp://no-such-host.invalid:5557: cannot resolve the host 'no-such-host.invalid' ("
+    )
