@@ -52,6 +52,7 @@ from bridge.records import Stream
 from bridge.runtime import Bridge
 from connectors.kafka import KafkaConnector, KafkaOptions, StateLog
 from tests.infra.servers import KafkaServer, free_port
+from tests.integration.test_kafka import delete_topic, topic_exists
 from tests.support.cache_engine import CacheEngine, event
 from tests.support.process import BridgeProcess, bridge_config
 from tests.support.state_kafka import Follower, last_head, offsets, read_partition, truth
@@ -434,29 +435,6 @@ async def test_a_state_entry_larger_than_the_state_topics_limit_neither_stalls_n
             await bridge.stop()
 
 
-async def delete_topic(kafka: KafkaServer, topic: str) -> None:
-    """Delete ``topic`` and wait until the broker no longer lists it."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
-    await admin.start()
-    try:
-        await admin.delete_topics([topic])
-    finally:
-        await admin.close()
-    deadline = time.monotonic() + 20
-    while await exists(kafka, topic):
-        assert time.monotonic() < deadline, f"topic {topic} still listed"
-        await asyncio.sleep(0.1)
-
-
-async def exists(kafka: KafkaServer, topic: str) -> bool:
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
-    await admin.start()
-    try:
-        return topic in await admin.list_topics()
-    finally:
-        await admin.close()
-
-
 async def test_a_state_topic_deleted_during_a_run_comes_back_compacted_and_the_state_incomplete(
     tmp_path: Path, kafka: KafkaServer
 ) -> None:
@@ -495,7 +473,7 @@ async def test_a_state_topic_deleted_during_a_run_comes_back_compacted_and_the_s
                 await asyncio.sleep(0.1)
             deadline = time.monotonic() + 60
             head = None
-            while not await exists(kafka, state_topic):  # one more batch at a time until it is back
+            while not await topic_exists(kafka, state_topic):  # one more batch at a time until it is back
                 assert time.monotonic() < deadline, "the state topic did not come back"
                 await engine.step(1)
                 await asyncio.sleep(0.3)
@@ -567,7 +545,7 @@ async def test_an_events_topic_deleted_during_a_run_is_created_with_its_settings
             acked = engine.last_seq
             await delete_topic(kafka, topic)
             deadline = time.monotonic() + 60
-            while not await exists(kafka, topic):  # one more batch at a time until it is back
+            while not await topic_exists(kafka, topic):  # one more batch at a time until it is back
                 assert time.monotonic() < deadline, "the events topic did not come back"
                 await engine.step(1)
                 await asyncio.sleep(0.3)
