@@ -160,6 +160,7 @@ class SinkWorker:
         self._idle = asyncio.Event()
         self._idle.set()
         self._dropped: dict[str, Record] = {}  # per stream: the EventsLost of the span being dropped
+        self._state_gone: set[str] = set()  # streams whose state changes are not written until a clear
         self._closing = False
         self.connected = False
         self.last_error: str | None = "not connected yet"
@@ -379,7 +380,7 @@ class SinkWorker:
         unrendered: set[int] = set()
         size = 0
         max_messages, max_bytes = self.config.batch.max_messages, self.config.batch.max_bytes
-        render, state = self.renderer.render, self.writes_state
+        render, state, gone = self.renderer.render, self.writes_state, self._state_gone
         for record in self._queue:
             record_size = len(record.payload) or EMPTY_RECORD_BYTES  # Record.size, inline (the hot path)
             if records and (len(messages) >= max_messages or size + record_size > max_bytes or record.kind == "SourceReset"):
@@ -399,10 +400,27 @@ class SinkWorker:
                     self._state_lost(record.stream)
             records.append(record)
             messages.extend(rendered)
-            if state and record.state is not None and id(record) not in unrendered:
+            if (
+                state
+                and record.state is not None
+                and id(record) not in unrendered
+                and (not gone or self._writes_state_of(record))
+            ):
                 messages.append(state_message(record))
             size += record_size
         return records, messages, unrendered, size
+
+    def _writes_state_of(self, record: Record) -> bool:
+        """Whether ``record``'s state change is written, while some stream's state is gone (see
+        ``_state_lost``): yes unless it is of such a stream and does not clear it (the first one
+        that does starts the sink's state afresh, and the stream's changes are written again)."""
+        key = record.stream.key
+        if key not in self._state_gone:
+            return True
+        if getattr(record.state, "clear", False):
+            self._state_gone.discard(key)
+            return True
+        return False
 
     def _settle(self, records: list[Record], dead: set[int], size: int) -> None:
         """Remove ``records`` (``size`` bytes in all) from the queue and acknowledge them; ``dead``:
@@ -607,8 +625,14 @@ class SinkWorker:
         return out + messages
 
     def _state_lost(self, stream: Stream) -> None:
-        if self.writes_state and self.on_state_lost is not None:
-            self.on_state_lost(stream)
+        """What the sink holds of ``stream``'s state is not what the tracker says any more: the
+        tracker clears it at the stream's next record (a new generation, incomplete), and this sink
+        writes none of the stream's state changes queued before that clear (each was computed on
+        what the sink no longer holds: written, they would leave a partial state marked complete)."""
+        if self.writes_state:
+            self._state_gone.add(stream.key)
+            if self.on_state_lost is not None:
+                self.on_state_lost(stream)
 
     async def _health(self) -> str | None:
         """The connector's health check, bounded: None when healthy, else why not."""
@@ -626,19 +650,17 @@ class SinkWorker:
             # A state change the sink refused: nothing to dead-letter (it has no body), and its
             # record's events were written; the sink's state now differs from the tracker's.
             messages = [m for m in messages if m.type != STATE_TYPE]
-            for m in state:
+            for stream in {m.record.stream.key: m.record.stream for m in state}.values():
                 log.error(
-                    "state change refused by the sink: the stream's state is cleared at its next record",
-                    extra={"sink": self.name, "stream": m.record.stream.key, "error": str(exc)},
+                    "state change refused by the sink: the stream's state is cleared at its next clear",
+                    extra={"sink": self.name, "stream": stream.key, "error": str(exc)},
                 )
-                if self.on_state_lost is not None:
-                    self.on_state_lost(m.record.stream)
+                self._state_lost(stream)
         dead = {id(m.record) for m in messages if m.record.kind == "batch"}
-        if self.writes_state and self.on_state_lost is not None:
-            # The sink's state holds what the refused messages said, its messages do not: a consumer
-            # following them would disagree with one bootstrapped later. Clear, incomplete.
-            for stream in {m.record.stream.key: m.record.stream for m in messages}.values():
-                self.on_state_lost(stream)
+        # The sink's state holds what the refused messages said, its messages do not: a consumer
+        # following them would disagree with one bootstrapped later. Clear, incomplete.
+        for stream in {m.record.stream.key: m.record.stream for m in messages}.values():
+            self._state_lost(stream)
         if messages:
             log.error(
                 "messages rejected by the sink, dead-lettered",

@@ -24,9 +24,15 @@ STREAM = Stream("s", 0)
 OTHER = Stream("t", 0)
 
 
-def delta() -> object:
-    """A state change (the worker only passes it to the connector)."""
-    return object()
+class Delta:
+    """A state change: the worker passes it to the connector, and reads only whether it clears."""
+
+    def __init__(self, clear: bool = False) -> None:
+        self.clear = clear
+
+
+def delta(clear: bool = False) -> Delta:
+    return Delta(clear)
 
 
 def kinds(conn: MemoryConnector) -> list[tuple[str, str, int]]:
@@ -151,7 +157,7 @@ async def test_an_unrenderable_record_writes_no_state_change_and_clears_the_stat
     await worker.stop()
     worker.dead_letters.close()
     states = [m.record.seq for m in conn.messages if m.type == STATE_TYPE]
-    assert states == [0, 2]  # none for the dead-lettered record
+    assert states == [0]  # none for the dead-lettered record, nor for the next one (computed before the clear)
     assert lost_streams == [STREAM]
     assert [r.seq for r in acked] == [0, 1, 2]
 
@@ -270,3 +276,28 @@ async def test_a_refusal_is_announced_in_its_epoch_before_the_next_epochs_reset(
         (2, "batch", 1),
     ]
     assert conn.writes[0] == 3  # the first write stopped at the SourceReset
+
+
+async def test_state_changes_queued_before_a_lost_state_is_cleared_are_not_written(tmp_path: Path) -> None:
+    """Found by the invariant breaker (B6, Kafka): the state topic was deleted while records were
+    queued; their state changes, computed on what the topic held, were written once it was back,
+    and the last head said complete over a partial state. After a state change is refused, none of
+    the stream's changes is written until one that clears the state (the tracker's next)."""
+    worker, _, acked, _ = make(tmp_path, batch={"linger": 0, "max_messages": 2})
+    lost_streams: list[Stream] = []
+    worker.writes_state, worker.on_state_lost = True, lost_streams.append
+    records = stream_records(STREAM, 4) + stream_records(OTHER, 1)
+    for r in records:
+        r.state = delta(clear=r.seq == 3 and r.stream == STREAM)
+    # first write: b0 and its state change (refused: the state topic was lost)
+    conn = answering(worker, [PartialFailure({1: Permanent("state topic created again", reason="state_lost")})])
+    await fill(worker, records)
+    worker.start()
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    states = [(m.record.stream.key, m.record.seq) for m in conn.messages if m.type == STATE_TYPE]
+    # b1's and b2's changes were computed on the state the sink lost: not written; b3's clears the
+    # stream's state: written, and so is every later one; other streams go on as they were
+    assert states == [("s/0", 3), ("t/0", 0)]
+    assert [r.seq for r in acked] == [0, 1, 2, 3, 0]
