@@ -364,7 +364,7 @@ def check(path: str, *, offline: bool = False, registry: Registry | None = None)
     if probed or wrong:
         print(f"engines: {answering} of {probed} endpoint(s) answer as they should")
     unreachable.extend(wrong)
-    with _quiet_logs():
+    with _quiet_clients():
         for i, conn in result.connectors:
             reason = asyncio.run(_reach(conn))
             print(f"sinks[{i}] ({conn.name}): {'reachable' if reason is None else 'unreachable'}")
@@ -430,6 +430,26 @@ async def _probe_engines(cfg: Config) -> tuple[int, int, list[str]]:
         if got is not None:
             lines.append(f"{path}: {ep}" + (f" (rank {rank})" if rank else "") + f": {got[0]}")
     return len(checks), sum(got is None for got in found), lines
+
+
+CLIENT_LOGGERS = ("aiokafka", "kafka", "nats", "redis", "asyncio")
+"""Loggers of the client libraries, silenced while ``--check`` reaches the sinks."""
+
+
+@contextlib.contextmanager
+def _quiet_clients() -> Iterator[None]:
+    """While ``--check`` reaches the sinks: the client libraries' log lines would interleave with
+    its report, but a connector's own warnings (a server that may lose what the bridge builds on,
+    I6) are part of it."""
+    loggers = [logging.getLogger(name) for name in CLIENT_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
 
 
 @contextlib.contextmanager

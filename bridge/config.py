@@ -704,7 +704,11 @@ def _value_at(value: Any, sub: str) -> Any:
 
 
 def _lower(text: str) -> str:
-    return text[0].lower() + text[1:] if text else text
+    """A message's first letter in lower case (it follows a path and a colon), unless it starts a
+    word in capitals (a name: ``SSL_CHECK_HOSTNAME``, ``TLS``)."""
+    if not text or text[1:2].isupper() or text[1:2] == "_":
+        return text
+    return text[0].lower() + text[1:]
 
 
 # -- loading ------------------------------------------------------------------------------------

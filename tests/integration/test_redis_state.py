@@ -610,7 +610,8 @@ async def test_a_server_that_may_lose_the_state_is_warned_about_at_connect_and_i
             caplog.clear()
             path = tmp_path / "bridge.yaml"
             sink_entry = {"type": "redis", "name": "out", "url": forgetful_redis.url, "state": {"enabled": True}}
-            path.write_text(json.dumps({"sources": [{"name": "a", "endpoint": "tcp://127.0.0.1:1"}], "sinks": [sink_entry]}))
+            source = {"name": "a", "endpoint": f"tcp://127.0.0.1:{free_port()}", "bind": True}  # nothing to probe
+            path.write_text(json.dumps({"sources": [source], "sinks": [sink_entry]}))
             assert await asyncio.to_thread(check, str(path)) == 0  # warned, not refused
             assert len(warnings()) == 2, warnings()
     finally:
