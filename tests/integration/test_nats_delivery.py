@@ -224,11 +224,13 @@ async def test_refused_message_is_isolated_and_a_transient_failure_after_it_keep
     finally:
         await h.finish()
     stored = await _stored(reader, dest)
-    # I6: A1 is announced to the stream's consumers in its place (the write stored nothing of A past it)
+    # I6: A1 is announced to the stream's consumers after A2 and A3 (written again after the stream
+    # was full), standing at A3's seq: a consumer that orders by position keeps it
     lost = events_lost(A, records[2].epoch, 1, 1, "sink_refused:nats-d", 0.0)
+    lost.seq, lost.to_seq = 3, 1
     (announcement,) = Renderer("raw", "batch").render(lost)
     kept = [(r.seq, r.payload) for r in records if r.stream == A and r.seq != 1]
-    assert stored[_subject(dest, A)] == [kept[0], (1, announcement.value), *kept[1:]]
+    assert stored[_subject(dest, A)] == [*kept, (3, announcement.value)]
     assert stored[_subject(dest, B)] == [(r.seq, r.payload) for r in records if r.stream == B]
     dead = h.dead()
     assert [(d["source"], d["seq"]) for d in dead] == [("eng-a", 1)]

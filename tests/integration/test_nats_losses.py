@@ -238,7 +238,7 @@ async def test_memory_storage_is_warned_about_at_connect_and_in_check(
 
         caplog.clear()
         path = tmp_path / "bridge.yaml"
-        source = {"name": "e", "endpoint": "tcp://127.0.0.1:1"}
+        source = {"name": "e", "endpoint": f"tcp://127.0.0.1:{free_port()}", "bind": True}  # nothing to probe
         path.write_text(json.dumps({"sources": [source], "sinks": [{"type": "nats", "name": "nats-m", **options}]}))
         with caplog.at_level(logging.WARNING, logger="connectors.nats"):
             assert await asyncio.to_thread(check, str(path)) == 0  # a warning, not a refusal
