@@ -4,17 +4,24 @@ one line per problem naming the thing and the fix, the documented exit code, and
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import socket
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import nats
+import nats.js.errors
 import pytest
 import zmq
+from aiokafka.admin import AIOKafkaAdminClient
 
+from tests.infra.servers import KafkaServer, NatsServer
 from tests.support.harness import free_ports
 
 pytestmark = pytest.mark.integration
@@ -260,3 +267,57 @@ def test_check_asks_each_engine_endpoint_which_socket_answers(tmp_path: Path) ->
     assert problems[2].startswith(
         "sources[1].endpoint: tcp://no-such-host.invalid:5557: cannot resolve the host 'no-such-host.invalid' ("
     )
+
+
+async def test_check_creates_no_topic_stream_or_bucket(tmp_path: Path, kafka: KafkaServer, nats_server: NatsServer) -> None:
+    """``--check`` is side-effect free: sinks that create what they write to at connect
+    (``create_topics``, ``stream.create``, ``state.create``) are checked as the run would connect,
+    and a missing topic, stream or bucket the run would create counts as fine: nothing is created."""
+    tag = uuid.uuid4().hex[:8]
+    topic, state_topic, stream, bucket = f"chk-{tag}", f"chk-{tag}-state", f"CHK{tag}", f"chk{tag}"
+    config = {
+        "sources": [{"name": "a", "endpoint": f"tcp://127.0.0.1:{free_ports(1)[0]}", "bind": True}],
+        "sinks": [
+            {
+                "type": "kafka",
+                "name": "k",
+                "bootstrap_servers": kafka.bootstrap_servers,
+                "topic": topic,
+                "create_topics": {"enabled": True},
+                "state": {"enabled": True, "topic": state_topic, "create": True},
+            },
+            {
+                "type": "nats",
+                "name": "n",
+                "servers": [nats_server.url],
+                "subject": f"chk{tag}.{{source}}.{{dp_rank}}",
+                "stream": {"create": True, "name": stream},
+                "state": {"enabled": True, "bucket": bucket, "create": True},
+            },
+        ],
+        "checkpoint": {"path": str(tmp_path / "checkpoint.json")},
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps(config))
+    proc = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "bridge", "--config", str(path), "--check"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        topics = set(await admin.list_topics())
+    finally:
+        await admin.close()
+    assert not {topic, state_topic} & topics
+    nc = await nats.connect(nats_server.url)
+    try:
+        js = nc.jetstream()
+        for name in (stream, f"KV_{bucket}"):
+            with pytest.raises(nats.js.errors.NotFoundError):
+                await js.stream_info(name)
+    finally:
+        await nc.close()
+    assert not (tmp_path / "checkpoint.json").exists()
