@@ -381,6 +381,7 @@ class Discovery:
         self.addresses: frozenset[str] = frozenset()
         self._nxdomain_since: float | None = None
         self._last_outcome: Outcome | None = None
+        self._empty_said = False  # the "resolves to no engine" warning was logged for the current answer
         self._task: asyncio.Task[None] | None = None
         r = registry or CollectorRegistry()
         self._m_resolutions = Counter(
@@ -436,7 +437,16 @@ class Discovery:
             if self._last_outcome not in (None, "ok"):
                 log.info("DNS resolution recovered", extra={"dns_name": name, "addresses": len(addresses)})
             self._last_outcome = "ok"
-        self.addresses = frozenset(normalise(a) for a in addresses)
+        found = frozenset(normalise(a) for a in addresses)
+        if not found and (self.addresses or not self._empty_said):
+            # Once per change: a typo in the Service name or namespace looks exactly like this.
+            log.warning(
+                "DNS name resolves to no engine: check discovery.dns.name (Service and namespace) and that the "
+                "Service is headless with ready pods",
+                extra={"dns_name": name},
+            )
+        self._empty_said = not found
+        self.addresses = found
         self._m_addresses.set(len(self.addresses))
         desired = desired_sources(self.config, self.addresses, prefix=self.prefix, index=self.index, count=self.count)
         plan = diff(self.known, {n: s for n, s in desired.items() if n not in self.reserved})

@@ -135,7 +135,8 @@ async def test_one_engine_down_among_several_leaves_the_bridge_ready(tmp_path: P
             assert metric(bridge, "kv_bridge_source_up", source="up", dp_rank="0") == 1
 
 
-async def test_discovery_that_finds_no_engine_is_not_ready(tmp_path: Path) -> None:
+async def test_discovery_that_finds_no_engine_is_not_ready(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
     async with stub_dns() as dns:
         dns.records["engines.test.svc.cluster.local"] = []  # the Service exists, with no ready pod
         discovery = {
@@ -145,3 +146,6 @@ async def test_discovery_that_finds_no_engine_is_not_ready(tmp_path: Path) -> No
             detail = await not_ready(bridge)
             assert detail["not_ready"] == "discovery finds no engine at engines.test.svc.cluster.local"
             assert metric(bridge, "kv_bridge_discovery_sources") == 0
+            (line,) = lines(caplog, "DNS name resolves to no engine: check discovery.dns.name (Service and namespace) "
+                            "and that the Service is headless with ready pods")  # fmt: skip
+            assert line.levelno == logging.WARNING  # once, though it resolves every 100 ms
