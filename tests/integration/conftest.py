@@ -14,11 +14,13 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
+import nats
+import nats.aio.client
 import pytest
 
 from tests.infra.servers import (
@@ -122,6 +124,14 @@ def fresh_redis(redis_server: RedisServer) -> RedisServer:
 def nats_server(infra_run_dir: Path) -> Iterator[NatsServer]:
     """nats-server with JetStream: ``url``, stop/start/restart (JetStream store kept)."""
     yield from _session_server("nats", NatsServer, infra_run_dir / "nats")
+
+
+@pytest.fixture
+async def reader(nats_server: NatsServer) -> AsyncIterator[nats.aio.client.Client]:
+    """A plain nats-py client for reading back (and cleaning up) what a NATS connector wrote."""
+    nc = await nats.connect(nats_server.url, reconnect_time_wait=0.2, max_reconnect_attempts=-1)
+    yield nc
+    await nc.close()
 
 
 @pytest.fixture

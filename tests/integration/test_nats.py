@@ -102,14 +102,6 @@ async def _retrying_write(conn: Connector, messages: Sequence[Message], *, attem
     pytest.fail(f"write did not succeed after {attempts} attempts")
 
 
-@pytest.fixture
-async def reader(nats_server: NatsServer) -> AsyncIterator[Client]:
-    """A plain nats-py client for reading back (and cleaning up) what the connector wrote."""
-    nc = await nats.connect(nats_server.url, reconnect_time_wait=0.2, max_reconnect_attempts=-1)
-    yield nc
-    await nc.close()
-
-
 # -- the conformance suite ----------------------------------------------------------------------
 
 

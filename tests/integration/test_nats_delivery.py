@@ -59,13 +59,6 @@ def record(stream: Stream, seq: int, size: int) -> Record:
 
 
 @pytest.fixture
-async def reader(nats_server: NatsServer) -> AsyncIterator[Client]:
-    nc = await nats.connect(nats_server.url, reconnect_time_wait=0.2, max_reconnect_attempts=-1)
-    yield nc
-    await nc.close()
-
-
-@pytest.fixture
 async def dest(reader: Client) -> AsyncIterator[str]:
     name = _dest()
     yield name

@@ -90,13 +90,6 @@ async def _subject_seqs(nc: Client, dest: str, stream: Stream) -> list[int]:
 
 
 @pytest.fixture
-async def reader(nats_server: NatsServer) -> AsyncIterator[Client]:
-    nc = await nats.connect(nats_server.url, reconnect_time_wait=0.2, max_reconnect_attempts=-1)
-    yield nc
-    await nc.close()
-
-
-@pytest.fixture
 async def dest(reader: Client) -> AsyncIterator[str]:
     name = f"KVL{uuid.uuid4().hex[:10].upper()}"
     yield name

@@ -57,13 +57,6 @@ WAIT = 30.0
 
 
 @pytest.fixture
-async def reader(nats_server: NatsServer) -> AsyncIterator[Client]:
-    nc = await nats.connect(nats_server.url, reconnect_time_wait=0.2, max_reconnect_attempts=-1)
-    yield nc
-    await nc.close()
-
-
-@pytest.fixture
 async def names(reader: Client) -> AsyncIterator[tuple[str, str]]:
     """(events stream name = subject prefix, KV bucket name), removed after the test."""
     uid = uuid.uuid4().hex[:8].upper()
