@@ -468,6 +468,8 @@ async def _reach(conn: Connector) -> str | None:
     try:
         if probe is not None:
             return cast("str | None", await asyncio.wait_for(probe(), 15))
+        if hasattr(conn, "creates_nothing"):
+            conn.creates_nothing = True
         await asyncio.wait_for(conn.connect(), 15)
         return await asyncio.wait_for(conn.health(), 15)
     except (ConnectorError, TimeoutError, OSError) as exc:

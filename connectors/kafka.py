@@ -380,7 +380,7 @@ class KafkaConnector:
         self._acked_streams: dict[tuple[str, int], dict[str, tuple[Stream, int, int]]] = {}
         self._lost: dict[str, tuple[Stream, int, int, int]] = {}  # stream key -> span to announce (SinkLost)
         self._lost_topics: set[str] = set()  # the topics those spans were lost from
-        self._dry = False  # probe() (--check): check what connect() checks, create nothing
+        self.creates_nothing = False  # --check: connect() creates nothing (bridge.connector)
         self._state_lost: set[str] = set()  # streams whose state a lost state topic held (refused: state_lost)
         self._policy_checked: set[str] = set()  # state topics whose cleanup.policy was looked at
         self._reader: Any = None  # the consumer positions() reads partitions back with
@@ -399,20 +399,6 @@ class KafkaConnector:
         return f"KafkaConnector(name={self.name!r}, servers={self._servers!r}, topic={self.options.topic!r})"
 
     # -- hooks ----------------------------------------------------------------------------------
-    async def probe(self) -> str | None:
-        """For ``--check``: connect and check the topics as ``connect()`` does, creating nothing (a
-        topic that ``create_topics``, ``state.create`` or auto-creation would create counts as
-        fine); then close. None when reachable, else why not."""
-        self._dry = True
-        try:
-            await self.connect()
-            return await self.health()
-        except ConnectorError as exc:
-            return str(exc)
-        finally:
-            self._dry = False
-            await self.close()
-
     async def connect(self) -> None:
         """Start the producer and check a static topic; NotConnected naming the sink and the
         servers, or the topic when it is missing and will not be created."""
@@ -1055,11 +1041,12 @@ class KafkaConnector:
                 f"{self._where}: {topic!r} is not a valid Kafka topic name (1-249 of A-Z a-z 0-9 . _ -)", reason="invalid_topic"
             )
         create = self.options.state.create if state else self.options.create_topics.enabled
-        if create and topic not in self._created and not self._dry:
+        if create and topic not in self._created and not self.creates_nothing:
             await self._create_topic(topic, state=state)
         # A broker that auto-creates answers "unknown topic" (KRaft) or "leader not available"
         # until the new topic has a leader, so "unknown" is final only after a grace period.
-        allow = self.options.allow_auto_create_topics and not state and topic not in self._known and not self._dry
+        auto = self.options.allow_auto_create_topics and not state and topic not in self._known
+        allow = auto and not self.creates_nothing
         creates = allow or create
         loop = asyncio.get_running_loop()
         grace = loop.time() + min(self._timeout / 2, 5.0)
@@ -1073,7 +1060,7 @@ class KafkaConnector:
             except kafka_errors.KafkaError as exc:
                 raise (self._error(exc, topic) or Retriable(f"{self._where}: {_describe(exc)}")) from exc
             late = loop.time() >= grace
-            if code == _UNKNOWN_TOPIC and self._dry and (create or (self.options.allow_auto_create_topics and not state)):
+            if code == _UNKNOWN_TOPIC and self.creates_nothing and (create or auto):
                 return  # --check: the run would create it; nothing is created here
             if code == _UNKNOWN_TOPIC and topic in self._known:
                 self._lose([tp for tp in self._acked if tp[0] == topic], state=state)

@@ -635,7 +635,7 @@ class NatsConnector:
         self._stream_seqs: dict[str, int] = {}
         self._new_seqs: dict[str, list[int]] = {}
         self._held = _Held()
-        self._dry = False  # probe() (--check): check what connect() checks, create nothing
+        self.creates_nothing = False  # --check: connect() creates nothing (bridge.connector)
         self._lost: list[tuple[Stream, int, int, int]] = []
         self._lost_why = ""
         state = options.state
@@ -660,20 +660,6 @@ class NatsConnector:
                 raise ConfigError([f"{self._prefix}.state.enabled: {exc}"]) from None
 
     # -- connector hooks ------------------------------------------------------------------------
-    async def probe(self) -> str | None:
-        """For ``--check``: connect and check as ``connect()`` does, creating nothing (a stream or
-        bucket that ``stream.create`` / ``state.create`` would create counts as fine); then close.
-        None when reachable, else why not."""
-        self._dry = True
-        try:
-            await self.connect()
-            return await self.health()
-        except ConnectorError as exc:
-            return str(exc)
-        finally:
-            self._dry = False
-            await self.close()
-
     async def _stream_exists(self, js: JetStreamContext) -> bool:
         try:
             await js.stream_info(self.options.stream.name)
@@ -705,10 +691,10 @@ class NatsConnector:
                 self._ack_prefix = nc.new_inbox() + "."
                 await nc.subscribe(self._ack_prefix + "*", cb=self._on_ack)
             js = nc.jetstream(timeout=timeout)
-            if self.options.stream.create and not self._dry:
+            if self.options.stream.create and not self.creates_nothing:
                 await self._ensure_stream(js)
             if self.options.mode == "jetstream" and not (
-                self._dry and self.options.stream.create and not await self._stream_exists(js)
+                self.creates_nothing and self.options.stream.create and not await self._stream_exists(js)
             ):  # (--check: a stream stream.create would create is fine)
                 await self._check_stream(js)
             if self.writes_state:
@@ -1276,7 +1262,7 @@ class NatsConnector:
             self._state_problem = self._no_bucket()
             log.warning("%s", self._state_problem, extra={"sink": self.name})
             return
-        if self._dry:  # --check: the run would create it
+        if self.creates_nothing:  # --check: the run would create it
             self._state_problem = None
             return
         config = js_api.KeyValueConfig(
