@@ -203,14 +203,21 @@ def _main(argv: Sequence[str] | None) -> int:
     return serve(cfg)
 
 
+def _bad_endpoint(command: str, *given: tuple[str, str | None]) -> bool:
+    """Say (one line) the first endpoint argument of ``command`` that is not one; True if one was."""
+    for flag, endpoint in given:
+        problem = config_mod.endpoint_problem(endpoint) if endpoint else None
+        if problem is not None:
+            print(f"python -m bridge {command}: {flag}: {problem}", file=sys.stderr)
+            return True
+    return False
+
+
 def _tail(args: argparse.Namespace) -> int:
     from .tail import tail
 
-    for flag, endpoint in (("endpoint", args.endpoint), ("--replay-endpoint", args.replay_endpoint)):
-        problem = config_mod.endpoint_problem(endpoint) if endpoint else None
-        if problem is not None:
-            print(f"python -m bridge tail: {flag}: {problem}", file=sys.stderr)
-            return EXIT_CONFIG
+    if _bad_endpoint("tail", ("endpoint", args.endpoint), ("--replay-endpoint", args.replay_endpoint)):
+        return EXIT_CONFIG
     if args.from_seq is not None and not args.replay_endpoint:
         print(
             "python -m bridge tail: --from-seq needs --replay-endpoint (the engine's ROUTER replay socket, "
@@ -578,11 +585,8 @@ def _quiet_stdout() -> None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    for flag, endpoint in (("--endpoint", args.endpoint), ("--replay-endpoint", args.replay_endpoint)):
-        problem = config_mod.endpoint_problem(endpoint) if endpoint else None
-        if problem is not None:
-            print(f"python -m bridge simulate: {flag}: {problem}", file=sys.stderr)
-            return EXIT_CONFIG
+    if _bad_endpoint("simulate", ("--endpoint", args.endpoint), ("--replay-endpoint", args.replay_endpoint)):
+        return EXIT_CONFIG
     logs.setup()
     opts = SimulatorOptions(
         endpoint=args.endpoint,
