@@ -689,10 +689,7 @@ class Bridge:
         if self._started_at is not None and time.monotonic() - self._started_at >= self.config.ingest.connect_grace:
             why = None
             if not self.readers:
-                if self.discovery is not None:
-                    why = f"discovery finds no engine at {self.config.discovery.dns.name if self.config.discovery.dns else '?'}"
-                else:
-                    why = "no source configured"
+                why = f"discovery finds no engine at {self.discovery.config.name}" if self.discovery else "no source configured"
             elif len(down) == len(self.readers):
                 why = "no source connected: see sources_not_connected"
             if why is not None:
