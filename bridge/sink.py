@@ -248,6 +248,10 @@ class SinkWorker:
         # Not acknowledged here: the EventsLost that announces the span is, once delivered in
         # order after what is still queued, so the checkpoint never passes undelivered batches.
 
+    def _flush_all_dropped(self) -> None:
+        for key in list(self._dropped):
+            self._flush_dropped(key)
+
     def _flush_dropped(self, key: str) -> None:
         span = self._dropped.pop(key, None)
         if span is not None:
@@ -262,8 +266,7 @@ class SinkWorker:
 
     async def flush(self, timeout: float) -> bool:
         """Wait until everything queued is delivered (True) or ``timeout`` passes (False)."""
-        for key in list(self._dropped):
-            self._flush_dropped(key)
+        self._flush_all_dropped()
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True
@@ -452,8 +455,7 @@ class SinkWorker:
         self.on_ack(self.index, records)
         if self.has_room(0):
             if self._dropped:  # announce each dropped span now that there is room, not at its stream's next batch
-                for key in list(self._dropped):
-                    self._flush_dropped(key)
+                self._flush_all_dropped()
             self._room.set()
 
     async def _deliver(self, messages: list[Message]) -> set[int]:
