@@ -22,6 +22,10 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tools.generated import write_or_check  # noqa: E402
+
 CHART = ROOT / "helm" / "kv-event-bridge"
 PRODUCTION = "ci/deployment-values.yaml"
 _KEY = re.compile(r"^(\s*)([A-Za-z_][\w.-]*):(\s.*)?$")
@@ -143,16 +147,7 @@ def main() -> int:
     p.add_argument("--chart", type=Path, default=CHART, help="the chart's directory (default: %(default)s)")
     args = p.parse_args()
     path = args.chart / "README.md"
-    text = render(args.chart)
-    if args.check:
-        if (path.read_text() if path.exists() else "") != text:
-            print(f"{path} is out of date: run python tools/chart_readme.py", file=sys.stderr)
-            return 1
-        print(f"{path} is up to date")
-        return 0
-    path.write_text(text)
-    print(f"wrote {path}")
-    return 0
+    return write_or_check(path, render(args.chart), check=args.check, shown=str(path), command="python tools/chart_readme.py")
 
 
 if __name__ == "__main__":

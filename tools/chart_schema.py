@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tools.config_meta import SINK_OPTIONS, ByteSize, Config, Duration, Secret, SinkConfig, connectors, sink_common_keys  # noqa: E402
+from tools.generated import write_or_check  # noqa: E402
 
 SCHEMA_PATH = ROOT / "helm" / "kv-event-bridge" / "values.schema.json"
 
@@ -316,17 +317,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="exit 1 when the file is out of date")
     args = p.parse_args()
-    text = render()
-    if args.check:
-        current = SCHEMA_PATH.read_text() if SCHEMA_PATH.exists() else ""
-        if current != text:
-            print(f"{SCHEMA_PATH.relative_to(ROOT)} is out of date: run python tools/chart_schema.py", file=sys.stderr)
-            return 1
-        print(f"{SCHEMA_PATH.relative_to(ROOT)} is up to date")
-        return 0
-    SCHEMA_PATH.write_text(text)
-    print(f"wrote {SCHEMA_PATH.relative_to(ROOT)}")
-    return 0
+    shown = str(SCHEMA_PATH.relative_to(ROOT))
+    return write_or_check(SCHEMA_PATH, render(), check=args.check, shown=shown, command="python tools/chart_schema.py")
 
 
 if __name__ == "__main__":
