@@ -24,11 +24,13 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY bridge/ bridge/
 COPY connectors/ connectors/
+COPY consumer/ consumer/
 # "fast" adds uvloop; more PyPI packages (e.g. a third-party connector) with --build-arg EXTRA_PACKAGES="pkg ..."
 ARG EXTRAS=fast
 ARG EXTRA_PACKAGES=""
-RUN /opt/venv/bin/pip wheel --no-deps --wheel-dir /wheels . \
- && /opt/venv/bin/pip install "$(ls /wheels/kv_event_bridge-*.whl)[${EXTRAS}]" ${EXTRA_PACKAGES} \
+# The consumer library (./consumer) is a dependency of the bridge: its wheel is named, not looked up.
+RUN /opt/venv/bin/pip wheel --no-deps --wheel-dir /wheels ./consumer . \
+ && /opt/venv/bin/pip install "$(ls /wheels/kv_event_consumer-*.whl)" "$(ls /wheels/kv_event_bridge-*.whl)[${EXTRAS}]" ${EXTRA_PACKAGES} \
  && /opt/venv/bin/python -m compileall -q /opt/venv/lib \
  && /opt/venv/bin/python -m bridge --version
 

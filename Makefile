@@ -12,6 +12,7 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 install: $(PY)
+	$(PY) -m pip install --quiet -e ./consumer
 	$(PY) -m pip install --quiet -e '.[dev]'
 
 demo: install

@@ -32,9 +32,9 @@ stream's state is the subsequence of one partition, in the bridge's order. A wri
 messages first; once they are acknowledged, the state of each record (tombstones of a clear, the
 changes, then the head, whose ``next`` is the offset after the record's last message in its events
 partition). There is no transaction: the head is a fuzzy cut (a consumer's sweep may read entries
-of records after it), made exact by the entries' versions (:mod:`bridge.bootstrap`); a bridge that
+of records after it), made exact by the entries' versions (:mod:`kv_consumer.state`); a bridge that
 rebuilds its tables (:meth:`KafkaConnector.read_state`) reads each stream up to its last head,
-which is exact. :func:`bootstrap` is the consumers' side.
+which is exact. :func:`kv_consumer.kafka.bootstrap` is the consumers' side.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import asyncio
 import logging
 import re
 import ssl
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
@@ -54,7 +54,6 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.codec import has_lz4, has_snappy, has_zstd
 from aiokafka.partitioner import DefaultPartitioner
 
-from bridge.bootstrap import StreamState
 from bridge.connector import (
     STATE_TYPE,
     ByteSize,
@@ -82,7 +81,8 @@ from bridge.connector import (
     sample_message,
 )
 from bridge.state import EntryChange
-from bridge.state_docs import StateFormat, entry_key, head_of, parse, seed_of, tier_text
+from bridge.state_docs import StateFormat, entry_key, parse, seed_of, tier_text
+from kv_consumer.kafka import HEAD, StateLog, read_log, stream_of
 
 from . import _aiokafka_internals as internals
 
@@ -136,8 +136,6 @@ _SCAN_CHUNK = 2_000  # records read at a time, backward from a partition's end (
 _MEMORY = 10_000  # msg_ids remembered as refused by the broker, or to be sent alone
 STATE_TOPIC_CONFIGS = {"cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.1", "segment.ms": str(3600 * 1000)}
 """Topic configs of a state topic the sink creates (``state.create``)."""
-HEAD = "_head"
-"""The last part of a head's key: ``source/dp_rank/_head``."""
 _YIELD_EVERY = 4096  # state records built between two yields to the event loop
 _STATE_RECORD_OVERHEAD = 32  # bytes a record adds to its key and value in a batch (varints, no headers)
 _BATCH_OVERHEAD = 61  # bytes of a record batch's header, counted in a topic's max.message.bytes
@@ -160,7 +158,7 @@ class StateOptions(ConnectorOptions):
     """The live-block state of every stream in a log-compacted topic (README "State bootstrap").
 
     Written without transactions: a stream's head is a fuzzy cut (entries of later records may be
-    read with it), made exact by the entries' versions (:mod:`bridge.bootstrap`); no fencing of a
+    read with it), made exact by the entries' versions (:mod:`kv_consumer.state`); no fencing of a
     second bridge writing the same streams."""
 
     enabled: Annotated[
@@ -1292,156 +1290,6 @@ async def _read(consumer: Any, tp: Any, lo: int, hi: int) -> dict[bytes, _Found]
     return last
 
 
-# -- reading the state back (the bridge's rebuild, consumers' bootstrap) ---------------------------
-
-
-def stream_of(key: bytes) -> bytes:
-    """The stream key (``source/dp_rank``) of a state record's key."""
-    if key.endswith(b"/" + HEAD.encode()):
-        return key[: -len(HEAD) - 1]
-    return key.rsplit(b"/", 3)[0]  # source/dp_rank/medium/group/block (medium and group hold no '/')
-
-
-class StateLog:
-    """The state records of some streams, fed in partition order (pure).
-
-    Per stream: the newest value of each key (a tombstone deletes it) as of its last head, the
-    head, and the *tail*: the records after the last head (a state write in progress, or cut
-    short by a crash). :meth:`cut` is the exact state of the head (the bridge's rebuild);
-    :meth:`newest` adds the tail (consumers: the versions sort it out)."""
-
-    def __init__(self, streams: Iterable[str]) -> None:
-        self._wanted = {s.encode() for s in streams}
-        self._heads: dict[bytes, bytes] = {}
-        self._entries: dict[bytes, dict[bytes, bytes]] = {}
-        self._tails: dict[bytes, dict[bytes, bytes | None]] = {}
-        self.records = 0  # records fed that belong to a wanted stream
-
-    def add(self, key: bytes, value: bytes | None) -> None:
-        stream = stream_of(key)
-        if stream not in self._wanted:
-            return
-        self.records += 1
-        if len(key) - len(stream) == len(HEAD) + 1:  # the head
-            entries = self._entries.setdefault(stream, {})
-            tail = self._tails.pop(stream, None)
-            if tail:
-                _merge(entries, tail)
-            if value is None:
-                self._heads.pop(stream, None)  # never written by the bridge: a head deleted by hand
-            else:
-                self._heads[stream] = value
-        else:
-            self._tails.setdefault(stream, {})[key] = value
-
-    def open(self, stream: str) -> bool:
-        """Whether records of ``stream`` follow its last head (a state write not finished)."""
-        return bool(self._tails.get(stream.encode()))
-
-    def cut(self, stream: str) -> tuple[bytes | None, list[bytes]]:
-        """(last head, entry values as of it); (None, []) when the stream has no head."""
-        s = stream.encode()
-        head = self._heads.get(s)
-        return (None, []) if head is None else (head, list(self._entries.get(s, {}).values()))
-
-    def newest(self, stream: str) -> tuple[bytes | None, list[bytes]]:
-        """(last head, newest value of every live key, the tail included)."""
-        s = stream.encode()
-        entries = dict(self._entries.get(s, {}))
-        _merge(entries, self._tails.get(s, {}))
-        return self._heads.get(s), list(entries.values())
-
-
-def _merge(entries: dict[bytes, bytes], records: dict[bytes, bytes | None]) -> None:
-    for key, value in records.items():
-        if value is None:
-            entries.pop(key, None)
-        else:
-            entries[key] = value
-
-
-async def read_log(consumer: Any, tp: Any, lo: int, hi: int, log: StateLog) -> None:
-    """Feed ``log`` the records of offsets ``lo``..``hi - 1`` of one partition, in order."""
-    consumer.seek(tp, lo)
-    while await consumer.position(tp) < hi:
-        got = await consumer.getmany(tp, timeout_ms=200, max_records=_SCAN_CHUNK * 5)
-        for record in got.get(tp, []):
-            if record.offset >= hi:
-                break
-            if record.offset >= lo and record.key is not None:
-                log.add(record.key, record.value)
-
-
-_NO_HEAD = {"epoch": -1, "gen": 0, "seq": -1, "complete": False}
-
-
-async def bootstrap(
-    consumer: AIOKafkaConsumer,
-    source: str,
-    dp_rank: int,
-    *,
-    topic: str = "kv-events",
-    state_topic: str = "kv-state",
-    partition: int | None = None,
-    settle: float = 2.0,
-) -> tuple[StreamState, TopicPartition, int]:
-    """A consumer's state bootstrap of one engine stream (README "State bootstrap"), from a sink
-    with ``state.enabled``; ``topic``, ``state_topic`` and ``partition`` as the sink's options.
-
-    1. Read the stream's state partition (murmur2 of ``source/dp_rank``, as the bridge routes
-       it) from its start to the end offset taken first: the newest value per key (tombstones
-       delete) and the last head ``H`` of the pass.
-    2. Read the head again: if records of the stream follow ``H`` (a state write in progress),
-       read on to the new end offsets until a head closes them (up to ``settle`` seconds).
-    3. Return the :class:`~bridge.bootstrap.StreamState` of ``H`` and those entries, the stream's
-       events partition and the offset to follow it from (``H["next"]``; the partition's start
-       when there is no head yet or it says nothing), with ``consumer`` assigned to that partition
-       and positioned there: :meth:`StreamState.apply` each message of the stream read from it
-       (the value decoded; the key is ``source/dp_rank``).
-
-    The head is a fuzzy cut, not a transaction: entries written after ``H`` (by the next
-    records) may be in the pass. Their versions make it exact: ``StreamState`` applies an event
-    to a key only if it is newer than the entry read, and is ``ready`` once the events passed the
-    newest version read. A tombstone has no version: when the pass ends in a state write that
-    never closes (a crashed bridge), the state is not ready before the next record is applied.
-    Raises aiokafka's errors; ``consumer`` must be started (``group_id=None`` suits it)."""
-    key = f"{source}/{dp_rank}"
-    known = await internals.topic_partitions(consumer, [state_topic, topic])
-    missing = [t for t in (state_topic, topic) if t not in known]
-    if missing:
-        raise ValueError(f"topic {missing[0]!r} does not exist")
-    state_parts, event_parts = known[state_topic], known[topic]
-    stp = TopicPartition(state_topic, _PARTITIONER(key.encode(), state_parts, state_parts))
-    etp = TopicPartition(topic, partition if partition is not None else _PARTITIONER(key.encode(), event_parts, event_parts))
-    consumer.assign([stp])
-    log = StateLog([key])
-    lo = (await consumer.beginning_offsets([stp]))[stp]
-    deadline = asyncio.get_running_loop().time() + settle
-    while True:
-        hi = (await consumer.end_offsets([stp]))[stp]
-        await read_log(consumer, stp, lo, hi, log)
-        lo = hi
-        if not log.open(key) or asyncio.get_running_loop().time() >= deadline:
-            break
-        await asyncio.sleep(0.05)
-    raw, values = log.newest(key)
-    head = None if raw is None else parse(raw)
-    if head is None or head_of(head) is None:
-        state = StreamState(_NO_HEAD, [])
-        start = None
-    else:
-        docs = [d for v in values if (d := parse(v)) is not None]
-        state = StreamState(head, docs)
-        if log.open(key):  # tombstones of a later record may be in: not exact before it is applied
-            state.ready_at = max(state.ready_at, (state.epoch, int(head["seq"]) + 1))
-        start = head.get("next")
-    if type(start) is not int:
-        start = (await consumer.beginning_offsets([etp]))[etp]
-    consumer.assign([etp])
-    consumer.seek(etp, start)
-    return state, etp, start
-
-
 def _remember(memory: dict[str, Any], entries: dict[str, Any]) -> None:
     """Add ``entries`` to a bounded memory (the oldest entries go first)."""
     memory.update(entries)
@@ -1463,7 +1311,6 @@ __all__ = [
     "StateLog",
     "StateOptions",
     "TlsOptions",
-    "bootstrap",
     "client_settings",
     "producer_settings",
     "ssl_context",

@@ -60,13 +60,12 @@ block, up to 64 at once).
 A consumer never reads a head ahead of its entries (the head is last); entries ahead of the head
 are what the bootstrap's version rule is for. A tracker rebuilt by ``read_state`` has no such
 rule (it would apply those records twice), so ``read_state`` first finishes, from its journal, a
-write the last process was killed in. :func:`bootstrap` is the consumer side.
+write the last process was killed in. :func:`kv_consumer.nats.bootstrap` is the consumer side.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import random
@@ -83,7 +82,6 @@ from nats.aio.msg import Msg
 from nats.js import api as js_api
 from nats.js.client import JetStreamContext
 
-from bridge.bootstrap import StreamState
 from bridge.connector import (
     STATE_TYPE,
     ByteSize,
@@ -114,6 +112,7 @@ from bridge.connector import (
 )
 from bridge.state import EntryChange, Head
 from bridge.state_docs import StateFormat, entry_key, head_of, parse, seed_entry
+from kv_consumer.nats import HEAD_KEY, state_prefix, state_token, sweep
 
 from . import _nats_internals as internals
 
@@ -181,27 +180,7 @@ class _Subjects:
 
 # -- state keys and writes (pure) ----------------------------------------------------------------
 
-_KV_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
-HEAD_KEY = "_head"
 JOURNAL_KEY = "_journal"
-KV_OPERATION = "KV-Operation"
-
-
-def state_token(source: str) -> str:
-    """``source`` as one KV key token: letters, digits, ``_`` and ``-`` as they are, every other
-    byte of its UTF-8 as ``=XX`` (hex), so that two sources never share a token (``llama-3.1`` ->
-    ``llama-3=2e1``) and every KV client accepts the key; a leading ``_`` too (``=5f``): the
-    bucket's top-level names starting with ``_`` are the bridge's own (``_journal``)."""
-    token = _KV_UNSAFE.sub(lambda m: "".join(f"={b:02x}" for b in m.group().encode()), source)
-    return "=5f" + token[1:] if token.startswith("_") else token or "="
-
-
-def state_prefix(source: str, dp_rank: int) -> str:
-    """The key prefix of one engine stream's state in the bucket: ``{source token}.{dp_rank}``;
-    its head is ``{prefix}._head``, its entries ``{prefix}.{entry_key}`` (``GPU/0/<16 hex>``), the
-    journal of its last write ``_journal.{prefix}.{part}`` (outside the prefix: a clear's purge
-    leaves it)."""
-    return f"{state_token(source)}.{dp_rank}"
 
 
 class StateOp(msgspec.Struct):
@@ -1514,120 +1493,6 @@ class NatsConnector:
 _KV_PUT = b""  # a plain PUB: no header block to store and parse back
 
 
-async def sweep(js: JetStreamContext, bucket: str, prefix: str) -> dict[str, bytes | None]:
-    """The newest value of every key of bucket ``bucket`` under ``prefix`` (``{prefix}.>``), by key
-    relative to the prefix (None: deleted or purged), as of about now: an ordered consumer with
-    DeliverLastPerSubject, read until it has delivered what was pending when it was made (writes
-    made meanwhile may show, never an older value than that). NotFoundError when the bucket does
-    not exist."""
-    pre = f"$KV.{bucket}.{prefix}."
-    n = len(pre)
-    out: dict[str, bytes | None] = {}
-    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    total: int | None = None
-    received = 0
-
-    async def on_msg(msg: Msg) -> None:
-        nonlocal received
-        received += 1
-        headers = msg.headers
-        out[msg.subject[n:]] = None if headers and headers.get(KV_OPERATION) in ("DEL", "PURGE") else msg.data
-        # The ack subject's metadata costs a parse: read it only until the total is known.
-        if not done.done() and (received >= total if total is not None else msg.metadata.num_pending == 0):
-            done.set_result(None)
-
-    sub = await js.subscribe(
-        pre + ">",
-        stream=f"KV_{bucket}",
-        cb=on_msg,
-        ordered_consumer=True,
-        deliver_policy=js_api.DeliverPolicy.LAST_PER_SUBJECT,
-        inactive_threshold=60.0,
-        pending_msgs_limit=-1,
-        pending_bytes_limit=-1,
-    )
-    try:
-        info = await sub.consumer_info()
-        delivered = info.delivered.consumer_seq if info.delivered is not None else None
-        total = (info.num_pending or 0) + (delivered or 0)
-        if not done.done() and received >= total:
-            done.set_result(None)
-        while not done.done():
-            # Keys purged while the sweep runs are never delivered: when nothing comes, ask.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(done), 0.5)
-            if not done.done() and not (await sub.consumer_info()).num_pending:
-                break
-    finally:
-        await sub.unsubscribe()
-    return out
-
-
-async def bootstrap(
-    js_or_nc: JetStreamContext | Client,
-    bucket: str,
-    source: str,
-    dp_rank: int,
-    *,
-    events_stream: str | None = None,
-    subject: str | None = None,
-    attempts: int = 20,
-    pause: float = 0.1,
-) -> tuple[StreamState, int]:
-    """A consumer's start on one engine stream: its live blocks from the bridge's state bucket,
-    and the JetStream sequence of the events stream to follow its messages from.
-
-    1. read the head ``{source}.{dp_rank}._head`` (keys: :func:`state_prefix`);
-    2. sweep the stream's entries (:func:`sweep`: newest per key);
-    3. read the head again: when its (epoch, gen) moved, or it is missing (a clear purges every
-       key of the stream, the head too, and writes it again at once), start over (``attempts``
-       times, ``pause`` seconds apart; then LookupError).
-
-    Returns ``(state, start)``: ``state`` is a :class:`bridge.bootstrap.StreamState`; follow the
-    stream's subject of the events stream from JetStream sequence ``start`` (the head's ``next``:
-    a consumer with ``DeliverByStartSequence`` and the stream's subject as filter) and give every
-    message, decoded, to ``state.apply``. ``state.ready`` says when it is exact. When the head has
-    no ``next`` (the bridge did not know it), ``start`` is the first message of ``subject`` in
-    ``events_stream`` if both are given, else 1 (every held message; ``apply`` skips the old ones).
-    The events stream must keep the messages since the head was written (its ``max_age``).
-    """
-    js = js_or_nc.jetstream() if isinstance(js_or_nc, Client) else js_or_nc
-    prefix = state_prefix(source, dp_rank)
-    kv_stream = f"KV_{bucket}"
-    head_subject = f"$KV.{bucket}.{prefix}.{HEAD_KEY}"
-    for attempt in range(attempts):
-        if attempt:
-            await asyncio.sleep(pause)
-        first = await _head_doc(js, kv_stream, head_subject)
-        if first is None:
-            continue
-        held = await sweep(js, bucket, prefix)
-        again = await _head_doc(js, kv_stream, head_subject)
-        if again is None or (again["epoch"], again["gen"]) != (first["epoch"], first["gen"]):
-            continue  # a clear ran during the sweep
-        docs = [d for k, v in held.items() if "/" in k and v for d in (parse(v),) if d is not None]
-        state = StreamState(first, docs)
-        start = first.get("next")
-        if type(start) is not int:
-            start = 1
-            if events_stream is not None and subject is not None:
-                try:
-                    start = (await js.get_msg(events_stream, seq=1, subject=subject, next=True)).seq or 1
-                except nats.js.errors.NotFoundError:
-                    start = 1
-        return state, start
-    raise LookupError(f"no consistent state of {source}/{dp_rank} in bucket {bucket!r} after {attempts} attempts")
-
-
-async def _head_doc(js: JetStreamContext, kv_stream: str, subject: str) -> dict[str, Any] | None:
-    try:
-        msg = await js.get_last_msg(kv_stream, subject)
-    except nats.js.errors.NotFoundError:
-        return None
-    doc = parse(msg.data) if msg.data else None
-    return doc if doc is not None and head_of(doc) is not None else None
-
-
 def _by_stream(messages: Sequence[Message]) -> list[int]:
     """Indexes of ``messages`` with each bridge stream's together, streams in order of first
     appearance, each stream's in write order."""
@@ -1672,7 +1537,6 @@ __all__ = [
     "StateOptions",
     "StreamOptions",
     "TlsOptions",
-    "bootstrap",
     "header_block",
     "hpub",
     "state_prefix",

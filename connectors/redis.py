@@ -119,7 +119,6 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from bridge.bootstrap import StreamState
 from bridge.connector import (
     STATE_TYPE,
     ConfigError,
@@ -148,6 +147,8 @@ from bridge.connector import (
 )
 from bridge.state import Head, SeedEntry
 from bridge.state_docs import StateFormat, entry_key, parse, seed_of
+from kv_consumer.redis import MAX_SLOT, SLOT_BITS, entry_position
+from kv_consumer.redis import hash_fields as _hash_fields
 
 from . import _redis_internals as internals
 from ._redis_internals import one_pass_packing, resp_command
@@ -156,10 +157,7 @@ log = logging.getLogger(__name__)
 
 # -- entry ids ----------------------------------------------------------------------------------
 
-SLOT_BITS = 40
-"""Bits of the id's first part that hold the slot (engine seq + 1); the epoch sits above them."""
 MAX_EPOCH = (1 << (64 - SLOT_BITS)) - 1  # 16,777,215 engine restarts
-MAX_SLOT = (1 << SLOT_BITS) - 1  # ~1.1e12 batches per epoch: 3.5 years at 10,000 batches/s
 MAX_SUB = (1 << 64) - 1
 
 
@@ -177,14 +175,6 @@ def entry_id(position: tuple[int, int, int]) -> str:
         raise ValueError(f"position {position} does not fit a Redis entry id (epoch <= {MAX_EPOCH}, slot <= {MAX_SLOT})")
     first = (epoch << SLOT_BITS) | slot
     return f"{first}-{1 if first == 0 and sub == 0 else sub}"
-
-
-def entry_position(entry: str | bytes) -> tuple[int, int, int]:
-    """(epoch, slot, sub) of an entry id written by this connector (the inverse of :func:`entry_id`)."""
-    text = entry.decode() if isinstance(entry, bytes) else entry
-    first, _, sub = text.partition("-")
-    ms = int(first)
-    return (ms >> SLOT_BITS, ms & MAX_SLOT, int(sub or 0))
 
 
 def message_position(message: Message) -> tuple[int, int, int]:
@@ -1391,59 +1381,6 @@ class RedisConnector:
 
 def _text(value: str | bytes) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
-
-
-async def _hash_fields(client: aioredis.Redis | aioredis.RedisCluster, key: str) -> dict[bytes, bytes]:
-    """Every field of a hash, read with HSCAN (no single long command on a big hash)."""
-    out: dict[bytes, bytes] = {}
-    cursor: int = 0
-    while True:
-        cursor, chunk = await client.hscan(key, cursor, count=1000)
-        out.update(chunk)  # type: ignore[arg-type]  # bytes: the client does not decode responses
-        if not cursor:
-            return out
-
-
-async def bootstrap(
-    client: aioredis.Redis | aioredis.RedisCluster, state_key: str, stream_key: str | None = None, *, attempts: int = 5
-) -> tuple[StreamState, str | None]:
-    """A consumer's state bootstrap of one engine stream (README "State bootstrap"): its head, its
-    state hash read with HSCAN, then its head read again (a clear that ran meanwhile makes it start
-    over, up to ``attempts`` times). With ``stream_key``, also that the stream still holds
-    everything after the head (``maxlen`` trims the oldest entries: a sweep slower than the
-    trimming starts over too). Returns the state and the entry id to follow the stream key from
-    (``XRANGE key (ID +`` or ``XREAD ... ID``), then :meth:`StreamState.apply` each entry's
-    ``data``; None (no state yet): follow from the stream's first entry. Keep up with the trimming
-    while following, too. Raises redis-py's errors, and RuntimeError when clears or trimming kept
-    cutting the sweep."""
-    for _ in range(attempts):
-        # The head first: every entry the sweep reads afterwards is at or after it (one read
-        # before the head may predate changes the head already covers, and would miss them).
-        raw_head = await client.hget(state_key, "_head")
-        if raw_head is None:
-            return StreamState({"epoch": -1, "gen": 0, "seq": -1, "complete": False}, []), None
-        head = parse(raw_head) or {}
-        fields = await _hash_fields(client, state_key)
-        fields.pop(b"_head", None)
-        again = parse(await client.hget(state_key, "_head") or b"") or {}
-        if (again.get("epoch"), again.get("gen")) != (head.get("epoch"), head.get("gen")) or b"_w" in fields:
-            continue
-        after = head.get("next")
-        if stream_key is not None and isinstance(after, str) and await _trimmed_after(client, stream_key, after):
-            continue
-        docs = [d for f, v in fields.items() if b"/" in f and (d := parse(v)) is not None]
-        return StreamState(head, docs), after
-    raise RuntimeError(
-        f"{state_key}: the state was cleared, or its stream trimmed past its head, during each of {attempts} sweeps"
-    )
-
-
-async def _trimmed_after(client: aioredis.Redis | aioredis.RedisCluster, stream_key: str, after: str) -> bool:
-    """Whether the stream may have lost entries after ``after``: its first entry is past it (the
-    head's own entries, and maybe more, trimmed away; a stream that still holds the head's record
-    or an earlier one lost nothing after it)."""
-    first: Any = await client.xrange(stream_key, "-", "+", count=1)
-    return bool(first) and entry_position(first[0][0]) > entry_position(after)
 
 
 @lru_cache(maxsize=65536)

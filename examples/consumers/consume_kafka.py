@@ -13,16 +13,25 @@ import argparse
 from collections.abc import Callable
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from kv_index import KvIndex, decode, main
+from aiokafka.admin import AIOKafkaAdminClient
+from common import main
+
+from kv_consumer import KvIndex, decode
+from kv_consumer.kafka import bootstrap as read_state
+from kv_consumer.kafka import topic_partitions
 
 
-async def seed(index: KvIndex, consumer: AIOKafkaConsumer, topic: str, state_topic: str) -> dict[TopicPartition, int | None]:
+async def seed(
+    index: KvIndex, consumer: AIOKafkaConsumer, bootstrap_servers: str, topic: str, state_topic: str
+) -> dict[TopicPartition, int | None]:
     """Seed ``index`` with every engine stream that has a head in ``state_topic``; per partition of
     ``topic``, the lowest offset one of its streams continues from (None: from its beginning)."""
-    from connectors._aiokafka_internals import topic_partitions  # the bridge's package, for --bootstrap only
-    from connectors.kafka import bootstrap
-
-    parts = await topic_partitions(consumer, [state_topic, topic])  # {topic: partition ids}
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
+    await admin.start()
+    try:
+        parts = await topic_partitions(admin, [state_topic, topic])  # {topic: partition ids}
+    finally:
+        await admin.close()
     if state_topic not in parts:
         return {}
     tps = [TopicPartition(state_topic, p) for p in parts[state_topic]]
@@ -35,7 +44,7 @@ async def seed(index: KvIndex, consumer: AIOKafkaConsumer, topic: str, state_top
     starts: dict[TopicPartition, int | None] = {TopicPartition(topic, p): None for p in parts.get(topic, ())}
     for key in heads:
         source, rank = key.decode().rsplit("/", 1)
-        state, tp, start = await bootstrap(consumer, source, int(rank), topic=topic, state_topic=state_topic)
+        state, tp, start = await read_state(consumer, source, int(rank), topic=topic, state_topic=state_topic, partitions=parts)
         if "source" in state.head:  # else no head after all (start: the partition's beginning)
             index.seed((source, int(rank)), state)
         known = starts.get(tp)
@@ -61,7 +70,7 @@ async def consume(
     )
     await consumer.start()
     try:
-        starts = await seed(index, consumer, topic, bootstrap) if bootstrap else {}
+        starts = await seed(index, consumer, bootstrap_servers, topic, bootstrap) if bootstrap else {}
         if starts:  # the topic's partitions as they are now, each from where its streams continue
             consumer.assign(list(starts))
             for tp, start in starts.items():

@@ -16,18 +16,19 @@ import json
 from collections.abc import Callable
 
 import nats
-from kv_index import KvIndex, decode, main
+from common import main
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from kv_consumer import KvIndex, decode
+from kv_consumer.nats import bootstrap as read_state
+
 
 async def seed(index: KvIndex, js: JetStreamContext, bucket: str) -> int:
     """Seed ``index`` with every engine stream that has a head in KV ``bucket``; the lowest
     JetStream sequence one of them continues from (1: no state)."""
-    from connectors.nats import bootstrap  # the bridge's package, for --bootstrap only
-
     try:  # the heads' subjects: $KV.<bucket>.<source>.<dp_rank>._head
         info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"$KV.{bucket}.*.*._head")
     except NotFoundError:  # no bucket (yet): every message
@@ -38,7 +39,7 @@ async def seed(index: KvIndex, js: JetStreamContext, bucket: str) -> int:
             head = json.loads((await js.get_last_msg(f"KV_{bucket}", subject)).data or b"")
         except (NotFoundError, ValueError):
             continue  # removed meanwhile (a delete marker is no JSON)
-        state, start = await bootstrap(js, bucket, head["source"], head["dp_rank"])
+        state, start = await read_state(js, bucket, head["source"], head["dp_rank"])
         index.seed((head["source"], head["dp_rank"]), state)
         starts.append(start)
     return min(starts, default=1)

@@ -16,7 +16,10 @@ import time
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
-from kv_index import KvIndex, decode, main
+from common import main
+
+from kv_consumer import KvIndex, decode
+from kv_consumer.redis import bootstrap as read_state
 
 
 async def consume(
@@ -41,13 +44,11 @@ async def consume(
     async def start(key: bytes) -> bytes:
         if bootstrap is None:
             return b"0-0"
-        from connectors.redis import bootstrap as read_state  # the bridge's package, for --bootstrap only
-
         state, after = await read_state(client, key.decode() + bootstrap, key.decode())
         head = state.head
         if after is None or "source" not in head:
             return b"0-0"  # no state (yet): the whole stream
-        index.seed((head["source"], head["dp_rank"]), state)
+        index.seed((head["source"], int(head["dp_rank"])), state)
         return str(after).encode()
 
     try:

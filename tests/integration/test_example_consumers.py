@@ -1,5 +1,6 @@
 """The example consumers (examples/consumers/) keep the engines' true block sets, on real brokers.
 
+They keep a :class:`kv_consumer.KvIndex` (the ``kv-event-consumer`` distribution, ./consumer).
 Two :class:`~tests.support.cache_engine.CacheEngine` s (real ZMQ sockets; engine ``b`` keeps a
 replay buffer of 4 batches) feed an in-process bridge writing json to Kafka, Redis Streams or
 NATS JetStream; the example's ``consume`` function runs against the broker meanwhile, into a
@@ -17,6 +18,8 @@ On Kafka every message is also stored a second time after phase 1 (what a re-sen
 there); the index must skip exactly those copies.
 
 ``test_index_rules`` holds the index's rules (copies, stale epochs, resets, losses) without a broker.
+:func:`run_scenario` and :func:`run_bootstrap_scenario` take any index with the same queries (the
+Go consumer's, tests/integration/test_go_consumer.py).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from aiokafka.structs import ConsumerRecord
 
 from bridge.config import from_data
 from bridge.runtime import Bridge
+from kv_consumer import KvIndex, block_id
 from tests.infra.servers import KafkaServer, NatsServer, RedisServer
 from tests.support.cache_engine import CacheEngine
 from tests.support.harness import free_port
@@ -65,8 +69,7 @@ def example(name: str) -> ModuleType:
 
 def held(index: Any, stream: tuple[str, int]) -> Counter[tuple[Any, Any]]:
     """The index's residency counts of ``stream`` as (hash, medium) -> copies."""
-    view = index.streams[stream]
-    return Counter({(h, m): n for h, media in view.blocks.items() for m, n in media.items()})
+    return Counter(index.residency(stream))
 
 
 def check(index: Any, engines: dict[tuple[str, int], CacheEngine], incomplete: frozenset[tuple[str, int]] = frozenset()) -> None:
@@ -83,7 +86,7 @@ def check(index: Any, engines: dict[tuple[str, int], CacheEngine], incomplete: f
         else:
             assert mine == truth, f"{stream}: missing {truth - mine}, extra {mine - truth}"
         for h, _ in mine:
-            holders.setdefault(h, set()).add(stream)
+            holders.setdefault(block_id(h), set()).add(stream)
     assert index.holders == holders
     assert all(index.streams_holding(h) == s for h, s in holders.items())
 
@@ -98,7 +101,7 @@ async def caught_up(index: Any, consumer: asyncio.Task[None], engines: dict[tupl
             if view is None or view.epoch <= after.get(source, -1):
                 return False
             # sub: 0 a batch, the last event's index + 1, or past every event (a bootstrap's head)
-            if view.pos[1] != engine.last_seq or view.pos[2] not in (0, engine.last_events, 2**64):
+            if view.seq != engine.last_seq or view.applied[2] not in (0, engine.last_events, 2**64):
                 return False
         return True
 
@@ -112,12 +115,17 @@ async def caught_up(index: Any, consumer: asyncio.Task[None], engines: dict[tupl
 
 
 async def run_scenario(
-    tmp: Path, sink: dict[str, Any], consume: Consume, granularity: str, copies: Callable[[], Awaitable[int]] | None = None
+    tmp: Path,
+    sink: dict[str, Any],
+    consume: Consume,
+    granularity: str,
+    copies: Callable[[], Awaitable[int]] | None = None,
+    index: Any = None,
 ) -> Any:
-    """The four phases (module docstring) with ``sink`` and the example's ``consume``; the index.
-    ``copies``, after phase 1: stores copies of messages already written (what a re-sent write
-    leaves in Kafka); the index must skip exactly that many."""
-    kv_index = example("kv_index")
+    """The four phases (module docstring) with ``sink`` and the example's ``consume``, into
+    ``index`` (a new :class:`KvIndex` when None); the index. ``copies``, after phase 1: stores
+    copies of messages already written (what a re-sent write leaves in Kafka); the index must skip
+    exactly that many."""
     (la, ra), (lb, rb) = (free_port(), free_port()), (free_port(), free_port())
     sources = [
         {"name": name, "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}
@@ -135,7 +143,7 @@ async def run_scenario(
         engines = {A: a, B: b}
         bridge = Bridge(from_data(config, env={}))
         await bridge.start()
-        index = kv_index.KvIndex()
+        index = KvIndex() if index is None else index
         stopped = False
         consumer = asyncio.create_task(consume(index, lambda: stopped), name="example-consumer")
         try:
@@ -231,10 +239,17 @@ async def test_redis_consumer(tmp_path: Path, redis_server: RedisServer) -> None
     try:
         await run_scenario(tmp_path, sink, consume, "batch")
     finally:
-        client = aioredis.Redis.from_url(redis_server.url)
+        await delete_keys(redis_server.url, prefix)
+
+
+async def delete_keys(url: str, prefix: str) -> None:
+    """Delete the keys a test's sink wrote under ``prefix``."""
+    client = aioredis.Redis.from_url(url)
+    try:
         keys = [k async for k in client.scan_iter(match=prefix + ":*")]
         if keys:
             await client.delete(*keys)
+    finally:
         await client.aclose()
 
 
@@ -262,10 +277,8 @@ async def test_redis_consumer_bootstraps_from_the_state(tmp_path: Path, redis_se
     try:
         await run_bootstrap_scenario(tmp_path, sink, consume, heads_at)
     finally:
-        keys = [k async for k in client.scan_iter(match=prefix + ":*")]
-        if keys:
-            await client.delete(*keys)
         await client.aclose()
+        await delete_keys(redis_server.url, prefix)
 
 
 async def wait_written(client: Any, prefix: str, engines: dict[tuple[str, int], CacheEngine]) -> None:
@@ -324,8 +337,7 @@ def _control(epoch: int, seq: int, kind: str, **fields: Any) -> dict[str, Any]:
 
 
 def test_index_rules() -> None:
-    kv_index = example("kv_index")
-    index = kv_index.KvIndex()
+    index = KvIndex()
     e = ("e", 0)
     # residency counts: two copies need two removals; media are separate copies
     index.apply(_batch(10, 0, _stored(1, 2), _stored(1), _stored(2, medium="CPU")))
@@ -337,6 +349,7 @@ def test_index_rules() -> None:
     index.apply(_batch(10, 1, _removed(1), _removed(2, medium="CPU")))
     assert held(index, e) == {(2, "GPU"): 1, (3, "GPU"): 1} and index.duplicates == 2
     assert index.streams_holding(3) == {e} and index.streams_holding(1) == set()
+    assert index.streams_holding("0000000000000003") == {e}  # the same block as hex text (hash_format: hex)
     # event granularity: positions (seq, index); a copy of an event changes nothing
     g = ("g", 0)
     for seq, i, body in [(0, 0, _stored(3)), (0, 1, _stored(3)), (1, 0, _removed(3)), (0, 1, _stored(3))]:
@@ -376,8 +389,7 @@ def test_index_rules() -> None:
 def test_an_event_field_named_events_does_not_make_an_event_record_a_batch() -> None:
     """An engine field ``events`` stays at the top of an event record (unknown fields are kept by
     name): the index tells an event record by its ``index`` (found by a breaker)."""
-    kv_index = example("kv_index")
-    index = kv_index.KvIndex()
+    index = KvIndex()
     head = {"source": "e", "dp_rank": 0, "epoch": 5, "ts": 1.0, "schema_version": 1}
     index.apply({**head, "seq": 0, "index": 0, "type": "BlockStored", "block_hashes": [42], "medium": "GPU"})
     index.apply({**head, "seq": 1, "index": 0, "type": "BlockRemoved", "block_hashes": [42], "medium": "GPU", "events": []})
@@ -392,12 +404,13 @@ async def run_bootstrap_scenario(
     sink: dict[str, Any],
     consume: Consume,
     heads_at: Callable[[dict[tuple[str, int], CacheEngine]], Awaitable[None]],
+    index: Any = None,
 ) -> Any:
     """The bootstrap scenario with ``sink`` (state enabled, batch granularity): 60 batches per
     engine, until ``heads_at`` sees each engine's last batch in the state; then the consumer
     (``consume``, with ``--bootstrap``) starts while both engines publish (until it has seeded both
-    streams, and 3 batches more): exact; then engine ``a`` restarts: exact. Returns the index."""
-    kv_index = example("kv_index")
+    streams, and 3 batches more): exact; then engine ``a`` restarts: exact. Returns the index
+    (``index``, or a new :class:`KvIndex`)."""
     (la, ra), (lb, rb) = (free_port(), free_port()), (free_port(), free_port())
     config = {
         "sources": [
@@ -414,7 +427,7 @@ async def run_bootstrap_scenario(
         engines = {A: a, B: b}
         bridge = Bridge(from_data(config, env={}))
         await bridge.start()
-        index = kv_index.KvIndex()
+        index = KvIndex() if index is None else index
         stopped = False
         consumer: asyncio.Task[None] | None = None
         try:

@@ -1,4 +1,4 @@
-"""The Kafka sink's live-block state (``state.enabled``) and ``connectors.kafka.bootstrap`` on a real broker.
+"""The Kafka sink's live-block state (``state.enabled``) and ``kv_consumer.kafka.bootstrap`` on a real broker.
 
 Each test holds a consumer's bootstrap (the state topic's head and entries, then the stream's
 events from the head's ``next``) against the true cache of :class:`~tests.support.cache_engine.CacheEngine`
@@ -50,7 +50,8 @@ from bridge.config import SinkConfig, convert_options, from_data
 from bridge.errors import NotConnected
 from bridge.records import Stream
 from bridge.runtime import Bridge
-from connectors.kafka import KafkaConnector, KafkaOptions, StateLog
+from connectors.kafka import KafkaConnector, KafkaOptions
+from kv_consumer.kafka import StateLog
 from tests.infra.servers import KafkaServer, free_port
 from tests.integration.test_kafka import delete_topic, topic_exists
 from tests.support.cache_engine import CacheEngine, event

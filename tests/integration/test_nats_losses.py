@@ -38,7 +38,8 @@ from bridge.errors import Retriable, SinkLost
 from bridge.formats import Message, Renderer
 from bridge.records import Stream
 from bridge.runtime import Bridge
-from connectors.nats import NatsConnector, NatsOptions, bootstrap, subject_token
+from connectors.nats import NatsConnector, NatsOptions, subject_token
+from kv_consumer.nats import bootstrap
 from tests.infra.servers import NatsServer
 from tests.support.cache_engine import CacheEngine
 from tests.support.harness import free_port

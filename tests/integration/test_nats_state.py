@@ -36,14 +36,15 @@ from nats.aio.msg import Msg
 from nats.js import api as js_api
 
 from bridge import config
-from bridge.bootstrap import StreamState
 from bridge.config import SinkConfig, convert_options, from_data
 from bridge.errors import ConnectorError, NotConnected, Permanent
 from bridge.formats import state_message
 from bridge.records import Record, Stream, source_reset
 from bridge.runtime import Bridge
 from bridge.state import StateTracker
-from connectors.nats import HEAD_KEY, NatsConnector, NatsOptions, bootstrap, state_prefix, subject_token, sweep
+from connectors.nats import NatsConnector, NatsOptions, subject_token
+from kv_consumer.nats import HEAD_KEY, bootstrap, state_prefix, sweep
+from kv_consumer.state import StreamState
 from tests.infra.servers import NatsServer
 from tests.support.cache_engine import CacheEngine
 from tests.support.harness import free_port

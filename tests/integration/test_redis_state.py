@@ -2,8 +2,8 @@
 
 A :class:`~tests.support.cache_engine.CacheEngine` (real ZMQ sockets, a true cache multiset per
 instance) feeds a bridge writing json events and the state hash to Redis. A consumer bootstraps
-with :func:`connectors.redis.bootstrap` (HSCAN sweep, head read again), then follows the stream
-key from the head's ``next`` with :meth:`bridge.bootstrap.StreamState.apply`; once it has applied
+with :func:`kv_consumer.redis.bootstrap` (HSCAN sweep, head read again), then follows the stream
+key from the head's ``next`` with :meth:`kv_consumer.state.StreamState.apply`; once it has applied
 the engine's last batch, its blocks must equal the engine's true cache:
 
 - at cut points taken while the engine publishes (the sweep interleaved with writes), across
@@ -29,11 +29,11 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from bridge.bootstrap import StreamState, block_id
 from bridge.config import Config, from_data
 from bridge.records import Record, Stream, events_lost, source_reset
 from bridge.runtime import Bridge
-from connectors.redis import bootstrap
+from kv_consumer.redis import bootstrap
+from kv_consumer.state import StreamState, block_id
 from tests.infra.servers import RedisServer
 from tests.support.cache_engine import CacheEngine, event
 from tests.support.harness import free_port, wait_for

@@ -1,4 +1,4 @@
-"""A Kafka state-bootstrap consumer for tests: ``connectors.kafka.bootstrap`` then the events.
+"""A Kafka state-bootstrap consumer for tests: ``kv_consumer.kafka.bootstrap`` then the events.
 
 :class:`Follower` bootstraps one engine stream from a sink with ``state.enabled`` and applies the
 stream's messages (json, either granularity) from the head's ``next`` on, as a router replica
@@ -14,9 +14,10 @@ import time
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 
-from bridge.bootstrap import StreamState
-from connectors.kafka import bootstrap
+from kv_consumer.kafka import bootstrap, topic_partitions
+from kv_consumer.state import StreamState
 from tests.support.cache_engine import CacheEngine
 
 U64 = (1 << 64) - 1
@@ -41,10 +42,18 @@ class Follower:
 
     @classmethod
     async def start(cls, servers: str, source: str, dp_rank: int, *, topic: str, state_topic: str) -> Follower:
+        admin = AIOKafkaAdminClient(bootstrap_servers=servers)
+        await admin.start()
+        try:
+            partitions = await topic_partitions(admin, [topic, state_topic])
+        finally:
+            await admin.close()
         consumer = AIOKafkaConsumer(bootstrap_servers=servers, group_id=None, enable_auto_commit=False)
         await consumer.start()
         try:
-            state, tp, start = await bootstrap(consumer, source, dp_rank, topic=topic, state_topic=state_topic)
+            state, tp, start = await bootstrap(
+                consumer, source, dp_rank, topic=topic, state_topic=state_topic, partitions=partitions
+            )
         except BaseException:
             await consumer.stop()
             raise

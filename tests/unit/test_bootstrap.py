@@ -26,10 +26,10 @@ import msgspec
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from bridge.bootstrap import StreamState, block_id, position
 from bridge.records import Record, Stream, events_lost, source_reset
 from bridge.state import StateDelta, StateTracker
 from bridge.state_docs import StateFormat, entry_key, parse, seed_of
+from kv_consumer.state import StreamState, block_id, position
 
 EXAMPLES = int(os.environ.get("KV_MODEL_EXAMPLES", "300"))
 S = Stream("llama-a", 0)

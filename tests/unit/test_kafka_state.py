@@ -22,7 +22,8 @@ from bridge.formats import Message, Renderer, state_message
 from bridge.records import Record, Stream, source_reset
 from bridge.state import StateTracker
 from bridge.state_docs import parse, seed_of
-from connectors.kafka import KafkaConnector, KafkaOptions, StateLog, stream_of
+from connectors.kafka import KafkaConnector, KafkaOptions
+from kv_consumer.kafka import StateLog, stream_of
 
 A, B = Stream("llama-a", 0), Stream("llama-b", 1)
 TOPIC, STATE = "kv-events", "kv-state"
@@ -196,7 +197,7 @@ def heads(producer: FakeProducer, stream: Stream) -> list[dict[str, Any]]:
 
 
 def events_partition(conn: KafkaConnector, stream: Stream) -> list[tuple[bytes, bytes | None]]:
-    from connectors.kafka import _PARTITIONER
+    from kv_consumer.kafka import _PARTITIONER
 
     return conn._producer.logs.get((TOPIC, _PARTITIONER(stream.key.encode(), [0, 1], [0, 1])), [])  # type: ignore[no-any-return]
 
@@ -231,7 +232,7 @@ async def test_head_next_is_the_offset_after_the_records_last_message() -> None:
 
 
 async def test_a_failed_event_batch_holds_back_its_streams_state() -> None:
-    from connectors.kafka import _PARTITIONER
+    from kv_consumer.kafka import _PARTITIONER
 
     a_part = _PARTITIONER(A.key.encode(), [0, 1], [0, 1])
     producer = FakeProducer(fail=lambda t, p, n: t == TOPIC and p == a_part and n == 1)
@@ -287,6 +288,9 @@ async def test_a_large_clear_spans_batches_sent_one_after_the_other() -> None:
 # -- the consumer's bootstrap, with a fake consumer ----------------------------------------------------
 
 
+PARTITIONS = {STATE: [0], TOPIC: [0, 1]}  # the partition ids of both topics, as topic_partitions() reads them
+
+
 class FakeConsumer:
     """One state partition and one events partition; ``grow`` records appear at the second end_offsets()."""
 
@@ -295,12 +299,6 @@ class FakeConsumer:
         self.positions: dict[Any, int] = {}
         self.assigned: list[Any] = []
         self.ends = 0
-        cluster = SimpleNamespace(partitions_for_topic={STATE: {0}, TOPIC: {0, 1}}.get)
-
-        async def fetch_all_metadata() -> Any:
-            return cluster
-
-        self._client = SimpleNamespace(fetch_all_metadata=fetch_all_metadata)
 
     def assign(self, tps: list[Any]) -> None:
         self.assigned = list(tps)
@@ -332,27 +330,27 @@ def state_of(tracker: StateTracker, conn: KafkaConnector, record: Record, next_:
 
 
 async def test_bootstrap_reads_on_past_a_state_write_in_progress() -> None:
-    from connectors.kafka import bootstrap
+    from kv_consumer.kafka import bootstrap
 
     tracker, conn = StateTracker(), connector()
     first = state_of(tracker, conn, Record(stream=A, epoch=5, seq=0, events=[stored([1, 2])]), 10)
     second = state_of(tracker, conn, Record(stream=A, epoch=5, seq=1, events=[removed([1]), stored([3])]), 12)
     # The pass ends inside the second record's state write (its tombstone, no head yet).
     consumer = FakeConsumer(first + second[:1], second[1:])
-    state, tp, start = await bootstrap(consumer, "llama-a", 0, topic=TOPIC, state_topic=STATE)  # type: ignore[arg-type]
+    state, tp, start = await bootstrap(consumer, "llama-a", 0, topic=TOPIC, state_topic=STATE, partitions=PARTITIONS)  # type: ignore[arg-type]
     assert (state.head["seq"], start) == (1, 12) and consumer.ends >= 2
     assert sorted(k[2] for k in state.blocks()) == [2, 3] and state.ready
     assert consumer.assigned == [tp] and consumer.positions[tp] == 12
 
 
 async def test_bootstrap_of_a_torn_write_is_not_ready_before_the_next_record() -> None:
-    from connectors.kafka import bootstrap
+    from kv_consumer.kafka import bootstrap
 
     tracker, conn = StateTracker(), connector()
     first = state_of(tracker, conn, Record(stream=A, epoch=5, seq=0, events=[stored([1, 2])]), 10)
     second = state_of(tracker, conn, Record(stream=A, epoch=5, seq=1, events=[removed([1])]), 11)
     consumer = FakeConsumer(first + second[:1], [])  # a crashed bridge: the head never comes
-    state, _, start = await bootstrap(consumer, "llama-a", 0, topic=TOPIC, state_topic=STATE, settle=0.1)  # type: ignore[arg-type]
+    state, _, start = await bootstrap(consumer, "llama-a", 0, topic=TOPIC, state_topic=STATE, partitions=PARTITIONS, settle=0.1)  # type: ignore[arg-type]
     assert (state.head["seq"], start) == (0, 10)
     assert not state.ready  # the tombstone of seq 1 is in: exact only once seq 1 is applied
     assert state.apply({"source": "llama-a", "dp_rank": 0, "epoch": 5, "seq": 1, "index": 0, **removed([1])})
@@ -360,10 +358,10 @@ async def test_bootstrap_of_a_torn_write_is_not_ready_before_the_next_record() -
 
 
 async def test_bootstrap_without_a_head_follows_from_the_start() -> None:
-    from connectors.kafka import bootstrap
+    from kv_consumer.kafka import bootstrap
 
     consumer = FakeConsumer([], [])
-    state, _, start = await bootstrap(consumer, "llama-a", 0, topic=TOPIC, state_topic=STATE, settle=0.1)  # type: ignore[arg-type]
+    state, _, start = await bootstrap(consumer, "llama-a", 0, topic=TOPIC, state_topic=STATE, partitions=PARTITIONS, settle=0.1)  # type: ignore[arg-type]
     assert start == 0 and state.blocks() == {}
     assert state.apply({"source": "llama-a", "dp_rank": 0, "epoch": 0, "seq": 0, "type": "SourceReset"})
     assert state.complete

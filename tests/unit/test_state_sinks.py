@@ -139,7 +139,7 @@ def test_a_generation_is_above_the_process_base_after_a_rebuild() -> None:
 
 
 def test_a_consumer_leaves_out_entries_of_any_other_generation() -> None:
-    from bridge.bootstrap import StreamState
+    from kv_consumer.state import StreamState
 
     head = {"epoch": 2, "gen": 7, "seq": 4, "complete": True}
 

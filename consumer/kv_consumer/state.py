@@ -1,46 +1,59 @@
-"""State bootstrap for consumers: an engine stream's live blocks from a sink's state, then its events.
+"""The ordering and dedup rule, and one engine stream's live blocks as a consumer rebuilds them.
 
-The algorithm is the same for every sink (README "State bootstrap"); each connector module has the
-function that reads its sink (``connectors.redis.bootstrap``, ``connectors.nats.bootstrap``,
-``connectors.kafka.bootstrap``). This module is the sink-independent part, pure and dependency-free:
+Pure and dependency-free. The bridge writes each engine stream (source, dp_rank) in order of
+:func:`position`; a record at or below the last position applied to a stream is a copy (a re-sent
+write, a bridge restart), and a record of an older epoch than the stream's newest is stale. One
+position per stream is enough: no set of seen ids.
 
-1. Read the stream's head ``H`` (a document of :mod:`bridge.state_docs`).
-2. Sweep its entries (newest value per key) and read the head again: if its (epoch, gen) moved, a
-   clear ran during the sweep: start over. Entries of another (epoch, gen) than ``H`` are left
+:class:`StreamState` applies the records of one stream (and is what a state bootstrap starts from):
+
+1. A sink with ``state.enabled`` keeps each stream's head ``H`` and one entry per live block
+   (the bootstrap readers in :mod:`kv_consumer.redis`, :mod:`kv_consumer.kafka` and
+   :mod:`kv_consumer.nats` read them: head, sweep of the entries, head again; a clear that ran
+   during the sweep makes them start over). Entries of another (epoch, gen) than ``H`` are left
    out (a sink that cannot delete key by key leaves them behind a clear; a write cut short by a
    crash may leave some of a generation no head names).
-3. Follow the stream's messages from ``H["next"]`` with :meth:`StreamState.apply`: a message at or
+2. Follow the stream's messages from ``H["next"]`` with :meth:`StreamState.apply`: a message at or
    below ``H`` or below the last one applied is skipped (copies); ``SourceReset``,
-   ``AllBlocksCleared`` and ``EventsLost`` drop every entry (``EventsLost``: incomplete); a block
-   event at (epoch, seq) changes a key only if that is newer than the version the sweep read for
-   it (entries read after ``H`` already hold later changes); counts never go below 0.
-4. The state is exact once every message of the newest batch the sweep read a version of is
+   ``AllBlocksCleared`` and ``EventsLost`` drop every entry (``EventsLost``: incomplete until the
+   engine clears its cache or restarts); a block event at (epoch, seq) changes a key only if that
+   is newer than the version the sweep read for it (entries read after ``H`` already hold later
+   changes); counts never go below 0. Residency counts are per (medium, group_idx, block): vLLM
+   does not de-duplicate cached blocks and sends one ``BlockRemoved`` per physical block, so a
+   hash stored twice stays until removed twice.
+3. The state is exact once every message of the newest batch the sweep read a version of is
    applied (see :attr:`StreamState.ready`); before that it may lag, never hold a block of
    another epoch.
+
+A stream followed from its first message, without a state, starts from :data:`NO_HEAD`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import json
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 Document = Mapping[str, Any]
+Record = dict[str, Any]  # one record of the bridge's output, decoded
 Key = tuple[Any, Any, int]  # (medium, group_idx, 64-bit block id)
-_U64 = (1 << 64) - 1
-_LAST = 1 << 64
+U64 = (1 << 64) - 1
+LAST = 1 << 64  # an EventsLost sorts after every event of its seq
+NO_HEAD: Document = {"epoch": -1, "gen": 0, "seq": -1, "complete": False}
+"""The head of a stream without state: nothing applied, nothing known."""
 
 
 def block_id(value: object) -> int | None:
     """The 64-bit id of a block hash as a consumer reads it: an int (either sign), 16 hex digits
     (``hash_format: hex``), or the hex of a binary digest (its low 64 bits); None otherwise."""
     if type(value) is int:
-        return value & _U64 if -(1 << 63) <= value <= _U64 else None
+        return value & U64 if -(1 << 63) <= value <= U64 else None
     if isinstance(value, str) and value:
         try:
             n = int(value, 16)
         except ValueError:
             return None
-        return n & _U64
+        return n & U64
     if isinstance(value, bytes | bytearray) and value:
         return int.from_bytes(bytes(value)[-8:], "big")
     return None
@@ -48,8 +61,13 @@ def block_id(value: object) -> int | None:
 
 def position(message: Document) -> tuple[int, int, int]:
     """(epoch, slot, sub) of one message of the bridge's output (a JSON or msgpack record, event
-    or batch granularity), in the bridge's order: a ``SourceReset`` first, then each seq's batch or
-    events, an ``EventsLost`` after the events of its ``to_seq``."""
+    or batch granularity), in the bridge's order: slot = seq + 1, with the epoch's ``SourceReset``
+    at slot 0; sub = the event's index + 1 (event granularity), 0 (a batch), or after every event
+    of its seq (an ``EventsLost``, whose seq is its ``to_seq``).
+
+    Deduplicate on this, not on (epoch, seq, index): at batch granularity a ``SourceReset`` and its
+    epoch's first batch share seq 0 and have no index. An event record is told by its ``index``
+    first (its own fields may include one named ``events``)."""
     epoch = int(message["epoch"])
     kind = message.get("type")
     if "index" in message:
@@ -58,22 +76,44 @@ def position(message: Document) -> tuple[int, int, int]:
         return epoch, int(message["seq"]) + 1, 0
     if kind == "SourceReset":
         return epoch, 0, 0
-    return epoch, int(message["seq"]) + 1, _LAST
+    return epoch, int(message["seq"]) + 1, LAST
+
+
+def parse(value: bytes | str) -> dict[str, Any] | None:
+    """A state document (a head or an entry, JSON), or None when it is not one."""
+    try:
+        doc = json.loads(value)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def is_head(doc: Document) -> bool:
+    """Whether ``doc`` is a well-formed head document."""
+    try:
+        int(doc["epoch"]), int(doc["gen"]), int(doc["seq"]), int(doc["live"]), bool(doc["complete"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    return True
 
 
 class StreamState:
-    """One engine stream's live blocks, as a consumer rebuilds them (see the module docstring).
+    """One engine stream's live blocks (see the module docstring).
 
     ``entries``: (medium, group_idx, block id) -> the entry document (with its ``count``; block
     events applied here add or update ``count``, ``hash``, ``parent``, ``epoch`` and ``seq``).
+    ``why``: why it is incomplete (empty when complete). ``watch``, when set, is called with a key
+    and True when an entry appears, False when it goes.
     """
 
-    def __init__(self, head: Document, entries: Iterable[Document]) -> None:
+    def __init__(self, head: Document = NO_HEAD, entries: Iterable[Document] = ()) -> None:
         self.head = dict(head)
         self.epoch = int(head["epoch"])
         self.complete = bool(head.get("complete", False))
+        self.why = "" if self.complete else ("no state" if self.epoch < 0 else "incomplete state")
+        self.watch: Callable[[Key, bool], None] | None = None
         # Everything at or below the head is in the entries already.
-        self.applied: tuple[int, int, int] = (self.epoch, int(head["seq"]) + 1, _LAST)
+        self.applied: tuple[int, int, int] = (self.epoch, int(head["seq"]) + 1, LAST)
         self.entries: dict[Key, dict[str, Any]] = {}
         self.floor: dict[Key, tuple[int, int]] = {}  # version the sweep read, per key
         generation = (self.epoch, int(head["gen"]))
@@ -97,6 +137,11 @@ class StreamState:
         self.ready_at: tuple[int, int] = newest
         """The state is exact once a message at or past this (epoch, seq) was applied."""
 
+    @property
+    def seq(self) -> int:
+        """The seq of the last message applied (-1: the epoch's ``SourceReset``, or nothing)."""
+        return self.applied[1] - 1
+
     def blocks(self) -> dict[Key, int]:
         """(medium, group_idx, block id) -> residency count, of every live block."""
         return {k: int(d["count"]) for k, d in self.entries.items()}
@@ -108,11 +153,15 @@ class StreamState:
         a later batch, or to the end of what the sink holds)."""
         return self.applied[:2] >= (self.ready_at[0], self.ready_at[1] + 1)
 
-    def _clear(self, epoch: int, complete: bool) -> None:
+    def _clear(self, epoch: int, complete: bool, why: str = "") -> None:
+        if self.watch is not None:
+            for key in self.entries:
+                self.watch(key, False)
         self.entries.clear()
         self.floor.clear()
         self.epoch = epoch
         self.complete = complete
+        self.why = "" if complete else why
 
     def apply(self, message: Document) -> bool:
         """Apply one message of the stream's output, in the order read; False when it was skipped
@@ -125,15 +174,17 @@ class StreamState:
         kind = message.get("type")
         if epoch > self.epoch and kind != "SourceReset":
             # A newer epoch without its reset: known only if it starts at its first batch's first event.
-            self._clear(epoch, pos[1] == 1 and pos[2] <= 1)
+            self._clear(epoch, pos[1] == 1 and pos[2] <= 1, "joined mid-stream")
         if kind == "SourceReset":
             self._clear(epoch, True)
             return True
         if kind == "EventsLost":
-            self._clear(epoch, False)
+            lost = f"seqs {message.get('from_seq')}-{message.get('to_seq')} of epoch {epoch} lost ({message.get('reason')})"
+            self._clear(epoch, False, lost)
             return True
         events = message.get("events")
-        for event in events if isinstance(events, list) else (message,):
+        # An event record is told by its index: its own fields may include one named "events".
+        for event in events if "index" not in message and isinstance(events, list) else (message,):
             self._event(event, epoch, seq)
         return True
 
@@ -164,6 +215,8 @@ class StreamState:
                     parent = hashes[i - 1] if i else event.get("parent_block_hash")
                     doc = self.entries[key] = {"medium": medium, "group_idx": group, "block": format(k, "016x")}
                     doc.update(hash=h, parent=parent, count=0)
+                    if self.watch is not None:
+                        self.watch(key, True)
                 doc["count"] = int(doc["count"]) + 1
                 doc["epoch"], doc["seq"] = epoch, seq
             elif doc is not None:
@@ -171,6 +224,8 @@ class StreamState:
                 doc["epoch"], doc["seq"] = epoch, seq
                 if doc["count"] <= 0:
                     del self.entries[key]
+                    if self.watch is not None:
+                        self.watch(key, False)
 
 
-__all__ = ["StreamState", "block_id", "position"]
+__all__ = ["LAST", "NO_HEAD", "Document", "Key", "Record", "StreamState", "block_id", "is_head", "parse", "position"]

@@ -1,0 +1,84 @@
+"""State bootstrap from a Redis Streams sink (redis-py; the ``redis`` extra).
+
+The sink writes one Redis stream per engine stream, each entry with an explicit id
+``<epoch * 2**40 + slot>-<sub>`` (:func:`entry_position` reads it back: the record's
+:func:`~kv_consumer.state.position`), so ids grow along the stream and ``XREAD`` from the last id
+read resumes exactly. With ``state.enabled`` each engine stream also has a HASH: field ``_head``
+(the head document) and one field per live block (its entry document).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from .state import NO_HEAD, StreamState, parse
+
+SLOT_BITS = 40
+"""Bits of an entry id's first part that hold the slot (engine seq + 1); the epoch sits above them."""
+MAX_SLOT = (1 << SLOT_BITS) - 1
+
+
+def entry_position(entry: str | bytes) -> tuple[int, int, int]:
+    """(epoch, slot, sub) of an entry id the bridge wrote."""
+    text = entry.decode() if isinstance(entry, bytes) else entry
+    first, _, sub = text.partition("-")
+    ms = int(first)
+    return (ms >> SLOT_BITS, ms & MAX_SLOT, int(sub or 0))
+
+
+async def hash_fields(client: aioredis.Redis | aioredis.RedisCluster, key: str) -> dict[bytes, bytes]:
+    """Every field of a hash, read with HSCAN (no single long command on a big hash). The client
+    must not decode responses."""
+    out: dict[bytes, bytes] = {}
+    cursor: int = 0
+    while True:
+        cursor, chunk = await client.hscan(key, cursor, count=1000)
+        out.update(chunk)  # type: ignore[arg-type]  # bytes: the client does not decode responses
+        if not cursor:
+            return out
+
+
+async def bootstrap(
+    client: aioredis.Redis | aioredis.RedisCluster, state_key: str, stream_key: str | None = None, *, attempts: int = 5
+) -> tuple[StreamState, str | None]:
+    """A consumer's state bootstrap of one engine stream: its head, its state hash read with
+    HSCAN, then its head read again (a clear that ran meanwhile makes it start over, up to
+    ``attempts`` times). With ``stream_key``, also that the stream still holds everything after
+    the head (``maxlen`` trims the oldest entries: a sweep slower than the trimming starts over
+    too). Returns the state and the entry id to follow the stream key from (``XRANGE key (ID +``
+    or ``XREAD ... ID``), then :meth:`StreamState.apply` each entry's ``data``; None (no state
+    yet): follow from the stream's first entry. Keep up with the trimming while following, too.
+    Raises redis-py's errors, and RuntimeError when clears or trimming kept cutting the sweep."""
+    for _ in range(attempts):
+        # The head first: every entry the sweep reads afterwards is at or after it (one read
+        # before the head may predate changes the head already covers, and would miss them).
+        raw_head = await client.hget(state_key, "_head")
+        if raw_head is None:
+            return StreamState(NO_HEAD, []), None
+        head = parse(raw_head) or {}
+        fields = await hash_fields(client, state_key)
+        fields.pop(b"_head", None)
+        again = parse(await client.hget(state_key, "_head") or b"") or {}
+        if (again.get("epoch"), again.get("gen")) != (head.get("epoch"), head.get("gen")) or b"_w" in fields:
+            continue
+        after = head.get("next")
+        if stream_key is not None and isinstance(after, str) and await _trimmed_after(client, stream_key, after):
+            continue
+        docs = [d for f, v in fields.items() if b"/" in f and (d := parse(v)) is not None]
+        return StreamState(head, docs), after
+    raise RuntimeError(
+        f"{state_key}: the state was cleared, or its stream trimmed past its head, during each of {attempts} sweeps"
+    )
+
+
+async def _trimmed_after(client: aioredis.Redis | aioredis.RedisCluster, stream_key: str, after: str) -> bool:
+    """Whether the stream may have lost entries after ``after``: its first entry is past it (the
+    head's own entries, and maybe more, trimmed away; a stream that still holds the head's record
+    or an earlier one lost nothing after it)."""
+    first: Any = await client.xrange(stream_key, "-", "+", count=1)
+    return bool(first) and entry_position(first[0][0]) > entry_position(after)
+
+
+__all__ = ["MAX_SLOT", "SLOT_BITS", "bootstrap", "entry_position", "hash_fields"]
