@@ -1,6 +1,7 @@
 # kv-event-bridge: the two commands of README.md, and a few helpers.
 #   make demo   install, then run a simulated engine -> bridge -> stdout (no broker needed)
-#   make test   install everything (Python deps, Kafka/Redis/NATS/Prometheus, helm), then ruff, mypy, pytest
+#   make test   install everything (Python deps, Kafka/Redis/NATS/Prometheus, helm), then ruff, mypy,
+#               the Go consumer's vet and unit tests (go/kvconsumer: needs Go), pytest
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -39,6 +40,7 @@ test: install
 	$(PY) -m bridge schema --check schema/kv-events.schema.json
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	cd go/kvconsumer && GOFLAGS=-mod=mod go vet ./... && GOFLAGS=-mod=mod go test ./...
 	$(PY) -m pytest
 
 soak: install
