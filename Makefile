@@ -1,12 +1,13 @@
 # kv-event-bridge: the two commands of README.md, and a few helpers.
 #   make demo   install, then run a simulated engine -> bridge -> stdout (no broker needed)
+#   make playground [BROKER=kafka|redis|nats]   the same with a real local broker and the example consumer
 #   make test   install everything (Python deps, Kafka/Redis/NATS/Prometheus, helm), then ruff, mypy,
 #               the Go consumer's vet and unit tests (go/kvconsumer: needs Go), pytest
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test lint servers servers-stop soak clean
+.PHONY: install demo playground test lint servers servers-stop soak clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +19,11 @@ install: $(PY)
 
 demo: install
 	@$(PY) -m bridge demo
+
+# Simulated engines -> the bridge (state on) -> a real local broker -> the example consumer (Ctrl-C stops all).
+BROKER ?= kafka
+playground: install
+	@$(PY) -m tools.playground --broker $(BROKER)
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -51,6 +51,7 @@ class SnapshotIndex:
         self.holders: dict[int, set[tuple[str, int]]] = {}
         self.applied = self.duplicates = self.stale = 0
         self.lines = 0
+        self.epochs: dict[tuple[str, int], set[int]] = {}  # every epoch printed, per stream
 
     def update(self, doc: dict[str, Any]) -> None:
         self.lines += 1
@@ -65,6 +66,8 @@ class SnapshotIndex:
                 s["epoch"], (epoch, slot, _LAST if sub >= _LAST - 1 else sub), s["complete"], s["why"], blocks
             )
         self.streams = streams
+        for stream, view in streams.items():
+            self.epochs.setdefault(stream, set()).add(view.epoch)
         self.holders = {int(k): {_stream(n) for n in names} for k, names in doc["holders"].items()}
 
     def residency(self, stream: tuple[str, int]) -> Counter[tuple[Any, Any]]:
@@ -86,11 +89,17 @@ class SnapshotIndex:
 
 
 async def follow(
-    index: SnapshotIndex, command: Sequence[str], stop: Callable[[], bool], log: Path, env: dict[str, str] | None = None
-) -> None:
+    index: SnapshotIndex,
+    command: Sequence[str],
+    stop: Callable[[], bool],
+    log: Path,
+    env: dict[str, str] | None = None,
+    grace: float = 10.0,
+    cwd: Path | None = None,
+) -> int:
     """Run ``command`` (printing ``--json`` lines), keep ``index`` at its last line until
-    ``stop()``, then stop it with SIGINT (10 s, then SIGKILL). AssertionError, with the end of
-    its stderr (``log``), when it exits before."""
+    ``stop()``, then stop it with SIGINT (``grace`` seconds, then SIGKILL); its exit code.
+    AssertionError, with the end of its stderr (``log``), when it exits before."""
     with log.open("wb") as errors:
         proc = await asyncio.create_subprocess_exec(
             *command,
@@ -98,6 +107,7 @@ async def follow(
             stderr=errors,
             env={**os.environ, **(env or {})},
             limit=64 << 20,  # one line holds the whole index
+            cwd=cwd,
         )
         assert proc.stdout is not None
         try:
@@ -115,11 +125,15 @@ async def follow(
             if proc.returncode is None:
                 proc.send_signal(signal.SIGINT)
                 try:
-                    await asyncio.wait_for(proc.communicate(), 10)
+                    rest, _ = await asyncio.wait_for(proc.communicate(), grace)
+                    for line in rest.splitlines():  # what it printed last
+                        index.update(json.loads(line))
                 except TimeoutError:
                     with contextlib.suppress(ProcessLookupError):
                         proc.kill()
                     await proc.wait()
+    assert proc.returncode is not None
+    return proc.returncode
 
 
 def _tail(log: Path) -> str:

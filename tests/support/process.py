@@ -119,7 +119,9 @@ class BridgeProcess:
         self.metrics_port = int(listen.rpartition(":")[2]) if listen else None
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> BridgeProcess:
+    def start(self, *, new_session: bool = False) -> BridgeProcess:
+        """Start it; ``new_session``: out of the caller's process group (a terminal's Ctrl-C then
+        reaches only the caller, which stops it in its turn)."""
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "bridge", "--config", str(self.config_path)],
@@ -128,6 +130,7 @@ class BridgeProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                start_new_session=new_session,
             )
         return self
 
