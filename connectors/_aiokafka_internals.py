@@ -121,21 +121,6 @@ async def topic_error(client: Any, topic: str, *, allow_auto_create: bool) -> in
     return None
 
 
-async def topic_partitions(consumer: Any, topics: list[str]) -> dict[str, list[int]]:
-    """The partition ids of each of ``topics`` that exists, read from the cluster now.
-
-    A consumer's ``partitions_for_topic`` answers from metadata it may not have fetched yet (a
-    consumer only asks for the topics it subscribed to), and ``topics()`` does not keep what it
-    fetched: this asks its client for the metadata and reads the partitions from the answer."""
-    cluster = await consumer._client.fetch_all_metadata()
-    out: dict[str, list[int]] = {}
-    for topic in topics:
-        parts = cluster.partitions_for_topic(topic)
-        if parts:
-            out[topic] = sorted(parts)
-    return out
-
-
 async def ping(client: Any) -> bool:
     """Ask one broker for the (empty) cluster metadata; False when no broker is known."""
     node = client.get_random_node()
@@ -177,5 +162,4 @@ __all__ = [
     "probe",
     "record_size",
     "topic_error",
-    "topic_partitions",
 ]
