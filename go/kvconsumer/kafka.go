@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand"
+	"os"
 	"sort"
 	"strconv"
 	"strings"
@@ -105,6 +107,7 @@ type KafkaOptions struct {
 }
 
 func partitionIDs(conn *kafka.Conn, topic string) ([]int, error) {
+	_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
 	all, err := conn.ReadPartitions() // every topic: naming one would create it on a broker with auto-create
 	if err != nil {
 		return nil, err
@@ -147,6 +150,8 @@ func readRange(ctx context.Context, brokers []string, topic string, partition in
 }
 
 func offsets(ctx context.Context, brokers []string, topic string, partition int) (int64, int64, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
 	conn, err := kafka.DialLeader(ctx, "tcp", brokers[0], topic, partition)
 	if err != nil {
 		return 0, 0, err
@@ -258,12 +263,15 @@ func BootstrapKafka(ctx context.Context, conn *kafka.Conn, x *Index, opts KafkaO
 // Partitions added to the topic later are not read. changed is called between records, at least
 // every 100 ms.
 func FollowKafka(ctx context.Context, x *Index, opts KafkaOptions, changed func()) error {
-	conn, err := kafka.DialContext(ctx, "tcp", opts.Brokers[0])
+	dial, cancel := context.WithTimeout(ctx, 10*time.Second)
+	conn, err := kafka.DialContext(dial, "tcp", opts.Brokers[0])
+	cancel()
 	if err != nil {
 		return fmt.Errorf("kafka %s: %w", opts.Brokers[0], err)
 	}
 	defer conn.Close()
 	var starts map[int]int64
+	waiting := false
 	for ctx.Err() == nil { // until the bridge has created the topic
 		if opts.StateTopic != "" {
 			starts, err = BootstrapKafka(ctx, conn, x, opts)
@@ -280,9 +288,13 @@ func FollowKafka(ctx context.Context, x *Index, opts KafkaOptions, changed func(
 		if err == nil {
 			break
 		}
-		select {
+		if !waiting {
+			fmt.Fprintf(os.Stderr, "kvconsumer: waiting for the bridge's topic: %v\n", err)
+			waiting = true
+		}
+		select { // 0.5 to 1.5 s apart, until ctx is done
 		case <-ctx.Done():
-		case <-time.After(time.Second):
+		case <-time.After(time.Duration(500+rand.Intn(1000)) * time.Millisecond):
 		}
 	}
 	if ctx.Err() != nil {
