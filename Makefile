@@ -46,7 +46,7 @@ test: install
 	$(PY) -m bridge schema --check schema/kv-events.schema.json
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	cd go/kvconsumer && GOFLAGS=-mod=mod go vet ./... && GOFLAGS=-mod=mod go test ./...
+	cd go/kvconsumer && GOFLAGS="-mod=mod -buildvcs=false" go vet ./... && GOFLAGS="-mod=mod -buildvcs=false" go test ./...
 	$(PY) -m pytest
 
 soak: install
