@@ -117,6 +117,13 @@ func TestIndexRules(t *testing.T) {
 	if !strings.HasPrefix(x.Summary(), "2 distinct blocks") {
 		t.Fatal(x.Summary())
 	}
+	// a batch record carrying its type (schema_version 2): still a batch, after its epoch's reset
+	apply(rec(t, `{"source":"e","dp_rank":0,"epoch":14,"seq":0,"type":"SourceReset","reason":"publisher_restart"}`))
+	apply(rec(t, `{"source":"e","dp_rank":0,"epoch":14,"seq":0,"type":"EventBatch","ts":1.0,"events":[%s]}`, stored("GPU", "11")))
+	same(t, residency(x, e), map[string]int64{"11/GPU": 1})
+	if !x.Streams[e].Complete {
+		t.Fatal(x.Summary())
+	}
 }
 
 // Unsigned 64-bit hashes stay exact (a float64 would round them), and an int hash and its hex

@@ -384,6 +384,10 @@ def test_index_rules() -> None:
     index.apply(_batch(1, 0, _stored(10), source="f"))
     assert index.streams_holding(10) == {e, ("f", 0)}
     assert index.summary().startswith("2 distinct blocks")  # 3 (stream g) and 10
+    # a batch record carrying its type (schema_version 2): still a batch, after its epoch's reset
+    index.apply(_control(14, 0, "SourceReset", reason="publisher_restart"))
+    index.apply({**_batch(14, 0, _stored(11)), "type": "EventBatch"})
+    assert held(index, e) == {(11, "GPU"): 1} and index.incomplete() == {}
 
 
 def test_an_event_field_named_events_does_not_make_an_event_record_a_batch() -> None:
