@@ -12,12 +12,15 @@ the replay's copy of that seq must match, or the engine restarted while the brid
 record reaches a sink, so a restarted bridge never opens it again. A corrupt or unreadable file
 is reported by the caller and the bridge starts fresh; it never crashes on it.
 
-Epoch numbers. A stream met for the first time opens epoch :func:`clock_epoch` (minutes since
-2025-01-01), and every later epoch is above the previous one, the saved one and the clock's.
-So a bridge that starts without its checkpoint does not reuse an epoch a sink already holds,
-unless the previous run opened its last epoch for the stream in the same minute as this start
-(or later: a stream that restarted more than once a minute ran ahead of the clock) and the
-engine restarted in between. Minutes, because Redis entry ids hold epochs below 2**24 (year 2056).
+Epoch numbers. A stream met for the first time opens epoch :func:`clock_epoch` (the wall clock
+in microseconds since 1970), and every later epoch is above the previous one, the saved one and
+the clock's. So a bridge that starts without its checkpoint (a new pod, a lost volume, a stale
+backup of the file) opens an epoch above every epoch a previous run opened for the stream, as
+long as the clocks of the two hosts agree to within the time between that run's last restart of
+the stream and this start (seconds at the least: a pod has to stop and another to start). Epochs
+stay below 2**53, exact in every JSON reader, until the year 2255. Checkpoints of earlier
+releases hold minutes since 2025-01-01 (about 1,000,000); the next epoch such a stream opens is
+the clock's, far above them.
 
 Handover (``checkpoint.from_sinks``). A pod that takes over a stream without its previous owner's
 file asks each sink for the last message it holds of it (:class:`SinkPosition`); :func:`combine`
@@ -50,13 +53,10 @@ from .records import Record
 
 log = logging.getLogger("bridge.checkpoint")
 
-EPOCH_ORIGIN = 1735689600.0
-"""2025-01-01T00:00:00Z: epochs opened by the clock count minutes from here."""
-
-
 def clock_epoch(now: float) -> int:
-    """The smallest epoch a stream may open at wall-clock time ``now`` (see the module docstring)."""
-    return max(0, int((now - EPOCH_ORIGIN) // 60))
+    """The smallest epoch a stream may open at wall-clock time ``now``: microseconds since 1970
+    (see the module docstring)."""
+    return max(0, int(now * 1_000_000))
 
 
 class StreamPosition(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -7,8 +7,8 @@ Entries carry the stream header as fields, in this order: ``source``, ``dp_rank`
 ``seq``, ``type``, ``content-type``, ``schema_version``, then ``ts`` (engine batches) and ``index``
 (event granularity), all as text; then the body: ``data`` (json / msgpack, and control records in
 every format) or ``payload`` (the engine's bytes, ``format: raw`` batches). Each entry has an
-explicit id, ``<epoch * 2**40 + slot>-<sub>`` (:func:`entry_id`; slot = seq + 1, sub = event
-index + 1 or 0; a SourceReset at slot 0, an EventsLost at sub 2**64 - 1), so ids grow strictly
+explicit id built from (epoch, slot, sub) (:func:`entry_id`; slot = seq + 1, sub = event index + 1
+or 0; a SourceReset at slot 0, an EventsLost after everything of its slot), so ids grow strictly
 along an engine stream and a consumer resumes exactly with ``XREAD`` from the last id it saw
 (:func:`entry_position` inverts it). The first part is not a time.
 
@@ -157,34 +157,57 @@ log = logging.getLogger(__name__)
 # -- entry ids ----------------------------------------------------------------------------------
 
 SLOT_BITS = 40
-"""Bits of the id's first part that hold the slot (engine seq + 1); the epoch sits above them."""
-MAX_EPOCH = (1 << (64 - SLOT_BITS)) - 1  # 16,777,215 engine restarts
+"""Bits that hold the slot (engine seq + 1) in either id layout."""
 MAX_SLOT = (1 << SLOT_BITS) - 1  # ~1.1e12 batches per epoch: 3.5 years at 10,000 batches/s
 MAX_SUB = (1 << 64) - 1
+WIDE_EPOCHS = 1 << (63 - SLOT_BITS)
+"""The first epoch of the wide layout (8,388,608). Below it: the minute epochs of checkpoints and
+streams written by earlier releases (about 1,000,000 in 2026) and small numbers; the clock opens
+microsecond epochs, far above (:func:`bridge.checkpoint.clock_epoch`)."""
+WIDE = 1 << 63
+"""The wide layout's ids have this bit of their first part set; no narrow id has."""
+SUB_BITS = 24
+"""Bits of a wide id's second part that hold the sub (event index + 1; all ones: the slot's last)."""
+MAX_WIDE_SUB = (1 << SUB_BITS) - 1
 
 
 def entry_id(position: tuple[int, int, int]) -> str:
     """The Redis entry id of a message at ``position`` = (epoch, slot, sub).
 
-    ``<epoch * 2**40 + slot>-<sub>``: both parts are unsigned 64-bit in Redis, and comparing ids
-    compares (epoch, slot, sub) lexicographically because slot < 2**40. Redis refuses ``0-0``, so
-    the one position that would map to it (a SourceReset opening epoch 0, which the sequencer does
-    not emit) becomes ``0-1``; no other position has slot 0 with sub 1. Raises ValueError when a
-    part is out of range.
+    Two layouts, so that ids already in a stream stay below every new one:
+
+    - narrow, epochs below :data:`WIDE_EPOCHS`: ``<epoch * 2**40 + slot>-<sub>``;
+    - wide, from :data:`WIDE_EPOCHS`: ``<2**63 + epoch>-<slot * 2**24 + sub>``, where the sub
+      ``2**64 - 1`` (an EventsLost or a state change: after everything of its slot) becomes
+      ``2**24 - 1``.
+
+    Both parts are unsigned 64-bit in Redis; every narrow first part is below ``2**63`` and
+    every wide one above, so comparing ids compares (epoch, slot, sub) lexicographically in and
+    across the layouts. Redis refuses ``0-0``, so the one position that would map to it (a
+    SourceReset opening epoch 0, which the sequencer does not emit) becomes ``0-1``; no other
+    position has slot 0 with sub 1. Raises ValueError when a part is out of range.
     """
     epoch, slot, sub = position
-    if not (0 <= epoch <= MAX_EPOCH and 0 <= slot <= MAX_SLOT and 0 <= sub <= MAX_SUB):
-        raise ValueError(f"position {position} does not fit a Redis entry id (epoch <= {MAX_EPOCH}, slot <= {MAX_SLOT})")
-    first = (epoch << SLOT_BITS) | slot
-    return f"{first}-{1 if first == 0 and sub == 0 else sub}"
+    if 0 <= epoch < WIDE_EPOCHS and 0 <= slot <= MAX_SLOT and 0 <= sub <= MAX_SUB:
+        first = (epoch << SLOT_BITS) | slot
+        return f"{first}-{1 if first == 0 and sub == 0 else sub}"
+    if not (WIDE_EPOCHS <= epoch < WIDE and 0 <= slot <= MAX_SLOT and (0 <= sub < MAX_WIDE_SUB or sub == MAX_SUB)):
+        raise ValueError(
+            f"position {position} does not fit a Redis entry id "
+            f"(epoch < 2**63, slot <= {MAX_SLOT}, at most {MAX_WIDE_SUB - 1} events in a batch)"
+        )
+    return f"{WIDE | epoch}-{(slot << SUB_BITS) | min(sub, MAX_WIDE_SUB)}"
 
 
 def entry_position(entry: str | bytes) -> tuple[int, int, int]:
     """(epoch, slot, sub) of an entry id written by this connector (the inverse of :func:`entry_id`)."""
     text = entry.decode() if isinstance(entry, bytes) else entry
-    first, _, sub = text.partition("-")
-    ms = int(first)
-    return (ms >> SLOT_BITS, ms & MAX_SLOT, int(sub or 0))
+    first_text, _, sub_text = text.partition("-")
+    first, sub = int(first_text), int(sub_text or 0)
+    if first < WIDE:
+        return (first >> SLOT_BITS, first & MAX_SLOT, sub)
+    low = sub & MAX_WIDE_SUB
+    return (first & ~WIDE, sub >> SUB_BITS, MAX_SUB if low == MAX_WIDE_SUB else low)
 
 
 def message_position(message: Message) -> tuple[int, int, int]:
@@ -1452,7 +1475,6 @@ def _slot(key: str) -> int:
 
 
 __all__ = [
-    "MAX_EPOCH",
     "MAX_SLOT",
     "WRITE_SCRIPT",
     "IndexDelta",

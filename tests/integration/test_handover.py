@@ -267,6 +267,38 @@ async def test_an_engine_restart_meanwhile_opens_a_new_epoch(tmp_path: Path, sin
             assert all(i < position for i in lost_at), "losses announced before the SourceReset"
 
 
+async def test_a_pod_without_any_position_never_reuses_the_previous_pods_epoch(tmp_path: Path, sink: Sink) -> None:
+    """Issue 29 case 12: a pod with no checkpoint and no ``from_sinks`` meets an engine that
+    restarted since the previous pod's last epoch opened, within the same minute. It opens an
+    epoch of its own (the clock's, in microseconds), so no sink and no consumer takes the new
+    instance's batches for copies of the old one's (with minute epochs, 100 of 100 were lost)."""
+    async with engine() as (sim, source):
+        first = Bridge(from_data(config(tmp_path, source, sink, from_sinks=False), env={}))
+        await first.start()
+        await publish(sim, 20)
+        await delivered_through(first, sim)
+        await first.stop()
+        old = [first.pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
+        before = [rank.seq for rank in sim.ranks]
+        for rank in sim.ranks:
+            rank.restart()
+        await publish(sim, 10)  # below the old instance's seqs: the same (epoch, seq) positions
+        second = Bridge(from_data(config(tmp_path, source, sink, from_sinks=False), env={}))
+        await second.start()
+        try:
+            await publish(sim, 5)
+            await delivered_through(second, sim)
+            new = [second.pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
+        finally:
+            await second.stop()
+        rows = await read(sink)
+        for r in range(RANKS):
+            got = data(rows, r)
+            assert new[r] > old[r] and {x[0] for x in got} == {old[r], new[r]}, (r, old, new)
+            assert [x for x in got if x[0] == old[r]] == expect(old[r], range(before[r]), sink.granularity)
+            assert [x for x in got if x[0] == new[r]] == expect(new[r], range(sim.ranks[r].seq), sink.granularity), f"rank {r}"
+
+
 # -- a sink that cannot say what it holds ---------------------------------------------------------
 
 STORE: dict[str, list[Message]] = {}  # what each in-memory sink holds, across bridges

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.checkpoint import EPOCH_ORIGIN, Checkpointer, CheckpointFile, StreamPosition, load, save
+from bridge.checkpoint import Checkpointer, CheckpointFile, StreamPosition, load, save
 from tests.unit.test_checkpoint import KEY, NOW, batch, batch_position, lost
 
 # -- positions -----------------------------------------------------------------------------------
@@ -49,7 +49,7 @@ def test_a_loss_in_an_epoch_opened_after_the_loaded_position_carries_no_older_fi
 
 
 def test_a_stream_met_first_before_the_clock_origin_opens_epoch_0() -> None:
-    assert Checkpointer(1).first_epoch(KEY, EPOCH_ORIGIN - 3600) == 0
+    assert Checkpointer(1).first_epoch(KEY, -3600.0) == 0
 
 
 def test_a_forgotten_stream_keeps_an_epoch_opened_in_this_very_minute() -> None:
