@@ -487,6 +487,18 @@ class KafkaConnector:
             return f"cannot reach {self._servers} ({_describe(exc)})"
         return None
 
+    async def audit(self) -> None:
+        """Between writes (bridge.connector, I6): each topic the broker acknowledged messages in
+        is looked at as a write prepares it (deleted, or ending before what was acknowledged: lost;
+        with ``create`` created again). Raises SinkLost for an events topic's streams; a state
+        topic's streams have their next state refused, as at a write."""
+        producer = self._producer
+        if producer is None or self._closed:
+            return
+        for topic in sorted({tp[0] for tp in self._acked}):
+            await self._prepare_topic(producer, topic, state=self.writes_state and topic == self._state_topic)
+        self._raise_lost(stale=self._stale)
+
     async def positions(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:
         """The last message of each stream in its partition (``checkpoint.from_sinks``).
 

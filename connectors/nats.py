@@ -716,12 +716,7 @@ class NatsConnector:
             raise NotConnected(f"{self._prefix}: not connected to NATS at {self._where}")
         if not nc.is_connected:
             raise NotConnected(self._reconnecting())
-        if self._lost:  # before anything of this write is stored: the runtime announces, then writes again
-            spans, self._lost = self._lost, []
-            raise SinkLost(
-                f"{self._prefix}: JetStream stream {self._lost_why}: what it held of {len(spans)} stream(s) is lost",
-                spans,
-            )
+        self._raise_lost()  # before anything of this write is stored: the runtime announces, then writes again
         errors = await (self._write_core(nc, messages) if self.options.mode == "core" else self._write_jetstream(nc, messages))
         if not errors:
             return
@@ -867,6 +862,31 @@ class NatsConnector:
             extra={"sink": self.name, "count": len(spans)},
         )
 
+    def _raise_lost(self) -> None:
+        """Raise SinkLost for the spans kept by _stream_lost (and forget them: the write that
+        follows goes through)."""
+        if self._lost:
+            spans, self._lost = self._lost, []
+            what = f"{self._prefix}: JetStream stream {self._lost_why}: what it held of {len(spans)} stream(s) is lost"
+            raise SinkLost(what, spans)
+
+    async def audit(self) -> None:
+        """Between writes (bridge.connector, I6): the events stream that acknowledged this sink's
+        messages still exists and has not gone back below the last JetStream seq it gave; else what
+        it held is lost (SinkLost; with ``stream.create`` the next write creates it again)."""
+        nc, name = self._nc, self._events_stream
+        if self.options.mode == "core" or nc is None or not nc.is_connected or name is None or name not in self._stream_seqs:
+            return
+        js = nc.jetstream(timeout=self.options.connect_timeout)
+        try:
+            last = (await js.stream_info(name)).state.last_seq
+        except nats.js.errors.NotFoundError:
+            self._stream_lost(f"{name!r} {_GONE}")
+        else:
+            if last < self._stream_seqs[name]:
+                self._stream_lost(f"{name!r} ends at seq {last}, below the {self._stream_seqs[name]} it acknowledged")
+        self._raise_lost()
+
     async def _stream_missing(self, nc: Client, subject: str) -> None:
         """A write found no stream capturing ``subject``. When the stream that acknowledged earlier
         writes is gone, what it held is lost (announced at the next write) and, with
@@ -888,7 +908,7 @@ class NatsConnector:
                     )
                     return
                 if name == self._events_stream:
-                    self._stream_lost(f"{name!r} is gone (deleted, or a server that kept it in memory restarted)")
+                    self._stream_lost(f"{name!r} {_GONE}")
             if so.create:
                 await self._ensure_stream(js)
                 self._stream_problem = None
@@ -1511,6 +1531,7 @@ class NatsConnector:
         log.warning("%s", self._stream_problem, extra={"sink": self.name})
 
 
+_GONE = "is gone (deleted, or a server that kept it in memory restarted)"
 _KV_PUT = b""  # a plain PUB: no header block to store and parse back
 
 

@@ -527,6 +527,38 @@ async def test_a_topic_deleted_and_created_again_between_two_writes_is_announced
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("recreated", [False, True], ids=["deleted", "deleted and created again"])
+async def test_a_topic_lost_while_the_sink_is_quiet_is_found_by_its_audit(kafka: KafkaServer, recreated: bool) -> None:
+    # Issue 29 B2 on Kafka: no write comes (the engine is quiet), so only the runtime's audit
+    # between writes can find the loss; it raises SinkLost once, with the span, and the audit of a
+    # topic that holds what it acknowledged says nothing.
+    topic = await kafka.anew_topic(partitions=2)
+    stream = Stream("llama-a", 0)
+    connector = build(kafka, topic, request_timeout="2s")
+    await connector.connect()
+    try:
+        await connector.write(render(stream_records(stream, 5, epoch=3)))
+        await connector.audit()  # nothing lost: nothing raised
+        await delete_topic(kafka, topic)
+        if recreated:
+            await kafka.anew_topic(partitions=2, name=topic)
+        with pytest.raises(ConnectorError) as found:
+            await connector.audit()
+        print("the audit after the loss:", found.value.reason, found.value)
+        assert isinstance(found.value, SinkLost) or found.value.reason == "topic_deleted"
+        lost = [(s.key, e, a, b) for s, e, a, b in found.value.spans] if isinstance(found.value, SinkLost) else []
+        if not lost:  # deleted: the audit says so (not ready) and the loss comes with the write after it
+            with pytest.raises(SinkLost) as again:
+                await connector.write(render(stream_records(stream, 1, epoch=3, start=5)))
+            lost = [(s.key, e, a, b) for s, e, a, b in again.value.spans]
+        assert lost == [("llama-a/0", 3, 0, 4)]
+        if recreated:
+            await connector.audit()  # said once
+    finally:
+        await connector.close()
+
+
+@pytest.mark.integration
 async def test_templated_topic_missing_for_one_stream_fails_only_its_messages(kafka: KafkaServer) -> None:
     prefix = f"kvb-part-{uuid.uuid4().hex[:8]}"
     await kafka.anew_topic(name=f"{prefix}-llama-a")

@@ -130,6 +130,32 @@ async def test_a_deleted_stream_is_created_again_and_its_loss_announced(
     assert await _subject_seqs(reader, dest, A) == [8, 9]
 
 
+async def test_a_stream_lost_while_the_sink_is_quiet_is_found_by_its_audit(
+    nats_server: NatsServer, reader: Client, dest: str
+) -> None:
+    """Issue 29 B2 on NATS: no write comes (the engine is quiet), so only the runtime's audit
+    between writes can find the loss: it raises SinkLost once, with the spans; the audit of a
+    stream that holds what it acknowledged says nothing."""
+    js = reader.jetstream(timeout=5)
+    conn = NatsConnector("nats-l", _options(nats_server.url, dest), SINK)
+    await conn.connect()
+    try:
+        await conn.write(_render([A], 3, 5) + _render([B], 0, 2))
+        await conn.audit()  # nothing lost: nothing raised
+        await js.delete_stream(dest)
+        with pytest.raises(SinkLost) as lost:
+            await conn.audit()
+        assert sorted((s.key, e, f, t) for s, e, f, t in lost.value.spans) == [(A.key, 1, 3, 7), (B.key, 1, 0, 1)]
+        await conn.audit()  # said once
+        retry = _render([A, B], 8, 2)
+        with pytest.raises(Retriable):
+            await conn.write(retry)  # no stream: created again, as configured
+        await conn.write(retry)
+    finally:
+        await conn.close()
+    assert await _subject_seqs(reader, dest, A) == [8, 9]
+
+
 async def test_without_create_a_lost_stream_is_announced_and_named_until_it_is_back(
     nats_server: NatsServer, reader: Client, dest: str
 ) -> None:
