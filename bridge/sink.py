@@ -13,7 +13,9 @@ time, renders them in the sink's format, and calls ``connector.write`` until it 
   batches refused are announced to this sink (an ``EventsLost``, reason ``sink_refused:<sink>``,
   written next, after what goes again), so its consumers know what they miss (I6);
 - ``SinkLost``: the sink lost messages it had acknowledged: each span is announced to this sink
-  (``EventsLost``, reason ``sink_lost:<sink>``) ahead of the write, which goes again;
+  (``EventsLost``, reason ``sink_lost:<sink>``) ahead of the write, which goes again; a connector
+  with ``audit()`` is also asked between writes (every ``AUDIT_INTERVAL``), so that a loss on a
+  quiet stream is announced without waiting for the stream's next record;
 - any other exception (a connector's bug, or a record it cannot handle): retried; when it comes
   again, the write is cut into single records, and a record whose write keeps failing that way
   while the connector's health check passes is dead-lettered and announced (I5: one record never

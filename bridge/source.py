@@ -90,7 +90,8 @@ class SourceReader:
         self._diagnosed_at = -_DIAGNOSE_EVERY
         self._diagnosing: asyncio.Task[None] | None = None
         self._topic = topic.encode()
-        self._own_topic_seen = False  # since the last connection
+        self._own_topic_seen = False  # a message of the source's topic ever came
+        self._foreign_topics: list[str] = []  # the first few other topics seen, for the problem
         self._connected_gauge = pipeline.metrics.connected
         self._disconnects = pipeline.metrics.disconnects
         metrics = pipeline.metrics.metrics
@@ -204,7 +205,6 @@ class SourceReader:
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # a PUB at the other end (or an engine connected in)
                 self.connections += 1
                 self._connected_gauge.inc()
-                self._own_topic_seen = False
                 self._set_problem(None, "")
                 log.info("source connected", extra={"stream": key, "endpoint": self.endpoint})
             elif event == zmq.EVENT_DISCONNECTED and self.connections > 0:
@@ -228,14 +228,23 @@ class SourceReader:
 
     def _foreign(self, topic: bytes) -> None:
         """A message under a topic outside the prefix: dropped, and a problem while none of the
-        source's own topic came since the connection."""
-        if self._own_topic_seen or self._reason == "wrong_topic":
+        source's own topic ever came (a publisher of several topics whose KV events are idle
+        looks the same until its first one)."""
+        if self._own_topic_seen:
             return
         seen = topic[:64].decode(errors="replace")
+        if seen in self._foreign_topics or len(self._foreign_topics) >= 3:
+            if self._reason == "wrong_topic":
+                return
+        else:
+            self._foreign_topics.append(seen)
         problem = (
-            f"{self.endpoint}: the engine publishes under topic {seen!r}, which does not start with "
-            f"{self.topic!r}: set the source's topic to {seen!r} (or to \"\" for every topic)"
+            f"{self.endpoint}: the engine publishes under {', '.join(map(repr, self._foreign_topics))} and "
+            f"nothing yet under a topic starting with {self.topic!r}: set the source's topic to the engine's "
+            "KV events topic (\"\" for every topic)"
         )
+        if problem == self.problem:
+            return
         self._set_problem(problem, "wrong_topic")
         log.error("source receives no message of its topic", extra={"stream": self.pipeline.stream.key, "error": problem})
 

@@ -72,6 +72,7 @@ import logging
 import random
 import re
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -633,6 +634,9 @@ class NatsConnector:
         # announced (SinkLost) at the start of the next write.
         self._events_stream: str | None = None
         self._stream_seqs: dict[str, int] = {}
+        # When the events stream was created, as the server says (a stream created again by
+        # another writer and already past our last seq is told apart by this alone).
+        self._stream_created: dict[str, datetime | None] = {}
         self._new_seqs: dict[str, list[int]] = {}
         self._held = _Held()
         self.creates_nothing = False  # --check: connect() creates nothing (bridge.connector)
@@ -879,11 +883,15 @@ class NatsConnector:
             return
         js = nc.jetstream(timeout=self.options.connect_timeout)
         try:
-            last = (await js.stream_info(name)).state.last_seq
+            info = await js.stream_info(name)
         except nats.js.errors.NotFoundError:
             self._stream_lost(f"{name!r} {_GONE}")
         else:
-            if last < self._stream_seqs[name]:
+            last, created = info.state.last_seq, self._stream_created.setdefault(name, info.created)
+            if created != info.created:
+                self._stream_created[name] = info.created
+                self._stream_lost(f"{name!r} was created again (at {info.created}, after {created})")
+            elif last < self._stream_seqs[name]:
                 self._stream_lost(f"{name!r} ends at seq {last}, below the {self._stream_seqs[name]} it acknowledged")
         self._raise_lost()
 
@@ -1500,14 +1508,16 @@ class NatsConnector:
             duplicate_window=so.duplicate_window,
         )
         try:
-            await js.add_stream(config)
+            info = await js.add_stream(config)
         except nats.js.errors.APIError as exc:
             if exc.err_code == _STREAM_NAME_EXISTS:  # another replica created it just now
+                self._stream_created.pop(so.name, None)
                 return
             raise NotConnected(f"{self._prefix}: cannot create JetStream stream {so.name!r}: {_describe(exc)}") from None
         self._held.fresh = True  # empty: a bridge stream's copy starts with the first message stored
         self._events_stream = so.name
         self._stream_seqs.pop(so.name, None)
+        self._stream_created[so.name] = info.created
         log.info("%s: created JetStream stream %s for %s", self._prefix, so.name, config.subjects, extra={"sink": self.name})
 
     async def _check_stream(self, js: JetStreamContext) -> None:
@@ -1519,7 +1529,9 @@ class NatsConnector:
         try:
             name = self._events_stream = await js.find_stream_name_by_subject(wildcard)
             self._stream_problem = None
-            if (await js.stream_info(name)).config.storage == js_api.StorageType.MEMORY:
+            info = await js.stream_info(name)
+            self._stream_created.setdefault(name, info.created)
+            if info.config.storage == js_api.StorageType.MEMORY:
                 consequence = _MEMORY_STREAM.format(sink=self.name)
                 self._warn_memory(f"JetStream stream {name!r}", consequence, "file storage (stream.storage: file)")
             return

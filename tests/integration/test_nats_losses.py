@@ -156,6 +156,36 @@ async def test_a_stream_lost_while_the_sink_is_quiet_is_found_by_its_audit(
     assert await _subject_seqs(reader, dest, A) == [8, 9]
 
 
+async def test_a_stream_another_pod_created_again_and_filled_past_ours_is_found_by_the_audit(
+    nats_server: NatsServer, reader: Client, dest: str
+) -> None:
+    """Breaker find: pod A's stream is deleted and pod B (another engine, the same stream) creates
+    it again and writes past the last JetStream seq A had: the sequence alone looks intact to A.
+    The stream's creation time is not: A's audit announces its loss."""
+    js = reader.jetstream(timeout=5)
+    a = NatsConnector("nats-l", _options(nats_server.url, dest), SINK)
+    b = NatsConnector("nats-l", _options(nats_server.url, dest), SINK)
+    await a.connect()
+    await b.connect()
+    try:
+        await a.write(_render([A], 0, 3))  # JetStream seqs 1..3
+        await a.audit()
+        await js.delete_stream(dest)
+        with pytest.raises(Retriable):
+            await b.write(_render([B], 0, 10))  # no stream: created again
+        await b.write(_render([B], 0, 10))
+        assert (await js.stream_info(dest)).state.last_seq == 10
+        with pytest.raises(SinkLost) as lost:
+            await a.audit()
+        assert [(s.key, e, f, t) for s, e, f, t in lost.value.spans] == [(A.key, 1, 0, 2)]
+        await a.audit()  # said once
+        await a.write(_render([A], 3, 1))
+    finally:
+        await a.close()
+        await b.close()
+    assert await _subject_seqs(reader, dest, A) == [3]
+
+
 async def test_without_create_a_lost_stream_is_announced_and_named_until_it_is_back(
     nats_server: NatsServer, reader: Client, dest: str
 ) -> None:

@@ -176,8 +176,8 @@ async def test_an_engine_publishing_under_another_topic_is_not_taken_for_an_idle
             assert detail["not_ready"] == "no source connected: see sources_not_connected"
             said = detail["sources_not_connected"]["a/0"]
             assert said == (
-                f"{opts.endpoint}: the engine publishes under topic 'kv', which does not start with 'xx': "
-                "set the source's topic to 'kv' (or to \"\" for every topic)"
+                f"{opts.endpoint}: the engine publishes under 'kv' and nothing yet under a topic starting with 'xx': "
+                "set the source's topic to the engine's KV events topic (\"\" for every topic)"
             )
             assert metric(bridge, "kv_bridge_source_up", source="a", dp_rank="0") == 0
             assert not out.exists() or read_lines(out) == []  # nothing of another topic delivered

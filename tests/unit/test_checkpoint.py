@@ -171,6 +171,18 @@ def test_a_bridge_without_its_checkpoint_opens_above_the_previous_run() -> None:
         assert Checkpointer(1).first_epoch(KEY, NOW + 1.4 + skew) > epoch
 
 
+def test_a_restart_is_numbered_by_the_engine_clock_so_two_pods_agree() -> None:
+    """Two pods reading one engine at once (a rolling update) see the same batch show its
+    restart, at different times on their own clocks: they open the same epoch, so their copies
+    are copies (the same ids). An engine clock far from the bridge's is not trusted."""
+    a, b = Checkpointer(1), Checkpointer(1)
+    shown = NOW + 10.25
+    assert a.next_epoch(KEY, E, NOW + 10.3, shown) == b.next_epoch(KEY, E, NOW + 10.9, shown) == clock_epoch(shown)
+    assert a.next_epoch(KEY, clock_epoch(shown), NOW + 11, shown) == clock_epoch(shown) + 1  # never below the last
+    assert b.next_epoch(KEY, E, NOW + 20, NOW + 3600) == clock_epoch(NOW + 20)  # an hour off: the bridge's clock
+    assert Checkpointer(1).next_epoch(KEY, E, NOW + 20, None) == clock_epoch(NOW + 20)
+
+
 def test_a_checkpoint_of_minute_epochs_goes_on_above_them() -> None:
     """A checkpoint of an earlier release (minutes since 2025): the stream resumes in its epoch,
     and its next restart opens the clock's."""
@@ -252,8 +264,11 @@ def test_a_forgotten_stream_keeps_an_epoch_the_clock_has_not_passed() -> None:
     ahead = cp.next_epoch(KEY, cp.next_epoch(KEY, first, NOW), NOW)  # restarts ran ahead of the clock
     cp.forget(KEY, NOW)
     assert cp.first_epoch(KEY, NOW) > ahead
-    cp.forget(KEY, NOW + 3600)
-    assert KEY not in cp.snapshot()[1].epochs  # once the clock has passed it, nothing is kept
+    again = cp.epochs[KEY]
+    cp.forget(KEY, NOW + 60)
+    assert cp.first_epoch(KEY, NOW - 1) > again  # passed a minute ago, and the clock stepped back a minute
+    cp.forget(KEY, NOW + 3600 + 61)
+    assert KEY not in cp.snapshot()[1].epochs  # once the clock passed it an hour ago, nothing is kept
 
 
 def test_resume_from_the_first_batch_of_an_epoch_opened_after_the_position() -> None:
