@@ -12,12 +12,16 @@ the replay's copy of that seq must match, or the engine restarted while the brid
 record reaches a sink, so a restarted bridge never opens it again. A corrupt or unreadable file
 is reported by the caller and the bridge starts fresh; it never crashes on it.
 
-Epoch numbers. A stream met for the first time opens epoch :func:`clock_epoch` (minutes since
-2025-01-01), and every later epoch is above the previous one, the saved one and the clock's.
-So a bridge that starts without its checkpoint does not reuse an epoch a sink already holds,
-unless the previous run opened its last epoch for the stream in the same minute as this start
-(or later: a stream that restarted more than once a minute ran ahead of the clock) and the
-engine restarted in between. Minutes, because Redis entry ids hold epochs below 2**24 (year 2056).
+Epoch numbers. A stream met for the first time opens epoch :func:`clock_epoch` (the wall clock
+in microseconds since 1970), and every later epoch is above the previous one, the saved one and
+the clock's (a restart's: the engine's clock at the batch that showed it, see
+:meth:`Checkpointer.next_epoch`). So a bridge that starts without its checkpoint (a new pod, a lost volume, a stale
+backup of the file) opens an epoch above every epoch a previous run opened for the stream, as
+long as the clocks of the two hosts agree to within the time between that run's last restart of
+the stream and this start (seconds at the least: a pod has to stop and another to start). Epochs
+stay below 2**53, exact in every JSON reader, until the year 2255. Checkpoints of earlier
+releases hold minutes since 2025-01-01 (about 1,000,000); the next epoch such a stream opens is
+the clock's, far above them.
 
 Handover (``checkpoint.from_sinks``). A pod that takes over a stream without its previous owner's
 file asks each sink for the last message it holds of it (:class:`SinkPosition`); :func:`combine`
@@ -50,13 +54,16 @@ from .records import Record
 
 log = logging.getLogger("bridge.checkpoint")
 
-EPOCH_ORIGIN = 1735689600.0
-"""2025-01-01T00:00:00Z: epochs opened by the clock count minutes from here."""
+FORGET_MARGIN = 3600.0
+"""Seconds a forgotten stream's epoch number is kept after the clock passed it."""
+ENGINE_CLOCK_TRUSTED = 300.0
+"""Seconds an engine ts may be from the bridge's clock and still number a restart's epoch."""
 
 
 def clock_epoch(now: float) -> int:
-    """The smallest epoch a stream may open at wall-clock time ``now`` (see the module docstring)."""
-    return max(0, int((now - EPOCH_ORIGIN) // 60))
+    """The smallest epoch a stream may open at wall-clock time ``now``: microseconds since 1970
+    (see the module docstring)."""
+    return max(0, int(now * 1_000_000))
 
 
 class StreamPosition(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -262,8 +269,9 @@ class Checkpointer:
         self.prune(now)
 
     def prune(self, now: float) -> None:
-        """Drop the epoch numbers of forgotten streams that the clock has passed."""
-        for key in [k for k in self._forgotten if self.epochs.get(k, -1) < clock_epoch(now)]:
+        """Drop the epoch numbers of forgotten streams that the clock passed ``FORGET_MARGIN`` ago
+        (kept that long so that a clock stepped back by less still opens above them)."""
+        for key in [k for k in self._forgotten if self.epochs.get(k, -1) < clock_epoch(now - FORGET_MARGIN)]:
             self.epochs.pop(key, None)
             self._forgotten.discard(key)
         self._generation += 1
@@ -273,9 +281,13 @@ class Checkpointer:
         """The epoch of a stream met without a position (see the module docstring)."""
         return self._open(key, clock_epoch(now))
 
-    def next_epoch(self, key: str, epoch: int, now: float) -> int:
-        """The epoch after ``epoch`` for a restarted engine."""
-        return self._open(key, max(epoch + 1, clock_epoch(now)))
+    def next_epoch(self, key: str, epoch: int, now: float, shown_at: float | None = None) -> int:
+        """The epoch after ``epoch`` for a restarted engine. Its clock reading is the engine ts of
+        what showed the restart (``shown_at``), when that is within ``ENGINE_CLOCK_TRUSTED`` of
+        ``now``: every pod reading the engine sees the same batch, so two pods that read it at once
+        (a rolling update) open the same epoch and their copies stay copies."""
+        trusted = shown_at is not None and abs(shown_at - now) <= ENGINE_CLOCK_TRUSTED
+        return self._open(key, max(epoch + 1, clock_epoch(shown_at if trusted and shown_at is not None else now)))
 
     def _open(self, key: str, epoch: int) -> int:
         self._forgotten.discard(key)
@@ -339,8 +351,8 @@ class CheckpointStore:
         return loaded
 
     # -- the epochs a pipeline opens (see StreamPipeline) ----------------------------------------
-    def next_epoch(self, key: str, epoch: int, now: float) -> int:
-        return self.checkpointer.next_epoch(key, epoch, now)
+    def next_epoch(self, key: str, epoch: int, now: float, shown_at: float | None = None) -> int:
+        return self.checkpointer.next_epoch(key, epoch, now, shown_at)
 
     def note_first(self, key: str, record: Record) -> bool:
         return self.checkpointer.note_first(key, record)

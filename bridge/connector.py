@@ -46,6 +46,15 @@ Optional, for ``checkpoint.from_sinks`` (a pod taking over streams it has no che
   sink needs and drops, per sink, the messages at or below what that sink holds
   (:func:`bridge.checkpoint.combine`), so the sink sees no duplicate even if it cannot drop one.
 
+Optional, for I6 on a quiet stream (a write checks what the sink holds before it builds on it, but
+a stream with no write would keep a loss unannounced): ``async audit()``: check that the sink
+still holds what this connector stored and acknowledged, and raise :class:`bridge.errors.SinkLost`
+naming what it lost (spans of seqs, and ``states``: streams whose state it lost), after resetting
+what it expects, as ``write`` does. Called by the runtime between writes, at most every
+``AUDIT_INTERVAL`` (:mod:`bridge.sink`), bounded by ``retry.write_timeout``; read-only except
+that a state it finds lost may be emptied (never left partial and marked complete); any other
+exception is logged and ignored (the next write checks again).
+
 Optional, for the live-block state (``state:`` in a sink's options; README "State bootstrap"):
 
 - ``writes_state``: ``True`` when the sink keeps state. The runtime then keeps a

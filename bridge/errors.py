@@ -110,10 +110,19 @@ class SinkLost(ConnectorError):
     ``sink_lost:<sink>``, written ahead of the stream's next messages), clears the state of each
     stream named (a new generation, incomplete) and writes the same messages again. Before raising,
     the connector resets what it expects of the sink, so the write that follows goes through.
+    ``states`` names streams whose state alone the sink lost (cleared alike, nothing announced).
     """
 
     reason = "sink_lost"
 
-    def __init__(self, message: str, spans: Sequence[tuple[Stream, int, int, int]], *, reason: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        spans: Sequence[tuple[Stream, int, int, int]],
+        *,
+        states: Sequence[Stream] = (),
+        reason: str | None = None,
+    ) -> None:
         super().__init__(message, reason=reason)
         self.spans = list(spans)
+        self.states = list(states)

@@ -122,8 +122,10 @@ class StreamSequencer:
     a loss was announced after it; ``delivered + 1`` for a batch known published but not known
     delivered, which the verifying replay then delivers again). ``known_top``: the highest seq the instance is known to have
     published (a stream resumed in the same process), announced lost if it restarted since.
-    ``next_epoch(epoch)`` numbers the epoch after ``epoch`` (the runtime makes epochs unique
-    across bridge runs; see ``bridge.checkpoint``).
+    ``next_epoch(epoch, shown_at)`` numbers the epoch after ``epoch``; ``shown_at`` is the engine
+    ts of what showed the new instance (None: unknown), the same for every bridge that reads the
+    engine, so that two pods reading it at once number its new epoch alike (the runtime makes
+    epochs unique across bridge runs; see ``bridge.checkpoint``).
     """
 
     # The replay in flight, set by ``_request`` before any reply or end of it is read.
@@ -149,7 +151,7 @@ class StreamSequencer:
         anchor: int | None = None,
         known_top: int | None = None,
         ts_of: Callable[[bytes], float | None] = lambda _payload: None,
-        next_epoch: Callable[[int], int] = lambda epoch: epoch + 1,
+        next_epoch: Callable[[int, float | None], int] = lambda epoch, _shown_at: epoch + 1,
         clock_skew: float = 1.0,
     ) -> None:
         self.can_replay = can_replay
@@ -946,7 +948,7 @@ class StreamSequencer:
         self._fresh = self._join = self._resumed = False
         self._floor_ts = None
         self._older_last = -1
-        self.epoch = self._next_epoch(self.epoch)
+        self.epoch = self._next_epoch(self.epoch, shown_at)
         self.delivered = -1
         self._owed = max(unsure, self._unclaimed)  # (replies without a verdict may be its too)
         self._unclaimed = -1

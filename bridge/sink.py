@@ -13,7 +13,9 @@ time, renders them in the sink's format, and calls ``connector.write`` until it 
   batches refused are announced to this sink (an ``EventsLost``, reason ``sink_refused:<sink>``,
   written next, after what goes again), so its consumers know what they miss (I6);
 - ``SinkLost``: the sink lost messages it had acknowledged: each span is announced to this sink
-  (``EventsLost``, reason ``sink_lost:<sink>``) ahead of the write, which goes again;
+  (``EventsLost``, reason ``sink_lost:<sink>``) ahead of the write, which goes again; a connector
+  with ``audit()`` is also asked between writes (every ``AUDIT_INTERVAL``), so that a loss on a
+  quiet stream is announced without waiting for the stream's next record;
 - any other exception (a connector's bug, or a record it cannot handle): retried; when it comes
   again, the write is cut into single records, and a record whose write keeps failing that way
   while the connector's health check passes is dead-lettered and announced (I5: one record never
@@ -53,6 +55,10 @@ AckCallback = Callable[[int, list[Record]], None]
 # How often an idle sink asks its connector's health(): a sink learns of an outage from a failed
 # write, so without this an idle sink whose server went away would stay "ready" until traffic.
 HEALTH_INTERVAL = 5.0
+
+# How often a sink whose connector has ``audit()`` checks that its broker still holds what it
+# acknowledged: a write checks it for its own streams, a quiet stream would wait for its next one.
+AUDIT_INTERVAL = 15.0
 
 
 UNEXPECTED_TRIES = 2
@@ -166,6 +172,8 @@ class SinkWorker:
         self.last_error: str | None = "not connected yet"
         self._task: asyncio.Task[None] | None = None
         self.health_interval = HEALTH_INTERVAL
+        self._audit = getattr(connector, "audit", None)
+        self._audit_at = time.monotonic() + AUDIT_INTERVAL
         # Read when scraped: always current, and nothing to update per record on the hot path.
         metrics.sink_queue_batches.labels(self.name).set_function(lambda: len(self._queue))
         metrics.sink_queue_bytes.labels(self.name).set_function(lambda: self._bytes)
@@ -351,6 +359,8 @@ class SinkWorker:
             dead = await self._deliver(messages) if messages else set()
             dead |= unrendered
             self._settle(records, dead, size)
+            if self._audit is not None and self.connected and time.monotonic() >= self._audit_at:
+                await self._run_audit()
 
     async def _wait_for_work(self) -> None:
         """Wait for records; meanwhile check the connector's health every ``health_interval``."""
@@ -361,6 +371,8 @@ class SinkWorker:
                 return
             except TimeoutError:
                 await self._check_health()
+                if self._audit is not None and self.connected and time.monotonic() >= self._audit_at:
+                    await self._run_audit()
 
     async def _check_health(self) -> None:
         problem = await self._health()
@@ -597,6 +609,25 @@ class SinkWorker:
             out.extend(self.renderer.render(lost))
         return out
 
+    async def _run_audit(self) -> None:
+        """Ask the connector whether its broker still holds what it acknowledged; announce what it
+        lost (as a write's SinkLost is), at once rather than at the stream's next write."""
+        assert self._audit is not None
+        self._audit_at = time.monotonic() + AUDIT_INTERVAL
+        try:
+            await asyncio.wait_for(self._audit(), self.config.retry.write_timeout)
+        except SinkLost as exc:
+            self.metrics.sink_errors.labels(self.name, exc.reason).inc()
+            announcements = self._announce_lost(exc, [])
+            del exc  # see _collect_failure
+            dead = await self._deliver(announcements)
+            if dead:
+                log.error("announcements of lost messages dead-lettered", extra={"sink": self.name, "count": len(dead)})
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an audit that fails proves no loss: the next write checks again
+            log.warning("sink audit failed", extra={"sink": self.name, "error": f"{type(exc).__name__}: {exc}"})
+
     def _announce_lost(self, exc: SinkLost, messages: list[Message]) -> list[Message]:
         """``messages`` preceded by the announcement of each span ``exc`` names that they do not
         announce already (I6); each stream named has its state cleared."""
@@ -608,6 +639,10 @@ class SinkWorker:
         }
         out: list[Message] = []
         now = time.time()
+        for stream in exc.states:
+            extra = {"sink": self.name, "stream": stream.key, "error": str(exc)}
+            log.error("the sink lost the state of a stream: cleared", extra=extra)
+            self._state_lost(stream)
         for stream, epoch, first, last in exc.spans:
             self._state_lost(stream)
             if (stream.key, epoch, first, last) in have:

@@ -15,6 +15,12 @@ source is not connected, the reader finds out why, at most every ``_DIAGNOSE_EVE
 asking the endpoint itself (:mod:`bridge.probe`): a name that does not resolve, a refused port, no
 answer, or a peer of the wrong type (named, with the likely fix). ``problem`` holds the answer for
 ``/readyz`` and ``kv_bridge_source_problem``.
+
+The socket subscribes to every topic and drops messages outside the configured prefix itself
+(ZMQ's own filter would drop them unseen): a source whose engine publishes under another topic
+receives nothing, which looks exactly like an idle engine, so the reader counts it as not
+connected (reason ``wrong_topic``, naming the topic the engine uses) until a message of its own
+topic arrives. With the default prefix (``""``) nothing is dropped and nothing is checked.
 """
 
 from __future__ import annotations
@@ -83,6 +89,9 @@ class SourceReader:
         self._reason = "waiting"
         self._diagnosed_at = -_DIAGNOSE_EVERY
         self._diagnosing: asyncio.Task[None] | None = None
+        self._topic = topic.encode()
+        self._own_topic_seen = False  # a message of the source's topic ever came
+        self._foreign_topics: list[str] = []  # the first few other topics seen, for the problem
         self._connected_gauge = pipeline.metrics.connected
         self._disconnects = pipeline.metrics.disconnects
         metrics = pipeline.metrics.metrics
@@ -104,7 +113,7 @@ class SourceReader:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
         sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
-        sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        sock.setsockopt(zmq.SUBSCRIBE, b"")  # every topic: see the module docstring
         # The monitor is attached before connecting so that no connection event is missed. It is
         # made by the asyncio context, so it is an asyncio socket.
         monitor: zmq.asyncio.Socket = sock.get_monitor_socket(_MONITOR_EVENTS)  # type: ignore[assignment]
@@ -124,6 +133,7 @@ class SourceReader:
         drain_max = self.ingest.drain_max
         on_live = self.pipeline.on_live
         recv, get, noblock = _recv, _get, zmq.NOBLOCK
+        topic = self._topic
         loop = asyncio.get_running_loop()
         readable = asyncio.Event()
         fd = sock.fileno()
@@ -139,6 +149,9 @@ class SourceReader:
                         while frame.more:
                             frame = recv(sock, noblock, False)
                             frames.append(frame.bytes)
+                        if topic and not frames[0].startswith(topic):
+                            self._foreign(frames[0])
+                            continue
                         burst.append(frames)
                         # A quiet stream's wake-up brings one message: ask whether another is
                         # there rather than read until zmq.Again, whose exception costs 3x more.
@@ -150,6 +163,8 @@ class SourceReader:
                 except zmq.Again:
                     pass
                 if burst:
+                    if topic and not self._own_topic_seen:
+                        self._own_topic()
                     await on_live(burst, time.time())
                     if len(burst) == drain_max:
                         await asyncio.sleep(0)  # more may be ready: let the other streams run first
@@ -210,6 +225,33 @@ class SourceReader:
                 if redial is not None:
                     redial.cancel()
                 redial = loop.call_later(_REDIAL_AFTER, self._redial, sock)
+
+    def _foreign(self, topic: bytes) -> None:
+        """A message under a topic outside the prefix: dropped, and a problem while none of the
+        source's own topic ever came (a publisher of several topics whose KV events are idle
+        looks the same until its first one)."""
+        if self._own_topic_seen:
+            return
+        seen = topic[:64].decode(errors="replace")
+        if seen in self._foreign_topics or len(self._foreign_topics) >= 3:
+            if self._reason == "wrong_topic":
+                return
+        else:
+            self._foreign_topics.append(seen)
+        problem = (
+            f"{self.endpoint}: the engine publishes under {', '.join(map(repr, self._foreign_topics))} and "
+            f"nothing yet under a topic starting with {self.topic!r}: set the source's topic to the engine's "
+            "KV events topic (\"\" for every topic)"
+        )
+        if problem == self.problem:
+            return
+        self._set_problem(problem, "wrong_topic")
+        log.error("source receives no message of its topic", extra={"stream": self.pipeline.stream.key, "error": problem})
+
+    def _own_topic(self) -> None:
+        self._own_topic_seen = True
+        if self._reason == "wrong_topic" and self.connections:
+            self._set_problem(None, "")
 
     def _set_problem(self, problem: str | None, reason: str) -> None:
         """Record why the source is not connected (None: it is), in the metrics too."""

@@ -42,7 +42,7 @@ _MAX_TYPES = 8192  # event types gathered for the metrics before they are applie
 class Epochs(Protocol):
     """Where the epochs a stream opens are kept (:class:`bridge.checkpoint.CheckpointStore`)."""
 
-    def next_epoch(self, key: str, epoch: int, now: float) -> int: ...
+    def next_epoch(self, key: str, epoch: int, now: float, shown_at: float | None = None) -> int: ...
 
     def note_first(self, key: str, record: Record) -> bool: ...
 
@@ -105,7 +105,7 @@ class StreamPipeline:
             anchor=anchor,
             known_top=known_top,
             ts_of=wire.peek_ts,
-            next_epoch=lambda e: ctx.epochs.next_epoch(key, e, time.time()),
+            next_epoch=lambda e, shown_at: ctx.epochs.next_epoch(key, e, time.time(), shown_at),
         )
         self._resumed_from = (epoch, delivered, delivered_fp, anchor) if delivered is not None else None
         # The first batch this pipeline hands on is noted (and saved before it goes out) if it is

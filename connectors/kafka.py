@@ -340,6 +340,20 @@ class _Chunk:
         self.used = 0  # bytes of the records appended so far
 
 
+class _Last:
+    """A stream's last batch acknowledged in a partition (epoch, seq), and the last of the epoch
+    before it (-1, -1: none)."""
+
+    __slots__ = ("before_epoch", "before_seq", "epoch", "seq", "stream")
+
+    def __init__(self, stream: Stream, epoch: int, seq: int, before_epoch: int = -1, before_seq: int = -1) -> None:
+        self.stream = stream
+        self.epoch = epoch
+        self.seq = seq
+        self.before_epoch = before_epoch
+        self.before_seq = before_seq
+
+
 class KafkaConnector:
     """The kafka sink: see the module docstring for routing and delivery semantics."""
 
@@ -372,11 +386,12 @@ class KafkaConnector:
         self._created: set[str] = set()
         self._known: set[str] = set()  # topics this sink found or created: missing later, they were deleted
         # What the broker acknowledged, to tell later whether a topic lost it (deleted, created again):
-        # per (topic, partition) the offset after its last record acknowledged, and each stream's last
-        # batch there (stream, epoch, seq).
+        # per (topic, partition) the offset after its last record acknowledged.
         self._acked: dict[tuple[str, int], int] = {}
-        self._acked_streams: dict[tuple[str, int], dict[str, tuple[Stream, int, int]]] = {}
-        self._lost: dict[str, tuple[Stream, int, int, int]] = {}  # stream key -> span to announce (SinkLost)
+        # per partition and stream: the last (epoch, seq) acknowledged there, and the last of the
+        # epoch before it (a loss covers both: a new epoch's reset may be all the partition got of it)
+        self._acked_streams: dict[tuple[str, int], dict[str, _Last]] = {}
+        self._lost: dict[tuple[str, int], tuple[Stream, int, int, int]] = {}  # (stream key, epoch) -> span (SinkLost)
         self._lost_topics: set[str] = set()  # the topics those spans were lost from
         self.creates_nothing = False  # --check: connect() creates nothing (bridge.connector)
         self._state_lost: set[str] = set()  # streams whose state a lost state topic held (refused: state_lost)
@@ -484,6 +499,18 @@ class KafkaConnector:
         except (kafka_errors.KafkaError, OSError) as exc:
             return f"cannot reach {self._servers} ({_describe(exc)})"
         return None
+
+    async def audit(self) -> None:
+        """Between writes (bridge.connector, I6): each topic the broker acknowledged messages in
+        is looked at as a write prepares it (deleted, or ending before what was acknowledged: lost;
+        with ``create`` created again). Raises SinkLost for an events topic's streams; a state
+        topic's streams have their next state refused, as at a write."""
+        producer = self._producer
+        if producer is None or self._closed:
+            return
+        for topic in sorted({tp[0] for tp in self._acked}):
+            await self._prepare_topic(producer, topic, state=self.writes_state and topic == self._state_topic)
+        self._raise_lost(stale=self._stale)
 
     async def positions(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:
         """The last message of each stream in its partition (``checkpoint.from_sinks``).
@@ -1146,11 +1173,12 @@ class KafkaConnector:
             if state:
                 self._state_lost.update(streams)
                 continue
-            for key, (stream, epoch, seq) in streams.items():
+            for key, last in streams.items():
                 self._lost_topics.add(tp[0])
-                old = self._lost.get(key)
-                if old is None or (epoch, seq) > (old[1], old[3]):
-                    self._lost[key] = (stream, epoch, 0, seq)
+                for epoch, seq in ((last.epoch, last.seq), (last.before_epoch, last.before_seq)):
+                    old = self._lost.get((key, epoch))
+                    if seq >= 0 and (old is None or seq > old[3]):
+                        self._lost[(key, epoch)] = (last.stream, epoch, 0, seq)
                 self._stream_next.pop(key, None)
             if streams:
                 self._record_next = {k: v for k, v in self._record_next.items() if k[0] not in streams}
@@ -1180,8 +1208,12 @@ class KafkaConnector:
                 continue
             record = r
             last = streams.get(r.stream.key)
-            if last is None or (r.epoch, r.seq) >= (last[1], last[2]):
-                streams[r.stream.key] = (r.stream, r.epoch, r.seq)
+            if last is None:
+                streams[r.stream.key] = _Last(r.stream, r.epoch, r.seq)
+            elif r.epoch > last.epoch:
+                streams[r.stream.key] = _Last(r.stream, r.epoch, r.seq, last.epoch, last.seq)
+            elif r.epoch == last.epoch and r.seq > last.seq:
+                last.seq = r.seq
 
     async def _check_state_topic(self, topic: str) -> None:
         """Read the state topic's configs (once per topic): warn when its cleanup policy or

@@ -71,6 +71,7 @@ import logging
 import random
 import re
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -612,6 +613,9 @@ class NatsConnector:
         # announced (SinkLost) at the start of the next write.
         self._events_stream: str | None = None
         self._stream_seqs: dict[str, int] = {}
+        # When the events stream was created, as the server says (a stream created again by
+        # another writer and already past our last seq is told apart by this alone).
+        self._stream_created: dict[str, datetime | None] = {}
         self._new_seqs: dict[str, list[int]] = {}
         self._held = _Held()
         self.creates_nothing = False  # --check: connect() creates nothing (bridge.connector)
@@ -695,12 +699,7 @@ class NatsConnector:
             raise NotConnected(f"{self._prefix}: not connected to NATS at {self._where}")
         if not nc.is_connected:
             raise NotConnected(self._reconnecting())
-        if self._lost:  # before anything of this write is stored: the runtime announces, then writes again
-            spans, self._lost = self._lost, []
-            raise SinkLost(
-                f"{self._prefix}: JetStream stream {self._lost_why}: what it held of {len(spans)} stream(s) is lost",
-                spans,
-            )
+        self._raise_lost()  # before anything of this write is stored: the runtime announces, then writes again
         errors = await (self._write_core(nc, messages) if self.options.mode == "core" else self._write_jetstream(nc, messages))
         if not errors:
             return
@@ -846,6 +845,35 @@ class NatsConnector:
             extra={"sink": self.name, "count": len(spans)},
         )
 
+    def _raise_lost(self) -> None:
+        """Raise SinkLost for the spans kept by _stream_lost (and forget them: the write that
+        follows goes through)."""
+        if self._lost:
+            spans, self._lost = self._lost, []
+            what = f"{self._prefix}: JetStream stream {self._lost_why}: what it held of {len(spans)} stream(s) is lost"
+            raise SinkLost(what, spans)
+
+    async def audit(self) -> None:
+        """Between writes (bridge.connector, I6): the events stream that acknowledged this sink's
+        messages still exists and has not gone back below the last JetStream seq it gave; else what
+        it held is lost (SinkLost; with ``stream.create`` the next write creates it again)."""
+        nc, name = self._nc, self._events_stream
+        if self.options.mode == "core" or nc is None or not nc.is_connected or name is None or name not in self._stream_seqs:
+            return
+        js = nc.jetstream(timeout=self.options.connect_timeout)
+        try:
+            info = await js.stream_info(name)
+        except nats.js.errors.NotFoundError:
+            self._stream_lost(f"{name!r} {_GONE}")
+        else:
+            last, created = info.state.last_seq, self._stream_created.setdefault(name, info.created)
+            if created != info.created:
+                self._stream_created[name] = info.created
+                self._stream_lost(f"{name!r} was created again (at {info.created}, after {created})")
+            elif last < self._stream_seqs[name]:
+                self._stream_lost(f"{name!r} ends at seq {last}, below the {self._stream_seqs[name]} it acknowledged")
+        self._raise_lost()
+
     async def _stream_missing(self, nc: Client, subject: str) -> None:
         """A write found no stream capturing ``subject``. When the stream that acknowledged earlier
         writes is gone, what it held is lost (announced at the next write) and, with
@@ -867,7 +895,7 @@ class NatsConnector:
                     )
                     return
                 if name == self._events_stream:
-                    self._stream_lost(f"{name!r} is gone (deleted, or a server that kept it in memory restarted)")
+                    self._stream_lost(f"{name!r} {_GONE}")
             if so.create:
                 await self._ensure_stream(js)
                 self._stream_problem = None
@@ -1459,14 +1487,16 @@ class NatsConnector:
             duplicate_window=so.duplicate_window,
         )
         try:
-            await js.add_stream(config)
+            info = await js.add_stream(config)
         except nats.js.errors.APIError as exc:
             if exc.err_code == _STREAM_NAME_EXISTS:  # another replica created it just now
+                self._stream_created.pop(so.name, None)
                 return
             raise NotConnected(f"{self._prefix}: cannot create JetStream stream {so.name!r}: {_describe(exc)}") from None
         self._held.fresh = True  # empty: a bridge stream's copy starts with the first message stored
         self._events_stream = so.name
         self._stream_seqs.pop(so.name, None)
+        self._stream_created[so.name] = info.created
         log.info("%s: created JetStream stream %s for %s", self._prefix, so.name, config.subjects, extra={"sink": self.name})
 
     async def _check_stream(self, js: JetStreamContext) -> None:
@@ -1478,7 +1508,9 @@ class NatsConnector:
         try:
             name = self._events_stream = await js.find_stream_name_by_subject(wildcard)
             self._stream_problem = None
-            if (await js.stream_info(name)).config.storage == js_api.StorageType.MEMORY:
+            info = await js.stream_info(name)
+            self._stream_created.setdefault(name, info.created)
+            if info.config.storage == js_api.StorageType.MEMORY:
                 consequence = _MEMORY_STREAM.format(sink=self.name)
                 self._warn_memory(f"JetStream stream {name!r}", consequence, "file storage (stream.storage: file)")
             return
@@ -1490,6 +1522,7 @@ class NatsConnector:
         log.warning("%s", self._stream_problem, extra={"sink": self.name})
 
 
+_GONE = "is gone (deleted, or a server that kept it in memory restarted)"
 _KV_PUT = b""  # a plain PUB: no header block to store and parse back
 
 

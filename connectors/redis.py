@@ -7,8 +7,8 @@ Entries carry the stream header as fields, in this order: ``source``, ``dp_rank`
 ``seq``, ``type``, ``content-type``, ``schema_version``, then ``ts`` (engine batches) and ``index``
 (event granularity), all as text; then the body: ``data`` (json / msgpack, and control records in
 every format) or ``payload`` (the engine's bytes, ``format: raw`` batches). Each entry has an
-explicit id, ``<epoch * 2**40 + slot>-<sub>`` (:func:`entry_id`; slot = seq + 1, sub = event
-index + 1 or 0; a SourceReset at slot 0, an EventsLost at sub 2**64 - 1), so ids grow strictly
+explicit id built from (epoch, slot, sub) (:func:`entry_id`; slot = seq + 1, sub = event index + 1
+or 0; a SourceReset at slot 0, an EventsLost after everything of its slot), so ids grow strictly
 along an engine stream and a consumer resumes exactly with ``XREAD`` from the last id it saw
 (:func:`entry_position` inverts it). The first part is not a time.
 
@@ -147,7 +147,7 @@ from bridge.connector import (
 )
 from bridge.state import Head, SeedEntry
 from bridge.state_docs import StateFormat, entry_key, parse, seed_of
-from kv_consumer.redis import MAX_SLOT, SLOT_BITS, entry_position
+from kv_consumer.redis import MAX_SLOT, MAX_SUB, MAX_WIDE_SUB, SLOT_BITS, SUB_BITS, WIDE, WIDE_EPOCHS, entry_position
 from kv_consumer.redis import hash_fields as _hash_fields
 
 from . import _redis_internals as internals
@@ -157,24 +157,33 @@ log = logging.getLogger(__name__)
 
 # -- entry ids ----------------------------------------------------------------------------------
 
-MAX_EPOCH = (1 << (64 - SLOT_BITS)) - 1  # 16,777,215 engine restarts
-MAX_SUB = (1 << 64) - 1
-
-
 def entry_id(position: tuple[int, int, int]) -> str:
     """The Redis entry id of a message at ``position`` = (epoch, slot, sub).
 
-    ``<epoch * 2**40 + slot>-<sub>``: both parts are unsigned 64-bit in Redis, and comparing ids
-    compares (epoch, slot, sub) lexicographically because slot < 2**40. Redis refuses ``0-0``, so
-    the one position that would map to it (a SourceReset opening epoch 0, which the sequencer does
-    not emit) becomes ``0-1``; no other position has slot 0 with sub 1. Raises ValueError when a
-    part is out of range.
+    Two layouts (:mod:`kv_consumer.redis` defines them and reads them back), so that ids already in
+    a stream stay below every new one:
+
+    - narrow, epochs below :data:`WIDE_EPOCHS`: ``<epoch * 2**40 + slot>-<sub>``;
+    - wide, from :data:`WIDE_EPOCHS`: ``<2**63 + epoch>-<slot * 2**24 + sub>``, where the sub
+      ``2**64 - 1`` (an EventsLost or a state change: after everything of its slot) becomes
+      ``2**24 - 1``.
+
+    Both parts are unsigned 64-bit in Redis; every narrow first part is below ``2**63`` and
+    every wide one above, so comparing ids compares (epoch, slot, sub) lexicographically in and
+    across the layouts. Redis refuses ``0-0``, so the one position that would map to it (a
+    SourceReset opening epoch 0, which the sequencer does not emit) becomes ``0-1``; no other
+    position has slot 0 with sub 1. Raises ValueError when a part is out of range.
     """
     epoch, slot, sub = position
-    if not (0 <= epoch <= MAX_EPOCH and 0 <= slot <= MAX_SLOT and 0 <= sub <= MAX_SUB):
-        raise ValueError(f"position {position} does not fit a Redis entry id (epoch <= {MAX_EPOCH}, slot <= {MAX_SLOT})")
-    first = (epoch << SLOT_BITS) | slot
-    return f"{first}-{1 if first == 0 and sub == 0 else sub}"
+    if 0 <= epoch < WIDE_EPOCHS and 0 <= slot <= MAX_SLOT and 0 <= sub <= MAX_SUB:
+        first = (epoch << SLOT_BITS) | slot
+        return f"{first}-{1 if first == 0 and sub == 0 else sub}"
+    if not (WIDE_EPOCHS <= epoch < WIDE and 0 <= slot <= MAX_SLOT and (0 <= sub < MAX_WIDE_SUB or sub == MAX_SUB)):
+        raise ValueError(
+            f"position {position} does not fit a Redis entry id "
+            f"(epoch < 2**63, slot <= {MAX_SLOT}, at most {MAX_WIDE_SUB - 1} events in a batch)"
+        )
+    return f"{WIDE | epoch}-{(slot << SUB_BITS) | min(sub, MAX_WIDE_SUB)}"
 
 
 def message_position(message: Message) -> tuple[int, int, int]:
@@ -904,6 +913,7 @@ class RedisConnector:
         # new keys as epochs go by), so bounded by the number of streams.
         self._owners: dict[str, str] = {}
         self._keys: dict[str, dict[str, None]] = {}
+        self._streams: dict[str, Stream] = {}  # the engine streams of _keys
         self._max_bulk: int | None = None  # the server's proto-max-bulk-len (None: read it again)
         # What this connector stored, checked by the script before it builds on it (I6): the last
         # entry id stored in each stream key (keys bounded like _keys), the (_at, _gen) last written
@@ -1064,9 +1074,9 @@ class RedisConnector:
                 continue
             key = self._stream.render(m)
             index_key = self._index.render(m) if self._index else None
-            collision = self._claim(stream, key, "stream")
+            collision = self._claim(m.record.stream, key, "stream")
             if collision is None and index_key is not None:
-                collision = self._claim(stream, index_key, "index.key")
+                collision = self._claim(m.record.stream, index_key, "index.key")
             if collision is not None:
                 errors[i] = stopped[stream] = collision
                 continue
@@ -1102,7 +1112,7 @@ class RedisConnector:
             lost: list[SinkLost] = []
             for call, reply in zip(calls.values(), replies, strict=True):
                 if isinstance(reply, list) and reply and reply[0] == b"SINK_LOST":
-                    lost.append(self._sink_lost(call, reply[1:]))
+                    lost.append(self._sink_lost(call.stream, reply[1:]))
                     continue
                 errors.update(self._results(call, reply))
             if lost:
@@ -1154,6 +1164,58 @@ class RedisConnector:
             out[stream.key] = held
             self._held.setdefault(keys[stream.key], _text(entry_id_))  # checked at the next write (I6)
         return out
+
+    async def audit(self) -> None:
+        """Between writes (bridge.connector, I6): does Redis still hold the last entry stored in
+        each stream key and the last state written to each state hash? Reads the top of each key
+        and ``_at``/``_gen`` of each hash in one pipeline; a hash that lost its state is emptied (as
+        the write script does), so that no stale state stays marked complete while its stream is
+        quiet. Raises SinkLost naming the seqs lost and the states lost."""
+        held = [(k, v) for k, v in self._held.items() if self._owners.get(k) in self._streams]
+        written = [(k, v) for k, v in self._written.items() if self._owners.get(k) in self._streams]
+        if not held and not written:
+            return
+        pipe = self._connection().pipeline(transaction=False)
+        for key, _ in held:
+            pipe.execute_command("XREVRANGE", key, "+", "-", "COUNT", 1)
+        for key, _ in written:
+            pipe.execute_command("HMGET", key, "_at", "_gen")
+        try:
+            replies = await pipe.execute(raise_on_error=False)
+        except (RedisError, RedisClusterException, OSError) as exc:
+            raise self._classify(exc, "cannot read what it stored") from None
+        found: dict[str, list[bytes | str]] = {}
+        for (key, want), reply in zip(held, replies, strict=False):
+            if isinstance(reply, BaseException) or self._held.get(key) != want:
+                continue  # cannot tell (WRONGTYPE, ...), or written meanwhile: the write checks it
+            top = _text(reply[0][0]) if reply else ""
+            if not top or entry_position(top) < entry_position(want):
+                found.setdefault(self._owners[key], []).extend([key, top])
+        states: list[Stream] = []
+        gone: list[str] = []
+        for (key, (at, gen)), reply in zip(written, replies[len(held) :], strict=False):
+            if isinstance(reply, BaseException) or self._written.get(key) != (at, gen):
+                continue
+            cur_at, cur_gen = (_text(x) if x is not None else None for x in reply)
+            if cur_gen is not None and cur_gen != gen and int(cur_gen) > int(gen):
+                continue  # moved on by another writer (the next pod of a rolling update)
+            if cur_at is None or cur_gen != gen or entry_position(cur_at) < entry_position(at):
+                gone.append(key)
+                del self._written[key]
+                self._state_lost[key] = int(gen)
+                states.append(self._streams[self._owners[key]])
+        if gone:
+            pipe = self._connection().pipeline(transaction=False)
+            for key in gone:
+                pipe.execute_command("UNLINK", key)
+            try:
+                await pipe.execute()
+            except (RedisError, RedisClusterException, OSError) as exc:
+                raise self._classify(exc, "cannot empty a state hash that lost its state") from None
+        lost = [self._sink_lost(self._streams[s], keys) for s, keys in found.items()]
+        if lost or states:
+            what = "; ".join(map(str, lost)) or f"{self._prefix}: Redis lost the state it held of {', '.join(gone)}"
+            raise SinkLost(what, [span for e in lost for span in e.spans], states=states)
 
     async def read_state(self, streams: Sequence[Stream]) -> dict[str, tuple[Head, list[SeedEntry]] | None]:
         """Each stream's state hash, for a restarted bridge's rebuild: ``HSCAN`` of each, between two
@@ -1214,7 +1276,7 @@ class RedisConnector:
             if delta.head.generation <= lost:
                 return  # a change of the generation Redis lost: the hash stays empty until the next one
             del self._state_lost[state_key]
-        collision = self._claim(stream, state_key, "state.key")
+        collision = self._claim(m.record.stream, state_key, "state.key")
         if collision is not None:
             errors[i] = stopped[stream] = collision
             return
@@ -1230,8 +1292,8 @@ class RedisConnector:
             call = calls[group] = _Call(self._maxlen, index_key, state_key, m.record.stream)
         call.add_state(i, args)
 
-    def _sink_lost(self, call: _Call, found: list[bytes]) -> SinkLost:
-        """The SinkLost of a call whose stream keys no longer hold the last entry stored in them
+    def _sink_lost(self, stream: Stream, found: Sequence[bytes | str]) -> SinkLost:
+        """The SinkLost of ``stream``, whose stream keys no longer hold the last entry stored in them
         (``found``: key, top id or empty, ...): per key, the seqs from the one after its top entry
         (0 when the top is of an earlier epoch, or there is none) to the last one stored, in the
         epoch of the last one stored, and likewise in the epoch before it when the top is below
@@ -1265,11 +1327,12 @@ class RedisConnector:
             f"persistence, a deleted key): {'; '.join(lines)}; set appendonly yes (appendfsync everysec or always) "
             "so a restart keeps them"
         )
-        return SinkLost(message, [(call.stream, e, low, high) for e, (low, high) in spans.items()])
+        return SinkLost(message, [(stream, e, low, high) for e, (low, high) in spans.items()])
 
-    def _claim(self, stream: str, key: str, field: str) -> Retriable | None:
-        """None when ``key`` belongs to engine ``stream`` (claimed now if no stream had it), else
+    def _claim(self, engine_stream: Stream, key: str, field: str) -> Retriable | None:
+        """None when ``key`` belongs to ``engine_stream`` (claimed now if no stream had it), else
         the key collision: retried (the sink not ready) until the template is fixed, never written."""
+        stream = engine_stream.key
         owner = self._owners.setdefault(key, stream)
         if owner != stream:
             return Retriable(
@@ -1282,6 +1345,7 @@ class RedisConnector:
         keys = self._keys.setdefault(stream, {})
         if key not in keys:
             keys[key] = None
+            self._streams[stream] = engine_stream
             if len(keys) > _KEYS_PER_STREAM:
                 old = next(iter(keys))
                 del keys[old]
@@ -1389,8 +1453,10 @@ def _slot(key: str) -> int:
 
 
 __all__ = [
-    "MAX_EPOCH",
     "MAX_SLOT",
+    "MAX_SUB",
+    "MAX_WIDE_SUB",
+    "WIDE_EPOCHS",
     "WRITE_SCRIPT",
     "IndexDelta",
     "IndexOptions",

@@ -1,8 +1,9 @@
 """State bootstrap from a Redis Streams sink (redis-py; the ``redis`` extra).
 
-The sink writes one Redis stream per engine stream, each entry with an explicit id
-``<epoch * 2**40 + slot>-<sub>`` (:func:`entry_position` reads it back: the record's
-:func:`~kv_consumer.state.position`), so ids grow along the stream and ``XREAD`` from the last id
+The sink writes one Redis stream per engine stream, each entry with an explicit id built from the
+record's (epoch, slot, sub) (:func:`entry_position` reads it back: the record's
+:func:`~kv_consumer.state.position`; the bridge's ``connectors.redis.entry_id`` writes it), so ids
+grow along the stream and ``XREAD`` from the last id
 read resumes exactly. With ``state.enabled`` each engine stream also has a HASH: field ``_head``
 (the head document) and one field per live block (its entry document).
 """
@@ -16,16 +17,31 @@ import redis.asyncio as aioredis
 from .state import NO_HEAD, StreamState, parse
 
 SLOT_BITS = 40
-"""Bits of an entry id's first part that hold the slot (engine seq + 1); the epoch sits above them."""
+"""Bits that hold the slot (engine seq + 1) in either id layout."""
 MAX_SLOT = (1 << SLOT_BITS) - 1
+MAX_SUB = (1 << 64) - 1
+WIDE_EPOCHS = 1 << (63 - SLOT_BITS)
+"""The first epoch of the wide layout (8,388,608). Below it, the narrow layout
+``<epoch * 2**40 + slot>-<sub>``: the minute epochs of streams written by earlier releases (about
+1,000,000 in 2026) and small numbers; epochs are microseconds now, far above."""
+WIDE = 1 << 63
+"""The wide layout, ``<2**63 + epoch>-<slot * 2**24 + sub>``, has this bit of its first part set;
+no narrow id has, so every narrow id sorts below every wide one."""
+SUB_BITS = 24
+"""Bits of a wide id's second part that hold the sub (event index + 1; all ones: the slot's last)."""
+MAX_WIDE_SUB = (1 << SUB_BITS) - 1
 
 
 def entry_position(entry: str | bytes) -> tuple[int, int, int]:
-    """(epoch, slot, sub) of an entry id the bridge wrote."""
+    """(epoch, slot, sub) of an entry id the bridge wrote, in either layout (an EventsLost's or a
+    state change's sub, after everything of its slot, reads as ``2**64 - 1``)."""
     text = entry.decode() if isinstance(entry, bytes) else entry
-    first, _, sub = text.partition("-")
-    ms = int(first)
-    return (ms >> SLOT_BITS, ms & MAX_SLOT, int(sub or 0))
+    first_text, _, sub_text = text.partition("-")
+    first, sub = int(first_text), int(sub_text or 0)
+    if first < WIDE:
+        return (first >> SLOT_BITS, first & MAX_SLOT, sub)
+    low = sub & MAX_WIDE_SUB
+    return (first & ~WIDE, sub >> SUB_BITS, MAX_SUB if low == MAX_WIDE_SUB else low)
 
 
 async def hash_fields(client: aioredis.Redis | aioredis.RedisCluster, key: str) -> dict[bytes, bytes]:
@@ -81,4 +97,15 @@ async def _trimmed_after(client: aioredis.Redis | aioredis.RedisCluster, stream_
     return bool(first) and entry_position(first[0][0]) > entry_position(after)
 
 
-__all__ = ["MAX_SLOT", "SLOT_BITS", "bootstrap", "entry_position", "hash_fields"]
+__all__ = [
+    "MAX_SLOT",
+    "MAX_SUB",
+    "MAX_WIDE_SUB",
+    "SLOT_BITS",
+    "SUB_BITS",
+    "WIDE",
+    "WIDE_EPOCHS",
+    "bootstrap",
+    "entry_position",
+    "hash_fields",
+]

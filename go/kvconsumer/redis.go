@@ -11,8 +11,14 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// The bridge's Redis entry ids are <epoch * 2**40 + slot>-<sub>: the record's Position.
-const slotBits = 40
+// The bridge's Redis entry ids hold the record's Position in one of two layouts: narrow,
+// <epoch * 2**40 + slot>-<sub> (epochs below 2**23: minutes, written by earlier releases), and
+// wide, <2**63 + epoch>-<slot * 2**24 + sub> (microsecond epochs; sub 2**24-1: the slot's last).
+const (
+	slotBits = 40
+	subBits  = 24
+	wide     = uint64(1) << 63
+)
 
 // EntryPosition is the Position of a Redis entry id the bridge wrote.
 func EntryPosition(id string) (Pos, error) {
@@ -27,7 +33,14 @@ func EntryPosition(id string) (Pos, error) {
 			return Pos{}, fmt.Errorf("entry id %q: %w", id, err)
 		}
 	}
-	return Pos{int64(ms >> slotBits), int64(ms & (1<<slotBits - 1)), s}, nil
+	if ms&wide == 0 {
+		return Pos{int64(ms >> slotBits), int64(ms & (1<<slotBits - 1)), s}, nil
+	}
+	low := s & (1<<subBits - 1)
+	if low == 1<<subBits-1 {
+		low = Last
+	}
+	return Pos{int64(ms &^ wide), int64(s >> subBits), low}, nil
 }
 
 // BootstrapRedis reads one engine stream's state from a Redis sink with state.enabled (the HASH

@@ -186,9 +186,9 @@ async def test_a_new_bridge_resumes_from_the_sink_exactly_once(tmp_path: Path, s
             finally:
                 proc.kill()
         held = await read(sink)
-        epochs = {e for _r, e, _s, _i, t in held if t not in ("SourceReset", "EventsLost")}
-        assert len(epochs) == 1, epochs
-        epoch = epochs.pop()
+        epochs = {}  # each stream's one epoch (the clock's when the stream was met)
+        for r in range(RANKS):
+            (epochs[r],) = {e for rr, e, _s, _i, t in held if rr == r and t not in ("SourceReset", "EventsLost")}
         await publish(sim, 10)  # while no bridge runs: the replay buffer keeps it
         second = Bridge(from_data(config(tmp_path, source, sink, from_sinks=True), env={}))
         await second.start()
@@ -198,7 +198,7 @@ async def test_a_new_bridge_resumes_from_the_sink_exactly_once(tmp_path: Path, s
                 # epoch's ids could hide copies in Redis and NATS), not afresh from seq 0.
                 last = max(s for rr, _e, s, _i, t in held if rr == r and t not in ("SourceReset", "EventsLost"))
                 resumed = second.pipelines[f"{SOURCE}/{r}"]._resumed_from
-                assert resumed is not None and resumed[0] == epoch, resumed
+                assert resumed is not None and resumed[0] == epochs[r], resumed
                 assert resumed[1] == (last - 1 if sink.granularity == "event" else last), (resumed, last)
             await publish(sim, 5)
             await delivered_through(second, sim)
@@ -207,7 +207,7 @@ async def test_a_new_bridge_resumes_from_the_sink_exactly_once(tmp_path: Path, s
         rows = await read(sink)
         for r, rank in enumerate(sim.ranks):
             got = data(rows, r)
-            want = expect(epoch, range(rank.seq), sink.granularity)
+            want = expect(epochs[r], range(rank.seq), sink.granularity)
             assert len(got) == len(set(got)), f"rank {r}: {len(got) - len(set(got))} duplicates"
             assert got == want, f"rank {r}: missing {sorted(set(want) - set(got))[:5]}, extra {sorted(set(got) - set(want))[:5]}"
             assert control(rows, r, "SourceReset") == []
@@ -230,7 +230,7 @@ async def test_an_engine_restart_meanwhile_opens_a_new_epoch(tmp_path: Path, sin
         await publish(sim, 20)
         await delivered_through(first, sim)
         await first.stop()
-        epoch = first.pipelines[f"{SOURCE}/0"].sequencer.epoch
+        old = [first.pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
         before = [rank.seq for rank in sim.ranks]
         # Restarted, and counted on past seq 19 before the next bridge looks: only the fingerprint
         # (ts, and the CRC for raw) of the last batch the sink holds tells the instances apart.
@@ -243,16 +243,15 @@ async def test_an_engine_restart_meanwhile_opens_a_new_epoch(tmp_path: Path, sin
         try:
             await publish(sim, 5)
             await delivered_through(second, sim)
-            new = second.pipelines[f"{SOURCE}/0"].sequencer.epoch
+            news = [second.pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
         finally:
             await second.stop()
-        assert new > epoch
         rows = await read(sink)
         for r in range(RANKS):
-            got = data(rows, r)
+            got, epoch, new = data(rows, r), old[r], news[r]
+            assert new > epoch
             assert len(got) == len(set(got)), f"rank {r}: duplicates"
-            old = [x for x in got if x[0] == epoch]
-            assert old == expect(epoch, range(before[r]), sink.granularity)
+            assert [x for x in got if x[0] == epoch] == expect(epoch, range(before[r]), sink.granularity)
             assert [x for x in got if x[0] not in (epoch, new)] == []
             assert [x for x in got if x[0] == new] == expect(new, range(sim.ranks[r].seq), sink.granularity)
             # What replay cannot prove the old instance's (at event granularity the last batch
@@ -265,6 +264,38 @@ async def test_an_engine_restart_meanwhile_opens_a_new_epoch(tmp_path: Path, sin
             position = next(i for i, row in enumerate(rows) if row[0] == r and row[4] == "SourceReset")
             assert all(row[1] == epoch for row in rows[:position] if row[0] == r), "the SourceReset precedes the new epoch"
             assert all(i < position for i in lost_at), "losses announced before the SourceReset"
+
+
+async def test_a_pod_without_any_position_never_reuses_the_previous_pods_epoch(tmp_path: Path, sink: Sink) -> None:
+    """Issue 29 case 12: a pod with no checkpoint and no ``from_sinks`` meets an engine that
+    restarted since the previous pod's last epoch opened, within the same minute. It opens an
+    epoch of its own (the clock's, in microseconds), so no sink and no consumer takes the new
+    instance's batches for copies of the old one's (with minute epochs, 100 of 100 were lost)."""
+    async with engine() as (sim, source):
+        first = Bridge(from_data(config(tmp_path, source, sink, from_sinks=False), env={}))
+        await first.start()
+        await publish(sim, 20)
+        await delivered_through(first, sim)
+        await first.stop()
+        old = [first.pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
+        before = [rank.seq for rank in sim.ranks]
+        for rank in sim.ranks:
+            rank.restart()
+        await publish(sim, 10)  # below the old instance's seqs: the same (epoch, seq) positions
+        second = Bridge(from_data(config(tmp_path, source, sink, from_sinks=False), env={}))
+        await second.start()
+        try:
+            await publish(sim, 5)
+            await delivered_through(second, sim)
+            new = [second.pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
+        finally:
+            await second.stop()
+        rows = await read(sink)
+        for r in range(RANKS):
+            got = data(rows, r)
+            assert new[r] > old[r] and {x[0] for x in got} == {old[r], new[r]}, (r, old, new)
+            assert [x for x in got if x[0] == old[r]] == expect(old[r], range(before[r]), sink.granularity)
+            assert [x for x in got if x[0] == new[r]] == expect(new[r], range(sim.ranks[r].seq), sink.granularity), f"rank {r}"
 
 
 # -- a sink that cannot say what it holds ---------------------------------------------------------
@@ -325,7 +356,7 @@ async def test_a_sink_that_does_not_answer_falls_back_and_loses_nothing(
         await publish(sim, 10)
         await delivered_through(first, sim)
         await first.stop()
-        epoch = first.pipelines[f"{SOURCE}/0"].sequencer.epoch
+        epochs = [first.pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
         before = [rank.seq for rank in sim.ranks]
         caplog.clear()
         second = Bridge(memory_config(tmp_path, source, checkpoint=checkpoint), registry=registry)
@@ -345,7 +376,7 @@ async def test_a_sink_that_does_not_answer_falls_back_and_loses_nothing(
             mine = [m for m in STORE[name] if m.record.stream.dp_rank == r]
             batches = [(m.record.epoch, m.record.seq) for m in mine if m.record.kind == "batch"]
             resets = [m.record.epoch for m in mine if m.record.kind == "SourceReset"]
-            published = sim.ranks[r].seq
+            published, epoch = sim.ranks[r].seq, epochs[r]
             if checkpoint:  # the file says where every sink is: on from there, same epoch
                 assert batches == [(epoch, s) for s in range(published)] and resets == []
             else:  # afresh: the engine's whole buffer again, in a new epoch opened by a SourceReset
@@ -384,12 +415,12 @@ async def test_a_sink_ahead_of_the_others_gets_no_copies(tmp_path: Path, fresh_r
             finally:
                 await bridge.stop()
         skipped = sum(s.skipped for s in bridge.skips)
-        epoch = bridge.pipelines[f"{SOURCE}/0"].sequencer.epoch
+        epochs = [bridge.pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
     for s in (redis_of, kafka_of):
         rows = await read(s)
         for r, rank in enumerate(sim.ranks):
             got = data(rows, r)
-            assert got == expect(epoch, range(rank.seq), "batch"), f"{s.kind} rank {r}: {len(got)} of {rank.seq}"
+            assert got == expect(epochs[r], range(rank.seq), "batch"), f"{s.kind} rank {r}: {len(got)} of {rank.seq}"
             assert control(rows, r, "SourceReset") == [] and control(rows, r, "EventsLost") == []
     assert skipped > 0  # the last bridge re-sent what Redis lacked, and Kafka left its copies out
 

@@ -29,7 +29,7 @@ from bridge.connector import Registry
 from bridge.errors import ConnectorError, NotConnected, PartialFailure, Permanent, SinkLost
 from bridge.formats import Message, Renderer
 from bridge.logs import JsonFormatter, TextFormatter
-from bridge.records import Stream
+from bridge.records import Stream, source_reset
 from bridge.sink import fold
 from connectors.kafka import KafkaConnector, KafkaOptions
 from tests.infra.servers import KafkaServer, ServerError
@@ -522,6 +522,58 @@ async def test_a_topic_deleted_and_created_again_between_two_writes_is_announced
                     lost += [(s.key, e, a, b) for s, e, a, b in exc.spans]
         print("writes after the topic was created again:", outcomes)
         assert lost == [("llama-a/0", 3, 0, 4)], outcomes
+    finally:
+        await connector.close()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("recreated", [False, True], ids=["deleted", "deleted and created again"])
+async def test_a_topic_lost_while_the_sink_is_quiet_is_found_by_its_audit(kafka: KafkaServer, recreated: bool) -> None:
+    # Issue 29 B2 on Kafka: no write comes (the engine is quiet), so only the runtime's audit
+    # between writes can find the loss; it raises SinkLost once, with the span, and the audit of a
+    # topic that holds what it acknowledged says nothing.
+    topic = await kafka.anew_topic(partitions=2)
+    stream = Stream("llama-a", 0)
+    connector = build(kafka, topic, request_timeout="2s")
+    await connector.connect()
+    try:
+        await connector.write(render(stream_records(stream, 5, epoch=3)))
+        await connector.audit()  # nothing lost: nothing raised
+        await delete_topic(kafka, topic)
+        if recreated:
+            await kafka.anew_topic(partitions=2, name=topic)
+        with pytest.raises(ConnectorError) as found:
+            await connector.audit()
+        print("the audit after the loss:", found.value.reason, found.value)
+        assert isinstance(found.value, SinkLost) or found.value.reason == "topic_deleted"
+        lost = [(s.key, e, a, b) for s, e, a, b in found.value.spans] if isinstance(found.value, SinkLost) else []
+        if not lost:  # deleted: the audit says so (not ready) and the loss comes with the write after it
+            with pytest.raises(SinkLost) as again:
+                await connector.write(render(stream_records(stream, 1, epoch=3, start=5)))
+            lost = [(s.key, e, a, b) for s, e, a, b in again.value.spans]
+        assert lost == [("llama-a/0", 3, 0, 4)]
+        if recreated:
+            await connector.audit()  # said once
+    finally:
+        await connector.close()
+
+
+@pytest.mark.integration
+async def test_a_lost_topic_announces_the_epoch_before_the_last_one_too(kafka: KafkaServer) -> None:
+    # Breaker find (the Kafka twin of NATS's B5): the topic held epoch 3's seqs 0-4 and, after a
+    # restart, epoch 4's 0-2; lost, both spans are announced, not the newest epoch's alone.
+    topic = await kafka.anew_topic(partitions=2)
+    stream = Stream("llama-a", 0)
+    connector = build(kafka, topic, request_timeout="2s")
+    await connector.connect()
+    try:
+        records = [*stream_records(stream, 5, epoch=3), source_reset(stream, 4, "publisher_restart", 0.0)]
+        await connector.write(render([*records, *stream_records(stream, 3, epoch=4)]))
+        await delete_topic(kafka, topic)
+        await kafka.anew_topic(partitions=2, name=topic)
+        with pytest.raises(SinkLost) as lost:
+            await connector.audit()
+        assert sorted((s.key, e, a, b) for s, e, a, b in lost.value.spans) == [("llama-a/0", 3, 0, 4), ("llama-a/0", 4, 0, 2)]
     finally:
         await connector.close()
 

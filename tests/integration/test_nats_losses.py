@@ -131,6 +131,62 @@ async def test_a_deleted_stream_is_created_again_and_its_loss_announced(
     assert await _subject_seqs(reader, dest, A) == [8, 9]
 
 
+async def test_a_stream_lost_while_the_sink_is_quiet_is_found_by_its_audit(
+    nats_server: NatsServer, reader: Client, dest: str
+) -> None:
+    """Issue 29 B2 on NATS: no write comes (the engine is quiet), so only the runtime's audit
+    between writes can find the loss: it raises SinkLost once, with the spans; the audit of a
+    stream that holds what it acknowledged says nothing."""
+    js = reader.jetstream(timeout=5)
+    conn = NatsConnector("nats-l", _options(nats_server.url, dest), SINK)
+    await conn.connect()
+    try:
+        await conn.write(_render([A], 3, 5) + _render([B], 0, 2))
+        await conn.audit()  # nothing lost: nothing raised
+        await js.delete_stream(dest)
+        with pytest.raises(SinkLost) as lost:
+            await conn.audit()
+        assert sorted((s.key, e, f, t) for s, e, f, t in lost.value.spans) == [(A.key, 1, 3, 7), (B.key, 1, 0, 1)]
+        await conn.audit()  # said once
+        retry = _render([A, B], 8, 2)
+        with pytest.raises(Retriable):
+            await conn.write(retry)  # no stream: created again, as configured
+        await conn.write(retry)
+    finally:
+        await conn.close()
+    assert await _subject_seqs(reader, dest, A) == [8, 9]
+
+
+async def test_a_stream_another_pod_created_again_and_filled_past_ours_is_found_by_the_audit(
+    nats_server: NatsServer, reader: Client, dest: str
+) -> None:
+    """Breaker find: pod A's stream is deleted and pod B (another engine, the same stream) creates
+    it again and writes past the last JetStream seq A had: the sequence alone looks intact to A.
+    The stream's creation time is not: A's audit announces its loss."""
+    js = reader.jetstream(timeout=5)
+    a = NatsConnector("nats-l", _options(nats_server.url, dest), SINK)
+    b = NatsConnector("nats-l", _options(nats_server.url, dest), SINK)
+    await a.connect()
+    await b.connect()
+    try:
+        await a.write(_render([A], 0, 3))  # JetStream seqs 1..3
+        await a.audit()
+        await js.delete_stream(dest)
+        with pytest.raises(Retriable):
+            await b.write(_render([B], 0, 10))  # no stream: created again
+        await b.write(_render([B], 0, 10))
+        assert (await js.stream_info(dest)).state.last_seq == 10
+        with pytest.raises(SinkLost) as lost:
+            await a.audit()
+        assert [(s.key, e, f, t) for s, e, f, t in lost.value.spans] == [(A.key, 1, 0, 2)]
+        await a.audit()  # said once
+        await a.write(_render([A], 3, 1))
+    finally:
+        await a.close()
+        await b.close()
+    assert await _subject_seqs(reader, dest, A) == [3]
+
+
 async def test_without_create_a_lost_stream_is_announced_and_named_until_it_is_back(
     nats_server: NatsServer, reader: Client, dest: str
 ) -> None:

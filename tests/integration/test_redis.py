@@ -36,6 +36,9 @@ from connectors.redis import (
     CLUSTER_STATE_KEY,
     CLUSTER_STREAM,
     MAX_SLOT,
+    MAX_SUB,
+    MAX_WIDE_SUB,
+    WIDE_EPOCHS,
     RedisConnector,
     RedisOptions,
     entry_id,
@@ -296,6 +299,10 @@ async def test_ids_strictly_increase_per_stream_across_epochs_and_types(redis_se
         records += [events_lost(one, 1, 3, 9, "replay_unavailable", 0.0)]
         records += stream_records(one, 3, epoch=1, start=10)
         records += [source_reset(one, 7, "publisher_restart", 0.0), *stream_records(one, 2, epoch=7)]
+        # a minute epoch (streams written before epochs were microseconds), then a microsecond one
+        for epoch in (1_010_000, 1_796_000_000_000_000):
+            records += [source_reset(one, epoch, "publisher_restart", 0.0), *stream_records(one, 2, epoch=epoch)]
+            records += [events_lost(one, epoch, 2, 3, "replay_unavailable", 0.0), *stream_records(one, 2, epoch=epoch, start=4)]
     random.Random(3).shuffle(records)  # interleave the streams...
     records.sort(key=lambda r: (r.stream.dp_rank, r.position))  # ...but keep each one in order
     messages = render(s, records)
@@ -323,7 +330,9 @@ async def test_ids_strictly_increase_per_stream_across_epochs_and_types(redis_se
             await client.aclose()
 
 
-positions = st.tuples(st.integers(0, 2**24 - 1), st.integers(0, MAX_SLOT), st.integers(0, 2**64 - 1))
+epochs = st.one_of(st.integers(0, WIDE_EPOCHS - 1), st.integers(WIDE_EPOCHS, 2**63 - 1), st.just(1_780_000_000_250_000))
+subs = st.one_of(st.integers(0, MAX_WIDE_SUB - 1), st.just(MAX_SUB))
+positions = st.tuples(epochs, st.integers(0, MAX_SLOT), subs)
 
 
 def _id_key(text: str) -> tuple[int, int]:
@@ -333,8 +342,9 @@ def _id_key(text: str) -> tuple[int, int]:
 
 @given(positions, positions)
 def test_entry_ids_order_like_positions(p: tuple[int, int, int], q: tuple[int, int, int]) -> None:
+    """In and across the narrow (minute epochs of earlier releases) and the wide layout."""
     a, b = _id_key(entry_id(p)), _id_key(entry_id(q))
-    assert a != (0, 0) and b != (0, 0)
+    assert a != (0, 0) and b != (0, 0) and max(a + b) < 2**64
     assert (a < b) == (p < q) and (a == b) == (p == q)
     if p != (0, 0, 0):
         assert entry_position(entry_id(p)) == p
@@ -343,8 +353,12 @@ def test_entry_ids_order_like_positions(p: tuple[int, int, int], q: tuple[int, i
 def test_entry_id_bounds() -> None:
     assert entry_id((1, 1, 0)) == f"{2**40 + 1}-0"
     assert entry_id((0, 0, 0)) == "0-1"
-    assert entry_id((2**24 - 1, MAX_SLOT, 2**64 - 1)) == f"{2**64 - 1}-{2**64 - 1}"
-    for bad in ((2**24, 0, 0), (0, MAX_SLOT + 1, 0), (0, 1, 2**64), (-1, 0, 0)):
+    assert entry_id((WIDE_EPOCHS - 1, MAX_SLOT, MAX_SUB)) == f"{2**63 - 1}-{MAX_SUB}"
+    assert entry_id((WIDE_EPOCHS, 0, 0)) == f"{2**63 + WIDE_EPOCHS}-0"
+    assert entry_id((2**63 - 1, MAX_SLOT, MAX_SUB)) == f"{2**64 - 1}-{2**64 - 1}"
+    # a microsecond epoch: its own first part, the slot and event index in the second
+    assert entry_id((1_780_000_000_250_000, 42, 3)) == f"{2**63 + 1_780_000_000_250_000}-{42 * 2**24 + 3}"
+    for bad in ((2**63, 0, 0), (0, MAX_SLOT + 1, 0), (0, 1, 2**64), (-1, 0, 0), (WIDE_EPOCHS, 1, MAX_WIDE_SUB)):
         with pytest.raises(ValueError):
             entry_id(bad)
 

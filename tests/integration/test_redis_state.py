@@ -490,6 +490,64 @@ async def test_entries_redis_lost_are_announced_and_the_state_cleared(
             (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
 
 
+async def test_a_loss_on_a_quiet_stream_is_announced_without_waiting_for_its_next_batch(
+    tmp_path: Path, forgetful_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 29 B2: Redis restarts from an older snapshot while the engine is quiet. Before, nothing
+    looked until the stream's next write: the lost seqs went unannounced and the state hash, back
+    from the snapshot, said complete: true over blocks the engine had removed. Now the sink's audit
+    (between writes, every AUDIT_INTERVAL) finds it: the EventsLost comes with no engine traffic,
+    and the hash is emptied (no state rather than a wrong one) until the next generation."""
+    import bridge.sink
+
+    monkeypatch.setattr(bridge.sink, "AUDIT_INTERVAL", 0.3, raising=False)
+    monkeypatch.setattr(bridge.sink, "HEALTH_INTERVAL", 0.3)
+    prefix = "kvq"
+    live, rep = free_port(), free_port()
+    cfg = in_process(tmp_path, [("a", live, rep)], sink(forgetful_redis.url, prefix, retry={"initial_backoff": "20ms"}))
+    client = aioredis.Redis.from_url(forgetful_redis.url)
+    async with CacheEngine(live, rep, seed=11) as engine:
+        bridge_ = Bridge(cfg)
+        await bridge_.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(10)
+            await settled(client, prefix, engine, "a")
+            await client.save()
+            kept = engine.last_seq
+            await engine.step(10)
+            await settled(client, prefix, engine, "a")
+            acknowledged = engine.last_seq
+            check(await bootstrapped(client, prefix, "a"), engine)
+            await client.aclose()
+            await forgetful_redis.akill()
+            await forgetful_redis.astart()
+            client = aioredis.Redis.from_url(forgetful_redis.url)
+            assert await top_seq(client, f"{prefix}:a:0") == kept
+            stale = await bootstrapped(client, prefix, "a")
+            assert stale.complete and Counter(stale.blocks()) != truth(engine)  # what the snapshot brought back
+
+            async def announced() -> bool:
+                back = await read_redis(forgetful_redis.url, [f"{prefix}:a:0"])
+                return any(x[3].startswith("sink_lost") for x in back.lost)
+
+            deadline = asyncio.get_running_loop().time() + 15
+            while not await announced():  # the engine stays quiet
+                assert asyncio.get_running_loop().time() < deadline, "the loss was not announced while the stream was quiet"
+                await asyncio.sleep(0.1)
+            back = await read_redis(forgetful_redis.url, [f"{prefix}:a:0"])
+            assert [x for x in back.lost if x[3].startswith("sink_lost")] == [(0, kept + 1, acknowledged, "sink_lost:out")]
+            assert await client.exists(f"{prefix}:a:0:state") == 0
+            check(await bootstrapped(client, prefix, "a"), engine, complete=False)
+            await engine.step(10)  # the stream goes on: a new generation, incomplete, never a false block
+            await settled(client, prefix, engine, "a")
+            check(await bootstrapped(client, prefix, "a"), engine, complete=False)
+        finally:
+            await bridge_.stop()
+            await client.aclose()
+            (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
+
+
 async def test_a_deleted_state_hash_is_never_rebuilt_partial_and_complete(
     tmp_path: Path, redis_server: RedisServer, client: Any
 ) -> None:

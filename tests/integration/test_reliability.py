@@ -39,7 +39,7 @@ from bridge import wire
 from bridge.endpoints import for_rank
 from bridge.simulator import PROFILES, EventFactory, Simulator, SimulatorOptions, encode_batch
 from tests.infra.servers import KafkaServer, ManagedServer, NatsServer, RedisServer
-from tests.support.epochs import assert_first_epoch
+from tests.support.epochs import assert_first_epoch, assert_next_epoch
 from tests.support.harness import free_port, free_ports, read_lines, running_bridge, wait_for
 from tests.support.harness import metric as bridge_metric
 from tests.support.process import BridgeProcess, BridgeRun, bridge_config, metric
@@ -495,14 +495,14 @@ async def test_engine_restart_storm_ten_epochs_each_announced_and_whole(
     lines = read_lines(out)
     rank0 = [ln for ln in lines if ln["dp_rank"] == 0]
     resets = [i for i, ln in enumerate(rank0) if ln.get("type") == "SourceReset"]
-    # The first epoch is the clock's; the ten restarts come within a minute of it (15 s of storm),
-    # so each opens the previous epoch + 1.
-    first = assert_first_epoch(rank0[0]["epoch"], since)
-    assert [rank0[i]["epoch"] for i in resets] == [first + k for k in range(1, 11)]  # one SourceReset per epoch, in order
-    assert all(rank0[i]["reason"] == "publisher_restart" for i in resets)
+    # The first epoch is the clock's; each of the ten restarts opens one above the previous.
+    epochs = [assert_first_epoch(rank0[0]["epoch"], since)]
+    for i in resets:  # one SourceReset per epoch, in order
+        epochs.append(assert_next_epoch(rank0[i]["epoch"], epochs[-1], since))
+    assert len(resets) == 10 and all(rank0[i]["reason"] == "publisher_restart" for i in resets)
     bounds = [0, *resets, len(rank0)]
     for k in range(11):
-        epoch = first + k
+        epoch = epochs[k]
         segment = rank0[bounds[k] : bounds[k + 1]]
         if k > 0:
             head, segment = segment[0], segment[1:]
@@ -516,7 +516,7 @@ async def test_engine_restart_storm_ten_epochs_each_announced_and_whole(
         assert [ln["seq"] for ln in others] == list(range(published[r]))
         assert {ln["epoch"] for ln in others} == {assert_first_epoch(others[0]["epoch"], since)}  # never restarted
     ck = json.loads((tmp_path / "ck.json").read_text())
-    assert ck["streams"]["engine/0"]["epoch"] == ck["epochs"]["engine/0"] == first + 10
+    assert ck["streams"]["engine/0"]["epoch"] == ck["epochs"]["engine/0"] == epochs[-1]
     report(
         tmp_path_factory,
         f"engine restart storm (10 restarts in {storm:.0f}s)",

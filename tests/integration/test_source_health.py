@@ -8,6 +8,7 @@ reads what an operator would: ``readiness()`` (the body of ``/readyz``), the met
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,10 @@ import zmq
 import zmq.asyncio
 
 from bridge.runtime import Bridge
+from bridge.simulator import Simulator, SimulatorOptions
 from tests.support.cache_engine import CacheEngine
 from tests.support.dns import stub_dns
-from tests.support.harness import free_port, metric, running_bridge, wait_for
+from tests.support.harness import free_port, metric, read_lines, running_bridge, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -149,3 +151,42 @@ async def test_discovery_that_finds_no_engine_is_not_ready(tmp_path: Path, caplo
             (line,) = lines(caplog, "DNS name resolves to no engine: check discovery.dns.name (Service and namespace) "
                             "and that the Service is headless with ready pods")  # fmt: skip
             assert line.levelno == logging.WARNING  # once, though it resolves every 100 ms
+
+
+async def test_an_engine_publishing_under_another_topic_is_not_taken_for_an_idle_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 29 B8: the engine publishes under topic "kv", the source subscribes to "xx". Before,
+    the bridge connected, received nothing and said ready, as for an idle engine. Now the stream
+    counts as not connected, naming the engine's topic and the fix; a prefix of the engine's
+    topic reads every batch and is ready."""
+    caplog.set_level(logging.INFO)
+    live, rep = free_port(), free_port()
+    opts = SimulatorOptions(endpoint=f"tcp://127.0.0.1:{live}", replay_endpoint=f"tcp://127.0.0.1:{rep}", rate=0, topic="kv")
+    async with Simulator(opts) as sim:
+        wrong = [source("a", opts.endpoint, opts.replay_endpoint) | {"topic": "xx"}]
+        async with running_bridge(tmp_path / "wrong", wrong, ingest=GRACE) as (bridge, out):
+            await wait_for(lambda: metric(bridge, "kv_bridge_sources_connected") == 1, what="connected", timeout=10)
+            for _ in range(30):
+                await sim.step(0)
+                if problem(bridge, "a/0", "wrong_topic") == 1:
+                    break
+                await asyncio.sleep(0.05)
+            detail = await not_ready(bridge)
+            assert detail["not_ready"] == "no source connected: see sources_not_connected"
+            said = detail["sources_not_connected"]["a/0"]
+            assert said == (
+                f"{opts.endpoint}: the engine publishes under 'kv' and nothing yet under a topic starting with 'xx': "
+                "set the source's topic to the engine's KV events topic (\"\" for every topic)"
+            )
+            assert metric(bridge, "kv_bridge_source_up", source="a", dp_rank="0") == 0
+            assert not out.exists() or read_lines(out) == []  # nothing of another topic delivered
+            (line,) = lines(caplog, "source receives no message of its topic")
+            assert line.levelno == logging.ERROR
+        published = sim.ranks[0].seq
+        right = [source("a", opts.endpoint, opts.replay_endpoint) | {"topic": "k"}]
+        async with running_bridge(tmp_path / "right", right, ingest=GRACE) as (bridge, out):
+            await wait_for(lambda: metric(bridge, "kv_bridge_sources_connected") == 1, what="connected", timeout=10)
+            await sim.step(0)
+            await wait_for(lambda: out.exists() and len(read_lines(out)) == published + 1, what="every batch", timeout=10)
+            assert bridge.readiness()[0] and problem(bridge, "a/0", "wrong_topic") == 0

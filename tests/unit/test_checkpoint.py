@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bridge.checkpoint import (
-    EPOCH_ORIGIN,
     Checkpointer,
     CheckpointError,
     CheckpointFile,
@@ -23,7 +22,8 @@ from bridge.records import Record, Stream, events_lost, source_reset
 
 STREAM = Stream("llama-a", 0)
 KEY = STREAM.key
-NOW = EPOCH_ORIGIN + 100 * 60 + 5  # clock epoch 100
+NOW = 1_780_000_000.25  # 2026-05-28
+E = clock_epoch(NOW)
 
 
 def batch(epoch: int, seq: int, ts: float | None = None, payload: bytes | None = None) -> Record:
@@ -127,23 +127,23 @@ def test_dropped_span_lost_before_source_reset_leaves_the_position_at_the_reset(
 # -- epochs --------------------------------------------------------------------------------------
 
 
-def test_clock_epoch_counts_minutes_since_origin() -> None:
-    assert clock_epoch(EPOCH_ORIGIN) == 0
-    assert clock_epoch(EPOCH_ORIGIN - 3600) == 0  # a clock before the origin
-    assert clock_epoch(NOW) == 100
-    assert clock_epoch(EPOCH_ORIGIN + 59.9) == 0 and clock_epoch(EPOCH_ORIGIN + 60) == 1
+def test_clock_epoch_counts_microseconds() -> None:
+    assert E == 1_780_000_000_250_000
+    assert clock_epoch(-3600.0) == 0  # a clock before 1970
+    assert clock_epoch(NOW + 0.000001) == E + 1
+    assert clock_epoch(4_102_444_800.0) < 2**53  # 2100: exact in every JSON reader
 
 
 def test_epochs_follow_the_clock_and_never_repeat() -> None:
     cp = Checkpointer(1)
-    assert cp.first_epoch(KEY, NOW) == 100
-    assert cp.first_epoch(KEY, NOW) == 101  # the same minute again: not reused
-    assert cp.next_epoch(KEY, 101, NOW) == 102
-    assert cp.next_epoch(KEY, 5, NOW) == 103  # below one already opened: above it instead
-    assert cp.next_epoch(KEY, 103, NOW + 3600) == 160  # the clock ran ahead
-    assert cp.next_epoch(KEY, 160, NOW - 86400) == 161  # the clock went back: still above
-    assert cp.first_epoch("other/0", NOW) == 100  # per stream
-    assert cp.epochs == {KEY: 161, "other/0": 100}
+    assert cp.first_epoch(KEY, NOW) == E
+    assert cp.first_epoch(KEY, NOW) == E + 1  # the same microsecond again: not reused
+    assert cp.next_epoch(KEY, E + 1, NOW) == E + 2
+    assert cp.next_epoch(KEY, 5, NOW) == E + 3  # below one already opened: above it instead
+    assert cp.next_epoch(KEY, E + 3, NOW + 60) == E + 60_000_000  # the clock ran ahead
+    assert cp.next_epoch(KEY, E + 60_000_000, NOW - 86400) == E + 60_000_001  # the clock went back: still above
+    assert cp.first_epoch("other/0", NOW) == E  # per stream
+    assert cp.epochs == {KEY: E + 60_000_001, "other/0": E}
 
 
 def test_epochs_never_repeat_after_a_reload(tmp_path: Path) -> None:
@@ -151,12 +151,43 @@ def test_epochs_never_repeat_after_a_reload(tmp_path: Path) -> None:
     cp = Checkpointer(1)
     opened = [cp.first_epoch(KEY, NOW)]
     opened += [cp.next_epoch(KEY, opened[-1], NOW) for _ in range(3)]
-    assert opened == [100, 101, 102, 103]
+    assert opened == [E, E + 1, E + 2, E + 3]
     generation, snap = cp.snapshot()
     assert cp.write(path, generation, snap)
     again = Checkpointer(1, load(path))
-    assert again.first_epoch(KEY, NOW) == 104  # a bridge restarted within the same minute
-    assert again.next_epoch(KEY, 100, NOW) == 105  # resumed from an older epoch's position
+    assert again.first_epoch(KEY, NOW) == E + 4  # a bridge restarted within the same microsecond
+    assert again.next_epoch(KEY, E, NOW) == E + 5  # resumed from an older epoch's position
+
+
+def test_a_bridge_without_its_checkpoint_opens_above_the_previous_run() -> None:
+    """Issue 29 case 12: the previous run opened an epoch and the engine restarted twice within
+    the same minute; a new pod (no checkpoint) that meets the stream a second later opens above
+    all of them, and so does one whose clock is 100 ms behind the old pod's."""
+    before = Checkpointer(1)
+    epoch = before.first_epoch(KEY, NOW)
+    epoch = before.next_epoch(KEY, epoch, NOW + 0.2)
+    epoch = before.next_epoch(KEY, epoch, NOW + 0.4)
+    for skew in (0.0, -0.1):
+        assert Checkpointer(1).first_epoch(KEY, NOW + 1.4 + skew) > epoch
+
+
+def test_a_restart_is_numbered_by_the_engine_clock_so_two_pods_agree() -> None:
+    """Two pods reading one engine at once (a rolling update) see the same batch show its
+    restart, at different times on their own clocks: they open the same epoch, so their copies
+    are copies (the same ids). An engine clock far from the bridge's is not trusted."""
+    a, b = Checkpointer(1), Checkpointer(1)
+    shown = NOW + 10.25
+    assert a.next_epoch(KEY, E, NOW + 10.3, shown) == b.next_epoch(KEY, E, NOW + 10.9, shown) == clock_epoch(shown)
+    assert a.next_epoch(KEY, clock_epoch(shown), NOW + 11, shown) == clock_epoch(shown) + 1  # never below the last
+    assert b.next_epoch(KEY, E, NOW + 20, NOW + 3600) == clock_epoch(NOW + 20)  # an hour off: the bridge's clock
+    assert Checkpointer(1).next_epoch(KEY, E, NOW + 20, None) == clock_epoch(NOW + 20)
+
+
+def test_a_checkpoint_of_minute_epochs_goes_on_above_them() -> None:
+    """A checkpoint of an earlier release (minutes since 2025): the stream resumes in its epoch,
+    and its next restart opens the clock's."""
+    cp = Checkpointer(1, CheckpointFile(streams={KEY: StreamPosition(1_010_000, 7)}, epochs={KEY: 1_010_000}))
+    assert cp.next_epoch(KEY, 1_010_000, NOW) == E
 
 
 @settings(max_examples=200, deadline=None)
@@ -169,11 +200,12 @@ def test_epochs_never_repeat_after_a_reload(tmp_path: Path) -> None:
 def test_epochs_strictly_increase_per_stream(steps: list[tuple[bool, str, int, int, bool]]) -> None:
     cp = Checkpointer(1)
     opened: dict[str, list[int]] = {}
-    for first, key, minutes, from_epoch, reload in steps:
+    for first, key, micros, from_epoch, reload in steps:
         if reload:
             _, snap = cp.snapshot()
             cp = Checkpointer(1, CheckpointFile(streams=snap.streams, epochs=snap.epochs))
-        now = NOW + minutes * 60
+        now = NOW + micros / 1_000_000
+        from_epoch += E - 150  # below, at and above the clock
         epoch = cp.first_epoch(key, now) if first else cp.next_epoch(key, from_epoch, now)
         assert epoch >= clock_epoch(now)
         if not first:
@@ -232,8 +264,11 @@ def test_a_forgotten_stream_keeps_an_epoch_the_clock_has_not_passed() -> None:
     ahead = cp.next_epoch(KEY, cp.next_epoch(KEY, first, NOW), NOW)  # restarts ran ahead of the clock
     cp.forget(KEY, NOW)
     assert cp.first_epoch(KEY, NOW) > ahead
-    cp.forget(KEY, NOW + 3600)
-    assert KEY not in cp.snapshot()[1].epochs  # once the clock has passed it, nothing is kept
+    again = cp.epochs[KEY]
+    cp.forget(KEY, NOW + 60)
+    assert cp.first_epoch(KEY, NOW - 1) > again  # passed a minute ago, and the clock stepped back a minute
+    cp.forget(KEY, NOW + 3600 + 61)
+    assert KEY not in cp.snapshot()[1].epochs  # once the clock passed it an hour ago, nothing is kept
 
 
 def test_resume_from_the_first_batch_of_an_epoch_opened_after_the_position() -> None:

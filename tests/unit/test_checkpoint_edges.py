@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.checkpoint import EPOCH_ORIGIN, Checkpointer, CheckpointFile, StreamPosition, load, save
+from bridge.checkpoint import Checkpointer, CheckpointFile, StreamPosition, load, save
 from tests.unit.test_checkpoint import KEY, NOW, batch, batch_position, lost
 
 # -- positions -----------------------------------------------------------------------------------
@@ -49,7 +49,7 @@ def test_a_loss_in_an_epoch_opened_after_the_loaded_position_carries_no_older_fi
 
 
 def test_a_stream_met_first_before_the_clock_origin_opens_epoch_0() -> None:
-    assert Checkpointer(1).first_epoch(KEY, EPOCH_ORIGIN - 3600) == 0
+    assert Checkpointer(1).first_epoch(KEY, -3600.0) == 0
 
 
 def test_a_forgotten_stream_keeps_an_epoch_opened_in_this_very_minute() -> None:
@@ -65,7 +65,7 @@ def test_forgetting_drops_the_streams_position_and_first_batch_from_the_checkpoi
     cp.note_first(KEY, batch(epoch, 0))
     cp.on_ack(0, [batch(epoch, 0)])
     before = cp.generation
-    cp.forget(KEY, NOW + 3600)
+    cp.forget(KEY, NOW + 3601)
     assert cp.generation != before
     _, snap = cp.snapshot()
     assert KEY not in snap.streams and KEY not in snap.opened and KEY not in snap.epochs

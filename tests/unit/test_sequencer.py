@@ -516,17 +516,18 @@ def test_single_replay_above_start_is_not_a_loss() -> None:
 
 def test_next_epoch_numbers_the_new_epoch() -> None:
     """(h) The epoch after a restart is whatever next_epoch says."""
-    calls: list[int] = []
+    calls: list[tuple[int, float | None]] = []
 
-    def next_epoch(epoch: int) -> int:
-        calls.append(epoch)
+    def next_epoch(epoch: int, shown_at: float | None) -> int:
+        calls.append((epoch, shown_at))
         return epoch + 1000
 
-    seqr = StreamSequencer(can_replay=True, replay_on_start=True, epoch=7, next_epoch=next_epoch)
+    ts = {b"a": 1.0, b"b": 2.0, b"c": 3.5}  # engine ts; b"d": not decodable
+    seqr = StreamSequencer(can_replay=True, replay_on_start=True, epoch=7, next_epoch=next_epoch, ts_of=ts.get)
     seqr.live(0, b"a")
     seqr.live(1, b"b")
     actions = seqr.live(0, b"c")
     assert actions == [Reset(1007, "publisher_restart"), Deliver(0, b"c", 1007)]
-    assert calls == [7] and seqr.epoch == 1007 and seqr.position == (1007, 0)
+    assert calls == [(7, 3.5)] and seqr.epoch == 1007 and seqr.position == (1007, 0)  # the ts of what showed it
     assert seqr.live(0, b"d")[0] == Reset(2007, "publisher_restart")
-    assert calls == [7, 1007]
+    assert calls == [(7, 3.5), (1007, None)]

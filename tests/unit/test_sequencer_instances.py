@@ -129,7 +129,7 @@ def resumed_before_first(seq: int = 3) -> StreamSequencer:
         delivered=seq - 1,
         delivered_fp=(ts(first), zlib.crc32(first)),
         anchor=seq,
-        next_epoch=lambda e: e + 1,
+        next_epoch=lambda e, _shown_at: e + 1,
     )
 
 

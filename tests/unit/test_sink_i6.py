@@ -10,6 +10,8 @@ import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
+
 from bridge import wire
 from bridge.errors import PartialFailure, Permanent, Retriable, SinkLost
 from bridge.formats import STATE_TYPE, Message
@@ -301,3 +303,46 @@ async def test_state_changes_queued_before_a_lost_state_is_cleared_are_not_writt
     # stream's state: written, and so is every later one; other streams go on as they were
     assert states == [("s/0", 3), ("t/0", 0)]
     assert [r.seq for r in acked] == [0, 1, 2, 3, 0]
+
+
+async def test_a_loss_the_audit_finds_on_a_quiet_sink_is_announced_without_a_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 29 B2: with no record to write, the worker asks the connector's ``audit()`` between
+    health checks; the loss it finds is announced at once (the states it names cleared), once,
+    and an audit that fails otherwise changes nothing."""
+    import bridge.sink
+
+    monkeypatch.setattr(bridge.sink, "AUDIT_INTERVAL", 0.01)
+    worker, conn, acked, metrics = make(tmp_path, batch={"linger": 0})
+    worker.health_interval = 0.01
+    cleared: list[Stream] = []
+    worker.writes_state, worker.on_state_lost = True, cleared.append
+    answers: list[BaseException | None] = [RuntimeError("cannot read"), SinkLost("lost", [(STREAM, 0, 0, 1)], states=[OTHER])]
+    audits = 0
+
+    async def audit() -> None:
+        nonlocal audits
+        audits += 1
+        if answers:
+            answer = answers.pop(0)
+            if answer is not None:
+                raise answer
+
+    worker._audit = audit
+    await fill(worker, stream_records(STREAM, 2))
+    worker.start()
+    assert await worker.flush(5)
+    for _ in range(500):
+        if audits >= 4:
+            break
+        await asyncio.sleep(0.01)
+    await worker.stop()
+    worker.dead_letters.close()
+    assert audits >= 4
+    assert kinds(conn) == [("s/0", "batch", 0), ("s/0", "batch", 1), ("s/0", "EventsLost", 1)]
+    assert conn.messages[2].record.control()["reason"] == "sink_lost:mem"
+    assert {s.key for s in cleared} == {STREAM.key, OTHER.key}
+    assert [r.seq for r in acked] == [0, 1]
+    assert value(metrics, "kv_bridge_sink_errors_total", sink="mem", reason="sink_lost") == 1
+    assert worker.connected

@@ -51,7 +51,7 @@ class Epochs:
         self.log = log
         self.opened: list[int] = []
 
-    def next_epoch(self, key: str, epoch: int, now: float) -> int:
+    def next_epoch(self, key: str, epoch: int, now: float, shown_at: float | None = None) -> int:
         self.opened.append(epoch + 1)
         return epoch + 1
 

@@ -86,7 +86,7 @@ class Epochs:
     def __init__(self) -> None:
         self.top = OLD_EPOCH
 
-    def next_epoch(self, key: str, epoch: int, now: float) -> int:
+    def next_epoch(self, key: str, epoch: int, now: float, shown_at: float | None = None) -> int:
         self.top = max(self.top, epoch) + 1
         return self.top
 
