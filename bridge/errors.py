@@ -111,6 +111,9 @@ class SinkLost(ConnectorError):
     stream named (a new generation, incomplete) and writes the same messages again. Before raising,
     the connector resets what it expects of the sink, so the write that follows goes through.
     ``states`` names streams whose state alone the sink lost (cleared alike, nothing announced).
+    ``at`` gives, per (stream key, epoch), the seq an announcement must stand at when the sink
+    still holds later messages of the stream than its ``to_seq`` (a lost announcement of a
+    refusal, announced again where it stood).
     """
 
     reason = "sink_lost"
@@ -121,8 +124,10 @@ class SinkLost(ConnectorError):
         spans: Sequence[tuple[Stream, int, int, int]],
         *,
         states: Sequence[Stream] = (),
+        at: Mapping[tuple[str, int], int] | None = None,
         reason: str | None = None,
     ) -> None:
         super().__init__(message, reason=reason)
         self.spans = list(spans)
         self.states = list(states)
+        self.at = dict(at or {})

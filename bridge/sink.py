@@ -633,7 +633,7 @@ class SinkWorker:
         announce already (I6); each stream named has its state cleared."""
         reason = f"sink_lost:{self.name}"
         have = {
-            (m.record.stream.key, m.record.epoch, m.record.from_seq, m.record.seq)
+            (m.record.stream.key, m.record.epoch, m.record.from_seq, m.record.seq if m.record.to_seq is None else m.record.to_seq)
             for m in messages
             if m.record.kind == "EventsLost" and m.record.reason == reason
         }
@@ -658,7 +658,9 @@ class SinkWorker:
                     "error": str(exc),
                 },
             )
-            out.extend(self.renderer.render(events_lost(stream, epoch, first, last, reason, now)))
+            lost = events_lost(stream, epoch, first, last, reason, now)
+            lost.seq, lost.to_seq = max(last, exc.at.get((stream.key, epoch), last)), last
+            out.extend(self.renderer.render(lost))
         return out + messages
 
     def _state_lost(self, stream: Stream) -> None:

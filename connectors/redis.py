@@ -186,6 +186,12 @@ def entry_id(position: tuple[int, int, int]) -> str:
     return f"{WIDE | epoch}-{(slot << SUB_BITS) | min(sub, MAX_WIDE_SUB)}"
 
 
+def _merged(message: str, lost: Sequence[SinkLost], states: Sequence[Stream] = ()) -> SinkLost:
+    """One SinkLost for the losses of several engine streams."""
+    at = {k: v for e in lost for k, v in e.at.items()}
+    return SinkLost(message, [span for e in lost for span in e.spans], states=states, at=at)
+
+
 def message_position(message: Message) -> tuple[int, int, int]:
     """``message.position``, except that an EventsLost takes the last sub of its slot: should the
     batch at its ``to_seq`` itself have reached the sink, the record must still sort after it."""
@@ -825,6 +831,7 @@ class _Call:
         self.index_key = index_key
         self.state_key = state_key
         self.stream = stream
+        self.announces: dict[str, tuple[int, int]] = {}  # entry id of an EventsLost -> the seqs it announces
 
     def add(self, i: int, key: str, ident: str, fields: list[str | bytes]) -> None:
         if key not in self.keys:
@@ -921,6 +928,7 @@ class RedisConnector:
         # still queued are not written: the runtime opens a new generation).
         self._held: dict[str, str] = {}
         self._held_before: dict[str, str] = {}  # per stream key, the last id stored in the epoch before
+        self._held_announces: dict[str, tuple[int, int]] = {}  # per stream key, the seqs its last entry announced lost
         self._written: dict[str, tuple[str, str]] = {}
         self._state_lost: dict[str, int] = {}
         self._warned: set[str] = set()  # durability problems logged (see _warn_durability)
@@ -1098,6 +1106,8 @@ class RedisConnector:
             fields: list[str | bytes] = [x for kv in m.headers.items() for x in kv]
             fields += ["payload" if self._raw and m.record.kind == "batch" else "data", value]
             call.add(i, key, ident, fields)
+            if m.record.kind == "EventsLost" and m.record.from_seq is not None and m.record.to_seq is not None:
+                call.announces[ident] = (m.record.from_seq, m.record.to_seq)
             if self._index is not None:
                 call.args += self._delta(m).args()
         if calls:
@@ -1118,7 +1128,7 @@ class RedisConnector:
             if lost:
                 # Other streams' calls went through; the runtime writes them again (each entry then
                 # found there), after announcing what the sink lost.
-                raise SinkLost("; ".join(map(str, lost)), [span for e in lost for span in e.spans])
+                raise _merged("; ".join(map(str, lost)), lost)
         if not errors:
             return
         if len(errors) == len(messages):  # one error for all: their shared cause, or the first transient one
@@ -1215,7 +1225,7 @@ class RedisConnector:
         lost = [self._sink_lost(self._streams[s], keys) for s, keys in found.items()]
         if lost or states:
             what = "; ".join(map(str, lost)) or f"{self._prefix}: Redis lost the state it held of {', '.join(gone)}"
-            raise SinkLost(what, [span for e in lost for span in e.spans], states=states)
+            raise _merged(what, lost, states)
 
     async def read_state(self, streams: Sequence[Stream]) -> dict[str, tuple[Head, list[SeedEntry]] | None]:
         """Each stream's state hash, for a restarted bridge's rebuild: ``HSCAN`` of each, between two
@@ -1301,11 +1311,14 @@ class RedisConnector:
         Redis persists a script's writes whole, so the top entry's record is whole. Forgets what it
         expected of those keys, so that the write that follows goes through."""
         spans: dict[int, tuple[int, int]] = {}
+        again: list[tuple[Stream, int, int, int]] = []  # announcements lost: announced again as they were
+        at: dict[tuple[str, int], int] = {}
         lines = []
         for raw_key, raw_top in zip(found[::2], found[1::2], strict=True):
             key, top = _text(raw_key), _text(raw_top)
             want = self._held.pop(key)
             before = self._held_before.pop(key, None)
+            announced = self._held_announces.pop(key, None)
             lines.append(f"{key} holds {top or 'nothing'}, below {want} it stored")
             ends = [want] if before is None or (top and entry_position(top) >= entry_position(before)) else [before, want]
             for end in ends:
@@ -1316,8 +1329,13 @@ class RedisConnector:
                     first = top_slot if top_epoch == epoch else 0
                     if top_epoch == epoch and top_slot == slot and entry_position(top) < entry_position(end):
                         # Only what stood after the top's batch in its slot is gone: an EventsLost
-                        # (one announcing a refusal, say). Which seqs it announced is not known
-                        # here: announce that batch's seq, so consumers know their view misses.
+                        # (one announcing a refusal, say). It is announced again when it was the
+                        # last entry stored; else which seqs it announced is not known here:
+                        # announce that batch's seq, so consumers know their view misses.
+                        if end == want and announced is not None:
+                            again.append((stream, epoch, *announced))
+                            at[(stream.key, epoch)] = slot - 1  # where it stood: above the top
+                            continue
                         first = slot - 1
                 if first <= slot - 1:
                     low, high = spans.get(epoch, (first, slot - 1))
@@ -1327,7 +1345,7 @@ class RedisConnector:
             f"persistence, a deleted key): {'; '.join(lines)}; set appendonly yes (appendfsync everysec or always) "
             "so a restart keeps them"
         )
-        return SinkLost(message, [(stream, e, low, high) for e, (low, high) in spans.items()])
+        return SinkLost(message, [*again, *((stream, e, low, high) for e, (low, high) in spans.items())], at=at)
 
     def _claim(self, engine_stream: Stream, key: str, field: str) -> Retriable | None:
         """None when ``key`` belongs to ``engine_stream`` (claimed now if no stream had it), else
@@ -1351,6 +1369,7 @@ class RedisConnector:
                 del keys[old]
                 self._held.pop(old, None)
                 self._held_before.pop(old, None)
+                self._held_announces.pop(old, None)
                 if self._owners.get(old) == stream:
                     del self._owners[old]
         return None
@@ -1381,6 +1400,10 @@ class RedisConnector:
                     if last is not None and entry_position(what)[0] > entry_position(last)[0]:
                         self._held_before[key] = last  # a new epoch: its predecessor's end, for _sink_lost
                     self._held[key] = what
+                    if what in call.announces:
+                        self._held_announces[key] = call.announces[what]
+                    else:
+                        self._held_announces.pop(key, None)
             elif call.state_key is not None:
                 self._written[call.state_key] = (what[0], what[1])
         if len(reply) < len(call.indexes):  # the script stopped at a failure: the rest waits behind it

@@ -720,7 +720,8 @@ async def test_a_restarted_bridge_checks_the_state_it_read_back(redis_server: Re
 async def test_an_announcement_lost_after_its_batch_is_announced_again(forgetful_redis: RedisServer) -> None:
     """Found by the invariant breaker (B3): a refusal's EventsLost stands in the slot of the last
     batch of its write; a snapshot taken between that batch and the announcement lost only the
-    announcement, and the span computed per slot was empty: nothing was announced again."""
+    announcement, and the span computed per slot was empty: nothing was announced again. Then
+    (second round) batch 4 was announced instead, which Redis held, and seq 2 never again."""
     from bridge.config import SinkConfig
     from bridge.errors import NotConnected, SinkLost
     from bridge.formats import Renderer
@@ -746,7 +747,9 @@ async def test_an_announcement_lost_after_its_batch_is_announced_again(forgetful
             for _ in range(3):  # the first, on the connection the restart closed: NotConnected
                 with contextlib.suppress(NotConnected):
                     await conn.write(renderer.render(batch(stream, 5, epoch=3)))
-        assert info.value.spans == [(stream, 3, 4, 4)]  # consumers learn their view misses something
+        # The lost announcement again, as it was (seq 2, not batch 4, which Redis still holds: I4),
+        # standing where it stood, after batch 4 (an id below the top would be refused).
+        assert info.value.spans == [(stream, 3, 2, 2)] and info.value.at == {(stream.key, 3): 4}
     finally:
         await conn.close()
         await client.aclose()

@@ -346,3 +346,21 @@ async def test_a_loss_the_audit_finds_on_a_quiet_sink_is_announced_without_a_wri
     assert [r.seq for r in acked] == [0, 1]
     assert value(metrics, "kv_bridge_sink_errors_total", sink="mem", reason="sink_lost") == 1
     assert worker.connected
+
+
+async def test_a_lost_announcement_is_announced_again_where_it_stood(tmp_path: Path) -> None:
+    """A SinkLost's ``at``: the connector still holds later batches than the span's end (a lost
+    refusal announcement of seq 1 that stood after batch 3): the announcement stands at seq 3
+    again, its to_seq 1, so the sink takes it after what it holds."""
+    worker, conn, _acked, _metrics = make(tmp_path, batch={"linger": 0})
+    await fill(worker, stream_records(STREAM, 4))
+    worker.start()
+    assert await worker.flush(5)
+    conn.failures = [SinkLost("lost", [(STREAM, 0, 1, 1)], at={(STREAM.key, 0): 3}), None]
+    await fill(worker, stream_records(STREAM, 1, start=4))
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    lost = conn.messages[4].record
+    assert (lost.kind, lost.seq, lost.from_seq, lost.to_seq) == ("EventsLost", 3, 1, 1)
+    assert kinds(conn)[5:] == [("s/0", "batch", 4)]
