@@ -35,6 +35,7 @@ test: install
 	$(PY) tools/chart_schema.py --check
 	$(PY) tools/chart_readme.py --check
 	$(PY) tools/config_reference.py --check
+	$(PY) -m mkdocs build --strict --quiet --site-dir site
 	$(PY) -m bridge schema --check schema/kv-events.schema.json
 	$(PY) -m bridge schema state --check schema/kv-state.schema.json
 	$(VENV)/bin/ruff check .

@@ -10,7 +10,7 @@ metrics) lives once in the runtime (:mod:`bridge.sink`). Import what a plugin ne
 A connector class has:
 
 - ``Options``: a :class:`ConnectorOptions` subclass (unknown keys are errors); describe each field
-  with ``Annotated[T, doc("...")]`` (the README reference and the chart schema show it); a password
+  with ``Annotated[T, doc("...")]`` (the docs reference tables and the chart schema show it); a password
   or token is a :class:`Secret` (``***`` in reprs, logs, metrics, ``--check``, dead letters);
 - ``__init__(self, name, options, sink)``: no I/O;
 - ``needs_events``: ``False`` when it reads nothing of a ``raw`` message but its value and headers
@@ -46,7 +46,7 @@ Optional, for ``checkpoint.from_sinks`` (a pod taking over streams it has no che
   sink needs and drops, per sink, the messages at or below what that sink holds
   (:func:`bridge.checkpoint.combine`), so the sink sees no duplicate even if it cannot drop one.
 
-Optional, for the live-block state (``state:`` in a sink's options; README "State bootstrap"):
+Optional, for the live-block state (``state:`` in a sink's options; docs/output/state.md):
 
 - ``writes_state``: ``True`` when the sink keeps state. The runtime then keeps a
   :class:`bridge.state.StateTracker`, decodes every batch, and follows each record's messages in a

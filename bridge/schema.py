@@ -2,7 +2,7 @@
 
 The renderer (:mod:`bridge.formats`) encodes every record header and control record through the
 record structs below, so the field names and their order live here and nowhere else; the event
-structs name the known fields of each engine event type (protocol.md section 2: every field of
+structs name the known fields of each engine event type (docs/protocol.md section 2: every field of
 :data:`bridge.wire.FIELDS` and SGLang's own) in the form the ``json`` format gives them, and the
 hash fields the renderer converts for ``hash_format: hex`` are the ones typed :data:`BlockHash`.
 :func:`build` turns the structs into a JSON Schema (draft 2020-12); the repository keeps the result

@@ -157,7 +157,7 @@ class CreateTopicsOptions(ConnectorOptions):
 
 
 class StateOptions(ConnectorOptions):
-    """The live-block state of every stream in a log-compacted topic (README "State bootstrap").
+    """The live-block state of every stream in a log-compacted topic (docs/output/state.md).
 
     Written without transactions: a stream's head is a fuzzy cut (entries of later records may be
     read with it), made exact by the entries' versions (:mod:`bridge.bootstrap`); no fencing of a

@@ -1,6 +1,6 @@
 """End to end over real ZMQ sockets: engine frames -> bridge -> file sink, read back.
 
-Captured vectors of real publishers, hostile input, and the sequencing duties of protocol.md
+Captured vectors of real publishers, hostile input, and the sequencing duties of docs/protocol.md
 section 3 driven by the simulator (slow joiner, drops, restarts, gaps beyond the buffer, a
 replay socket that loses replies, several ranks and engines).
 """
