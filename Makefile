@@ -1,6 +1,6 @@
-# kv-event-bridge: the two commands of README.md, and a few helpers.
+# kv-event-bridge: make demo (the quickstart of README.md), make test (docs/development/testing.md), and a few helpers.
 #   make demo   install, then run a simulated engine -> bridge -> stdout (no broker needed)
-#   make test   install everything (Python deps, Kafka/Redis/NATS/Prometheus, helm), then ruff, mypy, pytest
+#   make test   install everything (Python deps, Kafka/Redis/NATS/Prometheus, helm), check the generated files, build the docs site, then ruff, mypy, pytest
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -47,4 +47,4 @@ soak: install
 	$(PY) -m benchmarks.soak --duration 120
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build site *.egg-info

@@ -133,3 +133,14 @@ def test_the_checkpoint_path_is_the_one_the_chart_mounts() -> None:
     assert not [t for t in texts if "/var/lib/kv-bridge" in t]
     mount = re.search(r"mountPath: (\S+)", (ROOT / "helm" / "kv-event-bridge" / "values.yaml").read_text())
     assert mount is not None and mount.group(1) == "/var/lib/kv-event-bridge"
+
+
+def test_every_example_config_is_in_the_examples_readme() -> None:
+    """examples/README.md names, for each config, the engine it expects and what reads it (or why nothing does)."""
+    readme = (ROOT / "examples" / "README.md").read_text()
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `([^`]+)` \|.*$", readme, re.M)}
+    configs = sorted(p.name for p in (ROOT / "examples").iterdir() if p.suffix in (".yaml", ".yml", ".toml"))
+    assert sorted(rows) == configs
+    for name, row in rows.items():
+        reader = row.rstrip(" |").rsplit("|", 1)[1]
+        assert "consume_" in reader or "not" in reader or "tail" in reader, f"{name}: say what reads it, or why nothing does"
