@@ -16,7 +16,9 @@ and event types; a newer bridge may add optional header fields). :data:`SCHEMA_V
 every record (``schema_version``) and in every message's headers. Compatibility rule: additive
 changes (a new optional field, a new event type, a new value of a free-text field such as
 ``reason`` or ``medium``) keep the version; removing or renaming a field, making one required,
-changing a field's form or meaning, or a new kind of record bumps it.
+changing a field's form or meaning, or a new kind of record bumps it. So far: batch records gained
+``type`` ("EventBatch") after version 1 was published, an additive change (optional in the schema,
+so earlier batch records still validate): the version stayed 1.
 """
 
 from __future__ import annotations
