@@ -89,7 +89,7 @@ def check_prefix(records: list[dict[str, Any]], engine: ScriptedEngine) -> None:
     instance_of: dict[int, int] = {}
     epoch_of: dict[int, int] = {}
     for n, r in enumerate(records):
-        epoch, kind = r["epoch"], r.get("type", "batch")
+        epoch, kind = r["epoch"], r["type"]
         if top is not None and epoch < top:
             problems.append(f"line {n}: epoch {epoch} after epoch {top}")
         top = epoch if top is None else max(top, epoch)
