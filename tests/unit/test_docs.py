@@ -13,7 +13,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from bridge import bootstrap
+from bridge import bootstrap, cli
 from bridge.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -144,3 +144,14 @@ def test_every_example_config_is_in_the_examples_readme() -> None:
     for name, row in rows.items():
         reader = row.rstrip(" |").rsplit("|", 1)[1]
         assert "consume_" in reader or "not" in reader or "tail" in reader, f"{name}: say what reads it, or why nothing does"
+
+
+def test_the_cli_page_names_every_command_and_exit_code() -> None:
+    page = (DOCS / "reference" / "cli.md").read_text()
+    parser = cli._parser()
+    (sub,) = [a for a in parser._actions if a.dest == "command"]
+    commands = set(sub.choices)  # type: ignore[union-attr]
+    assert commands and not [c for c in commands if f"python -m bridge {c}" not in page]
+    codes = {int(m) for m in re.findall(r"^\| (\d+) \|", _section(page, "## Exit codes"), re.M)}
+    exits = {v for k, v in vars(cli).items() if k.startswith("EXIT_")}
+    assert codes == exits, f"the page lists {sorted(codes)}, bridge/cli.py has {sorted(exits)}"
