@@ -155,3 +155,14 @@ def test_the_cli_page_names_every_command_and_exit_code() -> None:
     codes = {int(m) for m in re.findall(r"^\| (\d+) \|", _section(page, "## Exit codes"), re.M)}
     exits = {v for k, v in vars(cli).items() if k.startswith("EXIT_")}
     assert codes == exits, f"the page lists {sorted(codes)}, bridge/cli.py has {sorted(exits)}"
+
+
+def test_the_dedup_rule_is_defined_in_one_place() -> None:
+    """Pages link "Order and deduplication" rather than restating a key (the old one dropped records)."""
+    restated = [
+        str(p.relative_to(ROOT))
+        for p in [*DOCS.rglob("*.md"), ROOT / "README.md"]
+        if re.search(r"deduplicat\w* on\W+\(?`?source", p.read_text())
+    ]
+    assert not restated, f"link docs/concepts/streams.md#order-and-deduplication instead: {restated}"
+    assert len(list(DOCS.rglob("*.md"))) > 1 and "## Order and deduplication" in (DOCS / "concepts" / "streams.md").read_text()
