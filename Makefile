@@ -1,8 +1,8 @@
-# kv-event-bridge: the two commands of README.md, and a few helpers.
+# kv-event-bridge: make demo (the quickstart of README.md), make test (docs/development/testing.md), and a few helpers.
 #   make demo   install, then run a simulated engine -> bridge -> stdout (no broker needed)
 #   make playground [BROKER=kafka|redis|nats]   the same with a real local broker and the example consumer
-#   make test   install everything (Python deps, Kafka/Redis/NATS/Prometheus, helm), then ruff, mypy,
-#               the Go consumer's vet and unit tests (go/kvconsumer: needs Go), pytest
+#   make test   install everything (Python deps, Kafka/Redis/NATS/Prometheus, helm), check the generated files,
+#               build the docs site, then ruff, mypy, the Go consumer's vet and unit tests (needs Go), pytest
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -43,7 +43,9 @@ test: install
 	$(PY) tools/chart_schema.py --check
 	$(PY) tools/chart_readme.py --check
 	$(PY) tools/config_reference.py --check
+	$(PY) -m mkdocs build --strict --quiet --site-dir site
 	$(PY) -m bridge schema --check schema/kv-events.schema.json
+	$(PY) -m bridge schema state --check schema/kv-state.schema.json
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	cd go/kvconsumer && GOFLAGS="-mod=mod -buildvcs=false" go vet ./... && GOFLAGS="-mod=mod -buildvcs=false" go test ./...
@@ -54,4 +56,4 @@ soak: install
 	$(PY) -m benchmarks.soak --duration 120
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build site *.egg-info

@@ -24,7 +24,7 @@ implementation of that output does per batch, with no sequencing, queue, metrics
 - ``raw/batch``: parse the seq frame, count the events by type (``wire.count_batch``, what the
   bridge does for raw-only sinks), collect the payload (cleared every 2,000 batches).
 
-The ratio bridge / floor is what the targets are stated in (BENCHMARKS.md). Garbage collection is
+The ratio bridge / floor is what the targets are stated in (docs/development/benchmarks.md). Garbage collection is
 set as ``python -m bridge`` sets it (``bridge.cli.tune_gc``); ``--gc default`` keeps Python's.
 """
 

@@ -5,7 +5,7 @@ python -m bridge --config FILE --check    validate (parse, build connectors, rea
 python -m bridge simulate [...]           a vLLM-compatible publisher
 python -m bridge tail ENDPOINT [...]      print an engine's decoded events
 python -m bridge demo                     simulator + bridge + stdout sink, no broker needed
-python -m bridge schema [--check FILE]    print the output records' JSON Schema (or compare FILE with it)
+python -m bridge schema [state] [--check FILE]   print the records' (or state documents') JSON Schema, or compare FILE
 """
 
 from __future__ import annotations
@@ -92,7 +92,10 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--granularity", choices=["event", "batch"], default="event")
     d.add_argument("--metrics", default="127.0.0.1:9300", help="metrics listen address ('' to disable)")
 
-    sc = sub.add_parser("schema", help="print the JSON Schema of the records the json format writes")
+    sc = sub.add_parser("schema", help="print the JSON Schema of the records the json format writes, or of the state documents")
+    sc.add_argument(
+        "which", nargs="?", choices=["records", "state"], default="records", help="records (default) or state (head and entry)"
+    )
     sc.add_argument("--check", metavar="FILE", help="exit 1 if FILE differs from the schema (e.g. schema/kv-events.schema.json)")
     return p
 
@@ -173,7 +176,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command == "demo":
         return _demo(args)
     if args.command == "schema":
-        return _schema(args.check)
+        return _schema(args.which, args.check)
     if not args.config:
         parser.print_usage(sys.stderr)
         print("python -m bridge: error: --config FILE is required (or a command: simulate, tail, demo, schema)", file=sys.stderr)
@@ -255,11 +258,11 @@ def _tail(args: argparse.Namespace) -> int:
     return _run(go)
 
 
-def _schema(check: str | None) -> int:
-    """``schema``: print the output schema, or tell whether ``check`` holds exactly that text."""
+def _schema(which: str, check: str | None) -> int:
+    """``schema``: print the records' or state documents' schema, or tell whether ``check`` holds exactly that text."""
     from .schema import render
 
-    text = render()
+    text = render(which)
     if check is None:
         sys.stdout.write(text)
         return EXIT_OK
@@ -270,7 +273,8 @@ def _schema(check: str | None) -> int:
         print(f"{check}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_FAILED
     if current != text:
-        print(f"{check} is out of date: run python -m bridge schema > {check}", file=sys.stderr)
+        command = "python -m bridge schema" + ("" if which == "records" else f" {which}")
+        print(f"{check} is out of date: run {command} > {check}", file=sys.stderr)
         return EXIT_FAILED
     print(f"{check}: up to date")
     return EXIT_OK

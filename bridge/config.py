@@ -78,7 +78,7 @@ def _dec_hook(tp: type, obj: Any) -> Any:
 
 
 def doc(text: str) -> msgspec.Meta:
-    """Field metadata: the description shown in the README reference and the chart schema."""
+    """Field metadata: the description shown in the docs reference tables and the chart schema."""
     return msgspec.Meta(description=text)
 
 
@@ -229,7 +229,7 @@ class CheckpointConfig(Struct):
 
 
 class StateConfig(Struct):
-    """The live-block state kept for sinks with ``state.enabled`` (README "State bootstrap")."""
+    """The live-block state kept for sinks with ``state.enabled`` (docs/output/state.md)."""
 
     max_entries: Annotated[
         int,
@@ -910,7 +910,7 @@ _TCP = re.compile(r"^tcp://(.+):(\d+)$")
 def _check_ports(sources: list[SourceConfig], problems: list[str]) -> None:
     """Refuse one host:port used by two port ranges.
 
-    Rank r uses port + r on both sockets (protocol.md section 1), so with several ranks a live and
+    Rank r uses port + r on both sockets (docs/protocol.md section 1), so with several ranks a live and
     a replay port one apart overlap: rank 1's live port would be rank 0's replay port. Only what is
     certainly wrong is refused: the same host, on the same side of the connection (``bind: true``
     binds the live endpoints here; replay endpoints are always the engines', connected to).

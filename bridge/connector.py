@@ -10,7 +10,7 @@ metrics) lives once in the runtime (:mod:`bridge.sink`). Import what a plugin ne
 A connector class has:
 
 - ``Options``: a :class:`ConnectorOptions` subclass (unknown keys are errors); describe each field
-  with ``Annotated[T, doc("...")]`` (the README reference and the chart schema show it); a password
+  with ``Annotated[T, doc("...")]`` (the docs reference tables and the chart schema show it); a password
   or token is a :class:`Secret` (``***`` in reprs, logs, metrics, ``--check``, dead letters);
 - ``__init__(self, name, options, sink)``: no I/O;
 - ``needs_events``: ``False`` when it reads nothing of a ``raw`` message but its value and headers
@@ -55,7 +55,7 @@ what it expects, as ``write`` does. Called by the runtime between writes, at mos
 that a state it finds lost may be emptied (never left partial and marked complete); any other
 exception is logged and ignored (the next write checks again).
 
-Optional, for the live-block state (``state:`` in a sink's options; README "State bootstrap"):
+Optional, for the live-block state (``state:`` in a sink's options; docs/output/state.md):
 
 - ``writes_state``: ``True`` when the sink keeps state. The runtime then keeps a
   :class:`bridge.state.StateTracker`, decodes every batch, and follows each record's messages in a

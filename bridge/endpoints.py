@@ -1,4 +1,4 @@
-"""Endpoint arithmetic for data-parallel ranks (protocol.md section 1, "Data parallelism").
+"""Endpoint arithmetic for data-parallel ranks (docs/protocol.md section 1, "Data parallelism").
 
 Rank r of an engine publishes on the configured port + r for both sockets; ``inproc://name`` and
 ``ipc://path`` become ``inproc://name_dp{r}`` / ``ipc://path_dp{r}``.

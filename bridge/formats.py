@@ -7,7 +7,8 @@ per-event work is one ``msgspec`` encode.
 
 - ``json`` / ``msgpack``, ``event`` granularity: one message per event (and per control record),
   ``{"source", "dp_rank", "epoch", "seq", "index", "ts", "schema_version", "type", fields...}``.
-- ``json`` / ``msgpack``, ``batch`` granularity: one message per batch, events under ``"events"``.
+- ``json`` / ``msgpack``, ``batch`` granularity: one message per batch, ``"type": "EventBatch"``, events
+  under ``"events"``.
 - ``raw``: the engine payload untouched, one message per batch; the header travels as message
   headers. Control records are JSON (``content-type: application/json``).
 
@@ -22,7 +23,7 @@ hex``, every block hash is hex text in msgpack too).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import msgspec
 
@@ -39,7 +40,7 @@ CONTENT_TYPES: dict[str, str] = {
     "msgpack": "application/msgpack",
     "raw": "application/vnd.kv-events.msgpack",
 }
-BATCH_TYPE = "EventBatch"
+BATCH_TYPE: Final = "EventBatch"
 SCHEMA_VERSION_TEXT = str(SCHEMA_VERSION)
 _U64 = 0xFFFFFFFFFFFFFFFF
 
@@ -407,7 +408,7 @@ class Renderer:
             json_ = self.format == "json"
             if json_ and (self.hash_hex or not record.plain):
                 events = [json_event(e, self.hash_hex) for e in events]
-            body = EventBatch(s.source, s.dp_rank, record.epoch, record.seq, record.ts, SCHEMA_VERSION, events)
+            body = EventBatch(s.source, s.dp_rank, record.epoch, record.seq, record.ts, SCHEMA_VERSION, BATCH_TYPE, events)
             value = _json.encode(body) if json_ else _msgpack.encode(body)
         return Message(record, None, BATCH_TYPE, value, Envelope(record, BATCH_TYPE, self.content_type))
 

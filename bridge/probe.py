@@ -79,7 +79,7 @@ def _ready_socket_type(body: bytes) -> str:
 
 
 EXPECTED = {"live": ("PUB", "XPUB"), "replay": ("ROUTER",)}
-"""The socket types each of an engine's endpoints has (protocol.md: PUB live, ROUTER replay)."""
+"""The socket types each of an engine's endpoints has (docs/protocol.md: PUB live, ROUTER replay)."""
 
 _FIX = {
     ("live", "ROUTER"): "this looks like the engine's replay port: give its PUB (kv-events endpoint) port here "

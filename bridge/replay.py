@@ -1,4 +1,4 @@
-"""The replay client: asks an engine's ROUTER socket for buffered batches (protocol.md section 1).
+"""The replay client: asks an engine's ROUTER socket for buffered batches (docs/protocol.md section 1).
 
 A fresh DEALER per request (so late replies of an abandoned request can never be mistaken for
 the next one's), sending ``[b"", start]`` itself because the ROUTER expects an empty delimiter.

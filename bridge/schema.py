@@ -2,18 +2,23 @@
 
 The renderer (:mod:`bridge.formats`) encodes every record header and control record through the
 record structs below, so the field names and their order live here and nowhere else; the event
-structs name the known fields of each engine event type (protocol.md section 2: every field of
+structs name the known fields of each engine event type (docs/protocol.md section 2: every field of
 :data:`bridge.wire.FIELDS` and SGLang's own) in the form the ``json`` format gives them, and the
 hash fields the renderer converts for ``hash_format: hex`` are the ones typed :data:`BlockHash`.
 :func:`build` turns the structs into a JSON Schema (draft 2020-12); the repository keeps the result
-in ``schema/kv-events.schema.json`` and ``python -m bridge schema`` prints it.
+in ``schema/kv-events.schema.json`` and ``python -m bridge schema`` prints it. The state documents
+(``state.enabled``: a head and one entry per live block, written by :mod:`bridge.state_docs`) have
+their structs here too: :func:`build_state`, ``schema/kv-state.schema.json``,
+``python -m bridge schema state``.
 
 Every object is open: consumers must tolerate fields they do not know (newer engines add fields
 and event types; a newer bridge may add optional header fields). :data:`SCHEMA_VERSION` travels in
 every record (``schema_version``) and in every message's headers. Compatibility rule: additive
 changes (a new optional field, a new event type, a new value of a free-text field such as
 ``reason`` or ``medium``) keep the version; removing or renaming a field, making one required,
-changing a field's form or meaning, or a new kind of record bumps it.
+changing a field's form or meaning, or a new kind of record bumps it. So far: batch records gained
+``type`` ("EventBatch") after version 1 was published, an additive change (optional in the schema,
+so earlier batch records still validate): the version stayed 1.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ SCHEMA_VERSION = 1
 
 SCHEMA_PATH = "schema/kv-events.schema.json"
 """Where the repository keeps the generated schema (relative to its root)."""
+STATE_SCHEMA_PATH = "schema/kv-state.schema.json"
+"""And the schema of the state documents."""
 
 _U64_MAX = 2**64 - 1
 _I64_MIN = -(2**63)
@@ -75,7 +82,7 @@ Ts = Annotated[
     float | None,
     Meta(description="The engine's wall clock (float seconds) when its step ended; null if it was not a finite number."),
 ]
-Reason = Annotated[str, Meta(description="Why, as a stable token (see README, Output formats); new values may appear.")]
+Reason = Annotated[str, Meta(description="Why, as a stable token (see docs/output/records.md); new values may appear.")]
 TokenIds = list[int]
 _Opt = UnsetType  # an optional field: left out when the engine left it out
 _NStr = str | UnsetType | None  # optional, null when unset (array-encoded engines send every field)
@@ -114,6 +121,13 @@ class EventBatch(StreamHeader):
 
     ts: Ts
     schema_version: Version
+    type: Annotated[
+        Literal["EventBatch"],
+        Meta(
+            description="The record's kind, as in the type header (every record has one). Batch records of "
+            "earlier bridges lack it: they are told by their events field."
+        ),
+    ]
     events: Annotated[
         list[dict[str, Any]],
         Meta(description="The batch's events, in engine order (each an Event)."),
@@ -230,6 +244,74 @@ HASH_FIELDS = frozenset(
 """Event fields that hold block hashes (``hash_format`` applies to them)."""
 
 
+# -- the state documents ---------------------------------------------------------------------------
+
+
+class StateDoc(msgspec.Struct):
+    """What a head and an entry both start with: the stream, and the version they are of."""
+
+    source: Annotated[str, Meta(description="Source name, as in the stream's records.")]
+    dp_rank: Annotated[int, Meta(ge=0, description="Data-parallel rank, as in the stream's records.")]
+    epoch: Annotated[int, Meta(ge=0, description="The epoch of the records this document reflects.")]
+    gen: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Generation: rises at every clear of the stream's state. Leave out entries of another "
+            "(epoch, gen) than the head's.",
+        ),
+    ]
+
+
+class StateHead(StateDoc):
+    """A stream's head (key ``_head``): the entries reflect every record up to (epoch, seq)."""
+
+    seq: Annotated[
+        int,
+        Meta(
+            ge=-1,
+            extra_json_schema={"maximum": _U64_MAX},
+            description="The last record reflected; -1: the epoch's SourceReset only.",
+        ),
+    ]
+    complete: Annotated[
+        bool, Meta(description="The entries equal the engine's cache at (epoch, seq); false after a loss or a late join.")
+    ]
+    live: Annotated[int, Meta(ge=0, description="Live entries of the stream.")]
+    tracking: Annotated[bool, Meta(description="False: the stream's state is switched off (state.max_entries).")]
+    next: Annotated[
+        int | str | None,
+        Meta(
+            description="Where the stream's messages continue in the sink: a Redis entry id to read after, a Kafka "
+            "offset in the stream's partition, a JetStream sequence; null when the sink has none yet."
+        ),
+    ]
+
+
+class StateEntry(StateDoc, kw_only=True):
+    """One live block of a stream (key ``{medium}/{group_idx}/{block}``); a removed block has none.
+    The fields after ``count`` are the block's facts, present once its BlockStored was seen."""
+
+    seq: Annotated[Seq, Meta(description="With epoch: the batch that last changed this entry.")]
+    medium: Annotated[str | None, Meta(description="As the engine sent it; null when it sent none.")]
+    group_idx: Annotated[int | None, Meta(description="As the engine sent it; null when it sent none.")]
+    block: Annotated[
+        str, Meta(pattern="^[0-9a-f]{16}$", description="Block id: the hash's last 8 bytes, 16 lowercase hex digits.")
+    ]
+    count: Annotated[int, Meta(ge=1, description="Residency count: copies the engine holds (one BlockRemoved each).")]
+    hash: BlockHash | _Opt = UNSET
+    parent: BlockHash | _Opt | None = UNSET
+    token_ids: Annotated[TokenIds | _Opt, Meta(description="With token_ids: keep.")] = UNSET
+    token_hashes: Annotated[list[TokenHash] | _Opt, Meta(description="With token_ids: hash, in place of token_ids.")] = UNSET
+    block_size: int | _Opt | None = UNSET
+    lora_id: int | _Opt | None = UNSET
+    lora_name: str | _Opt | None = UNSET
+    extra_keys: list[Any] | _Opt | None = UNSET
+
+
+STATE_DOCS: tuple[type[msgspec.Struct], ...] = (StateHead, StateEntry)
+
+
 # -- the schema ------------------------------------------------------------------------------------
 
 SCHEMA_ID = f"urn:kv-event-bridge:output:v{SCHEMA_VERSION}"
@@ -274,6 +356,9 @@ def build() -> dict[str, Any]:
     }
     # The renderer hands events over as the engine's dicts; their schema is the Event union.
     defs["EventBatch"]["properties"]["events"]["items"] = _ref("Event")
+    # type joined the batch record after schema version 1 was published: an additive change, so
+    # batch records written before it (no type) still validate, and the version stays.
+    defs["EventBatch"]["required"].remove("type")
     defs["EventRecord"] = {
         "title": "EventRecord",
         "description": "An event-granularity record: the header, then the event's own fields.",
@@ -294,6 +379,32 @@ def build() -> dict[str, Any]:
     }
 
 
-def render() -> str:
-    """:func:`build` as the committed file holds it (2-space indent, a final newline)."""
-    return json.dumps(build(), indent=2, ensure_ascii=False) + "\n"
+def build_state() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of the state documents (head and entry), from the structs."""
+    _, defs = msgspec.json.schema_components(STATE_DOCS, ref_template="#/$defs/{name}")
+    for d in defs.values():
+        d["additionalProperties"] = True
+    shared: dict[str, Any] = {}
+    defs = {name: _hoist(d, shared) for name, d in defs.items()} | shared
+    return {
+        "$schema": _DIALECT,
+        "$id": f"urn:kv-event-bridge:state:v{SCHEMA_VERSION}",
+        "title": f"kv-event-bridge state document, schema version {SCHEMA_VERSION}",
+        "description": (
+            "A document a sink with state.enabled holds per engine stream: its head (key _head) or one entry per live "
+            "block. Generated by `python -m bridge schema state` from bridge/schema.py; it follows the records' "
+            "schema_version and compatibility rule."
+        ),
+        "x-schema-version": SCHEMA_VERSION,
+        "anyOf": [_ref(c.__name__) for c in STATE_DOCS],
+        "$defs": dict(sorted(defs.items())),
+    }
+
+
+SCHEMAS = {"records": (build, SCHEMA_PATH), "state": (build_state, STATE_SCHEMA_PATH)}
+"""What ``python -m bridge schema [records|state]`` prints, and where the repository keeps it."""
+
+
+def render(which: str = "records") -> str:
+    """A schema of :data:`SCHEMAS` as the committed file holds it (2-space indent, a final newline)."""
+    return json.dumps(SCHEMAS[which][0](), indent=2, ensure_ascii=False) + "\n"

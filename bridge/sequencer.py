@@ -1,7 +1,7 @@
 """Per-stream sequencing: deliver every batch once, in order, or say exactly what is lost.
 
 Pure: no sockets, no asyncio, no clock. One :class:`StreamSequencer` per (source, dp_rank) keeps
-the two watermarks of protocol.md section 3 (last seq seen live, last seq delivered) and turns
+the two watermarks of docs/protocol.md section 3 (last seq seen live, last seq delivered) and turns
 each input (a live message, a replay reply, the end of a replay, a dropped connection) into a
 list of actions for the runtime to carry out in order:
 
@@ -32,9 +32,9 @@ Engine instances. The protocol carries no instance id, so the sequencer infers o
   reply is followed by one for exactly that seq, whose first reply is never dropped ("nothing":
   the answering instance never published it); a late live copy of a replayed batch is told by
   its CRC-32. What cannot be told this way is announced lost rather than delivered under the
-  wrong epoch (README, "instance detection").
+  wrong epoch (docs/concepts/correctness.md, "Instance detection").
 
-Replay rules (protocol.md section 1): the first reply above the requested start means the span
+Replay rules (docs/protocol.md section 1): the first reply above the requested start means the span
 left the engine's buffer, but a ROUTER under load may also drop replies, so a loss is declared
 only when two attempts in a row start above the same point; a replay that goes silent is
 uncertain and retried, up to ``max_attempts``, before its span is declared lost.
@@ -621,7 +621,7 @@ class StreamSequencer:
                 if self._gap_open():
                     self._request(out)
                 return out
-            # The replay socket cannot tell: presume continuity (README, "instance detection")
+            # The replay socket cannot tell: presume continuity (docs/concepts/correctness.md, "Instance detection")
             # rather than hold live batches forever.
             self._trust(out)
         if not self._gap_open():

@@ -9,7 +9,7 @@ message. ZMQ's
 re-established; the sequence gap is then repaired through replay). A monitor socket tracks
 connections for ``kv_bridge_sources_connected`` and the logs.
 
-Health (README "Metrics and health"): a connection counts once its ZMTP handshake succeeded (a
+Health (docs/operations/monitoring.md): a connection counts once its ZMTP handshake succeeded (a
 SUB that reached the engine's replay ROUTER connects, then is dropped without one). While a
 source is not connected, the reader finds out why, at most every ``_DIAGNOSE_EVERY`` seconds, by
 asking the endpoint itself (:mod:`bridge.probe`): a name that does not resolve, a refused port, no

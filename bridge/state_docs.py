@@ -1,7 +1,7 @@
 """The state contract: the keys and documents every sink's ``state:`` writer writes, and reads back.
 
 Pure (no I/O). One stream's state is its *head* and one *entry* per live block, each a JSON
-object; every sink stores them under its own names (README "State bootstrap"), with the entry key
+object; every sink stores them under its own names (docs/output/state.md), with the entry key
 ``{medium}/{group_idx}/{block id as 16 hex digits}`` inside the stream (``-`` for a medium or
 group the engine did not send; characters other than letters, digits and ``_`` in a medium as
 ``=XX``, its UTF-8 bytes in hex; the document keeps the medium as sent).
@@ -9,7 +9,7 @@ group the engine did not send; characters other than letters, digits and ``_`` i
 Head: ``{"source", "dp_rank", "epoch", "gen", "seq", "complete", "live", "tracking", "next"}``:
 the state reflects every record of the stream up to ``(epoch, seq)`` (``seq`` -1: the epoch's
 ``SourceReset`` and nothing after it); ``next`` says where the stream's messages continue in the
-sink (its form is the sink's: README). Entry: ``{"source", "dp_rank", "epoch", "gen", "seq",
+sink (its form is the sink's: docs/output/state.md). Entry: ``{"source", "dp_rank", "epoch", "gen", "seq",
 "medium", "group_idx", "block", "count", "hash", "parent", "token_ids", "block_size", "lora_id",
 "lora_name", "extra_keys"}`` where ``(epoch, seq)`` is the record that last changed it and ``gen``
 the generation it was written in; the token policy of the sink applies (``drop``: no

@@ -1,4 +1,4 @@
-"""The wire format: ZMQ frames and every msgpack payload generation (protocol.md sections 1-2).
+"""The wire format: ZMQ frames and every msgpack payload generation (docs/protocol.md sections 1-2).
 
 Pure: no sockets, no asyncio, no clock. Decoding is done once per batch with msgspec's generic
 msgpack decoder (ints up to 2**64-1 stay exact, binary stays ``bytes``); events are then

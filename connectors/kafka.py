@@ -155,7 +155,7 @@ class CreateTopicsOptions(ConnectorOptions):
 
 
 class StateOptions(ConnectorOptions):
-    """The live-block state of every stream in a log-compacted topic (README "State bootstrap").
+    """The live-block state of every stream in a log-compacted topic (docs/output/state.md).
 
     Written without transactions: a stream's head is a fuzzy cut (entries of later records may be
     read with it), made exact by the entries' versions (:mod:`kv_consumer.state`); no fencing of a

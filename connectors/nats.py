@@ -321,7 +321,7 @@ _BUCKET_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
 class StateOptions(ConnectorOptions):
-    """The live-block state (README "State bootstrap"): a JetStream key-value bucket, JetStream mode only."""
+    """The live-block state (docs/output/state.md): a JetStream key-value bucket, JetStream mode only."""
 
     enabled: Annotated[
         bool,
@@ -380,7 +380,7 @@ class NatsOptions(ConnectorOptions):
     stream: Annotated[StreamOptions, doc("JetStream stream to create when missing (see stream.create).")] = msgspec.field(
         default_factory=StreamOptions
     )
-    state: Annotated[StateOptions, doc('Live-block state in a JetStream KV bucket (README "State bootstrap").')] = msgspec.field(
+    state: Annotated[StateOptions, doc('Live-block state in a JetStream KV bucket (docs/output/state.md).')] = msgspec.field(
         default_factory=StateOptions
     )
 

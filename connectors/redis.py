@@ -237,7 +237,7 @@ class IndexOptions(ConnectorOptions):
 
 
 class StateOptions(ConnectorOptions):
-    """A HASH per engine stream of its live blocks and its head, written with its entries (README "State bootstrap")."""
+    """A HASH per engine stream of its live blocks and its head, written with its entries (docs/output/state.md)."""
 
     enabled: Annotated[
         bool,

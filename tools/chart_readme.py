@@ -115,9 +115,9 @@ def render(chart: Path = CHART) -> str:
 {description}
 
 Chart {meta["version"]}, kv-event-bridge {meta["appVersion"]}, Kubernetes {meta["kubeVersion"]}. The whole
-guide (modes, discovery, sharding and handover, sizing, security) is the "Deploying" section of
-the repository's README.md; `values.schema.json` checks every value, the bridge's `config`
-included, so a typo fails `helm install`, not the pod.
+guide (modes, discovery, sharding and handover, sizing, security) is in the repository's
+documentation site, from `docs/operations/chart.md`; `values.schema.json` checks every value, the
+bridge's `config` included, so a typo fails `helm install`, not the pod.
 
 ## Install
 

@@ -1,10 +1,11 @@
-"""Write the configuration reference tables of README.md from the config structs' field metadata.
+"""Write the generated reference tables of the documentation site (docs/) from the code.
 
-    python tools/config_reference.py           rewrite the tables in README.md
-    python tools/config_reference.py --check   exit 1 when README.md is out of date (CI, tests)
+    python tools/config_reference.py           rewrite the tables in docs/
+    python tools/config_reference.py --check   exit 1 when a page is out of date (CI, tests)
 
-Each table sits between marker comments naming its section, and everything between them is
-replaced (prose around them is kept):
+Each table sits between marker comments naming its section, in whichever page of ``docs/`` shows
+it (each section exactly once across the site), and everything between them is replaced (prose
+around them is kept):
 
     <!-- BEGIN generated: sinks.kafka -->
     | key | type | default | description |
@@ -13,7 +14,9 @@ replaced (prose around them is kept):
 
 Sections: ``config`` (the top level), ``sources``, ``discovery``, ``sinks`` (the keys every sink has),
 ``sinks.tls`` (the ``tls`` block of the connectors that speak TLS) and ``sinks.NAME`` for every
-installed connector. A row's description is the field's ``msgspec.Meta(description=...)``
+installed connector (those render from the config structs); ``chart.values`` (every value of
+the Helm chart, as ``tools/chart_readme.py`` lists them) and ``chart.production`` (the chart's
+production values file). A row's description is the field's ``msgspec.Meta(description=...)``
 (``bridge.config.doc``), the same text as the Helm values schema (``tools/chart_schema.py``); nested
 structs are flattened into dotted keys. Run it after changing a config struct or a connector's options.
 """
@@ -48,7 +51,7 @@ from tools.config_meta import (  # noqa: E402
     fields,
 )
 
-README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 COMMAND = "python tools/config_reference.py"
 
 BLOCKS: dict[type, str] = {TlsOptions: "TLS block"}
@@ -67,7 +70,7 @@ class Section:
 
 
 def sections() -> list[Section]:
-    """Every table the README carries (its markers may come in any order)."""
+    """Every configuration table the site carries (its markers may come in any order)."""
     out = [
         Section("config", Config, whole=frozenset({"sources", "discovery", "sinks"})),
         Section("sources", SourceConfig),
@@ -116,7 +119,7 @@ def type_text(t: mi.Type) -> str:
     if isinstance(t, mi.CustomType):
         names = {Duration: "duration", Interval: "duration", ByteSize: "size", Secret: "secret string"}
         if t.cls not in names:
-            raise NotImplementedError(f"no README type for {t.cls!r}")
+            raise NotImplementedError(f"no reference type for {t.cls!r}")
         return names[t.cls]
     if isinstance(t, mi.StructType):
         return BLOCKS.get(t.cls, "object")
@@ -128,7 +131,7 @@ def type_text(t: mi.Type) -> str:
         return "any"
     if isinstance(t, mi.NoneType):
         return "null"
-    raise NotImplementedError(f"no README type for {t!r}")
+    raise NotImplementedError(f"no reference type for {t!r}")
 
 
 def _either(parts: list[str]) -> str:
@@ -205,78 +208,118 @@ def render(section: Section) -> str:
     return table(list(rows(section.cls, section.prefix, skip=section.skip, whole=section.whole)))
 
 
+def chart_tables() -> dict[str, str]:
+    """The chart's values table and its production values file, as tools/chart_readme.py shows them."""
+    from tools import chart_readme
+
+    chart = chart_readme.CHART
+    production = (chart / chart_readme.PRODUCTION).read_text().rstrip("\n")
+    return {
+        "chart.values": chart_readme.values_table((chart / "values.yaml").read_text()) + "\n",
+        "chart.production": f"```yaml\n{production}\n```\n",
+    }
+
+
 def tables(all_sections: list[Section] | None = None) -> dict[str, str]:
-    """Section name -> its table."""
-    return {s.name: render(s) for s in (all_sections if all_sections is not None else sections())}
+    """Section name -> its table (the config structs' and, with the default sections, the chart's)."""
+    out = {s.name: render(s) for s in (all_sections if all_sections is not None else sections())}
+    return out if all_sections is not None else out | chart_tables()
 
 
-# -- README markers ------------------------------------------------------------------------------
+# -- markers -------------------------------------------------------------------------------------
 
 MARKER = re.compile(r"<!-- BEGIN generated: (?P<name>[^ ]+) -->\n(?P<body>.*?)<!-- END generated -->", re.DOTALL)
 
 
 class MarkerError(Exception):
-    """The README's markers do not match the sections (unknown, missing or repeated names)."""
+    """The pages' markers do not match the sections (unknown, missing or repeated names)."""
 
 
-def update(text: str, generated: Mapping[str, str]) -> str:
-    """``text`` with the body of every marker pair replaced by its section's table."""
+def update_pages(pages: Mapping[str, str], generated: Mapping[str, str]) -> dict[str, str]:
+    """Each page's text with the body of every marker pair replaced by its section's table; every
+    section must have its markers exactly once across all pages."""
     problems: list[str] = []
-    found: list[str] = []
+    found: dict[str, list[str]] = {}
+    out: dict[str, str] = {}
+    for page, text in pages.items():
+        seen: list[str] = []
 
-    def replace(m: re.Match[str]) -> str:
-        name = m.group("name")
-        found.append(name)
-        if name not in generated:
-            problems.append(f"unknown section {name!r} (known: {', '.join(generated)})")
-            return m.group(0)
-        return f"<!-- BEGIN generated: {name} -->\n{generated[name]}<!-- END generated -->"
+        def replace(m: re.Match[str], page: str = page, seen: list[str] = seen) -> str:
+            name = m.group("name")
+            seen.append(name)
+            found.setdefault(name, []).append(page)
+            if name not in generated:
+                problems.append(f"unknown section {name!r}{_where(page)} (known: {', '.join(generated)})")
+                return m.group(0)
+            return f"<!-- BEGIN generated: {name} -->\n{generated[name]}<!-- END generated -->"
 
-    out = MARKER.sub(replace, text)
-    problems += [f"section {name!r} appears more than once" for name in sorted({n for n in found if found.count(n) > 1})]
+        out[page] = MARKER.sub(replace, text)
+        if text.count("<!-- BEGIN generated:") != len(seen) or text.count("<!-- END generated -->") != len(seen):
+            problems.append(f"unpaired BEGIN/END generated markers{_where(page)}")
+    problems += [
+        f"section {name!r} appears more than once ({', '.join(p or 'the text' for p in where)})"
+        for name, where in sorted(found.items())
+        if len(where) > 1
+    ]
     problems += [f"no markers for section {name!r}" for name in generated if name not in found]
-    if text.count("<!-- BEGIN generated:") != len(found) or text.count("<!-- END generated -->") != len(found):
-        problems.append("unpaired BEGIN/END generated markers")
     if problems:
         raise MarkerError("; ".join(problems))
     return out
 
 
+def _where(page: str) -> str:
+    return f" in {page}" if page else ""
+
+
+def update(text: str, generated: Mapping[str, str]) -> str:
+    """``text`` (the only page) with the body of every marker pair replaced by its section's table."""
+    return update_pages({"": text}, generated)[""]
+
+
 def stale(text: str, generated: Mapping[str, str]) -> list[str]:
     """The sections whose table in ``text`` differs from the generated one."""
     current = {m.group("name"): m.group("body") for m in MARKER.finditer(text)}
-    return [name for name, body in generated.items() if current.get(name) != body]
+    return [name for name in generated if name in current and current[name] != generated[name]]
+
+
+def pages_of(docs: Path) -> dict[Path, str]:
+    """The pages under ``docs`` that hold markers, by path."""
+    texts = {p: p.read_text(encoding="utf-8") for p in sorted(docs.rglob("*.md"))}
+    return {p: text for p, text in texts.items() if "<!-- BEGIN generated:" in text}
 
 
 def main(argv: list[str] | None = None, *, generate: Callable[[], dict[str, str]] = tables) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="exit 1 when README.md is out of date")
-    p.add_argument("--readme", type=Path, default=README, help=argparse.SUPPRESS)
+    p.add_argument("--check", action="store_true", help="exit 1 when a page is out of date")
+    p.add_argument("--docs", type=Path, default=DOCS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    path: Path = args.readme
-    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-    text = path.read_text(encoding="utf-8")
+    docs: Path = args.docs
+    shown = docs.relative_to(ROOT) if docs.is_relative_to(ROOT) else docs
+    pages = pages_of(docs)
+    named = {str(path.relative_to(docs)): text for path, text in pages.items()}
     generated = generate()
     try:
-        new = update(text, generated)
+        new = update_pages(named, generated)
     except MarkerError as exc:
         print(f"{shown}: {exc}", file=sys.stderr)
         return 1
+    changed = {name: text for name, text in new.items() if text != named[name]}
     if args.check:
-        if new != text:
-            names = ", ".join(stale(text, generated))
+        if changed:
+            names = ", ".join(n for name in changed for n in stale(named[name], generated))
             print(
-                f"{shown}: the configuration tables are out of date with the config structs ({names}): run {COMMAND}",
+                f"{shown}: the generated tables are out of date with the code ({names}): run {COMMAND}",
                 file=sys.stderr,
             )
             return 1
-        print(f"{shown}: configuration tables are up to date")
+        print(f"{shown}: generated tables are up to date")
         return 0
-    if new != text:
-        path.write_text(new, encoding="utf-8")
-        print(f"wrote {len(generated)} tables into {shown}")
+    for name, text in changed.items():
+        (docs / name).write_text(text, encoding="utf-8")
+    if changed:
+        print(f"wrote {len(generated)} tables into {len(changed)} page(s) of {shown}")
     else:
-        print(f"{shown}: configuration tables already up to date")
+        print(f"{shown}: tables already up to date")
     return 0
 
 

@@ -18,7 +18,7 @@ output holds the last one :func:`check_invariants` checks the whole output.
 
 Limits the generator respects (a step that would break one is skipped, or the mode reverts, and
 the log attached to a failure says so). They are the ones of the sequencer's model
-(tests/unit/test_sequencer_model.py) and of the README ("Instance detection", "Limits"): no
+(tests/unit/test_sequencer_model.py) and of docs/concepts/ (correctness.md "Instance detection", limits.md): no
 observer of the protocol could see through them.
 
 - A new instance's buffer does not slide past its first seq before the bridge heard from it
@@ -28,7 +28,7 @@ observer of the protocol could see through them.
   within ``max_attempts`` timeouts): a socket silent for ``max_attempts`` while live batches wait
   in doubt makes the bridge presume continuity.
 - The engine restarts only when the bridge has heard of everything its current instance
-  published: a batch of it is in the output (else the README's I4 exception applies: live batches
+  published: a batch of it is in the output (else the I4 exception of docs/concepts/correctness.md applies: live batches
   of an instance not verified yet are announced lost under the old epoch) and its last seq was
   seen live (a tail dropped right before a restart, or an instance that died before the bridge
   saw it, can be neither recovered nor announced). A restart after a hidden tail first publishes
@@ -89,7 +89,7 @@ def check_prefix(records: list[dict[str, Any]], engine: ScriptedEngine) -> None:
     instance_of: dict[int, int] = {}
     epoch_of: dict[int, int] = {}
     for n, r in enumerate(records):
-        epoch, kind = r["epoch"], r.get("type", "batch")
+        epoch, kind = r["epoch"], r["type"]
         if top is not None and epoch < top:
             problems.append(f"line {n}: epoch {epoch} after epoch {top}")
         top = epoch if top is None else max(top, epoch)

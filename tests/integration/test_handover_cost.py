@@ -4,7 +4,7 @@ Each sink holds 1,000 streams (a few batches each, some streams idle for a while
 partition must be read back past the others' messages); one ``positions()`` call asks for all of
 them. Every answer is checked against what was written (the last batch of each stream, its ts, and
 for ``raw`` its CRC), a stream never written is reported as holding nothing, and the time per
-stream is printed (README's sizing text quotes it) and bounded loosely (it must not be seconds).
+stream is printed (docs/operations/scaling.md quotes it) and bounded loosely (it must not be seconds).
 Kafka's scan limit is checked too: a stream whose last message lies beyond it is left out
 ("cannot tell"), not reported as holding nothing.
 """

@@ -8,7 +8,7 @@ start with no checkpoint file. Each phase: every stream read by exactly one repl
 every published batch is in Redis (nothing lost). With ``checkpoint.from_sinks`` every stream
 goes on in its epoch, with no batch sent twice (the replicas' delivered counts add up to exactly
 what the engines published); without it, the batches a new owner sends again are counted: the
-figure README's sizing text quotes (Redis drops those copies itself by entry id when they land
+figure docs/operations/scaling.md quotes (Redis drops those copies itself by entry id when they land
 in the same epoch; Kafka would store them twice).
 """
 

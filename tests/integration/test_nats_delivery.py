@@ -362,7 +362,7 @@ async def test_no_stream_fails_at_once_and_check_reports_it(nats_server: NatsSer
         )
     )
     out = await asyncio.to_thread(_check, str(path))
-    assert out[0] == 3, out  # valid, but the sink is not usable as configured (README: exit codes)
+    assert out[0] == 3, out  # valid, but the sink is not usable as configured (docs/reference/cli.md: exit codes)
     assert "nats-n" in out[1] and f"{dest}.*.*" in out[1] and "stream" in out[1], out
 
 

@@ -1,6 +1,6 @@
 """End to end over real ZMQ sockets: engine frames -> bridge -> file sink, read back.
 
-Captured vectors of real publishers, hostile input, and the sequencing duties of protocol.md
+Captured vectors of real publishers, hostile input, and the sequencing duties of docs/protocol.md
 section 3 driven by the simulator (slow joiner, drops, restarts, gaps beyond the buffer, a
 replay socket that loses replies, several ranks and engines).
 """
@@ -132,9 +132,10 @@ async def test_bad_input_is_counted_and_the_next_good_message_served(tmp_path: P
             await pub.send_multipart([b"", seq(5), good[2]])
             await wait_for(lambda: any(ln.get("seq") == 5 and "events" in ln for ln in read_lines(out)), what="seq 5")
         lines = read_lines(out)
-        kinds = [(ln["seq"], ln.get("type", "batch")) for ln in lines]
+        kinds = [(ln["seq"], ln["type"]) for ln in lines]
         # seq 0 ok; 1 and 2 undecodable (announced); 3 ok; 4 never arrived (announced); 5 ok.
-        assert kinds == [(0, "batch"), (1, "EventsLost"), (2, "EventsLost"), (3, "batch"), (4, "EventsLost"), (5, "batch")]
+        lost = "EventsLost"
+        assert kinds == [(0, "EventBatch"), (1, lost), (2, lost), (3, "EventBatch"), (4, lost), (5, "EventBatch")]
         dead = read_lines(tmp_path / "dead.jsonl", records=False)
         assert {d["reason"] for d in dead} == {"bad_frames", "bad_seq", "bad_msgpack"}
         assert all(d["source"] == "bad" for d in dead)

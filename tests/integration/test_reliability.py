@@ -377,7 +377,7 @@ async def test_a_drop_sink_down_does_not_hold_back_a_file_sink(
 async def test_two_block_sinks_one_down_holds_back_both(
     fresh_redis: RedisServer, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """README: "With several block sinks, one slow sink holds back all of them (block-all)"."""
+    """docs/concepts/delivery.md: "With several block sinks, one slow sink holds back all of them (block-all)"."""
     since = time.time()
     async with _file_and_redis(tmp_path, fresh_redis, "block") as (run, out, prefix):
         bridge = run.first

@@ -525,10 +525,10 @@ async def test_a_100mb_message_is_refused_before_allocation(tmp_path: Path) -> N
     print(f"[security] 100 MB message: RSS before {before / MiB:.1f} MiB, peak after {peak / MiB:.1f} MiB")
     assert peak - before < 20 * MiB  # ZMQ refused it before reading it in
     lines = read_lines(out)
-    assert [(ln["seq"], ln.get("type", "batch")) for ln in lines] == [
-        (0, "batch"),
-        (1, "batch"),
-        (2, "batch"),
+    assert [(ln["seq"], ln["type"]) for ln in lines] == [
+        (0, "EventBatch"),
+        (1, "EventBatch"),
+        (2, "EventBatch"),
         (3, "EventsLost"),
-        (4, "batch"),
+        (4, "EventBatch"),
     ]

@@ -178,7 +178,7 @@ async def test_batches_held_above_a_gap_are_delivered_after_a_removal_across_a_r
 async def test_batches_read_in_doubt_are_settled_after_a_removal_across_a_restart(tmp_path: Path) -> None:
     """Issue 29 case 17: 0..2 live; the connection drops and comes back (the same instance), 3..4
     are read in doubt and wait for a replay that is ignored. The source is removed and comes back
-    after the engine restarted: 3..4 are announced lost under the old epoch (the README's I4
+    after the engine restarted: 3..4 are announced lost under the old epoch (docs/concepts/correctness.md's I4
     exception for batches read in doubt: nothing tells whose they are), never forgotten (before
     the fix: neither delivered nor announced, I3)."""
     live, replay = free_ports(2)

@@ -1,4 +1,4 @@
-"""The epoch numbers the bridge opens (bridge/checkpoint.py, README "Epochs").
+"""The epoch numbers the bridge opens (bridge/checkpoint.py, docs/concepts/streams.md "Epochs").
 
 A stream met for the first time (no checkpoint for it) opens ``clock_epoch(now)``, microseconds
 since 1970; each engine restart opens ``max(previous + 1, clock_epoch(now))``.

@@ -88,7 +88,7 @@ def valid_by_parts(record: Any) -> bool:
         event = {k: v for k, v in record.items() if k not in header_keys}
         return header_check.is_valid(header) and _event_valid(event, event_check)
     events = record.get("events")
-    if type(events) is list and "type" not in record:
+    if type(events) is list:  # the batch part checks its type (EventBatch, or absent from earlier bridges)
         return batch_check.is_valid({**record, "events": []}) and all(_event_valid(e, event_check) for e in events)
     return False
 

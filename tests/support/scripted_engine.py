@@ -261,7 +261,7 @@ def check_invariants(
     problems: list[str] = []
     covered: dict[int, int] = {}  # per epoch: the highest seq its records reached so far
     for n, r in enumerate(records):
-        epoch, kind = r["epoch"], r.get("type", "batch")
+        epoch, kind = r["epoch"], r["type"]
         if covered and epoch < max(covered):
             problems.append(f"I3: line {n}: epoch {epoch} after epoch {max(covered)}")
         if kind == "SourceReset":

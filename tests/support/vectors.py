@@ -66,7 +66,7 @@ def plain(value: Any) -> Any:
 
 
 def expected_events(decoded: Any) -> list[dict[str, Any]]:
-    """The vector's events by field name, as the bridge must normalise them (protocol.md 2)."""
+    """The vector's events by field name, as the bridge must normalise them (docs/protocol.md 2)."""
     from bridge.wire import FIELDS
 
     events = decoded[1] if isinstance(decoded, list) else decoded["events"]

@@ -1,4 +1,4 @@
-"""tools/config_reference.py: the README's option tables rendered from the field metadata."""
+"""tools/config_reference.py: the site's option tables rendered from the field metadata, written into docs/."""
 
 from __future__ import annotations
 
@@ -135,29 +135,53 @@ def test_unpaired_and_repeated_markers_are_refused() -> None:
         ref.update(README + "<!-- BEGIN generated: a -->\n<!-- END generated -->\n", {"a": "x\n", "b": "y\n"})
 
 
+def _site(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A docs/ tree with section a on one page, b on another, and a page without markers."""
+    docs = tmp_path / "docs"
+    (docs / "sinks").mkdir(parents=True)
+    first, second = docs / "index.md", docs / "sinks" / "b.md"
+    first.write_text(README.split("Prose between.")[0])
+    second.write_text("# B\n\n<!-- BEGIN generated: b -->\n<!-- END generated -->\n")
+    (docs / "plain.md").write_text("# No tables\n")
+    return docs, first, second
+
+
 def test_check_reports_drift_and_the_command_that_fixes_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    readme = tmp_path / "README.md"
-    readme.write_text(README)
+    docs, first, second = _site(tmp_path)
+    before = first.read_text(), second.read_text()
     generated = {"a": "| new a |\n", "b": "| new b |\n"}
 
     def generate() -> dict[str, str]:
         return dict(generated)
 
-    assert ref.main(["--check", "--readme", str(readme)], generate=generate) == 1
+    assert ref.main(["--check", "--docs", str(docs)], generate=generate) == 1
     err = capsys.readouterr().err
     assert "out of date" in err and "(a, b)" in err and "run python tools/config_reference.py" in err
-    assert readme.read_text() == README  # --check never writes
+    assert (first.read_text(), second.read_text()) == before  # --check never writes
 
-    assert ref.main(["--readme", str(readme)], generate=generate) == 0
-    assert ref.main(["--check", "--readme", str(readme)], generate=generate) == 0
+    assert ref.main(["--docs", str(docs)], generate=generate) == 0
+    assert "| new a |" in first.read_text() and "| new b |" in second.read_text()  # each page its own section
+    assert ref.main(["--check", "--docs", str(docs)], generate=generate) == 0
 
     generated["b"] = "| changed b |\n"  # a description changed in the code
-    assert ref.main(["--check", "--readme", str(readme)], generate=generate) == 1
+    assert ref.main(["--check", "--docs", str(docs)], generate=generate) == 1
     assert "(b)" in capsys.readouterr().err
 
 
 def test_check_reports_broken_markers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    readme = tmp_path / "README.md"
-    readme.write_text(README)
-    assert ref.main(["--check", "--readme", str(readme)], generate=lambda: {"a": "x\n"}) == 1
-    assert "unknown section 'b'" in capsys.readouterr().err
+    docs, _first, _second = _site(tmp_path)
+    assert ref.main(["--check", "--docs", str(docs)], generate=lambda: {"a": "x\n"}) == 1
+    assert "unknown section 'b' in sinks/b.md" in capsys.readouterr().err
+
+
+def test_a_section_on_two_pages_is_refused() -> None:
+    page = "<!-- BEGIN generated: a -->\n<!-- END generated -->\n"
+    with pytest.raises(ref.MarkerError, match=r"section 'a' appears more than once \(x.md, y.md\)"):
+        ref.update_pages({"x.md": page, "y.md": page}, {"a": "t\n"})
+
+
+def test_the_real_site_is_current() -> None:
+    """Every generated section has its markers once in docs/, and the tables there are current
+    (the same check as make test's ``python tools/config_reference.py --check``)."""
+    pages = {str(p): t for p, t in ref.pages_of(ref.DOCS).items()}
+    assert ref.update_pages(pages, ref.tables()) == pages, "run python tools/config_reference.py"

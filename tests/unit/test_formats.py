@@ -64,6 +64,7 @@ def test_json_batch() -> None:
     assert body["seq"] == 42 and "index" not in body and len(body["events"]) == 3
     assert body["events"][1]["block_hashes"] == ["ab" * 32]
     assert m.msg_id == "llama-a/1/2/42" and m.type == "EventBatch"
+    assert body["type"] == "EventBatch" == m.headers["type"]  # every record says its kind, as its headers do
 
 
 def test_msgpack_keeps_binary_and_uint64() -> None:
@@ -72,6 +73,7 @@ def test_msgpack_keeps_binary_and_uint64() -> None:
     assert msgspec.msgpack.decode(msgs[0].value)["block_hashes"][0] == 2**64 - 1
     (b,) = Renderer("msgpack", "batch").render(RECORD)
     assert msgspec.msgpack.decode(b.value)["events"] == EVENTS
+    assert msgspec.msgpack.decode(b.value)["type"] == "EventBatch"
 
 
 def test_raw_is_the_payload_untouched() -> None:

@@ -139,7 +139,7 @@ def test_every_metric_is_prefixed_and_low_cardinality() -> None:
         assert name.startswith("kv_bridge_"), name
     for collector in set(metrics.registry._names_to_collectors.values()):
         assert set(collector._labelnames) <= LOW_CARDINALITY, collector._name
-    # nothing beyond the list above (a new metric gets a line there, in README and on the dashboard)
+    # nothing beyond the list above (a new metric gets a line there, in docs/reference/metrics.md and on the dashboard)
     assert {c._name for c in set(metrics.registry._names_to_collectors.values())} == {_family(n) for n in CONTRACT}
 
 

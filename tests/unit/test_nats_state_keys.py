@@ -92,7 +92,7 @@ def test_state_options() -> None:
         convert_options({"mode": "core", "state": {"enabled": True}}, NatsOptions, "sinks[0]")
     with pytest.raises(ConfigError, match=r"sinks\[0\].state: bucket 'a.b' is not a valid KV bucket name"):
         convert_options({"state": {"bucket": "a.b"}}, NatsOptions, "sinks[0]")
-    # README "State bootstrap": a sink with state needs a destination template without {type} or {epoch}.
+    # docs/output/state.md: a sink with state needs a destination template without {type} or {epoch}.
     for subject in ("kv.{source}.{dp_rank}.{type}", "kv.{source}.{dp_rank}.{epoch}"):
         with pytest.raises(ConfigError, match=r"sinks\[0\].subject: \{(type|epoch)\} not allowed with state.enabled"):
             convert_options({"subject": subject, "state": {"enabled": True}}, NatsOptions, "sinks[0]")

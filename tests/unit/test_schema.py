@@ -11,6 +11,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jsonschema import Draft202012Validator
 
 from bridge import cli, wire
 from bridge.config import FieldRule, FieldSelection
@@ -22,12 +23,17 @@ from bridge.schema import (
     KNOWN_EVENTS,
     SCHEMA_PATH,
     SCHEMA_VERSION,
+    STATE_SCHEMA_PATH,
     EventBatch,
     EventRecordHeader,
     EventsLost,
     SourceReset,
+    StateEntry,
+    StateHead,
     render,
 )
+from bridge.state import BlockFact, EntryChange, Head
+from bridge.state_docs import StateFormat
 from tests.support.schema import SCHEMA_FILE, as_json, check_message, check_record, valid_by_parts, validator
 from tests.support.strategies import msgpack_values
 from tests.support.vectors import load_all
@@ -192,6 +198,7 @@ REFUSED = [
     {"source": "a", "dp_rank": 0, "epoch": 1, "seq": 0, "schema_version": 1, "type": "SourceReset"},  # no reason
     {"source": "a", "dp_rank": 0, "epoch": 1, "seq": 0, "ts": 1.0, "schema_version": 1, "events": [{"medium": "GPU"}]},
     {"source": "a", "dp_rank": 0, "epoch": 1, "seq": 0, "ts": "x", "schema_version": 1, "events": []},
+    {"source": "a", "dp_rank": 0, "epoch": 1, "seq": 0, "ts": 1.0, "schema_version": 1, "type": "Batch", "events": []},
 ]
 
 
@@ -208,6 +215,9 @@ ACCEPTED = [
     _event(type="KvSnapshotTaken", anything=[b"x".hex(), None]),  # unknown event types
     _event(type="AllBlocksCleared", ts=None, shadowed={"seq": 1}, extra=[1, "a"]),
     _event(type="AllBlocksCleared", added_header="later"),
+    {"source": "a", "dp_rank": 0, "epoch": 1, "seq": 0, "ts": 1.0, "schema_version": 1, "type": "EventBatch", "events": []},
+    # a batch record of a bridge from before batches carried their type: type was added compatibly
+    {"source": "a", "dp_rank": 0, "epoch": 1, "seq": 0, "ts": 1.0, "schema_version": 1, "events": [{"type": "X"}]},
 ]
 
 
@@ -315,3 +325,67 @@ def test_filtered_vectors_render_to_valid_records(
             stored += body["events"] if granularity == "batch" else [body]
     blocks = [e for e in stored if e["type"] == "BlockStored"]
     assert blocks and all(("token_ids" in e) == tokens and ("token_hashes" in e) == hashes for e in blocks)
+
+
+# -- the state documents (state.enabled): their schema, from the same command --------------------
+
+STATE_FILE = SCHEMA_FILE.parent / Path(STATE_SCHEMA_PATH).name
+
+
+def _state_validator() -> Draft202012Validator:
+    schema = json.loads(STATE_FILE.read_text())
+    Draft202012Validator.check_schema(schema)
+    return Draft202012Validator(schema)
+
+
+def test_the_committed_state_schema_is_the_generated_one(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert STATE_FILE.read_text() == render("state"), f"run python -m bridge schema state > {STATE_SCHEMA_PATH}"
+    assert cli.main(["schema", "state"]) == cli.EXIT_OK and capsys.readouterr().out == render("state")
+    assert cli.main(["schema", "state", "--check", str(STATE_FILE)]) == cli.EXIT_OK
+    assert cli.main(["schema", "state", "--check", str(SCHEMA_FILE)]) == cli.EXIT_FAILED  # the records' is another
+    assert "python -m bridge schema state >" in capsys.readouterr().err
+
+
+_FACT = BlockFact(
+    hash=2**64 - 1, parent=-5, token_ids=list(range(16)), block_size=16, medium="GPU", group_idx=0, extra_keys=[b"\x01"]
+)
+_DIGEST_FACT = BlockFact(hash=b"\xab" * 32, parent=None, token_ids=[1], block_size=None, medium=None, group_idx=None)
+
+
+@pytest.mark.parametrize("token_ids", ["keep", "drop", "hash"])
+@pytest.mark.parametrize("hash_hex", [False, True])
+def test_every_state_document_the_sinks_write_is_valid(token_ids: str, hash_hex: bool) -> None:
+    """What bridge/state_docs.py writes (head, entries with and without their facts, every token
+    policy and hash form) validates, and names no key the schema does not know."""
+    fmt = StateFormat(token_ids, b"k" * 32 if token_ids == "hash" else None, hash_hex=hash_hex)
+    check = _state_validator()
+    head = Head(epoch=7, generation=2, seq=41, complete=False, live=3, tracking=True)
+    docs = [
+        fmt.head(STREAM, head, "1700000000000-0"),
+        fmt.head(STREAM, Head(7, 3, -1, True, 0), None),
+        fmt.head(STREAM, head, 12345),
+        fmt.entry(STREAM, head, EntryChange("GPU", 0, 2**64 - 1, 2, _FACT)),
+        fmt.entry(STREAM, head, EntryChange(None, None, 0xABABABABABABABAB, 1, _DIGEST_FACT)),
+        fmt.entry(STREAM, head, EntryChange("CPU", 1, 5, 1, None)),
+    ]
+    known = {name for c in (StateHead, StateEntry) for name in c.__struct_fields__}
+    for doc in map(json.loads, docs):
+        errors = [e.message for e in check.iter_errors(doc)]
+        assert not errors, (doc, errors)
+        assert set(doc) <= known, set(doc) - known
+
+
+_DOC = {"source": "a", "dp_rank": 0, "epoch": 1, "gen": 0, "seq": 3}
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {**_DOC, "seq": -1, "complete": "yes", "live": 0, "tracking": True, "next": None},
+        {**_DOC, "medium": None, "group_idx": None, "block": "AB", "count": 1},  # block: 16 lowercase hex digits
+        {**_DOC, "medium": None, "group_idx": None, "block": "00" * 8, "count": 0},  # a removed block has no entry
+        _DOC,  # neither a head nor an entry
+    ],
+)
+def test_the_state_schema_refuses(doc: dict[str, Any]) -> None:
+    assert not _state_validator().is_valid(doc)

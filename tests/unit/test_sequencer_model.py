@@ -15,8 +15,8 @@ epochs"); a final quiet phase (the engine publishes nothing more; the bridge onl
 replay answered) checks that nothing the bridge saw was left unsettled and that the stream
 caught up with the current instance without new traffic.
 
-Limits the model respects, because no protocol-level observer could see through them (README,
-"instance detection"): a new instance's buffer does not slide past its first seq before the
+Limits the model respects, because no protocol-level observer could see through them (docs/concepts/correctness.md,
+"Instance detection"): a new instance's buffer does not slide past its first seq before the
 bridge has heard from it, and while continuity is in doubt the replay socket answers one of
 ``max_attempts`` requests in a row (after that the bridge presumes continuity). With batches
 the bridge cannot decode (no ts), more: the answer must be in full (a reply dropped under load
@@ -370,7 +370,7 @@ class NoReplayModel(SequencerModel):
     never announced lost (I4; issue 29 case 18). The model's limits (see step_back for the third):
     a restart is seen (the new
     instance's first seqs are not missed: without replay a restart hidden by a continuing seq is
-    delivered as the same epoch, README "instance detection"), and a step back stays below one
+    delivered as the same epoch, docs/concepts/correctness.md "Instance detection"), and a step back stays below one
     instance's lifetime (1e6 s in this model's clock)."""
 
     def __init__(self) -> None:
@@ -393,7 +393,7 @@ class NoReplayModel(SequencerModel):
         """The model's limits: nothing of a new instance is missed before the bridge saw it; and
         an instance after a restart whose clock steps back has none of its live batches missed
         (a batch after a gap, stamped before the new instance's first, could be a late one of the
-        old instance: README "instance detection")."""
+        old instance: docs/concepts/correctness.md "Instance detection")."""
         instance = self.engine.instance
         return instance == 0 or (instance in self.seen and not self.engine.clock_back)
 
@@ -415,7 +415,7 @@ class NoReplayModel(SequencerModel):
         """The engine's clock steps back; not while the new instance's next seq is exactly the one
         after the previous instance's last seen (the model's third limit: that batch is stamped
         before the new instance's first, and a late batch of the old one would be the same seq,
-        so the bridge takes it for the old instance's: README "instance detection")."""
+        so the bridge takes it for the old instance's: docs/concepts/correctness.md "Instance detection")."""
         earlier = [i for i in self.seen if i < self.engine.instance]
         previous = self.seen[max(earlier)] if earlier else set()
         if self.engine.published.get(self.engine.instance, 0) == max(previous, default=-2) + 1:

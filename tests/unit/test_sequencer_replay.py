@@ -157,7 +157,7 @@ def test_in_doubt_a_silent_replay_socket_settles_the_old_gap_and_stays_in_doubt(
 
 def test_in_doubt_a_silent_replay_socket_ends_in_presumed_continuity() -> None:
     """Live batches after a disconnect wait for verification; when the replay socket never
-    answers, after max_attempts the instance is presumed the same (README, instance detection)."""
+    answers, after max_attempts the instance is presumed the same (docs/concepts/correctness.md, "Instance detection")."""
     s = seqr()
     for q in range(2):
         s.live(q, p(0, q))

@@ -2,7 +2,7 @@
 Names, labels, the rendered bridge config, and the container shared by the Deployment, the
 StatefulSet and the sidecar snippet. "kv-event-bridge.sidecar.container" and
 "kv-event-bridge.sidecar.volumes" are public: a chart that has this one as a dependency can
-include them in its own vLLM pod template (README "Deploying", sidecar mode).
+include them in its own vLLM pod template (docs/operations/chart.md, "Modes").
 */}}
 
 {{- define "kv-event-bridge.name" -}}
@@ -66,7 +66,7 @@ The bridge's config as a dict (YAML; read it back with fromYaml): values.config 
 set to null dropped, plus the chart's defaults:
 - engines: when config lists neither `sources` nor `discovery`, deployment mode discovers the
   headless Service vllm-kv.${POD_NAMESPACE}.svc.cluster.local (ports 5557/5558) and sidecar mode
-  reads its own engine on loopback, the bridge binding tcp://127.0.0.1:5557 (README "Security").
+  reads its own engine on loopback, the bridge binding tcp://127.0.0.1:5557 (docs/operations/security.md).
   Listing sources never turns discovery on behind the user's back.
 - with sharding, discovery.dns.shard: the count follows `replicas`, each pod takes its ordinal
   from its name.
@@ -159,7 +159,7 @@ ${VAR} placeholder (known only in the pod). dict: value, path (named in the erro
 {{- end }}
 
 {{/*
-The memory limit against the sinks' queue bounds (README "Sizing"): a pod needs about 128 MiB plus,
+The memory limit against the sinks' queue bounds (docs/operations/sizing.md): a pod needs about 128 MiB plus,
 for each sink, up to 9 x its queue.max_bytes (a queued batch also holds its decoded events).
 Skipped without resources.limits.memory, or when a bound is a ${VAR} placeholder.
 dict: ctx, config (the effective config).
@@ -188,7 +188,7 @@ dict: ctx, config (the effective config).
 {{- $parts = append $parts (printf "9 x %s MiB (sinks[%d] %s)" (round (divf $bound $mib) 1 | toString) $i ($sink.name | default $sink.type)) }}
 {{- end }}
 {{- if and $known (gt $need $limitBytes) }}
-{{- fail (printf "resources.limits.memory %s (%s MiB) is below what the sinks' queues may hold: 128 MiB + %s = %s MiB (README \"Sizing\"). Raise resources.limits.memory to at least %s MiB or lower the sinks' queue.max_bytes" $limit (round (divf $limitBytes $mib) 1 | toString) (join " + " $parts) (round (divf $need $mib) 1 | toString) (divf $need $mib | ceil | toString)) }}
+{{- fail (printf "resources.limits.memory %s (%s MiB) is below what the sinks' queues may hold: 128 MiB + %s = %s MiB (docs/operations/sizing.md). Raise resources.limits.memory to at least %s MiB or lower the sinks' queue.max_bytes" $limit (round (divf $limitBytes $mib) 1 | toString) (join " + " $parts) (round (divf $need $mib) 1 | toString) (divf $need $mib | ceil | toString)) }}
 {{- end }}
 {{- end }}
 {{- end }}
