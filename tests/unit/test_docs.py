@@ -5,29 +5,18 @@ its config blocks: test_config_blocks.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-from bridge import bootstrap, cli
+from bridge import cli
 from bridge.metrics import Metrics
+from kv_consumer import KvIndex, position
+from kv_consumer.state import LAST
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
-
-
-def _kv_index() -> ModuleType:
-    path = ROOT / "examples" / "consumers" / "kv_index.py"
-    spec = importlib.util.spec_from_file_location("kv_index_under_test", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def _section(text: str, heading: str) -> str:
@@ -49,7 +38,7 @@ RECORDS: dict[str, dict[str, Any]] = {
 }
 
 
-TERMS: dict[str, float] = {"epoch": EPOCH, "seq": SEQ, "index + 1": INDEX + 1, "-1": -1, "0": 0, "∞": float("inf")}
+TERMS: dict[str, float] = {"epoch": EPOCH, "seq + 1": SEQ + 1, "index + 1": INDEX + 1, "0": 0, "∞": float("inf")}
 """What the table's terms stand for, for the records above (a term not here fails the test: say it here)."""
 
 
@@ -65,30 +54,19 @@ def _documented_positions() -> dict[str, tuple[int, int, float]]:
     return out
 
 
-def test_the_documented_position_is_what_the_example_index_computes() -> None:
-    kv_index = _kv_index()
+def test_the_documented_position_is_what_the_consumer_library_computes() -> None:
     for name, pos in _documented_positions().items():
         record = {"source": "a", "dp_rank": 0, "epoch": EPOCH, "schema_version": 1, **RECORDS[name]}
-        got = kv_index.position(record)
-        expected = tuple(kv_index.LAST if p == float("inf") else p for p in pos)
-        assert got == expected, (name, got, expected)
-
-
-def test_the_state_bootstrap_orders_records_as_documented() -> None:
-    """bridge/bootstrap.py numbers positions its own way (slot = seq + 1); the order is the same."""
-    documented = _documented_positions()
-    by_docs = sorted(RECORDS, key=lambda n: documented[n])
-    by_bootstrap = sorted(RECORDS, key=lambda n: bootstrap.position({"epoch": EPOCH, **RECORDS[n]}))
-    assert by_docs == by_bootstrap
+        expected = tuple(LAST if p == float("inf") else p for p in pos)
+        assert position(record) == expected, (name, position(record), expected)
     # and a SourceReset sorts before its epoch's first batch, which shares (epoch, seq) with it
     first = {"epoch": EPOCH, "type": "EventBatch", "seq": 0, "events": []}
-    assert bootstrap.position({"epoch": EPOCH, **RECORDS["`SourceReset`"]}) < bootstrap.position(first)
+    assert position({"epoch": EPOCH, **RECORDS["`SourceReset`"]}) < position(first)
 
 
 def test_a_reset_and_its_first_batch_are_both_applied() -> None:
     """The case the rule exists for: (source, dp_rank, epoch, seq) equal, both records kept."""
-    kv_index = _kv_index()
-    index = kv_index.KvIndex()
+    index = KvIndex()
     head = {"source": "a", "dp_rank": 0, "epoch": EPOCH, "seq": 0, "schema_version": 1}
     index.apply({**head, "type": "SourceReset", "reason": "publisher_restart"})
     index.apply({**head, "type": "EventBatch", "ts": 1.0, "events": [{"type": "BlockStored", "block_hashes": [7]}]})
