@@ -57,7 +57,9 @@ log = logging.getLogger("bridge.checkpoint")
 FORGET_MARGIN = 3600.0
 """Seconds a forgotten stream's epoch number is kept after the clock passed it."""
 ENGINE_CLOCK_TRUSTED = 300.0
-"""Seconds an engine ts may be from the bridge's clock and still number a restart's epoch."""
+"""Seconds an engine ts may be behind the bridge's clock and still number a restart's epoch."""
+ENGINE_CLOCK_AHEAD = 1.0
+"""Seconds an engine ts may be ahead of the bridge's clock and still number a restart's epoch."""
 
 
 def clock_epoch(now: float) -> int:
@@ -282,12 +284,16 @@ class Checkpointer:
         return self._open(key, clock_epoch(now))
 
     def next_epoch(self, key: str, epoch: int, now: float, shown_at: float | None = None) -> int:
-        """The epoch after ``epoch`` for a restarted engine. Its clock reading is the engine ts of
-        what showed the restart (``shown_at``), when that is within ``ENGINE_CLOCK_TRUSTED`` of
-        ``now``: every pod reading the engine sees the same batch, so two pods that read it at once
-        (a rolling update) open the same epoch and their copies stay copies."""
-        trusted = shown_at is not None and abs(shown_at - now) <= ENGINE_CLOCK_TRUSTED
-        return self._open(key, max(epoch + 1, clock_epoch(shown_at if trusted and shown_at is not None else now)))
+        """The epoch after ``epoch`` for a restarted engine. Its clock reading is the whole second
+        of the engine ts of what showed the restart (``shown_at``): two pods that read the engine
+        at once (a rolling update) see the restart through the same batch, or through batches of
+        the same second, and open the same epoch, so their copies stay copies. Only when that ts
+        is at most ``ENGINE_CLOCK_TRUSTED`` behind ``now`` and at most ``ENGINE_CLOCK_AHEAD``
+        ahead (an engine clock ahead of the bridge's would put the epoch above the one a new pod
+        without a checkpoint opens later, from its own clock); else ``now``."""
+        trusted = shown_at is not None and -ENGINE_CLOCK_TRUSTED <= shown_at - now <= ENGINE_CLOCK_AHEAD
+        at = float(math.floor(shown_at)) if trusted and shown_at is not None else now
+        return self._open(key, max(epoch + 1, clock_epoch(at)))
 
     def _open(self, key: str, epoch: int) -> int:
         self._forgotten.discard(key)

@@ -108,7 +108,7 @@ import msgspec
 from .checkpoint import SinkPosition
 from .config import ByteSize, Duration, SinkConfig, convert_options, doc
 from .config import Struct as ConnectorOptions
-from .errors import ConfigError, ConnectorError, NotConnected, PartialFailure, Permanent, Retriable, SinkLost
+from .errors import EPOCHS_REMEMBERED, ConfigError, ConnectorError, NotConnected, PartialFailure, Permanent, Retriable, SinkLost
 from .formats import STATE_TYPE, Envelope, Message, hex64, sample_message
 from .records import Event, Record, Stream
 from .secret import Secret, redact, redact_url, reveal
@@ -374,6 +374,7 @@ class Template:
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "EPOCHS_REMEMBERED",
     "STATE_TYPE",
     "ByteSize",
     "ConfigError",

@@ -99,6 +99,12 @@ class PartialFailure(ConnectorError):
         super().__init__(f"{len(self.errors)} message(s) failed: {self.cause}", reason=self.cause.reason)
 
 
+EPOCHS_REMEMBERED = 16
+"""How many of a stream's newest epochs a connector remembers what it stored of, so that a loss
+announces each (a crash-looping engine opens many between two writes of a sink): a loss older
+than that is announced from the oldest epoch remembered on."""
+
+
 class SinkLost(ConnectorError):
     """The sink no longer holds messages it acknowledged earlier (I6): raised by ``write`` when a
     connector finds, before storing anything of that write, that its broker lost, replaced or

@@ -90,7 +90,7 @@ class SourceReader:
         self._diagnosed_at = -_DIAGNOSE_EVERY
         self._diagnosing: asyncio.Task[None] | None = None
         self._topic = topic.encode()
-        self._own_topic_seen = False  # a message of the source's topic ever came
+        self._own_topic_seen = False  # a message of the source's topic came since the last connection
         self._foreign_topics: list[str] = []  # the first few other topics seen, for the problem
         self._connected_gauge = pipeline.metrics.connected
         self._disconnects = pipeline.metrics.disconnects
@@ -205,6 +205,7 @@ class SourceReader:
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # a PUB at the other end (or an engine connected in)
                 self.connections += 1
                 self._connected_gauge.inc()
+                self._own_topic_seen = False  # a new engine (a redeploy) may publish under another topic
                 self._set_problem(None, "")
                 log.info("source connected", extra={"stream": key, "endpoint": self.endpoint})
             elif event == zmq.EVENT_DISCONNECTED and self.connections > 0:
@@ -228,8 +229,8 @@ class SourceReader:
 
     def _foreign(self, topic: bytes) -> None:
         """A message under a topic outside the prefix: dropped, and a problem while none of the
-        source's own topic ever came (a publisher of several topics whose KV events are idle
-        looks the same until its first one)."""
+        source's own topic came since the connection (a publisher of several topics whose KV events
+        are idle looks the same until its first one: not told apart, it counts as not connected)."""
         if self._own_topic_seen:
             return
         seen = topic[:64].decode(errors="replace")

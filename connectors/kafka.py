@@ -55,6 +55,7 @@ from aiokafka.codec import has_lz4, has_snappy, has_zstd
 from aiokafka.partitioner import DefaultPartitioner
 
 from bridge.connector import (
+    EPOCHS_REMEMBERED,
     STATE_TYPE,
     ByteSize,
     ConfigError,
@@ -341,17 +342,22 @@ class _Chunk:
 
 
 class _Last:
-    """A stream's last batch acknowledged in a partition (epoch, seq), and the last of the epoch
-    before it (-1, -1: none)."""
+    """A stream's last batch acknowledged in a partition per epoch, ``[epoch, seq]`` pairs oldest
+    first, for its newest ``EPOCHS_REMEMBERED`` epochs there."""
 
-    __slots__ = ("before_epoch", "before_seq", "epoch", "seq", "stream")
+    __slots__ = ("ends", "stream")
 
-    def __init__(self, stream: Stream, epoch: int, seq: int, before_epoch: int = -1, before_seq: int = -1) -> None:
+    def __init__(self, stream: Stream) -> None:
         self.stream = stream
-        self.epoch = epoch
-        self.seq = seq
-        self.before_epoch = before_epoch
-        self.before_seq = before_seq
+        self.ends: list[list[int]] = []
+
+    def note(self, epoch: int, seq: int) -> None:
+        last = self.ends[-1] if self.ends else None
+        if last is None or epoch > last[0]:
+            self.ends.append([epoch, seq])
+            del self.ends[:-EPOCHS_REMEMBERED]
+        elif epoch == last[0] and seq > last[1]:
+            last[1] = seq
 
 
 class KafkaConnector:
@@ -388,8 +394,8 @@ class KafkaConnector:
         # What the broker acknowledged, to tell later whether a topic lost it (deleted, created again):
         # per (topic, partition) the offset after its last record acknowledged.
         self._acked: dict[tuple[str, int], int] = {}
-        # per partition and stream: the last (epoch, seq) acknowledged there, and the last of the
-        # epoch before it (a loss covers both: a new epoch's reset may be all the partition got of it)
+        # per partition and stream: the last seq acknowledged there in each of its newest epochs (a
+        # loss covers each: a crash-looping engine opens several between two writes)
         self._acked_streams: dict[tuple[str, int], dict[str, _Last]] = {}
         self._lost: dict[tuple[str, int], tuple[Stream, int, int, int]] = {}  # (stream key, epoch) -> span (SinkLost)
         self._lost_topics: set[str] = set()  # the topics those spans were lost from
@@ -1175,9 +1181,9 @@ class KafkaConnector:
                 continue
             for key, last in streams.items():
                 self._lost_topics.add(tp[0])
-                for epoch, seq in ((last.epoch, last.seq), (last.before_epoch, last.before_seq)):
+                for epoch, seq in last.ends:
                     old = self._lost.get((key, epoch))
-                    if seq >= 0 and (old is None or seq > old[3]):
+                    if old is None or seq > old[3]:
                         self._lost[(key, epoch)] = (last.stream, epoch, 0, seq)
                 self._stream_next.pop(key, None)
             if streams:
@@ -1209,11 +1215,8 @@ class KafkaConnector:
             record = r
             last = streams.get(r.stream.key)
             if last is None:
-                streams[r.stream.key] = _Last(r.stream, r.epoch, r.seq)
-            elif r.epoch > last.epoch:
-                streams[r.stream.key] = _Last(r.stream, r.epoch, r.seq, last.epoch, last.seq)
-            elif r.epoch == last.epoch and r.seq > last.seq:
-                last.seq = r.seq
+                last = streams[r.stream.key] = _Last(r.stream)
+            last.note(r.epoch, r.seq)
 
     async def _check_state_topic(self, topic: str) -> None:
         """Read the state topic's configs (once per topic): warn when its cleanup policy or

@@ -84,6 +84,7 @@ from nats.js import api as js_api
 from nats.js.client import JetStreamContext
 
 from bridge.connector import (
+    EPOCHS_REMEMBERED,
     STATE_TYPE,
     ByteSize,
     ConfigError,
@@ -553,15 +554,15 @@ class _Span(msgspec.Struct):
 
 class _Held:
     """The spans of each bridge stream the events stream acknowledged (SinkLost's spans when it
-    loses them), in its two newest epochs (a loss reaches back past an engine restart: the old
-    epoch's tail is announced too). ``fresh``: the stream was created empty by this process, so a
+    loses them), in its newest ``EPOCHS_REMEMBERED`` epochs (a loss reaches back past engine
+    restarts: the older epochs' tails are announced too). ``fresh``: the stream was created empty by this process, so a
     bridge stream's copy there starts at the first seq acknowledged; else it may hold earlier ones
     (from 0)."""
 
     __slots__ = ("fresh", "spans")
 
     def __init__(self) -> None:
-        self.spans: dict[str, list[_Span]] = {}  # oldest first, at most two
+        self.spans: dict[str, list[_Span]] = {}  # oldest first, at most EPOCHS_REMEMBERED
         self.fresh = False
 
     def note(self, record: Record) -> None:
@@ -572,7 +573,7 @@ class _Held:
         if span is None or span.epoch < record.epoch:
             first = record.from_seq if record.kind == "EventsLost" and record.from_seq is not None else record.seq
             spans.append(_Span(record.stream, record.epoch, first if self.fresh else 0, record.seq))
-            del spans[:-2]
+            del spans[:-EPOCHS_REMEMBERED]
         elif span.epoch == record.epoch and record.seq > span.last:
             span.last = record.seq
 
@@ -613,7 +614,8 @@ class NatsConnector:
         # announced (SinkLost) at the start of the next write.
         self._events_stream: str | None = None
         self._stream_seqs: dict[str, int] = {}
-        # When the events stream was created, as the server says (a stream created again by
+        # When the events stream that acknowledged this pod's messages was created, as the server
+        # says, read at the first audit after the first acknowledgement (a stream created again by
         # another writer and already past our last seq is told apart by this alone).
         self._stream_created: dict[str, datetime | None] = {}
         self._new_seqs: dict[str, list[int]] = {}
@@ -830,6 +832,7 @@ class NatsConnector:
         spans = self._held.take()
         self._held.fresh = False
         self._stream_seqs.clear()
+        self._stream_created.clear()
         self._next.clear()
         if not spans:
             return
@@ -1487,16 +1490,15 @@ class NatsConnector:
             duplicate_window=so.duplicate_window,
         )
         try:
-            info = await js.add_stream(config)
+            await js.add_stream(config)
         except nats.js.errors.APIError as exc:
             if exc.err_code == _STREAM_NAME_EXISTS:  # another replica created it just now
-                self._stream_created.pop(so.name, None)
                 return
             raise NotConnected(f"{self._prefix}: cannot create JetStream stream {so.name!r}: {_describe(exc)}") from None
         self._held.fresh = True  # empty: a bridge stream's copy starts with the first message stored
         self._events_stream = so.name
         self._stream_seqs.pop(so.name, None)
-        self._stream_created[so.name] = info.created
+        self._stream_created.pop(so.name, None)
         log.info("%s: created JetStream stream %s for %s", self._prefix, so.name, config.subjects, extra={"sink": self.name})
 
     async def _check_stream(self, js: JetStreamContext) -> None:
@@ -1508,9 +1510,7 @@ class NatsConnector:
         try:
             name = self._events_stream = await js.find_stream_name_by_subject(wildcard)
             self._stream_problem = None
-            info = await js.stream_info(name)
-            self._stream_created.setdefault(name, info.created)
-            if info.config.storage == js_api.StorageType.MEMORY:
+            if (await js.stream_info(name)).config.storage == js_api.StorageType.MEMORY:
                 consequence = _MEMORY_STREAM.format(sink=self.name)
                 self._warn_memory(f"JetStream stream {name!r}", consequence, "file storage (stream.storage: file)")
             return

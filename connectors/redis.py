@@ -120,6 +120,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from bridge.connector import (
+    EPOCHS_REMEMBERED,
     STATE_TYPE,
     ConfigError,
     ConnectorError,
@@ -927,7 +928,9 @@ class RedisConnector:
         # to each state key, and per state key the generation whose state Redis lost (its changes
         # still queued are not written: the runtime opens a new generation).
         self._held: dict[str, str] = {}
-        self._held_before: dict[str, str] = {}  # per stream key, the last id stored in the epoch before
+        # per stream key, the last id stored in each of the epochs before (oldest first, at most
+        # EPOCHS_REMEMBERED - 1: with the last one, EPOCHS_REMEMBERED epochs)
+        self._held_before: dict[str, list[str]] = {}
         self._held_announces: dict[str, tuple[int, int]] = {}  # per stream key, the seqs its last entry announced lost
         self._written: dict[str, tuple[str, str]] = {}
         self._state_lost: dict[str, int] = {}
@@ -1306,8 +1309,8 @@ class RedisConnector:
         """The SinkLost of ``stream``, whose stream keys no longer hold the last entry stored in them
         (``found``: key, top id or empty, ...): per key, the seqs from the one after its top entry
         (0 when the top is of an earlier epoch, or there is none) to the last one stored, in the
-        epoch of the last one stored, and likewise in the epoch before it when the top is below
-        its end too (earlier epochs are not remembered). A script call stores whole records, and
+        epoch of the last one stored, and likewise in each epoch before it whose end is above the
+        top (``EPOCHS_REMEMBERED`` epochs in all are remembered). A script call stores whole records, and
         Redis persists a script's writes whole, so the top entry's record is whole. Forgets what it
         expected of those keys, so that the write that follows goes through."""
         spans: dict[int, tuple[int, int]] = {}
@@ -1317,10 +1320,10 @@ class RedisConnector:
         for raw_key, raw_top in zip(found[::2], found[1::2], strict=True):
             key, top = _text(raw_key), _text(raw_top)
             want = self._held.pop(key)
-            before = self._held_before.pop(key, None)
+            before = self._held_before.pop(key, [])
             announced = self._held_announces.pop(key, None)
             lines.append(f"{key} holds {top or 'nothing'}, below {want} it stored")
-            ends = [want] if before is None or (top and entry_position(top) >= entry_position(before)) else [before, want]
+            ends = [b for b in before if not (top and entry_position(top) >= entry_position(b))] + [want]
             for end in ends:
                 epoch, slot, _ = entry_position(end)
                 first = 0
@@ -1398,7 +1401,9 @@ class RedisConnector:
                 last = self._held.get(key)
                 if last is None or entry_position(what) > entry_position(last):
                     if last is not None and entry_position(what)[0] > entry_position(last)[0]:
-                        self._held_before[key] = last  # a new epoch: its predecessor's end, for _sink_lost
+                        before = self._held_before.setdefault(key, [])  # a new epoch: its predecessor's end, for _sink_lost
+                        before.append(last)
+                        del before[: -(EPOCHS_REMEMBERED - 1)]
                     self._held[key] = what
                     if what in call.announces:
                         self._held_announces[key] = call.announces[what]

@@ -187,6 +187,43 @@ async def test_a_stream_another_pod_created_again_and_filled_past_ours_is_found_
     assert await _subject_seqs(reader, dest, A) == [3]
 
 
+async def test_a_stream_created_again_before_the_first_write_is_no_loss(
+    nats_server: NatsServer, reader: Client, dest: str
+) -> None:
+    """Breaker find (N5, I4): the stream was created again after this pod connected and before it
+    wrote anything; what it then wrote is all there, and its audit must not announce it lost."""
+    js = reader.jetstream(timeout=5)
+    conn = NatsConnector("nats-l", _options(nats_server.url, dest), SINK)
+    await conn.connect()
+    try:
+        info = await js.stream_info(dest)
+        await js.delete_stream(dest)
+        await js.add_stream(info.config)
+        await conn.write(_render([A], 0, 5))
+        await conn.audit()
+        await conn.audit()
+    finally:
+        await conn.close()
+    assert await _subject_seqs(reader, dest, A) == [0, 1, 2, 3, 4]
+
+
+async def test_a_lost_stream_announces_every_epoch_it_held(nats_server: NatsServer, reader: Client, dest: str) -> None:
+    """Breaker find (a crash loop): epochs 1 (seqs 0-4), 2 (seq 0) and 3 (seqs 0-2) held, then the
+    stream lost: each epoch's span is announced, not the two newest alone."""
+    js = reader.jetstream(timeout=5)
+    conn = NatsConnector("nats-l", _options(nats_server.url, dest), SINK)
+    await conn.connect()
+    try:
+        await conn.write(_render([A], 0, 5, epoch=1) + _render([A], 0, 1, epoch=2) + _render([A], 0, 3, epoch=3))
+        await js.delete_stream(dest)
+        with pytest.raises(SinkLost) as lost:
+            await conn.audit()
+        spans = sorted((s.key, e, f, t) for s, e, f, t in lost.value.spans)
+        assert spans == [(A.key, 1, 0, 4), (A.key, 2, 0, 0), (A.key, 3, 0, 2)]
+    finally:
+        await conn.close()
+
+
 async def test_without_create_a_lost_stream_is_announced_and_named_until_it_is_back(
     nats_server: NatsServer, reader: Client, dest: str
 ) -> None:

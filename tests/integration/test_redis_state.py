@@ -717,6 +717,35 @@ async def test_a_restarted_bridge_checks_the_state_it_read_back(redis_server: Re
         await remove_keys(client, prefix)
 
 
+async def test_a_restart_without_persistence_announces_every_epoch_it_held(forgetful_redis: RedisServer) -> None:
+    """Breaker find (a crash loop): epochs 3 (seqs 0-4), 4 (seq 0) and 5 (seqs 0-2) stored, then
+    Redis restarts empty: each epoch's span is announced, not the two newest alone."""
+    from bridge.config import SinkConfig
+    from bridge.errors import NotConnected, SinkLost
+    from bridge.formats import Renderer
+    from connectors.redis import RedisConnector, RedisOptions
+    from tests.support.records import batch
+
+    s = SinkConfig(type="redis", name="r", format="json", granularity="batch")
+    renderer, stream = Renderer(s.format, s.granularity), Stream("a", 0)
+    records = [batch(stream, q, epoch=3) for q in range(5)]
+    records += [source_reset(stream, 4, "publisher_restart", 0.0), batch(stream, 0, epoch=4)]
+    records += [source_reset(stream, 5, "publisher_restart", 0.0), *(batch(stream, q, epoch=5) for q in range(3))]
+    conn = RedisConnector("r", msgspec.convert({"url": forgetful_redis.url}, RedisOptions), s)
+    try:
+        await conn.connect()
+        await conn.write([m for r in records for m in renderer.render(r)])
+        await forgetful_redis.akill()
+        await forgetful_redis.astart()
+        with pytest.raises(SinkLost) as info:
+            for _ in range(3):  # the first, on the connection the restart closed: NotConnected
+                with contextlib.suppress(NotConnected):
+                    await conn.audit()
+        assert sorted(info.value.spans) == [(stream, 3, 0, 4), (stream, 4, 0, 0), (stream, 5, 0, 2)]
+    finally:
+        await conn.close()
+
+
 async def test_an_announcement_lost_after_its_batch_is_announced_again(forgetful_redis: RedisServer) -> None:
     """Found by the invariant breaker (B3): a refusal's EventsLost stands in the slot of the last
     batch of its write; a snapshot taken between that batch and the announcement lost only the

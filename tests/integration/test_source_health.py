@@ -9,6 +9,7 @@ reads what an operator would: ``readiness()`` (the body of ``/readyz``), the met
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -190,3 +191,26 @@ async def test_an_engine_publishing_under_another_topic_is_not_taken_for_an_idle
             await sim.step(0)
             await wait_for(lambda: out.exists() and len(read_lines(out)) == published + 1, what="every batch", timeout=10)
             assert bridge.readiness()[0] and problem(bridge, "a/0", "wrong_topic") == 0
+
+
+async def test_an_engine_redeployed_under_another_topic_is_not_taken_for_an_idle_one(tmp_path: Path) -> None:
+    """Breaker find (T2): the engine published under "kv", then a redeployed one publishes its
+    events under "engine-kv". A topic seen once must not vouch for the next engine on the socket."""
+    live, rep = free_port(), free_port()
+    opts = SimulatorOptions(endpoint=f"tcp://127.0.0.1:{live}", replay_endpoint=f"tcp://127.0.0.1:{rep}", rate=0, topic="kv")
+    sources = [source("a", opts.endpoint, opts.replay_endpoint) | {"topic": "kv"}]
+    async with running_bridge(tmp_path, sources, ingest=GRACE) as (bridge, out):
+        async with Simulator(opts) as sim:
+            await wait_for(lambda: metric(bridge, "kv_bridge_sources_connected") == 1, what="connected", timeout=10)
+            await sim.step(0)
+            await wait_for(lambda: out.exists() and len(read_lines(out)) == 1, what="a batch", timeout=10)
+        await wait_for(lambda: metric(bridge, "kv_bridge_sources_connected") == 0, what="the engine gone", timeout=10)
+        async with Simulator(dataclasses.replace(opts, topic="engine-kv")) as sim:
+            await wait_for(lambda: metric(bridge, "kv_bridge_sources_connected") == 1, what="reconnected", timeout=10)
+            for _ in range(60):
+                await sim.step(0)
+                if problem(bridge, "a/0", "wrong_topic") == 1:
+                    break
+                await asyncio.sleep(0.05)
+            detail = await not_ready(bridge)
+            assert "'engine-kv'" in detail["sources_not_connected"]["a/0"]

@@ -6,6 +6,7 @@ since 1970; each engine restart opens ``max(previous + 1, clock_epoch(now))``.
 
 from __future__ import annotations
 
+import math
 import time
 
 from bridge.checkpoint import clock_epoch
@@ -21,8 +22,9 @@ def assert_first_epoch(epoch: int, since: float) -> int:
 
 def assert_next_epoch(epoch: int, previous: int, since: float) -> int:
     """``epoch`` is one an engine restart opened after ``previous``, at wall-clock ``since`` or
-    later: the clock's, or ``previous + 1`` when ``previous`` was ahead of the clock. Returns it."""
-    lo, hi = clock_epoch(since), clock_epoch(time.time())
+    later: the clock's (the whole second of the engine ts that showed it), or ``previous + 1`` when
+    ``previous`` was ahead of the clock. Returns it."""
+    lo, hi = clock_epoch(math.floor(since)), clock_epoch(time.time())
     assert epoch > previous and (epoch == previous + 1 or lo <= epoch <= hi), (
         f"epoch {epoch} is not the one after {previous} (the clock's: {lo}..{hi})"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import zlib
 from pathlib import Path
 
@@ -177,9 +178,13 @@ def test_a_restart_is_numbered_by_the_engine_clock_so_two_pods_agree() -> None:
     are copies (the same ids). An engine clock far from the bridge's is not trusted."""
     a, b = Checkpointer(1), Checkpointer(1)
     shown = NOW + 10.25
-    assert a.next_epoch(KEY, E, NOW + 10.3, shown) == b.next_epoch(KEY, E, NOW + 10.9, shown) == clock_epoch(shown)
-    assert a.next_epoch(KEY, clock_epoch(shown), NOW + 11, shown) == clock_epoch(shown) + 1  # never below the last
-    assert b.next_epoch(KEY, E, NOW + 20, NOW + 3600) == clock_epoch(NOW + 20)  # an hour off: the bridge's clock
+    second = clock_epoch(math.floor(shown))  # the whole second
+    assert a.next_epoch(KEY, E, NOW + 10.3, shown) == b.next_epoch(KEY, E, NOW + 10.9, shown + 0.001) == second
+    assert a.next_epoch(KEY, second, NOW + 11, shown) == second + 1  # never below the last
+    assert b.next_epoch(KEY, E, NOW + 20, NOW + 20.5) == clock_epoch(math.floor(NOW + 20.5))  # ahead by less than a second
+    # an engine clock ahead (a new pod without a checkpoint would open below it) or an hour behind: the bridge's
+    assert Checkpointer(1).next_epoch(KEY, E, NOW + 20, NOW + 200) == clock_epoch(NOW + 20)
+    assert Checkpointer(1).next_epoch(KEY, E, NOW + 20, NOW - 3600) == clock_epoch(NOW + 20)
     assert Checkpointer(1).next_epoch(KEY, E, NOW + 20, None) == clock_epoch(NOW + 20)
 
 
