@@ -56,6 +56,8 @@ log = logging.getLogger("bridge.checkpoint")
 
 FORGET_MARGIN = 3600.0
 """Seconds a forgotten stream's epoch number is kept after the clock passed it."""
+RESTART_QUANTUM = 60.0
+"""Seconds a restart's epoch is rounded down to (see :meth:`Checkpointer.next_epoch`)."""
 ENGINE_CLOCK_TRUSTED = 300.0
 """Seconds an engine ts may be behind the bridge's clock and still number a restart's epoch."""
 ENGINE_CLOCK_AHEAD = 1.0
@@ -284,15 +286,17 @@ class Checkpointer:
         return self._open(key, clock_epoch(now))
 
     def next_epoch(self, key: str, epoch: int, now: float, shown_at: float | None = None) -> int:
-        """The epoch after ``epoch`` for a restarted engine. Its clock reading is the whole second
-        of the engine ts of what showed the restart (``shown_at``): two pods that read the engine
-        at once (a rolling update) see the restart through the same batch, or through batches of
-        the same second, and open the same epoch, so their copies stay copies. Only when that ts
+        """The epoch after ``epoch`` for a restarted engine. Its clock reading is the engine ts of
+        what showed the restart (``shown_at``), down to its whole minute (``RESTART_QUANTUM``): two
+        pods that read the engine at once (a rolling update) see the restart through the same
+        batch, or through batches of the same minute, and open the same epoch, so their copies
+        stay copies (unless the minute turned between the batches each saw first). A pod without
+        a checkpoint still opens above it: its first epoch is its clock in microseconds. Only when that ts
         is at most ``ENGINE_CLOCK_TRUSTED`` behind ``now`` and at most ``ENGINE_CLOCK_AHEAD``
         ahead (an engine clock ahead of the bridge's would put the epoch above the one a new pod
         without a checkpoint opens later, from its own clock); else ``now``."""
         trusted = shown_at is not None and -ENGINE_CLOCK_TRUSTED <= shown_at - now <= ENGINE_CLOCK_AHEAD
-        at = float(math.floor(shown_at)) if trusted and shown_at is not None else now
+        at = math.floor(shown_at / RESTART_QUANTUM) * RESTART_QUANTUM if trusted and shown_at is not None else now
         return self._open(key, max(epoch + 1, clock_epoch(at)))
 
     def _open(self, key: str, epoch: int) -> int:

@@ -117,7 +117,7 @@ class SinkLost(ConnectorError):
     stream named (a new generation, incomplete) and writes the same messages again. Before raising,
     the connector resets what it expects of the sink, so the write that follows goes through.
     ``states`` names streams whose state alone the sink lost (cleared alike, nothing announced).
-    ``at`` gives, per (stream key, epoch), the seq an announcement must stand at when the sink
+    ``at`` gives, per span ``(stream key, epoch, from_seq, to_seq)``, the seq its announcement must stand at when the sink
     still holds later messages of the stream than its ``to_seq`` (a lost announcement of a
     refusal, announced again where it stood).
     """
@@ -130,7 +130,7 @@ class SinkLost(ConnectorError):
         spans: Sequence[tuple[Stream, int, int, int]],
         *,
         states: Sequence[Stream] = (),
-        at: Mapping[tuple[str, int], int] | None = None,
+        at: Mapping[tuple[str, int, int, int], int] | None = None,
         reason: str | None = None,
     ) -> None:
         super().__init__(message, reason=reason)

@@ -659,7 +659,7 @@ class SinkWorker:
                 },
             )
             lost = events_lost(stream, epoch, first, last, reason, now)
-            lost.seq, lost.to_seq = max(last, exc.at.get((stream.key, epoch), last)), last
+            lost.seq, lost.to_seq = max(last, exc.at.get((stream.key, epoch, first, last), last)), last
             out.extend(self.renderer.render(lost))
         return out + messages
 

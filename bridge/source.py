@@ -16,11 +16,14 @@ asking the endpoint itself (:mod:`bridge.probe`): a name that does not resolve, 
 answer, or a peer of the wrong type (named, with the likely fix). ``problem`` holds the answer for
 ``/readyz`` and ``kv_bridge_source_problem``.
 
-The socket subscribes to every topic and drops messages outside the configured prefix itself
-(ZMQ's own filter would drop them unseen): a source whose engine publishes under another topic
-receives nothing, which looks exactly like an idle engine, so the reader counts it as not
-connected (reason ``wrong_topic``, naming the topic the engine uses) until a message of its own
-topic arrives. With the default prefix (``""``) nothing is dropped and nothing is checked.
+Until a message of the configured topic prefix arrives after a connection, the socket also
+subscribes to every topic and drops the others itself (ZMQ's own filter would drop them unseen):
+a source whose engine publishes under another topic receives nothing, which looks exactly like
+an idle engine, so the reader counts it as not connected (reason ``wrong_topic``, naming the
+topics seen). Once one has arrived, the socket subscribes to its prefix alone again, so the
+publisher filters other topics (a busy one costs nothing); a new connection (a redeployed
+engine) probes again. Dropped messages count toward ``ingest.drain_max``: a flood of them yields
+to the other streams like any burst. With the default prefix (``""``) nothing is checked.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ class SourceReader:
         self._diagnosing: asyncio.Task[None] | None = None
         self._topic = topic.encode()
         self._own_topic_seen = False  # a message of the source's topic came since the last connection
+        self._probing = False  # subscribed to every topic too
         self._foreign_topics: list[str] = []  # the first few other topics seen, for the problem
         self._connected_gauge = pipeline.metrics.connected
         self._disconnects = pipeline.metrics.disconnects
@@ -113,7 +117,10 @@ class SourceReader:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
         sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")  # every topic: see the module docstring
+        sock.setsockopt(zmq.SUBSCRIBE, self._topic)
+        if self._topic:
+            sock.setsockopt(zmq.SUBSCRIBE, b"")  # every topic, until one of its own: see the module docstring
+            self._probing = True
         # The monitor is attached before connecting so that no connection event is missed. It is
         # made by the asyncio context, so it is an asyncio socket.
         monitor: zmq.asyncio.Socket = sock.get_monitor_socket(_MONITOR_EVENTS)  # type: ignore[assignment]
@@ -141,6 +148,7 @@ class SourceReader:
         try:
             while True:
                 burst: list[list[bytes]] = []
+                foreign = 0  # messages of other topics read (and dropped) in this pass
                 armed = False  # ZMQ_EVENTS read after the burst's last message, the flag cleared before
                 try:
                     for _ in range(drain_max):
@@ -150,6 +158,7 @@ class SourceReader:
                             frame = recv(sock, noblock, False)
                             frames.append(frame.bytes)
                         if topic and not frames[0].startswith(topic):
+                            foreign += 1
                             self._foreign(frames[0])
                             continue
                         burst.append(frames)
@@ -164,11 +173,11 @@ class SourceReader:
                     pass
                 if burst:
                     if topic and not self._own_topic_seen:
-                        self._own_topic()
+                        self._own_topic(sock)
                     await on_live(burst, time.time())
-                    if len(burst) == drain_max:
-                        await asyncio.sleep(0)  # more may be ready: let the other streams run first
-                        continue
+                if len(burst) + foreign == drain_max:
+                    await asyncio.sleep(0)  # more may be ready: let the other streams run first
+                    continue
                 # ZMQ's descriptor is edge-triggered: it signals when messages arrive after a read
                 # found none, and reading ZMQ_EVENTS re-arms it. So the flag is cleared first and
                 # EVENTS read after, or a message arriving in between would wait for the next.
@@ -206,6 +215,9 @@ class SourceReader:
                 self.connections += 1
                 self._connected_gauge.inc()
                 self._own_topic_seen = False  # a new engine (a redeploy) may publish under another topic
+                if self._topic and not self._probing:
+                    sock.setsockopt(zmq.SUBSCRIBE, b"")
+                    self._probing = True
                 self._set_problem(None, "")
                 log.info("source connected", extra={"stream": key, "endpoint": self.endpoint})
             elif event == zmq.EVENT_DISCONNECTED and self.connections > 0:
@@ -249,8 +261,12 @@ class SourceReader:
         self._set_problem(problem, "wrong_topic")
         log.error("source receives no message of its topic", extra={"stream": self.pipeline.stream.key, "error": problem})
 
-    def _own_topic(self) -> None:
+    def _own_topic(self, sock: zmq.Socket[bytes]) -> None:
+        """A message of the source's topic came: the publisher may filter the others again."""
         self._own_topic_seen = True
+        if self._probing:
+            sock.setsockopt(zmq.UNSUBSCRIBE, b"")
+            self._probing = False
         if self._reason == "wrong_topic" and self.connections:
             self._set_problem(None, "")
 

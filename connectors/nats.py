@@ -615,8 +615,8 @@ class NatsConnector:
         self._events_stream: str | None = None
         self._stream_seqs: dict[str, int] = {}
         # When the events stream that acknowledged this pod's messages was created, as the server
-        # says, read at the first audit after the first acknowledgement (a stream created again by
-        # another writer and already past our last seq is told apart by this alone).
+        # says, read right after the first acknowledgement (a stream created again by another
+        # writer and already past our last seq is told apart by this alone).
         self._stream_created: dict[str, datetime | None] = {}
         self._new_seqs: dict[str, list[int]] = {}
         self._held = _Held()
@@ -803,6 +803,7 @@ class NatsConnector:
             await (chains[0] if len(chains) == 1 else asyncio.gather(*chains))
         if seqs:
             self._note_stored(messages, seqs)
+            await self._note_created(nc)
         if any(e.reason == "no_stream" for e in errors.values()):
             await self._stream_missing(nc, self._subjects.render(messages[min(errors)]))
         elif not errors:
@@ -810,6 +811,15 @@ class NatsConnector:
         if self.writes_state:
             await self._write_state(nc, messages, errors, seqs)
         return errors
+
+    async def _note_created(self, nc: Client) -> None:
+        """When the stream that just acknowledged this pod's first messages in it was created
+        (one request per stream; again after a loss): what the audit compares with. Not read: the
+        audit reads it later (a stream lost and created again meanwhile then goes unseen)."""
+        for name in self._stream_seqs.keys() - self._stream_created.keys():
+            js = nc.jetstream(timeout=self.options.connect_timeout)
+            with contextlib.suppress(TimeoutError, nats.errors.Error):
+                self._stream_created[name] = (await js.stream_info(name)).created
 
     def _note_stored(self, messages: Sequence[Message], seqs: dict[int, int]) -> None:
         """Follow what the events stream holds of each bridge stream; a new message stored at or

@@ -931,7 +931,9 @@ class RedisConnector:
         # per stream key, the last id stored in each of the epochs before (oldest first, at most
         # EPOCHS_REMEMBERED - 1: with the last one, EPOCHS_REMEMBERED epochs)
         self._held_before: dict[str, list[str]] = {}
-        self._held_announces: dict[str, tuple[int, int]] = {}  # per stream key, the seqs its last entry announced lost
+        # per stream key, the EventsLost entries stored in it, newest last (at most
+        # EPOCHS_REMEMBERED): (entry id, from_seq, to_seq), announced again when Redis loses them
+        self._held_announces: dict[str, list[tuple[str, int, int]]] = {}
         self._written: dict[str, tuple[str, str]] = {}
         self._state_lost: dict[str, int] = {}
         self._warned: set[str] = set()  # durability problems logged (see _warn_durability)
@@ -1314,15 +1316,28 @@ class RedisConnector:
         Redis persists a script's writes whole, so the top entry's record is whole. Forgets what it
         expected of those keys, so that the write that follows goes through."""
         spans: dict[int, tuple[int, int]] = {}
-        again: list[tuple[Stream, int, int, int]] = []  # announcements lost: announced again as they were
-        at: dict[tuple[str, int], int] = {}
+        again: list[tuple[Stream, int, int, int]] = []  # announcements lost: announced again
+        at: dict[tuple[str, int, int, int], int] = {}
         lines = []
         for raw_key, raw_top in zip(found[::2], found[1::2], strict=True):
             key, top = _text(raw_key), _text(raw_top)
             want = self._held.pop(key)
             before = self._held_before.pop(key, [])
-            announced = self._held_announces.pop(key, None)
+            announces = self._held_announces.pop(key, [])
             lines.append(f"{key} holds {top or 'nothing'}, below {want} it stored")
+            top_at = entry_position(top) if top else (-1, -1, -1)
+            for ident, low, high in announces:
+                # An EventsLost Redis lost announced seqs it never stored (refused): the span after
+                # the top (below) covers those above it; those at or below it are announced again,
+                # where it stood (above the top: an id below it would be refused out of order).
+                a_epoch, a_slot, _ = entry_position(ident)
+                if entry_position(ident) <= top_at:
+                    continue
+                covered = top_at[1] if a_epoch == top_at[0] else 0  # the first seq the span after the top holds
+                if low < covered:
+                    span = (stream, a_epoch, low, min(high, covered - 1))
+                    again.append(span)
+                    at[(stream.key, *span[1:])] = a_slot - 1
             ends = [b for b in before if not (top and entry_position(top) >= entry_position(b))] + [want]
             for end in ends:
                 epoch, slot, _ = entry_position(end)
@@ -1332,12 +1347,10 @@ class RedisConnector:
                     first = top_slot if top_epoch == epoch else 0
                     if top_epoch == epoch and top_slot == slot and entry_position(top) < entry_position(end):
                         # Only what stood after the top's batch in its slot is gone: an EventsLost
-                        # (one announcing a refusal, say). It is announced again when it was the
-                        # last entry stored; else which seqs it announced is not known here:
-                        # announce that batch's seq, so consumers know their view misses.
-                        if end == want and announced is not None:
-                            again.append((stream, epoch, *announced))
-                            at[(stream.key, epoch)] = slot - 1  # where it stood: above the top
+                        # (one announcing a refusal, say), announced again above when remembered;
+                        # else which seqs it announced is not known here: announce that batch's
+                        # seq, so consumers know their view misses.
+                        if any(ident == end for ident, _, _ in announces):
                             continue
                         first = slot - 1
                 if first <= slot - 1:
@@ -1406,9 +1419,9 @@ class RedisConnector:
                         del before[: -(EPOCHS_REMEMBERED - 1)]
                     self._held[key] = what
                     if what in call.announces:
-                        self._held_announces[key] = call.announces[what]
-                    else:
-                        self._held_announces.pop(key, None)
+                        announces = self._held_announces.setdefault(key, [])
+                        announces.append((what, *call.announces[what]))
+                        del announces[:-EPOCHS_REMEMBERED]
             elif call.state_key is not None:
                 self._written[call.state_key] = (what[0], what[1])
         if len(reply) < len(call.indexes):  # the script stopped at a failure: the rest waits behind it

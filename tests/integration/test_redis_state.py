@@ -746,11 +746,13 @@ async def test_a_restart_without_persistence_announces_every_epoch_it_held(forge
         await conn.close()
 
 
-async def test_an_announcement_lost_after_its_batch_is_announced_again(forgetful_redis: RedisServer) -> None:
+@pytest.mark.parametrize("after", [False, True], ids=["last", "then a batch"])
+async def test_an_announcement_lost_after_its_batch_is_announced_again(forgetful_redis: RedisServer, after: bool) -> None:
     """Found by the invariant breaker (B3): a refusal's EventsLost stands in the slot of the last
     batch of its write; a snapshot taken between that batch and the announcement lost only the
     announcement, and the span computed per slot was empty: nothing was announced again. Then
-    (second round) batch 4 was announced instead, which Redis held, and seq 2 never again."""
+    (second round) batch 4 was announced instead, which Redis held, and seq 2 never again; and
+    (third round) with a batch stored after the announcement and lost with it, seq 2 was not."""
     from bridge.config import SinkConfig
     from bridge.errors import NotConnected, SinkLost
     from bridge.formats import Renderer
@@ -768,6 +770,8 @@ async def test_an_announcement_lost_after_its_batch_is_announced_again(forgetful
         await conn.write([m for q in (0, 1, 3, 4) for m in renderer.render(batch(stream, q, epoch=3))])
         await client.save()  # the batches, not the announcement
         await conn.write(renderer.render(refusal))
+        if after:
+            await conn.write(renderer.render(batch(stream, 5, epoch=3)))
         await client.aclose()
         await forgetful_redis.akill()
         await forgetful_redis.astart()
@@ -775,10 +779,12 @@ async def test_an_announcement_lost_after_its_batch_is_announced_again(forgetful
         with pytest.raises(SinkLost) as info:
             for _ in range(3):  # the first, on the connection the restart closed: NotConnected
                 with contextlib.suppress(NotConnected):
-                    await conn.write(renderer.render(batch(stream, 5, epoch=3)))
+                    await conn.write(renderer.render(batch(stream, 6, epoch=3)))
         # The lost announcement again, as it was (seq 2, not batch 4, which Redis still holds: I4),
-        # standing where it stood, after batch 4 (an id below the top would be refused).
-        assert info.value.spans == [(stream, 3, 2, 2)] and info.value.at == {(stream.key, 3): 4}
+        # standing where it stood, after batch 4 (an id below the top would be refused); and the
+        # batch after it, when there was one.
+        assert info.value.spans == [(stream, 3, 2, 2)] + ([(stream, 3, 5, 5)] if after else [])
+        assert info.value.at == {(stream.key, 3, 2, 2): 4}
     finally:
         await conn.close()
         await client.aclose()

@@ -173,19 +173,26 @@ def test_a_bridge_without_its_checkpoint_opens_above_the_previous_run() -> None:
 
 
 def test_a_restart_is_numbered_by_the_engine_clock_so_two_pods_agree() -> None:
-    """Two pods reading one engine at once (a rolling update) see the same batch show its
-    restart, at different times on their own clocks: they open the same epoch, so their copies
-    are copies (the same ids). An engine clock far from the bridge's is not trusted."""
+    """Two pods reading one engine at once (a rolling update), both in epoch ``old``, see its
+    restart through the same batch or batches of the same minute, at different times on their own
+    clocks: they open the same epoch, so their copies are copies (the same ids). An engine clock
+    ahead of the bridge's, or far behind, is not trusted."""
+    old = clock_epoch(NOW - 3600)
     a, b = Checkpointer(1), Checkpointer(1)
     shown = NOW + 10.25
-    second = clock_epoch(math.floor(shown))  # the whole second
-    assert a.next_epoch(KEY, E, NOW + 10.3, shown) == b.next_epoch(KEY, E, NOW + 10.9, shown + 0.001) == second
-    assert a.next_epoch(KEY, second, NOW + 11, shown) == second + 1  # never below the last
-    assert b.next_epoch(KEY, E, NOW + 20, NOW + 20.5) == clock_epoch(math.floor(NOW + 20.5))  # ahead by less than a second
+    minute = clock_epoch(math.floor(shown / 60) * 60)
+    assert a.next_epoch(KEY, old, NOW + 10.3, shown) == b.next_epoch(KEY, old, NOW + 10.9, shown + 0.9) == minute
+    assert a.next_epoch(KEY, minute, NOW + 11, shown) == minute + 1  # never below the last
+    ahead = NOW + 20.5  # ahead of the bridge by less than a second: trusted
+    assert Checkpointer(1).next_epoch(KEY, old, NOW + 20, ahead) == clock_epoch(math.floor(ahead / 60) * 60)
     # an engine clock ahead (a new pod without a checkpoint would open below it) or an hour behind: the bridge's
-    assert Checkpointer(1).next_epoch(KEY, E, NOW + 20, NOW + 200) == clock_epoch(NOW + 20)
-    assert Checkpointer(1).next_epoch(KEY, E, NOW + 20, NOW - 3600) == clock_epoch(NOW + 20)
-    assert Checkpointer(1).next_epoch(KEY, E, NOW + 20, None) == clock_epoch(NOW + 20)
+    assert Checkpointer(1).next_epoch(KEY, old, NOW + 20, NOW + 200) == clock_epoch(NOW + 20)
+    assert Checkpointer(1).next_epoch(KEY, old, NOW + 20, NOW - 3600) == clock_epoch(NOW + 20)
+    assert Checkpointer(1).next_epoch(KEY, old, NOW + 20, None) == clock_epoch(NOW + 20)
+    # a stream met this minute (its first epoch the clock's, in microseconds) goes on above it
+    assert Checkpointer(1).next_epoch(KEY, E, NOW + 10.3, shown) == E + 1
+    # and a pod without a checkpoint that meets the stream later opens above all of them
+    assert Checkpointer(1).first_epoch(KEY, NOW + 12) > minute + 1
 
 
 def test_a_checkpoint_of_minute_epochs_goes_on_above_them() -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from bridge.config import convert_options
 from bridge.connector import Registry, Secret
-from bridge.errors import ConfigError, ConnectorError, NotConnected, Permanent, Retriable
+from bridge.errors import EPOCHS_REMEMBERED, ConfigError, ConnectorError, NotConnected, Permanent, Retriable
 from bridge.formats import Message, Renderer
 from bridge.records import Stream, events_lost, source_reset
 from bridge.secret import redact
@@ -135,12 +135,13 @@ def test_what_a_lost_stream_held_per_bridge_stream() -> None:
 
 def test_a_loss_reaching_back_past_an_engine_restart_is_announced_in_both_epochs() -> None:
     """Found by the invariant breaker (B5): epoch 1's seqs 0-4 acknowledged, then epoch 2's 0-2, then
-    the stream lost: both epochs' spans are announced, the older first; a third epoch drops the first."""
+    the stream lost: both epochs' spans are announced, the older first; only the newest
+    EPOCHS_REMEMBERED epochs are kept (a crash loop opens many)."""
     a = Stream("a", 0)
     held = _Held()
     for r in [*stream_records(a, 5, epoch=1), source_reset(a, 2, "publisher_restart", 0.0), *stream_records(a, 3, epoch=2)]:
         held.note(r)
     assert [(e, f, t) for _s, e, f, t in held.take()] == [(1, 0, 4), (2, 0, 2)]
-    for epoch in (1, 2, 3):
+    for epoch in range(1, EPOCHS_REMEMBERED + 2):
         held.note(stream_records(a, 1, epoch=epoch)[0])
-    assert [e for _s, e, _f, _t in held.take()] == [2, 3]
+    assert [e for _s, e, _f, _t in held.take()] == list(range(2, EPOCHS_REMEMBERED + 2))

@@ -356,7 +356,7 @@ async def test_a_lost_announcement_is_announced_again_where_it_stood(tmp_path: P
     await fill(worker, stream_records(STREAM, 4))
     worker.start()
     assert await worker.flush(5)
-    conn.failures = [SinkLost("lost", [(STREAM, 0, 1, 1)], at={(STREAM.key, 0): 3}), None]
+    conn.failures = [SinkLost("lost", [(STREAM, 0, 1, 1)], at={(STREAM.key, 0, 1, 1): 3}), None]
     await fill(worker, stream_records(STREAM, 1, start=4))
     assert await worker.flush(5)
     await worker.stop()
