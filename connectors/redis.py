@@ -1318,6 +1318,7 @@ class RedisConnector:
         spans: dict[int, tuple[int, int]] = {}
         again: list[tuple[Stream, int, int, int]] = []  # announcements lost: announced again
         at: dict[tuple[str, int, int, int], int] = {}
+        placed: list[tuple[tuple[str, int, int, int], int, int, int | None]] = []
         lines = []
         for raw_key, raw_top in zip(found[::2], found[1::2], strict=True):
             key, top = _text(raw_key), _text(raw_top)
@@ -1337,7 +1338,10 @@ class RedisConnector:
                 if low < covered:
                     span = (stream, a_epoch, low, min(high, covered - 1))
                     again.append(span)
-                    at[(stream.key, *span[1:])] = a_slot - 1
+                    # where it stood, unless the span after the top is announced there (one id:
+                    # the second would be taken as there already): then right after the top
+                    at_top = top_at[1] - 1 if a_epoch == top_at[0] and top_at[2] != MAX_SUB else None
+                    placed.append(((stream.key, *span[1:]), a_epoch, a_slot - 1, at_top))
             ends = [b for b in before if not (top and entry_position(top) >= entry_position(b))] + [want]
             for end in ends:
                 epoch, slot, _ = entry_position(end)
@@ -1356,6 +1360,8 @@ class RedisConnector:
                 if first <= slot - 1:
                     low, high = spans.get(epoch, (first, slot - 1))
                     spans[epoch] = (min(low, first), max(high, slot - 1))
+        for span_key, epoch, where, at_top in placed:
+            at[span_key] = at_top if epoch in spans and spans[epoch][1] == where and at_top is not None else where
         message = (
             f"{self._prefix}: Redis lost entries it acknowledged (a restart from an older snapshot or without "
             f"persistence, a deleted key): {'; '.join(lines)}; set appendonly yes (appendfsync everysec or always) "

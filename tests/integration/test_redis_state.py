@@ -791,6 +791,43 @@ async def test_an_announcement_lost_after_its_batch_is_announced_again(forgetful
         (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
 
 
+async def test_an_announcement_lost_with_its_batch_is_not_hidden_by_the_batchs_own(forgetful_redis: RedisServer) -> None:
+    """Breaker find (D1): the snapshot held batches 0, 1 and 3, not batch 4 nor the refusal of seq 2
+    announced after it. Both are announced again, the refusal right after the top (at the slot of
+    batch 4 it would have the id of batch 4's own announcement, and be taken as there already)."""
+    from bridge.config import SinkConfig
+    from bridge.errors import NotConnected, SinkLost
+    from bridge.formats import Renderer
+    from connectors.redis import RedisConnector, RedisOptions
+    from tests.support.records import batch
+
+    s = SinkConfig(type="redis", name="r", format="json", granularity="batch")
+    renderer, stream = Renderer(s.format, s.granularity), Stream("a", 0)
+    refusal = events_lost(stream, 3, 2, 2, "sink_refused:r", 0.0)
+    refusal.seq, refusal.to_seq = 4, 2
+    conn = RedisConnector("r", msgspec.convert({"url": forgetful_redis.url}, RedisOptions), s)
+    client = aioredis.Redis.from_url(forgetful_redis.url)
+    try:
+        await conn.connect()
+        await conn.write([m for q in (0, 1, 3) for m in renderer.render(batch(stream, q, epoch=3))])
+        await client.save()
+        await conn.write([*renderer.render(batch(stream, 4, epoch=3)), *renderer.render(refusal)])
+        await client.aclose()
+        await forgetful_redis.akill()
+        await forgetful_redis.astart()
+        client = aioredis.Redis.from_url(forgetful_redis.url)
+        with pytest.raises(SinkLost) as info:
+            for _ in range(3):  # the first, on the connection the restart closed: NotConnected
+                with contextlib.suppress(NotConnected):
+                    await conn.write(renderer.render(batch(stream, 5, epoch=3)))
+        assert info.value.spans == [(stream, 3, 2, 2), (stream, 3, 4, 4)]
+        assert info.value.at == {(stream.key, 3, 2, 2): 3}  # right after batch 3, the top
+    finally:
+        await conn.close()
+        await client.aclose()
+        (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
+
+
 async def test_a_bridge_restarted_after_redis_lost_what_it_acknowledged_gives_it_back(
     tmp_path: Path, forgetful_redis: RedisServer, client: Any
 ) -> None:
