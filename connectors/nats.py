@@ -66,6 +66,7 @@ write the last process was killed in. :func:`kv_consumer.nats.bootstrap` is the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import random
