@@ -170,10 +170,12 @@ class StreamPipeline:
                 try:
                     for i, frames in enumerate(burst):  # noqa: B007 (i is read when cut short)
                         # wire.parse_live inline for the well-formed message (what the socket gives: bytes)
+                        instance: bytes | None = None
                         if (
                             len(frames) == 3
                             and len(seq_frame := frames[1]) == wire.SEQ_BYTES
                             and (payload := frames[2]).__class__ is bytes
+                            and payload
                         ):
                             seq = int.from_bytes(seq_frame, "big")
                         else:
@@ -182,7 +184,16 @@ class StreamPipeline:
                             except DecodeError as exc:
                                 self.ctx.decode_failures(self.stream, exc, None, frames)
                                 continue
-                            seq, payload = f.seq, f.payload
+                            seq, payload, instance = f.seq, f.payload, f.instance
+                            if f.heartbeat:  # an idle publisher's next seq (and UUID): no batch
+                                actions = sequencer.heartbeat(seq, instance)
+                                if actions:
+                                    if run:
+                                        decided = actions
+                                        await self._hand_run()
+                                        decided = []
+                                    await self._execute(actions, received)
+                                continue
                         # Decoded (or counted) before it is sequenced: the ts comes with it. A batch
                         # that fails here is decoded again once delivered, which reports it.
                         counted: wire.EventCount | None = None
@@ -201,10 +212,10 @@ class StreamPipeline:
                         if ts is not None:
                             lag(received - ts if received > ts else 0.0)  # never NaN: a NaN ts compares false
                         # An epoch's first batch is noted (and saved) before it goes out: not here.
-                        if not self._first_pending and accept(seq, payload, ts):
+                        if not self._first_pending and accept(seq, payload, ts, instance):
                             run.append(decode(seq, payload, received, sequencer.epoch, counted, batch))
                             continue
-                        actions = live(seq, payload, ts)
+                        actions = live(seq, payload, ts, instance)
                         if run:
                             decided = actions
                             await self._hand_run()

@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from bridge.errors import StartupError
-from bridge.schema import SCHEMA_VERSION
+from bridge.schema import HEADER_KEYS, SCHEMA_VERSION
 from bridge.simulator import Faults, Simulator, SimulatorOptions
 from tests.support.epochs import assert_first_epoch
 from tests.support.harness import batches, free_ports, metric, read_lines, running_bridge, wait_for
@@ -38,6 +38,15 @@ def _jsonish(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _jsonish(v) for k, v in value.items()}
     return value
+
+
+def _shadowed(event: dict[str, Any]) -> dict[str, Any]:
+    """An event as the event granularity writes it: a field named like a header key (RFC 1527's
+    event-level dp_rank) under "shadowed"."""
+    moved = {k: v for k, v in event.items() if k in HEADER_KEYS}
+    if not moved:
+        return event
+    return {**{k: v for k, v in event.items() if k not in HEADER_KEYS}, "shadowed": moved}
 
 
 @pytest.mark.parametrize("name", sorted({v.file for v in VECTORS}))
@@ -72,7 +81,7 @@ async def test_vectors_through_the_running_bridge(tmp_path: Path, name: str) -> 
         for v in rows:
             seq = int.from_bytes(v.frames[1][:8], "big")
             got = [ln for ln in lines if ln["dp_rank"] == v.dp_rank and ln["seq"] == seq]
-            expected = [_jsonish(e) for e in expected_events(v.decoded, v.expected)]
+            expected = [_shadowed(_jsonish(e)) for e in expected_events(v.decoded, v.expected)]
             assert [ln["index"] for ln in got] == list(range(len(expected)))
             ts = expected_ts(v.decoded)
             for original, event in zip(got, expected, strict=True):
@@ -261,6 +270,42 @@ async def test_engine_restart_starts_a_new_epoch(tmp_path: Path) -> None:
     assert [ln["seq"] for ln in after] == list(range(30)) and all(ln["epoch"] == first + 1 for ln in after)
     ck = json.loads((tmp_path / "ck.json").read_text())
     assert ck["streams"]["rs/0"]["epoch"] == ck["epochs"]["rs/0"] == first + 1
+
+
+async def test_a_new_publisher_uuid_is_a_certain_restart_even_when_its_seq_continues(tmp_path: Path) -> None:
+    """vLLM #57789: 24-byte sequence frames. The new instance's first 20 batches never reach the
+    bridge, so its seq 20 follows the old instance's 19 (inference alone would miss the restart):
+    its UUID ends the epoch for certain (reason instance_changed) and replay brings its head.
+    Heartbeats in between are no batches."""
+    ports = free_ports(2)
+    async with Simulator(_sim(ports, profile="vllm-pr57789-uuid")) as sim:
+        async with running_bridge(tmp_path, [_source("id", ports)]) as (bridge, out):
+            await wait_for(lambda: bridge.readers["id/0"].connections > 0, what="subscription")
+            await asyncio.sleep(0.3)
+            rank = sim.ranks[0]
+            for _ in range(20):
+                await sim.step()
+            await rank.heartbeat()
+            await wait_for(lambda: len(read_lines(out)) >= 20, what="the first instance's batches")
+            rank.restart()
+            rank.faults = Faults(drop_rate=1.0)  # published (and buffered), never seen live
+            for _ in range(20):
+                await sim.step()
+            rank.faults = Faults()
+            for _ in range(5):
+                await sim.step()
+            await rank.heartbeat()
+            await wait_for(lambda: len(read_lines(out)) >= 46, what="the second instance's batches")
+        lines = read_lines(out)
+        failures = metric(bridge, "kv_bridge_decode_failures_total", source="id", reason="bad_msgpack")
+    reset = next(i for i, ln in enumerate(lines) if ln.get("type") == "SourceReset")
+    assert lines[reset]["reason"] == "instance_changed"
+    first, second = lines[:reset], lines[reset + 1 :]
+    assert [ln["seq"] for ln in first] == list(range(20)) and len({ln["epoch"] for ln in first}) == 1
+    assert [ln["seq"] for ln in second] == list(range(25)) and {ln["epoch"] for ln in second} == {lines[reset]["epoch"]}
+    assert lines[reset]["epoch"] > first[0]["epoch"]
+    assert not [ln for ln in lines if ln.get("type") == "EventsLost"]
+    assert not failures  # (a heartbeat's empty payload is not a batch)
 
 
 async def test_gap_beyond_the_buffer_is_one_events_lost(tmp_path: Path) -> None:
