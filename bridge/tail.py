@@ -180,6 +180,42 @@ async def tail(
     return printed
 
 
+async def wire_shape(endpoint: str, topic: str, timeout: float) -> str:
+    """What the first live message read from ``endpoint`` within ``timeout`` shows of the wire (for
+    ``--check``): whether its sequence frame carries the publisher UUID (vLLM #57789), and the
+    producer shape its payload has; "nothing within ..." for an idle engine."""
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        sub.connect(endpoint)
+        if not await sub.poll(max(1, int(timeout * 1000))):
+            return f"nothing published within {timeout:g}s (an idle engine: the wire shape shows with its first batch)"
+        frames = await sub.recv_multipart()
+    finally:
+        sub.close(linger=0)
+        ctx.destroy(linger=0)
+    try:
+        f = wire.parse_live(frames)
+    except DecodeError as exc:
+        return f"a message the bridge cannot read ({exc})"
+    ident = (
+        f"publisher UUID {uuid.UUID(bytes=f.instance)} (24-byte sequence frames: restarts are certain)"
+        if f.instance is not None
+        else "no publisher UUID (8-byte sequence frames: restarts are inferred)"
+    )
+    if f.heartbeat:
+        return f"{ident}; an idle heartbeat (next seq {f.seq})"
+    try:
+        batch = wire.decode_batch(f.payload)
+    except DecodeError as exc:
+        return f"{ident}; an undecodable batch ({exc})"
+    kinds = sorted({"RFC 1527 maps" if "event_type" in e else e["type"] for e in batch.events})
+    return f"{ident}; seq {f.seq}, {len(batch.events)} event(s): {', '.join(kinds) or 'none'}"
+
+
 async def _read(rank: int, sub: zmq.asyncio.Socket, queue: asyncio.Queue[tuple[int, list[bytes]]]) -> None:
     while True:
         await queue.put((rank, await sub.recv_multipart()))
