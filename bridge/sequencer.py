@@ -46,7 +46,8 @@ frame). Where a message carries one, it decides, and nothing above is inferred f
   next seq, interleaving): it is a duplicate, or a batch the stream still needs; and a message
   under that UUID ends any doubt about continuity at once;
 - a retired UUID (a late message of an instance gone, or a second publisher on the stream) is
-  dropped as a duplicate: nothing of it goes under another instance's epoch (I1).
+  dropped as a duplicate: nothing of it goes under another instance's epoch (I1);
+- replay replies that carry a UUID decide the same way once the epoch's UUID is known.
 
 Replay rules (protocol.md section 1): the first reply above the requested start means the span
 left the engine's buffer, but a ROUTER under load may also drop replies, so a loss is declared
@@ -548,13 +549,20 @@ class StreamSequencer:
             self._request(out, to_end=True)
         return out
 
-    def replayed(self, request_id: int, seq: int, payload: bytes) -> list[Action]:
-        """One reply of the replay ``request_id``."""
+    def replayed(self, request_id: int, seq: int, payload: bytes, instance: bytes | None = None) -> list[Action]:
+        """One reply of the replay ``request_id`` (``instance``: the publisher UUID its sequence
+        frame carries, if any: where this epoch's is known, it decides as on the live stream)."""
         out: list[Action] = []
         if request_id != self._replay:
             return out
         self._answered = True
         self._buffers = True
+        if instance is not None and self._instance_sure:
+            if instance != self.instance:
+                if instance not in self._retired:
+                    self._replayed_by_new_instance(out, seq, payload, instance)
+                return out  # (a retired instance's reply: nothing of it is taken)
+            self._certain(out)  # this epoch's instance answers: no verification needed
         if self._verdict is _SORTING:
             if self._overlap is not None:
                 if (seq, zlib.crc32(payload)) != self._overlap:
@@ -591,6 +599,22 @@ class StreamSequencer:
                 return out
         self._take(out, seq, payload)
         return out
+
+    def _replayed_by_new_instance(self, out: list[Action], seq: int, payload: bytes, instance: bytes) -> None:
+        """A replay answered under another UUID than this epoch's: a restart, for certain. The new
+        epoch takes this reply and asks its instance for the rest from seq 0."""
+        old = self.instance
+        self._restart(out, INSTANCE_CHANGED)
+        if old is not None:
+            self._retire(old)
+        self.instance, self._instance_sure = instance, not self._doubt
+        self._top = max(self._top, seq)
+        if seq == self.delivered + 1:
+            self._deliver(out, seq, payload, replayed=True)
+        else:
+            self._keep(self.held, seq, payload)
+        self._note_replayed(seq, payload)
+        self._request(out)
 
     def _hold(self, seq: int, payload: bytes, always: bool = False) -> None:
         """Keep a reply until the verdict (past the bound it is not kept: fetched again later)."""

@@ -492,7 +492,9 @@ class StreamPipeline:
             async with contextlib.aclosing(self.ctx.replay.fetch(self.replay_endpoint, req.start, req.until, outcome)) as replies:
                 async for reply in replies:
                     async with self.lock:
-                        await self._execute(self.sequencer.replayed(req.request_id, reply.seq, reply.payload), time.time())
+                        await self._execute(
+                            self.sequencer.replayed(req.request_id, reply.seq, reply.payload, reply.instance), time.time()
+                        )
                         if len(self._types) > _MAX_TYPES:
                             self.flush_metrics()
             label = "complete" if outcome.complete else "timeout"

@@ -179,6 +179,10 @@ class SequencerModel(RuleBasedStateMachine):
         """The publisher UUID the live message carries (vLLM #57789); none in this model."""
         return None
 
+    def reply_uuid(self, payload: bytes) -> bytes | None:
+        """The publisher UUID a replay reply carries; none in this model."""
+        return None
+
     def received(self, seq: int, payload: bytes) -> None:
         instance, _ = parse(payload)
         self.seen.setdefault(instance, set()).add(seq)
@@ -199,7 +203,7 @@ class SequencerModel(RuleBasedStateMachine):
             replies = replies[:1] + replies[3:]
         for seq, payload in replies:
             heard = req.request_id == self.seqr._replay  # a stale request's replies are discarded unread
-            actions = self.seqr.replayed(req.request_id, seq, payload)
+            actions = self.seqr.replayed(req.request_id, seq, payload, self.reply_uuid(payload))
             if heard:
                 self.received(seq, payload)
             self.apply(actions)
@@ -401,6 +405,18 @@ class UuidModel(SequencerModel):
 
 UuidModel.TestCase.settings = SequencerModel.TestCase.settings
 TestUuidModel = UuidModel.TestCase
+
+
+class UuidReplayModel(UuidModel):
+    """As UuidModel, with the UUID on replay replies too: a replay answered by a new instance
+    ends the epoch for certain, and one answered by the epoch's own needs no verification."""
+
+    def reply_uuid(self, payload: bytes) -> bytes | None:
+        return self.uuid_of(payload)
+
+
+UuidReplayModel.TestCase.settings = SequencerModel.TestCase.settings
+TestUuidReplayModel = UuidReplayModel.TestCase
 
 
 class NoReplayModel(SequencerModel):

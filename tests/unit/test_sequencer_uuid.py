@@ -148,3 +148,30 @@ def test_gap_under_the_same_uuid_is_repaired_by_replay() -> None:
     req = next(a for a in out if isinstance(a, RequestReplay))
     out = [a for n in (1, 2, 3, 4) for a in s.replayed(req.request_id, n, p(A, n))]
     assert delivered(out) == [(0, 2), (0, 3), (0, 4)]
+
+
+def test_a_replay_answered_under_a_new_uuid_is_a_certain_restart() -> None:
+    """An idle engine restarted: its probe's replay answers under a new UUID before any live
+    message does."""
+    s = seqr()
+    feed(s, A, range(3))
+    req = s.probe()[0]
+    assert isinstance(req, RequestReplay)
+    out = s.replayed(req.request_id, 0, p(B, 0), instance=B)
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
+    assert delivered(out) == [(1, 0)] and s.instance == B
+    nxt = out[-1]
+    assert isinstance(nxt, RequestReplay)
+    # A reply of the retired instance to the old request is ignored; the new one's go on.
+    assert s.replayed(req.request_id, 2, p(A, 2), instance=A) == []
+    assert delivered(s.replayed(nxt.request_id, 1, p(B, 1), instance=B)) == [(1, 1)]
+
+
+def test_a_replay_under_the_epochs_uuid_needs_no_verification() -> None:
+    s = seqr()
+    feed(s, A, range(3))
+    s.disconnected(10.0)
+    out = s.live(5, p(A, 5), instance=A)  # the same instance, for certain: the gap is fetched
+    req = next(a for a in out if isinstance(a, RequestReplay))
+    out = [a for n in (3, 4) for a in s.replayed(req.request_id, n, p(A, n), instance=A)]
+    assert delivered(out) == [(0, 3), (0, 4), (0, 5)] and not s.in_doubt
