@@ -178,44 +178,39 @@ class StreamPipeline:
                             and payload
                         ):
                             seq = int.from_bytes(seq_frame, "big")
+                            beat = False
                         else:
                             try:
                                 f = parse(frames)
                             except DecodeError as exc:
                                 self.ctx.decode_failures(self.stream, exc, None, frames)
                                 continue
-                            seq, payload, instance = f.seq, f.payload, f.instance
-                            if f.heartbeat:  # an idle publisher's next seq (and UUID): no batch
-                                actions = sequencer.heartbeat(seq, instance)
-                                if actions:
-                                    if run:
-                                        decided = actions
-                                        await self._hand_run()
-                                        decided = []
-                                    await self._execute(actions, received)
-                                continue
-                        # Decoded (or counted) before it is sequenced: the ts comes with it. A batch
-                        # that fails here is decoded again once delivered, which reports it.
-                        counted: wire.EventCount | None = None
-                        batch: wire.DecodedBatch | None = None
-                        ts: float | None
-                        if needs_events:
-                            try:
-                                batch = decode_batch(payload)
-                                ts = batch.ts
-                            except DecodeError:
-                                ts = peek_ts(payload)
-                        elif (counted := count_batch(payload)) is not None:
-                            ts = counted.ts
+                            seq, payload, instance, beat = f.seq, f.payload, f.instance, f.heartbeat
+                        if beat:  # an idle publisher's next seq (and UUID): no batch
+                            actions = sequencer.heartbeat(seq, instance)
                         else:
-                            ts = peek_ts(payload)
-                        if ts is not None:
-                            lag(received - ts if received > ts else 0.0)  # never NaN: a NaN ts compares false
-                        # An epoch's first batch is noted (and saved) before it goes out: not here.
-                        if not self._first_pending and accept(seq, payload, ts, instance):
-                            run.append(decode(seq, payload, received, sequencer.epoch, counted, batch))
-                            continue
-                        actions = live(seq, payload, ts, instance)
+                            # Decoded (or counted) before it is sequenced: the ts comes with it. A
+                            # batch that fails here is decoded again once delivered, which reports it.
+                            counted: wire.EventCount | None = None
+                            batch: wire.DecodedBatch | None = None
+                            ts: float | None
+                            if needs_events:
+                                try:
+                                    batch = decode_batch(payload)
+                                    ts = batch.ts
+                                except DecodeError:
+                                    ts = peek_ts(payload)
+                            elif (counted := count_batch(payload)) is not None:
+                                ts = counted.ts
+                            else:
+                                ts = peek_ts(payload)
+                            if ts is not None:
+                                lag(received - ts if received > ts else 0.0)  # never NaN: a NaN ts compares false
+                            # An epoch's first batch is noted (and saved) before it goes out: not here.
+                            if not self._first_pending and accept(seq, payload, ts, instance):
+                                run.append(decode(seq, payload, received, sequencer.epoch, counted, batch))
+                                continue
+                            actions = live(seq, payload, ts, instance)
                         if run:
                             decided = actions
                             await self._hand_run()
