@@ -358,15 +358,11 @@ class StreamSequencer:
             del self._retired[next(iter(self._retired))]
 
     def _certain(self, out: list[Action]) -> None:
-        """A message under this epoch's UUID: the instance is the same, for certain. Doubt ends,
-        and a replay waiting for a verdict takes what it kept."""
+        """A live message under this epoch's UUID: the live publisher is the same instance, for
+        certain, and so is every batch waiting (each was checked by its UUID): doubt ends. (Not
+        the replay in flight: whoever holds the replay socket when it is served answers it.)"""
         if self._doubt:
             self._trust(out)
-        if self._replay is not None and self._verdict is _UNSURE:
-            self._verdict = _SAME
-            early, self._early, self._heard, self._skipped = self._early, {}, -1, False
-            for s in sorted(early):
-                self._take(out, s, early[s])
 
     def _same_instance(self, out: list[Action], seq: int, payload: bytes) -> list[Action]:
         """A live message under this epoch's UUID: never a restart."""
@@ -562,7 +558,13 @@ class StreamSequencer:
                 if instance not in self._retired:
                     self._replayed_by_new_instance(out, seq, payload, instance)
                 return out  # (a retired instance's reply: nothing of it is taken)
-            self._certain(out)  # this epoch's instance answers: no verification needed
+            if self._doubt:
+                self._trust(out)
+            if self._verdict is _UNSURE:  # this epoch's instance answers: no verification needed
+                self._verdict = _SAME
+                early, self._early, self._heard, self._skipped = self._early, {}, -1, False
+                for s in sorted(early):
+                    self._take(out, s, early[s])
         if self._verdict is _SORTING:
             if self._overlap is not None:
                 if (seq, zlib.crc32(payload)) != self._overlap:
