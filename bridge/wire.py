@@ -40,13 +40,10 @@ INSTANCE_BYTES = 16  # the publisher lifetime UUID after the seq (vLLM #57789)
 SEQ_INSTANCE_BYTES = SEQ_BYTES + INSTANCE_BYTES
 END_SEQ = 2**64 - 1  # the replay end marker: ff ff ff ff ff ff ff ff
 MS_TS_ABOVE = 10**11
-"""An integer batch ts above this is in milliseconds (RFC 1527 producers send int64 ms; every
-other producer a float of seconds, and 1e11 seconds is the year 5138)."""
-
-
-def _seconds(ts: int) -> float:
-    """An integer batch ts in seconds: RFC 1527 milliseconds divided, any other int as it is."""
-    return ts / 1000.0 if ts > MS_TS_ABOVE else float(ts)
+"""An integer ts of an array batch above this is in milliseconds (RFC 1527 producers send int64
+ms; every other producer a float of seconds, and 1e11 seconds is the year 5138)."""
+_FLOAT64 = 0xCB
+_INT64 = (0xCF, 0xD3)  # msgpack uint64 / int64: the only integers above MS_TS_ABOVE
 
 
 # Declaration order (vLLM 0.33); older releases, and every array encoding, have a prefix of it.
@@ -288,14 +285,14 @@ _PlainEvent = Union[dict[str, _PlainValue], list[_PlainValue]]  # noqa: UP007
 
 
 class _PlainArrayBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: Union[int, float]  # noqa: UP007 - an int ts stays one: RFC 1527 milliseconds (see _seconds)
+    ts: float  # (an integer one, RFC 1527 milliseconds, is told by its first byte: see MS_TS_ABOVE)
     events: list[_PlainEvent]
     rank: int | None = None
     more: Any = msgspec.UNSET  # set: the batch has extra elements (the generic path keeps them)
 
 
 class _PlainMapBatch(msgspec.Struct, forbid_unknown_fields=True, gc=False):
-    ts: Union[int, float]  # noqa: UP007
+    ts: float
     events: list[_PlainEvent]
     data_parallel_rank: int | msgspec.UnsetType | None = msgspec.UNSET
     attn_dp_rank: int | msgspec.UnsetType | None = msgspec.UNSET
@@ -314,6 +311,8 @@ def _decode_plain(payload: bytes) -> DecodedBatch | None:
             if a.more is not msgspec.UNSET:
                 return None
             ts, events, rank = a.ts, a.events, a.rank
+            if payload[1] in _INT64 and first <= 0x9F and ts > MS_TS_ABOVE:
+                ts /= 1000.0  # an integer ts: RFC 1527 milliseconds
         elif 0x82 <= first <= 0x8F or first in (0xDE, 0xDF):
             m = _plain_map.decode(payload)
             ts, events = m.ts, m.events
@@ -323,8 +322,6 @@ def _decode_plain(payload: bytes) -> DecodedBatch | None:
             return None
         # A map event with its type first (every current release) is used as decoded; a batch of
         # only such events, as the decoder made it (no new list).
-        if ts.__class__ is int:
-            ts = _seconds(ts)
         for raw in events:
             if raw.__class__ is not dict or next(iter(raw), None) != "type" or "event_type" in raw:
                 break
@@ -389,7 +386,10 @@ def decode_generic(payload: bytes) -> DecodedBatch:
             out.append(normalise_event(raw))
         except DecodeError as exc:
             bad.append(BadEvent(i, exc.detail or exc.reason, raw))
-    return DecodedBatch(_seconds(ts) if isinstance(ts, int) else float(ts), out, rank, bad, extra)
+    seconds = float(ts)
+    if isinstance(ts, int) and isinstance(obj, list) and payload[0] <= 0x9F and ts > MS_TS_ABOVE:
+        seconds = ts / 1000.0  # RFC 1527 milliseconds (its batches are small arrays: a fixarray header)
+    return DecodedBatch(seconds, out, rank, bad, extra)
 
 
 # -- counting without decoding ------------------------------------------------------------------
@@ -431,9 +431,9 @@ _RFC1527_EVENTS = _tagged_rfc1527()
 
 def _counter(events: Any, array_batch: bool) -> msgspec.msgpack.Decoder[Any]:
     if array_batch:
-        batch = msgspec.defstruct("_ArrayBatch", [("ts", Union[int, float]), ("events", list[events])], array_like=True)  # noqa: UP007
+        batch = msgspec.defstruct("_ArrayBatch", [("ts", float), ("events", list[events])], array_like=True)
     else:
-        batch = msgspec.defstruct("_MapBatch", [("ts", Union[int, float]), ("events", list[events])])  # noqa: UP007
+        batch = msgspec.defstruct("_MapBatch", [("ts", float), ("events", list[events])])
     return msgspec.msgpack.Decoder(batch)
 
 
@@ -471,11 +471,12 @@ def count_batch(payload: bytes) -> EventCount | None:
             continue
         type_of = _TYPE_OF
         ts = batch.ts
-        return EventCount(_seconds(ts) if ts.__class__ is int else ts, [type_of[type(e)] for e in batch.events])
+        if first <= 0x9F and payload[1] in _INT64 and ts > MS_TS_ABOVE:
+            ts /= 1000.0  # an integer ts: RFC 1527 milliseconds (as decode_batch)
+        return EventCount(ts, [type_of[type(e)] for e in batch.events])
     return None
 
 
-_FLOAT64 = 0xCB
 _struct_f64 = struct.Struct(">d")
 
 
