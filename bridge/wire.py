@@ -17,8 +17,9 @@ Other producers' shapes are recognised by what they send, never by configuration
   ``[oldest, latest]`` window (:attr:`ReplayReply.window`);
 - map events with an ``event_type`` key are RFC Mooncake #1527 events (Mooncake master,
   TokenSpeed): they are normalised to the names consumers read (:func:`normalise_rfc1527`) with
-  every original field kept; a batch ``ts`` in milliseconds (an integer above 1e11, what those
-  producers send; every other producer sends a float) becomes seconds.
+  every original field kept; a batch ``ts`` in milliseconds (an integer above 1e11 right after
+  the batch's array header, what those producers send; every other producer sends a float)
+  becomes seconds.
 
 Unknown event types pass through with their type name. A malformed event is isolated (reported in
 ``DecodedBatch.bad_events``), a malformed batch raises :class:`~bridge.errors.DecodeError`.
