@@ -40,7 +40,7 @@ SEQ_BYTES = 8
 INSTANCE_BYTES = 16  # the publisher lifetime UUID after the seq (vLLM #57789)
 SEQ_INSTANCE_BYTES = SEQ_BYTES + INSTANCE_BYTES
 END_SEQ = 2**64 - 1  # the replay end marker: ff ff ff ff ff ff ff ff
-MS_TS_ABOVE = 10**11
+MS_TS_ABOVE = 1e11
 """An integer ts of an array batch above this is in milliseconds (RFC 1527 producers send int64
 ms; every other producer a float of seconds, and 1e11 seconds is the year 5138)."""
 _FLOAT64 = 0xCB
@@ -312,7 +312,7 @@ def _decode_plain(payload: bytes) -> DecodedBatch | None:
             if a.more is not msgspec.UNSET:
                 return None
             ts, events, rank = a.ts, a.events, a.rank
-            if payload[1] in _INT64 and first <= 0x9F and ts > MS_TS_ABOVE:
+            if ts > MS_TS_ABOVE and first <= 0x9F and payload[1] in _INT64:
                 ts /= 1000.0  # an integer ts: RFC 1527 milliseconds
         elif 0x82 <= first <= 0x8F or first in (0xDE, 0xDF):
             m = _plain_map.decode(payload)
@@ -472,7 +472,7 @@ def count_batch(payload: bytes) -> EventCount | None:
             continue
         type_of = _TYPE_OF
         ts = batch.ts
-        if first <= 0x9F and payload[1] in _INT64 and ts > MS_TS_ABOVE:
+        if ts > MS_TS_ABOVE and first <= 0x9F and payload[1] in _INT64:
             ts /= 1000.0  # an integer ts: RFC 1527 milliseconds (as decode_batch)
         return EventCount(ts, [type_of[type(e)] for e in batch.events])
     return None
