@@ -155,8 +155,12 @@ class EventFields(msgspec.Struct, kw_only=True):
         dict[str, Any] | _Opt,
         Meta(description="Event fields named like a header key, moved here so they never override the header."),
     ] = UNSET
-    # RFC Mooncake #1527 events (Mooncake master, TokenSpeed) keep their own fields beside the
-    # names consumers read (docs/sources/producers.md).
+
+
+class Rfc1527Fields(EventFields, kw_only=True):
+    """RFC Mooncake #1527 events (Mooncake master, TokenSpeed) keep their own fields beside the
+    names consumers read (docs/sources/producers.md): the three event types they map to carry them."""
+
     event_id: Annotated[_NInt, Meta(description="RFC 1527: the producer's event counter.")] = UNSET
     timestamp: Annotated[_NInt, Meta(description="RFC 1527: milliseconds since the epoch.")] = UNSET
     event_type: Annotated[
@@ -178,7 +182,7 @@ class EventFields(msgspec.Struct, kw_only=True):
     ] = UNSET
 
 
-class BlockStored(EventFields, kw_only=True):
+class BlockStored(Rfc1527Fields, kw_only=True):
     """Blocks entered the engine's cache."""
 
     type: Literal["BlockStored"]
@@ -210,7 +214,7 @@ class BlockStored(EventFields, kw_only=True):
     token_offset: Annotated[_NInt, Meta(description="ROCm ATOM: position of the first token of the first block.")] = UNSET
 
 
-class BlockRemoved(EventFields, kw_only=True):
+class BlockRemoved(Rfc1527Fields, kw_only=True):
     """Blocks left the engine's cache."""
 
     type: Literal["BlockRemoved"]
@@ -224,7 +228,7 @@ class BlockRemoved(EventFields, kw_only=True):
     ] = UNSET
 
 
-class AllBlocksCleared(EventFields, kw_only=True):
+class AllBlocksCleared(Rfc1527Fields, kw_only=True):
     """The engine's cache is empty (ROCm ATOM: of one medium, when medium is set)."""
 
     type: Literal["AllBlocksCleared"]
