@@ -371,9 +371,11 @@ def check(path: str, *, offline: bool = False, registry: Registry | None = None)
         print("config ok (offline: sinks not contacted)")
         return EXIT_OK
     unreachable = _unwritable_paths(cfg)
-    probed, answering, wrong = asyncio.run(_probe_engines(cfg))
+    probed, answering, wrong, shapes = asyncio.run(_probe_engines(cfg))
     if probed or wrong:
         print(f"engines: {answering} of {probed} endpoint(s) answer as they should")
+    for line in shapes:
+        print(f"engines: {line}")
     unreachable.extend(wrong)
     with _quiet_clients():
         for i, conn in result.connectors:
@@ -400,14 +402,20 @@ def _unwritable_paths(cfg: Config) -> list[str]:
 
 
 PROBE_TIMEOUT = 3.0
+SHAPE_TIMEOUT = 1.5
+"""How long ``--check`` listens on a live endpoint for a first message to show its wire shape."""
 PROBE_MAX = 32
 """Discovered engines probed by ``--check``, at most (the first addresses in sorted order)."""
 
 
-async def _probe_engines(cfg: Config) -> tuple[int, int, list[str]]:
+async def _probe_engines(cfg: Config) -> tuple[int, int, list[str], list[str]]:
     """``--check``: ask every engine endpoint the bridge connects to which ZMQ socket answers (ZMTP
     greeting; nothing subscribed or requested), DNS discovery's engines included: how many were
-    asked, how many answered as they should, and one line per problem."""
+    asked, how many answered as they should, one line per problem; then, for each configured
+    source's live endpoints that answered, what its first message shows of the wire (publisher
+    UUID or none, producer shape; see ``tail.wire_shape``), one line each."""
+    from .tail import wire_shape
+
     checks: list[tuple[str, str, int, Coroutine[Any, Any, tuple[str, str] | None]]] = []
     lines: list[str] = []
     targets = [(f"sources[{i}]", source) for i, source in enumerate(cfg.sources)]
@@ -437,10 +445,16 @@ async def _probe_engines(cfg: Config) -> tuple[int, int, list[str]]:
                 role = "live" if key == "endpoint" else "replay"
                 checks.append((f"{where_from}.{key}", ep, rank, diagnose(ep, role, PROBE_TIMEOUT)))
     found = await asyncio.gather(*(c[3] for c in checks))
+    listen = []
     for (path, ep, rank, _), got in zip(checks, found, strict=True):
+        where = f"{path}: {ep}" + (f" (rank {rank})" if rank else "")
         if got is not None:
-            lines.append(f"{path}: {ep}" + (f" (rank {rank})" if rank else "") + f": {got[0]}")
-    return len(checks), sum(got is None for got in found), lines
+            lines.append(f"{where}: {got[0]}")
+        elif path.endswith(".endpoint") and path.startswith("sources["):
+            topic = cfg.sources[int(path[len("sources[") : path.index("]")])].topic
+            listen.append((where, wire_shape(ep, topic, SHAPE_TIMEOUT)))
+    shapes = await asyncio.gather(*(c for _, c in listen))
+    return len(checks), sum(got is None for got in found), lines, [f"{w}: {s}" for (w, _), s in zip(listen, shapes, strict=True)]
 
 
 CLIENT_LOGGERS = ("aiokafka", "kafka", "nats", "redis", "asyncio")

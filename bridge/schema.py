@@ -171,7 +171,32 @@ class EventFields(msgspec.Struct, kw_only=True):
     ] = UNSET
 
 
-class BlockStored(EventFields, kw_only=True):
+class Rfc1527Fields(EventFields, kw_only=True):
+    """RFC Mooncake #1527 events (Mooncake master, TokenSpeed) keep their own fields beside the
+    names consumers read (docs/sources/producers.md): the three event types they map to carry them."""
+
+    event_id: Annotated[_NInt, Meta(description="RFC 1527: the producer's event counter.")] = UNSET
+    timestamp: Annotated[_NInt, Meta(description="RFC 1527: milliseconds since the epoch.")] = UNSET
+    event_type: Annotated[
+        _NStr, Meta(description="RFC 1527: stored, removed or cleared (type holds the name consumers read).")
+    ] = UNSET
+    model_name: Annotated[_NStr, Meta(description="RFC 1527.")] = UNSET
+    additional_salt: Annotated[_NStr, Meta(description="RFC 1527: the hash namespace salt.")] = UNSET
+    tenant_id: Annotated[_NStr, Meta(description="RFC 1527.")] = UNSET
+    backend_id: Annotated[_NStr, Meta(description="RFC 1527: the cache owner (storage daemon, pool node).")] = UNSET
+    group_id: Annotated[_NStr, Meta(description="RFC 1527 (Mooncake master).")] = UNSET
+    object_key: Annotated[_NStr, Meta(description="Mooncake master: the store key.")] = UNSET
+    seq_hashes: Annotated[
+        list[BlockHash] | _Opt, Meta(description="RFC 1527: the blocks' hashes (block_hashes holds them too).")
+    ] = UNSET
+    base_block_idx: Annotated[_NInt, Meta(description="RFC 1527: depth of the first block.")] = UNSET
+    parent_hash: Annotated[BlockHash | _Opt | None, Meta(description="RFC 1527 (parent_block_hash holds it too).")] = UNSET
+    medium_rfc1527: Annotated[
+        str | _Opt, Meta(description="RFC 1527: the producer's medium as sent, when medium upper-cased it.")
+    ] = UNSET
+
+
+class BlockStored(Rfc1527Fields, kw_only=True):
     """Blocks entered the engine's cache."""
 
     type: Literal["BlockStored"]
@@ -198,10 +223,12 @@ class BlockStored(EventFields, kw_only=True):
     ownership: _NStr = UNSET
     session_id: _NStr = UNSET
     lookahead_token_ids: TokenIds | _Opt | None = UNSET
+    block_offsets: Annotated[list[int] | _Opt | None, Meta(description="vLLM #44488 (open).")] = UNSET
     cache_salt: Annotated[_NStr, Meta(description="SGLang.")] = UNSET
+    token_offset: Annotated[_NInt, Meta(description="ROCm ATOM: position of the first token of the first block.")] = UNSET
 
 
-class BlockRemoved(EventFields, kw_only=True):
+class BlockRemoved(Rfc1527Fields, kw_only=True):
     """Blocks left the engine's cache."""
 
     type: Literal["BlockRemoved"]
@@ -210,15 +237,38 @@ class BlockRemoved(EventFields, kw_only=True):
     group_idx: _NInt = UNSET
     locality: _NStr = UNSET
     ownership: _NStr = UNSET
+    remaining_copy_counts: Annotated[
+        list[int] | _Opt | None, Meta(description="vLLM #48933 (open): copies left of each block, aligned with block_hashes.")
+    ] = UNSET
 
 
-class AllBlocksCleared(EventFields, kw_only=True):
-    """The engine's cache is empty."""
+class AllBlocksCleared(Rfc1527Fields, kw_only=True):
+    """The engine's cache is empty (ROCm ATOM: of one medium, when medium is set)."""
 
     type: Literal["AllBlocksCleared"]
+    medium: Annotated[_NStr, Meta(description="ROCm ATOM: the medium cleared.")] = UNSET
 
 
-KNOWN_EVENTS: tuple[type[EventFields], ...] = (BlockStored, BlockRemoved, AllBlocksCleared)
+class BlockTransferred(EventFields, kw_only=True):
+    """ROCm ATOM: blocks moved between media without changing identity."""
+
+    type: Literal["BlockTransferred"]
+    block_hashes: Annotated[list[BlockHash] | _Opt, Meta(description="The blocks moved.")] = UNSET
+    from_medium: _NStr = UNSET
+    to_medium: _NStr = UNSET
+    group_idx: _NInt = UNSET
+
+
+class BlockInactive(EventFields, kw_only=True):
+    """vLLM #50732 (open): blocks still cached that no request references any more."""
+
+    type: Literal["BlockInactive"]
+    block_hashes: Annotated[list[BlockHash] | _Opt, Meta(description="The blocks.")] = UNSET
+    medium: _NStr = UNSET
+    group_idx: _NInt = UNSET
+
+
+KNOWN_EVENTS: tuple[type[EventFields], ...] = (BlockStored, BlockRemoved, AllBlocksCleared, BlockTransferred, BlockInactive)
 """One struct per event type the contract knows."""
 
 

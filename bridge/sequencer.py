@@ -34,6 +34,21 @@ Engine instances. The protocol carries no instance id, so the sequencer infers o
   its CRC-32. What cannot be told this way is announced lost rather than delivered under the
   wrong epoch (docs/concepts/correctness.md, "Instance detection").
 
+Instance identity from the wire (vLLM #57789: a 16-byte publisher lifetime UUID in the sequence
+frame). Where a message carries one, it decides, and nothing above is inferred for it:
+
+- the first UUID met on a stream without history in this process is adopted (a stream resumed
+  from a checkpoint verifies it by replay first, as before, since the checkpoint keeps no UUID);
+- a UUID other than the epoch's instance's, or one where the epoch's instance sent none (an
+  upgrade), or none where it sent one, is a restart for certain: the epoch ends, a new one opens
+  with the reason ``instance_changed`` (:data:`INSTANCE_CHANGED`), and the old UUID is retired;
+- under the epoch's own UUID a seq at or below the last one seen is not a restart (a heartbeat's
+  next seq, interleaving): it is a duplicate, or a batch the stream still needs; and a message
+  under that UUID ends any doubt about continuity at once;
+- a retired UUID (a late message of an instance gone, or a second publisher on the stream) is
+  dropped as a duplicate: nothing of it goes under another instance's epoch (I1);
+- replay replies that carry a UUID decide the same way once the epoch's UUID is known.
+
 Replay rules (docs/protocol.md section 1): the first reply above the requested start means the span
 left the engine's buffer, but a ROUTER under load may also drop replies, so a loss is declared
 only when two attempts in a row start above the same point; a replay that goes silent is
@@ -106,6 +121,12 @@ class Reset(msgspec.Struct, frozen=True):
 
 
 Action = Deliver | Duplicate | Gap | RequestReplay | Lost | Reset
+
+PUBLISHER_RESTART = "publisher_restart"
+"""``Reset.reason`` of a restart the sequencer inferred (seqs, fingerprints, clocks, replay)."""
+INSTANCE_CHANGED = "instance_changed"
+"""``Reset.reason`` of a certain restart: the publisher's lifetime UUID changed (vLLM #57789)."""
+_RETIRED_MAX = 64  # retired UUIDs a stream remembers (oldest forgotten first)
 
 # Verdicts on the instance answering a replay (see _check); _LATER: a later reply will tell.
 _SAME, _NEW, _UNSURE, _LATER = "same", "new", "unsure", "later"
@@ -222,6 +243,12 @@ class StreamSequencer:
         self._doubt_since: float | None = None  # wall clock when the disconnect was noticed
         self._drops = 0  # disconnects noticed since continuity came into doubt
         self._last_drop: float | None = None  # wall clock of the latest one
+        # The publisher UUID of this epoch's instance (None: unknown, or it sends none) and the
+        # UUIDs of instances gone (see the module docstring).
+        self.instance: bytes | None = None
+        self._instance_sure = False  # adopted out of doubt (in doubt: verified like any stream first)
+        self._anonymous = False  # live messages without a UUID were read in this epoch
+        self._retired: dict[bytes, None] = {}
 
     def _ts_of(self, payload: bytes) -> float | None:
         return _finite(self._raw_ts_of(payload))
@@ -241,12 +268,12 @@ class StreamSequencer:
         return last is None or seq != last + 1 or seq == older + 1
 
     # -- inputs ---------------------------------------------------------------------------------
-    def accept(self, seq: int, payload: bytes, ts: float | None = None) -> bool:
+    def accept(self, seq: int, payload: bytes, ts: float | None = None, instance: bytes | None = None) -> bool:
         """:meth:`live` for its common case, without building actions: True when ``live`` would
         return exactly ``[Deliver(seq, payload, epoch)]`` (the next seq, nothing held, in doubt
         or older than this instance), with the same effect on the sequencer; False, and nothing
         changed, otherwise (then call ``live``). The hot path of every steady stream."""
-        if seq != self.delivered + 1 or seq <= self._top or self.held or self._doubt:
+        if seq != self.delivered + 1 or seq <= self._top or self.held or self._doubt or instance != self.instance:
             return False
         last = self.last_live
         if last is not None and seq <= last:
@@ -259,14 +286,117 @@ class StreamSequencer:
         # seq == delivered + 1 > _top >= delivered: no restart, no head to lose (seq 0 when
         # nothing was delivered), nothing held to drain; what live() and _deliver() set.
         self._resumed = False
+        if instance is None:
+            self._anonymous = True
+        else:
+            self._instance_sure = True  # (out of doubt, as live() would have it)
         self.last_live = self._top = self.delivered = self._anchor_seq = seq
         self._last_payload = payload
         if self._replayed_crc:
             self._replayed_crc.clear()  # all at or below _top < seq: no late copy can follow
         return True
 
-    def live(self, seq: int, payload: bytes, ts: float | None = None) -> list[Action]:
-        """A message from the live PUB stream (``ts``: its engine ts, when the caller has it)."""
+    def live(self, seq: int, payload: bytes, ts: float | None = None, instance: bytes | None = None) -> list[Action]:
+        """A message from the live PUB stream (``ts``: its engine ts, when the caller has it;
+        ``instance``: the publisher UUID its sequence frame carries, if any)."""
+        out: list[Action] = []
+        if instance is not None or self.instance is not None:
+            if instance == self.instance and self._instance_sure:
+                return self._same_instance(out, seq, payload)
+            if instance != self.instance and not self._instance_changed(out, instance, None if ts is None else _finite(ts)):
+                out.append(Duplicate(seq))  # a retired instance's
+                return out
+            # (after a certain restart: the new epoch's first message, below; else first contact,
+            # or an id adopted in doubt, not verified yet)
+        out += self._live(seq, payload, ts)
+        if instance is None:
+            self._anonymous = True
+        else:
+            self.instance = instance
+            self._retired.pop(instance, None)
+            self._instance_sure = not self._doubt
+        return out
+
+    def heartbeat(self, next_seq: int, instance: bytes | None = None) -> list[Action]:
+        """An idle heartbeat (vLLM #57789): the publisher's next seq, so everything below it was
+        published. Its UUID is checked like a live message's; a tail the stream has not seen is
+        fetched by replay (without replay the next batch shows the gap)."""
+        out: list[Action] = []
+        if instance is not None or self.instance is not None:
+            if instance != self.instance:
+                if not self._instance_changed(out, instance, None):
+                    return out
+                if self.instance is None:
+                    self.instance, self._instance_sure = instance, not self._doubt  # first contact
+            elif self._instance_sure:
+                self._certain(out)
+        if instance is None and self.instance is None and self._doubt:
+            return out  # (without an id a heartbeat proves nothing about the instance)
+        top = next_seq - 1
+        if top > max(self.delivered, self.last_live if self.last_live is not None else -1, max(self.held, default=-1)):
+            self._top = max(self._top, top) if self.instance is not None else self._top
+            if self.can_replay and self._replay is None:
+                self._attempts = 0
+                self._request(out, to_end=True)
+        return out
+
+    def _instance_changed(self, out: list[Action], instance: bytes | None, ts: float | None) -> bool:
+        """A message whose UUID is not this epoch's instance's: False for a retired one (drop it);
+        else True, after the certain restart when this epoch has an instance (first contact, a
+        stream without history here, opens nothing)."""
+        if instance is not None and instance in self._retired:
+            return False
+        if self.instance is not None or self._anonymous:
+            old = self.instance
+            self._restart(out, INSTANCE_CHANGED, trigger_ts=ts)
+            if old is not None:
+                self._retire(old)  # (also one adopted in doubt: another id has come since)
+            self.instance, self._instance_sure = instance, not self._doubt
+        return True
+
+    def _retire(self, instance: bytes) -> None:
+        self._retired[instance] = None
+        if len(self._retired) > _RETIRED_MAX:
+            del self._retired[next(iter(self._retired))]
+
+    def _certain(self, out: list[Action]) -> None:
+        """A live message under this epoch's UUID: the live publisher is the same instance, for
+        certain, and so is every batch waiting (each was checked by its UUID): doubt ends. (Not
+        the replay in flight: whoever holds the replay socket when it is served answers it.)"""
+        if self._doubt:
+            self._trust(out)
+
+    def _same_instance(self, out: list[Action], seq: int, payload: bytes) -> list[Action]:
+        """A live message under this epoch's UUID: never a restart."""
+        self._certain(out)
+        self._resumed = False
+        if self.last_live is None or seq > self.last_live:
+            self.last_live = seq
+        if self._replayed_crc:
+            for s in [s for s in self._replayed_crc if s <= seq]:
+                del self._replayed_crc[s]
+        self._top = max(self._top, seq)
+        if self._join and self.delivered < 0 and seq > 0:
+            self._lose(out, seq - 1, "joined_late")
+        if seq <= self.delivered or seq in self.held:
+            out.append(Duplicate(seq))
+        elif seq == self.delivered + 1:
+            self._deliver(out, seq, payload)
+            self._drain(out)
+        elif not self.can_replay:
+            out.append(Gap(self.delivered + 1, seq - 1))
+            self._lose(out, seq - 1, self._head_reason("no_replay"))
+            self._deliver(out, seq, payload)
+        else:
+            if self._replay is None and not self.held:
+                out.append(Gap(self.delivered + 1, seq - 1))
+            self._keep(self.held, seq, payload)
+            if self._replay is None:
+                self._request(out)
+        return out
+
+    def _live(self, seq: int, payload: bytes, ts: float | None) -> list[Action]:
+        """:meth:`live` by inference (no UUID decides)."""
         out: list[Action] = []
         floor = self._floor_ts
         if floor is not None:
@@ -287,7 +417,7 @@ class StreamSequencer:
             if fp is not None and _matches(fp, self._ts_of(payload), payload):
                 out.append(Duplicate(seq))  # the very batch delivered last, sent twice: not a restart
                 return out
-            self._restart(out, "publisher_restart", trigger_ts=self._ts_of(payload))  # a live seq never repeats
+            self._restart(out, PUBLISHER_RESTART, trigger_ts=self._ts_of(payload))  # a live seq never repeats
             self._floor_ts = self._ts_of(payload)
             self._older_last = last
         elif seq <= self._top:
@@ -306,9 +436,9 @@ class StreamSequencer:
                 ts, theirs = self._ts_of(payload), replayed[1]
                 other = ts is None or theirs is None or ts > theirs
             if other:
-                self._restart(out, "publisher_restart", evidence=(seq, self._ts_of(payload)))
+                self._restart(out, PUBLISHER_RESTART, evidence=(seq, self._ts_of(payload)))
             elif self._resumed and seq <= self.delivered and self._fingerprint() is None:
-                self._restart(out, "publisher_restart")  # nothing to compare with: the plain rule
+                self._restart(out, PUBLISHER_RESTART)  # nothing to compare with: the plain rule
         self._resumed = False
         self.last_live = seq
         if self._replayed_crc:
@@ -417,13 +547,26 @@ class StreamSequencer:
             self._request(out, to_end=True)
         return out
 
-    def replayed(self, request_id: int, seq: int, payload: bytes) -> list[Action]:
-        """One reply of the replay ``request_id``."""
+    def replayed(self, request_id: int, seq: int, payload: bytes, instance: bytes | None = None) -> list[Action]:
+        """One reply of the replay ``request_id`` (``instance``: the publisher UUID its sequence
+        frame carries, if any: where this epoch's is known, it decides as on the live stream)."""
         out: list[Action] = []
         if request_id != self._replay:
             return out
         self._answered = True
         self._buffers = True
+        if instance is not None and self._instance_sure:
+            if instance != self.instance:
+                if instance not in self._retired:
+                    self._replayed_by_new_instance(out, seq, payload, instance)
+                return out  # (a retired instance's reply: nothing of it is taken)
+            if self._doubt:
+                self._trust(out)
+            if self._verdict is _UNSURE:  # this epoch's instance answers: no verification needed
+                self._verdict = _SAME
+                early, self._early, self._heard, self._skipped = self._early, {}, -1, False
+                for s in sorted(early):
+                    self._take(out, s, early[s])
         if self._verdict is _SORTING:
             if self._overlap is not None:
                 if (seq, zlib.crc32(payload)) != self._overlap:
@@ -460,6 +603,22 @@ class StreamSequencer:
                 return out
         self._take(out, seq, payload)
         return out
+
+    def _replayed_by_new_instance(self, out: list[Action], seq: int, payload: bytes, instance: bytes) -> None:
+        """A replay answered under another UUID than this epoch's: a restart, for certain. The new
+        epoch takes this reply and asks its instance for the rest from seq 0."""
+        old = self.instance
+        self._restart(out, INSTANCE_CHANGED)
+        if old is not None:
+            self._retire(old)
+        self.instance, self._instance_sure = instance, not self._doubt
+        self._top = max(self._top, seq)
+        if seq == self.delivered + 1:
+            self._deliver(out, seq, payload, replayed=True)
+        else:
+            self._keep(self.held, seq, payload)
+        self._note_replayed(seq, payload)
+        self._request(out)
 
     def _hold(self, seq: int, payload: bytes, always: bool = False) -> None:
         """Keep a reply until the verdict (past the bound it is not kept: fetched again later)."""
@@ -504,7 +663,7 @@ class StreamSequencer:
         replies, heard = self._early, self._heard
         self._early, self._heard, self._skipped = {}, -1, False
         first = min(replies)
-        self._restart(out, "publisher_restart", evidence=(first, self._ts_of(replies[first])), theirs=replies)
+        self._restart(out, PUBLISHER_RESTART, evidence=(first, self._ts_of(replies[first])), theirs=replies)
         if heard > max(replies):
             self._owed = max(self._owed, heard)  # its replies read but not kept (past max_held)
         # A live batch stamped before the new instance's first one known is an older instance's,
@@ -586,7 +745,7 @@ class StreamSequencer:
             # is off by configuration: then only after it was seen to work.) Only batches read
             # before the replay was asked for count: those read since may have been published
             # after the engine answered (from seq 0, nothing buffered yet is no proof).
-            self._restart(out, "publisher_restart")
+            self._restart(out, PUBLISHER_RESTART)
             self._request(out)
             return out
         if complete and not self._answered and self._asked_from > 0 and self._floor < 0 and not self._probing:
@@ -948,6 +1107,9 @@ class StreamSequencer:
         self._fresh = self._join = self._resumed = False
         self._floor_ts = None
         self._older_last = -1
+        if self.instance is not None and self._instance_sure:  # (one adopted in doubt was never this epoch's for certain)
+            self._retire(self.instance)
+        self.instance, self._instance_sure, self._anonymous = None, False, False
         self.epoch = self._next_epoch(self.epoch, shown_at)
         self.delivered = -1
         self._owed = max(unsure, self._unclaimed)  # (replies without a verdict may be its too)

@@ -7,6 +7,12 @@ checked against the captured vectors (``tests/vectors``). It can publish several
 at a chosen rate and batch shape, and inject faults: live messages that never reach
 subscribers (still in the replay buffer, as a PUB high-water-mark drop would be), replay
 replies that go missing, and engine restarts (sequence back to 0, buffer emptied).
+
+Other producers have a profile each too (see docs/sources/producers.md): ROCm ATOM (#1316:
+arrays with a trailing ``token_offset``, replay without topic, an end marker
+carrying ``[oldest, latest]``), the Mooncake master (#2214: RFC 1527 maps, ms timestamps, no
+replay), TensorRT-LLM (signed 64-bit hashes, coalesced blocks), vLLM #57789 (24-byte sequence
+frames with the publisher's lifetime UUID, idle heartbeats) and vLLM's open optional fields.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import contextlib
 import errno
 import random
 import time
+import uuid
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,7 +35,7 @@ import zmq.asyncio
 from .endpoints import for_rank
 from .errors import StartupError
 from .records import Event
-from .wire import END_SEQ, FIELDS
+from .wire import ARRAY_FIELDS, END_SEQ, FIELDS
 
 _enc = msgspec.msgpack.Encoder()
 
@@ -45,6 +52,10 @@ class Profile:
     with_rank: bool = True
     replay_topic: bool = False  # replay replies carry the topic frame
     hashes: Literal["int64", "uint64", "bytes"] = "uint64"
+    end_window: bool = False  # the replay end marker carries msgpack [oldest, latest] (ROCm ATOM)
+    rfc1527: bool = False  # RFC Mooncake #1527 map events, ts in milliseconds
+    instance_id: bool = False  # 24-byte sequence frames: seq + the publisher's lifetime UUID
+    blocks_per_event: int = 0  # coalesced blocks: this many per BlockStored (0: the simulator's option)
 
 
 def _vllm(n_stored: int, n_removed: int) -> dict[str, tuple[str, ...]]:
@@ -100,6 +111,49 @@ PROFILES: dict[str, Profile] = {
         ),
     ]
 }
+_RFC1527_STORED = (
+    "event_id", "timestamp", "event_type", "type", "model_name", "block_size", "additional_salt", "lora_name",
+    "tenant_id", "backend_id", "group_id", "medium", "dp_rank", "object_key", "seq_hashes", "block_hashes",
+    "base_block_idx", "parent_hash", "token_ids", "parent_block_hash",
+)  # fmt: skip
+_RFC1527_REMOVED = (*_RFC1527_STORED[:16], "base_block_idx")
+_V33 = _vllm(15, 5)
+PROFILES.update(
+    (p.name, p)
+    for p in [
+        Profile(
+            "atom-pr1316",
+            "array",
+            fields={
+                "BlockStored": ARRAY_FIELDS["BlockStored"],
+                "BlockRemoved": ARRAY_FIELDS["BlockRemoved"][:3],
+                "AllBlocksCleared": ("medium",),
+                "BlockTransferred": FIELDS["BlockTransferred"],
+            },
+            end_window=True,
+        ),
+        Profile(
+            "mooncake-master-pr2214",
+            "map",
+            fields={"BlockStored": _RFC1527_STORED, "BlockRemoved": _RFC1527_REMOVED},
+            rfc1527=True,
+        ),
+        Profile("tensorrt-llm-pr16869", "array", fields=_vllm(6, 2), hashes="int64", replay_topic=True, blocks_per_event=4),
+        Profile("vllm-pr57789-uuid", "map", fields=_V33, omit_none=_LATE, replay_topic=True, instance_id=True),
+        Profile(
+            "vllm-open-prs",
+            "map",
+            fields={
+                **_V33,
+                "BlockStored": FIELDS["BlockStored"],
+                "BlockRemoved": FIELDS["BlockRemoved"],
+                "BlockInactive": FIELDS["BlockInactive"],
+            },
+            omit_none=_LATE | {"block_offsets", "remaining_copy_counts"},
+            replay_topic=True,
+        ),
+    ]
+)
 DEFAULT_PROFILE = "vllm-0.33.0"
 
 
@@ -113,12 +167,13 @@ def _map_header(n: int, declared: int) -> bytes:
 
 def encode_event(profile: Profile, event: Event) -> bytes:
     """One event as the release encodes it (keys / positions in the event's order)."""
+    if profile.rfc1527:
+        return _enc.encode(event)  # the producer's own map (see rfc1527_event)
     tag = event["type"]
     declared = profile.fields.get(tag)
     if profile.events == "array":
         names = declared if declared is not None else tuple(k for k in event if k not in ("type", "extra"))
-        items = [tag, *(event.get(n) for n in names), *event.get("extra", ())]
-        return _enc.encode(items)
+        return _enc.encode([tag, *(event.get(n) for n in names), *event.get("extra", ())])
     parts = [_enc.encode(k) + _enc.encode(v) for k, v in event.items()]
     return _map_header(len(parts), len(declared) if declared is not None else len(parts)) + b"".join(parts)
 
@@ -126,9 +181,31 @@ def encode_event(profile: Profile, event: Event) -> bytes:
 def encode_batch(profile: Profile, ts: float, events: Sequence[Event], dp_rank: int = 0) -> bytes:
     """One batch payload, byte-identical to the release's publisher for the same events."""
     body = [msgspec.Raw(encode_event(profile, e)) for e in events]
+    if profile.rfc1527:
+        return _enc.encode([round(ts * 1000), body, dp_rank])  # int64 milliseconds, as the Mooncake master
     if profile.batch == "map":
         return _enc.encode({"ts": ts, "events": body, "data_parallel_rank": dp_rank})
     return _enc.encode([ts, body, dp_rank] if profile.with_rank else [ts, body])
+
+
+def rfc1527_event(kind: str, seq_hash: int, *, event_id: int, ts_ms: int, medium: str, backend_id: str = "mooncake-0") -> Event:
+    """One event as the Mooncake master (#2214) writes it with its defaults (legacy aliases and
+    object_key on): ``kind`` is "stored" or "removed"."""
+    stored = kind == "stored"
+    values: dict[str, Any] = {
+        "event_id": event_id,
+        "timestamp": ts_ms,
+        "event_type": kind,
+        "type": "BlockStored" if stored else "BlockRemoved",
+        "tenant_id": "default",
+        "backend_id": backend_id,
+        "medium": medium,
+        "object_key": str(seq_hash),
+        "seq_hashes": [seq_hash],
+        "block_hashes": [seq_hash - 2**64 if seq_hash >= 2**63 else seq_hash],  # static_cast<int64_t>
+        "base_block_idx": 0 if stored else None,
+    }
+    return {k: values.get(k) for k in (_RFC1527_STORED if stored else _RFC1527_REMOVED)}
 
 
 # -- realistic events -------------------------------------------------------------------------------
@@ -141,7 +218,8 @@ class EventFactory:
         self.profile = profile
         self.rand = random.Random(seed)
         self.block_size = block_size
-        self.blocks_per_event = blocks_per_event
+        self.blocks_per_event = profile.blocks_per_event or blocks_per_event
+        self.event_id = 0
         self.stored: deque[Any] = deque(maxlen=4096)
         self.parent: Any = None
         self.token = 0
@@ -163,11 +241,17 @@ class EventFactory:
             event[name] = value
         return event
 
+    def _rfc1527(self, kind: str, h: int) -> Event:
+        self.event_id += 1
+        return rfc1527_event(kind, h, event_id=self.event_id, ts_ms=round(time.time() * 1000), medium="cpu")
+
     def stored_event(self) -> Event:
         n = self.blocks_per_event
         hashes = [self._hash() for _ in range(n)]
+        if self.profile.rfc1527:  # one block per event, the master's way
+            self.stored.append(hashes[0])
+            return self._rfc1527("stored", hashes[0])
         tokens = list(range(self.token, self.token + n * self.block_size))
-        self.token = (self.token + n * self.block_size) % 150_000
         event = self._fill(
             "BlockStored",
             {
@@ -179,8 +263,11 @@ class EventFactory:
                 "extra_keys": [None] * n,
                 "group_idx": 0,
                 "kv_cache_spec_kind": "full_attention",
+                "token_offset": self.token,
+                "block_offsets": list(range(n)),
             },
         )
+        self.token = (self.token + n * self.block_size) % 150_000
         self.parent = hashes[-1]
         self.stored.extend(hashes)
         return event
@@ -188,19 +275,37 @@ class EventFactory:
     def removed_event(self) -> Event:
         k = min(len(self.stored), self.rand.randint(1, self.blocks_per_event))
         hashes = [self.stored.popleft() for _ in range(k)] or [self._hash()]
-        return self._fill("BlockRemoved", {"block_hashes": hashes, "medium": "GPU", "group_idx": 0})
+        if self.profile.rfc1527:
+            return self._rfc1527("removed", hashes[0])
+        return self._fill(
+            "BlockRemoved", {"block_hashes": hashes, "medium": "GPU", "group_idx": 0, "remaining_copy_counts": [0] * len(hashes)}
+        )
+
+    def other_event(self) -> Event | None:
+        """A producer's own event type, when its profile has one (ATOM's BlockTransferred, vLLM
+        #50732's BlockInactive), of a block stored before; None otherwise."""
+        if not self.stored:
+            return None
+        if "BlockTransferred" in self.profile.fields:  # swapped out: no longer on the GPU
+            return self._fill("BlockTransferred", {"block_hashes": [self.stored.pop()], "from_medium": "GPU", "to_medium": "CPU"})
+        h = self.stored[-1]
+        if "BlockInactive" in self.profile.fields:
+            return self._fill("BlockInactive", {"block_hashes": [h], "medium": "GPU", "group_idx": 0})
+        return None
 
     def batch(self, n_events: int) -> list[Event]:
         """``n_events`` events: mostly BlockStored, about a quarter BlockRemoved, a clear per ~2000."""
         out: list[Event] = []
         for _ in range(n_events):
             r = self.rand.random()
-            if r < 0.0005:
+            if r < 0.0005 and not self.profile.rfc1527:  # (the Mooncake master sends no clears)
                 out.append(self._fill("AllBlocksCleared", {}))
                 self.stored.clear()
                 self.parent = None
             elif r < 0.25 and self.stored:
                 out.append(self.removed_event())
+            elif r < 0.3 and (other := self.other_event()) is not None:
+                out.append(other)
             else:
                 out.append(self.stored_event())
         return out
@@ -243,6 +348,7 @@ class RankPublisher:
         self.published = 0
         self.dropped = 0  # live messages not sent (fault injection)
         self.restarts = 0
+        self.instance = uuid.UUID(int=self.rand.getrandbits(128)).bytes if profile.instance_id else b""
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
@@ -283,21 +389,39 @@ class RankPublisher:
         if self.faults.drop_rate and self.rand.random() < self.faults.drop_rate:
             self.dropped += 1
         else:
-            await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+            await self.pub.send_multipart([self.topic, self.seq_frame(seq), payload])
         if self.faults.restart_every and self.seq >= self.faults.restart_every:
             self.restart()
         return seq
 
+    def seq_frame(self, seq: int) -> bytes:
+        """The sequence frame: 8 bytes, or 24 with the publisher's UUID (``instance_id`` profiles)."""
+        return seq.to_bytes(8, "big") + self.instance
+
+    async def heartbeat(self) -> None:
+        """An idle heartbeat (vLLM #57789): an empty payload carrying the next seq."""
+        await self.pub.send_multipart([self.topic, self.seq_frame(self.seq), b""])
+
     def restart(self) -> None:
-        """What a restarted engine looks like on the wire: seq from 0, empty replay buffer."""
+        """What a restarted engine looks like on the wire: seq from 0, empty replay buffer (and a
+        new lifetime UUID where the profile sends one)."""
         self.seq = 0
         self.buffer.clear()
         self.restarts += 1
+        if self.instance:
+            self.instance = uuid.UUID(int=self.rand.getrandbits(128)).bytes
 
     def _reply(self, identity: bytes, seq: int, payload: bytes) -> list[bytes]:
+        frame = END_SEQ.to_bytes(8, "big") if seq == END_SEQ else self.seq_frame(seq)
         if self.profile.replay_topic:
-            return [identity, b"", self.topic, seq.to_bytes(8, "big"), payload]
-        return [identity, b"", seq.to_bytes(8, "big"), payload]
+            return [identity, b"", self.topic, frame, payload]
+        return [identity, b"", frame, payload]
+
+    def _end(self, identity: bytes) -> list[bytes]:
+        window = b""
+        if self.profile.end_window:  # ROCm ATOM: [oldest, latest] of its buffer
+            window = _enc.encode([self.buffer[0][0], self.buffer[-1][0]] if self.buffer else [None, None])
+        return self._reply(identity, END_SEQ, window)
 
     async def _serve_replay(self) -> None:
         assert self.router is not None
@@ -311,7 +435,7 @@ class RankPublisher:
                 if seq >= start and not (drop and self.rand.random() < drop):
                     await self.router.send_multipart(self._reply(identity, seq, payload))
             if not (drop and self.rand.random() < drop):
-                await self.router.send_multipart(self._reply(identity, END_SEQ, b""))
+                await self.router.send_multipart(self._end(identity))
 
     async def close(self) -> None:
         if self._replay_task is not None:

@@ -428,6 +428,11 @@ SeedEntry = tuple[str | None, int | None, int, int, int, "BlockFact | None"]
 """One live entry a sink holds: (medium, group_idx, block id, count, seq of its last change, fact)."""
 
 
+_UNTRACKABLE = frozenset({"BlockTransferred"})
+"""Event types that change which blocks live where in a way the tracker cannot apply (see _events);
+newer types it does not know change nothing it tracks (``BlockInactive``: a block still cached)."""
+
+
 class TrackerStats(msgspec.Struct):
     """Counters since the tracker was made, for metrics."""
 
@@ -714,10 +719,18 @@ class StateTracker:
                 st.ahead = -1
         for event in record.events:
             kind = event.get("type")
-            if kind == "AllBlocksCleared":
+            if kind == "AllBlocksCleared" and event.get("medium") is None:
                 self._clear(st, delta, pending)
                 self._restart(st, delta)
                 ahead = None  # the seeded entries are gone
+                continue
+            if kind in _UNTRACKABLE or kind == "AllBlocksCleared":
+                # ROCm ATOM's moves between media, and its clear of one medium: block changes this
+                # tracker keeps no facts to apply exactly (what moved, what else a medium held).
+                # The stream's state is unknown until its next reset or full clear (I6).
+                self._clear(st, delta, pending)
+                st.complete = False
+                ahead = None
                 continue
             stored = kind == "BlockStored"
             if not stored and kind != "BlockRemoved":

@@ -170,41 +170,47 @@ class StreamPipeline:
                 try:
                     for i, frames in enumerate(burst):  # noqa: B007 (i is read when cut short)
                         # wire.parse_live inline for the well-formed message (what the socket gives: bytes)
+                        instance: bytes | None = None
                         if (
                             len(frames) == 3
                             and len(seq_frame := frames[1]) == wire.SEQ_BYTES
                             and (payload := frames[2]).__class__ is bytes
+                            and payload
                         ):
                             seq = int.from_bytes(seq_frame, "big")
+                            beat = False
                         else:
                             try:
                                 f = parse(frames)
                             except DecodeError as exc:
                                 self.ctx.decode_failures(self.stream, exc, None, frames)
                                 continue
-                            seq, payload = f.seq, f.payload
-                        # Decoded (or counted) before it is sequenced: the ts comes with it. A batch
-                        # that fails here is decoded again once delivered, which reports it.
-                        counted: wire.EventCount | None = None
-                        batch: wire.DecodedBatch | None = None
-                        ts: float | None
-                        if needs_events:
-                            try:
-                                batch = decode_batch(payload)
-                                ts = batch.ts
-                            except DecodeError:
-                                ts = peek_ts(payload)
-                        elif (counted := count_batch(payload)) is not None:
-                            ts = counted.ts
+                            seq, payload, instance, beat = f.seq, f.payload, f.instance, f.heartbeat
+                        if beat:  # an idle publisher's next seq (and UUID): no batch
+                            actions = sequencer.heartbeat(seq, instance)
                         else:
-                            ts = peek_ts(payload)
-                        if ts is not None:
-                            lag(received - ts if received > ts else 0.0)  # never NaN: a NaN ts compares false
-                        # An epoch's first batch is noted (and saved) before it goes out: not here.
-                        if not self._first_pending and accept(seq, payload, ts):
-                            run.append(decode(seq, payload, received, sequencer.epoch, counted, batch))
-                            continue
-                        actions = live(seq, payload, ts)
+                            # Decoded (or counted) before it is sequenced: the ts comes with it. A
+                            # batch that fails here is decoded again once delivered, which reports it.
+                            counted: wire.EventCount | None = None
+                            batch: wire.DecodedBatch | None = None
+                            ts: float | None
+                            if needs_events:
+                                try:
+                                    batch = decode_batch(payload)
+                                    ts = batch.ts
+                                except DecodeError:
+                                    ts = peek_ts(payload)
+                            elif (counted := count_batch(payload)) is not None:
+                                ts = counted.ts
+                            else:
+                                ts = peek_ts(payload)
+                            if ts is not None:
+                                lag(received - ts if received > ts else 0.0)  # never NaN: a NaN ts compares false
+                            # An epoch's first batch is noted (and saved) before it goes out: not here.
+                            if not self._first_pending and accept(seq, payload, ts, instance):
+                                run.append(decode(seq, payload, received, sequencer.epoch, counted, batch))
+                                continue
+                            actions = live(seq, payload, ts, instance)
                         if run:
                             decided = actions
                             await self._hand_run()
@@ -481,7 +487,9 @@ class StreamPipeline:
             async with contextlib.aclosing(self.ctx.replay.fetch(self.replay_endpoint, req.start, req.until, outcome)) as replies:
                 async for reply in replies:
                     async with self.lock:
-                        await self._execute(self.sequencer.replayed(req.request_id, reply.seq, reply.payload), time.time())
+                        await self._execute(
+                            self.sequencer.replayed(req.request_id, reply.seq, reply.payload, reply.instance), time.time()
+                        )
                         if len(self._types) > _MAX_TYPES:
                             self.flush_metrics()
             label = "complete" if outcome.complete else "timeout"

@@ -2,7 +2,9 @@
 
 Events go to stdout, one JSON line each; what tail notices goes to stderr as ``#`` lines: where it
 connects and whether anything answers, a silent engine, a gap or restart in an engine's seqs, a
-message it cannot decode.
+message it cannot decode. Where the engine sends its publisher UUID in the sequence frame (vLLM
+#57789), tail shows it when it first appears and when it changes (a restart for certain; a seq
+going back under the same UUID is not one), and says when an idle heartbeat shows a missed tail.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+import uuid
 
 import zmq
 import zmq.asyncio
@@ -52,6 +55,28 @@ async def tail(
     out = sys.stdout.buffer
     printed = 0
     last: dict[int, int] = {}  # rank -> last seq printed
+    instances: dict[int, bytes | None] = {}  # rank -> the publisher UUID last seen (None: sends none)
+
+    def instance(rank: int, seen: bytes | None) -> bool:
+        """Note the publisher UUID of a live message when it appears or changes; True when it changed."""
+        if rank in instances and instances[rank] == seen:
+            return False
+        changed = rank in instances
+        instances[rank] = seen
+        if seen is None:
+            _note(f"rank {rank}: the publisher stopped sending its UUID: a restart (a downgrade?)")
+        else:
+            what = "a new publisher instance (the engine restarted, for certain)" if changed else "publisher instance"
+            _note(f"rank {rank}: {what} {uuid.UUID(bytes=seen)} (24-byte sequence frames, vLLM #57789)")
+        if changed:
+            last.pop(rank, None)
+        return changed
+
+    def heartbeat(rank: int, next_seq: int, seen: bytes | None) -> None:
+        instance(rank, seen)
+        before = last.get(rank)
+        if before is not None and next_seq > before + 1:
+            _note(f"rank {rank}: idle heartbeat: next seq {next_seq}, so seq {before + 1}..{next_seq - 1} were missed")
 
     def emit(rank: int, seq: int, payload: bytes) -> None:
         nonlocal printed
@@ -69,8 +94,11 @@ async def tail(
                 "--replay-endpoint, --from-seq)"
             )
         elif before is not None and seq <= before:
-            _note(f"rank {rank}: seq went back from {before} to {seq}: the engine restarted (or a replay repeats)")
-        last[rank] = seq
+            if instances.get(rank) is not None:
+                _note(f"rank {rank}: seq went back from {before} to {seq} under the same publisher UUID: not a restart")
+            else:
+                _note(f"rank {rank}: seq went back from {before} to {seq}: the engine restarted (or a replay repeats)")
+        last[rank] = max(seq, before) if before is not None and instances.get(rank) is not None else seq
         record = Record(
             stream=Stream(endpoint, batch.dp_rank if batch.dp_rank is not None else rank),
             epoch=0,
@@ -137,6 +165,10 @@ async def tail(
             except DecodeError as exc:
                 _note(f"rank {rank}: bad message: {exc}")
                 continue
+            if f.heartbeat:
+                heartbeat(rank, f.seq, f.instance)
+                continue
+            instance(rank, f.instance)
             emit(rank, f.seq, f.payload)
     finally:
         for t in tasks:
@@ -146,6 +178,42 @@ async def tail(
             sub.close(linger=0)
         ctx.destroy(linger=0)
     return printed
+
+
+async def wire_shape(endpoint: str, topic: str, timeout: float) -> str:
+    """What the first live message read from ``endpoint`` within ``timeout`` shows of the wire (for
+    ``--check``): whether its sequence frame carries the publisher UUID (vLLM #57789), and the
+    producer shape its payload has; "nothing within ..." for an idle engine."""
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        sub.connect(endpoint)
+        if not await sub.poll(max(1, int(timeout * 1000))):
+            return f"nothing published within {timeout:g}s (an idle engine: the wire shape shows with its first batch)"
+        frames = await sub.recv_multipart()
+    finally:
+        sub.close(linger=0)
+        ctx.destroy(linger=0)
+    try:
+        f = wire.parse_live(frames)
+    except DecodeError as exc:
+        return f"a message the bridge cannot read ({exc})"
+    ident = (
+        f"publisher UUID {uuid.UUID(bytes=f.instance)} (24-byte sequence frames: restarts are certain)"
+        if f.instance is not None
+        else "no publisher UUID (8-byte sequence frames: restarts are inferred)"
+    )
+    if f.heartbeat:
+        return f"{ident}; an idle heartbeat (next seq {f.seq})"
+    try:
+        batch = wire.decode_batch(f.payload)
+    except DecodeError as exc:
+        return f"{ident}; an undecodable batch ({exc})"
+    kinds = sorted({"RFC 1527 maps" if "event_type" in e else e["type"] for e in batch.events})
+    return f"{ident}; seq {f.seq}, {len(batch.events)} event(s): {', '.join(kinds) or 'none'}"
 
 
 async def _read(rank: int, sub: zmq.asyncio.Socket, queue: asyncio.Queue[tuple[int, list[bytes]]]) -> None:

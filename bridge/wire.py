@@ -8,6 +8,19 @@ normalised to a field-name form:
 - array events (older releases) are named by position from the declaration order below; values
   past the known positions are kept under ``"extra"``.
 
+Other producers' shapes are recognised by what they send, never by configuration:
+
+- a sequence frame of 24 bytes is the seq plus a 16-byte publisher lifetime UUID (vLLM #57789);
+  a live message with an empty payload is an idle heartbeat carrying the next seq, not a batch;
+- array events longer than any vLLM array release are ROCm ATOM's (#1316): its ``BlockStored``
+  array ends with ``token_offset`` (see :data:`ARRAY_FIELDS`); its replay end marker carries a
+  ``[oldest, latest]`` window (:attr:`ReplayReply.window`);
+- map events with an ``event_type`` key are RFC Mooncake #1527 events (Mooncake master,
+  TokenSpeed): they are normalised to the names consumers read (:func:`normalise_rfc1527`) with
+  every original field kept; a batch ``ts`` in milliseconds (an integer above 1e11 right after
+  the batch's array header, what those producers send; every other producer sends a float)
+  becomes seconds.
+
 Unknown event types pass through with their type name. A malformed event is isolated (reported in
 ``DecodedBatch.bad_events``), a malformed batch raises :class:`~bridge.errors.DecodeError`.
 """
@@ -24,7 +37,15 @@ from .errors import DecodeError
 from .records import Event
 
 SEQ_BYTES = 8
+INSTANCE_BYTES = 16  # the publisher lifetime UUID after the seq (vLLM #57789)
+SEQ_INSTANCE_BYTES = SEQ_BYTES + INSTANCE_BYTES
 END_SEQ = 2**64 - 1  # the replay end marker: ff ff ff ff ff ff ff ff
+MS_TS_ABOVE = 1e11
+"""An integer ts of an array batch above this is in milliseconds (RFC 1527 producers send int64
+ms; every other producer a float of seconds, and 1e11 seconds is the year 5138)."""
+_FLOAT64 = 0xCB
+_INT64 = (0xCF, 0xD3)  # msgpack uint64 / int64: the only integers above MS_TS_ABOVE
+
 
 # Declaration order (vLLM 0.33); older releases, and every array encoding, have a prefix of it.
 FIELDS: dict[str, tuple[str, ...]] = {
@@ -48,17 +69,42 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "BlockRemoved": ("block_hashes", "medium", "group_idx", "locality", "ownership"),
     "AllBlocksCleared": (),
 }
+# Optional fields of open vLLM pull requests, after the released ones (map events carry names):
+# BlockStored.block_offsets (#44488), BlockRemoved.remaining_copy_counts (#48933).
+FIELDS["BlockStored"] += ("block_offsets",)
+FIELDS["BlockRemoved"] += ("remaining_copy_counts",)
+# Event types of other producers and open pull requests: ROCm ATOM's (#1316) and vLLM #50732's.
+FIELDS["BlockTransferred"] = ("block_hashes", "from_medium", "to_medium", "group_idx")
+FIELDS["BlockInactive"] = ("block_hashes", "medium", "group_idx")
 KNOWN_TYPES = frozenset(FIELDS)
+
+# What array positions mean. vLLM's array generation ended at 11 BlockStored fields (0.22-0.23)
+# and 3 BlockRemoved fields, SGLang's earlier: a longer array is ROCm ATOM's (#1316), whose
+# BlockStored appends ``token_offset`` after vLLM's 11 and whose AllBlocksCleared carries a
+# ``medium``. Past these positions values are kept under ``"extra"``.
+ARRAY_FIELDS: dict[str, tuple[str, ...]] = {
+    **FIELDS,
+    "BlockStored": (*FIELDS["BlockStored"][:11], "token_offset"),
+    "BlockRemoved": FIELDS["BlockRemoved"][:5],
+    "AllBlocksCleared": ("medium",),
+}
 
 _decoder = msgspec.msgpack.Decoder()
 
 
 class Frames(msgspec.Struct, frozen=True):
-    """One live message: topic, sequence number and the raw payload."""
+    """One live message: topic, sequence number and the raw payload; ``instance``: the publisher's
+    16-byte lifetime UUID when its sequence frame carries one. An empty payload is a heartbeat
+    (``seq`` is then the next seq the publisher will use)."""
 
     topic: bytes
     seq: int
     payload: bytes
+    instance: bytes | None = None
+
+    @property
+    def heartbeat(self) -> bool:
+        return not self.payload
 
 
 class BadEvent(msgspec.Struct, frozen=True):
@@ -83,25 +129,38 @@ class DecodedBatch(msgspec.Struct):
 
 
 def parse_seq(frame: bytes) -> int:
-    """The 8-byte big-endian unsigned sequence frame."""
-    if len(frame) != SEQ_BYTES:
-        raise DecodeError("bad_seq", f"sequence frame is {len(frame)} bytes, expected {SEQ_BYTES}")
-    return int.from_bytes(frame, "big")
+    """The big-endian unsigned sequence number of a sequence frame (8 or 24 bytes)."""
+    return parse_seq_frame(frame)[0]
+
+
+def parse_seq_frame(frame: bytes) -> tuple[int, bytes | None]:
+    """(seq, publisher UUID or None) of a sequence frame: 8 bytes, or 24 (seq + 16-byte UUID)."""
+    n = len(frame)
+    if n == SEQ_BYTES:
+        return int.from_bytes(frame, "big"), None
+    if n == SEQ_INSTANCE_BYTES:
+        return int.from_bytes(frame[:SEQ_BYTES], "big"), bytes(frame[SEQ_BYTES:])
+    raise DecodeError("bad_seq", f"sequence frame is {n} bytes, expected {SEQ_BYTES} or {SEQ_INSTANCE_BYTES} (seq + UUID)")
 
 
 def parse_live(frames: Sequence[bytes]) -> Frames:
-    """A PUB message: exactly ``[topic, seq, payload]``."""
+    """A PUB message: exactly ``[topic, seq, payload]`` (``seq`` of 8 or 24 bytes)."""
     if len(frames) != 3:
         raise DecodeError("bad_frames", f"live message has {len(frames)} frames, expected 3")
-    return Frames(bytes(frames[0]), parse_seq(frames[1]), bytes(frames[2]))
+    seq, instance = parse_seq_frame(frames[1])
+    return Frames(bytes(frames[0]), seq, bytes(frames[2]), instance)
 
 
 class ReplayReply(msgspec.Struct, frozen=True):
-    """One replay reply; ``end`` marks the end marker (no payload)."""
+    """One replay reply; ``end`` marks the end marker. ``window``: ROCm ATOM's end marker carries
+    the engine's buffered ``(oldest, latest)`` seqs (None where it says nothing, or for others);
+    ``instance``: the publisher UUID when the reply's sequence frame carries one."""
 
     seq: int
     payload: bytes
     end: bool = False
+    window: tuple[int | None, int | None] | None = None
+    instance: bytes | None = None
 
 
 def parse_replay(frames: Sequence[bytes]) -> ReplayReply:
@@ -117,10 +176,24 @@ def parse_replay(frames: Sequence[bytes]) -> ReplayReply:
         parts = parts[1:]  # the topic frame of newer releases
     if len(parts) != 2:
         raise DecodeError("bad_frames", f"replay reply has {len(frames)} frames, expected 3 or 4")
-    seq = parse_seq(parts[0])
+    seq, instance = parse_seq_frame(parts[0])
     if seq == END_SEQ:
-        return ReplayReply(seq, b"", end=True)
-    return ReplayReply(seq, bytes(parts[1]))
+        return ReplayReply(seq, b"", end=True, window=_window(parts[1]), instance=instance)
+    return ReplayReply(seq, bytes(parts[1]), instance=instance)
+
+
+def _window(payload: bytes) -> tuple[int | None, int | None] | None:
+    """ROCm ATOM's end-marker payload, msgpack ``[oldest, latest]`` (either nil when its buffer is
+    empty); None for the empty payload of everyone else, or anything else."""
+    if not payload:
+        return None
+    try:
+        value = _decoder.decode(payload)
+    except (msgspec.DecodeError, ValueError, RecursionError):
+        return None
+    if isinstance(value, list) and len(value) == 2 and all(v is None or (type(v) is int and v >= 0) for v in value):
+        return (value[0], value[1])
+    return None
 
 
 def _first_byte_kind(obj: Any) -> str:
@@ -131,9 +204,48 @@ def _first_byte_kind(obj: Any) -> str:
     return type(obj).__name__
 
 
+# RFC Mooncake #1527 (Mooncake master #2214, TokenSpeed ``wire_format: "rfc1527"``): its event
+# types, and the names consumers read for its fields (docs/sources/producers.md has the table).
+RFC1527_TYPES = {"stored": "BlockStored", "removed": "BlockRemoved", "cleared": "AllBlocksCleared"}
+_RFC1527_ALIASES = (("seq_hashes", "block_hashes"), ("parent_hash", "parent_block_hash"))
+_RFC1527_OMIT_NIL = ("block_size", "token_ids")  # vLLM names these non-null: a nil means unset
+
+
+def normalise_rfc1527(raw: dict[str, Any]) -> Event:
+    """An RFC 1527 map event under the names consumers read, every original field kept.
+
+    ``type`` from ``event_type`` (unless the producer sent its own legacy ``type``);
+    ``block_hashes`` from ``seq_hashes`` and ``parent_block_hash`` from ``parent_hash`` (unless
+    the producer sent those legacy aliases itself, which are kept as sent); ``medium`` upper-cased
+    ("gpu" -> "GPU"), the producer's spelling kept as ``medium_rfc1527`` when it differs;
+    ``block_size`` and ``token_ids`` left out when nil (as vLLM's map generation leaves unset
+    fields out). Every other field stays as sent, by name.
+    """
+    kind = raw["event_type"]
+    tag = raw.get("type")
+    if not isinstance(tag, str) or not tag:
+        tag = RFC1527_TYPES.get(kind) if isinstance(kind, str) else None
+        if tag is None:
+            raise DecodeError("bad_event", f"RFC 1527 event with event_type {kind!r}, expected stored, removed or cleared")
+    event: Event = {"type": tag}
+    for k, v in raw.items():
+        if k == "type" or (v is None and k in _RFC1527_OMIT_NIL):
+            continue
+        if k == "medium" and isinstance(v, str) and v != v.upper():
+            event["medium_rfc1527"] = v
+            v = v.upper()
+        event[k] = v
+    for original, alias in _RFC1527_ALIASES:
+        if alias not in event and original in raw:
+            event[alias] = raw[original]
+    return event
+
+
 def normalise_event(raw: Any) -> Event:
     """One decoded wire event as ``{"type": ..., fields...}``; raises DecodeError if malformed."""
     if isinstance(raw, dict):
+        if "event_type" in raw:
+            return normalise_rfc1527(raw)
         tag = raw.get("type")
         if not isinstance(tag, str) or not tag:
             raise DecodeError("bad_event", "map event without a string 'type'")
@@ -146,7 +258,7 @@ def normalise_event(raw: Any) -> Event:
         if not raw or not isinstance(raw[0], str) or not raw[0]:
             raise DecodeError("bad_event", "array event without a type name at position 0")
         tag = raw[0]
-        names = FIELDS.get(tag, ())
+        names = ARRAY_FIELDS.get(tag, ())
         values = raw[1:]
         event = {"type": tag}
         n = len(names)
@@ -174,7 +286,7 @@ _PlainEvent = Union[dict[str, _PlainValue], list[_PlainValue]]  # noqa: UP007
 
 
 class _PlainArrayBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
+    ts: float  # (an integer one, RFC 1527 milliseconds, is told by its first byte: see MS_TS_ABOVE)
     events: list[_PlainEvent]
     rank: int | None = None
     more: Any = msgspec.UNSET  # set: the batch has extra elements (the generic path keeps them)
@@ -200,6 +312,8 @@ def _decode_plain(payload: bytes) -> DecodedBatch | None:
             if a.more is not msgspec.UNSET:
                 return None
             ts, events, rank = a.ts, a.events, a.rank
+            if ts > MS_TS_ABOVE and first <= 0x9F and payload[1] in _INT64:
+                ts /= 1000.0  # an integer ts: RFC 1527 milliseconds
         elif 0x82 <= first <= 0x8F or first in (0xDE, 0xDF):
             m = _plain_map.decode(payload)
             ts, events = m.ts, m.events
@@ -210,7 +324,7 @@ def _decode_plain(payload: bytes) -> DecodedBatch | None:
         # A map event with its type first (every current release) is used as decoded; a batch of
         # only such events, as the decoder made it (no new list).
         for raw in events:
-            if raw.__class__ is not dict or next(iter(raw), None) != "type":
+            if raw.__class__ is not dict or next(iter(raw), None) != "type" or "event_type" in raw:
                 break
             t = raw["type"]
             if t.__class__ is not str or not t:
@@ -219,7 +333,11 @@ def _decode_plain(payload: bytes) -> DecodedBatch | None:
             return DecodedBatch(ts, events, rank, plain=True)  # type: ignore[arg-type]  # only dicts, checked above
         out = [
             raw
-            if raw.__class__ is dict and next(iter(raw), None) == "type" and raw["type"].__class__ is str and raw["type"]
+            if raw.__class__ is dict
+            and next(iter(raw), None) == "type"
+            and raw["type"].__class__ is str
+            and raw["type"]
+            and "event_type" not in raw
             else normalise_event(raw)
             for raw in events
         ]
@@ -269,7 +387,10 @@ def decode_generic(payload: bytes) -> DecodedBatch:
             out.append(normalise_event(raw))
         except DecodeError as exc:
             bad.append(BadEvent(i, exc.detail or exc.reason, raw))
-    return DecodedBatch(float(ts), out, rank, bad, extra)
+    seconds = float(ts)
+    if isinstance(ts, int) and isinstance(obj, list) and payload[0] <= 0x9F and ts > MS_TS_ABOVE:
+        seconds = ts / 1000.0  # RFC 1527 milliseconds (its batches are small arrays: a fixarray header)
+    return DecodedBatch(seconds, out, rank, bad, extra)
 
 
 # -- counting without decoding ------------------------------------------------------------------
@@ -297,6 +418,18 @@ def _tagged(array: bool) -> Any:
 _MAP_EVENTS, _ARRAY_EVENTS = _tagged(False), _tagged(True)
 
 
+def _tagged_rfc1527() -> Any:
+    classes = [
+        msgspec.defstruct(f"_Rfc1527{t}", [], tag=k, tag_field="event_type", frozen=True, gc=False)
+        for k, t in RFC1527_TYPES.items()
+    ]
+    _TYPE_OF.update(zip(classes, RFC1527_TYPES.values(), strict=True))
+    return Union[tuple(classes)]  # noqa: UP007 - a union built at run time
+
+
+_RFC1527_EVENTS = _tagged_rfc1527()
+
+
 def _counter(events: Any, array_batch: bool) -> msgspec.msgpack.Decoder[Any]:
     if array_batch:
         batch = msgspec.defstruct("_ArrayBatch", [("ts", float), ("events", list[events])], array_like=True)
@@ -305,8 +438,9 @@ def _counter(events: Any, array_batch: bool) -> msgspec.msgpack.Decoder[Any]:
     return msgspec.msgpack.Decoder(batch)
 
 
-# (array batch?, array events?) -> decoder
-_COUNTERS = {(b, e): _counter(_ARRAY_EVENTS if e else _MAP_EVENTS, b) for b in (True, False) for e in (False, True)}
+# (array batch?, event form) -> decoder; RFC 1527 maps are typed by ``event_type`` (normalise_rfc1527)
+_EVENT_FORMS = {"map": _MAP_EVENTS, "array": _ARRAY_EVENTS, "rfc1527": _RFC1527_EVENTS}
+_COUNTERS = {(b, e): _counter(events, b) for b in (True, False) for e, events in _EVENT_FORMS.items()}
 
 
 class EventCount(msgspec.Struct, frozen=True, gc=False):
@@ -331,17 +465,19 @@ def count_batch(payload: bytes) -> EventCount | None:
         array_batch = False
     else:
         return None
-    for array_events in (False, True):  # map events first: every current release
+    for form in _EVENT_FORMS:  # map events first: every current release
         try:
-            batch = _COUNTERS[(array_batch, array_events)].decode(payload)
+            batch = _COUNTERS[(array_batch, form)].decode(payload)
         except (msgspec.DecodeError, ValueError, RecursionError):
             continue
         type_of = _TYPE_OF
-        return EventCount(batch.ts, [type_of[type(e)] for e in batch.events])
+        ts = batch.ts
+        if ts > MS_TS_ABOVE and first <= 0x9F and payload[1] in _INT64:
+            ts /= 1000.0  # an integer ts: RFC 1527 milliseconds (as decode_batch)
+        return EventCount(ts, [type_of[type(e)] for e in batch.events])
     return None
 
 
-_FLOAT64 = 0xCB
 _struct_f64 = struct.Struct(">d")
 
 

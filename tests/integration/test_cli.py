@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -225,3 +226,44 @@ async def test_tail_marks_the_gaps_it_sees() -> None:
     assert missed, seqs  # 30% dropped: some gap among 30 batches
     for first, last in missed:
         assert f"# rank 0: gap: seq {first}..{last} missed" in err, err
+
+
+async def test_tail_shows_the_publisher_uuid_and_a_certain_restart() -> None:
+    """vLLM #57789 frames: tail names the publisher's UUID, a new one as a certain restart, and
+    reads an idle heartbeat (an empty payload) as the next seq, not as a batch."""
+    ports = free_ports(1)
+    opts = SimulatorOptions(endpoint=f"tcp://127.0.0.1:{ports[0]}", replay_endpoint=None, profile="vllm-pr57789-uuid", rate=0)
+    async with Simulator(opts) as sim:
+        tail = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bridge", "tail", f"tcp://127.0.0.1:{ports[0]}", "--count", "40", "--granularity", "batch",
+            cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        rank = sim.ranks[0]
+        first = uuid.UUID(bytes=rank.instance)
+
+        async def publish() -> None:
+            while True:  # until tail has subscribed (slow joiner), then as many as it asks for
+                for _ in range(3):
+                    await sim.step()
+                rank.seq += 2  # two batches never sent: the heartbeat shows them
+                await rank.heartbeat()
+                await asyncio.sleep(0.2)
+
+        runner = asyncio.create_task(publish())
+        try:
+            await asyncio.sleep(1.5)
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+            rank.restart()
+            second = uuid.UUID(bytes=rank.instance)
+            runner = asyncio.create_task(publish())
+            stdout, stderr = await asyncio.wait_for(tail.communicate(), 60)
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+    err = stderr.decode()
+    assert tail.returncode == 0 and "Traceback" not in err, err
+    assert f"# rank 0: publisher instance {first}" in err, err
+    assert f"# rank 0: a new publisher instance (the engine restarted, for certain) {second}" in err, err
+    assert "idle heartbeat: next seq" in err and "undecodable" not in err, err
+    assert all("events" in json.loads(x) for x in stdout.decode().splitlines())  # (no heartbeat printed as a batch)

@@ -21,6 +21,7 @@ import pytest
 import zmq
 from aiokafka.admin import AIOKafkaAdminClient
 
+from bridge.simulator import Simulator, SimulatorOptions
 from tests.infra.servers import KafkaServer, NatsServer
 from tests.support.harness import free_ports
 
@@ -321,3 +322,33 @@ async def test_check_creates_no_topic_stream_or_bucket(tmp_path: Path, kafka: Ka
     finally:
         await nc.close()
     assert not (tmp_path / "checkpoint.json").exists()
+
+
+async def test_check_says_whether_an_engine_sends_its_publisher_uuid(tmp_path: Path) -> None:
+    """--check listens briefly on each live endpoint that answered: a vLLM #57789 publisher shows
+    its UUID (restarts are then certain), an older one shows none (restarts inferred)."""
+    ports = free_ports(2)
+    new = SimulatorOptions(endpoint=f"tcp://127.0.0.1:{ports[0]}", replay_endpoint=None, profile="vllm-pr57789-uuid", rate=20)
+    old = SimulatorOptions(endpoint=f"tcp://127.0.0.1:{ports[1]}", replay_endpoint=None, rate=20)
+    (tmp_path / "c.yaml").write_text(
+        f"sources:\n  - {{name: new, endpoint: 'tcp://127.0.0.1:{ports[0]}'}}\n"
+        f"  - {{name: old, endpoint: 'tcp://127.0.0.1:{ports[1]}'}}\n"
+        "sinks:\n  - {type: file, path: '-'}\n"
+    )
+    async with Simulator(new) as a, Simulator(old) as b:
+        runners = [asyncio.create_task(a.run()), asyncio.create_task(b.run())]
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "bridge", "--config", str(tmp_path / "c.yaml"), "--check",
+                cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            stdout, stderr = await asyncio.wait_for(proc.communicate(), 60)
+        finally:
+            for r in runners:
+                r.cancel()
+            await asyncio.gather(*runners, return_exceptions=True)
+        instance = uuid.UUID(bytes=a.ranks[0].instance)
+    out = stdout.decode()
+    assert proc.returncode == 0 and "Traceback" not in stderr.decode(), stderr.decode()
+    assert f"engines: sources[0].endpoint: tcp://127.0.0.1:{ports[0]}: publisher UUID {instance}" in out, out
+    assert f"engines: sources[1].endpoint: tcp://127.0.0.1:{ports[1]}: no publisher UUID" in out, out

@@ -18,11 +18,11 @@ import zmq
 import zmq.asyncio
 
 from bridge.errors import StartupError
-from bridge.schema import SCHEMA_VERSION
+from bridge.schema import HEADER_KEYS, SCHEMA_VERSION
 from bridge.simulator import Faults, Simulator, SimulatorOptions
 from tests.support.epochs import assert_first_epoch, assert_next_epoch
 from tests.support.harness import batches, free_ports, metric, read_lines, running_bridge, wait_for
-from tests.support.vectors import expected_events, load_all
+from tests.support.vectors import expected_events, expected_ts, load_all
 
 pytestmark = pytest.mark.integration
 
@@ -40,10 +40,21 @@ def _jsonish(value: Any) -> Any:
     return value
 
 
+def _shadowed(event: dict[str, Any]) -> dict[str, Any]:
+    """An event as the event granularity writes it: a field named like a header key (RFC 1527's
+    event-level dp_rank) under "shadowed"."""
+    moved = {k: v for k, v in event.items() if k in HEADER_KEYS}
+    if not moved:
+        return event
+    return {**{k: v for k, v in event.items() if k not in HEADER_KEYS}, "shadowed": moved}
+
+
 @pytest.mark.parametrize("name", sorted({v.file for v in VECTORS}))
 async def test_vectors_through_the_running_bridge(tmp_path: Path, name: str) -> None:
-    rows = [v for v in VECTORS if v.file == name and v.kind == "live"]
+    sent = [v for v in VECTORS if v.file == name and v.kind in ("live", "heartbeat")]  # (a heartbeat is no batch)
+    rows = [v for v in sent if v.kind == "live"]
     ranks = max(v.dp_rank for v in rows) + 1
+    topic = "kv" if all(v.frames[0].startswith(b"kv") for v in rows) else ""
     ports = free_ports(ranks)
     ctx = zmq.asyncio.Context()
     pubs = []
@@ -51,15 +62,15 @@ async def test_vectors_through_the_running_bridge(tmp_path: Path, name: str) -> 
         s = ctx.socket(zmq.PUB)
         s.bind(f"tcp://127.0.0.1:{ports[r]}")
         pubs.append(s)
-    source = {"name": name, "endpoint": f"tcp://127.0.0.1:{ports[0]}", "dp_ranks": ranks, "topic": "kv"}
+    source = {"name": name, "endpoint": f"tcp://127.0.0.1:{ports[0]}", "dp_ranks": ranks, "topic": topic}
     try:
         since = time.time()
         async with running_bridge(tmp_path, [source], granularity="event") as (bridge, out):
             await wait_for(lambda: all(r.connections > 0 for r in bridge.readers.values()), what="subscription")
             await asyncio.sleep(0.2)  # let the subscription reach the PUB (slow joiner)
-            for v in rows:
+            for v in sent:
                 await pubs[v.dp_rank].send_multipart(v.frames)
-            want = sum(len(expected_events(v.decoded)) for v in rows)
+            want = sum(len(expected_events(v.decoded, v.expected)) for v in rows)
             await wait_for(lambda: len(read_lines(out)) >= want, what=f"{want} events")
         lines = read_lines(out)
         # Each stream (rank) in the epoch the bridge opened when it met it: the clock's.
@@ -68,11 +79,11 @@ async def test_vectors_through_the_running_bridge(tmp_path: Path, name: str) -> 
             for r in {v.dp_rank for v in rows}
         }
         for v in rows:
-            seq = int.from_bytes(v.frames[1], "big")
+            seq = int.from_bytes(v.frames[1][:8], "big")
             got = [ln for ln in lines if ln["dp_rank"] == v.dp_rank and ln["seq"] == seq]
-            expected = [_jsonish(e) for e in expected_events(v.decoded)]
+            expected = [_shadowed(_jsonish(e)) for e in expected_events(v.decoded, v.expected)]
             assert [ln["index"] for ln in got] == list(range(len(expected)))
-            ts = v.decoded[0] if isinstance(v.decoded, list) else v.decoded["ts"]
+            ts = expected_ts(v.decoded)
             for original, event in zip(got, expected, strict=True):
                 line = dict(original)
                 header = {k: line.pop(k) for k in ("source", "dp_rank", "epoch", "seq", "index", "ts", "schema_version")}
@@ -233,6 +244,49 @@ async def test_dropped_live_messages_are_recovered(tmp_path: Path) -> None:
     assert 1 <= gaps <= dropped  # consecutive drops (or drops during a replay) make one gap
 
 
+@pytest.mark.parametrize("profile", ["atom-pr1316", "tensorrt-llm-pr16869", "vllm-pr57789-uuid", "vllm-open-prs"])
+async def test_every_producer_profile_recovers_drops_through_its_own_replay(tmp_path: Path, profile: str) -> None:
+    """Each producer's simulated wire (ATOM: replies without topic, an end marker with its window;
+    #57789: 24-byte frames on replies too), 5% of live messages dropped: all delivered, once."""
+    ports = free_ports(2)
+    async with Simulator(_sim(ports, profile=profile, faults=Faults(drop_rate=0.05), seed=5)) as sim:
+        async with running_bridge(tmp_path, [_source("p", ports)]) as (bridge, out):
+            await wait_for(lambda: bridge.readers["p/0"].connections > 0, what="subscription")
+            await asyncio.sleep(0.3)
+            for i in range(400):
+                await sim.step()
+                if i % 50 == 0:
+                    await asyncio.sleep(0.01)
+            sim.ranks[0].faults.drop_rate = 0.0
+            await sim.step()  # a last message, delivered, so a trailing drop shows as a gap
+            n = sim.ranks[0].seq
+            await wait_for(lambda: len(_seqs(read_lines(out))) >= n, what=f"{n} batches")
+            replayed = metric(bridge, "kv_bridge_batches_replayed_total", source="p")
+    lines = read_lines(out)
+    assert _seqs(lines) == list(range(n)) and not [ln for ln in lines if ln.get("type") in ("EventsLost", "SourceReset")]
+    assert replayed == sim.ranks[0].dropped > 0
+
+
+async def test_rfc1527_producer_without_replay_is_normalised(tmp_path: Path) -> None:
+    """The Mooncake master's profile (RFC 1527 maps, ms timestamps, no replay socket)."""
+    ports = free_ports(1)
+    since = time.time()
+    async with Simulator(_sim(ports, profile="mooncake-master-pr2214", replay_endpoint=None)) as sim:
+        source = {"name": "mc", "endpoint": f"tcp://127.0.0.1:{ports[0]}"}
+        async with running_bridge(tmp_path, [source], granularity="event") as (bridge, out):
+            await wait_for(lambda: bridge.readers["mc/0"].connections > 0, what="subscription")
+            await asyncio.sleep(0.3)
+            for _ in range(20):
+                await sim.step()
+            await wait_for(lambda: len({ln["seq"] for ln in read_lines(out)}) >= 20, what="20 batches")
+    lines = read_lines(out)
+    assert {ln["seq"] for ln in lines} == set(range(20))
+    assert all(since - 5 < ln["ts"] < time.time() + 5 for ln in lines)  # seconds, not milliseconds
+    assert {ln["type"] for ln in lines} <= {"BlockStored", "BlockRemoved"}
+    assert all(ln["block_hashes"] and ln["medium"] == "CPU" and ln["medium_rfc1527"] == "cpu" for ln in lines)
+    assert all(ln["event_type"] in ("stored", "removed") and "seq_hashes" in ln for ln in lines)  # originals kept
+
+
 async def test_engine_restart_starts_a_new_epoch(tmp_path: Path) -> None:
     ports = free_ports(2)
     since = time.time()
@@ -261,6 +315,42 @@ async def test_engine_restart_starts_a_new_epoch(tmp_path: Path) -> None:
     assert [ln["seq"] for ln in after] == list(range(30)) and all(ln["epoch"] == second for ln in after)
     ck = json.loads((tmp_path / "ck.json").read_text())
     assert ck["streams"]["rs/0"]["epoch"] == ck["epochs"]["rs/0"] == second
+
+
+async def test_a_new_publisher_uuid_is_a_certain_restart_even_when_its_seq_continues(tmp_path: Path) -> None:
+    """vLLM #57789: 24-byte sequence frames. The new instance's first 20 batches never reach the
+    bridge, so its seq 20 follows the old instance's 19 (inference alone would miss the restart):
+    its UUID ends the epoch for certain (reason instance_changed) and replay brings its head.
+    Heartbeats in between are no batches."""
+    ports = free_ports(2)
+    async with Simulator(_sim(ports, profile="vllm-pr57789-uuid")) as sim:
+        async with running_bridge(tmp_path, [_source("id", ports)]) as (bridge, out):
+            await wait_for(lambda: bridge.readers["id/0"].connections > 0, what="subscription")
+            await asyncio.sleep(0.3)
+            rank = sim.ranks[0]
+            for _ in range(20):
+                await sim.step()
+            await rank.heartbeat()
+            await wait_for(lambda: len(read_lines(out)) >= 20, what="the first instance's batches")
+            rank.restart()
+            rank.faults = Faults(drop_rate=1.0)  # published (and buffered), never seen live
+            for _ in range(20):
+                await sim.step()
+            rank.faults = Faults()
+            for _ in range(5):
+                await sim.step()
+            await rank.heartbeat()
+            await wait_for(lambda: len(read_lines(out)) >= 46, what="the second instance's batches")
+        lines = read_lines(out)
+        failures = metric(bridge, "kv_bridge_decode_failures_total", source="id", reason="bad_msgpack")
+    reset = next(i for i, ln in enumerate(lines) if ln.get("type") == "SourceReset")
+    assert lines[reset]["reason"] == "instance_changed"
+    first, second = lines[:reset], lines[reset + 1 :]
+    assert [ln["seq"] for ln in first] == list(range(20)) and len({ln["epoch"] for ln in first}) == 1
+    assert [ln["seq"] for ln in second] == list(range(25)) and {ln["epoch"] for ln in second} == {lines[reset]["epoch"]}
+    assert lines[reset]["epoch"] > first[0]["epoch"]
+    assert not [ln for ln in lines if ln.get("type") == "EventsLost"]
+    assert not failures  # (a heartbeat's empty payload is not a batch)
 
 
 async def test_gap_beyond_the_buffer_is_one_events_lost(tmp_path: Path) -> None:

@@ -28,6 +28,10 @@ class Vector:
     request_from: int | None
     frames: list[bytes]
     decoded: Any
+    expected: Any = None
+    """The events as the bridge normalises them, where that is not the plain array/map naming
+    (RFC 1527 maps); None: :func:`expected_events` derives them from ``decoded``."""
+    window: Any = None
 
     @property
     def profile(self) -> str:
@@ -49,6 +53,8 @@ def load_all() -> list[Vector]:
                     request_from=row.get("request_from"),
                     frames=[bytes.fromhex(f) for f in row["frames"]],
                     decoded=row["decoded"],
+                    expected=row.get("expected"),
+                    window=row.get("window"),
                 )
             )
     return out
@@ -65,10 +71,13 @@ def plain(value: Any) -> Any:
     return value
 
 
-def expected_events(decoded: Any) -> list[dict[str, Any]]:
-    """The vector's events by field name, as the bridge must normalise them (docs/protocol.md 2)."""
-    from bridge.wire import FIELDS
+def expected_events(decoded: Any, expected: Any = None) -> list[dict[str, Any]]:
+    """The vector's events by field name, as the bridge must normalise them (docs/protocol.md 2);
+    ``expected``: the row's own normalised events, when it carries them (RFC 1527 maps)."""
+    from bridge.wire import ARRAY_FIELDS as FIELDS
 
+    if expected is not None:
+        return list(expected)
     events = decoded[1] if isinstance(decoded, list) else decoded["events"]
     out = []
     for e in events:
@@ -82,3 +91,9 @@ def expected_events(decoded: Any) -> list[dict[str, Any]]:
             event["extra"] = e[1 + len(names) :]
         out.append(event)
     return out
+
+
+def expected_ts(decoded: Any) -> float:
+    """The batch ts the bridge gives: seconds (RFC 1527 producers send integer milliseconds)."""
+    ts = decoded[0] if isinstance(decoded, list) else decoded["ts"]
+    return ts / 1000 if ts > 1e11 else ts

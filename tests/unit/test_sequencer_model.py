@@ -105,11 +105,13 @@ class Downstream:
     covered: dict[int, list[int]] = field(default_factory=dict)  # epoch -> seqs delivered or lost, in order
     lost: dict[int, set[int]] = field(default_factory=dict)  # epoch -> seqs announced lost
     closed: set[int] = field(default_factory=set)  # epochs a Reset has closed
+    reasons: list[str] = field(default_factory=list)  # of every Reset, in order
 
     def apply(self, actions: list[Action]) -> None:
         for a in actions:
             if isinstance(a, Reset):
                 assert a.epoch > self.epoch, "epochs only grow"
+                self.reasons.append(a.reason)
                 self.closed.add(self.epoch)
                 self.epoch = a.epoch
             elif isinstance(a, Deliver | Lost):
@@ -163,14 +165,23 @@ class SequencerModel(RuleBasedStateMachine):
         """A live message, as the stream pipeline hands it on: ``accept`` first (the hot path),
         ``live`` when it declines. Checked on a copy that both agree: ``accept`` changes nothing
         when it declines, and exactly what ``live`` would when it takes the batch."""
+        instance = self.uuid_of(payload)
         before = copy.deepcopy(self.seqr)
-        if self.seqr.accept(seq, payload):
-            expected = before.live(seq, payload)
+        if self.seqr.accept(seq, payload, None, instance):
+            expected = before.live(seq, payload, None, instance)
             assert expected == [Deliver(seq, payload, before.epoch)], f"accept took {seq}; live says {expected}"
             assert vars(self.seqr) == vars(before), "accept and live left the sequencer in different states"
             return expected
         assert vars(self.seqr) == vars(before), "accept declined but changed the sequencer"
-        return self.seqr.live(seq, payload)
+        return self.seqr.live(seq, payload, None, instance)
+
+    def uuid_of(self, payload: bytes) -> bytes | None:
+        """The publisher UUID the live message carries (vLLM #57789); none in this model."""
+        return None
+
+    def reply_uuid(self, payload: bytes) -> bytes | None:
+        """The publisher UUID a replay reply carries; none in this model."""
+        return None
 
     def received(self, seq: int, payload: bytes) -> None:
         instance, _ = parse(payload)
@@ -192,7 +203,7 @@ class SequencerModel(RuleBasedStateMachine):
             replies = replies[:1] + replies[3:]
         for seq, payload in replies:
             heard = req.request_id == self.seqr._replay  # a stale request's replies are discarded unread
-            actions = self.seqr.replayed(req.request_id, seq, payload)
+            actions = self.seqr.replayed(req.request_id, seq, payload, self.reply_uuid(payload))
             if heard:
                 self.received(seq, payload)
             self.apply(actions)
@@ -361,6 +372,51 @@ class UndecodableModel(SequencerModel):
 
 UndecodableModel.TestCase.settings = SequencerModel.TestCase.settings
 TestUndecodableModel = UndecodableModel.TestCase
+
+
+class UuidModel(SequencerModel):
+    """The same engine with a publisher lifetime UUID on every live message (vLLM #57789): it
+    decides restarts (replay replies carry none). The engine was upgraded to send it after its
+    first instance (instance 0 sends none), so the first UUID also ends an epoch for certain."""
+
+    def uuid_of(self, payload: bytes) -> bytes | None:
+        instance, _ = parse(payload)
+        return instance.to_bytes(16, "big") if instance > 0 else None
+
+    def live(self, seq: int, payload: bytes) -> list[Action]:
+        """A live message of a later instance than the current epoch's, under a UUID, ends that
+        epoch at once and says the restart is certain, whatever its seq (one that continues the
+        old instance's included: inference alone would take it for the same instance)."""
+        instance, _ = parse(payload)
+        current = self.down.instance_of.get(self.down.epoch)
+        # The epoch's instance is known from the wire: its UUID (adopted out of doubt), or its
+        # live messages without one (an engine before the upgrade).
+        known = self.seqr._instance_sure or (self.seqr.instance is None and self.seqr._anonymous)
+        actions = super().live(seq, payload)
+        if known and current is not None and instance > current and self.uuid_of(payload) is not None:
+            resets = [a.reason for a in actions if isinstance(a, Reset)]
+            assert resets == ["instance_changed"], f"instance {instance} after {current}: {actions}"
+        return actions
+
+    @invariant()
+    def restarts_say_why(self) -> None:
+        assert set(self.down.reasons) <= {"publisher_restart", "instance_changed"}
+
+
+UuidModel.TestCase.settings = SequencerModel.TestCase.settings
+TestUuidModel = UuidModel.TestCase
+
+
+class UuidReplayModel(UuidModel):
+    """As UuidModel, with the UUID on replay replies too: a replay answered by a new instance
+    ends the epoch for certain, and one answered by the epoch's own needs no verification."""
+
+    def reply_uuid(self, payload: bytes) -> bytes | None:
+        return self.uuid_of(payload)
+
+
+UuidReplayModel.TestCase.settings = SequencerModel.TestCase.settings
+TestUuidReplayModel = UuidReplayModel.TestCase
 
 
 class NoReplayModel(SequencerModel):

@@ -173,6 +173,25 @@ def test_undecoded_batches_make_the_stream_unknown() -> None:
     assert d.clear and not d.head.complete and t.count(A, "GPU", None, 2) == 0 and t.stats.undecoded_batches == 2
 
 
+def test_rocm_atom_moves_and_medium_clears_make_the_stream_unknown_until_a_full_clear() -> None:
+    """ROCm ATOM (#1316): a BlockTransferred moves blocks between media, an AllBlocksCleared with a
+    medium clears only that one; the tracker cannot apply either exactly, so the state is cleared
+    and incomplete (never a complete state that differs from the engine's cache, I6) until a full
+    clear. vLLM #50732's BlockInactive (a block still cached) changes nothing."""
+    t = StateTracker()
+    f = Feed(t)
+    f.batch(CLEARED, stored([1, 2]))
+    d = f.batch({"type": "BlockInactive", "block_hashes": [1], "medium": "GPU"})
+    assert not d.clear and d.head.complete and t.count(A, "GPU", None, 1) == 1
+    d = f.batch({"type": "BlockTransferred", "block_hashes": [1], "from_medium": "GPU", "to_medium": "CPU"})
+    assert d.clear and not d.head.complete
+    f.batch(CLEARED, stored([3]))
+    d = f.batch({"type": "AllBlocksCleared", "medium": "CPU"}, stored([4]))
+    assert d.clear and not d.head.complete and t.count(A, "GPU", None, 4) == 1
+    d = f.batch({"type": "AllBlocksCleared", "medium": None})
+    assert d.head.complete
+
+
 def test_a_redelivered_record_changes_nothing() -> None:
     t = StateTracker()
     rec = Record(stream=A, epoch=1, seq=0, events=[stored([1])])

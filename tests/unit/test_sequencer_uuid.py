@@ -1,0 +1,177 @@
+"""Instance identity from the wire (vLLM #57789): the publisher UUID decides epochs where it is
+sent; streams without one keep the inference of ``test_sequencer_instances.py``. The compound
+model with UUIDs (and an upgrade from none) is ``UuidModel`` in ``test_sequencer_model.py``."""
+
+from __future__ import annotations
+
+from bridge.sequencer import (
+    INSTANCE_CHANGED,
+    PUBLISHER_RESTART,
+    Action,
+    Deliver,
+    Duplicate,
+    Gap,
+    Lost,
+    RequestReplay,
+    Reset,
+    StreamSequencer,
+    fingerprint,
+)
+
+A, B, C = b"\xaa" * 16, b"\xbb" * 16, b"\xcc" * 16
+
+
+def p(instance: bytes | None, seq: int) -> bytes:
+    return b"%s:%d" % ((instance or b"-")[:1], seq)
+
+
+def ts(payload: bytes) -> float:
+    return float(payload.split(b":")[1])
+
+
+def seqr(*, replay: bool = True, **kw: object) -> StreamSequencer:
+    return StreamSequencer(can_replay=replay, replay_on_start=False, ts_of=ts, **kw)  # type: ignore[arg-type]
+
+
+def feed(s: StreamSequencer, instance: bytes | None, seqs: range | list[int]) -> list[Action]:
+    out: list[Action] = []
+    for n in seqs:
+        out += s.live(n, p(instance, n), instance=instance)
+    return out
+
+
+def delivered(actions: list[Action]) -> list[tuple[int, int]]:
+    return [(a.epoch, a.seq) for a in actions if isinstance(a, Deliver)]
+
+
+def test_a_new_uuid_is_a_certain_restart_even_when_its_seq_continues() -> None:
+    """Inference would take seq 3 after 2 for the same instance (kthena #1541); the UUID says not."""
+    s = seqr()
+    out = feed(s, A, range(3))
+    out += s.live(3, p(B, 3), instance=B)
+    resets = [a for a in out if isinstance(a, Reset)]
+    assert resets == [Reset(1, INSTANCE_CHANGED)]
+    # The new instance's head (0..2) is fetched by replay in the new epoch, seq 3 waits for it.
+    assert isinstance(out[-1], RequestReplay) and out[-1].start == 0
+    assert delivered(out) == [(0, 0), (0, 1), (0, 2)] and s.held == {3: p(B, 3)}
+
+
+def test_a_new_uuid_from_seq_0_opens_the_new_epoch_and_delivers_it() -> None:
+    s = seqr(replay=False)
+    out = feed(s, A, range(2)) + feed(s, B, range(2))
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
+    assert delivered(out) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_a_seq_going_back_under_the_same_uuid_is_not_a_restart() -> None:
+    s = seqr()
+    out = feed(s, A, range(5)) + feed(s, A, [2, 4])
+    assert not any(isinstance(a, Reset) for a in out)
+    assert out[-2:] == [Duplicate(2), Duplicate(4)] and s.epoch == 0
+    # Without a UUID the same seqs are a restart, inferred.
+    t = seqr()
+    assert [a for a in feed(t, None, [0, 1, 2, 3, 4, 2]) if isinstance(a, Reset)] == [Reset(1, PUBLISHER_RESTART)]
+
+
+def test_a_retired_uuid_never_reaches_the_new_epoch() -> None:
+    """A late message of the instance gone (or a second publisher on one stream) is dropped."""
+    s = seqr(replay=False)
+    out = feed(s, A, range(2)) + feed(s, B, range(1))
+    late = s.live(2, p(A, 2), instance=A)
+    assert late == [Duplicate(2)] and s.epoch == 1 and s.instance == B
+    # ...and the epoch goes on under B as if nothing came.
+    assert delivered(out + late + feed(s, B, [1])) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_an_upgrade_to_a_uuid_is_a_certain_restart() -> None:
+    """A publisher that starts sending a UUID was restarted (upgraded): the epoch of the one
+    without ends, whatever the new seqs, and from then on the UUID decides."""
+    s = seqr(replay=False)
+    out = feed(s, None, range(4)) + feed(s, A, [4, 5])
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
+    assert [a for a in out if isinstance(a, Lost)] == [Lost(0, 3, "no_replay", 1)]  # the new head, never seen
+    assert delivered(out)[-2:] == [(1, 4), (1, 5)] and s.instance == A
+    # Going back to none (a downgrade) is a restart too.
+    assert [a for a in feed(s, None, [0]) if isinstance(a, Reset)] == [Reset(2, INSTANCE_CHANGED)]
+
+
+def test_the_first_uuid_of_a_fresh_stream_is_adopted_without_restart() -> None:
+    s = seqr(replay=False)
+    out = feed(s, A, [0, 1])
+    assert not any(isinstance(a, Reset) for a in out) and s.instance == A
+
+
+def test_a_uuid_ends_doubt_at_once_after_a_reconnect() -> None:
+    """After a dropped connection, inference holds live batches until a replay verifies the
+    instance; a message under the epoch's UUID proves it, so it is delivered at once."""
+    s = seqr()
+    feed(s, A, range(3))
+    s.disconnected(100.0)
+    assert s.in_doubt
+    out = s.live(3, p(A, 3), instance=A)
+    assert delivered(out) == [(0, 3)] and not s.in_doubt
+    # Without a UUID the same batch waits for the verifying replay.
+    t = seqr()
+    feed(t, None, range(3))
+    t.disconnected(100.0)
+    out = t.live(3, p(None, 3))
+    assert delivered(out) == [] and any(isinstance(a, RequestReplay) for a in out)
+
+
+def test_a_resumed_stream_verifies_its_first_uuid_by_replay() -> None:
+    """The checkpoint keeps no UUID: the first one met after a bridge restart is not taken on trust."""
+    last = p(A, 5)
+    s = seqr(delivered=5, delivered_fp=fingerprint(ts(last), last), epoch=7)
+    out = s.live(6, p(A, 6), instance=A)
+    assert delivered(out) == [] and isinstance(out[-1], RequestReplay) and s.in_doubt
+    out = s.replayed(out[-1].request_id, 5, last) + s.replayed(out[-1].request_id, 6, p(A, 6))
+    assert delivered(out) == [(7, 6)] and not s.in_doubt
+    assert delivered(s.live(7, p(A, 7), instance=A)) == [(7, 7)]
+
+
+def test_heartbeats_carry_the_uuid_and_the_next_seq() -> None:
+    s = seqr()
+    feed(s, A, range(3))
+    assert s.heartbeat(3, A) == []  # nothing missed
+    out = s.heartbeat(6, A)  # 3..5 were published and never seen: fetched
+    assert len(out) == 1 and isinstance(out[0], RequestReplay) and out[0].until == -1  # (from 2: it verifies)
+    t = seqr(replay=False)
+    feed(t, A, range(3))
+    assert t.heartbeat(0, B) == [Reset(1, INSTANCE_CHANGED)]  # a new instance, quiet so far
+    assert delivered(feed(t, B, [0])) == [(1, 0)]
+
+
+def test_gap_under_the_same_uuid_is_repaired_by_replay() -> None:
+    s = seqr()
+    out = feed(s, A, [0, 1, 4])
+    assert Gap(2, 3) in out and s.held == {4: p(A, 4)}
+    req = next(a for a in out if isinstance(a, RequestReplay))
+    out = [a for n in (1, 2, 3, 4) for a in s.replayed(req.request_id, n, p(A, n))]
+    assert delivered(out) == [(0, 2), (0, 3), (0, 4)]
+
+
+def test_a_replay_answered_under_a_new_uuid_is_a_certain_restart() -> None:
+    """An idle engine restarted: its probe's replay answers under a new UUID before any live
+    message does."""
+    s = seqr()
+    feed(s, A, range(3))
+    req = s.probe()[0]
+    assert isinstance(req, RequestReplay)
+    out = s.replayed(req.request_id, 0, p(B, 0), instance=B)
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
+    assert delivered(out) == [(1, 0)] and s.instance == B
+    nxt = out[-1]
+    assert isinstance(nxt, RequestReplay)
+    # A reply of the retired instance to the old request is ignored; the new one's go on.
+    assert s.replayed(req.request_id, 2, p(A, 2), instance=A) == []
+    assert delivered(s.replayed(nxt.request_id, 1, p(B, 1), instance=B)) == [(1, 1)]
+
+
+def test_a_replay_under_the_epochs_uuid_needs_no_verification() -> None:
+    s = seqr()
+    feed(s, A, range(3))
+    s.disconnected(10.0)
+    out = s.live(5, p(A, 5), instance=A)  # the same instance, for certain: the gap is fetched
+    req = next(a for a in out if isinstance(a, RequestReplay))
+    out = [a for n in (3, 4) for a in s.replayed(req.request_id, n, p(A, n), instance=A)]
+    assert delivered(out) == [(0, 3), (0, 4), (0, 5)] and not s.in_doubt
