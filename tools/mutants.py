@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import functools
 import json
 import os
 import queue
@@ -99,6 +100,7 @@ class Mutant:
     end: int  # the mutated node's last line
     what: str
     apply: Callable[[ast.Module], None]  # mutates a fresh parse of the module in place
+    nth: int = 0  # of the mutants with this ``what`` on this line (0: the leftmost)
 
     @property
     def id(self) -> str:
@@ -245,7 +247,8 @@ def mutants(module: str, source: str) -> list[Mutant]:
                     return
             raise AssertionError("mutation site not found")
 
-        found.append(Mutant(module, len(found), line, end, what, apply))
+        nth = sum(f.line == line and f.what == what for f in found)
+        found.append(Mutant(module, len(found), line, end, what, apply, nth))
     return found
 
 
@@ -385,15 +388,142 @@ class Equivalent:
     text: str  # the mutated line, stripped
     what: str  # the mutation, as listed
     why: str
+    nth: int = 0  # of the mutants with this ``what`` on the line (0: the leftmost)
+    within: str = ""  # the function it is in, when the line's text is not unique
 
 
 # A mutant no test can kill because no behaviour differs. Matched by line text, not number.
-EQUIVALENT: list[Equivalent] = []
+_GENERATION = "only ordered (Checkpointer.write: a snapshot older than the one saved is dropped): any positive step orders alike"
+_NO_ANCHOR = "an anchor below 0 means none: it is only ever compared with < 0"
+_EPOCHS = (
+    "epochs are never negative (clock_epoch >= 0, each new one above the last): -1, -2 and 0 all sit at or below every epoch"
+)
+EQUIVALENT: list[Equivalent] = [
+    Equivalent(
+        "checkpoint",
+        "Path(tmp).unlink(missing_ok=True)",
+        "True -> False",
+        "the temporary file always exists here: mkstemp made it, and only os.replace (the try's last call) "
+        "removes it, by succeeding",
+    ),
+    Equivalent(
+        "checkpoint",
+        'if nxt.stream is not r.stream or r.kind != "batch" or nxt.kind != "batch":',
+        "!= -> ==",
+        "a batch's acknowledgement replaces the whole row: a record followed by a batch of its stream "
+        "need not be noted, whatever its kind",
+    ),
+    Equivalent("checkpoint", "self._generation += 1", "1 -> 2", _GENERATION),
+    Equivalent("checkpoint", "row[sink] = (r.epoch, -1, -1, None, None)", "1 -> 2", _NO_ANCHOR, nth=1),
+    Equivalent(
+        "checkpoint",
+        "row[sink] = (r.epoch, r.seq, *last[2:]) if last is not None and same_epoch else (r.epoch, r.seq, -1, None, None)",
+        "1 -> 2",
+        _NO_ANCHOR,
+    ),
+    Equivalent(
+        "checkpoint",
+        "same = base is not None and base.epoch == epoch and (base.seq if base.at is None else base.at) == at",
+        "and -> or",
+        "a row without a payload and with an anchor was built from the loaded position, and lives only as long as it "
+        "(adopt and forget drop both): `same` is always true here",
+    ),
+    Equivalent(
+        "checkpoint",
+        "crc = base.crc if base is not None and same else None",
+        "and -> or",
+        "as above: whenever base is set here, same is true",
+    ),
+    *(
+        Equivalent(
+            "checkpoint",
+            "if resume is not None and resume == self.resume_position(key) and (handover.epoch or -1) <= resume.epoch:",
+            what,
+            _EPOCHS,
+        )
+        for what in ("1 -> 2", "1 -> 0")
+    ),
+    Equivalent(
+        "checkpoint",
+        "if handover.epoch is not None and handover.epoch > self.epochs.get(key, -1):",
+        "> -> >=",
+        "when equal, the epoch is set to the value it has",
+    ),
+    Equivalent(
+        "checkpoint",
+        "if handover.epoch is not None and handover.epoch > self.epochs.get(key, -1):",
+        "1 -> 2",
+        _EPOCHS,
+    ),
+    Equivalent(
+        "checkpoint",
+        "self._acked.pop(key, None)",
+        "statement deleted",
+        "adopt is only for a stream not started in this process (its docstring; Bridge calls it before any stream runs): "
+        "nothing of it is acknowledged yet",
+        within="adopt",
+    ),
+    Equivalent(
+        "checkpoint",
+        "for key in [k for k in self._forgotten if self.epochs.get(k, -1) < clock_epoch(now)]:",
+        "1 -> 2",
+        _EPOCHS,
+    ),
+    Equivalent("checkpoint", "epoch = max(epoch, self.epochs.get(key, -1) + 1)", "1 -> 2", _EPOCHS),
+    Equivalent(
+        "checkpoint",
+        "return CheckpointFile()",
+        "return value -> None",
+        "Checkpointer(sinks, None) starts from nothing, exactly as from an empty CheckpointFile",
+        within="_load",
+    ),
+    Equivalent(
+        "checkpoint",
+        'if self.kind == "batch" and self.index is not None:',
+        "and -> or",
+        "a control record never has an index (from_headers: a control record is one without an index), and a whole batch "
+        "is held through the same position either way",
+        within="held_at_most",
+    ),
+    *(
+        Equivalent(
+            "checkpoint",
+            "lost = False",
+            what,
+            "lost is read only when own is not None, i.e. for a SinkPosition, which assigns it first",
+        )
+        for what in ("statement deleted", "False -> True")
+    ),
+    Equivalent(
+        "checkpoint",
+        "tops = [h.seq for h in held if isinstance(h, SinkPosition) and resume is not None and h.epoch == resume.epoch "
+        "and h.seq >= 0]",
+        "0 -> -1",
+        "a sink's position never has a negative seq (a SourceReset is seq 0; from_headers reads what the bridge wrote)",
+    ),
+]
 
 
 def equivalent_of(m: Mutant, source: str) -> Equivalent | None:
     text = source.splitlines()[m.line - 1].strip()
-    return next((e for e in EQUIVALENT if e.module == m.module and e.text == text and e.what == m.what), None)
+    for e in EQUIVALENT:
+        same = (e.module, e.text, e.what, e.nth) == (m.module, text, m.what, m.nth)
+        if same and (not e.within or e.within == enclosing(source, m.line)):
+            return e
+    return None
+
+
+@functools.cache
+def _functions(source: str) -> list[tuple[int, int, str]]:
+    """(first line, last line, name) of every function, outermost first."""
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef)
+    return [(n.lineno, n.end_lineno or n.lineno, n.name) for n in ast.walk(ast.parse(source)) if isinstance(n, defs)]
+
+
+def enclosing(source: str, line: int) -> str:
+    """The name of the innermost function holding ``line`` ("" at module or class level)."""
+    found = [(first, name) for first, last, name in _functions(source) if first <= line <= last]
+    return max(found)[1] if found else ""
 
 
 def part_lines(source: str, parts: tuple[str, ...]) -> set[int]:
