@@ -26,9 +26,9 @@ end; the working tree is never touched). The unit tests (``tests/unit``, not ``i
 run once on the copy under coverage, one coverage context per test (``tools/mutants_plugin.py``):
 that baseline must pass, and it says which tests run which line. A mutant then runs only the
 tests that run one of its lines (for a line run only at import, every test that runs the
-module), fastest first, with ``pytest -x`` and a timeout of 3 times their baseline time plus
-15 s. A mutant is *killed* when they fail (or time out), *survived* when they pass, *uncovered*
-(a survivor, not run) when no test runs its line.
+module), fastest first, with ``pytest -x`` and a timeout of twice their baseline time (measured
+under coverage, itself slower) plus 10 s. A mutant is *killed* when they fail (or time out),
+*survived* when they pass, *uncovered* (a survivor, not run) when no test runs its line.
 
 Equivalent mutants (``EQUIVALENT``: a change no behaviour can see) are listed with the reason,
 still run, and kept out of the rate: killed % = killed / (mutants - equivalent). One that the tests
@@ -804,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
             target = runner.work / TARGETS[m.module].path
             try:
                 target.write_text(mutated_source(m, sources[m.module]))
-                outcome = runner.run(tests, 15 + 3 * base.seconds(tests))
+                outcome = runner.run(tests, 10 + 2 * base.seconds(tests))
             finally:
                 target.write_text(sources[m.module])
                 workers.put(runner)
