@@ -398,7 +398,47 @@ _NO_ANCHOR = "an anchor below 0 means none: it is only ever compared with < 0"
 _EPOCHS = (
     "epochs are never negative (clock_epoch >= 0, each new one above the last): -1, -2 and 0 all sit at or below every epoch"
 )
+_REPLAY_STATE = (
+    "the state of the replay in flight: read only while one is (replayed, replay_finished, _check, or guarded by "
+    "self._replay), and _request sets it before; the constructor's value is never read"
+)
 EQUIVALENT: list[Equivalent] = [
+    *(
+        Equivalent("sequencer", text, what, _REPLAY_STATE, within="__init__")
+        for text, whats in (
+            ("self._heard = -1  # the last reply seen while the verdict was pending", ("1 -> 2", "1 -> 0")),
+            (
+                "self._skipped = False  # and a reply that would have compared bytes did not come",
+                ("statement deleted", "False -> True"),
+            ),
+            ("self._until = -1", ("statement deleted", "1 -> 2", "1 -> 0")),
+            (
+                "self._probing = False  # the replay in flight asks for one batch waiting (see replay_finished)",
+                ("statement deleted", "False -> True"),
+            ),
+            (
+                "self._asked_from = -1  # the first seq the replay in flight asks for",
+                ("statement deleted", "1 -> 2", "1 -> 0"),
+            ),
+            ("self._floor = -1", ("statement deleted", "1 -> 2", "1 -> 0")),
+            (
+                "self._overlap: tuple[int, int] | None = None  # (seq, CRC-32) its first reply must repeat (_SORTING)",
+                ("statement deleted",),
+            ),
+        )
+        for what in whats
+    ),
+    *(
+        Equivalent(
+            "sequencer",
+            "self._older_last = -1",
+            what,
+            "read (_late_of_older) only once _floor_ts is set, which only _restart (setting it to -1 itself) or the "
+            "live restart path (setting it to the last live seq) do: the constructor's value is never read",
+            within="__init__",
+        )
+        for what in ("statement deleted", "1 -> 2", "1 -> 0")
+    ),
     Equivalent(
         "checkpoint",
         "Path(tmp).unlink(missing_ok=True)",
