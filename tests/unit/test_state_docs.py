@@ -159,3 +159,16 @@ def test_an_entry_held_once_is_read_back_without_its_facts() -> None:
     twice = seed_entry(entry_doc(count=2, hash=7))
     assert once == ("GPU", None, 255, 1, 3, None)
     assert twice is not None and twice[5] is not None and twice[5].hash == 7
+
+
+def test_a_stream_is_rebuilt_from_the_entries_of_its_heads_generation_only() -> None:
+    from bridge.state_docs import seed_of
+
+    head = {"epoch": 1, "gen": 2, "seq": 3, "complete": True, "live": 1}
+    current = entry_doc(epoch=1, gen=2)
+    older = entry_doc(epoch=1, gen=1, block="0000000000000001")
+    unversioned = entry_doc(block="0000000000000002")  # no epoch, gen: not one to rebuild from
+    rebuilt = seed_of(head, [unversioned, older, current, unversioned])
+    assert rebuilt is not None
+    assert [e[2] for e in rebuilt[1]] == [255]
+    assert seed_of({"epoch": 1}, [current]) is None  # a head that cannot be read: cannot tell
