@@ -17,8 +17,9 @@ Each mutant is one classic change to one line: a comparison's boundary or sense 
 value replaced by None, or a simple statement deleted.
 
 Exclusion rule (never mutated): docstrings, type annotations, a class's keywords
-(``frozen=True``), the deletion of module-level statements (a NameError at import), and logging
-(a ``log.*(...)`` call, and an ``if`` that only logs): log text and log rate are not behaviour the
+(``frozen=True``), the deletion of module-level statements (a NameError at import) and of
+``...`` (a Protocol method's body: deleting it leaves ``pass``, the same), and logging (a
+``log.*(...)`` call, and an ``if`` that only logs): log text and log rate are not behaviour the
 tests promise. The text of error messages *is* mutated (the tests pin the thing an error names).
 
 Which tests run: the tree is copied to a temporary directory (one copy per job, removed at the
@@ -228,6 +229,8 @@ def _sites(tree: ast.Module) -> Iterator[Site]:
         if isinstance(node, SIMPLE_STATEMENTS) and isinstance(parent, ast.stmt | ast.excepthandler):
             if isinstance(node, ast.AnnAssign) and node.value is None:
                 continue
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and node.value.value is Ellipsis:
+                continue  # ``...`` (a Protocol's body): deleting it puts ``pass`` there, the same
 
             def delete(n: ast.AST, parent: ast.AST | None, field: str, index: int | None) -> None:
                 assert parent is not None
