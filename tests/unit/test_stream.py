@@ -345,3 +345,43 @@ async def test_the_resume_point_of_a_restart_is_before_the_new_epoch(make: Calla
     f.pipeline._handed = source_reset(STREAM, 6, "restart", 1.0)
     f.pipeline._handed_batch = batch(STREAM, 3, epoch=5)
     assert f.pipeline.resume_point() == ((6, -1, None, None), -1)
+
+
+async def test_a_live_message_not_shaped_as_the_socket_gives_it_is_read_as_wire_parse_live_reads_it(
+    make: Callable[..., Fakes],
+) -> None:
+    """Frames that are not [topic, 8-byte seq, bytes]: a payload in another buffer type is read as
+    bytes; a message with 2 or 4 frames, or a seq frame of 7 bytes, is a decode failure (dead
+    lettered, nothing handed on); a topic that happens to be 8 bytes long is not read as the seq."""
+    f = make()
+    await f.pipeline.start()
+    seq = (0).to_bytes(8, "big")
+    await f.pipeline.on_live(
+        [[b"kvevents", seq, payload(0)], [b"kv", (1).to_bytes(8, "big"), bytearray(payload(1))]], received=1_700_000_001.0
+    )
+    assert [(r.kind, r.seq, type(r.payload)) for r in f.fanout.records] == [("batch", 0, bytes), ("batch", 1, bytes)]
+    assert f.fanout.records[1].payload == payload(1)
+    bad = [
+        [b"kv", (2).to_bytes(8, "big")],
+        [b"kv", (2).to_bytes(8, "big"), payload(2), b"more"],
+        [b"kv", b"\x00" * 7, payload(2)],
+    ]
+    await f.pipeline.on_live(bad, received=1_700_000_002.0)
+    assert len(f.fanout.records) == 2
+    failures = sum(
+        sample(f.metrics, "kv_bridge_decode_failures_total", source="engine", reason=reason)
+        for reason in ("bad_frames", "bad_seq")
+    )
+    assert failures == 3
+
+
+async def test_the_ingest_lag_is_the_receive_time_after_the_engine_ts_never_negative(make: Callable[..., Fakes]) -> None:
+    f = make()
+    await f.pipeline.start()
+    ts0, ts1 = peek_ts(payload(0)), peek_ts(payload(1))
+    assert ts0 is not None and ts1 is not None
+    await f.pipeline.on_live([frames(0)], received=ts0 + 2.0)
+    await f.pipeline.on_live([frames(1)], received=ts1 - 5.0)  # the engine's clock ahead: 0, not -5
+    f.pipeline.flush_metrics()
+    assert sample(f.metrics, "kv_bridge_ingest_lag_seconds_count") == 2
+    assert sample(f.metrics, "kv_bridge_ingest_lag_seconds_sum") == pytest.approx(2.0)
