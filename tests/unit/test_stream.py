@@ -385,3 +385,23 @@ async def test_the_ingest_lag_is_the_receive_time_after_the_engine_ts_never_nega
     f.pipeline.flush_metrics()
     assert sample(f.metrics, "kv_bridge_ingest_lag_seconds_count") == 2
     assert sample(f.metrics, "kv_bridge_ingest_lag_seconds_sum") == pytest.approx(2.0)
+
+
+async def test_the_resume_point_after_a_run_is_its_last_record_and_last_batch(make: Callable[..., Fakes]) -> None:
+    f = make()
+    await f.pipeline.start()
+    await f.pipeline.on_live([frames(0), frames(1), frames(2), frames(3)], received=1_700_000_001.0)
+    ts3 = peek_ts(payload(3))
+    assert f.pipeline.resume_point() == ((5, 3, fingerprint(ts3, payload(3)), 3), 3)
+
+
+async def test_losses_and_duplicates_are_counted_per_batch(make: Callable[..., Fakes]) -> None:
+    f = make()  # no replay endpoint: a gap is lost at once
+    await f.pipeline.start()
+    await f.pipeline.on_live([frames(0), frames(3), frames(3), frames(7)], received=1_700_000_001.0)
+    assert [(r.kind, r.from_seq, r.seq) for r in f.fanout.records if r.kind == "EventsLost"] == [
+        ("EventsLost", 1, 2),
+        ("EventsLost", 4, 6),
+    ]
+    assert sample(f.metrics, "kv_bridge_batches_lost_total", source="engine") == 5
+    assert sample(f.metrics, "kv_bridge_duplicates_dropped_total", source="engine") == 1
