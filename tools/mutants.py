@@ -401,6 +401,10 @@ _NO_ANCHOR = "an anchor below 0 means none: it is only ever compared with < 0"
 _EPOCHS = (
     "epochs are never negative (clock_epoch >= 0, each new one above the last): -1, -2 and 0 all sit at or below every epoch"
 )
+_NO_SEQ = (
+    "-1 stands for no seq here: every use takes a max with values >= -1 (delivered, _heard, unsure) or compares it with "
+    "delivered (>= -1) or a seq (>= 0), where -2 reads the same"
+)
 _REPLAY_STATE = (
     "the state of the replay in flight: read only while one is (replayed, replay_finished, _check, or guarded by "
     "self._replay), and _request sets it before; the constructor's value is never read"
@@ -430,6 +434,21 @@ EQUIVALENT: list[Equivalent] = [
             ),
         )
         for what in whats
+    ),
+    *(
+        Equivalent("sequencer", text, "1 -> 2", _NO_SEQ)
+        for text in (
+            "self._unkept_lo = self._unkept = -1",
+            "self._top = max(self.delivered, self._anchor_seq, known_top if known_top is not None else -1)",
+            "self._owed = -1",
+            "self._unclaimed = -1  # the highest of replies read and dropped without a verdict: whose?",
+        )
+    ),
+    Equivalent(
+        "sequencer",
+        "self._resumed = delivered is not None and delivered >= 0  # until the first live message",
+        "0 -> -1",
+        "with delivered -1, _resumed is read only with `seq <= self.delivered` (live), false for every seq",
     ),
     *(
         Equivalent(
