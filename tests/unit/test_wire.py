@@ -320,3 +320,14 @@ def test_peek_ts_of_what_is_not_an_array_batch_is_what_decoding_reads() -> None:
     assert wire.peek_ts(b"\x95\xcb" + ts + b"\x90\x00\x00\x00") == 12.5  # decoded: a batch with extra fields
     assert wire.peek_ts(b"\x92\xca" + struct.pack(">f", 1.5) + b"\x90") == 1.5  # a float32 ts
     assert wire.peek_ts(b"\x92\xcb" + ts[:4]) is None
+
+
+def test_a_live_message_keeps_its_topic() -> None:
+    f = wire.parse_live([b"kv@engine-0", (7).to_bytes(8, "big"), b"payload"])
+    assert (f.topic, f.seq, f.payload) == (b"kv@engine-0", 7, b"payload")
+
+
+@pytest.mark.parametrize(("value", "kind"), [(5, "int"), ("s", "str"), (None, "NoneType"), (1.5, "float")])
+def test_a_batch_that_is_neither_an_array_nor_a_map_is_refused_naming_what_it_is(value: object, kind: str) -> None:
+    with pytest.raises(DecodeError, match=f"^bad_batch: batch is a {kind}, expected an array or a map$"):
+        wire.decode_batch(msgspec.msgpack.encode(value))
