@@ -445,6 +445,13 @@ EQUIVALENT: list[Equivalent] = [
         )
     ),
     Equivalent(
+        "wire",
+        "if parts and len(parts[0]) == 0 and len(parts) in (3, 4):",
+        "3 -> 4",
+        "a 3-frame reply that starts with an empty frame loses it either as the delimiter (here) or as the topic "
+        "(next line): the same 2 frames are left",
+    ),
+    Equivalent(
         "sequencer",
         "self._resumed = delivered is not None and delivered >= 0  # until the first live message",
         "0 -> -1",
