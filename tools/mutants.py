@@ -19,8 +19,9 @@ value replaced by None, or a simple statement deleted.
 Exclusion rule (never mutated): docstrings, type annotations, a class's keywords
 (``frozen=True``), the deletion of module-level statements (a NameError at import) and of
 ``...`` (a Protocol method's body: deleting it leaves ``pass``, the same), and logging (a
-``log.*(...)`` call, and an ``if`` that only logs): log text and log rate are not behaviour the
-tests promise. The text of error messages *is* mutated (the tests pin the thing an error names).
+``log.*(...)`` call, the choice of its level in a ``log_*`` name and a call through that name, and
+an ``if`` that only logs): log text, level and rate are not behaviour the tests promise. The
+text of error messages *is* mutated (the tests pin the thing an error names).
 
 Which tests run: the tree is copied to a temporary directory (one copy per job, removed at the
 end; the working tree is never touched). The unit tests (``tests/unit``, not ``integration``)
@@ -108,16 +109,23 @@ class Mutant:
         return f"{self.module}:{self.number}"
 
 
+def _is_logger(func: ast.expr) -> bool:
+    """``log.error`` and the like, or a local alias of one (a name starting with ``log_``)."""
+    if isinstance(func, ast.Attribute):
+        return isinstance(func.value, ast.Name) and func.value.id in LOGGERS
+    return isinstance(func, ast.Name) and func.id.startswith("log_")
+
+
 def _is_log_call(stmt: ast.stmt) -> bool:
-    if not isinstance(stmt, ast.Expr) or not isinstance(stmt.value, ast.Call):
-        return False
-    func = stmt.value.func
-    return isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in LOGGERS
+    return isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and _is_logger(stmt.value.func)
 
 
 def _is_log_only(stmt: ast.stmt) -> bool:
-    """A logging call, or an ``if`` (without else) whose body only logs."""
+    """A logging call, the choice of a logger method (``log_at = log.error if ... else
+    log.warning``), or an ``if`` (without else) whose body only logs."""
     if _is_log_call(stmt):
+        return True
+    if isinstance(stmt, ast.Assign) and all(isinstance(t, ast.Name) and t.id.startswith("log_") for t in stmt.targets):
         return True
     return isinstance(stmt, ast.If) and not stmt.orelse and all(_is_log_only(s) for s in stmt.body)
 
