@@ -331,3 +331,8 @@ def test_a_live_message_keeps_its_topic() -> None:
 def test_a_batch_that_is_neither_an_array_nor_a_map_is_refused_naming_what_it_is(value: object, kind: str) -> None:
     with pytest.raises(DecodeError, match=f"^bad_batch: batch is a {kind}, expected an array or a map$"):
         wire.decode_batch(msgspec.msgpack.encode(value))
+
+
+def test_a_map_event_with_its_type_not_first_is_read_with_the_type_first_and_every_field() -> None:
+    event = wire.normalise_event({"block_hashes": [1, 2], "medium": "GPU", "type": "BlockRemoved"})
+    assert list(event.items()) == [("type", "BlockRemoved"), ("block_hashes", [1, 2]), ("medium", "GPU")]
