@@ -413,6 +413,11 @@ _NO_SEQ = (
     "-1 stands for no seq here: every use takes a max with values >= -1 (delivered, _heard, unsure) or compares it with "
     "delivered (>= -1) or a seq (>= 0), where -2 reads the same"
 )
+_FAST_PATH = (
+    "decode_batch's plain fast path only saves time: what it does not take (or fails on) goes to decode_generic, "
+    "which gives the same batch (test_wire checks the two agree); this mutant only moves a payload from one path "
+    "to the other (an empty one, 0x92, or a one-element array)"
+)
 _REPLAY_STATE = (
     "the state of the replay in flight: read only while one is (replayed, replay_finished, _check, or guarded by "
     "self._replay), and _request sets it before; the constructor's value is never read"
@@ -458,6 +463,21 @@ EQUIVALENT: list[Equivalent] = [
         "3 -> 4",
         "a 3-frame reply that starts with an empty frame loses it either as the delimiter (here) or as the topic "
         "(next line): the same 2 frames are left",
+    ),
+    Equivalent(
+        "wire",
+        "event.update(zip(names, values[:n], strict=True))",
+        "True -> False",
+        "values[:n] has exactly n items here (len(values) > n): strict never has anything to refuse",
+    ),
+    *(
+        Equivalent("wire", text, what, _FAST_PATH)
+        for text, what in (
+            ("first = payload[0] if payload else 0", "0 -> 1"),
+            ("first = payload[0] if payload else 0", "0 -> -1"),
+            ("if 0x92 <= first <= 0x9F or first in (0xDC, 0xDD):", "<= -> <"),
+            ("if 0x92 <= first <= 0x9F or first in (0xDC, 0xDD):", "146 -> 145"),
+        )
     ),
     Equivalent(
         "sequencer",
