@@ -416,7 +416,7 @@ _NO_SEQ = (
 _FAST_PATH = (
     "decode_batch's plain fast path only saves time: what it does not take (or fails on) goes to decode_generic, "
     "which gives the same batch (test_wire checks the two agree); this mutant only moves a payload from one path "
-    "to the other (an empty payload, a 15-element array, or a one-element array)"
+    "to the other (an empty payload; a one-, 15- or 16-element array; an array16/32 header or a byte next to one)"
 )
 _REPLAY_STATE = (
     "the state of the replay in flight: read only while one is (replayed, replay_finished, _check, or guarded by "
@@ -477,6 +477,10 @@ EQUIVALENT: list[Equivalent] = [
             ("first = payload[0] if payload else 0", "0 -> -1", 1),
             ("if 0x92 <= first <= 0x9F or first in (0xDC, 0xDD):", "<= -> <", 1),
             ("if 0x92 <= first <= 0x9F or first in (0xDC, 0xDD):", "146 -> 145", 0),
+            *(
+                ("if 0x92 <= first <= 0x9F or first in (0xDC, 0xDD):", what, 0)
+                for what in ("159 -> 160", "159 -> 158", "220 -> 221", "220 -> 219", "221 -> 222", "221 -> 220")
+            ),
         )
     ),
     Equivalent(
