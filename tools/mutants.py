@@ -465,6 +465,18 @@ EQUIVALENT: list[Equivalent] = [
         "(next line): the same 2 frames are left",
     ),
     Equivalent(
+        "state_docs",
+        "blocks = self._hasher.blocks(fact.token_ids, len(fact.token_ids) or None, self.hash_hex)",
+        "or -> and",
+        "a block size of len(token_ids) and none at all (None) both hash the whole list as one block",
+    ),
+    Equivalent(
+        "stream",
+        "lag(received - ts if received > ts else 0.0)  # never NaN: a NaN ts compares false",
+        "> -> >=",
+        "when received == ts both sides give a lag of 0",
+    ),
+    Equivalent(
         "wire",
         "event.update(zip(names, values[:n], strict=True))",
         "True -> False",

@@ -142,7 +142,7 @@ def test_an_entry_read_back_takes_its_hash_in_each_written_form() -> None:
         return read[5].hash
 
     assert hash_of(7) == 7
-    assert hash_of("000000000000000a") == 10  # 16 hex digits: an integer hash written as hex
+    assert hash_of("0000000000000a0b") == 0xA0B  # 16 hex digits: an integer hash written as hex
     assert hash_of("0a" * 16) == b"\x0a" * 16  # a binary digest
     assert hash_of(None) == 255  # no hash written: the block id stands for it
     assert hash_of("0" * 15) == 255 and hash_of("0" * 17) == 255  # not hex of either form
