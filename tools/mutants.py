@@ -416,7 +416,8 @@ _NO_SEQ = (
 _FAST_PATH = (
     "decode_batch's plain fast path only saves time: what it does not take (or fails on) goes to decode_generic, "
     "which gives the same batch (test_wire checks the two agree); this mutant only moves a payload from one path "
-    "to the other (an empty payload; a one-, 15- or 16-element array; an array16/32 header or a byte next to one)"
+    "to the other (an empty payload; an array or map of one, 2, 15 or 16 items; an array16/32 or map16/32 header "
+    "or a byte next to one)"
 )
 _REPLAY_STATE = (
     "the state of the replay in flight: read only while one is (replayed, replay_finished, _check, or guarded by "
@@ -492,6 +493,21 @@ EQUIVALENT: list[Equivalent] = [
             *(
                 ("if 0x92 <= first <= 0x9F or first in (0xDC, 0xDD):", what, 0)
                 for what in ("159 -> 160", "159 -> 158", "220 -> 221", "220 -> 219", "221 -> 222", "221 -> 220")
+            ),
+            ("elif 0x82 <= first <= 0x8F or first in (0xDE, 0xDF):", "<= -> <", 0),
+            ("elif 0x82 <= first <= 0x8F or first in (0xDE, 0xDF):", "<= -> <", 1),
+            *(
+                ("elif 0x82 <= first <= 0x8F or first in (0xDE, 0xDF):", what, 0)
+                for what in (
+                    "130 -> 131",
+                    "130 -> 129",
+                    "143 -> 144",
+                    "143 -> 142",
+                    "222 -> 223",
+                    "222 -> 221",
+                    "223 -> 224",
+                    "223 -> 222",
+                )
             ),
         )
     ),
