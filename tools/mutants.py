@@ -940,6 +940,7 @@ def main(argv: list[str] | None = None) -> int:
             return m, outcome
 
         pool = ThreadPoolExecutor(max(1, args.jobs))
+        interrupted = False
         try:
             for i, (m, outcome) in enumerate(pool.map(run, todo), 1):
                 eq = equivalent_of(m, sources[m.module])
@@ -951,6 +952,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {word:9} {m.id:16} {TARGETS[m.module].path}:{m.line:<4} {m.what}", flush=True)
                 if i % 50 == 0:
                     print(f"  ... {i}/{len(todo)} ({time.monotonic() - began:.0f}s)", flush=True)
+        except (KeyboardInterrupt, SystemExit):  # ^C, SIGTERM: the table of what ran, modules marked
+            interrupted = True
         finally:
             stopping = True
             for proc in list(RUNNING):
@@ -958,11 +961,18 @@ def main(argv: list[str] | None = None) -> int:
                     os.killpg(proc.pid, signal.SIGKILL)
             pool.shutdown(cancel_futures=True)
 
-    return report(args, modules, results, sources, time.monotonic() - began)
+    totals = {mod: sum(m.module == mod for m in todo) for mod in modules}
+    code = report(args, modules, results, sources, time.monotonic() - began, totals)
+    return 143 if interrupted else code
 
 
 def report(
-    args: argparse.Namespace, modules: list[str], results: list[tuple[Mutant, str]], sources: dict[str, str], took: float
+    args: argparse.Namespace,
+    modules: list[str],
+    results: list[tuple[Mutant, str]],
+    sources: dict[str, str],
+    took: float,
+    totals: dict[str, int],
 ) -> int:
     print("\n| module | mutants | killed | timeout | survived | of which uncovered | equivalent | killed % |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -974,7 +984,9 @@ def report(
         counted = len(mine) - mine.count("equivalent")
         rate = 100.0 * killed / counted if counted else 100.0
         ok = ok and rate >= args.threshold
-        row = [mod, len(mine), killed, mine.count("timeout"), survived, mine.count("uncovered"), mine.count("equivalent")]
+        name = mod if len(mine) == totals[mod] else f"{mod} (interrupted: {len(mine)} of {totals[mod]} run)"
+        ok = ok and len(mine) == totals[mod]
+        row = [name, len(mine), killed, mine.count("timeout"), survived, mine.count("uncovered"), mine.count("equivalent")]
         print("| " + " | ".join(map(str, row)) + f" | {rate:.1f}% |")
     print(f"\n{took:.0f}s")
     survivors = [m for m, o in results if o in ("passed", "uncovered")]
