@@ -479,6 +479,12 @@ EQUIVALENT: list[Equivalent] = [
     ),
     Equivalent(
         "wire",
+        "return float(_struct_f64.unpack_from(payload, 2)[0])",
+        "0 -> -1",
+        "unpack_from of one float64 gives a 1-tuple: [0] and [-1] are the same item",
+    ),
+    Equivalent(
+        "wire",
         "event.update(zip(names, values[:n], strict=True))",
         "True -> False",
         "values[:n] has exactly n items here (len(values) > n): strict never has anything to refuse",
