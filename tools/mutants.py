@@ -1,26 +1,46 @@
 """Mutation testing of the delivery core against the unit tests (a development check, not in CI).
 
-    .venv/bin/python tools/mutants.py                      # all four modules, a job per CPU (~30 min on 2)
-    .venv/bin/python tools/mutants.py -m sink -m fanout    # some of them
+    .venv/bin/python tools/mutants.py -m checkpoint        # one module (default: all, ~1 h on 1 CPU)
+    .venv/bin/python tools/mutants.py --changed            # only the lines changed since main
+    .venv/bin/python tools/mutants.py --changed HEAD~3     # ... since another base
+    .venv/bin/python tools/mutants.py -m nats --function fold_deltas --lines 200-260
     .venv/bin/python tools/mutants.py --list -m fanout     # the mutants, not run
     .venv/bin/python tools/mutants.py --only sequencer:17  # one mutant (ids as listed)
+    .venv/bin/python tools/mutants.py --equivalent         # the mutants listed as equivalent, why
 
-Each mutant is one classic change to one of ``bridge/{sequencer,checkpoint,fanout,sink}.py``:
-a comparison's boundary or sense (``<``/``<=``, ``>``/``>=``, ``==``/``!=``, ``is``/``is not``,
-``in``/``not in``), an int constant +1 / -1, ``+``/``-``, ``and``/``or``, ``not`` removed,
-``True``/``False``, ``max``/``min``, a ``return`` value replaced by None, or a simple statement
-deleted. Not mutated: docstrings, type annotations, a class's keywords (``frozen=True``), the
-deletion of module-level statements (a NameError at import), and logging (a ``log.*(...)`` call,
-and an ``if`` that only logs): log text and log rate are not behaviour the tests promise.
+The modules (``TARGETS``): the delivery core in ``bridge/`` whole, and the connectors' pure parts
+(key, id and subject building, the state fold and journal) named function by function.
 
-The tree is copied to a temporary directory (one copy per job, removed at the end); each mutant
-is written there, the module's unit tests are run on it with ``pytest -x`` and a timeout, and the
-original is put back. The working tree is never touched and nothing is left in it. A mutant is
-*killed* when the tests fail (or time out), *survived* when they pass. Hypothesis runs with a fixed
-seed and no example database, so a run is repeatable; ``KV_MODEL_EXAMPLES`` (``--examples``)
-bounds the sequencer model; the captured vectors come with the copy (``tests/vectors``). Exit
-status 1 when a module's kill rate is below ``--threshold`` (90%), 2 when the unmutated tests fail
-or pytest could not run a selection.
+Each mutant is one classic change to one line: a comparison's boundary or sense (``<``/``<=``,
+``>``/``>=``, ``==``/``!=``, ``is``/``is not``, ``in``/``not in``), an int constant +1 / -1,
+``+``/``-``, ``and``/``or``, ``not`` removed, ``True``/``False``, ``max``/``min``, a ``return``
+value replaced by None, or a simple statement deleted.
+
+Exclusion rule (never mutated): docstrings, type annotations, a class's keywords
+(``frozen=True``), the deletion of module-level statements (a NameError at import) and of
+``...`` (a Protocol method's body: deleting it leaves ``pass``, the same), and logging (a
+``log.*(...)`` call, the choice of its level in a ``log_*`` name and a call through that name, and
+an ``if`` that only logs): log text, level and rate are not behaviour the tests promise. The
+text of error messages *is* mutated (the tests pin the thing an error names).
+
+Which tests run: the tree is copied to a temporary directory (one copy per job, removed at the
+end; the working tree is never touched). The unit tests (``tests/unit``, not ``integration``)
+run once on the copy under coverage, one coverage context per test (``tools/mutants_plugin.py``):
+that baseline must pass, and it says which tests run which line. A mutant then runs only the
+tests that run one of its lines (for a line run only at import, every test that runs the
+module), fastest first, with ``pytest -x`` and a timeout of twice their baseline time (measured
+under coverage, itself slower) plus 10 s. A mutant is *killed* when they fail (or time out),
+*survived* when they pass, *uncovered* (a survivor, not run) when no test runs its line.
+
+Equivalent mutants (``EQUIVALENT``: a change no behaviour can see) are listed with the reason,
+still run, and kept out of the rate: killed % = killed / (mutants - equivalent). One that the tests
+do kill is reported (the entry is wrong); an entry that matches no mutant is reported (stale).
+
+``--changed [BASE]`` mutates only the lines that differ between the merge base of BASE (default
+``main``) and the working tree, in the modules they touch; any survivor there fails the run (exit
+1). Otherwise exit 1 when a module's rate is below ``--threshold`` (90%), 2 when the baseline fails
+or pytest could not run a selection. Hypothesis runs with a fixed seed and no example database, so
+a run is repeatable; ``KV_MODEL_EXAMPLES`` (``--examples``) bounds the sequencer model.
 """
 
 from __future__ import annotations
@@ -28,6 +48,8 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import functools
+import json
 import os
 import queue
 import shutil
@@ -40,42 +62,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-
-# Module -> the unit tests that exercise it, plus any tests/unit/test_<module>_*.py (the model
-# and the hostile-input tests last: they are the slowest, and -x stops at the first failure).
-HOSTILE = "tests/unit/test_hostile_input.py::"
-TESTS: dict[str, list[str]] = {
-    "sequencer": ["tests/unit/test_sequencer.py"],
-    "checkpoint": ["tests/unit/test_checkpoint.py"],
-    "fanout": ["tests/unit/test_fanout.py"],
-    "sink": ["tests/unit/test_sink.py", "tests/unit/test_fanout.py"],
-}
-METRICS = "tests/unit/test_metrics.py::"
-SLOW_TESTS: dict[str, list[str]] = {
-    "sink": [  # the sink worker's metrics and health checks
-        METRICS + "test_queue_gauges_follow_enqueueing_not_only_delivery",
-        METRICS + "test_outcomes_and_lag_count_batches_not_events",
-        METRICS + "test_a_dead_lettered_batch_is_not_also_delivered",
-        METRICS + "test_an_idle_sink_is_health_checked",
-        METRICS + "test_a_sink_outage_logs_per_state_change_not_per_retry",
-    ],
-    "sequencer": [
-        "tests/unit/test_sequencer_model.py",
-        HOSTILE + "test_sequencer_survives_any_interleaving",
-        HOSTILE + "test_held_stays_bounded_under_a_flood_of_gaps",
-    ],
-}
-
-
-def tests_for(module: str, tree: Path) -> list[str]:
-    """The test selection in ``tree`` (the copy: a test file added meanwhile to the working tree
-    is not there)."""
-    first, last = TESTS[module], SLOW_TESTS.get(module, [])
-    extra = sorted(str(p.relative_to(tree)) for p in (tree / "tests" / "unit").glob(f"test_{module}_*.py"))
-    return [*first, *(f for f in extra if f not in first + last), *last]
-
+from typing import Any
 
 COMPARE_SWAP: dict[type[ast.cmpop], type[ast.cmpop]] = {
     ast.Lt: ast.LtE,
@@ -112,24 +99,33 @@ class Mutant:
     module: str
     number: int  # the mutant's index in this module's list (its id: module:number)
     line: int
+    end: int  # the mutated node's last line
     what: str
     apply: Callable[[ast.Module], None]  # mutates a fresh parse of the module in place
+    nth: int = 0  # of the mutants with this ``what`` on this line (0: the leftmost)
 
     @property
     def id(self) -> str:
         return f"{self.module}:{self.number}"
 
 
+def _is_logger(func: ast.expr) -> bool:
+    """``log.error`` and the like, or a local alias of one (a name starting with ``log_``)."""
+    if isinstance(func, ast.Attribute):
+        return isinstance(func.value, ast.Name) and func.value.id in LOGGERS
+    return isinstance(func, ast.Name) and func.id.startswith("log_")
+
+
 def _is_log_call(stmt: ast.stmt) -> bool:
-    if not isinstance(stmt, ast.Expr) or not isinstance(stmt.value, ast.Call):
-        return False
-    func = stmt.value.func
-    return isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in LOGGERS
+    return isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and _is_logger(stmt.value.func)
 
 
 def _is_log_only(stmt: ast.stmt) -> bool:
-    """A logging call, or an ``if`` (without else) whose body only logs."""
+    """A logging call, the choice of a logger method (``log_at = log.error if ... else
+    log.warning``), or an ``if`` (without else) whose body only logs."""
     if _is_log_call(stmt):
+        return True
+    if isinstance(stmt, ast.Assign) and all(isinstance(t, ast.Name) and t.id.startswith("log_") for t in stmt.targets):
         return True
     return isinstance(stmt, ast.If) and not stmt.orelse and all(_is_log_only(s) for s in stmt.body)
 
@@ -167,10 +163,14 @@ def _replace(parent: ast.AST, field: str, index: int | None, new: ast.AST) -> No
         getattr(parent, field)[index] = new
 
 
-def _sites(tree: ast.Module) -> Iterator[tuple[int, int, str, Callable[[ast.AST, ast.AST | None, str, int | None], None]]]:
-    """(position in _walk, line, description, mutation of the node at that position)."""
+Site = tuple[int, int, int, str, Callable[[ast.AST, ast.AST | None, str, int | None], None]]
+
+
+def _sites(tree: ast.Module) -> Iterator[Site]:
+    """(position in _walk, first line, last line, description, mutation of the node there)."""
     for pos, (node, parent, field, index) in enumerate(_walk(tree)):
         line = getattr(node, "lineno", 0)
+        end = getattr(node, "end_lineno", None) or line
         if isinstance(node, ast.Compare):
             for j, op in enumerate(node.ops):
                 to = COMPARE_SWAP.get(type(op))
@@ -180,7 +180,7 @@ def _sites(tree: ast.Module) -> Iterator[tuple[int, int, str, Callable[[ast.AST,
                         assert isinstance(n, ast.Compare)
                         n.ops[j] = to()
 
-                    yield pos, line, f"{SYMBOL[type(op)]} -> {SYMBOL[to]}", swap
+                    yield pos, line, end, f"{SYMBOL[type(op)]} -> {SYMBOL[to]}", swap
         elif isinstance(node, ast.Constant) and type(node.value) is int:
             for delta in (1, -1):
 
@@ -188,14 +188,14 @@ def _sites(tree: ast.Module) -> Iterator[tuple[int, int, str, Callable[[ast.AST,
                     assert isinstance(n, ast.Constant) and isinstance(n.value, int)
                     n.value = n.value + delta
 
-                yield pos, line, f"{node.value} -> {node.value + delta}", shift
+                yield pos, line, end, f"{node.value} -> {node.value + delta}", shift
         elif isinstance(node, ast.Constant) and type(node.value) is bool:
 
             def flip(n: ast.AST, *_: object) -> None:
                 assert isinstance(n, ast.Constant)
                 n.value = not n.value
 
-            yield pos, line, f"{node.value} -> {not node.value}", flip
+            yield pos, line, end, f"{node.value} -> {not node.value}", flip
         elif isinstance(node, ast.BinOp | ast.AugAssign) and isinstance(node.op, ast.Add | ast.Sub):
             other = ast.Sub if isinstance(node.op, ast.Add) else ast.Add
 
@@ -203,7 +203,7 @@ def _sites(tree: ast.Module) -> Iterator[tuple[int, int, str, Callable[[ast.AST,
                 assert isinstance(n, ast.BinOp | ast.AugAssign)
                 n.op = other()
 
-            yield pos, line, f"{SYMBOL[type(node.op)]} -> {SYMBOL[other]}", arith
+            yield pos, line, end, f"{SYMBOL[type(node.op)]} -> {SYMBOL[other]}", arith
         elif isinstance(node, ast.BoolOp):
             word, other_word = ("and", "or") if isinstance(node.op, ast.And) else ("or", "and")
 
@@ -211,14 +211,14 @@ def _sites(tree: ast.Module) -> Iterator[tuple[int, int, str, Callable[[ast.AST,
                 assert isinstance(n, ast.BoolOp)
                 n.op = ast.Or() if isinstance(n.op, ast.And) else ast.And()
 
-            yield pos, line, f"{word} -> {other_word}", logic
+            yield pos, line, end, f"{word} -> {other_word}", logic
         elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
 
             def drop_not(n: ast.AST, parent: ast.AST | None, field: str, index: int | None) -> None:
                 assert isinstance(n, ast.UnaryOp) and parent is not None
                 _replace(parent, field, index, n.operand)
 
-            yield pos, line, "not removed", drop_not
+            yield pos, line, end, "not removed", drop_not
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("max", "min"):
             other_name = "min" if node.func.id == "max" else "max"
 
@@ -226,28 +226,30 @@ def _sites(tree: ast.Module) -> Iterator[tuple[int, int, str, Callable[[ast.AST,
                 assert isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
                 n.func.id = other_name
 
-            yield pos, line, f"{node.func.id} -> {other_name}", minmax
+            yield pos, line, end, f"{node.func.id} -> {other_name}", minmax
         if isinstance(node, ast.Return) and node.value is not None and not isinstance(node.value, ast.Constant):
 
             def return_none(n: ast.AST, *_: object) -> None:
                 assert isinstance(n, ast.Return)
                 n.value = ast.Constant(None)
 
-            yield pos, line, "return value -> None", return_none
+            yield pos, line, end, "return value -> None", return_none
         if isinstance(node, SIMPLE_STATEMENTS) and isinstance(parent, ast.stmt | ast.excepthandler):
             if isinstance(node, ast.AnnAssign) and node.value is None:
                 continue
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and node.value.value is Ellipsis:
+                continue  # ``...`` (a Protocol's body): deleting it puts ``pass`` there, the same
 
             def delete(n: ast.AST, parent: ast.AST | None, field: str, index: int | None) -> None:
                 assert parent is not None
                 _replace(parent, field, index, ast.Pass())
 
-            yield pos, line, "statement deleted", delete
+            yield pos, line, end, "statement deleted", delete
 
 
 def mutants(module: str, source: str) -> list[Mutant]:
     found: list[Mutant] = []
-    for pos, line, what, mutate in _sites(ast.parse(source)):
+    for pos, line, end, what, mutate in _sites(ast.parse(source)):
 
         def apply(tree: ast.Module, pos: int = pos, mutate: Callable[..., None] = mutate) -> None:
             for i, (node, parent, field, index) in enumerate(_walk(tree)):
@@ -256,7 +258,8 @@ def mutants(module: str, source: str) -> list[Mutant]:
                     return
             raise AssertionError("mutation site not found")
 
-        found.append(Mutant(module, len(found), line, what, apply))
+        nth = sum(f.line == line and f.what == what for f in found)
+        found.append(Mutant(module, len(found), line, end, what, apply, nth))
     return found
 
 
@@ -266,62 +269,627 @@ def mutated_source(m: Mutant, source: str) -> str:
     return ast.unparse(ast.fix_missing_locations(tree))
 
 
-RUNNING: set[subprocess.Popen[bytes]] = set()  # test runs in progress, stopped if this script is
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_tests(work: Path, module: str, examples: int, seed: int, timeout: float) -> tuple[str, float]:
-    """("passed" | "failed" | "timeout" | "error", seconds) for the module's tests in the copy ``work``."""
+@dataclass(frozen=True)
+class Target:
+    path: str  # relative to the repository root
+    tests: tuple[str, ...]  # the unit test files that run it (tests/unit/...; see --map), besides test_<name>*.py
+    parts: tuple[str, ...] = ()  # only these top-level functions / classes (``Class.method``); () = all
+
+
+# The connectors' pure parts: key, id and subject building, the state fold and journal.
+CONNECTOR_PARTS = {
+    "redis": (
+        "entry_id",
+        "entry_position",
+        "message_position",
+        "index_delta",
+        "_tier_text",
+        "_member",
+        "_Call",
+        "state_args",
+        "_slot",
+    ),
+    "nats": (
+        "subject_token",
+        "subject_problem",
+        "subject_filter",
+        "_Subjects",
+        "state_token",
+        "state_prefix",
+        "fold_deltas",
+        "_order",
+        "journal_parts",
+        "journal_redo",
+        "header_block",
+        "hpub",
+        "_Held",
+    ),
+    "kafka": ("stream_of", "StateLog", "_merge"),
+}
+PIPELINE = ("count", "filters", "metrics")  # they drive a pipeline end to end
+SINKS = (
+    "fanout",
+    "fanout_force",
+    "sink",
+    "sink_bounds",
+    "sink_counts",
+    "sink_fold",
+    "sink_fold_causes",
+    "sink_i6",
+    "sink_worker",
+)
+CONNECTOR_TESTS = (
+    "kafka_options",
+    "kafka_state",
+    "nats_connector",
+    "nats_state_keys",
+    "redis_errors",
+    "redis_internals",
+    "redis_index",
+)
+# Module -> test files (``test_<name>.py``), from a run of ``--map`` (which prints this).
+TEST_MAP: dict[str, tuple[str, ...]] = {
+    "sequencer": (*PIPELINE, "hostile_input", "stream", "stream_removal"),
+    "checkpoint": (*PIPELINE, "handover", "state_sinks"),
+    "fanout": (*PIPELINE, "fanout_force", "state_sinks", "stream", "stream_removal"),
+    "sink": (*PIPELINE, *SINKS, "state_sinks"),
+    "stream": (*PIPELINE, "stream_removal"),
+    "wire": ("count", "formats", "hostile_input", "sink", "sink_counts", "sink_i6", "stream", "stream_removal"),
+    "state_docs": ("bootstrap", "count", "examples", "state", "state_sinks", *CONNECTOR_TESTS),
+    "state": ("bootstrap", "kafka_state", "state_sinks"),
+    "formats": (
+        *PIPELINE,
+        *SINKS,
+        "handover",
+        "hostile_input",
+        "kafka_state",
+        "nats_connector",
+        "nats_state_keys",
+        "schema",
+        "state_sinks",
+        "wire",
+    ),
+    "records": (
+        *PIPELINE,
+        *SINKS,
+        "bootstrap",
+        "checkpoint",
+        "formats",
+        "handover",
+        "hostile_input",
+        "kafka_state",
+        "nats_connector",
+        "nats_state_keys",
+        "schema",
+        "state",
+        "state_model",
+        "state_sinks",
+        "stream",
+        "stream_removal",
+        "wire",
+    ),
+    "bootstrap": ("kafka_state", "state_sinks"),
+    "redis": ("redis_errors", "redis_index"),
+    "nats": ("nats_state_keys", "nats_connector"),
+    "kafka": ("kafka_state", "kafka_options"),
+}
+CORE = ("sequencer", "checkpoint", "fanout", "sink", "stream", "wire", "state_docs", "state", "formats", "records", "bootstrap")
+TARGETS: dict[str, Target] = {
+    **{name: Target(f"bridge/{name}.py", TEST_MAP[name]) for name in CORE},
+    **{name: Target(f"connectors/{name}.py", TEST_MAP[name], parts) for name, parts in CONNECTOR_PARTS.items()},
+}
+
+
+def test_files(module: str, tree: Path) -> list[str]:
+    """The module's test files in the copy ``tree``: its map, and any test_<module>*.py."""
+    unit = tree / "tests" / "unit"
+    named = {p.name for p in unit.glob(f"test_{module}*.py")} | {f"test_{t}.py" for t in TARGETS[module].tests}
+    return [f"tests/unit/{name}" for name in sorted(named) if (unit / name).exists()]
+
+
+NOT_INTEGRATION = ["-m", "not integration"]
+
+
+@dataclass(frozen=True)
+class Equivalent:
+    module: str
+    text: str  # the mutated line, stripped
+    what: str  # the mutation, as listed
+    why: str
+    nth: int = 0  # of the mutants with this ``what`` on the line (0: the leftmost)
+    within: str = ""  # the function it is in, when the line's text is not unique
+
+
+# A mutant no test can kill because no behaviour differs. Matched by line text, not number.
+_GENERATION = "only ordered (Checkpointer.write: a snapshot older than the one saved is dropped): any positive step orders alike"
+_NO_ANCHOR = "an anchor below 0 means none: it is only ever compared with < 0"
+_EPOCHS = (
+    "epochs are never negative (clock_epoch >= 0, each new one above the last): -1, -2 and 0 all sit at or below every epoch"
+)
+_NO_SEQ = (
+    "-1 stands for no seq here: every use takes a max with values >= -1 (delivered, _heard, unsure) or compares it with "
+    "delivered (>= -1) or a seq (>= 0), where -2 reads the same"
+)
+_FAST_PATH = (
+    "decode_batch's plain fast path only saves time: what it does not take (or fails on) goes to decode_generic, "
+    "which gives the same batch (test_wire checks the two agree); this mutant only moves a payload from one path "
+    "to the other (an empty payload; an array or map of one, 2, 15 or 16 items; an array16/32 or map16/32 header "
+    "or a byte next to one)"
+)
+_REPLAY_STATE = (
+    "the state of the replay in flight: read only while one is (replayed, replay_finished, _check, or guarded by "
+    "self._replay), and _request sets it before; the constructor's value is never read"
+)
+EQUIVALENT: list[Equivalent] = [
+    *(
+        Equivalent("sequencer", text, what, _REPLAY_STATE, within="__init__")
+        for text, whats in (
+            ("self._heard = -1  # the last reply seen while the verdict was pending", ("1 -> 2", "1 -> 0")),
+            (
+                "self._skipped = False  # and a reply that would have compared bytes did not come",
+                ("statement deleted", "False -> True"),
+            ),
+            ("self._until = -1", ("statement deleted", "1 -> 2", "1 -> 0")),
+            (
+                "self._probing = False  # the replay in flight asks for one batch waiting (see replay_finished)",
+                ("statement deleted", "False -> True"),
+            ),
+            (
+                "self._asked_from = -1  # the first seq the replay in flight asks for",
+                ("statement deleted", "1 -> 2", "1 -> 0"),
+            ),
+            ("self._floor = -1", ("statement deleted", "1 -> 2", "1 -> 0")),
+            (
+                "self._overlap: tuple[int, int] | None = None  # (seq, CRC-32) its first reply must repeat (_SORTING)",
+                ("statement deleted",),
+            ),
+        )
+        for what in whats
+    ),
+    *(
+        Equivalent("sequencer", text, "1 -> 2", _NO_SEQ)
+        for text in (
+            "self._unkept_lo = self._unkept = -1",
+            "self._top = max(self.delivered, self._anchor_seq, known_top if known_top is not None else -1)",
+            "self._owed = -1",
+            "self._unclaimed = -1  # the highest of replies read and dropped without a verdict: whose?",
+        )
+    ),
+    Equivalent(
+        "wire",
+        "if parts and len(parts[0]) == 0 and len(parts) in (3, 4):",
+        "3 -> 4",
+        "a 3-frame reply that starts with an empty frame loses it either as the delimiter (here) or as the topic "
+        "(next line): the same 2 frames are left",
+    ),
+    Equivalent(
+        "state_docs",
+        "blocks = self._hasher.blocks(fact.token_ids, len(fact.token_ids) or None, self.hash_hex)",
+        "or -> and",
+        "a block size of len(token_ids) and none at all (None) both hash the whole list as one block",
+    ),
+    Equivalent(
+        "stream",
+        "lag(received - ts if received > ts else 0.0)  # never NaN: a NaN ts compares false",
+        "> -> >=",
+        "when received == ts both sides give a lag of 0",
+    ),
+    Equivalent(
+        "wire",
+        "return float(_struct_f64.unpack_from(payload, 2)[0])",
+        "0 -> -1",
+        "unpack_from of one float64 gives a 1-tuple: [0] and [-1] are the same item",
+    ),
+    Equivalent(
+        "wire",
+        "event.update(zip(names, values[:n], strict=True))",
+        "True -> False",
+        "values[:n] has exactly n items here (len(values) > n): strict never has anything to refuse",
+    ),
+    *(
+        Equivalent("wire", text, what, _FAST_PATH, nth=nth)
+        for text, what, nth in (
+            ("first = payload[0] if payload else 0", "0 -> 1", 1),
+            ("first = payload[0] if payload else 0", "0 -> -1", 1),
+            ("if 0x92 <= first <= 0x9F or first in (0xDC, 0xDD):", "<= -> <", 1),
+            ("if 0x92 <= first <= 0x9F or first in (0xDC, 0xDD):", "146 -> 145", 0),
+            *(
+                ("if 0x92 <= first <= 0x9F or first in (0xDC, 0xDD):", what, 0)
+                for what in ("159 -> 160", "159 -> 158", "220 -> 221", "220 -> 219", "221 -> 222", "221 -> 220")
+            ),
+            ("elif 0x82 <= first <= 0x8F or first in (0xDE, 0xDF):", "<= -> <", 0),
+            ("elif 0x82 <= first <= 0x8F or first in (0xDE, 0xDF):", "<= -> <", 1),
+            *(
+                ("elif 0x82 <= first <= 0x8F or first in (0xDE, 0xDF):", what, 0)
+                for what in (
+                    "130 -> 131",
+                    "130 -> 129",
+                    "143 -> 144",
+                    "143 -> 142",
+                    "222 -> 223",
+                    "222 -> 221",
+                    "223 -> 224",
+                    "223 -> 222",
+                )
+            ),
+        )
+    ),
+    Equivalent(
+        "sequencer",
+        "self._resumed = delivered is not None and delivered >= 0  # until the first live message",
+        "0 -> -1",
+        "with delivered -1, _resumed is read only with `seq <= self.delivered` (live), false for every seq",
+    ),
+    *(
+        Equivalent(
+            "sequencer",
+            "self._older_last = -1",
+            what,
+            "read (_late_of_older) only once _floor_ts is set, which only _restart (setting it to -1 itself) or the "
+            "live restart path (setting it to the last live seq) do: the constructor's value is never read",
+            within="__init__",
+        )
+        for what in ("statement deleted", "1 -> 2", "1 -> 0")
+    ),
+    Equivalent(
+        "checkpoint",
+        "Path(tmp).unlink(missing_ok=True)",
+        "True -> False",
+        "the temporary file always exists here: mkstemp made it, and only os.replace (the try's last call) "
+        "removes it, by succeeding",
+    ),
+    Equivalent(
+        "checkpoint",
+        'if nxt.stream is not r.stream or r.kind != "batch" or nxt.kind != "batch":',
+        "!= -> ==",
+        "a batch's acknowledgement replaces the whole row: a record followed by a batch of its stream "
+        "need not be noted, whatever its kind",
+    ),
+    Equivalent("checkpoint", "self._generation += 1", "1 -> 2", _GENERATION),
+    Equivalent("checkpoint", "row[sink] = (r.epoch, -1, -1, None, None)", "1 -> 2", _NO_ANCHOR, nth=1),
+    Equivalent(
+        "checkpoint",
+        "row[sink] = (r.epoch, r.seq, *last[2:]) if last is not None and same_epoch else (r.epoch, r.seq, -1, None, None)",
+        "1 -> 2",
+        _NO_ANCHOR,
+    ),
+    Equivalent(
+        "checkpoint",
+        "same = base is not None and base.epoch == epoch and (base.seq if base.at is None else base.at) == at",
+        "and -> or",
+        "a row without a payload and with an anchor was built from the loaded position, and lives only as long as it "
+        "(adopt and forget drop both): `same` is always true here",
+    ),
+    Equivalent(
+        "checkpoint",
+        "crc = base.crc if base is not None and same else None",
+        "and -> or",
+        "as above: whenever base is set here, same is true",
+    ),
+    *(
+        Equivalent(
+            "checkpoint",
+            "if resume is not None and resume == self.resume_position(key) and (handover.epoch or -1) <= resume.epoch:",
+            what,
+            _EPOCHS,
+        )
+        for what in ("1 -> 2", "1 -> 0")
+    ),
+    Equivalent(
+        "checkpoint",
+        "if handover.epoch is not None and handover.epoch > self.epochs.get(key, -1):",
+        "> -> >=",
+        "when equal, the epoch is set to the value it has",
+    ),
+    Equivalent(
+        "checkpoint",
+        "if handover.epoch is not None and handover.epoch > self.epochs.get(key, -1):",
+        "1 -> 2",
+        _EPOCHS,
+    ),
+    Equivalent(
+        "checkpoint",
+        "self._acked.pop(key, None)",
+        "statement deleted",
+        "adopt is only for a stream not started in this process (its docstring; Bridge calls it before any stream runs): "
+        "nothing of it is acknowledged yet",
+        within="adopt",
+    ),
+    Equivalent(
+        "checkpoint",
+        "for key in [k for k in self._forgotten if self.epochs.get(k, -1) < clock_epoch(now)]:",
+        "1 -> 2",
+        _EPOCHS,
+    ),
+    Equivalent("checkpoint", "epoch = max(epoch, self.epochs.get(key, -1) + 1)", "1 -> 2", _EPOCHS),
+    Equivalent(
+        "checkpoint",
+        "return CheckpointFile()",
+        "return value -> None",
+        "Checkpointer(sinks, None) starts from nothing, exactly as from an empty CheckpointFile",
+        within="_load",
+    ),
+    Equivalent(
+        "checkpoint",
+        'if self.kind == "batch" and self.index is not None:',
+        "and -> or",
+        "a control record never has an index (from_headers: a control record is one without an index), and a whole batch "
+        "is held through the same position either way",
+        within="held_at_most",
+    ),
+    *(
+        Equivalent(
+            "checkpoint",
+            "lost = False",
+            what,
+            "lost is read only when own is not None, i.e. for a SinkPosition, which assigns it first",
+        )
+        for what in ("statement deleted", "False -> True")
+    ),
+    Equivalent(
+        "checkpoint",
+        "tops = [h.seq for h in held if isinstance(h, SinkPosition) and resume is not None and h.epoch == resume.epoch "
+        "and h.seq >= 0]",
+        "0 -> -1",
+        "a sink's position never has a negative seq (a SourceReset is seq 0; from_headers reads what the bridge wrote)",
+    ),
+]
+
+
+def equivalent_of(m: Mutant, source: str) -> Equivalent | None:
+    text = source.splitlines()[m.line - 1].strip()
+    for e in EQUIVALENT:
+        same = (e.module, e.text, e.what, e.nth) == (m.module, text, m.what, m.nth)
+        if same and (not e.within or e.within == enclosing(source, m.line)):
+            return e
+    return None
+
+
+@functools.cache
+def _functions(source: str) -> list[tuple[int, int, str]]:
+    """(first line, last line, name) of every function, outermost first."""
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef)
+    return [(n.lineno, n.end_lineno or n.lineno, n.name) for n in ast.walk(ast.parse(source)) if isinstance(n, defs)]
+
+
+def enclosing(source: str, line: int) -> str:
+    """The name of the innermost function holding ``line`` ("" at module or class level)."""
+    found = [(first, name) for first, last, name in _functions(source) if first <= line <= last]
+    return max(found)[1] if found else ""
+
+
+def part_lines(source: str, parts: tuple[str, ...]) -> set[int]:
+    """The lines of the named top-level functions / classes (``Class.method`` for one method)."""
+    tree = ast.parse(source)
+    lines: set[int] = set()
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    for part in parts:
+        name, _, member = part.partition(".")
+        found = [n for n in tree.body if isinstance(n, defs) and n.name == name]
+        if found and member:
+            found = [n for n in getattr(found[0], "body", []) if isinstance(n, defs) and n.name == member]
+        if not found:
+            raise SystemExit(f"no function or class {part!r} in the module: fix the name (TARGETS or --function)")
+        for n in found:
+            first = min([n.lineno, *(d.lineno for d in n.decorator_list)])
+            lines.update(range(first, (n.end_lineno or n.lineno) + 1))
+    return lines
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True, text=True, timeout=60).stdout
+
+
+def changed_lines(base: str, path: str) -> set[int]:
+    """Lines of ``path`` in the working tree that differ from the merge base of ``base`` and HEAD
+    (for a deletion, the lines either side of it)."""
+    merge_base = git("merge-base", base, "HEAD").strip()
+    lines: set[int] = set()
+    for hunk in git("diff", "-U0", "--no-color", merge_base, "--", path).splitlines():
+        if hunk.startswith("@@"):
+            new = hunk.split()[2].lstrip("+")  # +start[,count]
+            start, _, count = new.partition(",")
+            n = int(count) if count else 1
+            lines.update(range(int(start), int(start) + n) if n else (int(start), int(start) + 1))
+    return lines
+
+
+RUNNING: set[subprocess.Popen[Any]] = set()  # test runs and runners, stopped if this script is
+
+
+def run_pytest(
+    work: Path, selection: list[str], seed: int, examples: int, timeout: float, coverage: dict[str, str] | None = None
+) -> tuple[str, float]:
+    """("passed" | "failed" | "timeout" | "error", seconds) for pytest on ``selection`` in the copy
+    ``work``; with ``coverage`` (the plugin's environment), the baseline: all of it, logged."""
     shutil.rmtree(work / ".hypothesis", ignore_errors=True)  # no example database: each run stands alone
     env = {
         **os.environ,
-        "PYTHONPATH": str(work),
+        "PYTHONPATH": f"{work}{os.pathsep}{work / 'tools'}",
         "PYTHONDONTWRITEBYTECODE": "1",
         "KV_MODEL_EXAMPLES": str(examples),
+        **(coverage or {}),
     }
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", f"--hypothesis-seed={seed}"]
-    cmd += tests_for(module, work)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--hypothesis-seed={seed}"]
+    cmd += ["-p", "mutants_plugin"] if coverage else ["-x"]
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    RUNNING.add(proc)
-    try:
-        code = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return "timeout", time.monotonic() - start
-    finally:
-        RUNNING.discard(proc)
+    with open(work / "pytest.log", "wb") as out:
+        proc = subprocess.Popen(
+            [*cmd, *selection], cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        RUNNING.add(proc)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return "timeout", time.monotonic() - start
+        finally:
+            RUNNING.discard(proc)
     # pytest: 0 passed, 1 tests failed, 2 interrupted (a collection error: the mutant broke an
-    # import), 3 internal error; 4 (usage: a test file missing) and 5 (no tests) are this script's.
+    # import), 3 internal error; 4 (usage: a test missing) and 5 (no tests) are this script's.
     outcome = {0: "passed", 4: "error", 5: "error"}.get(code, "failed")
     return outcome, time.monotonic() - start
 
 
+class Runner:
+    """A tools/mutants_runner.py process in one copy: runs pytest in a fork of itself."""
+
+    def __init__(self, work: Path, seed: int, examples: int) -> None:
+        self.work, self.seed = work, seed
+        env = {**os.environ, "PYTHONPATH": str(work), "PYTHONDONTWRITEBYTECODE": "1", "KV_MODEL_EXAMPLES": str(examples)}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(work / "tools" / "mutants_runner.py")],
+            cwd=work,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        RUNNING.add(self.proc)
+
+    def run(self, tests: list[str], timeout: float) -> str:
+        shutil.rmtree(self.work / ".hypothesis", ignore_errors=True)  # no example database: each run stands alone
+        args = ["-x", "-q", "-p", "no:cacheprovider", f"--hypothesis-seed={self.seed}", *tests]
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"args": args, "timeout": timeout}) + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"the test runner in {self.work} stopped (exit {self.proc.wait()})")
+        return str(json.loads(answer)["outcome"])
+
+
+@dataclass
+class Baseline:
+    """Which unit tests run which line of each module, and each test's time (from one run)."""
+
+    lines: dict[str, dict[int, set[str]]]  # module -> line -> test node ids ("" = at import)
+    times: dict[str, float]  # node id (parameters dropped) -> seconds
+
+    def tests(self, m: Mutant) -> list[str]:
+        by_line = self.lines[m.module]
+        found = set().union(*(by_line.get(n, set()) for n in range(m.line, m.end + 1)))
+        if "" in found:  # run at import: whatever runs the module may see it
+            found = set().union(*by_line.values())
+        found.discard("")
+        return sorted(found, key=lambda t: (self.times.get(t, 0.0), t))
+
+    def seconds(self, tests: list[str]) -> float:
+        return sum(self.times.get(t, 0.0) for t in tests)
+
+
+def test_id(context: str) -> str:
+    return context.split("[", 1)[0]  # a parametrized test runs all its cases
+
+
+def baseline(work: Path, modules: list[str], selection: list[str], seed: int, examples: int) -> Baseline | None:
+    from coverage import CoverageData
+
+    data_file = work / "baseline.coverage"
+    paths = {mod: os.path.realpath(work / TARGETS[mod].path) for mod in modules}
+    env = {"KV_MUTANTS_COVERAGE": str(data_file), "KV_MUTANTS_INCLUDE": ",".join(paths.values())}
+    outcome, took = run_pytest(work, [*selection, *NOT_INTEGRATION], seed, examples, 1800, env)
+    if outcome != "passed":
+        print((work / "pytest.log").read_text()[-4000:], file=sys.stderr)
+        return None
+    data = CoverageData(basename=str(data_file))
+    data.read()
+    lines: dict[str, dict[int, set[str]]] = {}
+    for mod, path in paths.items():
+        by_line = data.contexts_by_lineno(path)
+        lines[mod] = {n: {test_id(c) for c in ctxs} for n, ctxs in by_line.items()}
+    times: dict[str, float] = {}
+    for row in Path(str(data_file) + ".times").read_text().splitlines():
+        seconds, nodeid = row.split("\t", 1)
+        times[test_id(nodeid)] = times.get(test_id(nodeid), 0.0) + float(seconds)
+    print(f"baseline: {len(times)} unit tests passed in {took:.0f}s", flush=True)
+    return Baseline(lines, times)
+
+
+def print_map(base: Baseline, modules: list[str], tree: Path) -> None:
+    """TEST_MAP as the baseline found it: the test files that run a line of each module (besides its own)."""
+    for mod in modules:
+        own = set(test_files(mod, tree)) - {f"tests/unit/test_{t}.py" for t in TARGETS[mod].tests}
+        found = {t.split("::")[0] for tests in base.lines[mod].values() for t in tests if t}
+        names = sorted(f.removeprefix("tests/unit/test_").removesuffix(".py") for f in found - own)
+        print(f"{mod}: {', '.join(names)}")
+        missing = sorted(set(TARGETS[mod].tests) - set(names))
+        if missing:
+            print(f"  (in TEST_MAP, running none of it: {', '.join(missing)})")
+
+
 def copy_tree(dest: Path) -> None:
-    ignore = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".hypothesis", "*_cache", "*.egg-info", "mutants")
+    ignore = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".hypothesis", "*_cache", "*.egg-info", "mutants", "site")
     shutil.copytree(ROOT, dest, ignore=ignore)
+
+
+def select(args: argparse.Namespace, module: str, source: str) -> list[Mutant]:
+    """The module's mutants on the lines asked for (its parts, --function, --lines, --changed)."""
+    found = mutants(module, source)
+    target = TARGETS[module]
+    keep: set[int] | None = None
+    parts = tuple(args.function or ()) or target.parts
+    if parts:
+        keep = part_lines(source, parts)
+    for spec in args.lines or ():
+        first, _, last = spec.partition("-")
+        wanted = set(range(int(first), int(last or first) + 1))
+        keep = wanted if keep is None else keep & wanted
+    if args.changed:
+        wanted = changed_lines(args.changed, target.path)
+        keep = wanted if keep is None else keep & wanted
+    if keep is not None:
+        found = [m for m in found if keep.intersection(range(m.line, m.end + 1))]
+    if args.only:
+        found = [m for m in found if m.id in args.only]
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument(
-        "-m", "--module", action="append", choices=sorted(TESTS), help="module to mutate (repeatable; default all)"
+        "-m", "--module", action="append", choices=sorted(TARGETS), help="module to mutate (repeatable; default all)"
     )
-    parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("-j", "--jobs", type=int, default=1, help="mutants run at once (default 1: the machine is shared)")
     parser.add_argument("--examples", type=int, default=150, help="KV_MODEL_EXAMPLES for the sequencer model")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed")
     parser.add_argument("--threshold", type=float, default=90.0, help="kill rate in percent a module must reach")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--equivalent", action="store_true", help="list the mutants held equivalent, with why, and exit")
+    parser.add_argument("--all-tests", action="store_true", help="all of tests/unit, not the modules' test files (TEST_MAP)")
+    parser.add_argument(
+        "--map", action="store_true", help="run all of tests/unit once and print which test files run each module"
+    )
     parser.add_argument("--only", action="append", metavar="MODULE:N", help="run only these mutants")
+    parser.add_argument("--function", action="append", metavar="NAME", help="only this function or class (Class.method)")
+    parser.add_argument("--lines", action="append", metavar="A-B", help="only mutants on these lines")
+    parser.add_argument(
+        "--changed",
+        nargs="?",
+        const="main",
+        metavar="BASE",
+        help="only lines changed since BASE (default main); any survivor fails",
+    )
     args = parser.parse_args(argv)
 
-    modules = args.module or list(TESTS)
+    modules = args.module or list(TARGETS)
     if args.only:
         modules = sorted({o.split(":")[0] for o in args.only})
-    if args.list:
+    if args.changed:
+        modules = [mod for mod in modules if changed_lines(args.changed, TARGETS[mod].path)]
+    if args.list or args.equivalent:
         for mod in modules:
-            for m in mutants(mod, (ROOT / "bridge" / f"{mod}.py").read_text()):
-                print(f"{m.id:16} bridge/{m.module}.py:{m.line:<4} {m.what}")
+            source = (ROOT / TARGETS[mod].path).read_text()
+            for m in select(args, mod, source):
+                eq = equivalent_of(m, source)
+                if args.list or eq is not None:
+                    why = f"  equivalent: {eq.why}" if eq is not None else ""
+                    print(f"{m.id:16} {TARGETS[mod].path}:{m.line:<4} {m.what}{why}")
         return 0
 
     # SIGTERM as well as ^C: stop the test runs and remove the copies.
@@ -329,51 +897,69 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     results: list[tuple[Mutant, str]] = []
     with tempfile.TemporaryDirectory(prefix="kv-mutants-") as tmp:
-        workers: queue.Queue[Path] = queue.Queue()
-        for i in range(max(1, args.jobs)):
-            work = Path(tmp) / f"w{i}"
+        copies = [Path(tmp) / f"w{i}" for i in range(max(1, args.jobs))]
+        for work in copies:
             copy_tree(work)
-            workers.put(work)
         # The sources as copied (the working tree may change meanwhile: others work in it).
-        sources = {mod: (Path(tmp) / "w0" / "bridge" / f"{mod}.py").read_text() for mod in modules}
-        todo = [m for mod in modules for m in mutants(mod, sources[mod])]
-        if args.only:
-            todo = [m for m in todo if m.id in args.only]
-        timeouts: dict[str, float] = {}
-        for mod in modules:  # the unmutated tests must pass; their time sets the mutants' timeout
-            work = workers.get()
-            outcome, took = run_tests(work, mod, args.examples, args.seed, 600)
-            workers.put(work)
-            if outcome != "passed":
-                print(f"{mod}: the unit tests fail without any mutation ({outcome}); fix them first", file=sys.stderr)
+        sources = {mod: (Path(tmp) / "w0" / TARGETS[mod].path).read_text() for mod in modules}
+        todo = [m for mod in modules for m in select(args, mod, sources[mod])]
+        if not todo:
+            print("no mutant on the lines asked for")
+            return 0
+        modules = [mod for mod in modules if any(m.module == mod for m in todo)]
+        w0 = Path(tmp) / "w0"
+        selection = ["tests/unit"] if args.all_tests or args.map else sorted({f for mod in modules for f in test_files(mod, w0)})
+        base = baseline(w0, modules, selection, args.seed, args.examples)
+        if base is None:
+            print("the unit tests fail without any mutation; fix them first", file=sys.stderr)
+            return 2
+        if args.map:
+            print_map(base, modules, w0)
+            return 0
+        for mod in modules:
+            print(f"{mod}: {sum(m.module == mod for m in todo)} mutants", flush=True)
+        workers: queue.Queue[Runner] = queue.Queue()
+        fastest = sorted(base.times, key=lambda t: (base.times[t], t))[:20]
+        for work in copies:
+            runner = Runner(work, args.seed, args.examples)
+            if runner.run(fastest, 120) != "passed":  # the runner itself must not fail a test
+                print(f"the test runner fails unmutated tests ({' '.join(fastest)}): see KV_MUTANTS_LOG", file=sys.stderr)
                 return 2
-            timeouts[mod] = max(20.0, 3 * took)
-            print(f"{mod}: baseline {took:.1f}s, {sum(m.module == mod for m in todo)} mutants", flush=True)
+            workers.put(runner)
 
         stopping = False
 
         def run(m: Mutant) -> tuple[Mutant, str]:
+            tests = base.tests(m)
             if stopping:
                 return m, "skipped"
-            work = workers.get()
-            target = work / "bridge" / f"{m.module}.py"
+            if not tests:
+                return m, "uncovered"
+            runner = workers.get()
+            target = runner.work / TARGETS[m.module].path
             try:
                 target.write_text(mutated_source(m, sources[m.module]))
-                outcome, _ = run_tests(work, m.module, args.examples, args.seed, timeouts[m.module])
+                outcome = runner.run(tests, 10 + 2 * base.seconds(tests))
             finally:
                 target.write_text(sources[m.module])
-                workers.put(work)
+                workers.put(runner)
             return m, outcome
 
         pool = ThreadPoolExecutor(max(1, args.jobs))
+        interrupted = False
         try:
             for i, (m, outcome) in enumerate(pool.map(run, todo), 1):
-                results.append((m, outcome))
-                if outcome in ("passed", "error"):
-                    word = "survived" if outcome == "passed" else "ERROR"
-                    print(f"  {word:8} {m.id:16} bridge/{m.module}.py:{m.line:<4} {m.what}", flush=True)
+                eq = equivalent_of(m, sources[m.module])
+                results.append((m, "equivalent" if eq is not None and outcome in ("passed", "uncovered") else outcome))
+                if eq is not None and outcome in ("failed", "timeout"):
+                    print(f"  KILLED BUT LISTED EQUIVALENT {m.id} {m.line} {m.what}: remove it from EQUIVALENT", flush=True)
+                elif eq is None and outcome in ("passed", "uncovered", "error"):
+                    word = {"passed": "survived", "uncovered": "uncovered", "error": "ERROR"}[outcome]
+                    print(f"  {word:9} {m.id:16} {TARGETS[m.module].path}:{m.line:<4} {m.what}", flush=True)
                 if i % 50 == 0:
                     print(f"  ... {i}/{len(todo)} ({time.monotonic() - began:.0f}s)", flush=True)
+        except (KeyboardInterrupt, SystemExit):  # ^C, SIGTERM: the table of what ran, modules marked
+            interrupted = True
         finally:
             stopping = True
             for proc in list(RUNNING):
@@ -381,25 +967,50 @@ def main(argv: list[str] | None = None) -> int:
                     os.killpg(proc.pid, signal.SIGKILL)
             pool.shutdown(cancel_futures=True)
 
-    print(f"\n{'module':12} {'mutants':>8} {'killed':>7} {'timeout':>8} {'survived':>9} {'errors':>7} {'killed %':>9}")
+    totals = {mod: sum(m.module == mod for m in todo) for mod in modules}
+    code = report(args, modules, results, sources, time.monotonic() - began, totals)
+    return 143 if interrupted else code
+
+
+def report(
+    args: argparse.Namespace,
+    modules: list[str],
+    results: list[tuple[Mutant, str]],
+    sources: dict[str, str],
+    took: float,
+    totals: dict[str, int],
+) -> int:
+    print("\n| module | mutants | killed | timeout | survived | of which uncovered | equivalent | killed % |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     ok = True
     for mod in modules:
         mine = [o for m, o in results if m.module == mod]
         killed = sum(o in ("failed", "timeout") for o in mine)  # timeouts included
-        rate = 100.0 * killed / len(mine) if mine else 100.0
+        survived = mine.count("passed") + mine.count("uncovered")
+        counted = len(mine) - mine.count("equivalent")
+        rate = 100.0 * killed / counted if counted else 100.0
         ok = ok and rate >= args.threshold
-        counts = f"{mine.count('timeout'):8} {mine.count('passed'):9} {mine.count('error'):7}"
-        print(f"{mod:12} {len(mine):8} {killed:7} {counts} {rate:8.1f}%")
-    print(f"\n{time.monotonic() - began:.0f}s")
-    survivors = [m for m, o in results if o == "passed"]
+        name = mod if len(mine) == totals[mod] else f"{mod} (interrupted: {len(mine)} of {totals[mod]} run)"
+        ok = ok and len(mine) == totals[mod]
+        row = [name, len(mine), killed, mine.count("timeout"), survived, mine.count("uncovered"), mine.count("equivalent")]
+        print("| " + " | ".join(map(str, row)) + f" | {rate:.1f}% |")
+    print(f"\n{took:.0f}s")
+    survivors = [m for m, o in results if o in ("passed", "uncovered")]
     if survivors:
         print("\nsurvivors:")
         for m in survivors:
             text = sources[m.module].splitlines()[m.line - 1].strip()
-            print(f"  {m.id:16} bridge/{m.module}.py:{m.line:<4} {m.what:22} | {text}")
+            print(f"  {m.id:16} {TARGETS[m.module].path}:{m.line:<4} {m.what:22} | {text}")
+    whole = not (args.only or args.changed or args.function or args.lines)
+    seen = [equivalent_of(m, sources[m.module]) for m, _ in results]
+    stale = [e for e in EQUIVALENT if whole and e.module in modules and e not in seen]
+    for e in stale:
+        print(f"STALE EQUIVALENT entry (no such mutant now): {e.module}: {e.text!r} {e.what}", file=sys.stderr)
     if any(o == "error" for _, o in results):
         print("\nERROR: pytest could not run the selection for some mutants (exit 4 or 5)", file=sys.stderr)
         return 2
+    if args.changed:
+        return 1 if survivors else 0
     return 0 if ok else 1
 
 

@@ -348,5 +348,36 @@ def test_corrupt_file_raises_checkpoint_error(tmp_path: Path, content: bytes) ->
 
 
 def test_unreadable_path_raises_checkpoint_error(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="cannot read"):
+    """The error names the file and the system's reason, not Python's rendering of the exception."""
+    with pytest.raises(CheckpointError) as caught:
         load(tmp_path)  # a directory
+    assert str(caught.value) == f"checkpoint {tmp_path}: cannot read (Is a directory)"
+
+
+def test_one_write_of_batches_of_two_streams_moves_both() -> None:
+    other = Stream("llama-b", 0)
+    cp = Checkpointer(1)
+    b = Record(stream=other, epoch=1, seq=0, ts=1000.0, payload=b"1:0")
+    cp.on_ack(0, [batch(1, 0), b, batch(1, 1), batch(1, 2)])
+    assert cp.position(KEY) == batch_position(1, 2)
+    assert cp.position(other.key) == StreamPosition(1, 0, 1000.0, zlib.crc32(b"1:0"))
+
+
+def test_a_reset_acknowledged_is_the_position_before_its_epochs_first_seq() -> None:
+    cp = Checkpointer(1)
+    cp.on_ack(0, [batch(1, 4), reset(2)])
+    assert cp.position(KEY) == StreamPosition(2, -1)
+
+
+def test_a_forgotten_stream_whose_epoch_the_clock_passed_is_forgotten_for_good() -> None:
+    cp = Checkpointer(1)
+    epoch = cp.first_epoch(KEY, NOW)
+    cp.forget(KEY, NOW)
+    assert cp.snapshot()[1].epochs == {KEY: epoch}  # kept while the clock has not passed it
+    cp.prune(NOW + 60)
+    assert cp.snapshot()[1].epochs == {KEY: epoch}  # nor passed it an hour ago (a clock stepping back)
+    cp.prune(NOW + 3601)
+    assert cp.snapshot()[1].epochs == {} and cp._forgotten == set()
+    never = "never/0"  # forgotten without an epoch: nothing kept, even at the clock's origin
+    cp.forget(never, 0.0)
+    assert cp._forgotten == set()

@@ -13,6 +13,7 @@ from bridge.fanout import Fanout
 from bridge.formats import Message
 from bridge.records import Record, Stream
 from bridge.sink import SinkWorker
+from bridge.state import StateTracker
 from tests.support.memory import MemoryConnector, MemoryOptions
 from tests.support.records import batch, stream_records
 from tests.unit.test_sink import make
@@ -175,3 +176,33 @@ async def test_offer_all_queues_a_run_exactly_as_offering_it_record_by_record_wo
         for side in sides:
             for w in side:
                 w.dead_letters.close()
+
+
+def test_with_a_tracker_each_record_is_applied_once_in_order_however_it_is_queued() -> None:
+    """offer, offer_all and force each apply a record to the state tracker once, before the sinks
+    get it (``record.state``: its delta); a stream switched off calls ``on_switched_off`` once."""
+    tracker = StateTracker()
+    switched: list[Record] = []
+    fanout = Fanout([], tracker, switched.append)
+    records = stream_records(STREAM, 4)
+    assert fanout.offer(records[0]) == []
+    assert fanout.offer_all(records[1:3])
+    fanout.force(records[3])
+    for r in records:
+        assert r.state is not None and not r.state.stale and r.state.stream == STREAM
+    head = tracker.head(STREAM)
+    assert head is not None and head.seq == 3
+    assert tracker.stats.stale_records == 0  # none applied twice
+    assert switched == []
+
+
+def test_a_stream_switched_off_by_the_tracker_is_reported_once() -> None:
+    tracker = StateTracker(max_entries=0)  # no room: a new stream is off from the start
+    switched: list[Record] = []
+    fanout = Fanout([], tracker, switched.append)
+    first, second = stream_records(STREAM, 2)
+    fanout.offer(first)
+    fanout.offer(second)
+    assert switched == [first]
+    assert first.state is not None and first.state.switched_off
+    Fanout([], StateTracker(max_entries=0)).offer(batch(Stream("other", 0), 0))  # no callback: nothing to call

@@ -406,3 +406,116 @@ def test_a_sink_holding_less_than_every_sink_acknowledged_is_fed_again_from_what
     # A batch held up to one of its events may be whole: not taken for a loss.
     partial = SinkPosition(E, 19, index=0, ts=1019.0)
     assert combine(local, [partial, whole]).resume == local
+
+
+def test_adopting_what_the_file_already_says_changes_nothing_of_it() -> None:
+    """A handover that resumes exactly where the file does, in no later epoch, leaves the
+    checkpoint as it was loaded (a first batch noted of an older epoch included)."""
+    from bridge.checkpoint import CheckpointFile
+
+    loaded = CheckpointFile(
+        streams={"a/0": StreamPosition(E, 9, 1.0, 11)}, epochs={"a/0": E}, opened={"a/0": StreamPosition(E - 1, 0, 2.0, 22)}
+    )
+    c = Checkpointer(2, loaded)
+    generation = c.generation
+    c.adopt("a/0", Handover(StreamPosition(E, 9, 1.0, 11), [None, None], E))
+    assert c.snapshot()[1] == loaded
+    assert c.generation == generation  # nothing to save
+
+
+def test_adopting_a_fresh_start_drops_the_files_position_and_first_batch() -> None:
+    from bridge.checkpoint import CheckpointFile
+
+    loaded = CheckpointFile(
+        streams={"a/0": StreamPosition(E, 9, 1.0, 11)}, epochs={"a/0": E + 1}, opened={"a/0": StreamPosition(E + 1, 0, 2.0, 22)}
+    )
+    c = Checkpointer(2, loaded)
+    generation = c.generation
+    c.adopt("a/0", Handover(None, [None, None], E + 2))
+    assert c.snapshot()[1] == CheckpointFile(epochs={"a/0": E + 2})
+    assert c.generation > generation  # to be saved
+    assert c.resume_position("a/0") is None and c.needs_reset("a/0")
+
+
+def test_adopting_a_position_keeps_the_first_batch_of_its_own_epoch() -> None:
+    """The sinks hold (E, 3) and the file noted E's first batch: a later batch of E is not a first
+    one (no save needed before it goes out); an older epoch's first batch is dropped."""
+    from bridge.checkpoint import CheckpointFile
+
+    first = StreamPosition(E, 0, 2.0, 22)
+    c = Checkpointer(2, CheckpointFile(epochs={"a/0": E}, opened={"a/0": first}))
+    c.adopt("a/0", Handover(StreamPosition(E, 3, 1.0, 5), [None, None], E))
+    assert c.snapshot()[1].opened == {"a/0": first}
+    assert not c.note_first("a/0", Record(stream=Stream("a", 0), epoch=E, seq=4, ts=1.0, payload=b"x"))
+    c = Checkpointer(2, CheckpointFile(epochs={"a/0": E}, opened={"a/0": StreamPosition(E - 1, 0, 2.0, 22)}))
+    c.adopt("a/0", Handover(StreamPosition(E, 3, 1.0, 5), [None, None], E))
+    assert c.snapshot()[1].opened == {}
+
+
+def test_adopting_without_an_epoch_held_keeps_the_epochs_and_epoch_zero_counts() -> None:
+    c = Checkpointer(2)
+    c.adopt("a/0", Handover(StreamPosition(E, 3, 1.0, 5), [None, None], None))
+    assert c.snapshot()[1].epochs == {}
+    assert c.first_epoch("a/0", 0.0) == 0  # the clock's origin (1970)
+    c = Checkpointer(2)
+    c.adopt("b/0", Handover(None, [None, None], 0))  # a sink holds epoch 0: the next one is above it
+    assert c.first_epoch("b/0", 0.0) == 1
+
+
+@pytest.mark.parametrize(
+    ("local", "through"),
+    [
+        (StreamPosition(E, 5, 1.0, 9), (E, 6, MAX_SUB)),  # every message of batch 5
+        (StreamPosition(E, 0, 1.0, 9), (E, 1, MAX_SUB)),  # batch 0: still a batch
+        (StreamPosition(E, -1), (E, 0, 0)),  # a SourceReset acknowledged: only it
+    ],
+)
+def test_a_sink_that_holds_nothing_or_cannot_tell_skips_what_every_sink_acknowledged(
+    local: StreamPosition, through: Position
+) -> None:
+    result = combine(local, ["unknown", None])
+    assert result.skip == [through, through]
+    assert result.resume == local
+
+
+def test_a_sink_at_the_checkpoint_resumes_from_the_checkpoint_with_its_fingerprint() -> None:
+    """The checkpoint knows the batch's CRC, the sink only its ts: the checkpoint's position stands."""
+    local = StreamPosition(E, 5, 1005.0, 9)
+    assert combine(local, [SinkPosition(E, 5, ts=1005.0)]).resume == local
+
+
+def test_seq_zero_held_in_the_resume_epoch_is_known_published() -> None:
+    assert combine(None, [SinkPosition(E, 0, ts=1.0)]).top == 0
+
+
+def test_a_whole_batch_is_held_through_its_state_message() -> None:
+    """The state message of a record comes after all of the record's messages: a sink that holds
+    the batch whole (or may, holding it up to an event) holds that too, and nothing of the next."""
+    from bridge.formats import state_message
+
+    record = Record(stream=Stream("a", 0), epoch=E, seq=5, ts=1.0, payload=b"x")
+    state = state_message(record).position
+    for held in (SinkPosition(E, 5, ts=1.0), SinkPosition(E, 5, index=2, ts=1.0)):
+        assert held.held_at_most() == state
+    first_event_of_the_next = (E, 7, 1)  # batch 6's slot is 7, its event 0's sub 1 (Message.position)
+    assert SinkPosition(E, 5, index=2, ts=1.0).held_at_most() < first_event_of_the_next
+
+
+def test_a_header_without_its_epoch_seq_or_type_is_not_a_bridge_message() -> None:
+    whole = {"epoch": "7", "seq": "3", "type": "BlockStored"}
+    assert SinkPosition.from_headers(whole) == SinkPosition(7, 3)
+    for name in whole:
+        with pytest.raises(ValueError, match="not a bridge message"):
+            SinkPosition.from_headers({k: v for k, v in whole.items() if k != name})
+
+
+def test_a_control_record_is_anchored_by_the_highest_batch_of_its_epoch_at_most_one_past_it() -> None:
+    """A sink whose last record is a loss (no fingerprint) needs the stream from after it, verified
+    by the highest batch another sink holds of that epoch at or below the loss (+1: delivered again)."""
+    from bridge.checkpoint import _own_need
+
+    lost = SinkPosition(E, 5, "EventsLost")
+    anchors = [SinkPosition(E, s, ts=1000.0 + s) for s in (3, 6, 7)] + [SinkPosition(E + 1, 6, ts=1.0)]
+    assert _own_need(lost, anchors) == StreamPosition(E, 5, 1006.0, None, 6)
+    assert _own_need(lost, anchors[:1]) == StreamPosition(E, 5, 1003.0, None, 3)
+    assert _own_need(lost, anchors[2:]) is None  # 7 is two past it; E+1 another epoch

@@ -298,3 +298,43 @@ def test_an_undecodable_batch_asked_for_again_with_the_same_bytes_is_the_same_in
     out = [x for q in (6, 7, 8) for x in s.replayed(req.request_id, q, p(0, q))]
     out += s.replay_finished(req.request_id, complete=True)
     assert [(a.seq, a.epoch) for a in out if isinstance(a, Deliver)] == [(6, 0), (7, 0), (8, 0)]
+
+
+def restarted(older_top: int, new_top: int) -> StreamSequencer:
+    """Instance 0 published 0..older_top, then instance 1 showed (its 0), and went on to new_top."""
+    s = seqr()
+    for q in range(older_top + 1):
+        s.live(q, p(0, q))
+    assert isinstance(s.live(0, p(1, 0))[-2], Reset)
+    for q in range(1, new_top + 1):
+        assert delivered(s.live(q, p(1, q))) == [(1, p(1, q))]
+    return s
+
+
+STEPPED_BACK = 5.0  # an engine ts below the one that showed instance 1 (1e6): its clock stepped back
+
+
+def test_after_a_restart_a_seq_at_or_below_the_older_instances_last_is_this_instances() -> None:
+    """The older instance's seqs only grow on its connection: a batch stamped before this epoch's
+    first, at or below the last one read of the older instance, is this instance's (clock stepped
+    back), here above a gap: held, and asked for by replay, not dropped as a late batch."""
+    s = restarted(older_top=2, new_top=0)
+    out = s.live(2, p(1, 2), STEPPED_BACK)
+    assert Duplicate(2) not in out and 2 in s.held
+    assert [a.start for a in out if isinstance(a, RequestReplay)] == [0]
+
+
+def test_after_a_restart_this_instances_next_seq_with_a_clock_stepped_back_is_delivered() -> None:
+    s = restarted(older_top=2, new_top=3)
+    assert delivered(s.live(4, p(1, 4), STEPPED_BACK)) == [(1, p(1, 4))]
+    s = restarted(older_top=0, new_top=1)  # the older instance's next would be 1, not 2
+    assert delivered(s.live(2, p(1, 2), STEPPED_BACK)) == [(1, p(1, 2))]
+
+
+def test_after_a_restart_a_batch_that_is_the_next_of_both_instances_is_taken_for_the_older_ones() -> None:
+    """Seq 3 follows this instance's 2 and the older instance's 2 alike; stamped before this
+    epoch's first batch, it is the older instance's late batch: dropped, not delivered."""
+    s = restarted(older_top=2, new_top=2)
+    assert s.live(3, p(0, 3), STEPPED_BACK) == [Duplicate(3)]
+    s = restarted(older_top=2, new_top=0)
+    assert s.live(5, p(0, 5), STEPPED_BACK) == [Duplicate(5)]  # neither's next: the older one's, read late

@@ -16,7 +16,7 @@ from bridge.config import Duration, ReplayConfig
 from bridge.deadletter import DeadLetters, DecodeFailures
 from bridge.fanout import Fanout
 from bridge.metrics import Metrics
-from bridge.records import Record, Stream
+from bridge.records import Record, Stream, events_lost, source_reset
 from bridge.replay import ReplayClient, ReplayOutcome
 from bridge.sequencer import fingerprint
 from bridge.sink import SinkWorker
@@ -298,3 +298,110 @@ async def test_a_resumed_stream_whose_replay_brings_only_an_undecodable_batch_st
     in_old_epoch = [r.seq for r in f.fanout.records if r.epoch == 5 and r.kind == "batch" and r.payload in new_instance]
     assert in_old_epoch == []
     assert [r.seq for r in f.fanout.records if r.epoch > 5 and r.kind == "batch"] == list(range(15))
+
+
+async def test_a_burst_cut_short_counts_its_unread_seqs_up_to_the_first_out_of_order(make: Callable[..., Fakes]) -> None:
+    """A burst read from the engine but never sequenced (the stream removed meanwhile) raises the
+    published top to its seqs while each follows the one before: a seq at or below the previous
+    one starts another instance's, which is not this epoch's; an undecodable frame is skipped."""
+    f = make()
+    await f.pipeline.start()
+    await f.pipeline.on_live([frames(0), frames(1), frames(2)], received=1_700_000_001.0)
+    assert f.pipeline.resume_point()[1] == 2
+    f.pipeline._note_unread([frames(3), [b"kv", b"short"], frames(4), frames(4), frames(9)])
+    assert f.pipeline.resume_point()[1] == 4  # 4 again: another instance's, and so is its 9
+    f.pipeline._note_unread([frames(2), frames(7)])  # at or below the last live seq: not this instance's
+    assert f.pipeline.resume_point()[1] == 4
+    f.pipeline._note_unread([frames(3)])  # lower than the top already noted: the top stays
+    assert f.pipeline.resume_point()[1] == 4
+
+
+async def test_unread_seqs_of_a_stream_that_saw_nothing_live_count_from_the_first(make: Callable[..., Fakes]) -> None:
+    f = make()
+    f.pipeline._note_unread([frames(6), frames(7), frames(3)])
+    assert f.pipeline.resume_point() == (None, 7)
+
+
+@pytest.mark.parametrize("same_epoch", [True, False])
+async def test_the_resume_point_carries_the_last_batch_fingerprint_only_within_its_epoch(
+    make: Callable[..., Fakes], same_epoch: bool
+) -> None:
+    """After a loss announced past the last batch, the resume point is the loss, anchored at that
+    batch (its fingerprint and seq); a batch of an earlier epoch anchors nothing."""
+    f = make()
+    pipeline = f.pipeline
+    last = batch(STREAM, 3, epoch=5 if same_epoch else 4)
+    pipeline._handed_batch = last
+    pipeline._handed = events_lost(STREAM, 5, 4, 6, "replay failed", 1.0)
+    point, _ = pipeline.resume_point()
+    if same_epoch:
+        assert point == (5, 6, fingerprint(last.ts, last.payload), 3)
+    else:
+        assert point == (5, 6, None, None)
+
+
+async def test_the_resume_point_of_a_restart_is_before_the_new_epoch(make: Callable[..., Fakes]) -> None:
+    f = make()
+    f.pipeline._handed = source_reset(STREAM, 6, "restart", 1.0)
+    f.pipeline._handed_batch = batch(STREAM, 3, epoch=5)
+    assert f.pipeline.resume_point() == ((6, -1, None, None), -1)
+
+
+async def test_a_live_message_not_shaped_as_the_socket_gives_it_is_read_as_wire_parse_live_reads_it(
+    make: Callable[..., Fakes],
+) -> None:
+    """Frames that are not [topic, 8-byte seq, bytes]: a payload in another buffer type is read as
+    bytes; a message with 2 or 4 frames, or a seq frame of 7 bytes, is a decode failure (dead
+    lettered, nothing handed on); a topic that happens to be 8 bytes long is not read as the seq."""
+    f = make()
+    await f.pipeline.start()
+    seq = (0).to_bytes(8, "big")
+    await f.pipeline.on_live(
+        [[b"kvevents", seq, payload(0)], [b"kv", (1).to_bytes(8, "big"), bytearray(payload(1))]], received=1_700_000_001.0
+    )
+    assert [(r.kind, r.seq, type(r.payload)) for r in f.fanout.records] == [("batch", 0, bytes), ("batch", 1, bytes)]
+    assert f.fanout.records[1].payload == payload(1)
+    bad = [
+        [b"kv", (2).to_bytes(8, "big")],
+        [b"kv", (2).to_bytes(8, "big"), payload(2), b"more"],
+        [b"kv", b"\x00" * 7, payload(2)],
+    ]
+    await f.pipeline.on_live(bad, received=1_700_000_002.0)
+    assert len(f.fanout.records) == 2
+    failures = sum(
+        sample(f.metrics, "kv_bridge_decode_failures_total", source="engine", reason=reason)
+        for reason in ("bad_frames", "bad_seq")
+    )
+    assert failures == 3
+
+
+async def test_the_ingest_lag_is_the_receive_time_after_the_engine_ts_never_negative(make: Callable[..., Fakes]) -> None:
+    f = make()
+    await f.pipeline.start()
+    ts0, ts1 = peek_ts(payload(0)), peek_ts(payload(1))
+    assert ts0 is not None and ts1 is not None
+    await f.pipeline.on_live([frames(0)], received=ts0 + 2.0)
+    await f.pipeline.on_live([frames(1)], received=ts1 - 5.0)  # the engine's clock ahead: 0, not -5
+    f.pipeline.flush_metrics()
+    assert sample(f.metrics, "kv_bridge_ingest_lag_seconds_count") == 2
+    assert sample(f.metrics, "kv_bridge_ingest_lag_seconds_sum") == pytest.approx(2.0)
+
+
+async def test_the_resume_point_after_a_run_is_its_last_record_and_last_batch(make: Callable[..., Fakes]) -> None:
+    f = make()
+    await f.pipeline.start()
+    await f.pipeline.on_live([frames(0), frames(1), frames(2), frames(3)], received=1_700_000_001.0)
+    ts3 = peek_ts(payload(3))
+    assert f.pipeline.resume_point() == ((5, 3, fingerprint(ts3, payload(3)), 3), 3)
+
+
+async def test_losses_and_duplicates_are_counted_per_batch(make: Callable[..., Fakes]) -> None:
+    f = make()  # no replay endpoint: a gap is lost at once
+    await f.pipeline.start()
+    await f.pipeline.on_live([frames(0), frames(3), frames(3), frames(7)], received=1_700_000_001.0)
+    assert [(r.kind, r.from_seq, r.seq) for r in f.fanout.records if r.kind == "EventsLost"] == [
+        ("EventsLost", 1, 2),
+        ("EventsLost", 4, 6),
+    ]
+    assert sample(f.metrics, "kv_bridge_batches_lost_total", source="engine") == 5
+    assert sample(f.metrics, "kv_bridge_duplicates_dropped_total", source="engine") == 1

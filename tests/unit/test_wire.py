@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import msgspec
@@ -306,3 +307,37 @@ def test_peek_ts_agrees_with_count_batch_on_a_batch_only_counting_accepts() -> N
     assert counted is not None and counted.ts == 1001.5
     assert wire.peek_ts(payload) == 1001.5
     assert wire.peek_ts(b"\xc1 not msgpack") is None
+
+
+@pytest.mark.parametrize("header", [0x92, 0x93, 0x94])
+def test_peek_ts_reads_an_array_batch_ts_from_its_first_ten_bytes_whatever_follows(header: int) -> None:
+    """The sequencer's clock of a batch: an array batch's ts is its header's float64, read without
+    decoding the events (even when they would not decode); one byte short, there is no ts."""
+    head = bytes([header, 0xCB]) + struct.pack(">d", 12.5)
+    assert wire.peek_ts(head) == 12.5
+    assert wire.peek_ts(head + b"\xc1") == 12.5  # 0xc1: never valid msgpack
+    assert wire.peek_ts(head[:-1]) is None
+
+
+def test_peek_ts_of_what_is_not_an_array_batch_is_what_decoding_reads() -> None:
+    ts = struct.pack(">d", 12.5)
+    assert wire.peek_ts(b"\x91\xcb" + ts) is None  # [ts] alone: not a batch
+    assert wire.peek_ts(b"\x95\xcb" + ts + b"\x90\x00\x00\x00") == 12.5  # decoded: a batch with extra fields
+    assert wire.peek_ts(b"\x92\xca" + struct.pack(">f", 1.5) + b"\x90") == 1.5  # a float32 ts
+    assert wire.peek_ts(b"\x92\xcb" + ts[:4]) is None
+
+
+def test_a_live_message_keeps_its_topic() -> None:
+    f = wire.parse_live([b"kv@engine-0", (7).to_bytes(8, "big"), b"payload"])
+    assert (f.topic, f.seq, f.payload) == (b"kv@engine-0", 7, b"payload")
+
+
+@pytest.mark.parametrize(("value", "kind"), [(5, "int"), ("s", "str"), (None, "NoneType"), (1.5, "float")])
+def test_a_batch_that_is_neither_an_array_nor_a_map_is_refused_naming_what_it_is(value: object, kind: str) -> None:
+    with pytest.raises(DecodeError, match=f"^bad_batch: batch is a {kind}, expected an array or a map$"):
+        wire.decode_batch(msgspec.msgpack.encode(value))
+
+
+def test_a_map_event_with_its_type_not_first_is_read_with_the_type_first_and_every_field() -> None:
+    event = wire.normalise_event({"block_hashes": [1, 2], "medium": "GPU", "type": "BlockRemoved"})
+    assert list(event.items()) == [("type", "BlockRemoved"), ("block_hashes", [1, 2]), ("medium", "GPU")]
