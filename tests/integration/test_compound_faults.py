@@ -266,6 +266,8 @@ async def test_a_quiet_engine_after_a_replay_opened_the_new_epoch(tmp_path: Path
         await engine.publish(1, deliver=False)
         await engine.publish(1)
         await bridge.wait_metric(RECEIVED, 3, timeout=10)
+        # the replay filled the gap before the restart (else the old instance's 2 is gone with it)
+        await wait_for(lambda: any("events" in r and identify(r) == (0, 2) for r in read_lines(out)), timeout=10)
         await engine.restart()
         await engine.publish(2, deliver=False)
         await engine.wait_subscribed()
