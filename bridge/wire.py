@@ -214,7 +214,9 @@ _RFC1527_OMIT_NIL = ("block_size", "token_ids")  # vLLM names these non-null: a 
 def normalise_rfc1527(raw: dict[str, Any]) -> Event:
     """An RFC 1527 map event under the names consumers read, every original field kept.
 
-    ``type`` from ``event_type`` (unless the producer sent its own legacy ``type``);
+    ``type`` from ``event_type`` (the producer's own legacy ``type`` only for an ``event_type``
+    this bridge does not know: where the two disagree, ``event_type`` decides, as count_batch
+    reads it);
     ``block_hashes`` from ``seq_hashes`` and ``parent_block_hash`` from ``parent_hash`` (unless
     the producer sent those legacy aliases itself, which are kept as sent); ``medium`` upper-cased
     ("gpu" -> "GPU"), the producer's spelling kept as ``medium_rfc1527`` when it differs;
@@ -222,10 +224,10 @@ def normalise_rfc1527(raw: dict[str, Any]) -> Event:
     fields out). Every other field stays as sent, by name.
     """
     kind = raw["event_type"]
-    tag = raw.get("type")
-    if not isinstance(tag, str) or not tag:
-        tag = RFC1527_TYPES.get(kind) if isinstance(kind, str) else None
-        if tag is None:
+    tag = RFC1527_TYPES.get(kind) if isinstance(kind, str) else None
+    if tag is None:
+        tag = raw.get("type")
+        if not isinstance(tag, str) or not tag:
             raise DecodeError("bad_event", f"RFC 1527 event with event_type {kind!r}, expected stored, removed or cleared")
     event: Event = {"type": tag}
     for k, v in raw.items():
