@@ -359,7 +359,7 @@ class SinkWorker:
             dead = await self._deliver(messages) if messages else set()
             dead |= unrendered
             self._settle(records, dead, size)
-            if self._audit is not None and self.connected and time.monotonic() >= self._audit_at:
+            if self._audit_due():
                 await self._run_audit()
 
     async def _wait_for_work(self) -> None:
@@ -371,7 +371,7 @@ class SinkWorker:
                 return
             except TimeoutError:
                 await self._check_health()
-                if self._audit is not None and self.connected and time.monotonic() >= self._audit_at:
+                if self._audit_due():
                     await self._run_audit()
 
     async def _check_health(self) -> None:
@@ -608,6 +608,9 @@ class SinkWorker:
             lost.seq, lost.to_seq = max(last, top[(stream_key, epoch)]), last
             out.extend(self.renderer.render(lost))
         return out
+
+    def _audit_due(self) -> bool:
+        return self._audit is not None and self.connected and time.monotonic() >= self._audit_at
 
     async def _run_audit(self) -> None:
         """Ask the connector whether its broker still holds what it acknowledged; announce what it
