@@ -1342,21 +1342,17 @@ class RedisConnector:
                     # the second would be taken as there already): then right after the top
                     at_top = top_at[1] - 1 if a_epoch == top_at[0] and top_at[2] != MAX_SUB else None
                     placed.append(((stream.key, *span[1:]), a_epoch, a_slot - 1, at_top))
-            ends = [b for b in before if not (top and entry_position(top) >= entry_position(b))] + [want]
-            for end in ends:
-                epoch, slot, _ = entry_position(end)
-                first = 0
-                if top:
-                    top_epoch, top_slot, _ = entry_position(top)
-                    first = top_slot if top_epoch == epoch else 0
-                    if top_epoch == epoch and top_slot == slot and entry_position(top) < entry_position(end):
-                        # Only what stood after the top's batch in its slot is gone: an EventsLost
-                        # (one announcing a refusal, say), announced again above when remembered;
-                        # else which seqs it announced is not known here: announce that batch's
-                        # seq, so consumers know their view misses.
-                        if any(ident == end for ident, _, _ in announces):
-                            continue
-                        first = slot - 1
+            for end in [b for b in before if top_at < entry_position(b)] + [want]:
+                end_at = epoch, slot, _ = entry_position(end)
+                first = top_at[1] if top_at[0] == epoch else 0
+                if top_at[0] == epoch and top_at[1] == slot and top_at < end_at:
+                    # Only what stood after the top's batch in its slot is gone: an EventsLost
+                    # (one announcing a refusal, say), announced again above when remembered;
+                    # else which seqs it announced is not known here: announce that batch's
+                    # seq, so consumers know their view misses.
+                    if any(ident == end for ident, _, _ in announces):
+                        continue
+                    first = slot - 1
                 if first <= slot - 1:
                     low, high = spans.get(epoch, (first, slot - 1))
                     spans[epoch] = (min(low, first), max(high, slot - 1))
