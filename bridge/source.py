@@ -93,8 +93,8 @@ class SourceReader:
         self._diagnosed_at = -_DIAGNOSE_EVERY
         self._diagnosing: asyncio.Task[None] | None = None
         self._topic = topic.encode()
-        self._own_topic_seen = False  # a message of the source's topic came since the last connection
-        self._probing = False  # subscribed to every topic too
+        # Subscribed to every topic too: no message of the source's own topic since the connection.
+        self._probing = False
         self._foreign_topics: list[str] = []  # the first few other topics seen, for the problem
         self._connected_gauge = pipeline.metrics.connected
         self._disconnects = pipeline.metrics.disconnects
@@ -172,7 +172,7 @@ class SourceReader:
                 except zmq.Again:
                     pass
                 if burst:
-                    if topic and not self._own_topic_seen:
+                    if self._probing:
                         self._own_topic(sock)
                     await on_live(burst, time.time())
                 if len(burst) + foreign == drain_max:
@@ -214,8 +214,7 @@ class SourceReader:
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # a PUB at the other end (or an engine connected in)
                 self.connections += 1
                 self._connected_gauge.inc()
-                self._own_topic_seen = False  # a new engine (a redeploy) may publish under another topic
-                if self._topic and not self._probing:
+                if self._topic and not self._probing:  # a new engine (a redeploy) may publish under another topic
                     sock.setsockopt(zmq.SUBSCRIBE, b"")
                     self._probing = True
                 self._set_problem(None, "")
@@ -243,7 +242,7 @@ class SourceReader:
         """A message under a topic outside the prefix: dropped, and a problem while none of the
         source's own topic came since the connection (a publisher of several topics whose KV events
         are idle looks the same until its first one: not told apart, it counts as not connected)."""
-        if self._own_topic_seen:
+        if not self._probing:
             return
         seen = topic[:64].decode(errors="replace")
         if seen in self._foreign_topics or len(self._foreign_topics) >= 3:
@@ -263,10 +262,8 @@ class SourceReader:
 
     def _own_topic(self, sock: zmq.Socket[bytes]) -> None:
         """A message of the source's topic came: the publisher may filter the others again."""
-        self._own_topic_seen = True
-        if self._probing:
-            sock.setsockopt(zmq.UNSUBSCRIBE, b"")
-            self._probing = False
+        sock.setsockopt(zmq.UNSUBSCRIBE, b"")
+        self._probing = False
         if self._reason == "wrong_topic" and self.connections:
             self._set_problem(None, "")
 
