@@ -4,12 +4,17 @@ Saved atomically (write to a temp file, fsync, rename, fsync the directory) as J
 
     {"version": 1,
      "streams": {"llama-a/0": {"epoch": 1013402, "seq": 1041, "ts": 1732870000.25, "crc": 3735928559}},
-     "epochs": {"llama-a/0": 1013402}}
+     "epochs": {"llama-a/0": 1013402},
+     "opened": {},
+     "instances": {"llama-a/0": {"epoch": 1013402, "id": "5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f"}}}
 
 ``ts`` and ``crc`` fingerprint the batch at ``seq`` (engine ts, CRC-32 of its payload): on resume
 the replay's copy of that seq must match, or the engine restarted while the bridge was away.
 ``epochs`` holds the highest epoch each stream ever opened, saved before that epoch's first
-record reaches a sink, so a restarted bridge never opens it again. A corrupt or unreadable file
+record reaches a sink, so a restarted bridge never opens it again. ``instances`` holds, for a
+stream whose publisher sends its lifetime UUID (vLLM #57789), the UUID of its instance in its
+newest epoch, known for certain, and those of the instances before it: a stream resumed in that
+epoch knows its instance at the first message, with or without a replay endpoint. A corrupt or unreadable file
 is reported by the caller and the bridge starts fresh; it never crashes on it.
 
 Epoch numbers. A stream met for the first time opens epoch :func:`clock_epoch` (the wall clock
@@ -42,9 +47,9 @@ import os
 import tempfile
 import threading
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -82,11 +87,27 @@ class StreamPosition(msgspec.Struct, frozen=True, omit_defaults=True):
     at: int | None = None
 
 
+InstanceId = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
+"""A publisher lifetime UUID, in lower-case hex."""
+
+RETIRED_KEPT = 16
+"""UUIDs of instances gone a checkpoint keeps per stream (their late messages are dropped)."""
+
+
+class Instances(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The publisher UUID of a stream's instance in ``epoch`` and those of instances gone, oldest first."""
+
+    epoch: int
+    id: InstanceId
+    retired: list[InstanceId] = msgspec.field(default_factory=list)
+
+
 class CheckpointFile(msgspec.Struct):
     version: int = 1
     streams: dict[str, StreamPosition] = msgspec.field(default_factory=dict)
     epochs: dict[str, int] = msgspec.field(default_factory=dict)
     opened: dict[str, StreamPosition] = msgspec.field(default_factory=dict)
+    instances: dict[str, Instances] = msgspec.field(default_factory=dict)
 
 
 class CheckpointError(BridgeError):
@@ -116,6 +137,7 @@ def save(path: str | Path, checkpoint: CheckpointFile) -> None:
         streams=dict(sorted(checkpoint.streams.items())),
         epochs=dict(sorted(checkpoint.epochs.items())),
         opened=dict(sorted(checkpoint.opened.items())),
+        instances=dict(sorted(checkpoint.instances.items())),
     )
     data = msgspec.json.encode(checkpoint)
     fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
@@ -153,6 +175,7 @@ class Checkpointer:
         # Per stream, the first batch delivered in its newest epoch (saved before it reaches a
         # sink): a bridge that crashed before its epoch's position was saved resumes there.
         self.opened: dict[str, StreamPosition] = dict(loaded.opened) if loaded else {}
+        self.instances: dict[str, Instances] = dict(loaded.instances) if loaded else {}
         self._forgotten: set[str] = set()  # keys whose epoch numbers are kept until the clock passes them
         self._acked: dict[str, list[_Acked | None]] = {}
         self._generation = 0  # of the state; a snapshot carries the one it was taken at
@@ -263,12 +286,32 @@ class Checkpointer:
         self._generation += 1
         return True
 
+    def note_instance(self, key: str, epoch: int, instance: bytes, retired: Sequence[bytes]) -> None:
+        """``instance`` is, for certain, the publisher UUID of the stream's engine in ``epoch``;
+        ``retired``: those of instances gone, oldest first (see ``StreamSequencer.sure_instance``)."""
+        known = self.instances.get(key)
+        if known is not None and known.epoch > epoch:
+            return
+        noted = Instances(epoch, instance.hex(), [r.hex() for r in retired[-RETIRED_KEPT:]])
+        if noted != known:
+            self.instances[key] = noted
+            self._generation += 1
+
+    def resume_instance(self, key: str, epoch: int) -> tuple[bytes | None, list[bytes]]:
+        """The publisher UUID of the stream's instance in ``epoch`` and those of instances gone,
+        if the checkpoint knows them for that very epoch (else None, []: it is verified anew)."""
+        known = self.instances.get(key)
+        if known is None or known.epoch != epoch:
+            return None, []
+        return bytes.fromhex(known.id), [bytes.fromhex(r) for r in known.retired]
+
     def forget(self, key: str, now: float) -> None:
         """Drop everything known of a stream (a source gone for good). Its epoch number is kept
         while the clock has not passed it, so that the stream, met again, opens a higher one."""
         self._acked.pop(key, None)
         self.loaded.pop(key, None)
         self.opened.pop(key, None)
+        self.instances.pop(key, None)
         self._forgotten.add(key)
         self.prune(now)
 
@@ -314,7 +357,9 @@ class Checkpointer:
             pos = self.position(key)
             if pos is not None:
                 streams[key] = pos
-        return self._generation, CheckpointFile(streams=streams, epochs=dict(self.epochs), opened=dict(self.opened))
+        return self._generation, CheckpointFile(
+            streams=streams, epochs=dict(self.epochs), opened=dict(self.opened), instances=dict(self.instances)
+        )
 
     def write(self, path: str | Path, generation: int, checkpoint: CheckpointFile) -> bool:
         """Save a snapshot unless a newer one was saved already (a slow write that finishes late,
@@ -347,6 +392,9 @@ class CheckpointStore:
         self.path = path
         self.checkpointer = Checkpointer(sinks, self._load())
         self._lock = asyncio.Lock()
+        # Called on the loop before each save: notes what the running streams know and the
+        # checkpointer is not told as it happens (their instances' UUIDs, see note_instance).
+        self.collect: Callable[[], None] = lambda: None
 
     def _load(self) -> CheckpointFile:
         if not self.path:
@@ -383,12 +431,14 @@ class CheckpointStore:
 
     async def _save(self) -> None:
         assert self.path
+        self.collect()
         await asyncio.to_thread(self._write, *self.checkpointer.snapshot())  # snapshot on the loop
 
     def save_now(self) -> None:
         """Save from the event loop itself (at shutdown: a save still writing in its thread
         cannot replace this one, see :meth:`Checkpointer.write`)."""
         if self.path:
+            self.collect()
             self._write(*self.checkpointer.snapshot())
 
     def _write(self, generation: int, snapshot: CheckpointFile) -> None:

@@ -201,6 +201,7 @@ class Bridge:
             replay_config=config.replay,
         )
         self.pipelines: dict[str, StreamPipeline] = {}
+        self._noted_instances: dict[str, tuple[int, bytes]] = {}  # (see _note_instances)
         self.readers: dict[str, SourceReader] = {}
         self._reader_tasks: dict[str, asyncio.Task[None]] = {}
         # Removed sources' streams, for their return: where to resume, the highest seq known,
@@ -241,6 +242,7 @@ class Bridge:
         if problems:
             raise ConfigError(problems)
         self.store = self.context.epochs = ckpt.CheckpointStore(cfg.checkpoint.path, len(cfg.sinks))
+        self.store.collect = self._note_instances
         configured = [s for source in cfg.sources for s in _streams(source)]
         self._state_sinks = [c for c in connectors if getattr(c, "writes_state", False)]
         if self._state_sinks:
@@ -331,6 +333,7 @@ class Bridge:
                 pos = self.checkpointer.resume_position(key)
                 top = self._held_top.pop(key) if key in self._held_top else None
                 announce = self.checkpointer.needs_reset(key)
+            instance, retired = self.checkpointer.resume_instance(key, pos.epoch) if pos and sequencer is None else (None, [])
             if self.tracker is not None:
                 self.metrics.state_switched_off.labels(source.name)  # at 0 from the start
             pipeline = StreamPipeline(
@@ -345,6 +348,8 @@ class Bridge:
                 known_top=top,
                 announce=announce,
                 sequencer=sequencer,
+                instance=instance,
+                retired=retired,
             )
             self.pipelines[key] = pipeline
             added.append((pipeline, for_rank(source.endpoint, rank)))
@@ -358,6 +363,17 @@ class Bridge:
             self.readers[key] = reader
             self._reader_tasks[key] = self._watch(asyncio.create_task(reader.run(), name=f"source:{key}"))
             await pipeline.start()
+
+    def _note_instances(self) -> None:
+        """Tell the checkpoint each running stream's instance, where its publisher's UUID makes it
+        certain (before every save, see CheckpointStore.collect)."""
+        note, noted = self.checkpointer.note_instance, self._noted_instances
+        for key, pipeline in self.pipelines.items():
+            sequencer = pipeline.sequencer
+            instance = sequencer.sure_instance
+            if instance is not None and noted.get(key) != (sequencer.epoch, instance):
+                noted[key] = (sequencer.epoch, instance)
+                note(key, sequencer.epoch, instance, sequencer.retired_instances)
 
     async def remove_source(self, name: str) -> None:
         """Stop reading every rank of source ``name``; what it delivered stays checkpointed."""
@@ -447,6 +463,7 @@ class Bridge:
         now = time.time()
         for key in gone:
             del self._retired[key]
+            self._noted_instances.pop(key, None)
             self.checkpointer.forget(key, now)
             if self.tracker is not None:  # its room back; what the sinks hold of it stays there
                 source, _, rank = key.rpartition("/")

@@ -37,8 +37,9 @@ Engine instances. The protocol carries no instance id, so the sequencer infers o
 Instance identity from the wire (vLLM #57789: a 16-byte publisher lifetime UUID in the sequence
 frame). Where a message carries one, it decides, and nothing above is inferred for it:
 
-- the first UUID met on a stream without history in this process is adopted (a stream resumed
-  from a checkpoint verifies it by replay first, as before, since the checkpoint keeps no UUID);
+- the first UUID met on a stream without history in this process is adopted; a stream resumed
+  from a checkpoint that kept its epoch's UUID (``instance``) starts with it, for certain, and
+  one resumed without it verifies the first UUID it meets by replay first, as any stream;
 - a UUID other than the epoch's instance's, or one where the epoch's instance sent none (an
   upgrade), or none where it sent one, is a restart for certain: the epoch ends, a new one opens
   with the reason ``instance_changed`` (:data:`INSTANCE_CHANGED`), and the old UUID is retired;
@@ -59,7 +60,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
 
@@ -146,7 +147,9 @@ class StreamSequencer:
     ``next_epoch(epoch, shown_at)`` numbers the epoch after ``epoch``; ``shown_at`` is the engine
     ts of what showed the new instance (None: unknown), the same for every bridge that reads the
     engine, so that two pods reading it at once number its new epoch alike (the runtime makes
-    epochs unique across bridge runs; see ``bridge.checkpoint``).
+    epochs unique across bridge runs; see ``bridge.checkpoint``). ``instance``/``retired``: the
+    publisher UUID of the resume epoch's instance and those of instances gone, as a checkpoint
+    kept them (see ``sure_instance``).
     """
 
     # The replay in flight, set by ``_request`` before any reply or end of it is read.
@@ -174,6 +177,8 @@ class StreamSequencer:
         ts_of: Callable[[bytes], float | None] = lambda _payload: None,
         next_epoch: Callable[[int, float | None], int] = lambda epoch, _shown_at: epoch + 1,
         clock_skew: float = 1.0,
+        instance: bytes | None = None,
+        retired: Iterable[bytes] = (),
     ) -> None:
         self.can_replay = can_replay
         self.replay_on_start = replay_on_start and can_replay
@@ -245,10 +250,14 @@ class StreamSequencer:
         self._last_drop: float | None = None  # wall clock of the latest one
         # The publisher UUID of this epoch's instance (None: unknown, or it sends none) and the
         # UUIDs of instances gone (see the module docstring).
-        self.instance: bytes | None = None
-        self._instance_sure = False  # adopted out of doubt (in doubt: verified like any stream first)
+        # A UUID a checkpoint kept for this epoch is certain; but only with a batch to verify a
+        # replay against: without one, the replay that ends the doubt is taken on trust (whoever
+        # answers), and a UUID kept would then contradict that presumption: it is met afresh.
+        instance = instance if self._fp is not None else None
+        self.instance: bytes | None = instance
+        self._instance_sure = instance is not None  # else adopted out of doubt (in doubt: verified first)
         self._anonymous = False  # live messages without a UUID were read in this epoch
-        self._retired: dict[bytes, None] = {}
+        self._retired: dict[bytes, None] = dict.fromkeys(r for r in retired if r != instance)
 
     def _ts_of(self, payload: bytes) -> float | None:
         return _finite(self._raw_ts_of(payload))
@@ -819,6 +828,16 @@ class StreamSequencer:
     def known_top(self) -> int:
         """The highest seq this epoch's instance is known to have published."""
         return max(self._top, self.delivered)  # carried batches delivered after a restart count too
+
+    @property
+    def sure_instance(self) -> bytes | None:
+        """The UUID of this epoch's instance, when known for certain (what a checkpoint keeps)."""
+        return self.instance if self._instance_sure else None
+
+    @property
+    def retired_instances(self) -> list[bytes]:
+        """The UUIDs of instances gone, oldest first."""
+        return list(self._retired)
 
     def resume_point(self) -> tuple[int, int, Fingerprint | None, int]:
         """(epoch, delivered, fingerprint, its seq): what a new sequencer for this stream starts from."""

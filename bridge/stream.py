@@ -83,6 +83,8 @@ class StreamPipeline:
         known_top: int | None = None,
         announce: bool = False,
         sequencer: StreamSequencer | None = None,
+        instance: bytes | None = None,
+        retired: Sequence[bytes] = (),
     ) -> None:
         self.ctx = ctx
         self.stream = stream
@@ -106,6 +108,8 @@ class StreamPipeline:
             known_top=known_top,
             ts_of=wire.peek_ts,
             next_epoch=lambda e, shown_at: ctx.epochs.next_epoch(key, e, time.time(), shown_at),
+            instance=instance,
+            retired=retired,
         )
         self._resumed_from = (epoch, delivered, delivered_fp, anchor) if delivered is not None else None
         # The first batch this pipeline hands on is noted (and saved before it goes out) if it is

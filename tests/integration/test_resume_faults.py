@@ -13,6 +13,7 @@ source churn (they hold with and without the fix).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -35,12 +36,21 @@ PROBING = {**REPLAY, "idle_probe": "300ms"}
 WAIT = 10.0
 
 
-def config(tmp: Path, live: int, replay_port: int, *, replay: dict[str, Any], checkpoint_interval: str = "200ms") -> Config:
+def config(
+    tmp: Path,
+    live: int,
+    replay_port: int,
+    *,
+    replay: dict[str, Any],
+    checkpoint_interval: str = "200ms",
+    replay_endpoint: bool = True,
+) -> Config:
+    source = {"name": "eng", "endpoint": f"tcp://127.0.0.1:{live}"}
+    if replay_endpoint:
+        source["replay_endpoint"] = f"tcp://127.0.0.1:{replay_port}"
     return from_data(
         {
-            "sources": [
-                {"name": "eng", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"}
-            ],
+            "sources": [source],
             "sinks": [
                 {
                     "type": GATED,
@@ -305,3 +315,46 @@ async def test_a_crash_after_a_restart_resumes_in_the_new_epoch_baseline(tmp_pat
     """Baseline of the churn case: the same steps without the source removed and added again."""
     records, engine = await churn_then_crash(tmp_path, churn=False)
     assert_one_epoch_per_instance(records, engine)
+
+
+# -- a publisher that sends its lifetime UUID (vLLM #57789) ----------------------------------------
+
+
+@pytest.mark.parametrize("how", ["crash", "graceful"])
+async def test_a_restart_while_the_bridge_was_away_is_certain_from_the_checkpointed_uuid(tmp_path: Path, how: str) -> None:
+    """No replay endpoint (KAITO's default). Instance 0's 0..9 are delivered and saved with its
+    UUID; while no bridge runs, the engine restarts and publishes 0..14; then 15..19 reach the next
+    bridge live. Its seq 15 follows the old 9 with nothing to verify it by; the checkpointed UUID
+    says another instance: a new epoch opened by a SourceReset (instance_changed), 0..14 announced
+    lost in it, 15..19 delivered in it. (Without the UUID in the checkpoint, 15..19 went into
+    instance 0's epoch: I1.)"""
+    live, rep = free_ports(2)
+    out = tmp_path / "out.jsonl"
+    cfg = config(tmp_path, live, rep, replay=REPLAY, replay_endpoint=False)
+    async with ScriptedEngine(live, rep, uuid=True) as engine:
+        first = Bridge(cfg, registry=gated_registry())
+        await first.start()
+        try:
+            await first_run_until_delivered(engine, first, out, 10)
+            assert on_disk(tmp_path)["instances"][KEY]["id"] == engine.current.uuid.hex()
+            await stop_first(first, how)
+        finally:
+            await first.stop()
+        await engine.restart()
+        await engine.publish(15, deliver=False)
+        second = Bridge(cfg, registry=gated_registry())
+        await second.start()
+        try:
+            await engine.wait_subscribed()
+            await asyncio.sleep(0.2)  # (the subscription settles: XPUB reports it a little early)
+            await engine.publish(5)
+            await wait_for(lambda: has(out, 1, 19), timeout=WAIT, what="instance 1's 15..19")
+        finally:
+            await second.stop()
+    records = read_lines(out)
+    assert resets(records)[-1][1] == "instance_changed"
+    assert layout(check_invariants(dedupe(records), engine)) == [
+        (False, {0}, list(range(10)), []),
+        (True, {1}, list(range(15, 20)), list(range(15))),
+    ]
+    assert on_disk(tmp_path)["instances"][KEY]["id"] == engine.current.uuid.hex()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ class Instance:
 
     number: int
     start: float
+    uuid: bytes = b""  # its lifetime UUID in every sequence frame (vLLM #57789); b"": 8-byte frames
     payloads: list[bytes] = field(default_factory=list)  # index: seq
     live: set[int] = field(default_factory=set)  # sent on PUB while the bridge was known subscribed
     back: dict[int, float] = field(default_factory=dict)  # seq -> how far the clock had stepped back
@@ -48,11 +50,15 @@ class ScriptedEngine:
 
     ``replay`` (settable at any time): ``answer``; ``ignore``; ``drop_end_marker`` (every reply,
     then silence); ``half`` (the first half of the replies, then silence). ``buffer_steps``: the
-    replay buffer keeps the last that many batches.
+    replay buffer keeps the last that many batches. ``uuid``: 24-byte sequence frames, seq and
+    each instance's lifetime UUID (vLLM #57789).
     """
 
-    def __init__(self, live_port: int, replay_port: int, *, replay: ReplayMode = "answer", buffer_steps: int = 10_000) -> None:
+    def __init__(
+        self, live_port: int, replay_port: int, *, replay: ReplayMode = "answer", buffer_steps: int = 10_000, uuid: bool = False
+    ) -> None:
         self.ports = (live_port, replay_port)
+        self.uuid = uuid
         self.replay: ReplayMode = replay
         self.buffer_steps = buffer_steps
         self.instances: list[Instance] = []
@@ -95,7 +101,7 @@ class ScriptedEngine:
             if deliver:
                 await self._poll_subscriptions()
                 known = self._subscribed  # a subscription that arrives during the send is "maybe"
-                await self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+                await self.pub.send_multipart([b"", seq.to_bytes(8, "big") + inst.uuid, payload])
                 if known:
                     inst.live.add(seq)
             seqs.append(seq)
@@ -142,7 +148,7 @@ class ScriptedEngine:
     async def _open(self) -> None:
         prev = self.instances[-1] if self.instances else None
         start = time.time() if prev is None else max(time.time(), prev.ts(len(prev.payloads)) + 1.0)
-        self.instances.append(Instance(len(self.instances), start))
+        self.instances.append(Instance(len(self.instances), start, os.urandom(16) if self.uuid else b""))
         self.pub = await self._bind(zmq.XPUB, self.ports[0])
         self.router = await self._bind(zmq.ROUTER, self.ports[1])
         self._subscribed = False
@@ -183,12 +189,13 @@ class ScriptedEngine:
             if len(frames) != 3 or len(frames[2]) != 8:
                 continue
             ident, start = frames[0], int.from_bytes(frames[2], "big")
+            uuid = self.instances[instance].uuid
             mode = self.replay
             replies = [(s, p) for s, p in self._buffer if s >= start] if mode != "ignore" else []
             if mode == "half":
                 replies = replies[: len(replies) // 2]
             for seq, payload in replies:
-                await router.send_multipart([ident, b"", b"", seq.to_bytes(8, "big"), payload])
+                await router.send_multipart([ident, b"", b"", seq.to_bytes(8, "big") + uuid, payload])
             if mode == "answer":
                 await router.send_multipart([ident, b"", b"", END_SEQ.to_bytes(8, "big"), b""])
             self.requests.append((instance, start))

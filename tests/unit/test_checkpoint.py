@@ -11,9 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bridge.checkpoint import (
+    RETIRED_KEPT,
     Checkpointer,
     CheckpointError,
     CheckpointFile,
+    Instances,
     StreamPosition,
     clock_epoch,
     load,
@@ -323,6 +325,7 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
             "c/0": StreamPosition(2, 50, 1.0, 99, at=41),
         },
         epochs={KEY: 1013402, "b/1": 7, "c/0": 2},
+        instances={KEY: Instances(1013402, "ab" * 16, ["cd" * 16])},
     )
     save(path, data)
     assert load(path) == data
@@ -337,8 +340,15 @@ def test_missing_file_is_empty(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "content",
-    [b"{not json", b"", b'{"streams": {"a/0": {"epoch": "one", "seq": 1}}}', b'{"epochs": {"a/0": 1.5}}', b"[]"],
-    ids=["garbage", "empty", "bad_epoch", "bad_epochs_map", "not_an_object"],
+    [
+        b"{not json",
+        b"",
+        b'{"streams": {"a/0": {"epoch": "one", "seq": 1}}}',
+        b'{"epochs": {"a/0": 1.5}}',
+        b"[]",
+        b'{"instances": {"a/0": {"epoch": 1, "id": "not hex"}}}',
+    ],
+    ids=["garbage", "empty", "bad_epoch", "bad_epochs_map", "not_an_object", "bad_instance_id"],
 )
 def test_corrupt_file_raises_checkpoint_error(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "checkpoint.json"
@@ -381,3 +391,31 @@ def test_a_forgotten_stream_whose_epoch_the_clock_passed_is_forgotten_for_good()
     never = "never/0"  # forgotten without an epoch: nothing kept, even at the clock's origin
     cp.forget(never, 0.0)
     assert cp._forgotten == set()
+
+
+def test_the_instance_uuid_is_kept_for_its_epoch_only(tmp_path: Path) -> None:
+    """A stream whose publisher sends its UUID resumes knowing its instance, but only in the epoch
+    the UUID was noted for: in any other epoch it is verified anew."""
+    a, b, c = b"\xaa" * 16, b"\xbb" * 16, b"\xcc" * 16
+    ck = Checkpointer(1)
+    assert ck.resume_instance(KEY, E) == (None, [])
+    ck.note_instance(KEY, E, a, [])
+    generation = ck.generation
+    ck.note_instance(KEY, E, a, [])
+    assert ck.generation == generation  # (nothing new: no save needed for it)
+    ck.note_instance(KEY, E + 5, b, [c, a])
+    ck.note_instance(KEY, E, a, [])  # an older epoch's, noted late: the newer one stands
+    path = tmp_path / "checkpoint.json"
+    save(path, ck.snapshot()[1])
+    loaded = Checkpointer(1, load(path))
+    assert loaded.resume_instance(KEY, E + 5) == (b, [c, a])
+    assert loaded.resume_instance(KEY, E) == (None, [])
+    loaded.forget(KEY, NOW)
+    assert loaded.resume_instance(KEY, E + 5) == (None, [])
+
+
+def test_a_checkpoint_keeps_the_last_retired_uuids_only() -> None:
+    ck = Checkpointer(1)
+    retired = [bytes([i]) * 16 for i in range(40)]
+    ck.note_instance(KEY, E, b"\xff" * 16, retired)
+    assert ck.resume_instance(KEY, E)[1] == retired[-RETIRED_KEPT:]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.checkpoint import Checkpointer, CheckpointFile, StreamPosition, load, save
+from bridge.checkpoint import Checkpointer, CheckpointFile, Instances, StreamPosition, load, save
 from tests.unit.test_checkpoint import KEY, NOW, batch, batch_position, lost
 
 # -- positions -----------------------------------------------------------------------------------
@@ -128,12 +128,14 @@ def test_the_file_is_the_documented_json(tmp_path: Path) -> None:
         CheckpointFile(
             streams={KEY: StreamPosition(1013402, 1041, 1732870000.25, 3735928559), "b/1": StreamPosition(7, -1)},
             epochs={KEY: 1013402, "b/1": 7},
+            instances={KEY: Instances(1013402, "5f" * 16)},
         ),
     )
     assert path.read_bytes() == (
         b'{"version":1,"streams":{"b/1":{"epoch":7,"seq":-1},'
         b'"llama-a/0":{"epoch":1013402,"seq":1041,"ts":1732870000.25,"crc":3735928559}},'
-        b'"epochs":{"b/1":7,"llama-a/0":1013402},"opened":{}}'
+        b'"epochs":{"b/1":7,"llama-a/0":1013402},"opened":{},'
+        b'"instances":{"llama-a/0":{"epoch":1013402,"id":"5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f"}}}'
     )
 
 

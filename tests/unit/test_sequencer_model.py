@@ -398,6 +398,39 @@ class UuidModel(SequencerModel):
             assert resets == ["instance_changed"], f"instance {instance} after {current}: {actions}"
         return actions
 
+    @rule()
+    def bridge_restart(self) -> None:
+        """The bridge stops and starts again from its checkpoint, as the runtime resumes a stream:
+        from what every sink acknowledged (here, everything decided), with the epoch's UUID and
+        those retired when the sequencer knew them for certain. What it had read and not settled
+        is forgotten with it (the engine's buffer still has it, or nobody knows it existed)."""
+        epoch, delivered, fp, anchor = self.seqr.resume_point()
+        instance, retired = self.seqr.sure_instance, self.seqr.retired_instances
+        self.seqr = StreamSequencer(
+            can_replay=self.seqr.can_replay,
+            replay_on_start=True,
+            max_held=6,
+            max_attempts=3,
+            ts_of=ts_of,
+            clock_skew=0.25,
+            epoch=epoch,
+            delivered=delivered,
+            delivered_fp=fp,
+            anchor=anchor,
+            instance=instance,
+            retired=retired,
+        )
+        for inst, seqs in list(self.seen.items()):
+            settled = set(self.down.covered.get(self.down.epoch_of.get(inst, -1), []))
+            self.seen[inst] = seqs & settled
+            if not self.seen[inst]:
+                del self.seen[inst]
+        self.kept = {(i, q) for i, q in self.kept if q in self.seen.get(i, set())}
+        self.pending.clear()
+        self.silent = 0
+        self.decoded = None
+        self.apply(self.seqr.start())
+
     @invariant()
     def restarts_say_why(self) -> None:
         assert set(self.down.reasons) <= {"publisher_restart", "instance_changed"}

@@ -119,7 +119,8 @@ def test_a_uuid_ends_doubt_at_once_after_a_reconnect() -> None:
 
 
 def test_a_resumed_stream_verifies_its_first_uuid_by_replay() -> None:
-    """The checkpoint keeps no UUID: the first one met after a bridge restart is not taken on trust."""
+    """A checkpoint that kept no UUID (an older file, an instance adopted in doubt): the first one
+    met after a bridge restart is not taken on trust."""
     last = p(A, 5)
     s = seqr(delivered=5, delivered_fp=fingerprint(ts(last), last), epoch=7)
     out = s.live(6, p(A, 6), instance=A)
@@ -127,6 +128,40 @@ def test_a_resumed_stream_verifies_its_first_uuid_by_replay() -> None:
     out = s.replayed(out[-1].request_id, 5, last) + s.replayed(out[-1].request_id, 6, p(A, 6))
     assert delivered(out) == [(7, 6)] and not s.in_doubt
     assert delivered(s.live(7, p(A, 7), instance=A)) == [(7, 7)]
+
+
+def test_a_stream_resumed_with_its_uuid_knows_its_instance_at_the_first_message() -> None:
+    """The checkpoint kept the epoch's UUID: a live message under it ends the doubt at once, with
+    no replay to verify; the gap up to it is still fetched."""
+    last = p(A, 5)
+    s = seqr(delivered=5, delivered_fp=fingerprint(ts(last), last), epoch=7, instance=A)
+    assert s.sure_instance == A and s.in_doubt
+    out = s.live(6, p(A, 6), instance=A)
+    assert delivered(out) == [(7, 6)] and not s.in_doubt and not any(isinstance(a, RequestReplay) for a in out)
+    out = s.live(9, p(A, 9), instance=A)
+    assert isinstance(out[-1], RequestReplay) and (out[-1].start, out[-1].until) == (6, 8)
+
+
+def test_a_restart_while_the_bridge_was_away_is_certain_without_a_replay_endpoint() -> None:
+    """No replay endpoint (KAITO's default): a checkpoint without the UUID cannot tell the new
+    instance's seq 8 from the old one's; with it, the UUID says restart, and nothing of the new
+    instance goes under the old epoch (I1)."""
+    last = p(A, 5)
+    before = seqr(replay=False, delivered=5, delivered_fp=fingerprint(ts(last), last), epoch=7)
+    assert delivered(before.live(8, p(B, 8), instance=B)) == [(7, 8)]  # (what happens without it)
+    s = seqr(replay=False, delivered=5, delivered_fp=fingerprint(ts(last), last), epoch=7, instance=A)
+    out = s.live(8, p(B, 8), instance=B)
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(8, INSTANCE_CHANGED)]
+    assert delivered(out) == [(8, 8)] and s.epoch == 8 and s.sure_instance == B
+    assert [(a.epoch, a.from_seq, a.to_seq) for a in out if isinstance(a, Lost)] == [(8, 0, 7)]
+    assert s.retired_instances == [A]
+
+
+def test_a_stream_resumed_with_retired_uuids_drops_their_late_messages() -> None:
+    s = seqr(replay=False, delivered=2, epoch=3, instance=B, retired=[A, C])
+    assert s.live(9, p(A, 9), instance=A) == [Duplicate(9)]
+    assert s.epoch == 3 and s.retired_instances == [A, C]
+    assert delivered(s.live(3, p(B, 3), instance=B)) == [(3, 3)]
 
 
 def test_heartbeats_carry_the_uuid_and_the_next_seq() -> None:
