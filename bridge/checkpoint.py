@@ -44,6 +44,7 @@ import itertools
 import logging
 import math
 import os
+import re
 import tempfile
 import threading
 import zlib
@@ -272,6 +273,10 @@ class Checkpointer:
             first = self.opened.get(key)
             if first is not None and first.epoch < handover.resume.epoch:
                 del self.opened[key]
+            known = self.instances.get(key)
+            if handover.instance is not None and (known is None or known.epoch <= handover.resume.epoch):
+                retired = known.retired if known is not None and known.id == handover.instance else []
+                self.instances[key] = Instances(handover.resume.epoch, handover.instance, retired)
         if handover.epoch is not None and handover.epoch > self.epochs.get(key, -1):
             self.epochs[key] = handover.epoch
         self._acked.pop(key, None)
@@ -457,6 +462,8 @@ class CheckpointStore:
 
 # -- handover: the position a sink holds ----------------------------------------------------------
 
+_HEX_ID = re.compile("[0-9a-f]{32}")
+
 MAX_SUB = (1 << 64) - 1
 """The last sub-position of a slot: a whole batch (every event of it), or an ``EventsLost``."""
 
@@ -470,7 +477,9 @@ class SinkPosition(msgspec.Struct, frozen=True, omit_defaults=True):
     is a control record); the batch may then be there only in part, up to that event. ``ts``: the
     engine's timestamp of that batch; ``crc``: CRC-32 of the engine's payload when the sink holds
     the bytes (``format: raw``), else None. Both fingerprint the batch, so that a restart of the
-    engine that kept counting on from this seq is still seen (see :class:`StreamPosition`)."""
+    engine that kept counting on from this seq is still seen (see :class:`StreamPosition`).
+    ``instance``: the batch's publisher UUID in hex, when the bridge that wrote it knew it for
+    certain (the ``instance`` header), else None."""
 
     epoch: int
     seq: int
@@ -478,6 +487,7 @@ class SinkPosition(msgspec.Struct, frozen=True, omit_defaults=True):
     index: int | None = None
     ts: float | None = None
     crc: int | None = None
+    instance: str | None = None
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, str | bytes], payload: bytes | None = None) -> SinkPosition:
@@ -501,7 +511,11 @@ class SinkPosition(msgspec.Struct, frozen=True, omit_defaults=True):
         ts = float(ts_text) if ts_text else None
         raw = kind == "batch" and index_text is None and text("content-type") == CONTENT_TYPES["raw"]
         crc = zlib.crc32(payload) if payload is not None and raw else None
-        return cls(int(epoch), int(seq), kind, int(index_text) if index_text else None, ts, crc)
+        instance = text("instance")
+        if instance is not None and not _HEX_ID.fullmatch(instance):
+            raise ValueError(f"not a bridge message: instance header {instance[:40]!r} is not a UUID in hex")
+        index = int(index_text) if index_text else None
+        return cls(int(epoch), int(seq), kind, index, ts, crc, instance if kind == "batch" else None)
 
     @property
     def fingerprinted(self) -> bool:
@@ -570,13 +584,16 @@ class Handover(msgspec.Struct, frozen=True):
     since, the sinks below it are told those seqs are lost), or None. ``behind[i]``: (epoch, first
     seq it lacks) when sink i holds an epoch that another sink holds a later one of: that epoch
     was closed, and what sink i lacks of it will never reach it (a pod killed while its queue
-    still held that epoch's tail: :class:`bridge.runtime.SkipHeld` announces it), else None."""
+    still held that epoch's tail: :class:`bridge.runtime.SkipHeld` announces it), else None.
+    ``instance``: the publisher UUID (hex) of the resume epoch's instance, when the batches the
+    sinks hold of that epoch name one and no two disagree, else None."""
 
     resume: StreamPosition | None
     skip: list[tuple[int, int, int] | None]
     epoch: int | None
     top: int | None = None
     behind: list[tuple[int, int] | None] = msgspec.field(default_factory=list)
+    instance: str | None = None
 
 
 def combine(local: StreamPosition | None, held: Sequence[Held], acked: StreamPosition | None = None) -> Handover:
@@ -632,7 +649,10 @@ def combine(local: StreamPosition | None, held: Sequence[Held], acked: StreamPos
         (h.epoch, h.first_missing()) if isinstance(h, SinkPosition) and latest is not None and h.epoch < latest else None
         for h in held
     ]
-    return Handover(resume, skip, latest, max(tops) if tops else None, behind)
+    named = {h.instance for h in held if isinstance(h, SinkPosition) and resume is not None and h.epoch == resume.epoch}
+    named.discard(None)
+    instance = named.pop() if len(named) == 1 else None
+    return Handover(resume, skip, latest, max(tops) if tops else None, behind, instance)
 
 
 def _own_need(h: SinkPosition, anchors: Sequence[SinkPosition]) -> StreamPosition | None:

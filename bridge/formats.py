@@ -64,7 +64,8 @@ class Envelope(msgspec.Struct, eq=False):
 
     @property
     def fields(self) -> dict[str, str]:
-        """The header as text: source, dp_rank, epoch, seq, type, content-type, schema_version, ts."""
+        """The header as text: source, dp_rank, epoch, seq, type, content-type, schema_version, ts,
+        instance."""
         f = self.built_fields
         if f is None:
             r = self.record
@@ -80,6 +81,8 @@ class Envelope(msgspec.Struct, eq=False):
             }
             if r.ts is not None:
                 f["ts"] = repr(r.ts)
+            if r.instance is not None:
+                f["instance"] = r.instance.hex()
         return f
 
     def encoded(self) -> tuple[list[tuple[str, bytes]], int]:

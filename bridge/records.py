@@ -67,6 +67,9 @@ class Record(msgspec.Struct):
     """An ``EventsLost`` whose lost span ends below where it stands (``seq``): a sink's announcement
     of a batch it refused for itself, written after later batches of the stream it stored, so
     that a consumer ordering by position does not take it for a copy. None: ``seq``."""
+    instance: bytes | None = None
+    """A batch's publisher lifetime UUID (vLLM #57789), when the sequencer knows it for certain:
+    the ``instance`` header, which a pod taking the stream over reads (``SinkPosition``)."""
 
     @property
     def n_events(self) -> int:

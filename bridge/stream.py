@@ -425,6 +425,8 @@ class StreamPipeline:
                 record = self._decoded = Record(
                     self.stream, epoch, seq, "batch", counted.ts, payload, [], None, None, received, len(types)
                 )
+                if (sequencer := self.sequencer).sure_instance is not None and sequencer.epoch == epoch:
+                    record.instance = sequencer.instance
                 return record
         try:
             if batch is None:
@@ -442,6 +444,8 @@ class StreamPipeline:
         record = self._decoded = Record(
             self.stream, epoch, seq, "batch", batch.ts, payload, batch.events, None, None, received, -1, batch.plain, n_bad
         )
+        if (sequencer := self.sequencer).sure_instance is not None and sequencer.epoch == epoch:
+            record.instance = sequencer.instance  # (a batch of an epoch that ended in this burst: not known here)
         return record
 
     def flush_metrics(self) -> None:

@@ -43,6 +43,7 @@ class Readback:
     def __init__(self) -> None:
         self._rows: list[tuple[int, int, int, int, str]] = []
         self._lost: list[tuple[int, int, int, str]] = []
+        self.resets: list[tuple[int, int, str]] = []  # (dp_rank, epoch, reason) of every SourceReset
         self._unchecked: list[tuple[bytes, dict[str, str]]] = []
 
     def add(self, headers: dict[str, str], body: bytes) -> None:
@@ -56,9 +57,12 @@ class Readback:
         )
         self._rows.append(row)
         self._unchecked.append((body, headers))
-        if row[4] == "EventsLost":
-            lost = msgspec.msgpack.decode(body) if headers.get("content-type") == MSGPACK else json.loads(body)
-            self._lost.append((row[0], lost["from_seq"], lost["to_seq"], lost["reason"]))
+        if row[4] in ("EventsLost", "SourceReset"):
+            control = msgspec.msgpack.decode(body) if headers.get("content-type") == MSGPACK else json.loads(body)
+            if row[4] == "EventsLost":
+                self._lost.append((row[0], control["from_seq"], control["to_seq"], control["reason"]))
+            else:
+                self.resets.append((row[0], row[1], control["reason"]))
 
     def validate(self) -> None:
         """Check every message added since the last call against the output schema."""

@@ -207,7 +207,8 @@ def test_every_messages_headers_follow_the_contract_and_their_encoded_pairs_agre
     f, g = fmt.split("/")
     renderer = Renderer(f, g)  # type: ignore[arg-type]
     no_ts = msgspec.structs.replace(RECORD, ts=None)
-    records = [RECORD, no_ts, source_reset(STREAM, 3, "publisher_restart", 0.0), events_lost(STREAM, 3, 0, 4, "gap", 0.0)]
+    named = msgspec.structs.replace(RECORD, instance=b"\x5f" * 16)  # (a publisher that sends its UUID)
+    records = [RECORD, no_ts, named, source_reset(STREAM, 3, "publisher_restart", 0.0), events_lost(STREAM, 3, 0, 4, "gap", 0.0)]
     for record in records:
         for m in renderer.render(record):
             expected = {
@@ -221,6 +222,8 @@ def test_every_messages_headers_follow_the_contract_and_their_encoded_pairs_agre
             }
             if record.ts is not None:
                 expected["ts"] = repr(record.ts)
+            if record.instance is not None:
+                expected["instance"] = "5f" * 16
             if m.index is not None:
                 expected["index"] = str(m.index)
             assert list(m.headers.items()) == list(expected.items())

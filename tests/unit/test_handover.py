@@ -192,6 +192,31 @@ def test_header_reading() -> None:
         SinkPosition.from_headers({"source": "a"})
 
 
+def test_the_instance_header_names_a_batchs_publisher() -> None:
+    headers = {"epoch": "7", "seq": "12", "type": "EventBatch", "ts": "1.25", "instance": "ab" * 16}
+    assert SinkPosition.from_headers(headers).instance == "ab" * 16
+    assert SinkPosition.from_headers({**headers, "type": "SourceReset"}).instance is None  # (a batch's only)
+    for bad in ("AB" * 16, "ab" * 15, "zz" * 16):
+        with pytest.raises(ValueError, match="instance header"):
+            SinkPosition.from_headers({**headers, "instance": bad})
+
+
+def test_the_sinks_name_the_resume_epochs_instance_only_when_they_agree() -> None:
+    a, b = "aa" * 16, "bb" * 16
+    at = SinkPosition(E, 4, ts=1.0, instance=a)
+    assert combine(None, [at, SinkPosition(E, 6, ts=1.5, instance=a)]).instance == a
+    assert combine(None, [at, SinkPosition(E, 6, ts=1.5)]).instance == a  # (one that names none: older bridge)
+    assert combine(None, [at, SinkPosition(E, 6, ts=1.5, instance=b)]).instance is None
+    assert combine(None, [at, SinkPosition(E + 1, 0, ts=2.0, instance=b)]).instance == a  # (the resume epoch's)
+    c = Checkpointer(1)
+    c.note_instance("a/0", E, bytes.fromhex(a), [bytes.fromhex(b)])
+    c.adopt("a/0", Handover(StreamPosition(E, 6, 1.5), [None], E, instance=a))
+    assert c.resume_instance("a/0", E) == (bytes.fromhex(a), [bytes.fromhex(b)])  # (what the file knew stays)
+    c = Checkpointer(1)
+    c.adopt("a/0", Handover(StreamPosition(E, 6, 1.5), [None], E, instance=a))
+    assert c.resume_instance("a/0", E) == (bytes.fromhex(a), [])
+
+
 def test_adopt_resumes_there_and_opens_epochs_above_what_sinks_hold() -> None:
     c = Checkpointer(2)
     c.adopt("a/0", Handover(StreamPosition(E, 4, 1.0), [None, None], E + 3))
