@@ -14,8 +14,8 @@ the replay's copy of that seq must match, or the engine restarted while the brid
 record reaches a sink, so a restarted bridge never opens it again. ``instances`` holds, for a
 stream whose publisher sends its lifetime UUID (vLLM #57789), the UUID of its instance in its
 newest epoch, known for certain, and those of the instances before it: a stream resumed in that
-epoch knows its instance at the first message, with or without a replay endpoint. A corrupt or unreadable file
-is reported by the caller and the bridge starts fresh; it never crashes on it.
+epoch knows its instance at the first message, with or without a replay endpoint. A corrupt or
+unreadable file is reported by the caller and the bridge starts fresh; it never crashes on it.
 
 Epoch numbers. A stream met for the first time opens epoch :func:`clock_epoch` (the wall clock
 in microseconds since 1970), and every later epoch is above the previous one, the saved one and
