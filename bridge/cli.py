@@ -74,6 +74,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--connect", action="store_true", help="connect to the endpoint instead of binding it")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--linger", type=_rate, default=0.0, help="keep serving replay this long after the last batch")
+    s.add_argument(
+        "--snapshot",
+        choices=["off", "vllm-57789", "vllm-50134", "sglang-34407"],
+        default="off",
+        help="serve engine snapshots in this design (experimental; vllm-50134 on the replay socket)",
+    )
+    s.add_argument("--snapshot-endpoint", default=None, help="snapshot socket of rank 0 (vllm-57789, sglang-34407)")
 
     t = sub.add_parser("tail", help="print decoded events of an engine")
     t.add_argument("endpoint", help="the engine's PUB endpoint of rank 0, e.g. tcp://vllm-host:5557")
@@ -603,7 +610,24 @@ def _quiet_stdout() -> None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    if _bad_endpoint("simulate", ("--endpoint", args.endpoint), ("--replay-endpoint", args.replay_endpoint)):
+    if _bad_endpoint(
+        "simulate",
+        ("--endpoint", args.endpoint),
+        ("--replay-endpoint", args.replay_endpoint),
+        ("--snapshot-endpoint", args.snapshot_endpoint),
+    ):
+        return EXIT_CONFIG
+    if args.snapshot in ("vllm-57789", "sglang-34407") and not args.snapshot_endpoint:
+        print(
+            f"python -m bridge simulate: --snapshot {args.snapshot} is served on a snapshot socket: give --snapshot-endpoint",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
+    if args.snapshot == "vllm-50134" and not args.replay_endpoint:
+        print(
+            "python -m bridge simulate: --snapshot vllm-50134 is served on the replay socket: give --replay-endpoint",
+            file=sys.stderr,
+        )
         return EXIT_CONFIG
     logs.setup()
     opts = SimulatorOptions(
@@ -622,6 +646,8 @@ def _simulate(args: argparse.Namespace) -> int:
         seed=args.seed,
         bind=not args.connect,
         linger=args.linger,
+        snapshot=args.snapshot,
+        snapshot_endpoint=args.snapshot_endpoint,
     )
 
     async def go() -> int:

@@ -38,6 +38,10 @@ class Interval(Duration):
     or "at once, forever" (nothing written, a busy loop)."""
 
 
+SnapshotDesign = Literal["off", "auto", "vllm-57789", "vllm-50134", "sglang-34407"]
+"""How a source's engine serves snapshots (bridge.snapshot)."""
+
+
 class ByteSize(int):
     """Bytes; in files also ``"64KiB"``, ``"16MiB"``, ``"1GiB"``, ``"10MB"``."""
 
@@ -128,6 +132,19 @@ class SourceConfig(Struct):
             "On start, replay the engine's buffered history (or from the checkpoint) instead of starting mid-stream "
             "(default: true when replay_endpoint is set)."
         ),
+    ] = None
+    snapshot: Annotated[
+        SnapshotDesign,
+        doc(
+            "Experimental: engine snapshots that make a state-keeping stream complete when it is met mid-epoch or "
+            "after an EventsLost (docs/sources/snapshots.md). off; auto (the design told by snapshot_endpoint's "
+            "reply, else vLLM #50134 on replay_endpoint); or one design: vllm-57789 and sglang-34407 (on "
+            "snapshot_endpoint), vllm-50134 (on replay_endpoint). Used only with a sink that has state.enabled."
+        ),
+    ] = "off"
+    snapshot_endpoint: Annotated[
+        str | None,
+        doc("ZMQ snapshot endpoint of rank 0 (vLLM #57789, SGLang #34407; rank r uses port + r), for snapshot."),
     ] = None
 
 
@@ -251,6 +268,33 @@ class StateConfig(Struct):
             "engine's next reset)."
         ),
     ] = Interval(60.0)
+
+
+class SnapshotsConfig(Struct):
+    """Bounds of the engine snapshots (experimental; sources' ``snapshot``)."""
+
+    max_bytes: Annotated[
+        ByteSize,
+        doc(
+            "Largest snapshot read, in bytes (its frames in all), and largest span of batches kept between its cut "
+            "and the batch it is seeded with; past it the snapshot is refused and the state stays incomplete."
+        ),
+    ] = ByteSize(256 * 2**20)
+    timeout: Annotated[
+        Interval,
+        doc("Bound on one snapshot, from asking (waiting for a slot included) to its last frame; then it is refused."),
+    ] = Interval(30.0)
+    max_concurrent: Annotated[
+        int,
+        msgspec.Meta(ge=1, description="Snapshots in flight per bridge process, at most (an engine serves them inline)."),
+    ] = 2
+    retry_interval: Annotated[
+        Duration,
+        doc(
+            "After a refused or timed-out snapshot, wait about this long (jittered) before asking again while the "
+            "state is still incomplete (0: ask again only after the next EventsLost)."
+        ),
+    ] = Duration(300.0)
 
 
 class BatchConfig(Struct):
@@ -492,6 +536,9 @@ class Config(Struct):
         default_factory=list
     )
     replay: ReplayConfig = msgspec.field(default_factory=ReplayConfig)
+    snapshots: Annotated[SnapshotsConfig, doc("Bounds of the engine snapshots (experimental; sources' snapshot).")] = (
+        msgspec.field(default_factory=SnapshotsConfig)
+    )
     ingest: IngestConfig = msgspec.field(default_factory=IngestConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
@@ -811,7 +858,7 @@ def _check_endpoints(entries: Any, problems: list[str]) -> None:
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict):
             continue
-        for key in ("endpoint", "replay_endpoint"):
+        for key in ("endpoint", "replay_endpoint", "snapshot_endpoint"):
             value = entry.get(key)
             problem = endpoint_problem(value) if isinstance(value, str) else None
             if problem is not None:
@@ -833,6 +880,7 @@ def _check_semantics(config: Config, sinks: list[SinkConfig], raw: list[Any], pr
             s.name = s.type if counts[s.type] == 1 else f"{s.type}-{n}"
             used[s.type] = n + 1
     _check_ports(config.sources, problems)
+    _check_snapshots(config.sources, problems)
     dns = config.discovery.dns
     if dns is not None and dns.replay_port is not None and dns.dp_ranks > 1:
         n = dns.dp_ranks
@@ -905,6 +953,26 @@ def _check_rule(rule: FieldRule, path: str, problems: list[str]) -> None:
 
 
 _TCP = re.compile(r"^tcp://(.+):(\d+)$")
+
+
+def _check_snapshots(sources: list[SourceConfig], problems: list[str]) -> None:
+    """Each source's snapshot design has the socket it is served on (bridge.snapshot)."""
+    for i, source in enumerate(sources):
+        design, at = source.snapshot, f"sources[{i}]"
+        if design == "off" and source.snapshot_endpoint is not None:
+            problems.append(
+                f"{at}.snapshot_endpoint: set, but snapshot is off; set snapshot: auto (or the engine's design) to use it, "
+                "or remove snapshot_endpoint"
+            )
+        elif design in ("vllm-57789", "sglang-34407") and source.snapshot_endpoint is None:
+            problems.append(f"{at}.snapshot: {design} is served on a snapshot socket of its own: set snapshot_endpoint")
+        elif design == "vllm-50134" and source.replay_endpoint is None:
+            problems.append(f"{at}.snapshot: vllm-50134 is served on the replay socket: set replay_endpoint")
+        elif design == "auto" and source.snapshot_endpoint is None and source.replay_endpoint is None:
+            problems.append(
+                f"{at}.snapshot: auto needs snapshot_endpoint (vLLM #57789, SGLang #34407) or replay_endpoint "
+                "(vLLM #50134): set one, or snapshot: off"
+            )
 
 
 def _check_ports(sources: list[SourceConfig], problems: list[str]) -> None:

@@ -29,7 +29,7 @@ import msgspec
 
 from .filters import EventFilter
 from .records import Event, Record, Stream
-from .schema import HASH_FIELDS, HEADER_KEYS, SCHEMA_VERSION, EventBatch, EventRecordHeader, EventsLost, SourceReset
+from .schema import HASH_FIELDS, HEADER_KEYS, SCHEMA_VERSION, EventBatch, EventRecordHeader, EventsLost, SourceReset, StateSeeded
 
 Format = Literal["json", "msgpack", "raw"]
 Granularity = Literal["event", "batch"]
@@ -129,12 +129,14 @@ class Message(msgspec.Struct):
     @property
     def position(self) -> tuple[int, int, int]:
         """(epoch, slot, sub): the record's position, and the event's index + 1 (0 for a whole
-        batch or a control record, STATE_SUB for a state message: after all of its record's)."""
+        batch or a control record, SEED_SUB for a StateSeeded record: after its batch's events,
+        STATE_SUB for a state message: after all of its record's)."""
         epoch, slot = self.record.position
         i = self.index
         if i is not None:
             return (epoch, slot, i + 1)
-        return (epoch, slot, STATE_SUB if self.type == STATE_TYPE else 0)
+        t = self.type
+        return (epoch, slot, STATE_SUB if t == STATE_TYPE else SEED_SUB if t == SEED_TYPE else 0)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -182,6 +184,10 @@ STATE_TYPE = "StateDelta"
 (``writes_state``): no value, ``record.state`` is what it writes, its position is after every
 message of the record."""
 STATE_SUB = (1 << 64) - 1
+SEED_TYPE: Final = "StateSeeded"
+"""The type of the record a batch carries when the stream's state was seeded from an engine
+snapshot with it (``Record.seed``); rendered after the batch's messages."""
+SEED_SUB = STATE_SUB - 1
 
 
 def state_message(record: Record) -> Message:
@@ -327,7 +333,9 @@ class Renderer:
         (RecursionError: the decoder's bound depends on its own stack depth, not ours); the sink
         worker dead-letters the record on any Exception.
         """
-        if record.kind != "batch":
+        if record.kind != "batch" or record.seed is not None:
+            if record.seed is not None:  # (rare: the batch an engine snapshot is seeded with)
+                return [*self._render(record), self._control(record.seed)]
             return [self._control(record)]
         if self.sharers == 1:
             if self._raw:  # the engine's bytes as they are (_batch, inline: the raw sinks' hot path)
@@ -389,7 +397,7 @@ class Renderer:
         s = record.stream
         fields = record.control()
         ctype = fields["type"]
-        cls = SourceReset if record.kind == "SourceReset" else EventsLost
+        cls = SourceReset if record.kind == "SourceReset" else StateSeeded if record.kind == "StateSeeded" else EventsLost
         body = cls(
             source=s.source, dp_rank=s.dp_rank, epoch=record.epoch, seq=record.seq, schema_version=SCHEMA_VERSION, **fields
         )
@@ -399,6 +407,8 @@ class Renderer:
             value, content_type = _json.encode(body), CONTENT_TYPES["json"]
         if record.kind == "SourceReset":
             msg_id = f"{s.source}/{s.dp_rank}/{record.epoch}/reset"
+        elif record.kind == "StateSeeded":
+            msg_id = f"{s.source}/{s.dp_rank}/{record.epoch}/{record.seq}/seeded"
         else:
             msg_id = f"{s.source}/{s.dp_rank}/{record.epoch}/lost/{record.from_seq}-{record.seq}"
         return Message(record, None, ctype, value, Envelope(record, ctype, content_type, msg_id))

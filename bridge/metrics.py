@@ -232,6 +232,12 @@ class Metrics:
         self.state_streams_off = Gauge(
             p + "state_streams_off", "Streams whose state is switched off (state.max_entries reached).", registry=r
         )
+        self.snapshots = Counter(
+            p + "snapshots",
+            "Engine snapshots (experimental) by outcome: seeded, or why one was refused (timeout, too_large, ...).",
+            ["source", "outcome"],
+            registry=r,
+        )
         self.state_switched_off = Counter(
             p + "state_switched_off", "Times a stream's state was switched off (state.max_entries).", ["source"], registry=r
         )
@@ -279,6 +285,7 @@ class Metrics:
             self.source_up,
             self.source_problem,
             self.state_switched_off,
+            self.snapshots,
         )
         for metric in per_source:
             metric.remove_by_labels({"source": source})

@@ -2,7 +2,8 @@
 
 A *stream* is one (source name, dp rank). A *record* is one item of a stream, in order: an engine
 batch (with its raw payload and decoded events) or a control record (``SourceReset``,
-``EventsLost``). Records are created once and shared, read-only, by every sink.
+``EventsLost``; ``StateSeeded`` travels with the batch it is seeded with, see ``Record.seed``).
+Records are created once and shared, read-only, by every sink.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import msgspec
 Event = dict[str, Any]
 """One normalised engine event: ``{"type": name, field: value, ...}`` in wire order."""
 
-RecordKind = Literal["batch", "SourceReset", "EventsLost"]
+RecordKind = Literal["batch", "SourceReset", "EventsLost", "StateSeeded"]
 
 EMPTY_RECORD_BYTES = 64
 """What a record without payload (a control record) counts for in queue bounds (``Record.size``)."""
@@ -70,6 +71,12 @@ class Record(msgspec.Struct):
     instance: bytes | None = None
     """A batch's publisher lifetime UUID (vLLM #57789), when the sequencer knows it for certain:
     the ``instance`` header, which a pod taking the stream over reads (``SinkPosition``)."""
+    seed: Record | None = None
+    """A ``StateSeeded`` record (``bridge.snapshot``) this batch carries: the stream's state is
+    re-seeded from an engine snapshot before the batch's own events, and the sinks write the
+    record after the batch's messages. A ``StateSeeded`` record's ``from_seq`` is the snapshot's
+    cut, ``reason`` its design, ``events`` the snapshot's events and those of the batches between
+    the cut and ``seq``."""
 
     @property
     def n_events(self) -> int:
@@ -93,6 +100,8 @@ class Record(msgspec.Struct):
         """The body of a control record (everything but the common header)."""
         if self.kind == "SourceReset":
             return {"type": "SourceReset", "reason": self.reason or "publisher_restart"}
+        if self.kind == "StateSeeded":
+            return {"type": "StateSeeded", "cut": self.from_seq, "design": self.reason or ""}
         to_seq = self.seq if self.to_seq is None else self.to_seq
         return {
             "type": "EventsLost",

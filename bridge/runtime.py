@@ -43,6 +43,7 @@ from .records import Record, Stream, events_lost
 from .replay import ReplayClient
 from .sequencer import StreamSequencer
 from .sink import SinkWorker
+from .snapshot import SnapshotClient, StreamSnapshots
 from .source import SourceReader
 from .state import StateTracker
 from .stream import StreamContext, StreamPipeline
@@ -200,6 +201,12 @@ class Bridge:
             spawn=self.spawn,
             replay_config=config.replay,
         )
+        self.snapshot_client = SnapshotClient(
+            self.zmq_context,
+            max_concurrent=config.snapshots.max_concurrent,
+            timeout=config.snapshots.timeout,
+            max_bytes=config.snapshots.max_bytes,
+        )
         self.pipelines: dict[str, StreamPipeline] = {}
         self._noted_instances: dict[str, tuple[int, bytes]] = {}  # (see _note_instances)
         self.readers: dict[str, SourceReader] = {}
@@ -351,9 +358,35 @@ class Bridge:
                 instance=instance,
                 retired=retired,
             )
+            pipeline.snapshots = self._snapshots(source, rank, pipeline)
             self.pipelines[key] = pipeline
             added.append((pipeline, for_rank(source.endpoint, rank)))
         return added
+
+    def _snapshots(self, source: SourceConfig, rank: int, pipeline: StreamPipeline) -> StreamSnapshots | None:
+        """The stream's engine snapshots (experimental): for a source with ``snapshot`` on, when a
+        sink keeps state (only a state is seeded from them)."""
+        if source.snapshot == "off" or self.tracker is None:
+            return None
+        design = source.snapshot
+        endpoint = source.snapshot_endpoint
+        if design == "vllm-50134" or (design == "auto" and endpoint is None):
+            design, endpoint = "vllm-50134", source.replay_endpoint
+        assert endpoint is not None  # (config: each design has its socket)
+        counter = self.metrics.snapshots
+        name = source.name
+        sequencer = pipeline.sequencer
+        return StreamSnapshots(
+            pipeline.stream,
+            for_rank(endpoint, rank),
+            design,
+            self.snapshot_client,
+            self.tracker,
+            lambda outcome: counter.labels(name, outcome).inc(),
+            self.spawn,
+            lambda: (sequencer.epoch, sequencer.instance),
+            self.config.snapshots.retry_interval,
+        )
 
     async def _start_readers(self, source: SourceConfig, added: list[tuple[StreamPipeline, str]]) -> None:
         for pipeline, endpoint in added:

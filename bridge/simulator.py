@@ -13,6 +13,11 @@ arrays with a trailing ``token_offset``, replay without topic, an end marker
 carrying ``[oldest, latest]``), the Mooncake master (#2214: RFC 1527 maps, ms timestamps, no
 replay), TensorRT-LLM (signed 64-bit hashes, coalesced blocks), vLLM #57789 (24-byte sequence
 frames with the publisher's lifetime UUID, idle heartbeats) and vLLM's open optional fields.
+
+Snapshots (experimental, :mod:`bridge.snapshot`): with ``snapshot`` set, each rank keeps its true
+cache (:class:`EngineCache`) and serves it in the chosen design: vLLM #57789 and SGLang #34407 on
+a snapshot socket of their own (``snapshot_endpoint``, port + rank), vLLM #50134 on the replay
+socket. The snapshot is taken between two batches, so its cut is the last seq published.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import errno
 import random
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -35,6 +40,7 @@ import zmq.asyncio
 from .endpoints import for_rank
 from .errors import StartupError
 from .records import Event
+from .snapshot import REQUEST as SNAPSHOT_REQUEST
 from .wire import ARRAY_FIELDS, END_SEQ, FIELDS
 
 _enc = msgspec.msgpack.Encoder()
@@ -311,6 +317,105 @@ class EventFactory:
         return out
 
 
+# -- the engine's cache, and its snapshots ------------------------------------------------------------
+
+SnapshotDesign = Literal["off", "vllm-57789", "vllm-50134", "sglang-34407"]
+SNAPSHOT_CHUNK_EVENTS = 256  # events per snapshot chunk (each an ordinary batch payload)
+
+
+class EngineCache:
+    """An engine's true cache, kept from the events it publishes: per (hash, medium, group_idx), its
+    residency count and the facts of its last store (vLLM does not de-duplicate: counts above 1).
+    Insertion order is kept, so a parent stored before its child comes first in a snapshot."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[tuple[Any, Any, Any]] = Counter()
+        self.facts: dict[tuple[Any, Any, Any], dict[str, Any]] = {}
+
+    def apply(self, events: Sequence[Event]) -> None:
+        for ev in events:
+            kind = ev.get("type")
+            if kind == "AllBlocksCleared":
+                self.counts.clear()
+                self.facts.clear()
+                continue
+            if kind not in ("BlockStored", "BlockRemoved"):
+                continue
+            hashes = ev.get("block_hashes") or []
+            medium, group = ev.get("medium"), ev.get("group_idx")
+            size = ev.get("block_size")
+            tokens = ev.get("token_ids") or []
+            for i, h in enumerate(hashes):
+                key = (h, medium, group)
+                if kind == "BlockStored":
+                    self.counts[key] += 1
+                    own = tokens[i * size : (i + 1) * size] if isinstance(size, int) and size > 0 else []
+                    parent = hashes[i - 1] if i else ev.get("parent_block_hash")
+                    self.facts[key] = {"parent_block_hash": parent, "token_ids": own, "block_size": size}
+                elif self.counts[key] > 0:
+                    self.counts[key] -= 1
+                    if not self.counts[key]:
+                        del self.counts[key]
+                        del self.facts[key]
+
+    def events(self, profile: Profile) -> list[Event]:
+        """The cache as ``BlockStored`` events, one block each, one per copy, parents first."""
+        out: list[Event] = []
+        for key, n in self.counts.items():
+            h, medium, group = key
+            facts = self.facts[key]
+            values = {"block_hashes": [h], "medium": medium, "group_idx": group, "extra_keys": [None], **facts}
+            ev = _fill(profile, "BlockStored", values)
+            out.extend(ev for _ in range(n))
+        return out
+
+
+def _fill(profile: Profile, tag: str, values: dict[str, Any]) -> Event:
+    event: Event = {"type": tag}
+    for name in profile.fields.get(tag, ()):
+        value = values.get(name)
+        if value is None and profile.events == "map" and name in profile.omit_none:
+            continue
+        event[name] = value
+    return event
+
+
+def snapshot_chunks(profile: Profile, events: Sequence[Event], ts: float, dp_rank: int = 0) -> list[bytes]:
+    """A snapshot's events as ordinary batch payloads of at most ``SNAPSHOT_CHUNK_EVENTS`` each."""
+    step = SNAPSHOT_CHUNK_EVENTS
+    return [encode_batch(profile, ts, events[i : i + step], dp_rank) for i in range(0, len(events), step)]
+
+
+def snapshot_reply(
+    design: SnapshotDesign,
+    profile: Profile,
+    cache: EngineCache,
+    *,
+    cut: int,
+    ts: float,
+    instance: bytes = b"",
+    topic: bytes = b"",
+    epoch: int = 0,
+    dp_rank: int = 0,
+) -> list[list[bytes]]:
+    """The messages (each after the requester's identity) an engine sends for one snapshot."""
+    events = cache.events(profile)
+    if design == "vllm-50134":
+        # Ordinary replay replies, AllBlocksCleared first, each seq frame the resume point.
+        chunks = snapshot_chunks(profile, [_fill(profile, "AllBlocksCleared", {}), *events], ts, dp_rank)
+        frame = (cut + 1).to_bytes(8, "big") + instance
+        replies = [[b"", topic, frame, c] if profile.replay_topic else [b"", frame, c] for c in chunks]
+        end = END_SEQ.to_bytes(8, "big")
+        return [*replies, [b"", topic, end, b""] if profile.replay_topic else [b"", end, b""]]
+    chunks = snapshot_chunks(profile, events, ts, dp_rank)
+    if design == "vllm-57789":
+        return [[b"", cut.to_bytes(8, "big", signed=True), instance or bytes(16), *chunks]]
+    if design == "sglang-34407":
+        header = _enc.encode({"epoch": epoch, "barrier_seq": cut, "resume_seq": cut + 1})
+        return [[b"", header, *chunks]]
+    raise ValueError(f"no snapshot design {design!r}")
+
+
 # -- the publisher ----------------------------------------------------------------------------------
 
 
@@ -337,8 +442,13 @@ class RankPublisher:
         faults: Faults | None = None,
         seed: int = 0,
         bind: bool = True,
+        snapshot: SnapshotDesign = "off",
+        snapshot_endpoint: str | None = None,
     ) -> None:
         self.profile = profile
+        self.snapshot: SnapshotDesign = snapshot
+        self.cache = EngineCache()  # the true cache, kept while snapshots are served
+        self.snapshots_served = 0
         self.rank = rank
         self.topic = topic.encode()
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -353,6 +463,7 @@ class RankPublisher:
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
         self.router: zmq.asyncio.Socket | None = None
+        self.snapshot_socket: zmq.asyncio.Socket | None = None
         doing = f"{'bind' if bind else 'connect'} the PUB socket to {endpoint}"
         try:
             if bind:
@@ -364,10 +475,18 @@ class RankPublisher:
                 self.router = ctx.socket(zmq.ROUTER)
                 self.router.setsockopt(zmq.LINGER, 0)
                 self.router.bind(replay_endpoint)
+            if snapshot in ("vllm-57789", "sglang-34407"):
+                if not snapshot_endpoint:
+                    raise ValueError(f"snapshot {snapshot} is served on a snapshot socket: give snapshot_endpoint")
+                doing = f"bind the snapshot ROUTER socket to {snapshot_endpoint}"
+                self.snapshot_socket = ctx.socket(zmq.ROUTER)
+                self.snapshot_socket.setsockopt(zmq.LINGER, 0)
+                self.snapshot_socket.bind(snapshot_endpoint)
         except zmq.ZMQError as exc:
             self.pub.close(linger=0)
-            if self.router is not None:
-                self.router.close(linger=0)
+            for sock in (self.router, self.snapshot_socket):
+                if sock is not None:
+                    sock.close(linger=0)
             fix = (
                 "another process holds the port: stop it, or choose another port"
                 if exc.errno == errno.EADDRINUSE
@@ -375,10 +494,38 @@ class RankPublisher:
             )
             raise StartupError(f"rank {rank}: cannot {doing} ({exc.strerror}); {fix}") from exc
         self._replay_task: asyncio.Task[None] | None = None
+        self._snapshot_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         if self.router is not None:
             self._replay_task = asyncio.create_task(self._serve_replay(), name=f"sim-replay:{self.rank}")
+        if self.snapshot_socket is not None:
+            self._snapshot_task = asyncio.create_task(self._serve_snapshots(), name=f"sim-snapshot:{self.rank}")
+
+    def snapshot_messages(self) -> list[list[bytes]]:
+        """A snapshot of the rank's cache now, in its design (see :func:`snapshot_reply`)."""
+        assert self.snapshot != "off"
+        self.snapshots_served += 1
+        return snapshot_reply(
+            self.snapshot,
+            self.profile,
+            self.cache,
+            cut=self.seq - 1,
+            ts=time.time(),
+            instance=self.instance,
+            topic=self.topic,
+            epoch=self.restarts,
+            dp_rank=self.rank,
+        )
+
+    async def _serve_snapshots(self) -> None:
+        assert self.snapshot_socket is not None
+        while True:
+            frames = await self.snapshot_socket.recv_multipart()
+            if len(frames) != 3 or frames[2] != SNAPSHOT_REQUEST:
+                continue
+            for message in self.snapshot_messages():
+                await self.snapshot_socket.send_multipart([frames[0], *message])
 
     async def publish(self, payload: bytes) -> int:
         """Publish one batch payload; returns its seq."""
@@ -407,6 +554,7 @@ class RankPublisher:
         new lifetime UUID where the profile sends one)."""
         self.seq = 0
         self.buffer.clear()
+        self.cache = EngineCache()
         self.restarts += 1
         if self.instance:
             self.instance = uuid.UUID(int=self.rand.getrandbits(128)).bytes
@@ -431,6 +579,10 @@ class RankPublisher:
             if len(frames) != 3 or len(frames[2]) != 8:
                 continue  # the engines ignore malformed requests too
             identity, start = frames[0], int.from_bytes(frames[2], "big")
+            if self.snapshot == "vllm-50134" and frames[2] == SNAPSHOT_REQUEST:
+                for message in self.snapshot_messages():
+                    await self.router.send_multipart([identity, *message])
+                continue
             for seq, payload in list(self.buffer):
                 if seq >= start and not (drop and self.rand.random() < drop):
                     await self.router.send_multipart(self._reply(identity, seq, payload))
@@ -438,13 +590,15 @@ class RankPublisher:
                 await self.router.send_multipart(self._end(identity))
 
     async def close(self) -> None:
-        if self._replay_task is not None:
-            self._replay_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._replay_task
+        for task in (self._replay_task, self._snapshot_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         self.pub.close(linger=0)
-        if self.router is not None:
-            self.router.close(linger=0)
+        for sock in (self.router, self.snapshot_socket):
+            if sock is not None:
+                sock.close(linger=0)
 
 
 @dataclass
@@ -464,6 +618,8 @@ class SimulatorOptions:
     seed: int = 0
     bind: bool = True
     linger: float = 0.0  # keep serving replay this long after the last batch
+    snapshot: SnapshotDesign = "off"  # serve snapshots in this design (experimental)
+    snapshot_endpoint: str | None = None  # the snapshot socket of rank 0 (vllm-57789, sglang-34407)
 
 
 class Simulator:
@@ -474,6 +630,8 @@ class Simulator:
             raise ValueError(f"unknown profile {options.profile!r}; known: {', '.join(PROFILES)}")
         self.options = options
         self.profile = PROFILES[options.profile]
+        if options.snapshot != "off" and (self.profile.rfc1527 or "BlockTransferred" in self.profile.fields):
+            raise ValueError(f"profile {options.profile} has no snapshot design: its events move blocks between media")
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.asyncio.Context()
         self.ranks: list[RankPublisher] = []
@@ -501,6 +659,8 @@ class Simulator:
                 faults=o.faults,
                 seed=o.seed,
                 bind=o.bind,
+                snapshot=o.snapshot,
+                snapshot_endpoint=for_rank(o.snapshot_endpoint, r) if o.snapshot_endpoint else None,
             )
             pub.start()
             self.ranks.append(pub)
@@ -518,7 +678,10 @@ class Simulator:
         """Publish one batch on ``rank`` (generated unless ``events`` given); returns its seq."""
         evs = list(events) if events is not None else self.factories[rank].batch(self.options.events_per_batch)
         payload = encode_batch(self.profile, time.time() if ts is None else ts, evs, rank)
-        return await self.ranks[rank].publish(payload)
+        pub = self.ranks[rank]
+        if pub.snapshot != "off":
+            pub.cache.apply(evs)
+        return await pub.publish(payload)
 
     async def run(self) -> None:
         """Publish at the configured rate until ``count`` batches per rank (forever if 0)."""

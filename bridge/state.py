@@ -22,12 +22,14 @@ in both forms. Two distinct live blocks of one tier share an id with probability
 ``n**2 / 2**65`` (3e-8 for 10^6 live blocks; vLLM's integer form already has these odds). The
 hash as sent travels in each delta's :class:`BlockFact`.
 
-Clears. ``SourceReset`` and ``AllBlocksCleared`` (which has no medium: every tier) empty the
-stream and make it ``complete``; ``EventsLost`` empties it and marks it incomplete, so the state
-never holds a block the engine may have dropped in the lost span (it may miss blocks stored in
-it: a subset, never a false positive). A stream first seen mid-way (a batch above seq 0 with no
-reset before it) is incomplete too. ``complete`` returns at the next reset or clear. A clear's
-delta enumerates the keys that were live (for per-key tombstones) without copying them.
+Clears. ``SourceReset`` and ``AllBlocksCleared`` (which has no medium: every tier) empty the stream
+and make it ``complete``; so does a batch that carries a seed (``Record.seed``, from an engine
+snapshot: its events, the whole cache, are applied after the clear, then the batch's own);
+``EventsLost`` empties it and marks it incomplete, so the state never holds a block the engine may
+have dropped in the lost span (it may miss blocks stored in it: a subset, never a false positive). A
+stream first seen mid-way (a batch above seq 0 with no reset before it) is incomplete too.
+``complete`` returns at the next reset or clear. A clear's delta enumerates the keys that were live
+(for per-key tombstones) without copying them.
 
 Memory. Each tier is an open-addressing table (linear probing, backward-shift deletion) of two
 parallel arrays: the ids (``array('Q')``, 8 bytes) and the seq + 1 of each block's version
@@ -649,7 +651,15 @@ class StateTracker:
             st.seq = record.seq
         else:
             st.seq = record.seq
-            if fresh or new_epoch:
+            seed = record.seed
+            if seed is not None:
+                # Seeded from an engine snapshot (bridge.snapshot): the engine's cache at the
+                # snapshot's cut and the batches since, then this batch: complete from here.
+                self._clear(st, delta, pending)
+                st.lost = False
+                self._restart(st, delta)
+                self._events(st, seed, delta, pending)
+            elif fresh or new_epoch:
                 # No reset opened this epoch here: only a batch at seq 0 follows an empty cache.
                 if new_epoch and not fresh:
                     self._clear(st, delta, pending)

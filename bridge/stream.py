@@ -30,6 +30,7 @@ from .metrics import Metrics, StreamMetrics
 from .records import Record, Stream, events_lost, source_reset
 from .replay import ReplayClient, ReplayOutcome
 from .sequencer import Action, Deliver, Duplicate, Fingerprint, Gap, Lost, RequestReplay, Reset, StreamSequencer, fingerprint
+from .snapshot import StreamSnapshots
 
 log = logging.getLogger("bridge.stream")
 
@@ -136,6 +137,9 @@ class StreamPipeline:
         self._handed: Record | None = None
         self._handed_batch: Record | None = None
         self._unread_top = -1
+        # Engine snapshots (experimental, bridge.snapshot): set by the runtime for a source with
+        # snapshot on and a sink that keeps state; sees each record as it is handed on.
+        self.snapshots: StreamSnapshots | None = None
 
     # -- inputs ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -257,6 +261,10 @@ class StreamPipeline:
         """Hand ``_run`` (records decided in order, not yet offered) to every sink: in one call
         when every sink has room for all of it, else one by one, waiting for blocking sinks."""
         run = self._run
+        snaps = self.snapshots
+        if snaps is not None and (snaps.seeding is not None or snaps.check):
+            await self._hand_run_seeding(snaps)  # (rare: a snapshot to ask for, or in flight)
+            return
         fanout = self.ctx.fanout
         if fanout.offer_all(run):
             self._handed = run[-1]
@@ -272,6 +280,18 @@ class StreamPipeline:
             if record.kind == "batch":
                 self._handed_batch = record
             await fanout.publish(record)
+
+    async def _hand_run_seeding(self, snaps: StreamSnapshots) -> None:
+        """``_hand_run`` while a snapshot may be asked for or attach its seed (bridge.snapshot)."""
+        run = self._run
+        while run:
+            record = run.pop(0)
+            snaps.before(record)
+            self._handed = record
+            if record.kind == "batch":
+                self._handed_batch = record
+            await self.ctx.fanout.publish(record)
+            snaps.after(record)
 
     async def probe(self) -> None:
         """Called when the stream has been quiet for ``replay.idle_probe`` (see StreamSequencer.probe)."""
@@ -310,6 +330,8 @@ class StreamPipeline:
 
     async def stop(self) -> None:
         self.flush_metrics()
+        if self.snapshots is not None:
+            self.snapshots.stop()
         task = self._replay_task
         if task is not None and not task.done():
             task.cancel()
@@ -401,10 +423,15 @@ class StreamPipeline:
     async def _publish(self, record: Record) -> None:
         if self._first_pending:
             await self._note_first(record)
+        snaps = self.snapshots
+        if snaps is not None:
+            snaps.before(record)
         self._handed = record  # every sink has it once offered (see Fanout.finish)
         if record.kind == "batch":
             self._handed_batch = record
         await self.ctx.fanout.publish(record)
+        if snaps is not None:
+            snaps.after(record)
 
     def _decode(
         self,

@@ -167,7 +167,7 @@ def entry_id(position: tuple[int, int, int]) -> str:
     - narrow, epochs below :data:`WIDE_EPOCHS`: ``<epoch * 2**40 + slot>-<sub>``;
     - wide, from :data:`WIDE_EPOCHS`: ``<2**63 + epoch>-<slot * 2**24 + sub>``, where the sub
       ``2**64 - 1`` (an EventsLost or a state change: after everything of its slot) becomes
-      ``2**24 - 1``.
+      ``2**24 - 1`` (a StateSeeded record's ``2**64 - 2``, after its batch's events: ``2**24 - 2``).
 
     Both parts are unsigned 64-bit in Redis; every narrow first part is below ``2**63`` and
     every wide one above, so comparing ids compares (epoch, slot, sub) lexicographically in and
@@ -179,6 +179,8 @@ def entry_id(position: tuple[int, int, int]) -> str:
     if 0 <= epoch < WIDE_EPOCHS and 0 <= slot <= MAX_SLOT and 0 <= sub <= MAX_SUB:
         first = (epoch << SLOT_BITS) | slot
         return f"{first}-{1 if first == 0 and sub == 0 else sub}"
+    if sub == MAX_SUB - 1:  # a StateSeeded record (formats.SEED_SUB): after its batch's events, before its state
+        sub = MAX_WIDE_SUB - 1 if epoch >= WIDE_EPOCHS else sub
     if not (WIDE_EPOCHS <= epoch < WIDE and 0 <= slot <= MAX_SLOT and (0 <= sub < MAX_WIDE_SUB or sub == MAX_SUB)):
         raise ValueError(
             f"position {position} does not fit a Redis entry id "
