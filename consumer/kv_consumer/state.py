@@ -16,7 +16,10 @@ position per stream is enough: no set of seen ids.
 2. Follow the stream's messages from ``H["next"]`` with :meth:`StreamState.apply`: a message at or
    below ``H`` or below the last one applied is skipped (copies); ``SourceReset``,
    ``AllBlocksCleared`` and ``EventsLost`` drop every entry (``EventsLost``: incomplete until the
-   engine clears its cache or restarts); a block event at (epoch, seq) changes a key only if that
+   engine clears its cache or restarts); ``StateSeeded`` (experimental engine snapshots) says the
+   sink's state was re-seeded complete at its (epoch, seq): the stream's state here stays as it
+   is, marked incomplete with :attr:`StreamState.rebootstrap` set: bootstrap again from the sink's
+   state to have it complete; a block event at (epoch, seq) changes a key only if that
    is newer than the version the sweep read for it (entries read after ``H`` already hold later
    changes); counts never go below 0. Residency counts are per (medium, group_idx, block): vLLM
    does not de-duplicate cached blocks and sends one ``BlockRemoved`` per physical block, so a
@@ -111,6 +114,9 @@ class StreamState:
         self.epoch = int(head["epoch"])
         self.complete = bool(head.get("complete", False))
         self.why = "" if self.complete else ("no state" if self.epoch < 0 else "incomplete state")
+        # A StateSeeded record was applied: the sink holds the stream's state complete from there
+        # on; bootstrap again (the state here is only what the messages brought).
+        self.rebootstrap = False
         self.watch: Callable[[Key, bool], None] | None = None
         # Everything at or below the head is in the entries already.
         self.applied: tuple[int, int, int] = (self.epoch, int(head["seq"]) + 1, LAST)
@@ -162,6 +168,7 @@ class StreamState:
         self.epoch = epoch
         self.complete = complete
         self.why = "" if complete else why
+        self.rebootstrap = False  # (cleared: nothing to bootstrap again for)
 
     def apply(self, message: Document) -> bool:
         """Apply one message of the stream's output, in the order read; False when it was skipped
@@ -177,6 +184,13 @@ class StreamState:
             self._clear(epoch, pos[1] == 1 and pos[2] <= 1, "joined mid-stream")
         if kind == "SourceReset":
             self._clear(epoch, True)
+            return True
+        if kind == "StateSeeded":
+            if not self.complete:
+                self.rebootstrap = True
+                self.why = (
+                    f"the bridge re-seeded the state from an engine snapshot at ({epoch}, {seq}): bootstrap again"
+                )
             return True
         if kind == "EventsLost":
             lost = f"seqs {message.get('from_seq')}-{message.get('to_seq')} of epoch {epoch} lost ({message.get('reason')})"

@@ -181,10 +181,13 @@ type StreamState struct {
 	Applied  Pos
 	Complete bool
 	Why      string // why it is incomplete
-	Entries  map[Key]*Entry
-	floor    map[Key]version // the version a state sweep read, per key
-	ReadyAt  version
-	watch    func(Key, bool)
+	// Rebootstrap: a StateSeeded record was applied while incomplete (experimental engine
+	// snapshots): the sink's state is complete from there on; bootstrap again.
+	Rebootstrap bool
+	Entries     map[Key]*Entry
+	floor       map[Key]version // the version a state sweep read, per key
+	ReadyAt     version
+	watch       func(Key, bool)
 }
 
 // NewStreamState is a stream without state: nothing applied, nothing known.
@@ -252,7 +255,7 @@ func (s *StreamState) clear(epoch int64, complete bool, why string) {
 	}
 	s.Entries = map[Key]*Entry{}
 	s.floor = map[Key]version{}
-	s.Epoch, s.Complete, s.Why = epoch, complete, ""
+	s.Epoch, s.Complete, s.Why, s.Rebootstrap = epoch, complete, "", false
 	if !complete {
 		s.Why = why
 	}
@@ -278,6 +281,12 @@ func (s *StreamState) Apply(r Record) (bool, error) {
 	switch kind {
 	case "SourceReset":
 		s.clear(epoch, true, "")
+		return true, nil
+	case "StateSeeded":
+		if !s.Complete {
+			s.Rebootstrap = true
+			s.Why = fmt.Sprintf("the bridge re-seeded the state from an engine snapshot at (%d, %d): bootstrap again", epoch, seq)
+		}
 		return true, nil
 	case "EventsLost":
 		s.clear(epoch, false, fmt.Sprintf("seqs %v-%v of epoch %d lost (%v)", r["from_seq"], r["to_seq"], epoch, r["reason"]))

@@ -84,6 +84,12 @@ func TestIndexRules(t *testing.T) {
 	if x.Streams[e].Complete || x.Streams[e].Why != "seqs 3-5 of epoch 10 lost (replay_buffer_exceeded)" {
 		t.Fatalf("why: %q", x.Streams[e].Why)
 	}
+	// the bridge re-seeded the sink's state from an engine snapshot (experimental): bootstrap again
+	apply(rec(t, `{"source":"e","dp_rank":0,"epoch":10,"seq":6,"type":"StateSeeded","cut":5,"design":"vllm-57789"}`))
+	same(t, residency(x, e), map[string]int64{"4/GPU": 1})
+	if x.Streams[e].Complete || !x.Streams[e].Rebootstrap || !strings.Contains(x.Streams[e].Why, "at (10, 6): bootstrap again") {
+		t.Fatalf("after StateSeeded: complete %v, rebootstrap %v, why %q", x.Streams[e].Complete, x.Streams[e].Rebootstrap, x.Streams[e].Why)
+	}
 	apply(rec(t, batch(10, 7, `{"type":"AllBlocksCleared"},`+stored("GPU", "5"))))
 	same(t, residency(x, e), map[string]int64{"5/GPU": 1})
 	if !x.Streams[e].Complete {

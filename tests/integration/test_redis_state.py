@@ -39,6 +39,7 @@ from tests.support.cache_engine import CacheEngine, event
 from tests.support.harness import free_port, wait_for
 from tests.support.process import BridgeProcess, bridge_config, metric
 from tests.support.readback import CONTROL, read_redis
+from tests.support.snapshots import seeded_mid_epoch_and_after_a_loss, snapshot_source, until
 
 pytestmark = pytest.mark.integration
 
@@ -879,3 +880,76 @@ async def test_a_bridge_restarted_after_redis_lost_what_it_acknowledged_gives_it
     finally:
         await redis.aclose()
         (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("design", ["vllm-57789", "vllm-50134", "sglang-34407"])
+async def test_a_stream_met_mid_epoch_is_seeded_from_an_engine_snapshot(
+    tmp_path: Path, redis_server: RedisServer, client: Any, design: str
+) -> None:
+    """Engine snapshots (experimental): the scenario of tests/support/snapshots.py on Redis; the
+    stream holds the StateSeeded record after the seeded batch, and the seeds are counted."""
+    prefix = f"kvs{uuid.uuid4().hex[:8]}"
+    live, replay, snap = free_port(), free_port(), free_port()
+    port = None if design == "vllm-50134" else snap
+    cfg = from_data(
+        {
+            "sources": [snapshot_source("a", live, replay, design, port)],
+            "sinks": [sink(redis_server.url, prefix)],
+            "metrics": {"listen": ""},
+            "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+            "replay": REPLAY,
+            "shutdown_timeout": "3s",
+        },
+        env={},
+    )
+    async with CacheEngine(live, replay, seed=3, buffer_steps=4, snapshot=design, snapshot_port=port) as engine:  # type: ignore[arg-type]
+        engine.snapshot_gate = asyncio.Event()
+        await engine.step(10)  # before the bridge: more than the buffer holds
+        bridge = Bridge(cfg)
+        await bridge.start()
+        try:
+
+            async def state() -> StreamState:
+                await settled(client, prefix, engine, "a")
+                return await bootstrapped(client, prefix, "a")
+
+            await seeded_mid_epoch_and_after_a_loss(bridge, engine, "a/0", state, truth)
+            seeds = [json.loads(f[b"data"]) for _i, f in await client.xrange(f"{prefix}:a:0") if b'"StateSeeded"' in f[b"data"]]
+            assert [(s["cut"], s["design"]) for s in seeds] == [(c, design) for c in engine.snapshot_cuts]
+            assert bridge.metrics.snapshots.labels("a", "seeded")._value.get() == 2
+        finally:
+            await bridge.stop()
+            await remove_keys(client, prefix)
+
+
+async def test_a_refused_snapshot_leaves_the_state_incomplete_and_is_counted(
+    tmp_path: Path, redis_server: RedisServer, client: Any
+) -> None:
+    prefix = f"kvs{uuid.uuid4().hex[:8]}"
+    live, replay, snap = free_port(), free_port(), free_port()
+    cfg = from_data(
+        {
+            "sources": [snapshot_source("a", live, replay, "auto", snap)],
+            "sinks": [sink(redis_server.url, prefix)],
+            "metrics": {"listen": ""},
+            "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+            "replay": REPLAY,
+            "shutdown_timeout": "3s",
+        },
+        env={},
+    )
+    async with CacheEngine(live, replay, seed=4, buffer_steps=4, snapshot="vllm-57789", snapshot_port=snap) as engine:
+        engine.refuse_snapshots = True
+        await engine.step(10)
+        bridge = Bridge(cfg)
+        await bridge.start()
+        try:
+            refused = bridge.metrics.snapshots.labels("a", "unavailable")
+            await until(lambda: refused._value.get() == 1, "the refusal to be counted")
+            for _ in range(3):
+                await engine.step(1)
+                await settled(client, prefix, engine, "a")
+                check(await bootstrapped(client, prefix, "a"), engine, complete=False)
+        finally:
+            await bridge.stop()
+            await remove_keys(client, prefix)

@@ -7,15 +7,27 @@ blocks stored (GPU), copies of held blocks stored again (vLLM does not de-duplic
 and more) or offloaded (medium CPU), one ``BlockRemoved`` per physical copy, and clears. It applies
 each event to the current instance's true cache, a multiset of (hash, medium): what a consumer's
 index must hold for the stream, whatever the bridge and the broker did in between.
+
+With ``snapshot`` set it serves engine snapshots of that true cache (experimental designs, see
+:mod:`bridge.snapshot`): on a snapshot ROUTER of its own (``snapshot_port``) or on the replay
+socket (``vllm-50134``). A snapshot is taken when asked for (its cut: the last seq published
+then) and sent when ``snapshot_gate`` (if set) opens, so a test can publish meanwhile; or it is
+refused (``refuse_snapshots``: the unavailable answer of each design).
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 from typing import Any
 
-from bridge.simulator import encode_batch
+import zmq
+import zmq.asyncio
+
+from bridge.simulator import EngineCache, SnapshotDesign, encode_batch, snapshot_reply
+from bridge.snapshot import REQUEST as SNAPSHOT_REQUEST
+from bridge.wire import END_SEQ
 from tests.support.scripted_engine import PROFILE, ScriptedEngine
 
 Event = dict[str, Any]
@@ -36,12 +48,29 @@ def event(kind: str, **values: Any) -> Event:
 class CacheEngine(ScriptedEngine):
     """``async with CacheEngine(live_port, replay_port, seed=1) as engine:``; ``await engine.step(n)``."""
 
-    def __init__(self, live_port: int, replay_port: int, *, seed: int, buffer_steps: int = 10_000) -> None:
+    def __init__(
+        self,
+        live_port: int,
+        replay_port: int,
+        *,
+        seed: int,
+        buffer_steps: int = 10_000,
+        snapshot: SnapshotDesign = "off",
+        snapshot_port: int | None = None,
+    ) -> None:
         super().__init__(live_port, replay_port, buffer_steps=buffer_steps)
         self.rand = random.Random(seed)
         self.caches: list[Counter[Copy]] = []  # per instance: its true cache (index: instance number)
         self.last_events = 0  # events in the last batch published
         self.parent: int | None = None
+        self.snapshot: SnapshotDesign = snapshot
+        self.snapshot_port = snapshot_port
+        self.snapshot_gate: asyncio.Event | None = None
+        self.refuse_snapshots = False
+        self.snapshot_cuts: list[int] = []  # the cut of each snapshot taken
+        self.engine_cache = EngineCache()  # the current instance's, with the facts a snapshot sends
+        self._snapshot_socket: zmq.asyncio.Socket | None = None
+        self._snapshot_tasks: set[asyncio.Task[None]] = set()
 
     async def __aenter__(self) -> CacheEngine:
         await super().__aenter__()
@@ -66,6 +95,72 @@ class CacheEngine(ScriptedEngine):
         """A new instance on the same ports: seq from 0, empty buffer and cache."""
         await super().restart()
         self.parent = None
+        self.engine_cache = EngineCache()
+
+    # -- snapshots --------------------------------------------------------------------------------
+    async def _open(self) -> None:
+        await super()._open()
+        if self.snapshot in ("vllm-57789", "sglang-34407"):
+            assert self.snapshot_port is not None
+            self._snapshot_socket = sock = await self._bind(zmq.ROUTER, self.snapshot_port)
+            self._spawn(self._serve_snapshots(sock))
+
+    async def _close(self) -> None:
+        for task in list(self._snapshot_tasks):
+            task.cancel()
+        if self._snapshot_socket is not None:
+            self._snapshot_socket.close(linger=0)
+            self._snapshot_socket = None
+        await super()._close()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._snapshot_tasks.add(task)
+        task.add_done_callback(self._snapshot_tasks.discard)
+
+    async def _serve_snapshots(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            if len(frames) == 3 and frames[2] == SNAPSHOT_REQUEST:
+                self.serve_snapshot(sock, frames[0], "snapshot")
+
+    @property
+    def snapshot_uuid(self) -> bytes:
+        """The UUID a vLLM #57789 snapshot carries: the live frames' (``uuid=True``), else a fixed one."""
+        return self.current.uuid or bytes(16)
+
+    def serve_snapshot(self, router: zmq.asyncio.Socket, identity: bytes, socket: str) -> bool:
+        if self.snapshot == "off" or (socket == "replay") != (self.snapshot == "vllm-50134"):
+            return False
+        cut = self.last_seq
+        if self.refuse_snapshots:
+            end = END_SEQ.to_bytes(8, "big")
+            unavailable = {
+                "vllm-57789": [[b"", (-2).to_bytes(8, "big", signed=True), self.snapshot_uuid]],
+                "vllm-50134": [[b"", b"", end, b""]],
+                "sglang-34407": [[b"", b"\x83\xa5epoch\x00\xabbarrier_seq\xfe\xaaresume_seq\x00"]],
+            }
+            messages = unavailable[self.snapshot]
+        else:
+            self.snapshot_cuts.append(cut)
+            messages = snapshot_reply(
+                self.snapshot,
+                PROFILE,
+                self.engine_cache,
+                cut=cut,
+                ts=self.current.ts(max(cut, 0)),
+                instance=self.snapshot_uuid,
+                topic=b"",
+                epoch=len(self.instances) - 1,
+            )
+        self._spawn(self._send_when_open(router, identity, messages))
+        return True
+
+    async def _send_when_open(self, router: zmq.asyncio.Socket, identity: bytes, messages: list[list[bytes]]) -> None:
+        if self.snapshot_gate is not None:
+            await self.snapshot_gate.wait()
+        for message in messages:
+            await router.send_multipart([identity, *message])
 
     # -- events -----------------------------------------------------------------------------------
     def _new_blocks(self) -> Event:
@@ -121,6 +216,7 @@ class CacheEngine(ScriptedEngine):
     def apply(self, ev: Event) -> None:
         """``ev`` applied to the current instance's true cache."""
         cache = self.cache
+        self.engine_cache.apply([ev])
         if ev["type"] == "AllBlocksCleared":
             cache.clear()
             self.parent = None

@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from bridge.simulator import PROFILES, EventFactory, encode_batch
+from bridge.snapshot import REQUEST as SNAPSHOT_REQUEST
 from bridge.wire import END_SEQ
 
 ReplayMode = Literal["answer", "ignore", "drop_end_marker", "half"]
@@ -144,6 +145,11 @@ class ScriptedEngine:
                 raise AssertionError(f"no replay request reached instance {instance} within {timeout}s")
             await asyncio.sleep(0.02)
 
+    def serve_snapshot(self, router: zmq.asyncio.Socket, identity: bytes, socket: str) -> bool:
+        """A ``b"snapshot"`` request on ``socket`` ("replay"): True when this engine serves it
+        (see CacheEngine); otherwise it is read as a start seq, as an engine without snapshots does."""
+        return False
+
     # -- sockets ----------------------------------------------------------------------------------
     async def _open(self) -> None:
         prev = self.instances[-1] if self.instances else None
@@ -189,6 +195,8 @@ class ScriptedEngine:
             if len(frames) != 3 or len(frames[2]) != 8:
                 continue
             ident, start = frames[0], int.from_bytes(frames[2], "big")
+            if frames[2] == SNAPSHOT_REQUEST and self.serve_snapshot(router, ident, "replay"):
+                continue
             uuid = self.instances[instance].uuid
             mode = self.replay
             replies = [(s, p) for s, p in self._buffer if s >= start] if mode != "ignore" else []

@@ -303,3 +303,21 @@ def test_snapshot_bounds_have_defaults_and_are_checked() -> None:
         )
     assert any(p.startswith("snapshots.max_concurrent") for p in e.value.problems), e.value.problems
     assert any(p.startswith("snapshots.timeout") for p in e.value.problems), e.value.problems
+
+
+# -- consumers --------------------------------------------------------------------------------------
+
+
+def test_a_consumer_following_an_incomplete_stream_is_told_to_bootstrap_again() -> None:
+    from kv_consumer.state import StreamState
+
+    state = StreamState()
+    header = {"source": "a", "dp_rank": 0, "epoch": 1}
+    state.apply({**header, "seq": 4, "type": "EventsLost", "from_seq": 0, "to_seq": 4, "count": 5, "reason": "joined_late"})
+    state.apply({**header, "seq": 5, "type": "EventBatch", "events": [stored(8)]})
+    assert not state.complete and not state.rebootstrap
+    assert state.apply({**header, "seq": 5, "type": "StateSeeded", "cut": 4, "design": "vllm-50134"})
+    assert state.rebootstrap and not state.complete and "(1, 5): bootstrap again" in state.why
+    assert state.blocks() == {("GPU", 0, 8): 1}  # what the messages brought stays, a subset
+    state.apply({**header, "seq": 6, "type": "EventBatch", "events": [{"type": "AllBlocksCleared"}]})
+    assert state.complete and not state.rebootstrap
