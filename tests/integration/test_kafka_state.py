@@ -52,10 +52,12 @@ from bridge.records import Stream
 from bridge.runtime import Bridge
 from connectors.kafka import KafkaConnector, KafkaOptions
 from kv_consumer.kafka import StateLog
+from kv_consumer.state import StreamState
 from tests.infra.servers import KafkaServer, free_port
 from tests.integration.test_kafka import delete_topic, topic_exists
 from tests.support.cache_engine import CacheEngine, event
 from tests.support.process import BridgeProcess, bridge_config
+from tests.support.snapshots import seeded_mid_epoch_and_after_a_loss, snapshot_source
 from tests.support.state_kafka import Follower, last_head, offsets, read_partition, truth
 
 pytestmark = pytest.mark.integration
@@ -578,5 +580,53 @@ async def test_an_events_topic_deleted_during_a_run_is_created_with_its_settings
                 assert not follower.state.complete
             finally:
                 await follower.close()
+        finally:
+            await bridge.stop()
+
+
+# -- engine snapshots (experimental) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("design", ["vllm-57789", "vllm-50134"])
+async def test_a_stream_met_mid_epoch_is_seeded_from_an_engine_snapshot(tmp_path: Path, kafka: KafkaServer, design: str) -> None:
+    """The scenario of tests/support/snapshots.py on Kafka: after every step a consumer bootstraps
+    from the state topic, follows the events topic, and bootstraps again where it meets a
+    StateSeeded record (the state it followed from was older than the seed)."""
+    topic = await kafka.anew_topic(partitions=2)
+    state_topic = f"kvb-state-{uuid.uuid4().hex[:12]}"
+    live, replay, snap = free_port(), free_port(), free_port()
+    port = None if design == "vllm-50134" else snap
+    config = {
+        "sources": [snapshot_source("a", live, replay, design, port)],
+        "sinks": [sink(kafka, topic, state_topic)],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "replay": REPLAY,
+        "shutdown_timeout": "3s",
+    }
+    async with CacheEngine(live, replay, seed=5, buffer_steps=4, snapshot=design, snapshot_port=port) as engine:  # type: ignore[arg-type]
+        engine.snapshot_gate = asyncio.Event()
+        await engine.step(10)
+        bridge = Bridge(from_data(config, env={}))
+        await bridge.start()
+        rebootstraps = 0
+        try:
+
+            async def state() -> StreamState:
+                nonlocal rebootstraps
+                at = (await delivered(bridge, {"a": engine}))["a/0"]
+                for _ in range(5):
+                    follower = await Follower.start(kafka.bootstrap_servers, "a", 0, topic=topic, state_topic=state_topic)
+                    try:
+                        await follower.catch_up(*at)
+                    finally:
+                        await follower.close()
+                    if not follower.state.rebootstrap:
+                        return follower.state
+                    rebootstraps += 1
+                raise AssertionError("told to bootstrap again five times in a row")
+
+            await seeded_mid_epoch_and_after_a_loss(bridge, engine, "a/0", state, truth)
+            assert bridge.metrics.snapshots.labels("a", "seeded")._value.get() == 2
         finally:
             await bridge.stop()

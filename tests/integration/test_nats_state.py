@@ -49,6 +49,7 @@ from tests.infra.servers import NatsServer
 from tests.support.cache_engine import CacheEngine
 from tests.support.harness import free_port
 from tests.support.process import BridgeProcess, bridge_config, metric
+from tests.support.snapshots import seeded_mid_epoch_and_after_a_loss, snapshot_source
 
 pytestmark = pytest.mark.integration
 
@@ -670,3 +671,54 @@ async def test_without_create_a_lost_bucket_is_named_and_the_state_told_lost_onc
         assert isinstance(info.value, Permanent) and info.value.reason == "state_lost", info.value
         await w.connector.write([state_message(second)])  # told once
         assert await w.connector.health() is None
+
+
+# -- engine snapshots (experimental) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("design", ["sglang-34407", "vllm-57789"])
+async def test_a_stream_met_mid_epoch_is_seeded_from_an_engine_snapshot(
+    tmp_path: Path, nats_server: NatsServer, reader: Client, names: tuple[str, str], design: str
+) -> None:
+    """The scenario of tests/support/snapshots.py on NATS: after every step a consumer bootstraps
+    from the bucket, follows the subject, and bootstraps again where it meets a StateSeeded record."""
+    dest, bucket = names
+    live, rep, snap = free_port(), free_port(), free_port()
+    cfg = {
+        "sources": [snapshot_source("eng.a", live, rep, design, snap)],
+        "sinks": [sink(nats_server.url, dest, bucket)],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "replay": REPLAY,
+        "shutdown_timeout": "3s",
+    }
+    stream = Stream("eng.a", 0)
+    async with CacheEngine(live, rep, seed=9, buffer_steps=4, snapshot=design, snapshot_port=snap) as engine:  # type: ignore[arg-type]
+        engine.snapshot_gate = asyncio.Event()
+        await engine.step(10)
+        bridge = Bridge(from_data(cfg, env={}))
+        await bridge.start()
+        tracker = bridge.tracker
+        assert tracker is not None
+        try:
+
+            async def state() -> StreamState:
+                await until(lambda: (h := tracker.head(stream)) is not None and h.seq == engine.last_seq, "the last batch")
+                head = tracker.head(stream)
+                assert head is not None
+                for _ in range(5):
+                    follower = Follower(reader, bucket, dest, "eng.a")
+                    await follower.begin()
+                    try:
+                        await until(lambda f=follower: f.at(head.epoch, head.seq), "the follower caught up")  # type: ignore[misc]
+                    finally:
+                        await follower.stop()
+                    assert follower.state is not None
+                    if not follower.state.rebootstrap:
+                        return follower.state
+                raise AssertionError("told to bootstrap again five times in a row")
+
+            await seeded_mid_epoch_and_after_a_loss(bridge, engine, "eng.a/0", state, truth)
+            assert bridge.metrics.snapshots.labels("eng.a", "seeded")._value.get() == 2
+        finally:
+            await bridge.stop()
