@@ -384,7 +384,7 @@ class Bridge:
             self.tracker,
             lambda outcome: counter.labels(name, outcome).inc(),
             self.spawn,
-            lambda: (sequencer.epoch, sequencer.instance),
+            lambda: (sequencer.epoch, sequencer.instance, sequencer.in_doubt),
             self.config.snapshots.retry_interval,
         )
 

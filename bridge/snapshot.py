@@ -190,11 +190,17 @@ class Seeding:
         self.snapshot: Snapshot | None = None
         self.events: list[Event] | None = None
         self.lost_to = -1  # the highest to_seq of an EventsLost handed since the request
+        # The live connection dropped since the request: the engine may have restarted, and a
+        # snapshot without the live stream's UUID may be the new instance's (see disconnected).
+        self.tainted = False
+        self.certain = False  # the snapshot carries the live stream's own publisher UUID
 
     def ready(self, snapshot: Snapshot, events: list[Event], instance: bytes | None) -> None:
         """The snapshot was read; ``instance``: the stream's publisher UUID now (if known)."""
         if snapshot.instance is not None and instance is not None and snapshot.instance != instance:
             raise SnapshotRefused("other_instance", "the snapshot's publisher UUID is not the live stream's")
+        self.certain = snapshot.instance is not None and snapshot.instance == instance
+        self._check_tainted()
         if self.lost_to > snapshot.cut:
             raise SnapshotRefused("overtaken", f"seqs up to {self.lost_to} were lost after the cut {snapshot.cut}")
         self.snapshot, self.events = snapshot, events
@@ -223,12 +229,25 @@ class Seeding:
                 self._keep(record)
             return None
         assert self.events is not None
+        self._check_tainted()
         events = list(self.events)
         for r in self.kept:
             if (r.n_events and not r.events) or r.bad_events:
                 raise SnapshotRefused("undecodable", f"batch {r.seq} between the cut and the seed was not decoded")
             events.extend(r.events)
         return seeded(record, snap, events)
+
+    def disconnected(self) -> None:
+        """The stream's live connection dropped while this seeding was under way."""
+        self.tainted = True
+
+    def _check_tainted(self) -> None:
+        if self.tainted and not self.certain:
+            raise SnapshotRefused(
+                "other_instance",
+                "the live connection dropped while the snapshot was read: the engine may have restarted, and the "
+                "snapshot carries no publisher UUID that says whose it is",
+            )
 
     def _keep(self, record: Record) -> None:
         self.kept.append(record)
@@ -355,7 +374,7 @@ class StreamSnapshots:
         heads: Heads,
         count: Callable[[str], None],
         spawn: Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]],
-        position: Callable[[], tuple[int, bytes | None]],
+        position: Callable[[], tuple[int, bytes | None, bool]],
         retry_interval: float,
     ) -> None:
         self.stream = stream
@@ -365,7 +384,7 @@ class StreamSnapshots:
         self.heads = heads
         self.count = count
         self.spawn = spawn
-        self.position = position  # the stream's (epoch, publisher UUID) now
+        self.position = position  # the stream's (epoch, publisher UUID, continuity in doubt) now
         self.retry_interval = retry_interval
         self.seeding: Seeding | None = None
         self.check = True  # look at the state after the next record handed on
@@ -402,14 +421,19 @@ class StreamSnapshots:
     def after(self, record: Record) -> None:
         if not self.check:
             return
-        if record.kind == "batch":
-            self.check = False
         if self.seeding is not None or time.monotonic() < self._not_before:
+            self.check = record.kind != "batch"  # (a loss or a reset since: look again after the next batch)
             return
         head = self.heads.head(self.stream)
         if head is None or head.complete or not head.tracking:
+            self.check = record.kind != "batch"
             return
-        epoch, instance = self.position()
+        epoch, instance, in_doubt = self.position()
+        if in_doubt or epoch != record.epoch:
+            # Whose would the snapshot be? Asked once the instance is verified, or once the new
+            # epoch the sequencer opened meanwhile is handed on: after a later record.
+            return
+        self.check = False
         self.seeding = Seeding(epoch, instance, self.client.max_bytes)
         self._task = self.spawn(self._take(self.seeding), f"snapshot:{self.stream.key}")
 
@@ -444,6 +468,11 @@ class StreamSnapshots:
     async def _retry_later(self, wait: float) -> None:
         await asyncio.sleep(wait)
         self.check = True
+
+    def disconnected(self) -> None:
+        """The stream's live connection dropped (see Seeding.disconnected)."""
+        if self.seeding is not None:
+            self.seeding.disconnected()
 
     def stop(self) -> None:
         task = self._task

@@ -301,6 +301,8 @@ class StreamPipeline:
 
     async def disconnected(self) -> None:
         """The live connection dropped (from the source's socket monitor)."""
+        if self.snapshots is not None:
+            self.snapshots.disconnected()
         async with self.lock:
             now = time.time()
             await self._execute(self.sequencer.disconnected(now), now)
