@@ -39,7 +39,7 @@ from tests.support.cache_engine import CacheEngine, event
 from tests.support.harness import free_port, wait_for
 from tests.support.process import BridgeProcess, bridge_config, metric
 from tests.support.readback import CONTROL, read_redis
-from tests.support.snapshots import seeded_mid_epoch_and_after_a_loss, snapshot_source, until
+from tests.support.snapshots import seeded_mid_epoch_and_after_a_loss, snapshot_source
 
 pytestmark = pytest.mark.integration
 
@@ -945,7 +945,7 @@ async def test_a_refused_snapshot_leaves_the_state_incomplete_and_is_counted(
         await bridge.start()
         try:
             refused = bridge.metrics.snapshots.labels("a", "unavailable")
-            await until(lambda: refused._value.get() == 1, "the refusal to be counted")
+            await wait_for(lambda: refused._value.get() == 1, what="the refusal to be counted")
             for _ in range(3):
                 await engine.step(1)
                 await settled(client, prefix, engine, "a")

@@ -12,13 +12,13 @@ blocks are held against the engine's true cache: a subset while incomplete, equa
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bridge.runtime import Bridge
 from kv_consumer.state import StreamState
 from tests.support.cache_engine import CacheEngine
+from tests.support.harness import wait_for
 
 WAIT = 30.0
 
@@ -34,13 +34,6 @@ def snapshot_source(name: str, live: int, replay: int, design: str, snapshot_por
     if snapshot_port is not None:
         entry["snapshot_endpoint"] = f"tcp://127.0.0.1:{snapshot_port}"
     return entry
-
-
-async def until(predicate: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 def held_against(state: StreamState, truth: dict[tuple[Any, Any, int], int], *, complete: bool) -> None:
@@ -68,14 +61,14 @@ async def seeded_mid_epoch_and_after_a_loss(
     snaps = bridge.pipelines[key].snapshots
     assert snaps is not None
     # 1. met mid-epoch: a snapshot is asked for; the engine publishes while it is held back
-    await until(lambda: bool(engine.snapshot_cuts), "the bridge to ask for a snapshot")
+    await wait_for(lambda: bool(engine.snapshot_cuts), WAIT, "the bridge to ask for a snapshot")
     cut = engine.snapshot_cuts[0]
     for _ in range(3):
         await engine.step(1)
         held_against(await state(), truth(engine), complete=False)
     # 2. the snapshot arrives: seeded with the first batch after it is read, complete from there
     gate.set()
-    await until(lambda: snaps.seeding is None or snaps.seeding.snapshot is not None, "the snapshot to be read")
+    await wait_for(lambda: snaps.seeding is None or snaps.seeding.snapshot is not None, WAIT, "the snapshot to be read")
     assert snaps.seeding is not None, "the snapshot was refused"
     for _ in range(4):
         await engine.step(1)
@@ -85,8 +78,8 @@ async def seeded_mid_epoch_and_after_a_loss(
     asked = len(engine.snapshot_cuts)
     await engine.step(engine.buffer_steps + 2, deliver=False)
     await engine.step(1)
-    await until(lambda: len(engine.snapshot_cuts) > asked, "a snapshot asked for after the loss")
-    await until(lambda: snaps.seeding is None or snaps.seeding.snapshot is not None, "the second snapshot to be read")
+    await wait_for(lambda: len(engine.snapshot_cuts) > asked, WAIT, "a snapshot asked for after the loss")
+    await wait_for(lambda: snaps.seeding is None or snaps.seeding.snapshot is not None, WAIT, "the second snapshot to be read")
     assert snaps.seeding is not None, "the second snapshot was refused"
     for _ in range(3):
         await engine.step(1)
