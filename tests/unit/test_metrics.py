@@ -96,6 +96,7 @@ CONTRACT: dict[str, tuple[str, frozenset[str]]] = {
         ("kv_bridge_state_entries", "gauge", []),
         ("kv_bridge_state_streams_off", "gauge", []),
         ("kv_bridge_state_switched_off_total", "counter", ["source"]),
+        ("kv_bridge_snapshots_total", "counter", ["source", "outcome"]),
         ("kv_bridge_state_rebuilds_total", "counter", ["outcome"]),
     ]
 }
