@@ -87,6 +87,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--topic", default="")
     t.add_argument("--replay-endpoint", default=None, help="the engine's ROUTER replay endpoint of rank 0")
     t.add_argument("--from-seq", type=_count, default=None, help="replay from this seq first (needs --replay-endpoint)")
+    t.add_argument(
+        "--snapshot",
+        choices=["auto", "vllm-57789", "vllm-50134", "sglang-34407"],
+        default=None,
+        help="first ask for an engine snapshot (experimental) and show its cut (vllm-50134: on --replay-endpoint)",
+    )
+    t.add_argument("--snapshot-endpoint", default=None, help="the engine's snapshot socket of rank 0 (vllm-57789, sglang-34407)")
     t.add_argument("--count", type=_count, default=0, help="stop after N batches")
     t.add_argument("--granularity", choices=["event", "batch"], default="event")
     t.add_argument("--dp-ranks", type=_positive, default=1, help="read ranks 0..n-1 (rank r at port + r)")
@@ -226,7 +233,21 @@ def _bad_endpoint(command: str, *given: tuple[str, str | None]) -> bool:
 def _tail(args: argparse.Namespace) -> int:
     from .tail import tail
 
-    if _bad_endpoint("tail", ("endpoint", args.endpoint), ("--replay-endpoint", args.replay_endpoint)):
+    if _bad_endpoint(
+        "tail",
+        ("endpoint", args.endpoint),
+        ("--replay-endpoint", args.replay_endpoint),
+        ("--snapshot-endpoint", args.snapshot_endpoint),
+    ):
+        return EXIT_CONFIG
+    if args.snapshot in ("vllm-57789", "sglang-34407") and not args.snapshot_endpoint:
+        print(
+            f"python -m bridge tail: --snapshot {args.snapshot} is served on a snapshot socket: give --snapshot-endpoint",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
+    if args.snapshot is not None and not (args.snapshot_endpoint or args.replay_endpoint):
+        print("python -m bridge tail: --snapshot needs --snapshot-endpoint, or --replay-endpoint (vLLM #50134)", file=sys.stderr)
         return EXIT_CONFIG
     if args.from_seq is not None and not args.replay_endpoint:
         print(
@@ -251,6 +272,8 @@ def _tail(args: argparse.Namespace) -> int:
                 granularity=args.granularity,
                 dp_ranks=args.dp_ranks,
                 bind=args.bind,
+                snapshot=args.snapshot,
+                snapshot_endpoint=args.snapshot_endpoint,
             )
         )
         waiter = asyncio.ensure_future(stop.wait())
@@ -441,15 +464,15 @@ async def _probe_engines(cfg: Config) -> tuple[int, int, list[str], list[str]]:
         prefix = dns.name_prefix or discovery.default_prefix(dns.name)
         targets += [(f"discovery.dns ({a})", discovery.source_for(dns, a, prefix)) for a in sorted(addresses)[:PROBE_MAX]]
     for where_from, source in targets:
-        for key in ("endpoint", "replay_endpoint"):
-            endpoint = getattr(source, key)
+        for key in ("endpoint", "replay_endpoint", "snapshot_endpoint"):
+            endpoint = getattr(source, key, None)  # (discovered sources have no snapshot_endpoint)
             if endpoint is None or (key == "endpoint" and source.bind):
                 continue
             for rank in range(source.dp_ranks):
                 ep = for_rank(endpoint, rank)
                 if split_tcp(ep) is None:
                     continue
-                role = "live" if key == "endpoint" else "replay"
+                role = {"endpoint": "live", "replay_endpoint": "replay"}.get(key, "snapshot")
                 checks.append((f"{where_from}.{key}", ep, rank, diagnose(ep, role, PROBE_TIMEOUT)))
     found = await asyncio.gather(*(c[3] for c in checks))
     listen = []

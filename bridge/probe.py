@@ -78,14 +78,17 @@ def _ready_socket_type(body: bytes) -> str:
     raise ProbeError("its READY command names no Socket-Type")
 
 
-EXPECTED = {"live": ("PUB", "XPUB"), "replay": ("ROUTER",)}
-"""The socket types each of an engine's endpoints has (docs/protocol.md: PUB live, ROUTER replay)."""
+EXPECTED = {"live": ("PUB", "XPUB"), "replay": ("ROUTER",), "snapshot": ("ROUTER", "REP")}
+"""The socket types each of an engine's endpoints has (docs/protocol.md: PUB live, ROUTER replay;
+section 4: a snapshot socket is a REP or ROUTER)."""
 
 _FIX = {
     ("live", "ROUTER"): "this looks like the engine's replay port: give its PUB (kv-events endpoint) port here "
     "(with dp ranks, rank r uses port + r on both sockets)",
     ("replay", "PUB"): "this looks like the engine's live PUB port: give its replay_endpoint port here",
     ("replay", "XPUB"): "this looks like the engine's live PUB port: give its replay_endpoint port here",
+    ("snapshot", "PUB"): "this looks like the engine's live PUB port: give its snapshot_endpoint port here",
+    ("snapshot", "XPUB"): "this looks like the engine's live PUB port: give its snapshot_endpoint port here",
 }
 
 
@@ -101,7 +104,7 @@ def split_tcp(endpoint: str) -> tuple[str, int] | None:
 
 
 async def diagnose(endpoint: str, role: str, timeout: float = 2.0) -> tuple[str, str] | None:
-    """Why an engine's ``role`` endpoint ("live" or "replay") does not work, as (problem, reason),
+    """Why an engine's ``role`` endpoint ("live", "replay" or "snapshot") does not work, as (problem, reason),
     asked of the endpoint itself; None when the expected socket type answers (or it is not a TCP
     endpoint). Reasons: unresolvable, refused, unreachable, no_answer, not_zmq, wrong_peer."""
     address = split_tcp(endpoint)

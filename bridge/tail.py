@@ -5,6 +5,9 @@ connects and whether anything answers, a silent engine, a gap or restart in an e
 message it cannot decode. Where the engine sends its publisher UUID in the sequence frame (vLLM
 #57789), tail shows it when it first appears and when it changes (a restart for certain; a seq
 going back under the same UUID is not one), and says when an idle heartbeat shows a missed tail.
+With ``--snapshot`` (experimental engine snapshots, :mod:`bridge.snapshot`) it first asks each
+rank for a snapshot, says its design and cut (and UUID), prints the cache it holds as events at
+the cut's seq, and then follows the live stream from there (a live seq past cut + 1 is a gap).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from .errors import DecodeError, StartupError
 from .formats import Renderer
 from .records import Record, Stream
 from .replay import ReplayOutcome, replay
+from .snapshot import SnapshotRefused, request
 
 IDLE_NOTICE = 10.0
 """Seconds without an event after which tail says it is still waiting (and why that may be)."""
@@ -45,6 +49,8 @@ async def tail(
     dp_ranks: int = 1,
     bind: bool = False,
     idle_notice: float = IDLE_NOTICE,
+    snapshot: str | None = None,
+    snapshot_endpoint: str | None = None,
 ) -> int:
     """Print batches as they arrive (after replaying from ``from_seq`` if asked); returns how many.
 
@@ -149,6 +155,12 @@ async def tail(
                         return printed
                 if not outcome.complete:
                     _note(f"rank {rank}: replay from {rep} went silent before its end marker (is it the engine's replay port?)")
+        if snapshot is not None:
+            at = snapshot_endpoint or replay_endpoint
+            design = "vllm-50134" if snapshot == "auto" and snapshot_endpoint is None else snapshot
+            assert at is not None  # (the CLI checks)
+            for rank in range(dp_ranks):
+                printed += await _snapshot(ctx, rank, for_rank(at, rank), design, timeout, renderer, endpoint, last)
         queue: asyncio.Queue[tuple[int, list[bytes]]] = asyncio.Queue(maxsize=1000)
         tasks += [asyncio.create_task(_read(rank, sub, queue)) for rank, _, sub in socks]
         while not count or printed < count:
@@ -178,6 +190,48 @@ async def tail(
             sub.close(linger=0)
         ctx.destroy(linger=0)
     return printed
+
+
+SNAPSHOT_MAX_BYTES = 1 << 30
+"""The largest snapshot tail reads (1 GiB)."""
+
+
+async def _snapshot(
+    ctx: zmq.asyncio.Context,
+    rank: int,
+    endpoint: str,
+    design: str,
+    timeout: float,
+    renderer: Renderer,
+    stream: str,
+    last: dict[int, int],
+) -> int:
+    """Ask ``endpoint`` for a snapshot; say its cut, print its events at the cut's seq; 1 if printed."""
+    try:
+        snap = await request(ctx, endpoint, design, max(timeout, 10.0), SNAPSHOT_MAX_BYTES)  # type: ignore[arg-type]
+    except SnapshotRefused as exc:
+        _note(f"rank {rank}: no snapshot from {endpoint} ({exc.reason}: {exc.detail})")
+        return 0
+    who = f", publisher {uuid.UUID(bytes=snap.instance)}" if snap.instance else ""
+    epoch = f", engine epoch {snap.epoch}" if snap.epoch is not None else ""
+    events = []
+    for payload in snap.payloads:
+        try:
+            events.extend(wire.decode_batch(payload).events)
+        except DecodeError as exc:
+            _note(f"rank {rank}: a snapshot chunk cannot be decoded ({exc})")
+    _note(
+        f"rank {rank}: snapshot ({snap.design}{who}{epoch}) cut at seq {snap.cut}: {len(events)} event(s), the engine's "
+        f"cache after seq {snap.cut}; the live stream resumes at {snap.cut + 1}"
+    )
+    if snap.cut >= 0:
+        last[rank] = snap.cut
+    record = Record(stream=Stream(stream, rank), epoch=0, seq=snap.cut, events=events, received=time.time())
+    out = sys.stdout.buffer
+    for m in renderer.render(record):
+        out.write(m.value + b"\n")
+    out.flush()
+    return 1
 
 
 async def wire_shape(endpoint: str, topic: str, timeout: float) -> str:

@@ -267,3 +267,48 @@ async def test_tail_shows_the_publisher_uuid_and_a_certain_restart() -> None:
     assert f"# rank 0: a new publisher instance (the engine restarted, for certain) {second}" in err, err
     assert "idle heartbeat: next seq" in err and "undecodable" not in err, err
     assert all("events" in json.loads(x) for x in stdout.decode().splitlines())  # (no heartbeat printed as a batch)
+
+
+@pytest.mark.parametrize("design", ["vllm-57789", "vllm-50134", "sglang-34407"])
+async def test_tail_shows_a_snapshots_cut_then_follows_from_it(design: str) -> None:
+    """``tail --snapshot``: the engine's snapshot (experimental) is asked for first; tail names its
+    design and cut, prints the cache it holds at the cut's seq, then the live batches after it."""
+    live, replay, snap = free_ports(3)
+    profile = "vllm-pr57789-uuid" if design == "vllm-57789" else "vllm-0.33.0"
+    opts = SimulatorOptions(
+        endpoint=f"tcp://127.0.0.1:{live}", replay_endpoint=f"tcp://127.0.0.1:{replay}", profile=profile, rate=0,
+        snapshot=design, snapshot_endpoint=None if design == "vllm-50134" else f"tcp://127.0.0.1:{snap}",
+    )  # fmt: skip
+    where = (
+        ["--replay-endpoint", f"tcp://127.0.0.1:{replay}"]
+        if design == "vllm-50134"
+        else ["--snapshot-endpoint", f"tcp://127.0.0.1:{snap}"]
+    )
+    async with Simulator(opts) as sim:
+        for _ in range(5):
+            await sim.step()
+        cut = sim.ranks[0].seq - 1
+        tail = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bridge", "tail", f"tcp://127.0.0.1:{live}", "--snapshot", "auto", *where,
+            "--count", "4", "--granularity", "batch",
+            cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        await wait_for(lambda: sim.ranks[0].snapshots_served == 1, 30, "the snapshot request")
+
+        async def publish() -> None:
+            while True:  # until tail has subscribed (slow joiner), then as many as it asks for
+                await sim.step()
+                await asyncio.sleep(0.05)
+
+        runner = asyncio.create_task(publish())
+        try:
+            stdout, stderr = await asyncio.wait_for(tail.communicate(), 60)
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+    err = stderr.decode()
+    assert tail.returncode == 0 and "Traceback" not in err, err
+    assert f"snapshot ({design}" in err and f"cut at seq {cut}:" in err and f"resumes at {cut + 1}" in err, err
+    batches = [json.loads(x) for x in stdout.decode().splitlines()]
+    assert batches[0]["seq"] == cut and batches[0]["events"], batches[0]
+    assert all(b["seq"] > cut for b in batches[1:]), [b["seq"] for b in batches]

@@ -321,3 +321,36 @@ def test_a_consumer_following_an_incomplete_stream_is_told_to_bootstrap_again() 
     assert state.blocks() == {("GPU", 0, 8): 1}  # what the messages brought stays, a subset
     state.apply({**header, "seq": 6, "type": "EventBatch", "events": [{"type": "AllBlocksCleared"}]})
     assert state.complete and not state.rebootstrap
+
+
+# -- --check ----------------------------------------------------------------------------------------
+
+
+def test_check_probes_each_snapshot_endpoint(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """A snapshot endpoint is asked which socket answers, like the others (nothing is requested):
+    a ROUTER is right; the engine's PUB there is named, with the fix."""
+    import zmq
+
+    from bridge.cli import EXIT_UNREACHABLE, check
+
+    ctx = zmq.Context()
+    try:
+        pub, pub2, router, snap = ctx.socket(zmq.PUB), ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+        live, live2, replay, good = (s.bind_to_random_port("tcp://127.0.0.1") for s in (pub, pub2, router, snap))
+        p = tmp_path / "c.yaml"
+        p.write_text(
+            "sources:\n"
+            f"  - {{name: a, endpoint: 'tcp://127.0.0.1:{live}', snapshot: auto, snapshot_endpoint: 'tcp://127.0.0.1:{good}'}}\n"
+            f"  - {{name: b, endpoint: 'tcp://127.0.0.1:{live2}', replay_endpoint: 'tcp://127.0.0.1:{replay}',"
+            f" snapshot: vllm-57789, snapshot_endpoint: 'tcp://127.0.0.1:{live}'}}\n"
+            "sinks:\n  - {type: file, path: '-'}\n"
+        )
+        assert check(str(p)) == EXIT_UNREACHABLE
+    finally:
+        ctx.destroy(linger=0)
+    out, err = capsys.readouterr()
+    assert "engines: 4 of 5 endpoint(s) answer as they should" in out
+    assert (
+        f"sources[1].snapshot_endpoint: tcp://127.0.0.1:{live}: a PUB socket answers, not ROUTER or REP; this looks like "
+        "the engine's live PUB port: give its snapshot_endpoint port here"
+    ) in err
