@@ -74,7 +74,7 @@ def test_every_problem_has_its_path() -> None:
         "sources[0].dp_rank: unknown key (did you mean dp_ranks?)",
         'checkpoint.interval: expected a duration such as 15s or 250ms, got "5x"',
         "nope: unknown key; expected one of: checkpoint, dead_letter, discovery, ingest, log, metrics, replay, "
-        "shutdown_timeout, sinks, sources, state",
+        "shutdown_timeout, sinks, snapshots, sources, state",
         'sinks[0].batch.max_messages: expected int, got "ten"',
         'sinks[1].format: expected "json" | "msgpack" | "raw", got "xml"',
         "sources[1].name: 'a' is already used by sources[0]",
@@ -292,7 +292,7 @@ def test_a_struct_refusing_a_combination_is_reported_beside_other_problems() -> 
         "replay.initial_backoff: 9s is above max_backoff 5s: the first pause would already be the longest; "
         "lower initial_backoff or raise max_backoff",
         "nope: unknown key; expected one of: checkpoint, dead_letter, discovery, ingest, log, metrics, replay, "
-        "shutdown_timeout, sinks, sources, state",
+        "shutdown_timeout, sinks, snapshots, sources, state",
     ]
 
 
