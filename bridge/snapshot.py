@@ -316,7 +316,7 @@ async def request(
                 return await _read_replies(sock, max_bytes)
             frames = await sock.recv_multipart()
     except TimeoutError:
-        raise SnapshotRefused("timeout", f"{endpoint} sent no whole snapshot within {timeout:g}s (snapshots.timeout)") from None
+        raise SnapshotRefused("timeout", f"{endpoint} sent no whole snapshot within {timeout:.3g}s (snapshots.timeout)") from None
     except zmq.ZMQError as exc:
         raise SnapshotRefused("error", f"{endpoint}: {exc}") from None
     finally:

@@ -354,3 +354,47 @@ def test_check_probes_each_snapshot_endpoint(tmp_path: Any, capsys: pytest.Captu
         f"sources[1].snapshot_endpoint: tcp://127.0.0.1:{live}: a PUB socket answers, not ROUTER or REP; this looks like "
         "the engine's live PUB port: give its snapshot_endpoint port here"
     ) in err
+
+
+# -- the client's bounds (real sockets) ------------------------------------------------------------
+
+
+async def test_the_client_bounds_time_bytes_and_concurrent_snapshots() -> None:
+    """A snapshot socket that never answers: ``timeout``; a second snapshot while the only slot is
+    held: ``busy``; a reply larger than ``max_bytes``: ``too_large``. Each a SnapshotRefused."""
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+
+    from bridge.snapshot import SnapshotClient
+
+    ctx = zmq.asyncio.Context()
+    silent, big = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    try:
+        quiet = f"tcp://127.0.0.1:{silent.bind_to_random_port('tcp://127.0.0.1')}"
+        large = f"tcp://127.0.0.1:{big.bind_to_random_port('tcp://127.0.0.1')}"
+        client = SnapshotClient(ctx, max_concurrent=1, timeout=0.3, max_bytes=1000)
+        await client.slots.acquire()  # another stream's snapshot holds the only slot
+        with pytest.raises(SnapshotRefused) as e:
+            await client.take(quiet, "vllm-57789")
+        assert e.value.reason == "busy"
+        client.slots.release()
+        with pytest.raises(SnapshotRefused) as e:
+            await client.take(quiet, "vllm-57789")
+        assert e.value.reason == "timeout"
+        assert not client.slots.locked()  # (its slot given back)
+
+        async def answer_big() -> None:
+            ident, _empty, _request = await big.recv_multipart()
+            await big.send_multipart([ident, b"", (5).to_bytes(8, "big"), UUID, *([b"\x90" * 400] * 3)])
+
+        server = asyncio.ensure_future(answer_big())
+        with pytest.raises(SnapshotRefused) as e:
+            await SnapshotClient(ctx, max_concurrent=1, timeout=2.0, max_bytes=1000).take(large, "auto")
+        assert e.value.reason == "too_large"  # (each frame under it; one frame over it: ZMQ drops it, a timeout)
+        await server
+    finally:
+        silent.close(linger=0)
+        big.close(linger=0)
+        ctx.destroy(linger=0)
