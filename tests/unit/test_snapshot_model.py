@@ -259,3 +259,53 @@ def test_a_stream_joined_late_is_seeded_and_complete() -> None:
     assert head is not None and head.complete and m.seeded_at, (head, m.outcomes)
     m.a_complete_state_is_the_engines_cache()
     m.teardown()
+
+
+def test_a_snapshot_answered_by_the_next_instance_is_never_seeded_into_the_old_epoch() -> None:
+    """Across a restart: the request reached the old instance, the new one answers (its cache, its
+    seqs). Without a UUID to tell whose it is, the dropped connection refuses it; the old epoch
+    stays incomplete, the new one is complete from its own start, and I1-I4 hold."""
+    m = SnapshotModel()
+    for _ in range(12):
+        m.engine.publish()
+    while m.pending:
+        m.answer_replay("answer")
+    assert m.requests
+    old = m.seqr.epoch
+    m.restart(missed=0, late=0)
+    m.engine.publish()  # the new instance's first batch, before it answers
+    m.serve_snapshot(refuse=False)
+    assert m.outcomes["other_instance"] == 1 and not m.seeded_at
+    m.publish(seen=True)
+    while m.pending:
+        m.answer_replay("answer")
+    m.a_complete_state_is_the_engines_cache()
+    head = m.tracker.head(STREAM)
+    assert head is not None and head.epoch > old and head.complete
+    m.teardown()
+
+
+def test_with_the_publishers_uuid_a_snapshot_survives_a_dropped_connection() -> None:
+    """The same UUID on the snapshot as on the live stream: a blip while it is read does not
+    refuse it (the instance is certain), and the seed makes the state complete."""
+    m = UuidSnapshotModel()
+    m.restart(missed=0, late=0)  # instance 1: it sends a UUID
+    for _ in range(3):
+        m.publish(seen=True)
+        while m.pending:
+            m.answer_replay("answer")
+    m.slide(12)  # a burst the bridge misses, past the engine's buffer (8): EventsLost
+    for _ in range(2):
+        m.publish(seen=True)
+        while m.pending:
+            m.answer_replay("answer")
+    assert m.requests, m.outcomes
+    m.serve_snapshot(refuse=False)
+    m.blip()
+    m.publish(seen=True)
+    while m.pending:
+        m.answer_replay("answer")
+    head = m.tracker.head(STREAM)
+    assert head is not None and head.complete and m.seeded_at, (head, m.outcomes)
+    m.a_complete_state_is_the_engines_cache()
+    m.teardown()
