@@ -200,9 +200,23 @@ class DnsDiscovery(Struct):
         msgspec.field(default_factory=dict)
     )
     shard: Annotated[ShardConfig | None, doc("Read only this replica's share of the discovered sources.")] = None
+    snapshot: Annotated[
+        SnapshotDesign,
+        doc("Experimental: every discovered engine's snapshot design, as a source's snapshot (docs/sources/snapshots.md)."),
+    ] = "off"
+    snapshot_port: Annotated[
+        Annotated[int, msgspec.Meta(ge=1, le=65535)] | None,
+        doc("Engine snapshot port (vLLM #57789, SGLang #34407; rank r: port + r), for snapshot."),
+    ] = None
 
     def __post_init__(self) -> None:
-        top = max(self.port, self.replay_port or 0) + self.dp_ranks - 1
+        if self.snapshot == "off" and self.snapshot_port is not None:
+            raise ValueError("snapshot_port is set, but snapshot is off: set snapshot: auto (or the engines' design)")
+        if self.snapshot in ("vllm-57789", "sglang-34407") and self.snapshot_port is None:
+            raise ValueError(f"snapshot {self.snapshot} is served on a snapshot socket of its own: set snapshot_port")
+        if self.snapshot in ("vllm-50134", "auto") and self.snapshot_port is None and self.replay_port is None:
+            raise ValueError(f"snapshot {self.snapshot} needs replay_port (vLLM #50134) or snapshot_port")
+        top = max(self.port, self.replay_port or 0, self.snapshot_port or 0) + self.dp_ranks - 1
         if top > 65535:
             raise ValueError(f"dp_ranks {self.dp_ranks} would use port {top} (> 65535)")
         if self.resolver is not None:

@@ -126,6 +126,8 @@ def source_for(config: DnsDiscovery, address: str, prefix: str) -> SourceConfig:
         topic=config.topic,
         dp_ranks=config.dp_ranks,
         labels={**config.labels, "address": address},
+        snapshot=config.snapshot,
+        snapshot_endpoint=tcp_endpoint(address, config.snapshot_port) if config.snapshot_port is not None else None,
     )
 
 

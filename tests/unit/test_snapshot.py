@@ -398,3 +398,20 @@ async def test_the_client_bounds_time_bytes_and_concurrent_snapshots() -> None:
         silent.close(linger=0)
         big.close(linger=0)
         ctx.destroy(linger=0)
+
+
+def test_discovered_engines_take_the_discovery_snapshot_settings() -> None:
+    from bridge.discovery import source_for
+
+    cfg = from_data(
+        {
+            "discovery": {"dns": {"name": "vllm.default.svc", "snapshot": "auto", "snapshot_port": 5560}},
+            "sinks": [{"type": "file", "path": "-"}],
+        }
+    )
+    assert cfg.discovery.dns is not None
+    source = source_for(cfg.discovery.dns, "10.0.0.7", "vllm")
+    assert (source.snapshot, source.snapshot_endpoint) == ("auto", "tcp://10.0.0.7:5560")
+    with pytest.raises(ConfigError) as e:
+        from_data({"discovery": {"dns": {"name": "x", "snapshot": "vllm-57789"}}, "sinks": [{"type": "file", "path": "-"}]})
+    assert any("discovery.dns" in p and "set snapshot_port" in p for p in e.value.problems), e.value.problems
