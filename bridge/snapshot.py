@@ -197,6 +197,7 @@ class Seeding:
 
     def ready(self, snapshot: Snapshot, events: list[Event], instance: bytes | None) -> None:
         """The snapshot was read; ``instance``: the stream's publisher UUID now (if known)."""
+        instance = instance if instance is not None else self.instance
         if snapshot.instance is not None and instance is not None and snapshot.instance != instance:
             raise SnapshotRefused("other_instance", "the snapshot's publisher UUID is not the live stream's")
         self.certain = snapshot.instance is not None and snapshot.instance == instance
@@ -204,13 +205,8 @@ class Seeding:
         if self.lost_to > snapshot.cut:
             raise SnapshotRefused("overtaken", f"seqs up to {self.lost_to} were lost after the cut {snapshot.cut}")
         self.snapshot, self.events = snapshot, events
-        self._prune()
-
-    def _prune(self) -> None:
-        cut = self.snapshot.cut if self.snapshot is not None else -1
-        if self.snapshot is not None and self.kept and self.kept[0].seq <= cut:
-            self.kept = [r for r in self.kept if r.seq > cut]
-            self.kept_bytes = sum(len(r.payload) for r in self.kept)
+        self.kept = [r for r in self.kept if r.seq > snapshot.cut]  # (the snapshot holds the rest)
+        self.kept_bytes = sum(len(r.payload) for r in self.kept)
 
     def note(self, record: Record) -> Record | None:
         """``record`` is about to be handed on: the StateSeeded record to attach to it, if it is the
