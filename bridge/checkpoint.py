@@ -339,13 +339,15 @@ class Checkpointer:
         pods that read the engine at once (a rolling update) see the restart through the same
         batch, or through batches of the same minute, and open the same epoch, so their copies
         stay copies (unless the minute turned between the batches each saw first). A pod without
-        a checkpoint still opens above it: its first epoch is its clock in microseconds. Only when that ts
-        is at most ``ENGINE_CLOCK_TRUSTED`` behind ``now`` and at most ``ENGINE_CLOCK_AHEAD``
-        ahead (an engine clock ahead of the bridge's would put the epoch above the one a new pod
-        without a checkpoint opens later, from its own clock); else ``now``."""
+        a checkpoint still opens above it: its first epoch is its clock in microseconds. Only when
+        that ts is at most ``ENGINE_CLOCK_TRUSTED`` behind ``now`` and at most
+        ``ENGINE_CLOCK_AHEAD`` ahead (an engine clock ahead of the bridge's would put the epoch
+        above the one a new pod without a checkpoint opens later, from its own clock); else (no
+        batch showed it: a heartbeat under a new UUID) ``now``, down to its minute too, so that
+        pods still agree within the minute."""
         trusted = shown_at is not None and -ENGINE_CLOCK_TRUSTED <= shown_at - now <= ENGINE_CLOCK_AHEAD
-        at = math.floor(shown_at / RESTART_QUANTUM) * RESTART_QUANTUM if trusted and shown_at is not None else now
-        return self._open(key, max(epoch + 1, clock_epoch(at)))
+        at = shown_at if trusted and shown_at is not None else now
+        return self._open(key, max(epoch + 1, clock_epoch(math.floor(at / RESTART_QUANTUM) * RESTART_QUANTUM)))
 
     def _open(self, key: str, epoch: int) -> int:
         self._forgotten.discard(key)

@@ -567,7 +567,7 @@ class StreamSequencer:
         if instance is not None and self._instance_sure:
             if instance != self.instance:
                 if instance not in self._retired:
-                    self._replayed_by_new_instance(out, seq, payload, instance)
+                    self._replayed_by_new_instance(out, seq, payload, instance, self._ts_of(payload))
                 return out  # (a retired instance's reply: nothing of it is taken)
             if self._doubt:
                 self._trust(out)
@@ -613,11 +613,12 @@ class StreamSequencer:
         self._take(out, seq, payload)
         return out
 
-    def _replayed_by_new_instance(self, out: list[Action], seq: int, payload: bytes, instance: bytes) -> None:
-        """A replay answered under another UUID than this epoch's: a restart, for certain. The new
-        epoch takes this reply and asks its instance for the rest from seq 0."""
+    def _replayed_by_new_instance(self, out: list[Action], seq: int, payload: bytes, instance: bytes, ts: float | None) -> None:
+        """A replay answered under another UUID than this epoch's: a restart, for certain, shown
+        by this reply (``ts``: its engine ts, which numbers the new epoch alike in every pod). The
+        new epoch takes this reply and asks its instance for the rest from seq 0."""
         old = self.instance
-        self._restart(out, INSTANCE_CHANGED)
+        self._restart(out, INSTANCE_CHANGED, trigger_ts=ts)
         if old is not None:
             self._retire(old)
         self.instance, self._instance_sure = instance, not self._doubt

@@ -29,6 +29,11 @@ NOW = 1_780_000_000.25  # 2026-05-28
 E = clock_epoch(NOW)
 
 
+def minute(t: float) -> int:
+    """The epoch of the minute of ``t``: what a restart opens when no trusted engine ts showed it."""
+    return clock_epoch(math.floor(t / 60) * 60)
+
+
 def batch(epoch: int, seq: int, ts: float | None = None, payload: bytes | None = None) -> Record:
     return Record(
         stream=STREAM,
@@ -143,10 +148,11 @@ def test_epochs_follow_the_clock_and_never_repeat() -> None:
     assert cp.first_epoch(KEY, NOW) == E + 1  # the same microsecond again: not reused
     assert cp.next_epoch(KEY, E + 1, NOW) == E + 2
     assert cp.next_epoch(KEY, 5, NOW) == E + 3  # below one already opened: above it instead
-    assert cp.next_epoch(KEY, E + 3, NOW + 60) == E + 60_000_000  # the clock ran ahead
-    assert cp.next_epoch(KEY, E + 60_000_000, NOW - 86400) == E + 60_000_001  # the clock went back: still above
+    later = minute(NOW + 60)
+    assert cp.next_epoch(KEY, E + 3, NOW + 60) == later  # the clock ran ahead (a restart: its minute)
+    assert cp.next_epoch(KEY, later, NOW - 86400) == later + 1  # the clock went back: still above
     assert cp.first_epoch("other/0", NOW) == E  # per stream
-    assert cp.epochs == {KEY: E + 60_000_001, "other/0": E}
+    assert cp.epochs == {KEY: later + 1, "other/0": E}
 
 
 def test_epochs_never_repeat_after_a_reload(tmp_path: Path) -> None:
@@ -182,26 +188,27 @@ def test_a_restart_is_numbered_by_the_engine_clock_so_two_pods_agree() -> None:
     old = clock_epoch(NOW - 3600)
     a, b = Checkpointer(1), Checkpointer(1)
     shown = NOW + 10.25
-    minute = clock_epoch(math.floor(shown / 60) * 60)
-    assert a.next_epoch(KEY, old, NOW + 10.3, shown) == b.next_epoch(KEY, old, NOW + 10.9, shown + 0.9) == minute
-    assert a.next_epoch(KEY, minute, NOW + 11, shown) == minute + 1  # never below the last
+    shown_minute = minute(shown)
+    assert a.next_epoch(KEY, old, NOW + 10.3, shown) == b.next_epoch(KEY, old, NOW + 10.9, shown + 0.9) == shown_minute
+    assert a.next_epoch(KEY, shown_minute, NOW + 11, shown) == shown_minute + 1  # never below the last
     ahead = NOW + 20.5  # ahead of the bridge by less than a second: trusted
     assert Checkpointer(1).next_epoch(KEY, old, NOW + 20, ahead) == clock_epoch(math.floor(ahead / 60) * 60)
-    # an engine clock ahead (a new pod without a checkpoint would open below it) or an hour behind: the bridge's
-    assert Checkpointer(1).next_epoch(KEY, old, NOW + 20, NOW + 200) == clock_epoch(NOW + 20)
-    assert Checkpointer(1).next_epoch(KEY, old, NOW + 20, NOW - 3600) == clock_epoch(NOW + 20)
-    assert Checkpointer(1).next_epoch(KEY, old, NOW + 20, None) == clock_epoch(NOW + 20)
+    # an engine clock ahead (a new pod without a checkpoint would open below it), an hour behind,
+    # or none (a heartbeat under a new UUID showed the restart): the bridge's, down to its minute
+    assert Checkpointer(1).next_epoch(KEY, old, NOW + 20, NOW + 200) == minute(NOW + 20)
+    assert Checkpointer(1).next_epoch(KEY, old, NOW + 20, NOW - 3600) == minute(NOW + 20)
+    assert Checkpointer(1).next_epoch(KEY, old, NOW + 20, None) == Checkpointer(1).next_epoch(KEY, old, NOW + 40, None)
     # a stream met this minute (its first epoch the clock's, in microseconds) goes on above it
     assert Checkpointer(1).next_epoch(KEY, E, NOW + 10.3, shown) == E + 1
     # and a pod without a checkpoint that meets the stream later opens above all of them
-    assert Checkpointer(1).first_epoch(KEY, NOW + 12) > minute + 1
+    assert Checkpointer(1).first_epoch(KEY, NOW + 12) > shown_minute + 1
 
 
 def test_a_checkpoint_of_minute_epochs_goes_on_above_them() -> None:
     """A checkpoint of an earlier release (minutes since 2025): the stream resumes in its epoch,
     and its next restart opens the clock's."""
     cp = Checkpointer(1, CheckpointFile(streams={KEY: StreamPosition(1_010_000, 7)}, epochs={KEY: 1_010_000}))
-    assert cp.next_epoch(KEY, 1_010_000, NOW) == E
+    assert cp.next_epoch(KEY, 1_010_000, NOW) == minute(NOW)
 
 
 @settings(max_examples=200, deadline=None)
@@ -221,7 +228,7 @@ def test_epochs_strictly_increase_per_stream(steps: list[tuple[bool, str, int, i
         now = NOW + micros / 1_000_000
         from_epoch += E - 150  # below, at and above the clock
         epoch = cp.first_epoch(key, now) if first else cp.next_epoch(key, from_epoch, now)
-        assert epoch >= clock_epoch(now)
+        assert epoch >= (clock_epoch(now) if first else minute(now))
         if not first:
             assert epoch > from_epoch
         assert all(epoch > e for e in opened.get(key, [])), (key, epoch, opened.get(key))
