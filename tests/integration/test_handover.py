@@ -396,7 +396,9 @@ async def test_two_pods_number_a_restart_alike_when_no_live_batch_shows_it(
             def epochs(pod: Bridge) -> list[int]:
                 return [pod.pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
 
-            seen = lambda: all(e > o for pod in pods for e, o in zip(epochs(pod), old, strict=True))  # noqa: E731
+            def seen() -> bool:
+                return all(e > o for pod in pods for e, o in zip(epochs(pod), old, strict=True))
+
             await wait_for(seen, what="the restart seen")
             assert epochs(pods[0]) == epochs(pods[1]), (old, epochs(pods[0]), epochs(pods[1]))
         finally:
