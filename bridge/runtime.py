@@ -375,6 +375,7 @@ class Bridge:
         assert endpoint is not None  # (config: each design has its socket)
         counter = self.metrics.snapshots
         name = source.name
+        counter.labels(name, "seeded")  # at 0 from the start (a rate over it has data before the first)
         sequencer = pipeline.sequencer
         return StreamSnapshots(
             pipeline.stream,

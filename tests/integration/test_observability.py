@@ -234,7 +234,7 @@ async def test_every_dashboard_query_and_alert_on_a_real_prometheus(tmp_path: Pa
     sim_ports, (junk_port, dead_port), port = free_ports(2), free_ports(2), free_port()
     config = {
         "sources": [
-            _source("engine", sim_ports),
+            {**_source("engine", sim_ports), "snapshot": "vllm-50134"},  # (its state is switched off: none asked for)
             {"name": "junk", "endpoint": f"tcp://127.0.0.1:{junk_port}"},
             {"name": "dead", "endpoint": f"tcp://127.0.0.1:{dead_port}"},  # nothing listens: not connected
         ],
