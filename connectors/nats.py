@@ -474,6 +474,10 @@ class _ApiError(msgspec.Struct):
     description: str = ""
 
 
+class _StateGone(Permanent):
+    """The bucket no longer holds what this connector wrote of a stream's state (see _finish)."""
+
+
 class _PubAck(msgspec.Struct):
     """The server's reply to a JetStream publish (``duplicate`` is a success too)."""
 
@@ -499,6 +503,7 @@ _MEMORY_STREAM = (
 )
 _MEMORY_BUCKET = "every stream's state starts again incomplete, until its engine's next clear or restart"
 _WRONG_LAST_MSG_ID = 10070  # JSStreamWrongLastMsgIDErr: Nats-Expected-Last-Msg-Id did not match
+_WRONG_LAST_SUBJECT_SEQ = 10071  # JSStreamWrongLastSequenceErrF: Nats-Expected-Last-Subject-Sequence did not match
 EXPECTED_LAST_HEADER = "Nats-Expected-Last-Msg-Id"
 
 
@@ -635,6 +640,10 @@ class NatsConnector:
         # its state (a bucket created again has lost the state of the streams written before).
         self._bucket_life = 0
         self._bucket_lives: dict[str, int] = {}
+        # Per stream (its key prefix), the bucket seq of the head this connector wrote last: the next
+        # head is written only over that one (Nats-Expected-Last-Subject-Sequence), so a bucket
+        # purged or created again under it is noticed at that write (I6).
+        self._heads: dict[str, int] = {}
         self._bucket_gone = False  # seen missing since it last held state: its next life has begun
         self._value_limit: int | None = None  # the bucket's max_value_size, read at connect
         self._warned: set[str] = set()  # the streams and buckets kept in memory, warned about
@@ -1124,6 +1133,7 @@ class NatsConnector:
             # it whole again. A write that clears first (the runtime cleared it already, after a
             # SinkLost) needs nothing it held: it goes through.
             self._bucket_lives[stream.key] = self._bucket_life
+            self._heads.pop(state_prefix(stream.source, stream.dp_rank), None)  # (told once: not again by its head)
             lost = Permanent(
                 f"{self._prefix}: KV bucket {self._bucket!r} lost what it held (deleted, or a server that kept it in "
                 "memory restarted): the stream's state starts again",
@@ -1134,6 +1144,11 @@ class NatsConnector:
         if deltas:
             try:
                 await self._apply_state(nc, stream, deltas)
+            except _StateGone as gone:
+                # Refused for itself, like a lost bucket above: the runtime clears the stream at its
+                # next record (incomplete), and that write needs nothing the bucket held.
+                errors.update(dict.fromkeys(states, gone))
+                return
             except ConnectorError as exc:
                 failure = exc if not isinstance(exc, Permanent) else Retriable(str(exc), reason=exc.reason)
                 errors.update(dict.fromkeys(states, failure))
@@ -1196,7 +1211,8 @@ class NatsConnector:
     async def _finish(
         self, nc: Client, prefix: str, clear: bool, ops: Sequence[tuple[str, bytes | None]], head_doc: bytes
     ) -> None:
-        """The writes a journal stands for: the purge, every entry put or removed at once, then the head."""
+        """The writes a journal stands for: the purge, every entry put or removed at once, then the
+        head, over the head this connector wrote last (_StateGone when the bucket no longer holds it)."""
         if clear:
             await self._purge(nc, [prefix + ".>"])
         puts = [(f"{prefix}.{key}", doc) for key, doc in ops if doc is not None]
@@ -1205,7 +1221,13 @@ class NatsConnector:
             await asyncio.gather(self._kv_write(nc, puts), self._purge(nc, gone))
         elif puts or gone:
             await (self._kv_write(nc, puts) if puts else self._purge(nc, gone))
-        await self._kv_write(nc, [(f"{prefix}.{HEAD_KEY}", head_doc)])
+        last = None if clear else self._heads.get(prefix)
+        hdr = _KV_PUT if last is None else b"NATS/1.0\r\nNats-Expected-Last-Subject-Sequence: %d\r\n\r\n" % last
+        try:
+            (self._heads[prefix],) = await self._kv_write(nc, [(f"{prefix}.{HEAD_KEY}", head_doc)], hdr)
+        except _StateGone:
+            self._heads.pop(prefix, None)
+            raise
 
     async def _purge(self, nc: Client, keys: Sequence[str]) -> None:
         """Remove each key (or ``{prefix}.>``: every key of a stream) with a subject-filtered purge of
@@ -1225,25 +1247,29 @@ class NatsConnector:
         except (TimeoutError, nats.errors.Error) as exc:
             raise Retriable(f"{self._prefix}: state purge in bucket {self._bucket!r} failed: {_describe(exc)}") from None
 
-    async def _kv_write(self, nc: Client, ops: Sequence[tuple[str, bytes]]) -> None:
-        """Put each (key, value) into the bucket, all at once; return when every one is stored. The
-        server stores one connection's publishes to a stream in the order sent."""
+    async def _kv_write(self, nc: Client, ops: Sequence[tuple[str, bytes]], hdr: bytes = b"") -> list[int]:
+        """Put each (key, value) into the bucket, all at once (``hdr``: each put's header block);
+        return their bucket seqs when every one is stored. The server stores one connection's
+        publishes to a stream in the order sent."""
         acks = _Acks()
         sent: list[str] = []
         try:
             for key, value in ops:
                 subject = self._kv_prefix + key
-                await self._send(nc, subject, _KV_PUT, value, acks)
+                await self._send(nc, subject, hdr or _KV_PUT, value, acks)
                 sent.append(subject)
             await acks.wait()
         finally:
             self._forget(acks)
+        seqs = []
         for subject, msg in zip(sent, acks.msgs, strict=True):
             if msg is None:
                 raise acks.error or NotConnected(f"{self._prefix}: no ack for state key {subject!r}")
             error = self._kv_ack_error(msg, subject)
             if error is not None:
                 raise error
+            seqs.append(_ack_decoder.decode(msg.data).seq)
+        return seqs
 
     def _kv_ack_error(self, msg: Msg, subject: str) -> ConnectorError | None:
         if not msg.data and msg.headers and msg.headers.get("Status") == "503":
@@ -1254,6 +1280,12 @@ class NatsConnector:
             return Retriable(f"{self._prefix}: unreadable JetStream ack {msg.data[:200]!r}", reason="bad_ack")
         if err is None:
             return None
+        if err.err_code == _WRONG_LAST_SUBJECT_SEQ:
+            return _StateGone(
+                f"{self._prefix}: KV bucket {self._bucket!r} no longer holds the state's head this sink wrote last "
+                "(purged, or deleted and created again): the stream's state starts again, incomplete",
+                reason="state_lost",
+            )
         text = f"{self._prefix}: JetStream refused state key {subject!r}: {err.description} (code {err.code}/{err.err_code})"
         return Retriable(text, reason="stream_full" if "maximum" in err.description.lower() else "state_rejected")
 
@@ -1307,8 +1339,10 @@ class NatsConnector:
 
     def _check_bucket_config(self, config: js_api.StreamConfig) -> None:
         """What the bridge needs of an existing bucket: values large enough for a journal part
-        (NotConnected naming the fix otherwise: the journal would be refused for ever), and it
-        warns when the bucket is kept in memory."""
+        (NotConnected naming the fix otherwise: the journal would be refused for ever), entries
+        that stay until the bridge removes them (a TTL, or limits that discard the oldest, would
+        take blocks out of a state still marked complete: I6), and it warns when the bucket is
+        kept in memory."""
         limit = config.max_msg_size
         self._value_limit = limit if limit is not None and limit > 0 else None
         if self._value_limit is not None and self._value_limit < MIN_STATE_VALUE:
@@ -1321,6 +1355,17 @@ class NatsConnector:
             )
         if config.storage == js_api.StorageType.MEMORY:
             self._warn_memory(f"KV bucket {self._bucket!r}", _MEMORY_BUCKET, "a bucket with file storage")
+        drops = []
+        if config.max_age:
+            drops.append(f"its entries expire after {config.max_age:g} s (ttl): remove the TTL")
+        if config.discard == js_api.DiscardPolicy.OLD and ((config.max_msgs or 0) > 0 or (config.max_bytes or 0) > 0):
+            drops.append("it discards its oldest entries at its limits (discard old): use discard new, or no limits")
+        if drops:
+            raise NotConnected(
+                f"{self._prefix}: KV bucket {self._bucket!r} loses state entries on its own, so a state marked complete "
+                f"would not be: {'; '.join(drops)} (nats stream edit {self._kv_stream}), or use another bucket",
+                reason="bucket_drops_entries",
+            )
 
     def _warn_memory(self, what: str, consequence: str, fix: str) -> None:
         """One WARNING per stream or bucket kept in memory (not again when it is created again)."""

@@ -808,6 +808,12 @@ _CALL_REFUSALS = (
         "protocol",
         "the server refused the call's framing, e.g. proto-max-bulk-len lowered since connect: read again, retried",
     ),
+    (
+        re.compile(r"unknown command|Unknown Redis command", re.I),
+        "unknown_command",
+        "the server does not run a command the sink needs (renamed or disabled by rename-command or a managed "
+        "service): allow EVAL and, inside it, XADD, XREVRANGE, TYPE, HSET, HGET, HMGET, HDEL, SADD, SREM, DEL and UNLINK",
+    ),
 )
 _MAX_BULK = 512 * 1024 * 1024  # Redis's default proto-max-bulk-len
 _SETTINGS = ("proto-max-bulk-len", "appendonly", "maxmemory-policy")
@@ -977,10 +983,13 @@ class RedisConnector:
 
     # -- hooks ------------------------------------------------------------------------------
     async def connect(self) -> None:
-        """PING the server, then read the settings the writes depend on (see :meth:`_read_settings`);
-        NotConnected naming the sink and the server if it does not answer."""
+        """PING the server, run a script that does nothing (every write is one: an ACL or a
+        renamed command that forbids it is found here, and so by ``--check``), then read the
+        settings the writes depend on (see :meth:`_read_settings`); NotConnected naming the sink,
+        the server and the cause if any of it fails."""
         try:
             await self._connection().ping()
+            await self._connection().eval("return 1", 0)
             settings = await self._read_settings()
         except (RedisError, RedisClusterException, OSError) as exc:
             error = self._classify(exc, f"cannot connect to {self._server}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import time
 import uuid
@@ -447,13 +448,13 @@ async def test_read_state_finishes_a_write_stopped_half_way(
         kv_write = w.connector._kv_write
         calls = 0
 
-        async def stopped(nc: Client, ops: Any) -> None:
+        async def stopped(nc: Client, ops: Any, hdr: bytes = b"") -> list[int]:
             nonlocal calls
             calls += 1
             if calls == 2:  # the entries: half of them (the head: none), then the process is gone
-                await kv_write(nc, ops[: len(ops) // 2])
+                await kv_write(nc, ops[: len(ops) // 2], hdr)
                 raise asyncio.CancelledError
-            await kv_write(nc, ops)
+            return await kv_write(nc, ops, hdr)
 
         w.connector._kv_write = stopped  # type: ignore[method-assign]
         with pytest.raises(asyncio.CancelledError):
@@ -638,6 +639,31 @@ async def test_journal_parts_fit_a_bucket_with_a_value_size_limit(
     assert "--max-msg-size" in str(refused.value)
 
 
+@pytest.mark.parametrize("limits", ["ttl", "discard_old"])
+async def test_a_bucket_that_drops_entries_on_its_own_is_refused_at_connect(
+    nats_server: NatsServer, reader: Client, names: tuple[str, str], limits: str
+) -> None:
+    """An operator's bucket with a TTL, or with limits that discard its oldest entries: blocks
+    would leave a state still marked complete (breaker29e N2: 65 of 76 keys gone, ``--check`` fine,
+    nothing logged). The sink does not connect, and says why and how to fix it."""
+    dest, bucket = names
+    js = reader.jetstream(timeout=10)
+    if limits == "ttl":
+        await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1, ttl=60))
+    else:
+        await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1, max_bytes=1 << 20))
+        info = await js.stream_info(f"KV_{bucket}")
+        await js.update_stream(dataclasses.replace(info.config, discard=js_api.DiscardPolicy.OLD))
+    w = Writer(nats_server.url, dest, bucket, create=False)
+    try:
+        with pytest.raises(NotConnected) as refused:
+            await w.connector.connect()
+    finally:
+        await w.connector.close()
+    assert refused.value.reason == "bucket_drops_entries" and f"KV bucket {bucket!r}" in str(refused.value)
+    assert ("remove the TTL" if limits == "ttl" else "use discard new") in str(refused.value)
+
+
 async def test_without_create_a_lost_bucket_is_named_and_the_state_told_lost_once_it_is_back(
     nats_server: NatsServer, reader: Client, names: tuple[str, str]
 ) -> None:
@@ -671,6 +697,45 @@ async def test_without_create_a_lost_bucket_is_named_and_the_state_told_lost_onc
         assert isinstance(info.value, Permanent) and info.value.reason == "state_lost", info.value
         await w.connector.write([state_message(second)])  # told once
         assert await w.connector.health() is None
+
+
+@pytest.mark.parametrize("how", ["purged", "created_again"])
+async def test_a_bucket_purged_or_created_again_under_the_sink_is_noticed_at_the_next_state_write(
+    nats_server: NatsServer, reader: Client, names: tuple[str, str], how: str
+) -> None:
+    """An operator purges the bucket, or deletes it and creates it again, while the bridge runs (or
+    a memory bucket another pod re-created after a server restart). The next head would land over
+    nothing and say complete with most blocks missing (breaker29e N1: 72 of 112 keys gone, 5 of 5
+    runs). The head is written only over the one this sink wrote last: the stream's state message
+    is refused for itself (state_lost: the runtime clears the stream, incomplete), and a clear
+    goes through and makes the state whole again."""
+    dest, bucket = names
+    js = reader.jetstream(timeout=10)
+    config = js_api.KeyValueConfig(bucket=bucket, history=1)
+    await js.create_key_value(config)
+    stream = Stream("p", 0)
+    rand = random.Random(7)
+    async with connected(nats_server.url, dest, bucket, create=False) as w:
+        await w.write([source_reset(stream, 1, "publisher_restart", 0.0), many_blocks(stream, 1, 0, 5, rand)])
+        await w.write([many_blocks(stream, 1, 1, 3, rand)])
+        if how == "purged":
+            await js.purge_stream(f"KV_{bucket}")
+        else:
+            await js.delete_key_value(bucket)
+            await js.create_key_value(config)
+        second = many_blocks(stream, 1, 2, 1, rand)
+        with pytest.raises(ConnectorError) as info:
+            await w.write([second])
+        assert isinstance(info.value, Permanent) and info.value.reason == "state_lost", info.value
+        try:
+            state, _ = await bootstrap(reader, bucket, "p", 0)
+        except LookupError:
+            pass  # (entries without a head: the consumer cannot tell, nothing says complete)
+        else:
+            assert not state.complete, "a head over a bucket that lost the state"
+        await w.write([source_reset(stream, 2, "publisher_restart", 0.0), many_blocks(stream, 2, 0, 4, rand)])
+        state, _ = await bootstrap(reader, bucket, "p", 0)
+        assert state.complete and state.head["epoch"] == 2 and state.head["seq"] == 0
 
 
 # -- engine snapshots (experimental) ------------------------------------------------------------------

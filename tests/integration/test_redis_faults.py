@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from bridge.config import SinkConfig, convert_options
-from bridge.errors import ConfigError, ConnectorError, Retriable
+from bridge.errors import ConfigError, ConnectorError, NotConnected, Retriable
 from bridge.formats import Renderer
 from bridge.records import Record, Stream, source_reset
 from connectors.redis import RedisConnector, RedisOptions, entry_id, message_position
@@ -395,6 +395,46 @@ async def test_misconf_is_retried_not_ready_and_nothing_is_dead_lettered(snapsho
     finally:
         await d.close()
         await admin.aclose()
+
+
+# -- a command the sink needs renamed or disabled (rename-command, a managed service) ----------
+
+
+@pytest.fixture(params=["EVAL", "XADD"])
+def renamed_redis(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, str]]:
+    server = RedisServer(tmp_path_factory.mktemp("redis-renamed"), extra_config={"rename-command": f'{request.param} ""'})
+    with own_server(f"redis ({request.param} renamed)", server) as started_server:
+        yield started_server, request.param
+
+
+async def test_a_command_the_sink_needs_renamed_is_not_ready_and_nothing_is_dead_lettered(
+    renamed_redis: tuple[RedisServer, str], tmp_path: Path
+) -> None:
+    """Some hardening guides and managed services rename or disable commands. EVAL gone: the sink
+    does not connect (so ``--check`` says so) and names the fix. XADD gone (found inside the
+    script at the first write): every batch is retried with the sink not ready (reason
+    ``unknown_command``). Before, each batch was dead-lettered with the sink ready, and nothing
+    announced (breaker29e R1: 207-276 batches in 10 s)."""
+    server, command = renamed_redis
+    if command == "EVAL":
+        s = SinkConfig(type="redis", name="redis", format="json", granularity="batch")
+        connector = RedisConnector(s.name, convert_options({"url": server.url}, RedisOptions, "sinks[0]"), s)
+        with pytest.raises(NotConnected, match="unknown command") as refused:
+            await connector.connect()
+        assert refused.value.reason == "unknown_command" and "allow EVAL" in str(refused.value)
+        await connector.close()
+        return
+    stream = Stream("eng", 0)
+    d = await started(delivery(tmp_path, server.url, {}, user=None))
+    try:
+        await d.feed([batch(stream, q, epoch=1) for q in range(4)])
+        await until(lambda: bool(d.errors()), "the write to meet the renamed command")
+        await asyncio.sleep(1.0)
+        assert d.errors().keys() == {"unknown_command"}, d.errors()
+        assert d.dead_letters() == [] and d.acked == []
+        assert not d.worker.connected
+    finally:
+        await d.close()
 
 
 # -- a refusal of a whole script call: only an entry refused for itself is dead-lettered --------

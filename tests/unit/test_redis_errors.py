@@ -85,6 +85,9 @@ def test_a_key_collision_reported_by_the_script_is_retried_and_says_how_to_fix_i
         ("ERR Script killed by user with SCRIPT KILL... script: b0eb, on @user_script:137.", "script_killed"),
         ("ERR Protocol error: invalid bulk length", "protocol"),
         ("MISCONF Errors writing to the AOF file: No space left on device", "misconf"),
+        # a command renamed or disabled (rename-command, a managed service): the sink's, not an entry's
+        ("ERR unknown command 'EVAL', with args beginning with: ", "unknown_command"),
+        ("ERR Error running script @user_script:12: Unknown Redis command called from script", "unknown_command"),
     ],
 )
 def test_a_refusal_of_the_whole_call_or_of_persistence_is_retried(reply: str, reason: str) -> None:
