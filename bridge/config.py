@@ -1001,20 +1001,30 @@ def _check_ports(sources: list[SourceConfig], problems: list[str]) -> None:
     seen: list[tuple[str, str, int, int, int, str]] = []  # side, host, first port, last port, source, socket
     for i, source in enumerate(sources):
         n = source.dp_ranks
-        sockets = (("live", source.endpoint, "bind" if source.bind else "connect"), ("replay", source.replay_endpoint, "connect"))
+        sockets = (
+            ("live", source.endpoint, "bind" if source.bind else "connect"),
+            ("replay", source.replay_endpoint, "connect"),
+            ("snapshot", source.snapshot_endpoint, "connect"),  # (one engine's snapshot seeds another's state: I6)
+        )
         for kind, endpoint, side in sockets:
             m = _TCP.match(endpoint or "")
             if m is None:
                 continue
             host, first = m.group(1).lower(), int(m.group(2))
             last = first + n - 1
-            key = "endpoint" if kind == "live" else "replay_endpoint"
+            key = {"live": "endpoint", "replay": "replay_endpoint", "snapshot": "snapshot_endpoint"}[kind]
             if last > 65535:
                 problems.append(f"sources[{i}].dp_ranks: ranks 0..{n - 1} would use {kind} ports up to {last} (> 65535)")
             for side2, host2, first2, last2, j, kind2 in seen:
                 if (side2, host2) != (side, host) or first > last2 or first2 > last:
                     continue
-                if j == i:  # this source's live range, seen just before
+                if j == i and (kind2, kind) != ("live", "replay"):
+                    problems.append(
+                        f"sources[{i}].{key}: {_uses(n, kind, first)}, which {_overlap(n)} its "
+                        f"{_ports(kind2, first2, last2 - first2 + 1)}; rank r uses port + r on every socket, so the ports "
+                        "must be at least dp_ranks apart"
+                    )
+                elif j == i:  # this source's live range, seen just before
                     problems.append(
                         f"sources[{i}].{'dp_ranks' if first != first2 else key}: {_uses(n, 'live', first2)}, which "
                         f"{_overlap(n)} the {_ports('replay', first, n)}; rank r uses port + r on both sockets, so the two "

@@ -72,6 +72,8 @@ REASONS = (
     "undecodable",
     "other_instance",
     "overtaken",
+    "stale",
+    "unverifiable",
     "error",
 )
 """Why a snapshot was refused (the ``reason`` label of ``kv_bridge_snapshots_total``)."""
@@ -151,9 +153,19 @@ def replay_socket_snapshot(replies: Sequence[wire.ReplayReply], size: int) -> Sn
     resume = replies[0].seq
     if any(r.seq != resume for r in replies):
         raise SnapshotRefused("bad_reply", "vllm-50134 replies must all carry the resume point as their seq")
-    first = wire.decode_batch(replies[0].payload).events if replies[0].payload else []
+    try:
+        first = wire.decode_batch(replies[0].payload).events if replies[0].payload else []
+    except DecodeError as exc:
+        raise SnapshotRefused("undecodable", f"vllm-50134 first reply: {exc}") from None
     if not first or first[0].get("type") != "AllBlocksCleared":
         raise SnapshotRefused("unsupported", "the replay socket's answer does not start with AllBlocksCleared: not a snapshot")
+    if len(replies) > 1:
+        # The replies carry no count or index, and a ROUTER past its high-water mark drops some
+        # silently while the end marker still comes: a snapshot of more than one reply may lack
+        # blocks nobody can tell are missing, and a state seeded from it would be complete in name only (I6).
+        raise SnapshotRefused(
+            "unverifiable", f"{len(replies)} replies without a count: one dropped on the way could not be noticed"
+        )
     return Snapshot("vllm-50134", resume - 1, [r.payload for r in replies], instance=replies[0].instance, size=size)
 
 
@@ -181,9 +193,12 @@ class Seeding:
     when the seed can no longer make the state complete.
     """
 
-    def __init__(self, epoch: int, instance: bytes | None, max_bytes: int) -> None:
+    def __init__(self, epoch: int, instance: bytes | None, max_bytes: int, handed: int = -1) -> None:
         self.epoch = epoch
         self.instance = instance
+        # The highest seq handed on when it was asked for: published before the request, so a cut
+        # below it is an older cache than the state's (a lagging or cached snapshot).
+        self.handed = handed
         self.max_bytes = max_bytes
         self.kept: list[Record] = []  # batches handed since the request (above the cut, once known)
         self.kept_bytes = 0
@@ -202,6 +217,8 @@ class Seeding:
             raise SnapshotRefused("other_instance", "the snapshot's publisher UUID is not the live stream's")
         self.certain = snapshot.instance is not None and snapshot.instance == instance
         self._check_tainted()
+        if snapshot.cut < self.handed:
+            raise SnapshotRefused("stale", f"cut {snapshot.cut} is below seq {self.handed}, handed on before it was asked for")
         if self.lost_to > snapshot.cut:
             raise SnapshotRefused("overtaken", f"seqs up to {self.lost_to} were lost after the cut {snapshot.cut}")
         self.snapshot, self.events = snapshot, events
@@ -430,7 +447,8 @@ class StreamSnapshots:
             # epoch the sequencer opened meanwhile is handed on: after a later record.
             return
         self.check = False
-        self.seeding = Seeding(epoch, instance, self.client.max_bytes)
+        handed = record.seq if record.kind != "SourceReset" else -1  # (a reset's seq 0 is not yet published)
+        self.seeding = Seeding(epoch, instance, self.client.max_bytes, handed)
         self._task = self.spawn(self._take(self.seeding), f"snapshot:{self.stream.key}")
 
     async def _take(self, seeding: Seeding) -> None:
@@ -442,6 +460,9 @@ class StreamSnapshots:
         except SnapshotRefused as exc:
             if self.seeding is seeding:
                 self._refused(exc)
+        except Exception as exc:  # (a snapshot never stops the bridge: refused, the state stays incomplete)
+            if self.seeding is seeding:
+                self._refused(SnapshotRefused("error", f"{type(exc).__name__}: {exc}"))
 
     def _refused(self, exc: SnapshotRefused) -> None:
         self.seeding = None
@@ -486,6 +507,8 @@ FIXES = {
     "undecodable": "the snapshot's chunks are not engine batches this bridge decodes: see the dead letters of the stream",
     "other_instance": "the engine restarted during the snapshot; the new epoch starts complete, or is asked again",
     "overtaken": "batches were lost or the engine restarted while the snapshot was read; it is asked again after the loss",
+    "stale": "the engine answered with a cache older than what the bridge had read: check that it snapshots at the request",
+    "unverifiable": "vllm-50134 replies carry no count: only a snapshot of one reply is used (a smaller cache, or vllm-57789)",
     "error": "check that snapshot_endpoint is reachable",
 }
 """What to do about each refusal reason (said in the log line)."""

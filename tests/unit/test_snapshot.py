@@ -119,6 +119,58 @@ def test_a_replay_socket_without_the_design_is_told_by_its_answer() -> None:
     assert e.value.reason == "unsupported"  # an ordinary replay, not a snapshot (no AllBlocksCleared first)
 
 
+def test_a_replay_socket_snapshot_it_cannot_verify_whole_is_refused() -> None:
+    """breaker32 B1, B5: vLLM #50134's replies carry no count, and a ROUTER past its high-water
+    mark drops replies silently while the end marker still comes (45,510 of 60,016 blocks gone
+    over real sockets, the state marked complete): only a snapshot of one reply is taken. And a
+    first reply that does not decode is refused, never raised into the stream's task (it stopped
+    the bridge)."""
+    cleared = encode_batch(PROFILE, 1.0, [{"type": "AllBlocksCleared"}, stored(1)])
+    one = parse_replay([b"", b"", (42).to_bytes(8, "big"), cleared])
+    assert replay_socket_snapshot([one], 0).cut == 41
+    more = parse_replay([b"", b"", (42).to_bytes(8, "big"), encode_batch(PROFILE, 1.0, [stored(2)])])
+    with pytest.raises(SnapshotRefused) as e:
+        replay_socket_snapshot([one, more], 0)
+    assert e.value.reason == "unverifiable"
+    with pytest.raises(SnapshotRefused) as e:
+        replay_socket_snapshot([parse_replay([b"", b"", (42).to_bytes(8, "big"), b"\xc1 not msgpack"])], 0)
+    assert e.value.reason == "undecodable"
+
+
+def test_a_cut_below_what_was_handed_before_the_request_is_stale() -> None:
+    """breaker32 B2: an engine that answers with an older cache (lagging, cached) than the batches
+    the bridge had handed on before it asked: seeded, the state held blocks the engine had removed."""
+    seeding = Seeding(1, None, 1000, handed=37)
+    snap = snap_at(34)
+    with pytest.raises(SnapshotRefused) as e:
+        seeding.ready(snap, snapshot_events(snap), None)
+    assert e.value.reason == "stale"
+    fine = Seeding(1, None, 1000, handed=37)
+    snap = snap_at(37)
+    fine.ready(snap, snapshot_events(snap), None)
+    assert fine.note(batch(38, stored(9))) is not None
+
+
+def test_two_sources_sharing_a_snapshot_endpoint_are_a_config_error() -> None:
+    """breaker32 B3: one engine's snapshot would seed another's state."""
+    with pytest.raises(ConfigError) as e:
+        from_data(
+            {
+                "sources": [
+                    {"name": "a", "endpoint": "tcp://h:5557", "snapshot": "sglang-34407", "snapshot_endpoint": "tcp://s:6000"},
+                    {"name": "b", "endpoint": "tcp://h:5567", "snapshot": "sglang-34407", "snapshot_endpoint": "tcp://s:6000"},
+                ],
+                "sinks": [{"type": "file", "path": "-"}],
+            }
+        )
+    assert any(p.startswith("sources[1].snapshot_endpoint: rank 0 uses snapshot port 6000 on s") for p in e.value.problems)
+    with pytest.raises(ConfigError) as e:
+        config(snapshot="sglang-34407", snapshot_endpoint="tcp://h:5558", dp_ranks=2)
+    assert any("overlaps its live ports 5557-5558" in p or "overlap its live ports 5557-5558" in p for p in e.value.problems), (
+        e.value.problems
+    )
+
+
 def test_an_undecodable_chunk_refuses_the_whole_snapshot() -> None:
     (message,) = reply("vllm-57789")
     snap = parse_reply("vllm-57789", [*message[1:], b"\xc1"])
@@ -336,13 +388,14 @@ def test_check_probes_each_snapshot_endpoint(tmp_path: Any, capsys: pytest.Captu
     ctx = zmq.Context()
     try:
         pub, pub2, router, snap = ctx.socket(zmq.PUB), ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
-        live, live2, replay, good = (s.bind_to_random_port("tcp://127.0.0.1") for s in (pub, pub2, router, snap))
+        stray = ctx.socket(zmq.PUB)  # another engine's live port (a's own would be refused by the config check)
+        live, live2, replay, good, wrong = (s.bind_to_random_port("tcp://127.0.0.1") for s in (pub, pub2, router, snap, stray))
         p = tmp_path / "c.yaml"
         p.write_text(
             "sources:\n"
             f"  - {{name: a, endpoint: 'tcp://127.0.0.1:{live}', snapshot: auto, snapshot_endpoint: 'tcp://127.0.0.1:{good}'}}\n"
             f"  - {{name: b, endpoint: 'tcp://127.0.0.1:{live2}', replay_endpoint: 'tcp://127.0.0.1:{replay}',"
-            f" snapshot: vllm-57789, snapshot_endpoint: 'tcp://127.0.0.1:{live}'}}\n"
+            f" snapshot: vllm-57789, snapshot_endpoint: 'tcp://127.0.0.1:{wrong}'}}\n"
             "sinks:\n  - {type: file, path: '-'}\n"
         )
         assert check(str(p)) == EXIT_UNREACHABLE
@@ -351,7 +404,7 @@ def test_check_probes_each_snapshot_endpoint(tmp_path: Any, capsys: pytest.Captu
     out, err = capsys.readouterr()
     assert "engines: 4 of 5 endpoint(s) answer as they should" in out
     assert (
-        f"sources[1].snapshot_endpoint: tcp://127.0.0.1:{live}: a PUB socket answers, not ROUTER or REP; this looks like "
+        f"sources[1].snapshot_endpoint: tcp://127.0.0.1:{wrong}: a PUB socket answers, not ROUTER or REP; this looks like "
         "the engine's live PUB port: give its snapshot_endpoint port here"
     ) in err
 
