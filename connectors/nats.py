@@ -635,6 +635,9 @@ class NatsConnector:
         self._kv_stream = f"KV_{state.bucket}"
         self._kv_prefix = f"$KV.{state.bucket}."
         self._state_problem: str | None = None
+        # The server refused a publish or subscription of this user (a permissions violation),
+        # until an ack comes through again (see _on_error).
+        self._permission_problem: str | None = None
         self._next: dict[str, int | None] = {}  # stream key -> JetStream seq its messages continue from
         # How many times this process created the bucket, and at which count each stream last wrote
         # its state (a bucket created again has lost the state of the streams written before).
@@ -737,7 +740,7 @@ class NatsConnector:
             return f"{self._prefix}: not connected to NATS at {self._where}"
         if not nc.is_connected:
             return self._reconnecting()
-        return self._stream_problem or self._state_problem
+        return self._permission_problem or self._stream_problem or self._state_problem
 
     async def positions(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:
         """The last message on each stream's subject (``checkpoint.from_sinks``, JetStream mode): the
@@ -1024,6 +1027,7 @@ class NatsConnector:
             self._acks.pop(token, None)
 
     async def _on_ack(self, msg: Msg) -> None:
+        self._permission_problem = None  # (a publish went through: whatever was refused was fixed)
         entry = self._acks.pop(msg.subject[len(self._ack_prefix) :], None)
         if entry is not None:  # else: its write was cancelled or failed
             entry[0].settle(entry[1], msg)
@@ -1503,6 +1507,18 @@ class NatsConnector:
     async def _on_error(self, exc: Exception) -> None:
         self._last_error = _describe(exc)
         log.debug("%s: NATS error: %s", self._prefix, self._last_error, extra={"sink": self.name})
+        if "permissions violation" in self._last_error.lower():
+            # The server drops the message and says so only here: without this, the write would
+            # wait for its acks until write_timeout, and the sink look ready meanwhile.
+            problem = (
+                f"{self._prefix}: NATS at {self._where} refuses this user: {self._last_error}; grant it publish on the "
+                f"sink's subjects ({subject_filter(self.options.subject)}), the JetStream API ($JS.API.>) and, with "
+                "state, the bucket's ($KV.>), and subscribe on its inbox (_INBOX.>)"
+            )
+            if problem != self._permission_problem:
+                log.warning("%s", problem, extra={"sink": self.name})
+            self._permission_problem = problem
+            self._fail_acks(Retriable(problem, reason="no_permission"))
 
     async def _on_disconnected(self) -> None:
         nc = self._nc
@@ -1566,9 +1582,22 @@ class NatsConnector:
         try:
             name = self._events_stream = await js.find_stream_name_by_subject(wildcard)
             self._stream_problem = None
-            if (await js.stream_info(name)).config.storage == js_api.StorageType.MEMORY:
+            config = (await js.stream_info(name)).config
+            if config.storage == js_api.StorageType.MEMORY:
                 consequence = _MEMORY_STREAM.format(sink=self.name)
                 self._warn_memory(f"JetStream stream {name!r}", consequence, "file storage (stream.storage: file)")
+            kept = config.max_msgs_per_subject or 0
+            if kept > 0 and f"per-subject {name}" not in self._warned:
+                self._warned.add(f"per-subject {name}")
+                log.warning(
+                    "%s: JetStream stream %s keeps only the last %d message(s) of each subject (max_msgs_per_subject), "
+                    "and each engine stream has one subject: a consumer that falls that far behind misses messages "
+                    "nothing announces; raise it or remove the limit (-1)",
+                    self._prefix,
+                    name,
+                    kept,
+                    extra={"sink": self.name},
+                )
             return
         except nats.js.errors.NotFoundError:
             problem = f"no JetStream stream captures subject {wildcard!r}: create one, or set stream.create: true"

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -577,6 +578,62 @@ async def test_user_password_auth_and_no_secret_in_errors(nats_server: NatsServe
         await bad.close()
     finally:
         server.remove()
+
+
+@pytest.mark.integration
+async def test_a_user_that_may_not_publish_to_the_subjects_is_named_at_once_not_after_the_write_timeout(tmp_path: Path) -> None:
+    """An authorization mistake: the user may use the JetStream API but not publish to the sink's
+    subjects. The server drops the message and says so only on the connection's error channel:
+    the write waited for its acks until write_timeout (30 s by default) with the sink ready, then
+    said ``timeout`` (breaker29e K2). Now the write fails at once (reason no_permission), health
+    names the user's missing permission, and a publish that goes through clears it."""
+    dest = _dest()
+    auth = (
+        "authorization { users = [\n"
+        '  {user: admin, password: "adminpw"}\n'
+        '  {user: bridge, password: "pw", permissions: {publish: {allow: ["$JS.API.>", "_INBOX.>"]}, '
+        'subscribe: {allow: ["_INBOX.>"]}}}\n'
+        "] }\n"
+        "jetstream: enabled\n"
+    )
+    server = _GuardedNatsServer(tmp_path, extra_config=auth)
+    await server.astart()
+    try:
+        conn = NatsConnector("nats-p", _options(server.url, dest, user="bridge", password="pw", stream={}), SINK)
+        admin = await nats.connect(server.url, user="admin", password="adminpw")
+        try:
+            await admin.jetstream().add_stream(name=dest, subjects=[f"{dest}.>"])
+            await conn.connect()
+            t0 = time.monotonic()
+            with pytest.raises(Retriable) as refused:
+                await conn.write(_render("json", "batch", [Stream("a", 0)], 1))
+            took = time.monotonic() - t0
+            assert refused.value.reason == "no_permission" and "permissions violation" in str(refused.value), refused.value
+            print(f"refused after {took:.2f}s: {refused.value}")
+            problem = await conn.health()
+            assert problem is not None and "grant it publish on the sink's subjects" in problem
+        finally:
+            await conn.close()
+            await admin.close()
+    finally:
+        server.remove()
+
+
+@pytest.mark.integration
+async def test_a_stream_keeping_few_messages_per_subject_is_warned_about(
+    nats_server: NatsServer, reader: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each engine stream is one subject: an operator's stream with max_msgs_per_subject keeps only
+    its last messages, and a consumer behind by more misses them with nothing announced
+    (breaker29e N5: 1 of 15 applied, complete with 44 of 88 keys missing)."""
+    dest = _dest()
+    await reader.jetstream().add_stream(name=dest, subjects=[f"{dest}.>"], max_msgs_per_subject=1)
+    conn = NatsConnector("nats-w", _options(nats_server.url, dest, stream={}), SINK)
+    try:
+        await conn.connect()
+    finally:
+        await conn.close()
+    assert any("keeps only the last 1 message(s) of each subject" in r.getMessage() for r in caplog.records)
 
 
 class _GuardedNatsServer(NatsServer):
