@@ -643,10 +643,11 @@ class NatsConnector:
         # its state (a bucket created again has lost the state of the streams written before).
         self._bucket_life = 0
         self._bucket_lives: dict[str, int] = {}
-        # Per stream (its key prefix), the bucket seq of the head this connector wrote last: the next
-        # head is written only over that one (Nats-Expected-Last-Subject-Sequence), so a bucket
-        # purged or created again under it is noticed at that write (I6).
-        self._heads: dict[str, int] = {}
+        # Per stream (its key prefix), the bucket seq and (epoch, seq) of the head this connector
+        # wrote last: the next head is written only over that one (Nats-Expected-Last-Subject-
+        # Sequence), or over a later one another pod wrote (see _finish), so a bucket purged or
+        # created again under it is noticed at that write (I6).
+        self._heads: dict[str, tuple[int, tuple[int, int]]] = {}
         self._bucket_gone = False  # seen missing since it last held state: its next life has begun
         self._value_limit: int | None = None  # the bucket's max_value_size, read at connect
         self._warned: set[str] = set()  # the streams and buckets kept in memory, warned about
@@ -1208,15 +1209,22 @@ class NatsConnector:
         if ops or op.clear:
             parts = journal_parts(op.head, head_doc, ops, budget, clear=op.clear)
             await self._kv_write(nc, [(f"{JOURNAL_KEY}.{prefix}.{i}", part) for i, part in enumerate(parts)])
-        await self._finish(nc, prefix, op.clear, ops, head_doc)
+        await self._finish(nc, prefix, op.clear, ops, head_doc, (op.head.epoch, op.head.seq))
         if len(parts) > 1:  # a large write: its parts would stay until a write as large
             await self._purge(nc, [f"{JOURNAL_KEY}.{prefix}.>"])
 
     async def _finish(
-        self, nc: Client, prefix: str, clear: bool, ops: Sequence[tuple[str, bytes | None]], head_doc: bytes
+        self,
+        nc: Client,
+        prefix: str,
+        clear: bool,
+        ops: Sequence[tuple[str, bytes | None]],
+        head_doc: bytes,
+        at: tuple[int, int] | None = None,
     ) -> None:
         """The writes a journal stands for: the purge, every entry put or removed at once, then the
-        head, over the head this connector wrote last (_StateGone when the bucket no longer holds it)."""
+        head (``at``: its epoch and seq), over the head this connector wrote last or a later one
+        (_StateGone when the bucket no longer holds either: purged, or created again)."""
         if clear:
             await self._purge(nc, [prefix + ".>"])
         puts = [(f"{prefix}.{key}", doc) for key, doc in ops if doc is not None]
@@ -1225,13 +1233,34 @@ class NatsConnector:
             await asyncio.gather(self._kv_write(nc, puts), self._purge(nc, gone))
         elif puts or gone:
             await (self._kv_write(nc, puts) if puts else self._purge(nc, gone))
-        last = None if clear else self._heads.get(prefix)
-        hdr = _KV_PUT if last is None else b"NATS/1.0\r\nNats-Expected-Last-Subject-Sequence: %d\r\n\r\n" % last
+        key = f"{prefix}.{HEAD_KEY}"
+        last = None if clear or at is None else self._heads.get(prefix)
         try:
-            (self._heads[prefix],) = await self._kv_write(nc, [(f"{prefix}.{HEAD_KEY}", head_doc)], hdr)
+            (written,) = await self._kv_write(nc, [(key, head_doc)], _expect_subject_seq(last[0] if last else None))
         except _StateGone:
-            self._heads.pop(prefix, None)
-            raise
+            # Another pod reading the same engine (a rolling update) writes the same heads: one of
+            # its own at or past the one this sink wrote last is the state going on, not lost.
+            assert last is not None
+            now = await self._head_now(nc, key)
+            if now is None or now[1] < last[1]:
+                self._heads.pop(prefix, None)
+                raise
+            (written,) = await self._kv_write(nc, [(key, head_doc)], _expect_subject_seq(now[0]))
+        if at is not None:
+            self._heads[prefix] = (written, at)
+
+    async def _head_now(self, nc: Client, key: str) -> tuple[int, tuple[int, int]] | None:
+        """The bucket seq and (epoch, seq) of the head the bucket holds at ``key`` (None: none)."""
+        js = nc.jetstream(timeout=self.options.connect_timeout)
+        try:
+            msg = await js.get_last_msg(self._kv_stream, self._kv_prefix + key)
+        except nats.js.errors.NotFoundError:
+            return None
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise Retriable(f"{self._prefix}: reading a state head in bucket {self._bucket!r} failed: {_describe(exc)}") from None
+        doc = parse(msg.data) if msg.data else None
+        head = head_of(doc) if doc is not None else None
+        return None if head is None or msg.seq is None else (msg.seq, (head.epoch, head.seq))
 
     async def _purge(self, nc: Client, keys: Sequence[str]) -> None:
         """Remove each key (or ``{prefix}.>``: every key of a stream) with a subject-filtered purge of
@@ -1608,6 +1637,11 @@ class NatsConnector:
 
 
 _GONE = "is gone (deleted, or a server that kept it in memory restarted)"
+
+
+def _expect_subject_seq(seq: int | None) -> bytes:
+    """The header block of a KV put written only over the subject's message ``seq`` (None: none)."""
+    return _KV_PUT if seq is None else b"NATS/1.0\r\nNats-Expected-Last-Subject-Sequence: %d\r\n\r\n" % seq
 _KV_PUT = b""  # a plain PUB: no header block to store and parse back
 
 

@@ -738,6 +738,34 @@ async def test_a_bucket_purged_or_created_again_under_the_sink_is_noticed_at_the
         assert state.complete and state.head["epoch"] == 2 and state.head["seq"] == 0
 
 
+async def test_two_pods_writing_one_streams_state_do_not_take_each_others_heads_for_a_loss(
+    nats_server: NatsServer, reader: Client, names: tuple[str, str]
+) -> None:
+    """A rolling update: two pods read one engine and write the same state to one bucket. Each
+    head is written over the last one this sink wrote, or over a later one of the other pod's:
+    the state goes on, never cleared for it; a purge is still noticed."""
+    dest, bucket = names
+    js = reader.jetstream(timeout=10)
+    await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1))
+    stream = Stream("q", 0)
+    rand = random.Random(8)
+    records = [source_reset(stream, 1, "publisher_restart", 0.0), *(many_blocks(stream, 1, s, 3, rand) for s in range(6))]
+    url = nats_server.url
+    async with connected(url, dest, bucket, create=False) as a, connected(url, dest, bucket, create=False) as b:
+        for i, r in enumerate(records):
+            await a.write([msgspec.structs.replace(r, state=None)])
+            if i % 2:  # b a step behind or level with a, as pods are
+                await b.write([msgspec.structs.replace(r, state=None)])
+        await b.write([msgspec.structs.replace(records[-1], state=None)])
+        state, _ = await bootstrap(reader, bucket, "q", 0)
+        assert state.complete and state.head["seq"] == 5
+        await js.purge_stream(f"KV_{bucket}")
+        more = many_blocks(stream, 1, 6, 1, rand)
+        with pytest.raises(ConnectorError) as info:
+            await a.write([more])
+        assert info.value.reason == "state_lost"
+
+
 # -- engine snapshots (experimental) ------------------------------------------------------------------
 
 
