@@ -492,6 +492,14 @@ class IngestConfig(Struct):
         ),
     ] = 5000
     drain_max: Annotated[int, msgspec.Meta(ge=1, description="Messages read per socket wake-up before yielding.")] = 256
+    tick: Annotated[
+        Duration,
+        doc(
+            "How long after a socket signals the bridge waits before reading it, so that the batches of other "
+            "streams arriving meanwhile are read in the same pass (one wake-up, one fan-out, one sink write for "
+            "many streams; see docs/operations/sizing.md). The most latency it adds; 0 reads at once."
+        ),
+    ] = Duration(0.001)
     connect_grace: Annotated[
         Duration,
         doc(

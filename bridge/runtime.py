@@ -38,6 +38,7 @@ from .fanout import Fanout
 from .filters import EventFilter, for_sink
 from .formats import STATE_TYPE, Message, Renderer
 from .health import HealthServer
+from .ingest import Drainer
 from .metrics import Metrics
 from .records import Record, Stream, events_lost
 from .replay import ReplayClient
@@ -210,6 +211,7 @@ class Bridge:
         self.pipelines: dict[str, StreamPipeline] = {}
         self._noted_instances: dict[str, tuple[int, bytes]] = {}  # (see _note_instances)
         self.readers: dict[str, SourceReader] = {}
+        self.drainer = Drainer(config.ingest.tick)  # reads every source's socket (see bridge.ingest)
         self._reader_tasks: dict[str, asyncio.Task[None]] = {}
         # Removed sources' streams, for their return: where to resume, the highest seq known,
         # when (monotonic) the source was removed, and the stream's sequencer (what it read and
@@ -393,7 +395,9 @@ class Bridge:
         for pipeline, endpoint in added:
             key = pipeline.stream.key
             ingest = self.config.ingest
-            reader = SourceReader(pipeline, self.zmq_context, endpoint, bind=source.bind, topic=source.topic, ingest=ingest)
+            reader = SourceReader(
+                pipeline, self.zmq_context, endpoint, bind=source.bind, topic=source.topic, ingest=ingest, drainer=self.drainer
+            )
             self.readers[key] = reader
             self._reader_tasks[key] = self._watch(asyncio.create_task(reader.run(), name=f"source:{key}"))
             await pipeline.start()
@@ -438,6 +442,7 @@ class Bridge:
         for task in self._reader_tasks.values():
             task.cancel()
         await asyncio.gather(*self._reader_tasks.values(), return_exceptions=True)
+        self.drainer.close()
         for p in self.pipelines.values():
             await p.stop()
         # 2. flush every sink queue (bounded)

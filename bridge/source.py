@@ -1,10 +1,11 @@
-"""ZMQ ingest: one SUB socket per (source, dp_rank), drained in bursts.
+"""ZMQ ingest: one SUB socket per (source, dp_rank), read by the process's drainer.
 
-The SUB socket is a plain (synchronous) socket whose file descriptor is watched by the event
-loop itself (``add_reader``): no per-read futures or pollers, which cost more than the reads at
-low rates. The reader reads everything ready (up to ``ingest.drain_max`` messages) with
-non-blocking calls and hands the burst to the stream's pipeline: one await per burst, not per
-message. ZMQ's
+The SUB socket is a plain (synchronous) socket read with non-blocking calls. Its file descriptor
+is watched by the process's :class:`bridge.ingest.Drainer`, which reads every ready socket in one
+pass per ``ingest.tick`` (up to ``ingest.drain_max`` messages each) and hands each burst to the
+stream's pipeline: one call per burst, not per message, and for a fleet one wake-up for many
+streams. The reader's own task only finishes a pipeline call that had to wait (see
+:mod:`bridge.ingest`). ZMQ's
 ``MAXMSGSIZE`` refuses oversized messages before allocating them (the connection is dropped and
 re-established; the sequence gap is then repaired through replay). A monitor socket tracks
 connections for ``kv_bridge_sources_connected`` and the logs.
@@ -32,8 +33,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from typing import cast
+from collections.abc import Callable, Coroutine
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -42,6 +43,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from . import probe
 from .config import IngestConfig
+from .ingest import Drainer, finish, start_inline
 from .stream import StreamPipeline
 
 log = logging.getLogger("bridge.source")
@@ -78,6 +80,7 @@ class SourceReader:
         topic: str,
         ingest: IngestConfig,
         on_connection: asyncio.Event | None = None,
+        drainer: Drainer | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.ctx = ctx
@@ -104,6 +107,13 @@ class SourceReader:
         self._problem_metric = metrics.source_problem
         self._labels = labels
         self._up.set(0)
+        # Read by the process's drainer (bridge.ingest); a reader made alone has its own.
+        self._drainer = drainer
+        self.queued = False
+        self._sock: zmq.Socket[bytes] | None = None
+        self._busy = False  # a burst's pipeline call not finished: the socket is not read
+        self._parked: tuple[Coroutine[Any, Any, None], asyncio.Future[Any] | None] | Exception | None = None
+        self._wake = asyncio.Event()
         self._problem_metric.labels(*labels, self._reason).set(1)
 
     def _socket(self) -> tuple[zmq.Socket[bytes], zmq.asyncio.Socket]:
@@ -131,63 +141,44 @@ class SourceReader:
         return sock, monitor
 
     async def run(self) -> None:
+        """Set the socket up, have the process's drainer read it (see :mod:`bridge.ingest`), and
+        finish here what a burst's pipeline call could not finish inline."""
         sock, monitor = self._socket()
         # Watched like every background task: a monitor that dies would hide reconnects (and
         # with them the check that the engine on the other end is still the same instance).
         monitor_task = self.pipeline.ctx.spawn(self._monitor(monitor, sock), f"monitor:{self.endpoint}")
         self.subscribed = True
         log.info("source subscribed", extra={"stream": self.pipeline.stream.key, "endpoint": self.endpoint, "bind": self.bind})
-        drain_max = self.ingest.drain_max
-        on_live = self.pipeline.on_live
-        recv, get, noblock = _recv, _get, zmq.NOBLOCK
-        topic = self._topic
-        loop = asyncio.get_running_loop()
-        readable = asyncio.Event()
         fd = sock.fileno()
-        loop.add_reader(fd, readable.set)
+        drainer = self._drainer if self._drainer is not None else Drainer(self.ingest.tick)
+        self._sock = sock
+        drainer.watch(fd, self)
+        drainer.note(self)  # whatever arrived before the descriptor was watched
         try:
-            while True:
-                burst: list[list[bytes]] = []
-                foreign = 0  # messages of other topics read (and dropped) in this pass
-                armed = False  # ZMQ_EVENTS read after the burst's last message, the flag cleared before
-                try:
-                    for _ in range(drain_max):
-                        frame = recv(sock, noblock, False)  # only the first frame can be missing: multipart is atomic
-                        frames = [frame.bytes]
-                        while frame.more:
-                            frame = recv(sock, noblock, False)
-                            frames.append(frame.bytes)
-                        if topic and not frames[0].startswith(topic):
-                            foreign += 1
-                            self._foreign(frames[0])
-                            continue
-                        burst.append(frames)
-                        # A quiet stream's wake-up brings one message: ask whether another is
-                        # there rather than read until zmq.Again, whose exception costs 3x more.
-                        if len(burst) == 1:
-                            readable.clear()
-                            if not get(sock, _EVENTS) & _POLLIN:
-                                armed = True
-                                break
-                except zmq.Again:
-                    pass
-                if burst:
-                    if self._probing:
-                        self._own_topic(sock)
-                    await on_live(burst, time.time())
-                if len(burst) + foreign == drain_max:
-                    await asyncio.sleep(0)  # more may be ready: let the other streams run first
-                    continue
-                # ZMQ's descriptor is edge-triggered: it signals when messages arrive after a read
-                # found none, and reading ZMQ_EVENTS re-arms it. So the flag is cleared first and
-                # EVENTS read after, or a message arriving in between would wait for the next.
-                if not armed:
-                    readable.clear()
-                    if get(sock, _EVENTS) & _POLLIN:
-                        continue
-                await readable.wait()
+            try:
+                while True:
+                    await self._wake.wait()
+                    self._wake.clear()
+                    parked, self._parked = self._parked, None
+                    if isinstance(parked, BaseException):
+                        raise parked  # the pipeline's failure, as if this task had made the call
+                    if parked is not None:
+                        self._parked = parked  # until finished: a cancellation meanwhile is thrown into it
+                        await finish(*parked)
+                        self._parked = None
+                    self._busy = False
+                    drainer.note(self)
+            except asyncio.CancelledError:
+                parked = self._parked
+                if isinstance(parked, tuple):
+                    self._parked = None
+                    await finish(*parked, cancelled=True)
+                raise
         finally:
-            loop.remove_reader(fd)
+            drainer.unwatch(fd, self)
+            if drainer is not self._drainer:
+                drainer.close()
+            self._sock = None
             self.subscribed = False
             monitor_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -203,6 +194,69 @@ class SourceReader:
             with contextlib.suppress(KeyError):
                 self._problem_metric.remove(*self._labels, self._reason)
             sock.close(linger=0)
+
+    # -- called by the drainer (bridge.ingest) ----------------------------------------------------
+    def signalled(self) -> bool:
+        sock = self._sock
+        if sock is None:
+            return False
+        if self._busy:
+            _get(sock, _EVENTS)  # consumes the signal (see bridge.ingest); read once the call finished
+            return False
+        return True  # the reads consume it (one ZMQ call fewer per quiet batch than asking first)
+
+    def drain(self, received: float) -> bool:
+        sock = self._sock
+        if sock is None or self._busy:
+            return False
+        burst, foreign = self._read(sock)
+        if burst:
+            if self._probing:
+                self._own_topic(sock)
+            coro = self.pipeline.on_live(burst, received)
+            try:
+                done, waiting = start_inline(coro)
+            except Exception as exc:  # the stream's failure: its task raises it, and is watched
+                self._park(exc)
+                return False
+            if not done:
+                self._park((coro, waiting))
+                return False
+        return len(burst) + foreign == self.ingest.drain_max
+
+    def _park(self, parked: tuple[Coroutine[Any, Any, None], asyncio.Future[Any] | None] | Exception) -> None:
+        """Hand ``run`` a burst's suspended pipeline call (or its failure); the socket is not read
+        until it has finished."""
+        self._busy = True
+        self._parked = parked
+        self._wake.set()
+
+    def _read(self, sock: zmq.Socket[bytes]) -> tuple[list[list[bytes]], int]:
+        """What is ready on ``sock``, up to ``ingest.drain_max`` messages: the burst of the source's
+        topic, and how many messages of other topics were read (and dropped)."""
+        burst: list[list[bytes]] = []
+        foreign = 0
+        recv, noblock, topic = _recv, zmq.NOBLOCK, self._topic
+        try:
+            for _ in range(self.ingest.drain_max):
+                frame = recv(sock, noblock, False)  # only the first frame can be missing: multipart is atomic
+                frames = [frame.bytes]
+                while frame.more:
+                    frame = recv(sock, noblock, False)
+                    frames.append(frame.bytes)
+                if topic and not frames[0].startswith(topic):
+                    foreign += 1
+                    self._foreign(frames[0])
+                    continue
+                burst.append(frames)
+                # A quiet stream's pass brings one message: ask whether another is there rather
+                # than read until zmq.Again, whose exception costs 3x more. Either way the socket
+                # signals again when the next message arrives (see bridge.ingest).
+                if len(burst) == 1 and not _get(sock, _EVENTS) & _POLLIN:
+                    break
+        except zmq.Again:
+            pass
+        return burst, foreign
 
     async def _monitor(self, monitor: zmq.asyncio.Socket, sock: zmq.Socket[bytes]) -> None:
         key = self.pipeline.stream.key

@@ -207,12 +207,12 @@ class Run:
         await asyncio.sleep(0.1)  # room for anything the bridge would still add
 
 
-async def run_script(steps: list[Step]) -> None:
+async def run_script(steps: list[Step], tick: float = 0.001) -> None:
     live, rep = free_port(), free_port()
     source = {"name": "engine", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}
     with tempfile.TemporaryDirectory(prefix="kvb-model-") as tmp:
         async with ScriptedEngine(live, rep, buffer_steps=BUFFER) as engine:
-            async with running_bridge(Path(tmp), [source], replay=REPLAY) as (bridge, out):
+            async with running_bridge(Path(tmp), [source], replay=REPLAY, ingest={"tick": tick}) as (bridge, out):
                 await wait_for(lambda: bool(bridge.pipelines), timeout=10, what="the stream")
                 await engine.wait_subscribed()
                 run = Run(engine, bridge, out)
@@ -236,6 +236,9 @@ async def run_script(steps: list[Step]) -> None:
     derandomize=os.environ.get("CI") == "true",  # CI: the same scripts every run; locally: new ones
     suppress_health_check=[HealthCheck.too_slow],
 )
-@given(steps=st.lists(STEP, min_size=8, max_size=20))
-def test_bridge_model(steps: list[Step]) -> None:
-    asyncio.run(run_script(steps))
+@given(steps=st.lists(STEP, min_size=8, max_size=20), tick=st.sampled_from([0.0, 0.001, 0.02]))
+def test_bridge_model(steps: list[Step], tick: float) -> None:
+    # ingest.tick: read at once, the default window, and one long enough that a step's batches,
+    # replies and restarts land in one pass of the drainer (bridge.ingest)
+    event(f"ingest.tick {tick}")
+    asyncio.run(run_script(steps, tick))
