@@ -283,7 +283,6 @@ class Target:
 CONNECTOR_PARTS = {
     "redis": (
         "entry_id",
-        "entry_position",
         "message_position",
         "index_delta",
         "_tier_text",
@@ -297,8 +296,6 @@ CONNECTOR_PARTS = {
         "subject_problem",
         "subject_filter",
         "_Subjects",
-        "state_token",
-        "state_prefix",
         "fold_deltas",
         "_order",
         "journal_parts",
@@ -307,7 +304,15 @@ CONNECTOR_PARTS = {
         "hpub",
         "_Held",
     ),
-    "kafka": ("stream_of", "StateLog", "_merge"),
+    "kafka": ("_Last", "_remember"),
+}
+# The consumer side (``consumer/kv_consumer``, its own distribution since 35725db): the bootstrap's
+# state and ordering rule whole, and of each reader its pure parts (the entry ids, state keys and
+# the state log the bridge's own rebuild shares).
+CONSUMER_PARTS = {
+    "kv_redis": ("entry_position",),
+    "kv_nats": ("state_token", "state_prefix"),
+    "kv_kafka": ("partition_of", "stream_of", "StateLog", "_merge"),
 }
 PIPELINE = ("count", "filters", "metrics")  # they drive a pipeline end to end
 SINKS = (
@@ -375,12 +380,26 @@ TEST_MAP: dict[str, tuple[str, ...]] = {
     "redis": ("redis_errors", "redis_index"),
     "nats": ("nats_state_keys", "nats_connector"),
     "kafka": ("kafka_state", "kafka_options"),
+    "kv_redis": ("redis_errors", "redis_index", "redis_internals", "state_sinks"),
+    "kv_nats": ("nats_state_keys", "nats_connector", "state_sinks"),
+    "kv_kafka": ("kafka_state", "kafka_options", "state_sinks"),
 }
-CORE = ("sequencer", "checkpoint", "fanout", "sink", "stream", "wire", "state_docs", "state", "formats", "records", "bootstrap")
+CORE = ("sequencer", "checkpoint", "fanout", "sink", "stream", "wire", "state_docs", "state", "formats", "records")
 TARGETS: dict[str, Target] = {
     **{name: Target(f"bridge/{name}.py", TEST_MAP[name]) for name in CORE},
+    "bootstrap": Target("consumer/kv_consumer/state.py", TEST_MAP["bootstrap"]),
     **{name: Target(f"connectors/{name}.py", TEST_MAP[name], parts) for name, parts in CONNECTOR_PARTS.items()},
+    **{
+        name: Target(f"consumer/kv_consumer/{name.removeprefix('kv_')}.py", TEST_MAP[name], parts)
+        for name, parts in CONSUMER_PARTS.items()
+    },
 }
+
+
+def pythonpath(work: Path, *more: Path) -> str:
+    """The copy first (``consumer/`` too: kv_consumer is installed editable from the working tree,
+    which would shadow the mutated copy)."""
+    return os.pathsep.join(str(p) for p in (work, work / "consumer", *more))
 
 
 def test_files(module: str, tree: Path) -> list[str]:
@@ -708,7 +727,7 @@ def run_pytest(
     shutil.rmtree(work / ".hypothesis", ignore_errors=True)  # no example database: each run stands alone
     env = {
         **os.environ,
-        "PYTHONPATH": f"{work}{os.pathsep}{work / 'tools'}",
+        "PYTHONPATH": pythonpath(work, work / "tools"),
         "PYTHONDONTWRITEBYTECODE": "1",
         "KV_MODEL_EXAMPLES": str(examples),
         **(coverage or {}),
@@ -740,7 +759,7 @@ class Runner:
 
     def __init__(self, work: Path, seed: int, examples: int) -> None:
         self.work, self.seed = work, seed
-        env = {**os.environ, "PYTHONPATH": str(work), "PYTHONDONTWRITEBYTECODE": "1", "KV_MODEL_EXAMPLES": str(examples)}
+        env = {**os.environ, "PYTHONPATH": pythonpath(work), "PYTHONDONTWRITEBYTECODE": "1", "KV_MODEL_EXAMPLES": str(examples)}
         self.proc = subprocess.Popen(
             [sys.executable, str(work / "tools" / "mutants_runner.py")],
             cwd=work,
