@@ -392,6 +392,7 @@ class StreamPipeline:
         restart left unannounced (I3), and the epochs and first batches they open are saved first."""
         pending = self._pending
         self._pending = None
+        first = self._first_pending  # of the records decided so far; a restart in ``rest`` opens an epoch
         records = self._run[:]  # decided before anything else
         self._run.clear()
         if pending is not None and pending is not self._handed:
@@ -405,9 +406,12 @@ class StreamPipeline:
         if not records:
             return
         for record in records:
-            if self._first_pending and record.kind == "batch":
-                self._first_pending = False
+            if record.kind == "SourceReset":
+                first = True
+            elif first and record.kind == "batch":
+                first = False
                 self.ctx.epochs.note_first(self.stream.key, record)
+        self._first_pending = first
         await self.ctx.epochs.persist()
         for record in records:
             self._handed = record

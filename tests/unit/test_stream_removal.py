@@ -298,3 +298,98 @@ async def test_a_stream_removed_while_a_full_sink_waits_after_a_restart_keeps_ea
     for r in everything:
         if r.kind == "batch":
             assert r.payload == payload(r.seq, instance=0 if r.epoch == OLD_EPOCH else 1), (r.epoch, r.seq)
+
+
+class NotedEpochs(Epochs):
+    """Also what is noted as an epoch's first batch, and each save, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, object]] = []
+
+    def note_first(self, key: str, record: Record) -> bool:
+        self.log.append(("first", (record.epoch, record.seq)))
+        return True
+
+    async def persist(self) -> None:
+        self.log.append(("persist", None))
+
+
+async def test_a_burst_cut_short_by_removal_notes_the_first_batch_of_the_epoch_it_opened(context: Build) -> None:
+    """The restart decided in a burst cut short (the old instance's run 10, 11 waiting for a full
+    sink, then the new instance's 0): the new epoch's first batch is noted and saved before it is
+    queued (Checkpointer.resume_position resumes just before it after a crash), not the old
+    epoch's batch of the run."""
+    epochs = NotedEpochs()
+    out = Out()
+    pipe = StreamPipeline(
+        context(out, epochs, Replays(None)), STREAM, replay_endpoint="tcp://x:1", replay_on_start=False, epoch=OLD_EPOCH
+    )
+    await pipe.start()
+    await pipe.on_live([frames(s) for s in range(10)], 1.0)
+    epochs.log.clear()
+    full = out.full = FullSink(out.got)
+    task = asyncio.create_task(pipe.on_live([frames(10), frames(11), frames(0, payload(0, instance=1))], 2.0))
+    await until(full.waiting.is_set, what="the run waiting for the full sink")
+    await remove(pipe, task)
+    new_epoch = epochs.top
+    assert task.cancelled()
+    assert shown(out.got)[-4:] == [
+        ("batch", OLD_EPOCH, 10),
+        ("batch", OLD_EPOCH, 11),
+        ("SourceReset", new_epoch, 0),
+        ("batch", new_epoch, 0),
+    ]
+    assert epochs.log == [("first", (new_epoch, 0)), ("persist", None)], epochs.log
+
+
+async def test_a_burst_cut_short_inside_counts_only_the_frames_after_the_one_decided(context: Build) -> None:
+    """Live 0..9; then 10 (in order), 12 (a gap: replay asked) and 13, while the sink is full: the
+    stream waits at 12 with 10 in its run and is removed there. 10 is handed on; 13, read but never
+    sequenced, counts for the epoch's published top."""
+    out = Out()
+    pipe = StreamPipeline(
+        context(out, Epochs(), Replays(None)), STREAM, replay_endpoint="tcp://x:1", replay_on_start=False, epoch=OLD_EPOCH
+    )
+    await pipe.start()
+    await pipe.on_live([frames(s) for s in range(10)], 1.0)
+    full = out.full = FullSink(out.got)
+    task = asyncio.create_task(pipe.on_live([frames(10), frames(12), frames(13)], 2.0))
+    await until(full.waiting.is_set, what="the run waiting for the full sink")
+    await remove(pipe, task)
+    assert task.cancelled()
+    assert shown(out.got)[-1] == ("batch", OLD_EPOCH, 10)
+    assert pipe.resume_point()[1] == 13
+
+
+async def test_a_burst_removed_while_waiting_for_the_lock_counts_from_its_first_frame(context: Build) -> None:
+    """Every frame of a burst that never got the lock is unread: its top is its first frame (9)
+    when the next one (8) goes back (another instance's)."""
+    pipe = StreamPipeline(
+        context(Out(), Epochs(), Replays(None)), STREAM, replay_endpoint="tcp://x:1", replay_on_start=False, epoch=OLD_EPOCH
+    )
+    await pipe.start()
+    await pipe.on_live([frames(s) for s in range(5)], 1.0)
+    async with pipe.lock:
+        task = asyncio.create_task(pipe.on_live([frames(9), frames(8)], 2.0))
+        await asyncio.sleep(0)
+        await remove(pipe, task)
+    assert task.cancelled()
+    assert pipe.resume_point()[1] == 9
+
+
+async def test_a_decision_waiting_for_a_full_sink_is_handed_on_when_the_stream_is_removed(context: Build) -> None:
+    """No replay: a gap (1, 2) is lost at once. The loss waits for a full sink, the batch after it
+    is decided too; the stream is removed: both are handed on, in order (I3, I4)."""
+    out = Out()
+    pipe = StreamPipeline(context(out, Epochs(), Replays(None)), STREAM, replay_endpoint=None, replay_on_start=False, epoch=5)
+    await pipe.start()
+    await pipe.on_live([frames(0)], 1.0)
+    full = out.full = FullSink(out.got)
+    task = asyncio.create_task(pipe.on_live([frames(3)], 2.0))
+    await until(full.waiting.is_set, what="the loss waiting for the full sink")
+    await remove(pipe, task)
+    assert task.cancelled()
+    assert shown(out.got) == [("batch", 5, 0), ("EventsLost", 5, 1, 2), ("batch", 5, 3)]
+    point, top = pipe.resume_point()
+    assert point is not None and point[:2] == (5, 3) and top == 3
