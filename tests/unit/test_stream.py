@@ -6,12 +6,17 @@ epochs store), and answer replays from a script (the replay client)."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import pytest
+import zmq
 
+from bridge import probe
 from bridge.config import Duration, ReplayConfig
 from bridge.deadletter import DeadLetters, DecodeFailures
 from bridge.fanout import Fanout
@@ -22,7 +27,7 @@ from bridge.sequencer import fingerprint
 from bridge.sink import SinkWorker
 from bridge.stream import StreamContext, StreamPipeline
 from bridge.wire import ReplayReply, peek_ts
-from tests.support.records import batch
+from tests.support.records import batch, block_stored
 
 STREAM = Stream("engine", 0)
 
@@ -34,6 +39,7 @@ class Recording(Fanout):
         super().__init__([])
         self.log = log
         self.records: list[Record] = []
+        self.room_for_runs = True  # False: a sink has no room for a whole run (offered one by one)
 
     def offer(self, record: Record) -> list[SinkWorker]:
         self.records.append(record)
@@ -41,6 +47,8 @@ class Recording(Fanout):
         return []
 
     def offer_all(self, records: Sequence[Record]) -> bool:
+        if not self.room_for_runs:
+            return False
         for record in records:
             self.offer(record)
         return True
@@ -69,9 +77,15 @@ class Replays(ReplayClient):
     def __init__(self, payloads: dict[int, bytes]) -> None:
         self.payloads = payloads
         self.requests: list[tuple[int, int]] = []
+        self.silent = False  # every request gets no reply at all (a dead or wrong endpoint)
+        self.error: Exception | None = None  # raised by every request
 
     async def fetch(self, endpoint: str, start: int, until: int, outcome: ReplayOutcome) -> AsyncGenerator[ReplayReply, None]:
         self.requests.append((start, until))
+        if self.error is not None:
+            raise self.error
+        if self.silent:
+            return
         for seq in sorted(s for s in self.payloads if s >= start):
             yield ReplayReply(seq, self.payloads[seq], False)
         outcome.complete = True
@@ -132,6 +146,12 @@ def sample(metrics: Metrics, name: str, **labels: str) -> float:
 async def settle(pipeline: StreamPipeline) -> None:
     task = pipeline._replay_task
     if task is not None:
+        await task
+
+
+async def settle_all(pipeline: StreamPipeline) -> None:
+    """Until no replay is in flight (each retry is a new task)."""
+    while (task := pipeline._replay_task) is not None and not task.done():
         await task
 
 
@@ -405,3 +425,211 @@ async def test_losses_and_duplicates_are_counted_per_batch(make: Callable[..., F
     ]
     assert sample(f.metrics, "kv_bridge_batches_lost_total", source="engine") == 5
     assert sample(f.metrics, "kv_bridge_duplicates_dropped_total", source="engine") == 1
+
+
+async def test_a_replay_without_any_reply_asks_the_endpoint_why_at_most_once_a_minute(
+    make: Callable[..., Fakes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gap whose replays get no reply at all: the first such replay asks the endpoint what it is
+    (bridge.probe) and keeps the answer for /readyz; its retries within the minute do not ask again.
+    Each retry waits its backoff; after max_attempts the gap is announced lost."""
+    asked: list[tuple[str, str]] = []
+
+    async def diagnose(endpoint: str, role: str, timeout: float = 2.0) -> tuple[str, str]:
+        asked.append((endpoint, role))
+        return ("a PUB socket answers, not a ROUTER", "wrong_peer")
+
+    monkeypatch.setattr(probe, "diagnose", diagnose)
+    f = make({})
+    f.replays.silent = True
+    assert f.pipeline.replay_problem is None
+    await f.pipeline.start()
+    await f.pipeline.on_live([frames(0), frames(2)], received=1_700_000_001.0)
+    await settle_all(f.pipeline)
+    for _ in range(10):  # the diagnosis runs in its own task
+        await asyncio.sleep(0)
+    assert asked == [("tcp://fake:1", "replay")]
+    assert f.pipeline.replay_problem == "tcp://fake:1: a PUB socket answers, not a ROUTER"
+    attempts = f.pipeline.ctx.replay_config.max_attempts
+    assert len(f.replays.requests) == attempts
+    assert sample(f.metrics, "kv_bridge_replay_requests_total", source="engine", outcome="timeout") == attempts
+    assert [(r.kind, r.from_seq, r.seq) for r in f.fanout.records] == [
+        ("batch", None, 0),
+        ("EventsLost", 1, 1),
+        ("batch", None, 2),
+    ]
+
+
+async def test_a_retried_replay_waits_its_backoff_and_the_first_attempt_does_not(make: Callable[..., Fakes]) -> None:
+    waited: list[int] = []
+
+    class Recorded:
+        def delay(self, attempt: int) -> float:
+            waited.append(attempt)
+            return 0.0
+
+    f = make({})
+    f.replays.silent = True
+    f.pipeline.backoff = Recorded()  # type: ignore[assignment]
+    await f.pipeline.start()
+    await f.pipeline.on_live([frames(0), frames(2)], received=1_700_000_001.0)
+    await settle_all(f.pipeline)
+    assert waited == list(range(1, f.pipeline.ctx.replay_config.max_attempts))
+
+
+async def test_a_replay_that_fails_on_the_socket_counts_as_an_error_and_is_retried(make: Callable[..., Fakes]) -> None:
+    f = make({})
+    f.replays.error = zmq.ZMQError(zmq.EHOSTUNREACH)
+    await f.pipeline.start()
+    await f.pipeline.on_live([frames(0), frames(2)], received=1_700_000_001.0)
+    await settle_all(f.pipeline)
+    attempts = f.pipeline.ctx.replay_config.max_attempts
+    assert sample(f.metrics, "kv_bridge_replay_requests_total", source="engine", outcome="error") == attempts
+    assert [(r.kind, r.seq) for r in f.fanout.records] == [("batch", 0), ("EventsLost", 1), ("batch", 2)]
+
+
+async def test_event_types_gathered_between_collections_stay_bounded(make: Callable[..., Fakes]) -> None:
+    """The event types a stream gathers for the metrics are applied once they pass a bound, live
+    or replayed, not only when the registry is collected (memory bound); none is lost."""
+    many = {s: batch(STREAM, s, n_events=1000).payload for s in range(20)}
+    f = make(dict(many))
+    await f.pipeline.start()
+    await f.pipeline.on_live([frames(s, many[s]) for s in range(10)], received=1_700_000_001.0)
+    assert len(f.pipeline._types) <= 8192
+    await f.pipeline.on_live([frames(19, many[19])], received=1_700_000_001.0)  # 10..18 replayed
+    await settle_all(f.pipeline)
+    assert len(f.pipeline._types) <= 8192
+    assert len(f.fanout.records) == 20
+    assert sample(f.metrics, "kv_bridge_events_received_total", source="engine", type="BlockStored") == 20 * 999
+
+
+async def test_live_messages_are_counted_once_across_collections(make: Callable[..., Fakes]) -> None:
+    f = make()
+    await f.pipeline.start()
+    await f.pipeline.on_live([frames(0), frames(1)], received=1_700_000_001.0)
+    assert sample(f.metrics, "kv_bridge_batches_received_total", source="engine", dp_rank="0") == 2
+    await f.pipeline.on_live([frames(2)], received=1_700_000_001.0)
+    assert sample(f.metrics, "kv_bridge_batches_received_total", source="engine", dp_rank="0") == 3
+    assert sample(f.metrics, "kv_bridge_source_last_seq", source="engine", dp_rank="0") == 2
+
+
+async def test_what_a_stream_gathered_for_the_metrics_is_counted_when_it_stops(make: Callable[..., Fakes]) -> None:
+    """A stream removed (stopped, then dropped) before the next collection: its counts still show."""
+    f = make()
+    pipeline = StreamPipeline(f.pipeline.ctx, STREAM, replay_endpoint=None, replay_on_start=False, epoch=5)
+    await pipeline.start()
+    await pipeline.on_live([frames(0), frames(1)], received=1_700_000_001.0)
+    await pipeline.stop()
+    del pipeline
+    gc.collect()
+    assert sample(f.metrics, "kv_bridge_batches_received_total", source="engine", dp_rank="0") == 2
+    assert sample(f.metrics, "kv_bridge_events_received_total", source="engine", type="BlockRemoved") == 2
+
+
+async def test_a_heartbeat_past_the_last_batch_fetches_the_tail_by_replay(make: Callable[..., Fakes]) -> None:
+    """An idle publisher's heartbeat (an empty payload) carries its next seq: batches below it the
+    stream has not seen were dropped at the end of a burst, and are replayed."""
+    f = make({2: payload(2), 3: payload(3)})
+    await f.pipeline.start()
+    await f.pipeline.on_live([frames(0), frames(1)], received=1_700_000_001.0)
+    await f.pipeline.on_live([[b"kv", (4).to_bytes(8, "big"), b""]], received=1_700_000_002.0)
+    await settle_all(f.pipeline)
+    assert [(r.kind, r.seq) for r in f.fanout.records] == [("batch", s) for s in range(4)]
+
+
+@pytest.mark.parametrize("needs_events", [True, False], ids=["decoded", "counted"])
+async def test_an_unreadable_batch_has_no_ingest_lag_and_is_announced_lost(
+    make: Callable[..., Fakes], needs_events: bool
+) -> None:
+    """A batch that can be neither decoded nor counted: no engine ts, so no lag observed for it
+    (the previous batch's ts is not reused); it is dead-lettered and announced lost."""
+    f = make(needs_events=needs_events)
+    await f.pipeline.start()
+    bad = b"\xc1\xc1 not msgpack"
+    assert peek_ts(bad) is None
+    await f.pipeline.on_live([frames(0), frames(1, bad)], received=1_700_000_001.0)
+    assert sample(f.metrics, "kv_bridge_ingest_lag_seconds_count") == 1
+    assert [(r.kind, r.seq) for r in f.fanout.records] == [("batch", 0), ("EventsLost", 1)]
+
+
+async def test_a_decoded_batch_counts_its_events_and_dead_letters_each_bad_one(make: Callable[..., Fakes]) -> None:
+    f = make()
+    await f.pipeline.start()
+    good = block_stored(1)
+    data = msgspec.msgpack.encode([1_700_000_000.5, [good, 5, good], 0])
+    await f.pipeline.on_live([frames(0, data)], received=1_700_000_001.0)
+    (record,) = f.fanout.records
+    assert (record.n_events, record.bad_events) == (2, 1)
+    assert sample(f.metrics, "kv_bridge_decode_failures_total", source="engine", reason="bad_event") == 1
+
+
+async def test_a_run_offered_one_by_one_leaves_the_same_resume_point(make: Callable[..., Fakes]) -> None:
+    """A sink without room for a whole run: the records go out one by one, in order, and the resume
+    point is the last of them, anchored at its batch."""
+    f = make()
+    f.fanout.room_for_runs = False
+    await f.pipeline.start()
+    await f.pipeline.on_live([frames(0), frames(1), frames(2), frames(3)], received=1_700_000_001.0)
+    assert [r.seq for r in f.fanout.records] == [0, 1, 2, 3]
+    ts3 = peek_ts(payload(3))
+    assert f.pipeline.resume_point() == ((5, 3, fingerprint(ts3, payload(3)), 3), 3)
+
+
+async def test_a_quiet_stream_probed_fetches_what_it_has_not_seen(make: Callable[..., Fakes]) -> None:
+    """The runtime probes a stream quiet since ``last_activity``: a new stream, a live burst and a
+    probe each count as activity (the next probe is a full idle period away)."""
+    before = time.monotonic()
+    f = make({2: payload(2)})
+    assert f.pipeline.last_activity >= before
+    await f.pipeline.start()
+    f.pipeline.last_activity = 0.0
+    await f.pipeline.on_live([frames(0), frames(1)], received=1_700_000_001.0)
+    assert f.pipeline.last_activity >= before
+    f.pipeline.last_activity = 0.0
+    await f.pipeline.probe()
+    assert f.pipeline.last_activity >= before
+    await settle_all(f.pipeline)
+    assert [(r.kind, r.seq) for r in f.fanout.records] == [("batch", 0), ("batch", 1), ("batch", 2)]
+
+
+async def test_a_disconnect_cancels_the_replay_asked_of_the_instance_that_went_away(make: Callable[..., Fakes]) -> None:
+    f = make({})
+    gate = asyncio.Event()
+    fetch = f.replays.fetch
+
+    async def hanging(endpoint: str, start: int, until: int, outcome: ReplayOutcome) -> AsyncGenerator[ReplayReply, None]:
+        await gate.wait()
+        async for reply in fetch(endpoint, start, until, outcome):
+            yield reply
+
+    f.replays.fetch = hanging  # type: ignore[method-assign]
+    await f.pipeline.start()
+    await f.pipeline.on_live([frames(0), frames(2)], received=1_700_000_001.0)
+    task = f.pipeline._replay_task
+    assert task is not None and not task.done()
+    await f.pipeline.disconnected()
+    assert f.pipeline.sequencer.in_doubt  # whatever comes next may be another instance
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_retired_sequencer_resumes_its_stream_and_repairs_its_gap(make: Callable[..., Fakes]) -> None:
+    """A source removed and added again: the new pipeline takes the old one's sequencer (retire),
+    so the batches it held behind a gap are delivered once the gap is replayed, in the same epoch."""
+    f = make({})
+    f.replays.silent = True
+    await f.pipeline.start()
+    await f.pipeline.on_live([frames(0), frames(2), frames(3)], received=1_700_000_001.0)
+    task = f.pipeline._replay_task
+    await f.pipeline.stop()
+    if task is not None:
+        await asyncio.gather(task, return_exceptions=True)
+    sequencer = f.pipeline.retire()
+    f.replays.silent = False
+    f.replays.payloads = {s: payload(s) for s in range(4)}
+    again = StreamPipeline(
+        f.pipeline.ctx, STREAM, replay_endpoint="tcp://fake:1", replay_on_start=False, epoch=5, sequencer=sequencer
+    )
+    await again.start()
+    await settle_all(again)
+    assert [(r.kind, r.epoch, r.seq) for r in f.fanout.records] == [("batch", 5, s) for s in range(4)]
