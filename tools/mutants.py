@@ -442,6 +442,10 @@ _REPLAY_STATE = (
     "the state of the replay in flight: read only while one is (replayed, replay_finished, _check, or guarded by "
     "self._replay), and _request sets it before; the constructor's value is never read"
 )
+_TYPES_BOUND = (
+    "the exact size of the memory bound on gathered event types only changes when they are applied, never what a "
+    "collection shows (Metrics.defer flushes every owner first; test_stream checks the bound holds)"
+)
 EQUIVALENT: list[Equivalent] = [
     *(
         Equivalent("sequencer", text, what, _REPLAY_STATE, within="__init__")
@@ -489,6 +493,73 @@ EQUIVALENT: list[Equivalent] = [
         "blocks = self._hasher.blocks(fact.token_ids, len(fact.token_ids) or None, self.hash_hex)",
         "or -> and",
         "a block size of len(token_ids) and none at all (None) both hash the whole list as one block",
+    ),
+    *(
+        Equivalent("stream", text, what, _TYPES_BOUND)
+        for text, what in (
+            ("_MAX_TYPES = 8192  # event types gathered for the metrics before they are applied (memory bound)", "8192 -> 8193"),
+            ("_MAX_TYPES = 8192  # event types gathered for the metrics before they are applied (memory bound)", "8192 -> 8191"),
+        )
+    ),
+    Equivalent("stream", "if len(self._types) > _MAX_TYPES:", "> -> >=", _TYPES_BOUND),
+    Equivalent(
+        "stream",
+        "self._unread_top = -1",
+        "1 -> 2",
+        "read only through max() with the sequencer's known top (max(_top, delivered), never below -1) and in "
+        "detached (max with _top): -1 and -2 give the same",
+        within="__init__",
+    ),
+    *(
+        Equivalent(
+            "stream",
+            text,
+            what,
+            "start() runs once per pipeline (Bridge._start_readers), and this flag is read only there",
+        )
+        for text in ("self._announce = False", "self._reattached = False")
+        for what in ("statement deleted", "False -> True")
+    ),
+    *(
+        Equivalent(
+            "stream",
+            "i = 0",
+            what,
+            "i is read only when the burst is cancelled, which happens at an await inside the loop (enumerate has set "
+            "i) or after it: the initial value is never read",
+        )
+        for what in ("statement deleted", "0 -> 1", "0 -> -1")
+    ),
+    Equivalent(
+        "stream",
+        "async def _act(self, a: Action, received: float, persist: bool = True) -> Record | None:",
+        "True -> False",
+        "every call of _act passes persist",
+    ),
+    Equivalent(
+        "stream",
+        "record = await self._act(a, received, persist=False)",
+        "False -> True",
+        "an extra save of the epochs: _hand_decided saves them anyway after acting, before any record is queued",
+    ),
+    Equivalent(
+        "stream",
+        "if last is not None and last is not self._shown:",
+        "and -> or",
+        "_shown is only ever set to a non-None _decoded, which is never reset to None: when last is None so is "
+        "_shown, and the condition is false either way",
+    ),
+    Equivalent(
+        "stream",
+        "self._shown = last",
+        "statement deleted",
+        "_shown only saves setting the gauges again to the same record's seq and ts, which changes nothing",
+    ),
+    Equivalent(
+        "stream",
+        "if not outcome.replies and time.monotonic() - self._replay_diagnosed >= REPLAY_DIAGNOSE_EVERY:",
+        ">= -> >",
+        "differs only at the instant exactly REPLAY_DIAGNOSE_EVERY after the last diagnosis, to the float",
     ),
     Equivalent(
         "stream",
