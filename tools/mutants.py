@@ -446,6 +446,11 @@ _TYPES_BOUND = (
     "the exact size of the memory bound on gathered event types only changes when they are applied, never what a "
     "collection shows (Metrics.defer flushes every owner first; test_stream checks the bound holds)"
 )
+_NOTED_AGAIN = (
+    "it only leaves _first_pending set where it should be clear, so a later batch of an epoch whose first batch "
+    "is noted is noted too: Checkpointer.note_first keeps the first of an epoch and answers False (no save) for the "
+    "rest; it never leaves a first batch unnoted"
+)
 EQUIVALENT: list[Equivalent] = [
     *(
         Equivalent("sequencer", text, what, _REPLAY_STATE, within="__init__")
@@ -538,9 +543,21 @@ EQUIVALENT: list[Equivalent] = [
     ),
     Equivalent(
         "stream",
-        "record = await self._act(a, received, persist=False)",
-        "False -> True",
-        "an extra save of the epochs: _hand_decided saves them anyway after acting, before any record is queued",
+        "self._pending: Record | None = None  # decided, being handed on (see _hand_decided)",
+        "statement deleted",
+        "_hand_decided (its only reader) runs only after a record went through _execute, which assigns _pending "
+        "first: a pipeline's first batch always does (_first_pending), and the run path needs one handed before",
+    ),
+    *(
+        Equivalent("stream", "first = False", what, _NOTED_AGAIN, within="_hand_decided")
+        for what in ("statement deleted", "False -> True")
+    ),
+    Equivalent("stream", "self._first_pending = first", "statement deleted", _NOTED_AGAIN),
+    Equivalent(
+        "stream",
+        'self.stream, epoch, seq, "batch", batch.ts, payload, batch.events, None, None, received, -1, batch.plain, n_bad',
+        "1 -> 2",
+        "event_count -1 and -2 both mean len(events) (Record.n_events takes it only when >= 0)",
     ),
     Equivalent(
         "stream",

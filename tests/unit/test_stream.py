@@ -237,6 +237,8 @@ async def test_a_stream_resumed_without_an_acknowledged_reset_announces_its_epoc
         ("batch", 5, 0, None),
     ]
     assert sample(f.metrics, "kv_bridge_source_restarts_total", source="engine") == 0  # not an engine restart
+    # The epoch announced is the one it resumes in, saved by an earlier run: only its first batch is.
+    assert f.log == [("record", ("SourceReset", 5, 0)), ("first", (5, 0)), ("persist", None), ("record", ("batch", 5, 0))]
 
 
 async def resumed_then_disconnected(f: Fakes, *, delivered: int, undecodable: int) -> StreamPipeline:
@@ -385,6 +387,7 @@ async def test_a_live_message_not_shaped_as_the_socket_gives_it_is_read_as_wire_
         [b"kv", (2).to_bytes(8, "big")],
         [b"kv", (2).to_bytes(8, "big"), payload(2), b"more"],
         [b"kv", b"\x00" * 7, payload(2)],
+        [b"kv", b"\x00" * 7, b"\x00" * 8],  # the payload, not the seq frame, is 8 bytes long
     ]
     await f.pipeline.on_live(bad, received=1_700_000_002.0)
     assert len(f.fanout.records) == 2
@@ -392,7 +395,7 @@ async def test_a_live_message_not_shaped_as_the_socket_gives_it_is_read_as_wire_
         sample(f.metrics, "kv_bridge_decode_failures_total", source="engine", reason=reason)
         for reason in ("bad_frames", "bad_seq")
     )
-    assert failures == 3
+    assert failures == 4
 
 
 async def test_the_ingest_lag_is_the_receive_time_after_the_engine_ts_never_negative(make: Callable[..., Fakes]) -> None:
@@ -592,25 +595,50 @@ async def test_a_quiet_stream_probed_fetches_what_it_has_not_seen(make: Callable
     assert [(r.kind, r.seq) for r in f.fanout.records] == [("batch", 0), ("batch", 1), ("batch", 2)]
 
 
-async def test_a_disconnect_cancels_the_replay_asked_of_the_instance_that_went_away(make: Callable[..., Fakes]) -> None:
-    f = make({})
+def hanging(f: Fakes) -> asyncio.Event:
+    """Make every replay request wait for the returned event before it answers."""
     gate = asyncio.Event()
     fetch = f.replays.fetch
 
-    async def hanging(endpoint: str, start: int, until: int, outcome: ReplayOutcome) -> AsyncGenerator[ReplayReply, None]:
+    async def held(endpoint: str, start: int, until: int, outcome: ReplayOutcome) -> AsyncGenerator[ReplayReply, None]:
         await gate.wait()
         async for reply in fetch(endpoint, start, until, outcome):
             yield reply
 
-    f.replays.fetch = hanging  # type: ignore[method-assign]
+    f.replays.fetch = held  # type: ignore[method-assign]
+    return gate
+
+
+async def test_a_disconnect_cancels_the_probe_asked_of_the_instance_that_went_away(make: Callable[..., Fakes]) -> None:
+    f = make({})
+    hanging(f)
     await f.pipeline.start()
-    await f.pipeline.on_live([frames(0), frames(2)], received=1_700_000_001.0)
+    await f.pipeline.on_live([frames(0), frames(1)], received=1_700_000_001.0)
+    await f.pipeline.probe()  # quiet: the tail is asked for
     task = f.pipeline._replay_task
     assert task is not None and not task.done()
     await f.pipeline.disconnected()
     assert f.pipeline.sequencer.in_doubt  # whatever comes next may be another instance
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_a_disconnect_with_a_gap_open_asks_again_and_that_replay_repairs_it(make: Callable[..., Fakes]) -> None:
+    """The replay of a gap asked the instance that went away: it is asked again at once, of whoever
+    answers now, and that replay goes on (it is not cancelled with the old one)."""
+    f = make({s: payload(s) for s in range(3)})
+    gate = hanging(f)
+    await f.pipeline.start()
+    await f.pipeline.on_live([frames(0), frames(2)], received=1_700_000_001.0)
+    old = f.pipeline._replay_task
+    await f.pipeline.disconnected()
+    new = f.pipeline._replay_task
+    assert new is not None and new is not old and not new.done()
+    gate.set()
+    await settle_all(f.pipeline)
+    assert [(r.kind, r.seq) for r in f.fanout.records] == [("batch", 0), ("batch", 1), ("batch", 2)]
+    ts2 = peek_ts(payload(2))
+    assert f.pipeline.resume_point() == ((5, 2, fingerprint(ts2, payload(2)), 2), 2)
 
 
 async def test_a_retired_sequencer_resumes_its_stream_and_repairs_its_gap(make: Callable[..., Fakes]) -> None:
@@ -633,3 +661,49 @@ async def test_a_retired_sequencer_resumes_its_stream_and_repairs_its_gap(make: 
     await again.start()
     await settle_all(again)
     assert [(r.kind, r.epoch, r.seq) for r in f.fanout.records] == [("batch", 5, s) for s in range(4)]
+
+
+async def test_the_resume_point_before_any_batch_is_the_loss_handed_on(make: Callable[..., Fakes]) -> None:
+    """A stream resumed at 3 whose first record is a loss (4..6), its next batch (7) waiting for
+    its epoch to be saved: it resumes after the loss, with no batch of its own to anchor at."""
+    f = make()
+    gate = asyncio.Event()
+
+    async def slow_save() -> None:
+        await gate.wait()
+
+    f.epochs.persist = slow_save  # type: ignore[method-assign]
+    pipeline = StreamPipeline(f.pipeline.ctx, STREAM, replay_endpoint=None, replay_on_start=False, epoch=5, delivered=3)
+    await pipeline.start()
+    task = asyncio.create_task(pipeline.on_live([frames(7)], received=1_700_000_001.0))
+    await asyncio.sleep(0.01)
+    assert [(r.kind, r.from_seq, r.seq) for r in f.fanout.records] == [("EventsLost", 4, 6)]
+    assert pipeline.resume_point() == ((5, 6, None, None), 7)
+    gate.set()
+    await task
+    assert [r.seq for r in f.fanout.records] == [6, 7]
+
+
+async def test_an_undecodable_batch_leaves_an_earlier_ts_to_tell_a_restart_by(make: Callable[..., Fakes]) -> None:
+    """Resumed at 7, the start-up replay brings 8 and 9, and 9 cannot be decoded (no ts: its
+    fingerprint is only a CRC). The engine restarted: its new instance's first live batches (0..2,
+    below 9) carry later ts than 8, the last batch with one: a restart, not old batches again."""
+    f = make({})
+    old = {s: payload(s) for s in range(9)} | {9: b"\xc1\xc1 not msgpack"}
+    f.replays.payloads = old
+    pipeline = StreamPipeline(
+        f.pipeline.ctx,
+        STREAM,
+        replay_endpoint="tcp://fake:1",
+        replay_on_start=True,
+        epoch=5,
+        delivered=7,
+        delivered_fp=fingerprint(peek_ts(old[7]), old[7]),
+    )
+    await pipeline.start()
+    await settle_all(pipeline)
+    f.replays.payloads = {}
+    await pipeline.on_live([frames(s, payload(s, instance=1)) for s in range(3)], received=1_800_000_000.0)
+    await settle_all(pipeline)
+    shown = [(r.kind, r.epoch, r.seq) for r in f.fanout.records]
+    assert shown == [("batch", 5, 8), ("EventsLost", 5, 9), ("SourceReset", 6, 0), *(("batch", 6, s) for s in range(3))]

@@ -26,6 +26,7 @@ from bridge.fanout import Fanout
 from bridge.metrics import Metrics
 from bridge.records import Record
 from bridge.replay import ReplayClient, ReplayOutcome
+from bridge.sequencer import fingerprint
 from bridge.sink import SinkWorker
 from bridge.stream import StreamContext, StreamPipeline
 from bridge.wire import ReplayReply
@@ -391,5 +392,71 @@ async def test_a_decision_waiting_for_a_full_sink_is_handed_on_when_the_stream_i
     await remove(pipe, task)
     assert task.cancelled()
     assert shown(out.got) == [("batch", 5, 0), ("EventsLost", 5, 1, 2), ("batch", 5, 3)]
-    point, top = pipe.resume_point()
-    assert point is not None and point[:2] == (5, 3) and top == 3
+    assert out.got[-1].events  # decoded: a context decodes events unless told no sink needs them
+    b3 = out.got[-1]
+    assert pipe.resume_point() == ((5, 3, fingerprint(b3.ts, b3.payload), 3), 3)
+
+
+class SlowSave(Epochs):
+    """Its first save waits for ``saved``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.saved = asyncio.Event()
+        self.saving = asyncio.Event()
+        self.calls = 0
+
+    async def persist(self) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            self.saving.set()
+            await self.saved.wait()
+
+
+async def test_a_first_batch_whose_epoch_is_being_saved_is_handed_on_when_the_stream_is_removed(context: Build) -> None:
+    """A pipeline's first batch is noted and its epoch saved before it goes out; the stream is
+    removed during that save: the batch, decided delivered, is handed on all the same (I4)."""
+    out, epochs = Out(), SlowSave()
+    pipe = StreamPipeline(context(out, epochs, Replays(None)), STREAM, replay_endpoint=None, replay_on_start=False, epoch=5)
+    await pipe.start()
+    task = asyncio.create_task(pipe.on_live([frames(0)], 1.0))
+    await until(epochs.saving.is_set, what="the first batch's save")
+    assert out.got == []
+    await remove(pipe, task)
+    assert task.cancelled()
+    assert shown(out.got) == [("batch", 5, 0)]
+    assert pipe.resume_point()[0] == (5, 0, fingerprint(out.got[0].ts, out.got[0].payload), 0)
+
+
+async def test_a_retired_stream_s_unread_seqs_are_announced_lost_if_its_engine_restarted(context: Build) -> None:
+    """Live 0..4; a burst 5..7 waits for the lock and the source is removed: 5..7 were read from
+    the engine, never sequenced. The source comes back with the same sequencer (retire), and the
+    engine has restarted meanwhile: 5..7 are announced lost in the old epoch (I3), then the new
+    instance's batches go out in a new epoch."""
+    epochs = Epochs()
+    out = Out()
+    ctx = context(out, epochs, Replays(None))
+    pipe = StreamPipeline(ctx, STREAM, replay_endpoint="tcp://x:1", replay_on_start=False, epoch=OLD_EPOCH)
+    await pipe.start()
+    await pipe.on_live([frames(s) for s in range(5)], 1.0)
+    async with pipe.lock:
+        task = asyncio.create_task(pipe.on_live([frames(s) for s in (5, 6, 7)], 2.0))
+        await asyncio.sleep(0)
+        await remove(pipe, task)
+    sequencer = pipe.retire()
+    restarted = {s: payload(s, instance=1) for s in range(3)}
+    again = StreamPipeline(
+        context(out, epochs, Replays(restarted)),
+        STREAM,
+        replay_endpoint="tcp://x:1",
+        replay_on_start=False,
+        epoch=OLD_EPOCH,
+        sequencer=sequencer,
+    )
+    await again.start()
+    await again.on_live([frames(s, restarted[s]) for s in range(3)], 3.0)
+    await until(lambda: again._replay_task is None or again._replay_task.done(), what="the replay")
+    await again.stop()
+    old_lost = [(r.from_seq, r.seq) for r in out.got if r.kind == "EventsLost" and r.epoch == OLD_EPOCH]
+    assert old_lost == [(5, 7)], shown(out.got)
+    assert [(r.kind, r.seq) for r in out.got if r.epoch > OLD_EPOCH] == [("SourceReset", 0), *(("batch", s) for s in range(3))]
