@@ -16,6 +16,7 @@ from bridge import wire
 from bridge.errors import PartialFailure, Permanent, Retriable, SinkLost
 from bridge.formats import STATE_TYPE, Message
 from bridge.records import Record, Stream, source_reset
+from bridge.sink import SinkWorker
 from tests.support.memory import MemoryConnector, MemoryOptions
 from tests.support.records import stream_records
 from tests.unit.test_hostile_input import deep_payload
@@ -124,6 +125,23 @@ async def test_a_record_the_connector_keeps_failing_on_is_dead_lettered_and_anno
     assert value(metrics, "kv_bridge_sink_errors_total", sink="mem", reason="unexpected") >= 1
 
 
+async def test_an_unexpected_error_goes_again_once_as_the_whole_write_before_it_is_cut_into_records(
+    tmp_path: Path,
+) -> None:
+    """An unclassified error may be the client's passing state: the whole write is tried twice
+    (``UNEXPECTED_TRIES``) before the runtime looks for the record that causes it."""
+    worker, _, _, _ = make(tmp_path, batch={"linger": 0})
+    conn = Raising("mem", MemoryOptions(), worker.config)
+    conn.bad = 1
+    worker.connector = conn
+    await fill(worker, stream_records(STREAM, 3))
+    worker.start()
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    assert conn.writes[:3] == [3, 3, 1]  # the write, once more, then record by record
+
+
 async def test_an_unexpected_error_while_the_connector_is_unhealthy_dead_letters_nothing(tmp_path: Path) -> None:
     """The same error while the connector's health check fails is the connector's state, not the
     record's: retried until it passes, nothing dead-lettered."""
@@ -162,6 +180,81 @@ async def test_an_unrenderable_record_writes_no_state_change_and_clears_the_stat
     assert states == [0]  # none for the dead-lettered record, nor for the next one (computed before the clear)
     assert lost_streams == [STREAM]
     assert [r.seq for r in acked] == [0, 1, 2]
+
+
+async def test_after_a_lost_state_the_stream_s_changes_are_written_again_from_its_clear_on(tmp_path: Path) -> None:
+    """The stream's state changes queued after the loss are not written until the first one that
+    clears it (the tracker's new generation): that one and every later one are; another stream's
+    are written throughout."""
+    worker, conn, _, _ = make(tmp_path, granularity="event", batch={"linger": 0, "max_messages": 1})
+    worker.writes_state, worker.on_state_lost = True, lambda _stream: None
+    payload = deep_payload()
+    batch = wire.decode_batch(payload)
+    hostile = Record(stream=STREAM, epoch=0, seq=1, ts=batch.ts, payload=payload, events=batch.events, state=delta())
+    before, stale, cleared, after = stream_records(STREAM, 6)[2:]
+    other = stream_records(OTHER, 1)[0]
+    before.seq, stale.seq, cleared.seq, after.seq = 0, 2, 3, 4
+    for r, d in ((before, delta()), (stale, delta()), (other, delta()), (cleared, delta(clear=True)), (after, delta())):
+        r.state = d
+    await fill(worker, [before, hostile, stale, other, cleared, after])
+    worker.start()
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    states = [(m.record.stream.key, m.record.seq) for m in conn.messages if m.type == STATE_TYPE]
+    assert states == [("s/0", 0), ("t/0", 0), ("s/0", 3), ("s/0", 4)]
+
+
+async def test_the_state_lost_callback_given_at_construction_is_told(tmp_path: Path) -> None:
+    made, conn, _, metrics = make(tmp_path, granularity="event", batch={"linger": 0})
+    lost_streams: list[Stream] = []
+    worker = SinkWorker(
+        0, made.config, conn, made.renderer, metrics, made.dead_letters, made.on_ack, on_state_lost=lost_streams.append
+    )
+    worker.writes_state = True
+    payload = deep_payload()
+    batch = wire.decode_batch(payload)
+    await fill(worker, [Record(stream=STREAM, epoch=0, seq=0, ts=batch.ts, payload=payload, events=batch.events, state=delta())])
+    worker.start()
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    assert lost_streams == [STREAM]
+
+
+async def test_an_unrenderable_record_without_a_state_change_leaves_the_state_alone(tmp_path: Path) -> None:
+    worker, conn, _, _ = make(tmp_path, granularity="event", batch={"linger": 0})
+    lost_streams: list[Stream] = []
+    worker.writes_state, worker.on_state_lost = True, lost_streams.append
+    payload = deep_payload()
+    batch = wire.decode_batch(payload)
+    hostile = Record(stream=STREAM, epoch=0, seq=1, ts=batch.ts, payload=payload, events=batch.events)
+    first, last = stream_records(STREAM, 3)[0::2]
+    first.state = last.state = delta()
+    await fill(worker, [first, hostile, last])
+    worker.start()
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    assert lost_streams == []
+    assert [m.record.seq for m in conn.messages if m.type == STATE_TYPE] == [0, 2]
+
+
+async def test_a_sink_that_keeps_no_state_writes_no_state_change(tmp_path: Path) -> None:
+    """A connector that does not say it writes state (no ``writes_state``) gets only the records'
+    own messages, whatever state changes they carry."""
+    worker, conn, _, _ = make(tmp_path, batch={"linger": 0})
+    assert not hasattr(conn, "writes_state")
+    records = stream_records(STREAM, 2)
+    for r in records:
+        r.state = delta()
+    await fill(worker, records)
+    worker.start()
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    assert [m.type for m in conn.messages if m.type == STATE_TYPE] == []
+    assert len(conn.messages) == 2
 
 
 async def test_a_dropped_span_is_announced_once_there_is_room_while_the_stream_is_quiet(tmp_path: Path) -> None:

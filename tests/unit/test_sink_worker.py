@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from bridge.errors import NotConnected, PartialFailure, Permanent, Retriable
+from bridge.errors import NotConnected, PartialFailure, Permanent, Retriable, SinkLost
+from bridge.fanout import Fanout
 from bridge.formats import Message
 from bridge.metrics import Metrics
 from bridge.records import Record, Stream, events_lost, source_reset
@@ -121,7 +122,7 @@ class FailsWithCycles(MemoryConnector):
     as asyncio's futures and clients' retry wrappers do) that keeps a buffer alive."""
 
     failures_left = 4
-    fail_in = "write"  # or "connect"
+    fail_in = "write"  # or "connect"; "partial", "unexpected": the write fails with a PartialFailure, a RuntimeError
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -130,9 +131,14 @@ class FailsWithCycles(MemoryConnector):
     def _fail(self) -> None:
         buffers = _Buffers()
         self.buffers.append(weakref.ref(buffers))
+        failure: Exception = NotConnected("down")
+        if self.fail_in == "partial":
+            failure = PartialFailure({0: NotConnected("down")})
+        elif self.fail_in == "unexpected":
+            failure = RuntimeError("client bug")
         try:
-            raise NotConnected("down")
-        except NotConnected as exc:
+            raise failure
+        except Exception as exc:
             held = exc  # noqa: F841 - the cycle: exc -> traceback -> this frame -> held -> exc
             raise
 
@@ -143,13 +149,13 @@ class FailsWithCycles(MemoryConnector):
         await super().connect()
 
     async def write(self, messages: Sequence[Message]) -> None:
-        if self.fail_in == "write" and self.failures_left:
+        if self.fail_in != "connect" and self.failures_left:
             self.failures_left -= 1
             self._fail()
         await super().write(messages)
 
 
-@pytest.mark.parametrize("stage", ["connect", "write"])
+@pytest.mark.parametrize("stage", ["connect", "write", "partial", "unexpected"])
 async def test_each_failure_is_freed_before_the_backoff_not_kept_until_a_full_collection(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
 ) -> None:
@@ -159,6 +165,8 @@ async def test_each_failure_is_freed_before_the_backoff_not_kept_until_a_full_co
     worker, _, acked, _ = make(tmp_path, batch={"linger": 0}, retry=NO_JITTER)
     conn = worker.connector = FailsWithCycles("mem", MemoryOptions(), worker.config)
     conn.fail_in = stage
+    if stage == "unexpected":
+        conn.failures_left = 1  # a second one in a row would cut the write into records
     alive_at_each_backoff: list[int] = []
     real_sleep = asyncio.sleep
 
@@ -177,7 +185,7 @@ async def test_each_failure_is_freed_before_the_backoff_not_kept_until_a_full_co
         if enabled:
             gc.enable()
     assert [r.seq for r in acked] == [0]
-    assert alive_at_each_backoff == [0, 0, 0, 0]
+    assert alive_at_each_backoff == [0] * (1 if stage == "unexpected" else 4)
     await done(worker)
 
 
@@ -486,3 +494,131 @@ async def test_a_health_check_that_hangs_or_raises_marks_an_idle_sink_down_and_t
     assert await worker.flush(5)
     assert [m.record.seq for m in conn.messages] == [0]
     await done(worker)
+
+
+# -- audits, drop spans, stopping (mutation survivors) ---------------------------------------------
+
+
+async def test_the_first_audit_comes_an_audit_interval_after_start_not_with_the_first_write(tmp_path: Path) -> None:
+    worker, conn, _, _ = make(tmp_path, batch={"linger": 0})
+    audits: list[float] = []
+
+    async def audit() -> None:
+        audits.append(time.monotonic())
+
+    worker._audit = audit
+    worker.start()
+    await fill(worker, STREAM_RECORDS[:3])
+    assert await worker.flush(5)
+    await done(worker)
+    assert len(conn.messages) == 3 and audits == []
+
+
+async def test_an_audit_due_runs_after_the_write_not_only_when_the_sink_is_idle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("bridge.sink.AUDIT_INTERVAL", 0.0)  # always due
+    worker, _, _, _ = make(tmp_path, batch={"linger": 0})
+    audits = 0
+
+    async def audit() -> None:
+        nonlocal audits
+        audits += 1
+
+    worker._audit = audit
+    worker.start()
+    await fill(worker, STREAM_RECORDS[:1])
+    assert await worker.flush(5)
+    await until(lambda: audits >= 1)  # well before the first idle health interval (5 s)
+    await done(worker)
+
+
+async def test_a_run_offered_at_once_after_a_dropped_span_comes_after_its_announcement(tmp_path: Path) -> None:
+    """A drop sink dropped a batch too big for its byte bound; a run that fits comes next, offered
+    at once (Fanout.offer_all): the span's EventsLost goes first (I3's order), not after the run."""
+    worker, conn, _, _ = make(tmp_path, backpressure="drop", queue={"max_bytes": 2000}, batch={"linger": 0})
+    small = stream_records(STREAM, 3)
+    big = Record(stream=STREAM, epoch=0, seq=1, ts=small[1].ts, payload=b"x" * 5000, events=small[1].events)
+    assert worker.offer(small[0])
+    assert worker.offer(big)  # dropped: past the byte bound
+    assert Fanout([worker]).offer_all(small[2:]) or worker.offer(small[2])
+    worker.start()
+    assert await worker.flush(5)
+    await done(worker)
+    assert seqs(conn) == [("batch", None, 0), ("EventsLost", 1, 1), ("batch", None, 2)]
+
+
+async def test_a_control_record_offered_after_a_dropped_span_comes_after_its_announcement(tmp_path: Path) -> None:
+    worker, conn, _, _ = make(tmp_path, backpressure="drop", queue={"max_batches": 2}, batch={"linger": 0})
+    for r in STREAM_RECORDS[:4]:
+        assert worker.offer(r)  # 2 and 3 dropped
+    assert worker.offer(events_lost(STREAM, 0, 4, 4, "replay_unavailable", 1.0))
+    worker.start()
+    assert await worker.flush(5)
+    await done(worker)
+    assert seqs(conn) == [("batch", None, 0), ("batch", None, 1), ("EventsLost", 2, 3), ("EventsLost", 4, 4)]
+
+
+async def test_flush_announces_a_dropped_span_even_while_the_sink_cannot_write(tmp_path: Path) -> None:
+    """At shutdown the bridge flushes each sink: a span a drop sink dropped is queued as its
+    EventsLost then, even if the sink is not writing (still connecting)."""
+    worker, _, _, _ = make(tmp_path, backpressure="drop", queue={"max_batches": 2}, batch={"linger": 0})
+    worker.connector = NeverConnects("mem", MemoryOptions(), worker.config)
+    worker.start()
+    for r in STREAM_RECORDS[:3]:
+        assert worker.offer(r)  # 2 dropped
+    assert worker.queued[0] == 2
+    assert not await worker.flush(0.05)
+    assert [(r.kind, r.from_seq, r.seq) for r in worker._queue] == [("batch", None, 0), ("batch", None, 1), ("EventsLost", 2, 2)]
+    await done(worker)
+
+
+BACKOFF_TEN_MS = {"initial_backoff": 0.01, "max_backoff": 0.08, "multiplier": 2.0, "jitter": 0.0}
+
+
+async def test_a_loss_the_sink_reports_is_written_again_at_once_then_with_the_backoff(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SinkLost is not an outage: the write (with the announcement ahead of it) goes again after
+    the retry floor, not the backoff; reported again by the very next try, it backs off."""
+    worker, conn, _, _ = make(tmp_path, batch={"linger": 0}, retry=BACKOFF_TEN_MS)
+    span = (STREAM, 0, 0, 0)
+    conn.failures = [SinkLost("stream reset", [span]), SinkLost("stream reset", [span]), None]
+    slept = record_sleeps(monkeypatch)
+    worker.start()
+    await fill(worker, STREAM_RECORDS[:1])
+    assert await worker.flush(5)
+    await done(worker)
+    assert slept == [0.001, 0.02]  # RETRY_FLOOR; then the backoff of a second attempt
+
+
+@pytest.mark.parametrize("refusal", ["partial", "whole"])
+async def test_after_a_refusal_the_announcement_s_retries_back_off_from_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusal: str
+) -> None:
+    """Records refused for themselves (dead-lettered) are progress: the write of their
+    announcement that then fails transiently backs off from the first step again."""
+    worker, conn, _, _ = make(tmp_path, batch={"linger": 0}, retry=BACKOFF_TEN_MS)
+    refused = Permanent("too large", reason="too_large")
+    first = PartialFailure({1: refused}) if refusal == "partial" else refused
+    conn.failures = [Retriable("busy"), first, Retriable("busy"), None]
+    slept = record_sleeps(monkeypatch)
+    worker.start()
+    await fill(worker, STREAM_RECORDS[:3])
+    assert await worker.flush(5)
+    await done(worker)
+    assert slept == [0.01, 0.01]  # the write's first retry; the announcement's first retry
+
+
+async def test_a_partial_failure_that_asks_for_a_pause_is_retried_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker, conn, _, _ = make(tmp_path, batch={"linger": 0}, retry=BACKOFF_TEN_MS)
+    conn.failures = [PartialFailure({1: Retriable("throttled", retry_after=0.37)}), None]
+    slept = record_sleeps(monkeypatch)
+    worker.start()
+    await fill(worker, STREAM_RECORDS[:3])
+    assert await worker.flush(5)
+    await done(worker)
+    assert slept == [0.37]
+    assert [m.record.seq for m in conn.messages] == [1, 2]  # from the one that failed on (the memory sink kept none)
