@@ -142,6 +142,24 @@ async def test_an_unexpected_error_goes_again_once_as_the_whole_write_before_it_
     assert conn.writes[:3] == [3, 3, 1]  # the write, once more, then record by record
 
 
+async def test_a_record_of_several_messages_the_connector_fails_on_is_refused_whole_and_alone(tmp_path: Path) -> None:
+    """Per event, a record is several messages: the write is cut into records (never into
+    messages), and of two records only the one that fails is dead-lettered."""
+    worker, _, acked, metrics = make(tmp_path, granularity="event", batch={"linger": 0})
+    conn = Raising("mem", MemoryOptions(), worker.config)
+    conn.bad = 1
+    worker.connector = conn
+    await fill(worker, stream_records(STREAM, 2))
+    worker.start()
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    assert conn.writes[:4] == [6, 6, 3, 3]  # twice whole, then record 0 (3 events), then record 1
+    assert [(m.record.kind, m.record.seq) for m in conn.messages] == [("batch", 0)] * 3 + [("EventsLost", 1)]
+    assert value(metrics, "kv_bridge_sink_batches_total", sink="mem", outcome="dead_lettered") == 1
+    assert [r.seq for r in acked] == [0, 1]
+
+
 async def test_an_unexpected_error_while_the_connector_is_unhealthy_dead_letters_nothing(tmp_path: Path) -> None:
     """The same error while the connector's health check fails is the connector's state, not the
     record's: retried until it passes, nothing dead-lettered."""

@@ -636,6 +636,9 @@ async def test_a_disconnect_with_a_gap_open_asks_again_and_that_replay_repairs_i
     assert new is not None and new is not old and not new.done()
     gate.set()
     await settle_all(f.pipeline)
+    assert old is not None
+    with pytest.raises(asyncio.CancelledError):
+        await old  # superseded: its replies would be ignored
     assert [(r.kind, r.seq) for r in f.fanout.records] == [("batch", 0), ("batch", 1), ("batch", 2)]
     ts2 = peek_ts(payload(2))
     assert f.pipeline.resume_point() == ((5, 2, fingerprint(ts2, payload(2)), 2), 2)
