@@ -16,13 +16,14 @@ import pytest
 
 from bridge.errors import NotConnected, PartialFailure, Permanent, Retriable, SinkLost
 from bridge.fanout import Fanout
-from bridge.formats import Message
+from bridge.formats import STATE_TYPE, Message
 from bridge.metrics import Metrics
 from bridge.records import Record, Stream, events_lost, source_reset
 from bridge.sink import SinkWorker
 from tests.support.memory import MemoryConnector, MemoryOptions
 from tests.support.records import stream_records
 from tests.unit.test_sink import STREAM, fill, make, record_sleeps
+from tests.unit.test_sink_i6 import Delta, Raising
 
 STREAM_RECORDS: list[Record] = stream_records(STREAM, 10)
 STREAM_RECORDS_OTHER: list[Record] = stream_records(Stream("other", 0), 1)
@@ -622,3 +623,160 @@ async def test_a_partial_failure_that_asks_for_a_pause_is_retried_after_it(
     await done(worker)
     assert slept == [0.37]
     assert [m.record.seq for m in conn.messages] == [1, 2]  # from the one that failed on (the memory sink kept none)
+
+
+async def test_an_index_just_past_the_write_in_a_partial_failure_is_ignored(tmp_path: Path) -> None:
+    worker, conn, acked, _ = make(tmp_path, batch={"linger": 0})
+    conn.failures = [PartialFailure({3: Retriable("no such message")})]
+    worker.start()
+    await fill(worker, STREAM_RECORDS[:3])
+    assert await worker.flush(5)
+    await done(worker)
+    assert conn.writes == [3] and [r.seq for r in acked] == [0, 1, 2]
+
+
+async def test_a_write_whose_only_failures_are_refusals_counts_its_duration_and_brings_the_sink_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Down after a transient failure, then a write refused in part for itself (the rest stored):
+    the sink is up again, and that write's duration is observed (once, and it is short)."""
+    worker, conn, _, metrics = make(tmp_path, batch={"linger": 0}, retry=BACKOFF_TEN_MS)
+    record_sleeps(monkeypatch)
+    conn.failures = [Retriable("busy"), PartialFailure({1: Permanent("too large", reason="too_large")}), None]
+    worker.start()
+    await fill(worker, STREAM_RECORDS[:3])
+    assert await worker.flush(5)
+    assert worker.connected and worker.last_error is None
+    assert value(metrics, "kv_bridge_sink_send_duration_seconds_count", sink="mem") == 2  # the refusal's write, its announcement
+    assert value(metrics, "kv_bridge_sink_send_duration_seconds_sum", sink="mem") < 60
+    await done(worker)
+
+
+async def test_refusals_non_adjacent_in_one_write_are_one_span_from_the_first_to_the_last(tmp_path: Path) -> None:
+    worker, conn, acked, _ = make(tmp_path, batch={"linger": 0})
+    refused = Permanent("too large", reason="too_large")
+    conn.failures = [PartialFailure({1: refused, 3: refused, 5: refused}), None]
+    worker.start()
+    await fill(worker, STREAM_RECORDS[:7])
+    assert await worker.flush(5)
+    await done(worker)
+    lost = [m.record for m in conn.messages if m.record.kind == "EventsLost"]
+    assert [(r.from_seq, r.to_seq, r.seq) for r in lost] == [(1, 5, 6)]  # it stands at the write's highest seq
+    assert [r.seq for r in acked] == list(range(7))
+
+
+async def test_a_refused_state_change_in_a_write_that_also_goes_again_is_not_announced(tmp_path: Path) -> None:
+    """A state message refused for itself while another message failed transiently: the write goes
+    again from the transient failure on, with no announcement for the state message."""
+    worker, conn, acked, _ = make(tmp_path, batch={"linger": 0})
+    worker.writes_state, worker.on_state_lost = True, lambda _stream: None
+    records = stream_records(STREAM, 2)
+    for r in records:
+        r.state = Delta()
+    # b0, its state (refused), b1 (fails transiently), its state
+    state_lost = Permanent("bucket created again: state lost", reason="state_lost")
+    conn.failures = [PartialFailure({1: state_lost, 2: Retriable("busy")}), None]
+    worker.start()
+    await fill(worker, records)
+    assert await worker.flush(5)
+    await done(worker)
+    assert [(m.record.kind, m.record.seq) for m in conn.messages if m.type != STATE_TYPE] == [("batch", 1)]
+    assert [r.seq for r in acked] == [0, 1]
+
+
+async def test_an_unexpected_error_while_unhealthy_backs_off_until_healthy_then_writes_once_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One record; the connector raises an unclassified error twice and its health check fails
+    four times: each failed check is an outage (counted, backed off as usual); once healthy the
+    record is written again and the sink is up."""
+    worker, _, acked, metrics = make(tmp_path, batch={"linger": 0}, retry=BACKOFF_TEN_MS)
+    conn = Raising("mem", MemoryOptions(), worker.config)
+    conn.down = 6  # counted down by the two writes, then by four health checks
+    worker.connector = conn
+    slept = record_sleeps(monkeypatch)
+    worker.start()
+    await fill(worker, STREAM_RECORDS[:1])
+    assert await worker.flush(5)
+    assert slept == [0.01, 0.01, 0.02, 0.04, 0.08]  # the write's retry; then attempts 1..4 of the health check
+    assert value(metrics, "kv_bridge_sink_errors_total", sink="mem", reason="unexpected") == 5
+    assert worker.connected and [r.seq for r in acked] == [0]
+    await done(worker)
+
+
+async def test_an_isolated_record_that_then_fails_as_usual_is_retried_as_usual(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker, conn, acked, _ = make(tmp_path, batch={"linger": 0}, retry=BACKOFF_TEN_MS)
+    record_sleeps(monkeypatch)
+    conn.failures = [RuntimeError("client bug"), RuntimeError("client bug"), Retriable("busy"), None]  # type: ignore[list-item]
+    worker.start()
+    await fill(worker, STREAM_RECORDS[:1])
+    assert await worker.flush(5)
+    await done(worker)
+    assert [m.record.seq for m in conn.messages] == [0] and [r.seq for r in acked] == [0]
+    assert not (tmp_path / "dead.jsonl").exists() or not (tmp_path / "dead.jsonl").read_text().strip()
+
+
+async def test_a_record_refused_after_isolation_is_dead_lettered_with_the_last_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker, conn, _, _ = make(tmp_path, batch={"linger": 0}, retry=BACKOFF_TEN_MS)
+    record_sleeps(monkeypatch)
+    conn.failures = [RuntimeError("client bug"), RuntimeError("client bug"), ValueError("bad record"), None]  # type: ignore[list-item]
+    worker.start()
+    await fill(worker, STREAM_RECORDS[:1])
+    assert await worker.flush(5)
+    await done(worker)
+    (dead,) = (tmp_path / "dead.jsonl").read_text().splitlines()
+    assert "ValueError: bad record" in dead
+    assert seqs(conn) == [("EventsLost", 0, 0)]
+
+
+async def test_an_audit_runs_again_only_an_audit_interval_later(tmp_path: Path) -> None:
+    worker, _, _, _ = make(tmp_path, batch={"linger": 0, "max_messages": 1})
+    audits = 0
+
+    async def audit() -> None:
+        nonlocal audits
+        audits += 1
+
+    worker._audit = audit
+    worker._audit_at = 0.0  # due now
+    worker.start()
+    await fill(worker, STREAM_RECORDS[:4])  # four writes
+    assert await worker.flush(5)
+    await done(worker)
+    assert audits == 1
+
+
+async def test_a_loss_the_sink_reports_again_is_announced_once_even_where_it_stands_past_its_span(
+    tmp_path: Path,
+) -> None:
+    """The connector names where the announcement must stand (``at``, past the span's end): the same
+    loss reported by the next try is recognised as announced already."""
+    worker, conn, _, _ = make(tmp_path, batch={"linger": 0})
+    span = (STREAM, 0, 0, 1)
+    lost = SinkLost("stream reset", [span], at={(STREAM.key, 0, 0, 1): 3})
+    conn.failures = [lost, SinkLost("stream reset", [span], at={(STREAM.key, 0, 0, 1): 3}), None]
+    worker.start()
+    await fill(worker, STREAM_RECORDS[2:4])
+    assert await worker.flush(5)
+    await done(worker)
+    assert [(r.kind, r.from_seq, r.seq) for r in (m.record for m in conn.messages)] == [
+        ("EventsLost", 0, 3),
+        ("batch", None, 2),
+        ("batch", None, 3),
+    ]
+
+
+async def test_a_loss_the_sink_reports_is_announced_even_beside_an_engine_loss_of_the_same_span(tmp_path: Path) -> None:
+    worker, conn, _, _ = make(tmp_path, batch={"linger": 0})
+    engine_lost = events_lost(STREAM, 0, 0, 1, "replay_unavailable", 1.0)
+    conn.failures = [SinkLost("stream reset", [(STREAM, 0, 0, 1)]), None]
+    worker.start()
+    await fill(worker, [engine_lost, STREAM_RECORDS[2]])
+    assert await worker.flush(5)
+    await done(worker)
+    reasons = [m.record.reason for m in conn.messages if m.record.kind == "EventsLost"]
+    assert reasons == ["sink_lost:mem", "replay_unavailable"]
