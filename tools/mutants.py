@@ -451,6 +451,10 @@ _NOTED_AGAIN = (
     "is noted is noted too: Checkpointer.note_first keeps the first of an epoch and answers False (no save) for the "
     "rest; it never leaves a first batch unnoted"
 )
+_ROOM = (
+    "_room is only waited on (Fanout.finish, after offer() said no) once offer() has cleared it itself: whether "
+    "the constructor sets it, or a push clears it too, changes no wait"
+)
 EQUIVALENT: list[Equivalent] = [
     *(
         Equivalent("sequencer", text, what, _REPLAY_STATE, within="__init__")
@@ -577,6 +581,102 @@ EQUIVALENT: list[Equivalent] = [
         "if not outcome.replies and time.monotonic() - self._replay_diagnosed >= REPLAY_DIAGNOSE_EVERY:",
         ">= -> >",
         "differs only at the instant exactly REPLAY_DIAGNOSE_EVERY after the last diagnosis, to the float",
+    ),
+    Equivalent(
+        "sink",
+        "gc.collect(1)",
+        "1 -> 2",
+        "a full collection frees everything collecting the young generations frees: only its cost differs",
+    ),
+    Equivalent("sink", "self._room.set()", "statement deleted", _ROOM, within="__init__"),
+    *(Equivalent("sink", "if not self.has_room(0):", what, _ROOM) for what in ("0 -> 1", "0 -> -1")),
+    *(
+        Equivalent("sink", text, what, "_closing is written, never read")
+        for text, whats in (
+            ("self._closing = False", ("statement deleted", "False -> True")),
+            ("self._closing = True", ("statement deleted", "True -> False")),
+        )
+        for what in whats
+    ),
+    Equivalent(
+        "sink",
+        "self._m_up.set(0)",
+        "statement deleted",
+        "labels() just above creates sink_up's child at 0: setting it to 0 changes nothing",
+        within="__init__",
+    ),
+    *(
+        Equivalent(
+            "sink",
+            "return not self._dropped and len(self._queue) + n <= self.max_batches and self._bytes + size <= self.max_bytes",
+            what,
+            "has_room_for is Fanout.offer_all's all-at-once fast path: a stricter answer makes it offer the records one "
+            "by one, which queues the same records (has_room checks the same bounds record by record); only speed differs",
+            nth=nth,
+        )
+        for what, nth in (("return value -> None", 0), ("<= -> <", 0), ("<= -> <", 1))
+    ),
+    Equivalent(
+        "sink",
+        "self.flush_metrics()",
+        "statement deleted",
+        "a stopped worker stays referenced from the registry by its queue gauges (set_function), so Metrics.defer "
+        "flushes it at every collection after stop too: what stop applies, the next collection applies",
+        within="stop",
+    ),
+    *(
+        Equivalent(
+            "sink",
+            "if linger > 0 and len(self._queue) < self.config.batch.max_messages:",
+            what,
+            "with linger 0 the mutant adds an asyncio.sleep(0): one more turn of the loop, which may group more records "
+            "into the write, never changes what is delivered or in what order",
+        )
+        for what in ("> -> >=", "0 -> -1")
+    ),
+    Equivalent(
+        "sink",
+        'if getattr(record.state, "clear", False):',
+        "False -> True",
+        "a record's state is a StateDelta, which always has clear",
+    ),
+    *(
+        Equivalent(
+            "sink",
+            "events += n if n >= 0 else len(r.events)  # Record.n_events, inline",
+            what,
+            "event_count is 0 only for a counted batch with no events, whose events list is empty too: 0 either way",
+        )
+        for what in (">= -> >", "0 -> 1")
+    ),
+    Equivalent("sink", "lag(now - ts if now > ts else 0.0)", "> -> >=", "when now == ts both sides give a lag of 0"),
+    *(
+        Equivalent(
+            "sink",
+            "if self.has_room(0):",
+            what,
+            "at exactly the byte bound (or one byte past it) the mutant sets the room, or announces the dropped spans, at "
+            "the next settle instead of this one (or this one instead of the next): the records still queued bring that "
+            "settle, and offer() checks the bounds itself",
+            within="_settle",
+        )
+        for what in ("0 -> 1", "0 -> -1")
+    ),
+    *(
+        Equivalent(
+            "sink",
+            "if at in spans and m.record.seq > top.get(at, -1):",
+            what,
+            "a write holds each stream's messages of an epoch in seq order: the last one seen is the highest, and the "
+            "entries of streams without a span are never read",
+        )
+        for what in ("and -> or", "> -> >=", "1 -> 2")
+    ),
+    Equivalent(
+        "sink",
+        "return self._audit is not None and self.connected and time.monotonic() >= self._audit_at",
+        ">= -> >",
+        "differs only at the instant the audit falls due, to the float",
     ),
     Equivalent(
         "stream",
