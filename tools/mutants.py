@@ -377,10 +377,10 @@ TEST_MAP: dict[str, tuple[str, ...]] = {
         "wire",
     ),
     "bootstrap": ("kafka_state", "state_sinks"),
-    "redis": ("redis_errors", "redis_index"),
+    "redis": ("redis_errors", "redis_ids", "redis_index"),
     "nats": ("nats_state_keys", "nats_connector"),
     "kafka": ("kafka_state", "kafka_options"),
-    "kv_redis": ("redis_errors", "redis_index", "redis_internals", "state_sinks"),
+    "kv_redis": ("redis_errors", "redis_ids", "redis_index", "redis_internals", "state_sinks"),
     "kv_nats": ("nats_state_keys", "nats_connector", "state_sinks"),
     "kv_kafka": ("kafka_state", "kafka_options", "state_sinks"),
 }
@@ -677,6 +677,31 @@ EQUIVALENT: list[Equivalent] = [
         "return self._audit is not None and self.connected and time.monotonic() >= self._audit_at",
         ">= -> >",
         "differs only at the instant the audit falls due, to the float",
+    ),
+    *(
+        Equivalent(
+            "records",
+            "EMPTY_RECORD_BYTES = 64",
+            what,
+            "a weight for queue accounting: how many control records fit under queue.max_bytes, which no contract "
+            "fixes to the byte (tests read Record.size)",
+        )
+        for what in ("64 -> 65", "64 -> 63")
+    ),
+    Equivalent(
+        "records",
+        "event_count: int = -1",
+        "1 -> 2",
+        "-1 and -2 both mean len(events): n_events takes event_count only when >= 0",
+    ),
+    *(
+        Equivalent(
+            "records",
+            "return self.event_count if self.event_count >= 0 else len(self.events)",
+            what,
+            "event_count is 0 only for a counted batch with no events, whose events list is empty too: 0 either way",
+        )
+        for what in (">= -> >", "0 -> 1")
     ),
     Equivalent(
         "stream",

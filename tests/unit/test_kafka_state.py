@@ -23,7 +23,7 @@ from bridge.records import Record, Stream, source_reset
 from bridge.state import StateTracker
 from bridge.state_docs import parse, seed_of
 from connectors.kafka import KafkaConnector, KafkaOptions
-from kv_consumer.kafka import StateLog, stream_of
+from kv_consumer.kafka import StateLog, partition_of, stream_of
 
 A, B = Stream("llama-a", 0), Stream("llama-b", 1)
 TOPIC, STATE = "kv-events", "kv-state"
@@ -75,6 +75,21 @@ def test_state_is_on_only_when_enabled() -> None:
 
 
 # -- keys and the log reader ---------------------------------------------------------------------------
+
+
+def test_a_head_deleted_by_hand_leaves_the_stream_without_a_cut() -> None:
+    log = StateLog(["s/0"])
+    log.add(b"s/0/GPU/0/01", b"v1")
+    log.add(b"s/0/_head", b"h1")
+    log.add(b"s/0/_head", None)  # a tombstone the bridge never writes
+    assert log.cut("s/0") == (None, [])
+
+
+def test_a_key_s_partition_is_one_of_the_topic_s_whatever_its_type() -> None:
+    for key in ("llama-a/0", "llama-a/1", "b/0"):
+        got = partition_of(key, [0, 1, 2, 3])
+        assert got in (0, 1, 2, 3) and got == partition_of(key.encode(), [0, 1, 2, 3])
+    assert partition_of("llama-a/0", [7]) == 7
 
 
 def test_stream_of_a_key() -> None:
