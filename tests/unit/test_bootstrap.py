@@ -268,3 +268,115 @@ def test_block_ids_of_every_hash_form() -> None:
     assert block_id(bytes(24) + (7).to_bytes(8, "big")) == 7 and block_id((bytes(24) + b"\0" * 7 + b"\x07").hex()) == 7
     assert block_id(True) is None or block_id(True) == 1  # bools are ints in Python; never sent as hashes
     assert block_id("") is None and block_id(None) is None and block_id(2**64) is None
+
+
+def test_block_ids_at_the_edges_of_each_form() -> None:
+    assert block_id(-(2**63)) == 2**63 and block_id(-(2**63) - 1) is None  # a signed 64-bit int, and below it
+    assert block_id(2**64 - 1) == 2**64 - 1
+    assert block_id(b"\xff" * 24 + (7).to_bytes(8, "big")) == 7  # a digest's low 64 bits
+    assert block_id(b"") is None and block_id("not hex") is None
+
+
+def test_the_positions_of_each_message_form() -> None:
+    assert position({"type": "SourceReset", "epoch": 2, "seq": 0}) == (2, 0, 0)
+    assert position({"epoch": 2, "seq": 4, "events": []}) == (2, 5, 0)
+    assert position({"epoch": 2, "seq": 4, "index": 0, "type": "BlockStored", "events": 1}) == (2, 5, 1)
+    assert position({"type": "EventsLost", "epoch": 2, "seq": 4}) == (2, 5, 2**64)
+
+
+def stored(*hashes: int, parent: int | None = None, medium: str = "GPU") -> dict[str, Any]:
+    return {"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": parent, "medium": medium}
+
+
+def removed(*hashes: int, medium: str = "GPU") -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium}
+
+
+def batch_msg(epoch: int, seq: int, *events: dict[str, Any]) -> dict[str, Any]:
+    return {"epoch": epoch, "seq": seq, "events": list(events)}
+
+
+def entry(block: int, *, seq: int, count: int = 1, epoch: int = 3, gen: int = 0) -> dict[str, Any]:
+    return {
+        "medium": "GPU",
+        "group_idx": None,
+        "block": format(block, "016x"),
+        "epoch": epoch,
+        "gen": gen,
+        "seq": seq,
+        "count": count,
+    }
+
+
+HEAD = {"epoch": 3, "gen": 0, "seq": 5, "live": 2, "complete": True}
+
+
+def test_a_stream_followed_from_its_first_message_has_no_state_until_its_reset() -> None:
+    s = StreamState()
+    assert (s.complete, s.why, s.seq, s.blocks(), s.ready) == (False, "no state", -1, {}, True)
+    assert s.apply({"type": "SourceReset", "epoch": 0, "seq": 0})
+    assert (s.complete, s.why, s.seq) == (True, "", -1)
+    assert s.apply(batch_msg(0, 0, stored(1, 2)))
+    assert s.blocks() == {("GPU", None, 1): 1, ("GPU", None, 2): 1} and s.seq == 0
+    assert not s.apply(batch_msg(0, 0, stored(1, 2)))  # a copy
+    assert s.blocks() == {("GPU", None, 1): 1, ("GPU", None, 2): 1}
+
+
+def test_a_state_from_its_head_keeps_the_newest_entry_of_each_key_of_the_head_s_generation() -> None:
+    entries = [
+        entry(1, seq=4),
+        entry(1, seq=2, count=3),  # an older version of the same key, read later: left out
+        entry(2, seq=1, count=2),
+        entry(2, seq=6, count=0),  # the newest version of 2 says it is gone
+        entry(3, seq=7, gen=1),  # another generation
+        entry(4, seq=1, epoch=2),  # another epoch
+        {"medium": "GPU", "block": "zz", "epoch": 3, "gen": 0, "seq": 1},  # unreadable
+        {"medium": "GPU", "epoch": 3, "gen": 0, "seq": 1},  # no block
+    ]
+    s = StreamState(HEAD, entries)
+    assert s.blocks() == {("GPU", None, 1): 1}
+    assert (s.complete, s.why, s.seq) == (True, "", 5)
+    assert s.ready_at == (3, 6) and not s.ready  # entry 2 was read at seq 6, after the head
+    assert not s.apply(batch_msg(3, 5, stored(9)))  # at the head: in the state already
+    assert s.apply(batch_msg(3, 6, removed(2), stored(5)))
+    assert s.ready
+    assert s.blocks() == {("GPU", None, 1): 1, ("GPU", None, 5): 1}  # 2 was read at seq 6: not removed again
+
+
+def test_an_incomplete_head_says_so_until_the_engine_clears() -> None:
+    s = StreamState({**HEAD, "complete": False}, [entry(1, seq=4)])
+    assert (s.complete, s.why) == (False, "incomplete state")
+    assert s.apply(batch_msg(3, 6, {"type": "AllBlocksCleared"}, stored(8)))
+    assert (s.complete, s.why, s.blocks()) == (True, "", {("GPU", None, 8): 1})
+
+
+def test_events_change_only_keys_the_sweep_read_before_them_and_counts_never_go_below_zero() -> None:
+    s = StreamState(HEAD, [entry(1, seq=4), entry(2, seq=7)])
+    changes: list[tuple[Any, bool]] = []
+    s.watch = lambda key, held: changes.append((key[2], held))
+    assert s.apply(batch_msg(3, 6, stored(1), removed(2), stored(10, 11, parent=9), removed(12), {"type": "Other"}))
+    assert s.blocks() == {("GPU", None, 1): 2, ("GPU", None, 2): 1, ("GPU", None, 10): 1, ("GPU", None, 11): 1}
+    assert s.entries[("GPU", None, 10)]["parent"] == 9 and s.entries[("GPU", None, 11)]["parent"] == 10
+    assert (s.entries[("GPU", None, 1)]["epoch"], s.entries[("GPU", None, 1)]["seq"]) == (3, 6)
+    assert changes == [(10, True), (11, True)]
+    assert s.apply(batch_msg(3, 8, removed(1), removed(1), removed(1), removed(2), {"type": "BlockStored", "block_hashes": 5}))
+    assert s.blocks() == {("GPU", None, 10): 1, ("GPU", None, 11): 1}
+    assert changes[2:] == [(1, False), (2, False)]
+    assert s.apply(batch_msg(3, 9, stored(None, 20)))  # type: ignore[arg-type]  # an unreadable hash is skipped
+    assert ("GPU", None, 20) in s.blocks() and len(s.blocks()) == 3
+    assert s.apply({"type": "EventsLost", "epoch": 3, "seq": 9, "from_seq": 9, "to_seq": 9, "reason": "replay_unavailable"})
+    assert s.blocks() == {} and not s.complete and s.why == "seqs 9-9 of epoch 3 lost (replay_unavailable)"
+    assert changes[4] == (20, True) and sorted(changes[5:]) == [(10, False), (11, False), (20, False)]
+
+
+def test_a_newer_epoch_without_its_reset_is_complete_only_from_its_first_batch_s_first_event() -> None:
+    s = StreamState(HEAD, [entry(1, seq=4)])
+    assert not s.apply(batch_msg(2, 9, stored(7)))  # an older epoch: stale
+    assert s.apply({"epoch": 4, "seq": 0, "index": 0, **stored(7)})
+    assert (s.complete, s.blocks()) == (True, {("GPU", None, 7): 1})
+    s = StreamState(HEAD, [entry(1, seq=4)])
+    assert s.apply({"epoch": 4, "seq": 0, "index": 1, **stored(7)})  # its second event: the first was missed
+    assert (s.complete, s.why) == (False, "joined mid-stream")
+    s = StreamState(HEAD, [entry(1, seq=4)])
+    assert s.apply(batch_msg(4, 2, stored(7)))
+    assert (s.complete, s.why, s.epoch) == (False, "joined mid-stream", 4)
