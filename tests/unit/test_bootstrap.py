@@ -380,3 +380,9 @@ def test_a_newer_epoch_without_its_reset_is_complete_only_from_its_first_batch_s
     s = StreamState(HEAD, [entry(1, seq=4)])
     assert s.apply(batch_msg(4, 2, stored(7)))
     assert (s.complete, s.why, s.epoch) == (False, "joined mid-stream", 4)
+
+
+def test_an_event_record_is_told_by_its_index_even_with_a_field_named_events() -> None:
+    s = StreamState(HEAD, [])
+    assert s.apply({"epoch": 3, "seq": 6, "index": 0, **stored(7), "events": [stored(8)]})
+    assert s.blocks() == {("GPU", None, 7): 1}
