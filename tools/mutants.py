@@ -704,6 +704,19 @@ EQUIVALENT: list[Equivalent] = [
         for what in (">= -> >", "0 -> 1")
     ),
     Equivalent(
+        "bootstrap",
+        "if key in self.floor and self.floor[key] >= version:",
+        ">= -> >",
+        "two entry documents of one key at the same (epoch, seq) are the same write's: either one gives the same state",
+    ),
+    Equivalent(
+        "bootstrap",
+        "return self.applied[:2] >= (self.ready_at[0], self.ready_at[1] + 1)",
+        "2 -> 3",
+        "applied[:3] is applied, and a 3-tuple compares with a 2-tuple by its first two items, then as the longer "
+        "(greater): >= answers the same",
+    ),
+    Equivalent(
         "stream",
         "lag(received - ts if received > ts else 0.0)  # never NaN: a NaN ts compares false",
         "> -> >=",

@@ -386,3 +386,7 @@ def test_an_event_record_is_told_by_its_index_even_with_a_field_named_events() -
     s = StreamState(HEAD, [])
     assert s.apply({"epoch": 3, "seq": 6, "index": 0, **stored(7), "events": [stored(8)]})
     assert s.blocks() == {("GPU", None, 7): 1}
+
+
+def test_an_incomplete_head_of_epoch_0_is_an_incomplete_state_not_none() -> None:
+    assert StreamState({**HEAD, "epoch": 0, "complete": False}).why == "incomplete state"
