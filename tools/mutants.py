@@ -705,6 +705,33 @@ EQUIVALENT: list[Equivalent] = [
     ),
     Equivalent(
         "bootstrap",
+        'NO_HEAD: Document = {"epoch": -1, "gen": 0, "seq": -1, "complete": False}',
+        "1 -> 2",
+        "epochs are never negative: -1 and -2 both sit below every epoch (why reads epoch < 0)",
+    ),
+    *(
+        Equivalent(
+            "bootstrap",
+            'NO_HEAD: Document = {"epoch": -1, "gen": 0, "seq": -1, "complete": False}',
+            what,
+            "the head's gen only picks the entries of its generation, and a state without a head has none",
+        )
+        for what in ("0 -> 1", "0 -> -1")
+    ),
+    Equivalent(
+        "bootstrap",
+        'if int(doc.get("count", 0)) > 0:',
+        "0 -> -1",
+        "a missing count read as -1 or as 0: not live either way",
+    ),
+    Equivalent(
+        "kv_redis",
+        "if first < WIDE:",
+        "< -> <=",
+        "a wide id's first part is 2**63 + an epoch of at least WIDE_EPOCHS, never 2**63 itself",
+    ),
+    Equivalent(
+        "bootstrap",
         "if key in self.floor and self.floor[key] >= version:",
         ">= -> >",
         "two entry documents of one key at the same (epoch, seq) are the same write's: either one gives the same state",

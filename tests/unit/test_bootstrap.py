@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from bridge.records import Record, Stream, events_lost, source_reset
 from bridge.state import StateDelta, StateTracker
 from bridge.state_docs import StateFormat, entry_key, parse, seed_of
-from kv_consumer.state import StreamState, block_id, position
+from kv_consumer.state import StreamState, block_id, is_head, position
 
 EXAMPLES = int(os.environ.get("KV_MODEL_EXAMPLES", "300"))
 S = Stream("llama-a", 0)
@@ -273,7 +273,7 @@ def test_block_ids_of_every_hash_form() -> None:
 def test_block_ids_at_the_edges_of_each_form() -> None:
     assert block_id(-(2**63)) == 2**63 and block_id(-(2**63) - 1) is None  # a signed 64-bit int, and below it
     assert block_id(2**64 - 1) == 2**64 - 1
-    assert block_id(b"\xff" * 24 + (7).to_bytes(8, "big")) == 7  # a digest's low 64 bits
+    assert block_id(b"\xff" * 24 + (2**56 + 7).to_bytes(8, "big")) == 2**56 + 7  # a digest's low 64 bits
     assert block_id(b"") is None and block_id("not hex") is None
 
 
@@ -330,8 +330,9 @@ def test_a_state_from_its_head_keeps_the_newest_entry_of_each_key_of_the_head_s_
         entry(2, seq=6, count=0),  # the newest version of 2 says it is gone
         entry(3, seq=7, gen=1),  # another generation
         entry(4, seq=1, epoch=2),  # another epoch
-        {"medium": "GPU", "block": "zz", "epoch": 3, "gen": 0, "seq": 1},  # unreadable
-        {"medium": "GPU", "epoch": 3, "gen": 0, "seq": 1},  # no block
+        {"medium": "GPU", "block": "zz", "epoch": 3, "gen": 0, "seq": 9, "count": 0},  # unreadable
+        {"medium": "GPU", "epoch": 3, "gen": 0, "seq": 9, "count": 0},  # no block
+        {k: v for k, v in entry(6, seq=2).items() if k != "count"},  # no count: not live
     ]
     s = StreamState(HEAD, entries)
     assert s.blocks() == {("GPU", None, 1): 1}
@@ -390,3 +391,28 @@ def test_an_event_record_is_told_by_its_index_even_with_a_field_named_events() -
 
 def test_an_incomplete_head_of_epoch_0_is_an_incomplete_state_not_none() -> None:
     assert StreamState({**HEAD, "epoch": 0, "complete": False}).why == "incomplete state"
+
+
+def test_a_head_is_told_from_an_entry_and_from_garbage() -> None:
+    assert is_head(HEAD)
+    assert not is_head(entry(1, seq=4)) and not is_head({**HEAD, "seq": "x"}) and not is_head({**HEAD, "live": None})
+
+
+def test_a_head_that_does_not_say_complete_is_not() -> None:
+    head = {k: v for k, v in HEAD.items() if k != "complete"}
+    assert StreamState(head).complete is False
+
+
+def test_after_a_clear_the_sweep_s_versions_no_longer_hold_events_back() -> None:
+    """The sweep read block 2 at seq 9; a loss at seq 6 clears the state (the sink's too): from
+    there the stream's own messages rebuild it, block 2's store at seq 7 included."""
+    s = StreamState(HEAD, [entry(2, seq=9)])
+    assert s.apply({"type": "EventsLost", "epoch": 3, "seq": 6, "from_seq": 6, "to_seq": 6, "reason": "x"})
+    assert s.apply(batch_msg(3, 7, stored(2)))
+    assert s.blocks() == {("GPU", None, 2): 1}
+
+
+def test_a_newer_epoch_read_from_its_first_batch_is_complete() -> None:
+    s = StreamState(HEAD, [entry(1, seq=4)])
+    assert s.apply(batch_msg(4, 0, stored(7)))
+    assert (s.complete, s.why, s.blocks()) == (True, "", {("GPU", None, 7): 1})
