@@ -416,3 +416,11 @@ def test_a_newer_epoch_read_from_its_first_batch_is_complete() -> None:
     s = StreamState(HEAD, [entry(1, seq=4)])
     assert s.apply(batch_msg(4, 0, stored(7)))
     assert (s.complete, s.why, s.blocks()) == (True, "", {("GPU", None, 7): 1})
+
+
+def test_a_block_stored_twice_and_removed_once_stays_with_the_removal_s_version() -> None:
+    s = StreamState(HEAD, [])
+    assert s.apply(batch_msg(3, 6, stored(1), stored(1)))
+    assert s.apply(batch_msg(3, 7, removed(1)))
+    assert s.blocks() == {("GPU", None, 1): 1}
+    assert (s.entries[("GPU", None, 1)]["epoch"], s.entries[("GPU", None, 1)]["seq"]) == (3, 7)
