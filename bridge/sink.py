@@ -518,11 +518,14 @@ class SinkWorker:
                 raise
             except Exception as exc:  # an unclassified error: the client's, or a record the connector cannot handle
                 unexpected += 1
-                if unexpected >= UNEXPECTED_TRIES:
-                    detail = f"{type(exc).__name__}: {exc}"
-                    del exc  # see _collect_failure
-                    return dead | await self._isolate(messages, detail)
-                error = NotConnected(f"{type(exc).__name__}: {exc}", reason="unexpected")
+                detail = f"{type(exc).__name__}: {exc}"
+                error = NotConnected(detail, reason="unexpected")
+            if unexpected >= UNEXPECTED_TRIES:
+                # Out of the except block, where the failure is still the one being handled (alive
+                # while the isolation waits for the connector's health): see _collect_failure.
+                del error
+                _collect_failure()
+                return dead | await self._isolate(messages, detail)
             attempt += 1
             self._m_retries.inc()
             if isinstance(error, SinkLost):  # the sink is up: only this write goes again

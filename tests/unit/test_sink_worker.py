@@ -123,7 +123,10 @@ class FailsWithCycles(MemoryConnector):
     as asyncio's futures and clients' retry wrappers do) that keeps a buffer alive."""
 
     failures_left = 4
-    fail_in = "write"  # or "connect"; "partial", "unexpected": the write fails with a PartialFailure, a RuntimeError
+    # or "connect"; "partial", "unexpected": the write fails with a PartialFailure (whose transient
+    # error holds the cycle), a RuntimeError; "isolated": RuntimeErrors, then an unhealthy connector
+    fail_in = "write"
+    unhealthy = 0  # health checks that fail
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -134,14 +137,24 @@ class FailsWithCycles(MemoryConnector):
         self.buffers.append(weakref.ref(buffers))
         failure: Exception = NotConnected("down")
         if self.fail_in == "partial":
-            failure = PartialFailure({0: NotConnected("down")})
-        elif self.fail_in == "unexpected":
+            try:
+                raise NotConnected("down")
+            except NotConnected as cause:
+                inner = cause  # the cycle: cause -> traceback -> this frame -> inner -> cause
+            raise PartialFailure({0: inner})
+        if self.fail_in in ("unexpected", "isolated"):
             failure = RuntimeError("client bug")
         try:
             raise failure
         except Exception as exc:
             held = exc  # noqa: F841 - the cycle: exc -> traceback -> this frame -> held -> exc
             raise
+
+    async def health(self) -> str | None:
+        if self.unhealthy:
+            self.unhealthy -= 1
+            return "reconnecting"
+        return await super().health()
 
     async def connect(self) -> None:
         if self.fail_in == "connect" and self.failures_left:
@@ -156,7 +169,7 @@ class FailsWithCycles(MemoryConnector):
         await super().write(messages)
 
 
-@pytest.mark.parametrize("stage", ["connect", "write", "partial", "unexpected"])
+@pytest.mark.parametrize("stage", ["connect", "write", "partial", "unexpected", "isolated"])
 async def test_each_failure_is_freed_before_the_backoff_not_kept_until_a_full_collection(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
 ) -> None:
@@ -168,6 +181,8 @@ async def test_each_failure_is_freed_before_the_backoff_not_kept_until_a_full_co
     conn.fail_in = stage
     if stage == "unexpected":
         conn.failures_left = 1  # a second one in a row would cut the write into records
+    if stage == "isolated":
+        conn.failures_left, conn.unhealthy = 2, 3  # a retry, then the isolation's health checks
     alive_at_each_backoff: list[int] = []
     real_sleep = asyncio.sleep
 
@@ -186,7 +201,7 @@ async def test_each_failure_is_freed_before_the_backoff_not_kept_until_a_full_co
         if enabled:
             gc.enable()
     assert [r.seq for r in acked] == [0]
-    assert alive_at_each_backoff == [0] * (1 if stage == "unexpected" else 4)
+    assert alive_at_each_backoff == [0] * {"unexpected": 1, "isolated": 4}.get(stage, 4)
     await done(worker)
 
 
@@ -780,3 +795,23 @@ async def test_a_loss_the_sink_reports_is_announced_even_beside_an_engine_loss_o
     await done(worker)
     reasons = [m.record.reason for m in conn.messages if m.record.kind == "EventsLost"]
     assert reasons == ["sink_lost:mem", "replay_unavailable"]
+
+
+async def test_a_write_whose_only_refusal_is_a_state_change_brings_the_sink_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Down after a transient failure, then the write goes through but for its state change,
+    refused for itself (nothing to announce): the sink is up."""
+    worker, conn, _, _ = make(tmp_path, batch={"linger": 0}, retry=BACKOFF_TEN_MS)
+    worker.writes_state, worker.on_state_lost = True, lambda _stream: None
+    record_sleeps(monkeypatch)
+    (record,) = STREAM_RECORDS[:1]
+    record = Record(stream=record.stream, epoch=0, seq=0, ts=record.ts, payload=record.payload, events=record.events)
+    record.state = Delta()
+    state_lost = Permanent("bucket created again: state lost", reason="state_lost")
+    conn.failures = [Retriable("busy"), PartialFailure({1: state_lost})]
+    worker.start()
+    await fill(worker, [record])
+    assert await worker.flush(5)
+    assert worker.connected and worker.last_error is None
+    await done(worker)
