@@ -584,6 +584,12 @@ EQUIVALENT: list[Equivalent] = [
     ),
     Equivalent(
         "sink",
+        "if runs and runs[-1][0].record is m.record:",
+        "0 -> -1",
+        "every message of a run is of one record: its first and its last name the same record",
+    ),
+    Equivalent(
+        "sink",
         "gc.collect(1)",
         "1 -> 2",
         "a full collection frees everything collecting the young generations frees: only its cost differs",
