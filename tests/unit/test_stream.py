@@ -710,3 +710,18 @@ async def test_an_undecodable_batch_leaves_an_earlier_ts_to_tell_a_restart_by(ma
     await settle_all(pipeline)
     shown = [(r.kind, r.epoch, r.seq) for r in f.fanout.records]
     assert shown == [("batch", 5, 8), ("EventsLost", 5, 9), ("SourceReset", 6, 0), *(("batch", 6, s) for s in range(3))]
+
+
+@pytest.mark.parametrize("needs_events", [True, False], ids=["decoded", "counted"])
+async def test_batches_carry_the_publisher_uuid_the_stream_is_sure_of(make: Callable[..., Fakes], needs_events: bool) -> None:
+    """A publisher that sends its lifetime UUID with each seq: every batch handed on names it (the
+    ``instance`` header a pod taking the stream over reads); one that sends none, none."""
+    uuid = bytes(range(16))
+    f = make(needs_events=needs_events)
+    await f.pipeline.start()
+    await f.pipeline.on_live([[b"kv", s.to_bytes(8, "big") + uuid, payload(s)] for s in range(3)], received=1_700_000_001.0)
+    assert [r.instance for r in f.fanout.records] == [uuid] * 3
+    g = make(needs_events=needs_events)
+    await g.pipeline.start()
+    await g.pipeline.on_live([frames(0), frames(1)], received=1_700_000_001.0)
+    assert [r.instance for r in g.fanout.records] == [None, None]
