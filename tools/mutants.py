@@ -1279,7 +1279,8 @@ def report(
         for m in survivors:
             text = sources[m.module].splitlines()[m.line - 1].strip()
             print(f"  {m.id:16} {TARGETS[m.module].path}:{m.line:<4} {m.what:22} | {text}")
-    whole = not (args.only or args.changed or args.function or args.lines)
+    # (an interrupted run did not reach every mutant: its unmatched entries are not stale)
+    whole = not (args.only or args.changed or args.function or args.lines) and len(results) == sum(totals.values())
     seen = [equivalent_of(m, sources[m.module]) for m, _ in results]
     stale = [e for e in EQUIVALENT if whole and e.module in modules and e not in seen]
     for e in stale:
