@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bridge.formats import Renderer, hex64
+from bridge.formats import Envelope, Renderer, hex64
 from bridge.records import Record, Stream, events_lost, source_reset
 from bridge.schema import SCHEMA_VERSION, EventRecordHeader
 
@@ -254,3 +254,14 @@ def test_a_json_event_is_its_header_then_its_fields_byte_for_byte(
         for i, m in enumerate(renderer.render(record)):
             header = msgspec.json.encode(EventRecordHeader(source, dp_rank, epoch, s, i, ts, SCHEMA_VERSION))
             assert m.value == header[:-1] + b"," + msgspec.json.encode(events[i])[1:]
+
+
+def test_envelopes_are_equal_by_header_and_id_and_never_hashed() -> None:
+    s = Stream("e", 0)
+    a = Envelope(Record(stream=s, epoch=1, seq=2, ts=1.5), "EventBatch", "application/json")
+    same = Envelope(Record(stream=s, epoch=1, seq=2, ts=1.5), "EventBatch", "application/json")
+    other_id = Envelope(Record(stream=s, epoch=1, seq=2, ts=1.5), "EventBatch", "application/json", given_id="x")
+    other_ts = Envelope(Record(stream=s, epoch=1, seq=2, ts=2.5), "EventBatch", "application/json")
+    assert a == same and a != other_id and a != other_ts and a != "e/0/1/2"
+    with pytest.raises(TypeError):
+        hash(a)  # mutable (its fields are built on first use): never a dict key
