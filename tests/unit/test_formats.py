@@ -265,3 +265,10 @@ def test_envelopes_are_equal_by_header_and_id_and_never_hashed() -> None:
     assert a == same and a != other_id and a != other_ts and a != "e/0/1/2"
     with pytest.raises(TypeError):
         hash(a)  # mutable (its fields are built on first use): never a dict key
+
+
+def test_an_event_past_the_4096th_names_its_index_too() -> None:
+    events = [{"type": "BlockRemoved", "block_hashes": [i], "medium": "GPU"} for i in range(4098)]
+    record = Record(stream=Stream("e", 0), epoch=1, seq=2, ts=1.5, events=events)
+    msgs = Renderer("json", "event").render(record)
+    assert [m.headers["index"] for m in msgs[4095:]] == ["4095", "4096", "4097"]
