@@ -582,6 +582,19 @@ EQUIVALENT: list[Equivalent] = [
         ">= -> >",
         "differs only at the instant exactly REPLAY_DIAGNOSE_EVERY after the last diagnosis, to the float",
     ),
+    *(
+        Equivalent(
+            "formats",
+            text,
+            "4096 -> 4095",
+            "_INDEX_TEXT[4095] is str(4095) (_INDEX[4095] its bytes): below the tables' end either gives the same",
+        )
+        for text in (
+            'h["index"] = _INDEX_TEXT[i] if i < 4096 else str(i)',
+            'items.append(("index", _INDEX[i] if i < 4096 else str(i).encode()))',
+            'return self.envelope.id + "/" + (_INDEX_TEXT[i] if i < 4096 else str(i))',
+        )
+    ),
     Equivalent(
         "sink",
         "if runs and runs[-1][0].record is m.record:",

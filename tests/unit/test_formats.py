@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bridge.formats import Envelope, Renderer, hex64
+from bridge.formats import Envelope, Renderer, hex64, sample_message
 from bridge.records import Record, Stream, events_lost, source_reset
 from bridge.schema import SCHEMA_VERSION, EventRecordHeader
 
@@ -272,3 +272,19 @@ def test_an_event_past_the_4096th_names_its_index_too() -> None:
     record = Record(stream=Stream("e", 0), epoch=1, seq=2, ts=1.5, events=events)
     msgs = Renderer("json", "event").render(record)
     assert [m.headers["index"] for m in msgs[4095:]] == ["4095", "4096", "4097"]
+    assert [dict(m.header_items())["index"] for m in msgs[4095:]] == [b"4095", b"4096", b"4097"]
+    assert [m.msg_id for m in msgs[4095:]] == ["e/0/1/2/4095", "e/0/1/2/4096", "e/0/1/2/4097"]
+
+
+def test_a_message_s_event_is_the_one_it_carries() -> None:
+    events = [{"type": "BlockRemoved", "block_hashes": [i], "medium": "GPU"} for i in range(3)]
+    record = Record(stream=Stream("e", 0), epoch=1, seq=2, ts=1.5, events=events)
+    assert [m.event for m in Renderer("json", "event").render(record)] == events
+    assert [m.event for m in Renderer("json", "batch").render(record)] == [None]
+    (lost,) = Renderer("json", "event").render(events_lost(Stream("e", 0), 1, 3, 3, "x", 1.0))
+    assert lost.event is None
+
+
+def test_a_sample_message_is_its_stream_s_seq_0_of_epoch_0_unless_told() -> None:
+    assert sample_message(Stream("e", 0)).record.position == (0, 1)
+    assert sample_message(Stream("e", 0), epoch=4).record.position == (4, 1)
