@@ -582,6 +582,21 @@ EQUIVALENT: list[Equivalent] = [
         ">= -> >",
         "differs only at the instant exactly REPLAY_DIAGNOSE_EVERY after the last diagnosis, to the float",
     ),
+    *(
+        Equivalent(
+            "formats",
+            text,
+            what,
+            "only answers 'convert' where nothing needs it: json_event then copies the event and passes each field "
+            "through _jsonable, which returns scalars and lists of scalars as they are: the same JSON",
+            within=within,
+        )
+        for text, what, within in (
+            ("return True", "True -> False", "_scalar_list"),
+            ("continue", "statement deleted", "_needs_json_fix"),
+            ("return False", "False -> True", "_needs_json_fix"),
+        )
+    ),
     Equivalent(
         "formats",
         "__hash__ = None  # type: ignore[assignment]",
