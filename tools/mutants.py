@@ -595,6 +595,7 @@ EQUIVALENT: list[Equivalent] = [
             ("return True", "True -> False", "_scalar_list"),
             ("continue", "statement deleted", "_needs_json_fix"),
             ("return False", "False -> True", "_needs_json_fix"),
+            ("continue", "statement deleted", "json_event"),  # token ids: ints, passed as they are either way
         )
     ),
     Equivalent(
