@@ -598,6 +598,25 @@ EQUIVALENT: list[Equivalent] = [
             ("continue", "statement deleted", "json_event"),  # token ids: ints, passed as they are either way
         )
     ),
+    *(
+        Equivalent(
+            "formats",
+            text,
+            what,
+            "a bound of the shared renderer's cache of rendered batches: it decides how often a batch is "
+            "rendered again for a sink, never what that sink gets",
+            nth=nth,
+        )
+        for text, what, nth in (
+            ("SHARED_MAX = 1024", "1024 -> 1025", 0),
+            ("SHARED_MAX = 1024", "1024 -> 1023", 0),
+            ("SHARED_MAX_BYTES = 8 * 2**20", "8 -> 9", 0),
+            ("SHARED_MAX_BYTES = 8 * 2**20", "8 -> 7", 0),
+            ("SHARED_MAX_BYTES = 8 * 2**20", "2 -> 3", 0),
+            ("SHARED_MAX_BYTES = 8 * 2**20", "20 -> 21", 0),
+            ("SHARED_MAX_BYTES = 8 * 2**20", "20 -> 19", 0),
+        )
+    ),
     Equivalent(
         "formats",
         "__hash__ = None  # type: ignore[assignment]",
@@ -616,6 +635,13 @@ EQUIVALENT: list[Equivalent] = [
             'items.append(("index", _INDEX[i] if i < 4096 else str(i).encode()))',
             'return self.envelope.id + "/" + (_INDEX_TEXT[i] if i < 4096 else str(i))',
         )
+    ),
+    Equivalent(
+        "sink",
+        "span[0], span[1] = min(span[0], r.seq), max(span[1], r.seq)",
+        "1 -> 0",
+        "refusals come in write order, a stream's messages in seq order: r.seq is above both ends, max gives it either way",
+        nth=1,
     ),
     Equivalent(
         "sink",
