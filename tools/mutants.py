@@ -596,6 +596,7 @@ EQUIVALENT: list[Equivalent] = [
             ("continue", "statement deleted", "_needs_json_fix"),
             ("return False", "False -> True", "_needs_json_fix"),
             ("continue", "statement deleted", "json_event"),  # token ids: ints, passed as they are either way
+            ("if t in scalars:", "in -> not in", "_needs_json_fix"),  # True at the event's type, a str
         )
     ),
     *(

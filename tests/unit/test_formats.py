@@ -306,3 +306,10 @@ def test_binary_anywhere_in_an_event_goes_out_as_hex_in_json(granularity: str) -
         "nested": {"a": "01"},
     }
     assert {k: events[1][k] for k in scalars} == scalars
+
+
+def test_binary_outside_any_list_goes_out_as_hex_in_json() -> None:
+    event = {"type": "Future", "extra": b"\xff", "nested": {"a": b"\x01"}}
+    record = Record(stream=Stream("e", 0), epoch=1, seq=2, ts=1.5, events=[event])
+    (body,) = [json.loads(m.value) for m in Renderer("json", "event").render(record)]
+    assert (body["extra"], body["nested"]) == ("ff", {"a": "01"})
