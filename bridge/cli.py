@@ -230,6 +230,17 @@ def _bad_endpoint(command: str, *given: tuple[str, str | None]) -> bool:
     return False
 
 
+def _snapshot_socket_missing(command: str, args: argparse.Namespace) -> bool:
+    """A design served on a snapshot socket of its own without --snapshot-endpoint (said on stderr)."""
+    if args.snapshot in ("vllm-57789", "sglang-34407") and not args.snapshot_endpoint:
+        print(
+            f"python -m bridge {command}: --snapshot {args.snapshot} is served on a snapshot socket: give --snapshot-endpoint",
+            file=sys.stderr,
+        )
+        return True
+    return False
+
+
 def _tail(args: argparse.Namespace) -> int:
     from .tail import tail
 
@@ -240,11 +251,7 @@ def _tail(args: argparse.Namespace) -> int:
         ("--snapshot-endpoint", args.snapshot_endpoint),
     ):
         return EXIT_CONFIG
-    if args.snapshot in ("vllm-57789", "sglang-34407") and not args.snapshot_endpoint:
-        print(
-            f"python -m bridge tail: --snapshot {args.snapshot} is served on a snapshot socket: give --snapshot-endpoint",
-            file=sys.stderr,
-        )
+    if _snapshot_socket_missing("tail", args):
         return EXIT_CONFIG
     if args.snapshot is not None and not (args.snapshot_endpoint or args.replay_endpoint):
         print("python -m bridge tail: --snapshot needs --snapshot-endpoint, or --replay-endpoint (vLLM #50134)", file=sys.stderr)
@@ -640,11 +647,7 @@ def _simulate(args: argparse.Namespace) -> int:
         ("--snapshot-endpoint", args.snapshot_endpoint),
     ):
         return EXIT_CONFIG
-    if args.snapshot in ("vllm-57789", "sglang-34407") and not args.snapshot_endpoint:
-        print(
-            f"python -m bridge simulate: --snapshot {args.snapshot} is served on a snapshot socket: give --snapshot-endpoint",
-            file=sys.stderr,
-        )
+    if _snapshot_socket_missing("simulate", args):
         return EXIT_CONFIG
     if args.snapshot == "vllm-50134" and not args.replay_endpoint:
         print(
