@@ -560,6 +560,17 @@ class Bridge:
                 tracker.generation_base = max(tracker.generation_base, head.generation + 1)
             if held and len(held) == len(got) and len({(h.epoch, h.generation) for h, _ in held}) == 1:
                 head, entries = min(held, key=lambda g: (g[0].epoch, g[0].seq))
+                resume = self.checkpointer.resume_position(stream.key)
+                if resume is not None and (resume.epoch, resume.seq) > (head.epoch, head.seq):
+                    # Every sink acknowledged records past the state it holds (restored from an older
+                    # backup, say): they will not come again, so the state cannot follow them (I6).
+                    log.warning(
+                        "the sinks' state of this stream is behind what every sink acknowledged: it is cleared at "
+                        "its first record and incomplete until the engine's next reset",
+                        extra={"stream": stream.key, "state_seq": head.seq, "acknowledged_seq": resume.seq},
+                    )
+                    fresh += 1
+                    continue
                 if tracker.seed(stream, head, entries):
                     rebuilt += 1
                     continue
