@@ -643,11 +643,11 @@ class NatsConnector:
         # its state (a bucket created again has lost the state of the streams written before).
         self._bucket_life = 0
         self._bucket_lives: dict[str, int] = {}
-        # Per stream (its key prefix), the bucket seq and (epoch, generation) of the head this
+        # Per stream (its key prefix), the bucket seq and (epoch, generation, seq) of the head this
         # connector wrote (or read back) last: the next head is written only over that one
-        # (Nats-Expected-Last-Subject-Sequence), or over another pod's of the same state (see
-        # _finish), so a bucket purged or created again under it is noticed at that write (I6).
-        self._heads: dict[str, tuple[int, tuple[int, int]]] = {}
+        # (Nats-Expected-Last-Subject-Sequence), or over another pod's (see _finish), so a bucket
+        # purged, created again or restored under it is noticed at that write (I6).
+        self._heads: dict[str, tuple[int, tuple[int, int, int]]] = {}
         self._bucket_gone = False  # seen missing since it last held state: its next life has begun
         self._value_limit: int | None = None  # the bucket's max_value_size, read at connect
         self._warned: set[str] = set()  # the streams and buckets kept in memory, warned about
@@ -1209,7 +1209,7 @@ class NatsConnector:
         if ops or op.clear:
             parts = journal_parts(op.head, head_doc, ops, budget, clear=op.clear)
             await self._kv_write(nc, [(f"{JOURNAL_KEY}.{prefix}.{i}", part) for i, part in enumerate(parts)])
-        await self._finish(nc, prefix, op.clear, ops, head_doc, (op.head.epoch, op.head.generation))
+        await self._finish(nc, prefix, op.clear, ops, head_doc, (op.head.epoch, op.head.generation, op.head.seq))
         if len(parts) > 1:  # a large write: its parts would stay until a write as large
             await self._purge(nc, [f"{JOURNAL_KEY}.{prefix}.>"])
 
@@ -1220,14 +1220,15 @@ class NatsConnector:
         clear: bool,
         ops: Sequence[tuple[str, bytes | None]],
         head_doc: bytes,
-        at: tuple[int, int] | None = None,
+        at: tuple[int, int, int] | None = None,
     ) -> None:
         """The writes a journal stands for: the purge, every entry put or removed at once, then the
-        head (``at``: its epoch and generation) over the head this connector wrote last. Another
-        pod reading the same engine (a rolling update) writes the same state: a head of its in the
-        same (epoch, generation) is written over, and one in a later one stands (this write's head
-        is stale: left out). A head gone, or of an older or other state, is _StateGone: the bucket
-        was purged or created again (or restored) under this sink."""
+        head (``at``: its epoch, generation and seq) over the head this connector wrote last.
+        Another pod reading the same engine (a rolling update) writes the same state, and a head
+        never goes back: one of its at or past ``at`` stands (this head is left out), one of the
+        same (epoch, generation) between the one this sink wrote last and ``at`` is written over.
+        A head gone, or behind the one this sink wrote last, is _StateGone: the bucket was purged,
+        created again or restored under this sink."""
         if clear:
             await self._purge(nc, [prefix + ".>"])
         puts = [(f"{prefix}.{key}", doc) for key, doc in ops if doc is not None]
@@ -1243,18 +1244,18 @@ class NatsConnector:
         except _StateGone:
             assert last is not None and at is not None
             now = await self._head_now(nc, key)
-            if now is not None and now[1] > at and now[1] > last[1]:
-                self._heads[prefix] = (now[0], last[1])  # (the other pod is ahead: its head stands)
+            if now is not None and now[1] >= at:
+                self._heads[prefix] = now  # (the other pod is ahead: its head stands)
                 return
-            if now is None or now[1] not in (last[1], at):
+            if now is None or now[1][:2] != at[:2] or now[1] < last[1]:
                 self._heads.pop(prefix, None)
                 raise
             (written,) = await self._kv_write(nc, [(key, head_doc)], _expect_subject_seq(now[0]))
         if at is not None:
             self._heads[prefix] = (written, at)
 
-    async def _head_now(self, nc: Client, key: str) -> tuple[int, tuple[int, int]] | None:
-        """The bucket seq and (epoch, generation) of the head the bucket holds at ``key`` (None: none)."""
+    async def _head_now(self, nc: Client, key: str) -> tuple[int, tuple[int, int, int]] | None:
+        """The bucket seq and (epoch, generation, seq) of the head the bucket holds at ``key`` (None: none)."""
         js = nc.jetstream(timeout=self.options.connect_timeout)
         try:
             msg = await js.get_last_msg(self._kv_stream, self._kv_prefix + key)
@@ -1264,7 +1265,7 @@ class NatsConnector:
             raise Retriable(f"{self._prefix}: reading a state head in bucket {self._bucket!r} failed: {_describe(exc)}") from None
         doc = parse(msg.data) if msg.data else None
         head = head_of(doc) if doc is not None else None
-        return None if head is None or msg.seq is None else (msg.seq, (head.epoch, head.generation))
+        return None if head is None or msg.seq is None else (msg.seq, (head.epoch, head.generation, head.seq))
 
     async def _purge(self, nc: Client, keys: Sequence[str]) -> None:
         """Remove each key (or ``{prefix}.>``: every key of a stream) with a subject-filtered purge of
@@ -1445,7 +1446,7 @@ class NatsConnector:
                     # The head the tracker builds on: the next head is written over it (or the
                     # state is lost: purged or created again before this bridge's first write).
                     now = await self._head_now(nc, f"{prefix}.{HEAD_KEY}")
-                    if now is not None and now[1] == (got[0].epoch, got[0].generation):
+                    if now is not None and now[1] == (got[0].epoch, got[0].generation, got[0].seq):
                         self._heads[prefix] = now
             if got != "unknown":
                 out[stream.key] = got  # type: ignore[assignment]

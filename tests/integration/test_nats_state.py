@@ -792,6 +792,27 @@ async def test_a_bucket_purged_after_a_restart_before_the_first_write_is_noticed
         assert info.value.reason == "state_lost"
 
 
+async def test_a_head_put_back_to_an_older_one_while_running_is_noticed(
+    nats_server: NatsServer, reader: Client, names: tuple[str, str]
+) -> None:
+    """A bucket restored from an older backup under a running bridge: its head is of the same
+    state but behind the one this sink wrote last. Heads never go back (another pod's older head
+    is left out, not written), so this one is a loss: state_lost."""
+    dest, bucket = names
+    js = reader.jetstream(timeout=10)
+    kv = await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1))
+    stream = Stream("o", 0)
+    rand = random.Random(10)
+    async with connected(nats_server.url, dest, bucket, create=False) as w:
+        await w.write([source_reset(stream, 1, "publisher_restart", 0.0), many_blocks(stream, 1, 0, 3, rand)])
+        older = (await kv.get(f"{state_prefix('o', 0)}.{HEAD_KEY}")).value
+        await w.write([many_blocks(stream, 1, 1, 3, rand)])
+        await kv.put(f"{state_prefix('o', 0)}.{HEAD_KEY}", older)  # (the restore)
+        with pytest.raises(ConnectorError) as info:
+            await w.write([many_blocks(stream, 1, 2, 1, rand)])
+        assert info.value.reason == "state_lost"
+
+
 # -- engine snapshots (experimental) ------------------------------------------------------------------
 
 
