@@ -560,7 +560,9 @@ class Bridge:
                 tracker.generation_base = max(tracker.generation_base, head.generation + 1)
             if held and len(held) == len(got) and len({(h.epoch, h.generation) for h, _ in held}) == 1:
                 head, entries = min(held, key=lambda g: (g[0].epoch, g[0].seq))
-                resume = self.checkpointer.resume_position(stream.key)
+                # Without checkpoint.from_sinks the stream resumes from the checkpoint (with it,
+                # take_over sets where it resumes from what the sinks hold, and checks the same).
+                resume = None if self.config.checkpoint.from_sinks else self.checkpointer.resume_position(stream.key)
                 if resume is not None and (resume.epoch, resume.seq) > (head.epoch, head.seq):
                     # Every sink acknowledged records past the state it holds (restored from an older
                     # backup, say): they will not come again, so the state cannot follow them (I6).
