@@ -295,8 +295,8 @@ class Checkpointer:
         """``instance`` is, for certain, the publisher UUID of the stream's engine in ``epoch``;
         ``retired``: those of instances gone, oldest first (see ``StreamSequencer.sure_instance``)."""
         known = self.instances.get(key)
-        if known is not None and known.epoch > epoch:
-            return
+        if known is not None and (known.epoch > epoch or (known.epoch == epoch and known.id == instance.hex())):
+            return  # (an older epoch's, or what it holds already: the UUIDs retired change with the instance)
         noted = Instances(epoch, instance.hex(), [r.hex() for r in retired[-RETIRED_KEPT:]])
         if noted != known:
             self.instances[key] = noted

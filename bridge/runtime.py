@@ -209,7 +209,6 @@ class Bridge:
             max_bytes=config.snapshots.max_bytes,
         )
         self.pipelines: dict[str, StreamPipeline] = {}
-        self._noted_instances: dict[str, tuple[int, bytes]] = {}  # (see _note_instances)
         self.readers: dict[str, SourceReader] = {}
         self.drainer = Drainer(config.ingest.tick)  # reads every source's socket (see bridge.ingest)
         self._reader_tasks: dict[str, asyncio.Task[None]] = {}
@@ -405,12 +404,11 @@ class Bridge:
     def _note_instances(self) -> None:
         """Tell the checkpoint each running stream's instance, where its publisher's UUID makes it
         certain (before every save, see CheckpointStore.collect)."""
-        note, noted = self.checkpointer.note_instance, self._noted_instances
+        note = self.checkpointer.note_instance
         for key, pipeline in self.pipelines.items():
             sequencer = pipeline.sequencer
             instance = sequencer.sure_instance
-            if instance is not None and noted.get(key) != (sequencer.epoch, instance):
-                noted[key] = (sequencer.epoch, instance)
+            if instance is not None:
                 note(key, sequencer.epoch, instance, sequencer.retired_instances)
 
     async def remove_source(self, name: str) -> None:
@@ -502,7 +500,6 @@ class Bridge:
         now = time.time()
         for key in gone:
             del self._retired[key]
-            self._noted_instances.pop(key, None)
             self.checkpointer.forget(key, now)
             if self.tracker is not None:  # its room back; what the sinks hold of it stays there
                 source, _, rank = key.rpartition("/")

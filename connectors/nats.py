@@ -1286,15 +1286,15 @@ class NatsConnector:
             raise Retriable(f"{self._prefix}: state purge in bucket {self._bucket!r} failed: {_describe(exc)}") from None
 
     async def _kv_write(self, nc: Client, ops: Sequence[tuple[str, bytes]], hdr: bytes = b"") -> list[int]:
-        """Put each (key, value) into the bucket, all at once (``hdr``: each put's header block);
-        return their bucket seqs when every one is stored. The server stores one connection's
+        """Put each (key, value) into the bucket, all at once (``hdr``: each put's header block; b"",
+        _KV_PUT: none); return their bucket seqs when every one is stored. The server stores one connection's
         publishes to a stream in the order sent."""
         acks = _Acks()
         sent: list[str] = []
         try:
             for key, value in ops:
                 subject = self._kv_prefix + key
-                await self._send(nc, subject, hdr or _KV_PUT, value, acks)
+                await self._send(nc, subject, hdr, value, acks)
                 sent.append(subject)
             await acks.wait()
         finally:
