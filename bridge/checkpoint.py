@@ -88,8 +88,9 @@ class StreamPosition(msgspec.Struct, frozen=True, omit_defaults=True):
     at: int | None = None
 
 
-InstanceId = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
-"""A publisher lifetime UUID, in lower-case hex."""
+_INSTANCE_ID = "[0-9a-f]{32}"
+InstanceId = Annotated[str, msgspec.Meta(pattern=f"^{_INSTANCE_ID}$")]
+"""A publisher lifetime UUID, in lower-case hex (in the file, and in the ``instance`` header)."""
 
 RETIRED_KEPT = 16
 """UUIDs of instances gone a checkpoint keeps per stream (their late messages are dropped)."""
@@ -297,10 +298,8 @@ class Checkpointer:
         known = self.instances.get(key)
         if known is not None and (known.epoch > epoch or (known.epoch == epoch and known.id == instance.hex())):
             return  # (an older epoch's, or what it holds already: the UUIDs retired change with the instance)
-        noted = Instances(epoch, instance.hex(), [r.hex() for r in retired[-RETIRED_KEPT:]])
-        if noted != known:
-            self.instances[key] = noted
-            self._generation += 1
+        self.instances[key] = Instances(epoch, instance.hex(), [r.hex() for r in retired[-RETIRED_KEPT:]])
+        self._generation += 1
 
     def resume_instance(self, key: str, epoch: int) -> tuple[bytes | None, list[bytes]]:
         """The publisher UUID of the stream's instance in ``epoch`` and those of instances gone,
@@ -464,7 +463,7 @@ class CheckpointStore:
 
 # -- handover: the position a sink holds ----------------------------------------------------------
 
-_HEX_ID = re.compile("[0-9a-f]{32}")
+_HEX_ID = re.compile(_INSTANCE_ID)
 
 MAX_SUB = (1 << 64) - 1
 """The last sub-position of a slot: a whole batch (every event of it), or an ``EventsLost``."""
