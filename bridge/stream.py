@@ -263,7 +263,8 @@ class StreamPipeline:
         run = self._run
         snaps = self.snapshots
         if snaps is not None and (snaps.seeding is not None or snaps.check):
-            await self._hand_run_seeding(snaps)  # (rare: a snapshot to ask for, or in flight)
+            while run:  # (rare: a snapshot to ask for, or in flight) each record as _publish hands one
+                await self._publish(run.pop(0))
             return
         fanout = self.ctx.fanout
         if fanout.offer_all(run):
@@ -280,18 +281,6 @@ class StreamPipeline:
             if record.kind == "batch":
                 self._handed_batch = record
             await fanout.publish(record)
-
-    async def _hand_run_seeding(self, snaps: StreamSnapshots) -> None:
-        """``_hand_run`` while a snapshot may be asked for or attach its seed (bridge.snapshot)."""
-        run = self._run
-        while run:
-            record = run.pop(0)
-            snaps.before(record)
-            self._handed = record
-            if record.kind == "batch":
-                self._handed_batch = record
-            await self.ctx.fanout.publish(record)
-            snaps.after(record)
 
     async def probe(self) -> None:
         """Called when the stream has been quiet for ``replay.idle_probe`` (see StreamSequencer.probe)."""
@@ -456,10 +445,9 @@ class StreamPipeline:
                 types = counted.types
                 self._types.extend(types)
                 record = self._decoded = Record(
-                    self.stream, epoch, seq, "batch", counted.ts, payload, [], None, None, received, len(types)
-                )
-                if (sequencer := self.sequencer).sure_instance is not None and sequencer.epoch == epoch:
-                    record.instance = sequencer.instance
+                    self.stream, epoch, seq, "batch", counted.ts, payload, [], None, None, received, len(types),
+                    instance=self._instance_of(epoch),
+                )  # fmt: skip
                 return record
         try:
             if batch is None:
@@ -475,11 +463,16 @@ class StreamPipeline:
         self._types.extend(map(_type_of, batch.events))
         n_bad = len(batch.bad_events)
         record = self._decoded = Record(
-            self.stream, epoch, seq, "batch", batch.ts, payload, batch.events, None, None, received, -1, batch.plain, n_bad
-        )
-        if (sequencer := self.sequencer).sure_instance is not None and sequencer.epoch == epoch:
-            record.instance = sequencer.instance  # (a batch of an epoch that ended in this burst: not known here)
+            self.stream, epoch, seq, "batch", batch.ts, payload, batch.events, None, None, received, -1, batch.plain, n_bad,
+            instance=self._instance_of(epoch),
+        )  # fmt: skip
         return record
+
+    def _instance_of(self, epoch: int) -> bytes | None:
+        """The publisher UUID of ``epoch``'s engine instance, when the sequencer knows it for
+        certain (a batch of an epoch that ended in this burst: not known here)."""
+        sequencer = self.sequencer
+        return sequencer.sure_instance if sequencer.epoch == epoch else None
 
     def flush_metrics(self) -> None:
         """Apply the metric updates gathered since the last flush (see ``__init__``)."""
