@@ -45,7 +45,9 @@ then, per engine stream, the state messages up to its first failure are folded i
 write (:func:`fold_deltas`), in this order, each step acknowledged before the next:
 
 1. the write's *journal* (``_journal.{source token}.{dp_rank}.N``: whether it clears, every entry
-   it puts or deletes, the head it ends with), unless it only moves the head;
+   it puts or deletes, the head it ends with), its first part written only over the one this
+   connector wrote last: the fence that shows another writer of the stream before any entry is
+   touched (:meth:`NatsConnector._write_journal`);
 2. a clear: one subject-filtered purge of the stream's keys (ADR-8 / ADR-10: no per-key marker,
    whatever their number; it takes the head too);
 3. every entry put (a :mod:`bridge.state_docs` document) or removed (a purge of its key) at once;
@@ -82,6 +84,7 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api as js_api
+from nats.js.api import RawStreamMsg
 from nats.js.client import JetStreamContext
 
 from bridge.connector import (
@@ -648,6 +651,10 @@ class NatsConnector:
         # (Nats-Expected-Last-Subject-Sequence), or over another pod's (see _finish), so a bucket
         # purged, created again or restored under it is noticed at that write (I6).
         self._heads: dict[str, tuple[int, tuple[int, int, int]]] = {}
+        # Per stream prefix, the bucket seq of the journal's first part this connector wrote last:
+        # every state write stores its journal first, over that one alone (the fence: see
+        # _write_journal), so another writer of the stream is seen before any entry is written.
+        self._journals: dict[str, int] = {}
         self._bucket_gone = False  # seen missing since it last held state: its next life has begun
         self._value_limit: int | None = None  # the bucket's max_value_size, read at connect
         self._warned: set[str] = set()  # the streams and buckets kept in memory, warned about
@@ -1205,13 +1212,58 @@ class NatsConnector:
             (entry_key(c.medium, c.group_idx, c.block), document(c, head) if c.count > 0 else None)
             for c, head in op.changes.values()
         ]
-        parts: list[bytes] = []
-        if ops or op.clear:
-            parts = journal_parts(op.head, head_doc, ops, budget, clear=op.clear)
-            await self._kv_write(nc, [(f"{JOURNAL_KEY}.{prefix}.{i}", part) for i, part in enumerate(parts)])
+        parts = journal_parts(op.head, head_doc, ops, budget, clear=op.clear)
+        await self._write_journal(nc, prefix, parts, op.head.epoch)
         await self._finish(nc, prefix, op.clear, ops, head_doc, (op.head.epoch, op.head.generation, op.head.seq))
-        if len(parts) > 1:  # a large write: its parts would stay until a write as large
-            await self._purge(nc, [f"{JOURNAL_KEY}.{prefix}.>"])
+        if len(parts) > 1:  # a large write: its other parts would stay until a write as large (the first is the fence)
+            await self._purge(nc, [f"{JOURNAL_KEY}.{prefix}.{i}" for i in range(1, len(parts))])
+
+    async def _write_journal(self, nc: Client, prefix: str, parts: Sequence[bytes], epoch: int) -> None:
+        """Store a write's journal, its first part only over the one this connector stored last
+        (Nats-Expected-Last-Subject-Sequence): the fence of the stream's state, since every write
+        starts with it. Another writer's journal found there (a pod reading the same engine: a
+        rolling update) is written over when it is of the same epoch: both write the engine's same
+        changes, and a head never goes back (see _finish). One of another epoch is _StateGone:
+        two bridges numbered the engine apart (a stream moved without checkpoint.from_sinks), their
+        clears and removals would purge each other's entries under a head marked complete. The
+        runtime then clears the stream (a new generation, incomplete), written over that journal,
+        and the other bridge does the same at its next write: the state stays incomplete while both
+        write, and whole (incomplete) once one is left."""
+        key = f"{JOURNAL_KEY}.{prefix}.0"
+        last = self._journals.get(prefix)
+        if last is None:  # none written since this connector started: over whatever the bucket holds
+            last, _ = await self._journal_now(nc, key)
+        try:
+            (written,) = await self._kv_write(nc, [(key, parts[0])], _expect_subject_seq(last))
+        except _StateGone:
+            now, other = await self._journal_now(nc, key)
+            self._journals[prefix] = now  # (the clear that follows is written over it)
+            if other is not None and other != epoch:
+                raise self._other_epoch(other, epoch) from None
+            (written,) = await self._kv_write(nc, [(key, parts[0])], _expect_subject_seq(now))
+        self._journals[prefix] = written
+        if len(parts) > 1:
+            await self._kv_write(nc, [(f"{JOURNAL_KEY}.{prefix}.{i}", p) for i, p in enumerate(parts[1:], 1)])
+
+    def _other_epoch(self, other: int, epoch: int) -> _StateGone:
+        return _StateGone(
+            f"{self._prefix}: another bridge writes this stream's state into KV bucket {self._bucket!r} in epoch "
+            f"{other} (this one: {epoch}; a stream read by two pods, moved without checkpoint.from_sinks): the "
+            "stream's state starts again, incomplete, until one of them is left and the engine's next clear or restart",
+            reason="state_lost",
+        )
+
+    async def _journal_now(self, nc: Client, key: str) -> tuple[int, int | None]:
+        """The bucket seq of the journal part the bucket holds at ``key`` (0: none) and the epoch of
+        the write it stands for (None: none, or unreadable)."""
+        msg = await self._last_msg(nc, key, "journal")
+        if msg is None:
+            return 0, None
+        try:
+            epoch: int | None = _journal_decoder.decode(msg.data).target[0] if msg.data else None
+        except msgspec.DecodeError:
+            epoch = None
+        return msg.seq or 0, epoch
 
     async def _finish(
         self,
@@ -1244,25 +1296,35 @@ class NatsConnector:
         except _StateGone:
             assert last is not None and at is not None
             now = await self._head_now(nc, key)
-            if now is not None and now[1] >= at:
-                self._heads[prefix] = now  # (the other pod is ahead: its head stands)
+            if now is not None and now[1][0] == at[0] and now[1] >= at:
+                self._heads[prefix] = now  # (another pod reading the engine in this epoch is ahead: its head stands)
                 return
             if now is None or now[1][:2] != at[:2] or now[1] < last[1]:
                 self._heads.pop(prefix, None)
+                if now is not None and now[1][0] != at[0]:
+                    raise self._other_epoch(now[1][0], at[0]) from None
                 raise
             (written,) = await self._kv_write(nc, [(key, head_doc)], _expect_subject_seq(now[0]))
         if at is not None:
             self._heads[prefix] = (written, at)
 
-    async def _head_now(self, nc: Client, key: str) -> tuple[int, tuple[int, int, int]] | None:
-        """The bucket seq and (epoch, generation, seq) of the head the bucket holds at ``key`` (None: none)."""
+    async def _last_msg(self, nc: Client, key: str, what: str) -> RawStreamMsg | None:
+        """The message the bucket holds at ``key`` (None: none); ``what`` names it in an error."""
         js = nc.jetstream(timeout=self.options.connect_timeout)
         try:
-            msg = await js.get_last_msg(self._kv_stream, self._kv_prefix + key)
+            return await js.get_last_msg(self._kv_stream, self._kv_prefix + key)
         except nats.js.errors.NotFoundError:
             return None
         except (TimeoutError, nats.errors.Error) as exc:
-            raise Retriable(f"{self._prefix}: reading a state head in bucket {self._bucket!r} failed: {_describe(exc)}") from None
+            raise Retriable(
+                f"{self._prefix}: reading a state {what} in bucket {self._bucket!r} failed: {_describe(exc)}"
+            ) from None
+
+    async def _head_now(self, nc: Client, key: str) -> tuple[int, tuple[int, int, int]] | None:
+        """The bucket seq and (epoch, generation, seq) of the head the bucket holds at ``key`` (None: none)."""
+        msg = await self._last_msg(nc, key, "head")
+        if msg is None:
+            return None
         doc = parse(msg.data) if msg.data else None
         head = head_of(doc) if doc is not None else None
         return None if head is None or msg.seq is None else (msg.seq, (head.epoch, head.generation, head.seq))

@@ -767,6 +767,47 @@ async def test_two_pods_writing_one_streams_state_do_not_take_each_others_heads_
         assert info.value.reason == "state_lost"
 
 
+async def test_two_pods_writing_one_streams_state_in_different_epochs_never_leave_it_complete_and_wrong(
+    nats_server: NatsServer, reader: Client, names: tuple[str, str]
+) -> None:
+    """A stream moved in a rolling update without checkpoint.from_sinks: the new pod numbers the
+    engine in an epoch of its own (2) while the old one still writes its state (epoch 1) into the
+    same bucket. Before the journal fence, the old pod took the new pod's head for a later one of
+    its own and wrote complete heads over the entries the new pod's clear had purged (breaker29g
+    L2: 2-7 of 20 bootstraps complete and wrong, 3 of 3 runs). Now each pod sees the other's
+    journal before it writes an entry: the state is told lost (the runtime clears it,
+    incomplete), and every bootstrap that says complete equals the engine's cache at its head."""
+    dest, bucket = names
+    js = reader.jetstream(timeout=10)
+    await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1))
+    stream = Stream("l", 0)
+    rand = random.Random(12)
+    engine = [many_blocks(stream, 1, s, 3, rand) for s in range(10)]
+
+    def cache_at(seq: int) -> dict[tuple[Any, Any, int], int]:
+        return {("GPU", 0, h): 1 for r in engine[: seq + 1] for h in r.events[0]["block_hashes"]}
+
+    lost = {"old": 0, "new": 0}
+    url = nats_server.url
+    async with connected(url, dest, bucket, create=False) as old, connected(url, dest, bucket, create=False) as new:
+        await old.write([source_reset(stream, 1, "publisher_restart", 0.0), *(msgspec.structs.replace(r) for r in engine[:4])])
+        state, _ = await bootstrap(reader, bucket, "l", 0)
+        assert state.complete and state.blocks() == cache_at(3)
+        for s in range(4, 10):
+            pods = [("new", new, 2), ("old", old, 1)]
+            for name, w, epoch in pods if s % 3 else pods[::-1]:
+                try:
+                    await w.write([msgspec.structs.replace(engine[s], epoch=epoch, state=None)])
+                except ConnectorError as exc:
+                    assert isinstance(exc, Permanent) and exc.reason == "state_lost", exc
+                    w.tracker.invalidate(stream)  # what the runtime does: the next record clears it
+                    lost[name] += 1
+                state, _ = await bootstrap(reader, bucket, "l", 0)
+                if state.complete:
+                    assert state.blocks() == cache_at(state.head["seq"]), f"complete and wrong after {name}'s {s}"
+    assert lost["old"] >= 1, lost
+
+
 async def test_a_bucket_purged_after_a_restart_before_the_first_write_is_noticed(
     nats_server: NatsServer, reader: Client, names: tuple[str, str]
 ) -> None:
