@@ -984,12 +984,13 @@ class RedisConnector:
     # -- hooks ------------------------------------------------------------------------------
     async def connect(self) -> None:
         """PING the server, run a script that does nothing (every write is one: an ACL or a
-        renamed command that forbids it is found here, and so by ``--check``), then read the
-        settings the writes depend on (see :meth:`_read_settings`); NotConnected naming the sink,
+        renamed command that forbids it is found here, and so by ``--check``), refuse a replica,
+        then read the settings the writes depend on (see :meth:`_read_settings`); NotConnected naming the sink,
         the server and the cause if any of it fails."""
         try:
             await self._connection().ping()
             await self._connection().eval("return 1", 0)
+            await self._check_role()
             settings = await self._read_settings()
         except (RedisError, RedisClusterException, OSError) as exc:
             error = self._classify(exc, f"cannot connect to {self._server}")
@@ -997,6 +998,25 @@ class RedisConnector:
         log.info("redis sink connected", extra={"sink": self.name, "server": self._server})
         if self._state is not None:
             self._warn_durability(settings)
+
+    async def _check_role(self) -> None:
+        """A replica answers PING and runs a read-only script, but refuses every write (READONLY),
+        or loses it at its next sync when it is writable: refused at connect (and so by
+        ``--check``), naming the fix. A server that does not allow ROLE (an ACL, a managed
+        service) is left to its first write. A cluster's nodes are found by the client."""
+        if self.options.cluster:
+            return
+        try:
+            role: Any = await self._connection().execute_command("ROLE")
+        except ResponseError:
+            return
+        name = _text(role[0]) if role else "master"
+        if name != "master":
+            raise NotConnected(
+                f"{self._prefix}: {self._server} is a {name}, not a primary (ROLE): it refuses the sink's writes "
+                "(READONLY) or loses them at its next sync; point url at the primary",
+                reason="replica",
+            )
 
     def _warn_durability(self, settings: dict[str, str]) -> None:
         """One WARNING per problem and connector when the server may lose what the state is built

@@ -437,6 +437,30 @@ async def test_a_command_the_sink_needs_renamed_is_not_ready_and_nothing_is_dead
         await d.close()
 
 
+# -- a replica given as the sink's server --------------------------------------------------------
+
+
+async def test_a_replica_is_refused_at_connect_naming_the_primary(
+    acl_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A url pointing at a replica (a read-only service endpoint, a failover's old primary): it
+    answers PING and runs a script that does not write, so ``--check`` said ok and every write was
+    then refused (READONLY) with the sink not ready. Now connect refuses it and names the fix."""
+    primary = acl_redis.url.split("//")[1].split("/")[0].replace(":", " ")
+    replica = RedisServer(tmp_path_factory.mktemp("redis-replica"), persistent=False, extra_config={"replicaof": primary})
+    with own_server("redis (replica)", replica) as server:
+        s = SinkConfig(type="redis", name="redis", format="json", granularity="batch")
+        connector = RedisConnector(s.name, convert_options({"url": server.url}, RedisOptions, "sinks[0]"), s)
+        with pytest.raises(NotConnected, match="not a primary") as refused:
+            await connector.connect()
+        assert refused.value.reason == "replica" and "point url at the primary" in str(refused.value)
+        await connector.close()
+    s = SinkConfig(type="redis", name="redis", format="json", granularity="batch")
+    connector = RedisConnector(s.name, convert_options({"url": acl_redis.url}, RedisOptions, "sinks[0]"), s)
+    await connector.connect()  # the primary itself
+    await connector.close()
+
+
 # -- a refusal of a whole script call: only an entry refused for itself is dead-lettered --------
 
 
