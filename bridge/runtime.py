@@ -187,6 +187,7 @@ class Bridge:
         # Sockets accept IPv6 endpoints (tcp://[::1]:5557) as well as IPv4 ones.
         self.zmq_context.setsockopt(zmq.IPV6, 1)
         self.workers: list[SinkWorker] = []
+        self._built: list[Connector] = []  # the connectors start() built (closed by the workers once they run)
         self.store = ckpt.CheckpointStore(None, 0)  # the real one is made at start (it reads the file)
         self.context = StreamContext(
             fanout=Fanout([]),
@@ -249,6 +250,7 @@ class Bridge:
                 problems.extend(exc.problems)
         if problems:
             raise ConfigError(problems)
+        self._built = connectors
         self.store = self.context.epochs = ckpt.CheckpointStore(cfg.checkpoint.path, len(cfg.sinks))
         self.store.collect = self._note_instances
         configured = [s for source in cfg.sources for s in _streams(source)]
@@ -428,6 +430,16 @@ class Bridge:
                 pos = ckpt.StreamPosition(epoch, seq, *(fp or (None, None)), None if at == seq else at)
             self._retired[key] = (pos, top, time.monotonic(), pipeline.retire())
             self.readers.pop(key)
+
+    async def close_unstarted(self) -> None:
+        """After a stop during start-up, before any sink worker: close the connectors start()
+        built (each bounded; some are connected already), never raising."""
+        self.stopped.set()
+        for conn in self._built:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.close(), 5)
+        self.dead_letters.close()
+        self.zmq_context.destroy(linger=0)
 
     async def stop(self) -> None:
         if self.stopped.is_set():
@@ -770,7 +782,8 @@ class Bridge:
 async def run(config: Config, stop: asyncio.Event, *, registry: Registry | None = None) -> int:
     """Run until ``stop`` is set (or a background task fails); returns the process exit code."""
     bridge = Bridge(config, registry=registry)
-    await bridge.start()
+    if not await _started(bridge, stop):
+        return 0
     try:
         while not stop.is_set() and bridge.failed is None:
             with contextlib.suppress(TimeoutError):
@@ -778,6 +791,31 @@ async def run(config: Config, stop: asyncio.Event, *, registry: Registry | None 
     finally:
         await bridge.stop()
     return 1 if bridge.failed is not None else 0
+
+
+async def _started(bridge: Bridge, stop: asyncio.Event) -> bool:
+    """Start ``bridge`` unless ``stop`` is set first: a SIGTERM while start-up waits for its sinks
+    (up to ``state.load_timeout`` and ``checkpoint.from_sinks_timeout``) stops it at once. Stopped
+    before any sink worker runs, nothing was read: the connectors opened are closed and the
+    checkpoint file stays as it was. False when stopped."""
+    starting = asyncio.ensure_future(bridge.start())
+    waiting = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({starting, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+    if starting.done():
+        starting.result()  # its error, if it failed
+        return True
+    starting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await starting
+    log.info("stopped during start-up")
+    if bridge.workers:
+        await bridge.stop()
+    else:
+        await bridge.close_unstarted()
+    return False
 
 
 def _streams(source: SourceConfig) -> list[Stream]:

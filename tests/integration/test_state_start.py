@@ -8,6 +8,7 @@ engine's next reset, hours or days). It retries within ``state.load_timeout`` an
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from tests.infra.servers import RedisServer
 from tests.integration.test_redis_state import bootstrapped, check, in_process, remove_keys, settled, sink
 from tests.support.cache_engine import CacheEngine
 from tests.support.harness import free_port
+from tests.support.process import BridgeProcess, bridge_config
 
 pytestmark = pytest.mark.integration
 
@@ -66,3 +68,32 @@ async def test_a_state_sink_down_for_3s_at_start_is_waited_for_and_the_state_reb
     finally:
         await client.aclose()
         await server.astop()
+
+
+async def test_sigterm_while_start_up_waits_for_a_state_sink_stops_at_once(tmp_path: Path, redis_server: RedisServer) -> None:
+    """Kubernetes stops a pod whose bridge is still waiting for its state sink (up to
+    ``state.load_timeout``, here 60 s): SIGTERM stops it at once, exit 0, the checkpoint file as it
+    was (nothing was read). Before, the bridge waited out the bound first (breaker29f: ~53 s), and
+    Kubernetes killed it at its grace period."""
+    del redis_server  # only for its install and CI check: the sink's port has no server
+    prefix = f"kvw{uuid.uuid4().hex[:8]}"
+    checkpoint = tmp_path / "checkpoint.json"
+    cfg = bridge_config(
+        tmp_path,
+        [{"name": "a", "endpoint": f"tcp://127.0.0.1:{free_port()}"}],
+        [sink(f"redis://127.0.0.1:{free_port()}/0", prefix)],
+        state={"load_timeout": "60s"},
+        checkpoint={"path": str(checkpoint)},
+    )
+    bridge = BridgeProcess(tmp_path, cfg).start()
+    try:
+        deadline = time.monotonic() + 30
+        while "retrying until its bound" not in bridge.log():
+            assert bridge.alive() and time.monotonic() < deadline, bridge.log()[-2000:]
+            await asyncio.sleep(0.05)
+        assert await bridge.terminate(timeout=20) == 0, bridge.log()[-2000:]
+    finally:
+        if bridge.alive():
+            bridge.kill()
+    assert "stopped during start-up" in bridge.log()
+    assert not checkpoint.exists()
