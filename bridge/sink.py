@@ -167,7 +167,6 @@ class SinkWorker:
         self._idle.set()
         self._dropped: dict[str, Record] = {}  # per stream: the EventsLost of the span being dropped
         self._state_gone: set[str] = set()  # streams whose state changes are not written until a clear
-        self._closing = False
         self.connected = False
         self.last_error: str | None = "not connected yet"
         self._task: asyncio.Task[None] | None = None
@@ -289,7 +288,6 @@ class SinkWorker:
             self._n_ok = self._n_events = 0
 
     async def stop(self) -> None:
-        self._closing = True
         if self._task is not None:
             self._task.cancel()
             try:

@@ -508,6 +508,7 @@ _MEMORY_BUCKET = "every stream's state starts again incomplete, until its engine
 _WRONG_LAST_MSG_ID = 10070  # JSStreamWrongLastMsgIDErr: Nats-Expected-Last-Msg-Id did not match
 _WRONG_LAST_SUBJECT_SEQ = 10071  # JSStreamWrongLastSequenceErrF: Nats-Expected-Last-Subject-Sequence did not match
 EXPECTED_LAST_HEADER = "Nats-Expected-Last-Msg-Id"
+_PROBE = {"Nats-Expected-Stream": "KV_BRIDGE_PERMISSION_PROBE"}  # no stream has this name: nothing is stored
 
 
 class _Acks:
@@ -657,7 +658,7 @@ class NatsConnector:
         self._journals: dict[str, int] = {}
         self._bucket_gone = False  # seen missing since it last held state: its next life has begun
         self._value_limit: int | None = None  # the bucket's max_value_size, read at connect
-        self._warned: set[str] = set()  # the streams and buckets kept in memory, warned about
+        self._warned: set[str] = set()  # what _warn_once warned about
         self._format: StateFormat | None = None
         if state.enabled:
             try:
@@ -705,6 +706,8 @@ class NatsConnector:
                 await self._check_stream(js)
             if self.writes_state:
                 await self._check_bucket(js)
+            if self.options.mode == "jetstream":
+                await self._check_publish(nc)
         except NotConnected:
             await self.close()
             raise
@@ -712,6 +715,24 @@ class NatsConnector:
             await self.close()
             raise NotConnected(f"{self._prefix}: NATS at {self._where} failed during setup: {_describe(exc)}") from None
         log.info("%s: connected to NATS at %s (%s)", self._prefix, self._where, self.options.mode, extra={"sink": self.name})
+
+    async def _check_publish(self, nc: Client) -> None:
+        """The user may publish where the sink writes (one subject of the template, and the bucket's
+        with state), checked without storing anything: each probe names a stream no stream is
+        (``Nats-Expected-Stream``), so JetStream refuses it before storing, while the server refuses
+        a subject the user may not publish to on the connection's error channel alone (see
+        _on_error). Found here, ``--check`` reports it. A probe with no answer within a second says
+        nothing either way (not refused). Core mode has no such probe: a message would reach the
+        subscribers."""
+        subjects = [subject_filter(self.options.subject).replace("*", "_check")]
+        if self.writes_state:
+            subjects.append(f"{self._kv_prefix}_check")
+        self._permission_problem = None
+        for subject in subjects:
+            with contextlib.suppress(TimeoutError, nats.errors.Error):
+                await nc.request(subject, b"", timeout=min(1.0, self.options.connect_timeout), headers=_PROBE)
+            if self._permission_problem is not None:
+                raise NotConnected(self._permission_problem, reason="no_permission")
 
     async def write(self, messages: Sequence[Message]) -> None:
         """JetStream: return once every message is acknowledged; core: once flushed."""
@@ -1468,18 +1489,14 @@ class NatsConnector:
             )
 
     def _warn_memory(self, what: str, consequence: str, fix: str) -> None:
-        """One WARNING per stream or bucket kept in memory (not again when it is created again)."""
-        if what in self._warned:
+        self._warn_once(what, "%s keeps its data in memory: a restart of the server loses it; %s. Use %s", what, consequence, fix)
+
+    def _warn_once(self, key: str, text: str, *args: object) -> None:
+        """One WARNING per ``key`` and connector (not again when a stream or bucket is created again)."""
+        if key in self._warned:
             return
-        self._warned.add(what)
-        log.warning(
-            "%s: %s keeps its data in memory: a restart of the server loses it; %s. Use %s",
-            self._prefix,
-            what,
-            consequence,
-            fix,
-            extra={"sink": self.name},
-        )
+        self._warned.add(key)
+        log.warning("%s: " + text, self._prefix, *args, extra={"sink": self.name})
 
     async def read_state(self, streams: Sequence[Stream]) -> dict[str, tuple[Head, list[SeedEntry]] | None]:
         """The state the bucket holds of each stream (a restarted bridge rebuilds from it): its keys
@@ -1689,16 +1706,14 @@ class NatsConnector:
                 consequence = _MEMORY_STREAM.format(sink=self.name)
                 self._warn_memory(f"JetStream stream {name!r}", consequence, "file storage (stream.storage: file)")
             kept = config.max_msgs_per_subject or 0
-            if kept > 0 and f"per-subject {name}" not in self._warned:
-                self._warned.add(f"per-subject {name}")
-                log.warning(
-                    "%s: JetStream stream %s keeps only the last %d message(s) of each subject (max_msgs_per_subject), "
+            if kept > 0:
+                self._warn_once(
+                    f"per-subject {name}",
+                    "JetStream stream %s keeps only the last %d message(s) of each subject (max_msgs_per_subject), "
                     "and each engine stream has one subject: a consumer that falls that far behind misses messages "
                     "nothing announces; raise it or remove the limit (-1)",
-                    self._prefix,
                     name,
                     kept,
-                    extra={"sink": self.name},
                 )
             return
         except nats.js.errors.NotFoundError:

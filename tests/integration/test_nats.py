@@ -585,25 +585,38 @@ async def test_a_user_that_may_not_publish_to_the_subjects_is_named_at_once_not_
     """An authorization mistake: the user may use the JetStream API but not publish to the sink's
     subjects. The server drops the message and says so only on the connection's error channel:
     the write waited for its acks until write_timeout (30 s by default) with the sink ready, then
-    said ``timeout`` (breaker29e K2). Now the write fails at once (reason no_permission), health
-    names the user's missing permission, and a publish that goes through clears it."""
+    said ``timeout`` (breaker29e K2), and ``--check`` said ok. Now connect refuses such a user
+    (reason no_permission, naming the fix) without storing anything, and a permission revoked
+    while the bridge runs (a config reload) fails the next write at once, health naming it."""
     dest = _dest()
-    auth = (
-        "authorization { users = [\n"
-        '  {user: admin, password: "adminpw"}\n'
-        '  {user: bridge, password: "pw", permissions: {publish: {allow: ["$JS.API.>", "_INBOX.>"]}, '
-        'subscribe: {allow: ["_INBOX.>"]}}}\n'
-        "] }\n"
-        "jetstream: enabled\n"
-    )
-    server = _GuardedNatsServer(tmp_path, extra_config=auth)
+
+    def auth(publish: list[str]) -> str:
+        return (
+            "authorization { users = [\n"
+            '  {user: admin, password: "adminpw"}\n'
+            f'  {{user: bridge, password: "pw", permissions: {{publish: {{allow: {json.dumps(publish)}}}, '
+            'subscribe: {allow: ["_INBOX.>"]}}}\n'
+            "] }\n"
+            "jetstream: enabled\n"
+        )
+
+    server = _GuardedNatsServer(tmp_path, extra_config=auth(["$JS.API.>", "_INBOX.>"]))
     await server.astart()
     try:
-        conn = NatsConnector("nats-p", _options(server.url, dest, user="bridge", password="pw", stream={}), SINK)
         admin = await nats.connect(server.url, user="admin", password="adminpw")
+        conn = NatsConnector("nats-p", _options(server.url, dest, user="bridge", password="pw", stream={}), SINK)
         try:
             await admin.jetstream().add_stream(name=dest, subjects=[f"{dest}.>"])
+            with pytest.raises(NotConnected) as refused_at_connect:
+                await conn.connect()
+            assert refused_at_connect.value.reason == "no_permission", refused_at_connect.value
+            assert "grant it publish on the sink's subjects" in str(refused_at_connect.value)
+            assert (await admin.jetstream().stream_info(dest)).state.messages == 0  # the probe stored nothing
+
+            await _reload(server, auth(["$JS.API.>", "_INBOX.>", f"{dest}.>"]))
             await conn.connect()
+            assert (await admin.jetstream().stream_info(dest)).state.messages == 0
+            await _reload(server, auth(["$JS.API.>", "_INBOX.>"]))  # revoked while the sink runs
             t0 = time.monotonic()
             with pytest.raises(Retriable) as refused:
                 await conn.write(_render("json", "batch", [Stream("a", 0)], 1))
@@ -634,6 +647,19 @@ async def test_a_stream_keeping_few_messages_per_subject_is_warned_about(
     finally:
         await conn.close()
     assert any("keeps only the last 1 message(s) of each subject" in r.getMessage() for r in caplog.records)
+
+
+async def _reload(server: NatsServer, extra_config: str) -> None:
+    """Give ``server`` a new configuration and wait until it has reloaded it (SIGHUP)."""
+    done = server.log_path.read_text(errors="replace").count("Reloaded server configuration")
+    server.extra_config = extra_config
+    server._prepare()
+    assert server._proc is not None
+    server._proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while server.log_path.read_text(errors="replace").count("Reloaded server configuration") <= done:
+        assert time.monotonic() < deadline, "nats-server did not reload its configuration"
+        await asyncio.sleep(0.05)
 
 
 class _GuardedNatsServer(NatsServer):
