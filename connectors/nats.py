@@ -652,10 +652,10 @@ class NatsConnector:
         # (Nats-Expected-Last-Subject-Sequence), or over another pod's (see _finish), so a bucket
         # purged, created again or restored under it is noticed at that write (I6).
         self._heads: dict[str, tuple[int, tuple[int, int, int]]] = {}
-        # Per stream prefix, the bucket seq of the journal's first part this connector wrote last:
+        # Per stream prefix, the journal's first part this connector wrote last:
         # every state write stores its journal first, over that one alone (the fence: see
         # _write_journal), so another writer of the stream is seen before any entry is written.
-        self._journals: dict[str, int] = {}
+        self._journals: dict[str, tuple[int, tuple[int, int, int] | None]] = {}  # (bucket seq, its write's target)
         self._bucket_gone = False  # seen missing since it last held state: its next life has begun
         self._value_limit: int | None = None  # the bucket's max_value_size, read at connect
         self._warned: set[str] = set()  # what _warn_once warned about
@@ -1166,7 +1166,9 @@ class NatsConnector:
             # it whole again. A write that clears first (the runtime cleared it already, after a
             # SinkLost) needs nothing it held: it goes through.
             self._bucket_lives[stream.key] = self._bucket_life
-            self._heads.pop(state_prefix(stream.source, stream.dp_rank), None)  # (told once: not again by its head)
+            prefix = state_prefix(stream.source, stream.dp_rank)
+            self._heads.pop(prefix, None)  # (told once: not again by its head or its journal)
+            self._journals.pop(prefix, None)
             lost = Permanent(
                 f"{self._prefix}: KV bucket {self._bucket!r} lost what it held (deleted, or a server that kept it in "
                 "memory restarted): the stream's state starts again",
@@ -1234,57 +1236,67 @@ class NatsConnector:
             for c, head in op.changes.values()
         ]
         parts = journal_parts(op.head, head_doc, ops, budget, clear=op.clear)
-        await self._write_journal(nc, prefix, parts, op.head.epoch)
-        await self._finish(nc, prefix, op.clear, ops, head_doc, (op.head.epoch, op.head.generation, op.head.seq))
+        target = _order(op.head)
+        await self._write_journal(nc, prefix, parts, target, clear=op.clear)
+        await self._finish(nc, prefix, op.clear, ops, head_doc, target)
         if len(parts) > 1:  # a large write: its other parts would stay until a write as large (the first is the fence)
             await self._purge(nc, [f"{JOURNAL_KEY}.{prefix}.{i}" for i in range(1, len(parts))])
 
-    async def _write_journal(self, nc: Client, prefix: str, parts: Sequence[bytes], epoch: int) -> None:
-        """Store a write's journal, its first part only over the one this connector stored last
+    async def _write_journal(
+        self, nc: Client, prefix: str, parts: Sequence[bytes], target: tuple[int, int, int], *, clear: bool
+    ) -> None:
+        """Store a write's journal (``target``: the epoch, generation and seq of the head it ends
+        with), its first part only over the one this connector stored last
         (Nats-Expected-Last-Subject-Sequence): the fence of the stream's state, since every write
-        starts with it. Another writer's journal found there (a pod reading the same engine: a
-        rolling update) is written over when it is of the same epoch: both write the engine's same
-        changes, and a head never goes back (see _finish). One of another epoch is _StateGone:
-        two bridges numbered the engine apart (a stream moved without checkpoint.from_sinks), their
-        clears and removals would purge each other's entries under a head marked complete. The
-        runtime then clears the stream (a new generation, incomplete), written over that journal,
-        and the other bridge does the same at its next write: the state stays incomplete while both
-        write, and whole (incomplete) once one is left."""
+        starts with it. Another journal found there (not this write's own, stored before its ack
+        was lost) is another bridge's writing the same stream (two pods reading one engine): its
+        clears, removals and late entries would mix with this one's under a head marked complete,
+        so the state is _StateGone before this write touches an entry. The runtime then clears
+        the stream (a new generation, incomplete), written over that journal, and the other
+        bridge does the same at its next write: the state stays incomplete while both write and
+        after, until the engine's next clear or restart (as Redis's ``_at`` check does). The
+        first write after this connector started goes over whatever journal the bucket holds (a
+        restart of the one writer), and a clear over one the bucket lost."""
         key = f"{JOURNAL_KEY}.{prefix}.0"
-        last = self._journals.get(prefix)
-        if last is None:  # none written since this connector started: over whatever the bucket holds
-            last, _ = await self._journal_now(nc, key)
+        last = self._journals.get(prefix) or await self._journal_now(nc, key)
         try:
-            (written,) = await self._kv_write(nc, [(key, parts[0])], _expect_subject_seq(last))
-        except _StateGone:
-            now, other = await self._journal_now(nc, key)
+            (written,) = await self._kv_write(nc, [(key, parts[0])], _expect_subject_seq(last[0]))
+        except _StateGone as gone:
+            now = await self._journal_now(nc, key)
             self._journals[prefix] = now  # (the clear that follows is written over it)
-            if other is not None and other != epoch:
-                raise self._other_epoch(other, epoch) from None
-            (written,) = await self._kv_write(nc, [(key, parts[0])], _expect_subject_seq(now))
-        self._journals[prefix] = written
+            lost = now[1] is None or (last[1] is not None and now[1] < last[1])  # purged, created again, restored
+            if now[1] == target:
+                written = now[0]
+            elif lost and clear:  # a clear needs nothing the bucket held
+                (written,) = await self._kv_write(nc, [(key, parts[0])], _expect_subject_seq(now[0]))
+            elif lost:
+                raise gone from None
+            else:
+                raise self._other_writer("journal", now[1]) from None
+        self._journals[prefix] = (written, target)
         if len(parts) > 1:
             await self._kv_write(nc, [(f"{JOURNAL_KEY}.{prefix}.{i}", p) for i, p in enumerate(parts[1:], 1)])
 
-    def _other_epoch(self, other: int, epoch: int) -> _StateGone:
+    def _other_writer(self, what: str, target: tuple[int, int, int] | None) -> _StateGone:
+        at = f" (epoch {target[0]}, generation {target[1]}, seq {target[2]})" if target else ""
         return _StateGone(
-            f"{self._prefix}: another bridge writes this stream's state into KV bucket {self._bucket!r} in epoch "
-            f"{other} (this one: {epoch}; a stream read by two pods, moved without checkpoint.from_sinks): the "
-            "stream's state starts again, incomplete, until one of them is left and the engine's next clear or restart",
+            f"{self._prefix}: another bridge wrote this stream's state {what} into KV bucket {self._bucket!r}{at} since "
+            "this sink's last write (two pods reading one engine): the stream's state starts again, incomplete until "
+            "the engine's next clear or restart; let one bridge write each stream",
             reason="state_lost",
         )
 
-    async def _journal_now(self, nc: Client, key: str) -> tuple[int, int | None]:
-        """The bucket seq of the journal part the bucket holds at ``key`` (0: none) and the epoch of
-        the write it stands for (None: none, or unreadable)."""
+    async def _journal_now(self, nc: Client, key: str) -> tuple[int, tuple[int, int, int] | None]:
+        """The bucket seq of the journal part the bucket holds at ``key`` (0: none) and the
+        (epoch, generation, seq) of the head of the write it stands for (None: none, unreadable)."""
         msg = await self._last_msg(nc, key, "journal")
         if msg is None:
             return 0, None
         try:
-            epoch: int | None = _journal_decoder.decode(msg.data).target[0] if msg.data else None
+            target = _journal_decoder.decode(msg.data).target if msg.data else None
         except msgspec.DecodeError:
-            epoch = None
-        return msg.seq or 0, epoch
+            target = None
+        return msg.seq or 0, target
 
     async def _finish(
         self,
@@ -1297,11 +1309,9 @@ class NatsConnector:
     ) -> None:
         """The writes a journal stands for: the purge, every entry put or removed at once, then the
         head (``at``: its epoch, generation and seq) over the head this connector wrote last.
-        Another pod reading the same engine (a rolling update) writes the same state, and a head
-        never goes back: one of its at or past ``at`` stands (this head is left out), one of the
-        same (epoch, generation) between the one this sink wrote last and ``at`` is written over.
-        A head gone, or behind the one this sink wrote last, is _StateGone: the bucket was purged,
-        created again or restored under this sink."""
+        Any other head there is _StateGone: gone, or behind the one this sink wrote last, the
+        bucket was purged, created again or restored under this sink; ahead, another bridge
+        writes the stream (see _write_journal). This head, stored already (its ack lost), stands."""
         if clear:
             await self._purge(nc, [prefix + ".>"])
         puts = [(f"{prefix}.{key}", doc) for key, doc in ops if doc is not None]
@@ -1317,15 +1327,13 @@ class NatsConnector:
         except _StateGone:
             assert last is not None and at is not None
             now = await self._head_now(nc, key)
-            if now is not None and now[1][0] == at[0] and now[1] >= at:
-                self._heads[prefix] = now  # (another pod reading the engine in this epoch is ahead: its head stands)
+            if now is not None and now[1] == at:
+                self._heads[prefix] = now
                 return
-            if now is None or now[1][:2] != at[:2] or now[1] < last[1]:
-                self._heads.pop(prefix, None)
-                if now is not None and now[1][0] != at[0]:
-                    raise self._other_epoch(now[1][0], at[0]) from None
-                raise
-            (written,) = await self._kv_write(nc, [(key, head_doc)], _expect_subject_seq(now[0]))
+            self._heads.pop(prefix, None)
+            if now is not None and now[1] > last[1]:
+                raise self._other_writer("head", now[1]) from None
+            raise
         if at is not None:
             self._heads[prefix] = (written, at)
 
@@ -1403,7 +1411,7 @@ class NatsConnector:
             return None
         if err.err_code == _WRONG_LAST_SUBJECT_SEQ:
             return _StateGone(
-                f"{self._prefix}: KV bucket {self._bucket!r} no longer holds the state's head this sink wrote last "
+                f"{self._prefix}: KV bucket {self._bucket!r} no longer holds what this sink wrote last of the stream's state "
                 "(purged, or deleted and created again): the stream's state starts again, incomplete",
                 reason="state_lost",
             )

@@ -738,32 +738,53 @@ async def test_a_bucket_purged_or_created_again_under_the_sink_is_noticed_at_the
         assert state.complete and state.head["epoch"] == 2 and state.head["seq"] == 0
 
 
-async def test_two_pods_writing_one_streams_state_do_not_take_each_others_heads_for_a_loss(
+async def test_two_pods_writing_one_streams_state_in_one_epoch_tell_it_lost_never_complete_and_wrong(
     nats_server: NatsServer, reader: Client, names: tuple[str, str]
 ) -> None:
-    """A rolling update: two pods read one engine and write the same state to one bucket. Each
-    head is written over the last one this sink wrote, or over a later one of the other pod's:
-    the state goes on, never cleared for it; a purge is still noticed."""
+    """Two pods read one engine in the same epoch (a stream moved with checkpoint.from_sinks while
+    the old pod still runs) and write the same state to one bucket. Each pod's writes can land
+    between the other's: a late entry puts back a block the other's newer write removed, and a
+    head of an older generation went over the other's clear (breaker29i S1, S3: complete and
+    wrong, and still so after one pod stopped). The journal fence shows each pod the other's write
+    before it touches an entry: the state is told lost (cleared, incomplete) and never said
+    complete over a mix; once one pod is left, the engine's next restart makes it whole again."""
     dest, bucket = names
     js = reader.jetstream(timeout=10)
     await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1))
     stream = Stream("q", 0)
     rand = random.Random(8)
-    records = [source_reset(stream, 1, "publisher_restart", 0.0), *(many_blocks(stream, 1, s, 3, rand) for s in range(6))]
+    records = [source_reset(stream, 1, "publisher_restart", 0.0), *(many_blocks(stream, 1, s, 3, rand) for s in range(8))]
+
+    def cache_at(seq: int) -> dict[tuple[Any, Any, int], int]:
+        return {("GPU", 0, h): 1 for r in records[1 : seq + 2] for h in r.events[0]["block_hashes"]}
+
+    lost = 0
     url = nats_server.url
     async with connected(url, dest, bucket, create=False) as a, connected(url, dest, bucket, create=False) as b:
         for i, r in enumerate(records):
-            await a.write([msgspec.structs.replace(r, state=None)])
-            if i % 2:  # b writes every other record, after a (both trackers follow every record)
-                await b.write([msgspec.structs.replace(r, state=None)])
-            else:
-                b.tracker.apply(msgspec.structs.replace(r, state=None))
+            if i == 5:
+                b.tracker.invalidate(stream)  # b's state told lost (any cause): it clears into a new generation
+            for w in (a, b) if i % 2 else (a,):  # b writes every other record, after a
+                try:
+                    await w.write([msgspec.structs.replace(r, state=None)])
+                except ConnectorError as exc:
+                    assert isinstance(exc, Permanent) and exc.reason == "state_lost", exc
+                    assert "another bridge wrote this stream's state" in str(exc)
+                    w.tracker.invalidate(stream)  # what the runtime does: the next record clears it
+                    lost += 1
+                state, _ = await bootstrap(reader, bucket, "q", 0)
+                if state.complete:
+                    assert state.blocks() == cache_at(state.head["seq"]), f"complete and wrong after record {i}"
+            if not i % 2:
+                b.tracker.apply(msgspec.structs.replace(r, state=None))  # b follows every record
+        assert lost >= 1
+    async with connected(url, dest, bucket, create=False) as alone:  # one pod left, restarted
+        await alone.write([source_reset(stream, 2, "publisher_restart", 0.0), many_blocks(stream, 2, 0, 4, rand)])
         state, _ = await bootstrap(reader, bucket, "q", 0)
-        assert state.complete and state.head["seq"] == 5
+        assert state.complete and state.head["epoch"] == 2 and len(state.blocks()) == 4
         await js.purge_stream(f"KV_{bucket}")
-        more = many_blocks(stream, 1, 6, 1, rand)
         with pytest.raises(ConnectorError) as info:
-            await a.write([more])
+            await alone.write([many_blocks(stream, 2, 1, 1, rand)])
         assert info.value.reason == "state_lost"
 
 
