@@ -73,10 +73,11 @@ import itertools
 import logging
 import random
 import re
+import secrets
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 import msgspec
 import nats.errors
@@ -236,6 +237,17 @@ class _Journal(msgspec.Struct):
     head: msgspec.Raw
     ops: list[tuple[str, msgspec.Raw]]  # a document, or null (a delete)
     clear: bool = False
+    writer: str = ""  # the connector that wrote it (a random id per process; "" before it was kept)
+
+
+class _JournalAt(NamedTuple):
+    """The journal's first part as the bucket holds it: its bucket seq (0: none), the target of
+    its write (None: none, or unreadable), its writer, and the part itself."""
+
+    seq: int
+    target: tuple[int, int, int] | None = None
+    writer: str = ""
+    data: bytes = b""
 
 
 _journal_decoder = msgspec.json.Decoder(_Journal)
@@ -243,7 +255,7 @@ _NULL = msgspec.Raw(b"null")
 
 
 def journal_parts(
-    head: Head, head_doc: bytes, ops: Sequence[tuple[str, bytes | None]], limit: int, *, clear: bool = False
+    head: Head, head_doc: bytes, ops: Sequence[tuple[str, bytes | None]], limit: int, *, clear: bool = False, writer: str = ""
 ) -> list[bytes]:
     """The journal of one state write: whether it purges the stream first, every entry it puts (a
     document) or deletes (None) and the head it ends with, in parts of about ``limit`` bytes. It is
@@ -260,7 +272,7 @@ def journal_parts(
         chunks[-1].append((key, _NULL if value is None else msgspec.Raw(value)))
         size += n
     raw_head = msgspec.Raw(head_doc)
-    return [_journal_encoder.encode(_Journal(target, i, len(chunks), raw_head, c, clear)) for i, c in enumerate(chunks)]
+    return [_journal_encoder.encode(_Journal(target, i, len(chunks), raw_head, c, clear, writer)) for i, c in enumerate(chunks)]
 
 
 def journal_redo(parts: Sequence[bytes], head: Head | None) -> tuple[bool, list[tuple[str, bytes | None]], bytes] | None:
@@ -655,7 +667,8 @@ class NatsConnector:
         # Per stream prefix, the journal's first part this connector wrote last:
         # every state write stores its journal first, over that one alone (the fence: see
         # _write_journal), so another writer of the stream is seen before any entry is written.
-        self._journals: dict[str, tuple[int, tuple[int, int, int] | None]] = {}  # (bucket seq, its write's target)
+        self._journals: dict[str, _JournalAt] = {}
+        self._writer = secrets.token_hex(8)  # tells this connector's journals from another bridge's
         self._bucket_gone = False  # seen missing since it last held state: its next life has begun
         self._value_limit: int | None = None  # the bucket's max_value_size, read at connect
         self._warned: set[str] = set()  # what _warn_once warned about
@@ -1235,7 +1248,7 @@ class NatsConnector:
             (entry_key(c.medium, c.group_idx, c.block), document(c, head) if c.count > 0 else None)
             for c, head in op.changes.values()
         ]
-        parts = journal_parts(op.head, head_doc, ops, budget, clear=op.clear)
+        parts = journal_parts(op.head, head_doc, ops, budget, clear=op.clear, writer=self._writer)
         target = _order(op.head)
         await self._write_journal(nc, prefix, parts, target, clear=op.clear)
         await self._finish(nc, prefix, op.clear, ops, head_doc, target)
@@ -1249,31 +1262,41 @@ class NatsConnector:
         with), its first part only over the one this connector stored last
         (Nats-Expected-Last-Subject-Sequence): the fence of the stream's state, since every write
         starts with it. Another journal found there (not this write's own, stored before its ack
-        was lost) is another bridge's writing the same stream (two pods reading one engine): its
+        was lost: each connector stamps its journals with a writer id of its own) is another
+        bridge's writing the same stream (two pods reading one engine): its
         clears, removals and late entries would mix with this one's under a head marked complete,
         so the state is _StateGone before this write touches an entry. The runtime then clears
         the stream (a new generation, incomplete), written over that journal, and the other
         bridge does the same at its next write: the state stays incomplete while both write and
         after, until the engine's next clear or restart (as Redis's ``_at`` check does). The
-        first write after this connector started goes over whatever journal the bucket holds (a
-        restart of the one writer), and a clear over one the bucket lost."""
+        first write after this connector started goes over the journal the bucket holds when its
+        write is finished, its head stored (a restart of the one writer: read_state finishes the
+        write of one killed half-way); an unfinished one is another bridge's write in flight, whose
+        entries may still land: _StateGone. A clear goes over a journal the bucket lost."""
         key = f"{JOURNAL_KEY}.{prefix}.0"
-        last = self._journals.get(prefix) or await self._journal_now(nc, key)
+        last = self._journals.get(prefix)
+        if last is None:
+            last = self._journals[prefix] = await self._journal_now(nc, key)
+            if last.target is not None:
+                head = await self._head_now(nc, f"{prefix}.{HEAD_KEY}")
+                if head is None or last.target > head[1]:
+                    # A write another bridge has not finished (one killed half-way is finished by
+                    # read_state, before this): its entries may still land after this one's.
+                    raise self._other_writer("journal", last.target)
         try:
-            (written,) = await self._kv_write(nc, [(key, parts[0])], _expect_subject_seq(last[0]))
+            (written,) = await self._kv_write(nc, [(key, parts[0])], _expect_subject_seq(last.seq))
         except _StateGone as gone:
-            now = await self._journal_now(nc, key)
-            self._journals[prefix] = now  # (the clear that follows is written over it)
-            lost = now[1] is None or (last[1] is not None and now[1] < last[1])  # purged, created again, restored
-            if now[1] == target:
-                written = now[0]
+            now = self._journals[prefix] = await self._journal_now(nc, key)  # (the clear that follows goes over it)
+            lost = now.target is None or (last.target is not None and now.target < last.target)  # purged, restored
+            if now.writer == self._writer and now.target == target:
+                written = now.seq  # this write's own, stored before its ack was lost
             elif lost and clear:  # a clear needs nothing the bucket held
-                (written,) = await self._kv_write(nc, [(key, parts[0])], _expect_subject_seq(now[0]))
+                (written,) = await self._kv_write(nc, [(key, parts[0])], _expect_subject_seq(now.seq))
             elif lost:
                 raise gone from None
             else:
-                raise self._other_writer("journal", now[1]) from None
-        self._journals[prefix] = (written, target)
+                raise self._other_writer("journal", now.target) from None
+        self._journals[prefix] = _JournalAt(written, target, self._writer)
         if len(parts) > 1:
             await self._kv_write(nc, [(f"{JOURNAL_KEY}.{prefix}.{i}", p) for i, p in enumerate(parts[1:], 1)])
 
@@ -1286,17 +1309,17 @@ class NatsConnector:
             reason="state_lost",
         )
 
-    async def _journal_now(self, nc: Client, key: str) -> tuple[int, tuple[int, int, int] | None]:
-        """The bucket seq of the journal part the bucket holds at ``key`` (0: none) and the
-        (epoch, generation, seq) of the head of the write it stands for (None: none, unreadable)."""
+    async def _journal_now(self, nc: Client, key: str) -> _JournalAt:
+        """The journal part the bucket holds at ``key``."""
         msg = await self._last_msg(nc, key, "journal")
-        if msg is None:
-            return 0, None
+        if msg is None or msg.seq is None:
+            return _JournalAt(0)
+        data = msg.data or b""
         try:
-            target = _journal_decoder.decode(msg.data).target if msg.data else None
+            j = _journal_decoder.decode(data)
         except msgspec.DecodeError:
-            target = None
-        return msg.seq or 0, target
+            return _JournalAt(msg.seq)
+        return _JournalAt(msg.seq, j.target, j.writer, data)
 
     async def _finish(
         self,
@@ -1327,7 +1350,15 @@ class NatsConnector:
         except _StateGone:
             assert last is not None and at is not None
             now = await self._head_now(nc, key)
-            if now is not None and now[1] == at:
+            journal = self._journals.get(prefix)
+            # This head, stored before its ack was lost, unless another bridge wrote one alike (two
+            # pods in one epoch): then its journal went over this sink's.
+            if (
+                now is not None
+                and now[1] == at
+                and journal is not None
+                and (await self._journal_now(nc, f"{JOURNAL_KEY}.{prefix}.0")).seq == journal.seq
+            ):
                 self._heads[prefix] = now
                 return
             self._heads.pop(prefix, None)
@@ -1543,6 +1574,26 @@ class NatsConnector:
         await asyncio.gather(*(one(s) for s in streams))
         return out
 
+    async def _redo(
+        self, nc: Client, prefix: str, clear: bool, ops: Sequence[tuple[str, bytes | None]], head_doc: bytes, head: Head | None
+    ) -> None:
+        """Finish a write the last process was killed in (its journal ahead of the stored ``head``),
+        through the fence like any write: the journal's first part is written again as this
+        connector's, over the one the sweep read, and the head over the stored one. Either moved
+        meanwhile (_StateGone): another bridge writes the stream, and finishing the old write
+        would put its entries and head over newer ones."""
+        key = f"{JOURNAL_KEY}.{prefix}.0"
+        seen = await self._journal_now(nc, key)
+        redone = head_of(parse(head_doc) or {})
+        stored = await self._head_now(nc, f"{prefix}.{HEAD_KEY}")
+        if redone is None or seen.target != _order(redone) or (stored[1] if stored else None) != (_order(head) if head else None):
+            raise self._other_writer("journal", seen.target)
+        claim = _journal_encoder.encode(msgspec.structs.replace(_journal_decoder.decode(seen.data), writer=self._writer))
+        (written,) = await self._kv_write(nc, [(key, claim)], _expect_subject_seq(seen.seq))
+        self._journals[prefix] = _JournalAt(written, seen.target, self._writer)
+        self._heads[prefix] = stored or (0, (0, 0, 0))  # (0: the head is written only where there is none)
+        await self._finish(nc, prefix, clear, ops, head_doc, seen.target)
+
     async def _rebuild(
         self, nc: Client, stream: Stream, prefix: str, held: dict[str, bytes | None], journal: list[bytes]
     ) -> tuple[Head, list[SeedEntry]] | str | None:
@@ -1553,7 +1604,10 @@ class NatsConnector:
         redo = journal_redo(journal, head)
         if redo is not None:
             clear, ops, redo_head = redo
-            await self._finish(nc, prefix, clear, ops, redo_head)
+            try:
+                await self._redo(nc, prefix, clear, ops, redo_head, head)
+            except _StateGone:
+                return "unknown"  # another bridge wrote the stream since the sweep: a fresh start
             if clear:
                 entries.clear()
             entries.update(ops)

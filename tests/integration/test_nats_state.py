@@ -483,12 +483,16 @@ async def test_read_state_finishes_a_write_stopped_half_way(
         state, _ = await bootstrap(reader, bucket, "half", 0)
         assert state.head["seq"] == 3 and len(state.blocks()) == len(want)
 
-        # a reset stopped after its purge, before its head: the stream has no key at all
+    # the restarted process goes on from there (the tracker the first one built: the same state);
+    # a reset stopped after its purge, before its head: the stream has no key at all
+    async with connected(nats_server.url, dest, bucket) as w2:
+        w2.tracker = w.tracker
         calls = 0
-        w.connector._kv_write = stopped  # type: ignore[method-assign]
+        kv_write = w2.connector._kv_write
+        w2.connector._kv_write = stopped  # type: ignore[method-assign]
         with pytest.raises(asyncio.CancelledError):
-            await w.write([source_reset(stream, 2, "publisher_restart", 0.0)])
-        w.connector._kv_write = kv_write  # type: ignore[method-assign]
+            await w2.write([source_reset(stream, 2, "publisher_restart", 0.0)])
+        w2.connector._kv_write = kv_write  # type: ignore[method-assign]
         assert await sweep(js, bucket, state_prefix("half", 0)) == {}
         restarted = Writer(nats_server.url, dest, bucket)
         await restarted.connector.connect()
@@ -827,6 +831,53 @@ async def test_two_pods_writing_one_streams_state_in_different_epochs_never_leav
                 if state.complete:
                     assert state.blocks() == cache_at(state.head["seq"]), f"complete and wrong after {name}'s {s}"
     assert lost["old"] >= 1, lost
+
+
+async def test_a_write_another_bridge_has_not_finished_is_never_gone_on_from(
+    nats_server: NatsServer, reader: Client, names: tuple[str, str]
+) -> None:
+    """Pod a's write of seq 3 has its journal stored and its entries held on its link when pod b
+    (the same epoch: a stream moved with checkpoint.from_sinks) writes seq 3 and then seq 4, which
+    removes two of seq 3's blocks. a's entries then land and put the two back. Before, b's first
+    write went on from a's journal as if it were finished, and bootstraps said complete with the two
+    removed blocks in (breaker29j S1: 5 of 5 runs, still wrong after a was gone). b's first write
+    now finds a's write unfinished: the state is told lost, and stays incomplete."""
+    dest, bucket = names
+    stream = Stream("s", 0)
+    rand = random.Random(13)
+    records = [source_reset(stream, 1, "publisher_restart", 0.0), *(many_blocks(stream, 1, s, 3, rand) for s in range(4))]
+    removed = records[4].events[0]["block_hashes"][:2]
+    event = {"type": "BlockRemoved", "block_hashes": removed, "medium": "GPU", "group_idx": 0}
+    removal = Record(stream=stream, epoch=1, seq=4, ts=1.0, events=[event])
+    url = nats_server.url
+    await reader.jetstream(timeout=10).create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1))
+    async with connected(url, dest, bucket, create=False) as a:
+        await a.write([msgspec.structs.replace(r) for r in records[:4]])
+        gate, kv_write, calls = asyncio.Event(), a.connector._kv_write, 0
+
+        async def held(nc: Client, ops: Any, hdr: bytes = b"") -> list[int]:
+            nonlocal calls
+            calls += 1
+            if calls == 2:  # the entries, after the journal
+                await gate.wait()
+            return await kv_write(nc, ops, hdr)
+
+        a.connector._kv_write = held  # type: ignore[method-assign]
+        late = asyncio.create_task(a.write([msgspec.structs.replace(records[4])]))
+        await until(lambda: calls >= 2, "a's journal to be stored")
+        async with connected(url, dest, bucket, create=False) as b:
+            for r in records[:4]:
+                b.tracker.apply(msgspec.structs.replace(r, state=None))
+            with pytest.raises(ConnectorError) as info:
+                await b.write([msgspec.structs.replace(records[4], state=None)])
+            assert isinstance(info.value, Permanent) and info.value.reason == "state_lost", info.value
+            b.tracker.invalidate(stream)  # what the runtime does: its next record clears the stream
+            await b.write([removal])
+            gate.set()
+            with contextlib.suppress(ConnectorError):
+                await late  # a's entries land late; its head is refused
+            state, _ = await bootstrap(reader, bucket, "s", 0)
+            assert not state.complete, f"complete over a late write: {len(state.blocks())} blocks"
 
 
 async def test_a_bucket_purged_after_a_restart_before_the_first_write_is_noticed(
