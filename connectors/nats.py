@@ -654,6 +654,7 @@ class NatsConnector:
         # The server refused a publish or subscription of this user (a permissions violation),
         # until an ack comes through again (see _on_error).
         self._permission_problem: str | None = None
+        self._refused = 0  # publishes the server refused for permissions (see _on_error)
         self._next: dict[str, int | None] = {}  # stream key -> JetStream seq its messages continue from
         # How many times this process created the bucket, and at which count each stream last wrote
         # its state (a bucket created again has lost the state of the streams written before).
@@ -824,7 +825,12 @@ class NatsConnector:
 
     # -- writes ---------------------------------------------------------------------------------
     async def _write_core(self, nc: Client, messages: Sequence[Message]) -> dict[int, ConnectorError]:
+        """Publish and flush. The server says nothing of a message it delivered, and refuses one the
+        user may not publish only on the connection's error channel, read before the flush's PONG
+        (see _on_error): a write during which that happened fails whole (no_permission, retried),
+        never counted delivered."""
         errors: dict[int, ConnectorError] = {}
+        refused = self._refused
         for i, m in enumerate(messages):
             hdr = header_block(m.headers)
             if len(hdr) + len(m.value) > nc.max_payload:
@@ -842,6 +848,9 @@ class NatsConnector:
             await nc.flush(timeout=self.sink.retry.write_timeout)  # type: ignore[arg-type]  # a float works
         except (nats.errors.Error, OSError) as exc:
             raise NotConnected(f"{self._prefix}: flush to NATS at {self._where} failed: {_describe(exc)}") from None
+        if self._refused != refused:
+            raise Retriable(self._permission_problem or f"{self._prefix}: a publish was refused", reason="no_permission")
+        self._permission_problem = None  # (whatever was refused before was fixed)
         return errors
 
     async def _write_jetstream(self, nc: Client, messages: Sequence[Message]) -> dict[int, ConnectorError]:
@@ -1699,6 +1708,7 @@ class NatsConnector:
             if problem != self._permission_problem:
                 log.warning("%s", problem, extra={"sink": self.name})
             self._permission_problem = problem
+            self._refused += 1
             self._fail_acks(Retriable(problem, reason="no_permission"))
 
     async def _on_disconnected(self) -> None:

@@ -633,6 +633,40 @@ async def test_a_user_that_may_not_publish_to_the_subjects_is_named_at_once_not_
 
 
 @pytest.mark.integration
+async def test_core_mode_with_the_publish_permission_revoked_never_counts_a_batch_delivered(tmp_path: Path) -> None:
+    """Core NATS: the user's publish permission is revoked while the bridge runs (a config
+    reload). The server drops each message and says so only on the connection's error channel;
+    the flush went through, so every batch counted delivered and the checkpoint moved past them:
+    lost, with /readyz ready (breaker29h C1: 4 of 4 runs). Now such a write fails whole (reason
+    no_permission, retried), health names the fix, and a write after the permission is back
+    goes through and clears it."""
+    dest = _dest()
+
+    def auth(publish: list[str]) -> str:
+        users = f'{{user: bridge, password: "pw", permissions: {{publish: {{allow: {json.dumps(publish)}}}}}}}'
+        return f"authorization {{ users = [\n  {users}\n] }}\n"
+
+    server = _GuardedNatsServer(tmp_path, extra_config=auth([f"{dest}.>", "_INBOX.>"]))
+    await server.astart()
+    conn = NatsConnector("nats-c", _options(server.url, dest, mode="core", user="bridge", password="pw", stream={}), SINK)
+    try:
+        await conn.connect()
+        await conn.write(_render("json", "batch", [Stream("a", 0)], 1))
+        await _reload(server, auth(["_INBOX.>"]))
+        with pytest.raises(Retriable) as refused:
+            await conn.write(_render("json", "batch", [Stream("a", 0)], 1))
+        assert refused.value.reason == "no_permission" and "permissions violation" in str(refused.value), refused.value
+        problem = await conn.health()
+        assert problem is not None and "grant it publish on the sink's subjects" in problem
+        await _reload(server, auth([f"{dest}.>", "_INBOX.>"]))
+        await conn.write(_render("json", "batch", [Stream("a", 0)], 1))
+        assert await conn.health() is None
+    finally:
+        await conn.close()
+        server.remove()
+
+
+@pytest.mark.integration
 async def test_a_stream_keeping_few_messages_per_subject_is_warned_about(
     nats_server: NatsServer, reader: Client, caplog: pytest.LogCaptureFixture
 ) -> None:
