@@ -49,3 +49,9 @@ def write_pending(nc: Client) -> None:
         transport.writelines(nc._pending[:])
         nc._pending = []
         nc._pending_data_size = 0
+
+
+def server_info(nc: Client) -> dict[str, object]:
+    """The INFO the server sent at connect (``cluster``: its cluster's name, when it has one)."""
+    info = getattr(nc, "_server_info", None)
+    return info if isinstance(info, dict) else {}

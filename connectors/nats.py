@@ -155,6 +155,17 @@ def subject_problem(subject: str, *, wildcards: bool) -> str | None:
     return None
 
 
+def subjects_overlap(a: str, b: str) -> bool:
+    """Whether some subject matches both subject filters (``*`` one token, ``>`` the rest)."""
+    x, y = a.split("."), b.split(".")
+    for i in range(min(len(x), len(y))):
+        if x[i] == ">" or y[i] == ">":
+            return True
+        if x[i] != y[i] and x[i] != "*" and y[i] != "*":
+            return False
+    return len(x) == len(y)
+
+
 def subject_filter(text: str) -> str:
     """The wildcard subject covering every subject the template renders (``kv.*.*``)."""
     return ".".join("*" if "{" in token else token for token in text.split("."))
@@ -714,9 +725,11 @@ class NatsConnector:
             js = nc.jetstream(timeout=timeout)
             if self.options.stream.create and not self.creates_nothing:
                 await self._ensure_stream(js)
-            if self.options.mode == "jetstream" and not (
-                self.creates_nothing and self.options.stream.create and not await self._stream_exists(js)
-            ):  # (--check: a stream stream.create would create is fine)
+            so = self.options.stream
+            if self.options.mode == "jetstream" and self.creates_nothing and so.create and not await self._stream_exists(js):
+                subjects = so.subjects or [subject_filter(self.options.subject)]  # (--check: one the run would create)
+                await self._check_creatable(nc, js, f"JetStream stream {so.name!r}", subjects, so.replicas)
+            elif self.options.mode == "jetstream":
                 await self._check_stream(js)
             if self.writes_state:
                 await self._check_bucket(js)
@@ -1484,7 +1497,9 @@ class NatsConnector:
             self._state_problem = self._no_bucket()
             log.warning("%s", self._state_problem, extra={"sink": self.name})
             return
-        if self.creates_nothing:  # --check: the run would create it
+        if self.creates_nothing:  # --check: the run would create it, if it can be
+            assert self._nc is not None
+            await self._check_creatable(self._nc, js, f"KV bucket {so.bucket!r}", [f"$KV.{so.bucket}.>"], so.replicas)
             self._state_problem = None
             return
         config = js_api.KeyValueConfig(
@@ -1505,6 +1520,26 @@ class NatsConnector:
         log.info("%s: created KV bucket %s for the state", self._prefix, so.bucket, extra={"sink": self.name})
         if so.storage == "memory":
             self._warn_memory(f"KV bucket {so.bucket!r}", _MEMORY_BUCKET, "state.storage: file")
+
+    async def _check_creatable(self, nc: Client, js: JetStreamContext, what: str, subjects: list[str], replicas: int) -> None:
+        """``--check``, for a stream or bucket the run would create: what the server would refuse and
+        can be seen without creating anything is refused now, naming the fix (NotConnected):
+        replicas above one on a server outside a cluster, subjects another stream captures. (A size
+        above the server's store is seen only when the run creates it.)"""
+        if replicas > 1 and not internals.server_info(nc).get("cluster"):
+            raise NotConnected(
+                f"{self._prefix}: {what} would be created with {replicas} replicas, but NATS at {self._where} is not "
+                "in a JetStream cluster: set replicas: 1 (or run a cluster of as many servers)",
+                reason="cannot_create",
+            )
+        for info in await js.streams_info_iterator():
+            taken = [s for s in info.config.subjects or [] for ours in subjects if subjects_overlap(s, ours)]
+            if taken:
+                raise NotConnected(
+                    f"{self._prefix}: {what} would capture {subjects}, but stream {info.config.name!r} captures "
+                    f"{taken} already (NATS refuses overlapping streams): use that stream (stream.name), or other subjects",
+                    reason="cannot_create",
+                )
 
     def _check_bucket_config(self, config: js_api.StreamConfig) -> None:
         """What the bridge needs of an existing bucket: values large enough for a journal part

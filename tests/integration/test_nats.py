@@ -667,6 +667,42 @@ async def test_core_mode_with_the_publish_permission_revoked_never_counts_a_batc
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("case", ["stream replicas", "state replicas", "overlapping subjects"])
+async def test_check_refuses_a_stream_or_bucket_the_run_could_not_create(
+    nats_server: NatsServer, reader: Client, case: str
+) -> None:
+    """``--check`` said ok for a stream or bucket the run would create, and the run then never
+    became ready: 3 replicas on a server outside a cluster, subjects another stream captures
+    (breaker29h C2). ``--check`` (a connector that creates nothing) now refuses them, naming the
+    fix, and creates nothing; the same config without the mistake passes."""
+    dest = _dest()
+    other = f"{dest}OTHER"
+    await reader.jetstream().add_stream(name=other, subjects=[f"{dest}.a.>"])
+    try:
+        wrong: dict[str, Any] = {
+            "stream replicas": {"stream": {"create": True, "name": dest, "replicas": 3}},
+            "state replicas": {"stream": {"create": True, "name": dest, "subjects": [f"{dest}.b.>"]},
+                               "state": {"enabled": True, "bucket": dest, "create": True, "replicas": 3}},
+            "overlapping subjects": {"stream": {"create": True, "name": dest}},
+        }[case]  # fmt: skip
+        conn = NatsConnector("nats-k", _options(nats_server.url, dest, **wrong), SINK)
+        conn.creates_nothing = True
+        with pytest.raises(NotConnected) as refused:
+            await conn.connect()
+        assert refused.value.reason == "cannot_create", refused.value
+        assert ("set replicas: 1" if "replicas" in case else f"stream {other!r} captures") in str(refused.value)
+        names = [i.config.name for i in await reader.jetstream().streams_info()]
+        assert dest not in names and f"KV_{dest}" not in names  # nothing created
+        right = {"create": True, "name": dest, "subjects": [f"{dest}.b.>"]}
+        fine = NatsConnector("nats-k", _options(nats_server.url, dest, stream=right), SINK)
+        fine.creates_nothing = True
+        await fine.connect()
+        await fine.close()
+    finally:
+        await reader.jetstream().delete_stream(other)
+
+
+@pytest.mark.integration
 async def test_a_stream_keeping_few_messages_per_subject_is_warned_about(
     nats_server: NatsServer, reader: Client, caplog: pytest.LogCaptureFixture
 ) -> None:
