@@ -121,10 +121,10 @@ async def diagnose(endpoint: str, role: str, timeout: float = 2.0) -> tuple[str,
             "enable_kv_cache_events), and is this its port?",
             "refused",
         )
+    except TimeoutError:  # (an OSError: before it)
+        return f"no answer in {timeout:g}s (a firewall, a frozen engine, or not a ZMQ socket?)", "no_answer"
     except OSError as exc:
         return f"cannot connect ({exc.strerror or exc}); is the host up and the port right?", "unreachable"
-    except TimeoutError:
-        return f"no answer in {timeout:g}s (a firewall, or not a ZMQ socket?)", "no_answer"
     except ProbeError as exc:
         return str(exc), "not_zmq"
     expected = EXPECTED[role]

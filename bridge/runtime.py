@@ -749,8 +749,9 @@ class Bridge:
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready: no background task failed, every sink connected, every source subscribed, and,
         once ``ingest.connect_grace`` has passed since start-up, at least one engine connected
-        (a bridge that reads nothing is not ready; one engine down among several is not enough
-        to say so). The detail names each sink's state, and why sources are not connected."""
+        and answering (a bridge that reads nothing is not ready; one engine down among several is
+        not enough to say so). The detail names each sink's state, and why sources are not
+        connected or not answering."""
         sinks = {w.name: ("ok" if w.connected else (w.last_error or "not connected")) for w in self.workers}
         waiting = sorted(k for k, r in self.readers.items() if not r.subscribed)
         down = {k: r.problem for k, r in self.readers.items() if r.problem is not None}
@@ -764,12 +765,17 @@ class Bridge:
         replay = {k: p.replay_problem for k, p in self.pipelines.items() if p.replay_problem is not None}
         if replay:
             detail["replay_not_usable"] = dict(sorted(replay.items())[:MAX_SHOWN])
+        silent = [k for k, p in self.pipelines.items() if p.silent and k not in down]
+        if silent:
+            detail["sources_not_answering"] = sorted(silent)[:MAX_SHOWN]
         if self._started_at is not None and time.monotonic() - self._started_at >= self.config.ingest.connect_grace:
             why = None
             if not self.readers:
                 why = f"discovery finds no engine at {self.discovery.config.name}" if self.discovery else "no source configured"
             elif len(down) == len(self.readers):
                 why = "no source connected: see sources_not_connected"
+            elif len(down) + len(silent) >= len(self.readers):
+                why = "no source answers: see sources_not_answering and replay_not_usable (an engine frozen or hung)"
             if why is not None:
                 ready = False
                 detail["not_ready"] = why

@@ -91,6 +91,8 @@ class StreamPipeline:
         self.stream = stream
         self.replay_endpoint = replay_endpoint
         self.replay_problem: str | None = None  # why the replay endpoint does not answer, once asked
+        self._unanswered: float | None = None  # when the replay endpoint was found not answering at all
+        self._last_live = 0.0  # when the last live burst was read
         self._replay_diagnosed = -REPLAY_DIAGNOSE_EVERY
         cfg = ctx.replay_config
         key = stream.key
@@ -162,7 +164,7 @@ class StreamPipeline:
         run is handed to the sinks in one call at the end of the burst, or before anything else
         the sequencer decides; everything else goes through ``live`` and ``_execute``."""
         self._received += len(burst)
-        self.last_activity = time.monotonic()
+        self.last_activity = self._last_live = time.monotonic()
         lags: list[float] = []  # observed per burst (ingest_lag.observe_all)
         lag = lags.append
         parse, peek_ts = wire.parse_live, wire.peek_ts
@@ -510,6 +512,14 @@ class StreamPipeline:
             log_at = log.error if answer is not None and answer[1] == "wrong_peer" else log.warning
             log_at("replay endpoint not usable", extra={"stream": self.stream.key, "error": problem})
         self.replay_problem = problem
+        self._unanswered = time.monotonic() if answer is not None and answer[1] == "no_answer" else None
+
+    @property
+    def silent(self) -> bool:
+        """The engine answers nothing: its replay endpoint accepts a connection but never speaks
+        (a frozen or hung process: the kernel keeps its TCP connections up), and no live batch
+        came since that was found. An idle engine answers its replay endpoint."""
+        return self._unanswered is not None and self._last_live < self._unanswered
 
     async def _replay(self, req: RequestReplay) -> None:
         assert self.replay_endpoint is not None
@@ -527,6 +537,9 @@ class StreamPipeline:
                         if len(self._types) > _MAX_TYPES:
                             self.flush_metrics()
             label = "complete" if outcome.complete else "timeout"
+            if outcome.replies:  # the endpoint answers (again): the next replay without a reply is asked about at once
+                self.replay_problem = self._unanswered = None
+                self._replay_diagnosed = -REPLAY_DIAGNOSE_EVERY
         except zmq.ZMQError as exc:
             log.warning("replay failed", extra={"stream": self.stream.key, "error": str(exc)})
         self.metrics.replay_finished(label, outcome.bad_replies)

@@ -11,6 +11,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -214,3 +218,34 @@ async def test_an_engine_redeployed_under_another_topic_is_not_taken_for_an_idle
                 await asyncio.sleep(0.05)
             detail = await not_ready(bridge)
             assert "'engine-kv'" in detail["sources_not_connected"]["a/0"]
+
+
+async def test_a_frozen_engine_is_not_taken_for_an_idle_one(tmp_path: Path) -> None:
+    """The only engine is frozen (SIGSTOP: a `docker pause`, a cgroup freeze, a hung process). The
+    kernel keeps its TCP connections up, so the live socket stays connected and the bridge was
+    ready while it read nothing, for as long as it lasted (breaker29h F1: 100 s of 100). Its
+    replay endpoint now tells it from an idle engine: the idle probe gets no answer and the
+    endpoint accepts a connection but never speaks, so the bridge is not ready and names the
+    stream; once the engine runs again, it is ready again."""
+    live, rep = free_port(), free_port()
+    sim = subprocess.Popen(
+        [sys.executable, "-m", "bridge", "simulate", "--endpoint", f"tcp://127.0.0.1:{live}",
+         "--replay-endpoint", f"tcp://127.0.0.1:{rep}", "--rate", "20"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        src = source("eng", f"tcp://127.0.0.1:{live}", f"tcp://127.0.0.1:{rep}")
+        async with running_bridge(tmp_path, [src], ingest=GRACE, replay={"idle_probe": "1s"}) as (bridge, out):
+            await wait_for(lambda: len(read_lines(out)) >= 20 and bridge.readiness()[0], what="batches and ready", timeout=30)
+            os.kill(sim.pid, signal.SIGSTOP)
+            await wait_for(lambda: not bridge.readiness()[0], what="not ready while the engine is frozen", timeout=60)
+            detail = bridge.readiness()[1]
+            assert detail["not_ready"].startswith("no source answers") and detail["sources_not_answering"] == ["eng/0"], detail
+            assert "no answer" in detail["replay_not_usable"]["eng/0"], detail
+            os.kill(sim.pid, signal.SIGCONT)
+            await wait_for(lambda: bridge.readiness()[0], what="ready once the engine runs again", timeout=30)
+            assert "sources_not_answering" not in bridge.readiness()[1]
+    finally:
+        os.kill(sim.pid, signal.SIGCONT)
+        sim.kill()
+        sim.wait(10)
