@@ -520,7 +520,7 @@ _REFUSED_FOR_ITSELF = frozenset({10054, 10097})
 _STREAM_NAME_EXISTS = 10058
 # A journal part: its JSON frame (target, part numbers, clear) and, beside an entry's document, its
 # key and list framing; a bucket whose values cannot hold a head and an entry is refused at connect.
-_JOURNAL_FRAME = 128
+_JOURNAL_FRAME = 192
 _KEY_ROOM = 96
 MIN_STATE_VALUE = 1024
 _MEMORY_STREAM = (
@@ -1301,9 +1301,10 @@ class NatsConnector:
             last = self._journals[prefix] = await self._journal_now(nc, key)
             if last.target is not None:
                 head = await self._head_now(nc, f"{prefix}.{HEAD_KEY}")
-                if head is None or last.target > head[1]:
+                if (head is None or last.target > head[1]) and await self._journal_whole(nc, prefix, last):
                     # A write another bridge has not finished (one killed half-way is finished by
-                    # read_state, before this): its entries may still land after this one's.
+                    # read_state, before this; one killed within its journal wrote no entry): its
+                    # entries may still land after this one's.
                     raise self._other_writer("journal", last.target)
         try:
             (written,) = await self._kv_write(nc, [(key, parts[0])], _expect_subject_seq(last.seq))
@@ -1312,7 +1313,11 @@ class NatsConnector:
             lost = now.target is None or (last.target is not None and now.target < last.target)  # purged, restored
             if now.writer == self._writer and now.target == target:
                 written = now.seq  # this write's own, stored before its ack was lost
-            elif lost and clear:  # a clear needs nothing the bucket held
+            elif now.writer == self._writer or (lost and clear):
+                # An earlier write's own whose ack was lost (retried with more changes folded in), or
+                # a clear, which needs nothing the bucket held: written over it.
+                (written,) = await self._kv_write(nc, [(key, parts[0])], _expect_subject_seq(now.seq))
+            elif lost:
                 (written,) = await self._kv_write(nc, [(key, parts[0])], _expect_subject_seq(now.seq))
             elif lost:
                 raise gone from None
@@ -1321,6 +1326,18 @@ class NatsConnector:
         self._journals[prefix] = _JournalAt(written, target, self._writer)
         if len(parts) > 1:
             await self._kv_write(nc, [(f"{JOURNAL_KEY}.{prefix}.{i}", p) for i, p in enumerate(parts[1:], 1)])
+
+    async def _journal_whole(self, nc: Client, prefix: str, first: _JournalAt) -> bool:
+        """Whether every part of the journal whose first part is ``first`` is stored (its parts are
+        sent in order on one connection, so its last part tells)."""
+        try:
+            parts = _journal_decoder.decode(first.data).parts
+        except msgspec.DecodeError:
+            return False
+        if parts <= 1:
+            return True
+        last = await self._journal_now(nc, f"{JOURNAL_KEY}.{prefix}.{parts - 1}")
+        return last.target == first.target and last.writer == first.writer
 
     def _other_writer(self, what: str, target: tuple[int, int, int] | None) -> _StateGone:
         at = f" (epoch {target[0]}, generation {target[1]}, seq {target[2]})" if target else ""

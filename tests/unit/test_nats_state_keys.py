@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+import connectors.nats as nats_connector
 from bridge import config
 from bridge.config import SinkConfig, convert_options
 from bridge.errors import ConfigError, ConnectorError, Permanent, Retriable
@@ -140,3 +141,20 @@ async def test_state_messages_wait_for_their_stream_and_carry_next() -> None:
     await conn._write_state(None, rec(a, 3) + rec(a, 4), errors, {0: 200, 2: 201})  # type: ignore[arg-type]
     assert set(errors) == {1, 3} and all(isinstance(e, Retriable) for e in errors.values())
     assert conn._next["a/0"] == 101 and conn._state_problem is not None and "refused" in conn._state_problem
+
+
+def test_a_journal_part_filled_to_its_budget_fits_the_value_limit() -> None:
+    """A bucket's max_value_size sizes the parts: a part is the frame (target, part numbers, clear,
+    writer id), the head document and entries up to the budget the sink gives it. With 16-digit
+    epochs and generations and the writer id, a frame of 128 bytes was too small: a full part went
+    over the limit and was refused for ever (breaker29k H2)."""
+    size = 2048
+    big = Head(epoch=1_796_000_000_000_000, generation=1_796_000_000_123_456, seq=2**40, complete=True, live=10**6)
+    head_doc = b'{"source":"eng","dp_rank":0,"epoch":1796000000000000,"gen":1796000000123456,"seq":1099511627776}'
+    budget = size - len(head_doc) - nats_connector._JOURNAL_FRAME
+    key = len("GPU/999/0123456789abcdef")
+    fills = [budget // k - key - 8 - d for k in range(1, 6) for d in range(12)]  # k entries filling a part to its budget
+    for value in [*range(1, 60), *fills]:
+        ops: list[tuple[str, bytes | None]] = [(f"GPU/999/{i:016x}", b"v" * value) for i in range(60)] + [("CPU/0/01", None)]
+        parts = journal_parts(big, head_doc, ops, budget, clear=True, writer="f" * 16)
+        assert max(len(p) for p in parts) <= size, (value, max(len(p) for p in parts))
