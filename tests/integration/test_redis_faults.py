@@ -400,6 +400,22 @@ async def test_misconf_is_retried_not_ready_and_nothing_is_dead_lettered(snapsho
 # -- a command the sink needs renamed or disabled (rename-command, a managed service) ----------
 
 
+def connector_for(url: str) -> RedisConnector:
+    s = SinkConfig(type="redis", name="redis", format="json", granularity="batch")
+    return RedisConnector(s.name, convert_options({"url": url}, RedisOptions, "sinks[0]"), s)
+
+
+async def refused_at_connect(url: str, match: str) -> NotConnected:
+    """The NotConnected a connector to ``url`` raises at connect (matching ``match``)."""
+    connector = connector_for(url)
+    try:
+        with pytest.raises(NotConnected, match=match) as refused:
+            await connector.connect()
+    finally:
+        await connector.close()
+    return refused.value
+
+
 @pytest.fixture(params=["EVAL", "XADD"])
 def renamed_redis(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, str]]:
     server = RedisServer(tmp_path_factory.mktemp("redis-renamed"), extra_config={"rename-command": f'{request.param} ""'})
@@ -417,12 +433,8 @@ async def test_a_command_the_sink_needs_renamed_is_not_ready_and_nothing_is_dead
     announced (breaker29e R1: 207-276 batches in 10 s)."""
     server, command = renamed_redis
     if command == "EVAL":
-        s = SinkConfig(type="redis", name="redis", format="json", granularity="batch")
-        connector = RedisConnector(s.name, convert_options({"url": server.url}, RedisOptions, "sinks[0]"), s)
-        with pytest.raises(NotConnected, match="unknown command") as refused:
-            await connector.connect()
-        assert refused.value.reason == "unknown_command" and "allow EVAL" in str(refused.value)
-        await connector.close()
+        refused = await refused_at_connect(server.url, "unknown command")
+        assert refused.reason == "unknown_command" and "allow EVAL" in str(refused)
         return
     stream = Stream("eng", 0)
     d = await started(delivery(tmp_path, server.url, {}, user=None))
@@ -449,14 +461,9 @@ async def test_a_replica_is_refused_at_connect_naming_the_primary(
     primary = acl_redis.url.split("//")[1].split("/")[0].replace(":", " ")
     replica = RedisServer(tmp_path_factory.mktemp("redis-replica"), persistent=False, extra_config={"replicaof": primary})
     with own_server("redis (replica)", replica) as server:
-        s = SinkConfig(type="redis", name="redis", format="json", granularity="batch")
-        connector = RedisConnector(s.name, convert_options({"url": server.url}, RedisOptions, "sinks[0]"), s)
-        with pytest.raises(NotConnected, match="not a primary") as refused:
-            await connector.connect()
-        assert refused.value.reason == "replica" and "point url at the primary" in str(refused.value)
-        await connector.close()
-    s = SinkConfig(type="redis", name="redis", format="json", granularity="batch")
-    connector = RedisConnector(s.name, convert_options({"url": acl_redis.url}, RedisOptions, "sinks[0]"), s)
+        refused = await refused_at_connect(server.url, "not a primary")
+        assert refused.reason == "replica" and "point url at the primary" in str(refused)
+    connector = connector_for(acl_redis.url)
     await connector.connect()  # the primary itself
     await connector.close()
 
