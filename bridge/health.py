@@ -3,9 +3,10 @@
 A deliberately tiny HTTP/1.1 server on asyncio streams (GET only, one request per connection,
 bounded header size and read timeout), so the bridge needs no web framework.
 
-Readiness is computed on every ``/readyz`` (and every scrape, which keeps ``kv_bridge_ready``
-current): 200 when every sink is connected and every source subscribed, else 503; both answer
-with a JSON body naming each sink's state (``"ok"`` or why not) and the sources not subscribed.
+Readiness is computed on every ``/readyz`` (and, without its detail, on every scrape, which keeps
+``kv_bridge_ready`` current): 200 when every sink is connected and every source subscribed, else
+503; both answer with a JSON body naming each sink's state (``"ok"`` or why not) and the sources
+not subscribed.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import asyncio
 import contextlib
 import errno
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -22,11 +23,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from .errors import StartupError
 from .secret import redact
 
-Readiness = Callable[[], tuple[bool, dict[str, Any]]]
+Readiness = Callable[[bool], tuple[bool, dict[str, Any]]]  # (detail: False for the verdict alone)
 
 
 class HealthServer:
-    def __init__(self, listen: str, exposition: Callable[[], Awaitable[bytes]], readiness: Readiness) -> None:
+    def __init__(self, listen: str, exposition: Callable[[], Awaitable[Sequence[bytes]]], readiness: Readiness) -> None:
         host, _, port = listen.rpartition(":")
         self.host = host.strip("[]") or "0.0.0.0"
         self.port = int(port)
@@ -57,26 +58,30 @@ class HealthServer:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
             method, path, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
             path = path.split("?", 1)[0]
+            body: Sequence[bytes]  # in pieces: the exposition of thousands of streams is megabytes
             if method not in ("GET", "HEAD"):
-                status, ctype, body = 405, "text/plain", b"method not allowed\n"
+                status, ctype, body = 405, "text/plain", [b"method not allowed\n"]
             elif path == "/metrics":
-                self.readiness()  # keeps kv_bridge_ready current for every scrape, not only /readyz
+                self.readiness(False)  # keeps kv_bridge_ready current for every scrape, not only /readyz
+                await asyncio.sleep(0)  # (a pass over every stream: with 10,000, a few ms of the loop)
                 status, ctype, body = 200, CONTENT_TYPE_LATEST, await self.exposition()
             elif path == "/healthz":
-                status, ctype, body = 200, "text/plain", b"ok\n"
+                status, ctype, body = 200, "text/plain", [b"ok\n"]
             elif path == "/readyz":
-                ready, detail = self.readiness()
+                ready, detail = self.readiness(True)
                 status, ctype = (200 if ready else 503), "application/json"
-                body = redact(json.dumps({"ready": ready, **detail})).encode()
+                body = [redact(json.dumps({"ready": ready, **detail})).encode()]
             else:
-                status, ctype, body = 404, "text/plain", b"not found\n"
+                status, ctype, body = 404, "text/plain", [b"not found\n"]
             reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}[status]
             writer.write(
-                f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {sum(map(len, body))}\r\n"
                 f"Connection: close\r\n\r\n".encode()
             )
             if method != "HEAD":
-                writer.write(body)
+                for piece in body:  # a piece at a time: the transport never holds a copy of the whole body
+                    writer.write(piece)
+                    await asyncio.wait_for(writer.drain(), 5)
             await asyncio.wait_for(writer.drain(), 5)
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, ValueError):
             pass

@@ -13,13 +13,13 @@ a batch's cost.
 from __future__ import annotations
 
 import asyncio
-import gc
-import sys
-import threading
 import weakref
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
-from typing import Protocol
+from math import copysign
+from operator import itemgetter
+from time import perf_counter
+from typing import Any, Protocol, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, generate_latest
 from prometheus_client.metrics_core import HistogramMetricFamily, Metric
@@ -73,8 +73,8 @@ class FastHistogram:
     prometheus_client's ``Histogram.observe`` takes a lock and walks the buckets in Python,
     twice per batch here (ingest lag, sink lag): ~2 us each, a fifth of the CPU of a raw
     batch (``benchmarks/pipeline.py`` under cProfile). This one bisects: ~0.3 us. It is
-    updated on the event loop's thread only, without a lock; a scrape renders it in a worker
-    thread (:meth:`Metrics.scrape`), where a reading taken mid-update is still cumulative and
+    updated and rendered (:meth:`Metrics.scrape`) on the event loop's thread only, without a
+    lock; a reading in another thread (``exposition``) taken mid-update is still cumulative and
     consistent with its count (the sum may miss the last few observations).
     Samples: ``_bucket`` (cumulative, ``le``), ``_count``, ``_sum``.
     """
@@ -136,15 +136,24 @@ class Deferred(Protocol):
     def flush_metrics(self) -> None: ...
 
 
-_rendering = threading.local()  # set in the worker thread of Metrics.scrape
-_SCRAPE_SWITCH_INTERVAL = 0.0002
-_FLUSH_SLICE = 500  # owners (streams, sinks) whose gathered updates are applied between two yields
+# A scrape's work on the loop (applying the gathered updates, rendering) goes in slices of about
+# this long, with two turns of the loop between two (_pause).
+_SLICE_SECONDS = 0.002
+_CHECK_EVERY = 64  # steps (owners, series) between two readings of the clock
+
+
+async def _pause() -> None:
+    """Let the loop run what is ready, and what that makes ready: a stream's wake-up takes two
+    turns of the loop (a timer's or a socket's callback, then the task it wakes). With one, each
+    wake-up would wait for two slices."""
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
 
 
 class _Pending:
     """Registered first: before every collection (a scrape, or a test reading a value), the hot
-    path's gathered updates are applied, on the event loop's thread (Metrics.scrape applies them
-    there before it renders in a worker thread)."""
+    path's gathered updates are applied (:meth:`Metrics.scrape` applies them in slices before
+    it renders, and skips this collector)."""
 
     def __init__(self) -> None:
         self.owners: weakref.WeakSet[Deferred] = weakref.WeakSet()
@@ -153,8 +162,7 @@ class _Pending:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        if not getattr(_rendering, "active", False):
-            self.flush()
+        self.flush()
         return iter(())
 
     def flush(self) -> None:
@@ -162,14 +170,14 @@ class _Pending:
             owner.flush_metrics()
 
     async def flush_in_slices(self) -> None:
-        """:meth:`flush`, yielding to the loop every ``_FLUSH_SLICE`` owners: 10,000 streams'
-        updates take about 100 ms to apply, which at once would stall every stream that long."""
-        owners = list(self.owners)
-        for start in range(0, len(owners), _FLUSH_SLICE):
-            if start:
-                await asyncio.sleep(0)
-            for owner in owners[start : start + _FLUSH_SLICE]:
-                owner.flush_metrics()
+        """:meth:`flush`, yielding to the loop every ``_SLICE_SECONDS``: 10,000 streams' updates
+        take about 100 ms to apply, which at once would stall every stream that long."""
+        end = perf_counter() + _SLICE_SECONDS
+        for n, owner in enumerate(list(self.owners), 1):
+            owner.flush_metrics()
+            if n % _CHECK_EVERY == 0 and perf_counter() >= end:
+                await _pause()
+                end = perf_counter() + _SLICE_SECONDS
 
 
 class Metrics:
@@ -305,56 +313,101 @@ class Metrics:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    async def scrape(self) -> bytes:
-        """The exposition, rendered in a worker thread: with thousands of streams it takes tens of
-        milliseconds (1,000 streams: 21,000 lines), which on the event loop would stall every
-        stream once per scrape. The gathered updates are applied here first, on the loop, a slice
-        of streams at a time."""
+    async def scrape(self) -> list[bytes]:
+        """The exposition in pieces which joined are :meth:`exposition`'s bytes, rendered on the
+        loop a slice at a time (:func:`render_in_slices`); the gathered updates are applied
+        first, a slice of streams at a time."""
         await self._pending.flush_in_slices()
-        return await asyncio.to_thread(self._render)
-
-    def _render(self) -> bytes:
-        _rendering.active = True
-        # The loop waits for the GIL each time it wakes while this thread renders: at most a
-        # switch interval (5 ms by default), per wake-up. Shorter while rendering.
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(interval, _SCRAPE_SWITCH_INTERVAL))
-        try:
-            with _no_collections:
-                return generate_latest(self.registry)
-        finally:
-            sys.setswitchinterval(interval)
-            _rendering.active = False
+        return await render_in_slices(self.registry, skip=self._pending)
 
 
-class _NoCollections:
-    """No cyclic garbage collection while a scrape renders. A render holds about two containers
-    per series alive until its text is built (460,000 with 10,000 streams): young collections
-    during it promote them, and an older collection then walks them all (65-75 ms measured with
-    10,000 streams), on whichever thread triggers it, holding every stream up. Rendering makes
-    no reference cycles and the hot path none either (see ``cli.tune_gc``), so collections only
-    wait for the render's end; with overlapping scrapes, for the last one's."""
+async def render_in_slices(registry: CollectorRegistry, skip: object = None) -> list[bytes]:
+    """``generate_latest(registry)`` in pieces, yielding to the event loop between two (every
+    ``_SLICE_SECONDS``); ``skip``: a collector left out.
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._held = 0
-        self._was_enabled = True
+    10,000 streams are 230,000 series (17 MB). generate_latest builds a sample object (and a
+    dict of its labels) per series, 2-3 s per scrape. It ran in a worker thread, but the event
+    loop then waits for the GIL whenever that thread holds it: the longest waits (a join or the
+    release of a 60,000-series family, single C calls; the worker preempted by the OS while it
+    holds the GIL) stalled every stream 17-40 ms. Here a series of a Counter or a Gauge is one
+    line formatted from the child's value, about 2 us, a quarter of the time, and no slice
+    holds the loop more than a few milliseconds. Any other collector (the histograms: a few
+    series per sink) is rendered by generate_latest itself. A unit test keeps the output
+    identical to generate_latest's."""
+    pieces: list[bytes] = []
+    lines: list[str] = []
+    with registry._lock:  # as CollectorRegistry.collect takes them: in registration order
+        collectors = list(registry._collector_to_names)
+        if registry._target_info:  # (rendered first: none of ours has one)
+            return [generate_latest(registry)]
+    end = perf_counter() + _SLICE_SECONDS
+    for collector in collectors:
+        if collector is skip:
+            continue
+        # Exactly these types (a subclass may sample otherwise), without a unit (it changes the name).
+        if type(collector) in (Counter, Gauge) and not collector._unit:  # type: ignore[attr-defined]
+            for line in _family_lines(cast(Counter | Gauge, collector)):
+                lines.append(line)
+                if len(lines) % _CHECK_EVERY == 0 and perf_counter() >= end:
+                    pieces.append("".join(lines).encode())
+                    lines.clear()
+                    await _pause()
+                    end = perf_counter() + _SLICE_SECONDS
+        else:
+            lines.append(generate_latest(collector).decode())
+    pieces.append("".join(lines).encode())
+    return pieces
 
-    def __enter__(self) -> None:
-        with self._lock:
-            if not self._held:
-                self._was_enabled = gc.isenabled()
-                gc.disable()
-            self._held += 1
 
-    def __exit__(self, *exc: object) -> None:
-        with self._lock:
-            self._held -= 1
-            if not self._held and self._was_enabled:
-                gc.enable()
+_GO_TEXT: dict[float, str] = {}  # a value's text in the exposition, as floatToGoString writes it
 
 
-_no_collections = _NoCollections()
+def _value_text(value: float) -> str:
+    if value == 0.0:  # (most series; and -0.0 == 0.0 as a key, but not as text)
+        return "0.0" if copysign(1.0, value) > 0 else "-0.0"
+    text = _GO_TEXT.get(value)
+    if text is None:
+        if len(_GO_TEXT) >= 65_536:  # (counters and timestamps take ever new values)
+            _GO_TEXT.clear()
+        text = floatToGoString(value)  # type: ignore[no-untyped-call]
+        if value == value:  # not NaN (never equal to itself, so never found again)
+            _GO_TEXT[value] = text
+    return text
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+
+
+def _family_lines(metric: Counter | Gauge) -> Iterator[str]:
+    """What generate_latest writes for ``metric``, a line at a time (each ending in a newline)."""
+    name = metric._name + ("_total" if metric._type == "counter" else "")
+    doc = metric._documentation.replace("\\", r"\\").replace("\n", r"\n")
+    yield f"# HELP {name} {doc}\n# TYPE {name} {metric._type}\n"
+    sampled = type(metric)._child_samples  # what a child's samples are, unless set_function replaced them
+    names = metric._labelnames
+    if not names:
+        yield f"{name} {_value_text(_value_of(metric, sampled))}\n"
+        return
+    order = sorted(range(len(names)), key=names.__getitem__)  # generate_latest sorts by label name
+    pick = None if order == list(range(len(names))) else itemgetter(*order)  # (two or more names)
+    template = name + "{" + ",".join(f'{names[i]}="%s"' for i in order) + "} "
+    quotes = 2 * len(names)
+    with metric._lock:
+        children = metric._metrics.copy()
+    for values, child in children.items():
+        ordered = values if pick is None else pick(values)
+        labels = template % ordered
+        if "\\" in labels or "\n" in labels or labels.count('"') != quotes:
+            labels = template % tuple(_escape(v) for v in ordered)
+        yield f"{labels}{_value_text(_value_of(child, sampled))}\n"
+
+
+def _value_of(child: Any, sampled: Any) -> float:
+    """A child's value, as its samples carry it (a Gauge's ``set_function`` replaces those; read
+    without ``__dict__``, which would give each child a dict of its own)."""
+    samples = child._child_samples
+    return float(child._value.get()) if samples.__func__ is sampled else float(samples()[0].value)
 
 
 class StreamMetrics:

@@ -48,6 +48,7 @@ from bridge.metrics import (
     SINK_ERROR_REASONS,
     SINK_OUTCOMES,
     Metrics,
+    StreamMetrics,
 )
 from bridge.records import Record, Stream
 from bridge.runtime import Bridge
@@ -578,12 +579,48 @@ async def test_deferred_updates_are_applied_before_every_reading_on_the_loops_th
     assert metrics.registry.get_sample_value(name, labels) == 3
     owner.pending = 4
     interval = sys.getswitchinterval()
-    text = (await metrics.scrape()).decode()
+    text = b"".join(await metrics.scrape()).decode()
     assert sys.getswitchinterval() == interval  # shortened only while rendering
     assert f'{name}{{dp_rank="0",source="engine"}} 7.0' in text
     assert metrics.registry.get_sample_value(name, labels) == 7
     assert owner.flushed_on == {threading.get_ident()}
     assert "_created" not in text  # (not rendered: see bridge.metrics)
+
+
+_LABEL = st.text(max_size=6)  # quotes, backslashes and newlines included: they are escaped
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    series=st.lists(st.tuples(_LABEL, _LABEL, st.floats()), max_size=12),
+    counts=st.lists(st.floats(min_value=0, max_value=1e12), max_size=4),
+    queued=st.integers(min_value=0, max_value=10**9),
+)
+def test_a_scrape_is_exactly_what_generate_latest_renders(
+    series: list[tuple[str, str, float]], counts: list[float], queued: int
+) -> None:
+    """/metrics renders Counters and Gauges itself, a slice at a time (bridge.metrics.render_in_slices):
+    byte for byte what prometheus_client's generate_latest gives for the same registry, with
+    label values to escape, any float (NaN, infinities, -0.0, exponents), set_function gauges
+    and histograms, cut in pieces mid-family."""
+    from unittest import mock
+
+    import bridge.metrics as metrics_mod
+
+    metrics = Metrics()
+    for source, rank, value in series:
+        metrics.source_last_seq.labels(source, rank).set(value)
+        metrics.source_problem.labels(source, rank, "wrong_topic").set(1)
+        StreamMetrics(metrics, source, 0).events("BlockStored").inc(3)
+    for i, n in enumerate(counts):
+        metrics.sink_events.labels(f"sink-{i}").inc(n)
+        metrics.lag.labels(f"sink-{i}").observe(n / 1e9)
+    metrics.sink_queue_batches.labels("queue").set_function(lambda: queued)
+    metrics.sources_configured.set(len(series))
+    with mock.patch.object(metrics_mod, "_SLICE_SECONDS", 0), mock.patch.object(metrics_mod, "_CHECK_EVERY", 3):
+        pieces = asyncio.run(metrics.scrape())  # a piece every 3 series
+    assert b"".join(pieces) == metrics.exposition()
+    assert len(pieces) > 1
 
 
 def test_an_owner_gone_is_no_longer_flushed() -> None:
@@ -627,6 +664,46 @@ async def test_known_label_values_start_at_zero_for_every_configured_sink_and_so
             assert get("kv_bridge_dead_letters_total", {"reason": reason}) == 0
         assert get("kv_bridge_sink_retries_total", {"sink": "out"}) == 0
         assert get("kv_bridge_batches_lost_total", {"source": "eng"}) == 0
+
+
+async def test_a_scrapes_readiness_verdict_is_the_one_readyz_gives(tmp_path: Path) -> None:
+    """/metrics keeps kv_bridge_ready current with ``readiness(detail=False)`` (one pass that stops
+    early, for 10,000 streams): in every mix of streams subscribed, connected, the connect grace
+    over or not, a sink down, its verdict and the gauge are /readyz's."""
+    import itertools
+    import time
+    from types import SimpleNamespace
+
+    config = config_mod.from_data(
+        {
+            "sources": [{"name": "eng", "endpoint": "tcp://127.0.0.1:9", "dp_ranks": 3}],
+            "sinks": [{"type": "file", "name": "out", "path": str(tmp_path / "out.jsonl")}],
+            "metrics": {"listen": ""},
+            "replay": {"idle_probe": 0},
+        },
+        env={},
+    )
+    async with Bridge(config) as bridge:
+        readers, started, worker = bridge.readers, bridge._started_at, bridge.workers[0]
+        was_up = worker.connected
+        verdicts = set()
+        try:
+            for subscribed, problems, grace_over, sink_up in itertools.product(
+                ((1, 1, 1), (1, 0, 1), (0, 0, 0)), ((0, 0, 0), (1, 0, 1), (1, 1, 1)), (False, True), (True, False)
+            ):
+                bridge.readers = {
+                    f"eng/{i}": SimpleNamespace(subscribed=bool(s), problem="refused" if p else None)
+                    for i, (s, p) in enumerate(zip(subscribed, problems, strict=True))
+                }  # type: ignore[assignment]
+                bridge._started_at = time.monotonic() - (config.ingest.connect_grace + 1 if grace_over else 0)
+                worker.connected = sink_up
+                ready = bridge.readiness(True)[0]
+                assert bridge.readiness(False) == (ready, {})
+                assert bridge.metrics.registry.get_sample_value("kv_bridge_ready") == (1 if ready else 0)
+                verdicts.add(ready)
+        finally:
+            bridge.readers, bridge._started_at, worker.connected = readers, started, was_up
+    assert verdicts == {True, False}
 
 
 def test_every_decode_failure_reason_raised_in_bridge_starts_at_zero() -> None:
