@@ -172,6 +172,8 @@ def measure_floor(streams: int, total: float, duration: float, cpus: set[int] | 
             "core_share": (c1 - c0) / (w1 - w0),
             "p50_ms": 0.0,
             "p99_ms": 0.0,
+            "writes_per_s": 0.0,
+            "write_p99_ms": 0.0,
             "rss_mb": rss_bytes(floor.pid)[0] / 2**20,
         }
     finally:
@@ -248,6 +250,8 @@ def measure(
             "kv_bridge_sink_batches_total", outcome="delivered"
         )
         lag0, lag1 = m0.buckets("kv_bridge_lag_seconds"), m1.buckets("kv_bridge_lag_seconds")
+        send0, send1 = m0.buckets("kv_bridge_sink_send_duration_seconds"), m1.buckets("kv_bridge_sink_send_duration_seconds")
+        writes = m1.total("kv_bridge_sink_send_duration_seconds_count") - m0.total("kv_bridge_sink_send_duration_seconds_count")
         io = sum(t1[k] - t0.get(k, 0.0) for k in t1 if k.startswith("ZMQbg/IO"))
         return {
             "streams": per * procs,
@@ -259,6 +263,9 @@ def measure(
             "core_share": (c1 - c0) / (w1 - w0),
             "p50_ms": (quantile(0.5, lag0, lag1) or 0.0) * 1e3,  # engine ts to sink ack (see benchmarks.run)
             "p99_ms": (quantile(0.99, lag0, lag1) or 0.0) * 1e3,
+            # the sink's writes (connector.write, one at a time): how many, and their p99
+            "writes_per_s": writes / (w1 - w0),
+            "write_p99_ms": (quantile(0.99, send0, send1) or 0.0) * 1e3,
             "rss_mb": rss_bytes(bridge.pid)[0] / 2**20,
         }
     finally:
@@ -325,14 +332,15 @@ def main() -> None:
     print(
         f"{'reader':>22s} {'streams':>8s} {'batches/s per stream':>21s} {'published/s':>12s} {'delivered/s':>12s} "
         f"{'CPU us/batch':>13s} {'of which ZMQ I/O':>17s} {'core share':>11s} {'batches/s per core':>19s} "
-        f"{'p50 / p99 ms':>14s} {'RSS MB':>7s}"
+        f"{'p50 / p99 ms':>14s} {'writes/s, p99 ms':>17s} {'RSS MB':>7s}"
     )
     for (label, streams), r in sorted(best.items(), key=lambda kv: (kv[0][1], not kv[0][0].startswith("floor"))):
         print(
             f"{label:>22s} {streams:8d} {r['delivered_per_s'] / r['streams']:21.1f} "
             f"{r['published_per_s']:12,.0f} {r['delivered_per_s']:12,.0f} "
             f"{r['cpu_us_per_batch']:13.1f} {r['zmq_io_us_per_batch']:17.1f} {r['core_share']:11.2f} "
-            f"{1e6 / r['cpu_us_per_batch']:19,.0f} {r['p50_ms']:6.1f} / {r['p99_ms']:5.1f} {r['rss_mb']:7.0f}",
+            f"{1e6 / r['cpu_us_per_batch']:19,.0f} {r['p50_ms']:6.1f} / {r['p99_ms']:5.1f} "
+            f"{r['writes_per_s']:8.0f}, {r['write_p99_ms']:6.1f} {r['rss_mb']:7.0f}",
             flush=True,
         )
 
