@@ -17,8 +17,10 @@ exists) when measured. Each stream count runs in a fresh process.
   written) while a 1 ms ticker runs on the same loop: the wall time until the client has read
   the whole body, and the longest gap between two ticks minus 1 ms, i.e. the longest stall every
   stream saw; beside it the same ticker's longest gap over 0.5 s without a scrape, right before
-  (what the machine's other load gives). Best and worst of ``--scrapes``. Every reader counts
-  as subscribed and connected, as in a healthy fleet (readiness then lists no stream).
+  (what the machine's other load gives). Best, median and worst of ``--scrapes``; beside them
+  the stall counted only while the process ran (the machine's other load taken out: see
+  ``_ticker``). Every reader counts as subscribed and connected, as in a healthy fleet
+  (readiness then lists no stream). The loop is the bridge's: uvloop when installed.
 """
 
 from __future__ import annotations
@@ -36,14 +38,19 @@ import time
 from .load import rss_bytes
 
 
-async def _ticker(gaps: list[float], stop: asyncio.Event) -> None:
-    """Every 1 ms, how much later than asked it ran."""
-    last = time.perf_counter()
+async def _ticker(gaps: list[float], stop: asyncio.Event, running: list[float] | None = None) -> None:
+    """Every 1 ms, how much later than asked it ran; ``running``: the same gap counted only while
+    this process ran (its CPU time over the gap, all threads, at most the gap): what is left of
+    a stall once the OS's preemption of the whole process, i.e. the machine's other load, is
+    taken out."""
+    last, cpu = time.perf_counter(), time.process_time()
     while not stop.is_set():
         await asyncio.sleep(0.001)
-        now = time.perf_counter()
+        now, now_cpu = time.perf_counter(), time.process_time()
         gaps.append(now - last - 0.001)
-        last = now
+        if running is not None:
+            running.append(min(now - last, now_cpu - cpu) - 0.001)
+        last, cpu = now, now_cpu
 
 
 async def _measure(streams: int, scrapes: int) -> dict[str, float]:
@@ -92,6 +99,7 @@ async def _measure(streams: int, scrapes: int) -> dict[str, float]:
     assert client.stdin is not None and client.stdout is not None
     walls: list[float] = []
     stalls: list[float] = []
+    stalls_running: list[float] = []
     idle: list[float] = []
     got: dict[str, int] = {}
     for _ in range(scrapes):
@@ -106,8 +114,9 @@ async def _measure(streams: int, scrapes: int) -> dict[str, float]:
         await tick
         idle.append(max(quiet))
         gaps: list[float] = []
+        running: list[float] = []
         stop = asyncio.Event()
-        tick = asyncio.create_task(_ticker(gaps, stop))
+        tick = asyncio.create_task(_ticker(gaps, stop, running))
         await asyncio.sleep(0.05)
         t0 = time.perf_counter()
         client.stdin.write(b"GET\n")
@@ -117,6 +126,7 @@ async def _measure(streams: int, scrapes: int) -> dict[str, float]:
         stop.set()
         await tick
         stalls.append(max(gaps))
+        stalls_running.append(max(running))
         assert got["status"] == 200 and got["bytes"] > 0, got
     client.stdin.close()
     await client.wait()
@@ -127,6 +137,8 @@ async def _measure(streams: int, scrapes: int) -> dict[str, float]:
         stall_ms=min(stalls) * 1e3,
         stall_ms_median=statistics.median(stalls) * 1e3,
         stall_ms_worst=max(stalls) * 1e3,
+        stall_running_ms_median=statistics.median(stalls_running) * 1e3,
+        stall_running_ms_worst=max(stalls_running) * 1e3,
         idle_stall_ms=min(idle) * 1e3,
         idle_stall_ms_worst=max(idle) * 1e3,
         lines=got["lines"],
@@ -163,12 +175,21 @@ def main() -> None:
     if args.child:
         if args.bridge_tree:
             sys.path.insert(0, args.bridge_tree)  # its bridge and connectors (imported in _measure)
-        print(json.dumps(asyncio.run(_measure(args.child, args.scrapes))))
+        try:  # the loop the bridge runs on (bridge.cli)
+            import uvloop  # type: ignore[import-not-found,unused-ignore]
+
+            loop_factory = uvloop.new_event_loop
+        except ImportError:
+            loop_factory = None
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            result = runner.run(_measure(args.child, args.scrapes))
+        print(json.dumps({**result, "loop": "uvloop" if loop_factory else "asyncio"}))
         return
     trees = [_tree(t) for t in args.tree] if args.tree else [("bridge", "")]
     print(
         f"{'tree':>10s} {'streams':>8s} {'RSS KB/stream':>14s} {'lines':>9s} {'scrape ms':>14s} "
-        f"{'loop stall ms (best / median / worst)':>38s} {'stall without scrape':>21s}"
+        f"{'loop stall ms (best / median / worst)':>38s} {'process running: median / worst':>32s} "
+        f"{'stall without scrape':>21s}"
     )
     for _ in range(args.rounds):
         for n in map(int, args.streams.split(",")):
@@ -181,7 +202,8 @@ def main() -> None:
                     f"{label:>10s} {n:8d} {r['rss_per_stream_kb']:14.1f} {r['lines']:9,.0f} "
                     f"{r['scrape_ms']:6.0f} - {r['scrape_ms_worst']:5.0f} "
                     f"{r['stall_ms']:14.1f} / {r['stall_ms_median']:6.1f} / {r['stall_ms_worst']:6.1f}"
-                    f"{r['idle_stall_ms']:13.1f} - {r['idle_stall_ms_worst']:5.1f}  load {os.getloadavg()[0]:.1f}",
+                    f"{r['stall_running_ms_median']:23.1f} / {r['stall_running_ms_worst']:6.1f}"
+                    f"{r['idle_stall_ms']:13.1f} - {r['idle_stall_ms_worst']:5.1f}  load {os.getloadavg()[0]:.1f}, {r['loop']}",
                     flush=True,
                 )
 
