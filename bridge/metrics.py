@@ -158,15 +158,17 @@ class _Pending:
     def __init__(self) -> None:
         # Weak references by id, not a WeakSet: a snapshot of a dict's values is one C-level copy,
         # where iterating a WeakSet of 10,000 streams took 3-6 ms of the loop at every scrape.
-        self._owners: dict[int, weakref.ref[Deferred]] = {}
+        owners: dict[int, weakref.KeyedRef[int, Deferred]] = {}
+        self._owners = owners
+
+        def forget(ref: weakref.KeyedRef[int, Deferred]) -> None:  # when the owner is freed, before its id can be another's
+            owners.pop(ref.key, None)
+
+        self._forget = forget
 
     def add(self, owner: Deferred) -> None:
-        key, owners = id(owner), self._owners
-
-        def forget(_: weakref.ref[Deferred]) -> None:  # when the owner is freed, before its id can be another's
-            owners.pop(key, None)
-
-        owners[key] = weakref.ref(owner, forget)
+        key = id(owner)
+        self._owners[key] = weakref.KeyedRef(owner, self._forget, key)
 
     def describe(self) -> list[Metric]:
         return []
