@@ -669,7 +669,7 @@ async def test_known_label_values_start_at_zero_for_every_configured_sink_and_so
 async def test_a_scrapes_readiness_verdict_is_the_one_readyz_gives(tmp_path: Path) -> None:
     """/metrics keeps kv_bridge_ready current with ``readiness(detail=False)`` (one pass that stops
     early, for 10,000 streams): in every mix of streams subscribed, connected, the connect grace
-    over or not, a sink down, its verdict and the gauge are /readyz's."""
+    over or not, a sink down, engines not answering (frozen), its verdict and the gauge are /readyz's."""
     import itertools
     import time
     from types import SimpleNamespace
@@ -684,16 +684,24 @@ async def test_a_scrapes_readiness_verdict_is_the_one_readyz_gives(tmp_path: Pat
         env={},
     )
     async with Bridge(config) as bridge:
-        readers, started, worker = bridge.readers, bridge._started_at, bridge.workers[0]
+        readers, pipelines, started, worker = bridge.readers, bridge.pipelines, bridge._started_at, bridge.workers[0]
         was_up = worker.connected
         verdicts = set()
         try:
-            for subscribed, problems, grace_over, sink_up in itertools.product(
-                ((1, 1, 1), (1, 0, 1), (0, 0, 0)), ((0, 0, 0), (1, 0, 1), (1, 1, 1)), (False, True), (True, False)
+            for subscribed, problems, silent, grace_over, sink_up in itertools.product(
+                ((1, 1, 1), (1, 0, 1), (0, 0, 0)),
+                ((0, 0, 0), (1, 0, 1), (1, 1, 1)),
+                ((0, 0, 0), (0, 1, 0), (1, 1, 1)),
+                (False, True),
+                (True, False),
             ):
                 bridge.readers = {
                     f"eng/{i}": SimpleNamespace(subscribed=bool(s), problem="refused" if p else None)
                     for i, (s, p) in enumerate(zip(subscribed, problems, strict=True))
+                }  # type: ignore[assignment]
+                bridge.pipelines = {
+                    f"eng/{i}": SimpleNamespace(silent=bool(q), replay_problem="no answer" if q else None)
+                    for i, q in enumerate(silent)
                 }  # type: ignore[assignment]
                 bridge._started_at = time.monotonic() - (config.ingest.connect_grace + 1 if grace_over else 0)
                 worker.connected = sink_up
@@ -702,7 +710,7 @@ async def test_a_scrapes_readiness_verdict_is_the_one_readyz_gives(tmp_path: Pat
                 assert bridge.metrics.registry.get_sample_value("kv_bridge_ready") == (1 if ready else 0)
                 verdicts.add(ready)
         finally:
-            bridge.readers, bridge._started_at, worker.connected = readers, started, was_up
+            bridge.readers, bridge.pipelines, bridge._started_at, worker.connected = readers, pipelines, started, was_up
     assert verdicts == {True, False}
 
 
