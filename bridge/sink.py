@@ -9,9 +9,14 @@ time, renders them in the sink's format, and calls ``connector.write`` until it 
   (forever: retried is not dropped); the sink is not ready meanwhile and its queue fills, which
   blocks ingest (``backpressure: block``) or drops new batches (``drop``, announced downstream
   with one ``EventsLost`` per dropped span once there is room again);
-- ``Permanent``: the messages go to the dead-letter destination, and the stream goes on; the
+- ``Permanent``: the batches go to the dead-letter destination, and the stream goes on; the
   batches refused are announced to this sink (an ``EventsLost``, reason ``sink_refused:<sink>``,
-  written next, after what goes again), so its consumers know what they miss (I6);
+  written next, after what goes again), so its consumers know what they miss (I6). A control
+  record refused (an announcement: ``EventsLost``, ``SourceReset``, ...; see :func:`announces`)
+  is never dead-lettered: what refuses it (a key of another type, a size limit lowered below it)
+  refuses the whole stream, and its consumers would never learn what they lack. It is kept and
+  retried like a transient failure (backoff, the sink not ready, the queue backing up) until the
+  sink takes it, before anything later of its stream;
 - ``SinkLost``: the sink lost messages it had acknowledged: each span is announced to this sink
   (``EventsLost``, reason ``sink_lost:<sink>``) ahead of the write, which goes again; a connector
   with ``audit()`` is also asked between writes (every ``AUDIT_INTERVAL``), so that a loss on a
@@ -95,19 +100,27 @@ class Outcome:
     retry_after: float | None = None  # the longest wait a failure asked for, if any did
 
 
+def announces(message: Message) -> bool:
+    """Whether ``message`` tells consumers what they lack or must drop (a control record's own
+    message: ``EventsLost``, ``SourceReset``, ``StateSeeded``), which is never dead-lettered: a
+    refusal of it is retried as a transient failure is (see the module docstring)."""
+    return message.record.kind != "batch" and message.type != STATE_TYPE
+
+
 def fold(messages: Sequence[Message], errors: Mapping[int, ConnectorError]) -> Outcome:
     """The one rule for partial failures, for every connector (design.md, "Delivery").
 
     Per stream (``message.record.stream``): every message from the first one that failed
     transiently on is retried, whether or not the sink took it, so a retried message is never
     written after a later message of its stream; a message refused for itself (``Permanent``)
-    before that point is dead-lettered, never one that only followed a failure. The cause
-    reported is the most severe transient one (``NotConnected`` over ``Retriable``), waiting the
-    longest ``retry_after`` asked for.
+    before that point is dead-lettered, never one that only followed a failure. An announcement
+    refused for itself (:func:`announces`) counts as a transient failure: kept, never
+    dead-lettered. The cause reported is the most severe transient one (``NotConnected`` over
+    ``Retriable``), waiting the longest ``retry_after`` asked for.
     """
     first: dict[str, int] = {}  # stream key -> index of its first transient failure
     for i in sorted(errors):
-        if not isinstance(errors[i], Permanent):
+        if not isinstance(errors[i], Permanent) or announces(messages[i]):
             first.setdefault(messages[i].record.stream.key, i)
     out = Outcome()
     for i, m in enumerate(messages):
@@ -497,14 +510,23 @@ class SinkWorker:
                     messages, attempt = refusals, 0
                     continue
                 # after what goes again: an announcement stands at the highest seq of its stream
+                n_kept = sum(1 for i in outcome.retry if announces(messages[i]) and isinstance(exc.errors.get(i), Permanent))
                 messages = [messages[i] for i in outcome.retry] + refusals
-                error = outcome.cause
+                error = self._kept(outcome.cause, n_kept) if isinstance(outcome.cause, Permanent) else outcome.cause
                 retry_after = outcome.retry_after
                 del outcome  # it holds the failure too (see _collect_failure)
             except Permanent as exc:
-                dead |= self._dead_letter_messages(messages, exc)
-                messages, attempt = self._refusals(messages, range(len(messages)), announced), 0
-                continue
+                kept = [m for m in messages if announces(m)]
+                refused = [m for m in messages if not announces(m)]
+                if refused:
+                    dead |= self._dead_letter_messages(refused, exc)
+                    attempt = 0  # progress: the announcements' retries back off from the start
+                refusals = self._refusals(messages, range(len(messages)), announced)
+                if not kept:
+                    messages, attempt = refusals, 0
+                    continue
+                messages = kept + refusals  # a write holds one epoch of a stream: kept ones come first
+                error = self._kept(exc, len(kept))
             except SinkLost as exc:
                 messages = self._announce_lost(exc, messages)
                 error = exc
@@ -535,12 +557,22 @@ class SinkWorker:
             await asyncio.sleep(max(RETRY_FLOOR, retry_after if retry_after is not None else self.backoff.delay(attempt)))
         return dead
 
+    def _kept(self, exc: Permanent, count: int) -> Permanent:
+        """The failure reported (log, ``/readyz``) while ``count`` announcements the sink refused
+        are kept and retried: ``exc``, saying so."""
+        return Permanent(
+            f"{exc} ({count} announcement(s) to this sink's consumers refused: kept and retried, nothing "
+            "later of their stream is written until the destination takes them; fix the destination)",
+            reason=exc.reason,
+        )
+
     async def _isolate(self, messages: list[Message], detail: str) -> set[int]:
         """Deliver ``messages`` after an unclassified exception came again: record by record (in
         order, so each stream's order holds). A lone record is written once more when the
         connector's health check passes; if that raises it again, the record is what causes it:
-        dead-lettered and announced, never retried as if the network had failed. Returns the ids
-        of records dead-lettered."""
+        dead-lettered and announced, never retried as if the network had failed; a control record
+        (an announcement) is kept instead, and written again after backoff until it goes through.
+        Returns the ids of records dead-lettered."""
         runs: list[list[Message]] = []
         for m in messages:
             if runs and runs[-1][0].record is m.record:
@@ -553,22 +585,30 @@ class SinkWorker:
                 dead |= await self._deliver(run)
             return dead
         attempt = 0
-        while (problem := await self._health()) is not None:  # the sink is not well: not this record's fault
+        while True:
+            while (problem := await self._health()) is not None:  # the sink is not well: not this record's fault
+                attempt += 1
+                self._set_down(NotConnected(f"{detail} (health: {problem})", reason="unexpected"), attempt)
+                await asyncio.sleep(max(RETRY_FLOOR, self.backoff.delay(attempt)))
+            try:  # once more, with the connector healthy
+                async with asyncio.timeout(self.config.retry.write_timeout):
+                    await self.connector.write(messages)
+                self._set_up()
+                return set()
+            except asyncio.CancelledError:
+                raise
+            except (ConnectorError, TimeoutError, OSError):  # a failure it knows: the usual handling
+                return await self._deliver(messages)
+            except Exception as exc:
+                detail = f"{type(exc).__name__}: {exc}"
+            refused = Permanent(f"unexpected error in the connector: {detail}", reason="unexpected")
+            if not announces(messages[0]):
+                break
             attempt += 1
-            self._set_down(NotConnected(f"{detail} (health: {problem})", reason="unexpected"), attempt)
+            self._set_down(self._kept(refused, 1), attempt)
+            del refused  # see _collect_failure
+            _collect_failure()
             await asyncio.sleep(max(RETRY_FLOOR, self.backoff.delay(attempt)))
-        try:  # once more, with the connector healthy
-            async with asyncio.timeout(self.config.retry.write_timeout):
-                await self.connector.write(messages)
-            self._set_up()
-            return set()
-        except asyncio.CancelledError:
-            raise
-        except (ConnectorError, TimeoutError, OSError):  # a failure it knows: the usual handling
-            return await self._deliver(messages)
-        except Exception as exc:
-            detail = f"{type(exc).__name__}: {exc}"
-        refused = Permanent(f"unexpected error in the connector: {detail}", reason="unexpected")
         dead = self._dead_letter_messages(messages, refused)
         return dead | await self._deliver(self._refusals(messages, range(len(messages)), set()))
 
