@@ -38,7 +38,8 @@ SADD or XADD (never DEL or SREM, which would let everything after them past the 
   failure); another client wrote to the stream (an auto-id entry sits above every id of epoch 1)
   or deleted this entry (XDEL). It can no longer be added in order: ``Permanent`` (reason
   ``out_of_order``, dead-lettered), and the stream goes on. The bridge must be the only writer;
-- WRONGTYPE (the key is no stream): refused for itself, the stream goes on;
+- WRONGTYPE (the key is no stream): refused for itself, the stream goes on (the runtime keeps and
+  retries a refused announcement: bridge/sink.py);
 - anything else stops the stream, the entries after it reported transient (not attempted):
   LOADING, BUSY, TRYAGAIN, OOM, MISCONF, READONLY, NOPERM, MASTERDOWN, CLUSTERDOWN, redirections and
   key collisions are transient (retried, sink not ready), other refusals ``Permanent``. An ACL refusal

@@ -553,3 +553,54 @@ async def test_a_script_killed_by_an_operator_is_retried_not_dead_lettered(acl_r
         await killer.aclose()
         await conn.close()
     assert await admin.xlen("kv:eng:0") == 20_003
+
+
+# -- an announcement refused for itself: kept, not dead-lettered -----------------------------------
+
+
+async def test_an_announcement_refused_by_a_key_of_another_type_is_kept_until_the_key_is_fixed(
+    acl_redis: RedisServer, admin: aioredis.Redis, tmp_path: Path
+) -> None:
+    """Issue 29 (breaker29h W1): seqs 0-4 stored; an operator turns the stream key into a string
+    (WRONGTYPE); seqs 5-9, written meanwhile, are refused for themselves and dead-lettered, and the
+    EventsLost announcing them is refused for the same cause. It used to be dead-lettered too (the
+    consumers never learnt of 5-9) while the sink stayed ready. Now it is kept: the sink is not
+    ready and says why, nothing later of the stream is acknowledged, and once the key is deleted
+    the announcement is written, before seqs 10-11."""
+    stream = Stream("eng", 0)
+    records = [batch(stream, q, epoch=1) for q in range(12)]
+    renderer = Renderer("json", "batch")
+    refused = {m.msg_id for r in records[5:10] for m in renderer.render(r)}
+    d = delivery(tmp_path, acl_redis.url, {})
+    d.refused = refused
+    try:
+        await started(d)
+        await d.feed(records[:5])
+        assert await d.worker.flush(15)
+        await admin.delete("kv:eng:0")
+        await admin.set("kv:eng:0", "not a stream")
+        await d.feed(records[5:10])  # one write: queued at once while the worker waits for work
+        await until(lambda: not d.worker.connected, "the sink to report the refused announcement")
+        await until(lambda: len(d.dead_letters()) == 5, "seqs 5-9 dead-lettered")
+        await d.feed(records[10:])
+        await asyncio.sleep(0.5)  # a few retries of the announcement (backoff 20-100 ms)
+        why = str(d.worker.last_error)
+        assert "WRONGTYPE" in why and "announcement" in why, why
+        assert not d.worker.connected
+        assert d.acked == records[:5], "acknowledged past an announcement not written"
+        await admin.delete("kv:eng:0")  # the operator fixes the key
+        assert await d.worker.flush(30), "not delivered within 30 s of the fix"
+        assert d.worker.connected
+        assert d.acked == records
+        assert not d.unbacked, d.unbacked
+    finally:
+        await d.close()
+    dead = d.dead_letters()
+    assert [x["seq"] for x in dead] == [5, 6, 7, 8, 9]
+    assert all(json.loads(bytes.fromhex(str(x["payload_hex"])))["type"] == "EventBatch" for x in dead), dead
+    entries = [json.loads(f[b"data"]) for _, f in await admin.xrange("kv:eng:0")]
+    refusals = [(x["from_seq"], x["to_seq"]) for x in entries if x.get("reason") == "sink_refused:redis"]
+    assert refusals == [(5, 9)], entries
+    after = [x["seq"] if x["type"] == "EventBatch" else x["type"] for x in entries]
+    # the refusal (and the announcement of 0-4, deleted with the key) before what came later
+    assert after[-2:] == [10, 11] and "EventBatch" not in {x["type"] for x in entries[:-2]}, after
