@@ -231,6 +231,45 @@ async def test_refused_message_is_isolated_and_a_transient_failure_after_it_keep
     assert [seq for seq, _ in while_full.get(_subject(dest, A), [])] == [0]  # A3 waited for A2
 
 
+async def test_an_announcement_refused_by_a_lowered_max_msg_size_is_kept_until_the_limit_is_set_back(
+    nats_server: NatsServer, reader: Client, dest: str, tmp_path: Path
+) -> None:
+    """Issue 29 (breaker29h W2): A0, A1 stored; an operator lowers the stream's max_msg_size to 64
+    bytes; A2 and A3, written meanwhile, are refused for themselves (dead-lettered), and so is the
+    EventsLost announcing them, which used to be dead-lettered too: the stream's consumers never
+    learnt of A2-A3, the sink stayed ready. Now the announcement is kept, the sink not ready and
+    naming why, until the limit is set back; it is then stored right after A1."""
+    js = reader.jetstream(timeout=5)
+    await js.add_stream(js_api.StreamConfig(name=dest, subjects=[f"{dest}.>"], duplicate_window=600))
+    records = [record(A, q, 200) for q in range(4)]
+    h = Harness(tmp_path, nats_server.url, dest)
+    h.start(records[:2])
+    try:
+        await _until(lambda: len(h.acked) == 2, "A0, A1 acknowledged")
+        info = await js.stream_info(dest)
+        info.config.max_msg_size = 64
+        await js.update_stream(info.config)
+        for r in records[2:]:  # one write: queued at once while the worker waits for work
+            h.worker.force(r)
+        await h.wait_for_error("announcement")
+        await _until(lambda: len(h.dead()) == 2, "A2, A3 dead-lettered")
+        assert not h.worker.connected
+        assert "message size exceeds maximum" in str(h.worker.last_error)
+        assert len(h.acked) == 2, "acknowledged past an announcement not written"
+        info.config.max_msg_size = -1  # the operator sets the limit back
+        await js.update_stream(info.config)
+    finally:
+        await h.finish()
+    assert h.worker.connected and len(h.acked) == 4
+    assert [(d["source"], d["seq"]) for d in h.dead()] == [("eng-a", 2), ("eng-a", 3)]
+    lost = events_lost(A, records[2].epoch, 2, 3, "sink_refused:nats-d", 0.0)
+    (announcement,) = Renderer("raw", "batch").render(lost)
+    stored = (await _stored(reader, dest))[_subject(dest, A)]
+    assert stored[:2] == [(r.seq, r.payload) for r in records[:2]]
+    assert [seq for seq, _ in stored[2:]] == [3]
+    assert json.loads(stored[2][1]) | {"ts": None} == json.loads(announcement.value) | {"ts": None}
+
+
 async def test_duplicates_from_an_earlier_try_do_not_let_the_chain_pass_a_failure(
     nats_server: NatsServer, reader: Client, dest: str, tmp_path: Path
 ) -> None:
