@@ -689,7 +689,9 @@ class KafkaConnector:
                     partition = routes[(topic, key)] = _PARTITIONER(key, parts, parts)
                 chain = chains.setdefault((topic, partition), [])
                 limit = batch_limit.get(topic, max_bytes)
-            if refused and (problem := refused.get(m.msg_id)) is not None:
+            # (a batch refused for itself once is dead-lettered: not sent again; an announcement is
+            # kept and retried until the broker takes it: sent each time)
+            if refused and m.record.kind == "batch" and (problem := refused.get(m.msg_id)) is not None:
                 errors[i] = problem
                 continue
             headers = m.header_items()
