@@ -673,6 +673,11 @@ class Bridge:
                 # the records in between will not come again, so the state cannot follow them.
                 assert self.tracker is not None
                 self.tracker.invalidate(stream)
+                log.warning(
+                    "the sinks hold messages past the stream's state (a pod killed between the two writes): its "
+                    "state starts again, incomplete until the engine's next clear or restart",
+                    extra={"stream": key, "state_seq": head.seq, "resume_seq": resumed.seq},
+                )
             if top is not None and resumed is not None and handover.resume is not None and resumed.epoch == handover.resume.epoch:
                 self._held_top[key] = top
             else:

@@ -44,10 +44,10 @@ sequence after the last message of the stream stored so far. A write stores its 
 then, per engine stream, the state messages up to its first failure are folded into one bucket
 write (:func:`fold_deltas`), in this order, each step acknowledged before the next:
 
-1. the write's *journal* (``_journal.{source token}.{dp_rank}.N``: whether it clears, every entry
-   it puts or deletes, the head it ends with), its first part written only over the one this
-   connector wrote last: the fence that shows another writer of the stream before any entry is
-   touched (:meth:`NatsConnector._write_journal`);
+1. the write's *journal* (``_journal.{source token}.{dp_rank}.0``, further parts under ``.p.N``:
+   whether it clears, every entry it puts or deletes, the head it ends with), its first part
+   written only over the one this connector wrote last: the fence that shows another writer of
+   the stream before any entry is touched (:meth:`NatsConnector._write_journal`);
 2. a clear: one subject-filtered purge of the stream's keys (ADR-8 / ADR-10: no per-key marker,
    whatever their number; it takes the head too);
 3. every entry put (a :mod:`bridge.state_docs` document) or removed (a purge of its key) at once;
@@ -263,6 +263,12 @@ class _JournalAt(NamedTuple):
 
 _journal_decoder = msgspec.json.Decoder(_Journal)
 _NULL = msgspec.Raw(b"null")
+
+
+def journal_part_key(prefix: str, part: int) -> str:
+    """The key of a journal's part: the first, the fence, alone under ``_journal.{prefix}.0``; the
+    others under ``_journal.{prefix}.p.``, which one purge removes."""
+    return f"{JOURNAL_KEY}.{prefix}.0" if part == 0 else f"{JOURNAL_KEY}.{prefix}.p.{part}"
 
 
 def journal_parts(
@@ -1274,8 +1280,8 @@ class NatsConnector:
         target = _order(op.head)
         await self._write_journal(nc, prefix, parts, target, clear=op.clear)
         await self._finish(nc, prefix, op.clear, ops, head_doc, target)
-        if len(parts) > 1:  # a large write: its other parts would stay until a write as large (the first is the fence)
-            await self._purge(nc, [f"{JOURNAL_KEY}.{prefix}.{i}" for i in range(1, len(parts))])
+        if len(parts) > 1:  # a large write: its other parts would stay until a write as large (the first, the fence, stays)
+            await self._purge(nc, [f"{JOURNAL_KEY}.{prefix}.p.>"])
 
     async def _write_journal(
         self, nc: Client, prefix: str, parts: Sequence[bytes], target: tuple[int, int, int], *, clear: bool
@@ -1295,7 +1301,7 @@ class NatsConnector:
         write is finished, its head stored (a restart of the one writer: read_state finishes the
         write of one killed half-way); an unfinished one is another bridge's write in flight, whose
         entries may still land: _StateGone. A clear goes over a journal the bucket lost."""
-        key = f"{JOURNAL_KEY}.{prefix}.0"
+        key = journal_part_key(prefix, 0)
         last = self._journals.get(prefix)
         if last is None:
             last = self._journals[prefix] = await self._journal_now(nc, key)
@@ -1318,14 +1324,12 @@ class NatsConnector:
                 # a clear, which needs nothing the bucket held: written over it.
                 (written,) = await self._kv_write(nc, [(key, parts[0])], _expect_subject_seq(now.seq))
             elif lost:
-                (written,) = await self._kv_write(nc, [(key, parts[0])], _expect_subject_seq(now.seq))
-            elif lost:
                 raise gone from None
             else:
                 raise self._other_writer("journal", now.target) from None
         self._journals[prefix] = _JournalAt(written, target, self._writer)
         if len(parts) > 1:
-            await self._kv_write(nc, [(f"{JOURNAL_KEY}.{prefix}.{i}", p) for i, p in enumerate(parts[1:], 1)])
+            await self._kv_write(nc, [(journal_part_key(prefix, i), p) for i, p in enumerate(parts[1:], 1)])
 
     async def _journal_whole(self, nc: Client, prefix: str, first: _JournalAt) -> bool:
         """Whether every part of the journal whose first part is ``first`` is stored (its parts are
@@ -1336,7 +1340,7 @@ class NatsConnector:
             return False
         if parts <= 1:
             return True
-        last = await self._journal_now(nc, f"{JOURNAL_KEY}.{prefix}.{parts - 1}")
+        last = await self._journal_now(nc, journal_part_key(prefix, parts - 1))
         return last.target == first.target and last.writer == first.writer
 
     def _other_writer(self, what: str, target: tuple[int, int, int] | None) -> _StateGone:
@@ -1396,7 +1400,7 @@ class NatsConnector:
                 now is not None
                 and now[1] == at
                 and journal is not None
-                and (await self._journal_now(nc, f"{JOURNAL_KEY}.{prefix}.0")).seq == journal.seq
+                and (await self._journal_now(nc, journal_part_key(prefix, 0))).seq == journal.seq
             ):
                 self._heads[prefix] = now
                 return
@@ -1643,7 +1647,7 @@ class NatsConnector:
         connector's, over the one the sweep read, and the head over the stored one. Either moved
         meanwhile (_StateGone): another bridge writes the stream, and finishing the old write
         would put its entries and head over newer ones."""
-        key = f"{JOURNAL_KEY}.{prefix}.0"
+        key = journal_part_key(prefix, 0)
         seen = await self._journal_now(nc, key)
         redone = head_of(parse(head_doc) or {})
         stored = await self._head_now(nc, f"{prefix}.{HEAD_KEY}")
