@@ -23,6 +23,7 @@ from .state import StreamState, is_head, parse
 
 _KV_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 HEAD_KEY = "_head"
+_SWEEP_STALLS = 20  # half-second waits without a message before a sweep gives up
 KV_OPERATION = "KV-Operation"
 
 
@@ -46,28 +47,36 @@ def state_prefix(source: str, dp_rank: int) -> str:
 async def sweep(js: JetStreamContext, bucket: str, prefix: str) -> dict[str, bytes | None]:
     """The newest value of every key of bucket ``bucket`` under ``prefix`` (``{prefix}.>``), by key
     relative to the prefix (None: deleted or purged), as of about now: an ordered consumer with
-    DeliverLastPerSubject, read until it has delivered what was pending when it was made (writes
-    made meanwhile may show, never an older value than that). NotFoundError when the bucket does
-    not exist."""
+    DeliverLastPerSubject, read until it has delivered the prefix's last message as the bucket
+    held it once the consumer was made (writes made meanwhile may show, never an older value
+    than that). The end is told by stream sequence, not by the server's pending counts: a purge
+    while the consumer delivers can zero them with messages still to come (nats-server 2.9).
+    NotFoundError when the bucket does not exist."""
     pre = f"$KV.{bucket}.{prefix}."
+    kv_stream = f"KV_{bucket}"
     n = len(pre)
     out: dict[str, bytes | None] = {}
     done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    total: int | None = None
-    received = 0
+    last: int | None = None  # the stream seq of the prefix's last message (0: none)
+    newest = 0  # the highest stream seq delivered
 
     async def on_msg(msg: Msg) -> None:
-        nonlocal received
-        received += 1
+        nonlocal newest
         headers = msg.headers
         out[msg.subject[n:]] = None if headers and headers.get(KV_OPERATION) in ("DEL", "PURGE") else msg.data
-        # The ack subject's metadata costs a parse: read it only until the total is known.
-        if not done.done() and (received >= total if total is not None else msg.metadata.num_pending == 0):
+        newest = max(newest, msg.metadata.sequence.stream)
+        if last is not None and newest >= last and not done.done():
             done.set_result(None)
+
+    async def last_seq() -> int:
+        try:
+            return (await js.get_last_msg(kv_stream, pre + ">")).seq or 0
+        except NotFoundError:
+            return 0  # (no key under the prefix: a missing bucket failed the subscribe already)
 
     sub = await js.subscribe(
         pre + ">",
-        stream=f"KV_{bucket}",
+        stream=kv_stream,
         cb=on_msg,
         ordered_consumer=True,
         deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
@@ -76,17 +85,23 @@ async def sweep(js: JetStreamContext, bucket: str, prefix: str) -> dict[str, byt
         pending_bytes_limit=-1,
     )
     try:
-        info = await sub.consumer_info()
-        delivered = info.delivered.consumer_seq if info.delivered is not None else None
-        total = (info.num_pending or 0) + (delivered or 0)
-        if not done.done() and received >= total:
-            done.set_result(None)
-        while not done.done():
-            # Keys purged while the sweep runs are never delivered: when nothing comes, ask.
+        last = await last_seq()
+        stalls = 0
+        while not done.done() and newest < last:
+            seen = newest
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(done), 0.5)
-            if not done.done() and not (await sub.consumer_info()).num_pending:
-                break
+            if not done.done() and newest == seen:
+                # Nothing came: the last message may have been purged meanwhile (never delivered).
+                last = await last_seq()
+                stalls += 1
+                if stalls >= _SWEEP_STALLS and newest < last:
+                    raise TimeoutError(
+                        f"sweep of {prefix!r} in bucket {bucket!r}: nothing delivered for {stalls * 0.5:.0f}s before "
+                        f"stream seq {last} (read up to {newest}); check the NATS server's health and bootstrap again"
+                    )
+            else:
+                stalls = 0
     finally:
         await sub.unsubscribe()
     return out
