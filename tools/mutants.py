@@ -940,7 +940,7 @@ EQUIVALENT: list[Equivalent] = [
     ),
     Equivalent(
         "checkpoint",
-        "for key in [k for k in self._forgotten if self.epochs.get(k, -1) < clock_epoch(now)]:",
+        "for key in [k for k in self._forgotten if self.epochs.get(k, -1) < clock_epoch(now - FORGET_MARGIN)]:",
         "1 -> 2",
         _EPOCHS,
     ),

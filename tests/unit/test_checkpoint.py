@@ -11,6 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bridge.checkpoint import (
+    ENGINE_CLOCK_AHEAD,
+    ENGINE_CLOCK_TRUSTED,
+    FORGET_MARGIN,
     RETIRED_KEPT,
     Checkpointer,
     CheckpointError,
@@ -204,6 +207,18 @@ def test_a_restart_is_numbered_by_the_engine_clock_so_two_pods_agree() -> None:
     assert Checkpointer(1).first_epoch(KEY, NOW + 12) > shown_minute + 1
 
 
+def test_a_trusted_engine_clock_numbers_the_restart_by_its_own_minute_not_the_bridges() -> None:
+    """The engine ts decides the minute whenever it is trusted, up to ``ENGINE_CLOCK_TRUSTED``
+    behind the bridge's clock and ``ENGINE_CLOCK_AHEAD`` ahead, both bounds included."""
+    old = clock_epoch(NOW - 3600)
+    now = 1_780_000_019.5  # the bridge's minute starts at ...960, the next one at ...020
+    for shown in (now - 60, now - ENGINE_CLOCK_TRUSTED, now + ENGINE_CLOCK_AHEAD):
+        assert minute(shown) != minute(now)
+        assert Checkpointer(1).next_epoch(KEY, old, now, shown) == minute(shown)
+    assert Checkpointer(1).next_epoch(KEY, old, now, now - ENGINE_CLOCK_TRUSTED - 1) == minute(now)
+    assert Checkpointer(1).next_epoch(KEY, old, now, now + ENGINE_CLOCK_AHEAD + 0.5) == minute(now)
+
+
 def test_a_checkpoint_of_minute_epochs_goes_on_above_them() -> None:
     """A checkpoint of an earlier release (minutes since 2025): the stream resumes in its epoch,
     and its next restart opens the clock's."""
@@ -393,6 +408,8 @@ def test_a_forgotten_stream_whose_epoch_the_clock_passed_is_forgotten_for_good()
     assert cp.snapshot()[1].epochs == {KEY: epoch}  # kept while the clock has not passed it
     cp.prune(NOW + 60)
     assert cp.snapshot()[1].epochs == {KEY: epoch}  # nor passed it an hour ago (a clock stepping back)
+    cp.prune(NOW + FORGET_MARGIN)
+    assert cp.snapshot()[1].epochs == {KEY: epoch}  # (an hour to the microsecond: not passed yet)
     cp.prune(NOW + 3601)
     assert cp.snapshot()[1].epochs == {} and cp._forgotten == set()
     never = "never/0"  # forgotten without an epoch: nothing kept, even at the clock's origin
@@ -411,6 +428,7 @@ def test_the_instance_uuid_is_kept_for_its_epoch_only(tmp_path: Path) -> None:
     ck.note_instance(KEY, E, a, [])
     assert ck.generation == generation  # (nothing new: no save needed for it)
     ck.note_instance(KEY, E + 5, b, [c, a])
+    assert ck.generation > generation  # (a new instance: the next snapshot is newer, and saved)
     ck.note_instance(KEY, E, a, [])  # an older epoch's, noted late: the newer one stands
     path = tmp_path / "checkpoint.json"
     save(path, ck.snapshot()[1])
@@ -421,8 +439,21 @@ def test_the_instance_uuid_is_kept_for_its_epoch_only(tmp_path: Path) -> None:
     assert loaded.resume_instance(KEY, E + 5) == (None, [])
 
 
+def test_a_new_instance_in_the_same_epoch_or_the_same_one_in_a_later_epoch_is_noted() -> None:
+    a, b = b"\xaa" * 16, b"\xbb" * 16
+    ck = Checkpointer(1)
+    ck.note_instance(KEY, E, a, [])
+    ck.note_instance(KEY, E, b, [a])  # (the epoch's instance known for certain only now)
+    assert ck.resume_instance(KEY, E) == (b, [a])
+    ck.note_instance(KEY, E + 1, b, [a])  # one instance on through a new epoch (e.g. a bridge restart)
+    assert ck.resume_instance(KEY, E + 1) == (b, [a])
+    assert ck.resume_instance(KEY, E) == (None, [])
+
+
 def test_a_checkpoint_keeps_the_last_retired_uuids_only() -> None:
+    """The file's bound per stream: the 16 UUIDs retired last (``RETIRED_KEPT``)."""
+    assert RETIRED_KEPT == 16
     ck = Checkpointer(1)
     retired = [bytes([i]) * 16 for i in range(40)]
     ck.note_instance(KEY, E, b"\xff" * 16, retired)
-    assert ck.resume_instance(KEY, E)[1] == retired[-RETIRED_KEPT:]
+    assert ck.resume_instance(KEY, E)[1] == retired[-16:]

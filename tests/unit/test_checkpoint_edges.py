@@ -79,6 +79,8 @@ def test_a_stream_met_again_after_being_forgotten_keeps_its_epoch_in_the_checkpo
     again = cp.first_epoch(KEY, NOW)  # back before the clock passed its epoch
     cp.prune(NOW + 3600)
     assert cp.snapshot()[1].epochs[KEY] == again
+    cp.prune(NOW + 86400)  # met again, it is no longer forgotten: its epoch stays however late
+    assert cp.snapshot()[1].epochs[KEY] == again
 
 
 # -- generations and writes ----------------------------------------------------------------------

@@ -59,3 +59,17 @@ async def test_a_failed_write_is_logged_not_raised(tmp_path: Path, caplog: pytes
     await store.save()
     store.save_now()
     assert caplog.text.count("cannot save the checkpoint") == 2
+
+
+async def test_every_save_first_collects_what_the_running_streams_know(tmp_path: Path) -> None:
+    """``collect`` runs on the loop before each snapshot (periodic, persist, and the final save),
+    so what it notes (an instance's UUID) is in the file that save writes."""
+    path = tmp_path / "ckpt.json"
+    store = CheckpointStore(str(path), 1)
+    epoch = store.checkpointer.first_epoch(STREAM.key, 1.8e9)
+    uuids = iter([b"\xaa" * 16, b"\xbb" * 16])
+    store.collect = lambda: store.checkpointer.note_instance(STREAM.key, epoch, next(uuids), [])
+    await store.save()
+    assert load(path).instances[STREAM.key].id == "aa" * 16
+    store.save_now()
+    assert load(path).instances[STREAM.key].id == "bb" * 16

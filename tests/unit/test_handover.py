@@ -199,6 +199,10 @@ def test_the_instance_header_names_a_batchs_publisher() -> None:
     for bad in ("AB" * 16, "ab" * 15, "zz" * 16):
         with pytest.raises(ValueError, match="instance header"):
             SinkPosition.from_headers({**headers, "instance": bad})
+    # a header of any length is quoted by its first 40 characters only
+    with pytest.raises(ValueError) as caught:
+        SinkPosition.from_headers({**headers, "instance": "0123456789" * 4 + "x" * 1000})
+    assert f"instance header {'0123456789' * 4!r} is not a UUID in hex" in str(caught.value)
 
 
 def test_the_sinks_name_the_resume_epochs_instance_only_when_they_agree() -> None:
@@ -215,6 +219,23 @@ def test_the_sinks_name_the_resume_epochs_instance_only_when_they_agree() -> Non
     c = Checkpointer(1)
     c.adopt("a/0", Handover(StreamPosition(E, 6, 1.5), [None], E, instance=a))
     assert c.resume_instance("a/0", E) == (bytes.fromhex(a), [])
+
+
+def test_adopt_takes_the_instance_the_sinks_name_for_the_resume_epoch_over_the_files() -> None:
+    a, b, other = bytes.fromhex("aa" * 16), bytes.fromhex("bb" * 16), "cc" * 16
+    c = Checkpointer(1)
+    c.note_instance("a/0", E, a, [b])
+    c.adopt("a/0", Handover(StreamPosition(E, 6, 1.5), [None], E, instance=other))
+    # Another instance published that epoch since the file was written: its UUID, none retired known.
+    assert c.resume_instance("a/0", E) == (bytes.fromhex(other), [])
+    c = Checkpointer(1)
+    c.note_instance("a/0", E + 1, a, [b])
+    c.adopt("a/0", Handover(StreamPosition(E, 6, 1.5), [None], E, instance=other))
+    assert c.resume_instance("a/0", E + 1) == (a, [b])  # the file's later epoch stands
+    assert c.resume_instance("a/0", E) == (None, [])
+    c = Checkpointer(1)
+    c.adopt("a/0", Handover(StreamPosition(E, 6, 1.5), [None], E))  # no sink named the instance
+    assert c.resume_instance("a/0", E) == (None, [])  # verified anew
 
 
 def test_adopt_resumes_there_and_opens_epochs_above_what_sinks_hold() -> None:
