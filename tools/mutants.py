@@ -455,6 +455,10 @@ _ROOM = (
     "_room is only waited on (Fanout.finish, after offer() said no) once offer() has cleared it itself: whether "
     "the constructor sets it, or a push clears it too, changes no wait"
 )
+_SLOTS = (
+    "__slots__ only saves the memory of each object's __dict__: no code sets an attribute it does not list, so "
+    "without it every object behaves the same"
+)
 EQUIVALENT: list[Equivalent] = [
     *(
         Equivalent("sequencer", text, what, _REPLAY_STATE, within="__init__")
@@ -975,6 +979,77 @@ EQUIVALENT: list[Equivalent] = [
         "and h.seq >= 0]",
         "0 -> -1",
         "a sink's position never has a negative seq (a SourceReset is seq 0; from_headers reads what the bridge wrote)",
+    ),
+    *(
+        Equivalent(
+            "redis",
+            "@lru_cache(maxsize=65536)",
+            what,
+            "the size of the cache of a pure function (a key's hash slot) changes no result, only how often it is computed again",
+        )
+        for what in ("65536 -> 65537", "65536 -> 65535")
+    ),
+    Equivalent(
+        "redis",
+        'return f"{first}-{1 if first == 0 and sub == 0 else sub}"',
+        "== -> !=",
+        "first == 0 is epoch 0 and slot 0, and slot 0 holds only a SourceReset (sub 0: slot = seq + 1, and the "
+        "sub of a control record is 0): no position has first 0 and a sub other than 0",
+        nth=1,
+    ),
+    Equivalent(
+        "kafka",
+        "elif epoch == last[0] and seq > last[1]:",
+        "> -> >=",
+        "when equal, the seq is set to the value it has",
+    ),
+    *(
+        Equivalent(
+            "nats",
+            "if len(self._cache) > 100_000:",
+            what,
+            "the exact size at which the subjects' cache is cleared changes no subject, only how often one is rendered again",
+        )
+        for what in ("> -> >=", "100000 -> 100001", "100000 -> 99999")
+    ),
+    *(
+        Equivalent(
+            "nats",
+            "message, record=Record(stream=clean, epoch=message.record.epoch, seq=0), type=subject_token(message.type)",
+            what,
+            "a name template has no seq placeholder (Template: source, dp_rank, type, epoch, labels): the probe's seq "
+            "is never read",
+        )
+        for what in ("0 -> 1", "0 -> -1")
+    ),
+    Equivalent(
+        "nats",
+        "if chunks[-1] and size + n > limit:",
+        "1 -> 0",
+        "chunks[0] is empty exactly when chunks[-1] is when this runs: only before the first op (chunks is [[]]); after "
+        "a new part is opened, an op goes into it before the next test",
+    ),
+    Equivalent(
+        "nats",
+        'pairs = [line[:-2].partition(": ") for line in lines]',
+        "2 -> 1",
+        "the CR left at the value's end becomes a space (translate) that strip() removes: the same header line",
+    ),
+    Equivalent(
+        "nats",
+        'first = record.from_seq if record.kind == "EventsLost" and record.from_seq is not None else record.seq',
+        "and -> or",
+        "only an EventsLost has a from_seq (events_lost sets it, always; every other record's is None)",
+    ),
+    Equivalent(
+        "nats",
+        "elif span.epoch == record.epoch and record.seq > span.last:",
+        "> -> >=",
+        "when equal, the last seq is set to the value it has",
+    ),
+    *(
+        Equivalent(module, text, "statement deleted", _SLOTS)
+        for module, text in (("kafka", '__slots__ = ("ends", "stream")'), ("nats", '__slots__ = ("fresh", "spans")'))
     ),
 ]
 

@@ -10,7 +10,7 @@ import pytest
 from bridge.config import convert_options
 from bridge.connector import Registry, Secret
 from bridge.errors import EPOCHS_REMEMBERED, ConfigError, ConnectorError, NotConnected, Permanent, Retriable
-from bridge.formats import Message, Renderer
+from bridge.formats import Message, Renderer, sample_message
 from bridge.records import Stream, events_lost, source_reset
 from bridge.secret import redact
 from connectors.nats import (
@@ -19,9 +19,11 @@ from connectors.nats import (
     StreamOptions,
     _Held,
     _refused_for_turn,
+    _Subjects,
     header_block,
     hpub,
     subject_filter,
+    subject_problem,
     subject_token,
 )
 from tests.support.records import stream_records
@@ -145,3 +147,39 @@ def test_a_loss_reaching_back_past_an_engine_restart_is_announced_in_both_epochs
     for epoch in range(1, EPOCHS_REMEMBERED + 2):
         held.note(stream_records(a, 1, epoch=epoch)[0])
     assert [e for _s, e, _f, _t in held.take()] == list(range(2, EPOCHS_REMEMBERED + 2))
+
+
+def test_a_wildcard_is_a_whole_token_and_the_full_wildcard_only_the_last() -> None:
+    for ok in ("kv.*", "kv.*.b", "kv.>", "*.a.>", "kv.a"):
+        assert subject_problem(ok, wildcards=True) is None, ok
+    for bad in ("kv.a*", "kv.>.b", "kv.>>", "kv.*x.b"):
+        assert subject_problem(bad, wildcards=True) == "a wildcard must be a whole token ('>' only the last)", bad
+    assert subject_problem("kv.>", wildcards=False) == "it contains a wildcard (* or >), which cannot be published to"
+
+
+def test_a_subject_is_rendered_from_values_made_into_one_token_each() -> None:
+    stream = Stream("llama 3.1", 2, {"zone": "eu.west"})
+    subjects = _Subjects("kv.{source}.{dp_rank}.{zone}.{type}.{epoch}")
+    message = sample_message(stream, "Block*Stored", epoch=7)
+    assert subjects.render(message) == "kv.llama_3_1.2.eu_west.Block_Stored.7"
+    assert subjects.render(sample_message(stream, "Block*Stored", epoch=8)) == "kv.llama_3_1.2.eu_west.Block_Stored.8"
+    assert subjects.render(message) == "kv.llama_3_1.2.eu_west.Block_Stored.7"  # (from the cache: the same)
+    assert subjects.render(sample_message(Stream("b", 0), "EventBatch", epoch=7)) == "kv.b.0.unknown.EventBatch.7"
+    assert _Subjects("kv.static").render(message) == "kv.static"
+
+
+def test_a_header_value_goes_out_as_it_is_unless_a_cr_or_lf_would_end_its_line() -> None:
+    assert header_block({"type": " spaced  out "}) == b"NATS/1.0\r\ntype:  spaced  out \r\n\r\n"
+    for value in ("a\nb", "a\rb", "a\r\nb"):
+        assert (
+            header_block({"type": value, "source": "s"})
+            == b"NATS/1.0\r\ntype: a" + b" " * len(value[1:-1]) + b"b\r\nsource: s\r\n\r\n"
+        )
+    assert header_block({"source": "s"}, "s/0/1/2", "s/0/1/1") == (
+        b"NATS/1.0\r\nsource: s\r\nNats-Msg-Id: s/0/1/2\r\nNats-Expected-Last-Msg-Id: s/0/1/1\r\n\r\n"
+    )
+    assert header_block({}, expected_last="x") == b"NATS/1.0\r\nNats-Expected-Last-Msg-Id: x\r\n\r\n"
+
+
+def test_hpub_with_a_reply_counts_the_headers_and_the_payload() -> None:
+    assert hpub("kv.a.0", "_INBOX.1", b"HDR", b"xy") == b"HPUB kv.a.0 _INBOX.1 3 5\r\nHDRxy\r\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
 import connectors.nats as nats_connector
@@ -158,3 +159,39 @@ def test_a_journal_part_filled_to_its_budget_fits_the_value_limit() -> None:
         ops: list[tuple[str, bytes | None]] = [(f"GPU/999/{i:016x}", b"v" * value) for i in range(60)] + [("CPU/0/01", None)]
         parts = journal_parts(big, head_doc, ops, budget, clear=True, writer="f" * 16)
         assert max(len(p) for p in parts) <= size, (value, max(len(p) for p in parts))
+
+
+def test_journal_parts_hold_about_limit_bytes_each() -> None:
+    """An op counts its key, its document (4 for a delete: ``null``) and 8 bytes; a part takes ops
+    while their count stays at or below ``limit``, and at least one."""
+    put = ("k1", b'"01234567"')  # 2 + 10 + 8 = 20
+    wide = ("k12", b'"01234567"')  # 21
+    delete = ("k2", None)  # 2 + 4 + 8 = 14
+
+    def shape(ops: list[tuple[str, bytes | None]], limit: int) -> list[int]:
+        parts = journal_parts(head(7), b"{}", ops, limit)
+        assert journal_redo(parts, None) == (False, ops, b"{}")
+        return [len(msgspec.json.decode(p)["ops"]) for p in parts]
+
+    assert shape([put, put, put], 40) == [2, 1]  # 40: full, not over
+    assert shape([put, delete, put], 34) == [2, 1]
+    assert shape([put, delete, put], 33) == [1, 1, 1]
+    assert shape([put, put, put, put], 40) == [2, 2]  # each part counts from 0
+    assert shape([put, put, wide, put], 40) == [2, 1, 1]
+    assert shape([("big", b'"' + b"x" * 98 + b'"'), put], 40) == [1, 1]  # one op over the limit: a part of its own
+    assert shape([], 40) == [0]
+
+
+def test_the_newest_complete_journal_is_the_one_redone() -> None:
+    ops: list[tuple[str, bytes | None]] = [("k", b"1")]
+    older, newer = journal_parts(head(5), b'{"seq":5}', ops, 300), journal_parts(head(6), b'{"seq":6}', ops, 300)
+    assert journal_redo([*newer, *older], head(4)) == journal_redo([*older, *newer], head(4)) == (False, ops, b'{"seq":6}')
+
+
+def test_parts_of_two_tries_of_one_write_are_not_a_whole_journal() -> None:
+    """Parts of the same write split differently (another try, another limit) do not make a whole
+    one together, even when they are as many as one of them says."""
+    ops: list[tuple[str, bytes | None]] = [(f"k{i}", b'"01234567"') for i in range(6)]
+    two, three = journal_parts(head(7), b"{}", ops, 60), journal_parts(head(7), b"{}", ops, 40)
+    assert (len(two), len(three)) == (2, 3)
+    assert journal_redo([two[0], three[2]], head(6)) is None

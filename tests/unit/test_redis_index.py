@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bridge.records import Record, Stream
-from connectors.redis import index_delta
+from connectors.redis import IndexDelta, index_delta
 from tests.support.records import CacheModel
 
 EVENT = st.one_of(
@@ -49,3 +49,34 @@ def test_a_delta_applied_to_any_counts_equals_its_events_one_by_one(
     assert +fields == want
     members = {f.rsplit(":", 1)[1] for f, n in fields.items() if n > 0}
     assert members == model.blocks
+
+
+def test_each_copy_gets_its_step_and_floor_and_members_are_named_by_their_hash() -> None:
+    events: list[dict[str, Any]] = [
+        {"type": "BlockStored", "block_hashes": [7, 7], "medium": "GPU"},  # two copies stored
+        {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"},
+        {"type": "BlockRemoved", "block_hashes": [b"\x01\xff"], "group_idx": 2},  # absent: floor 0
+        {"type": "BlockStored", "block_hashes": ["h:1", -1]},
+    ]
+    assert index_delta(events) == IndexDelta(
+        False,
+        [
+            ("7", "c:GPU:-:7", 1, 1),
+            ("01ff", "c:-:2:01ff", -1, 0),
+            ("h:1", "c:-:-:h:1", 1, 1),
+            ("-1", "c:-:-:-1", 1, 1),
+        ],
+    )
+    assert index_delta(events[3:], hash_hex=True).changes[1][0] == "ffffffffffffffff"
+    assert index_delta([{"type": "BlockStored", "block_hashes": [True]}], hash_hex=True).changes[0][0] == "True"
+
+
+def test_events_that_touch_no_block_change_nothing() -> None:
+    other: list[dict[str, Any]] = [
+        {"type": "Heartbeat", "block_hashes": [1]},
+        {"type": "BlockStored"},
+        {"type": "BlockRemoved", "block_hashes": None},
+    ]
+    assert index_delta(other) == IndexDelta(False, [])
+    cleared = index_delta([{"type": "BlockStored", "block_hashes": [1]}, {"type": "AllBlocksCleared"}, *other])
+    assert cleared == IndexDelta(True, [])

@@ -23,7 +23,7 @@ from redis.asyncio.connection import AbstractConnection, Connection, SSLConnecti
 from bridge.config import from_data
 from bridge.connector import Registry
 from connectors import _redis_internals as internals
-from connectors.redis import RedisConnector
+from connectors.redis import RedisConnector, _slot
 
 ARG = st.one_of(
     st.text(max_size=30),
@@ -97,3 +97,4 @@ def test_key_slot_is_the_cluster_hash_slot() -> None:
     assert internals.key_slot("{user1000}.following") == internals.key_slot("{user1000}.followers") == tagged
     assert internals.key_slot("kv:{llama-a:0}") == internals.key_slot("kv:{llama-a:0}:blocks")
     assert internals.key_slot("foo{}{bar}") != internals.key_slot("bar")  # an empty first tag hashes the whole key
+    assert _slot("foo") == 12182 and _slot("{user1000}.following") == tagged  # (the connector's, cached)
