@@ -620,6 +620,11 @@ EQUIVALENT: list[Equivalent] = [
             ("SHARED_MAX_BYTES = 8 * 2**20", "2 -> 3", 0),
             ("SHARED_MAX_BYTES = 8 * 2**20", "20 -> 21", 0),
             ("SHARED_MAX_BYTES = 8 * 2**20", "20 -> 19", 0),
+            *(
+                ("while len(shared) > SHARED_MAX or (self._shared_bytes > SHARED_MAX_BYTES and len(shared) > 1):", "> -> >=", n)
+                for n in (0, 1, 2)
+            ),
+            ("while len(shared) > SHARED_MAX or (self._shared_bytes > SHARED_MAX_BYTES and len(shared) > 1):", "1 -> 0", 0),
         )
     ),
     Equivalent(
@@ -1011,6 +1016,22 @@ EQUIVALENT: list[Equivalent] = [
             "the exact size at which the subjects' cache is cleared changes no subject, only how often one is rendered again",
         )
         for what in ("> -> >=", "100000 -> 100001", "100000 -> 99999")
+    ),
+    *(
+        Equivalent(
+            "formats",
+            "return EventRecordHeader(s.source, s.dp_rank, record.epoch, record.seq, 0, record.ts, SCHEMA_VERSION)",
+            what,
+            "its one caller (_events, msgpack) sets each event's own index over it; the key keeps its place in the "
+            "header's order",
+        )
+        for what in ("0 -> 1", "0 -> -1")
+    ),
+    Equivalent(
+        "formats",
+        "_INDEX_TEXT = [str(i) for i in range(4096)]",
+        "4096 -> 4097",
+        "the tables are read only below 4096 (`_INDEX_TEXT[i] if i < 4096 else str(i)`): one entry more is never read",
     ),
     *(
         Equivalent(

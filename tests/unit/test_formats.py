@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bridge.formats import Envelope, Renderer, hex64, sample_message
+from bridge.formats import SEED_TYPE, STATE_TYPE, Envelope, Message, Renderer, hex64, json_event, sample_message
 from bridge.records import Record, Stream, events_lost, source_reset
 from bridge.schema import SCHEMA_VERSION, EventRecordHeader
 
@@ -95,8 +95,8 @@ def test_control_records() -> None:
     reset = source_reset(STREAM, 3, "publisher_restart", 0.0)
     lost = events_lost(STREAM, 3, 0, 4, "replay_unavailable", 0.0)
     for fmt in ("json", "raw"):
-        (r,) = Renderer(fmt, "event").render(reset)  # type: ignore[arg-type]
-        (lo,) = Renderer(fmt, "event").render(lost)  # type: ignore[arg-type]
+        (r,) = Renderer(fmt, "event").render(reset)
+        (lo,) = Renderer(fmt, "event").render(lost)
         assert json.loads(r.value) == {
             "source": "llama-a",
             "dp_rank": 1,
@@ -153,7 +153,7 @@ def test_a_batch_the_decoder_proved_plain_renders_as_when_every_value_is_checked
         batch = decode_batch(encode_batch(profile, 2.5, events, 0))
         assert batch.plain == ("bytes" not in name), name
         for hash_format in ("int", "hex"):
-            renderer = Renderer(f, g, hash_format)  # type: ignore[arg-type]
+            renderer = Renderer(f, g, hash_format)
             checked = Record(stream=Stream("e", 0), epoch=1, seq=4, ts=batch.ts, events=batch.events, plain=False)
             trusted = msgspec.structs.replace(checked, plain=batch.plain)
             assert [m.value for m in renderer.render(trusted)] == [m.value for m in renderer.render(checked)], (name, hash_format)
@@ -205,7 +205,7 @@ def test_every_messages_headers_follow_the_contract_and_their_encoded_pairs_agre
     """Headers are built from the record's envelope when read: the same fields, in the same order,
     for every kind of message, and ``header_items`` is exactly them encoded (what Kafka sends)."""
     f, g = fmt.split("/")
-    renderer = Renderer(f, g)  # type: ignore[arg-type]
+    renderer = Renderer(f, g)
     no_ts = msgspec.structs.replace(RECORD, ts=None)
     named = msgspec.structs.replace(RECORD, instance=b"\x5f" * 16)  # (a publisher that sends its UUID)
     records = [RECORD, no_ts, named, source_reset(STREAM, 3, "publisher_restart", 0.0), events_lost(STREAM, 3, 0, 4, "gap", 0.0)]
@@ -313,3 +313,45 @@ def test_binary_outside_any_list_goes_out_as_hex_in_json() -> None:
     record = Record(stream=Stream("e", 0), epoch=1, seq=2, ts=1.5, events=[event])
     (body,) = [json.loads(m.value) for m in Renderer("json", "event").render(record)]
     assert (body["extra"], body["nested"]) == ("ff", {"a": "01"})
+
+
+def test_a_json_event_keeps_integer_hashes_as_numbers_without_hash_hex_even_when_it_is_fixed_up() -> None:
+    event = {"type": "BlockStored", "block_hashes": [7, 2**64 - 1], "parent_block_hash": 5, "extra": b"\x01"}
+    assert json_event(event, False) == {**event, "extra": "01"}  # (the bytes made JSON, the hashes as they are)
+    assert json_event(event, True) == {
+        **event,
+        "block_hashes": [hex64(7), hex64(2**64 - 1)],
+        "parent_block_hash": hex64(5),
+        "extra": "01",
+    }
+
+
+def test_a_state_seeded_record_sorts_after_its_batchs_events_and_before_its_state() -> None:
+    seed = sample_message(STREAM, SEED_TYPE, epoch=2)
+    state = sample_message(STREAM, STATE_TYPE, epoch=2)
+    event = Message(seed.record, 2**24, "BlockStored", b"", seed.envelope)
+    assert event.position < seed.position < state.position
+    assert (seed.position[2], state.position[2]) == (2**64 - 2, 2**64 - 1)  # the last two subs of 64 bits
+
+
+def test_a_renderer_starts_with_one_sink_that_keeps_nothing_for_others_and_each_sink_added_counts() -> None:
+    renderer = Renderer("json", "event")
+    batch = Record(stream=Stream("e", 0), epoch=1, seq=0, events=[{"type": "AllBlocksCleared"}])
+    first = renderer.render(batch)
+    assert renderer.render(batch) is not first and renderer._shared == {}  # no other sink to keep it for
+    renderer.sharers += 1  # what the runtime does for each further sink of the same renderer
+    shared = renderer.render(batch)
+    assert renderer.render(batch) is shared and renderer._shared == {}  # taken by both: forgotten
+
+
+def test_a_batch_seeded_from_a_snapshot_renders_its_own_messages_then_its_state_seeded_record() -> None:
+    seed = Record(stream=STREAM, epoch=2, seq=42, kind="StateSeeded", events=[], from_seq=40, reason="d1")
+    seeded = Record(stream=STREAM, epoch=2, seq=42, ts=RECORD.ts, payload=RECORD.payload, events=EVENTS, seed=seed)
+    for fmt, granularity in (("json", "event"), ("json", "batch"), ("raw", "batch")):
+        renderer = Renderer(fmt, granularity)
+        messages = renderer.render(seeded)
+        plain = Renderer(fmt, granularity).render(RECORD)
+        assert [m.value for m in messages[:-1]] == [m.value for m in plain]
+        last = messages[-1]
+        assert (last.type, last.record, last.index) == (SEED_TYPE, seed, None)
+        assert last.position == (2, 43, 2**64 - 2) and last.msg_id == "llama-a/1/2/42/seeded"
