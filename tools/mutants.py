@@ -601,6 +601,12 @@ EQUIVALENT: list[Equivalent] = [
             ("return False", "False -> True", "_needs_json_fix"),
             ("continue", "statement deleted", "json_event"),  # token ids: ints, passed as they are either way
             ("if t in scalars:", "in -> not in", "_needs_json_fix"),  # True at the event's type, a str
+            # every event of a batch not proved plain goes through json_event: the same JSON
+            (
+                "if hash_hex or not header_keys.isdisjoint(event) or (check and _needs_json_fix(event)):",
+                "and -> or",
+                "_events",
+            ),
         )
     ),
     *(
@@ -644,6 +650,7 @@ EQUIVALENT: list[Equivalent] = [
             'h["index"] = _INDEX_TEXT[i] if i < 4096 else str(i)',
             'items.append(("index", _INDEX[i] if i < 4096 else str(i).encode()))',
             'return self.envelope.id + "/" + (_INDEX_TEXT[i] if i < 4096 else str(i))',
+            "index = index_bytes[i] if i < 4096 else str(i).encode()",
         )
     ),
     Equivalent(
@@ -1026,6 +1033,13 @@ EQUIVALENT: list[Equivalent] = [
             "header's order",
         )
         for what in ("0 -> 1", "0 -> -1")
+    ),
+    Equivalent(
+        "formats",
+        "if len(self._heads) >= 4096:",
+        "4096 -> 4095",
+        "the encoded headers kept per (source, dp_rank, epoch) are a cache: one fewer at most changes how often one is "
+        "encoded again, never the bytes (test_formats checks the bound of 4096)",
     ),
     Equivalent(
         "formats",

@@ -355,3 +355,17 @@ def test_a_batch_seeded_from_a_snapshot_renders_its_own_messages_then_its_state_
         last = messages[-1]
         assert (last.type, last.record, last.index) == (SEED_TYPE, seed, None)
         assert last.position == (2, 43, 2**64 - 2) and last.msg_id == "llama-a/1/2/42/seeded"
+
+
+def test_an_event_whose_type_is_not_text_goes_out_as_unknown() -> None:
+    events = [{"type": "BlockStored"}, {"type": 5, "block_hashes": [1]}, {"block_hashes": [2]}]
+    record = Record(stream=STREAM, epoch=2, seq=1, events=events)
+    for fmt in ("json", "msgpack"):
+        assert [m.type for m in Renderer(fmt, "event").render(record)] == ["BlockStored", "Unknown", "Unknown"]
+
+
+def test_the_encoded_headers_kept_per_stream_and_epoch_are_bounded() -> None:
+    renderer = Renderer("json", "event")
+    for epoch in range(4100):
+        renderer.render(Record(stream=STREAM, epoch=epoch, seq=0, events=[{"type": "AllBlocksCleared"}]))
+        assert len(renderer._heads) <= 4096

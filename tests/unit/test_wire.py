@@ -341,3 +341,75 @@ def test_a_batch_that_is_neither_an_array_nor_a_map_is_refused_naming_what_it_is
 def test_a_map_event_with_its_type_not_first_is_read_with_the_type_first_and_every_field() -> None:
     event = wire.normalise_event({"block_hashes": [1, 2], "medium": "GPU", "type": "BlockRemoved"})
     assert list(event.items()) == [("type", "BlockRemoved"), ("block_hashes", [1, 2]), ("medium", "GPU")]
+
+
+@pytest.mark.parametrize(("marker", "layout"), [(b"\xcf", ">Q"), (b"\xd3", ">q")], ids=["uint64", "int64"])
+def test_an_integer_ts_of_an_array_batch_is_milliseconds_whether_unsigned_or_signed(marker: bytes, layout: str) -> None:
+    """RFC 1527 producers send an int64 of milliseconds; msgpack writers encode it as uint64 or as
+    int64 (one that always writes signed): either is read as seconds, on every path."""
+    ms = 1_780_000_000_250
+    payload = b"\x92" + marker + struct.pack(layout, ms) + msgspec.msgpack.encode([["BlockRemoved", [1], "GPU"]])
+    assert wire.decode_batch(payload).ts == wire.decode_generic(payload).ts == 1_780_000_000.25
+    counted = wire.count_batch(payload)
+    assert counted is not None and counted.ts == 1_780_000_000.25
+
+
+def test_an_array_block_removed_names_five_fields_and_keeps_the_rest_as_extra() -> None:
+    payload = msgspec.msgpack.encode([1.5, [["BlockRemoved", [1], "GPU", 0, "loc", "own", [2]]]])
+    (event,) = wire.decode_batch(payload).events
+    assert event == {
+        "type": "BlockRemoved",
+        "block_hashes": [1],
+        "medium": "GPU",
+        "group_idx": 0,
+        "locality": "loc",
+        "ownership": "own",
+        "extra": [[2]],
+    }
+
+
+def test_a_sequence_frame_of_8_or_24_bytes_gives_the_seq() -> None:
+    assert wire.parse_seq((7).to_bytes(8, "big")) == 7
+    assert wire.parse_seq((2**64 - 2).to_bytes(8, "big") + b"\x01" * 16) == 2**64 - 2
+    with pytest.raises(DecodeError, match="bad_seq"):
+        wire.parse_seq(b"\x00" * 9)
+
+
+END = b"\xff" * 8
+
+
+@pytest.mark.parametrize(
+    ("window", "read"),
+    [
+        ([3, 9], (3, 9)),
+        ([0, 0], (0, 0)),
+        ([None, None], (None, None)),
+        ([None, 5], (None, 5)),
+        ([4, None], (4, None)),
+        ([3], None),
+        ([1, 2, 3], None),
+        ([-1, 5], None),
+        ([3, -1], None),
+        ([True, 5], None),
+        (["3", 5], None),
+        ([3.0, 5], None),
+        ({"a": 1, "b": 2}, None),
+    ],
+)
+def test_rocm_atoms_end_marker_carries_its_buffered_window_and_nothing_else_reads_as_one(window: Any, read: Any) -> None:
+    reply = wire.parse_replay([b"", b"topic", END, msgspec.msgpack.encode(window)])
+    assert reply.end and reply.payload == b"" and reply.window == read
+
+
+def test_an_end_marker_without_a_window() -> None:
+    for payload in (b"", b"\xc1", b"\x92\x01"):  # empty (everyone else), not msgpack, cut short
+        reply = wire.parse_replay([b"", END, payload])
+        assert reply.end and reply.window is None
+
+
+def test_a_reply_of_two_frames_is_its_seq_and_payload_even_when_the_seq_frame_is_empty() -> None:
+    """Only a reply of 3 or 4 frames starts with the ROUTER's delimiter: 2 frames are seq and
+    payload, and an empty seq frame is a bad sequence frame, not a delimiter."""
+    assert wire.parse_replay([(5).to_bytes(8, "big"), b"x"]).seq == 5
+    with pytest.raises(DecodeError, match="bad_seq"):
+        wire.parse_replay([b"", b"x"])
