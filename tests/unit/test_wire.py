@@ -413,3 +413,29 @@ def test_a_reply_of_two_frames_is_its_seq_and_payload_even_when_the_seq_frame_is
     assert wire.parse_replay([(5).to_bytes(8, "big"), b"x"]).seq == 5
     with pytest.raises(DecodeError, match="bad_seq"):
         wire.parse_replay([b"", b"x"])
+
+
+def test_an_rfc1527_event_is_read_under_the_names_consumers_read_every_original_field_kept() -> None:
+    raw = {"event_type": "stored", "type": "Old", "seq_hashes": [1], "parent_hash": 0, "medium": "gpu", "block_size": None}
+    assert wire.normalise_rfc1527(raw) == {
+        "type": "BlockStored",  # event_type decides over the producer's legacy type
+        "event_type": "stored",
+        "seq_hashes": [1],
+        "parent_hash": 0,
+        "medium_rfc1527": "gpu",
+        "medium": "GPU",
+        "block_hashes": [1],
+        "parent_block_hash": 0,
+    }
+    both = wire.normalise_rfc1527({"event_type": "removed", "seq_hashes": [1], "block_hashes": [9], "medium": "CPU"})
+    assert both == {"type": "BlockRemoved", "event_type": "removed", "seq_hashes": [1], "block_hashes": [9], "medium": "CPU"}
+
+
+def test_an_rfc1527_event_type_this_bridge_does_not_know_takes_the_producers_type_or_is_refused() -> None:
+    moved = wire.normalise_rfc1527({"event_type": "moved", "type": "BlockMoved", "seq_hashes": [1]})
+    assert moved == {"type": "BlockMoved", "event_type": "moved", "seq_hashes": [1], "block_hashes": [1]}
+    for raw in ({"event_type": "moved"}, {"event_type": "moved", "type": ""}, {"event_type": 5, "type": 7}):
+        with pytest.raises(
+            DecodeError, match=r"bad_event: RFC 1527 event with event_type .*, expected stored, removed or cleared"
+        ):
+            wire.normalise_rfc1527(raw)
