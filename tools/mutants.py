@@ -1001,13 +1001,15 @@ EQUIVALENT: list[Equivalent] = [
         )
         for what in ("65536 -> 65537", "65536 -> 65535")
     ),
-    Equivalent(
-        "redis",
-        'return f"{first}-{1 if first == 0 and sub == 0 else sub}"',
-        "== -> !=",
-        "first == 0 is epoch 0 and slot 0, and slot 0 holds only a SourceReset (sub 0: slot = seq + 1, and the "
-        "sub of a control record is 0): no position has first 0 and a sub other than 0",
-        nth=1,
+    *(
+        Equivalent(
+            "sequencer",
+            "max_held: int = 20000,",
+            what,
+            "the bridge always passes replay.max_held_batches (StreamPipeline); the default is only what a test that "
+            "builds a sequencer without it gets, and none holds 20 000 batches",
+        )
+        for what in ("20000 -> 20001", "20000 -> 19999")
     ),
     Equivalent(
         "kafka",

@@ -210,3 +210,14 @@ def test_a_replay_under_the_epochs_uuid_needs_no_verification() -> None:
     req = next(a for a in out if isinstance(a, RequestReplay))
     out = [a for n in (3, 4) for a in s.replayed(req.request_id, n, p(A, n), instance=A)]
     assert delivered(out) == [(0, 3), (0, 4), (0, 5)] and not s.in_doubt
+
+
+def test_a_stream_remembers_the_64_uuids_retired_last() -> None:
+    """Each instance gone is retired; past 64, the oldest is forgotten (a crash-looping engine must
+    not grow a stream's memory without bound)."""
+    uuids = [bytes([i]) * 16 for i in range(1, 67)]
+    s = seqr(replay=False)
+    for n, uuid in enumerate(uuids):
+        s.live(n, p(uuid, n), instance=uuid)
+    assert s.sure_instance == uuids[-1]
+    assert s.retired_instances == uuids[1:-1]  # 65 retired: the first forgotten
