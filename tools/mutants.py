@@ -1038,6 +1038,13 @@ EQUIVALENT: list[Equivalent] = [
     ),
     Equivalent(
         "formats",
+        "if (t is int and hex_ints) or (t is list and (hex_ints or not _scalar_list(v))) or t in _CONVERT:",
+        "and -> or",
+        "it only also calls _jsonable for an int that is not to be made hex (returned as it is) and, with hex_ints, "
+        "for a scalar (returned as it is) or a list, tuple or map (the same call the other tests make)",
+    ),
+    Equivalent(
+        "formats",
         "if len(self._heads) >= 4096:",
         "4096 -> 4095",
         "the encoded headers kept per (source, dp_rank, epoch) are a cache: one fewer at most changes how often one is "

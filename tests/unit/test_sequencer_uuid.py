@@ -221,3 +221,13 @@ def test_a_stream_remembers_the_64_uuids_retired_last() -> None:
         s.live(n, p(uuid, n), instance=uuid)
     assert s.sure_instance == uuids[-1]
     assert s.retired_instances == uuids[1:-1]  # 65 retired: the first forgotten
+
+
+def test_a_kept_uuid_is_certain_only_with_a_batch_to_verify_a_replay_against() -> None:
+    """Without the fingerprint of the batch delivered last, the replay that ends the doubt is
+    taken on trust, and a UUID kept would contradict that: it is met afresh."""
+    last = p(A, 5)
+    kept = seqr(delivered=5, delivered_fp=fingerprint(ts(last), last), epoch=7, instance=A, retired=[B])
+    assert kept.sure_instance == A and kept.retired_instances == [B]
+    afresh = seqr(delivered=5, epoch=7, instance=A, retired=[B])
+    assert afresh.sure_instance is None and afresh.retired_instances == [B]
