@@ -1011,6 +1011,20 @@ EQUIVALENT: list[Equivalent] = [
         )
         for what in ("20000 -> 20001", "20000 -> 19999")
     ),
+    *(
+        Equivalent(
+            "state",
+            text,
+            what,
+            "a tuning constant of BlockTable (old slots moved per change while it grows; its smallest size): the "
+            "table holds the same blocks, counts and versions at every step, only the cost of a change differs",
+        )
+        for text, whats in (
+            ("MOVE_STEP = 64  # old slots moved per change while a table grows (see BlockTable)", ("64 -> 65", "64 -> 63")),
+            ("_MIN_SIZE = 7", ("7 -> 8", "7 -> 6")),
+        )
+        for what in whats
+    ),
     Equivalent(
         "kafka",
         "elif epoch == last[0] and seq > last[1]:",

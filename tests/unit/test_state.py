@@ -443,3 +443,11 @@ def test_a_fact_read_back_from_a_token_hashing_sink_keeps_its_token_hashes() -> 
     assert again.seed(A, d.head, [entry])
     d = again.apply(Record(stream=A, epoch=1, seq=2, events=[removed([7])]))
     assert (parse(fmt.entry(A, d.head, d.changes[0])) or {})["token_hashes"] == doc["token_hashes"]
+
+
+def test_versions_stay_4_bytes_up_to_2_32_minus_1_and_a_larger_one_widens_them() -> None:
+    table = BlockTable()
+    table.add(1, 2**32 - 1)
+    assert table.vers.typecode == "I" and table.version(1) == 2**32 - 1
+    table.add(2, 2**32)
+    assert table.vers.itemsize == 8 and table.version(1) == 2**32 - 1 and table.version(2) == 2**32
