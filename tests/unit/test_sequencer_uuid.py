@@ -231,3 +231,12 @@ def test_a_kept_uuid_is_certain_only_with_a_batch_to_verify_a_replay_against() -
     assert kept.sure_instance == A and kept.retired_instances == [B]
     afresh = seqr(delivered=5, epoch=7, instance=A, retired=[B])
     assert afresh.sure_instance is None and afresh.retired_instances == [B]
+
+
+def test_a_heartbeat_is_first_contact_with_an_instance_and_one_from_a_retired_uuid_is_ignored() -> None:
+    s = seqr()
+    assert s.heartbeat(0, A) == []  # nothing published yet, nothing missed
+    assert s.sure_instance == A  # known for certain from its first heartbeat
+    resumed = seqr(replay=True, delivered=2, epoch=3, instance=B, retired=[A])
+    assert resumed.heartbeat(50, A) == []  # a late heartbeat of an instance gone: no gap to fetch
+    assert resumed.epoch == 3 and resumed.retired_instances == [A]
