@@ -240,3 +240,31 @@ def test_a_heartbeat_is_first_contact_with_an_instance_and_one_from_a_retired_uu
     resumed = seqr(replay=True, delivered=2, epoch=3, instance=B, retired=[A])
     assert resumed.heartbeat(50, A) == []  # a late heartbeat of an instance gone: no gap to fetch
     assert resumed.epoch == 3 and resumed.retired_instances == [A]
+
+
+def test_what_a_heartbeat_says_of_the_seqs_below_it() -> None:
+    """Everything below a heartbeat's next seq was published: what the stream has not seen is
+    fetched (from the last seq delivered, which it verifies), only with a replay endpoint, and a
+    heartbeat without a UUID where the epoch's instance sent one shows a new instance."""
+    assert seqr().heartbeat(0, A) == []  # nothing published yet
+    assert seqr().heartbeat(1, A) == [RequestReplay(1, 0, -1, 0)]  # seq 0 was, and never seen
+    s = seqr()
+    feed(s, A, range(3))
+    assert s.heartbeat(4, A) == [RequestReplay(1, 2, -1, 0)]  # seq 3 missed
+    t = seqr(replay=False)
+    feed(t, A, range(3))
+    assert t.heartbeat(6, A) == []  # without replay the next batch shows the gap
+    u = seqr()
+    feed(u, A, range(3))
+    assert u.heartbeat(3, None) == [Reset(1, INSTANCE_CHANGED), RequestReplay(1, 0, -1, 0)]
+
+
+def test_a_heartbeat_under_the_epochs_uuid_ends_the_doubt_and_one_without_a_uuid_proves_nothing() -> None:
+    s = seqr()
+    feed(s, A, range(3))
+    s.disconnected(now=10.0)
+    assert s.in_doubt and s.heartbeat(3, A) == [] and not s.in_doubt
+    anonymous = seqr()
+    feed(anonymous, None, range(3))
+    anonymous.disconnected(now=10.0)
+    assert anonymous.heartbeat(10, None) == [] and anonymous.in_doubt  # (no replay asked either)
