@@ -1004,12 +1004,28 @@ EQUIVALENT: list[Equivalent] = [
     *(
         Equivalent(
             "sequencer",
+            "if top > max(self.delivered, self.last_live if self.last_live is not None else -1, max(self.held, default=-1)):",
+            "1 -> 2",
+            _NO_SEQ,
+            nth=nth,
+        )
+        for nth in (0, 1)
+    ),
+    *(
+        Equivalent(
+            "sequencer",
             "max_held: int = 20000,",
             what,
             "the bridge always passes replay.max_held_batches (StreamPipeline); the default is only what a test that "
             "builds a sequencer without it gets, and none holds 20 000 batches",
         )
         for what in ("20000 -> 20001", "20000 -> 19999")
+    ),
+    Equivalent(
+        "state",
+        'assert array(_NARROW).itemsize == 4 and array("Q").itemsize == 8',
+        "and -> or",
+        "an import-time check of the platform's array item sizes, both true wherever the bridge runs: either form passes",
     ),
     *(
         Equivalent(

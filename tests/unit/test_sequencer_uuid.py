@@ -268,3 +268,14 @@ def test_a_heartbeat_under_the_epochs_uuid_ends_the_doubt_and_one_without_a_uuid
     feed(anonymous, None, range(3))
     anonymous.disconnected(now=10.0)
     assert anonymous.heartbeat(10, None) == [] and anonymous.in_doubt  # (no replay asked either)
+
+
+def test_a_uuid_adopted_in_doubt_is_retired_when_another_comes() -> None:
+    s = seqr()
+    s.disconnected(now=10.0)
+    feed(s, B, [0])  # adopted in doubt, not verified yet
+    assert s.instance == B and s.sure_instance is None
+    out = feed(s, C, [0])
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
+    assert s.retired_instances == [B] and s.sure_instance == C
+    assert s.live(1, p(B, 1), instance=B) == [Duplicate(1)]  # a late message of it is dropped

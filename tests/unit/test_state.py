@@ -119,6 +119,8 @@ def test_every_hash_form_names_one_block() -> None:
     digest = bytes(range(24)) + (2**64 - 3).to_bytes(8, "big")
     assert block_id(2**64 - 3) == block_id(-3) == block_id(digest) == 2**64 - 3
     assert block_id(True) is None and block_id("ab") is None and block_id(2**64) is None and block_id(b"") is None
+    # a 64-bit hash, signed or unsigned: from -2**63 (its two's complement) up to 2**64 - 1
+    assert block_id(-(2**63)) == 2**63 and block_id(2**64 - 1) == 2**64 - 1 and block_id(-(2**63) - 1) is None
     t = StateTracker()
     f = Feed(t)
     d = f.batch(stored([digest]), stored([-3]))
