@@ -1021,6 +1021,32 @@ EQUIVALENT: list[Equivalent] = [
         )
         for what in ("20000 -> 20001", "20000 -> 19999")
     ),
+    *(
+        Equivalent(
+            "state",
+            text,
+            what,
+            "the growth state's values before any growth: every read of _moved and _cursor is while _old is set, "
+            "and _grow sets both before it sets _old",
+            within="__init__",
+        )
+        for text, what in (
+            ("self._moved = bytearray()", "statement deleted"),
+            ("self._cursor = 0", "statement deleted"),
+            ("self._cursor = 0", "0 -> 1"),
+            ("self._cursor = 0", "0 -> -1"),
+        )
+    ),
+    *(
+        Equivalent(
+            "state",
+            "return max(_MIN_SIZE, int(n / load) + 1) | 1  # odd: ids that share low bits still spread",
+            what,
+            "an odd size only spreads ids that share low bits (fewer probes): the table's contents are the same",
+            nth=1,
+        )
+        for what in ("1 -> 2", "1 -> 0")
+    ),
     Equivalent(
         "state",
         'assert array(_NARROW).itemsize == 4 and array("Q").itemsize == 8',
@@ -1038,6 +1064,11 @@ EQUIVALENT: list[Equivalent] = [
         for text, whats in (
             ("MOVE_STEP = 64  # old slots moved per change while a table grows (see BlockTable)", ("64 -> 65", "64 -> 63")),
             ("_MIN_SIZE = 7", ("7 -> 8", "7 -> 6")),
+            (
+                "return max(_MIN_SIZE, int(n / load) + 1) | 1  # odd: ids that share low bits still spread",
+                ("+ -> -", "1 -> 2", "1 -> 0"),
+            ),
+            ("self._alloc(max(_MIN_SIZE, capacity), _NARROW)", ("max -> min",)),
         )
         for what in whats
     ),
@@ -1123,7 +1154,11 @@ EQUIVALENT: list[Equivalent] = [
     ),
     *(
         Equivalent(module, text, "statement deleted", _SLOTS)
-        for module, text in (("kafka", '__slots__ = ("ends", "stream")'), ("nats", '__slots__ = ("fresh", "spans")'))
+        for module, text in (
+            ("kafka", '__slots__ = ("ends", "stream")'),
+            ("nats", '__slots__ = ("fresh", "spans")'),
+            ("state", '__slots__ = ("_cursor", "_limit", "_moved", "_old", "_vmax", "cap", "ids", "multi", "n", "vers")'),
+        )
     ),
 ]
 
