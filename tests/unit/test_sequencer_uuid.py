@@ -279,3 +279,10 @@ def test_a_uuid_adopted_in_doubt_is_retired_when_another_comes() -> None:
     assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
     assert s.retired_instances == [B] and s.sure_instance == C
     assert s.live(1, p(B, 1), instance=B) == [Duplicate(1)]  # a late message of it is dropped
+
+
+def test_a_gap_under_the_same_uuid_without_replay_is_announced_lost_and_what_is_past_it_delivered() -> None:
+    t = seqr(replay=False)
+    out = feed(t, A, [0, 1, 4])
+    assert out[2:] == [Gap(2, 3), Lost(2, 3, "no_replay", 0), Deliver(4, p(A, 4), 0)]
+    assert feed(t, A, [4, 3]) == [Duplicate(4), Duplicate(3)]  # (a copy, and a seq announced lost)
