@@ -453,3 +453,16 @@ def test_versions_stay_4_bytes_up_to_2_32_minus_1_and_a_larger_one_widens_them()
     assert table.vers.typecode == "I" and table.version(1) == 2**32 - 1
     table.add(2, 2**32)
     assert table.vers.itemsize == 8 and table.version(1) == 2**32 - 1 and table.version(2) == 2**32
+
+
+def test_a_table_says_which_blocks_it_holds_and_the_bytes_of_its_arrays_while_it_grows() -> None:
+    table = BlockTable()
+    assert table.nbytes() == table.cap * (8 + 4) and 0 not in table and "a" not in table
+    k = 0
+    while table._old is None:
+        k += 1
+        table.add(k * 7919, 1)
+    old_cap = table._old[2]
+    assert table.nbytes() == table.cap * (8 + 4) + old_cap * (8 + 4) + old_cap  # (and a flag per old slot)
+    assert all(i * 7919 in table for i in range(1, k + 1))  # (most still in the old arrays)
+    assert 7919 * (k + 1) not in table and -7919 not in table and True not in table and "7919" not in table
