@@ -401,7 +401,15 @@ class KafkaConnector:
         self._lost_topics: set[str] = set()  # the topics those spans were lost from
         self.creates_nothing = False  # --check: connect() creates nothing (bridge.connector)
         self._state_lost: set[str] = set()  # streams whose state a lost state topic held (refused: state_lost)
-        self._policy_checked: set[str] = set()  # state topics whose cleanup.policy was looked at
+        # The state topic deletes records by retention (its configs, read at connect and at each
+        # audit): why, while it does (state writes held, the sink not ready); and the log start
+        # offset of each of its partitions as last seen (retention or DeleteRecords moves it up).
+        self._state_deletes: str | None = None
+        self._state_starts: dict[tuple[str, int], int] = {}
+        self._read_back: dict[str, Stream] = {}  # streams whose head read_state found
+        # Streams whose state the state topic lost records of: told (SinkLost ``states``) at the
+        # next write or audit, after their heads are deleted (tombstones: no head says complete).
+        self._lost_states: dict[str, Stream] = {}
         self._reader: Any = None  # the consumer positions() reads partitions back with
         self._windows: dict[Any, _Window] = {}  # what it read of each partition
         # The live-block state (state.enabled): see _write_state.
@@ -438,6 +446,8 @@ class KafkaConnector:
         errors: dict[int, ConnectorError] = {}
         offsets: dict[int, int] | None = {} if self.writes_state else None
         chains = await self._build(producer, messages, errors)
+        if self._lost_states:
+            await self._drop_heads(producer)
         self._raise_lost(stale=False)  # found by _build, or by a health check: before anything is sent
         failed = await self._send_all(producer, chains, messages, errors, offsets)
         self._raise_lost(stale=failed)  # found in the offsets the broker gave (see _acknowledged)
@@ -452,17 +462,41 @@ class KafkaConnector:
         self._denied = None
 
     def _raise_lost(self, *, stale: bool) -> None:
-        """Raise :class:`SinkLost` for the spans kept by _lose (and forget them: the write that
-        follows goes through)."""
-        if not self._lost:
+        """Raise :class:`SinkLost` for the spans kept by _lose and the streams whose state the state
+        topic lost records of (and forget them: the write that follows goes through)."""
+        if not self._lost and not self._lost_states:
             return
-        spans, topics = list(self._lost.values()), sorted(self._lost_topics)
-        self._lost, self._lost_topics, self._stale = {}, set(), stale
-        raise SinkLost(
-            f"{self._where}: topic(s) {', '.join(map(repr, topics))} no longer hold messages the broker "
-            f"acknowledged (deleted, or deleted and created again): {len(spans)} stream(s) lost messages",
-            spans,
-        )
+        spans, topics, states = list(self._lost.values()), sorted(self._lost_topics), list(self._lost_states.values())
+        self._lost, self._lost_topics, self._lost_states, self._stale = {}, set(), {}, stale
+        what = []
+        if spans:
+            what.append(
+                f"topic(s) {', '.join(map(repr, topics))} no longer hold messages the broker acknowledged (deleted, or "
+                f"deleted and created again): {len(spans)} stream(s) lost messages"
+            )
+        if states:
+            what.append(
+                f"state topic {self._state_topic!r} deleted records (retention, or DeleteRecords): the state of "
+                f"{len(states)} stream(s) is lost"
+            )
+        raise SinkLost(f"{self._where}: {'; '.join(what)}", spans, states=states)
+
+    async def _drop_heads(self, producer: Any) -> None:
+        """Delete the head of each stream whose state the state topic lost records of (a tombstone
+        in its partition), so that no bootstrap takes what is left for a complete state while the
+        runtime has not written the stream's state again (a clear, incomplete). NotConnected when
+        the broker does not take them (the next write or audit tries again)."""
+        topic = self._state_topic
+        parts = self._partitions.get(topic) or sorted(await producer.partitions_for(topic))
+        for stream in list(self._lost_states.values()):
+            key = stream.key.encode()
+            partition = _PARTITIONER(key, parts, parts)
+            try:
+                await producer.send_and_wait(topic, None, key=key + b"/" + HEAD.encode(), partition=partition)
+            except kafka_errors.KafkaError as exc:
+                raise NotConnected(
+                    f"{self._where}: cannot delete the head of {stream.key} in state topic {topic!r}: {_describe(exc)}"
+                ) from None
 
     async def close(self) -> None:
         """Stop the producer, dropping what it still holds (the runtime bounds the call); never raises."""
@@ -510,12 +544,21 @@ class KafkaConnector:
         """Between writes (bridge.connector, I6): each topic the broker acknowledged messages in
         is looked at as a write prepares it (deleted, or ending before what was acknowledged: lost;
         with ``create`` created again). Raises SinkLost for an events topic's streams; a state
-        topic's streams have their next state refused, as at a write."""
+        topic's streams have their next state refused, as at a write. The state topic's configs
+        and start offsets are read again: one that deletes records by retention now, or whose
+        partitions start later than before (retention, DeleteRecords), lost state: those streams'
+        heads are deleted and their state told lost (SinkLost ``states``)."""
         producer = self._producer
         if producer is None or self._closed:
             return
-        for topic in sorted({tp[0] for tp in self._acked}):
-            await self._prepare_topic(producer, topic, state=self.writes_state and topic == self._state_topic)
+        for topic in sorted({tp[0] for tp in self._acked} | ({self._state_topic} if self._read_back else set())):
+            try:
+                await self._prepare_topic(producer, topic, state=self.writes_state and topic == self._state_topic)
+            except NotConnected as exc:
+                if exc.reason != "state_topic_deletes":
+                    raise
+        if self._lost_states:
+            await self._drop_heads(producer)
         self._raise_lost(stale=self._stale)
 
     async def positions(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:
@@ -635,6 +678,7 @@ class KafkaConnector:
                 continue  # a damaged head: cannot tell
             if type(doc.get("next")) is int:
                 self._stream_next.setdefault(stream.key, doc["next"])
+            self._read_back[stream.key] = stream
             out[stream.key] = seed
         return out
 
@@ -1097,7 +1141,6 @@ class KafkaConnector:
                 return  # --check: the run would create it; nothing is created here
             if code == _UNKNOWN_TOPIC and topic in self._known:
                 self._lose([tp for tp in self._acked if tp[0] == topic], state=state)
-                self._policy_checked.discard(topic)  # a state topic's configs are read again once it is back
                 if create and not recreated:  # created again with its settings
                     recreated = True
                     await self._create_topic(topic, state=state)
@@ -1142,9 +1185,8 @@ class KafkaConnector:
         self._partitions[topic] = partitions
         if self._topic_problem is not None and repr(topic) in self._topic_problem:
             self._topic_problem = None
-        if state and topic not in self._policy_checked:
-            self._policy_checked.add(topic)
-            await self._check_state_topic(topic)
+        if state:
+            await self._check_state_topic(topic, partitions)
 
     async def _check_kept(self, topic: str, partitions: list[int], *, state: bool) -> None:
         """Whether ``topic`` still holds what the broker acknowledged: a partition that ends before
@@ -1220,10 +1262,18 @@ class KafkaConnector:
                 last = streams[r.stream.key] = _Last(r.stream)
             last.note(r.epoch, r.seq)
 
-    async def _check_state_topic(self, topic: str) -> None:
-        """Read the state topic's configs (once per topic): warn when its cleanup policy or
-        retention would delete heads and live entries (bootstraps would silently miss blocks), and
-        bound its records by its ``max.message.bytes``."""
+    async def _check_state_topic(self, topic: str, partitions: list[int]) -> None:
+        """Read the state topic's configs and its partitions' start offsets (at connect, at each
+        audit, whenever a write prepares the topic), and bound its records by its
+        ``max.message.bytes``.
+
+        A topic that deletes records by retention (``cleanup.policy`` with ``delete`` and a
+        ``retention.ms`` or ``retention.bytes``) deletes live entries and heads: a bootstrap would
+        take what is left for a complete state (I6). It is refused (NotConnected naming the fix;
+        state writes are held, the sink not ready) until it is fixed; found so during a run, the
+        state of every stream it holds is lost, as it is when a partition starts later than it
+        did (retention, DeleteRecords): their heads are deleted and their state told lost
+        (:meth:`_raise_lost`). Configs or offsets that cannot be read prove nothing (logged)."""
         wanted = dict.fromkeys(("cleanup.policy", "retention.ms", "retention.bytes", "max.message.bytes"))
         admin = self._admin()
         try:
@@ -1235,28 +1285,85 @@ class KafkaConnector:
             return
         finally:
             await admin.close()
-        policy = configs.get("cleanup.policy")
-        if policy is not None and "compact" not in policy:
+        policy = configs.get("cleanup.policy") or ""
+        limits = [f"{k}={configs.get(k)}" for k in ("retention.ms", "retention.bytes") if configs.get(k) not in (None, "-1")]
+        deletes = "delete" in policy.split(",") and bool(limits)
+        if not deletes and policy and "compact" not in policy:
             log.warning(
-                "the state topic is not log-compacted (cleanup.policy=%s): retention will delete live entries "
-                "and heads; set cleanup.policy=compact",
+                "the state topic is not log-compacted (cleanup.policy=%s): it keeps every record and grows without "
+                "bound; set cleanup.policy=compact",
                 policy,
                 extra={"sink": self.name, "topic": topic},
             )
-        elif policy is not None and "delete" in policy:
-            limits = [f"{k}={configs.get(k)}" for k in ("retention.ms", "retention.bytes") if configs.get(k) not in (None, "-1")]
-            if limits:
-                log.warning(
-                    "the state topic deletes by retention as well as compacting (cleanup.policy=%s, %s): live entries "
-                    "and heads older than that are deleted and bootstraps miss blocks; set cleanup.policy=compact",
-                    policy,
-                    ", ".join(limits),
-                    extra={"sink": self.name, "topic": topic},
-                )
         limit = configs.get("max.message.bytes")
         if limit is not None and limit.isdigit() and int(limit) - _BATCH_OVERHEAD < self._batch_limit.get(topic, self._max_bytes):
             # A larger entry is written without its fact (_state_records): never refused for ever.
             self._batch_limit[topic] = max(1024, int(limit) - _BATCH_OVERHEAD)
+        moved = await self._moved_starts(topic, partitions)
+        if deletes and self._state_deletes is None:
+            moved = partitions  # what it deleted before this was seen is unknown: every partition
+        elif deletes:
+            moved = []  # told when it was first seen; nothing is written meanwhile
+        if moved:
+            self._tell_state_lost(topic, moved, partitions)
+        if not deletes:
+            self._state_deletes = None
+            return
+        self._state_deletes = (
+            f"state topic {topic!r} deletes records by retention (cleanup.policy={policy}, {', '.join(limits)}): live "
+            "entries and heads would go and a state marked complete would not be; set cleanup.policy=compact on it "
+            f"(kafka-configs --alter --entity-type topics --entity-name {topic} --add-config cleanup.policy=compact)"
+        )
+        self._topic_problem = self._state_deletes
+        self._partitions.pop(topic, None)  # prepared again (its configs read again) before each state write
+        raise NotConnected(f"{self._where}: {self._state_deletes}", reason="state_topic_deletes")
+
+    async def _moved_starts(self, topic: str, partitions: list[int]) -> list[int]:
+        """The partitions of the state topic whose log start offset is above what it was when last
+        read (records deleted from their start); the offsets are remembered."""
+        tps = [TopicPartition(topic, p) for p in partitions]
+        try:
+            consumer = await self._start_reader()
+            try:
+                begins = await consumer.beginning_offsets(tps)
+            finally:
+                await consumer.stop()
+        except (kafka_errors.KafkaError, OSError) as exc:
+            log.debug("cannot read the state topic's start offsets", extra={"sink": self.name, "error": _describe(exc)})
+            return []
+        moved = []
+        for tp, begin in begins.items():
+            before = self._state_starts.get((topic, tp.partition))
+            if before is not None and begin > before:
+                moved.append(tp.partition)
+            self._state_starts[(topic, tp.partition)] = begin
+        if moved:
+            log.error(
+                "the state topic's partitions start later than they did: records were deleted (retention, DeleteRecords)",
+                extra={"sink": self.name, "topic": topic, "partitions": sorted(moved)},
+            )
+        return moved
+
+    def _tell_state_lost(self, topic: str, lost: list[int], partitions: list[int]) -> None:
+        """The state topic lost records of partitions ``lost`` (of its ``partitions``): every stream
+        it holds there (written by this sink, or read back at start) has its head deleted and its
+        state told lost."""
+        wanted = set(lost)
+        streams = {
+            key: last.stream
+            for tp, held in self._acked_streams.items()
+            if tp[0] == topic and tp[1] in wanted
+            for key, last in held.items()
+        }
+        for key, stream in self._read_back.items():
+            if _PARTITIONER(key.encode(), partitions, partitions) in wanted:
+                streams.setdefault(key, stream)
+        if streams:
+            log.error(
+                "the state topic lost records: the state of its streams is told lost and their heads deleted",
+                extra={"sink": self.name, "topic": topic, "count": len(streams)},
+            )
+        self._lost_states.update(streams)
 
     def _admin(self) -> AIOKafkaAdminClient:
         """An admin client of the sink's cluster (not started), whose metadata refreshes create

@@ -14,9 +14,14 @@ s publishing through a bridge:
   topic: ``read_state``), and a bootstrap still equals the engine's cache, complete;
 - ``test_reset_tombstones_every_old_key``: a reset of a stream with 10^5 live blocks leaves no live
   key of the old epoch in the state topic, and a rebuild reads 10^5 keys back (timed);
-- ``test_state_topic_is_created_compacted_and_a_plain_one_is_warned_about``: ``state.create`` makes
-  a compacted topic; a missing one is never auto-created; a non-compacted one, or one that also
-  deletes by retention, is warned about;
+- ``test_state_topic_is_created_compacted_and_one_that_deletes_by_retention_is_refused``:
+  ``state.create`` makes a compacted topic; a missing one is never auto-created; one that deletes
+  by retention (``delete`` in its cleanup.policy and a retention limit) is refused at connect and
+  by ``--check``, naming the fix; a plain one that keeps everything is warned about;
+- ``test_a_state_topic_set_to_delete_by_retention_during_a_run_is_refused_and_the_state_told_lost``
+  and ``test_records_deleted_from_a_state_partitions_start_tell_its_streams_state_lost``: found by
+  the sink's audit while the stream is quiet; the heads go (no bootstrap says complete), the
+  sink is not ready naming the fix, and the state starts again incomplete;
 - ``test_a_state_entry_larger_than_the_state_topics_limit_neither_stalls_nor_lies``: an entry over
   the state topic's ``max.message.bytes`` is written without its fact; the state goes on, exact;
 - ``test_a_state_topic_deleted_during_a_run_comes_back_compacted_and_the_state_incomplete``: no
@@ -44,6 +49,7 @@ import pytest
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.admin.records_to_delete import RecordsToDelete
 from aiokafka.partitioner import DefaultPartitioner
 
 from bridge.config import SinkConfig, convert_options, from_data
@@ -353,7 +359,7 @@ def state_connector(kafka: KafkaServer, events: str, **state: Any) -> KafkaConne
     return KafkaConnector("k", convert_options(values, KafkaOptions, "sinks[0]"), SinkConfig(type="kafka", name="k"))
 
 
-async def test_state_topic_is_created_compacted_and_a_plain_one_is_warned_about(
+async def test_state_topic_is_created_compacted_and_one_that_deletes_by_retention_is_refused(
     kafka: KafkaServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     topic = await kafka.anew_topic()
@@ -370,21 +376,29 @@ async def test_state_topic_is_created_compacted_and_a_plain_one_is_warned_about(
     with pytest.raises(NotConnected, match=r"state topic .* does not exist"):
         await conn.connect()
     await conn.close()
-    # A plain (delete-policy) topic: connected, with a warning.
-    conn = state_connector(kafka, topic, topic=await kafka.anew_topic())
+    # A plain topic that keeps everything (delete policy, no retention limit): connected, warned about.
+    keeps = await kafka.anew_topic(config={"cleanup.policy": "delete", "retention.ms": "-1", "retention.bytes": "-1"})
+    conn = state_connector(kafka, topic, topic=keeps)
     with caplog.at_level(logging.WARNING, logger="connectors.kafka"):
         await conn.connect()
     await conn.close()
     assert any("not log-compacted" in r.getMessage() for r in caplog.records)
-    # Compacted and deleted by retention: heads and entries older than an hour would go.
-    caplog.clear()
+    # Deleting by retention (the broker's default 7 days on a plain topic, or compact,delete with
+    # an hour): heads and live entries would go and a bootstrap would call what is left complete
+    # (breaker29h K4). Refused at connect, --check (creates_nothing) included, naming the fix.
+    plain = await kafka.anew_topic()
     both = await kafka.anew_topic(config={"cleanup.policy": "compact,delete", "retention.ms": "3600000"})
-    conn = state_connector(kafka, topic, topic=both)
-    with caplog.at_level(logging.WARNING, logger="connectors.kafka"):
-        await conn.connect()
-    await conn.close()
-    warned = [r.getMessage() for r in caplog.records if "retention" in r.getMessage()]
-    assert len(warned) == 1 and "retention.ms=3600000" in warned[0] and "set cleanup.policy=compact" in warned[0], warned
+    for deleting, check in ((plain, False), (both, False), (both, True)):
+        conn = state_connector(kafka, topic, topic=deleting)
+        conn.creates_nothing = check
+        with pytest.raises(NotConnected, match=r"deletes records by retention") as refused:
+            await conn.connect()
+        problem = await conn.health()
+        await conn.close()
+        assert refused.value.reason == "state_topic_deletes"
+        assert repr(deleting) in str(refused.value) and "set cleanup.policy=compact" in str(refused.value)
+        assert problem is not None and "set cleanup.policy=compact" in problem
+    assert "retention.ms=3600000" in str(refused.value)
 
 
 async def test_a_state_entry_larger_than_the_state_topics_limit_neither_stalls_nor_lies(
@@ -508,6 +522,144 @@ async def test_a_state_topic_deleted_during_a_run_comes_back_compacted_and_the_s
                 assert not head["complete"] and not follower.state.complete  # what it held is gone: incomplete
             finally:
                 await follower.close()
+        finally:
+            await bridge.stop()
+
+
+async def head_now(kafka: KafkaServer, state_topic: str, partition: int, stream: str) -> dict[str, Any] | None:
+    """The head of ``stream`` a bootstrap finds now: None when there is none (never written, or
+    deleted by a tombstone)."""
+    key = f"{stream}/_head".encode()
+    head = None
+    for k, v in await read_partition(kafka.bootstrap_servers, TopicPartition(state_topic, partition)):
+        if k == key:
+            head = None if v is None else dict(json.loads(v))
+    return head
+
+
+async def alter_topic(kafka: KafkaServer, topic: str, configs: dict[str, str]) -> None:
+    """Set ``topic``'s configs to ``configs`` (AlterConfigs: the others go back to the broker's defaults)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, configs)])
+    finally:
+        await admin.close()
+
+
+async def head_at(kafka: KafkaServer, state_topic: str, partition: int, engine: CacheEngine) -> dict[str, Any]:
+    """Until the stream's head stands at the engine's last seq: that head."""
+    deadline = time.monotonic() + 30
+    while (head := await head_now(kafka, state_topic, partition, "a/0")) is None or head["seq"] != engine.last_seq:
+        assert time.monotonic() < deadline, f"the state did not reach seq {engine.last_seq}: {head}"
+        await asyncio.sleep(0.2)
+    return head
+
+
+def quiet_audit_config(
+    tmp_path: Path, kafka: KafkaServer, topic: str, state_topic: str, live: int, replay: int
+) -> dict[str, Any]:
+    return {
+        "sources": [source("a", live, replay)],
+        "sinks": [
+            sink(
+                kafka,
+                topic,
+                state_topic,
+                state={"enabled": True, "topic": state_topic, "create": True, "partitions": 2},
+                retry={"initial_backoff": "20ms", "max_backoff": "300ms"},
+            )
+        ],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "replay": REPLAY,
+        "shutdown_timeout": "3s",
+    }
+
+
+async def test_a_state_topic_set_to_delete_by_retention_during_a_run_is_refused_and_the_state_told_lost(
+    tmp_path: Path, kafka: KafkaServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 29 K4: an operator sets cleanup.policy=compact,delete with a retention on the state
+    topic during a run. The configs were read once at connect: retention then deleted old entries
+    and the heads went on saying complete (51-89% of the blocks missing). Now the sink's audit
+    reads them again while the stream is quiet: the head goes (a bootstrap is incomplete), the
+    sink is not ready naming the fix and holds what comes meanwhile; once the topic is compacted
+    only again, it goes on and the state starts again, incomplete."""
+    monkeypatch.setattr("bridge.sink.AUDIT_INTERVAL", 0.3)
+    monkeypatch.setattr("bridge.sink.HEALTH_INTERVAL", 0.3)
+    topic = await kafka.anew_topic(partitions=1)
+    state_topic = f"kvb-state-{uuid.uuid4().hex[:12]}"
+    live, replay = free_port(), free_port()
+    part = partition_of("a/0", 2)
+    async with CacheEngine(live, replay, seed=13) as engine:
+        bridge = Bridge(from_data(quiet_audit_config(tmp_path, kafka, topic, state_topic, live, replay), env={}))
+        await bridge.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(20)
+            await delivered(bridge, {"a": engine})
+            before = await head_at(kafka, state_topic, part, engine)
+            assert before["complete"]
+            await alter_topic(kafka, state_topic, {"cleanup.policy": "compact,delete", "retention.ms": "3600000"})
+            deadline = time.monotonic() + 30
+            # The head goes (a bootstrap finds no state: incomplete) and the sink is not ready.
+            while await head_now(kafka, state_topic, part, "a/0") is not None or bridge.readiness()[0]:
+                assert time.monotonic() < deadline, f"not seen while the stream is quiet: {bridge.readiness()}"
+                await asyncio.sleep(0.2)
+            problem = bridge.readiness()[1]["sinks"]["k"]
+            assert repr(state_topic) in problem and "set cleanup.policy=compact" in problem, problem
+            await engine.step(5)  # batches meanwhile: the sink holds them (their state may not be written)
+            await alter_topic(kafka, state_topic, {"cleanup.policy": "compact"})
+            after = await head_at(kafka, state_topic, part, engine)
+            assert not after["complete"] and after["gen"] > before["gen"], (before, after)
+            deadline = time.monotonic() + 30
+            while not bridge.readiness()[0]:
+                assert time.monotonic() < deadline, f"not ready again once fixed: {bridge.readiness()}"
+                await asyncio.sleep(0.2)
+        finally:
+            await bridge.stop()
+
+
+async def test_records_deleted_from_a_state_partitions_start_tell_its_streams_state_lost(
+    tmp_path: Path, kafka: KafkaServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 29 K4, the start offset: DeleteRecords (or a retention run between two audits) takes
+    records from the start of a state partition whose configs delete nothing (compact,delete
+    without a retention limit: accepted). Every record but the head goes: a bootstrap would say
+    complete over nothing. The audit finds the partition's start offset moved: the head goes,
+    the state starts again, incomplete."""
+    monkeypatch.setattr("bridge.sink.AUDIT_INTERVAL", 0.3)
+    topic = await kafka.anew_topic(partitions=1)
+    unlimited = {"cleanup.policy": "compact,delete", "retention.ms": "-1", "retention.bytes": "-1"}
+    state_topic = await kafka.anew_topic(partitions=2, config=unlimited)
+    live, replay = free_port(), free_port()
+    part = partition_of("a/0", 2)
+    async with CacheEngine(live, replay, seed=14) as engine:
+        bridge = Bridge(from_data(quiet_audit_config(tmp_path, kafka, topic, state_topic, live, replay), env={}))
+        await bridge.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(20)
+            await delivered(bridge, {"a": engine})
+            before = await head_at(kafka, state_topic, part, engine)
+            assert before["complete"]
+            tp = TopicPartition(state_topic, part)
+            _, end = await offsets(kafka.bootstrap_servers, tp)
+            admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+            await admin.start()
+            try:
+                await admin.delete_records({tp: RecordsToDelete(before_offset=end - 1)})  # all but the head
+            finally:
+                await admin.close()
+            deadline = time.monotonic() + 30
+            while await head_now(kafka, state_topic, part, "a/0") is not None:  # a bootstrap: no state, incomplete
+                assert time.monotonic() < deadline, "the head that lost its entries still stands"
+                await asyncio.sleep(0.2)
+            await engine.step(3)
+            after = await head_at(kafka, state_topic, part, engine)
+            assert not after["complete"] and after["gen"] > before["gen"], (before, after)
+            assert bridge.readiness()[0], bridge.readiness()
         finally:
             await bridge.stop()
 
