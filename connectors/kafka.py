@@ -1337,11 +1337,6 @@ class KafkaConnector:
             if before is not None and begin > before:
                 moved.append(tp.partition)
             self._state_starts[(topic, tp.partition)] = begin
-        if moved:
-            log.error(
-                "the state topic's partitions start later than they did: records were deleted (retention, DeleteRecords)",
-                extra={"sink": self.name, "topic": topic, "partitions": sorted(moved)},
-            )
         return moved
 
     def _tell_state_lost(self, topic: str, lost: list[int], partitions: list[int]) -> None:
@@ -1358,11 +1353,11 @@ class KafkaConnector:
         for key, stream in self._read_back.items():
             if _PARTITIONER(key.encode(), partitions, partitions) in wanted:
                 streams.setdefault(key, stream)
-        if streams:
-            log.error(
-                "the state topic lost records: the state of its streams is told lost and their heads deleted",
-                extra={"sink": self.name, "topic": topic, "count": len(streams)},
-            )
+        log.error(
+            "the state topic deletes records (retention, DeleteRecords): the state of its streams is told lost and "
+            "their heads deleted",
+            extra={"sink": self.name, "topic": topic, "partitions": sorted(wanted), "count": len(streams)},
+        )
         self._lost_states.update(streams)
 
     def _admin(self) -> AIOKafkaAdminClient:
