@@ -95,11 +95,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import difflib
+import hashlib
 import importlib.metadata
 import os
 import re
 import ssl
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Protocol, runtime_checkable
 
@@ -321,10 +322,18 @@ class Template:
     granularity, or the control record's type), ``{epoch}``, and labels as ``{labels.NAME}`` or
     plain ``{NAME}``. A label the source lacks renders as ``unknown``. Rendered names are cached
     per (stream, type), so rendering costs one dict lookup per message.
+
+    ``clean``, when given, makes each value a valid part of a name before it is inserted (a
+    destination's rules: a Kafka topic's characters); a name longer than ``max_length`` is cut,
+    ending in a hash of the whole name (names that differ stay apart).
     """
 
-    def __init__(self, text: str, path: str = "template") -> None:
+    def __init__(
+        self, text: str, path: str = "template", *, clean: Callable[[str], str] | None = None, max_length: int | None = None
+    ) -> None:
         self.text = text
+        self._clean = clean
+        self._max_length = max_length
         self.fields = _PLACEHOLDER.findall(text)
         for f in self.fields:
             if not f or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", f):
@@ -363,11 +372,17 @@ class Template:
             def sub(m: re.Match[str]) -> str:
                 f = m.group(1)
                 if f in values:
-                    return values[f]
-                label = f[len("labels.") :] if f.startswith("labels.") else f
-                return stream.labels.get(label, "unknown")
+                    value = values[f]
+                else:
+                    label = f[len("labels.") :] if f.startswith("labels.") else f
+                    value = stream.labels.get(label, "unknown")
+                return value if self._clean is None else self._clean(value)
 
             name = _PLACEHOLDER.sub(sub, self.text)
+            limit = self._max_length
+            if limit is not None and len(name) > limit:
+                digest = hashlib.sha256(name.encode()).hexdigest()[:12]
+                name = f"{name[: limit - len(digest) - 1]}-{digest}"
             self._cache[key] = name
         return name
 

@@ -95,6 +95,26 @@ Compression = Literal["none", "gzip", "snappy", "lz4", "zstd"]
 
 MiB = 2**20
 _TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
+_TOPIC_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+_TOPIC_MAX = 249
+
+
+def topic_value(value: str) -> str:
+    """A value inserted into a topic name (a source, a label): each character a Kafka topic name
+    cannot hold becomes ``_`` (``meta-llama/Llama-3.1-8B`` -> ``meta-llama_Llama-3.1-8B``)."""
+    return _TOPIC_UNSAFE.sub("_", value) or "_"
+
+
+def topic_template_problem(text: str) -> str | None:
+    """Why the topic name template ``text`` renders no valid Kafka topic name whatever the values
+    (its own characters), or None."""
+    literal = re.sub(r"\{[^{}]*\}", "x", text)
+    bad = sorted(set(_TOPIC_UNSAFE.findall(literal)))
+    if bad:
+        return f"{text!r} is not a valid Kafka topic name: it holds {', '.join(map(repr, bad))} (only A-Z a-z 0-9 . _ -)"
+    if literal in (".", ".."):
+        return f"{text!r} is not a valid Kafka topic name"
+    return None
 # Kafka protocol error codes seen in metadata and CreateTopics responses.
 _UNKNOWN_TOPIC, _INVALID_TOPIC, _TOPIC_AUTHORIZATION, _TOPIC_EXISTS = 3, 17, 29, 36
 _PARTITIONER = DefaultPartitioner()  # murmur2(key) % partitions, as Java's client does
@@ -188,9 +208,14 @@ class KafkaOptions(ConnectorOptions):
     bootstrap_servers: Annotated[
         str | list[str], doc("host:port of one or more brokers (a list, or one comma-separated string).")
     ]
-    topic: Annotated[str, doc("Topic name template: {source}, {dp_rank}, {type}, {epoch}, labels as {labels.NAME}.")] = (
-        "kv-events"
-    )
+    topic: Annotated[
+        str,
+        doc(
+            "Topic name template: {source}, {dp_rank}, {type}, {epoch}, labels as {labels.NAME}; in each value, "
+            "characters a topic name cannot hold (outside A-Z a-z 0-9 . _ -) become _, and a name over 249 "
+            "characters is cut, ending in a hash of the whole name."
+        ),
+    ] = "kv-events"
     partition: Annotated[
         Annotated[int, msgspec.Meta(ge=0)] | None, doc("Write every message to this partition (default: by stream key).")
     ] = None
@@ -371,11 +396,12 @@ class KafkaConnector:
         self.options = options
         self._where = f"sinks[{name}]"
         self._servers = ",".join(options.servers())
-        self._topic = Template(options.topic, f"{self._where}.topic")
-        if self._topic.static and not _TOPIC_NAME.fullmatch(options.topic):
-            raise ConfigError(
-                [f"{self._where}.topic: {options.topic!r} is not a valid Kafka topic name (1-249 of A-Z a-z 0-9 . _ -)"]
-            )
+        self._topic = Template(options.topic, f"{self._where}.topic", clean=topic_value, max_length=_TOPIC_MAX)
+        problem = topic_template_problem(options.topic)
+        if problem is None and self._topic.static and not _TOPIC_NAME.fullmatch(options.topic):
+            problem = f"{options.topic!r} is not a valid Kafka topic name (1-249 of A-Z a-z 0-9 . _ -)"
+        if problem is not None:
+            raise ConfigError([f"{self._where}.topic: {problem}"])
         self._timeout = float(options.request_timeout)
         self._max_bytes = int(options.max_batch_bytes)
         self._producer: Any = None

@@ -26,7 +26,7 @@ from aiokafka.structs import ConsumerRecord
 
 from bridge.config import SinkConfig, convert_options
 from bridge.connector import Registry
-from bridge.errors import ConnectorError, NotConnected, PartialFailure, Permanent, SinkLost
+from bridge.errors import ConfigError, ConnectorError, NotConnected, PartialFailure, Permanent, SinkLost
 from bridge.formats import Message, Renderer
 from bridge.logs import JsonFormatter, TextFormatter
 from bridge.records import Stream, source_reset
@@ -598,6 +598,35 @@ async def test_templated_topic_missing_for_one_stream_fails_only_its_messages(ka
     finally:
         await connector.close()
     assert [r.value for r in await consume(kafka, f"{prefix}-llama-a")] == [m.value for m in a]
+
+
+@pytest.mark.integration
+async def test_a_label_value_a_topic_name_cannot_hold_is_made_valid(kafka: KafkaServer) -> None:
+    """Issue 29 C4: ``topic: kv-{labels.model}`` with design.md's own example label value
+    ``meta-llama/Llama-3.1-8B`` rendered an invalid topic name: --check said ok, the run was
+    ready and every batch of the stream was dead-lettered. Each value's characters a topic name
+    cannot hold now become ``_`` (as NATS does in subjects); a name over 249 characters is cut,
+    ending in a hash; a template whose own text cannot make a topic name is refused at config."""
+    prefix = f"kvb-lbl-{uuid.uuid4().hex[:8]}"
+    connector = build(kafka, prefix + "-{labels.model}", create_topics={"enabled": True, "partitions": 1})
+    llama = render(stream_records(Stream("e0", 0, {"model": "meta-llama/Llama-3.1-8B"}), 3))
+    long = render(stream_records(Stream("e1", 0, {"model": "m" * 300}), 2))
+    await connector.connect()
+    try:
+        await connector.write(llama + long)
+    finally:
+        await connector.close()
+    assert [r.value for r in await consume(kafka, f"{prefix}-meta-llama_Llama-3.1-8B")] == [m.value for m in llama]
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        (cut,) = [t for t in await admin.list_topics() if t.startswith(f"{prefix}-mmm")]
+    finally:
+        await admin.close()
+    assert len(cut) == 249 and cut.startswith(f"{prefix}-{'m' * 200}")
+    assert [r.value for r in await consume(kafka, cut)] == [m.value for m in long]
+    with pytest.raises(ConfigError, match=r"'kv/\{labels.model\}' is not a valid Kafka topic name: it holds '/'"):
+        build(kafka, "kv/{labels.model}")
 
 
 @pytest.mark.integration
