@@ -31,7 +31,9 @@ Optional, for ``--check``, which must change nothing: ``async probe()``: ``None`
 be used, else the reason, found without writing or creating anything. Without it ``--check`` calls
 ``connect()``, ``health()`` and ``close()``, after setting ``creates_nothing = True`` on a connector
 that has that attribute: its ``connect()`` then checks what it would create (a topic, a stream, a
-bucket) and creates none of it, a missing one it would create counting as fine.
+bucket) and creates none of it, a missing one it would create counting as fine when the server
+says it could create it, as far as it can ask without creating it (Kafka: CreateTopics with
+``validate_only``).
 
 Optional, for ``checkpoint.from_sinks`` (a pod taking over streams it has no checkpoint for):
 

@@ -1164,7 +1164,9 @@ class KafkaConnector:
                 raise (self._error(exc, topic) or Retriable(f"{self._where}: {_describe(exc)}")) from exc
             late = loop.time() >= grace
             if code == _UNKNOWN_TOPIC and self.creates_nothing and (create or auto):
-                return  # --check: the run would create it; nothing is created here
+                if create:  # --check: the run would create it; the broker says whether it could
+                    await self._create_topic(topic, state=state, validate_only=True)
+                return  # nothing is created here
             if code == _UNKNOWN_TOPIC and topic in self._known:
                 self._lose([tp for tp in self._acked if tp[0] == topic], state=state)
                 if create and not recreated:  # created again with its settings
@@ -1393,7 +1395,10 @@ class KafkaConnector:
         internals.no_auto_create(admin._client)
         return admin
 
-    async def _create_topic(self, topic: str, *, state: bool = False) -> None:
+    async def _create_topic(self, topic: str, *, state: bool = False, validate_only: bool = False) -> None:
+        """Create ``topic`` with the configured settings (an existing one will do); with
+        ``validate_only`` (``--check``) the broker only says whether it could (replicas beyond its
+        brokers, an invalid config...). NotConnected with the broker's reason otherwise."""
         spec = self.options.create_topics
         if state:
             new = NewTopic(topic, self.options.state.partitions, spec.replication_factor, topic_configs=dict(STATE_TOPIC_CONFIGS))
@@ -1402,7 +1407,7 @@ class KafkaConnector:
         admin = self._admin()
         try:
             await admin.start()
-            response = await admin.create_topics([new])
+            response = await admin.create_topics([new], validate_only=validate_only)
         except kafka_errors.KafkaError as exc:
             raise NotConnected(f"{self._where}: cannot create topic {topic!r}: {_describe(exc)}") from None
         finally:
@@ -1413,6 +1418,8 @@ class KafkaConnector:
                 detail = entry[2] if len(entry) > 2 and entry[2] else kafka_errors.for_code(code).__name__
                 self._topic_problem = f"cannot create topic {topic!r}: {detail}"
                 raise NotConnected(f"{self._where}: {self._topic_problem}", reason="create_topic")
+        if validate_only:
+            return
         self._created.add(topic)
         log.info("kafka topic ready (created or already there)", extra={"sink": self.name, "topic": topic})
 

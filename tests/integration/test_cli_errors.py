@@ -352,3 +352,56 @@ async def test_check_says_whether_an_engine_sends_its_publisher_uuid(tmp_path: P
     assert proc.returncode == 0 and "Traceback" not in stderr.decode(), stderr.decode()
     assert f"engines: sources[0].endpoint: tcp://127.0.0.1:{ports[0]}: publisher UUID {instance}" in out, out
     assert f"engines: sources[1].endpoint: tcp://127.0.0.1:{ports[1]}: no publisher UUID" in out, out
+
+
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [
+        ("state_replicas", "replication factor of 3 cannot be reached"),
+        ("events_replicas", "replication factor of 3 cannot be reached"),
+        ("events_config", "Invalid value bogus for configuration cleanup.policy"),
+    ],
+)
+async def test_check_refuses_kafka_topics_the_cluster_cannot_create(
+    tmp_path: Path, kafka: KafkaServer, case: str, reason: str
+) -> None:
+    """Issue 29 C3: ``--check`` counted a topic the run would create as fine without asking the
+    cluster: "config ok", then the run never became ready (a replication factor above the
+    brokers, an invalid ``create_topics.configs``). It asks now (CreateTopics with
+    ``validate_only``): the broker's reason, and nothing created."""
+    tag = uuid.uuid4().hex[:8]
+    topic, state_topic = f"chk-{tag}", f"chk-{tag}-state"
+    sink: dict[str, object] = {
+        "type": "kafka",
+        "name": "k",
+        "bootstrap_servers": kafka.bootstrap_servers,
+        "topic": topic,
+        "allow_auto_create_topics": False,
+        "create_topics": {"enabled": True, "replication_factor": 3},
+    }
+    if case == "state_replicas":
+        sink["state"] = {"enabled": True, "topic": state_topic, "create": True}
+        sink["topic"] = await kafka.anew_topic()  # the events topic exists: the state topic is refused
+    elif case == "events_config":
+        sink["create_topics"] = {"enabled": True, "configs": {"cleanup.policy": "bogus"}}
+    config = {
+        "sources": [{"name": "a", "endpoint": f"tcp://127.0.0.1:{free_ports(1)[0]}", "bind": True}],
+        "sinks": [sink],
+        "checkpoint": {"path": str(tmp_path / "checkpoint.json")},
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps(config))
+    proc = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "bridge", "--config", str(path), "--check"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    refused = state_topic if case == "state_replicas" else topic
+    assert f"cannot create topic {refused!r}" in proc.stderr and reason in proc.stderr, proc.stderr
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        assert not {topic, state_topic} & set(await admin.list_topics())
+    finally:
+        await admin.close()
