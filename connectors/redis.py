@@ -1507,7 +1507,7 @@ class RedisConnector:
         if isinstance(exc, AuthenticationError | AuthorizationError):
             return NotConnected(f"{where}: authentication failed: {text}", reason="auth")
         if isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError):
-            return NotConnected(f"{where}: {text}")
+            return NotConnected(f"{where}: {text}" if what else f"{where}: {self._server}: {text}")  # (named once)
         for cls, code in _CODES:
             if isinstance(exc, cls):
                 return self._refused(f"{code} {text}", what)

@@ -26,7 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bridge.config import SinkConfig, convert_options
-from bridge.connector import Registry, Template
+from bridge.connector import Registry
 from bridge.errors import ConfigError, NotConnected, PartialFailure, Permanent, Retriable
 from bridge.formats import Message, Renderer, hex64
 from bridge.records import Event, Record, Stream, events_lost, source_reset
@@ -238,22 +238,23 @@ class TestRedisConformance(ConformanceSuite):
         return Scenario(connector, records, reader, heal=heal, struck=("oom",), cleanup=[cleanup])
 
     async def refused_message(self, sink: SinkConfig, dest: str) -> Scenario:
-        """Keys per stream and record type (``{dest}:{source}:{dp_rank}:{type}``); the key of
-        llama-r/0's EventsLost (after its seq 1) holds a string: WRONGTYPE, refused for itself."""
+        """proto-max-bulk-len lowered to 1 MiB, and llama-r/0's seq 2 over it: refused for itself
+        (too_large) before the script call. (A key of another type refuses every message of its
+        type, an announcement among them, which is kept, not dead-lettered: test_redis_faults.)"""
         renderer = Renderer(sink.format, sink.granularity)
         streams = [Stream("llama-r", 0), Stream("llama-r", 1)]
-        records = interleaved(renderer, streams, 4, lambda _s, _seq: 300)
-        refused = events_lost(streams[0], 1, 1, 1, "replay_unavailable", 0.0)  # sorts right after seq 1
-        records.insert(records.index(next(r for r in records if r.stream == streams[0] and r.seq == 1)) + 1, refused)
-        template = dest + ":{source}:{dp_rank}:{type}"
-        (message,) = renderer.render(refused)
-        client = aioredis.Redis.from_url(self.server.url)
-        try:
-            await client.set(Template(template).render(message), "not a stream")
-        finally:
-            await client.aclose()
-        connector = make(self.server.url, sink, stream=template)
-        return Scenario(connector, records, self._reader(self.server.url, dest + ":{source}:{dp_rank}:*"), refused=refused)
+        records = interleaved(renderer, streams, 4, lambda s, seq: 1_200_000 if (s.dp_rank, seq) == (0, 2) else 300)
+        refused = next(r for r in records if r.stream == streams[0] and r.seq == 2)
+        admin = aioredis.Redis.from_url(self.server.url)
+        await admin.config_set("proto-max-bulk-len", 1024 * 1024)
+
+        async def cleanup() -> None:
+            await admin.config_set("proto-max-bulk-len", 512 * 1024 * 1024)
+            await admin.aclose()
+
+        connector = make(self.server.url, sink, stream=dest + ":{source}:{dp_rank}")
+        reader = self._reader(self.server.url, dest + ":{source}:{dp_rank}")
+        return Scenario(connector, records, reader, refused=refused, cleanup=[cleanup])
 
 
 # -- entry layout and ids -----------------------------------------------------------------------
