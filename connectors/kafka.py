@@ -708,6 +708,15 @@ class KafkaConnector:
             out[stream.key] = seed
         return out
 
+    async def _offsets(self, tps: list[Any], *, start: bool) -> dict[Any, int]:
+        """Each partition's start (``start``) or end offset, read by a reader of its own."""
+        consumer = await self._start_reader()
+        try:
+            offsets: dict[Any, int] = await (consumer.beginning_offsets(tps) if start else consumer.end_offsets(tps))
+            return offsets
+        finally:
+            await consumer.stop()
+
     async def _start_reader(self) -> AIOKafkaConsumer:
         """A started consumer of the sink's cluster that reads partitions it is assigned (no group)."""
         consumer = AIOKafkaConsumer(
@@ -1225,11 +1234,7 @@ class KafkaConnector:
         ends: dict[Any, int] = {}
         if present:
             try:
-                consumer = await self._start_reader()
-                try:
-                    ends = await consumer.end_offsets(present)
-                finally:
-                    await consumer.stop()
+                ends = await self._offsets(present, start=False)
             except (kafka_errors.KafkaError, OSError) as exc:
                 raise NotConnected(f"{self._where}: cannot read the end offsets of topic {topic!r} ({_describe(exc)})") from None
         lost = [tp for tp, end in acked.items() if ends.get(TopicPartition(*tp), -1) < end]
@@ -1351,11 +1356,7 @@ class KafkaConnector:
         read (records deleted from their start); the offsets are remembered."""
         tps = [TopicPartition(topic, p) for p in partitions]
         try:
-            consumer = await self._start_reader()
-            try:
-                begins = await consumer.beginning_offsets(tps)
-            finally:
-                await consumer.stop()
+            begins = await self._offsets(tps, start=True)
         except (kafka_errors.KafkaError, OSError) as exc:
             log.debug("cannot read the state topic's start offsets", extra={"sink": self.name, "error": _describe(exc)})
             return []
