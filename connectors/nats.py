@@ -252,13 +252,13 @@ class _Journal(msgspec.Struct):
 
 
 class _JournalAt(NamedTuple):
-    """The journal's first part as the bucket holds it: its bucket seq (0: none), the target of
-    its write (None: none, or unreadable), its writer, and the part itself."""
+    """A journal part as the bucket holds it: its bucket seq (0: none), the target of its write
+    (None: none, or unreadable), its writer, and the part as read (None: one this connector wrote)."""
 
     seq: int
     target: tuple[int, int, int] | None = None
     writer: str = ""
-    data: bytes = b""
+    part: _Journal | None = None
 
 
 _journal_decoder = msgspec.json.Decoder(_Journal)
@@ -1334,10 +1334,9 @@ class NatsConnector:
     async def _journal_whole(self, nc: Client, prefix: str, first: _JournalAt) -> bool:
         """Whether every part of the journal whose first part is ``first`` is stored (its parts are
         sent in order on one connection, so its last part tells)."""
-        try:
-            parts = _journal_decoder.decode(first.data).parts
-        except msgspec.DecodeError:
+        if first.part is None:
             return False
+        parts = first.part.parts
         if parts <= 1:
             return True
         last = await self._journal_now(nc, journal_part_key(prefix, parts - 1))
@@ -1362,7 +1361,7 @@ class NatsConnector:
             j = _journal_decoder.decode(data)
         except msgspec.DecodeError:
             return _JournalAt(msg.seq)
-        return _JournalAt(msg.seq, j.target, j.writer, data)
+        return _JournalAt(msg.seq, j.target, j.writer, j)
 
     async def _finish(
         self,
@@ -1651,9 +1650,14 @@ class NatsConnector:
         seen = await self._journal_now(nc, key)
         redone = head_of(parse(head_doc) or {})
         stored = await self._head_now(nc, f"{prefix}.{HEAD_KEY}")
-        if redone is None or seen.target != _order(redone) or (stored[1] if stored else None) != (_order(head) if head else None):
+        if (
+            redone is None
+            or seen.part is None
+            or seen.target != _order(redone)
+            or (stored[1] if stored else None) != (_order(head) if head else None)
+        ):
             raise self._other_writer("journal", seen.target)
-        claim = _journal_encoder.encode(msgspec.structs.replace(_journal_decoder.decode(seen.data), writer=self._writer))
+        claim = _journal_encoder.encode(msgspec.structs.replace(seen.part, writer=self._writer))
         (written,) = await self._kv_write(nc, [(key, claim)], _expect_subject_seq(seen.seq))
         self._journals[prefix] = _JournalAt(written, seen.target, self._writer)
         self._heads[prefix] = stored or (0, (0, 0, 0))  # (0: the head is written only where there is none)
