@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import nats
 import nats.js.errors
@@ -191,6 +192,17 @@ def busy_port() -> Iterator[int]:
         yield int(s.getsockname()[1])
 
 
+async def check_config(tmp_path: Path, config: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    """``python -m bridge --config FILE --check`` on ``config``, as a user runs it."""
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps(config))
+    return await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "bridge", "--config", str(path), "--check"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
 def _files(root: Path) -> set[Path]:
     return {p for p in root.rglob("*")}
 
@@ -298,13 +310,7 @@ async def test_check_creates_no_topic_stream_or_bucket(tmp_path: Path, kafka: Ka
         ],
         "checkpoint": {"path": str(tmp_path / "checkpoint.json")},
     }
-    path = tmp_path / "c.yaml"
-    path.write_text(json.dumps(config))
-    proc = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "bridge", "--config", str(path), "--check"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = await check_config(tmp_path, config)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
     await admin.start()
@@ -389,13 +395,7 @@ async def test_check_refuses_kafka_topics_the_cluster_cannot_create(
         "sinks": [sink],
         "checkpoint": {"path": str(tmp_path / "checkpoint.json")},
     }
-    path = tmp_path / "c.yaml"
-    path.write_text(json.dumps(config))
-    proc = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "bridge", "--config", str(path), "--check"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = await check_config(tmp_path, config)
     assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     refused = state_topic if case == "state_replicas" else topic
     assert f"cannot create topic {refused!r}" in proc.stderr and reason in proc.stderr, proc.stderr

@@ -42,6 +42,7 @@ import os
 import random
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -577,6 +578,27 @@ def quiet_audit_config(
     }
 
 
+@contextlib.asynccontextmanager
+async def complete_state(
+    tmp: Path, kafka: KafkaServer, topic: str, state_topic: str, seed: int
+) -> AsyncIterator[tuple[CacheEngine, Bridge, dict[str, Any]]]:
+    """An engine and a bridge (quiet_audit_config) whose state of stream a/0 is complete after 20
+    steps: (engine, bridge, its head); the bridge is stopped after the block."""
+    live, replay = free_port(), free_port()
+    async with CacheEngine(live, replay, seed=seed) as engine:
+        bridge = Bridge(from_data(quiet_audit_config(tmp, kafka, topic, state_topic, live, replay), env={}))
+        await bridge.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(20)
+            await delivered(bridge, {"a": engine})
+            before = await head_at(kafka, state_topic, partition_of("a/0", 2), engine)
+            assert before["complete"]
+            yield engine, bridge, before
+        finally:
+            await bridge.stop()
+
+
 async def test_a_state_topic_set_to_delete_by_retention_during_a_run_is_refused_and_the_state_told_lost(
     tmp_path: Path, kafka: KafkaServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -590,35 +612,24 @@ async def test_a_state_topic_set_to_delete_by_retention_during_a_run_is_refused_
     monkeypatch.setattr("bridge.sink.HEALTH_INTERVAL", 0.3)
     topic = await kafka.anew_topic(partitions=1)
     state_topic = f"kvb-state-{uuid.uuid4().hex[:12]}"
-    live, replay = free_port(), free_port()
     part = partition_of("a/0", 2)
-    async with CacheEngine(live, replay, seed=13) as engine:
-        bridge = Bridge(from_data(quiet_audit_config(tmp_path, kafka, topic, state_topic, live, replay), env={}))
-        await bridge.start()
-        try:
-            await engine.wait_subscribed()
-            await engine.step(20)
-            await delivered(bridge, {"a": engine})
-            before = await head_at(kafka, state_topic, part, engine)
-            assert before["complete"]
-            await alter_topic(kafka, state_topic, {"cleanup.policy": "compact,delete", "retention.ms": "3600000"})
-            deadline = time.monotonic() + 30
-            # The head goes (a bootstrap finds no state: incomplete) and the sink is not ready.
-            while await head_now(kafka, state_topic, part, "a/0") is not None or bridge.readiness()[0]:
-                assert time.monotonic() < deadline, f"not seen while the stream is quiet: {bridge.readiness()}"
-                await asyncio.sleep(0.2)
-            problem = bridge.readiness()[1]["sinks"]["k"]
-            assert repr(state_topic) in problem and "set cleanup.policy=compact" in problem, problem
-            await engine.step(5)  # batches meanwhile: the sink holds them (their state may not be written)
-            await alter_topic(kafka, state_topic, {"cleanup.policy": "compact"})
-            after = await head_at(kafka, state_topic, part, engine)
-            assert not after["complete"] and after["gen"] > before["gen"], (before, after)
-            deadline = time.monotonic() + 30
-            while not bridge.readiness()[0]:
-                assert time.monotonic() < deadline, f"not ready again once fixed: {bridge.readiness()}"
-                await asyncio.sleep(0.2)
-        finally:
-            await bridge.stop()
+    async with complete_state(tmp_path, kafka, topic, state_topic, 13) as (engine, bridge, before):
+        await alter_topic(kafka, state_topic, {"cleanup.policy": "compact,delete", "retention.ms": "3600000"})
+        deadline = time.monotonic() + 30
+        # The head goes (a bootstrap finds no state: incomplete) and the sink is not ready.
+        while await head_now(kafka, state_topic, part, "a/0") is not None or bridge.readiness()[0]:
+            assert time.monotonic() < deadline, f"not seen while the stream is quiet: {bridge.readiness()}"
+            await asyncio.sleep(0.2)
+        problem = bridge.readiness()[1]["sinks"]["k"]
+        assert repr(state_topic) in problem and "set cleanup.policy=compact" in problem, problem
+        await engine.step(5)  # batches meanwhile: the sink holds them (their state may not be written)
+        await alter_topic(kafka, state_topic, {"cleanup.policy": "compact"})
+        after = await head_at(kafka, state_topic, part, engine)
+        assert not after["complete"] and after["gen"] > before["gen"], (before, after)
+        deadline = time.monotonic() + 30
+        while not bridge.readiness()[0]:
+            assert time.monotonic() < deadline, f"not ready again once fixed: {bridge.readiness()}"
+            await asyncio.sleep(0.2)
 
 
 async def test_records_deleted_from_a_state_partitions_start_tell_its_streams_state_lost(
@@ -633,35 +644,24 @@ async def test_records_deleted_from_a_state_partitions_start_tell_its_streams_st
     topic = await kafka.anew_topic(partitions=1)
     unlimited = {"cleanup.policy": "compact,delete", "retention.ms": "-1", "retention.bytes": "-1"}
     state_topic = await kafka.anew_topic(partitions=2, config=unlimited)
-    live, replay = free_port(), free_port()
     part = partition_of("a/0", 2)
-    async with CacheEngine(live, replay, seed=14) as engine:
-        bridge = Bridge(from_data(quiet_audit_config(tmp_path, kafka, topic, state_topic, live, replay), env={}))
-        await bridge.start()
+    async with complete_state(tmp_path, kafka, topic, state_topic, 14) as (engine, bridge, before):
+        tp = TopicPartition(state_topic, part)
+        _, end = await offsets(kafka.bootstrap_servers, tp)
+        admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+        await admin.start()
         try:
-            await engine.wait_subscribed()
-            await engine.step(20)
-            await delivered(bridge, {"a": engine})
-            before = await head_at(kafka, state_topic, part, engine)
-            assert before["complete"]
-            tp = TopicPartition(state_topic, part)
-            _, end = await offsets(kafka.bootstrap_servers, tp)
-            admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
-            await admin.start()
-            try:
-                await admin.delete_records({tp: RecordsToDelete(before_offset=end - 1)})  # all but the head
-            finally:
-                await admin.close()
-            deadline = time.monotonic() + 30
-            while await head_now(kafka, state_topic, part, "a/0") is not None:  # a bootstrap: no state, incomplete
-                assert time.monotonic() < deadline, "the head that lost its entries still stands"
-                await asyncio.sleep(0.2)
-            await engine.step(3)
-            after = await head_at(kafka, state_topic, part, engine)
-            assert not after["complete"] and after["gen"] > before["gen"], (before, after)
-            assert bridge.readiness()[0], bridge.readiness()
+            await admin.delete_records({tp: RecordsToDelete(before_offset=end - 1)})  # all but the head
         finally:
-            await bridge.stop()
+            await admin.close()
+        deadline = time.monotonic() + 30
+        while await head_now(kafka, state_topic, part, "a/0") is not None:  # a bootstrap: no state, incomplete
+            assert time.monotonic() < deadline, "the head that lost its entries still stands"
+            await asyncio.sleep(0.2)
+        await engine.step(3)
+        after = await head_at(kafka, state_topic, part, engine)
+        assert not after["complete"] and after["gen"] > before["gen"], (before, after)
+        assert bridge.readiness()[0], bridge.readiness()
 
 
 async def test_an_events_topic_deleted_during_a_run_is_created_with_its_settings_and_the_loss_announced(
