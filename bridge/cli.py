@@ -35,6 +35,7 @@ from .endpoints import for_rank
 from .errors import ConfigError, ConnectorError, StartupError
 from .probe import diagnose, split_tcp
 from .runtime import run as run_bridge
+from .runtime import streams_of
 from .secret import redact
 from .simulator import DEFAULT_PROFILE, PROFILES, Faults, Simulator, SimulatorOptions
 
@@ -366,9 +367,33 @@ def validate(data: Any, registry: Registry | None = None, env: Mapping[str, str]
         except Exception as exc:  # a plugin's constructor must not end validation with a traceback
             problems.append(f"sinks[{i}]: connector {type_name!r} failed to build: {type(exc).__name__}: {exc}")
     result.warnings.extend(config_mod.plain_secrets(data, config_mod.Config, ""))
+    if cfg is not None:
+        problems.extend(_shared_destinations(cfg, result.connectors))
     result.problems = list(dict.fromkeys(problems))  # a problem found two ways is told once
     result.warnings = list(dict.fromkeys(result.warnings))
     return result
+
+
+def _shared_destinations(cfg: Config, connectors: Sequence[tuple[int, Connector]]) -> list[str]:
+    """Two configured streams that a sink would write to one destination meant for one stream each
+    (a connector's ``destination()``, see :mod:`bridge.connector`): one line per stream refused."""
+    streams = [s for source in cfg.sources for s in streams_of(source)]
+    lines = []
+    for i, conn in connectors:
+        destination = getattr(conn, "destination", None)
+        if destination is None:
+            continue
+        owners: dict[str, str] = {}
+        for stream in streams:
+            where = destination(stream)
+            owner = owners.setdefault(where, stream.key) if where is not None else stream.key
+            if owner != stream.key:
+                lines.append(
+                    f"sinks[{i}] ({conn.name}): streams {owner!r} and {stream.key!r} would both be written to {where!r}, "
+                    "which is meant for one stream: their source names differ only in characters the sink turns into "
+                    "the same one; rename one of the two sources"
+                )
+    return lines
 
 
 def _unsubstituted(data: Any, index: int) -> dict[str, Any]:

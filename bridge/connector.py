@@ -35,6 +35,12 @@ bucket) and creates none of it, a missing one it would create counting as fine w
 says it could create it, as far as it can ask without creating it (Kafka: CreateTopics with
 ``validate_only``).
 
+Optional, for configs that would mix streams: ``destination(stream)``: where the sink writes
+``stream``'s batches (a subject, a key) when every stream is meant to have one of its own, after
+whatever the connector does to the names (None: streams share one by design). The config check
+(start-up and ``--check``) refuses two configured streams with one destination; the connector
+itself must refuse, at write, a stream found at run time whose destination another owns.
+
 Optional, for ``checkpoint.from_sinks`` (a pod taking over streams it has no checkpoint for):
 
 - ``async positions(streams)``: what the sink holds of each stream, read from the sink itself:

@@ -253,7 +253,7 @@ class Bridge:
         self._built = connectors
         self.store = self.context.epochs = ckpt.CheckpointStore(cfg.checkpoint.path, len(cfg.sinks))
         self.store.collect = self._note_instances
-        configured = [s for source in cfg.sources for s in _streams(source)]
+        configured = [s for source in cfg.sources for s in streams_of(source)]
         self._state_sinks = [c for c in connectors if getattr(c, "writes_state", False)]
         if self._state_sinks:
             # Generations start at the clock in microseconds plus a random part: above an earlier
@@ -317,9 +317,9 @@ class Bridge:
 
     async def add_source(self, source: SourceConfig) -> None:
         """Subscribe to every rank of ``source`` (also used by discovery at run time)."""
-        await self.load_state(_streams(source))
+        await self.load_state(streams_of(source))
         if self.skips:
-            await self.take_over(_streams(source))
+            await self.take_over(streams_of(source))
         added = self._add_pipelines(source)
         await self.persist_epochs()  # epochs opened here are on disk before any record of them
         await self._start_readers(source, added)
@@ -852,5 +852,6 @@ async def _started(bridge: Bridge, stop: asyncio.Event) -> bool:
     return False
 
 
-def _streams(source: SourceConfig) -> list[Stream]:
+def streams_of(source: SourceConfig) -> list[Stream]:
+    """The engine streams of one source: one per data-parallel rank."""
     return [Stream(source.name, rank, dict(source.labels)) for rank in range(source.dp_ranks)]

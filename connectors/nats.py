@@ -171,13 +171,30 @@ def subject_filter(text: str) -> str:
     return ".".join("*" if "{" in token else token for token in text.split("."))
 
 
+def _clean(stream: Stream) -> Stream:
+    """``stream`` with its source and labels made subject tokens (see :func:`subject_token`)."""
+    return Stream(subject_token(stream.source), stream.dp_rank, {k: subject_token(v) for k, v in stream.labels.items()})
+
+
 class _Subjects:
     """The subject of a message: the template rendered with sanitised values (cached per stream
-    and type, like :class:`Template` itself)."""
+    and type, like :class:`Template` itself).
+
+    A template that names ``{source}`` and ``{dp_rank}`` gives each engine stream subjects of its
+    own, which consumers follow one stream at a time. Sanitising can still map two source names
+    to one token (``llama.a`` and ``llama_a``): the first stream to render a subject owns it, and
+    another stream's messages for it are refused (:meth:`taken`), never mixed into its subject.
+    The configured sources are checked before a run (``destination()``, see
+    :mod:`bridge.connector`); this catches those found at run time."""
 
     def __init__(self, text: str) -> None:
         self.template = Template(text, "subject")
         self._cache: dict[tuple[str, int, str, int], str] = {}
+        self._apart = {"source", "dp_rank"} <= set(self.template.fields)
+        # A stream's base subject (see render) -> the stream key that rendered it first, and
+        # stream key -> (base subject, its owner) for a stream refused. One entry per stream met.
+        self._owners: dict[str, str] = {}
+        self._taken: dict[str, tuple[str, str]] = {}
 
     def render(self, message: Message) -> str:
         if self.template.static:
@@ -187,13 +204,40 @@ class _Subjects:
         subject = self._cache.get(key)
         if subject is None:
             if len(self._cache) > 100_000:
-                self._cache.clear()
-            clean = Stream(subject_token(stream.source), stream.dp_rank, {k: subject_token(v) for k, v in stream.labels.items()})
+                self._cache.clear()  # (the owners stay: one per stream)
+            clean = _clean(stream)
             probe = msgspec.structs.replace(
                 message, record=Record(stream=clean, epoch=message.record.epoch, seq=0), type=subject_token(message.type)
             )
             subject = self._cache[key] = self.template.render(probe)
+            base = self.base(stream)
+            if base is not None and stream.key not in self._taken:
+                owner = self._owners.setdefault(base, stream.key)
+                if owner != stream.key:
+                    self._taken[stream.key] = (base, owner)
         return subject
+
+    def base(self, stream: Stream) -> str | None:
+        """The subject of ``stream``'s batches in epoch 0 when each stream has subjects of its own
+        (None: streams share subjects by design). It depends on the stream alone, so it names the
+        stream's subjects as a whole, whatever types and epochs they render."""
+        return self.template.render(sample_message(_clean(stream))) if self._apart else None
+
+    def taken(self, message: Message, prefix: str) -> Permanent | None:
+        """The refusal of a message whose stream's subject another stream owns (see the class
+        docstring), after :meth:`render`; None for every other message."""
+        if not self._taken:
+            return None
+        clash = self._taken.get(message.record.stream.key)
+        if clash is None:
+            return None
+        subject, owner = clash
+        return Permanent(
+            f"{prefix}: subject {subject!r} is written by stream {owner!r} already: the names of its source and "
+            f"{message.record.stream.source!r} become the same subject token ('.', whitespace, '*' and '>' turn "
+            "into '_'); rename one of the two sources (discovery.dns.prefix for discovered ones)",
+            reason="subject_taken",
+        )
 
 
 # -- state keys and writes (pure) ----------------------------------------------------------------
@@ -804,6 +848,11 @@ class NatsConnector:
             return self._reconnecting()
         return self._permission_problem or self._stream_problem or self._state_problem
 
+    def destination(self, stream: Stream) -> str | None:
+        """The subject of ``stream``'s batches, when each stream has subjects of its own (see
+        :class:`_Subjects`): two configured streams with one are refused before a run."""
+        return self._subjects.base(stream)
+
     async def positions(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:
         """The last message on each stream's subject (``checkpoint.from_sinks``, JetStream mode): the
         JetStream stream capturing the subjects is found once, then one ``STREAM.MSG.GET`` request
@@ -851,14 +900,16 @@ class NatsConnector:
         errors: dict[int, ConnectorError] = {}
         refused = self._refused
         for i, m in enumerate(messages):
+            subject = self._subjects.render(m)
             hdr = header_block(m.headers)
-            if len(hdr) + len(m.value) > nc.max_payload:
-                errors[i] = self._too_large(m, len(hdr), nc.max_payload)
+            problem = self._unsendable(m, len(hdr), nc.max_payload)
+            if problem is not None:
+                errors[i] = problem
                 continue
             if not nc.is_connected:
                 raise NotConnected(self._reconnecting())
             try:
-                await internals.send_encoded(nc, hpub(self._subjects.render(m), "", hdr, m.value))
+                await internals.send_encoded(nc, hpub(subject, "", hdr, m.value))
             except (nats.errors.Error, OSError) as exc:
                 raise NotConnected(f"{self._prefix}: publish to NATS failed: {_describe(exc)}") from None
         internals.write_pending(nc)  # else flush()'s PING overtakes them (see write_pending)
@@ -1025,8 +1076,9 @@ class NatsConnector:
                 m = messages[i]
                 subject = self._subjects.render(m)
                 hdr = header_block(m.headers, m.msg_id, previous)
-                if len(hdr) + len(m.value) > nc.max_payload:
-                    errors[i] = self._too_large(m, len(hdr), nc.max_payload)
+                problem = self._unsendable(m, len(hdr), nc.max_payload)
+                if problem is not None:
+                    errors[i] = problem
                     continue
                 try:
                     await self._send(nc, subject, hdr, m.value, acks)
@@ -1057,8 +1109,9 @@ class NatsConnector:
             m = messages[i]
             subject = self._subjects.render(m)
             hdr = header_block(m.headers, m.msg_id)
-            if len(hdr) + len(m.value) > nc.max_payload:
-                errors[i] = self._too_large(m, len(hdr), nc.max_payload)
+            problem = self._unsendable(m, len(hdr), nc.max_payload)
+            if problem is not None:
+                errors[i] = problem
                 continue
             acks = _Acks()
             error: ConnectorError | None
@@ -1144,6 +1197,13 @@ class NatsConnector:
         if err.code < 500:
             return Retriable(text, reason="rejected")
         return Retriable(text, reason="stream_full" if "maximum" in err.description.lower() else "jetstream_unavailable")
+
+    def _unsendable(self, m: Message, header_size: int, max_payload: int) -> Permanent | None:
+        """Why ``m`` (its subject rendered) is refused for itself before it is sent: over the
+        server's max_payload, or its subject owned by another stream (:meth:`_Subjects.taken`)."""
+        if header_size + len(m.value) > max_payload:
+            return self._too_large(m, header_size, max_payload)
+        return self._subjects.taken(m, self._prefix)
 
     def _too_large(self, m: Message, header_size: int, max_payload: int) -> Permanent:
         return Permanent(

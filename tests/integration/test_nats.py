@@ -532,6 +532,32 @@ async def test_no_stream_is_a_clear_retriable_error(nats_server: NatsServer) -> 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("mode", ["jetstream", "core"])
+async def test_a_stream_whose_subject_another_stream_owns_is_refused_never_mixed_into_it(
+    nats_server: NatsServer, reader: Client, js_dest: str, mode: str
+) -> None:
+    """Sources found at run time (discovery) whose names become one subject token: the second
+    stream's messages are refused for themselves (the sink's consumers of the first stream's
+    subject never get them), in a write shared with the first's and in one of their own."""
+    owner, clash = Stream("llama_a", 0), Stream("llama.a", 0)
+    messages = _render("raw", "batch", [owner, clash], 2)
+    conn = NatsConnector("nats", _options(nats_server.url, js_dest, mode=mode), SINK)
+    await conn.connect()
+    try:
+        with pytest.raises(PartialFailure) as info:
+            await conn.write(messages)
+        assert [messages[i].record.stream for i in info.value.failed] == [clash, clash]
+        assert isinstance(info.value.cause, Permanent) and info.value.cause.reason == "subject_taken"
+        with pytest.raises(Permanent, match=r"subject .* is written by stream 'llama_a/0' already"):
+            await conn.write([m for m in messages if m.record.stream == clash][-1:])
+    finally:
+        await conn.close()
+    if mode == "jetstream":
+        stored = await _read_stream(reader, js_dest, _subject(js_dest, owner))
+        assert [s.headers["source"] for s in stored if s.headers] == ["llama_a", "llama_a"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", ["jetstream", "core"])
 async def test_too_large_message_is_a_permanent_partial_failure(
     nats_server: NatsServer, reader: Client, js_dest: str, mode: str
 ) -> None:

@@ -168,6 +168,42 @@ def test_a_subject_is_rendered_from_values_made_into_one_token_each() -> None:
     assert _Subjects("kv.static").render(message) == "kv.static"
 
 
+def test_two_streams_whose_names_become_one_subject_token_never_share_a_subject() -> None:
+    # '.' becomes '_' in a subject token: llama.a and llama_a would write one subject, and a
+    # consumer following one stream's subject would apply the other's records as its own.
+    subjects = _Subjects("kv.{source}.{dp_rank}")
+    first, second = Stream("llama_a", 0), Stream("llama.a", 0)
+    owned = sample_message(first, "EventBatch", epoch=3)
+    clash = sample_message(second, "SourceReset", epoch=9)
+    assert subjects.render(owned) == subjects.render(clash) == "kv.llama_a.0"
+    assert subjects.taken(owned, "sinks[n]") is None  # the first stream to write it owns it
+    refused = subjects.taken(clash, "sinks[n]")
+    assert isinstance(refused, Permanent) and refused.reason == "subject_taken"
+    assert "'kv.llama_a.0' is written by stream 'llama_a/0' already" in str(refused) and "'llama.a'" in str(refused)
+    assert subjects.taken(sample_message(second, "EventBatch", epoch=10), "sinks[n]") is not None  # every type, epoch
+    assert subjects.taken(sample_message(Stream("llama.a", 1), "EventBatch"), "sinks[n]") is None  # another rank
+    # A template that does not give each stream subjects of its own shares them by design.
+    shared = _Subjects("kv.{dp_rank}")
+    shared.render(owned), shared.render(clash)
+    assert shared.taken(clash, "sinks[n]") is None and shared.base(second) is None
+
+
+def test_configured_sources_that_would_share_a_subject_are_refused_before_a_run(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bridge.cli import check
+
+    p = tmp_path / "c.yaml"
+    sources = "sources:\n  - {name: llama_a, endpoint: 'tcp://h:1'}\n  - {name: llama.a, endpoint: 'tcp://h:9', dp_ranks: 2}\n"
+    p.write_text(sources + "sinks:\n  - {type: nats, name: n, subject: 'kv.{source}.{dp_rank}'}\n")
+    assert check(str(p), offline=True) == 2
+    err = capsys.readouterr().err
+    assert "sinks[0] (n): streams 'llama_a/0' and 'llama.a/0' would both be written to 'kv.llama_a.0'" in err
+    assert "llama.a/1" not in err  # (rank 1 has a subject of its own)
+    p.write_text(sources + "sinks:\n  - {type: nats, name: n, subject: 'kv.{dp_rank}'}\n")
+    assert check(str(p), offline=True) == 0  # one subject per rank, shared by design
+
+
 def test_a_header_value_goes_out_as_it_is_unless_a_cr_or_lf_would_end_its_line() -> None:
     assert header_block({"type": " spaced  out "}) == b"NATS/1.0\r\ntype:  spaced  out \r\n\r\n"
     for value in ("a\nb", "a\rb", "a\r\nb"):
