@@ -74,6 +74,7 @@ import logging
 import random
 import re
 import secrets
+import time
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -573,6 +574,9 @@ _STREAM_NAME_EXISTS = 10058
 _JOURNAL_FRAME = 192
 _KEY_ROOM = 96
 MIN_STATE_VALUE = 1024
+# How often writes with state look at the bucket's settings again (see _recheck_bucket); the audit
+# looks between writes too, for a sink with none.
+BUCKET_RECHECK = 1.0
 _MEMORY_STREAM = (
     "what it held is announced lost to this sink's consumers (EventsLost, reason sink_lost:{sink}) and their "
     "states start again incomplete"
@@ -732,6 +736,11 @@ class NatsConnector:
         self._journals: dict[str, _JournalAt] = {}
         self._writer = secrets.token_hex(8)  # tells this connector's journals from another bridge's
         self._bucket_gone = False  # seen missing since it last held state: its next life has begun
+        # Why the bucket, edited during the run, no longer keeps what it is given (a TTL, limits
+        # that discard the oldest: see _recheck_bucket), until an operator fixes it; and when a
+        # write last looked.
+        self._bucket_unfit: str | None = None
+        self._bucket_checked = 0.0
         self._value_limit: int | None = None  # the bucket's max_value_size, read at connect
         self._warned: set[str] = set()  # what _warn_once warned about
         self._format: StateFormat | None = None
@@ -1003,8 +1012,11 @@ class NatsConnector:
     async def audit(self) -> None:
         """Between writes (bridge.connector, I6): the events stream that acknowledged this sink's
         messages still exists and has not gone back below the last JetStream seq it gave; else what
-        it held is lost (SinkLost; with ``stream.create`` the next write creates it again)."""
+        it held is lost (SinkLost; with ``stream.create`` the next write creates it again). The
+        state bucket still keeps what it is given (see _recheck_bucket)."""
         nc, name = self._nc, self._events_stream
+        if nc is not None and nc.is_connected and self.writes_state:
+            await self._recheck_bucket(nc)
         if self.options.mode == "core" or nc is None or not nc.is_connected or name is None or name not in self._stream_seqs:
             return
         js = nc.jetstream(timeout=self.options.connect_timeout)
@@ -1223,6 +1235,12 @@ class NatsConnector:
         """Apply the state messages of a write, once the messages before them are stored: per bridge
         stream (streams in parallel), the deltas up to its first transient failure folded into one
         bucket write (see _apply_state); the state messages after a failure fail with it."""
+        if self._bucket_unfit is not None or time.monotonic() - self._bucket_checked >= BUCKET_RECHECK:
+            await self._recheck_bucket(nc)
+        if self._bucket_unfit is not None:
+            unfit = Retriable(self._bucket_unfit, reason="bucket_drops_entries")
+            errors.update({i: unfit for i, m in enumerate(messages) if m.type == STATE_TYPE and i not in errors})
+            return
         streams: dict[str, list[int]] = {}
         for i, m in enumerate(messages):
             streams.setdefault(m.record.stream.key, []).append(i)
@@ -1620,6 +1638,51 @@ class NatsConnector:
                     f"{taken} already (NATS refuses overlapping streams): use that stream (stream.name), or other subjects",
                     reason="cannot_create",
                 )
+
+    async def _recheck_bucket(self, nc: Client) -> None:
+        """The bucket's settings again (an operator can edit them during the run: ``nats stream
+        edit``): one that no longer keeps what it is given (see _check_bucket_config) may have
+        dropped entries of states marked complete already. Its heads this connector knows are
+        removed (a consumer bootstrapping meanwhile finds no state, never a wrong one marked
+        complete), every stream's state starts again at its next write (a new bucket life:
+        cleared, incomplete until the engine's next clear or restart), and state writes fail,
+        the sink not ready and naming the fix, until the bucket keeps entries again. Called by
+        ``audit()`` and, at most every ``BUCKET_RECHECK`` seconds, by writes with state."""
+        self._bucket_checked = time.monotonic()
+        js = nc.jetstream(timeout=self.options.connect_timeout)
+        try:
+            config = (await js.stream_info(self._kv_stream)).config
+            self._check_bucket_config(config)
+        except nats.js.errors.NotFoundError:
+            return  # (a write finds it missing: no_bucket)
+        except NotConnected as exc:
+            if exc.reason not in ("bucket_drops_entries", "bucket_too_small"):
+                raise
+            self._state_problem = str(exc)
+            if self._bucket_unfit is None:
+                # Each stream's head, and its journal (without a head, a journal would look like
+                # another bridge's write in flight to the next write: see _write_journal).
+                prefixes = set(self._heads) | set(self._journals)
+                keys = [f"{p}.{HEAD_KEY}" for p in prefixes] + [f"{JOURNAL_KEY}.{p}.>" for p in prefixes]
+                await self._purge(nc, keys)  # (raises when it fails: the next look tries again)
+                self._heads.clear()
+                self._journals.clear()
+                self._bucket_unfit = str(exc)
+                self._bucket_life += 1
+                log.error(
+                    "%s; the state of %d stream(s) it held is lost: their heads are removed, and each starts again "
+                    "(incomplete) once the bucket is fixed",
+                    exc,
+                    len(prefixes),
+                    extra={"sink": self.name, "count": len(prefixes)},
+                )
+            return
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.debug("%s: bucket lookup failed: %s", self._prefix, _describe(exc), extra={"sink": self.name})
+            return
+        if self._bucket_unfit is not None:
+            self._bucket_unfit = self._state_problem = None
+            log.info("%s: KV bucket %s keeps its entries again", self._prefix, self._bucket, extra={"sink": self.name})
 
     def _check_bucket_config(self, config: js_api.StreamConfig) -> None:
         """What the bridge needs of an existing bucket: values large enough for a journal part

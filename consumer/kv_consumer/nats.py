@@ -15,7 +15,8 @@ from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import DeliverPolicy
+from nats.errors import Error as NatsError
+from nats.js.api import DeliverPolicy, DiscardPolicy
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
@@ -139,6 +140,7 @@ async def bootstrap(
     prefix = state_prefix(source, dp_rank)
     kv_stream = f"KV_{bucket}"
     head_subject = f"$KV.{bucket}.{prefix}.{HEAD_KEY}"
+    drops = await bucket_drops_entries(js, bucket)
     for attempt in range(attempts):
         if attempt:
             await asyncio.sleep(pause)
@@ -150,7 +152,9 @@ async def bootstrap(
         if again is None or (again["epoch"], again["gen"]) != (first["epoch"], first["gen"]):
             continue  # a clear ran during the sweep
         docs = [d for k, v in held.items() if "/" in k and v for d in (parse(v),) if d is not None]
-        state = StreamState(first, docs)
+        state = StreamState({**first, "complete": False} if drops else first, docs)
+        if drops and first.get("complete"):
+            state.why = f"the bucket may have dropped entries: {drops}"
         start = first.get("next")
         if type(start) is not int:
             start = 1
@@ -161,6 +165,23 @@ async def bootstrap(
                     start = 1
         return state, start
     raise LookupError(f"no consistent state of {source}/{dp_rank} in bucket {bucket!r} after {attempts} attempts")
+
+
+async def bucket_drops_entries(js: JetStreamContext, bucket: str) -> str:
+    """Why bucket ``bucket`` can lose state entries on its own (a TTL; limits that discard the
+    oldest), or "" when it keeps them: a state read from such a bucket is never complete, whatever
+    its head says (the bridge refuses such a bucket and notices an edit within seconds; this
+    closes the time before it does). Empty too when the bucket cannot be looked up (missing, or a
+    user without the JetStream API's ``STREAM.INFO``: the bridge's check stands alone then)."""
+    try:
+        config = (await js.stream_info(f"KV_{bucket}")).config
+    except (NatsError, TimeoutError):
+        return ""
+    if config.max_age:
+        return f"its entries expire after {config.max_age:g} s"
+    if config.discard == DiscardPolicy.OLD and ((config.max_msgs or 0) > 0 or (config.max_bytes or 0) > 0):
+        return "it discards its oldest entries at its limits"
+    return ""
 
 
 async def _head_doc(js: JetStreamContext, kv_stream: str, subject: str) -> dict[str, Any] | None:

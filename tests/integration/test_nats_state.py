@@ -38,7 +38,7 @@ from nats.js import api as js_api
 
 from bridge import config
 from bridge.config import SinkConfig, convert_options, from_data
-from bridge.errors import ConnectorError, NotConnected, Permanent
+from bridge.errors import ConnectorError, NotConnected, Permanent, Retriable
 from bridge.formats import state_message
 from bridge.records import Record, Stream, source_reset
 from bridge.runtime import Bridge
@@ -730,6 +730,57 @@ async def test_a_bucket_that_drops_entries_on_its_own_is_refused_at_connect(
         await w.connector.close()
     assert refused.value.reason == "bucket_drops_entries" and f"KV bucket {bucket!r}" in str(refused.value)
     assert ("remove the TTL" if limits == "ttl" else "use discard new") in str(refused.value)
+
+
+@pytest.mark.parametrize("limits", ["ttl", "discard_old"])
+async def test_a_bucket_edited_during_the_run_to_drop_entries_never_leaves_a_state_marked_complete(
+    nats_server: NatsServer, reader: Client, names: tuple[str, str], limits: str
+) -> None:
+    """The same settings as above, set by an operator during the run (``nats stream edit``): the
+    bucket then drops entries of states marked complete, and heads rewritten at each write kept
+    saying complete (breaker30n B2: 5-15 of 55-76 blocks left, /readyz ok, 6 of 6 runs). The next
+    write with state (or the audit of a quiet sink) sees the settings: the heads it knows are
+    removed, state writes fail (the sink not ready, the fix named) until the bucket is fixed, and
+    then each stream's state starts again (state_lost: cleared, incomplete)."""
+    dest, bucket = names
+    js = reader.jetstream(timeout=10)
+    await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1))
+    stream, quiet = Stream("e", 0), Stream("q", 0)
+    rand = random.Random(8)
+    async with connected(nats_server.url, dest, bucket, create=False) as w:
+        await w.write([source_reset(stream, 1, "publisher_restart", 0.0), many_blocks(stream, 1, 0, 5, rand)])
+        await w.write([source_reset(quiet, 1, "publisher_restart", 0.0), many_blocks(quiet, 1, 0, 5, rand)])
+        before, _ = await bootstrap(reader, bucket, "q", 0)
+        assert before.complete
+        info = await js.stream_info(f"KV_{bucket}")
+        if limits == "ttl":
+            edited = dataclasses.replace(info.config, max_age=3600.0)
+        else:
+            edited = dataclasses.replace(info.config, max_msgs=10_000, discard=js_api.DiscardPolicy.OLD)
+        await js.update_stream(edited)
+        meanwhile, _ = await bootstrap(reader, bucket, "q", 0)  # before the bridge looks: the consumer does
+        assert not meanwhile.complete and "the bucket may have dropped entries" in meanwhile.why
+        assert meanwhile.blocks() == before.blocks()
+        await w.connector.audit()  # a quiet sink: the audit looks (a write would too)
+        problem = await w.connector.health()
+        print(f"\nhealth: {problem}")
+        assert problem is not None and "loses state entries on its own" in problem
+        assert ("remove the TTL" if limits == "ttl" else "use discard new") in problem
+        for name in ("e", "q"):
+            with pytest.raises(LookupError):  # no head: nothing says complete
+                await bootstrap(reader, bucket, name, 0)
+        with pytest.raises(ConnectorError) as info_:
+            await w.write([many_blocks(stream, 1, 1, 1, rand)])
+        assert isinstance(info_.value, Retriable) and info_.value.reason == "bucket_drops_entries", info_.value
+        await js.update_stream(info.config)  # the operator's fix
+        second = many_blocks(stream, 1, 2, 1, rand)
+        with pytest.raises(ConnectorError) as info_:
+            await w.write([second])
+        assert isinstance(info_.value, Permanent) and info_.value.reason == "state_lost", info_.value
+        assert await w.connector.health() is None
+        await w.write([source_reset(stream, 2, "publisher_restart", 0.0), many_blocks(stream, 2, 0, 4, rand)])
+        state, _ = await bootstrap(reader, bucket, "e", 0)
+        assert state.complete and state.head["epoch"] == 2
 
 
 async def test_without_create_a_lost_bucket_is_named_and_the_state_told_lost_once_it_is_back(
