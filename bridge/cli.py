@@ -34,6 +34,7 @@ from .connector import Connector, Registry, template_labels, unwritable
 from .endpoints import for_rank
 from .errors import ConfigError, ConnectorError, StartupError
 from .probe import diagnose, split_tcp
+from .records import Stream
 from .runtime import run as run_bridge
 from .runtime import streams_of
 from .secret import redact
@@ -441,7 +442,7 @@ def check(path: str, *, offline: bool = False, registry: Registry | None = None)
     unreachable.extend(wrong)
     with _quiet_clients():
         for i, conn in result.connectors:
-            reason = asyncio.run(_reach(conn))
+            reason = asyncio.run(_reach(conn, [s for source in cfg.sources for s in streams_of(source)]))
             print(f"sinks[{i}] ({conn.name}): {'reachable' if reason is None else 'unreachable'}")
             if reason is not None:
                 line = reason if reason.startswith("sinks[") else f"sinks[{i}] ({conn.name}): {reason}"
@@ -549,14 +550,17 @@ def _quiet_logs() -> Iterator[None]:
         logging.disable(logging.NOTSET)
 
 
-async def _reach(conn: Connector) -> str | None:
-    """Why ``conn`` cannot be reached, or None; changes nothing (a connector's ``probe`` when it has one)."""
+async def _reach(conn: Connector, streams: Sequence[Stream]) -> str | None:
+    """Why ``conn`` cannot be reached, or None; changes nothing (a connector's ``probe`` when it has
+    one). ``streams``: the configured ones, for a connector that checks what it needs for each."""
     probe = getattr(conn, "probe", None)
     try:
         if probe is not None:
             return cast("str | None", await asyncio.wait_for(probe(), 15))
         if hasattr(conn, "creates_nothing"):
             conn.creates_nothing = True
+        if hasattr(conn, "configured_streams"):
+            conn.configured_streams = list(streams)
         await asyncio.wait_for(conn.connect(), 15)
         return await asyncio.wait_for(conn.health(), 15)
     except (ConnectorError, TimeoutError, OSError) as exc:

@@ -708,6 +708,7 @@ class NatsConnector:
         self._new_seqs: dict[str, list[int]] = {}
         self._held = _Held()
         self.creates_nothing = False  # --check: connect() creates nothing (bridge.connector)
+        self.configured_streams: list[Stream] = []  # --check: each one's subject must be captured
         self._lost: list[tuple[Stream, int, int, int]] = []
         self._lost_why = ""
         state = options.state
@@ -1951,12 +1952,25 @@ class NatsConnector:
         """Report (health, ``--check``) when no stream captures any subject of the template; do not
         fail: a stream may be created later, and a write names the problem too. The server matches
         streams whose subjects overlap the template's wildcard form (``kv.*.*``), so a stream
-        capturing only some sources passes here, and a write to the others fails ``no_stream``."""
+        capturing only some sources passes here, and a write to the others fails ``no_stream``;
+        ``--check`` looks for each configured stream's subject (``configured_streams``)."""
         wildcard = subject_filter(self.options.subject)
         try:
             name = self._events_stream = await js.find_stream_name_by_subject(wildcard)
             self._stream_problem = None
             config = (await js.stream_info(name)).config
+            captured = config.subjects or []
+            missed = [
+                subject
+                for subject in dict.fromkeys(self._subjects.render(sample_message(s)) for s in self.configured_streams)
+                if not any(subjects_overlap(f, subject) for f in captured)
+            ]
+            if missed:
+                shown = ", ".join(repr(m) for m in missed[:3]) + (f" (+{len(missed) - 3} more)" if len(missed) > 3 else "")
+                self._stream_problem = (
+                    f"{self._prefix}: JetStream stream {name!r} captures {captured}, not the subject of every source: "
+                    f"{shown} would fail (no_stream); add {wildcard!r} to its subjects, or create a stream capturing them"
+                )
             if config.storage == js_api.StorageType.MEMORY:
                 consequence = _MEMORY_STREAM.format(sink=self.name)
                 self._warn_memory(f"JetStream stream {name!r}", consequence, "file storage (stream.storage: file)")

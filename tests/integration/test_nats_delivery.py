@@ -405,6 +405,31 @@ async def test_no_stream_fails_at_once_and_check_reports_it(nats_server: NatsSer
     assert "nats-n" in out[1] and f"{dest}.*.*" in out[1] and "stream" in out[1], out
 
 
+async def test_check_reports_a_stream_that_captures_only_some_configured_sources(
+    nats_server: NatsServer, reader: Client, tmp_path: Path
+) -> None:
+    """An operator's stream made for the sources there were (``{dest}.llama-a.*``), then a source
+    added: ``--check`` said ok and the run failed no_stream for the new source (breaker30n B3, 3
+    of 3). It looks for each configured source's subject, and says which and the fix."""
+    dest = _dest()
+    js = reader.jetstream(timeout=10)
+    await js.add_stream(js_api.StreamConfig(name=dest, subjects=[f"{dest}.llama-a.*"]))
+    try:
+        path = tmp_path / "bridge.yaml"
+        sources = [{"name": "llama-a", "endpoint": "tcp://127.0.0.1:1"}, {"name": "llama-b", "endpoint": "tcp://127.0.0.1:3"}]
+        sink = {"type": "nats", "name": "nats-p", "format": "raw", **options_dict(nats_server, dest)}
+        path.write_text(json.dumps({"sources": sources, "sinks": [sink]}))
+        code, out = await asyncio.to_thread(_check, str(path))
+        assert code == 3, out
+        assert f"'{dest}.llama-b.0' would fail (no_stream)" in out and f"add '{dest}.*.*' to its subjects" in out, out
+        assert f"'{dest}.llama-a.0'" not in out
+        path.write_text(json.dumps({"sources": sources[:1], "sinks": [sink]}))
+        code, out = await asyncio.to_thread(_check, str(path))
+        assert "sinks[0] (nats-p): reachable" in out, out  # (the engine's endpoint is down: exit 3 for that alone)
+    finally:
+        await js.delete_stream(dest)
+
+
 def options_dict(server: NatsServer, dest: str) -> dict[str, Any]:
     return {"servers": server.url, "subject": dest + ".{source}.{dp_rank}"}
 
