@@ -120,7 +120,7 @@ from .checkpoint import SinkPosition
 from .config import ByteSize, Duration, SinkConfig, convert_options, doc
 from .config import Struct as ConnectorOptions
 from .errors import EPOCHS_REMEMBERED, ConfigError, ConnectorError, NotConnected, PartialFailure, Permanent, Retriable, SinkLost
-from .formats import STATE_TYPE, Envelope, Message, hex64, sample_message
+from .formats import STATE_TYPE, Envelope, Message, hex64, message_types, sample_message
 from .records import Event, Record, Stream
 from .secret import Secret, redact, redact_url, reveal
 from .state import Head, SeedEntry, StateDelta
@@ -431,6 +431,7 @@ __all__ = [
     "TlsOptions",
     "doc",
     "hex64",
+    "message_types",
     "redact",
     "redact_url",
     "reveal",

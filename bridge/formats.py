@@ -30,6 +30,7 @@ import msgspec
 from .filters import EventFilter
 from .records import Event, Record, Stream
 from .schema import HASH_FIELDS, HEADER_KEYS, SCHEMA_VERSION, EventBatch, EventRecordHeader, EventsLost, SourceReset, StateSeeded
+from .wire import KNOWN_TYPES
 
 Format = Literal["json", "msgpack", "raw"]
 Granularity = Literal["event", "batch"]
@@ -193,6 +194,14 @@ SEED_SUB = STATE_SUB - 1
 def state_message(record: Record) -> Message:
     """The state message of ``record`` (see STATE_TYPE)."""
     return Message(record, None, STATE_TYPE, b"", Envelope(record, STATE_TYPE, "", ""))
+
+
+def message_types(granularity: str) -> list[str]:
+    """The types a renderer gives messages (what ``{type}`` in a name template takes): the records'
+    kinds, a batch's first, and at event granularity every event type the decoder knows (an
+    unknown one's comes as the engine names it)."""
+    kinds = [BATCH_TYPE, "SourceReset", "EventsLost", SEED_TYPE]
+    return kinds + sorted(KNOWN_TYPES) if granularity == "event" else kinds
 
 
 def sample_message(stream: Stream, type_: str = BATCH_TYPE, epoch: int = 0) -> Message:

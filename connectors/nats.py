@@ -113,6 +113,7 @@ from bridge.connector import (
     Template,
     TlsOptions,
     doc,
+    message_types,
     redact,
     redact_url,
     reveal,
@@ -1948,6 +1949,11 @@ class NatsConnector:
         self._stream_created.pop(so.name, None)
         log.info("%s: created JetStream stream %s for %s", self._prefix, so.name, config.subjects, extra={"sink": self.name})
 
+    def _types(self) -> list[str]:
+        """The message types whose subjects a write can need (one, unless the template has ``{type}``)."""
+        types = message_types(self.sink.granularity)
+        return types if "type" in self._subjects.template.fields else types[:1]
+
     async def _check_stream(self, js: JetStreamContext) -> None:
         """Report (health, ``--check``) when no stream captures any subject of the template; do not
         fail: a stream may be created later, and a write names the problem too. The server matches
@@ -1960,11 +1966,8 @@ class NatsConnector:
             self._stream_problem = None
             config = (await js.stream_info(name)).config
             captured = config.subjects or []
-            missed = [
-                subject
-                for subject in dict.fromkeys(self._subjects.render(sample_message(s)) for s in self.configured_streams)
-                if not any(subjects_overlap(f, subject) for f in captured)
-            ]
+            rendered = (self._subjects.render(sample_message(s, t)) for s in self.configured_streams for t in self._types())
+            missed = [s for s in dict.fromkeys(rendered) if not any(subjects_overlap(f, s) for f in captured)]
             if missed:
                 shown = ", ".join(repr(m) for m in missed[:3]) + (f" (+{len(missed) - 3} more)" if len(missed) > 3 else "")
                 self._stream_problem = (

@@ -428,6 +428,17 @@ async def test_check_reports_a_stream_that_captures_only_some_configured_sources
         assert "sinks[0] (nats-p): reachable" in out, out  # (the engine's endpoint is down: exit 3 for that alone)
     finally:
         await js.delete_stream(dest)
+    # A template with {type}: a stream made for the batches alone (breaker30n2 B3: the engine's
+    # restart then stopped the stream behind its SourceReset, no_stream).
+    await js.add_stream(js_api.StreamConfig(name=dest, subjects=[f"{dest}.*.*.EventBatch"]))
+    try:
+        sink["subject"] = dest + ".{source}.{dp_rank}.{type}"
+        path.write_text(json.dumps({"sources": sources[:1], "sinks": [sink]}))
+        code, out = await asyncio.to_thread(_check, str(path))
+        assert f"'{dest}.llama-a.0.SourceReset', '{dest}.llama-a.0.EventsLost'" in out, out
+        assert f"'{dest}.llama-a.0.EventBatch'" not in out
+    finally:
+        await js.delete_stream(dest)
 
 
 def options_dict(server: NatsServer, dest: str) -> dict[str, Any]:
