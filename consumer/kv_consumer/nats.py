@@ -126,7 +126,11 @@ async def bootstrap(
     2. sweep the stream's entries (:func:`sweep`: newest per key);
     3. read the head again: when its (epoch, gen) moved, or it is missing (a clear purges every
        key of the stream, the head too, and writes it again at once), start over (``attempts``
-       times, ``pause`` seconds apart; then LookupError).
+       times, ``pause`` seconds apart; then LookupError);
+    4. count the entries of the head's generation: fewer than its ``live`` is a write in flight
+       (its removals land before its head) or entries lost outside the bridge (a bucket trimmed
+       by hand): looked at again up to :data:`SHORT_SWEEPS` times, then returned incomplete. So
+       is the state of a bucket whose settings drop entries (:func:`bucket_drops_entries`).
 
     Returns ``(state, start)``: ``state`` is a :class:`~kv_consumer.state.StreamState`; follow the
     stream's subject of the events stream from JetStream sequence ``start`` (the head's ``next``:
@@ -141,6 +145,7 @@ async def bootstrap(
     kv_stream = f"KV_{bucket}"
     head_subject = f"$KV.{bucket}.{prefix}.{HEAD_KEY}"
     drops = await bucket_drops_entries(js, bucket)
+    short = 0  # sweeps that found fewer entries than the head counts
     for attempt in range(attempts):
         if attempt:
             await asyncio.sleep(pause)
@@ -152,9 +157,16 @@ async def bootstrap(
         if again is None or (again["epoch"], again["gen"]) != (first["epoch"], first["gen"]):
             continue  # a clear ran during the sweep
         docs = [d for k, v in held.items() if "/" in k and v for d in (parse(v),) if d is not None]
-        state = StreamState({**first, "complete": False} if drops else first, docs)
-        if drops and first.get("complete"):
-            state.why = f"the bucket may have dropped entries: {drops}"
+        found = sum(1 for d in docs if (d.get("epoch"), d.get("gen")) == (first["epoch"], first["gen"]))
+        missing = found < first.get("live", 0)
+        if missing:
+            short += 1
+            if short < SHORT_SWEEPS and attempt < attempts - 1:
+                continue  # a write in flight removes entries before it writes its head: look again
+        state = StreamState({**first, "complete": False} if drops or missing else first, docs)
+        if first.get("complete") and (drops or missing):
+            lost = f"it holds {found} entries where the head counts {first['live']}" if missing else ""
+            state.why = f"the bucket may have dropped entries: {drops or lost}"
         start = first.get("next")
         if type(start) is not int:
             start = 1
@@ -165,6 +177,12 @@ async def bootstrap(
                     start = 1
         return state, start
     raise LookupError(f"no consistent state of {source}/{dp_rank} in bucket {bucket!r} after {attempts} attempts")
+
+
+SHORT_SWEEPS = 5
+"""Sweeps of one bootstrap that may find fewer entries than the head counts (a write removes
+entries before it writes its next head) before the state is returned incomplete: entries lost
+outside the bridge (a bucket trimmed by hand)."""
 
 
 async def bucket_drops_entries(js: JetStreamContext, bucket: str) -> str:

@@ -783,6 +783,32 @@ async def test_a_bucket_edited_during_the_run_to_drop_entries_never_leaves_a_sta
         assert state.complete and state.head["epoch"] == 2
 
 
+async def test_entries_trimmed_from_the_bucket_by_hand_leave_no_state_marked_complete(
+    nats_server: NatsServer, reader: Client, names: tuple[str, str]
+) -> None:
+    """An operator trims the bucket without changing its settings for good (``nats stream purge
+    --keep``; limits set and set back at once; both while the bridge runs or is down): its oldest
+    entries go, the newest keys (head, journal) stay, and the heads kept saying complete
+    (breaker30n2 B1: 2-20 blocks missing, 9 of 9 runs). The head counts its live entries: a
+    consumer's bootstrap that finds fewer returns the state incomplete, and a bridge restarted
+    over it starts the stream again (read_state: unknown)."""
+    dest, bucket = names
+    stream = Stream("t", 0)
+    rand = random.Random(9)
+    async with connected(nats_server.url, dest, bucket) as w:
+        await w.write([source_reset(stream, 1, "publisher_restart", 0.0), many_blocks(stream, 1, 0, 10, rand)])
+        await w.write([many_blocks(stream, 1, 1, 2, rand)])
+        whole, _ = await bootstrap(reader, bucket, "t", 0)
+        assert whole.complete and len(whole.blocks()) == 12
+        js = reader.jetstream(timeout=10)
+        await js.purge_stream(f"KV_{bucket}", keep=4)  # the last write's journal, 2 entries and head stay
+        trimmed, _ = await bootstrap(reader, bucket, "t", 0, pause=0.01)
+        print(f"\nafter the trim: {trimmed.why}")
+        assert not trimmed.complete and "it holds 2 entries where the head counts 12" in trimmed.why
+    async with connected(nats_server.url, dest, bucket) as again:
+        assert (await again.connector.read_state([stream])) == {}  # (cannot tell: the stream starts again)
+
+
 async def test_without_create_a_lost_bucket_is_named_and_the_state_told_lost_once_it_is_back(
     nats_server: NatsServer, reader: Client, names: tuple[str, str]
 ) -> None:
