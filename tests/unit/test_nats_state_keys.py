@@ -114,7 +114,11 @@ async def test_state_messages_wait_for_their_stream_and_carry_next() -> None:
             raise fail[0]
         applied.append((stream.key, [(d.head.seq, nxt) for d, nxt in deltas]))
 
+    async def bucket_keeps_entries(_nc: object) -> None:
+        pass  # (no server: the bucket's settings are not looked at)
+
     conn._apply_state = apply_state  # type: ignore[method-assign]
+    conn._recheck_bucket = bucket_keeps_entries  # type: ignore[method-assign]
     a, b = Stream("a", 0), Stream("b", 0)
 
     def rec(stream: Stream, seq: int) -> list[Message]:
