@@ -437,8 +437,13 @@ def check(path: str, *, offline: bool = False, registry: Registry | None = None)
     probed, answering, wrong, shapes = asyncio.run(_probe_engines(cfg))
     if probed or wrong:
         print(f"engines: {answering} of {probed} endpoint(s) answer as they should")
-    for line in shapes:
+    for line, undecodable in shapes:
         print(f"engines: {line}")
+        if undecodable:
+            wrong.append(
+                f"{line}: the engine's first message could not be decoded, and the bridge would announce every such "
+                "batch lost (is it a vLLM or SGLang KV event publisher with the msgpack encoder, and the source's topic its own?)"
+            )
     unreachable.extend(wrong)
     with _quiet_clients():
         for i, conn in result.connectors:
@@ -471,12 +476,13 @@ PROBE_MAX = 32
 """Discovered engines probed by ``--check``, at most (the first addresses in sorted order)."""
 
 
-async def _probe_engines(cfg: Config) -> tuple[int, int, list[str], list[str]]:
+async def _probe_engines(cfg: Config) -> tuple[int, int, list[str], list[tuple[str, bool]]]:
     """``--check``: ask every engine endpoint the bridge connects to which ZMQ socket answers (ZMTP
     greeting; nothing subscribed or requested), DNS discovery's engines included: how many were
     asked, how many answered as they should, one line per problem; then, for each configured
     source's live endpoints that answered, what its first message shows of the wire (publisher
-    UUID or none, producer shape; see ``tail.wire_shape``), one line each."""
+    UUID or none, producer shape; see ``tail.wire_shape``), one line each, flagged when it could
+    not be decoded."""
     from .tail import wire_shape
 
     checks: list[tuple[str, str, int, Coroutine[Any, Any, tuple[str, str] | None]]] = []
@@ -517,7 +523,8 @@ async def _probe_engines(cfg: Config) -> tuple[int, int, list[str], list[str]]:
             topic = cfg.sources[int(path[len("sources[") : path.index("]")])].topic
             listen.append((where, wire_shape(ep, topic, SHAPE_TIMEOUT)))
     shapes = await asyncio.gather(*(c for _, c in listen))
-    return len(checks), sum(got is None for got in found), lines, [f"{w}: {s}" for (w, _), s in zip(listen, shapes, strict=True)]
+    shown = [(f"{w}: {s}", bad) for (w, _), (s, bad) in zip(listen, shapes, strict=True)]
+    return len(checks), sum(got is None for got in found), lines, shown
 
 
 CLIENT_LOGGERS = ("aiokafka", "kafka", "nats", "redis", "asyncio")

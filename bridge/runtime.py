@@ -754,9 +754,9 @@ class Bridge:
     def readiness(self, detail: bool = True) -> tuple[bool, dict[str, Any]]:
         """Ready: no background task failed, every sink connected, every source subscribed, and,
         once ``ingest.connect_grace`` has passed since start-up, at least one engine connected
-        and answering (a bridge that reads nothing is not ready; one engine down among several is
-        not enough to say so). The detail names each sink's state, and why sources are not
-        connected or not answering.
+        and answering with batches it can decode (a bridge that reads nothing is not ready; one
+        engine down among several is not enough to say so). The detail names each sink's state,
+        and why sources are not connected, not answering or not decodable.
 
         ``detail=False``: the verdict alone, with an empty detail (what every scrape keeps
         ``kv_bridge_ready`` current with): one pass over the streams that stops at the first
@@ -767,18 +767,22 @@ class Bridge:
         waiting: list[str] = []
         down: dict[str, str] = {}
         silent: list[str] = []
+        garbled: dict[str, str] = {}
         if detail:
             waiting = sorted(k for k, r in readers.items() if not r.subscribed)
             down = {k: r.problem for k, r in readers.items() if r.problem is not None}
             silent = [k for k, p in pipelines.items() if p.silent and k not in down]
+            garbled = {
+                k: why for k, p in pipelines.items() if (why := p.undecodable) is not None and k not in down and not p.silent
+            }
             any_waiting, all_down = bool(waiting), len(down) == len(readers)
-            all_quiet = len(down) + len(silent) >= len(readers)
+            all_quiet = len(down) + len(silent) + len(garbled) >= len(readers)
         else:
             any_waiting = not all(r.subscribed for r in readers.values())
             # (not ready anyway while one waits; otherwise these stop at the first one connected)
             all_down = not any_waiting and all(r.problem is not None for r in readers.values())
             all_quiet = not any_waiting and all(
-                r.problem is not None or (k in pipelines and pipelines[k].silent) for k, r in readers.items()
+                r.problem is not None or (k in pipelines and _quiet(pipelines[k])) for k, r in readers.items()
             )
         ready = self.failed is None and all(w.connected for w in self.workers) and not any_waiting
         why = None
@@ -787,6 +791,8 @@ class Bridge:
                 why = f"discovery finds no engine at {self.discovery.config.name}" if self.discovery else "no source configured"
             elif all_down:
                 why = "no source connected: see sources_not_connected"
+            elif all_quiet and not silent and garbled:
+                why = "no source sends anything decodable: see sources_not_decodable (the engine's kv-events encoder or topic)"
             elif all_quiet:
                 why = "no source answers: see sources_not_answering and replay_not_usable (an engine frozen or hung)"
             if why is not None:
@@ -806,6 +812,8 @@ class Bridge:
             out["replay_not_usable"] = dict(sorted(replay.items())[:MAX_SHOWN])
         if silent:
             out["sources_not_answering"] = sorted(silent)[:MAX_SHOWN]
+        if garbled:
+            out["sources_not_decodable"] = dict(sorted(garbled.items())[:MAX_SHOWN])
         if why is not None:
             out["not_ready"] = why
         if self.failed is not None:
@@ -855,3 +863,8 @@ async def _started(bridge: Bridge, stop: asyncio.Event) -> bool:
 def streams_of(source: SourceConfig) -> list[Stream]:
     """The engine streams of one source: one per data-parallel rank."""
     return [Stream(source.name, rank, dict(source.labels)) for rank in range(source.dp_ranks)]
+
+
+def _quiet(pipeline: StreamPipeline) -> bool:
+    """A connected stream that delivers nothing usable: its engine frozen, or all it sends undecodable."""
+    return pipeline.silent or pipeline.undecodable is not None

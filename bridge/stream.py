@@ -38,6 +38,9 @@ REPLAY_DIAGNOSE_EVERY = 60.0
 """At most this often (seconds) a stream asks its replay endpoint why a replay got no reply."""
 _type_of = operator.itemgetter("type")
 _MAX_TYPES = 8192  # event types gathered for the metrics before they are applied (memory bound)
+UNDECODABLE_AFTER = 5
+"""A stream whose last this many batches in a row failed to decode, none since, counts as not
+answering usefully in readiness (one bad batch among good ones does not)."""
 
 
 class Epochs(Protocol):
@@ -122,6 +125,8 @@ class StreamPipeline:
         self._pending: Record | None = None  # decided, being handed on (see _hand_decided)
         self._run: list[Record] = []  # decided in order, to be handed on together (see on_live)
         self._decoded: Record | None = None  # the last batch decoded (see StreamSequencer.reference)
+        self._bad_run = 0  # batches in a row that failed to decode (see ``undecodable``)
+        self._bad_why = ""  # why the last of them failed
         self.backoff = Backoff(cfg.initial_backoff, cfg.max_backoff)
         self.lock = asyncio.Lock()
         self._replay_task: asyncio.Task[None] | None = None
@@ -444,6 +449,7 @@ class StreamPipeline:
             if counted is None:
                 counted = wire.count_batch(payload)
             if counted is not None:  # else: decode it, which reports what is wrong with it
+                self._bad_run = 0
                 types = counted.types
                 self._types.extend(types)
                 record = self._decoded = Record(
@@ -456,10 +462,13 @@ class StreamPipeline:
                 batch = wire.decode_batch(payload)
         except DecodeError as exc:
             self.ctx.decode_failures(self.stream, exc, seq, None, payload)
+            self._bad_run += 1
+            self._bad_why = str(exc)
             good = self._decoded
             if good is not None and good.epoch == epoch:
                 self.sequencer.reference(good.seq, good.ts)
             return events_lost(self.stream, epoch, seq, seq, "undecodable", received)
+        self._bad_run = 0
         for bad in batch.bad_events:
             self.ctx.decode_failures(self.stream, DecodeError("bad_event", bad.reason), seq, None, None, index=bad.index)
         self._types.extend(map(_type_of, batch.events))
@@ -520,6 +529,13 @@ class StreamPipeline:
         (a frozen or hung process: the kernel keeps its TCP connections up), and no live batch
         came since that was found. An idle engine answers its replay endpoint."""
         return self._unanswered is not None and self._last_live < self._unanswered
+
+    @property
+    def undecodable(self) -> str | None:
+        """Why nothing this engine sends can be decoded, when its last ``UNDECODABLE_AFTER``
+        batches in a row failed to decode and none decoded since (a publisher of the right topic
+        whose payloads are not KV event batches: another encoder, another program); else None."""
+        return self._bad_why if self._bad_run >= UNDECODABLE_AFTER else None
 
     async def _replay(self, req: RequestReplay) -> None:
         assert self.replay_endpoint is not None

@@ -234,10 +234,11 @@ async def _snapshot(
     return 1
 
 
-async def wire_shape(endpoint: str, topic: str, timeout: float) -> str:
+async def wire_shape(endpoint: str, topic: str, timeout: float) -> tuple[str, bool]:
     """What the first live message read from ``endpoint`` within ``timeout`` shows of the wire (for
     ``--check``): whether its sequence frame carries the publisher UUID (vLLM #57789), and the
-    producer shape its payload has; "nothing within ..." for an idle engine."""
+    producer shape its payload has; "nothing within ..." for an idle engine. The flag: the
+    message could not be decoded (the bridge would announce every such batch lost)."""
     ctx = zmq.asyncio.Context()
     sub = ctx.socket(zmq.SUB)
     try:
@@ -246,7 +247,7 @@ async def wire_shape(endpoint: str, topic: str, timeout: float) -> str:
         sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         sub.connect(endpoint)
         if not await sub.poll(max(1, int(timeout * 1000))):
-            return f"nothing published within {timeout:g}s (an idle engine: the wire shape shows with its first batch)"
+            return f"nothing published within {timeout:g}s (an idle engine: the wire shape shows with its first batch)", False
         frames = await sub.recv_multipart()
     finally:
         sub.close(linger=0)
@@ -254,20 +255,20 @@ async def wire_shape(endpoint: str, topic: str, timeout: float) -> str:
     try:
         f = wire.parse_live(frames)
     except DecodeError as exc:
-        return f"a message the bridge cannot read ({exc})"
+        return f"a message the bridge cannot read ({exc})", True
     ident = (
         f"publisher UUID {uuid.UUID(bytes=f.instance)} (24-byte sequence frames: restarts are certain)"
         if f.instance is not None
         else "no publisher UUID (8-byte sequence frames: restarts are inferred)"
     )
     if f.heartbeat:
-        return f"{ident}; an idle heartbeat (next seq {f.seq})"
+        return f"{ident}; an idle heartbeat (next seq {f.seq})", False
     try:
         batch = wire.decode_batch(f.payload)
     except DecodeError as exc:
-        return f"{ident}; an undecodable batch ({exc})"
+        return f"{ident}; an undecodable batch ({exc})", True
     kinds = sorted({"RFC 1527 maps" if "event_type" in e else e["type"] for e in batch.events})
-    return f"{ident}; seq {f.seq}, {len(batch.events)} event(s): {', '.join(kinds) or 'none'}"
+    return f"{ident}; seq {f.seq}, {len(batch.events)} event(s): {', '.join(kinds) or 'none'}", False
 
 
 async def _read(rank: int, sub: zmq.asyncio.Socket, queue: asyncio.Queue[tuple[int, list[bytes]]]) -> None:

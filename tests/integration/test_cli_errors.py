@@ -25,6 +25,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from bridge.simulator import Simulator, SimulatorOptions
 from tests.infra.servers import KafkaServer, NatsServer
 from tests.support.harness import free_ports
+from tests.support.scripted_engine import ScriptedEngine
 
 pytestmark = pytest.mark.integration
 
@@ -358,6 +359,35 @@ async def test_check_says_whether_an_engine_sends_its_publisher_uuid(tmp_path: P
     assert proc.returncode == 0 and "Traceback" not in stderr.decode(), stderr.decode()
     assert f"engines: sources[0].endpoint: tcp://127.0.0.1:{ports[0]}: publisher UUID {instance}" in out, out
     assert f"engines: sources[1].endpoint: tcp://127.0.0.1:{ports[1]}: no publisher UUID" in out, out
+
+
+async def test_check_refuses_an_engine_whose_first_batch_cannot_be_decoded(tmp_path: Path) -> None:
+    """Breaker30h U1: --check printed "an undecodable batch" for the engine's first message, then
+    "config ok", exit 0, and the run announced every batch lost. It is a problem now: exit 3,
+    naming the source's endpoint and what was seen."""
+    live, rep = free_ports(2)
+    config = {
+        "sources": [{"name": "e", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}],
+        "sinks": [{"type": "file", "path": str(tmp_path / "out.jsonl")}],
+        "checkpoint": {"path": str(tmp_path / "checkpoint.json")},
+    }
+    async with ScriptedEngine(live, rep) as engine:
+
+        async def publish() -> None:
+            while True:
+                await engine.publish(1, payload=b"\xc1 not msgpack")
+                await asyncio.sleep(0.05)
+
+        publisher = asyncio.create_task(publish())
+        try:
+            proc = await check_config(tmp_path, config)
+        finally:
+            publisher.cancel()
+            await asyncio.gather(publisher, return_exceptions=True)
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    said = [line for line in proc.stderr.splitlines() if line.startswith(f"  sources[0].endpoint: tcp://127.0.0.1:{live}")]
+    assert len(said) == 1 and "an undecodable batch (bad_msgpack: " in said[0], proc.stdout + proc.stderr
+    assert "config ok" not in proc.stdout.splitlines()
 
 
 @pytest.mark.parametrize(

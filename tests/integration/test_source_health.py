@@ -24,9 +24,11 @@ import zmq.asyncio
 
 from bridge.runtime import Bridge
 from bridge.simulator import Simulator, SimulatorOptions
+from bridge.stream import UNDECODABLE_AFTER
 from tests.support.cache_engine import CacheEngine
 from tests.support.dns import stub_dns
 from tests.support.harness import free_port, metric, read_lines, running_bridge, wait_for
+from tests.support.scripted_engine import ScriptedEngine
 
 pytestmark = pytest.mark.integration
 
@@ -249,3 +251,28 @@ async def test_a_frozen_engine_is_not_taken_for_an_idle_one(tmp_path: Path) -> N
         os.kill(sim.pid, signal.SIGCONT)
         sim.kill()
         sim.wait(10)
+
+
+async def test_an_engine_whose_every_batch_is_undecodable_is_not_taken_for_a_working_one(tmp_path: Path) -> None:
+    """Breaker30h U1: the only engine publishes under the right topic with the right seqs, but no
+    payload decodes (another encoder, another program). Each batch is announced lost, and the
+    bridge was ready for ever with nothing named. Now a run of undecodable batches makes it not
+    ready, naming the stream and the decoder's reason; a bad batch among good ones does not, and
+    the next good batch makes it ready again."""
+    live, rep = free_port(), free_port()
+    async with ScriptedEngine(live, rep) as engine:
+        src = source("eng", f"tcp://127.0.0.1:{live}", f"tcp://127.0.0.1:{rep}")
+        async with running_bridge(tmp_path, [src], ingest=GRACE) as (bridge, out):
+            await engine.wait_subscribed()
+            await engine.publish(2)
+            await engine.publish(1, payload=b"\xc1 not msgpack")
+            await engine.publish(1)
+            await wait_for(lambda: out.exists() and len(read_lines(out)) == 4, what="four records", timeout=10)
+            assert bridge.readiness()[0], bridge.readiness()[1]  # one bad batch among good ones
+            await engine.publish(UNDECODABLE_AFTER, payload=b"\xc1 not msgpack")
+            detail = await not_ready(bridge)
+            assert detail["not_ready"].startswith("no source sends anything decodable"), detail
+            assert detail["sources_not_decodable"]["eng/0"].startswith("bad_msgpack: "), detail
+            await engine.publish(1)
+            await wait_for(lambda: bridge.readiness()[0], what="ready after a good batch", timeout=10)
+            assert "sources_not_decodable" not in bridge.readiness()[1]

@@ -86,23 +86,26 @@ class ScriptedEngine:
         self.ctx.destroy(linger=0)
 
     # -- steps ------------------------------------------------------------------------------------
-    async def publish(self, n: int = 1, *, deliver: bool = True) -> list[int]:
+    async def publish(self, n: int = 1, *, deliver: bool = True, payload: bytes | None = None) -> list[int]:
         """Publish ``n`` batches; ``deliver=False`` keeps them out of PUB (a high-water-mark drop)
-        but in the replay buffer. Returns their seqs."""
+        but in the replay buffer; ``payload``: these bytes instead of a batch (a publisher that
+        is not a KV event encoder). Returns their seqs."""
         inst, seqs = self.current, []
         for _ in range(n):
             seq = len(inst.payloads)
             if self.clock_back:
                 inst.back[seq] = self.clock_back
-            event = self._factory.stored_event()
-            event["block_hashes"] = [inst.number * MARK + seq, *event["block_hashes"][1:]]
-            payload = encode_batch(PROFILE, inst.ts(seq), [event])
-            inst.payloads.append(payload)
-            self._buffer.append((seq, payload))
+            data = payload
+            if data is None:
+                event = self._factory.stored_event()
+                event["block_hashes"] = [inst.number * MARK + seq, *event["block_hashes"][1:]]
+                data = encode_batch(PROFILE, inst.ts(seq), [event])
+            inst.payloads.append(data)
+            self._buffer.append((seq, data))
             if deliver:
                 await self._poll_subscriptions()
                 known = self._subscribed  # a subscription that arrives during the send is "maybe"
-                await self.pub.send_multipart([b"", seq.to_bytes(8, "big") + inst.uuid, payload])
+                await self.pub.send_multipart([b"", seq.to_bytes(8, "big") + inst.uuid, data])
                 if known:
                     inst.live.add(seq)
             seqs.append(seq)

@@ -669,7 +669,8 @@ async def test_known_label_values_start_at_zero_for_every_configured_sink_and_so
 async def test_a_scrapes_readiness_verdict_is_the_one_readyz_gives(tmp_path: Path) -> None:
     """/metrics keeps kv_bridge_ready current with ``readiness(detail=False)`` (one pass that stops
     early, for 10,000 streams): in every mix of streams subscribed, connected, the connect grace
-    over or not, a sink down, engines not answering (frozen), its verdict and the gauge are /readyz's."""
+    over or not, a sink down, engines not answering (frozen, or nothing they send decodable), its
+    verdict and the gauge are /readyz's."""
     import itertools
     import time
     from types import SimpleNamespace
@@ -688,10 +689,11 @@ async def test_a_scrapes_readiness_verdict_is_the_one_readyz_gives(tmp_path: Pat
         was_up = worker.connected
         verdicts = set()
         try:
-            for subscribed, problems, silent, grace_over, sink_up in itertools.product(
+            for subscribed, problems, silent, garbled, grace_over, sink_up in itertools.product(
                 ((1, 1, 1), (1, 0, 1), (0, 0, 0)),
                 ((0, 0, 0), (1, 0, 1), (1, 1, 1)),
                 ((0, 0, 0), (0, 1, 0), (1, 1, 1)),
+                ((0, 0, 0), (1, 0, 0), (1, 0, 1)),
                 (False, True),
                 (True, False),
             ):
@@ -700,8 +702,10 @@ async def test_a_scrapes_readiness_verdict_is_the_one_readyz_gives(tmp_path: Pat
                     for i, (s, p) in enumerate(zip(subscribed, problems, strict=True))
                 }  # type: ignore[assignment]
                 bridge.pipelines = {
-                    f"eng/{i}": SimpleNamespace(silent=bool(q), replay_problem="no answer" if q else None)
-                    for i, q in enumerate(silent)
+                    f"eng/{i}": SimpleNamespace(
+                        silent=bool(q), replay_problem="no answer" if q else None, undecodable="bad_msgpack: x" if g else None
+                    )
+                    for i, (q, g) in enumerate(zip(silent, garbled, strict=True))
                 }  # type: ignore[assignment]
                 bridge._started_at = time.monotonic() - (config.ingest.connect_grace + 1 if grace_over else 0)
                 worker.connected = sink_up

@@ -25,7 +25,7 @@ from bridge.records import Record, Stream, events_lost, source_reset
 from bridge.replay import ReplayClient, ReplayOutcome
 from bridge.sequencer import fingerprint
 from bridge.sink import SinkWorker
-from bridge.stream import StreamContext, StreamPipeline
+from bridge.stream import UNDECODABLE_AFTER, StreamContext, StreamPipeline
 from bridge.wire import ReplayReply, peek_ts
 from tests.support.records import batch, block_stored
 
@@ -206,6 +206,27 @@ async def test_an_undecodable_batch_is_dead_lettered_and_announced_lost(make: Ca
     assert sample(f.metrics, "kv_bridge_dead_letters_total", reason="bad_msgpack") == 1
     (line,) = Path(f.dead_letters.path).read_text().splitlines()  # noqa: ASYNC240 (a small local file)
     assert '"seq":1' in line and '"reason":"bad_msgpack"' in line and b"not msgpack".hex() in line
+
+
+@pytest.mark.parametrize("needs_events", [True, False])
+async def test_a_stream_is_undecodable_after_a_run_of_bad_batches_not_after_one(
+    make: Callable[..., Fakes], needs_events: bool
+) -> None:
+    """Breaker30h U1: an engine whose every batch fails to decode counts as delivering nothing
+    (readiness); one bad batch among good ones does not, and a good batch clears it."""
+    f = make(needs_events=needs_events)
+    pipeline = f.pipeline
+    await pipeline.start()
+    bad = b"\xc1not msgpack"
+    await pipeline.on_live([frames(0), frames(1, bad), frames(2)], received=1_700_000_001.0)
+    assert pipeline.undecodable is None
+    run = UNDECODABLE_AFTER
+    await pipeline.on_live([frames(3 + i, bad) for i in range(run - 1)], received=1_700_000_002.0)
+    assert pipeline.undecodable is None  # one short of the run
+    await pipeline.on_live([frames(2 + run, bad)], received=1_700_000_003.0)
+    assert pipeline.undecodable is not None and pipeline.undecodable.startswith("bad_msgpack")
+    await pipeline.on_live([frames(3 + run)], received=1_700_000_004.0)
+    assert pipeline.undecodable is None
 
 
 async def test_raw_only_sinks_get_counted_batches_not_decoded_events(make: Callable[..., Fakes]) -> None:
