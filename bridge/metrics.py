@@ -19,13 +19,16 @@ from collections.abc import Iterator, Sequence
 from math import copysign
 from operator import itemgetter
 from time import perf_counter
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, generate_latest
 from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 from . import __version__
+
+if TYPE_CHECKING:
+    from .records import Record
 
 # No ``_created`` series beside every counter: they doubled what a scrape renders (1,000 engines
 # of one rank: 40,000 lines, 0.3 s of the event loop) and no dashboard or alert of ours reads them.
@@ -130,6 +133,11 @@ REPLAY_OUTCOMES = ("complete", "timeout", "error")
 # Every DecodeError reason raised in bridge/ (a unit test keeps this complete).
 DECODE_REASONS = ("bad_frames", "bad_seq", "bad_msgpack", "bad_batch", "bad_event", "bad_replay_reply")
 DEAD_LETTER_REASONS = ("sink_rejected", "unrenderable", *DECODE_REASONS)
+# Every EventsLost reason's kind (the part before ``:<sink>``; docs/output/records.md).
+LOST_REASONS = (
+    "replay_buffer_exceeded", "replay_unavailable", "no_replay", "joined_late", "publisher_restart", "undecodable",
+    "unrenderable", "sink_queue_full", "sink_refused", "sink_lost", "sink_behind", "unrecoverable",
+)  # fmt: skip
 
 
 class Deferred(Protocol):
@@ -215,7 +223,12 @@ class Metrics:
         self.batches_replayed = Counter(
             p + "batches_replayed", "Batches delivered from the replay socket.", ["source"], registry=r
         )
-        self.batches_lost = Counter(p + "batches_lost", "Batches announced lost (EventsLost).", ["source"], registry=r)
+        self.batches_lost = Counter(
+            p + "batches_lost",
+            "Batches announced lost (EventsLost), by the reason's kind (sink_lost for sink_lost:<sink>).",
+            ["source", "reason"],
+            registry=r,
+        )
         self.duplicates_dropped = Counter(p + "duplicates_dropped", "Duplicate batches dropped.", ["source"], registry=r)
         self.source_restarts = Counter(p + "source_restarts", "Engine restarts detected (new epochs).", ["source"], registry=r)
         self.source_last_seq = Gauge(p + "source_last_seq", "Last sequence number delivered.", ["source", "dp_rank"], registry=r)
@@ -299,6 +312,13 @@ class Metrics:
         panels show 0, not "no data" (its SinkWorker binds the outcome, event and retry series)."""
         for reason in SINK_ERROR_REASONS:
             self.sink_errors.labels(sink, reason)
+
+    def announced_lost(self, record: Record) -> None:
+        """Count the batches ``record`` (an ``EventsLost``) announces lost, once per announcement
+        made: a sink's own (``sink_lost:<sink>``) under its reason's kind, so that the series stay
+        a few per source."""
+        reason = (record.reason or "unrecoverable").partition(":")[0]
+        self.batches_lost.labels(record.stream.source, reason).inc(record.lost_count)
 
     def forget_source(self, source: str) -> None:
         """Drop every series of ``source`` (gone for good), so that label sets do not grow forever
@@ -434,7 +454,6 @@ class StreamMetrics:
         self.received = m.batches_received.labels(source, rank)
         self.gaps = m.sequence_gaps.labels(source, rank)
         self.replayed = m.batches_replayed.labels(source)
-        self.lost = m.batches_lost.labels(source)
         self.duplicates = m.duplicates_dropped.labels(source)
         self.restarts = m.source_restarts.labels(source)
         self.last_seq = m.source_last_seq.labels(source, rank)
@@ -448,6 +467,8 @@ class StreamMetrics:
         self._replays = {outcome: m.replay_requests.labels(source, outcome) for outcome in REPLAY_OUTCOMES}
         for reason in DECODE_REASONS:  # at 0 from the start
             m.decode_failures.labels(source, reason)
+        for reason in LOST_REASONS:
+            m.batches_lost.labels(source, reason)
         self._bad_replies = m.decode_failures.labels(source, "bad_replay_reply")
 
     def events(self, event_type: str) -> Counter:

@@ -107,9 +107,15 @@ class Record(msgspec.Struct):
             "type": "EventsLost",
             "from_seq": self.from_seq,
             "to_seq": to_seq,
-            "count": to_seq - (self.from_seq if self.from_seq is not None else to_seq) + 1,
+            "count": self.lost_count,
             "reason": self.reason or "unrecoverable",
         }
+
+    @property
+    def lost_count(self) -> int:
+        """The batches an ``EventsLost`` announces lost (``from_seq`` to ``to_seq``, inclusive)."""
+        to_seq = self.seq if self.to_seq is None else self.to_seq
+        return to_seq - (self.from_seq if self.from_seq is not None else to_seq) + 1
 
 
 def source_reset(stream: Stream, epoch: int, reason: str, received: float) -> Record:

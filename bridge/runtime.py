@@ -62,9 +62,10 @@ class SkipHeld:
     gets only what follows. A stream's entry goes once a message past it was written (positions
     grow along a stream, and an epoch opened now is above every epoch a sink holds)."""
 
-    def __init__(self, inner: Connector) -> None:
+    def __init__(self, inner: Connector, metrics: Metrics | None = None) -> None:
         self.inner = inner
         self.name = inner.name
+        self.metrics = metrics  # counts the sink_behind announcements, once written
         self.needs_events = getattr(inner, "needs_events", True)
         self.writes_state = getattr(inner, "writes_state", False)
         self.through: dict[str, tuple[int, int, int]] = {}
@@ -167,6 +168,10 @@ class SkipHeld:
         # Only once written: a write that fails is tried again with the same messages, and what
         # the sink holds must still be left out (and what it lacks announced) then.
         self.skipped += skipped
+        if self.metrics is not None:
+            for losses in told.values():  # (one announcement each, rendered)
+                if losses:
+                    self.metrics.announced_lost(losses[0].record)
         for key in past:
             through.pop(key, None)
             self.behind.pop(key, None)
@@ -271,7 +276,7 @@ class Bridge:
         await self._connect_early(early)
         await self.load_state(configured)
         if cfg.checkpoint.from_sinks:
-            self.skips = [SkipHeld(c) for c in connectors]
+            self.skips = [SkipHeld(c, self.metrics) for c in connectors]
             connectors = [skip for skip in self.skips]
             await self.take_over(configured)
         renderers: dict[tuple[str, str, str, EventFilter | None], Renderer] = {}

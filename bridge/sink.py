@@ -275,8 +275,7 @@ class SinkWorker:
     def _flush_dropped(self, key: str) -> None:
         span = self._dropped.pop(key, None)
         if span is not None:
-            first = span.from_seq if span.from_seq is not None else span.seq  # not `or`: a span may start at seq 0
-            self.metrics.batches_lost.labels(span.stream.source).inc(span.seq - first + 1)
+            self.metrics.announced_lost(span)
             self._push(span)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -418,9 +417,9 @@ class SinkWorker:
             except Exception as exc:  # I5: any record (e.g. nested past the recursion limit) must not kill the sink
                 self._dead_letter_record(record, "unrenderable", f"{type(exc).__name__}: {exc}")
                 unrendered.add(id(record))
-                rendered = self.renderer.render(
-                    events_lost(record.stream, record.epoch, record.seq, record.seq, "unrenderable", record.received)
-                )
+                lost = events_lost(record.stream, record.epoch, record.seq, record.seq, "unrenderable", record.received)
+                self.metrics.announced_lost(lost)
+                rendered = self.renderer.render(lost)
                 if state and record.state is not None:
                     # Its events are not written, so neither is its state change: clear, incomplete.
                     self._state_lost(record.stream)
@@ -647,6 +646,7 @@ class SinkWorker:
         for (stream_key, epoch), (first, last) in spans.items():
             lost = events_lost(streams[stream_key], epoch, first, last, f"sink_refused:{self.name}", now)
             lost.seq, lost.to_seq = max(last, top[(stream_key, epoch)]), last
+            self.metrics.announced_lost(lost)
             out.extend(self.renderer.render(lost))
         return out
 
@@ -704,6 +704,7 @@ class SinkWorker:
             )
             lost = events_lost(stream, epoch, first, last, reason, now)
             lost.seq, lost.to_seq = max(last, exc.at.get((stream.key, epoch, first, last), last)), last
+            self.metrics.announced_lost(lost)
             out.extend(self.renderer.render(lost))
         return out + messages
 

@@ -363,10 +363,11 @@ class StreamPipeline:
         elif isinstance(a, RequestReplay):
             self._start_replay(a)
         elif isinstance(a, Lost):
-            self.metrics.lost.inc(a.to_seq - a.from_seq + 1)
             span = {"from_seq": a.from_seq, "to_seq": a.to_seq, "reason": a.reason}
             log.warning("batches lost", extra={"stream": self.stream.key, "epoch": a.epoch, **span})
-            return events_lost(self.stream, a.epoch, a.from_seq, a.to_seq, a.reason, received)
+            lost = events_lost(self.stream, a.epoch, a.from_seq, a.to_seq, a.reason, received)
+            self.ctx.metrics.announced_lost(lost)
+            return lost
         elif isinstance(a, Reset):
             if a.reason != "bridge_restart":
                 self.metrics.restarts.inc()
@@ -467,7 +468,9 @@ class StreamPipeline:
             good = self._decoded
             if good is not None and good.epoch == epoch:
                 self.sequencer.reference(good.seq, good.ts)
-            return events_lost(self.stream, epoch, seq, seq, "undecodable", received)
+            lost = events_lost(self.stream, epoch, seq, seq, "undecodable", received)
+            self.ctx.metrics.announced_lost(lost)
+            return lost
         self._bad_run = 0
         for bad in batch.bad_events:
             self.ctx.decode_failures(self.stream, DecodeError("bad_event", bad.reason), seq, None, None, index=bad.index)

@@ -328,7 +328,7 @@ async def test_every_dashboard_query_and_alert_on_a_real_prometheus(tmp_path: Pa
                         await publisher
                 # what the queries saw happened
                 assert metric(b, "kv_bridge_decode_failures_total", source="junk", reason="bad_msgpack") == 1
-                assert metric(b, "kv_bridge_batches_lost_total", source="engine") >= 1
+                assert metric(b, "kv_bridge_batches_lost_total", source="engine", reason="replay_buffer_exceeded") >= 1
                 assert metric(b, "kv_bridge_source_restarts_total", source="engine") == 1
                 assert metric(b, "kv_bridge_sink_batches_total", sink="flaky", outcome="dead_lettered") >= 1
                 assert metric(b, "kv_bridge_sink_errors_total", sink="flaky", reason="flaky") >= 1
@@ -462,11 +462,14 @@ async def test_gaps_restarts_and_losses_log_one_line_per_state_change(tmp_path: 
             await wait_for(lambda: delivered() >= 101, what="the new epoch")
             await steps(150, drop=1.0)  # beyond the replay buffer (100)
             await steps(1)
-            await wait_for(lambda: metric(b, "kv_bridge_batches_lost_total", source="engine") >= 1, what="the loss")
+            await wait_for(
+                lambda: metric(b, "kv_bridge_batches_lost_total", source="engine", reason="replay_buffer_exceeded") >= 1,
+                what="the loss",
+            )
             await wait_for(lambda: delivered() >= 201, what="the rest")
             gaps = metric(b, "kv_bridge_sequence_gaps_total", source="engine", dp_rank="0")
             restarts = metric(b, "kv_bridge_source_restarts_total", source="engine")
-            lost = metric(b, "kv_bridge_batches_lost_total", source="engine")
+            lost = metric(b, "kv_bridge_batches_lost_total", source="engine", reason="replay_buffer_exceeded")
 
     def lines(message: str) -> list[logging.LogRecord]:
         return [r for r in caplog.records if r.getMessage() == message]

@@ -407,25 +407,34 @@ def test_a_sink_behind_an_epoch_another_sink_closed_is_told_where_it_stands() ->
 async def test_a_sink_behind_is_told_what_it_lacks_before_the_next_epoch_reaches_it() -> None:
     """Before its first record of a later epoch, the sink gets an EventsLost of its own (reason
     ``sink_behind:<sink>``) for the rest of the epoch it was behind in, as far as it can have
-    lagged; once. A sink whose epoch the stream goes on in is told nothing (the stream settles it)."""
+    lagged; once. A sink whose epoch the stream goes on in is told nothing (the stream settles it).
+    The announcement counts in kv_bridge_batches_lost_total once written (breaker30h M1: it did
+    not count), not again when the write failed and went again."""
     from bridge.formats import Renderer
+    from bridge.metrics import Metrics
     from bridge.records import source_reset
 
     renderer = Renderer("json", "batch")
     stream = Stream("a", 0)
     inner = _Sink()
     sent: list[Any] = []
+    fail = [ConnectionError("down")]
 
     async def capture(messages: Any) -> None:
+        if fail:
+            raise fail.pop()
         sent.extend(messages)
 
     inner.write = capture  # type: ignore[method-assign]
-    skip = SkipHeld(inner)
+    metrics = Metrics()
+    skip = SkipHeld(inner, metrics)
     skip.name = "slow"
     skip.renderer, skip.lag_bound = renderer, 100
     skip.behind["a/0"] = (E, 6)
     skip.through["a/0"] = (E, 6, MAX_SUB)
     new = [source_reset(stream, E + 2, "publisher_restart", 0.0), Record(stream=stream, epoch=E + 2, seq=0, ts=1.0)]
+    with pytest.raises(ConnectionError):
+        await skip.write([m for r in new for m in renderer.render(r)])
     await skip.write([m for r in new for m in renderer.render(r)])
     assert [(m.record.kind, m.record.epoch, m.record.from_seq, m.record.seq, m.record.reason) for m in sent] == [
         ("EventsLost", E, 6, 105, "sink_behind:slow"),
@@ -433,6 +442,8 @@ async def test_a_sink_behind_is_told_what_it_lacks_before_the_next_epoch_reaches
         ("batch", E + 2, None, 0, None),
     ]
     assert not skip.behind and not skip.through
+    lost = metrics.registry.get_sample_value("kv_bridge_batches_lost_total", {"source": "a", "reason": "sink_behind"})
+    assert lost == 100
     sent.clear()
     skip.behind["a/0"] = (E, 6)
     await skip.write(renderer.render(Record(stream=stream, epoch=E, seq=6, ts=1.0)))  # the stream goes on in E

@@ -44,6 +44,7 @@ from bridge.metrics import (
     DEAD_LETTER_REASONS,
     DECODE_REASONS,
     LAG_BUCKETS,
+    LOST_REASONS,
     REPLAY_OUTCOMES,
     SINK_ERROR_REASONS,
     SINK_OUTCOMES,
@@ -68,7 +69,7 @@ CONTRACT: dict[str, tuple[str, frozenset[str]]] = {
         ("kv_bridge_sequence_gaps_total", "counter", ["source", "dp_rank"]),
         ("kv_bridge_replay_requests_total", "counter", ["source", "outcome"]),
         ("kv_bridge_batches_replayed_total", "counter", ["source"]),
-        ("kv_bridge_batches_lost_total", "counter", ["source"]),
+        ("kv_bridge_batches_lost_total", "counter", ["source", "reason"]),
         ("kv_bridge_duplicates_dropped_total", "counter", ["source"]),
         ("kv_bridge_source_restarts_total", "counter", ["source"]),
         ("kv_bridge_source_last_seq", "gauge", ["source", "dp_rank"]),
@@ -663,7 +664,8 @@ async def test_known_label_values_start_at_zero_for_every_configured_sink_and_so
         for reason in DEAD_LETTER_REASONS:
             assert get("kv_bridge_dead_letters_total", {"reason": reason}) == 0
         assert get("kv_bridge_sink_retries_total", {"sink": "out"}) == 0
-        assert get("kv_bridge_batches_lost_total", {"source": "eng"}) == 0
+        for reason in LOST_REASONS:
+            assert get("kv_bridge_batches_lost_total", {"source": "eng", "reason": reason}) == 0
 
 
 async def test_a_scrapes_readiness_verdict_is_the_one_readyz_gives(tmp_path: Path) -> None:
@@ -716,6 +718,28 @@ async def test_a_scrapes_readiness_verdict_is_the_one_readyz_gives(tmp_path: Pat
         finally:
             bridge.readers, bridge.pipelines, bridge._started_at, worker.connected = readers, pipelines, started, was_up
     assert verdicts == {True, False}
+
+
+def test_every_loss_reason_announced_in_bridge_starts_at_zero() -> None:
+    """LOST_REASONS is complete: the reason (its kind, before ``:<sink>``) of every EventsLost made
+    in bridge/ with a literal reason (``events_lost``, the sequencer's ``_lose`` and
+    ``_head_reason``) is in it, so kv_bridge_batches_lost_total{reason} starts at 0 for it."""
+    at = {"events_lost": 4, "_lose": 2, "_head_reason": 0}
+    found = set()
+    for path in (Path(__file__).resolve().parents[2] / "bridge").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            if name not in at or len(node.args) <= at[name]:
+                continue
+            arg = node.args[at[name]]
+            if isinstance(arg, ast.JoinedStr) and arg.values:
+                arg = arg.values[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                found.add(arg.value.partition(":")[0])
+    assert {"undecodable", "unrenderable", "sink_refused", "sink_behind", "no_replay"} <= found
+    assert found <= set(LOST_REASONS), found - set(LOST_REASONS)
 
 
 def test_every_decode_failure_reason_raised_in_bridge_starts_at_zero() -> None:

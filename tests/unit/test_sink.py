@@ -170,7 +170,7 @@ async def test_drop_policy_announces_each_dropped_span_once(tmp_path: Path) -> N
     ]
     assert conn.messages[3].record.reason == "sink_queue_full:mem"
     assert metrics.registry.get_sample_value("kv_bridge_sink_batches_total", {"sink": "mem", "outcome": "dropped"}) == 5
-    assert metrics.registry.get_sample_value("kv_bridge_batches_lost_total", {"source": "s"}) == 5
+    assert metrics.registry.get_sample_value("kv_bridge_batches_lost_total", {"source": "s", "reason": "sink_queue_full"}) == 5
     # The checkpoint only moves through the announcement, in order.
     assert [r.seq for r in acked] == [0, 1, 2, 7, 8, 9]
 
@@ -225,7 +225,7 @@ async def test_dropped_span_from_seq_0_counts_every_batch(tmp_path: Path) -> Non
     assert [(m.record.kind, m.record.from_seq, m.record.seq) for m in conn.messages if m.record.stream == STREAM] == [
         ("EventsLost", 0, 2)
     ]
-    assert metrics.registry.get_sample_value("kv_bridge_batches_lost_total", {"source": "s"}) == 3
+    assert metrics.registry.get_sample_value("kv_bridge_batches_lost_total", {"source": "s", "reason": "sink_queue_full"}) == 3
 
 
 # -- the dead-letter destination ---------------------------------------------------------------

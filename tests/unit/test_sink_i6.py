@@ -75,6 +75,8 @@ async def test_a_span_the_sink_lost_is_announced_to_it_ahead_of_the_write_which_
     assert lost_streams and {s.key for s in lost_streams} == {STREAM.key}  # the stream's state is cleared, incomplete
     assert [r.seq for r in acked] == [0, 1, 2, 3, 0]  # every batch settled once, nothing dropped
     assert value(metrics, "kv_bridge_sink_errors_total", sink="mem", reason="sink_lost") == 2
+    # counted as announced: once, under the reason's kind (breaker30h M1: not counted at all)
+    assert value(metrics, "kv_bridge_batches_lost_total", source="s", reason="sink_lost") == 2
     assert value(metrics, "kv_bridge_sink_batches_total", sink="mem", outcome="dead_lettered") == 0
     assert worker.connected  # a loss is announced, not an outage
 
@@ -123,6 +125,7 @@ async def test_a_record_the_connector_keeps_failing_on_is_dead_lettered_and_anno
     assert '"seq":1' in dead and "RecursionError" in dead
     assert value(metrics, "kv_bridge_sink_batches_total", sink="mem", outcome="dead_lettered") == 1
     assert value(metrics, "kv_bridge_sink_errors_total", sink="mem", reason="unexpected") >= 1
+    assert value(metrics, "kv_bridge_batches_lost_total", source="s", reason="sink_refused") == 1
 
 
 async def test_an_unexpected_error_goes_again_once_as_the_whole_write_before_it_is_cut_into_records(
@@ -181,7 +184,7 @@ async def test_an_unexpected_error_while_the_connector_is_unhealthy_dead_letters
 async def test_an_unrenderable_record_writes_no_state_change_and_clears_the_state(tmp_path: Path) -> None:
     """Case 14: a record the renderer dead-letters must not have its state change written (building
     the state document from it fails inside the sink's write, for ever)."""
-    worker, conn, acked, _ = make(tmp_path, granularity="event", batch={"linger": 0})
+    worker, conn, acked, metrics = make(tmp_path, granularity="event", batch={"linger": 0})
     lost_streams: list[Stream] = []
     worker.writes_state, worker.on_state_lost = True, lost_streams.append
     payload = deep_payload()
@@ -198,6 +201,7 @@ async def test_an_unrenderable_record_writes_no_state_change_and_clears_the_stat
     assert states == [0]  # none for the dead-lettered record, nor for the next one (computed before the clear)
     assert lost_streams == [STREAM]
     assert [r.seq for r in acked] == [0, 1, 2]
+    assert value(metrics, "kv_bridge_batches_lost_total", source="s", reason="unrenderable") == 1
 
 
 async def test_after_a_lost_state_the_stream_s_changes_are_written_again_from_its_clear_on(tmp_path: Path) -> None:
@@ -293,7 +297,7 @@ async def test_a_dropped_span_is_announced_once_there_is_room_while_the_stream_i
     worker.dead_letters.close()
     assert kinds(conn) == [("s/0", "batch", 0), ("s/0", "EventsLost", 3)]
     assert conn.messages[1].record.control()["from_seq"] == 1
-    assert value(metrics, "kv_bridge_batches_lost_total", source="s") == 3
+    assert value(metrics, "kv_bridge_batches_lost_total", source="s", reason="sink_queue_full") == 3
 
 
 async def test_a_refused_state_change_clears_the_state_and_announces_no_batch(tmp_path: Path) -> None:
@@ -334,7 +338,7 @@ def positions(conn: MemoryConnector) -> list[tuple[int, int, int]]:
 async def test_two_batches_refused_in_one_write_are_announced_by_one_span_in_order(tmp_path: Path) -> None:
     """Found by the invariant breaker (B1): each refusal was announced at the same position, so a
     consumer (or Redis, by entry id) took the second for a copy of the first."""
-    worker, _, acked, _ = make(tmp_path, batch={"linger": 0})
+    worker, _, acked, metrics = make(tmp_path, batch={"linger": 0})
     too_large = Permanent("too large", reason="too_large")
     conn = answering(worker, [PartialFailure({1: too_large, 2: too_large})])
     await fill(worker, stream_records(STREAM, 5))
@@ -344,6 +348,7 @@ async def test_two_batches_refused_in_one_write_are_announced_by_one_span_in_ord
     worker.dead_letters.close()
     lost = [m.record.control() for m in conn.messages if m.record.kind == "EventsLost"]
     assert lost == [{"type": "EventsLost", "from_seq": 1, "to_seq": 2, "count": 2, "reason": "sink_refused:mem"}]
+    assert value(metrics, "kv_bridge_batches_lost_total", source="s", reason="sink_refused") == 2
     seen = positions(conn)
     assert seen == sorted(set(seen)), "positions must strictly increase"
     assert [r.seq for r in acked] == [0, 1, 2, 3, 4]
@@ -456,6 +461,7 @@ async def test_a_loss_the_audit_finds_on_a_quiet_sink_is_announced_without_a_wri
     assert {s.key for s in cleared} == {STREAM.key, OTHER.key}
     assert [r.seq for r in acked] == [0, 1]
     assert value(metrics, "kv_bridge_sink_errors_total", sink="mem", reason="sink_lost") == 1
+    assert value(metrics, "kv_bridge_batches_lost_total", source="s", reason="sink_lost") == 2
     assert worker.connected
 
 

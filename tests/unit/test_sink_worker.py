@@ -439,7 +439,7 @@ async def test_each_dropped_span_is_announced_even_when_they_are_not_contiguous(
     assert await worker.flush(5)
     await done(worker)
     assert seqs(conn) == [("EventsLost", 0, 1), ("EventsLost", 5, 6)]
-    assert value(metrics, "kv_bridge_batches_lost_total", source="s") == 4
+    assert value(metrics, "kv_bridge_batches_lost_total", source="s", reason="sink_queue_full") == 4
 
 
 # -- what the metrics say -----------------------------------------------------------------------
