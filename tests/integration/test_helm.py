@@ -553,6 +553,21 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str]] = [
         "sharding.enabled needs config.discovery.dns",
     ),
     ("metrics disabled", {"config": {"metrics": {"listen": ""}}}, "config.metrics.listen must be host:port"),
+    # breaker30h H1: the probes, Service and scrapes reach the pod IP; a loopback listener never answers them
+    *(
+        (f"metrics on loopback {listen} ({mode})", {"mode": mode, "config": {"metrics": {"listen": listen}}}, message)
+        for listen, mode in [
+            ("127.0.0.1:9300", "sidecar"),
+            ("127.0.0.1:9300", "deployment"),
+            ("localhost:9300", "sidecar"),
+            ("[::1]:9300", "deployment"),
+        ]
+        for message in [
+            f'config.metrics.listen "{listen}" listens on loopback only: the kubelet\'s probes, the Service and Prometheus '
+            "reach the pod IP, where nothing would answer (the probes fail and the pod restarts for ever). Listen on "
+            "0.0.0.0:9300 (or [::]:9300) and admit the port only from Prometheus with a NetworkPolicy"
+        ]
+    ),
     ("PodMonitor without selector", {"mode": "sidecar", "serviceMonitor": {"enabled": True}}, "needs sidecar.podSelector"),
     ("bad image digest", {"image": {"digest": "latest"}}, "/image/digest"),
     ("bad pdb", {"podDisruptionBudget": {"maxUnavailable": "half"}}, "/podDisruptionBudget/maxUnavailable"),
@@ -566,6 +581,16 @@ def test_bad_values_are_refused(helm: str, tmp_path: Path, what: str, values: di
     out = _helm(helm, *_template_args([str(f)], []), check=False)
     assert out.returncode != 0, f"{what}: helm accepted it"
     assert message in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("listen", ["[::]:9301", "0.0.0.0:9301", "10.1.2.3:9301", "[::10]:9301"])
+def test_a_metrics_listener_the_pod_ip_reaches_renders_probes_on_its_port(helm: str, listen: str) -> None:
+    """The loopback check (breaker30h H1) refuses only loopback: every address, the pod's own, or
+    an IPv6 address ending in 1 that is not ::1 renders as before, its port on the probes."""
+    docs = render(helm, sets=[f"config.metrics.listen={listen}"])
+    (c,) = by_kind(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert c["ports"] == [{"name": "metrics", "containerPort": 9301, "protocol": "TCP"}]
+    assert config_of(docs)["metrics"]["listen"] == listen
 
 
 def test_env_placeholders_pass_the_schema(helm: str, tmp_path: Path) -> None:

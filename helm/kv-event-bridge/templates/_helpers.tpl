@@ -110,6 +110,10 @@ set to null dropped, plus the chart's defaults:
 {{- if not $port }}
 {{- fail (printf "config.metrics.listen must be host:port with a literal port (the chart's probes and Service need it), got %q" $listen) }}
 {{- end }}
+{{- $host := regexReplaceAll ":[0-9]+$" $listen "" | lower }}
+{{- if regexMatch "^(127\\.[0-9.]+|localhost\\.?|ip6-localhost|ip6-loopback|\\[(0*:)*:?0*1\\]|\\[::ffff:127\\.[0-9.]+\\])$" $host }}
+{{- fail (printf "config.metrics.listen %q listens on loopback only: the kubelet's probes, the Service and Prometheus reach the pod IP, where nothing would answer (the probes fail and the pod restarts for ever). Listen on 0.0.0.0:%s (or [::]:%s) and admit the port only from Prometheus with a NetworkPolicy (docs/operations/security.md)" $listen $port $port) }}
+{{- end }}
 {{- $port }}
 {{- end }}
 
