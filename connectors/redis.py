@@ -817,7 +817,7 @@ _CALL_REFUSALS = (
     ),
 )
 _MAX_BULK = 512 * 1024 * 1024  # Redis's default proto-max-bulk-len
-_SETTINGS = ("proto-max-bulk-len", "appendonly", "maxmemory-policy")
+_SETTINGS = ("proto-max-bulk-len", "appendonly", "maxmemory-policy", "min-replicas-to-write")
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
 _KEYS_PER_STREAM = 64
 
@@ -932,6 +932,7 @@ class RedisConnector:
         self._keys: dict[str, dict[str, None]] = {}
         self._streams: dict[str, Stream] = {}  # the engine streams of _keys
         self._max_bulk: int | None = None  # the server's proto-max-bulk-len (None: read it again)
+        self._min_replicas = 0  # the server's min-replicas-to-write (0: off, or CONFIG not allowed)
         # What this connector stored, checked by the script before it builds on it (I6): the last
         # entry id stored in each stream key (keys bounded like _keys), the (_at, _gen) last written
         # to each state key, and per state key the generation whose state Redis lost (its changes
@@ -986,16 +987,21 @@ class RedisConnector:
     async def connect(self) -> None:
         """PING the server, run a script that does nothing (every write is one: an ACL or a
         renamed command that forbids it is found here, and so by ``--check``), refuse a replica,
-        then read the settings the writes depend on (see :meth:`_read_settings`); NotConnected naming the sink,
-        the server and the cause if any of it fails."""
+        then read the settings the writes depend on (see :meth:`_read_settings`), and refuse a
+        primary with too few good replicas for its ``min-replicas-to-write`` (see
+        :meth:`_replicas_short`); NotConnected naming the sink, the server and the cause if any of
+        it fails."""
         try:
             await self._connection().ping()
             await self._connection().eval("return 1", 0)
             await self._check_role()
             settings = await self._read_settings()
+            short = await self._replicas_short()
         except (RedisError, RedisClusterException, OSError) as exc:
             error = self._classify(exc, f"cannot connect to {self._server}")
             raise NotConnected(str(error), reason=error.reason) from None
+        if short is not None:
+            raise NotConnected(f"{self._prefix}: {short}", reason="noreplicas")
         log.info("redis sink connected", extra={"sink": self.name, "server": self._server})
         if self._state is not None:
             self._warn_durability(settings)
@@ -1018,6 +1024,29 @@ class RedisConnector:
                 "(READONLY) or loses them at its next sync; point url at the primary",
                 reason="replica",
             )
+
+    async def _replicas_short(self) -> str | None:
+        """Why the primary refuses every write now for want of replicas: its ``min-replicas-to-write``
+        (read at connect) above ``min_slaves_good_slaves`` in ``INFO replication`` (the replicas
+        that acknowledged within ``min-replicas-max-lag``; shown only while both are set), so a
+        write would get NOREPLICAS. None when it has enough, or it cannot tell: CONFIG or INFO not
+        allowed (an ACL, a managed service), or a cluster (its nodes are the client's). One
+        command, and none while min-replicas-to-write is off."""
+        need = self._min_replicas
+        if need <= 0 or self.options.cluster:
+            return None
+        try:
+            info: Any = await self._connection().info("replication")
+        except ResponseError:
+            return None
+        good = info.get("min_slaves_good_slaves") if isinstance(info, dict) else None
+        if not isinstance(good, int) or good >= need:
+            return None
+        return (
+            f"{self._server} refuses every write (NOREPLICAS): min-replicas-to-write is {need} and {good} replica(s) "
+            "are connected and in sync (INFO replication, min_slaves_good_slaves); attach or repair a replica, "
+            "or lower min-replicas-to-write"
+        )
 
     def _warn_durability(self, settings: dict[str, str]) -> None:
         """One WARNING per problem and connector when the server may lose what the state is built
@@ -1067,17 +1096,24 @@ class RedisConnector:
             self._max_bulk = int(settings.get("proto-max-bulk-len", _MAX_BULK))
         except ValueError:
             self._max_bulk = _MAX_BULK
+        try:
+            self._min_replicas = int(settings.get("min-replicas-to-write", 0))
+        except ValueError:
+            self._min_replicas = 0
         return settings
 
     async def health(self) -> str | None:
-        """None when a PING is answered, else a short reason."""
+        """None when a PING is answered and the primary has the replicas its
+        ``min-replicas-to-write`` asks for (:meth:`_replicas_short`: an INFO only while that is
+        set), else a short reason: an idle sink shows NOREPLICAS before a write gets it."""
         try:
             await self._connection().ping()
+            short = await self._replicas_short()
         except (RedisError, RedisClusterException, OSError) as exc:
             # A refusal (MISCONF, LOADING, NOPERM, ...) is an answer: say what the server said.
             what = "refuses PING" if isinstance(exc, ResponseError) else "does not answer"
             return str(self._classify(exc, f"{self._server} {what}"))
-        return None
+        return None if short is None else f"noreplicas: {self._prefix}: {short}"
 
     async def close(self) -> None:
         """Close the client's connections (redis-py bounds each close by ``timeout``); never raises."""

@@ -468,6 +468,62 @@ async def test_a_replica_is_refused_at_connect_naming_the_primary(
     await connector.close()
 
 
+# -- a primary short of the replicas its min-replicas-to-write asks for ----------------------------
+
+
+async def test_a_primary_short_of_its_min_replicas_is_refused_at_connect_and_unhealthy_while_idle(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Breaker30h R1: with ``min-replicas-to-write 1`` and no replica in sync, every write gets
+    NOREPLICAS, yet ``--check`` said ok and an idle sink was ready until its first write. Connect
+    (and so ``--check``) now refuses it, naming the fix; a sink connected while its replica was in
+    sync says so in its health check once the replica goes, before any write. A server whose
+    CONFIG is renamed cannot tell: nothing is said."""
+    settings = {"min-replicas-to-write": "1", "min-replicas-max-lag": "1"}
+    primary = RedisServer(tmp_path_factory.mktemp("redis-min-replicas"), persistent=False, extra_config=settings)
+    with own_server("redis (min-replicas-to-write 1)", primary) as server:
+        refused = await refused_at_connect(server.url, "NOREPLICAS")
+        assert refused.reason == "noreplicas", refused
+        assert "min-replicas-to-write is 1 and 0 replica(s)" in str(refused) and "attach or repair a replica" in str(refused)
+        address = server.url.split("//")[1].split("/")[0].replace(":", " ")
+        replica = RedisServer(tmp_path_factory.mktemp("redis-min-replica"), persistent=False, extra_config={"replicaof": address})
+        connector = connector_for(server.url)
+        try:
+            with own_server("redis (its replica)", replica):
+                connected = False
+                for _ in range(150):  # until the replica is in sync and acknowledged
+                    try:
+                        await connector.connect()
+                        connected = True
+                        break
+                    except NotConnected:
+                        await asyncio.sleep(0.1)
+                assert connected, "the primary never counted its replica in sync"
+                assert await connector.health() is None
+            said = None
+            for _ in range(100):  # the primary counts it gone once its last ack is older than min-replicas-max-lag
+                said = await connector.health()
+                if said is not None:
+                    break
+                await asyncio.sleep(0.1)
+            assert said is not None and said.startswith("noreplicas: sinks[redis]: "), said
+            assert "min-replicas-to-write is 1 and 0 replica(s)" in said, said
+        finally:
+            await connector.close()
+    renamed = RedisServer(
+        tmp_path_factory.mktemp("redis-min-replicas-no-config"),
+        persistent=False,
+        extra_config={**settings, "rename-command": 'CONFIG ""'},
+    )
+    with own_server("redis (min-replicas-to-write 1, CONFIG renamed)", renamed) as server:
+        connector = connector_for(server.url)
+        try:
+            await connector.connect()  # it cannot tell: its first write will
+            assert await connector.health() is None
+        finally:
+            await connector.close()
+
+
 # -- a refusal of a whole script call: only an entry refused for itself is dead-lettered --------
 
 
