@@ -32,7 +32,7 @@ from . import config as config_mod
 from .config import Config
 from .connector import Connector, Registry, template_labels, unwritable
 from .endpoints import for_rank
-from .errors import ConfigError, ConnectorError, StartupError
+from .errors import ConfigError, ConnectorError, NotConnected, StartupError
 from .probe import diagnose, split_tcp
 from .records import Stream
 from .runtime import run as run_bridge
@@ -447,11 +447,13 @@ def check(path: str, *, offline: bool = False, registry: Registry | None = None)
     unreachable.extend(wrong)
     with _quiet_clients():
         for i, conn in result.connectors:
-            reason = asyncio.run(_reach(conn, [s for source in cfg.sources for s in streams_of(source)]))
-            print(f"sinks[{i}] ({conn.name}): {'reachable' if reason is None else 'unreachable'}")
+            reason, reached = asyncio.run(_reach(conn, [s for source in cfg.sources for s in streams_of(source)]))
+            verdict = "reachable" if reason is None else "reachable, not usable as configured" if reached else "unreachable"
+            print(f"sinks[{i}] ({conn.name}): {verdict}")
             if reason is not None:
                 line = reason if reason.startswith("sinks[") else f"sinks[{i}] ({conn.name}): {reason}"
-                unreachable.append(f"{line} (is the server up and reachable from here? --offline skips this step)")
+                hint = "" if reached else " (is the server up and reachable from here? --offline skips this step)"
+                unreachable.append(line + hint)
     if unreachable:
         _print_problems(path, unreachable, "valid, but")
         return EXIT_UNREACHABLE
@@ -557,21 +559,25 @@ def _quiet_logs() -> Iterator[None]:
         logging.disable(logging.NOTSET)
 
 
-async def _reach(conn: Connector, streams: Sequence[Stream]) -> str | None:
-    """Why ``conn`` cannot be reached, or None; changes nothing (a connector's ``probe`` when it has
-    one). ``streams``: the configured ones, for a connector that checks what it needs for each."""
+async def _reach(conn: Connector, streams: Sequence[Stream]) -> tuple[str | None, bool]:
+    """Why ``conn`` cannot be used, or None; and whether its server answered (a refusal of what
+    it found there: a replica, a missing permission, a bucket's settings) rather than not at all.
+    Changes nothing (a connector's ``probe`` when it has one). ``streams``: the configured ones,
+    for a connector that checks what it needs for each."""
     probe = getattr(conn, "probe", None)
     try:
         if probe is not None:
-            return cast("str | None", await asyncio.wait_for(probe(), 15))
+            return cast("str | None", await asyncio.wait_for(probe(), 15)), True
         if hasattr(conn, "creates_nothing"):
             conn.creates_nothing = True
         if hasattr(conn, "configured_streams"):
             conn.configured_streams = list(streams)
         await asyncio.wait_for(conn.connect(), 15)
-        return await asyncio.wait_for(conn.health(), 15)
-    except (ConnectorError, TimeoutError, OSError) as exc:
-        return str(exc) or type(exc).__name__
+        return await asyncio.wait_for(conn.health(), 15), True
+    except ConnectorError as exc:
+        return str(exc) or type(exc).__name__, exc.reason != NotConnected.reason
+    except (TimeoutError, OSError) as exc:
+        return str(exc) or type(exc).__name__, False
     finally:
         if probe is None:
             with contextlib.suppress(Exception):

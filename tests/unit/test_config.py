@@ -314,3 +314,32 @@ def test_label_names_and_plain_secrets() -> None:
     ]
     data["sinks"] = [{"type": "file", "token_ids": "hash", "token_ids_key": "${KEY}"}]
     assert config.plain_secrets(data, config.Config, "") == []
+
+
+async def test_check_tells_a_sink_that_refused_what_it_found_from_one_it_could_not_reach() -> None:
+    """``--check``'s "is the server up and reachable?" hint is for a server that did not answer;
+    one that answered and refused what it found (a replica, a missing permission, a bucket's
+    settings) is reachable, and the hint would send the operator the wrong way."""
+    from bridge.cli import _reach
+    from bridge.errors import NotConnected, Retriable
+
+    class Refusing:
+        name = "r"
+
+        def __init__(self, error: Exception) -> None:
+            self.error = error
+
+        async def connect(self) -> None:
+            raise self.error
+
+        async def health(self) -> str | None:
+            return None
+
+        async def close(self) -> None:
+            pass
+
+    down = await _reach(Refusing(NotConnected("sinks[r]: cannot connect to 127.0.0.1:1")), [])  # type: ignore[arg-type]
+    assert down == ("sinks[r]: cannot connect to 127.0.0.1:1", False)
+    for error in (NotConnected("a replica", reason="replica"), Retriable("no permission", reason="no_permission")):
+        assert (await _reach(Refusing(error), []))[1] is True  # type: ignore[arg-type]
+    assert (await _reach(Refusing(TimeoutError()), []))[1] is False  # type: ignore[arg-type]
