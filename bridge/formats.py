@@ -196,11 +196,12 @@ def state_message(record: Record) -> Message:
     return Message(record, None, STATE_TYPE, b"", Envelope(record, STATE_TYPE, "", ""))
 
 
-def message_types(granularity: str) -> list[str]:
+def message_types(granularity: str, *, seeded: bool = False) -> list[str]:
     """The types a renderer gives messages (what ``{type}`` in a name template takes): the records'
-    kinds, a batch's first, and at event granularity every event type the decoder knows (an
-    unknown one's comes as the engine names it)."""
-    kinds = [BATCH_TYPE, "SourceReset", "EventsLost", SEED_TYPE]
+    kinds, a batch's first (``StateSeeded`` only when ``seeded``: a stream's state seeded from an
+    engine snapshot, experimental), and at event granularity every event type the decoder knows
+    (an unknown one's comes as the engine names it)."""
+    kinds = [BATCH_TYPE, "SourceReset", "EventsLost", *([SEED_TYPE] if seeded else [])]
     return kinds + sorted(KNOWN_TYPES) if granularity == "event" else kinds
 
 

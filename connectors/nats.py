@@ -187,7 +187,9 @@ class _Subjects:
     to one token (``llama.a`` and ``llama_a``): the first stream to render a subject owns it, and
     another stream's messages for it are refused (:meth:`taken`), never mixed into its subject.
     The configured sources are checked before a run (``destination()``, see
-    :mod:`bridge.connector`); this catches those found at run time."""
+    :mod:`bridge.connector`); this catches those found at run time. In JetStream mode, with no
+    ``{type}`` or ``{epoch}`` in the template, the subject's last message also names its owner
+    (:meth:`NatsConnector._claim`): another bridge's stream, or this one's before a restart."""
 
     def __init__(self, text: str) -> None:
         self.template = Template(text, "subject")
@@ -197,6 +199,10 @@ class _Subjects:
         # stream key -> (base subject, its owner) for a stream refused. One entry per stream met.
         self._owners: dict[str, str] = {}
         self._taken: dict[str, tuple[str, str]] = {}
+        # Whether a stream's subject is one the JetStream stream can say the owner of (its last
+        # message), and the streams whose owner it said in this process (see NatsConnector._claim).
+        self.claims = self._apart and not {"type", "epoch"} & set(self.template.fields)
+        self.claimed: set[str] = set()
 
     def render(self, message: Message) -> str:
         if self.template.static:
@@ -224,6 +230,17 @@ class _Subjects:
         (None: streams share subjects by design). It depends on the stream alone, so it names the
         stream's subjects as a whole, whatever types and epochs they render."""
         return self.template.render(sample_message(_clean(stream))) if self._apart else None
+
+    def claim(self, stream: Stream, holder: str | None) -> None:
+        """What the JetStream stream says of ``stream``'s subject: ``holder``, the stream key of
+        its last message (None: it holds none), owns it unless this process gave it an owner."""
+        self.claimed.add(stream.key)
+        base = self.base(stream)
+        if base is None or stream.key in self._taken:
+            return
+        owner = self._owners.setdefault(base, holder or stream.key)
+        if owner != stream.key:
+            self._taken[stream.key] = (base, owner)
 
     def taken(self, message: Message, prefix: str) -> Permanent | None:
         """The refusal of a message whose stream's subject another stream owns (see the class
@@ -938,6 +955,7 @@ class NatsConnector:
         errors: dict[int, ConnectorError] = {}
         seqs: dict[int, int] = {}  # index -> JetStream stream seq of the stored message
         self._new_seqs.clear()
+        await self._claim(nc, messages)
         await self._publish_chained(nc, messages, errors, seqs)
         again = _refused_for_turn(messages, errors)
         if again:
@@ -1070,6 +1088,47 @@ class NatsConnector:
             self._stream_problem = str(exc)
         except (TimeoutError, nats.errors.Error) as exc:
             log.debug("%s: stream lookup failed: %s", self._prefix, _describe(exc), extra={"sink": self.name})
+
+    async def _claim(self, nc: Client, messages: Sequence[Message]) -> None:
+        """Before the first write of a stream in this process: the last message its subject holds
+        names the stream that owns it (headers ``source``, ``dp_rank``), so that a stream whose
+        source name becomes the same subject token as another's (see :class:`_Subjects`) is
+        refused whichever bridge, or which run of this one, wrote the subject first. Up to 64
+        lookups at once; a lookup that fails fails the write (nothing sent: tried again)."""
+        subjects = self._subjects
+        if not subjects.claims:
+            return
+        new = {m.record.stream.key: m.record.stream for m in messages if m.record.stream.key not in subjects.claimed}
+        if not new:
+            return
+        js = nc.jetstream(timeout=self.options.connect_timeout)
+        try:
+            name = self._position_stream
+            if name is None:
+                name = self._position_stream = await js.find_stream_name_by_subject(subject_filter(self.options.subject))
+        except nats.js.errors.NotFoundError:
+            return  # (no stream captures the subjects: the write fails no_stream)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise Retriable(f"{self._prefix}: looking up the stream of {self._where} failed: {_describe(exc)}") from None
+        window = asyncio.Semaphore(64)
+
+        async def look(stream: Stream) -> None:
+            subject = subjects.base(stream)
+            assert subject is not None
+            async with window:
+                try:
+                    msg = await js.get_last_msg(name, subject)
+                except nats.js.errors.NotFoundError:
+                    subjects.claim(stream, None)
+                    return
+            headers = msg.headers or {}
+            source, rank = headers.get("source"), headers.get("dp_rank")
+            subjects.claim(stream, f"{source}/{rank}" if source is not None and rank is not None else None)
+
+        try:
+            await asyncio.gather(*(look(s) for s in new.values()))
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise Retriable(f"{self._prefix}: reading who writes a subject failed: {_describe(exc)}") from None
 
     async def _publish_chained(
         self, nc: Client, messages: Sequence[Message], errors: dict[int, ConnectorError], seqs: dict[int, int]
@@ -1273,8 +1332,10 @@ class NatsConnector:
                 deltas.append((m.record.state, next_))
                 continue
             error = errors.get(i)
-            if error is not None and not isinstance(error, Permanent):
-                blocked = error  # this and every later message of the stream are not stored
+            if error is not None and (not isinstance(error, Permanent) or m.record.kind != "batch"):
+                # This and every later message of the stream are not stored: a transient failure,
+                # or an announcement refused for itself (kept and retried: bridge.sink.announces).
+                blocked = error if not isinstance(error, Permanent) else Retriable(str(error), reason=error.reason)
                 break
             if i in seqs:
                 next_ = seqs[i] + 1

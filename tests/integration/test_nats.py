@@ -557,6 +557,36 @@ async def test_a_stream_whose_subject_another_stream_owns_is_refused_never_mixed
 
 
 @pytest.mark.integration
+async def test_a_subject_another_bridge_or_run_wrote_is_not_taken_over(
+    nats_server: NatsServer, reader: Client, js_dest: str
+) -> None:
+    """The owner of a subject is not only the stream this process met first: a second bridge (or
+    this one after a restart, its streams met in another order) whose stream's source name becomes
+    the same token reads the subject's last message, and is refused (breaker30n3 B1: 3 of 3 runs
+    mixed two engines on one subject)."""
+    owner, clash = Stream("llama_a", 0), Stream("llama.a", 0)
+    first = NatsConnector("nats", _options(nats_server.url, js_dest), SINK)
+    await first.connect()
+    try:
+        await first.write(_render("raw", "batch", [owner], 2))
+    finally:
+        await first.close()
+    for run in range(2):  # another bridge; then the owner's own bridge restarted, the other stream first
+        later = NatsConnector("nats", _options(nats_server.url, js_dest), SINK)
+        await later.connect()
+        try:
+            with pytest.raises(Permanent) as info:
+                await later.write(_render("raw", "batch", [clash], 1))
+            assert info.value.reason == "subject_taken" and "'llama_a/0'" in str(info.value)
+            if run:
+                await later.write(_render("raw", "batch", [owner], 3)[2:])  # the owner goes on
+        finally:
+            await later.close()
+    stored = await _read_stream(reader, js_dest, _subject(js_dest, owner))
+    assert [s.headers["source"] for s in stored if s.headers] == ["llama_a"] * 3
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("mode", ["jetstream", "core"])
 async def test_too_large_message_is_a_permanent_partial_failure(
     nats_server: NatsServer, reader: Client, js_dest: str, mode: str

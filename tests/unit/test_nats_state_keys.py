@@ -147,6 +147,19 @@ async def test_state_messages_wait_for_their_stream_and_carry_next() -> None:
     assert set(errors) == {1, 3} and all(isinstance(e, Retriable) for e in errors.values())
     assert conn._next["a/0"] == 101 and conn._state_problem is not None and "refused" in conn._state_problem
 
+    # An announcement refused for itself (a SourceReset whose subject another stream owns) is
+    # kept and retried, so the state of its record and after waits with it: a state written
+    # past it said complete, with `next`, for messages never stored (breaker30n3 B1).
+    applied.clear()
+    fail.clear()
+    r = Record(stream=a, epoch=2, seq=0, kind="SourceReset", reason="publisher_restart")
+    r.state = StateDelta(a, head(0))
+    reset = [Message(r, None, "SourceReset", b"{}", Envelope(r, "SourceReset", "application/json")), state_message(r)]
+    errors = {0: Permanent("subject taken", reason="subject_taken")}
+    await conn._write_state(None, reset + rec(a, 5), errors, {})  # type: ignore[arg-type]
+    assert applied == [] and set(errors) == {0, 1, 3}
+    assert isinstance(errors[1], Retriable) and errors[1].reason == "subject_taken"
+
 
 def test_a_journal_part_filled_to_its_budget_fits_the_value_limit() -> None:
     """A bucket's max_value_size sizes the parts: a part is the frame (target, part numbers, clear,
