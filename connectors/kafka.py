@@ -1306,18 +1306,10 @@ class KafkaConnector:
         state writes are held, the sink not ready) until it is fixed; found so during a run, the
         state of every stream it holds is lost, as it is when a partition starts later than it
         did (retention, DeleteRecords): their heads are deleted and their state told lost
-        (:meth:`_raise_lost`). Configs or offsets that cannot be read prove nothing (logged)."""
-        wanted = dict.fromkeys(("cleanup.policy", "retention.ms", "retention.bytes", "max.message.bytes"))
-        admin = self._admin()
-        try:
-            await admin.start()
-            responses = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic, wanted)])
-            configs = {entry[0]: entry[1] for r in responses for res in r.resources for entry in res[4] if entry[0] in wanted}
-        except (kafka_errors.KafkaError, OSError, IndexError, TypeError) as exc:
-            log.debug("cannot read the state topic's configs", extra={"sink": self.name, "error": _describe(exc)})
-            return
-        finally:
-            await admin.close()
+        (:meth:`_raise_lost`). Configs that cannot be read leave the topic untrusted: refused the
+        same way (:meth:`_state_topic_configs`, I6). Start offsets that cannot be read prove nothing
+        (logged): the configs said the topic keeps its records."""
+        configs = await self._state_topic_configs(topic)
         policy = configs.get("cleanup.policy") or ""
         limits = [f"{k}={configs.get(k)}" for k in ("retention.ms", "retention.bytes") if configs.get(k) not in (None, "-1")]
         deletes = "delete" in policy.split(",") and bool(limits)
@@ -1350,6 +1342,48 @@ class KafkaConnector:
         self._topic_problem = self._state_deletes
         self._partitions.pop(topic, None)  # prepared again (its configs read again) before each state write
         raise NotConnected(f"{self._where}: {self._state_deletes}", reason="state_topic_deletes")
+
+    async def _state_topic_configs(self, topic: str) -> dict[str, str]:
+        """The state topic's ``cleanup.policy``, ``retention.*`` and ``max.message.bytes``.
+
+        A topic whose configs cannot be read (a broker answers DescribeConfigs with an error for
+        it, TOPIC_AUTHORIZATION_FAILED without that ACL, or does not answer) may delete records by
+        retention, and a bootstrap would take what is left for a complete state (I6): NotConnected
+        naming the error and the fix (state writes held, the sink not ready, ``--check`` refused),
+        read again before each state write, at each health check and audit."""
+        wanted = dict.fromkeys(("cleanup.policy", "retention.ms", "retention.bytes", "max.message.bytes"))
+        admin = self._admin()
+        code, error = 0, ""
+        try:
+            await admin.start()
+            responses = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic, wanted)])
+            resources = [res for r in responses for res in r.resources]
+            for res in resources:  # (error_code, error_message, resource_type, resource_name, entries)
+                if res[0] != 0:
+                    code = int(res[0])
+                    error = f"{kafka_errors.for_code(code).__name__}{f': {res[1]}' if res[1] else ''}"
+            if not resources:
+                error = "no resource in the broker's answer"
+        except (kafka_errors.KafkaError, OSError, IndexError, TypeError) as exc:
+            error = _describe(exc)
+        finally:
+            await admin.close()
+        if not error:
+            return {entry[0]: entry[1] for res in resources for entry in res[4] if entry[0] in wanted}
+        principal = f"User:{self.options.sasl_username}" if self.options.sasl_username else "<the bridge's principal>"
+        fix = (
+            f"grant the bridge's principal DescribeConfigs on it (kafka-acls --add --allow-principal {principal} "
+            f"--operation DescribeConfigs --topic {topic})"
+            if code == _TOPIC_AUTHORIZATION
+            else "it is read again at each health check"
+        )
+        self._topic_problem = (
+            f"cannot read the configs of state topic {topic!r} ({error}): a topic that may delete records by retention "
+            f"is not trusted with the state; {fix}"
+        )
+        self._partitions.pop(topic, None)  # prepared again (its configs read again) before each state write
+        reason = "unauthorized" if code == _TOPIC_AUTHORIZATION else "state_topic_configs"
+        raise NotConnected(f"{self._where}: {self._topic_problem}", reason=reason)
 
     async def _moved_starts(self, topic: str, partitions: list[int]) -> list[int]:
         """The partitions of the state topic whose log start offset is above what it was when last

@@ -24,6 +24,7 @@ from aiokafka.protocol.admin import CreateAclsRequest, DeleteAclsRequest
 from bridge import config
 from bridge.config import SinkConfig
 from bridge.deadletter import DeadLetters
+from bridge.errors import NotConnected
 from bridge.formats import Renderer
 from bridge.metrics import Metrics
 from bridge.records import Record, Stream
@@ -220,7 +221,7 @@ async def test_an_announcement_refused_by_a_lowered_topic_limit_is_kept_until_th
 # Kafka's ACL protocol values (org.apache.kafka.common.acl / resource).
 TOPIC, CLUSTER = 2, 4
 LITERAL = 3
-ALL, WRITE, IDEMPOTENT_WRITE = 2, 4, 12
+ALL, WRITE, DESCRIBE_CONFIGS, IDEMPOTENT_WRITE = 2, 4, 10, 12
 DENY, ALLOW = 2, 3
 
 
@@ -315,3 +316,66 @@ async def test_topic_authorization_revoked_mid_stream_is_retried_never_dead_lett
         assert worker.connected and await connector.health() is None
     assert dead_letters(tmp_path) == []
     assert await first_copies(acl_kafka.bootstrap_servers, topic, 1) == {0: list(range(published))}
+
+
+async def test_a_state_topic_whose_configs_cannot_be_read_is_refused_naming_the_acl_to_add(acl_kafka: KafkaServer) -> None:
+    """breaker30r K2: with Write, Describe and Read on the topics (no DescribeConfigs), the broker
+    answers DescribeConfigs on the state topic with TOPIC_AUTHORIZATION_FAILED inside the response.
+    The sink read that as no configs, so a state topic deleting by retention was accepted (connect,
+    --check, /readyz) and bootstraps took what retention left for a complete state (I6). A state
+    topic whose configs cannot be read is now refused like one that deletes, at connect, by
+    --check (creates_nothing) and by health(), naming the ACL to add; once granted, the configs
+    decide again."""
+    events = await acl_kafka.anew_topic()
+    deleting = await acl_kafka.anew_topic(config={"cleanup.policy": "compact,delete", "retention.ms": "3600000"})
+    compacted = await acl_kafka.anew_topic(config={"cleanup.policy": "compact"})
+
+    async def connect(state_topic: str, *, check: bool) -> tuple[NotConnected | None, str | None]:
+        values = {
+            "bootstrap_servers": f"127.0.0.1:{acl_kafka.ports['SASL_PLAINTEXT']}",
+            "topic": events,
+            "security_protocol": "SASL_PLAINTEXT",
+            "sasl_username": USER,
+            "sasl_password": PASSWORD,
+            "request_timeout": "10s",
+            "state": {"enabled": True, "topic": state_topic},
+        }
+        conn = KafkaConnector("k", config.convert_options(values, KafkaOptions, "sinks[0]"), SinkConfig(type="kafka", name="k"))
+        conn.creates_nothing = check
+        refused = None
+        try:
+            await conn.connect()
+        except NotConnected as exc:
+            refused = exc
+        try:
+            return refused, await conn.health()
+        finally:
+            await conn.close()
+
+    for topic in (deleting, compacted):
+        await acl(acl_kafka, "create", TOPIC, topic, DESCRIBE_CONFIGS, DENY)
+    try:
+        for topic in (deleting, compacted):
+            for check in (True, False):
+                # The broker applies the ACL shortly after the controller took it.
+                deadline = time.monotonic() + 60
+                while (result := await connect(topic, check=check))[0] is None or result[0].reason != "unauthorized":
+                    assert result[0] is None or result[0].reason == "state_topic_deletes", result
+                    assert time.monotonic() < deadline, f"{topic} with DescribeConfigs denied was not refused: {result}"
+                    await asyncio.sleep(0.2)
+                refused, problem = result
+                assert refused is not None and repr(topic) in str(refused)
+                assert "TopicAuthorizationFailedError" in str(refused), refused
+                fix = f"--allow-principal User:{USER} --operation DescribeConfigs --topic {topic}"
+                assert fix in str(refused) and problem is not None and fix in problem, (refused, problem)
+    finally:
+        for topic in (deleting, compacted):
+            await acl(acl_kafka, "delete", TOPIC, topic, DESCRIBE_CONFIGS, DENY)
+    deadline = time.monotonic() + 60
+    while (result := await connect(compacted, check=True)) != (None, None):
+        assert time.monotonic() < deadline, f"{compacted} still refused with DescribeConfigs granted: {result}"
+        await asyncio.sleep(0.2)
+    assert await connect(compacted, check=False) == (None, None)
+    refused, problem = await connect(deleting, check=True)
+    assert refused is not None and refused.reason == "state_topic_deletes", refused
+    assert problem is not None and "set cleanup.policy=compact" in problem
