@@ -217,7 +217,12 @@ class KafkaOptions(ConnectorOptions):
         ),
     ] = "kv-events"
     partition: Annotated[
-        Annotated[int, msgspec.Meta(ge=0)] | None, doc("Write every message to this partition (default: by stream key).")
+        Annotated[int, msgspec.Meta(ge=0)] | None,
+        doc(
+            "Write every message to this partition (default: by stream key). It must exist: below "
+            "create_topics.partitions with create_topics; --check compares it with the topic's partitions, or a missing "
+            "topic's would-be partitions (create_topics.partitions, or the broker's num.partitions when it auto-creates)."
+        ),
     ] = None
     acks: Annotated[Literal["all", 1, 0], doc("Broker acknowledgement: all (every in-sync replica), 1 (leader) or 0 (none).")] = (
         "all"
@@ -292,6 +297,12 @@ class KafkaOptions(ConnectorOptions):
             )
         if self.tls is not None and not self.security_protocol.endswith("SSL"):
             problems.append(f"tls is set but security_protocol is {self.security_protocol}: use SSL or SASL_SSL")
+        if self.partition is not None and self.create_topics.enabled and self.partition >= self.create_topics.partitions:
+            problems.append(
+                f"partition: {self.partition} does not exist in a topic create_topics makes (create_topics.partitions: "
+                f"{self.create_topics.partitions}, numbered from 0); set create_topics.partitions to at least "
+                f"{self.partition + 1}, or a lower partition"
+            )
         if self.state.enabled:
             if not _TOPIC_NAME.fullmatch(self.state.topic):
                 problems.append(f"state.topic: {self.state.topic!r} is not a valid Kafka topic name (1-249 of A-Z a-z 0-9 . _ -)")
@@ -1175,6 +1186,10 @@ class KafkaConnector:
             if code == _UNKNOWN_TOPIC and self.creates_nothing and (create or auto):
                 if create:  # --check: the run would create it; the broker says whether it could
                     await self._create_topic(topic, state=state, validate_only=True)
+                if not state and self.options.partition is not None:  # and with how many partitions
+                    count = self.options.create_topics.partitions if create else await self._auto_partitions(producer)
+                    if count is not None:
+                        self._check_partition(topic, list(range(count)), created=True)
                 return  # nothing is created here
             if code == _UNKNOWN_TOPIC and topic in self._known:
                 self._lose([tp for tp in self._acked if tp[0] == topic], state=state)
@@ -1210,11 +1225,8 @@ class KafkaConnector:
                 name = kafka_errors.for_code(code).__name__
                 raise Retriable(f"{self._where}: metadata for topic {topic!r}: {name}", reason="metadata")
             await asyncio.sleep(0.1)
-        if not state and self.options.partition is not None and self.options.partition not in partitions:
-            self._topic_problem = (
-                f"topic {topic!r} has {len(partitions)} partition(s); partition {self.options.partition} does not exist"
-            )
-            raise NotConnected(f"{self._where}: {self._topic_problem}", reason="unknown_partition")
+        if not state:
+            self._check_partition(topic, partitions)
         if self.options.acks == "all" and any(tp[0] == topic for tp in self._acked):
             # (With acks 1 the end offset, the high watermark, may trail what the leader acknowledged.)
             await self._check_kept(topic, partitions, state=state)
@@ -1224,6 +1236,36 @@ class KafkaConnector:
             self._topic_problem = None
         if state:
             await self._check_state_topic(topic, partitions)
+
+    def _check_partition(self, topic: str, partitions: list[int], *, created: bool = False) -> None:
+        """NotConnected (``unknown_partition``) when the configured ``partition`` is not one of the
+        events topic's ``partitions`` (those it would have once created, with ``created``)."""
+        wanted = self.options.partition
+        if wanted is None or wanted in partitions:
+            return
+        fix = (
+            f"create it with at least {wanted + 1} partitions (or create_topics.partitions: {wanted + 1})"
+            if created
+            else f"add partitions to it (kafka-topics --alter --topic {topic} --partitions {wanted + 1})"
+        )
+        self._topic_problem = (
+            f"topic {topic!r} {'would be created with' if created else 'has'} {len(partitions)} partition(s); "
+            f"partition {wanted} does not exist: {fix}, or set a lower partition"
+        )
+        raise NotConnected(f"{self._where}: {self._topic_problem}", reason="unknown_partition")
+
+    async def _auto_partitions(self, producer: Any) -> int | None:
+        """The partitions a topic the broker auto-creates gets (``num.partitions`` of a broker), or
+        None when it cannot be read (no DescribeConfigs on the cluster: nothing more is said)."""
+        brokers = sorted(b.nodeId for b in producer.client.cluster.brokers())
+        if not brokers:
+            return None
+        configs, _, error = await self._configs(ConfigResourceType.BROKER, str(brokers[0]), ("num.partitions",))
+        count = configs.get("num.partitions")
+        if error or count is None or not count.isdigit():
+            log.debug("cannot read the broker's num.partitions", extra={"sink": self.name, "error": error})
+            return None
+        return int(count)
 
     async def _check_kept(self, topic: str, partitions: list[int], *, state: bool) -> None:
         """Whether ``topic`` still holds what the broker acknowledged: a partition that ends before
@@ -1351,25 +1393,11 @@ class KafkaConnector:
         retention, and a bootstrap would take what is left for a complete state (I6): NotConnected
         naming the error and the fix (state writes held, the sink not ready, ``--check`` refused),
         read again before each state write, at each health check and audit."""
-        wanted = dict.fromkeys(("cleanup.policy", "retention.ms", "retention.bytes", "max.message.bytes"))
-        admin = self._admin()
-        code, error = 0, ""
-        try:
-            await admin.start()
-            responses = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic, wanted)])
-            resources = [res for r in responses for res in r.resources]
-            for res in resources:  # (error_code, error_message, resource_type, resource_name, entries)
-                if res[0] != 0:
-                    code = int(res[0])
-                    error = f"{kafka_errors.for_code(code).__name__}{f': {res[1]}' if res[1] else ''}"
-            if not resources:
-                error = "no resource in the broker's answer"
-        except (kafka_errors.KafkaError, OSError, IndexError, TypeError) as exc:
-            error = _describe(exc)
-        finally:
-            await admin.close()
+        configs, code, error = await self._configs(
+            ConfigResourceType.TOPIC, topic, ("cleanup.policy", "retention.ms", "retention.bytes", "max.message.bytes")
+        )
         if not error:
-            return {entry[0]: entry[1] for res in resources for entry in res[4] if entry[0] in wanted}
+            return configs
         principal = f"User:{self.options.sasl_username}" if self.options.sasl_username else "<the bridge's principal>"
         fix = (
             f"grant the bridge's principal DescribeConfigs on it (kafka-acls --add --allow-principal {principal} "
@@ -1384,6 +1412,29 @@ class KafkaConnector:
         self._partitions.pop(topic, None)  # prepared again (its configs read again) before each state write
         reason = "unauthorized" if code == _TOPIC_AUTHORIZATION else "state_topic_configs"
         raise NotConnected(f"{self._where}: {self._topic_problem}", reason=reason)
+
+    async def _configs(self, kind: ConfigResourceType, name: str, wanted: Sequence[str]) -> tuple[dict[str, str], int, str]:
+        """The configs ``wanted`` of one resource (a topic, a broker by its node id) as the broker
+        answers DescribeConfigs, with the error code and a description of the error ("" when read).
+        The broker answers a resource it refuses (an ACL) with an error code inside its response."""
+        admin = self._admin()
+        code, error, configs = 0, "", dict[str, str]()
+        try:
+            await admin.start()
+            responses = await admin.describe_configs([ConfigResource(kind, name, dict.fromkeys(wanted))])
+            resources = [res for r in responses for res in r.resources]
+            for res in resources:  # (error_code, error_message, resource_type, resource_name, entries)
+                if res[0] != 0:
+                    code = int(res[0])
+                    error = f"{kafka_errors.for_code(code).__name__}{f': {res[1]}' if res[1] else ''}"
+                configs.update((entry[0], entry[1]) for entry in res[4] if entry[0] in wanted)
+            if not resources:
+                error = "no resource in the broker's answer"
+        except (kafka_errors.KafkaError, OSError, IndexError, TypeError) as exc:
+            error = _describe(exc)
+        finally:
+            await admin.close()
+        return configs, code, error
 
     async def _moved_starts(self, topic: str, partitions: list[int]) -> list[int]:
         """The partitions of the state topic whose log start offset is above what it was when last

@@ -435,3 +435,52 @@ async def test_check_refuses_kafka_topics_the_cluster_cannot_create(
         assert not {topic, state_topic} & set(await admin.list_topics())
     finally:
         await admin.close()
+
+
+@pytest.mark.parametrize(
+    ("case", "exit", "problem"),
+    [
+        ("created", 2, "partition: 3 does not exist in a topic create_topics makes (create_topics.partitions: 2"),
+        ("created_state", 2, "partition: 3 does not exist in a topic create_topics makes (create_topics.partitions: 2"),
+        ("auto", 3, "would be created with 1 partition(s); partition 3 does not exist"),
+        ("existing", 3, "has 2 partition(s); partition 3 does not exist"),
+    ],
+)
+async def test_check_refuses_a_kafka_partition_the_topic_will_not_have(
+    tmp_path: Path, kafka: KafkaServer, case: str, exit: int, problem: str
+) -> None:
+    """breaker30r P1: ``partition: 3`` with a topic that will have fewer partitions (made by
+    ``create_topics`` with 2, or auto-created by the broker with its ``num.partitions`` of 1):
+    ``--check`` said "config ok" and the run was never ready (``unknown_partition``, nothing
+    delivered). The contradiction with ``create_topics.partitions`` is a config error now; a topic
+    the broker would auto-create is compared with the broker's ``num.partitions``. Nothing created."""
+    tag = uuid.uuid4().hex[:8]
+    topic, state_topic = f"chk-{tag}", f"chk-{tag}-state"
+    sink: dict[str, object] = {
+        "type": "kafka",
+        "name": "k",
+        "bootstrap_servers": kafka.bootstrap_servers,
+        "topic": topic,
+        "partition": 3,
+        "allow_auto_create_topics": case == "auto",
+        "create_topics": {"enabled": case.startswith("created"), "partitions": 2},
+    }
+    if case == "created_state":
+        sink["state"] = {"enabled": True, "topic": state_topic, "create": True, "partitions": 1}
+    if case == "existing":
+        sink["topic"] = topic = await kafka.anew_topic(2)
+    config = {
+        "sources": [{"name": "a", "endpoint": f"tcp://127.0.0.1:{free_ports(1)[0]}", "bind": True}],
+        "sinks": [sink],
+        "checkpoint": {"path": str(tmp_path / "checkpoint.json")},
+    }
+    proc = await check_config(tmp_path, config)
+    assert proc.returncode == exit and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert problem in proc.stderr, proc.stderr
+    if case != "existing":
+        admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+        await admin.start()
+        try:
+            assert not {topic, state_topic} & set(await admin.list_topics())
+        finally:
+            await admin.close()

@@ -99,6 +99,11 @@ async def test_missing_tls_file_is_not_connected_without_network(tmp_path: Any) 
         ({"sasl_mechanism": "GSSAPI"}, "sasl_mechanism"),
         ({"topics": "x"}, "sinks[0].topics: unknown key (did you mean topic?)"),
         ({"partition": -1}, "sinks[0].partition"),
+        (
+            {"partition": 3, "create_topics": {"enabled": True, "partitions": 2}},
+            "partition: 3 does not exist in a topic create_topics makes (create_topics.partitions: 2, numbered from 0); "
+            "set create_topics.partitions to at least 4, or a lower partition",
+        ),
     ],
 )
 def test_config_problems_are_reported_with_their_path(values: dict[str, Any], problem: str) -> None:
