@@ -898,6 +898,39 @@ def state_args(m: Message, fmt: StateFormat) -> list[str | bytes | int]:
     ]
 
 
+# -- what the ACL user may run ------------------------------------------------------------------
+
+# The commands the sink runs on each kind of key (WRITE_SCRIPT, audit, positions, read_state), each
+# with the arguments after the key that let the server find the key in it.
+_STREAM_COMMANDS = (("TYPE",), ("XREVRANGE", "+", "-", "COUNT", "1"), ("XADD", "*", "f", "v"))
+_SET_COMMANDS = (("TYPE",), ("SADD", "m"), ("SREM", "m"), ("DEL",))
+_COUNTS_COMMANDS = (("TYPE",), ("HGET", "f"), ("HSET", "f", "v"), ("HDEL", "f"), ("DEL",))
+_STATE_COMMANDS = (("TYPE",), ("HMGET", "f"), ("HSET", "f", "v"), ("HDEL", "f"), ("UNLINK",), ("HGET", "f"), ("HSCAN", "0"))
+_STREAMS_CHECKED = 32  # configured engine streams whose keys --check looks at, at most
+# Whether the connection's ACL user may run each probe (ARGV: per probe its number of words, then
+# the words: a command, maybe a key and arguments), by redis.acl_check_cmd (Redis 7.0+), which needs
+# no permission beyond EVAL and touches no key: the numbers (from 1) of the probes refused, negative
+# for a command the server does not know (renamed or disabled); nil where the server cannot tell.
+PERMISSIONS_SCRIPT = """
+if not redis.acl_check_cmd then
+  return nil
+end
+local refused, i, n = {}, 1, 0
+while i <= #ARGV do
+  local size = tonumber(ARGV[i])
+  n = n + 1
+  local ok, allowed = pcall(redis.acl_check_cmd, unpack(ARGV, i + 1, i + size))
+  if not ok then
+    refused[#refused + 1] = -n
+  elseif not allowed then
+    refused[#refused + 1] = n
+  end
+  i = i + 1 + size
+end
+return refused
+"""
+
+
 # -- the connector ------------------------------------------------------------------------------
 
 
@@ -918,6 +951,7 @@ class RedisConnector:
         self.writes_state = self._state is not None
         # the block index and the state read the events, even of raw batches
         self.needs_events = self._index is not None or self.writes_state
+        self.configured_streams: list[Stream] = []  # --check: their keys are checked against the ACL user's
         self._clear_on_lost = options.index.on_events_lost == "clear"
         self._hash_hex = sink.hash_format == "hex"
         self._raw = sink.format == "raw"
@@ -986,7 +1020,8 @@ class RedisConnector:
     # -- hooks ------------------------------------------------------------------------------
     async def connect(self) -> None:
         """PING the server, run a script that does nothing (every write is one: an ACL or a
-        renamed command that forbids it is found here, and so by ``--check``), refuse a replica,
+        renamed command that forbids it is found here, and so by ``--check``), ask whether the
+        user may run what the writes run (:meth:`_check_permissions`), refuse a replica,
         then read the settings the writes depend on (see :meth:`_read_settings`), and refuse a
         primary with too few good replicas for its ``min-replicas-to-write`` (see
         :meth:`_replicas_short`); NotConnected naming the sink, the server and the cause if any of
@@ -994,6 +1029,7 @@ class RedisConnector:
         try:
             await self._connection().ping()
             await self._connection().eval("return 1", 0)
+            await self._check_permissions()
             await self._check_role()
             settings = await self._read_settings()
             short = await self._replicas_short()
@@ -1340,6 +1376,74 @@ class RedisConnector:
         return out
 
     # -- internals --------------------------------------------------------------------------
+    def _probes(self) -> list[tuple[str, str | None, tuple[str, ...]]]:
+        """What :meth:`_check_permissions` asks, as (command, key, arguments after the key): each
+        command the sink runs, alone, then on each key of the configured streams (``--check``; at
+        a run the keys are not known at connect: a key the ACL refuses is named by the first write)."""
+        kinds: list[tuple[Template, tuple[tuple[str, ...], ...]]] = [(self._stream, _STREAM_COMMANDS)]
+        if self._index is not None:
+            kinds.append((self._index, _SET_COMMANDS))
+        if self._state is not None:
+            kinds.append((self._state, _STATE_COMMANDS))
+        commands = [c for _, cs in kinds for c in cs] + (list(_COUNTS_COMMANDS) if self._index is not None else [])
+        probes: list[tuple[str, str | None, tuple[str, ...]]] = [(c[0], None, ()) for c in dict.fromkeys(c[:1] for c in commands)]
+        keyed: dict[tuple[str, str], tuple[str, ...]] = {}
+        for stream in self.configured_streams[:_STREAMS_CHECKED]:
+            m = _sample_of(stream)
+            for template, cs in kinds:
+                key = template.render(m)
+                for c in cs:
+                    keyed.setdefault((c[0], key), c[1:])
+                if template is self._index:
+                    for c in _COUNTS_COMMANDS:
+                        keyed.setdefault((c[0], key + ":counts"), c[1:])
+        probes += [(command, key, rest) for (command, key), rest in keyed.items()]
+        return probes
+
+    async def _check_permissions(self) -> None:
+        """Whether the ACL user may run what the writes run, on the keys they write (connect, and
+        so ``--check`` and ``/readyz``): a refusal would otherwise show only at the first write,
+        after the sink said it was ready, and every write would fail (NOPERM, retried for ever).
+        NotConnected (``no_permission``) naming the commands and keys refused and the fix, or
+        (``unknown_command``) the commands the server does not know. A server that cannot tell
+        (Redis before 7.0) or refuses the question says nothing more than EVAL did."""
+        probes = self._probes()
+        argv: list[str] = []
+        for command, key, rest in probes:
+            words = [command, *([key] if key is not None else []), *rest]
+            argv += [str(len(words)), *words]
+        try:
+            reply: Any = await self._connection().eval(PERMISSIONS_SCRIPT, 0, *argv)
+        except ResponseError:
+            return
+        if not reply:
+            return
+        unknown = list(dict.fromkeys(probes[-int(n) - 1][0] for n in reply if int(n) < 0))
+        if unknown:
+            raise NotConnected(
+                f"{self._prefix}: {self._server} does not run {', '.join(unknown)}, which the sink's writes run "
+                "(renamed or disabled by rename-command or a managed service): allow it",
+                reason="unknown_command",
+            )
+        refused = [probes[int(n) - 1] for n in reply]
+        commands = [command for command, key, _ in refused if key is None]
+        keys: dict[str, list[str]] = {}
+        for command, key, _ in refused:
+            if key is not None and command not in commands:
+                keys.setdefault(key, []).append(command)
+        user = self.options.username or "default"
+        what = []
+        if commands:
+            what.append(f"may not run {', '.join(commands)}")
+        if keys:
+            what.append("may not run " + "; ".join(f"{', '.join(cs)} on key {k!r}" for k, cs in keys.items()))
+        grant = " ".join([*(f"+{c.lower()}" for c in commands), *(f"~{k}" for k in keys)])
+        raise NotConnected(
+            f"{self._prefix}: {self._server}: ACL user {user!r} {' and '.join(what)}, which the sink's writes run; "
+            f"allow them (ACL SETUSER {user} {grant}, or a key pattern covering those keys)",
+            reason="no_permission",
+        )
+
     def _add_state(
         self,
         i: int,

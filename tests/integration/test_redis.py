@@ -776,9 +776,11 @@ async def test_an_acl_refusal_inside_the_write_script_is_retried(private_redis: 
     s = sink("json", "batch")
     prefix = new_prefix()
     messages = render(s, stream_records(Stream("acl", 0), 3))
-    await admin.execute_command("ACL", "SETUSER", "noxadd", "on", f">{SECRET}", "~*", "&*", "+@all", "-xadd")
+    await admin.execute_command("ACL", "SETUSER", "noxadd", "on", f">{SECRET}", "~*", "&*", "+@all")
     conn = make(private_redis.url, s, username="noxadd", password=SECRET, stream=prefix + ":{source}:{dp_rank}")
     await conn.connect()
+    # Revoked after connect, which refuses a user that may not run XADD (test_redis_faults).
+    await admin.execute_command("ACL", "SETUSER", "noxadd", "-xadd")
     try:
         with pytest.raises(Retriable) as info:
             await conn.write(messages)

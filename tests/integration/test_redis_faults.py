@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -130,8 +131,8 @@ async def test_an_acl_refusal_in_the_index_mode_script_is_retried_and_the_index_
     stream = Stream("eng", 0)
     records = [batch(stream, q, epoch=1) for q in range(3)]
     records += [source_reset(stream, 2, "publisher_restart", 0.0), *(batch(stream, q, epoch=2) for q in range(2))]
-    await allow(admin, denied)
     d = await started(delivery(tmp_path, acl_redis.url, {"index": {"enabled": True}}))
+    await allow(admin, denied)  # after connect, which refuses a user that may not run it (below)
     try:
         await d.feed(records)
         await until(lambda: bool(d.errors()), "the write to meet the ACL")
@@ -169,8 +170,8 @@ async def test_an_acl_refusal_of_the_duplicate_check_on_a_resend_is_retried_not_
         assert await first.worker.flush(10)
     finally:
         await first.close()
-    await allow(admin, "xrevrange")
     d = await started(delivery(tmp_path, acl_redis.url, {}))
+    await allow(admin, "xrevrange")  # after connect, which refuses a user that may not run it (below)
     try:
         await d.feed(records)
         await until(lambda: bool(d.errors()), "the write to meet the ACL")
@@ -185,6 +186,72 @@ async def test_an_acl_refusal_of_the_duplicate_check_on_a_resend_is_retried_not_
     finally:
         await d.close()
     await assert_stored_in_order(d, admin, stream, records)
+
+
+# The commands docs/sinks/redis.md "Required permissions" listed before breaker30r A1 (without
+# the state's).
+DOCS_BEFORE = ("+ping", "+client|setname", "+eval", "+xadd", "+xrevrange", "+type", "+del")
+
+
+def documented_commands() -> tuple[str, ...]:
+    """The commands of the ``ACL SETUSER`` docs/sinks/redis.md gives (held to what the sink runs)."""
+    text = (Path(__file__).parents[2] / "docs" / "sinks" / "redis.md").read_text()
+    line = re.search(r"^ACL SETUSER kv-bridge (.*?)\n```", text, re.M | re.S)
+    assert line is not None, "docs/sinks/redis.md: no ACL SETUSER kv-bridge example"
+    return tuple(w for w in line.group(1).split() if w.startswith("+"))
+
+
+async def test_connect_and_check_refuse_a_user_that_may_not_run_what_the_writes_run(
+    acl_redis: RedisServer, admin: aioredis.Redis, tmp_path: Path
+) -> None:
+    """breaker30r A1: connect (and so --check and /readyz) ran an empty script, which touches no
+    command and no key: a user the writes are refused for passed ("config ok", ready), then every
+    write failed NOPERM for ever. The user's permissions are asked now (redis.acl_check_cmd): a
+    command the sink runs that the user may not is refused at connect, reason no_permission,
+    naming the commands and the ACL to grant; --check (which knows the configured streams) also
+    checks each command on the keys they write. The docs' permission lists are enough."""
+    user = "a1-user"
+
+    async def connect(rules: tuple[str, ...], *, streams: list[Stream] | None = None, **values: Any) -> NotConnected | None:
+        await admin.execute_command("ACL", "SETUSER", user, "reset", "on", f">{PASSWORD}", *rules)
+        options = convert_options({"url": acl_redis.url, "username": user, "password": PASSWORD, **values}, RedisOptions, "s")
+        conn = RedisConnector("r", options, SinkConfig(type="redis", name="r"))
+        conn.configured_streams = streams or []
+        try:
+            await conn.connect()
+        except NotConnected as exc:
+            return exc
+        finally:
+            await conn.close()
+        return None
+
+    try:
+        # The docs' list before the fix, with the state: its commands are refused, named, with the fix.
+        refused = await connect(("~kv:*", *DOCS_BEFORE), state={"enabled": True})
+        assert refused is not None and refused.reason == "no_permission", refused
+        assert "may not run HMGET, HSET, HDEL, UNLINK, HGET, HSCAN" in str(refused), refused
+        assert f"ACL SETUSER {user} +hmget +hset +hdel +unlink +hget +hscan" in str(refused), refused
+        # The same without the state, and the docs' list now with the state and the index: connected.
+        assert await connect(("~kv:*", *DOCS_BEFORE)) is None
+        documented = documented_commands()
+        assert await connect(("~kv:*", *documented), state={"enabled": True}, index={"enabled": True}) is None
+        for command in documented[3:]:  # each one the script runs is needed
+            rules = ("~kv:*", *(c for c in documented if c != command))
+            refused = await connect(rules, state={"enabled": True}, index={"enabled": True})
+            assert refused is not None and f"+{command[1:]}" in str(refused), (command, refused)
+        # The docs' example user with a stream template outside its keys: --check names the keys.
+        streams = [Stream("eng", 0), Stream("eng", 1)]
+        values = {"stream": "events:{source}:{dp_rank}", "state": {"enabled": True}}
+        refused = await connect(("~kv:*", "+@all", "-@dangerous"), streams=streams, **values)
+        assert refused is not None and refused.reason == "no_permission", refused
+        assert "TYPE, XREVRANGE, XADD on key 'events:eng:0'" in str(refused), refused
+        assert "'events:eng:1'" in str(refused) and "kv:state" not in str(refused), refused
+        assert "~events:eng:0 ~events:eng:1" in str(refused), refused
+        # A run's connect does not know the streams yet: its first write names the key.
+        assert await connect(("~kv:*", "+@all", "-@dangerous"), **values) is None
+        assert await connect(("~kv:*", "~events:*", "+@all", "-@dangerous"), streams=streams, **values) is None
+    finally:
+        await admin.execute_command("ACL", "DELUSER", user)
 
 
 # -- key collisions: two engine streams never share a key ---------------------------------------
@@ -427,17 +494,21 @@ async def test_a_command_the_sink_needs_renamed_is_not_ready_and_nothing_is_dead
     renamed_redis: tuple[RedisServer, str], tmp_path: Path
 ) -> None:
     """Some hardening guides and managed services rename or disable commands. EVAL gone: the sink
-    does not connect (so ``--check`` says so) and names the fix. XADD gone (found inside the
-    script at the first write): every batch is retried with the sink not ready (reason
-    ``unknown_command``). Before, each batch was dead-lettered with the sink ready, and nothing
-    announced (breaker29e R1: 207-276 batches in 10 s)."""
+    does not connect (so ``--check`` says so) and names the fix. XADD gone (found at connect
+    since breaker30r A1, inside the script at the first write before): the sink does not connect
+    either, every batch is retried with the sink not ready (reason ``unknown_command``). Before,
+    each batch was dead-lettered with the sink ready, and nothing announced (breaker29e R1:
+    207-276 batches in 10 s)."""
     server, command = renamed_redis
     if command == "EVAL":
         refused = await refused_at_connect(server.url, "unknown command")
         assert refused.reason == "unknown_command" and "allow EVAL" in str(refused)
         return
+    refused = await refused_at_connect(server.url, "does not run XADD")
+    assert refused.reason == "unknown_command" and "allow it" in str(refused)
     stream = Stream("eng", 0)
-    d = await started(delivery(tmp_path, server.url, {}, user=None))
+    d = delivery(tmp_path, server.url, {}, user=None)
+    d.worker.start()
     try:
         await d.feed([batch(stream, q, epoch=1) for q in range(4)])
         await until(lambda: bool(d.errors()), "the write to meet the renamed command")
