@@ -19,11 +19,12 @@ from typing import Any
 import nats
 import nats.js.errors
 import pytest
+import redis.asyncio as aioredis
 import zmq
 from aiokafka.admin import AIOKafkaAdminClient
 
 from bridge.simulator import Simulator, SimulatorOptions
-from tests.infra.servers import KafkaServer, NatsServer
+from tests.infra.servers import KafkaServer, NatsServer, RedisServer
 from tests.support.harness import free_ports
 from tests.support.scripted_engine import ScriptedEngine
 
@@ -484,3 +485,29 @@ async def test_check_refuses_a_kafka_partition_the_topic_will_not_have(
             assert not {topic, state_topic} & set(await admin.list_topics())
         finally:
             await admin.close()
+
+
+async def test_check_refuses_a_redis_user_the_writes_would_be_refused_for(tmp_path: Path, redis_server: RedisServer) -> None:
+    """breaker30r A1: the docs' example user (``~kv:* +@all -@dangerous``) with a stream template
+    outside its keys passed ``--check`` ("config ok": connect ran an empty script) and every write
+    of the run was refused NOPERM. ``--check`` asks for the keys of each configured source now."""
+    user = f"a1-{uuid.uuid4().hex[:8]}"
+    admin = aioredis.Redis.from_url(redis_server.url)
+    await admin.execute_command("ACL", "SETUSER", user, "reset", "on", ">a1-pw", "~kv:*", "+@all", "-@dangerous")
+    sink = {"type": "redis", "name": "r", "url": redis_server.url, "username": user, "password": "a1-pw"}
+    config = {
+        "sources": [{"name": "a", "endpoint": f"tcp://127.0.0.1:{free_ports(1)[0]}", "bind": True, "dp_ranks": 2}],
+        "sinks": [{**sink, "stream": "events:{source}:{dp_rank}"}],
+        "checkpoint": {"path": str(tmp_path / "checkpoint.json")},
+    }
+    try:
+        proc = await check_config(tmp_path, config)
+        assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+        assert f"ACL user {user!r} may not run TYPE, XREVRANGE, XADD on key 'events:a:0'" in proc.stderr, proc.stderr
+        assert f"ACL SETUSER {user} ~events:a:0 ~events:a:1" in proc.stderr, proc.stderr
+        config["sinks"] = [sink]  # the default keys (kv:...): allowed
+        proc = await check_config(tmp_path, config)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    finally:
+        await admin.execute_command("ACL", "DELUSER", user)
+        await admin.aclose()
