@@ -35,7 +35,7 @@ bucket) and creates none of it, a missing one it would create counting as fine w
 says it could create it, as far as it can ask without creating it (Kafka: CreateTopics with
 ``validate_only``). A connector with a ``configured_streams`` attribute gets the configured
 streams there first (``--check`` only; discovered ones are not known then), to check what it
-needs for each (a NATS stream capturing each one's subject).
+needs for each (a NATS stream capturing each one's subject, a Redis user allowed on each one's keys).
 
 Optional, for configs that would mix streams: ``destination(stream)``: where the sink writes
 ``stream``'s batches (a subject, a key) when every stream is meant to have one of its own, after
