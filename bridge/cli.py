@@ -441,8 +441,9 @@ def check(path: str, *, offline: bool = False, registry: Registry | None = None)
         print(f"engines: {line}")
         if undecodable:
             wrong.append(
-                f"{line}: the engine's first message could not be decoded, and the bridge would announce every such "
-                "batch lost (is it a vLLM or SGLang KV event publisher with the msgpack encoder, and the source's topic its own?)"
+                f"{line}: nothing of the engine's first message could be decoded, and the bridge would deliver nothing "
+                "of such messages (is it a vLLM or SGLang KV event publisher with the msgpack encoder, and the source's "
+                "topic its own?)"
             )
     unreachable.extend(wrong)
     with _quiet_clients():

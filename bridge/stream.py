@@ -199,6 +199,8 @@ class StreamPipeline:
                                 f = parse(frames)
                             except DecodeError as exc:
                                 self.ctx.decode_failures(self.stream, exc, None, frames)
+                                self._bad_run += 1  # (a message of other frames: see undecodable)
+                                self._bad_why = str(exc)
                                 continue
                             seq, payload, instance, beat = f.seq, f.payload, f.instance, f.heartbeat
                         if beat:  # an idle publisher's next seq (and UUID): no batch
@@ -471,9 +473,13 @@ class StreamPipeline:
             lost = events_lost(self.stream, epoch, seq, seq, "undecodable", received)
             self.ctx.metrics.announced_lost(lost)
             return lost
-        self._bad_run = 0
         for bad in batch.bad_events:
             self.ctx.decode_failures(self.stream, DecodeError("bad_event", bad.reason), seq, None, None, index=bad.index)
+        if batch.bad_events and not batch.events:  # every event of it undecodable: see undecodable
+            self._bad_run += 1
+            self._bad_why = str(DecodeError("bad_event", batch.bad_events[0].reason))
+        else:
+            self._bad_run = 0
         self._types.extend(map(_type_of, batch.events))
         n_bad = len(batch.bad_events)
         record = self._decoded = Record(
@@ -536,8 +542,9 @@ class StreamPipeline:
     @property
     def undecodable(self) -> str | None:
         """Why nothing this engine sends can be decoded, when its last ``UNDECODABLE_AFTER``
-        batches in a row failed to decode and none decoded since (a publisher of the right topic
-        whose payloads are not KV event batches: another encoder, another program); else None."""
+        batches in a row failed to decode (the message's frames, the batch, or every event of it)
+        and none decoded since (a publisher of the right topic whose payloads are not KV event
+        batches: another encoder, another program); else None."""
         return self._bad_why if self._bad_run >= UNDECODABLE_AFTER else None
 
     async def _replay(self, req: RequestReplay) -> None:

@@ -237,8 +237,8 @@ async def _snapshot(
 async def wire_shape(endpoint: str, topic: str, timeout: float) -> tuple[str, bool]:
     """What the first live message read from ``endpoint`` within ``timeout`` shows of the wire (for
     ``--check``): whether its sequence frame carries the publisher UUID (vLLM #57789), and the
-    producer shape its payload has; "nothing within ..." for an idle engine. The flag: the
-    message could not be decoded (the bridge would announce every such batch lost)."""
+    producer shape its payload has; "nothing within ..." for an idle engine. The flag: nothing of
+    the message could be decoded (its frames, its batch, or any of its events)."""
     ctx = zmq.asyncio.Context()
     sub = ctx.socket(zmq.SUB)
     try:
@@ -268,7 +268,11 @@ async def wire_shape(endpoint: str, topic: str, timeout: float) -> tuple[str, bo
     except DecodeError as exc:
         return f"{ident}; an undecodable batch ({exc})", True
     kinds = sorted({"RFC 1527 maps" if "event_type" in e else e["type"] for e in batch.events})
-    return f"{ident}; seq {f.seq}, {len(batch.events)} event(s): {', '.join(kinds) or 'none'}", False
+    bad = len(batch.bad_events)
+    if bad and not batch.events:
+        return f"{ident}; seq {f.seq}, {bad} event(s), none of which decodes ({batch.bad_events[0].reason})", True
+    undecoded = f", and {bad} that do not decode" if bad else ""
+    return f"{ident}; seq {f.seq}, {len(batch.events)} event(s): {', '.join(kinds) or 'none'}{undecoded}", False
 
 
 async def _read(rank: int, sub: zmq.asyncio.Socket, queue: asyncio.Queue[tuple[int, list[bytes]]]) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import nats
 import nats.js.errors
 import pytest
@@ -362,10 +363,19 @@ async def test_check_says_whether_an_engine_sends_its_publisher_uuid(tmp_path: P
     assert f"engines: sources[1].endpoint: tcp://127.0.0.1:{ports[1]}: no publisher UUID" in out, out
 
 
-async def test_check_refuses_an_engine_whose_first_batch_cannot_be_decoded(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("payload", "said"),
+    [
+        (b"\xc1 not msgpack", "an undecodable batch (bad_msgpack: "),
+        (msgspec.msgpack.encode([1.0, [1, 2], 0]), "2 event(s), none of which decodes ("),
+    ],
+    ids=["batch", "events"],
+)
+async def test_check_refuses_an_engine_whose_first_batch_cannot_be_decoded(tmp_path: Path, payload: bytes, said: str) -> None:
     """Breaker30h U1: --check printed "an undecodable batch" for the engine's first message, then
-    "config ok", exit 0, and the run announced every batch lost. It is a problem now: exit 3,
-    naming the source's endpoint and what was seen."""
+    "config ok", exit 0, and the run delivered nothing. It is a problem now: exit 3, naming the
+    source's endpoint and what was seen; so is a batch none of whose events decodes (breaker30h2
+    B4: "0 event(s): none", exit 0)."""
     live, rep = free_ports(2)
     config = {
         "sources": [{"name": "e", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}],
@@ -376,7 +386,7 @@ async def test_check_refuses_an_engine_whose_first_batch_cannot_be_decoded(tmp_p
 
         async def publish() -> None:
             while True:
-                await engine.publish(1, payload=b"\xc1 not msgpack")
+                await engine.publish(1, payload=payload)
                 await asyncio.sleep(0.05)
 
         publisher = asyncio.create_task(publish())
@@ -386,8 +396,8 @@ async def test_check_refuses_an_engine_whose_first_batch_cannot_be_decoded(tmp_p
             publisher.cancel()
             await asyncio.gather(publisher, return_exceptions=True)
     assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
-    said = [line for line in proc.stderr.splitlines() if line.startswith(f"  sources[0].endpoint: tcp://127.0.0.1:{live}")]
-    assert len(said) == 1 and "an undecodable batch (bad_msgpack: " in said[0], proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(f"  sources[0].endpoint: tcp://127.0.0.1:{live}")]
+    assert len(lines) == 1 and said in lines[0], proc.stdout + proc.stderr
     assert "config ok" not in proc.stdout.splitlines()
 
 

@@ -231,6 +231,30 @@ async def test_a_stream_is_undecodable_after_a_run_of_bad_batches_not_after_one(
     assert pipeline.undecodable is None
 
 
+@pytest.mark.parametrize("bad", ["frames", "events"])
+async def test_messages_of_which_nothing_decodes_count_as_undecodable_whatever_fails(
+    make: Callable[..., Fakes], bad: str
+) -> None:
+    """Breaker30h2 B1, B4: an engine whose messages fail before the batch (a 4-byte seq frame),
+    or whose batches decode but hold no event that does, delivers nothing either: the same run
+    makes the stream undecodable, and a good batch clears it."""
+    f = make()
+    pipeline = f.pipeline
+    await pipeline.start()
+    await pipeline.on_live([frames(0)], received=1_700_000_001.0)
+    no_events = msgspec.msgpack.encode([1_700_000_001.5, [1, 2], 0])  # events that are not events
+    run = [
+        [b"kv", (1 + i).to_bytes(4, "big"), payload(1 + i)] if bad == "frames" else frames(1 + i, no_events)
+        for i in range(UNDECODABLE_AFTER)
+    ]
+    await pipeline.on_live(run[:-1], received=1_700_000_002.0)
+    assert pipeline.undecodable is None  # one short of the run
+    await pipeline.on_live(run[-1:], received=1_700_000_003.0)
+    assert pipeline.undecodable is not None and pipeline.undecodable.startswith("bad_seq" if bad == "frames" else "bad_event")
+    await pipeline.on_live([frames(1 + UNDECODABLE_AFTER)], received=1_700_000_004.0)
+    assert pipeline.undecodable is None
+
+
 async def test_raw_only_sinks_get_counted_batches_not_decoded_events(make: Callable[..., Fakes]) -> None:
     f = make(needs_events=False)
     pipeline = f.pipeline
