@@ -1061,9 +1061,25 @@ class RedisConnector:
                 reason="replica",
             )
 
+    async def _min_replicas_now(self) -> int:
+        """The server's ``min-replicas-to-write`` now (one CONFIG GET); what was read before when
+        CONFIG is not allowed."""
+        try:
+            reply: Any = await self._connection().config_get("min-replicas-to-write")
+        except ResponseError:
+            return self._min_replicas
+        pairs = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
+        for k, v in pairs:
+            if _text(k) == "min-replicas-to-write":
+                try:
+                    return int(_text(v))
+                except ValueError:
+                    break
+        return self._min_replicas
+
     async def _replicas_short(self) -> str | None:
         """Why the primary refuses every write now for want of replicas: its ``min-replicas-to-write``
-        (read at connect) above ``min_slaves_good_slaves`` in ``INFO replication`` (the replicas
+        (read at connect, and again by each health check) above ``min_slaves_good_slaves`` in ``INFO replication`` (the replicas
         that acknowledged within ``min-replicas-max-lag``; shown only while both are set), so a
         write would get NOREPLICAS. None when it has enough, or it cannot tell: CONFIG or INFO not
         allowed (an ACL, a managed service), or a cluster (its nodes are the client's). One
@@ -1140,10 +1156,13 @@ class RedisConnector:
 
     async def health(self) -> str | None:
         """None when a PING is answered and the primary has the replicas its
-        ``min-replicas-to-write`` asks for (:meth:`_replicas_short`: an INFO only while that is
-        set), else a short reason: an idle sink shows NOREPLICAS before a write gets it."""
+        ``min-replicas-to-write`` asks for (read again: an operator may set it during the run;
+        :meth:`_replicas_short`: an INFO only while it is set), else a short reason: an idle sink
+        shows NOREPLICAS before a write gets it."""
         try:
             await self._connection().ping()
+            if not self.options.cluster:
+                self._min_replicas = await self._min_replicas_now()
             short = await self._replicas_short()
         except (RedisError, RedisClusterException, OSError) as exc:
             # A refusal (MISCONF, LOADING, NOPERM, ...) is an answer: say what the server said.

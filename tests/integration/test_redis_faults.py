@@ -581,6 +581,25 @@ async def test_a_primary_short_of_its_min_replicas_is_refused_at_connect_and_unh
             assert "min-replicas-to-write is 1 and 0 replica(s)" in said, said
         finally:
             await connector.close()
+    # Set during the run (breaker30h2 B2: 20 s ready while every write would get NOREPLICAS): the
+    # health check reads the setting again.
+    later = RedisServer(tmp_path_factory.mktemp("redis-min-replicas-later"), persistent=False)
+    with own_server("redis (min-replicas-to-write set later)", later) as server:
+        connector = connector_for(server.url)
+        try:
+            await connector.connect()
+            assert await connector.health() is None
+            admin = aioredis.Redis.from_url(server.url)
+            try:
+                await admin.config_set("min-replicas-to-write", 1)
+                said = await connector.health()
+                assert said is not None and said.startswith("noreplicas: "), said
+                await admin.config_set("min-replicas-to-write", 0)
+                assert await connector.health() is None
+            finally:
+                await admin.aclose()
+        finally:
+            await connector.close()
     renamed = RedisServer(
         tmp_path_factory.mktemp("redis-min-replicas-no-config"),
         persistent=False,
