@@ -1719,7 +1719,7 @@ class NatsConnector:
         except nats.js.errors.NotFoundError:
             return  # (a write finds it missing: no_bucket)
         except NotConnected as exc:
-            if exc.reason not in ("bucket_drops_entries", "bucket_too_small"):
+            if exc.reason not in ("bucket_drops_entries", "bucket_too_small", "bucket_refuses_writes"):
                 raise
             self._state_problem = str(exc)
             if self._bucket_unfit is None:
@@ -1765,6 +1765,11 @@ class NatsConnector:
             )
         if config.storage == js_api.StorageType.MEMORY:
             self._warn_memory(f"KV bucket {self._bucket!r}", _MEMORY_BUCKET, "a bucket with file storage")
+        if config.sealed:  # (deny_purge: a KV bucket cannot have it, its roll-ups need purges)
+            raise NotConnected(
+                f"{self._prefix}: KV bucket {self._bucket!r} is sealed: it refuses every write, for good; use another bucket",
+                reason="bucket_refuses_writes",
+            )
         drops = []
         if config.max_age:
             drops.append(f"its entries expire after {config.max_age:g} s (ttl): remove the TTL")
@@ -2039,6 +2044,13 @@ class NatsConnector:
             name = self._events_stream = await js.find_stream_name_by_subject(wildcard)
             self._stream_problem = None
             config = (await js.stream_info(name)).config
+            if config.sealed:
+                self._stream_problem = (
+                    f"{self._prefix}: JetStream stream {name!r} is sealed: it refuses every write, for good; write to "
+                    "another stream (stream.name, and subjects it captures)"
+                )
+                log.warning("%s", self._stream_problem, extra={"sink": self.name})
+                return
             captured = config.subjects or []
             rendered = (self._subjects.render(sample_message(s, t)) for s in self.configured_streams for t in self._types())
             missed = [s for s in dict.fromkeys(rendered) if not any(subjects_overlap(f, s) for f in captured)]

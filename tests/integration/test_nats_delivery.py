@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -437,6 +438,24 @@ async def test_check_reports_a_stream_that_captures_only_some_configured_sources
         code, out = await asyncio.to_thread(_check, str(path))
         assert f"'{dest}.llama-a.0.SourceReset', '{dest}.llama-a.0.EventsLost'" in out, out
         assert f"'{dest}.llama-a.0.EventBatch'" not in out
+    finally:
+        await js.delete_stream(dest)
+
+
+async def test_a_sealed_stream_is_not_usable_and_check_says_so(nats_server: NatsServer, reader: Client, tmp_path: Path) -> None:
+    """A sealed stream refuses every write for good: ``--check`` said "config ok" and an idle sink
+    was ready (breaker30h2 B3, 4 of 4). Reported at connect: not ready, and ``--check`` exit 3."""
+    dest = _dest()
+    js = reader.jetstream(timeout=10)
+    await js.add_stream(js_api.StreamConfig(name=dest, subjects=[f"{dest}.>"]))
+    info = await js.stream_info(dest)
+    await js.update_stream(dataclasses.replace(info.config, sealed=True))
+    try:
+        path = tmp_path / "bridge.yaml"
+        sink = {"type": "nats", "name": "nats-z", "format": "raw", **options_dict(nats_server, dest)}
+        path.write_text(json.dumps({"sources": [{"name": "e", "endpoint": "tcp://127.0.0.1:1"}], "sinks": [sink]}))
+        code, out = await asyncio.to_thread(_check, str(path))
+        assert code == 3 and f"JetStream stream {dest!r} is sealed" in out and "reachable, not usable" in out, out
     finally:
         await js.delete_stream(dest)
 

@@ -707,6 +707,23 @@ async def test_journal_parts_fit_a_bucket_with_a_value_size_limit(
     assert "--max-msg-size" in str(refused.value)
 
 
+async def test_a_sealed_bucket_is_refused_at_connect(nats_server: NatsServer, reader: Client, names: tuple[str, str]) -> None:
+    """A sealed bucket refuses every write: the sink was ready until a write met it (as a sealed
+    events stream, breaker30h2 B3). Refused at connect (so by ``--check`` and /readyz)."""
+    dest, bucket = names
+    js = reader.jetstream(timeout=10)
+    await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1))
+    info = await js.stream_info(f"KV_{bucket}")
+    await js.update_stream(dataclasses.replace(info.config, sealed=True))
+    w = Writer(nats_server.url, dest, bucket, create=False)
+    try:
+        with pytest.raises(NotConnected) as refused:
+            await w.connector.connect()
+    finally:
+        await w.connector.close()
+    assert refused.value.reason == "bucket_refuses_writes" and "is sealed" in str(refused.value)
+
+
 @pytest.mark.parametrize("limits", ["ttl", "discard_old"])
 async def test_a_bucket_that_drops_entries_on_its_own_is_refused_at_connect(
     nats_server: NatsServer, reader: Client, names: tuple[str, str], limits: str
