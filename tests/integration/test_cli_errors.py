@@ -401,6 +401,15 @@ async def test_check_refuses_an_engine_whose_first_batch_cannot_be_decoded(tmp_p
     assert "config ok" not in proc.stdout.splitlines()
 
 
+async def topics_of(kafka: KafkaServer) -> set[str]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        return set(await admin.list_topics())
+    finally:
+        await admin.close()
+
+
 @pytest.mark.parametrize(
     ("case", "reason"),
     [
@@ -440,12 +449,7 @@ async def test_check_refuses_kafka_topics_the_cluster_cannot_create(
     assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     refused = state_topic if case == "state_replicas" else topic
     assert f"cannot create topic {refused!r}" in proc.stderr and reason in proc.stderr, proc.stderr
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
-    await admin.start()
-    try:
-        assert not {topic, state_topic} & set(await admin.list_topics())
-    finally:
-        await admin.close()
+    assert not {topic, state_topic} & await topics_of(kafka)  # nothing created
 
 
 @pytest.mark.parametrize(
@@ -489,12 +493,7 @@ async def test_check_refuses_a_kafka_partition_the_topic_will_not_have(
     assert proc.returncode == exit and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     assert problem in proc.stderr, proc.stderr
     if case != "existing":
-        admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
-        await admin.start()
-        try:
-            assert not {topic, state_topic} & set(await admin.list_topics())
-        finally:
-            await admin.close()
+        assert not {topic, state_topic} & await topics_of(kafka)  # nothing created
 
 
 async def test_check_refuses_a_redis_user_the_writes_would_be_refused_for(tmp_path: Path, redis_server: RedisServer) -> None:

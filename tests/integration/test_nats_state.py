@@ -347,6 +347,17 @@ async def connected(url: str, dest: str, bucket: str, *, create: bool = True) ->
         await w.connector.close()
 
 
+async def refused_at_connect(url: str, dest: str, bucket: str) -> NotConnected:
+    """What connecting a sink with state on ``bucket`` (not created by it) is refused with."""
+    w = Writer(url, dest, bucket, create=False)
+    try:
+        with pytest.raises(NotConnected) as refused:
+            await w.connector.connect()
+    finally:
+        await w.connector.close()
+    return refused.value
+
+
 def many_blocks(stream: Stream, epoch: int, seq: int, n: int, rand: random.Random) -> Record:
     hashes = [rand.getrandbits(64) for _ in range(n)]
     event = {
@@ -696,15 +707,10 @@ async def test_journal_parts_fit_a_bucket_with_a_value_size_limit(
 
     await js.delete_key_value(bucket)
     await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1, max_value_size=300))
-    w = Writer(nats_server.url, dest, bucket, create=False)
-    try:
-        with pytest.raises(NotConnected) as refused:
-            await w.connector.connect()
-    finally:
-        await w.connector.close()
-    print(f"a bucket of 300-byte values: {refused.value}")
-    assert f"KV bucket {bucket!r}" in str(refused.value) and "max_value_size" in str(refused.value)
-    assert "--max-msg-size" in str(refused.value)
+    refused = await refused_at_connect(nats_server.url, dest, bucket)
+    print(f"a bucket of 300-byte values: {refused}")
+    assert f"KV bucket {bucket!r}" in str(refused) and "max_value_size" in str(refused)
+    assert "--max-msg-size" in str(refused)
 
 
 async def test_a_sealed_bucket_is_refused_at_connect(nats_server: NatsServer, reader: Client, names: tuple[str, str]) -> None:
@@ -715,13 +721,8 @@ async def test_a_sealed_bucket_is_refused_at_connect(nats_server: NatsServer, re
     await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1))
     info = await js.stream_info(f"KV_{bucket}")
     await js.update_stream(dataclasses.replace(info.config, sealed=True))
-    w = Writer(nats_server.url, dest, bucket, create=False)
-    try:
-        with pytest.raises(NotConnected) as refused:
-            await w.connector.connect()
-    finally:
-        await w.connector.close()
-    assert refused.value.reason == "bucket_refuses_writes" and "is sealed" in str(refused.value)
+    refused = await refused_at_connect(nats_server.url, dest, bucket)
+    assert refused.reason == "bucket_refuses_writes" and "is sealed" in str(refused)
 
 
 @pytest.mark.parametrize("limits", ["ttl", "discard_old"])
@@ -739,14 +740,9 @@ async def test_a_bucket_that_drops_entries_on_its_own_is_refused_at_connect(
         await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1, max_bytes=1 << 20))
         info = await js.stream_info(f"KV_{bucket}")
         await js.update_stream(dataclasses.replace(info.config, discard=js_api.DiscardPolicy.OLD))
-    w = Writer(nats_server.url, dest, bucket, create=False)
-    try:
-        with pytest.raises(NotConnected) as refused:
-            await w.connector.connect()
-    finally:
-        await w.connector.close()
-    assert refused.value.reason == "bucket_drops_entries" and f"KV bucket {bucket!r}" in str(refused.value)
-    assert ("remove the TTL" if limits == "ttl" else "use discard new") in str(refused.value)
+    refused = await refused_at_connect(nats_server.url, dest, bucket)
+    assert refused.reason == "bucket_drops_entries" and f"KV bucket {bucket!r}" in str(refused)
+    assert ("remove the TTL" if limits == "ttl" else "use discard new") in str(refused)
 
 
 @pytest.mark.parametrize("limits", ["ttl", "discard_old"])
