@@ -1895,19 +1895,6 @@ class NatsConnector:
             seed = seed_entry(doc)
             if seed is not None:
                 seeds.append(seed)
-        if len(seeds) != head.live:
-            # Entries gone that no write removed (the bucket trimmed by hand, limits set and set
-            # back, a purge with --keep): the head no longer describes what the bucket holds.
-            log.warning(
-                "%s: the state of a stream in KV bucket %r holds %d entries where its head counts %d (entries lost "
-                "outside the bridge): it starts again, incomplete until the engine's next clear or restart",
-                self._prefix,
-                self._bucket,
-                len(seeds),
-                head.live,
-                extra={"sink": self.name, "stream": stream.key},
-            )
-            return "unknown"
         next_ = head_doc.get("next")
         if type(next_) is int:
             self._next[stream.key] = next_

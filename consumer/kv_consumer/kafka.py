@@ -17,7 +17,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.partitioner import DefaultPartitioner
 
-from .state import NO_HEAD, StreamState, is_head, parse
+from .state import NO_HEAD, StreamState, is_head, parse, swept
 
 HEAD = "_head"
 """The last part of a head's key: ``source/dp_rank/_head``."""
@@ -178,8 +178,9 @@ async def bootstrap(
         start = None
     else:
         docs = [d for v in values if (d := parse(v)) is not None]
-        state = StreamState(head, docs)
-        if log.open(key):  # tombstones of a later record may be in: not exact before it is applied
+        open_ = log.open(key)  # a state write in progress: its tombstones may be in the pass
+        state = swept(head, docs, counted=not open_)
+        if open_:  # not exact before that record is applied
             state.ready_at = max(state.ready_at, (state.epoch, int(head["seq"]) + 1))
         start = head.get("next")
     if type(start) is not int:

@@ -20,7 +20,7 @@ from nats.js.api import DeliverPolicy, DiscardPolicy
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from .state import StreamState, is_head, parse
+from .state import StreamState, is_head, parse, swept
 
 _KV_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 HEAD_KEY = "_head"
@@ -157,16 +157,11 @@ async def bootstrap(
         if again is None or (again["epoch"], again["gen"]) != (first["epoch"], first["gen"]):
             continue  # a clear ran during the sweep
         docs = [d for k, v in held.items() if "/" in k and v for d in (parse(v),) if d is not None]
-        found = sum(1 for d in docs if (d.get("epoch"), d.get("gen")) == (first["epoch"], first["gen"]))
-        missing = found < first.get("live", 0)
-        if missing:
+        state = swept(first, docs, f"KV bucket {bucket!r}: {drops}" if drops else "")
+        if not state.complete and first.get("complete") and not drops:
             short += 1
             if short < SHORT_SWEEPS and attempt < attempts - 1:
                 continue  # a write in flight removes entries before it writes its head: look again
-        state = StreamState({**first, "complete": False} if drops or missing else first, docs)
-        if first.get("complete") and (drops or missing):
-            lost = f"it holds {found} entries where the head counts {first['live']}" if missing else ""
-            state.why = f"the bucket may have dropped entries: {drops or lost}"
         start = first.get("next")
         if type(start) is not int:
             start = 1

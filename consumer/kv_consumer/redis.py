@@ -14,7 +14,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from .state import NO_HEAD, StreamState, parse
+from .state import NO_HEAD, StreamState, parse, swept
 
 SLOT_BITS = 40
 """Bits that hold the slot (engine seq + 1) in either id layout."""
@@ -83,7 +83,8 @@ async def bootstrap(
         if stream_key is not None and isinstance(after, str) and await _trimmed_after(client, stream_key, after):
             continue
         docs = [d for f, v in fields.items() if b"/" in f and (d := parse(v)) is not None]
-        return StreamState(head, docs), after
+        # Counted only when no write landed during the sweep (one script call writes entries and head).
+        return swept(head, docs, counted=again == head), after
     raise RuntimeError(
         f"{state_key}: the state was cleared, or its stream trimmed past its head, during each of {attempts} sweeps"
     )

@@ -34,7 +34,7 @@ A stream followed from its first message, without a state, starts from :data:`NO
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 Document = Mapping[str, Any]
@@ -242,4 +242,36 @@ class StreamState:
                         self.watch(key, False)
 
 
-__all__ = ["LAST", "NO_HEAD", "Document", "Key", "Record", "StreamState", "block_id", "is_head", "parse", "position"]
+def swept(head: Document, entries: Sequence[Document], doubt: str = "", *, counted: bool = True) -> StreamState:
+    """The state a bootstrap read: ``head`` and the ``entries`` of one sweep, incomplete (with the
+    reason in ``why``) when the sink cannot hold what the head says: ``doubt`` (why not, found by
+    the reader), or, when ``counted`` (no write overlapped the sweep, so nothing the head covers
+    was removed by a later write), fewer entries of the head's generation than its ``live``
+    count: entries lost outside the bridge (a topic's retention, a bucket or hash trimmed by hand)."""
+    if counted and not doubt:
+        generation = (head.get("epoch"), head.get("gen"))
+        found = sum(1 for d in entries if (d.get("epoch"), d.get("gen")) == generation)
+        live = head.get("live", 0)
+        if isinstance(live, int) and found < live:
+            doubt = f"the sink holds {found} entries where the head counts {live}"
+    if not doubt:
+        return StreamState(head, entries)
+    state = StreamState({**head, "complete": False}, entries)
+    if head.get("complete"):
+        state.why = f"the sink may have lost entries: {doubt}"
+    return state
+
+
+__all__ = [
+    "LAST",
+    "NO_HEAD",
+    "Document",
+    "Key",
+    "Record",
+    "StreamState",
+    "block_id",
+    "is_head",
+    "parse",
+    "position",
+    "swept",
+]

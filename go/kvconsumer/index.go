@@ -195,6 +195,34 @@ func NewStreamState() *StreamState {
 	return &StreamState{Epoch: -1, Applied: Pos{-1, 0, Last}, Why: "no state", Entries: map[Key]*Entry{}, floor: map[Key]version{}}
 }
 
+// Swept is FromState for a bootstrap's sweep. When no write overlapped it (counted), fewer
+// entries of the head's generation than the head's live count means entries lost outside the
+// bridge (a topic's retention, a hash trimmed by hand): the state is then incomplete, saying so.
+func Swept(head Record, entries []Record, counted bool) (*StreamState, error) {
+	s, err := FromState(head, entries)
+	if err != nil || !counted || !s.Complete {
+		return s, err
+	}
+	live, err := integer(head["live"])
+	if err != nil {
+		return s, nil
+	}
+	gen, _ := integer(head["gen"])
+	found := int64(0)
+	for _, doc := range entries {
+		e, err1 := integer(doc["epoch"])
+		g, err2 := integer(doc["gen"])
+		if err1 == nil && err2 == nil && e == s.Epoch && g == gen {
+			found++
+		}
+	}
+	if found < live {
+		s.Complete = false
+		s.Why = fmt.Sprintf("the sink may have lost entries: the sink holds %d entries where the head counts %d", found, live)
+	}
+	return s, nil
+}
+
 // FromState starts a stream from a state head and its entry documents (a bootstrap's sweep):
 // entries of another (epoch, gen) than the head's are left out, the newest version per key kept.
 func FromState(head Record, entries []Record) (*StreamState, error) {

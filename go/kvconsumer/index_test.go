@@ -161,3 +161,25 @@ func TestEventRecordWithAnEventsField(t *testing.T) {
 		t.Fatal(x.Summary())
 	}
 }
+
+// A sweep that no write overlapped and that holds fewer entries of the head's generation than
+// the head counts is incomplete (entries lost outside the bridge); one that a write overlapped
+// cannot be counted.
+func TestSweptCountsTheHeadsEntries(t *testing.T) {
+	head := rec(t, `{"source":"e","dp_rank":0,"epoch":1,"gen":2,"seq":5,"complete":true,"live":2}`)
+	entry := func(block string) Record {
+		return rec(t, `{"medium":"GPU","group_idx":0,"block":%q,"count":1,"epoch":1,"gen":2,"seq":3}`, block)
+	}
+	whole, err := Swept(head, []Record{entry("01"), entry("02")}, true)
+	if err != nil || !whole.Complete {
+		t.Fatalf("a whole sweep: %v %v", whole, err)
+	}
+	short, err := Swept(head, []Record{entry("01")}, true)
+	if err != nil || short.Complete || !strings.Contains(short.Why, "holds 1 entries where the head counts 2") {
+		t.Fatalf("a short sweep: %+v %v", short, err)
+	}
+	overlapped, err := Swept(head, []Record{entry("01")}, false)
+	if err != nil || !overlapped.Complete {
+		t.Fatalf("an overlapped sweep: %+v %v", overlapped, err)
+	}
+}

@@ -229,7 +229,7 @@ func BootstrapKafka(ctx context.Context, conn *kafka.Conn, x *Index, opts KafkaO
 				docs = append(docs, d)
 			}
 		}
-		state, err := FromState(head, docs)
+		state, err := Swept(head, docs, !log.Open(stream))
 		if err != nil {
 			continue
 		}

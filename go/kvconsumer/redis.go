@@ -105,7 +105,7 @@ func BootstrapRedis(ctx context.Context, c redis.UniversalClient, stateKey, stre
 				}
 			}
 		}
-		state, err := FromState(head, docs)
+		state, err := Swept(head, docs, againRaw == raw) // (one script call writes entries and head)
 		if err != nil {
 			return nil, "", fmt.Errorf("%s: %w", stateKey, err)
 		}

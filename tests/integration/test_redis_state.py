@@ -345,6 +345,26 @@ async def test_a_bootstrap_whose_head_the_stream_was_trimmed_past_starts_over(cl
         await client.delete(key, key + ":state")
 
 
+async def test_a_bootstrap_of_a_hash_short_of_its_heads_count_is_incomplete(client: Any) -> None:
+    """Fields deleted from the state hash by hand (HDEL; a restore of part of it): the head still
+    counts them, and a bootstrap said complete without them. It counts the entries of the head's
+    generation against ``live`` when no write landed during its sweep: fewer, incomplete."""
+    key = f"kvt{uuid.uuid4().hex[:8]}"
+    head = {"source": "a", "dp_rank": 0, "epoch": 1, "gen": 1, "seq": 0, "complete": True, "live": 2, "next": None}
+    entry = {"medium": "GPU", "group_idx": 0, "count": 1, "epoch": 1, "gen": 1, "seq": 0}
+    try:
+        await client.hset(key + ":state", "_head", json.dumps(head))
+        await client.hset(key + ":state", "GPU/0/01", json.dumps({**entry, "block": "01"}))
+        await client.hset(key + ":state", "GPU/0/02", json.dumps({**entry, "block": "02"}))
+        whole, _ = await bootstrap(client, key + ":state")
+        assert whole.complete and len(whole.blocks()) == 2
+        await client.hdel(key + ":state", "GPU/0/02")
+        short, _ = await bootstrap(client, key + ":state")
+        assert not short.complete and "the sink holds 1 entries where the head counts 2" in short.why
+    finally:
+        await client.delete(key + ":state")
+
+
 async def test_a_state_key_of_another_type_stops_only_the_state(redis_server: RedisServer, client: Any) -> None:
     """The stream's entries are written; the state message fails on its own, transient (an operator
     fixes the key), and nothing of the stream after it is written meanwhile."""
