@@ -232,14 +232,21 @@ class Checkpointer:
 
     def resume_position(self, key: str) -> StreamPosition | None:
         """Where a stream starts at start-up: its position; or, when an epoch was opened after it
-        (a crash before that epoch's position was saved), just before that epoch's first batch,
+        (a crash before that epoch's position was saved; or its ``SourceReset`` was, and none of
+        its batches), just before that epoch's first batch,
         with the batch's fingerprint at ``at`` (= ``seq + 1``): a replay that brings that very
         batch shows the same instance, and the batch is delivered again (no sink is known to have
         it); None (fresh, in a new epoch) when an epoch was opened after it but no batch of it is
         known."""
         pos = self.position(key)
         first = self.opened.get(key)
-        if first is not None and (pos is None or first.epoch > pos.epoch):
+        if first is not None and (
+            pos is None
+            or first.epoch > pos.epoch
+            # The position is the epoch's SourceReset alone, below its first batch, and no later
+            # epoch was opened: that batch's fingerprint is all a replay can verify the instance by.
+            or (first.epoch == pos.epoch and first.seq > pos.seq and self.epochs.get(key, pos.epoch) <= pos.epoch)
+        ):
             return StreamPosition(first.epoch, first.seq - 1, first.ts, first.crc, first.seq)
         if pos is not None and self.epochs.get(key, pos.epoch) > pos.epoch:
             return None

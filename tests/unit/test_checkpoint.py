@@ -330,6 +330,27 @@ def test_resume_from_the_first_batch_of_an_epoch_opened_after_the_position() -> 
     assert not reloaded.needs_reset(KEY)
 
 
+def test_resume_verifies_the_first_batch_when_only_the_epochs_reset_was_saved() -> None:
+    """The save landed after the new epoch's SourceReset was acknowledged and before any of its
+    batches was: the position is (e1, -1), with no fingerprint. Resumed from there, a restart of
+    the engine while the bridge was away went unseen, its batches delivered as e1's and dropped
+    by the sinks as copies of the old instance's (breaker30n4 B1, with and without the UUID). It
+    resumes just before e1's first batch, with that batch's fingerprint to verify."""
+    cp = Checkpointer(1)
+    e0 = cp.first_epoch(KEY, NOW)
+    cp.on_ack(0, [batch(e0, s) for s in range(5)])
+    e1 = cp.next_epoch(KEY, e0, NOW)
+    first = batch(e1, 0)
+    assert cp.note_first(KEY, first) is True
+    cp.on_ack(0, [source_reset(STREAM, e1, "publisher_restart", 0.0)])
+    reloaded = Checkpointer(1, cp.snapshot()[1])
+    assert reloaded.position(KEY) == StreamPosition(e1, -1)
+    assert reloaded.resume_position(KEY) == StreamPosition(e1, -1, first.ts, zlib.crc32(first.payload), 0)
+    assert not reloaded.needs_reset(KEY)  # (its SourceReset is acknowledged)
+    reloaded.on_ack(0, [batch(e1, 0), batch(e1, 1)])
+    assert reloaded.resume_position(KEY) == batch_position(e1, 1)
+
+
 def test_a_stream_with_a_trace_but_no_acknowledged_position_is_announced_on_resume() -> None:
     cp = Checkpointer(1)
     assert not cp.needs_reset(KEY)  # never met: its first epoch needs no SourceReset
