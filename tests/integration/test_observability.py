@@ -319,6 +319,16 @@ async def test_every_dashboard_query_and_alert_on_a_real_prometheus(tmp_path: Pa
                     assert len(rules) == len(_alert_rules())
                     assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
                     states = {r["name"]: r["state"] for r in rules}
+                    # Only what happened fires: every stream's and reason's series starts at 0, and
+                    # a stream with no batch yet exports a last-event time of 0 (breaker30h3 B3, B4:
+                    # both alerts fired for every reason and for the never-trafficked streams).
+                    decode = {
+                        (a["labels"]["source"], a["labels"]["reason"])
+                        for a in (await prometheus_api(prom, "alerts"))["alerts"]
+                        if a["labels"]["alertname"] == "KvBridgeDecodeFailures"
+                    }
+                    assert decode == {("junk", "bad_msgpack")}, decode
+                    assert states["KvBridgeSourceSilent"] == "inactive"  # "junk" and "dead" never had a batch
                     assert states["KvBridgeSinkErrors"] == "pending"  # failing, not yet for 5 minutes
                     assert states["KvBridgeDown"] == "inactive"
                     assert states["KvBridgeNotReady"] != "firing"  # the flaky sink is not ready for moments
