@@ -95,6 +95,7 @@ class StreamPipeline:
         self.replay_endpoint = replay_endpoint
         self.replay_problem: str | None = None  # why the replay endpoint does not answer, once asked
         self._unanswered: float | None = None  # when the replay endpoint was found not answering at all
+        self._replied_at = 0.0  # when a replay last got a reply
         self._last_live = 0.0  # when the last live burst was read
         self._replay_diagnosed = -REPLAY_DIAGNOSE_EVERY
         cfg = ctx.replay_config
@@ -524,13 +525,25 @@ class StreamPipeline:
         of the wrong type (the engine's PUB, easy with dp ranks) or a dead port is logged once per
         change, as what it is and how to fix it, and kept for /readyz (``replay_problem``)."""
         assert self.replay_endpoint is not None
+        asked = time.monotonic()
         answer = await probe.diagnose(self.replay_endpoint, "replay")
-        problem = f"{self.replay_endpoint}: {answer[0]}" if answer is not None else None
-        if problem is not None and problem != self.replay_problem:
-            log_at = log.error if answer is not None and answer[1] == "wrong_peer" else log.warning
+        if self._replied_at >= asked:
+            return  # (a replay got replies meanwhile: whatever this found is past)
+        if answer is None:
+            # The right socket answers its handshake (libzmq's own thread does, whatever the engine
+            # does), yet the replay got no reply at all: the engine's process is hung, or too busy
+            # to answer. As good as no answer, while no live batch comes either (``silent``).
+            answer = (
+                f"a ROUTER socket answers its handshake, but no replay request within "
+                f"{self.ctx.replay.timeout:g}s (the engine is hung, or too busy to answer)",
+                "no_answer",
+            )
+        problem = f"{self.replay_endpoint}: {answer[0]}"
+        if problem != self.replay_problem:
+            log_at = log.error if answer[1] == "wrong_peer" else log.warning
             log_at("replay endpoint not usable", extra={"stream": self.stream.key, "error": problem})
         self.replay_problem = problem
-        self._unanswered = time.monotonic() if answer is not None and answer[1] == "no_answer" else None
+        self._unanswered = time.monotonic() if answer[1] == "no_answer" else None
 
     @property
     def silent(self) -> bool:
@@ -564,6 +577,7 @@ class StreamPipeline:
                             self.flush_metrics()
             label = "complete" if outcome.complete else "timeout"
             if outcome.replies:  # the endpoint answers (again): the next replay without a reply is asked about at once
+                self._replied_at = time.monotonic()
                 self.replay_problem = self._unanswered = None
                 self._replay_diagnosed = -REPLAY_DIAGNOSE_EVERY
         except zmq.ZMQError as exc:

@@ -253,6 +253,28 @@ async def test_a_frozen_engine_is_not_taken_for_an_idle_one(tmp_path: Path) -> N
         sim.wait(10)
 
 
+async def test_a_hung_engine_whose_replay_socket_still_handshakes_is_not_taken_for_an_idle_one(tmp_path: Path) -> None:
+    """A hung engine process whose ZMQ I/O thread still runs: its replay ROUTER completes the
+    handshake (libzmq answers it) but no request gets a reply, and nothing is published. The
+    probe saw the right socket type and the bridge was ready for ever (breaker30h3 B1, 4 of 4).
+    A replay with no reply from a socket that handshakes is as good as no answer: not ready,
+    naming the stream; once the engine answers again, ready again."""
+    live, rep = free_port(), free_port()
+    async with ScriptedEngine(live, rep) as engine:
+        src = source("eng", f"tcp://127.0.0.1:{live}", f"tcp://127.0.0.1:{rep}")
+        replay = {"idle_probe": "1s", "timeout": "500ms"}
+        async with running_bridge(tmp_path, [src], ingest=GRACE, replay=replay) as (bridge, out):
+            await engine.wait_subscribed()
+            await engine.publish(2)
+            await wait_for(lambda: out.exists() and len(read_lines(out)) == 2 and bridge.readiness()[0], what="ready", timeout=10)
+            engine.replay = "ignore"  # hung: its sockets up, nothing answered or published
+            detail = await not_ready(bridge)
+            assert detail["sources_not_answering"] == ["eng/0"], detail
+            assert "answers its handshake, but no replay request" in detail["replay_not_usable"]["eng/0"], detail
+            engine.replay = "answer"
+            await wait_for(lambda: bridge.readiness()[0], what="ready once it answers again", timeout=30)
+
+
 async def test_an_engine_whose_every_batch_is_undecodable_is_not_taken_for_a_working_one(tmp_path: Path) -> None:
     """Breaker30h U1: the only engine publishes under the right topic with the right seqs, but no
     payload decodes (another encoder, another program). Each batch is announced lost, and the
