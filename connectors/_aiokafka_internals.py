@@ -16,7 +16,17 @@ from typing import Any
 from aiokafka import errors as kafka_errors
 from aiokafka.client import AIOKafkaClient
 from aiokafka.conn import collect_hosts, create_conn
-from aiokafka.protocol.metadata import MetadataRequest
+from aiokafka.protocol.api import Request, RequestStruct, Response
+from aiokafka.protocol.metadata import (
+    MetadataRequest,
+    MetadataRequest_v0,
+    MetadataRequest_v1,
+    MetadataRequest_v2,
+    MetadataRequest_v3,
+    MetadataRequest_v4,
+    MetadataRequest_v5,
+)
+from aiokafka.protocol.types import Array, Boolean, Int16, Int32, Schema, String
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 # The exact size of one record in a batch (key, value, headers): checked only for messages
@@ -105,20 +115,109 @@ def pace_metadata_retries(client: Any, pause: float) -> None:
     client._metadata_update = paced
 
 
-async def topic_error(client: Any, topic: str, *, allow_auto_create: bool) -> int | None:
-    """The metadata error code of ``topic`` (0: usable), None when no broker is known.
+class _MetadataResponse_v8(Response):  # type: ignore[misc]  # aiokafka is untyped here
+    """Metadata v8 (KIP-430): v5 with each partition's leader epoch (v7) and each topic's
+    authorized operations, a bit field of ACL operation codes (v8). Not flexible (v9 is)."""
+
+    API_KEY = 3
+    API_VERSION = 8
+    SCHEMA = Schema(
+        ("throttle_time_ms", Int32),
+        ("brokers", Array(("node_id", Int32), ("host", String("utf-8")), ("port", Int32), ("rack", String("utf-8")))),
+        ("cluster_id", String("utf-8")),
+        ("controller_id", Int32),
+        (
+            "topics",
+            Array(
+                ("error_code", Int16),
+                ("topic", String("utf-8")),
+                ("is_internal", Boolean),
+                (
+                    "partitions",
+                    Array(
+                        ("error_code", Int16),
+                        ("partition", Int32),
+                        ("leader", Int32),
+                        ("leader_epoch", Int32),
+                        ("replicas", Array(Int32)),
+                        ("isr", Array(Int32)),
+                        ("offline_replicas", Array(Int32)),
+                    ),
+                ),
+                ("topic_authorized_operations", Int32),
+            ),
+        ),
+        ("cluster_authorized_operations", Int32),
+    )
+
+
+class _MetadataRequest_v8(RequestStruct):  # type: ignore[misc]
+    API_KEY = 3
+    API_VERSION = 8
+    RESPONSE_TYPE = _MetadataResponse_v8
+    SCHEMA = Schema(
+        ("topics", Array(String("utf-8"))),
+        ("allow_auto_topic_creation", Boolean),
+        ("include_cluster_authorized_operations", Boolean),
+        ("include_topic_authorized_operations", Boolean),
+    )
+
+
+_MetadataStructs = (
+    MetadataRequest_v0
+    | MetadataRequest_v1
+    | MetadataRequest_v2
+    | MetadataRequest_v3
+    | MetadataRequest_v4
+    | MetadataRequest_v5
+    | _MetadataRequest_v8
+)
+
+
+class _TopicMetadataRequest(Request[_MetadataStructs]):  # type: ignore[misc]
+    """aiokafka's MetadataRequest (v0-v5), and v8 asking for each topic's authorized operations
+    when the broker speaks it (aiokafka has no v6-v8: Kafka 2.3 and later answer v8)."""
+
+    API_KEY = 3
+
+    def __init__(self, topics: list[str], allow_auto_create: bool) -> None:
+        self._topics = topics
+        self._allow = allow_auto_create
+
+    def build(self, request_struct_class: type[Any]) -> Any:
+        if request_struct_class.API_VERSION >= 8:
+            return request_struct_class(self._topics, self._allow, False, True)
+        return MetadataRequest(self._topics, allow_auto_topic_creation=self._allow).build(request_struct_class)
+
+
+# ACL operation codes (org.apache.kafka.common.acl.AclOperation): bits of authorized operations.
+WRITE = 4
+_OPERATIONS_UNKNOWN = -(2**31)  # what a broker answers when the operations were not asked for
+
+
+async def topic_error(client: Any, topic: str, *, allow_auto_create: bool) -> tuple[int, int | None] | None:
+    """The metadata error code of ``topic`` (0: usable) and the operations the client's principal
+    may do on it (a bit per ACL operation code, see :func:`may`; None when the broker cannot say:
+    before Kafka 2.3, or the topic has an error); None when no broker is known.
 
     Asks without auto-creating the topic unless allowed: aiokafka's own metadata requests
-    always allow auto-creation.
+    always allow it. Reading the operations writes nothing, so ``--check`` can tell a principal
+    that may not write the topic.
     """
     node = client.get_random_node()
     if node is None:
         return None
-    response = await client.send(node, MetadataRequest([topic], allow_auto_topic_creation=allow_auto_create))
-    for error_code, name, *_ in response.topics:
+    response = await client.send(node, _TopicMetadataRequest([topic], allow_auto_create))
+    for error_code, name, *rest in response.topics:
         if name == topic:
-            return int(error_code)
+            operations = int(rest[-1]) if response.API_VERSION >= 8 and not error_code else _OPERATIONS_UNKNOWN
+            return int(error_code), None if operations == _OPERATIONS_UNKNOWN else operations
     return None
+
+
+def may(operations: int, operation: int) -> bool:
+    """Whether the authorized ``operations`` (:func:`topic_error`) hold ``operation`` (e.g. WRITE)."""
+    return bool(operations >> operation & 1)
 
 
 async def ping(client: Any) -> bool:
@@ -154,8 +253,10 @@ async def probe(settings: dict[str, Any], ssl_context: Any) -> str:
 
 
 __all__ = [
+    "WRITE",
     "InvalidRecordError",
     "fail_pending",
+    "may",
     "no_auto_create",
     "pace_metadata_retries",
     "ping",

@@ -1176,8 +1176,15 @@ class KafkaConnector:
         recreated = False
         while True:
             try:
-                code = await internals.topic_error(producer.client, topic, allow_auto_create=allow)
+                code, operations = await internals.topic_error(producer.client, topic, allow_auto_create=allow) or (None, None)
                 if code == 0:
+                    if operations is not None and not internals.may(operations, internals.WRITE):
+                        self._topic_problem = (
+                            f"not authorized to write to {'state ' if state else ''}topic {topic!r}: the broker's ACLs do not "
+                            f"let the bridge's principal {self._principal} Write to it, so every write would be refused; "
+                            f"grant it (kafka-acls --add --allow-principal {self._principal} --operation Write --topic {topic})"
+                        )
+                        raise NotConnected(f"{self._where}: {self._topic_problem}", reason="unauthorized")
                     partitions = sorted(await producer.partitions_for(topic))
                     break
             except kafka_errors.KafkaError as exc:
@@ -1398,9 +1405,8 @@ class KafkaConnector:
         )
         if not error:
             return configs
-        principal = f"User:{self.options.sasl_username}" if self.options.sasl_username else "<the bridge's principal>"
         fix = (
-            f"grant the bridge's principal DescribeConfigs on it (kafka-acls --add --allow-principal {principal} "
+            f"grant the bridge's principal DescribeConfigs on it (kafka-acls --add --allow-principal {self._principal} "
             f"--operation DescribeConfigs --topic {topic})"
             if code == _TOPIC_AUTHORIZATION
             else "it is read again at each health check"
@@ -1435,6 +1441,11 @@ class KafkaConnector:
         finally:
             await admin.close()
         return configs, code, error
+
+    @property
+    def _principal(self) -> str:
+        """The bridge's principal as ACLs name it, for the fixes the sink names."""
+        return f"User:{self.options.sasl_username}" if self.options.sasl_username else "<the bridge's principal>"
 
     async def _moved_starts(self, topic: str, partitions: list[int]) -> list[int]:
         """The partitions of the state topic whose log start offset is above what it was when last

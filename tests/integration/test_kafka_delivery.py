@@ -32,6 +32,8 @@ from bridge.sink import SinkWorker
 from connectors.kafka import KafkaConnector, KafkaOptions
 from tests.infra.servers import KafkaServer, ServerError
 from tests.integration.conftest import unavailable
+from tests.integration.test_cli_errors import check_config
+from tests.support.harness import free_ports
 from tests.support.readback import CONTROL, read_kafka
 
 pytestmark = pytest.mark.integration
@@ -272,6 +274,38 @@ async def acl(server: KafkaServer, action: str, resource: int, name: str, operat
     assert all(r[0] == 0 for r in results), response
 
 
+def bridge_sink(server: KafkaServer, events: str, state_topic: str) -> dict[str, Any]:
+    """The options of a sink logging in as User:bridge, writing ``events`` and its state to ``state_topic``."""
+    return {
+        "bootstrap_servers": f"127.0.0.1:{server.ports['SASL_PLAINTEXT']}",
+        "topic": events,
+        "security_protocol": "SASL_PLAINTEXT",
+        "sasl_username": USER,
+        "sasl_password": PASSWORD,
+        "request_timeout": "10s",
+        "state": {"enabled": True, "topic": state_topic},
+    }
+
+
+async def connect_as_bridge(
+    server: KafkaServer, events: str, state_topic: str, *, check: bool
+) -> tuple[NotConnected | None, str | None]:
+    """connect() (as ``--check`` does with ``check``: creating nothing) of a :func:`bridge_sink`
+    connector: why it was refused, and what health() says then."""
+    values = bridge_sink(server, events, state_topic)
+    conn = KafkaConnector("k", config.convert_options(values, KafkaOptions, "sinks[0]"), SinkConfig(type="kafka", name="k"))
+    conn.creates_nothing = check
+    refused = None
+    try:
+        await conn.connect()
+    except NotConnected as exc:
+        refused = exc
+    try:
+        return refused, await conn.health()
+    finally:
+        await conn.close()
+
+
 async def test_topic_authorization_revoked_mid_stream_is_retried_never_dead_lettered(
     acl_kafka: KafkaServer, tmp_path: Path
 ) -> None:
@@ -331,26 +365,7 @@ async def test_a_state_topic_whose_configs_cannot_be_read_is_refused_naming_the_
     compacted = await acl_kafka.anew_topic(config={"cleanup.policy": "compact"})
 
     async def connect(state_topic: str, *, check: bool) -> tuple[NotConnected | None, str | None]:
-        values = {
-            "bootstrap_servers": f"127.0.0.1:{acl_kafka.ports['SASL_PLAINTEXT']}",
-            "topic": events,
-            "security_protocol": "SASL_PLAINTEXT",
-            "sasl_username": USER,
-            "sasl_password": PASSWORD,
-            "request_timeout": "10s",
-            "state": {"enabled": True, "topic": state_topic},
-        }
-        conn = KafkaConnector("k", config.convert_options(values, KafkaOptions, "sinks[0]"), SinkConfig(type="kafka", name="k"))
-        conn.creates_nothing = check
-        refused = None
-        try:
-            await conn.connect()
-        except NotConnected as exc:
-            refused = exc
-        try:
-            return refused, await conn.health()
-        finally:
-            await conn.close()
+        return await connect_as_bridge(acl_kafka, events, state_topic, check=check)
 
     for topic in (deleting, compacted):
         await acl(acl_kafka, "create", TOPIC, topic, DESCRIBE_CONFIGS, DENY)
@@ -379,3 +394,47 @@ async def test_a_state_topic_whose_configs_cannot_be_read_is_refused_naming_the_
     refused, problem = await connect(deleting, check=True)
     assert refused is not None and refused.reason == "state_topic_deletes", refused
     assert problem is not None and "set cleanup.policy=compact" in problem
+
+
+@pytest.mark.parametrize("denied", ["events", "state"])
+async def test_a_topic_the_principal_may_not_write_is_refused_at_connect_and_by_check(
+    acl_kafka: KafkaServer, tmp_path: Path, denied: str
+) -> None:
+    """breaker30r2 K1: with Write denied on the events topic, or on the state topic only, connect
+    and ``--check`` only described the topics: "config ok", ready, then every write refused
+    (``unauthorized``) for ever. The broker says which operations the principal may do on a topic
+    (Metadata v8, KIP-430), which writes nothing: connect refuses (``unauthorized``, /readyz and
+    ``--check`` exit 3) naming the topic and the ACL to add; once granted, both pass."""
+    events = await acl_kafka.anew_topic()
+    state_topic = await acl_kafka.anew_topic(config={"cleanup.policy": "compact"})
+    topic = events if denied == "events" else state_topic
+    cfg = {
+        "sources": [{"name": "a", "endpoint": f"tcp://127.0.0.1:{free_ports(1)[0]}", "bind": True}],
+        "sinks": [{"type": "kafka", "name": "k", **bridge_sink(acl_kafka, events, state_topic)}],
+        "checkpoint": {"path": str(tmp_path / "checkpoint.json")},
+    }
+    fix = f"kafka-acls --add --allow-principal User:{USER} --operation Write --topic {topic}"
+    await acl(acl_kafka, "create", TOPIC, topic, WRITE, DENY)
+    try:
+        for check in (False, True):
+            # The broker applies the ACL shortly after the controller took it.
+            deadline = time.monotonic() + 60
+            while (result := await connect_as_bridge(acl_kafka, events, state_topic, check=check))[0] is None:
+                assert time.monotonic() < deadline, f"{topic} with Write denied was not refused: {result}"
+                await asyncio.sleep(0.2)
+            refused, problem = result
+            assert refused is not None and refused.reason == "unauthorized", refused
+            assert fix in str(refused) and problem is not None and fix in problem, (refused, problem)
+        proc = await check_config(tmp_path, cfg)
+        assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+        assert "sinks[0] (k): reachable, not usable as configured" in proc.stdout, proc.stdout + proc.stderr
+        assert fix in proc.stderr, proc.stderr
+    finally:
+        await acl(acl_kafka, "delete", TOPIC, topic, WRITE, DENY)
+    deadline = time.monotonic() + 60
+    while (result := await connect_as_bridge(acl_kafka, events, state_topic, check=True)) != (None, None):
+        assert time.monotonic() < deadline, f"{topic} still refused with Write granted: {result}"
+        await asyncio.sleep(0.2)
+    proc = await check_config(tmp_path, cfg)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert await copies(acl_kafka.bootstrap_servers, events, 1) == 0  # nothing written by any of it

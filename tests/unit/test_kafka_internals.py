@@ -147,3 +147,36 @@ async def test_probe_reports_why_a_server_cannot_be_reached() -> None:
     }
     with pytest.raises(ConnectionRefusedError):
         await internals.probe(settings, None)
+
+
+@pytest.mark.parametrize(("newest", "version"), [(12, 8), (7, 5), (2, 2)])
+async def test_topic_error_asks_for_the_authorized_operations_only_of_a_broker_speaking_v8(newest: int, version: int) -> None:
+    """Metadata v8 (KIP-430) tells which operations the principal may do on the topic; an older
+    broker (aiokafka's v0-v5, the newest its versions allow) cannot say: None, nothing refused."""
+    sent: list[Any] = []
+
+    class Client:
+        def get_random_node(self) -> int:
+            return 0
+
+        async def send(self, node: int, request: Any) -> Any:
+            struct = request.prepare({3: (0, newest)})  # as aiokafka's connection picks the version
+            sent.append(struct)
+            topics = [(0, "t", False, [], 1 << internals.WRITE | 1 << 8)] if struct.API_VERSION >= 8 else [(0, "t", False, [])]
+            fields = {"topics": topics, "brokers": [], "cluster_id": None, "controller_id": 0, "throttle_time_ms": 0}
+            fields["cluster_authorized_operations"] = 0
+            response = struct.RESPONSE_TYPE
+            return response.decode(response(*[fields[n] for n in response.SCHEMA.names]).encode())
+
+    answer = await internals.topic_error(Client(), "t", allow_auto_create=False)
+    (struct,) = sent
+    sent_version = struct.API_VERSION
+    assert sent_version == version
+    if version >= 4:
+        assert struct.allow_auto_topic_creation is False
+    if version >= 8:
+        assert struct.include_topic_authorized_operations is True
+        assert answer is not None and answer[0] == 0 and answer[1] is not None
+        assert internals.may(answer[1], internals.WRITE) and not internals.may(answer[1], 3)  # Write, not Read
+    else:
+        assert answer == (0, None)
