@@ -78,6 +78,7 @@ from bridge.connector import (
     Template,
     TlsOptions,
     doc,
+    message_types,
     redact,
     sample_message,
 )
@@ -154,6 +155,7 @@ _UNREACHABLE = (
 _METADATA_RETRY_PAUSE = 0.5  # seconds between metadata updates while no broker answers
 _HEADROOM = 4096  # a message this close to max_batch_bytes gets its exact size computed
 _SCAN_CHUNK = 2_000  # records read at a time, backward from a partition's end (positions())
+_TOPICS_CHECKED = 32  # templated topics --check looks at, at most
 _MEMORY = 10_000  # msg_ids remembered as refused by the broker, or to be sent alone
 STATE_TOPIC_CONFIGS = {"cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.1", "segment.ms": str(3600 * 1000)}
 """Topic configs of a state topic the sink creates (``state.create``)."""
@@ -437,6 +439,9 @@ class KafkaConnector:
         self._lost: dict[tuple[str, int], tuple[Stream, int, int, int]] = {}  # (stream key, epoch) -> span (SinkLost)
         self._lost_topics: set[str] = set()  # the topics those spans were lost from
         self.creates_nothing = False  # --check: connect() creates nothing (bridge.connector)
+        self.configured_streams: list[Stream] = []  # --check: a templated topic is checked for each one
+        types = message_types(sink.granularity)  # those a templated topic is checked for (--check)
+        self._types = types if "type" in self._topic.fields else types[:1]
         self._state_lost: set[str] = set()  # streams whose state a lost state topic held (refused: state_lost)
         # The state topic deletes records by retention (its configs, read at connect and at each
         # audit): why, while it does (state writes held, the sink not ready); and the log start
@@ -464,11 +469,13 @@ class KafkaConnector:
 
     # -- hooks ----------------------------------------------------------------------------------
     async def connect(self) -> None:
-        """Start the producer and check a static topic; NotConnected naming the sink and the
-        servers, or the topic when it is missing and will not be created."""
+        """Start the producer and check a static topic (``--check``: a templated one for each
+        configured stream); NotConnected naming the sink and the servers, or the topic when it is
+        missing and will not be created, lacks the ``partition``, or may not be written."""
         producer = await self._ensure_producer()
-        if self._topic.static and self.options.topic not in self._partitions:
-            await self._prepare_topic(producer, self.options.topic)
+        for topic in self._topics_to_check():
+            if topic not in self._partitions:
+                await self._prepare_topic(producer, topic)
         if self.writes_state and self._state_topic not in self._partitions:
             await self._prepare_topic(producer, self._state_topic, state=True)
 
@@ -1133,6 +1140,17 @@ class KafkaConnector:
         await producer.stop()
 
     # -- topics ---------------------------------------------------------------------------------
+    def _topics_to_check(self) -> list[str]:
+        """The events topics connect() checks: the static one; with a template, under ``--check``
+        only (a run learns its streams later), each configured stream's, for each message type the
+        template names (none with ``{epoch}``: the run's epochs are not known before it)."""
+        if self._topic.static:
+            return [self.options.topic]
+        if not self.creates_nothing or "epoch" in self._topic.fields:
+            return []
+        rendered = (self._topic.render(sample_message(s, t)) for s in self.configured_streams for t in self._types)
+        return list(dict.fromkeys(rendered))[:_TOPICS_CHECKED]
+
     async def _check_topic(self, producer: Any, topic: str, *, state: bool = False) -> ConnectorError | None:
         """None when ``topic`` can be written (checked once per producer, and again when its
         partitions changed), else why not."""

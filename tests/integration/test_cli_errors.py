@@ -496,6 +496,47 @@ async def test_check_refuses_a_kafka_partition_the_topic_will_not_have(
         assert not {topic, state_topic} & await topics_of(kafka)  # nothing created
 
 
+@pytest.mark.parametrize(
+    ("case", "exit", "problem"),
+    [
+        ("auto", 3, "would be created with 1 partition(s); partition 3 does not exist"),
+        ("existing", 3, "has 1 partition(s); partition 3 does not exist"),
+        ("missing", 3, "does not exist on"),
+        ("enough", 0, ""),
+    ],
+)
+async def test_check_checks_a_templated_kafka_topic_for_each_configured_source(
+    tmp_path: Path, kafka: KafkaServer, case: str, exit: int, problem: str
+) -> None:
+    """breaker30r2 P2: with ``topic: chk-TAG-{source}``, ``--check`` prepared no topic: "config
+    ok" for a rendered topic that does not exist and nothing creates, or that lacks ``partition:
+    3`` (made with 1, or auto-created with the broker's ``num.partitions`` of 1), and the run was
+    never ready. It checks each configured source's topic as the static one now; nothing created."""
+    tag = uuid.uuid4().hex[:8]
+    rendered = f"chk-{tag}-eng"
+    sink: dict[str, object] = {
+        "type": "kafka",
+        "name": "k",
+        "bootstrap_servers": kafka.bootstrap_servers,
+        "topic": f"chk-{tag}-{{source}}",
+        "partition": 3,
+        "allow_auto_create_topics": case == "auto",
+    }
+    if case in ("existing", "enough"):
+        await kafka.anew_topic(1 if case == "existing" else 4, name=rendered)
+    config = {
+        "sources": [{"name": "eng", "endpoint": f"tcp://127.0.0.1:{free_ports(1)[0]}", "bind": True}],
+        "sinks": [sink],
+        "checkpoint": {"path": str(tmp_path / "checkpoint.json")},
+    }
+    proc = await check_config(tmp_path, config)
+    assert proc.returncode == exit and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    if exit:
+        assert f"topic {rendered!r} {problem}" in proc.stderr, proc.stderr
+    if case in ("auto", "missing"):
+        assert rendered not in await topics_of(kafka)  # nothing created
+
+
 async def test_check_refuses_a_redis_user_the_writes_would_be_refused_for(tmp_path: Path, redis_server: RedisServer) -> None:
     """breaker30r A1: the docs' example user (``~kv:* +@all -@dangerous``) with a stream template
     outside its keys passed ``--check`` ("config ok": connect ran an empty script) and every write
