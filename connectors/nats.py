@@ -75,7 +75,7 @@ import random
 import re
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
@@ -711,7 +711,6 @@ class NatsConnector:
         self._ack_prefix = ""  # JetStream acks: one wildcard inbox subscription, a token per publish
         self._tokens = itertools.count()
         self._acks: dict[str, tuple[_Acks, int]] = {}  # reply token -> who waits for it, at which position
-        self._position_stream: str | None = None  # the JetStream stream positions() reads, once found
         # The events stream, which the server may lose (deleted; a restart of a server that kept it
         # in memory): its name (from the acks), per JetStream stream the highest seq stored before
         # this write and this write's new ones, lowest and highest (at or below the highest before:
@@ -883,9 +882,10 @@ class NatsConnector:
 
     async def positions(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:
         """The last message on each stream's subject (``checkpoint.from_sinks``, JetStream mode): the
-        JetStream stream capturing the subjects is found once, then one ``STREAM.MSG.GET`` request
-        (last by subject) per stream, up to 64 in flight. Core NATS keeps nothing, and a subject
-        template with ``{type}`` or ``{epoch}`` spreads a stream over subjects: cannot tell."""
+        JetStream stream capturing each subject is found (see _capturing; the subjects may be split
+        over several), then one ``STREAM.MSG.GET`` request (last by subject) per stream, up to 64 in
+        flight. A subject no stream captures, core NATS (keeps nothing), and a subject template with
+        ``{type}`` or ``{epoch}`` (spreads a stream over subjects): cannot tell."""
         nc = self._nc
         fields = self._subjects.template.fields
         if self.options.mode != "jetstream" or "type" in fields or "epoch" in fields:
@@ -893,15 +893,16 @@ class NatsConnector:
         if nc is None or nc.is_closed or not nc.is_connected:
             raise NotConnected(f"{self._prefix}: not connected to NATS at {self._where}")
         js = nc.jetstream(timeout=self.options.connect_timeout)
-        name = self._position_stream
-        if name is None:
-            name = self._position_stream = await js.find_stream_name_by_subject(subject_filter(self.options.subject))
+        subjects = {s.key: self._subjects.render(sample_message(s)) for s in streams}
+        owners = await self._capturing(js, subjects.values())
         window = asyncio.Semaphore(64)
         out: dict[str, SinkPosition | None] = {}
 
         async def last(stream: Stream) -> None:
-            probe = sample_message(stream)
-            subject = self._subjects.render(probe)
+            subject = subjects[stream.key]
+            name = owners.get(subject)
+            if name is None:
+                return  # no stream captures it (yet): cannot tell, never "holds nothing"
             async with window:
                 try:
                     msg = await js.get_last_msg(name, subject)
@@ -1089,6 +1090,23 @@ class NatsConnector:
         except (TimeoutError, nats.errors.Error) as exc:
             log.debug("%s: stream lookup failed: %s", self._prefix, _describe(exc), extra={"sink": self.name})
 
+    async def _capturing(self, js: JetStreamContext, subjects: Iterable[str]) -> dict[str, str]:
+        """The JetStream stream capturing each of ``subjects`` (concrete ones), from one listing of
+        the streams (an operator may split the template's subjects over several: ``P.a.>`` and
+        ``P.b.>``); a subject no stream captures has no entry. Looked up again at every call: a
+        stream can be created, edited or deleted during the run."""
+        wanted = set(subjects)
+        out: dict[str, str] = {}
+        if not wanted:
+            return out
+        for info in await js.streams_info_iterator():
+            name = info.config.name
+            if name is None:
+                continue
+            for filt in info.config.subjects or []:
+                out.update((subject, name) for subject in wanted.difference(out) if subjects_overlap(filt, subject))
+        return out
+
     async def _claim(self, nc: Client, messages: Sequence[Message]) -> None:
         """Before the first write of a stream in this process: the last message its subject holds
         names the stream that owns it (headers ``source``, ``dp_rank``), so that a stream whose
@@ -1102,19 +1120,19 @@ class NatsConnector:
         if not new:
             return
         js = nc.jetstream(timeout=self.options.connect_timeout)
+        bases = {key: subjects.base(stream) for key, stream in new.items()}
         try:
-            name = self._position_stream
-            if name is None:
-                name = self._position_stream = await js.find_stream_name_by_subject(subject_filter(self.options.subject))
-        except nats.js.errors.NotFoundError:
-            return  # (no stream captures the subjects: the write fails no_stream)
+            owners = await self._capturing(js, [b for b in bases.values() if b is not None])
         except (TimeoutError, nats.errors.Error) as exc:
-            raise Retriable(f"{self._prefix}: looking up the stream of {self._where} failed: {_describe(exc)}") from None
+            raise Retriable(f"{self._prefix}: looking up the streams of {self._where} failed: {_describe(exc)}") from None
         window = asyncio.Semaphore(64)
 
         async def look(stream: Stream) -> None:
-            subject = subjects.base(stream)
+            subject = bases[stream.key]
             assert subject is not None
+            name = owners.get(subject)
+            if name is None:
+                return  # (no stream captures the subject: the write fails no_stream; claimed at the next)
             async with window:
                 try:
                     msg = await js.get_last_msg(name, subject)

@@ -29,6 +29,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api as js_api
 
+from bridge.checkpoint import SinkPosition
 from bridge.config import SinkConfig, convert_options
 from bridge.connector import Connector
 from bridge.errors import ConnectorError, NotConnected, PartialFailure, Permanent, Retriable
@@ -584,6 +585,50 @@ async def test_a_subject_another_bridge_or_run_wrote_is_not_taken_over(
             await later.close()
     stored = await _read_stream(reader, js_dest, _subject(js_dest, owner))
     assert [s.headers["source"] for s in stored if s.headers] == ["llama_a"] * 3
+
+
+@pytest.mark.integration
+async def test_subjects_split_over_two_jetstream_streams_are_each_read_from_the_one_capturing_them(
+    nats_server: NatsServer, reader: Client
+) -> None:
+    """The operator's streams split the template's subjects (``P.a_x.>`` and ``P.b_x.>``,
+    stream.create: false). ``positions()`` (checkpoint.from_sinks) and the subject-owner lookup at
+    a stream's first write read each subject in the stream capturing it: one stream looked up for
+    all said "holds nothing" of the other's subjects, so a new pod restarted them in a second epoch
+    and duplicated them (breaker30n4 Break 3), and took over a subject another stream wrote. A
+    subject no stream captures: cannot tell (no entry), never "holds nothing"."""
+    dest = _dest()
+    js = reader.jetstream(timeout=5)
+    for part in ("a_x", "b_x"):
+        await js.add_stream(js_api.StreamConfig(name=f"{dest}{part.upper()}", subjects=[f"{dest}.{part}.>"]))
+    owners, uncaptured = [Stream("a_x", 0), Stream("b_x", 0)], Stream("c", 0)
+    options = _options(nats_server.url, dest, stream={"create": False, "name": f"{dest}A_X"})
+    messages = _render("raw", "batch", owners, 3)
+    try:
+        first = NatsConnector("nats", options, SINK)
+        await first.connect()
+        try:
+            await first.write(messages)
+        finally:
+            await first.close()
+        later = NatsConnector("nats", options, SINK)  # a new pod
+        await later.connect()
+        try:
+            got = await later.positions([*owners, uncaptured])
+            assert uncaptured.key not in got
+            for owner in owners:
+                last = [m for m in messages if m.record.stream == owner][-1]
+                assert got[owner.key] == SinkPosition.from_headers(last.headers, last.value), owner
+            for clash in (Stream("a.x", 0), Stream("b.x", 0)):  # the same subject tokens as the owners'
+                with pytest.raises(Permanent) as info:
+                    await later.write(_render("raw", "batch", [clash], 1))
+                assert info.value.reason == "subject_taken", clash
+        finally:
+            await later.close()
+    finally:
+        for part in ("a_x", "b_x"):
+            with contextlib.suppress(nats.errors.Error):
+                await js.delete_stream(f"{dest}{part.upper()}")
 
 
 @pytest.mark.integration
