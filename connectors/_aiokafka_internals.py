@@ -16,6 +16,7 @@ from typing import Any
 from aiokafka import errors as kafka_errors
 from aiokafka.client import AIOKafkaClient
 from aiokafka.conn import collect_hosts, create_conn
+from aiokafka.protocol.admin import SaslHandShakeRequest
 from aiokafka.protocol.api import Request, RequestStruct, Response
 from aiokafka.protocol.metadata import (
     MetadataRequest,
@@ -252,6 +253,27 @@ async def probe(settings: dict[str, Any], ssl_context: Any) -> str:
     return f"{host}:{port}"
 
 
+async def sasl_mechanisms(settings: dict[str, Any], ssl_context: Any) -> list[str]:
+    """The SASL mechanisms the first bootstrap server accepts: its answer to a SASL handshake for
+    the configured mechanism, on a connection without SASL (TLS kept). aiokafka's
+    ``UnsupportedSaslMechanismError`` names only the connection, so a mismatch could not name the
+    fix without this. Raises what the connection or the request raises."""
+    host, port, _family = collect_hosts(settings["bootstrap_servers"], randomize=False)[0]
+    conn = await create_conn(
+        host,
+        port,
+        client_id=settings["client_id"],
+        request_timeout_ms=settings["request_timeout_ms"],
+        ssl_context=ssl_context,
+        security_protocol="SSL" if settings["security_protocol"].endswith("SSL") else "PLAINTEXT",
+    )
+    try:
+        response = await conn.send(SaslHandShakeRequest(settings.get("sasl_mechanism") or "PLAIN"))
+    finally:
+        conn.close()
+    return [str(m) for m in response.enabled_mechanisms]
+
+
 __all__ = [
     "WRITE",
     "InvalidRecordError",
@@ -262,5 +284,6 @@ __all__ = [
     "ping",
     "probe",
     "record_size",
+    "sasl_mechanisms",
     "topic_error",
 ]

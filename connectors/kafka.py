@@ -145,6 +145,10 @@ _AUTHORIZATION = (
     kafka_errors.SaslAuthenticationFailed,
     kafka_errors.AuthenticationFailedError,
 )
+_TLS_FIX = (
+    "set tls.ca_file to the CA that signed the broker's certificate (and tls.cert_file / tls.key_file when it wants "
+    "a client certificate)"
+)
 _UNREACHABLE = (
     kafka_errors.KafkaConnectionError,
     kafka_errors.NodeNotReadyError,
@@ -1103,32 +1107,58 @@ class KafkaConnector:
             await producer.stop()  # also when cancelled: a half-started producer holds connections
             if not isinstance(exc, Exception):
                 raise
-            self._down = f"cannot connect to {self._servers} ({await self._diagnose(exc, context)})"
-            raise NotConnected(f"{self._where}: {self._down}") from None
+            cause, reason = await self._diagnose(exc, context)
+            self._down = f"cannot connect to {self._servers} ({cause})"
+            raise NotConnected(f"{self._where}: {self._down}", reason=reason) from None
         # A new producer knows nothing of earlier topic checks (and has a new producer id).
         self._partitions.clear()
         self._routes.clear()
         return producer
 
-    async def _diagnose(self, exc: BaseException, context: ssl.SSLContext | None) -> str:
-        """A short reason for a failed start; aiokafka only logs the cause of a failed bootstrap."""
+    async def _diagnose(self, exc: BaseException, context: ssl.SSLContext | None) -> tuple[str, str | None]:
+        """A short reason for a failed start, and the NotConnected reason when the broker answered
+        and refused (``auth``: the credentials or the SASL mechanism, ``tls``: the TLS handshake),
+        naming the fix; aiokafka only logs the cause of a failed bootstrap."""
         if not isinstance(exc, kafka_errors.KafkaConnectionError):
-            return _describe(exc)
+            return await self._refusal(exc, context) or (_describe(exc), None)
         try:
             await internals.probe(client_settings(self.options, self.name), context)
         except ConnectionRefusedError:
-            return "connection refused"
+            return "connection refused", None
         except TimeoutError:
-            return f"no answer within {self._timeout:g}s"
+            return f"no answer within {self._timeout:g}s", None
         except ssl.SSLCertVerificationError as probe:
-            return f"TLS certificate verification failed: {probe.verify_message}"
+            return f"TLS certificate verification failed: {probe.verify_message}; {_TLS_FIX}", "tls"
         except ssl.SSLError as probe:
-            return f"TLS handshake failed: {probe.reason or probe}"
+            return f"TLS handshake failed: {probe.reason or probe}; {_TLS_FIX}", "tls"
         except OSError as probe:
-            return probe.strerror or _describe(probe)
+            return probe.strerror or _describe(probe), None
         except kafka_errors.KafkaError as probe:
-            return _describe(probe)
-        return _describe(exc)
+            return await self._refusal(probe, context) or (_describe(probe), None)
+        return _describe(exc), None
+
+    async def _refusal(self, exc: BaseException, context: ssl.SSLContext | None) -> tuple[str, str] | None:
+        """The broker refusing the credentials or the SASL mechanism, naming the fix; else None."""
+        o = self.options
+        if isinstance(exc, kafka_errors.UnsupportedSaslMechanismError):
+            try:
+                accepted = await internals.sasl_mechanisms(client_settings(o, self.name), context)
+            except (TimeoutError, OSError, kafka_errors.KafkaError) as probe:
+                log.debug("%s: reading the broker's SASL mechanisms failed: %s", self._where, _describe(probe))
+                accepted = []
+            which = f"it accepts {', '.join(accepted)}" if accepted else "see its sasl.enabled.mechanisms"
+            return (
+                f"the broker does not accept SASL mechanism {o.sasl_mechanism} ({which}): set sasl_mechanism to one "
+                "it accepts",
+                "auth",
+            )
+        if isinstance(exc, kafka_errors.SaslAuthenticationFailed | kafka_errors.AuthenticationFailedError):
+            return (
+                f"the broker refuses the credentials ({_describe(exc)}): set sasl_username and sasl_password to a "
+                f"user the broker knows for {o.sasl_mechanism}",
+                "auth",
+            )
+        return None
 
     async def _discard(self) -> None:
         """Stop the producer without waiting for the batches it still holds (they fail)."""

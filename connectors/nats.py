@@ -74,6 +74,7 @@ import logging
 import random
 import re
 import secrets
+import ssl
 import time
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -707,6 +708,7 @@ class NatsConnector:
         self._subjects = _Subjects(options.subject)
         self._nc: Client | None = None
         self._last_error: str | None = None
+        self._refusal: str | None = None  # the reason (auth, tls) when _last_error is the server refusing us
         self._stream_problem: str | None = None
         self._ack_prefix = ""  # JetStream acks: one wildcard inbox subscription, a token per publish
         self._tokens = itertools.count()
@@ -785,15 +787,16 @@ class NatsConnector:
         if self._nc is not None and not self._nc.is_closed:
             return
         nc = Client()
-        self._last_error = None
+        self._last_error = self._refusal = None
         timeout = self.options.connect_timeout
         try:
             # nats-py retries the first connect forever with max_reconnect_attempts=-1.
             await asyncio.wait_for(nc.connect(**self._client_options()), timeout)
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             await self._close_client(nc)
-            detail = self._last_error or _describe(exc)
-            raise NotConnected(f"{self._prefix}: cannot connect to NATS at {self._where} within {timeout:g}s: {detail}") from None
+            if self._last_error is None:
+                self._last_error, self._refusal = _describe(exc), _refusal(exc)
+            raise self._not_connected(f"cannot connect to NATS at {self._where} within {timeout:g}s") from None
         self._nc = nc
         try:
             if self.options.mode == "jetstream":
@@ -846,7 +849,7 @@ class NatsConnector:
         if nc is None or nc.is_closed:
             raise NotConnected(f"{self._prefix}: not connected to NATS at {self._where}")
         if not nc.is_connected:
-            raise NotConnected(self._reconnecting())
+            raise self._reconnecting()
         self._raise_lost()  # before anything of this write is stored: the runtime announces, then writes again
         errors = await (self._write_core(nc, messages) if self.options.mode == "core" else self._write_jetstream(nc, messages))
         if not errors:
@@ -872,7 +875,7 @@ class NatsConnector:
         if nc is None or nc.is_closed:
             return f"{self._prefix}: not connected to NATS at {self._where}"
         if not nc.is_connected:
-            return self._reconnecting()
+            return str(self._reconnecting())
         return self._permission_problem or self._stream_problem or self._state_problem
 
     def destination(self, stream: Stream) -> str | None:
@@ -936,7 +939,7 @@ class NatsConnector:
                 errors[i] = problem
                 continue
             if not nc.is_connected:
-                raise NotConnected(self._reconnecting())
+                raise self._reconnecting()
             try:
                 await internals.send_encoded(nc, hpub(subject, "", hdr, m.value))
             except (nats.errors.Error, OSError) as exc:
@@ -1224,7 +1227,7 @@ class NatsConnector:
     async def _send(self, nc: Client, subject: str, hdr: bytes, payload: bytes, acks: _Acks) -> None:
         """Publish with a reply token whose ack goes to ``acks``."""
         if not nc.is_connected:  # never let nats-py buffer while reconnecting (internals.drop_pending)
-            raise NotConnected(self._reconnecting())
+            raise self._reconnecting()
         token = str(next(self._tokens))
         self._acks[token] = (acks, acks.expect(token))
         try:
@@ -1303,9 +1306,26 @@ class NatsConnector:
             reason="too_large",
         )
 
-    def _reconnecting(self) -> str:
-        detail = f": {self._last_error}" if self._last_error else ""
-        return f"{self._prefix}: reconnecting to NATS at {self._where}{detail}"
+    def _reconnecting(self) -> NotConnected:
+        return self._not_connected(f"reconnecting to NATS at {self._where}")
+
+    def _not_connected(self, what: str) -> NotConnected:
+        """``what`` failed, with the last error the connection met: when the server refused the
+        credentials or the TLS handshake (it answered: reason ``auth`` / ``tls``), naming the fix."""
+        if self._refusal == "auth":
+            return NotConnected(
+                f"{self._prefix}: {what}: the server refuses the credentials ({self._last_error}): set user and "
+                "password, token, nkey_seed or credentials to ones the server's authorization accepts",
+                reason="auth",
+            )
+        if self._refusal == "tls":
+            return NotConnected(
+                f"{self._prefix}: {what}: the TLS handshake failed ({self._last_error}): set tls.ca_file to the CA "
+                "that signed the server's certificate (and tls.cert_file / tls.key_file when the server wants a "
+                "client certificate)",
+                reason="tls",
+            )
+        return NotConnected(f"{self._prefix}: {what}: {self._last_error}" if self._last_error else f"{self._prefix}: {what}")
 
     # -- state (state.enabled) ---------------------------------------------------------------------
     async def _write_state(
@@ -1964,8 +1984,11 @@ class NatsConnector:
         )
 
     async def _on_error(self, exc: Exception) -> None:
-        self._last_error = _describe(exc)
-        log.debug("%s: NATS error: %s", self._prefix, self._last_error, extra={"sink": self.name})
+        text, refusal = _describe(exc), _refusal(exc)
+        log.debug("%s: NATS error: %s", self._prefix, text, extra={"sink": self.name})
+        if refusal is None and self._refusal is not None and isinstance(exc, OSError):
+            return  # the server closing the socket after its refusal (a broken pipe, a reset): keep the refusal
+        self._last_error, self._refusal = text, refusal
         if "permissions violation" in self._last_error.lower():
             # The server drops the message and says so only here: without this, the write would
             # wait for its acks until write_timeout, and the sink look ready meanwhile.
@@ -1990,7 +2013,7 @@ class NatsConnector:
         )
 
     async def _on_reconnected(self) -> None:
-        self._last_error = None
+        self._last_error = self._refusal = None
         log.info("%s: reconnected to NATS at %s", self._prefix, self._where, extra={"sink": self.name})
 
     async def _on_closed(self) -> None:
@@ -2124,6 +2147,17 @@ def _refused_for_turn(messages: Sequence[Message], errors: dict[int, ConnectorEr
     for i in again:
         del errors[i]
     return again
+
+
+def _refusal(exc: BaseException) -> str | None:
+    """``auth`` when ``exc`` is the server refusing the credentials (``-ERR 'Authorization
+    Violation'``, an expired or revoked user), ``tls`` when it is a failed TLS handshake, else None."""
+    if isinstance(exc, ssl.SSLError):
+        return "tls"
+    text = str(exc).lower()
+    if isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in text or "authentication" in text:
+        return "auth"
+    return None
 
 
 def _describe(exc: BaseException) -> str:

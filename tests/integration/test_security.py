@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import socket
 import ssl
 import subprocess
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 import zmq
 import zmq.asyncio
 
@@ -41,6 +43,7 @@ from bridge.runtime import Bridge
 from bridge.simulator import PROFILES, EventFactory, Simulator, SimulatorOptions, encode_batch
 from tests.infra.servers import KafkaServer
 from tests.integration.conftest import SecureServer
+from tests.support import tls
 from tests.support.harness import free_port, free_ports, metric, read_lines, wait_for
 from tests.support.process import ROOT, BridgeProcess, BridgeRun, bridge_config, http_get
 from tests.support.readback import Readback, read_jetstream, read_kafka, read_redis
@@ -279,6 +282,53 @@ async def test_nats_jetstream_tls_and_user_password(secure_nats: SecureServer, t
         assert status == 503 and "nats-sec" in body["sinks"]["nats-sec"], body
 
 
+# The server answered and refused: the sink is "reachable, not usable as configured" (no "is the
+# server up" hint), its reason (auth, tls) and the server's own answer named by --check and /readyz.
+REFUSALS: list[tuple[str, str, dict[str, Any], str, str]] = [
+    ("nats", "wrong_password", {"password": "wrong-pw"}, "auth", "Authorization Violation"),
+    ("nats", "token_not_user", {"user": None, "password": None, "token": "${NATS_PASSWORD}"}, "auth", "Authorization Violation"),
+    ("nats", "no_auth", {"user": None, "password": None}, "auth", "Authorization Violation"),
+    ("nats", "other_ca", {"tls": "other"}, "tls", "certificate verify failed"),
+    ("kafka", "wrong_password", {"sasl_password": "wrong-pw"}, "auth", "SaslAuthenticationFailed"),
+    ("kafka", "scram_sha_256", {"sasl_mechanism": "SCRAM-SHA-256"}, "auth", "it accepts SCRAM-SHA-512"),
+    ("kafka", "plain", {"sasl_mechanism": "PLAIN"}, "auth", "it accepts SCRAM-SHA-512"),
+    ("kafka", "other_ca", {"tls": "other"}, "tls", "certificate verification failed"),
+]
+
+
+@pytest.mark.parametrize(("kind", "case", "change", "reason", "answer"), REFUSALS, ids=[f"{k}-{c}" for k, c, *_ in REFUSALS])
+async def test_a_server_that_refuses_the_credentials_or_tls_is_named_as_refusing_not_unreachable(
+    request: pytest.FixtureRequest, tmp_path: Path, kind: str, case: str, change: dict[str, Any], reason: str, answer: str
+) -> None:
+    """Wrong password, token or no user, a SASL mechanism the broker does not accept, a CA that did
+    not sign the server's certificate. Each was ``unreachable ... (is the server up and reachable
+    from here?)`` with reason not_connected, and on NATS over TLS the reason text was mostly a
+    broken pipe or a reset, the server's "Authorization Violation" lost in a race (breaker30h3 B2)."""
+    server: SecureServer = request.getfixturevalue("secure_nats" if kind == "nats" else "scram_kafka")
+    env = {"NATS_PASSWORD": server.password, "KAFKA_PASSWORD": server.password}
+    if change.get("tls") == "other":
+        change = {"tls": {"ca_file": str(tls.make_certificates(tmp_path / "other-ca").ca)}}
+    if kind == "nats":
+        sink = nats_sink(server, f"KVR{uuid.uuid4().hex[:8].upper()}", **change)
+    else:
+        sink = kafka_sink(server, f"refused-{uuid.uuid4().hex[:8]}", **change)
+    path = tmp_path / "check.yaml"
+    path.write_text(yaml.safe_dump(_config(tmp_path, free_ports(4), [sink])))
+    check = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "bridge", "--config", str(path), "--check"],
+        cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    out = check.stdout + check.stderr
+    assert check.returncode == 3, out
+    assert f"sinks[0] ({sink['name']}): reachable, not usable as configured" in out, out
+    (line,) = [line for line in out.splitlines() if line.strip().startswith(f"sinks[{sink['name']}]")]
+    assert answer in line and "is the server up" not in line, line
+    status, body = await readyz_when_failing(tmp_path, free_ports(4), sink, env, reason=answer)
+    assert status == 503 and body["sinks"][sink["name"]].startswith(f"{reason}: "), body
+    assert answer in body["sinks"][sink["name"]], body
+
+
 # -- secrets ---------------------------------------------------------------------------------------
 
 
@@ -377,7 +427,7 @@ async def test_secrets_never_appear_in_logs_metrics_readyz_check_or_dead_letters
         # No engine runs here, so --check names the engine endpoints and exits 3 (valid, not reachable) either way.
         assert check.returncode == 3, check.stdout + check.stderr
         texts[f"--check ({name})"] = check.stdout + check.stderr
-    assert "unreachable" in texts["--check (wrong)"] and "unreachable" not in texts["--check (right)"]
+    assert "not usable as configured" in texts["--check (wrong)"] and "not usable" not in texts["--check (right)"]
 
     assert not _leaks(secrets, texts)
     assert "SaslAuthenticateRequest" in texts["logs (in process, debug)"]  # the exchange was logged, not its body
