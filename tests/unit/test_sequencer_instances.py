@@ -338,3 +338,21 @@ def test_after_a_restart_a_batch_that_is_the_next_of_both_instances_is_taken_for
     assert s.live(3, p(0, 3), STEPPED_BACK) == [Duplicate(3)]
     s = restarted(older_top=2, new_top=0)
     assert s.live(5, p(0, 5), STEPPED_BACK) == [Duplicate(5)]  # neither's next: the older one's, read late
+
+
+def test_after_a_replay_showed_the_restart_a_late_old_batch_is_dropped_even_as_the_next_seq() -> None:
+    """A restart shown by a replay leaves the older instance's last live seq unknown: then every
+    live batch stamped before the new epoch's first is the older one's, read late, even one whose
+    seq is the new instance's next (were it the new one's, with its clock stepped back, the gap
+    it leaves is fetched by replay)."""
+    s = seqr()
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=3.5)
+    (req,) = [a for a in s.live(5, p(1, 5)) if isinstance(a, RequestReplay)]
+    out = s.replayed(req.request_id, 2, p(1, 2))  # the anchor's seq, other bytes: instance 1
+    out += [a for q in (3, 4) for a in s.replayed(req.request_id, q, p(1, q))] + s.replay_finished(req.request_id, True)
+    assert [a for a in out if isinstance(a, Reset)] and s.epoch == 1 and s.last_live == 5
+    assert s.live(6, p(0, 6)) == [Duplicate(6)]  # instance 0's, stamped 6: before instance 1's first
+    s.live(6, p(1, 6))
+    assert s.held.get(6) == p(1, 6)  # instance 1's own: kept for its epoch (0..1 are being fetched)

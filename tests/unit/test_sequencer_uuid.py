@@ -286,3 +286,56 @@ def test_a_gap_under_the_same_uuid_without_replay_is_announced_lost_and_what_is_
     out = feed(t, A, [0, 1, 4])
     assert out[2:] == [Gap(2, 3), Lost(2, 3, "no_replay", 0), Deliver(4, p(A, 4), 0)]
     assert feed(t, A, [4, 3]) == [Duplicate(4), Duplicate(3)]  # (a copy, and a seq announced lost)
+
+
+def test_the_engine_ts_of_the_message_that_shows_a_new_uuid_numbers_the_new_epoch() -> None:
+    """Every bridge reading the engine numbers the new epoch alike from what showed it: the live
+    message's engine ts (one that is not a finite number says nothing: unknown)."""
+    shown: list[float | None] = []
+
+    def next_epoch(epoch: int, shown_at: float | None) -> int:
+        shown.append(shown_at)
+        return epoch + 1
+
+    s = seqr(next_epoch=next_epoch)
+    feed(s, A, range(3))
+    s.live(3, p(B, 3), 7.5, instance=B)
+    s.live(0, p(C, 0), float("nan"), instance=C)
+    assert shown == [7.5, None]
+
+
+def test_a_heartbeats_new_uuid_is_known_for_certain_at_once() -> None:
+    s = seqr(replay=False)
+    feed(s, A, range(3))
+    assert s.heartbeat(0, B) == [Reset(1, INSTANCE_CHANGED)]
+    assert s.sure_instance == B and s.retired_instances == [A]
+
+
+def test_a_heartbeat_makes_the_seqs_below_it_the_instances_to_settle_when_it_restarts() -> None:
+    """Without replay nothing is fetched, but the seqs a heartbeat says were published are the
+    instance's: when another instance comes, the old epoch announces them lost (I3). A heartbeat
+    without a UUID says nothing of whose they are."""
+    s = seqr(replay=False)
+    feed(s, A, range(3))
+    assert s.heartbeat(6, A) == [] and s.known_top == 5
+    out = feed(s, B, [0])
+    assert out[:2] == [Lost(3, 5, INSTANCE_CHANGED, 0), Reset(1, INSTANCE_CHANGED)]
+    anonymous = seqr(replay=False)
+    feed(anonymous, None, range(3))
+    assert anonymous.heartbeat(6, None) == [] and anonymous.known_top == 2
+
+
+def test_the_replay_a_heartbeat_asks_for_is_a_first_attempt() -> None:
+    """Replays that told nothing in doubt (the engine answered none) count attempts; a heartbeat
+    under the epoch's UUID ends the doubt, and the tail it shows is fetched afresh: attempt 0."""
+    s = seqr()
+    feed(s, A, range(3))
+    s.disconnected(now=10.0)
+    (probe,) = s.probe()
+    assert isinstance(probe, RequestReplay)
+    (again,) = s.replay_finished(probe.request_id, complete=True)  # nothing from seq 2: from seq 0
+    assert isinstance(again, RequestReplay) and again.start == 0
+    assert s.replay_finished(again.request_id, complete=True) == []
+    assert not s.replaying and s.in_doubt
+    out = s.heartbeat(6, A)
+    assert not s.in_doubt and out == [RequestReplay(again.request_id + 1, 2, -1, 0)]
