@@ -354,5 +354,24 @@ def test_after_a_replay_showed_the_restart_a_late_old_batch_is_dropped_even_as_t
     out += [a for q in (3, 4) for a in s.replayed(req.request_id, q, p(1, q))] + s.replay_finished(req.request_id, True)
     assert [a for a in out if isinstance(a, Reset)] and s.epoch == 1 and s.last_live == 5
     assert s.live(6, p(0, 6)) == [Duplicate(6)]  # instance 0's, stamped 6: before instance 1's first
+    assert s.live(4, p(0, 4)) == [Duplicate(4)]  # and one below it: still unknown, still instance 0's
     s.live(6, p(1, 6))
     assert s.held.get(6) == p(1, 6)  # instance 1's own: kept for its epoch (0..1 are being fetched)
+
+
+def test_after_a_restart_a_batch_stamped_at_the_epochs_first_is_this_instances() -> None:
+    """Only a batch stamped *before* the batch that showed this epoch's instance can be an older
+    instance's; one stamped at the same instant, above a gap, is held and the gap fetched."""
+    s = restarted(older_top=2, new_top=0)
+    out = s.live(5, p(1, 5), 1e6)
+    assert Duplicate(5) not in out and 5 in s.held
+
+
+def test_the_older_instances_late_batches_raise_its_last_seq_known() -> None:
+    """Instance 0 was seen up to seq 0 only; its late batch 3 (stamped before instance 1's first)
+    is dropped, and from then on a batch stamped so at or below 3 is instance 1's, its clock
+    stepped back (the older instance's seqs only grow): held above the gap, not dropped."""
+    s = restarted(older_top=0, new_top=0)
+    assert s.live(3, p(0, 3), STEPPED_BACK) == [Duplicate(3)]
+    out = s.live(2, p(1, 2), STEPPED_BACK)
+    assert Duplicate(2) not in out and 2 in s.held

@@ -401,6 +401,24 @@ def test_a_late_live_copy_stamped_in_the_same_instant_as_the_last_delivered_is_a
     assert s.live(4, p(0, 4)) == [Duplicate(4)]
 
 
+def test_a_stream_recognises_the_late_live_copies_of_the_1024_batches_replayed_first() -> None:
+    """A late live copy of a replayed batch is told by its bytes, for the first 1024 batches
+    replayed above the live stream (the memory of a stream stays bounded). In doubt, a batch the
+    stream cannot tell so (older bytes of another instance? its own?) is asked for by replay."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts)
+    s.live(0, p(0, 0))
+    s.live(1, p(0, 1))
+    req = only_request(s.live(3, p(0, 3)))  # the last seq live, above a gap: asked for from 1
+    for q in range(1, 1030):  # from the last delivered (which verifies), 4..1029 above the live stream
+        s.replayed(req.request_id, q, p(0, q))
+    s.replay_finished(req.request_id, complete=True)
+    assert s.delivered == 1029 and not s.replaying
+    s.disconnected(now=2000.0)
+    assert s.live(1027, p(0, 1027)) == [Duplicate(1027)]  # the 1024th replayed above it: a copy
+    out = s.live(1028, p(0, 1028))  # the 1025th: not remembered (nor the last delivered): asked of the engine
+    assert out[0] == Duplicate(1028) and len(requests(out)) == 1
+
+
 # -- resuming ---------------------------------------------------------------------------------------
 
 

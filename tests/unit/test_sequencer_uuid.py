@@ -339,3 +339,26 @@ def test_the_replay_a_heartbeat_asks_for_is_a_first_attempt() -> None:
     assert not s.replaying and s.in_doubt
     out = s.heartbeat(6, A)
     assert not s.in_doubt and out == [RequestReplay(again.request_id + 1, 2, -1, 0)]
+
+
+def test_a_late_joiner_met_by_its_heartbeat_announces_the_head_it_missed_as_joined_late() -> None:
+    """A stream first met through a heartbeat knows its instance for certain; its first live batch
+    above seq 0 is the bridge joining late: the head is lost as ``joined_late``, no gap shown. Past
+    the head, a gap is an ordinary one (without replay: lost as ``no_replay``)."""
+    s = seqr(replay=False)
+    assert s.heartbeat(2, A) == [] and s.sure_instance == A
+    assert s.live(1, p(A, 1), instance=A) == [Lost(0, 0, "joined_late", 0), Deliver(1, p(A, 1), 0)]
+    t = seqr(replay=False)
+    t.heartbeat(1, A)
+    assert delivered(feed(t, A, [0])) == [(0, 0)]
+    assert feed(t, A, [3]) == [Gap(1, 2), Lost(1, 2, "no_replay", 0), Deliver(3, p(A, 3), 0)]
+
+
+def test_under_the_same_uuid_a_gap_is_shown_once_and_a_late_live_batch_filling_it_releases_those_held() -> None:
+    """Seq 2 missed: one gap, whatever comes above it while the replay is in flight; seq 2 read
+    late on the live stream (interleaving, not a restart under the UUID) fills it, and the batches
+    held above it go out behind it."""
+    s = seqr()
+    out = feed(s, A, [0, 1, 3, 5])
+    assert [a for a in out if isinstance(a, Gap)] == [Gap(2, 2)] and len([a for a in out if isinstance(a, RequestReplay)]) == 1
+    assert delivered(s.live(2, p(A, 2), instance=A)) == [(0, 2), (0, 3)] and s.held == {5: p(A, 5)}
