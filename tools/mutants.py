@@ -1152,6 +1152,73 @@ EQUIVALENT: list[Equivalent] = [
         "> -> >=",
         "when equal, the last seq is set to the value it has",
     ),
+    Equivalent(
+        "sequencer",
+        "if last is not None and seq <= last:",
+        "<= -> <",
+        "out of doubt (accept declines in doubt) the last live seq is never above _top: every way out of doubt "
+        "raises _top over what was read in it (_trust) or sets both (_restart), and every live seq read out of doubt "
+        "raises _top; accept has already declined seq <= _top, so seq > last here",
+        within="accept",
+    ),
+    Equivalent(
+        "sequencer",
+        "self._retired.pop(instance, None)",
+        "statement deleted",
+        "a UUID reaching it is never retired: a retired one was dropped above (_instance_changed), the epoch's own is "
+        "never in _retired, and _live cannot retire it on the way (it restarts only on a seq at or below last_live or "
+        "_top, which the certain restart just cleared; one adopted in doubt is not retired)",
+        within="live",
+    ),
+    Equivalent(
+        "sequencer",
+        "self.instance, self._instance_sure = instance, not self._doubt",
+        "statement deleted",
+        "both callers set the same right after (live once _live returns, which reads neither; heartbeat when "
+        "self.instance is None, which _restart left it)",
+        within="_instance_changed",
+    ),
+    Equivalent(
+        "sequencer",
+        "if self.last_live is None or seq > self.last_live:",
+        "> -> >=",
+        "when equal, last_live is set to the value it has",
+        within="_same_instance",
+    ),
+    *(
+        Equivalent(
+            "sequencer",
+            text,
+            what,
+            "under the epoch's UUID known for certain, _live's late-copy check (the only reader of _replayed_crc) is "
+            "never reached again in this epoch (certain lasts until _restart, which empties it): forgetting the "
+            "copies at or below this seq only frees memory, bounded by _LATE_COPIES either way",
+            within="_same_instance",
+        )
+        for text, what in (
+            ("for s in [s for s in self._replayed_crc if s <= seq]:", "<= -> <"),
+            ("del self._replayed_crc[s]", "statement deleted"),
+        )
+    ),
+    *(
+        Equivalent(
+            "sequencer",
+            "if self._join and self.delivered < 0 and seq > 0:",
+            what,
+            "for seq 0 it would settle up to -1, i.e. nothing (delivered is -1), and clear _suspect, which with "
+            "nothing delivered can only name a replay from seq 0: seq 0 is delivered right after, so none is asked again",
+            nth=nth,
+            within="_same_instance",
+        )
+        for what, nth in (("> -> >=", 0), ("0 -> -1", 1))
+    ),
+    Equivalent(
+        "sequencer",
+        "copy = False  # proven a copy of a batch of this epoch's instance, by its bytes",
+        "False -> True",
+        "copy is read only in doubt for a seq at or below delivered; the paths that leave it unset are a seq above "
+        "_top (never below delivered) and a restart (delivered -1 after it): there it is never read",
+    ),
     *(
         Equivalent(module, text, "statement deleted", _SLOTS)
         for module, text in (
