@@ -1220,6 +1220,37 @@ EQUIVALENT: list[Equivalent] = [
         "_top (never below delivered) and a restart (delivered -1 after it): there it is never read",
     ),
     *(
+        Equivalent(
+            "sequencer",
+            "self._early, self._heard, self._skipped = {}, -1, False",
+            what,
+            "_request, which _new_instance ends with, sets _heard and _skipped itself, and nothing before it reads "
+            "them (_restart, _note_replayed, _keep, _deliver, _drain); only _early, which _keep counts, matters here",
+            within="_new_instance",
+        )
+        for what in ("1 -> 2", "1 -> 0", "False -> True")
+    ),
+    *(
+        Equivalent(
+            "sequencer",
+            "rest = max(self._unsorted(end), default=-1) if complete and cut and self._overlap is None else -1",
+            "1 -> 2",
+            "rest is only compared with 0 (rest >= 0): -2 reads as -1",
+            nth=nth,
+        )
+        for nth in (0, 1)
+    ),
+    *(
+        Equivalent(
+            "sequencer",
+            "if rest >= 0:",
+            what,
+            "rest is -1 or an unverified seq above the last reply of the replay (end = _heard, which sorting sets to "
+            "a reply's seq, >= 0): it is never 0",
+        )
+        for what in (">= -> >", "0 -> 1")
+    ),
+    *(
         Equivalent(module, text, "statement deleted", _SLOTS)
         for module, text in (
             ("kafka", '__slots__ = ("ends", "stream")'),

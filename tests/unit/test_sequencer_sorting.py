@@ -1,0 +1,146 @@
+"""When bytes decide: a replay in doubt answered by another instance than the epoch's, while live
+batches without an engine ts wait (undecodable: no clock to compare). The answering instance's
+replies sort the batches waiting into its own (the same seq and bytes) and not its own; a replay
+that stops at the last seq asked for before that is done is followed by one for the rest, from its
+last reply, which the next replay's first reply must repeat (``_SORTING`` in the sequencer).
+
+Payloads are ``instance:seq`` (engine ts ``instance * 1e6 + seq``) or ``instance:seq:x`` (no ts).
+"""
+
+from __future__ import annotations
+
+from bridge.sequencer import Action, Deliver, Lost, RequestReplay, Reset, StreamSequencer
+
+
+def p(instance: int, seq: int, stamped: bool = True) -> bytes:
+    return (f"{instance}:{seq}" if stamped else f"{instance}:{seq}:x").encode()
+
+
+def ts(payload: bytes) -> float | None:
+    parts = payload.decode().split(":")
+    return int(parts[0]) * 1e6 + int(parts[1]) if len(parts) == 2 else None
+
+
+def only_request(actions: list[Action]) -> RequestReplay:
+    (req,) = [a for a in actions if isinstance(a, RequestReplay)]
+    return req
+
+
+def delivered(actions: list[Action]) -> list[tuple[int, bytes]]:
+    return [(a.epoch, a.payload) for a in actions if isinstance(a, Deliver)]
+
+
+def in_doubt_with_undecodable_batches() -> tuple[StreamSequencer, RequestReplay]:
+    """Instance 0 delivered 0..2; the connection dropped; instance 1's seqs 3 and 4 came live
+    without a ts, 4 after the verifying replay was asked for (it asks up to 3)."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts)
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=5.0)
+    req = only_request(s.live(3, p(1, 3, False)))
+    assert (req.start, req.until) == (2, 3)  # from the anchor (verifies), to the batch without a ts
+    assert s.live(4, p(1, 4, False)) == []
+    return s, req
+
+
+def test_replies_of_another_instance_sort_the_batches_waiting_and_its_own_go_to_its_epoch() -> None:
+    s, req = in_doubt_with_undecodable_batches()
+    assert s.replayed(req.request_id, 2, p(1, 2)) == []  # not the anchor's bytes: another instance
+    assert s.replayed(req.request_id, 3, p(1, 3, False)) == []  # 3 is its; 4 is not told yet
+    out = s.replayed(req.request_id, 4, p(1, 4, False))  # 4 too: nothing left to sort
+    assert out == [Reset(1, "publisher_restart"), RequestReplay(req.request_id + 1, 0, 1, 0)]
+    assert s.held == {2: p(1, 2), 3: p(1, 3, False), 4: p(1, 4, False)} and not s.unverified
+    nxt = out[-1]
+    assert isinstance(nxt, RequestReplay)
+    out = [a for q in (0, 1) for a in s.replayed(nxt.request_id, q, p(1, q))]
+    assert delivered(out) == [(1, p(1, q, q < 2 or q == 2)) for q in range(5)]
+
+
+def test_a_replay_cut_at_the_last_seq_asked_for_is_followed_by_one_for_the_rest_from_its_last_reply() -> None:
+    """Seq 5 came live during the replay, which stops at 4 (past what it was asked for): the
+    rest is asked of the same instance from its last reply, 4, which that replay must repeat."""
+    s, req = in_doubt_with_undecodable_batches()
+    for q in (2, 3):
+        s.replayed(req.request_id, q, p(1, q, q == 2))
+    assert s.live(5, p(1, 5, False)) == []
+    assert s.replayed(req.request_id, 4, p(1, 4, False)) == []  # 5 waits to be told
+    more = s.replay_finished(req.request_id, complete=True)
+    assert more == [RequestReplay(req.request_id + 1, 4, 5, 0)]
+    assert s.replayed(more[0].request_id, 4, p(1, 4, False)) == []  # the repeat: the same instance
+    out = s.replayed(more[0].request_id, 5, p(1, 5, False))
+    assert out[0] == Reset(1, "publisher_restart")
+    assert s.held == {q: p(1, q, q == 2) for q in range(2, 6)}
+
+
+def test_a_rest_answered_by_yet_another_instance_sorts_no_further() -> None:
+    """The first reply of the replay for the rest is not the last reply repeated: another instance
+    answers now. What the first one answered is its; the batch left unsorted is nobody's known:
+    announced lost with the old epoch, its seq fetched again from the new instance."""
+    s, req = in_doubt_with_undecodable_batches()
+    for q in (2, 3):
+        s.replayed(req.request_id, q, p(1, q, q == 2))
+    s.live(5, p(1, 5, False))
+    s.replayed(req.request_id, 4, p(1, 4, False))
+    (more,) = s.replay_finished(req.request_id, complete=True)
+    assert isinstance(more, RequestReplay)
+    out = s.replayed(more.request_id, 4, p(2, 4, False))
+    assert out == [
+        Lost(3, 5, "publisher_restart", 0),
+        Reset(1, "publisher_restart"),
+        RequestReplay(more.request_id + 1, 0, -1, 0),
+    ]
+    assert s.held == {2: p(1, 2), 3: p(1, 3, False), 4: p(1, 4, False)} and not s.unverified
+
+
+def test_a_replay_that_ends_at_the_engines_last_seq_while_sorting_sorts_no_further() -> None:
+    """The answering instance's replay ended before the last seq asked for (at the engine's last):
+    it never published the batch left unsorted, which is then not its."""
+    s, req = in_doubt_with_undecodable_batches()
+    s.replayed(req.request_id, 2, p(1, 2))
+    out = s.replay_finished(req.request_id, complete=True)  # nothing from 3 on: 3 and 4 are not its
+    assert out == [Lost(3, 4, "publisher_restart", 0), Reset(1, "publisher_restart"), RequestReplay(req.request_id + 1, 0, -1, 0)]
+    assert s.held == {2: p(1, 2)} and not s.unverified
+
+
+def test_the_new_instances_replies_count_once_against_max_held() -> None:
+    """The replies kept for the verdict become the new epoch's batches: moved, not counted twice
+    against ``max_held`` (5 here: three replies and the two batches waiting fit)."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts, max_held=5)
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=5.0)
+    req = only_request(s.live(3, p(1, 3, False)))
+    s.live(4, p(1, 4, False))
+    for q in (2, 3, 4):
+        s.replayed(req.request_id, q, p(1, q, q == 2))
+    assert s.epoch == 1 and s.held == {2: p(1, 2), 3: p(1, 3, False), 4: p(1, 4, False)}
+
+
+def test_a_reply_above_the_anchor_with_an_earlier_clock_is_a_new_instances_and_known_published() -> None:
+    """A probe's first reply is seq 3, stamped before the batch delivered last: another instance's
+    (restarted, its clock behind). Its reply opens the new epoch, which knows seq 3 published."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts)
+    for q in range(3):
+        s.live(q, p(1, q))
+    (req,) = s.probe()
+    assert isinstance(req, RequestReplay)
+    out = s.replayed(req.request_id, 3, p(0, 3))
+    assert out == [Reset(1, "publisher_restart"), RequestReplay(req.request_id + 1, 0, 2, 0)]
+    assert s.held == {3: p(0, 3)} and s.known_top == 3
+
+
+def test_the_rest_asked_for_reaches_the_last_batch_waiting_even_from_a_replay_stopped_at_its_last_seq() -> None:
+    """The replay stopped exactly at the last seq it asked for (3), with 4, 5 and 6 unsorted (5
+    and 6 came live during it): the rest is asked for from 3 to the last of them."""
+    s, req = in_doubt_with_undecodable_batches()
+    s.replayed(req.request_id, 2, p(1, 2))
+    s.replayed(req.request_id, 3, p(1, 3, False))
+    for q in (5, 6):
+        s.live(q, p(1, q, False))
+    assert s.replay_finished(req.request_id, complete=True) == [RequestReplay(req.request_id + 1, 3, 6, 0)]
+    # That replay repeats 3 and ends there, at the engine's last seq: 4..6 are not the instance's.
+    more = RequestReplay(req.request_id + 1, 3, 6, 0)
+    assert s.replayed(more.request_id, 3, p(1, 3, False)) == []
+    out = s.replay_finished(more.request_id, complete=True)
+    assert out[:2] == [Lost(3, 6, "publisher_restart", 0), Reset(1, "publisher_restart")]
+    assert s.held == {2: p(1, 2), 3: p(1, 3, False)} and not s.unverified
