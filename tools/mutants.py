@@ -1250,6 +1250,26 @@ EQUIVALENT: list[Equivalent] = [
         )
         for what in (">= -> >", "0 -> 1")
     ),
+    Equivalent(
+        "sequencer",
+        "for s in [s for s in self._replayed_crc if s <= seq]:",
+        "<= -> <",
+        "the late-copy check reads _replayed_crc only for a seq above last_live, which is set to this seq right before "
+        "and only grows in an epoch (a seq at or below it restarts or is dropped above; _restart empties the dict): "
+        "the entry at this seq is never read again, keeping it only holds memory, bounded by _LATE_COPIES",
+        within="_live",
+    ),
+    *(
+        Equivalent(
+            "sequencer",
+            "if self._join and self.delivered < 0 and seq > 0:  # the head (this batch goes out below: once)",
+            what,
+            "for seq 0 it would settle up to -1, i.e. nothing (delivered is -1), and clear _suspect, which with "
+            "nothing delivered can only name a replay from seq 0: seq 0 is delivered right after, so none is asked again",
+            nth=nth,
+        )
+        for what, nth in (("> -> >=", 0), ("0 -> -1", 1))
+    ),
     *(
         Equivalent(module, text, "statement deleted", _SLOTS)
         for module, text in (

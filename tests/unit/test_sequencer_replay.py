@@ -419,6 +419,26 @@ def test_a_stream_recognises_the_late_live_copies_of_the_1024_batches_replayed_f
     assert out[0] == Duplicate(1028) and len(requests(out)) == 1
 
 
+@pytest.mark.parametrize("clock", [1.5, 2.0])
+def test_in_doubt_a_late_batch_the_stream_cannot_tell_is_asked_for_by_a_first_attempt(clock: float) -> None:
+    """A replay brought 2..3 ahead of the live stream; in doubt, after a probe that went silent
+    (one attempt counted), a live seq 2 with other bytes and an earlier clock (or the same
+    instant: not later) comes: not a copy, not provably another instance's. A replay asks whose
+    it is: a new question, attempt 0."""
+    stamp = {b"a0": 0.0, b"a1": 1.0, b"a2": 2.0, b"a3": 3.0, b"b2": clock}
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=stamp.__getitem__)
+    s.live(0, b"a0")
+    s.live(1, b"a1")
+    probe = only_request(s.probe())
+    for q in (1, 2, 3):
+        s.replayed(probe.request_id, q, b"a%d" % q)
+    s.replay_finished(probe.request_id, complete=True)
+    s.disconnected(now=10.0)
+    probe = only_request(s.probe())
+    assert s.replay_finished(probe.request_id, complete=False) == [] and not s.replaying and s.in_doubt
+    assert s.live(2, b"b2") == [Duplicate(2), RequestReplay(probe.request_id + 1, 3, 3, 0)]
+
+
 # -- resuming ---------------------------------------------------------------------------------------
 
 
