@@ -144,3 +144,25 @@ def test_the_rest_asked_for_reaches_the_last_batch_waiting_even_from_a_replay_st
     out = s.replay_finished(more.request_id, complete=True)
     assert out[:2] == [Lost(3, 6, "publisher_restart", 0), Reset(1, "publisher_restart")]
     assert s.held == {2: p(1, 2), 3: p(1, 3, False)} and not s.unverified
+
+
+def test_a_replay_that_stops_before_the_reply_comparing_bytes_is_followed_by_a_probe_of_that_seq() -> None:
+    """Instance 0's batches 3..5 came without a ts after the disconnect. The first replay went
+    silent (an attempt counted); the second lost its anchor reply and stopped after 3, which
+    told nothing yet (4 and 5, above it, have no ts to compare). The next asks for exactly the
+    first batch waiting above its last reply, 4: a new question, attempt 0; its reply, the same
+    bytes, shows the same instance."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts)
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=5.0)
+    req = only_request(s.live(3, p(0, 3, False)))
+    s.live(4, p(0, 4, False))
+    s.live(5, p(0, 5, False))
+    req = only_request(s.replay_finished(req.request_id, complete=False))
+    assert req.attempt == 1
+    assert s.replayed(req.request_id, 3, p(0, 3, False)) == []  # (its anchor reply, 2, was dropped)
+    probe = only_request(s.replay_finished(req.request_id, complete=True))
+    assert (probe.start, probe.until, probe.attempt) == (4, 4, 0)
+    out = s.replayed(probe.request_id, 4, p(0, 4, False))
+    assert delivered(out) == [(0, p(0, q, False)) for q in (3, 4, 5)] and not s.in_doubt
