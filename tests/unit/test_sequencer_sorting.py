@@ -164,5 +164,21 @@ def test_a_replay_that_stops_before_the_reply_comparing_bytes_is_followed_by_a_p
     assert s.replayed(req.request_id, 3, p(0, 3, False)) == []  # (its anchor reply, 2, was dropped)
     probe = only_request(s.replay_finished(req.request_id, complete=True))
     assert (probe.start, probe.until, probe.attempt) == (4, 4, 0)
+    again = only_request(s.replay_finished(probe.request_id, complete=False))  # silent: the same question
+    assert (again.start, again.until, again.attempt) == (4, 4, 1)
+    probe = again
     out = s.replayed(probe.request_id, 4, p(0, 4, False))
     assert delivered(out) == [(0, p(0, q, False)) for q in (3, 4, 5)] and not s.in_doubt
+
+
+def test_a_replay_asked_before_the_batches_waiting_came_does_not_count_as_an_attempt() -> None:
+    """A probe in doubt asked when nothing waited; batch 3 came during it, which it could not
+    verify: its silence is no attempt at verifying 3, so the next replay is still attempt 0."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts)
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=5.0)
+    probe = only_request(s.probe())
+    assert s.live(3, p(0, 3)) == []  # (a replay is in flight)
+    req = only_request(s.replay_finished(probe.request_id, complete=False))
+    assert (req.start, req.attempt) == (2, 0)
