@@ -1270,6 +1270,33 @@ EQUIVALENT: list[Equivalent] = [
         )
         for what, nth in (("> -> >=", 0), ("0 -> -1", 1))
     ),
+    Equivalent(
+        "sequencer",
+        "self._request(out, to_end=True)",
+        "True -> False",
+        "start() runs at start-up, before anything was read live (last_live None) or waits: _request then reads to "
+        "the end marker either way",
+        within="start",
+    ),
+    *(
+        Equivalent(
+            "sequencer",
+            "top = max(self._top, max(self.held, default=-1))",
+            what,
+            "every batch held is at or below _top (each way into held raises _top first: _live, _same_instance, _take, "
+            "_new_instance, _replayed_by_new_instance, _trust; _restart sets _top to last_live, at or above what it "
+            "carries), and _top >= -1: the outer max is _top whatever the inner term",
+            nth=nth,
+        )
+        for what, nth in (("max -> min", 1), ("1 -> 2", 0))
+    ),
+    Equivalent(
+        "sequencer",
+        "end = min(self.held) - 1 if self.held else (self.last_live if self.last_live is not None else self.delivered)",
+        "1 -> 0",
+        "_lose delivers a held batch at to_seq itself after announcing the span below it lost: settling up to the "
+        "first held batch gives the same actions as settling just below it and draining (which _lose does last)",
+    ),
     *(
         Equivalent(module, text, "statement deleted", _SLOTS)
         for module, text in (

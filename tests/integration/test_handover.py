@@ -364,8 +364,20 @@ async def test_two_pods_number_a_restart_alike_when_no_live_batch_shows_it(
     each pod's own clock in microseconds, 7 of 7 runs apart, 12-18 batches dead-lettered and
     nothing announced)."""
     uid = uuid.uuid4().hex[:8]
-    sink = Sink("redis", {"type": "redis", "name": "redis", "batch": {"linger": 0}, "format": "json", "granularity": "batch",
-                          "url": fresh_redis.url, "stream": f"p{uid}:{{source}}:{{dp_rank}}"}, lambda: None, "batch")
+    sink = Sink(
+        "redis",
+        {
+            "type": "redis",
+            "name": "redis",
+            "batch": {"linger": 0},
+            "format": "json",
+            "granularity": "batch",
+            "url": fresh_redis.url,
+            "stream": f"p{uid}:{{source}}:{{dp_rank}}",
+        },
+        lambda: None,
+        "batch",
+    )
     async with engine("vllm-pr57789-uuid") as (sim, source):
         cfg = config(tmp_path, source, sink, from_sinks=True)
         cfg["replay"]["idle_probe"] = "300ms"

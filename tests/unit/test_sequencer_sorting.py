@@ -182,3 +182,21 @@ def test_a_replay_asked_before_the_batches_waiting_came_does_not_count_as_an_att
     assert s.live(3, p(0, 3)) == []  # (a replay is in flight)
     req = only_request(s.replay_finished(probe.request_id, complete=False))
     assert (req.start, req.attempt) == (2, 0)
+
+
+def test_a_resumed_stream_whose_replays_stay_silent_settles_everything_its_instance_published() -> None:
+    """Resumed at seq 2 with seq 6 known published by the instance (a stream resumed in the same
+    process): when no replay can verify the instance, the seqs it published and the stream never
+    got are announced lost, and the stream stays in doubt (whoever comes next is verified)."""
+    s = StreamSequencer(
+        can_replay=True,
+        replay_on_start=True,
+        ts_of=ts,
+        delivered=2,
+        delivered_fp=(2.0, None),
+        known_top=6,
+        max_attempts=1,
+    )
+    req = only_request(s.start())
+    assert s.replay_finished(req.request_id, complete=False) == [Lost(3, 6, "replay_unavailable", 0)]
+    assert s.in_doubt and not s.replaying
