@@ -1297,6 +1297,25 @@ EQUIVALENT: list[Equivalent] = [
         "_lose delivers a held batch at to_seq itself after announcing the span below it lost: settling up to the "
         "first held batch gives the same actions as settling just below it and draining (which _lose does last)",
     ),
+    Equivalent("sequencer", "def detached(self, unread_top: int = -1) -> None:", "1 -> 2", _NO_SEQ),
+    *(
+        Equivalent(
+            "sequencer",
+            "top = max(self.last_live if self.last_live is not None else -1, max(self.held, default=-1))",
+            "1 -> 2",
+            _NO_SEQ,
+            nth=nth,
+        )
+        for nth in (0, 1)
+    ),
+    Equivalent(
+        "sequencer",
+        "top = max(self.last_live if self.last_live is not None else -1, max(self.held, default=-1))",
+        "max -> min",
+        "every batch held is above delivered (_lose takes those it passes, _drain the next one): any of them, the "
+        "least as the greatest, opens the gap (delivered < top)",
+        nth=1,
+    ),
     *(
         Equivalent(module, text, "statement deleted", _SLOTS)
         for module, text in (

@@ -375,3 +375,28 @@ def test_the_older_instances_late_batches_raise_its_last_seq_known() -> None:
     assert s.live(3, p(0, 3), STEPPED_BACK) == [Duplicate(3)]
     out = s.live(2, p(1, 2), STEPPED_BACK)
     assert Duplicate(2) not in out and 2 in s.held
+
+
+def test_disconnects_count_from_the_last_verification_not_from_the_first_doubt() -> None:
+    """A disconnect, then a replay that verifies the same instance (doubt over), then another
+    disconnect: one disconnect since continuity was last known, not two. A restart shown then
+    opens the new epoch out of doubt, its first batch delivered at once (here one without a ts:
+    nothing says it was published before the second disconnect, which one more would need)."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=lambda b: None if b[:1] == b"1" else ts(b))
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=10.0)
+    (req,) = s.probe()
+    assert isinstance(req, RequestReplay)
+    s.replayed(req.request_id, 2, p(0, 2))
+    s.replay_finished(req.request_id, complete=True)
+    assert not s.in_doubt
+    s.disconnected(now=20.0)
+    out = s.live(0, p(1, 0))  # a new instance's seq 0
+    assert isinstance(out[0], Reset) and not s.in_doubt and delivered(out) == [(1, p(1, 0))]
+
+
+def test_a_stream_detached_with_nothing_unread_knows_of_nothing_more_published() -> None:
+    s = seqr()
+    s.detached()
+    assert s.known_top == -1
