@@ -1524,9 +1524,11 @@ def select(args: argparse.Namespace, module: str, source: str) -> list[Mutant]:
     parts = tuple(args.function or ()) or target.parts
     if parts:
         keep = part_lines(source, parts)
-    for spec in args.lines or ():
-        first, _, last = spec.partition("-")
-        wanted = set(range(int(first), int(last or first) + 1))
+    if args.lines:  # (repeated: any of the ranges)
+        wanted: set[int] = set()
+        for spec in args.lines:
+            first, _, last = spec.partition("-")
+            wanted.update(range(int(first), int(last or first) + 1))
         keep = wanted if keep is None else keep & wanted
     if args.changed:
         wanted = changed_lines(args.changed, target.path)
@@ -1555,7 +1557,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--only", action="append", metavar="MODULE:N", help="run only these mutants")
     parser.add_argument("--function", action="append", metavar="NAME", help="only this function or class (Class.method)")
-    parser.add_argument("--lines", action="append", metavar="A-B", help="only mutants on these lines")
+    parser.add_argument("--lines", action="append", metavar="A-B", help="only mutants on these lines (repeatable: any of them)")
     parser.add_argument(
         "--changed",
         nargs="?",
