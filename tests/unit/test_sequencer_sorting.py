@@ -200,3 +200,28 @@ def test_a_resumed_stream_whose_replays_stay_silent_settles_everything_its_insta
     req = only_request(s.start())
     assert s.replay_finished(req.request_id, complete=False) == [Lost(3, 6, "replay_unavailable", 0)]
     assert s.in_doubt and not s.replaying
+
+
+def test_a_disconnect_while_replies_wait_for_a_verdict_asks_again_for_all_of_it() -> None:
+    """Reply 3 waits for a verdict (4, above it, has no ts) when the connection drops again: the
+    rest of the replay may now come from another instance. Its replies are dropped and the stream
+    asks again, to the end (the seqs heard are owed); a reply of the replay before is ignored."""
+    s, req = in_doubt_with_undecodable_batches()
+    assert s.replayed(req.request_id, 3, p(1, 3, False)) == []  # (its anchor reply, 2, was dropped)
+    again = only_request(s.disconnected(now=6.0))
+    assert (again.start, again.until, again.attempt) == (2, -1, 0)
+    assert s.replayed(req.request_id, 4, p(1, 4, False)) == []
+
+
+def test_a_disconnect_while_sorting_ends_the_sort_with_what_the_answering_instance_answered() -> None:
+    """The connection drops while instance 1's replies sort the batches waiting: the rest may come
+    from another instance. What instance 1 answered opens its epoch (2 and 3 are its); 4, not
+    sorted, is announced lost with the old epoch. The new epoch is in doubt: who is connected now
+    is unknown."""
+    s, req = in_doubt_with_undecodable_batches()
+    s.replayed(req.request_id, 2, p(1, 2))
+    s.replayed(req.request_id, 3, p(1, 3, False))
+    out = s.disconnected(now=6.0)
+    assert out[:2] == [Lost(3, 4, "publisher_restart", 0), Reset(1, "publisher_restart")]
+    assert isinstance(out[-1], RequestReplay) and out[-1].start == 0
+    assert s.held == {2: p(1, 2), 3: p(1, 3, False)} and not s.unverified and s.in_doubt
