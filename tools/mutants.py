@@ -1316,6 +1316,15 @@ EQUIVALENT: list[Equivalent] = [
         "least as the greatest, opens the gap (delivered < top)",
         nth=1,
     ),
+    Equivalent(
+        "sequencer",
+        "if seq > self.delivered:",
+        "> -> >=",
+        "a batch waits unverified only above delivered (_live keeps it so), and delivered does not move in doubt "
+        "while one waits (the only loss settled in doubt is when none waits; replies are taken after _trust): no "
+        "batch waiting is ever at delivered",
+        within="_trust",
+    ),
     *(
         Equivalent(module, text, "statement deleted", _SLOTS)
         for module, text in (
