@@ -225,3 +225,17 @@ def test_a_disconnect_while_sorting_ends_the_sort_with_what_the_answering_instan
     assert out[:2] == [Lost(3, 4, "publisher_restart", 0), Reset(1, "publisher_restart")]
     assert isinstance(out[-1], RequestReplay) and out[-1].start == 0
     assert s.held == {2: p(1, 2), 3: p(1, 3, False)} and not s.unverified and s.in_doubt
+
+
+def test_a_replay_from_seq_1_that_answers_nothing_is_asked_again_from_seq_0() -> None:
+    """Nothing from the anchor (seq 1) on, and no replay has shown the engine's buffer at work:
+    a buffer that is off answers so, and so does a new instance not yet that far. Asked from seq
+    0, a batch below the anchor would show the new instance."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts)
+    s.live(0, p(0, 0))
+    s.live(1, p(0, 1))
+    s.disconnected(now=5.0)
+    probe = only_request(s.probe())
+    assert probe.start == 1
+    again = only_request(s.replay_finished(probe.request_id, complete=True))
+    assert (again.start, again.until) == (0, -1)
