@@ -1336,6 +1336,13 @@ EQUIVALENT: list[Equivalent] = [
         )
         for what, nth in (("< -> <=", 0), ("0 -> 1", 1))
     ),
+    Equivalent(
+        "sequencer",
+        "if seq < self._anchor_seq:",
+        "< -> <=",
+        "a seq equal to the anchor's returned on the line above",
+        within="_other_instance",
+    ),
     *(
         Equivalent(module, text, "statement deleted", _SLOTS)
         for module, text in (

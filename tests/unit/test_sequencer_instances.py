@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import zlib
 
+import pytest
+
 from bridge.sequencer import Action, Deliver, Duplicate, Lost, RequestReplay, Reset, StreamSequencer
 
 
@@ -400,3 +402,32 @@ def test_a_stream_detached_with_nothing_unread_knows_of_nothing_more_published()
     s = seqr()
     s.detached()
     assert s.known_top == -1
+
+
+@pytest.mark.parametrize(
+    ("reference", "payload", "restart"),
+    [
+        ((2, 10.0), b"b2@11", True),  # at the reference's seq, a later clock: another instance
+        ((2, 10.0), b"b2@10", False),  # the same instant is not later
+        ((2, 10.0), b"b2@5", False),  # an earlier clock (compared with the reference's ts, not its seq)
+        ((2, 10.0), b"b2x", False),  # no ts: nothing to compare
+        ((1, 1e6), b"b2@2000000", False),  # above the reference's seq: its clock bounds nothing
+    ],
+)
+def test_below_an_anchor_without_a_ts_an_earlier_batchs_ts_tells_a_later_instance(
+    reference: tuple[int, float], payload: bytes, restart: bool
+) -> None:
+    """Resumed without replay at seq 3, whose batch had no ts (only its CRC kept); the pipeline
+    gave the ts of an earlier batch of the epoch (``reference``). A live batch at or below that
+    seq stamped after it is another instance's; anything else proves nothing (a duplicate)."""
+    s = StreamSequencer(
+        can_replay=False,
+        replay_on_start=False,
+        ts_of=lambda b: None if b.endswith(b"x") else float(b.split(b"@")[1]),
+        delivered=3,
+        delivered_fp=(None, zlib.crc32(b"a3x")),
+    )
+    s.reference(*reference)
+    out = s.live(2, payload)
+    assert (Reset(1, "publisher_restart") in out) is restart
+    assert restart or out == [Duplicate(2)]
