@@ -1343,6 +1343,7 @@ EQUIVALENT: list[Equivalent] = [
         "a seq equal to the anchor's returned on the line above",
         within="_other_instance",
     ),
+    Equivalent("sequencer", "early, self._early, self._heard, self._skipped = self._early, {}, -1, False", "1 -> 2", _NO_SEQ),
     *(
         Equivalent(module, text, "statement deleted", _SLOTS)
         for module, text in (

@@ -362,3 +362,20 @@ def test_under_the_same_uuid_a_gap_is_shown_once_and_a_late_live_batch_filling_i
     out = feed(s, A, [0, 1, 3, 5])
     assert [a for a in out if isinstance(a, Gap)] == [Gap(2, 2)] and len([a for a in out if isinstance(a, RequestReplay)]) == 1
     assert delivered(s.live(2, p(A, 2), instance=A)) == [(0, 2), (0, 3)] and s.held == {5: p(A, 5)}
+
+
+def test_a_resumed_streams_replay_answered_under_its_uuid_is_trusted_without_its_anchor() -> None:
+    """Resumed with its UUID (certain): the replay that starts it may lose the anchor's reply
+    (seq 5); a reply under the epoch's UUID is this instance's all the same, whatever its clock:
+    doubt ends and the replies are delivered, no verification by bytes or clocks."""
+    last = p(A, 5)
+    s = StreamSequencer(
+        can_replay=True, replay_on_start=True, ts_of=ts, delivered=5, delivered_fp=fingerprint(ts(last), last), instance=A
+    )
+    (req,) = s.start()
+    assert isinstance(req, RequestReplay) and req.start == 5 and s.in_doubt
+    stepped_back = b"\xaa:1"  # stamped before seq 5: by its clock, another instance; by its UUID, this one
+    out = s.replayed(req.request_id, 6, stepped_back, instance=A)
+    assert out == [Deliver(6, stepped_back, 0, True)] and not s.in_doubt
+    assert s.replayed(req.request_id, 7, p(A, 7), instance=A) == [Deliver(7, p(A, 7), 0, True)]
+    assert s.disconnected(now=10.0) == [] and s.in_doubt  # nothing waits for a verdict: nothing to ask again
