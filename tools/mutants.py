@@ -1344,6 +1344,12 @@ EQUIVALENT: list[Equivalent] = [
         within="_other_instance",
     ),
     Equivalent("sequencer", "early, self._early, self._heard, self._skipped = self._early, {}, -1, False", "1 -> 2", _NO_SEQ),
+    Equivalent(
+        "sequencer",
+        "above = [s for s in batches if s > seq]",
+        "> -> >=",
+        "a batch at this seq was answered for on the line above (mine): none is left at it here",
+    ),
     *(
         Equivalent(module, text, "statement deleted", _SLOTS)
         for module, text in (
