@@ -239,3 +239,19 @@ def test_a_replay_from_seq_1_that_answers_nothing_is_asked_again_from_seq_0() ->
     assert probe.start == 1
     again = only_request(s.replay_finished(probe.request_id, complete=True))
     assert (again.start, again.until) == (0, -1)
+
+
+def test_a_batch_waiting_with_a_ts_is_sorted_by_the_clock_of_the_first_reply_not_by_bytes() -> None:
+    """Instance 1's first reply (2) has a ts: the batches waiting that have one too are told by
+    the clocks (4, stamped after that reply, is instance 1's), only 3, without one, by its reply's
+    bytes. Once 3 is answered nothing is left to sort: the new epoch opens with 2, 3 and 4."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts)
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=5.0)
+    req = only_request(s.live(3, p(1, 3, False)))
+    assert s.live(4, p(1, 4)) == []
+    assert s.replayed(req.request_id, 2, p(1, 2)) == []
+    out = s.replayed(req.request_id, 3, p(1, 3, False))
+    assert out[0] == Reset(1, "publisher_restart")
+    assert s.held == {2: p(1, 2), 3: p(1, 3, False), 4: p(1, 4)} and not s.unverified
