@@ -255,3 +255,20 @@ def test_a_batch_waiting_with_a_ts_is_sorted_by_the_clock_of_the_first_reply_not
     out = s.replayed(req.request_id, 3, p(1, 3, False))
     assert out[0] == Reset(1, "publisher_restart")
     assert s.held == {2: p(1, 2), 3: p(1, 3, False), 4: p(1, 4)} and not s.unverified
+
+
+def test_the_new_epochs_floor_is_the_earliest_clock_among_the_answering_instances_replies() -> None:
+    """A live batch stamped before the first batch known of the epoch's instance is an older
+    instance's, read late; one stamped after its earliest reply known (2, at 1e6 + 2) is not, even
+    if stamped before a later reply (4)."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts)
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=5.0)
+    req = only_request(s.live(3, p(1, 3, False)))
+    s.live(5, p(1, 5, False))
+    for q in (2, 3, 4, 5):
+        out = s.replayed(req.request_id, q, p(1, q, q % 2 == 0))
+    assert out[0] == Reset(1, "publisher_restart")
+    s.live(6, p(1, 3))  # stamped 1e6 + 3: after instance 1's first reply, before its reply 4
+    assert s.held.get(6) == p(1, 3)  # its: kept (0 and 1 are being fetched), not dropped as late
