@@ -272,3 +272,18 @@ def test_the_new_epochs_floor_is_the_earliest_clock_among_the_answering_instance
     assert out[0] == Reset(1, "publisher_restart")
     s.live(6, p(1, 3))  # stamped 1e6 + 3: after instance 1's first reply, before its reply 4
     assert s.held.get(6) == p(1, 3)  # its: kept (0 and 1 are being fetched), not dropped as late
+
+
+def test_replies_kept_for_a_verdict_are_delivered_once_a_later_reply_gives_it() -> None:
+    """Seq 3 was missed live, 4 came without a ts after the disconnect. The anchor's reply is
+    dropped; reply 3 tells nothing yet (4, above it, has no ts) and is kept; reply 4, the same
+    bytes as the batch waiting, shows the same instance: 3 and 4 go out, in order."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts)
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=5.0)
+    req = only_request(s.live(4, p(0, 4, False)))
+    assert (req.start, req.until) == (2, 4)
+    assert s.replayed(req.request_id, 3, p(0, 3)) == []
+    out = s.replayed(req.request_id, 4, p(0, 4, False))
+    assert delivered(out) == [(0, p(0, 3)), (0, p(0, 4, False))] and not s.in_doubt
