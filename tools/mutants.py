@@ -1351,6 +1351,17 @@ EQUIVALENT: list[Equivalent] = [
         "a batch at this seq was answered for on the line above (mine): none is left at it here",
     ),
     *(
+        Equivalent(
+            "sequencer",
+            text,
+            what,
+            "it is only called with the epoch's UUID certain (replayed checks _instance_sure), so old is never None "
+            "and _restart has retired it already",
+            within="_replayed_by_new_instance",
+        )
+        for text, what in (("if old is not None:", "is not -> is"), ("self._retire(old)", "statement deleted"))
+    ),
+    *(
         Equivalent(module, text, "statement deleted", _SLOTS)
         for module, text in (
             ("kafka", '__slots__ = ("ends", "stream")'),

@@ -379,3 +379,16 @@ def test_a_resumed_streams_replay_answered_under_its_uuid_is_trusted_without_its
     assert out == [Deliver(6, stepped_back, 0, True)] and not s.in_doubt
     assert s.replayed(req.request_id, 7, p(A, 7), instance=A) == [Deliver(7, p(A, 7), 0, True)]
     assert s.disconnected(now=10.0) == [] and s.in_doubt  # nothing waits for a verdict: nothing to ask again
+
+
+def test_a_replay_answered_under_a_new_uuid_above_seq_0_knows_the_instance_and_its_seqs() -> None:
+    """The new instance answers with its seq 3 first (its 0..2 left its buffer, or are asked for
+    next): its UUID is certain at once, seq 3 is known published by it, and kept for its epoch."""
+    s = seqr()
+    feed(s, A, range(3))
+    (req,) = s.probe()
+    assert isinstance(req, RequestReplay)
+    out = s.replayed(req.request_id, 3, p(B, 3), instance=B)
+    assert out[0] == Reset(1, INSTANCE_CHANGED) and isinstance(out[-1], RequestReplay) and out[-1].start == 0
+    assert s.sure_instance == B and s.retired_instances == [A]
+    assert s.held == {3: p(B, 3)} and s.known_top == 3
