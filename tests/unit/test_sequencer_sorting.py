@@ -287,3 +287,18 @@ def test_replies_kept_for_a_verdict_are_delivered_once_a_later_reply_gives_it() 
     assert s.replayed(req.request_id, 3, p(0, 3)) == []
     out = s.replayed(req.request_id, 4, p(0, 4, False))
     assert delivered(out) == [(0, p(0, 3)), (0, p(0, 4, False))] and not s.in_doubt
+
+
+def test_replies_kept_for_a_verdict_count_against_max_held() -> None:
+    """``max_held`` (3) bounds everything waiting: the batch waiting (6) and the replies kept for
+    the verdict (3, 4); reply 5 is past the bound and not kept. When reply 6 shows the same
+    instance, 3 and 4 go out; 5 is asked for again (it is still in the engine's buffer)."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts, max_held=3)
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=5.0)
+    req = only_request(s.live(6, p(0, 6, False)))
+    out = [a for q in (3, 4, 5, 6) for a in s.replayed(req.request_id, q, p(0, q, q != 6))]
+    assert delivered(out) == [(0, p(0, 3)), (0, p(0, 4))] and s.held == {6: p(0, 6, False)}
+    again = only_request(s.replay_finished(req.request_id, complete=True))
+    assert again.start == 4  # from the last delivered (verifies), for 5

@@ -195,6 +195,7 @@ def test_a_replay_answered_under_a_new_uuid_is_a_certain_restart() -> None:
     out = s.replayed(req.request_id, 0, p(B, 0), instance=B)
     assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
     assert delivered(out) == [(1, 0)] and s.instance == B
+    assert Deliver(0, p(B, 0), 1, True) in out  # (a replayed batch)
     nxt = out[-1]
     assert isinstance(nxt, RequestReplay)
     # A reply of the retired instance to the old request is ignored; the new one's go on.
