@@ -1362,6 +1362,18 @@ EQUIVALENT: list[Equivalent] = [
         for text, what in (("if old is not None:", "is not -> is"), ("self._retire(old)", "statement deleted"))
     ),
     *(
+        Equivalent(
+            "sequencer",
+            "self._early, self._heard, self._skipped = {}, -1, False",
+            what,
+            "_unclaim runs only with a replay in flight that ends here (detached, disconnected, replay_finished); "
+            "_heard and _skipped are read only with one in flight (_check, replay_finished, disconnected's "
+            "`self._replay is not None`), i.e. after the next _request, which sets them itself",
+            within="_unclaim",
+        )
+        for what in ("1 -> 2", "1 -> 0", "False -> True")
+    ),
+    *(
         Equivalent(module, text, "statement deleted", _SLOTS)
         for module, text in (
             ("kafka", '__slots__ = ("ends", "stream")'),
