@@ -9,7 +9,7 @@ Payloads are ``instance:seq`` (engine ts ``instance * 1e6 + seq``) or ``instance
 
 from __future__ import annotations
 
-from bridge.sequencer import Action, Deliver, Lost, RequestReplay, Reset, StreamSequencer
+from bridge.sequencer import Action, Deliver, Duplicate, Lost, RequestReplay, Reset, StreamSequencer
 
 
 def p(instance: int, seq: int, stamped: bool = True) -> bytes:
@@ -231,14 +231,24 @@ def test_a_replay_from_seq_1_that_answers_nothing_is_asked_again_from_seq_0() ->
     """Nothing from the anchor (seq 1) on, and no replay has shown the engine's buffer at work:
     a buffer that is off answers so, and so does a new instance not yet that far. Asked from seq
     0, a batch below the anchor would show the new instance."""
-    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts)
-    s.live(0, p(0, 0))
-    s.live(1, p(0, 1))
-    s.disconnected(now=5.0)
-    probe = only_request(s.probe())
-    assert probe.start == 1
-    again = only_request(s.replay_finished(probe.request_id, complete=True))
-    assert (again.start, again.until) == (0, -1)
+
+    def asked_from_0() -> tuple[StreamSequencer, RequestReplay]:
+        s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts)
+        s.live(0, p(0, 0))
+        s.live(1, p(0, 1))
+        s.disconnected(now=5.0)
+        probe = only_request(s.probe())
+        assert probe.start == 1
+        again = only_request(s.replay_finished(probe.request_id, complete=True))
+        assert (again.start, again.until) == (0, -1)
+        return s, again
+
+    s, again = asked_from_0()
+    out = s.replayed(again.request_id, 0, p(1, 0))  # below 1: an instance that never published 1
+    assert out[:2] == [Reset(1, "publisher_restart"), Deliver(0, p(1, 0), 1, True)]
+    s, again = asked_from_0()
+    assert s.replayed(again.request_id, 1, p(0, 1)) == [Duplicate(1)]  # 1 itself: the same instance
+    assert s.epoch == 0 and not s.in_doubt
 
 
 def test_a_batch_waiting_with_a_ts_is_sorted_by_the_clock_of_the_first_reply_not_by_bytes() -> None:
