@@ -1374,6 +1374,17 @@ EQUIVALENT: list[Equivalent] = [
         for what in ("1 -> 2", "1 -> 0", "False -> True")
     ),
     *(
+        Equivalent(
+            "sequencer",
+            "if 0 <= self._heard < seq - 1 and any(self._heard < w < seq for w in (*self.held, *self.unverified)):",
+            what,
+            "`_heard < seq - 1` only saves the scan: when the last reply is seq - 1 or later, no batch waits strictly "
+            "between it and seq, and any() is false either way",
+            nth=nth,
+        )
+        for what, nth in (("< -> <=", 0), ("- -> +", 0), ("1 -> 0", 0))
+    ),
+    *(
         Equivalent(module, text, "statement deleted", _SLOTS)
         for module, text in (
             ("kafka", '__slots__ = ("ends", "stream")'),

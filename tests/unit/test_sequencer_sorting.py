@@ -312,3 +312,47 @@ def test_replies_kept_for_a_verdict_count_against_max_held() -> None:
     assert delivered(out) == [(0, p(0, 3)), (0, p(0, 4))] and s.held == {6: p(0, 6, False)}
     again = only_request(s.replay_finished(req.request_id, complete=True))
     assert again.start == 4  # from the last delivered (verifies), for 5
+
+
+def test_a_reply_that_skips_the_seq_of_a_batch_waiting_without_a_ts_gives_no_verdict() -> None:
+    """Batch 4 waits without a ts: only the reply of seq 4 can compare its bytes. The anchor's
+    reply and reply 4 are dropped (a ROUTER under load): reply 3 tells nothing yet, and reply 5,
+    past 4, cannot either. Nothing is delivered on the strength of it; the replay is asked again."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts)
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=5.0)
+    req = only_request(s.live(4, p(0, 4, False)))
+    assert s.replayed(req.request_id, 3, p(0, 3)) == []
+    assert s.replayed(req.request_id, 5, p(0, 5)) == []  # 4 skipped: no verdict
+    again = only_request(s.replay_finished(req.request_id, complete=True))
+    assert (again.start, again.attempt) == (2, 1) and s.in_doubt and s.unverified == {4: p(0, 4, False)}
+
+
+def test_a_reply_past_a_seq_where_nothing_waits_is_no_skip() -> None:
+    """Batches 3 and 5 wait without a ts (4 was missed). Reply 3 matches 3 but tells nothing of 5;
+    reply 5, past 4 where nothing waits, compares 5 itself: the same instance, 3 goes out and 5
+    waits for 4."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts)
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=5.0)
+    req = only_request(s.live(3, p(0, 3, False)))
+    s.live(5, p(0, 5, False))
+    assert s.replayed(req.request_id, 3, p(0, 3, False)) == []  # (the anchor's reply was dropped)
+    out = s.replayed(req.request_id, 5, p(0, 5, False))
+    assert delivered(out) == [(0, p(0, 3, False))] and not s.in_doubt and s.held == {5: p(0, 5, False)}
+
+
+def test_a_probes_first_reply_past_the_seq_asked_for_tells_nothing() -> None:
+    """The probe for 4 is answered first by 5 (4 left the engine's buffer): nothing compared 4."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts)
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=5.0)
+    req = only_request(s.live(3, p(0, 3, False)))
+    s.live(4, p(0, 4, False))
+    assert s.replayed(req.request_id, 3, p(0, 3, False)) == []
+    probe = only_request(s.replay_finished(req.request_id, complete=True))
+    assert (probe.start, probe.until) == (4, 4)
+    assert s.replayed(probe.request_id, 5, p(0, 5)) == [] and s.in_doubt
