@@ -1384,6 +1384,31 @@ EQUIVALENT: list[Equivalent] = [
         )
         for what, nth in (("< -> <=", 0), ("- -> +", 0), ("1 -> 0", 0))
     ),
+    Equivalent(
+        "sequencer",
+        "return _SAME",
+        "return value -> None",
+        "replayed, _check's only caller, tests the verdict for _LATER, _NEW and _UNSURE and takes anything else "
+        "as the same instance: None reads as _SAME",
+        within="_check",
+    ),
+    *(
+        Equivalent(
+            "sequencer",
+            text,
+            what,
+            "held never holds a seq at or below delivered (_lose takes those it passes, _drain the next one, and "
+            "nothing keeps a batch at or below delivered): the branch is never taken",
+            within="_lose",
+        )
+        for text, what in (("if seq <= self.delivered:", "<= -> <"), ("continue", "statement deleted"))
+    ),
+    Equivalent(
+        "sequencer",
+        "def _request(self, out: list[Action], to_end: bool = False, probe: int | None = None, floor: int = -1) -> None:",
+        "1 -> 2",
+        "-1 stands for no floor: _floor is only compared with a seq (>= 0) and with 0",
+    ),
     *(
         Equivalent(module, text, "statement deleted", _SLOTS)
         for module, text in (
