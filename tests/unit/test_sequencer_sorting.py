@@ -356,3 +356,16 @@ def test_a_probes_first_reply_past_the_seq_asked_for_tells_nothing() -> None:
     probe = only_request(s.replay_finished(req.request_id, complete=True))
     assert (probe.start, probe.until) == (4, 4)
     assert s.replayed(probe.request_id, 5, p(0, 5)) == [] and s.in_doubt
+
+
+def test_a_stream_detached_while_replies_wait_for_a_verdict_owes_their_seqs() -> None:
+    """The stream is removed (discovery) while reply 3 waits for a verdict: the replay goes with
+    its task, the reply is dropped and its seq owed; added back, the next replay asks to the end
+    (whatever the answering instance published of what it owes), not just up to the batches waiting."""
+    s, req = in_doubt_with_undecodable_batches()
+    assert s.replayed(req.request_id, 3, p(1, 3, False)) == []  # (the anchor's reply was dropped)
+    s.detached()
+    s.disconnected(now=6.0)
+    assert not s.replaying and s.replayed(req.request_id, 4, p(1, 4, False)) == []
+    probe = only_request(s.probe())
+    assert (probe.start, probe.until) == (2, -1)
