@@ -1410,6 +1410,33 @@ EQUIVALENT: list[Equivalent] = [
         "-1 stands for no floor: _floor is only compared with a seq (>= 0) and with 0",
     ),
     *(
+        Equivalent(
+            "sequencer",
+            "self._asked_top = max([*self.held, *self.unverified], default=-1)",
+            what,
+            "_asked_top is only compared with 0 (replay_finished: were batches waiting when it was asked?): any seq "
+            "waiting, the least as the greatest, is >= 0, and -2 reads as -1",
+        )
+        for what in ("max -> min", "1 -> 2")
+    ),
+    *(
+        Equivalent(
+            "sequencer",
+            text,
+            "1 -> 2",
+            "until -1 means to the end marker: _request keeps it only as `until if until >= 0 else -1`, so -2 reads the same",
+            within="_request",
+        )
+        for text in ("until = -1  # and whatever this instance published of the seqs it owes", "until = -1")
+    ),
+    Equivalent(
+        "sequencer",
+        "self._early, self._heard, self._skipped = {}, -1, False",
+        "1 -> 2",
+        _NO_SEQ,
+        within="_request",
+    ),
+    *(
         Equivalent(module, text, "statement deleted", _SLOTS)
         for module, text in (
             ("kafka", '__slots__ = ("ends", "stream")'),

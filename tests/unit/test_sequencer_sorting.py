@@ -369,3 +369,16 @@ def test_a_stream_detached_while_replies_wait_for_a_verdict_owes_their_seqs() ->
     assert not s.replaying and s.replayed(req.request_id, 4, p(1, 4, False)) == []
     probe = only_request(s.probe())
     assert (probe.start, probe.until) == (2, -1)
+
+
+def test_replies_waiting_for_a_verdict_when_the_live_stream_shows_a_restart_are_not_the_new_epochs() -> None:
+    """Reply 3 of instance 1 waits for a verdict when instance 2's seq 1 comes live (a seq going
+    back: a restart). The new epoch's replay starts afresh: instance 1's reply is never taken as
+    instance 2's batch."""
+    s, req = in_doubt_with_undecodable_batches()
+    assert s.replayed(req.request_id, 3, p(1, 3, False)) == []  # (the anchor's reply was dropped)
+    out = s.live(1, p(2, 1))
+    assert Reset(1, "publisher_restart") in out
+    nxt = only_request(out)
+    out = s.replayed(nxt.request_id, 0, p(2, 0))
+    assert delivered(out) == [(1, p(2, 0)), (1, p(2, 1))] and s.held == {}
