@@ -1437,6 +1437,38 @@ EQUIVALENT: list[Equivalent] = [
         within="_request",
     ),
     *(
+        Equivalent(
+            "sequencer",
+            "if floor >= 0:",
+            what,
+            "floor is -1 or the seq a replay from seq 0 is asked in place of, which replay_finished passes only "
+            "when it is above 0: it is never 0",
+            within="_request",
+        )
+        for what in (">= -> >", "0 -> 1")
+    ),
+    Equivalent(
+        "sequencer",
+        "start, until = 0, -1",
+        "1 -> 2",
+        "until -1 means to the end marker: _request keeps it only as `until if until >= 0 else -1`, so -2 reads the same",
+    ),
+    Equivalent(
+        "sequencer",
+        "self._last_payload = None",
+        "statement deleted",
+        "a cache: with the payload kept, the next call computes the same fingerprint of the same batch again "
+        "(_deliver replaces both, _restart clears both)",
+        within="_fingerprint",
+    ),
+    Equivalent(
+        "sequencer",
+        "known += [self._top, self.last_live if self.last_live is not None else -1]",
+        "1 -> 2",
+        _NO_SEQ,
+    ),
+    Equivalent("sequencer", "unsure = -1", "1 -> 2", _NO_SEQ, within="_restart"),
+    *(
         Equivalent(module, text, "statement deleted", _SLOTS)
         for module, text in (
             ("kafka", '__slots__ = ("ends", "stream")'),
