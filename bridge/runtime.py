@@ -587,14 +587,15 @@ class Bridge:
                     )
                     fresh += 1
                     continue
-                if len(entries) < head.live:
-                    # Entries gone that no write removed (a topic's retention or DeleteRecords, a
-                    # hash or bucket trimmed by hand), here or while no bridge ran: the head no
-                    # longer describes what the sink holds (I6).
+                short = [(len(e), h.live) for h, e in held if len(e) < h.live]
+                if short:
+                    # A sink's entries gone that no write removed (a topic's retention or
+                    # DeleteRecords, a hash or bucket trimmed by hand), here or while no bridge ran:
+                    # its head no longer describes what it holds (I6), whichever sink it is.
                     log.warning(
-                        "the sinks' state of this stream holds fewer entries than its head counts (entries lost outside "
+                        "a sink's state of this stream holds fewer entries than its head counts (entries lost outside "
                         "the bridge): it is cleared at its first record and incomplete until the engine's next reset",
-                        extra={"stream": stream.key, "entries": len(entries), "live": head.live},
+                        extra={"stream": stream.key, "entries": short[0][0], "live": short[0][1]},
                     )
                     fresh += 1
                     continue

@@ -1155,15 +1155,20 @@ class RedisConnector:
         return settings
 
     async def health(self) -> str | None:
-        """None when a PING is answered and the primary has the replicas its
-        ``min-replicas-to-write`` asks for (read again: an operator may set it during the run;
-        :meth:`_replicas_short`: an INFO only while it is set), else a short reason: an idle sink
-        shows NOREPLICAS before a write gets it."""
+        """None when a PING is answered, the server is still a primary and lets the user run what
+        the writes run (asked again: a failover demotes it, an operator revokes an ACL during the
+        run; :meth:`_check_role`, :meth:`_check_permissions`), and the primary has the replicas its
+        ``min-replicas-to-write`` asks for (read again; :meth:`_replicas_short`: an INFO only while
+        it is set), else a short reason: an idle sink shows what a write would meet before it does."""
         try:
             await self._connection().ping()
+            await self._check_role()
+            await self._check_permissions()
             if not self.options.cluster:
                 self._min_replicas = await self._min_replicas_now()
             short = await self._replicas_short()
+        except NotConnected as exc:
+            return f"{exc.reason}: {exc}"
         except (RedisError, RedisClusterException, OSError) as exc:
             # A refusal (MISCONF, LOADING, NOPERM, ...) is an answer: say what the server said.
             what = "refuses PING" if isinstance(exc, ResponseError) else "does not answer"

@@ -539,6 +539,44 @@ async def test_a_replica_is_refused_at_connect_naming_the_primary(
     await connector.close()
 
 
+async def test_a_primary_demoted_or_a_user_revoked_during_the_run_is_unhealthy_while_idle(
+    tmp_path_factory: pytest.TempPathFactory, acl_redis: RedisServer, admin: aioredis.Redis
+) -> None:
+    """Connect refuses a replica and a user the writes would be refused for, but an idle sink
+    connected before a failover demoted its server (REPLICAOF), or before an operator revoked a
+    command of its user, stayed ready until its first write (breaker30z2 R2: 20 s of /readyz 200,
+    then 0 of 5 stored). The health check asks both again."""
+    other = RedisServer(tmp_path_factory.mktemp("redis-demoting"), persistent=False)
+    with own_server("redis (demoted during the run)", other) as server:
+        connector = connector_for(server.url)
+        await connector.connect()
+        client = aioredis.Redis.from_url(server.url)
+        try:
+            assert await connector.health() is None
+            primary = acl_redis.url.split("//")[1].split("/")[0].split(":")
+            await client.execute_command("REPLICAOF", primary[0], primary[1])
+            said = await connector.health()
+            assert said is not None and said.startswith("replica: ") and "not a primary" in said, said
+            await client.execute_command("REPLICAOF", "NO", "ONE")
+            assert await connector.health() is None
+        finally:
+            await client.aclose()
+            await connector.close()
+    user = "revoked-user"
+    await admin.execute_command("ACL", "SETUSER", user, "reset", "on", f">{PASSWORD}", "~kv:*", *documented_commands())
+    options = convert_options({"url": acl_redis.url, "username": user, "password": PASSWORD}, RedisOptions, "s")
+    connector = RedisConnector("r", options, SinkConfig(type="redis", name="r"))
+    await connector.connect()
+    try:
+        assert await connector.health() is None
+        await admin.execute_command("ACL", "SETUSER", user, "-xadd")
+        said = await connector.health()
+        assert said is not None and said.startswith("no_permission: ") and "XADD" in said, said
+    finally:
+        await connector.close()
+        await admin.execute_command("ACL", "DELUSER", user)
+
+
 # -- a primary short of the replicas its min-replicas-to-write asks for ----------------------------
 
 
