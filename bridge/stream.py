@@ -576,7 +576,9 @@ class StreamPipeline:
                         if len(self._types) > _MAX_TYPES:
                             self.flush_metrics()
             label = "complete" if outcome.complete else "timeout"
-            if outcome.replies:  # the endpoint answers (again): the next replay without a reply is asked about at once
+            # The endpoint answers (again): the next replay without a reply is asked about at once.
+            # Its end marker alone is an answer too (an idle engine restarted with an empty buffer).
+            if outcome.replies or outcome.complete:
                 self._replied_at = time.monotonic()
                 self.replay_problem = self._unanswered = None
                 self._replay_diagnosed = -REPLAY_DIAGNOSE_EVERY

@@ -273,6 +273,14 @@ async def test_a_hung_engine_whose_replay_socket_still_handshakes_is_not_taken_f
             assert "answers its handshake, but no replay request" in detail["replay_not_usable"]["eng/0"], detail
             engine.replay = "answer"
             await wait_for(lambda: bridge.readiness()[0], what="ready once it answers again", timeout=30)
+            # Hung again, then restarted by the operator: the new instance is idle, its buffer
+            # empty, so it answers a replay with its end marker alone. That is an answer too
+            # (breaker30z1 B2: not ready for good after the fix the docs give).
+            engine.replay = "ignore"
+            await not_ready(bridge)
+            engine.replay = "answer"
+            await engine.restart()
+            await wait_for(lambda: bridge.readiness()[0], what="ready once the restarted engine answers", timeout=30)
 
 
 async def test_an_engine_whose_every_batch_is_undecodable_is_not_taken_for_a_working_one(tmp_path: Path) -> None:
