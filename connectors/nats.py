@@ -709,6 +709,7 @@ class NatsConnector:
         self._nc: Client | None = None
         self._last_error: str | None = None
         self._refusal: str | None = None  # the reason (auth, tls) when _last_error is the server refusing us
+        self._refused_at = 0.0  # when the server last refused us (see _on_error)
         self._stream_problem: str | None = None
         self._ack_prefix = ""  # JetStream acks: one wildcard inbox subscription, a token per publish
         self._tokens = itertools.count()
@@ -1102,7 +1103,7 @@ class NatsConnector:
         out: dict[str, str] = {}
         if not wanted:
             return out
-        for info in await js.streams_info_iterator():
+        for info in await _all_streams(js):
             name = info.config.name
             if name is None:
                 continue
@@ -1731,7 +1732,7 @@ class NatsConnector:
                 "in a JetStream cluster: set replicas: 1 (or run a cluster of as many servers)",
                 reason="cannot_create",
             )
-        for info in await js.streams_info_iterator():
+        for info in await _all_streams(js):
             taken = [s for s in info.config.subjects or [] for ours in subjects if subjects_overlap(s, ours)]
             if taken:
                 raise NotConnected(
@@ -1986,9 +1987,12 @@ class NatsConnector:
     async def _on_error(self, exc: Exception) -> None:
         text, refusal = _describe(exc), _refusal(exc)
         log.debug("%s: NATS error: %s", self._prefix, text, extra={"sink": self.name})
-        if refusal is None and self._refusal is not None and isinstance(exc, OSError):
-            return  # the server closing the socket after its refusal (a broken pipe, a reset): keep the refusal
+        now = time.monotonic()
+        if refusal is None and self._refusal is not None and isinstance(exc, OSError) and now - self._refused_at < 1.0:
+            return  # the server closing the socket right after its refusal (a broken pipe, a reset): keep the refusal
         self._last_error, self._refusal = text, refusal
+        if refusal is not None:
+            self._refused_at = now
         if "permissions violation" in self._last_error.lower():
             # The server drops the message and says so only here: without this, the write would
             # wait for its acks until write_timeout, and the sink look ready meanwhile.
@@ -2111,6 +2115,20 @@ class NatsConnector:
 
 
 _GONE = "is gone (deleted, or a server that kept it in memory restarted)"
+_STREAM_PAGES = 100
+"""Pages of ``STREAM.LIST`` read at most (the server gives 256 streams a page): 25,600 streams."""
+
+
+async def _all_streams(js: JetStreamContext) -> list[js_api.StreamInfo]:
+    """Every JetStream stream of the account (``STREAM.LIST`` page by page: one page holds 256)."""
+    out: list[js_api.StreamInfo] = []
+    for _ in range(_STREAM_PAGES):
+        page = await js.streams_info_iterator(offset=len(out))
+        got = list(page)
+        out += got
+        if not got or len(out) >= getattr(page, "total", 0):  # (nats-py's StreamsListIterator has it)
+            break
+    return out
 
 
 def _expect_subject_seq(seq: int | None) -> bytes:
@@ -2155,7 +2173,8 @@ def _refusal(exc: BaseException) -> str | None:
     if isinstance(exc, ssl.SSLError):
         return "tls"
     text = str(exc).lower()
-    if isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in text or "authentication" in text:
+    refused = ("authorization violation", "authentication expired", "authentication revoked")  # (not "timeout")
+    if isinstance(exc, nats.errors.AuthorizationError) or any(r in text for r in refused):
         return "auth"
     return None
 

@@ -588,17 +588,23 @@ async def test_a_subject_another_bridge_or_run_wrote_is_not_taken_over(
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("crowded", [False, True], ids=["alone", "past-the-first-page"])
 async def test_subjects_split_over_two_jetstream_streams_are_each_read_from_the_one_capturing_them(
-    nats_server: NatsServer, reader: Client
+    nats_server: NatsServer, reader: Client, crowded: bool
 ) -> None:
     """The operator's streams split the template's subjects (``P.a_x.>`` and ``P.b_x.>``,
     stream.create: false). ``positions()`` (checkpoint.from_sinks) and the subject-owner lookup at
     a stream's first write read each subject in the stream capturing it: one stream looked up for
     all said "holds nothing" of the other's subjects, so a new pod restarted them in a second epoch
     and duplicated them (breaker30n4 Break 3), and took over a subject another stream wrote. A
-    subject no stream captures: cannot tell (no entry), never "holds nothing"."""
+    subject no stream captures: cannot tell (no entry), never "holds nothing". The streams are
+    listed page by page: an account with more than a page (256) before them in name order hid
+    them (breaker30z3 Break 1)."""
     dest = _dest()
     js = reader.jetstream(timeout=5)
+    crowd = [f"A{i:03d}{dest}" for i in range(300 if crowded else 0)]  # (names sort before dest's)
+    for name in crowd:
+        await js.add_stream(js_api.StreamConfig(name=name, subjects=[f"{name}.x"], storage=js_api.StorageType.MEMORY))
     for part in ("a_x", "b_x"):
         await js.add_stream(js_api.StreamConfig(name=f"{dest}{part.upper()}", subjects=[f"{dest}.{part}.>"]))
     owners, uncaptured = [Stream("a_x", 0), Stream("b_x", 0)], Stream("c", 0)
@@ -626,9 +632,9 @@ async def test_subjects_split_over_two_jetstream_streams_are_each_read_from_the_
         finally:
             await later.close()
     finally:
-        for part in ("a_x", "b_x"):
+        for name in [f"{dest}A_X", f"{dest}B_X", *crowd]:
             with contextlib.suppress(nats.errors.Error):
-                await js.delete_stream(f"{dest}{part.upper()}")
+                await js.delete_stream(name)
 
 
 @pytest.mark.integration

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from bridge.config import convert_options
+from bridge.config import SinkConfig, convert_options
 from bridge.connector import Registry, Secret
 from bridge.errors import EPOCHS_REMEMBERED, ConfigError, ConnectorError, NotConnected, Permanent, Retriable
 from bridge.formats import Message, Renderer, sample_message
@@ -219,3 +219,26 @@ def test_a_header_value_goes_out_as_it_is_unless_a_cr_or_lf_would_end_its_line()
 
 def test_hpub_with_a_reply_counts_the_headers_and_the_payload() -> None:
     assert hpub("kv.a.0", "_INBOX.1", b"HDR", b"xy") == b"HPUB kv.a.0 _INBOX.1 3 5\r\nHDRxy\r\n"
+
+
+async def test_a_refusal_is_kept_over_the_socket_closing_after_it_not_over_later_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server closes the socket right after refusing the credentials: the broken pipe that
+    follows must not hide the refusal. But a server stopped later is not refusing anything: the
+    refusal was kept over every later error, and /readyz named the credentials while nothing
+    listened (breaker30z3 Break 2). Nor is the server's authentication timeout a refusal."""
+    import nats.errors
+
+    import connectors.nats as module
+
+    conn = NatsConnector("n", convert_options({}, NatsOptions, "s"), SinkConfig(type="nats", name="n"))
+    now = [100.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: now[0])
+    await conn._on_error(nats.errors.Error("nats: 'Authorization Violation'"))
+    assert conn._refusal == "auth"
+    await conn._on_error(BrokenPipeError(32, "Broken pipe"))
+    assert conn._refusal == "auth" and "Authorization Violation" in (conn._last_error or "")
+    now[0] += 5
+    await conn._on_error(ConnectionRefusedError(111, "Connect call failed"))
+    assert conn._refusal is None and "Connect call failed" in (conn._last_error or "")
+    await conn._on_error(nats.errors.Error("nats: 'Authentication Timeout'"))
+    assert conn._refusal is None
