@@ -1592,16 +1592,35 @@ class Runner:
         )
         RUNNING.add(self.proc)
 
-    def run(self, tests: list[str], timeout: float) -> str:
+    def run(self, tests: list[str], timeout: float, scale: float = 1.0) -> dict[str, Any]:
+        """The runner's answer (outcome, failed tests, whether a property test failed) for
+        ``tests``; ``scale`` < 1: their hypothesis example counts scaled by it (the fast pass)."""
         shutil.rmtree(self.work / ".hypothesis", ignore_errors=True)  # no example database: each run stands alone
         args = ["-x", "-q", "-p", "no:cacheprovider", f"--hypothesis-seed={self.seed}", *tests]
+        env = {"KV_EXAMPLES_SCALE": str(scale)}
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps({"args": args, "timeout": timeout}) + "\n")
+        self.proc.stdin.write(json.dumps({"args": args, "timeout": timeout, "env": env}) + "\n")
         self.proc.stdin.flush()
         answer = self.proc.stdout.readline()
         if not answer:
             raise RuntimeError(f"the test runner in {self.work} stopped (exit {self.proc.wait()})")
-        return str(json.loads(answer)["outcome"])
+        return dict(json.loads(answer))
+
+    def outcome(self, tests: list[str], timeout: float, fast: float) -> tuple[str, str]:
+        """(outcome, pass that decided it) of a mutant: a fast pass at ``fast`` times the example
+        counts, then the full counts wherever the fast pass is not conclusive. Killed in the fast
+        pass by a test without hypothesis: killed (the same test at full counts). By a property
+        test: that test again at full counts must fail too. Anything else (passed, a timeout, a
+        kill the full counts do not confirm): the full pass, whose outcome stands."""
+        if fast < 1:
+            first = self.run(tests, timeout, fast)
+            if first["outcome"] == "failed" and not first["properties"]:
+                return "failed", "fast"
+            if first["outcome"] == "failed" and first["failed"]:
+                again = self.run(first["failed"], timeout, 1.0)
+                if again["outcome"] == "failed":
+                    return "failed", "confirmed"
+        return str(self.run(tests, timeout)["outcome"]), "full"
 
 
 @dataclass
@@ -1700,6 +1719,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-j", "--jobs", type=int, default=1, help="mutants run at once (default 1: the machine is shared)")
     parser.add_argument("--examples", type=int, default=150, help="KV_MODEL_EXAMPLES for the sequencer model")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed")
+    parser.add_argument(
+        "--fast",
+        type=float,
+        default=0.1,
+        help="the fast pass's share of each property test's examples (KV_EXAMPLES_SCALE; 1: one pass at full counts)",
+    )
     parser.add_argument("--threshold", type=float, default=90.0, help="kill rate in percent a module must reach")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--equivalent", action="store_true", help="list the mutants held equivalent, with why, and exit")
@@ -1718,6 +1743,8 @@ def main(argv: list[str] | None = None) -> int:
         help="only lines changed since BASE (default main); any survivor fails",
     )
     args = parser.parse_args(argv)
+    if not 0 < args.fast <= 1:
+        parser.error(f"--fast {args.fast}: give the fast pass's share of the examples in (0, 1] (1: no fast pass)")
 
     modules = args.module or list(TARGETS)
     if args.only:
@@ -1764,12 +1791,13 @@ def main(argv: list[str] | None = None) -> int:
         fastest = sorted(base.times, key=lambda t: (base.times[t], t))[:20]
         for work in copies:
             runner = Runner(work, args.seed, args.examples)
-            if runner.run(fastest, 120) != "passed":  # the runner itself must not fail a test
+            if runner.run(fastest, 120)["outcome"] != "passed":  # the runner itself must not fail a test
                 print(f"the test runner fails unmutated tests ({' '.join(fastest)}): see KV_MUTANTS_LOG", file=sys.stderr)
                 return 2
             workers.put(runner)
 
         stopping = False
+        passes = {"fast": 0, "confirmed": 0, "full": 0}  # which pass decided each mutant run
 
         def run(m: Mutant) -> tuple[Mutant, str]:
             tests = base.tests(m)
@@ -1781,10 +1809,11 @@ def main(argv: list[str] | None = None) -> int:
             target = runner.work / TARGETS[m.module].path
             try:
                 target.write_text(mutated_source(m, sources[m.module]))
-                outcome = runner.run(tests, 10 + 2 * base.seconds(tests))
+                outcome, decided = runner.outcome(tests, 10 + 2 * base.seconds(tests), args.fast)
             finally:
                 target.write_text(sources[m.module])
                 workers.put(runner)
+            passes[decided] += 1
             return m, outcome
 
         pool = ThreadPoolExecutor(max(1, args.jobs))
@@ -1800,6 +1829,11 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {word:9} {m.id:16} {TARGETS[m.module].path}:{m.line:<4} {m.what}", flush=True)
                 if i % 50 == 0:
                     print(f"  ... {i}/{len(todo)} ({time.monotonic() - began:.0f}s)", flush=True)
+            print(
+                f"decided by the fast pass: {passes['fast']}, by a property test confirmed at full counts: "
+                f"{passes['confirmed']}, by the full pass: {passes['full']}",
+                flush=True,
+            )
         except (KeyboardInterrupt, SystemExit):  # ^C, SIGTERM: the table of what ran, modules marked
             interrupted = True
         finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from hypothesis import strategies as st
@@ -23,3 +24,18 @@ def msgpack_values(*, text: int, key: int, max_leaves: int) -> st.SearchStrategy
         return st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=key), inner, max_size=3)
 
     return st.recursive(leaf, nest, max_leaves=max_leaves)
+
+
+def examples(n: int) -> int:
+    """``max_examples`` for a property test whose own count is ``n``: ``n`` scaled by
+    ``KV_EXAMPLES_SCALE`` (default 1), at least 1. tools/mutants.py's fast pass sets it below 1 (above 1: more examples)
+    and runs every mutant that pass lets through again at full counts
+    (docs/development/mutation-testing.md, "How a mutant is run")."""
+    raw = os.environ.get("KV_EXAMPLES_SCALE", "1")
+    try:
+        scale = float(raw)
+    except ValueError:
+        raise ValueError(f"KV_EXAMPLES_SCALE={raw!r} is not a number: set it to a fraction such as 0.1, or unset it") from None
+    if not scale > 0:
+        raise ValueError(f"KV_EXAMPLES_SCALE={raw!r} is not above 0: set a fraction such as 0.1, or unset it (full counts)")
+    return max(1, round(n * scale))

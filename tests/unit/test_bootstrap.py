@@ -30,8 +30,9 @@ from bridge.records import Record, Stream, events_lost, source_reset
 from bridge.state import StateDelta, StateTracker
 from bridge.state_docs import StateFormat, entry_key, parse, seed_of
 from kv_consumer.state import StreamState, block_id, is_head, position
+from tests.support.strategies import examples
 
-EXAMPLES = int(os.environ.get("KV_MODEL_EXAMPLES", "300"))
+EXAMPLES = examples(int(os.environ.get("KV_MODEL_EXAMPLES", "300")))
 S = Stream("llama-a", 0)
 FORMAT = StateFormat()
 IDS = [1, 2, 3, 4, 2**63, 2**64 - 1]

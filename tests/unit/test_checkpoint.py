@@ -25,6 +25,7 @@ from bridge.checkpoint import (
     save,
 )
 from bridge.records import Record, Stream, events_lost, source_reset
+from tests.support.strategies import examples
 
 STREAM = Stream("llama-a", 0)
 KEY = STREAM.key
@@ -226,7 +227,7 @@ def test_a_checkpoint_of_minute_epochs_goes_on_above_them() -> None:
     assert cp.next_epoch(KEY, 1_010_000, NOW) == minute(NOW)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     st.lists(
         st.tuples(st.booleans(), st.sampled_from([KEY, "other/1"]), st.integers(-600, 600), st.integers(0, 300), st.booleans()),

@@ -17,6 +17,7 @@ from bridge.records import Stream
 from bridge.runtime import Bridge
 from bridge.simulator import PROFILES, EventFactory, encode_batch
 from bridge.stream import StreamPipeline
+from tests.support.strategies import examples
 from tests.support.vectors import load_all
 
 LIVE = [v for v in load_all() if v.kind == "live"]
@@ -74,13 +75,13 @@ def test_anything_unusual_is_left_to_decode(payload: bytes) -> None:
     assert wire.count_batch(payload) is None
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=200))
 def test_random_bytes(data: bytes) -> None:
     _agrees(data)
 
 
-@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(LIVE), st.data())
 def test_mutated_vectors(vector: Any, data: st.DataObject) -> None:
     payload = bytearray(vector.frames[-1])

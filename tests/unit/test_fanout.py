@@ -16,6 +16,7 @@ from bridge.sink import SinkWorker
 from bridge.state import StateTracker
 from tests.support.memory import MemoryConnector, MemoryOptions
 from tests.support.records import batch, stream_records
+from tests.support.strategies import examples
 from tests.unit.test_sink import make
 
 STREAM = Stream("f", 0)
@@ -133,7 +134,7 @@ def _queue_state(w: SinkWorker) -> tuple[object, ...]:
     return shown, w._bytes, sorted(w._dropped), w._room.is_set(), w._work.is_set(), w._idle.is_set()
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     sinks=st.lists(
         st.tuples(st.sampled_from(["block", "drop"]), st.integers(1, 8), st.integers(1, 6), st.integers(0, 6)),

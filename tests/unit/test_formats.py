@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from bridge.formats import SEED_TYPE, STATE_TYPE, Envelope, Message, Renderer, hex64, json_event, sample_message
 from bridge.records import Record, Stream, events_lost, source_reset
 from bridge.schema import SCHEMA_VERSION, EventRecordHeader
+from tests.support.strategies import examples
 
 STREAM = Stream("llama-a", 1, {"model": "m"})
 EVENTS = [
@@ -232,7 +233,7 @@ def test_every_messages_headers_follow_the_contract_and_their_encoded_pairs_agre
             assert m.headers["type"] == m.type
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     source=st.text(min_size=1, max_size=12),
     dp_rank=st.integers(0, 2**31),

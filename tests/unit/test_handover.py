@@ -30,6 +30,7 @@ from bridge.checkpoint import (
 from bridge.formats import CONTENT_TYPES
 from bridge.records import Record, Stream
 from bridge.runtime import SkipHeld
+from tests.support.strategies import examples
 
 E = 7
 Position = tuple[int, int, int]
@@ -84,7 +85,7 @@ def resend(stream: list[tuple[Position, SinkPosition]], resume: StreamPosition) 
     return [pos for pos, _ in stream if pos[1] > resume.seq + 1]
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(worlds())
 def test_every_sink_that_tells_ends_with_every_message_once(world: Any) -> None:
     stream, held, known, local = world

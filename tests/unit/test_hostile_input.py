@@ -36,6 +36,7 @@ from bridge.errors import DecodeError
 from bridge.formats import Renderer
 from bridge.records import Record, Stream, events_lost
 from bridge.sequencer import Action, Deliver, Lost, RequestReplay, Reset, StreamSequencer, fingerprint
+from tests.support.strategies import examples
 from tests.support.vectors import load_all
 
 VECTORS = load_all()
@@ -134,7 +135,7 @@ def _decode_and_render(payload: bytes, seq: int, tmp: Path | None = None) -> Non
         letters.close()
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_random_and_mutated_frames_only_raise_decode_errors(data: st.DataObject) -> None:
     base = data.draw(st.sampled_from(FRAMES), label="vector")
@@ -163,13 +164,13 @@ def test_random_and_mutated_frames_only_raise_decode_errors(data: st.DataObject)
         _decode_and_render(parsed.payload, parsed.seq)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_batches, st.integers(0, END))
 def test_structurally_hostile_batches_decode_or_fail_cleanly(batch: Any, seq: int) -> None:
     _decode_and_render(_encode(batch), seq)
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(50), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.binary(max_size=2048))
 def test_dead_letters_take_any_payload(tmp_path: Path, payload: bytes) -> None:
     _decode_and_render(payload, 7, tmp_path)
@@ -307,7 +308,7 @@ def _payload(rng: random.Random, which: int) -> bytes:
     return PAYLOADS[which % len(PAYLOADS)] if which < 3 else bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 12)))
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(600), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_configs, _ops, st.randoms(use_true_random=False))
 @example(  # a live batch and a replayed one at the same seq, the replayed one with the earlier engine ts
     config={"can_replay": True, "replay_on_start": False, "max_held": 1, "max_attempts": 1, "resume": None},
@@ -358,7 +359,7 @@ def test_sequencer_survives_any_interleaving(config: dict[str, Any], ops: list[t
         down.apply(actions, seqr)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(0, 2**16), st.integers(0, 4)), max_size=300), st.integers(1, 8))
 def test_held_stays_bounded_under_a_flood_of_gaps(seqs: list[tuple[int, int]], max_held: int) -> None:
     """A live stream of jumps while replay never answers: at most max_held batches are kept."""
@@ -378,7 +379,7 @@ def test_held_stays_bounded_under_a_flood_of_gaps(seqs: list[tuple[int, int]], m
 # -- decoder and sequencer together, as bridge.stream drives them ----------------------------------
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_hostile_frames_through_sequencer_decoder_and_renderers(data: st.DataObject) -> None:
     seqr = StreamSequencer(can_replay=True, replay_on_start=False, max_held=5, max_attempts=2, ts_of=wire.peek_ts)

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from bridge.ingest import Drainer, finish, start_inline
 from tests.support.harness import wait_for
+from tests.support.strategies import examples
 
 
 class FakeSocket:
@@ -78,7 +79,7 @@ STEPS = st.lists(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(steps=STEPS, tick=st.sampled_from([0.0, 0.001]), drain_max=st.integers(1, 5))
 def test_every_message_read_once_in_order(steps: list[tuple[str, int, int]], tick: float, drain_max: int) -> None:
     async def run() -> None:

@@ -55,6 +55,7 @@ from bridge.records import Record, Stream
 from bridge.runtime import Bridge
 from bridge.sink import SinkWorker
 from tests.support.records import stream_records
+from tests.support.strategies import examples
 
 FILES = Path(__file__).resolve().parents[2] / "helm" / "kv-event-bridge" / "files"
 
@@ -480,7 +481,7 @@ def test_rules_file_holds_no_helm_templating() -> None:
 # -- the fast histogram ------------------------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     st.lists(
         st.tuples(st.sampled_from(["a", "b"]), st.floats(min_value=0, max_value=400, allow_nan=False)),
@@ -512,7 +513,7 @@ def test_fast_histogram_exposes_what_prometheus_client_does(observations: list[t
     assert samples(mine) == samples(theirs)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     st.lists(st.floats(min_value=0, max_value=400, allow_nan=False) | st.sampled_from([0.0, *LAG_BUCKETS]), max_size=80),
     st.integers(1, 5),
@@ -591,7 +592,7 @@ async def test_deferred_updates_are_applied_before_every_reading_on_the_loops_th
 _LABEL = st.text(max_size=6)  # quotes, backslashes and newlines included: they are escaped
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(
     series=st.lists(st.tuples(_LABEL, _LABEL, st.floats()), max_size=12),
     counts=st.lists(st.floats(min_value=0, max_value=1e12), max_size=4),

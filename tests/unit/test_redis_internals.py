@@ -24,6 +24,7 @@ from bridge.config import from_data
 from bridge.connector import Registry
 from connectors import _redis_internals as internals
 from connectors.redis import RedisConnector, _slot
+from tests.support.strategies import examples
 
 ARG = st.one_of(
     st.text(max_size=30),
@@ -52,7 +53,7 @@ def test_connections_still_pack_through_the_overridden_methods() -> None:
         assert internals.one_pass_packing(base).pack_commands is not base.pack_commands
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(COMMAND, min_size=1, max_size=12))
 def test_pipeline_bytes_equal_redis_py(commands: list[tuple[object, ...]]) -> None:
     stock = Connection()

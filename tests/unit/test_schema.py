@@ -35,7 +35,7 @@ from bridge.schema import (
 from bridge.state import BlockFact, EntryChange, Head
 from bridge.state_docs import StateFormat
 from tests.support.schema import SCHEMA_FILE, as_json, check_message, check_record, valid_by_parts, validator
-from tests.support.strategies import msgpack_values
+from tests.support.strategies import examples, msgpack_values
 from tests.support.vectors import load_all
 
 STREAM = Stream("llama-a", 1, {"model": "m"})
@@ -265,7 +265,7 @@ def _events(draw: st.DrawFn) -> dict[str, Any]:
     return event
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.lists(_events(), min_size=1, max_size=4), st.floats(allow_nan=True), st.sampled_from(FORMS))
 def test_any_event_renders_to_valid_records(events: list[dict[str, Any]], ts: float, form: tuple[str, str, str]) -> None:
     fmt, granularity, hash_format = form

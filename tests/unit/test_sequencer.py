@@ -23,6 +23,7 @@ from bridge.sequencer import (
     StreamSequencer,
     fingerprint,
 )
+from tests.support.strategies import examples
 
 
 @dataclass
@@ -128,7 +129,7 @@ def lost(actions: list[Action]) -> list[Lost]:
 # -- ported --------------------------------------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.booleans(), max_size=200), st.integers(5, 400))
 def test_losses_only_when_buffer_lost_them(drops: list[bool], buffer: int) -> None:
     """With replay always answered, nothing is lost unless it left the engine's buffer."""

@@ -39,8 +39,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from bridge.sequencer import Action, Deliver, Lost, RequestReplay, Reset, StreamSequencer
+from tests.support.strategies import examples
 
-EXAMPLES = int(os.environ.get("KV_MODEL_EXAMPLES", "400"))
+EXAMPLES = examples(int(os.environ.get("KV_MODEL_EXAMPLES", "400")))
 
 
 def payload_of(instance: int, seq: int, bad: bool = False, back: int = 0) -> bytes:

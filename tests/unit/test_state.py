@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from bridge.records import Record, Stream, events_lost, source_reset
 from bridge.state import BlockTable, Head, StateDelta, StateTracker, block_id
+from tests.support.strategies import examples
 
 A = Stream("llama-a", 0)
 B = Stream("llama-b", 0)
@@ -289,7 +290,7 @@ def test_the_cap_switches_the_stream_that_exceeds_it_off_and_back_on() -> None:
 # -- the table ----------------------------------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 300) | st.sampled_from([0, 2**64 - 1, 2**63])), max_size=2000))
 def test_the_table_is_a_multiset(ops: list[tuple[bool, int]]) -> None:
     table, ref, vers = BlockTable(), dict[int, int](), dict[int, int]()

@@ -27,8 +27,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from bridge.records import Record, Stream, events_lost, source_reset
 from bridge.state import BlockFact, Head, StateDelta, StateTracker, block_id
+from tests.support.strategies import examples
 
-EXAMPLES = int(os.environ.get("KV_MODEL_EXAMPLES", "300"))
+EXAMPLES = examples(int(os.environ.get("KV_MODEL_EXAMPLES", "300")))
 U64 = (1 << 64) - 1
 STREAMS = [Stream("a", 0), Stream("a", 1), Stream("b", 0)]
 MEDIA = [None, "GPU", "CPU"]

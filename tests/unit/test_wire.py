@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from bridge import wire
 from bridge.errors import DecodeError
 from bridge.simulator import PROFILES, EventFactory, encode_batch
-from tests.support.strategies import msgpack_values
+from tests.support.strategies import examples, msgpack_values
 from tests.support.vectors import expected_events, expected_ts, load_all, plain
 
 VECTORS = load_all()
@@ -184,7 +184,7 @@ def events(draw: st.DrawFn, profile: str) -> dict[str, Any]:
     return event
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@settings(max_examples=examples(300), suppress_health_check=[HealthCheck.too_slow], deadline=None)
 @given(st.data())
 def test_roundtrip_every_generation(data: st.DataObject) -> None:
     profile = data.draw(st.sampled_from(sorted(p for p in PROFILES if not PROFILES[p].rfc1527)))  # (RFC 1527: below)
@@ -200,7 +200,7 @@ def test_roundtrip_every_generation(data: st.DataObject) -> None:
     assert encode_batch(PROFILES[profile], batch.ts, batch.events, rank) == payload
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=examples(1000), deadline=None)
 @given(st.binary(max_size=512))
 def test_random_bytes_never_escape(data: bytes) -> None:
     try:
@@ -210,7 +210,7 @@ def test_random_bytes_never_escape(data: bytes) -> None:
     wire.peek_ts(data)
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(st.sampled_from(PAYLOADS), st.data())
 def test_mutated_vectors_never_escape(vector: Any, data: st.DataObject) -> None:
     _seq, payload = _payload(vector)
@@ -266,7 +266,7 @@ def _outcome(decode: Any, payload: bytes) -> Any:
     return (b.ts, b.events, b.dp_rank, b.bad_events, b.extra)
 
 
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(1500), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_batches)
 def test_the_plain_fast_path_decodes_exactly_as_the_generic_path(batch: Any) -> None:
     """decode_batch (the typed fast path first) and decode_generic give the same result for any
