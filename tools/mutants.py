@@ -846,6 +846,17 @@ EQUIVALENT: list[Equivalent] = [
         "values[:n] has exactly n items here (len(values) > n): strict never has anything to refuse",
     ),
     *(
+        Equivalent(
+            "wire",
+            "if ts > MS_TS_ABOVE and first <= 0x9F and payload[1] in _INT64:",
+            what,
+            "the fast path reaches this line only with an array of 2 or 3 elements (a fourth sets `more`, and it "
+            "returns None before): first is 0x92, 0x93, 0xDC or 0xDD, on the same side of 0x9E, 0x9F and 0xA0",
+            within="_decode_plain",
+        )
+        for what in ("<= -> <", "159 -> 160", "159 -> 158")
+    ),
+    *(
         Equivalent("wire", text, what, _FAST_PATH, nth=nth)
         for text, what, nth in (
             ("first = payload[0] if payload else 0", "0 -> 1", 1),

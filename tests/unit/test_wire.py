@@ -354,6 +354,17 @@ def test_an_integer_ts_of_an_array_batch_is_milliseconds_whether_unsigned_or_sig
     assert counted is not None and counted.ts == 1_780_000_000.25
 
 
+def test_an_integer_ts_at_the_milliseconds_bound_is_seconds_and_one_above_is_milliseconds() -> None:
+    """MS_TS_ABOVE is exclusive on every path: an integer ts of exactly 10^11 (seconds, year 5138)
+    stays seconds; one more is RFC 1527 milliseconds."""
+    for ts, seconds in ((100_000_000_000, 1e11), (100_000_000_001, 100_000_000.001)):
+        payload = msgspec.msgpack.encode([ts, [["BlockRemoved", [1], "GPU"]]])
+        assert payload[1] == 0xCF  # a uint64, as a producer of milliseconds writes it
+        assert wire.decode_batch(payload).ts == wire.decode_generic(payload).ts == seconds
+        counted = wire.count_batch(payload)
+        assert counted is not None and counted.ts == seconds
+
+
 def test_an_array_block_removed_names_five_fields_and_keeps_the_rest_as_extra() -> None:
     payload = msgspec.msgpack.encode([1.5, [["BlockRemoved", [1], "GPU", 0, "loc", "own", [2]]]])
     (event,) = wire.decode_batch(payload).events
