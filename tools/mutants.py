@@ -867,6 +867,7 @@ EQUIVALENT: list[Equivalent] = [
                 ("if 0x92 <= first <= 0x9F or first in (0xDC, 0xDD):", what, 0)
                 for what in ("159 -> 160", "159 -> 158", "220 -> 221", "220 -> 219", "221 -> 222", "221 -> 220")
             ),
+            ("elif 0x82 <= first <= 0x8F or first in (0xDE, 0xDF):", "in -> not in", 0),
             ("elif 0x82 <= first <= 0x8F or first in (0xDE, 0xDF):", "<= -> <", 0),
             ("elif 0x82 <= first <= 0x8F or first in (0xDE, 0xDF):", "<= -> <", 1),
             *(

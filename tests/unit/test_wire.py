@@ -365,6 +365,23 @@ def test_an_integer_ts_at_the_milliseconds_bound_is_seconds_and_one_above_is_mil
         assert counted is not None and counted.ts == seconds
 
 
+def test_a_map_event_with_its_type_first_and_an_event_type_is_read_by_its_event_type_on_every_path() -> None:
+    """The fast path takes a map event with ``type`` first as it is, but not an RFC 1527 one: its
+    ``event_type`` decides over the legacy ``type``, as the generic path and count_batch read it."""
+    event = {"type": "BlockRemoved", "event_type": "stored", "block_hashes": [1], "medium": "GPU"}
+    payload = msgspec.msgpack.encode([1.5, [event]])
+    expected = {"type": "BlockStored", "event_type": "stored", "block_hashes": [1], "medium": "GPU"}
+    assert wire.decode_batch(payload).events == wire.decode_generic(payload).events == [expected]
+
+
+def test_an_array_event_named_type_is_an_unknown_event_on_every_path_not_a_crash() -> None:
+    """An array event whose type name is the string "type" is an unknown type kept with its
+    values as extra (the fast path must not read it as a map event with a ``type`` key)."""
+    payload = msgspec.msgpack.encode([1.5, [["type", 1]], 0])
+    assert wire.decode_batch(payload) == msgspec.structs.replace(wire.decode_generic(payload), plain=True)
+    assert wire.decode_batch(payload).events == [{"type": "type", "extra": [1]}]
+
+
 def test_an_array_block_removed_names_five_fields_and_keeps_the_rest_as_extra() -> None:
     payload = msgspec.msgpack.encode([1.5, [["BlockRemoved", [1], "GPU", 0, "loc", "own", [2]]]])
     (event,) = wire.decode_batch(payload).events
