@@ -382,6 +382,34 @@ def test_an_array_event_named_type_is_an_unknown_event_on_every_path_not_a_crash
     assert wire.decode_batch(payload).events == [{"type": "type", "extra": [1]}]
 
 
+@pytest.mark.parametrize("tag", ["", 5], ids=["empty", "int"])
+def test_a_type_first_map_event_without_a_string_type_is_a_bad_event_on_every_path(tag: object) -> None:
+    """An event whose ``type`` comes first but is empty or not a string is reported as a bad
+    event (its batch position kept), the good event beside it delivered, by either decoder."""
+    good = {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}
+    bad = {"type": tag, "block_hashes": [2]}
+    for events, kept, bad_at in (([good, bad], [good], [1]), ([bad], [], [0])):
+        payload = msgspec.msgpack.encode([1.5, events])
+        for decoded in (wire.decode_batch(payload), wire.decode_generic(payload)):
+            assert decoded.events == kept
+            assert [b.index for b in decoded.bad_events] == bad_at
+
+
+def test_a_map_batch_keeps_its_unknown_fields_as_extra() -> None:
+    payload = msgspec.msgpack.encode({"ts": 1.5, "events": [], "data_parallel_rank": 2, "note": "x"})
+    decoded = wire.decode_batch(payload)
+    assert (decoded.extra, decoded.dp_rank) == ({"note": "x"}, 2)
+
+
+@pytest.mark.parametrize("rank", [True, "1", 1.0], ids=["bool", "str", "float"])
+def test_a_rank_that_is_not_an_int_is_read_as_none(rank: object) -> None:
+    """A bool, string or float rank is no rank: the batch is read with its rank None, on both
+    configured rank applies), on both batch forms."""
+    for batch in ([1.5, [], rank], {"ts": 1.5, "events": [], "data_parallel_rank": rank}):
+        decoded = wire.decode_batch(msgspec.msgpack.encode(batch))
+        assert decoded.dp_rank is None and decoded.events == []
+
+
 def test_an_array_block_removed_names_five_fields_and_keeps_the_rest_as_extra() -> None:
     payload = msgspec.msgpack.encode([1.5, [["BlockRemoved", [1], "GPU", 0, "loc", "own", [2]]]])
     (event,) = wire.decode_batch(payload).events
