@@ -385,14 +385,15 @@ def test_an_array_event_named_type_is_an_unknown_event_on_every_path_not_a_crash
 @pytest.mark.parametrize("tag", ["", 5], ids=["empty", "int"])
 def test_a_type_first_map_event_without_a_string_type_is_a_bad_event_on_every_path(tag: object) -> None:
     """An event whose ``type`` comes first but is empty or not a string is reported as a bad
-    event (its batch position kept), the good event beside it delivered, by either decoder."""
+    event (its batch position and the reason kept), the good event beside it delivered, by
+    either decoder."""
     good = {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}
     bad = {"type": tag, "block_hashes": [2]}
     for events, kept, bad_at in (([good, bad], [good], [1]), ([bad], [], [0])):
         payload = msgspec.msgpack.encode([1.5, events])
         for decoded in (wire.decode_batch(payload), wire.decode_generic(payload)):
             assert decoded.events == kept
-            assert [b.index for b in decoded.bad_events] == bad_at
+            assert [(b.index, b.reason) for b in decoded.bad_events] == [(i, "map event without a string 'type'") for i in bad_at]
 
 
 def test_a_map_batch_keeps_its_unknown_fields_as_extra() -> None:
