@@ -845,6 +845,12 @@ EQUIVALENT: list[Equivalent] = [
         "True -> False",
         "values[:n] has exactly n items here (len(values) > n): strict never has anything to refuse",
     ),
+    Equivalent(
+        "wire",
+        "if isinstance(ts, int) and isinstance(obj, list) and payload[0] <= 0x9F and ts > MS_TS_ABOVE:",
+        "159 -> 160",
+        "obj is a list: its first byte is an array header (0x90-0x9F, 0xDC, 0xDD), never 0xA0",
+    ),
     *(
         Equivalent(
             "wire",

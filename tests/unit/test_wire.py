@@ -411,6 +411,22 @@ def test_a_rank_that_is_not_an_int_is_read_as_none(rank: object) -> None:
         assert decoded.dp_rank is None and decoded.events == []
 
 
+def test_milliseconds_are_told_by_a_fixarray_header_up_to_15_elements_not_by_an_array16_one() -> None:
+    """RFC 1527 batches are small arrays: an integer ts above MS_TS_ABOVE in a fixarray of any
+    size up to 15 (the last fixarray header, 0x9F) is milliseconds on every path; in an array16
+    one it is read as sent."""
+    ms = 1_780_000_000_250
+    head = b"\xcf" + struct.pack(">Q", ms) + msgspec.msgpack.encode([["BlockRemoved", [1], "GPU"]])
+    rest = [0] * 12 + [None]  # rank and 12 extra elements: 15 in all, the last one a nil
+    fifteen = b"\x9f" + head + b"".join(msgspec.msgpack.encode(x) for x in rest)
+    array16 = b"\xdc\x00\x02" + head
+    for payload, ts in ((fifteen, 1_780_000_000.25), (array16, float(ms))):
+        assert wire.decode_batch(payload).ts == wire.decode_generic(payload).ts == wire.peek_ts(payload) == ts
+        counted = wire.count_batch(payload)
+        assert counted is not None and counted.ts == ts
+    assert wire.decode_batch(fifteen).extra == rest[1:]
+
+
 def test_an_array_block_removed_names_five_fields_and_keeps_the_rest_as_extra() -> None:
     payload = msgspec.msgpack.encode([1.5, [["BlockRemoved", [1], "GPU", 0, "loc", "own", [2]]]])
     (event,) = wire.decode_batch(payload).events
