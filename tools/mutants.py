@@ -845,6 +845,40 @@ EQUIVALENT: list[Equivalent] = [
         "True -> False",
         "values[:n] has exactly n items here (len(values) > n): strict never has anything to refuse",
     ),
+    *(
+        Equivalent("wire", text, what, why)
+        for text in (
+            'classes = [msgspec.defstruct(f"_{t}{kind}", [], tag=t, frozen=True, gc=False, **kw) for t in FIELDS]',
+            'msgspec.defstruct(f"_Rfc1527{t}", [], tag=k, tag_field="event_type", frozen=True, gc=False)',
+        )
+        for what, why in (
+            (
+                "True -> False",
+                "the counting structs have no fields: frozen only forbids assigning one, and nothing assigns (they are "
+                "read for their type only)",
+            ),
+            ("False -> True", "gc=False only keeps instances of a struct without fields out of the cycle collector"),
+        )
+    ),
+    *(
+        Equivalent(
+            "wire",
+            text,
+            "True -> False",
+            "classes is built from the same mapping, one class per item: the two always have the same length",
+        )
+        for text in (
+            "_TYPE_OF.update(zip(classes, FIELDS, strict=True))",
+            "_TYPE_OF.update(zip(classes, RFC1527_TYPES.values(), strict=True))",
+        )
+    ),
+    Equivalent(
+        "wire",
+        "if 0x90 <= first <= 0x9F or first in (0xDC, 0xDD):",
+        "<= -> <",
+        "0x90 is an empty array, no batch: counted as an array it fails to decode, counted as neither it is "
+        "refused; None (decode_batch decides) either way",
+    ),
     Equivalent(
         "wire",
         "if isinstance(ts, int) and isinstance(obj, list) and payload[0] <= 0x9F and ts > MS_TS_ABOVE:",
