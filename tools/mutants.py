@@ -872,12 +872,15 @@ EQUIVALENT: list[Equivalent] = [
             "_TYPE_OF.update(zip(classes, RFC1527_TYPES.values(), strict=True))",
         )
     ),
-    Equivalent(
-        "wire",
-        "if 0x90 <= first <= 0x9F or first in (0xDC, 0xDD):",
-        "<= -> <",
-        "0x90 is an empty array, no batch: counted as an array it fails to decode, counted as neither it is "
-        "refused; None (decode_batch decides) either way",
+    *(
+        Equivalent(
+            "wire",
+            "if 0x90 <= first <= 0x9F or first in (0xDC, 0xDD):",
+            what,
+            "0x90 is an empty array, no batch: counted as an array it fails to decode, counted as neither it is "
+            "refused; None (decode_batch decides) either way",
+        )
+        for what in ("<= -> <", "144 -> 145")
     ),
     Equivalent(
         "wire",

@@ -427,6 +427,18 @@ def test_milliseconds_are_told_by_a_fixarray_header_up_to_15_elements_not_by_an_
     assert wire.decode_batch(fifteen).extra == rest[1:]
 
 
+def test_a_map_batch_of_15_fields_is_counted_as_decoded() -> None:
+    """The last fixmap header (0x8F): count_batch reads such a batch as a map, as decode_batch
+    does (the 13 other fields kept as extra there, skipped here)."""
+    batch: dict[str, Any] = {"ts": 1.5, "events": [{"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}]}
+    batch.update((f"f{i}", i) for i in range(13))
+    payload = msgspec.msgpack.encode(batch)
+    assert payload[0] == 0x8F
+    decoded = wire.decode_batch(payload)
+    assert wire.count_batch(payload) == wire.EventCount(decoded.ts, [e["type"] for e in decoded.events])
+    assert decoded.ts == 1.5 and len(decoded.extra) == 13
+
+
 def test_an_array_block_removed_names_five_fields_and_keeps_the_rest_as_extra() -> None:
     payload = msgspec.msgpack.encode([1.5, [["BlockRemoved", [1], "GPU", 0, "loc", "own", [2]]]])
     (event,) = wire.decode_batch(payload).events
