@@ -884,6 +884,13 @@ EQUIVALENT: list[Equivalent] = [
     ),
     Equivalent(
         "wire",
+        "if 0x90 <= first <= 0x9F or first in (0xDC, 0xDD):",
+        "159 -> 160",
+        "0xA0 is an empty string, no batch: counted as an array it fails to decode, counted as neither it is "
+        "refused; None (decode_batch decides) either way",
+    ),
+    Equivalent(
+        "wire",
         "if isinstance(ts, int) and isinstance(obj, list) and payload[0] <= 0x9F and ts > MS_TS_ABOVE:",
         "159 -> 160",
         "obj is a list: its first byte is an array header (0x90-0x9F, 0xDC, 0xDD), never 0xA0",
