@@ -882,6 +882,24 @@ EQUIVALENT: list[Equivalent] = [
         )
         for what in ("<= -> <", "144 -> 145")
     ),
+    *(
+        Equivalent(
+            "wire",
+            "elif 0x80 <= first <= 0x8F or first in (0xDE, 0xDF):",
+            what,
+            "only moves a byte that is no batch (0x7F a positive int, 0x80 an empty map, 0x90 already taken as an "
+            "array above) between refused and failing to decode: None (decode_batch decides) either way",
+            within="count_batch",
+        )
+        for what in ("<= -> <", "128 -> 129", "128 -> 127", "143 -> 144")
+    ),
+    Equivalent(
+        "wire",
+        "if ts > MS_TS_ABOVE and first <= 0x9F and payload[1] in _INT64:",
+        "159 -> 160",
+        "first is an array or map header here (0x80-0x9F, 0xDC-0xDF), never 0xA0",
+        within="count_batch",
+    ),
     Equivalent(
         "wire",
         "if 0x90 <= first <= 0x9F or first in (0xDC, 0xDD):",

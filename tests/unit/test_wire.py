@@ -439,6 +439,21 @@ def test_a_map_batch_of_15_fields_is_counted_as_decoded() -> None:
     assert decoded.ts == 1.5 and len(decoded.extra) == 13
 
 
+@pytest.mark.parametrize(
+    "header",
+    [b"\xdc\x00\x02", b"\xdd\x00\x00\x00\x02", b"\xde\x00\x02", b"\xdf\x00\x00\x00\x02"],
+    ids=["array16", "array32", "map16", "map32"],
+)
+def test_a_batch_under_a_16_or_32_bit_header_is_counted_as_decoded(header: bytes) -> None:
+    """Writers that always use the wide headers: count_batch reads such a batch as decode_batch does."""
+    events = [{"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}, {"type": "AllBlocksCleared"}]
+    parts: list[Any] = [1.5, events] if header[0] in (0xDC, 0xDD) else ["ts", 1.5, "events", events]
+    payload = header + b"".join(msgspec.msgpack.encode(p) for p in parts)
+    decoded = wire.decode_batch(payload)
+    assert (decoded.ts, decoded.events) == (1.5, events)
+    assert wire.count_batch(payload) == wire.EventCount(1.5, ["BlockRemoved", "AllBlocksCleared"])
+
+
 def test_an_array_block_removed_names_five_fields_and_keeps_the_rest_as_extra() -> None:
     payload = msgspec.msgpack.encode([1.5, [["BlockRemoved", [1], "GPU", 0, "loc", "own", [2]]]])
     (event,) = wire.decode_batch(payload).events
