@@ -908,6 +908,21 @@ EQUIVALENT: list[Equivalent] = [
         "refused; None (decode_batch decides) either way",
     ),
     Equivalent(
+        "state",
+        "i = 0",
+        "0 -> -1",
+        "the probe's wrap: from -1 it reads the last slot once more (not the id, or the probe would have stopped "
+        "there; or moved, skipped again), then slot 0: the same answer",
+        within="_old_slot",
+    ),
+    Equivalent(
+        "state",
+        "return -1",
+        "1 -> 2",
+        "'not in the old arrays': every caller only asks whether it is below 0 (contains, count, version, add, remove)",
+        within="_old_slot",
+    ),
+    Equivalent(
         "wire",
         "if isinstance(ts, int) and isinstance(obj, list) and payload[0] <= 0x9F and ts > MS_TS_ABOVE:",
         "159 -> 160",

@@ -467,3 +467,22 @@ def test_a_table_says_which_blocks_it_holds_and_the_bytes_of_its_arrays_while_it
     assert table.nbytes() == table.cap * (8 + 4) + old_cap * (8 + 4) + old_cap  # (and a flag per old slot)
     assert all(i * 7919 in table for i in range(1, k + 1))  # (most still in the old arrays)
     assert 7919 * (k + 1) not in table and -7919 not in table and True not in table and "7919" not in table
+
+
+def test_while_growing_a_block_whose_probe_wraps_past_the_old_arrays_end_is_found_there() -> None:
+    """During incremental growth the old arrays are still read: a block stored at old slot 0
+    after its probe wrapped from the last slot is found (count, version), and an absent id
+    whose probe wraps the same way is absent, not an error."""
+    table = BlockTable()
+    cap = table.cap
+    first, wrapped = cap - 1, 2 * cap - 1  # both at home in the last slot: the second wraps to slot 0
+    table.add(first, 1)
+    table.add(wrapped, 2)
+    k = 1
+    while table._old is None:  # fill the middle slots until growth starts (nothing moved yet)
+        table.add(k, 3)
+        k += 1
+    assert table._old[0][0] == wrapped  # still in the old arrays, at slot 0
+    assert wrapped in table and table.count(wrapped) == 1 and table.version(wrapped) == 2
+    absent = 3 * table._old[2] - 1
+    assert absent not in table and table.count(absent) == 0 and table.version(absent) == 0
