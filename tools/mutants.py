@@ -909,6 +909,12 @@ EQUIVALENT: list[Equivalent] = [
     ),
     Equivalent(
         "state",
+        "for k, v in zip(self.ids, self.vers, strict=True):",
+        "True -> False",
+        "ids and vers are allocated together at cap slots (_alloc), and _widen copies vers whole: always the same length",
+    ),
+    Equivalent(
+        "state",
         "i = 0",
         "0 -> -1",
         "the probe's wrap: from -1 it reads the last slot once more (not the id, or the probe would have stopped "
