@@ -237,13 +237,9 @@ async def probe(settings: dict[str, Any], ssl_context: Any) -> str:
     aiokafka only logs why a bootstrap failed (``Unable to bootstrap from ...``): this finds the
     cause (refused, TLS, authentication) to report it.
     """
-    host, port, _family = collect_hosts(settings["bootstrap_servers"], randomize=False)[0]
-    conn = await create_conn(
-        host,
-        port,
-        client_id=settings["client_id"],
-        request_timeout_ms=settings["request_timeout_ms"],
-        ssl_context=ssl_context,
+    host, port, conn = await _first_connection(
+        settings,
+        ssl_context,
         security_protocol=settings["security_protocol"],
         sasl_mechanism=settings.get("sasl_mechanism"),
         sasl_plain_username=settings.get("sasl_plain_username"),
@@ -253,11 +249,9 @@ async def probe(settings: dict[str, Any], ssl_context: Any) -> str:
     return f"{host}:{port}"
 
 
-async def sasl_mechanisms(settings: dict[str, Any], ssl_context: Any) -> list[str]:
-    """The SASL mechanisms the first bootstrap server accepts: its answer to a SASL handshake for
-    the configured mechanism, on a connection without SASL (TLS kept). aiokafka's
-    ``UnsupportedSaslMechanismError`` names only the connection, so a mismatch could not name the
-    fix without this. Raises what the connection or the request raises."""
+async def _first_connection(settings: dict[str, Any], ssl_context: Any, **security: Any) -> tuple[str, int, Any]:
+    """A connection to the first bootstrap server with the client's id and timeout, and
+    ``security`` (security_protocol and, for probe, the SASL settings): (host, port, connection)."""
     host, port, _family = collect_hosts(settings["bootstrap_servers"], randomize=False)[0]
     conn = await create_conn(
         host,
@@ -265,8 +259,18 @@ async def sasl_mechanisms(settings: dict[str, Any], ssl_context: Any) -> list[st
         client_id=settings["client_id"],
         request_timeout_ms=settings["request_timeout_ms"],
         ssl_context=ssl_context,
-        security_protocol="SSL" if settings["security_protocol"].endswith("SSL") else "PLAINTEXT",
+        **security,
     )
+    return host, port, conn
+
+
+async def sasl_mechanisms(settings: dict[str, Any], ssl_context: Any) -> list[str]:
+    """The SASL mechanisms the first bootstrap server accepts: its answer to a SASL handshake for
+    the configured mechanism, on a connection without SASL (TLS kept). aiokafka's
+    ``UnsupportedSaslMechanismError`` names only the connection, so a mismatch could not name the
+    fix without this. Raises what the connection or the request raises."""
+    protocol = "SSL" if settings["security_protocol"].endswith("SSL") else "PLAINTEXT"
+    _host, _port, conn = await _first_connection(settings, ssl_context, security_protocol=protocol)
     try:
         response = await conn.send(SaslHandShakeRequest(settings.get("sasl_mechanism") or "PLAIN"))
     finally:
