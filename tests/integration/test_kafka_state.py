@@ -632,6 +632,17 @@ async def test_a_state_topic_set_to_delete_by_retention_during_a_run_is_refused_
             await asyncio.sleep(0.2)
 
 
+async def delete_all_but_the_head(kafka: KafkaServer, tp: TopicPartition) -> None:
+    """DeleteRecords of every record of state partition ``tp`` but its last (the head)."""
+    _, end = await offsets(kafka.bootstrap_servers, tp)
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        await admin.delete_records({tp: RecordsToDelete(before_offset=end - 1)})
+    finally:
+        await admin.close()
+
+
 async def test_records_deleted_from_a_state_partitions_start_tell_its_streams_state_lost(
     tmp_path: Path, kafka: KafkaServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -647,13 +658,7 @@ async def test_records_deleted_from_a_state_partitions_start_tell_its_streams_st
     part = partition_of("a/0", 2)
     async with complete_state(tmp_path, kafka, topic, state_topic, 14) as (engine, bridge, before):
         tp = TopicPartition(state_topic, part)
-        _, end = await offsets(kafka.bootstrap_servers, tp)
-        admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
-        await admin.start()
-        try:
-            await admin.delete_records({tp: RecordsToDelete(before_offset=end - 1)})  # all but the head
-        finally:
-            await admin.close()
+        await delete_all_but_the_head(kafka, tp)
         deadline = time.monotonic() + 30
         while await head_now(kafka, state_topic, part, "a/0") is not None:  # a bootstrap: no state, incomplete
             assert time.monotonic() < deadline, "the head that lost its entries still stands"
@@ -691,13 +696,7 @@ async def test_records_deleted_from_a_state_partition_while_no_bridge_runs_leave
             assert before["complete"]
         finally:
             await bridge.stop()
-        _, end = await offsets(kafka.bootstrap_servers, tp)
-        admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
-        await admin.start()
-        try:
-            await admin.delete_records({tp: RecordsToDelete(before_offset=end - 1)})  # all but the head
-        finally:
-            await admin.close()
+        await delete_all_but_the_head(kafka, tp)
         follower = await Follower.start(kafka.bootstrap_servers, "a", 0, topic=topic, state_topic=state_topic)
         try:
             assert not follower.state.complete, "bootstrapped complete over a head whose entries are gone"
