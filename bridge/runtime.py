@@ -229,6 +229,7 @@ class Bridge:
         self._checkpoint_task: asyncio.Task[None] | None = None
         self.discovery: Discovery | None = None
         self._started_at: float | None = None  # monotonic; ingest.connect_grace counts from here
+        self._starting: str | None = "starting"  # what start() waits for (None: started)
         self.skips: list[SkipHeld] = []  # with checkpoint.from_sinks: every sink's connector, wrapped
         self._held_top: dict[str, int] = {}  # from_sinks: the highest seq a sink holds in a stream's resume epoch
         self.tracker: StateTracker | None = None  # when a sink keeps state (state.enabled)
@@ -256,6 +257,23 @@ class Bridge:
         if problems:
             raise ConfigError(problems)
         self._built = connectors
+        if cfg.metrics.listen:
+            # Up before the sinks are read: a start-up waiting for them (up to state.load_timeout
+            # and checkpoint.from_sinks_timeout) answers /healthz, and /readyz says what it waits for.
+            self.health = HealthServer(cfg.metrics.listen, self.metrics.scrape, self.readiness)
+            await self.health.start()
+        try:
+            await self._start(connectors)
+        except BaseException:
+            if self.health is not None:
+                await self.health.stop()
+            raise
+        self._starting = None
+        log.info("bridge started", extra={"sources": len(self.readers), "sinks": len(self.workers)})
+
+    async def _start(self, connectors: list[Connector]) -> None:
+        """The rest of :meth:`start`: the sinks read first, then every sink worker and source."""
+        cfg = self.config
         self.store = self.context.epochs = ckpt.CheckpointStore(cfg.checkpoint.path, len(cfg.sinks))
         self.store.collect = self._note_instances
         configured = [s for source in cfg.sources for s in streams_of(source)]
@@ -273,12 +291,18 @@ class Bridge:
             if (isinstance(c, StateReader) and c in self._state_sinks)
             or (cfg.checkpoint.from_sinks and isinstance(c, PositionReader))
         ]
-        await self._connect_early(early)
-        await self.load_state(configured)
+        if early:
+            self._starting = f"connecting to the sinks read before any stream starts: {', '.join(c.name for c, _ in early)}"
+            await self._connect_early(early)
+        if self._state_sinks:
+            self._starting = "reading the streams' state back from the state sinks (state.load_timeout)"
+            await self.load_state(configured)
         if cfg.checkpoint.from_sinks:
+            self._starting = "asking the sinks what they hold of each stream (checkpoint.from_sinks_timeout)"
             self.skips = [SkipHeld(c, self.metrics) for c in connectors]
             connectors = [skip for skip in self.skips]
             await self.take_over(configured)
+        self._starting = "starting the sinks and sources"
         renderers: dict[tuple[str, str, str, EventFilter | None], Renderer] = {}
         for i, (sink, conn) in enumerate(zip(cfg.sinks, connectors, strict=True)):
             event_filter = for_sink(sink)
@@ -301,9 +325,6 @@ class Bridge:
         self.context.needs_events = self.tracker is not None or any(
             sink.format != "raw" or getattr(conn, "needs_events", True) for sink, conn in zip(cfg.sinks, connectors, strict=True)
         )
-        if cfg.metrics.listen:
-            self.health = HealthServer(cfg.metrics.listen, self.metrics.scrape, self.readiness)
-            await self.health.start()
         added = [(source, self._add_pipelines(source)) for source in cfg.sources]
         await self.persist_epochs()  # one write for every epoch opened at start-up
         for source, pipelines in added:
@@ -318,7 +339,6 @@ class Bridge:
             self.spawn(self._idle_probe_loop(), "idle-probe")
         if cfg.checkpoint.path:
             self._checkpoint_task = self._watch(asyncio.create_task(self.store.run(cfg.checkpoint.interval), name="checkpoint"))
-        log.info("bridge started", extra={"sources": len(self.readers), "sinks": len(self.workers)})
 
     async def add_source(self, source: SourceConfig) -> None:
         """Subscribe to every rank of ``source`` (also used by discovery at run time)."""
@@ -443,6 +463,8 @@ class Bridge:
         for conn in self._built:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(conn.close(), 5)
+        if self.health is not None:
+            await self.health.stop()
         self.dead_letters.close()
         self.zmq_context.destroy(linger=0)
 
@@ -779,6 +801,9 @@ class Bridge:
         ``kv_bridge_ready`` current with): one pass over the streams that stops at the first
         one not subscribed, or the first connected and answering. With 10,000 streams the detail
         takes 5-20 ms of the loop."""
+        if self._starting is not None:
+            self.metrics.ready.set(0)
+            return False, ({"not_ready": f"starting: {self._starting}"} if detail else {})
         readers = self.readers
         pipelines = self.pipelines
         waiting: list[str] = []

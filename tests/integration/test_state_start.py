@@ -8,6 +8,7 @@ engine's next reset, hours or days). It retries within ``state.load_timeout`` an
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from pathlib import Path
@@ -20,7 +21,7 @@ from tests.infra.servers import RedisServer
 from tests.integration.test_redis_state import bootstrapped, check, in_process, remove_keys, settled, sink
 from tests.support.cache_engine import CacheEngine
 from tests.support.harness import free_port
-from tests.support.process import BridgeProcess, bridge_config
+from tests.support.process import BridgeProcess, bridge_config, http_get
 
 pytestmark = pytest.mark.integration
 
@@ -71,10 +72,10 @@ async def test_a_state_sink_down_for_3s_at_start_is_waited_for_and_the_state_reb
 
 
 async def test_sigterm_while_start_up_waits_for_a_state_sink_stops_at_once(tmp_path: Path, redis_server: RedisServer) -> None:
-    """Kubernetes stops a pod whose bridge is still waiting for its state sink (up to
-    ``state.load_timeout``, here 60 s): SIGTERM stops it at once, exit 0, the checkpoint file as it
-    was (nothing was read). Before, the bridge waited out the bound first (breaker29f: ~53 s), and
-    Kubernetes killed it at its grace period."""
+    """While start-up waits for its state sink (up to ``state.load_timeout``, here 60 s), /healthz
+    answers and /readyz says what it waits for. Kubernetes stops such a pod: SIGTERM stops it at
+    once, exit 0, the checkpoint file as it was (nothing was read). Before, the bridge waited out
+    the bound first (breaker29f: ~53 s), and Kubernetes killed it at its grace period."""
     del redis_server  # only for its install and CI check: the sink's port has no server
     prefix = f"kvw{uuid.uuid4().hex[:8]}"
     checkpoint = tmp_path / "checkpoint.json"
@@ -91,6 +92,13 @@ async def test_sigterm_while_start_up_waits_for_a_state_sink_stops_at_once(tmp_p
         while "retrying until its bound" not in bridge.log():
             assert bridge.alive() and time.monotonic() < deadline, bridge.log()[-2000:]
             await asyncio.sleep(0.05)
+        # Meanwhile the pod is alive (the chart's startup and liveness probes pass) and says what
+        # it waits for; before, nothing listened until the sink answered or the bound passed.
+        assert bridge.metrics_port is not None
+        assert (await http_get(bridge.metrics_port, "/healthz"))[0] == 200
+        status, body = await http_get(bridge.metrics_port, "/readyz")
+        assert status == 503
+        assert json.loads(body)["not_ready"] == "starting: connecting to the sinks read before any stream starts: out", body
         assert await bridge.terminate(timeout=20) == 0, bridge.log()[-2000:]
     finally:
         if bridge.alive():
