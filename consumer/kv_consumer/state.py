@@ -176,6 +176,11 @@ class StreamState:
         pos = position(message)
         if pos <= self.applied or pos[0] < self.epoch:
             return False
+        if pos[2] == 0 and pos[0] == self.applied[0] and pos[1] > self.applied[1] + 1 and "events" in message:
+            # At batch granularity every seq has its record, or an EventsLost that covers it: a seq
+            # skipped between two records read is one the sink no longer held (trimmed unread).
+            missing = f"seqs {self.applied[1]}-{pos[1] - 2} of epoch {pos[0]} missing from what the sink holds"
+            self._clear(pos[0], False, missing)
         self.applied = pos
         epoch, seq = pos[0], pos[1] - 1
         kind = message.get("type")

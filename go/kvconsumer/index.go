@@ -299,6 +299,13 @@ func (s *StreamState) Apply(r Record) (bool, error) {
 	if !s.Applied.Less(pos) || pos.Epoch < s.Epoch {
 		return false, nil
 	}
+	_, isEvent := r["index"]
+	events, isBatch := r["events"].([]any)
+	if pos.Sub == 0 && pos.Epoch == s.Applied.Epoch && pos.Slot > s.Applied.Slot+1 && isBatch && !isEvent {
+		// At batch granularity every seq has its record, or an EventsLost that covers it: a seq
+		// skipped between two records read is one the sink no longer held (trimmed unread).
+		s.clear(pos.Epoch, false, fmt.Sprintf("seqs %d-%d of epoch %d missing from what the sink holds", s.Applied.Slot, pos.Slot-2, pos.Epoch))
+	}
 	s.Applied = pos
 	epoch, seq := pos.Epoch, pos.Slot-1
 	kind, _ := r["type"].(string)
@@ -320,8 +327,6 @@ func (s *StreamState) Apply(r Record) (bool, error) {
 		s.clear(epoch, false, fmt.Sprintf("seqs %v-%v of epoch %d lost (%v)", r["from_seq"], r["to_seq"], epoch, r["reason"]))
 		return true, nil
 	}
-	_, isEvent := r["index"]
-	events, isBatch := r["events"].([]any)
 	if isEvent || !isBatch {
 		s.event(r, epoch, seq)
 		return true, nil

@@ -183,3 +183,29 @@ func TestSweptCountsTheHeadsEntries(t *testing.T) {
 		t.Fatalf("an overlapped sweep: %+v %v", overlapped, err)
 	}
 }
+
+// At batch granularity every seq has a record, or an EventsLost covering it: a seq skipped between
+// two batch records is one the sink lost before it was read, so the stream is incomplete and its
+// blocks dropped, as for an EventsLost. Event records are not checked (a batch whose events were
+// all filtered out has none).
+func TestASeqMissingBetweenBatchRecordsMakesTheStreamIncomplete(t *testing.T) {
+	x := NewIndex()
+	e := Stream{"e", 0}
+	apply := func(r Record) {
+		if err := x.Apply(r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	apply(rec(t, batch(7, 0, stored("GPU", "1"))))
+	apply(rec(t, batch(7, 3, stored("GPU", "2"))))
+	if s := x.Streams[e]; s.Complete || s.Why != "seqs 1-2 of epoch 7 missing from what the sink holds" {
+		t.Fatalf("why: %q", s.Why)
+	}
+	same(t, residency(x, e), map[string]int64{"2/GPU": 1})
+	head := `"source":"f","dp_rank":0,"epoch":5,"ts":1.0,"schema_version":1`
+	apply(rec(t, `{%s,"seq":0,"index":0,"type":"BlockStored","block_hashes":[42],"medium":"GPU"}`, head))
+	apply(rec(t, `{%s,"seq":4,"index":0,"type":"BlockStored","block_hashes":[43],"medium":"GPU"}`, head))
+	if !x.Streams[Stream{"f", 0}].Complete {
+		t.Fatal(x.Summary())
+	}
+}

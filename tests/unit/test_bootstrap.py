@@ -361,6 +361,7 @@ def test_events_change_only_keys_the_sweep_read_before_them_and_counts_never_go_
     assert s.entries[("GPU", None, 10)]["parent"] == 9 and s.entries[("GPU", None, 11)]["parent"] == 10
     assert (s.entries[("GPU", None, 1)]["epoch"], s.entries[("GPU", None, 1)]["seq"]) == (3, 6)
     assert changes == [(10, True), (11, True)]
+    assert s.apply(batch_msg(3, 7))
     assert s.apply(batch_msg(3, 8, removed(1), removed(1), removed(1), removed(2), {"type": "BlockStored", "block_hashes": 5}))
     assert s.blocks() == {("GPU", None, 10): 1, ("GPU", None, 11): 1}
     assert changes[2:] == [(1, False), (2, False)]
@@ -382,6 +383,25 @@ def test_a_newer_epoch_without_its_reset_is_complete_only_from_its_first_batch_s
     s = StreamState(HEAD, [entry(1, seq=4)])
     assert s.apply(batch_msg(4, 2, stored(7)))
     assert (s.complete, s.why, s.epoch) == (False, "joined mid-stream", 4)
+
+
+def test_a_seq_missing_between_two_batch_records_makes_the_state_incomplete() -> None:
+    """At batch granularity every seq has a record, or an EventsLost covering it: one missing is a
+    record the sink lost before it was read (retention, maxlen, a purge), so the state is no longer
+    the engine's cache. An event record's seq may be missing legitimately (a batch whose events were
+    all filtered out), so event granularity is not checked."""
+    s = StreamState(HEAD, [entry(1, seq=4)])
+    assert s.apply(batch_msg(3, 6, stored(2)))
+    assert s.complete
+    assert s.apply(batch_msg(3, 9, stored(3)))
+    assert (s.complete, s.why) == (False, "seqs 7-8 of epoch 3 missing from what the sink holds")
+    assert s.blocks() == {("GPU", None, 3): 1}  # what it held is dropped, as for an EventsLost
+    assert s.apply(batch_msg(3, 10, {"type": "AllBlocksCleared"}, stored(4)))
+    assert (s.complete, s.blocks()) == (True, {("GPU", None, 4): 1})
+    e = StreamState(HEAD, [])
+    assert e.apply({"epoch": 3, "seq": 6, "index": 0, **stored(7)})
+    assert e.apply({"epoch": 3, "seq": 9, "index": 0, **stored(8)})
+    assert e.complete
 
 
 def test_an_event_record_is_told_by_its_index_even_with_a_field_named_events() -> None:
