@@ -166,6 +166,7 @@ STATE_TOPIC_CONFIGS = {"cleanup.policy": "compact", "min.cleanable.dirty.ratio":
 _YIELD_EVERY = 4096  # state records built between two yields to the event loop
 _STATE_RECORD_OVERHEAD = 32  # bytes a record adds to its key and value in a batch (varints, no headers)
 _BATCH_OVERHEAD = 61  # bytes of a record batch's header, counted in a topic's max.message.bytes
+_STATE_BATCH_MIN = 1024  # bytes of state records a batch may need (a head, or an entry without its fact)
 
 
 class CreateTopicsOptions(ConnectorOptions):
@@ -230,9 +231,13 @@ class KafkaOptions(ConnectorOptions):
             "topic's would-be partitions (create_topics.partitions, or the broker's num.partitions when it auto-creates)."
         ),
     ] = None
-    acks: Annotated[Literal["all", 1, 0], doc("Broker acknowledgement: all (every in-sync replica), 1 (leader) or 0 (none).")] = (
-        "all"
-    )
+    acks: Annotated[
+        Literal["all", 1, 0],
+        doc(
+            "Broker acknowledgement: all (every in-sync replica) or 1 (the leader). 0 (none) is refused: the sink "
+            "would not know what the topic holds."
+        ),
+    ] = "all"
     enable_idempotence: Annotated[
         bool, doc("Idempotent producer: internal retries never duplicate or reorder (needs acks: all).")
     ] = True
@@ -282,7 +287,13 @@ class KafkaOptions(ConnectorOptions):
         problems: list[str] = []
         if not self.servers():
             problems.append("bootstrap_servers: at least one host:port is required")
-        if self.enable_idempotence and self.acks != "all":
+        if self.acks == 0:
+            # (aiokafka then resolves each send to None: no offset to acknowledge a record by.)
+            problems.append(
+                "acks: 0 is not supported: without the broker's acknowledgement and offsets the sink cannot tell what "
+                "the topic holds (what to acknowledge, announce as lost, or write state after); use 1 or all"
+            )
+        elif self.enable_idempotence and self.acks != "all":
             problems.append('acks must be "all" while enable_idempotence is true')
         check = _CODECS.get(self.compression)
         if check is not None and not check():
@@ -1026,7 +1037,7 @@ class KafkaConnector:
                 if error is None:  # the broker refused the records (too large for the topic?)
                     if isinstance(exc, _SIZE_ERRORS):
                         limit = self._batch_limit.get(chunk.topic, self._max_bytes)
-                        self._batch_limit[chunk.topic] = max(1024, min(limit, chunk.used) // 2)
+                        self._batch_limit[chunk.topic] = max(_STATE_BATCH_MIN, min(limit, chunk.used) // 2)
                     error = Retriable(
                         f"{self._where}: state topic {chunk.topic!r} refused a batch ({_describe(exc)})", reason="state_refused"
                     )
@@ -1418,9 +1429,18 @@ class KafkaConnector:
                 extra={"sink": self.name, "topic": topic},
             )
         limit = configs.get("max.message.bytes")
-        if limit is not None and limit.isdigit() and int(limit) - _BATCH_OVERHEAD < self._batch_limit.get(topic, self._max_bytes):
+        room = int(limit) - _BATCH_OVERHEAD if limit is not None and limit.isdigit() else None
+        small = None
+        if room is not None and room < _STATE_BATCH_MIN:
+            # (Its state batches would be refused for ever: nothing past them would be delivered.)
+            small = (
+                f"state topic {topic!r} takes record batches of at most {limit} bytes (max.message.bytes), below the "
+                f"{_STATE_BATCH_MIN + _BATCH_OVERHEAD} a state batch may need; raise it (kafka-configs --alter --entity-type "
+                f"topics --entity-name {topic} --add-config max.message.bytes=1048588)"
+            )
+        elif room is not None and room < self._batch_limit.get(topic, self._max_bytes):
             # A larger entry is written without its fact (_state_records): never refused for ever.
-            self._batch_limit[topic] = max(1024, int(limit) - _BATCH_OVERHEAD)
+            self._batch_limit[topic] = room
         moved = await self._moved_starts(topic, partitions)
         if deletes and self._state_deletes is None:
             moved = partitions  # what it deleted before this was seen is unknown: every partition
@@ -1430,6 +1450,10 @@ class KafkaConnector:
             self._tell_state_lost(topic, moved, partitions)
         if not deletes:
             self._state_deletes = None
+            if small is not None:
+                self._topic_problem = small
+                self._partitions.pop(topic, None)  # prepared again (its configs read again) before each state write
+                raise NotConnected(f"{self._where}: {small}", reason="state_topic_limit")
             return
         self._state_deletes = (
             f"state topic {topic!r} deletes records by retention (cleanup.policy={policy}, {', '.join(limits)}): live "

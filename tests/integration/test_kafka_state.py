@@ -400,6 +400,19 @@ async def test_state_topic_is_created_compacted_and_one_that_deletes_by_retentio
         assert repr(deleting) in str(refused.value) and "set cleanup.policy=compact" in str(refused.value)
         assert problem is not None and "set cleanup.policy=compact" in problem
     assert "retention.ms=3600000" in str(refused.value)
+    # A topic whose max.message.bytes is below what a state batch may need refuses them for ever:
+    # nothing past them would be delivered (breaker31k, break 2: 0 of 25 batches, ready never).
+    small = await kafka.anew_topic(config={"cleanup.policy": "compact", "max.message.bytes": "900"})
+    for check in (False, True):
+        conn = state_connector(kafka, topic, topic=small)
+        conn.creates_nothing = check
+        with pytest.raises(NotConnected, match=r"takes record batches of at most 900 bytes") as refused:
+            await conn.connect()
+        problem = await conn.health()
+        await conn.close()
+        assert refused.value.reason == "state_topic_limit"
+        assert "--add-config max.message.bytes=" in str(refused.value)
+        assert problem is not None and "max.message.bytes" in problem
 
 
 async def test_a_state_entry_larger_than_the_state_topics_limit_neither_stalls_nor_lies(
