@@ -1061,22 +1061,6 @@ class RedisConnector:
                 reason="replica",
             )
 
-    async def _min_replicas_now(self) -> int:
-        """The server's ``min-replicas-to-write`` now (one CONFIG GET); what was read before when
-        CONFIG is not allowed."""
-        try:
-            reply: Any = await self._connection().config_get("min-replicas-to-write")
-        except ResponseError:
-            return self._min_replicas
-        pairs = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
-        for k, v in pairs:
-            if _text(k) == "min-replicas-to-write":
-                try:
-                    return int(_text(v))
-                except ValueError:
-                    break
-        return self._min_replicas
-
     async def _replicas_short(self) -> str | None:
         """Why the primary refuses every write now for want of replicas: its ``min-replicas-to-write``
         (read at connect, and again by each health check) above ``min_slaves_good_slaves`` in ``INFO replication`` (the replicas
@@ -1102,8 +1086,9 @@ class RedisConnector:
 
     def _warn_durability(self, settings: dict[str, str]) -> None:
         """One WARNING per problem and connector when the server may lose what the state is built
-        on (README "Losses"). Warned, not refused: the bridge notices such a loss at its next write
-        and clears the state, and a managed Redis may not let the operator change these."""
+        on (README "Losses"), at connect or at a health check that finds it. Warned, not refused:
+        the bridge notices such a loss at its next write and clears the state, and a managed Redis
+        may not let the operator change these."""
         problems = []
         if settings.get("appendonly") == "no":
             problems.append(
@@ -1158,14 +1143,18 @@ class RedisConnector:
         """None when a PING is answered, the server is still a primary and lets the user run what
         the writes run (asked again: a failover demotes it, an operator revokes an ACL during the
         run; :meth:`_check_role`, :meth:`_check_permissions`), and the primary has the replicas its
-        ``min-replicas-to-write`` asks for (read again; :meth:`_replicas_short`: an INFO only while
-        it is set), else a short reason: an idle sink shows what a write would meet before it does."""
+        ``min-replicas-to-write`` asks for (its settings read again, :meth:`_read_settings`;
+        :meth:`_replicas_short`: an INFO only while it is set), else a short reason: an idle sink
+        shows what a write would meet before it does. Durability turned off during the run is
+        warned about as at connect (:meth:`_warn_durability`)."""
         try:
             await self._connection().ping()
             await self._check_role()
             await self._check_permissions()
             if not self.options.cluster:
-                self._min_replicas = await self._min_replicas_now()
+                settings = await self._read_settings()
+                if self._state is not None:
+                    self._warn_durability(settings)
             short = await self._replicas_short()
         except NotConnected as exc:
             return f"{exc.reason}: {exc}"

@@ -657,7 +657,8 @@ async def test_a_server_that_may_lose_the_state_is_warned_about_at_connect_and_i
 ) -> None:
     """With state.enabled, a server without AOF or evicting any key at maxmemory would lose the
     state the bridge builds on: connect (and so ``--check``) logs one WARNING per problem naming
-    the consequence and the fix. A server with AOF and noeviction, or a sink without state, none."""
+    the consequence and the fix, and so does a health check that finds it so later. A server with
+    AOF and noeviction, or a sink without state, none."""
     from bridge.cli import check
     from bridge.config import SinkConfig
     from connectors.redis import RedisConnector, RedisOptions
@@ -693,6 +694,23 @@ async def test_a_server_that_may_lose_the_state_is_warned_about_at_connect_and_i
             path.write_text(json.dumps({"sources": [source], "sinks": [sink_entry]}))
             assert await asyncio.to_thread(check, str(path)) == 0  # warned, not refused
             assert len(warnings()) == 2, warnings()
+            # Turned on during the run (breaker31k): the next health check warns, once.
+            caplog.clear()
+            options = msgspec.convert({"url": redis_server.url, "state": {"enabled": True}}, RedisOptions)
+            conn = RedisConnector("r", options, SinkConfig(type="redis", name="r"))
+            good = aioredis.Redis.from_url(redis_server.url)
+            try:
+                await conn.connect()
+                assert await conn.health() is None and warnings() == []
+                await good.config_set("maxmemory-policy", "allkeys-lfu")
+                assert await conn.health() is None  # warned, not refused
+                assert await conn.health() is None
+                lines = warnings()
+                assert len(lines) == 1 and "allkeys-lfu" in lines[0], lines
+            finally:
+                await good.config_set("maxmemory-policy", "noeviction")
+                await good.aclose()
+                await conn.close()
     finally:
         await admin.config_set("maxmemory-policy", "noeviction")
         await admin.aclose()
