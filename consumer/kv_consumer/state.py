@@ -172,10 +172,16 @@ class StreamState:
 
     def apply(self, message: Document) -> bool:
         """Apply one message of the stream's output, in the order read; False when it was skipped
-        (a copy, or already in the state)."""
+        (a copy, already in the state, or, with a head that names its stream, another stream's)."""
         pos = position(message)
         if pos <= self.applied or pos[0] < self.epoch:
             return False
+        source = self.head.get("source")
+        if source is not None and "source" in message and (message["source"], message.get("dp_rank")) != (
+            source,
+            self.head.get("dp_rank"),
+        ):
+            return False  # another stream's record where this one's are read (two sources sharing a subject)
         if pos[2] == 0 and pos[0] == self.applied[0] and pos[1] > self.applied[1] + 1 and "events" in message:
             # At batch granularity every seq has its record, or an EventsLost that covers it: a seq
             # skipped between two records read is one the sink no longer held (trimmed unread).

@@ -290,7 +290,7 @@ func (s *StreamState) clear(epoch int64, complete bool, why string) {
 }
 
 // Apply applies one record of the stream, in the order read; false when it was skipped (a copy,
-// a stale epoch, or already in the state).
+// a stale epoch, already in the state, or, with a head that names its stream, another stream's).
 func (s *StreamState) Apply(r Record) (bool, error) {
 	pos, err := Position(r)
 	if err != nil {
@@ -298,6 +298,11 @@ func (s *StreamState) Apply(r Record) (bool, error) {
 	}
 	if !s.Applied.Less(pos) || pos.Epoch < s.Epoch {
 		return false, nil
+	}
+	if src, ok := s.Head["source"]; ok && src != nil {
+		if other, named := r["source"]; named && (text(other) != text(src) || text(r["dp_rank"]) != text(s.Head["dp_rank"])) {
+			return false, nil // another stream's record where this one's are read (two sources sharing a subject)
+		}
 	}
 	_, isEvent := r["index"]
 	events, isBatch := r["events"].([]any)

@@ -209,3 +209,24 @@ func TestASeqMissingBetweenBatchRecordsMakesTheStreamIncomplete(t *testing.T) {
 		t.Fatal(x.Summary())
 	}
 }
+
+// Two sources whose names give one subject interleave their records there until the bridge
+// notices: a state whose head names its stream applies only that stream's records.
+func TestAStateAppliesOnlyTheRecordsOfTheStreamItsHeadNames(t *testing.T) {
+	head := rec(t, `{"source":"llama.a","dp_rank":0,"epoch":3,"gen":0,"seq":5,"complete":true,"live":0}`)
+	s, err := FromState(head, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	other := rec(t, `{"source":"llama_a","dp_rank":0,"epoch":3,"seq":6,"events":[%s]}`, stored("GPU", "1"))
+	rank := rec(t, `{"source":"llama.a","dp_rank":1,"epoch":3,"seq":6,"events":[%s]}`, stored("GPU", "1"))
+	mine := rec(t, `{"source":"llama.a","dp_rank":0,"epoch":3,"seq":6,"events":[%s]}`, stored("GPU", "2"))
+	for _, r := range []Record{other, rank} {
+		if applied, _ := s.Apply(r); applied {
+			t.Fatalf("applied %v", r)
+		}
+	}
+	if applied, _ := s.Apply(mine); !applied || len(s.Entries) != 1 || !s.Complete {
+		t.Fatalf("mine: %v %+v", applied, s)
+	}
+}

@@ -404,6 +404,18 @@ def test_a_seq_missing_between_two_batch_records_makes_the_state_incomplete() ->
     assert e.complete
 
 
+def test_a_record_of_another_stream_is_not_applied_to_a_state_whose_head_names_its_stream() -> None:
+    """Two sources whose names give one subject (``llama.a``, ``llama_a``) interleave their records
+    there until the bridge notices: a follower of one applies only its own stream's."""
+    s = StreamState({**HEAD, "source": "llama.a", "dp_rank": 0}, [])
+    mine = {"source": "llama.a", "dp_rank": 0}
+    assert not s.apply({**batch_msg(3, 6, stored(1)), "source": "llama_a", "dp_rank": 0})
+    assert not s.apply({**batch_msg(3, 6, stored(1)), "source": "llama.a", "dp_rank": 1})
+    assert s.apply({**batch_msg(3, 6, stored(2)), **mine})
+    assert s.apply({**batch_msg(3, 7, stored(3)), **mine})
+    assert (s.complete, s.blocks()) == (True, {("GPU", None, 2): 1, ("GPU", None, 3): 1})
+
+
 def test_an_event_record_is_told_by_its_index_even_with_a_field_named_events() -> None:
     s = StreamState(HEAD, [])
     assert s.apply({"epoch": 3, "seq": 6, "index": 0, **stored(7), "events": [stored(8)]})
