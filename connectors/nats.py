@@ -396,13 +396,13 @@ class StreamOptions(ConnectorOptions):
     max_bytes: Annotated[ByteSize | None, doc("Oldest messages are removed past this size (null: no limit).")] = None
     replicas: Annotated[int, msgspec.Meta(ge=1, le=5, description="Replicas in a JetStream cluster.")] = 1
     duplicate_window: Annotated[
-        Duration,
+        Duration | None,
         doc(
-            "How long the server remembers Nats-Msg-Id values to drop re-sent messages. Cover the longest "
-            "time from a first send to a re-send (write timeout and retries, a bridge restart); the server "
-            "holds about rate x window ids in memory."
+            "How long the server remembers Nats-Msg-Id values to drop re-sent messages (null: 2m, or max_age when "
+            "that is shorter, as nats-server picks; at most max_age). Cover the longest time from a first send to a "
+            "re-send (write timeout and retries, a bridge restart); the server holds about rate x window ids in memory."
         ),
-    ] = Duration(120.0)
+    ] = None
 
     def __post_init__(self) -> None:
         if not self.name or re.search(r"[.*>\s/\\]", self.name):
@@ -413,6 +413,26 @@ class StreamOptions(ConnectorOptions):
             problem = subject_problem(subject, wildcards=True)
             if problem:
                 raise ValueError(f"stream.subjects: {subject!r} is not a valid NATS subject: {problem}")
+        if self.create and self.duplicate_window and self.max_age and self.duplicate_window > self.max_age:
+            # nats-server refuses the stream (10052: "duplicates window can not be larger then max age"):
+            # refused here, so that --check (even offline) and the run agree.
+            raise ValueError(
+                f"stream.duplicate_window ({self.duplicate_window:g}s) must not exceed stream.max_age "
+                f"({self.max_age:g}s), or nats-server refuses to create the stream: lower duplicate_window to at most "
+                f"{self.max_age:g}s (or leave it out: it is then {self.max_age:g}s), or raise max_age"
+            )
+
+    @property
+    def window(self) -> float:
+        """The duplicate window the stream is created with: ``duplicate_window``, else the server's
+        own choice when none is given (2 minutes, or ``max_age`` when that is shorter)."""
+        if self.duplicate_window:
+            return self.duplicate_window
+        return min(DEFAULT_DUPLICATE_WINDOW, self.max_age) if self.max_age else DEFAULT_DUPLICATE_WINDOW
+
+
+DEFAULT_DUPLICATE_WINDOW = 120.0
+"""nats-server's duplicate window for a stream created without one (seconds)."""
 
 
 _BUCKET_NAME = re.compile(r"[A-Za-z0-9_-]+")
@@ -2046,7 +2066,7 @@ class NatsConnector:
             max_age=so.max_age,
             max_bytes=so.max_bytes,
             num_replicas=so.replicas,
-            duplicate_window=so.duplicate_window,
+            duplicate_window=so.window,
         )
         try:
             await js.add_stream(config)
@@ -2058,7 +2078,14 @@ class NatsConnector:
         self._events_stream = so.name
         self._stream_seqs.pop(so.name, None)
         self._stream_created.pop(so.name, None)
-        log.info("%s: created JetStream stream %s for %s", self._prefix, so.name, config.subjects, extra={"sink": self.name})
+        log.info(
+            "%s: created JetStream stream %s for %s (duplicate window %gs)",
+            self._prefix,
+            so.name,
+            config.subjects,
+            so.window,
+            extra={"sink": self.name},
+        )
 
     def _types(self) -> list[str]:
         """The message types whose subjects a write can need (one, unless the template has ``{type}``)."""

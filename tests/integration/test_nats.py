@@ -810,6 +810,29 @@ async def test_check_refuses_a_stream_or_bucket_the_run_could_not_create(
 
 
 @pytest.mark.integration
+async def test_a_stream_with_a_max_age_below_the_default_duplicate_window_is_created_and_written(
+    nats_server: NatsServer, reader: Client, js_dest: str
+) -> None:
+    """breaker31h C2: ``max_age: 1m`` with no ``duplicate_window`` was created with the default 2m,
+    which nats-server refuses (10052): the stream never existed, 0 of 10 batches were stored. The
+    window is now max_age, as the server itself picks when none is given."""
+    stream = Stream("llama-a", 0)
+    so = {"create": True, "name": js_dest, "subjects": [f"{js_dest}.>"], "max_age": "1m"}
+    conn = NatsConnector("nats", _options(nats_server.url, js_dest, stream=so), SINK)
+    await conn.connect()
+    try:
+        assert await conn.health() is None
+        messages = _render("raw", "batch", [stream], 3)
+        await conn.write(messages)
+    finally:
+        await conn.close()
+    config = (await reader.jetstream().stream_info(js_dest)).config
+    assert config.max_age == 60.0 and config.duplicate_window == 60.0
+    stored = await _read_stream(reader, js_dest, _subject(js_dest, stream))
+    assert [s.data for s in stored] == [m.value for m in messages]
+
+
+@pytest.mark.integration
 async def test_a_stream_keeping_few_messages_per_subject_is_warned_about(
     nats_server: NatsServer, reader: Client, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -83,6 +83,35 @@ def test_options_defaults_and_secrets() -> None:
     assert "tok-456789" not in repr(token) and isinstance(token.token, Secret)
 
 
+@pytest.mark.parametrize(
+    ("stream", "window"),
+    [
+        ({"create": True, "max_age": "1m"}, 60.0),  # the default 2m would be refused: the server's own choice
+        ({"create": True, "max_age": "1h"}, 120.0),
+        ({"create": True}, 120.0),
+        ({"create": True, "max_age": "1m", "duplicate_window": "30s"}, 30.0),
+        ({"create": True, "max_age": "1m", "duplicate_window": "1m"}, 60.0),
+        ({"create": True, "max_age": "10m", "duplicate_window": "5m"}, 300.0),
+    ],
+)
+def test_the_duplicate_window_a_stream_is_created_with_never_exceeds_max_age(stream: dict[str, Any], window: float) -> None:
+    """breaker31h C2: max_age 1m with the default 2-minute window passed --check, and the server
+    refused to create the stream (10052), so nothing was ever stored. Left out, the window is the
+    server's own choice (2m, or max_age when shorter)."""
+    options = convert_options({"stream": stream}, NatsOptions, "sinks[0]")
+    assert options.stream.window == window
+
+
+def test_a_duplicate_window_above_max_age_is_refused_before_a_run_naming_both_and_the_fix() -> None:
+    with pytest.raises(ConfigError) as info:
+        convert_options({"stream": {"create": True, "max_age": "1m", "duplicate_window": "2m"}}, NatsOptions, "sinks[0]")
+    text = str(info.value)
+    assert text.startswith("sinks[0]") and "stream.duplicate_window (120s) must not exceed stream.max_age (60s)" in text
+    assert "lower duplicate_window to at most 60s" in text, text
+    # (an existing stream is used as it is: stream options are only what the bridge would create)
+    convert_options({"stream": {"max_age": "1m", "duplicate_window": "2m"}}, NatsOptions, "sinks[0]")
+
+
 def test_password_in_a_server_url_is_hidden() -> None:
     options = convert_options({"servers": "nats://bridge:url-pw-9876@h:4222"}, NatsOptions, "sinks[0]")
     assert redact(repr(options)).count("url-pw-9876") == 0  # remembered when the options were read
