@@ -190,7 +190,9 @@ class _Subjects:
     The configured sources are checked before a run (``destination()``, see
     :mod:`bridge.connector`); this catches those found at run time. In JetStream mode, with no
     ``{type}`` or ``{epoch}`` in the template, the subject's last message also names its owner
-    (:meth:`NatsConnector._claim`): another bridge's stream, or this one's before a restart."""
+    (:meth:`NatsConnector._claim`): another bridge's stream, or this one's before a restart; each
+    write is then stored only over the last message this connector knows there (its fence), so
+    another bridge's stream that took the subject over meanwhile is seen."""
 
     def __init__(self, text: str) -> None:
         self.template = Template(text, "subject")
@@ -232,16 +234,21 @@ class _Subjects:
         stream's subjects as a whole, whatever types and epochs they render."""
         return self.template.render(sample_message(_clean(stream))) if self._apart else None
 
-    def claim(self, stream: Stream, holder: str | None) -> None:
+    def claim(self, stream: Stream, holder: str | None) -> str | None:
         """What the JetStream stream says of ``stream``'s subject: ``holder``, the stream key of
-        its last message (None: it holds none), owns it unless this process gave it an owner."""
+        its last message (None: it holds none), owns it, whatever this process met first (another
+        bridge may have written it since: see NatsConnector._claim); a subject that holds none, or
+        ``stream``'s own, is ``stream``'s unless this process gave it another owner. Returns the
+        owner when the subject is newly found another stream's."""
         self.claimed.add(stream.key)
         base = self.base(stream)
         if base is None or stream.key in self._taken:
-            return
-        owner = self._owners.setdefault(base, holder or stream.key)
-        if owner != stream.key:
-            self._taken[stream.key] = (base, owner)
+            return None
+        owner = holder if holder is not None and holder != stream.key else self._owners.setdefault(base, stream.key)
+        if owner == stream.key:
+            return None
+        self._taken[stream.key] = (base, owner)
+        return owner
 
     def taken(self, message: Message, prefix: str) -> Permanent | None:
         """The refusal of a message whose stream's subject another stream owns (see the class
@@ -251,12 +258,15 @@ class _Subjects:
         clash = self._taken.get(message.record.stream.key)
         if clash is None:
             return None
-        subject, owner = clash
-        return Permanent(
+        return Permanent(self.refusal(message.record.stream, prefix), reason="subject_taken")
+
+    def refusal(self, stream: Stream, prefix: str) -> str:
+        """Why ``stream``'s messages are refused (it is :meth:`taken`): both streams and the fix."""
+        subject, owner = self._taken[stream.key]
+        return (
             f"{prefix}: subject {subject!r} is written by stream {owner!r} already: the names of its source and "
-            f"{message.record.stream.source!r} become the same subject token ('.', whitespace, '*' and '>' turn "
-            "into '_'); rename one of the two sources (discovery.dns.prefix for discovered ones)",
-            reason="subject_taken",
+            f"{stream.source!r} become the same subject token ('.', whitespace, '*' and '>' turn "
+            "into '_'); rename one of the two sources (discovery.dns.prefix for discovered ones)"
         )
 
 
@@ -552,7 +562,9 @@ def shown_servers(urls: Sequence[str]) -> str:
 _NEWLINES = str.maketrans({"\r": " ", "\n": " "})
 
 
-def header_block(headers: dict[str, str], msg_id: str | None = None, expected_last: str | None = None) -> bytes:
+def header_block(
+    headers: dict[str, str], msg_id: str | None = None, expected_last: str | None = None, subject_seq: int | None = None
+) -> bytes:
     """The encoded NATS header block of a message, exactly as it goes on the wire.
 
     Keys are the renderer's fixed names. A CR or LF in a value (an engine's event type is free
@@ -563,6 +575,8 @@ def header_block(headers: dict[str, str], msg_id: str | None = None, expected_la
         lines.append(f"{MSG_ID_HEADER}: {msg_id}\r\n")
     if expected_last is not None:
         lines.append(f"{EXPECTED_LAST_HEADER}: {expected_last}\r\n")
+    if subject_seq is not None:
+        lines.append(f"{EXPECTED_SUBJECT_SEQ_HEADER}: {subject_seq}\r\n")
     text = "".join(lines)
     if text.count("\n") != len(lines) or text.count("\r") != len(lines):
         pairs = [line[:-2].partition(": ") for line in lines]
@@ -624,6 +638,7 @@ _MEMORY_BUCKET = "every stream's state starts again incomplete, until its engine
 _WRONG_LAST_MSG_ID = 10070  # JSStreamWrongLastMsgIDErr: Nats-Expected-Last-Msg-Id did not match
 _WRONG_LAST_SUBJECT_SEQ = 10071  # JSStreamWrongLastSequenceErrF: Nats-Expected-Last-Subject-Sequence did not match
 EXPECTED_LAST_HEADER = "Nats-Expected-Last-Msg-Id"
+EXPECTED_SUBJECT_SEQ_HEADER = "Nats-Expected-Last-Subject-Sequence"
 _PROBE = {"Nats-Expected-Stream": "KV_BRIDGE_PERMISSION_PROBE"}  # no stream has this name: nothing is stored
 
 
@@ -676,6 +691,16 @@ class _Span(msgspec.Struct):
     epoch: int
     first: int
     last: int
+
+
+class _Fence(NamedTuple):
+    """A bridge stream's claim of its subject (see NatsConnector._claim): the JetStream stream
+    holding the subject, and the seq of the subject's last message there as far as this connector
+    knows (0: none)."""
+
+    stream: Stream
+    name: str
+    seq: int
 
 
 class _Held:
@@ -747,6 +772,12 @@ class NatsConnector:
         self._stream_created: dict[str, datetime | None] = {}
         self._new_seqs: dict[str, list[int]] = {}
         self._held = _Held()
+        # Per bridge stream whose subject it claimed (see _claim): the JetStream stream holding the
+        # subject and the seq of the subject's last message there as far as this connector knows
+        # (0: none). A stream's first message of each write is stored only over that one
+        # (Nats-Expected-Last-Subject-Sequence), so another writer of the subject since is seen.
+        self._fences: dict[str, _Fence] = {}
+        self._subject_problem: str | None = None  # a subject another bridge's stream took over (see _claim)
         self.creates_nothing = False  # --check: connect() creates nothing (bridge.connector)
         self.configured_streams: list[Stream] = []  # --check: each one's subject must be captured
         self._lost: list[tuple[Stream, int, int, int]] = []
@@ -897,7 +928,7 @@ class NatsConnector:
             return f"{self._prefix}: not connected to NATS at {self._where}"
         if not nc.is_connected:
             return str(self._reconnecting())
-        return self._permission_problem or self._stream_problem or self._state_problem
+        return self._permission_problem or self._stream_problem or self._state_problem or self._subject_problem
 
     def destination(self, stream: Stream) -> str | None:
         """The subject of ``stream``'s batches, when each stream has subjects of its own (see
@@ -982,7 +1013,7 @@ class NatsConnector:
         self._new_seqs.clear()
         await self._claim(nc, messages)
         await self._publish_chained(nc, messages, errors, seqs)
-        again = _refused_for_turn(messages, errors)
+        again = _refused_for_turn(messages, errors, await self._reclaim(nc, messages, errors))
         if again:
             streams: dict[str, list[int]] = {}
             for i in again:
@@ -999,6 +1030,20 @@ class NatsConnector:
         if self.writes_state:
             await self._write_state(nc, messages, errors, seqs)
         return errors
+
+    async def _reclaim(self, nc: Client, messages: Sequence[Message], errors: dict[int, ConnectorError]) -> bool:
+        """The subjects whose fence refused a write's message (``subject_moved``) read again (see
+        _claim): True when that worked, so the streams still their subject's owner are sent again
+        in turn (the one another stream took is refused for itself: subject_taken); else those
+        streams fail the write (tried again, and read again at the next)."""
+        moved = [messages[i] for i, e in errors.items() if e.reason == "subject_moved"]
+        if not moved:
+            return False
+        try:
+            await self._claim(nc, moved)
+        except Retriable:
+            return False
+        return True
 
     async def _note_created(self, nc: Client) -> None:
         """When the stream that just acknowledged this pod's first messages in it was created
@@ -1032,6 +1077,8 @@ class NatsConnector:
         self._stream_seqs.clear()
         self._stream_created.clear()
         self._next.clear()
+        self._fences.clear()  # (a new stream: each subject's owner is read again)
+        self._subjects.claimed.clear()
         if not spans:
             return
         self._lost.extend(spans)
@@ -1062,6 +1109,8 @@ class NatsConnector:
         nc, name = self._nc, self._events_stream
         if nc is not None and nc.is_connected and self.writes_state:
             await self._recheck_bucket(nc)
+        if nc is not None and nc.is_connected and self._fences:
+            await self._recheck_subjects(nc)
         if self.options.mode == "core" or nc is None or not nc.is_connected or name is None or name not in self._stream_seqs:
             return
         js = nc.jetstream(timeout=self.options.connect_timeout)
@@ -1077,6 +1126,34 @@ class NatsConnector:
             elif last < self._stream_seqs[name]:
                 self._stream_lost(f"{name!r} ends at seq {last}, below the {self._stream_seqs[name]} it acknowledged")
         self._raise_lost()
+
+    async def _recheck_subjects(self, nc: Client) -> None:
+        """The audit's look at each claimed subject (see _claim): its last message again, one
+        ``STREAM.MSG.GET`` per stream, up to 64 at once. A stream whose subject another stream's
+        message ends is refused now (subject_taken, the sink not ready), even if its engine is
+        quiet; one still its own (or emptied: ``max_age``, a purge) moves its fence there, so its
+        next write needs no second look. A lookup that fails says nothing: the next write's fence
+        still holds."""
+        js = nc.jetstream(timeout=self.options.connect_timeout)
+        window = asyncio.Semaphore(64)
+
+        async def one(fence: _Fence) -> None:
+            subject = self._subjects.base(fence.stream)
+            if subject is None:
+                return
+            async with window:
+                try:
+                    msg = await js.get_last_msg(fence.name, subject)
+                except nats.js.errors.NotFoundError:
+                    msg = None
+                except (TimeoutError, nats.errors.Error) as exc:
+                    why = _describe(exc)
+                    log.debug("%s: reading subject %s failed: %s", self._prefix, subject, why, extra={"sink": self.name})
+                    return
+            if self._fences.get(fence.stream.key) == fence:  # (unchanged meanwhile)
+                self._claimed(fence.stream, fence.name, msg)
+
+        await asyncio.gather(*(one(f) for f in list(self._fences.values())))
 
     async def _stream_missing(self, nc: Client, subject: str) -> None:
         """A write found no stream capturing ``subject``. When the stream that acknowledged earlier
@@ -1136,7 +1213,13 @@ class NatsConnector:
         names the stream that owns it (headers ``source``, ``dp_rank``), so that a stream whose
         source name becomes the same subject token as another's (see :class:`_Subjects`) is
         refused whichever bridge, or which run of this one, wrote the subject first. Up to 64
-        lookups at once; a lookup that fails fails the write (nothing sent: tried again)."""
+        lookups at once; a lookup that fails fails the write (nothing sent: tried again).
+
+        The claim is kept as a fence (``_fences``: the subject's last seq): every write of the
+        stream stores its first message only over it, so a message of another writer on the subject
+        since (another bridge that found the subject empty after this stream's messages left it:
+        ``max_age``, a purge) fails that write's first message (``subject_moved``); the subject is
+        then read again (:meth:`_reclaim`), and when another stream holds it, this one is refused."""
         subjects = self._subjects
         if not subjects.claims:
             return
@@ -1161,16 +1244,33 @@ class NatsConnector:
                 try:
                     msg = await js.get_last_msg(name, subject)
                 except nats.js.errors.NotFoundError:
-                    subjects.claim(stream, None)
-                    return
-            headers = msg.headers or {}
-            source, rank = headers.get("source"), headers.get("dp_rank")
-            subjects.claim(stream, f"{source}/{rank}" if source is not None and rank is not None else None)
+                    msg = None
+            self._claimed(stream, name, msg)
 
         try:
             await asyncio.gather(*(look(s) for s in new.values()))
         except (TimeoutError, nats.errors.Error) as exc:
             raise Retriable(f"{self._prefix}: reading who writes a subject failed: {_describe(exc)}") from None
+
+    def _claimed(self, stream: Stream, name: str, msg: RawStreamMsg | None) -> None:
+        """What the subject's last message (``msg`` in JetStream stream ``name``; None: the subject
+        holds none) says of ``stream``'s claim: its fence, or, when another stream wrote it, the
+        refusal of ``stream`` (logged, and the sink not ready, naming both and the fix)."""
+        headers = (msg.headers if msg is not None else None) or {}
+        source, rank = headers.get("source"), headers.get("dp_rank")
+        holder = f"{source}/{rank}" if source is not None and rank is not None else None
+        owner = self._subjects.claim(stream, holder)
+        if owner is None:  # (a stream this process refused already keeps a fence it never uses)
+            self._fences[stream.key] = _Fence(stream, name, (msg.seq or 0) if msg is not None else 0)
+            return
+        self._fences.pop(stream.key, None)
+        self._subject_problem = self._subjects.refusal(stream, self._prefix)
+        log.warning("%s", self._subject_problem, extra={"sink": self.name, "stream": stream.key})
+
+    def _fence(self, m: Message) -> int | None:
+        """The subject seq ``m`` is stored over (see _fences), None: no fence for its stream."""
+        fence = self._fences.get(m.record.stream.key)
+        return fence.seq if fence is not None else None
 
     async def _publish_chained(
         self, nc: Client, messages: Sequence[Message], errors: dict[int, ConnectorError], seqs: dict[int, int]
@@ -1186,11 +1286,15 @@ class NatsConnector:
         # an earlier try) passes the server's check whatever it expects, and a message of another
         # stream between the two would let the chain go on past a failure of this stream.
         order = [i for i in _by_stream(messages) if messages[i].type != STATE_TYPE]  # state: see _write_state
+        # Each stream's first message sent is fenced (see _claim); its next ones follow it in the
+        # chain (nothing else stored in between), so they need none.
+        fenced: set[str] = set()
         try:
             for n, i in enumerate(order):
                 m = messages[i]
                 subject = self._subjects.render(m)
-                hdr = header_block(m.headers, m.msg_id, previous)
+                key = m.record.stream.key
+                hdr = header_block(m.headers, m.msg_id, previous, None if key in fenced else self._fence(m))
                 problem = self._unsendable(m, len(hdr), nc.max_payload)
                 if problem is not None:
                     errors[i] = problem
@@ -1201,6 +1305,7 @@ class NatsConnector:
                     errors.update(dict.fromkeys(order[n:], exc))
                     break
                 sent.append((i, subject))
+                fenced.add(key)
                 previous = m.msg_id
             await acks.wait()
         finally:
@@ -1218,12 +1323,13 @@ class NatsConnector:
         errors: dict[int, ConnectorError],
         seqs: dict[int, int],
     ) -> None:
-        """Publish one stream's messages of a write, each after the previous one's ack; at the
-        first transient failure, the rest of the stream stays unsent (failed at its indexes)."""
+        """Publish one stream's messages of a write, each after the previous one's ack (and over
+        its subject's last seq: see _claim); at the first transient failure, the rest of the
+        stream stays unsent (failed at its indexes)."""
         for n, i in enumerate(indexes):
             m = messages[i]
             subject = self._subjects.render(m)
-            hdr = header_block(m.headers, m.msg_id)
+            hdr = header_block(m.headers, m.msg_id, subject_seq=self._fence(m))
             problem = self._unsendable(m, len(hdr), nc.max_payload)
             if problem is not None:
                 errors[i] = problem
@@ -1291,6 +1397,9 @@ class NatsConnector:
         err = ack.error
         if err is None:
             seqs[i] = ack.seq  # a duplicate's ack names the copy stored first
+            fence = self._fences.get(m.record.stream.key)
+            if fence is not None and fence.name == ack.stream and ack.seq > fence.seq:
+                self._fences[m.record.stream.key] = fence._replace(seq=ack.seq)
             if not ack.duplicate:
                 span = self._new_seqs.get(ack.stream)
                 if span is None:
@@ -1306,6 +1415,14 @@ class NatsConnector:
             return Permanent(text, reason="too_large")
         if err.err_code == _WRONG_LAST_MSG_ID:  # the message sent before it was not stored
             return Retriable(text, reason="out_of_turn")
+        if err.err_code == _WRONG_LAST_SUBJECT_SEQ:  # the fence (see _claim): the subject was written since
+            self._fences.pop(m.record.stream.key, None)
+            self._subjects.claimed.discard(m.record.stream.key)  # read again (_reclaim, or the next write)
+            return Retriable(
+                f"{text}: the subject holds a message this sink did not write after its last one (another writer, "
+                "or its messages left the stream); who owns it is read again",
+                reason="subject_moved",
+            )
         # Anything else is about the stream, which an operator or consumers can fix: a full
         # `discard: new` stream ("maximum bytes/messages exceeded"), a sealed stream, a leader
         # election, storage out of resources. Retried; the sink reports itself not ready.
@@ -2160,7 +2277,7 @@ async def _all_streams(js: JetStreamContext) -> list[js_api.StreamInfo]:
 
 def _expect_subject_seq(seq: int | None) -> bytes:
     """The header block of a KV put written only over the subject's message ``seq`` (None: none)."""
-    return _KV_PUT if seq is None else b"NATS/1.0\r\nNats-Expected-Last-Subject-Sequence: %d\r\n\r\n" % seq
+    return _KV_PUT if seq is None else header_block({}, subject_seq=seq)
 _KV_PUT = b""  # a plain PUB: no header block to store and parse back
 
 
@@ -2173,19 +2290,21 @@ def _by_stream(messages: Sequence[Message]) -> list[int]:
     return [i for group in groups.values() for i in group]
 
 
-def _refused_for_turn(messages: Sequence[Message], errors: dict[int, ConnectorError]) -> list[int]:
-    """The messages the chain refused only because one sent before them was not stored, and that
-    follow no transient failure of their own bridge stream: taken out of ``errors``, to be sent
-    again, in turn. A stream that failed keeps the rest of its messages failed (fold() retries
-    them in order); the other streams go on."""
+def _refused_for_turn(messages: Sequence[Message], errors: dict[int, ConnectorError], reclaimed: bool = False) -> list[int]:
+    """The messages the chain refused only because one sent before them was not stored (and,
+    when ``reclaimed``, by a subject fence whose subject was read again: ``subject_moved``), and
+    that follow no transient failure of their own bridge stream: taken out of ``errors``, to be
+    sent again, in turn. A stream that failed keeps the rest of its messages failed (fold()
+    retries them in order); the other streams go on."""
     failed: set[str] = set()
     again: list[int] = []
+    resend = ("out_of_turn", "subject_moved") if reclaimed else ("out_of_turn",)
     for i in sorted(errors):
         key = messages[i].record.stream.key
         error = errors[i]
         if key in failed or isinstance(error, Permanent):
             continue
-        if error.reason == "out_of_turn":
+        if error.reason in resend:
             again.append(i)
         else:
             failed.add(key)

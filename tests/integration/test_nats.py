@@ -587,6 +587,120 @@ async def test_a_subject_another_bridge_or_run_wrote_is_not_taken_over(
     assert [s.headers["source"] for s in stored if s.headers] == ["llama_a"] * 3
 
 
+async def _write_refused(conn: NatsConnector, messages: Sequence[Message]) -> ConnectorError:
+    """The failure of ``conn.write(messages)`` (a whole-write error, or a partial one's cause)."""
+    with pytest.raises(ConnectorError) as info:
+        await conn.write(messages)
+    return info.value.cause if isinstance(info.value, PartialFailure) else info.value
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("gone", ["purge", "max_age"])
+@pytest.mark.parametrize("seen_by", ["write", "audit"])
+async def test_a_subject_taken_over_after_its_owners_messages_left_the_stream_is_never_written_by_both(
+    nats_server: NatsServer, reader: Client, js_dest: str, gone: str, seen_by: str
+) -> None:
+    """breaker31h C1: the owner of a subject claimed it once per process, from the subject's last
+    message. Once its messages left the stream (a purge, max_age), a second bridge found the subject
+    empty and claimed it, and both wrote it, ready, nothing logged (a follower of one applied 18-26
+    blocks of the other's engine). Each write of a stream now stores its first message only over
+    the subject's last one this sink knows (Nats-Expected-Last-Subject-Sequence): the owner's next
+    write finds the other's message, and its stream is refused (subject_taken, the sink not ready,
+    naming both); the subject never holds both streams' messages after the takeover. The audit
+    between writes reads each claimed subject again: an owner whose engine is quiet is refused
+    (not ready) before it writes."""
+    owner, other = Stream("llama.a", 0), Stream("llama_a", 0)
+    subject = _subject(js_dest, owner)
+    so: dict[str, Any] = {"create": True, "name": js_dest, "subjects": [f"{js_dest}.>"]}
+    if gone == "max_age":
+        so.update(max_age="2s", duplicate_window="1s")
+    first = NatsConnector("nats-a", _options(nats_server.url, js_dest, stream=so), SINK)
+    second = NatsConnector("nats-b", _options(nats_server.url, js_dest, stream=so), SINK)
+    await first.connect()
+    await second.connect()
+    try:
+        batches = _render("raw", "batch", [owner], 4)
+        await first.write(batches[:2])
+        js = reader.jetstream(timeout=5)
+        if gone == "purge":
+            await js.purge_stream(js_dest, subject=subject)
+        for _ in range(100):  # max_age: until the server removed them (its expiry runs about once a second)
+            if not await _read_stream(reader, js_dest, subject):
+                break
+            await asyncio.sleep(0.1)
+        await second.write(_render("raw", "batch", [other], 2))  # the subject is empty: the other bridge claims it
+        if seen_by == "audit":
+            assert await first.health() is None
+            await first.audit()
+            assert await first.health() is not None
+        refused = await _write_refused(first, batches[2:])
+        assert isinstance(refused, Permanent) and refused.reason == "subject_taken", refused
+        assert "'llama_a/0'" in str(refused) and "'llama.a'" in str(refused)
+        health = await first.health()
+        assert health is not None and "'llama_a/0'" in health and "rename one of the two sources" in health
+        assert await second.health() is None  # (it cannot tell: nothing of the owner's is left to read)
+    finally:
+        await first.close()
+        await second.close()
+    stored = await _read_stream(reader, js_dest, subject)
+    assert [s.headers["source"] for s in stored if s.headers] == ["llama_a", "llama_a"]
+
+
+@pytest.mark.integration
+async def test_the_owner_writes_on_after_its_own_messages_left_the_stream(
+    nats_server: NatsServer, reader: Client, js_dest: str
+) -> None:
+    """The subject fence (above) against a subject emptied under its owner (a purge), and one
+    written meanwhile by another pod of the same engine stream (a handover): neither is another
+    stream's, so the write goes through whole, read again at once (no failed write)."""
+    owner = Stream("llama.a", 0)
+    subject = _subject(js_dest, owner)
+    batches = _render("raw", "batch", [owner], 6)
+    conn = NatsConnector("nats", _options(nats_server.url, js_dest), SINK)
+    pod = NatsConnector("nats", _options(nats_server.url, js_dest), SINK)
+    await conn.connect()
+    await pod.connect()
+    try:
+        await conn.write(batches[:2])
+        await reader.jetstream(timeout=5).purge_stream(js_dest, subject=subject)
+        await conn.write(batches[2:4])
+        await pod.write(batches[4:5])
+        await conn.write(batches[5:])  # (over the pod's message: a write of batches[4:] would start with its copy)
+        assert await conn.health() is None
+    finally:
+        await conn.close()
+        await pod.close()
+    stored = await _read_stream(reader, js_dest, subject)
+    assert [s.data for s in stored] == [m.value for m in batches[2:]]
+
+
+@pytest.mark.integration
+async def test_two_bridges_claiming_one_empty_subject_at_the_same_moment_never_both_write_it(
+    nats_server: NatsServer, reader: Client, js_dest: str
+) -> None:
+    """Both read the subject empty before either writes (the race the claim alone left open): the
+    fence of the second to write is the empty subject, which the first's message broke."""
+    a, b = Stream("llama.a", 0), Stream("llama_a", 0)
+    first = NatsConnector("nats-a", _options(nats_server.url, js_dest), SINK)
+    second = NatsConnector("nats-b", _options(nats_server.url, js_dest), SINK)
+    await first.connect()
+    await second.connect()
+    try:
+        mine, theirs = _render("raw", "batch", [a], 2), _render("raw", "batch", [b], 2)
+        for conn, messages in ((first, mine), (second, theirs)):  # both claims before any write
+            assert conn._nc is not None
+            await conn._claim(conn._nc, messages)
+        await first.write(mine)
+        refused = await _write_refused(second, theirs)
+        assert isinstance(refused, Permanent) and refused.reason == "subject_taken", refused
+        assert "'llama.a/0'" in str(refused)
+    finally:
+        await first.close()
+        await second.close()
+    stored = await _read_stream(reader, js_dest, _subject(js_dest, a))
+    assert [s.headers["source"] for s in stored if s.headers] == ["llama.a", "llama.a"]
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("crowded", [False, True], ids=["alone", "past-the-first-page"])
 async def test_subjects_split_over_two_jetstream_streams_are_each_read_from_the_one_capturing_them(
