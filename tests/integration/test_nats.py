@@ -647,6 +647,32 @@ async def test_a_subject_taken_over_after_its_owners_messages_left_the_stream_is
 
 
 @pytest.mark.integration
+async def test_a_bridge_resuming_from_the_sinks_does_not_take_over_another_bridges_subject(
+    nats_server: NatsServer, reader: Client, js_dest: str
+) -> None:
+    """checkpoint.from_sinks: positions() renders each stream's subject before its first write,
+    which made this process the subject's owner before the subject's last message was read: the
+    other bridge's stream there did not refuse it, and both wrote one subject."""
+    owner, clash = Stream("llama_a", 0), Stream("llama.a", 0)
+    first = NatsConnector("nats", _options(nats_server.url, js_dest), SINK)
+    await first.connect()
+    try:
+        await first.write(_render("raw", "batch", [owner], 2))
+    finally:
+        await first.close()
+    later = NatsConnector("nats", _options(nats_server.url, js_dest), SINK)
+    await later.connect()
+    try:
+        assert await later.positions([clash]) == {}  # (the other stream's message: cannot tell)
+        refused = await _write_refused(later, _render("raw", "batch", [clash], 1))
+        assert isinstance(refused, Permanent) and refused.reason == "subject_taken", refused
+    finally:
+        await later.close()
+    stored = await _read_stream(reader, js_dest, _subject(js_dest, owner))
+    assert [s.headers["source"] for s in stored if s.headers] == ["llama_a"] * 2
+
+
+@pytest.mark.integration
 async def test_the_owner_writes_on_after_its_own_messages_left_the_stream(
     nats_server: NatsServer, reader: Client, js_dest: str
 ) -> None:

@@ -217,6 +217,23 @@ def test_two_streams_whose_names_become_one_subject_token_never_share_a_subject(
     assert shared.taken(clash, "sinks[n]") is None and shared.base(second) is None
 
 
+def test_the_subjects_owner_the_server_names_wins_over_the_one_this_process_met_first() -> None:
+    """The JetStream stream's word on a subject (its last message: see NatsConnector._claim) is
+    another bridge's, which this process cannot have seen: it decides even when this process
+    rendered the subject for its own stream before (positions() renders every stream at start with
+    checkpoint.from_sinks, which made the claim keep the subject for this process's stream)."""
+    subjects = _Subjects("kv.{source}.{dp_rank}")
+    mine = Stream("llama.a", 0)
+    subjects.render(sample_message(mine))  # (as positions() does)
+    assert subjects.claim(mine, "llama_a/0") == "llama_a/0"
+    refused = subjects.taken(sample_message(mine, "EventBatch", epoch=2), "sinks[n]")
+    assert isinstance(refused, Permanent) and "'llama_a/0'" in str(refused)
+    assert subjects.claim(mine, None) is None  # (refused for good: a later look does not undo it)
+    own = _Subjects("kv.{source}.{dp_rank}")
+    for holder in (None, "llama.a/0"):  # an empty subject, or its own message: it stays the stream's
+        assert own.claim(mine, holder) is None and own.taken(sample_message(mine), "sinks[n]") is None
+
+
 def test_configured_sources_that_would_share_a_subject_are_refused_before_a_run(
     tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
