@@ -778,6 +778,9 @@ class NatsConnector:
         # (Nats-Expected-Last-Subject-Sequence), so another writer of the subject since is seen.
         self._fences: dict[str, _Fence] = {}
         self._subject_problem: str | None = None  # a subject another bridge's stream took over (see _claim)
+        # JetStream streams whose messages leave when consumed (retention interest, workqueue): a
+        # subject there is emptied by its readers, so no fence (each write would find it moved).
+        self._consumed: set[str] = set()
         self.creates_nothing = False  # --check: connect() creates nothing (bridge.connector)
         self.configured_streams: list[Stream] = []  # --check: each one's subject must be captured
         self._lost: list[tuple[Stream, int, int, int]] = []
@@ -1204,6 +1207,10 @@ class NatsConnector:
             name = info.config.name
             if name is None:
                 continue
+            if info.config.retention in (None, js_api.RetentionPolicy.LIMITS):
+                self._consumed.discard(name)
+            else:
+                self._consumed.add(name)
             for filt in info.config.subjects or []:
                 out.update((subject, name) for subject in wanted.difference(out) if subjects_overlap(filt, subject))
         return out
@@ -1261,7 +1268,10 @@ class NatsConnector:
         holder = f"{source}/{rank}" if source is not None and rank is not None else None
         owner = self._subjects.claim(stream, holder)
         if owner is None:  # (a stream this process refused already keeps a fence it never uses)
-            self._fences[stream.key] = _Fence(stream, name, (msg.seq or 0) if msg is not None else 0)
+            if name in self._consumed:
+                self._fences.pop(stream.key, None)
+            else:
+                self._fences[stream.key] = _Fence(stream, name, (msg.seq or 0) if msg is not None else 0)
             return
         self._fences.pop(stream.key, None)
         self._subject_problem = self._subjects.refusal(stream, self._prefix)

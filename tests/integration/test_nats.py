@@ -701,6 +701,31 @@ async def test_the_owner_writes_on_after_its_own_messages_left_the_stream(
 
 
 @pytest.mark.integration
+async def test_a_stream_whose_messages_leave_when_consumed_has_no_subject_fence(
+    nats_server: NatsServer, reader: Client, js_dest: str
+) -> None:
+    """retention: workqueue (or interest): consumers empty the subjects, so a fence on the
+    subject's last message would fail nearly every write (and send the rest of it one message per
+    round trip); such a stream's subjects are claimed at a stream's first write only."""
+    stream = Stream("llama.a", 0)
+    so = {"create": True, "name": js_dest, "subjects": [f"{js_dest}.>"], "retention": "workqueue"}
+    conn = NatsConnector("nats", _options(nats_server.url, js_dest, stream=so), SINK)
+    await conn.connect()
+    try:
+        batches = _render("raw", "batch", [stream], 4)
+        await conn.write(batches[:2])
+        assert not conn._fences  # (white-box: what each write would be stored over)
+        sub = await reader.jetstream(timeout=5).pull_subscribe(_subject(js_dest, stream), durable="w")
+        for msg in await sub.fetch(2, timeout=5):
+            await msg.ack_sync()
+        await conn.write(batches[2:])
+    finally:
+        await conn.close()
+    stored = await _read_stream(reader, js_dest, _subject(js_dest, stream))
+    assert [s.data for s in stored] == [m.value for m in batches[2:]]
+
+
+@pytest.mark.integration
 async def test_two_bridges_claiming_one_empty_subject_at_the_same_moment_never_both_write_it(
     nats_server: NatsServer, reader: Client, js_dest: str
 ) -> None:
