@@ -39,7 +39,10 @@ frame). Where a message carries one, it decides, and nothing above is inferred f
 
 - the first UUID met on a stream without history in this process is adopted; a stream resumed
   from a checkpoint that kept its epoch's UUID (``instance``) starts with it, for certain, and
-  one resumed without it verifies the first UUID it meets by replay first, as any stream;
+  one resumed without it verifies the first UUID it meets by replay first, as any stream: a UUID
+  adopted in doubt is certain once the doubt ends with live batches under it among those it held
+  (verified, or presumed continuous); one known only from a reply or a heartbeat, with the first
+  live message under it;
 - a UUID other than the epoch's instance's, or one where the epoch's instance sent none (an
   upgrade), or none where it sent one, is a restart for certain: the epoch ends, a new one opens
   with the reason ``instance_changed`` (:data:`INSTANCE_CHANGED`), and the old UUID is retired;
@@ -256,6 +259,9 @@ class StreamSequencer:
         instance = instance if self._fp is not None else None
         self.instance: bytes | None = instance
         self._instance_sure = instance is not None  # else adopted out of doubt (in doubt: verified first)
+        # Live batches under the UUID adopted in doubt wait with the others: the doubt's end makes
+        # them this epoch's, and the UUID with them (see _trust).
+        self._vouched = False
         self._anonymous = False  # live messages without a UUID were read in this epoch
         self._retired: dict[bytes, None] = dict.fromkeys(r for r in retired if r != instance)
 
@@ -324,6 +330,8 @@ class StreamSequencer:
             self.instance = instance
             self._retired.pop(instance, None)
             self._instance_sure = not self._doubt
+            if self._doubt and (seq in self.unverified or seq == self._unkept):
+                self._vouched = True
         return out
 
     def heartbeat(self, next_seq: int, instance: bytes | None = None) -> list[Action]:
@@ -866,9 +874,17 @@ class StreamSequencer:
             where[seq] = payload
 
     def _trust(self, out: list[Action]) -> None:
-        """Continuity confirmed (or presumed): unverified live batches join the held ones."""
+        """Continuity confirmed (or presumed): unverified live batches join the held ones. Where
+        live batches under the UUID adopted in doubt waited among them, that UUID is this epoch's
+        instance's for certain from now on, as a live message under it out of doubt would make it:
+        its batches go out under this epoch (records carry it, the checkpoint keeps it). A UUID
+        known only from a replay reply or a heartbeat stays unsure: the replay is answered by
+        whoever holds its socket, and nothing compared the live publisher's batches."""
         self._doubt = False  # (_doubt_since matters only in doubt, and every way into doubt sets it)
         self._drops = 0
+        if self._vouched and self.instance is not None:
+            self._instance_sure = True
+        self._vouched = False
         for seq, payload in self.unverified.items():
             self._top = max(self._top, seq)
             if seq > self.delivered:
@@ -1129,7 +1145,7 @@ class StreamSequencer:
         self._older_last = -1
         if self.instance is not None and self._instance_sure:  # (one adopted in doubt was never this epoch's for certain)
             self._retire(self.instance)
-        self.instance, self._instance_sure, self._anonymous = None, False, False
+        self.instance, self._instance_sure, self._anonymous, self._vouched = None, False, False, False
         self.epoch = self._next_epoch(self.epoch, shown_at)
         self.delivered = -1
         self._owed = max(unsure, self._unclaimed)  # (replies without a verdict may be its too)

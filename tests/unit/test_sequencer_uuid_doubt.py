@@ -1,0 +1,104 @@
+"""A publisher UUID adopted while continuity is in doubt (breaker31h F1): when the doubt ends with
+the batches that carried it delivered in the epoch, the UUID is the epoch's for certain (what
+records name and a checkpoint keeps), so that a bridge resumed from it knows the instance at
+once, however far the engine's buffer slid or its clock stepped back meanwhile. A UUID known
+only from a replay reply or a heartbeat is not made certain by the doubt's end (the replay is
+answered by whoever holds its socket). Helpers: ``test_sequencer_uuid.py``."""
+
+from __future__ import annotations
+
+from bridge.sequencer import INSTANCE_CHANGED, Action, Lost, RequestReplay, Reset, StreamSequencer
+from tests.unit.test_sequencer_uuid import A, B, delivered, feed, p, seqr, ts
+
+
+def request(actions: list[Action]) -> RequestReplay:
+    (req,) = [a for a in actions if isinstance(a, RequestReplay)]
+    return req
+
+
+def answer(s: StreamSequencer, req: RequestReplay, replies: list[tuple[int, bytes]], instance: bytes | None) -> list[Action]:
+    out: list[Action] = []
+    for seq, payload in replies:
+        out += s.replayed(req.request_id, seq, payload, instance=instance)
+    return out + s.replay_finished(req.request_id, complete=True)
+
+
+def restart_shown_after_two_drops() -> tuple[StreamSequencer, list[Action]]:
+    """Instance A delivered 0..1; the connection drops twice; B's live 3..6 come, published before
+    the second drop: the restart opens epoch 1 still in doubt, B adopted unsure, and the replay
+    of B's 0..2 (the replies under B too) verifies them: 0..6 go out in epoch 1."""
+    s = seqr()
+    feed(s, A, range(2))
+    s.disconnected(now=10.0)
+    s.disconnected(now=20.0)
+    out = feed(s, B, range(3, 7))
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
+    assert s.in_doubt and s.instance == B and s.sure_instance is None  # (in doubt: not yet)
+    return s, out
+
+
+def test_a_uuid_adopted_in_doubt_is_certain_once_the_batches_it_carried_are_verified() -> None:
+    s, out = restart_shown_after_two_drops()
+    out = answer(s, request(out), [(n, p(B, n)) for n in range(3)], B)
+    assert delivered(out) == [(1, n) for n in range(7)] and not s.in_doubt
+    assert s.sure_instance == B and s.retired_instances == [A]
+
+
+def test_a_bridge_resumed_after_it_keeps_the_instance_in_its_epoch_when_the_buffer_slid_and_the_clock_stepped_back() -> None:
+    """The bridge is killed right after 0..6 went out (no further live message), resumed from
+    what the checkpoint keeps (as the runtime builds it). B published on while it was away: its
+    buffer no longer holds 7..21, and its clock stepped back (by the clock alone 22 would be
+    another instance's). The kept UUID says B: 7..21 announced lost in epoch 1, 22.. delivered in
+    it, no new epoch (before: epoch 2 opened, 0..6 announced lost again, 7..32 never settled)."""
+    s, out = restart_shown_after_two_drops()
+    answer(s, request(out), [(n, p(B, n)) for n in range(3)], B)
+    epoch, at, fp, anchor = s.resume_point()
+    r = StreamSequencer(
+        can_replay=True,
+        replay_on_start=True,
+        ts_of=ts,
+        epoch=epoch,
+        delivered=at,
+        delivered_fp=fp,
+        anchor=anchor,
+        instance=s.sure_instance,
+        retired=s.retired_instances,
+    )
+    buffer = [(n, b"\xbb:%d" % (n - 20)) for n in range(22, 26)]  # (stamped before seq 6: the clock stepped back)
+    out = answer(r, request(r.start()), buffer, B)
+    out += answer(r, request(out), buffer, B)  # (the first reply above the start twice: the span left the buffer)
+    assert not any(isinstance(a, Reset) for a in out) and r.epoch == 1
+    assert [a for a in out if isinstance(a, Lost)] == [Lost(7, 21, "replay_buffer_exceeded", 1)]
+    assert delivered(out) == [(1, n) for n in range(22, 26)]
+
+
+def test_the_live_batches_presumed_continuous_make_their_uuid_certain_too() -> None:
+    """The replay socket stays silent for ``max_attempts``: continuity is presumed and the batches
+    waiting go out in the epoch, under the UUID they carried, which is certain from then on (as
+    the next live message under it would make it)."""
+    s, out = restart_shown_after_two_drops()
+    req = request(out)
+    for _ in range(s.max_attempts):
+        assert s.sure_instance is None
+        out = s.replay_finished(req.request_id, complete=False)
+        if not s.in_doubt:
+            break
+        req = request(out)
+    assert not s.in_doubt and s.sure_instance == B
+
+
+def test_a_uuid_known_only_from_a_replay_reply_stays_unsure_when_the_doubt_ends() -> None:
+    """Shown by a reply published before the second drop (B's seq 3), the new epoch opens in doubt
+    with B adopted from the replay socket; the replay that verifies it delivers 0..3, but no live
+    batch of B waited: B becomes certain only with its first live message."""
+    s = seqr()
+    feed(s, A, range(2))
+    s.disconnected(now=10.0)
+    probe = request(s.probe())
+    s.disconnected(now=20.0)
+    out = s.replayed(probe.request_id, 3, p(B, 3), instance=B)
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)] and s.in_doubt
+    out = answer(s, request(out), [(n, p(B, n)) for n in range(3)], B)
+    assert delivered(out) == [(1, n) for n in range(4)] and not s.in_doubt
+    assert s.instance == B and s.sure_instance is None
+    assert delivered(feed(s, B, [4])) == [(1, 4)] and s.sure_instance == B
