@@ -17,9 +17,11 @@ import pytest
 import zmq
 
 from bridge import probe
+from bridge.checkpoint import SinkPosition
 from bridge.config import Duration, ReplayConfig
 from bridge.deadletter import DeadLetters, DecodeFailures
 from bridge.fanout import Fanout
+from bridge.formats import Renderer
 from bridge.metrics import Metrics
 from bridge.records import Record, Stream, events_lost, source_reset
 from bridge.replay import ReplayClient, ReplayOutcome
@@ -772,3 +774,28 @@ async def test_batches_carry_the_publisher_uuid_the_stream_is_sure_of(make: Call
     await g.pipeline.start()
     await g.pipeline.on_live([frames(0), frames(1)], received=1_700_000_001.0)
     assert [r.instance for r in g.fanout.records] == [None, None]
+
+
+async def test_a_uuid_met_in_doubt_is_named_by_the_batches_the_replay_verified(make: Callable[..., Fakes]) -> None:
+    """breaker31h F1 through the pipeline: the connection drops twice, then the new instance's
+    live 3..6 come under its UUID (published before the second drop: its epoch opens in doubt)
+    and the replay of its 0..2 verifies them. Every batch of the new epoch names the UUID, the
+    ``instance`` header a pod resuming from the sinks reads (``checkpoint.from_sinks``), and the
+    sequencer is sure of it, which is what the runtime notes in the checkpoint (before: neither,
+    and a bridge restarted after its buffer slid opened another epoch for the same instance)."""
+    old, new = bytes(range(16)), bytes(range(16, 32))
+    f = make({})
+    await f.pipeline.start()
+    await f.pipeline.on_live([[b"kv", s.to_bytes(8, "big") + old, payload(s)] for s in range(2)], received=1_700_000_001.0)
+    await f.pipeline.disconnected()
+    await f.pipeline.disconnected()
+    f.replays.payloads = {s: payload(s, instance=1) for s in range(7)}
+    later = [[b"kv", s.to_bytes(8, "big") + new, payload(s, instance=1)] for s in range(3, 7)]
+    await f.pipeline.on_live(later, received=1_700_000_002.0)
+    await settle_all(f.pipeline)
+    shown = [(r.kind, r.epoch, r.seq, r.instance) for r in f.fanout.records]
+    assert shown[:3] == [("batch", 5, 0, old), ("batch", 5, 1, old), ("SourceReset", 6, 0, None)]
+    assert shown[3:] == [("batch", 6, s, new) for s in range(7)]
+    assert f.pipeline.sequencer.sure_instance == new
+    (message,) = Renderer("json", "batch").render(f.fanout.records[-1])
+    assert SinkPosition.from_headers(message.headers).instance == new.hex()
