@@ -49,7 +49,10 @@ Optional, for ``checkpoint.from_sinks`` (a pod taking over streams it has no che
   ``{stream.key: SinkPosition}`` for the last message of the stream it holds (its header gives
   epoch, seq, type, index and ts; :meth:`SinkPosition.from_headers` reads it, given the engine's
   bytes for a ``raw`` batch), ``{stream.key: None}`` when it holds nothing of it, and no entry
-  when it cannot tell (a name template with ``{type}`` or ``{epoch}``, a read past its scan limit).
+  when it cannot tell (a name template with ``{type}`` or ``{epoch}``, a read past its scan limit,
+  messages deleted outside the bridge that may have been the stream's: "holds nothing" only when
+  the sink never held any). A stream that then starts afresh announces its new epoch with a
+  ``SourceReset`` (it may hold an earlier epoch's records).
   Called after ``connect()`` succeeded, possibly while writes run; read-only; bounded by
   ``checkpoint.from_sinks_timeout`` (the runtime cancels it); raise on failure (every stream of
   the call then counts as unknown). The runtime resumes each stream from the lowest position any

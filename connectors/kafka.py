@@ -625,8 +625,9 @@ class KafkaConnector:
 
         A partition holds many streams, so it is read backward from its end in chunks of
         :data:`_SCAN_CHUNK` records, once for every stream wanted in it, until each has its last
-        message, the partition's start (the rest hold nothing), or ``position_scan`` records (the
-        rest cannot tell). A message counts when its key is the stream's and its headers name the
+        message, the partition's start (the rest hold nothing when that start is offset 0; when it
+        is above 0, records were deleted there, the rest's among them perhaps: they cannot tell), or
+        ``position_scan`` records (the rest cannot tell). A message counts when its key is the stream's and its headers name the
         stream. A topic template with ``{type}`` or ``{epoch}`` spreads a stream over topics: cannot
         tell."""
         if any(f in self._topic.fields for f in ("type", "epoch")):
@@ -689,9 +690,11 @@ class KafkaConnector:
         for key, stream in wanted.items():
             found = window.last.get(key)
             if found is None:
-                if window.lo <= begin:
-                    out[stream.key] = None  # read back to the partition's start: holds nothing
-                continue  # past position_scan: cannot tell
+                if window.lo <= begin == 0:
+                    out[stream.key] = None  # read back to the partition's first record ever: holds nothing
+                # Past position_scan, or back to a start above offset 0 (records deleted by retention
+                # or DeleteRecords, the stream's among them perhaps): cannot tell.
+                continue
             source, rank, position = found
             if source == stream.source and rank == str(stream.dp_rank) and position is not None:
                 out[stream.key] = position

@@ -1262,8 +1262,11 @@ class RedisConnector:
     async def positions(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:
         """The last entry of each stream's key (``checkpoint.from_sinks``): one ``XREVRANGE key + -
         COUNT 1`` per stream, all in one pipeline (per node in a cluster). A key that does not exist
-        holds nothing; a key template with ``{type}`` or ``{epoch}`` (a stream spread over keys), a key
-        that is no stream or whose top entry is not the bridge's, cannot tell."""
+        holds nothing, unless the stream's state hash or index set does (the stream key was deleted
+        or expired, its entries with it): cannot tell, as for an empty stream key (its entries
+        trimmed or deleted; both asked in a second pipeline, only for the keys found empty). A key
+        template with ``{type}`` or ``{epoch}`` (a stream spread over keys), a key that is no stream
+        or whose top entry is not the bridge's, cannot tell."""
         if any(f in self._stream.fields for f in ("type", "epoch")):
             return {}
         keys = {s.key: self._stream.render(_sample_of(s)) for s in streams}
@@ -1275,11 +1278,12 @@ class RedisConnector:
         except (RedisError, RedisClusterException, OSError) as exc:
             raise self._classify(exc, "cannot read stream positions") from None
         out: dict[str, SinkPosition | None] = {}
+        empty: list[Stream] = []
         for stream, reply in zip(streams, replies, strict=True):
             if isinstance(reply, BaseException):
                 continue  # WRONGTYPE, ...: cannot tell
             if not reply:
-                out[stream.key] = None
+                empty.append(stream)
                 continue
             entry_id_, raw = reply[0]
             fields = raw if isinstance(raw, dict) else dict(zip(raw[::2], raw[1::2], strict=True))
@@ -1295,7 +1299,29 @@ class RedisConnector:
                 continue  # not an id this connector wrote
             out[stream.key] = held
             self._held.setdefault(keys[stream.key], _text(entry_id_))  # checked at the next write (I6)
+        if empty:
+            out.update(dict.fromkeys(await self._unwritten(empty, keys)))
         return out
+
+    async def _unwritten(self, streams: list[Stream], keys: dict[str, str]) -> list[str]:
+        """Of ``streams``, whose stream keys hold no entry, the keys (``Stream.key``) of those that
+        were never written, as far as Redis tells: no stream key (an empty one had entries, trimmed
+        or deleted), and no state hash or index set of the stream (it was written, and its stream
+        key deleted since: FLUSHALL leaves nothing to tell by). One ``TYPE`` per key (a command the
+        sink's ACL user runs already), in one pipeline."""
+        asked = [[keys[s.key], *(t.render(_sample_of(s)) for t in (self._state, self._index) if t is not None)] for s in streams]
+        pipe = self._connection().pipeline(transaction=False)
+        for names in asked:
+            for name in names:
+                pipe.execute_command("TYPE", name)
+        try:
+            replies = await pipe.execute(raise_on_error=False)
+        except (RedisError, RedisClusterException, OSError) as exc:
+            raise self._classify(exc, "cannot read stream positions") from None
+        # An error reply (NOPERM, ...) is no answer: cannot tell.
+        missing = iter([isinstance(r, (str, bytes)) and _text(r) == "none" for r in replies])
+        found = [[next(missing) for _ in names] for names in asked]
+        return [s.key for s, got in zip(streams, found, strict=True) if all(got)]
 
     async def audit(self) -> None:
         """Between writes (bridge.connector, I6): does Redis still hold the last entry stored in

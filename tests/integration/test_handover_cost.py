@@ -17,6 +17,8 @@ import zlib
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
+from aiokafka import TopicPartition
 
 from bridge.checkpoint import SinkPosition
 from bridge.config import SinkConfig, convert
@@ -24,6 +26,7 @@ from bridge.connector import Registry
 from bridge.formats import Renderer
 from bridge.records import Record, Stream
 from tests.support.records import batch
+from tests.support.state_kafka import delete_records
 
 pytestmark = pytest.mark.integration
 
@@ -157,3 +160,73 @@ async def test_kafka_later_calls_read_what_was_written_since(kafka: Any) -> None
         assert {k: v.seq if v else None for k, v in found.items()} == {"a/0": 2, "b/0": 2}
     finally:
         await conn.close()
+
+
+async def test_kafka_records_deleted_from_a_partitions_start_cannot_tell(kafka: Any) -> None:
+    """Retention or DeleteRecords moved the partition's start above offset 0: a stream not found
+    back to that start may have had its messages there, so it cannot tell (left out), never
+    "holds nothing" (a new pod then started the stream afresh with no SourceReset, writing the
+    engine's buffer again in a new epoch: breaker31k Break 3). A stream found after the start
+    still answers; a partition whose start is offset 0 still says "holds nothing"."""
+    topic = await kafka.anew_topic(1)
+    sink = {"type": "kafka", "name": "k", "format": "raw", "bootstrap_servers": kafka.bootstrap_servers, "topic": topic}
+    conn, renderer = connector(sink)
+    await conn.connect()
+    a, b, never = Stream("a", 0), Stream("b", 0), Stream("never", 0)
+    try:
+        await conn.write([m for s in (a, b) for m in renderer.render(batch(s, 0, epoch=5))])
+        assert await conn.positions([never]) == {"never/0": None}  # start at offset 0: nothing held
+        await conn.write(renderer.render(batch(b, 1, epoch=5)))
+    finally:
+        await conn.close()
+    assert await delete_records(kafka.bootstrap_servers, TopicPartition(topic, 0), keep=1) == 2  # a's batch 0 and b's
+    later, _ = connector(sink)  # a new pod
+    await later.connect()
+    try:
+        found = await later.positions([a, b, never])
+        assert found == {"b/0": SinkPosition(5, 1, ts=batch(b, 1).ts, crc=zlib.crc32(batch(b, 1).payload))}
+    finally:
+        await later.close()
+    await delete_records(kafka.bootstrap_servers, TopicPartition(topic, 0))  # the partition empty, its start at 3
+    emptied, _ = connector(sink)
+    await emptied.connect()
+    try:
+        assert await emptied.positions([a, b, never]) == {}
+    finally:
+        await emptied.close()
+
+
+@pytest.mark.parametrize("index", [False, True])
+async def test_redis_a_stream_key_emptied_or_deleted_with_its_state_kept_cannot_tell(fresh_redis: Any, index: bool) -> None:
+    """A stream key found empty (its entries trimmed) or missing while the stream's state hash
+    (or index set) exists was written, its entries deleted since (DEL, expiry): cannot tell (left
+    out), never "holds nothing" (a new pod then wrote the engine's buffer again in a new epoch
+    with no SourceReset: breaker31k Break 3). A stream with no key of its own at all (never
+    written, or FLUSHALL) holds nothing."""
+    prefix = "gone" + uuid.uuid4().hex[:6]
+    sink = {
+        "type": "redis",
+        "name": "r",
+        "format": "json",
+        "granularity": "batch",
+        "url": fresh_redis.url,
+        "stream": prefix + ":{source}:{dp_rank}",
+        "state" if not index else "index": {"enabled": True, "key": prefix + ":{source}:{dp_rank}:kept"},
+    }
+    conn, renderer = connector(sink)
+    trimmed, deleted, never = Stream("t", 0), Stream("d", 0), Stream("n", 0)
+    client = aioredis.Redis.from_url(fresh_redis.url)
+    await conn.connect()
+    try:
+        await conn.write([m for s in (trimmed, deleted) for m in renderer.render(batch(s, 0, epoch=5))])
+        if not index:  # (the state hash by hand: its changes come from the runtime's tracker, not a bare connector)
+            await client.hset(f"{prefix}:d:0:kept", "_at", "5-0")
+        assert await client.exists(f"{prefix}:d:0:kept") == 1
+        await client.xtrim(f"{prefix}:t:0", maxlen=0, approximate=False)
+        await client.delete(f"{prefix}:d:0")
+        assert await conn.positions([trimmed, deleted, never]) == {"n/0": None}
+        await client.flushall()
+        assert await conn.positions([trimmed, deleted, never]) == {"t/0": None, "d/0": None, "n/0": None}
+    finally:
+        await conn.close()
+        await client.aclose()

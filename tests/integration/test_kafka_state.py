@@ -50,7 +50,6 @@ import pytest
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from aiokafka.admin.records_to_delete import RecordsToDelete
 from aiokafka.partitioner import DefaultPartitioner
 
 from bridge.config import SinkConfig, convert_options, from_data
@@ -65,7 +64,7 @@ from tests.integration.test_kafka import delete_topic, topic_exists
 from tests.support.cache_engine import CacheEngine, event
 from tests.support.process import BridgeProcess, bridge_config
 from tests.support.snapshots import seeded_mid_epoch_and_after_a_loss, snapshot_source
-from tests.support.state_kafka import Follower, last_head, offsets, read_partition, truth
+from tests.support.state_kafka import Follower, delete_records, last_head, offsets, read_partition, truth
 
 pytestmark = pytest.mark.integration
 
@@ -647,13 +646,7 @@ async def test_a_state_topic_set_to_delete_by_retention_during_a_run_is_refused_
 
 async def delete_all_but_the_head(kafka: KafkaServer, tp: TopicPartition) -> None:
     """DeleteRecords of every record of state partition ``tp`` but its last (the head)."""
-    _, end = await offsets(kafka.bootstrap_servers, tp)
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
-    await admin.start()
-    try:
-        await admin.delete_records({tp: RecordsToDelete(before_offset=end - 1)})
-    finally:
-        await admin.close()
+    await delete_records(kafka.bootstrap_servers, tp, keep=1)
 
 
 async def test_records_deleted_from_a_state_partitions_start_tell_its_streams_state_lost(

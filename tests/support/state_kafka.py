@@ -15,6 +15,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.records_to_delete import RecordsToDelete
 
 from kv_consumer.kafka import bootstrap, topic_partitions
 from kv_consumer.state import StreamState
@@ -110,6 +111,19 @@ async def offsets(servers: str, tp: TopicPartition) -> tuple[int, int]:
         return (await consumer.beginning_offsets([tp]))[tp], (await consumer.end_offsets([tp]))[tp]
     finally:
         await consumer.stop()
+
+
+async def delete_records(servers: str, tp: TopicPartition, keep: int = 0) -> int:
+    """DeleteRecords of every record of ``tp`` but its last ``keep`` (what retention or an
+    operator does); the partition's new start offset."""
+    _, end = await offsets(servers, tp)
+    admin = AIOKafkaAdminClient(bootstrap_servers=servers)
+    await admin.start()
+    try:
+        await admin.delete_records({tp: RecordsToDelete(before_offset=end - keep)})
+    finally:
+        await admin.close()
+    return end - keep
 
 
 async def last_head(servers: str, state_topic: str, partition: int, stream: str) -> dict[str, Any] | None:
