@@ -179,6 +179,9 @@ class Checkpointer:
         self.opened: dict[str, StreamPosition] = dict(loaded.opened) if loaded else {}
         self.instances: dict[str, Instances] = dict(loaded.instances) if loaded else {}
         self._forgotten: set[str] = set()  # keys whose epoch numbers are kept until the clock passes them
+        # Streams about to start afresh of which a sink could not tell what it holds (adopt): it
+        # may hold an earlier epoch's records, so the new epoch is announced (needs_reset).
+        self._unsure: set[str] = set()
         self._acked: dict[str, list[_Acked | None]] = {}
         self._generation = 0  # of the state; a snapshot carries the one it was taken at
         self._written = 0
@@ -256,17 +259,22 @@ class Checkpointer:
         """Must a stream starting now announce its epoch with a ``SourceReset``? Yes when a sink
         may hold records of it from an earlier run and no ``SourceReset`` of the epoch it is about
         to run in is known acknowledged: it resumes in an epoch opened after its position, or
-        starts afresh after it, or never had a position acknowledged."""
+        starts afresh after it, or never had a position acknowledged, or starts afresh where a sink
+        could not tell what it holds (see :meth:`adopt`)."""
         pos = self.position(key)
         if pos is None:
-            return key in self.epochs or key in self.opened
+            return key in self.epochs or key in self.opened or key in self._unsure
         first = self.opened.get(key)
         return (first is not None and first.epoch > pos.epoch) or self.epochs.get(key, pos.epoch) > pos.epoch
 
-    def adopt(self, key: str, handover: Handover) -> None:
+    def adopt(self, key: str, handover: Handover, unsure: bool = False) -> None:
         """Take what the sinks hold for a stream (see :func:`combine`) as its position: it resumes
         from ``handover.resume``, and any epoch it opens is above every epoch a sink holds. Only
-        for a stream not started yet in this process (its position then is what was loaded)."""
+        for a stream not started yet in this process (its position then is what was loaded).
+        ``unsure``: a sink could not tell what it holds of the stream, or something else the sinks
+        hold says it was written (a state head); started afresh, its new epoch is then announced
+        by a ``SourceReset`` (:meth:`needs_reset`): the sink may hold an earlier epoch's records,
+        the engine's replay buffer among them, and the consumers must drop what they built."""
         resume = handover.resume
         if resume is not None and resume == self.resume_position(key) and (handover.epoch or -1) <= resume.epoch:
             # The sinks hold no more than the file says: the file's state stands as it is (an epoch
@@ -276,6 +284,8 @@ class Checkpointer:
         if handover.resume is None:
             self.loaded.pop(key, None)
             self.opened.pop(key, None)
+            if unsure:
+                self._unsure.add(key)
         else:
             self.loaded[key] = handover.resume
             first = self.opened.get(key)
@@ -323,6 +333,7 @@ class Checkpointer:
         self.loaded.pop(key, None)
         self.opened.pop(key, None)
         self.instances.pop(key, None)
+        self._unsure.discard(key)
         self._forgotten.add(key)
         self.prune(now)
 

@@ -23,6 +23,7 @@ import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -704,9 +705,16 @@ class Bridge:
             local = self.checkpointer.resume_position(key)
             acked = self.checkpointer.position(key)  # below local when local is an epoch opened after it
             handover = ckpt.combine(local, [h.get(key, "unknown") for h in held], acked)
-            self.checkpointer.adopt(key, handover)
-            resumed, top = self.checkpointer.resume_position(key), handover.top
             head = self.tracker.head(stream) if self.tracker is not None else None
+            if handover.resume is None and head is not None and head.epoch > (handover.epoch or -1):
+                # The state sinks hold the stream's state (read back by load_state) and no sink's
+                # events anchor a resume: the new epoch goes above the state's, announced.
+                handover = msgspec.structs.replace(handover, epoch=head.epoch)
+            # A sink that reads positions and could not tell what it holds of the stream (its
+            # events deleted, its read failed): a fresh start is announced (a SourceReset).
+            unsure = any(isinstance(s.inner, PositionReader) and key not in h for s, h in zip(self.skips, held, strict=True))
+            self.checkpointer.adopt(key, handover, unsure)
+            resumed, top = self.checkpointer.resume_position(key), handover.top
             if head is not None and resumed is not None and (resumed.epoch, resumed.seq) > (head.epoch, head.seq):
                 # The sinks hold messages past their state (a pod killed between the two writes):
                 # the records in between will not come again, so the state cannot follow them.

@@ -28,7 +28,7 @@ from bridge.checkpoint import (
     combine,
 )
 from bridge.formats import CONTENT_TYPES
-from bridge.records import Record, Stream
+from bridge.records import Record, Stream, source_reset
 from bridge.runtime import SkipHeld
 from tests.support.strategies import examples
 
@@ -577,3 +577,20 @@ def test_a_control_record_is_anchored_by_the_highest_batch_of_its_epoch_at_most_
     assert _own_need(lost, anchors) == StreamPosition(E, 5, 1006.0, None, 6)
     assert _own_need(lost, anchors[:1]) == StreamPosition(E, 5, 1003.0, None, 3)
     assert _own_need(lost, anchors[2:]) is None  # 7 is two past it; E+1 another epoch
+
+
+def test_a_fresh_start_where_a_sink_could_not_tell_is_announced() -> None:
+    """No checkpoint file, and a sink cannot tell what it holds of the stream (its events deleted
+    by retention; its read failed): the stream starts afresh, and its new epoch is announced by a
+    SourceReset, for that sink may hold an earlier epoch's records (breaker31k Break 3). Every
+    sink sure it holds nothing: a stream met for the first time, no SourceReset. Once the
+    SourceReset is acknowledged, no more."""
+    c = Checkpointer(2)
+    c.adopt("a/0", combine(None, [None, "unknown"]), unsure=True)
+    assert c.resume_position("a/0") is None and c.needs_reset("a/0")
+    c.adopt("b/0", combine(None, [None, None]))
+    assert c.resume_position("b/0") is None and not c.needs_reset("b/0")
+    epoch = c.first_epoch("a/0", 0.0)
+    c.on_ack(0, [source_reset(Stream("a", 0), epoch, "bridge_restart", 0.0)])
+    c.on_ack(1, [source_reset(Stream("a", 0), epoch, "bridge_restart", 0.0)])
+    assert not c.needs_reset("a/0")
