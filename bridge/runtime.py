@@ -762,7 +762,7 @@ class Bridge:
             names = [s.key for s in streams]
             log.error(
                 "cannot read stream positions from the sink: these streams resume from the checkpoint file "
-                "(or afresh, in a new epoch), and the sink may get records it holds again",
+                "(or afresh, in a new epoch announced by a SourceReset), and the sink may get records it holds again",
                 extra={
                     "sink": skip.name,
                     "stream": ", ".join(names[:20]) + (f" (+{len(names) - 20} more)" if len(names) > 20 else ""),
@@ -774,7 +774,8 @@ class Bridge:
         unknown = [s.key for s in streams if s.key not in found]
         if unknown:
             log.warning(
-                "the sink cannot tell what it holds of these streams: they resume from the checkpoint file (or afresh)",
+                "the sink cannot tell what it holds of these streams: they resume from the checkpoint file (or afresh, "
+                "in a new epoch announced by a SourceReset)",
                 extra={"sink": skip.name, "stream": ", ".join(unknown[:20]), "count": len(unknown)},
             )
         log.info(
