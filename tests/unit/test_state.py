@@ -486,3 +486,235 @@ def test_while_growing_a_block_whose_probe_wraps_past_the_old_arrays_end_is_foun
     assert wrapped in table and table.count(wrapped) == 1 and table.version(wrapped) == 2
     absent = 3 * table._old[2] - 1
     assert absent not in table and table.count(absent) == 0 and table.version(absent) == 0
+
+
+def test_while_growing_a_block_stored_again_before_it_moved_counts_every_copy() -> None:
+    """A block still in the old arrays, stored again while the table grows: one more copy (two, or
+    three for one stored twice before), at the new version, and still one entry; when growth ends
+    each block is there once, at its count and version."""
+    table = BlockTable(1001)
+    table.add(600, 1)
+    table.add(600, 2)  # twice before growth starts
+    k = 0
+    while table._old is None:
+        k += 1
+        if k != 600:
+            table.add(k, 1)
+    n = len(table)
+    assert table._old[2] == 1001 and not any(table._moved)  # ids at their home slots, none moved yet
+    assert table.add(500, 7) == 2 and table.add(600, 8) == 3 and len(table) == n
+    assert (table.count(500), table.version(500), table.count(600), table.version(600)) == (2, 7, 3, 8)
+    new = 10**6
+    while table._old is not None:
+        new += 1
+        table.add(new, 9)
+    held = {k: (c, v) for k, c, v in table.items()}
+    assert len(held) == len(table) == n + new - 10**6 and len(list(table)) == len(held)  # each block once
+    assert held[500] == (2, 7) and held[600] == (3, 8) and held[1] == (1, 1)
+    assert table.remove(600, 10) == (2, None) and table.remove(500, 11)[0] == 1 and table.count(500) == 1
+
+
+def test_a_block_s_own_tokens_are_its_share_of_its_event_s_tokens() -> None:
+    """One block stored alone owns all of its event's tokens (no block_size needed); several own a
+    block_size slice each (a size of 1 too); without a usable block_size, none can be told apart."""
+    t = StateTracker()
+    d = Feed(t).batch(
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": [5, 6, 7]},
+        {"type": "BlockStored", "block_hashes": [2, 3], "token_ids": [8, 9], "block_size": 1},
+        {"type": "BlockStored", "block_hashes": [4, 5], "token_ids": [1, 2, 3, 4]},
+        {"type": "BlockStored", "block_hashes": [6, 7], "token_ids": [1, 2, 3, 4], "block_size": "2"},
+        {"type": "BlockStored", "block_hashes": [8, 9], "token_ids": [1, 2, 3, 4], "block_size": 0},
+    )
+    own = {c.block: c.fact.token_ids for c in d.changes if c.fact is not None}
+    assert own == {1: [5, 6, 7], 2: [8], 3: [9], 4: [], 5: [], 6: [], 7: [], 8: [], 9: []}
+
+
+def test_a_block_stored_again_after_its_probe_wrapped_to_slot_0_is_one_block_with_two_copies() -> None:
+    table = BlockTable()
+    last = table.cap - 1
+    table.add(last, 1)
+    table.add(last + table.cap, 2)  # at home in the last slot too: wraps to slot 0
+    assert table.add(last + table.cap, 3) == 2 and len(table) == 2 and table.count(last + table.cap) == 2
+    assert sorted(table) == [last, last + table.cap]
+
+
+def test_a_table_grows_when_a_block_would_take_it_past_load_0_7() -> None:
+    """The memory promise (module docstring): at most 70% of a table's slots are used; the block
+    past that starts its growth (larger arrays), not the one after it."""
+    table = BlockTable(1001)
+    for k in range(700):
+        table.add(k, 1)
+    assert table.nbytes() == 1001 * (8 + 4) and table._old is None
+    table.add(700, 1)
+    assert table._old is not None and table.nbytes() > 1001 * (8 + 4 + 8 + 4)
+
+
+def test_a_block_s_fact_keeps_what_its_event_said_of_it_and_drops_what_is_malformed() -> None:
+    t = StateTracker()
+    d = Feed(t).batch(
+        {
+            "type": "BlockStored",
+            "block_hashes": [1, 2],
+            "token_ids": [1, 2, 3, 4],
+            "block_size": 2,
+            "lora_id": 3,
+            "lora_name": "adapter",
+            "extra_keys": [["a"], ["b"]],
+        },
+        {
+            "type": "BlockStored",
+            "block_hashes": [3, 4],
+            "token_ids": [1, 2, 3, 4],
+            "block_size": 2.0,
+            "lora_id": "3",
+            "lora_name": 3,
+            "extra_keys": [["a"]],  # not one per block: whose is it?
+        },
+    )
+    facts = {c.block: c.fact for c in d.changes if c.fact is not None}
+    said = [(f.block_size, f.lora_id, f.lora_name, f.extra_keys) for f in (facts[1], facts[2])]
+    assert said == [(2, 3, "adapter", ["a"]), (2, 3, "adapter", ["b"])]
+    dropped = [(f.block_size, f.lora_id, f.lora_name, f.extra_keys) for f in (facts[3], facts[4])]
+    assert dropped == [(None, None, None, None)] * 2
+
+
+def test_queries_of_an_unknown_stream_tier_or_hash_find_nothing() -> None:
+    t = StateTracker()
+    Feed(t).batch(stored([1]))
+    for stream, medium, h in ((B, "GPU", 1), (A, "CPU", 1), (A, "GPU", "not a hash"), (A, "GPU", 2)):
+        assert t.version(stream, medium, None, h) is None and t.count(stream, medium, None, h) == 0
+    assert t.version(A, "GPU", None, 1) == (1, 0) and t.count(A, "GPU", None, 1) == 1
+
+
+def test_while_growing_removals_move_slots_too_and_find_blocks_not_moved_yet() -> None:
+    """Every change moves MOVE_STEP old slots, a removal as much as a store: growth ends after as
+    many removals as it would after stores. A block still in the old arrays is removed from there
+    (gone, or one copy fewer)."""
+    from bridge.state import MOVE_STEP
+
+    table = BlockTable(1001)
+    table.add(999, 1)
+    table.add(999, 2)  # two copies, at home in old slot 999: moved last
+    k = 0
+    while table._old is None:
+        k += 1
+        table.add(k, 1)
+    n, old_cap = len(table), table._old[2]
+    assert table.remove(600, 5) == (0, None) and 600 not in table and len(table) == n - 1
+    assert table.remove(999, 6) == (1, None) and table.count(999) == 1 and table.version(999) == 6
+    removals = 2
+    while table._old is not None:
+        removals += 1
+        assert table.remove(removals, 7) == (0, None)
+    assert removals == -(-old_cap // MOVE_STEP) and table.nbytes() == table.cap * (8 + 4)
+    assert len(table) == n - removals + 1 and table.count(999) == 1 and sorted(table) == sorted(set(table))
+
+
+def test_a_block_at_slot_0_is_removed() -> None:
+    table = BlockTable()
+    table.add(0, 1)
+    table.add(table.cap, 2)  # at home in slot 0 too: probes on to slot 1
+    assert table.remove(0, 3) == (0, None) and table.remove(table.cap, 4) == (0, None) and len(table) == 0
+
+
+def test_a_removal_keeps_versions_4_bytes_up_to_2_32_minus_1_and_widens_them_past_it() -> None:
+    """Versions widen at the first change past 2**32 - 1, a removal (of one copy of two) too; while
+    the table grows, of a block still in its old arrays."""
+    table = BlockTable()
+    table.add(1, 1)
+    table.add(1, 2)
+    assert table.remove(1, 2**32 - 1) == (1, None) and table.vers.typecode == "I" and table.version(1) == 2**32 - 1
+    table = BlockTable(1001)
+    table.add(999, 1)
+    table.add(999, 2)
+    k = 0
+    while table._old is None:
+        k += 1
+        table.add(k, 1)
+    n = len(table)
+    assert table._old[1][999] and not table._moved[999]  # still in the old arrays
+    assert table.remove(999, 2**32) == (1, None) and table.vers.itemsize == 8
+    assert table.count(999) == 1 and table.version(999) == 2**32 and len(table) == n
+    assert table._old is None and sorted(table) == sorted(set(table)) and len(list(table)) == n
+
+
+def test_removing_the_block_in_the_last_slot_keeps_the_one_that_wrapped_past_it_reachable() -> None:
+    table = BlockTable()
+    last = table.cap - 1
+    table.add(last, 1)
+    table.add(last + table.cap, 2)  # at home in the last slot too: wrapped to slot 0
+    assert table.remove(last, 3) == (0, None)
+    assert last + table.cap in table and table.count(last + table.cap) == 1 and table.version(last + table.cap) == 2
+    assert table.remove(last + table.cap, 4) == (0, None) and len(table) == 0
+
+
+def test_a_stream_first_seen_while_the_tracker_is_full_is_off_from_its_first_record_counted_once() -> None:
+    t = StateTracker(max_entries=1)
+    Feed(t, A).batch(stored([1]))
+    d = Feed(t, B).batch()  # no store: off all the same
+    assert d.switched_off and not d.head.tracking and not d.head.complete and t.stats.switched_off == 1
+    d = Feed(t, Stream("c", 0)).batch(stored([2]))
+    assert d.switched_off and not d.head.tracking and d.changes == [] and t.stats.switched_off == 2 and t.total == 1
+
+
+def test_a_batch_carrying_an_engine_snapshot_restarts_its_stream_from_it() -> None:
+    """The seed (the engine's cache at the snapshot's cut and the batches since) replaces what
+    the stream held, the batch's own events follow, and the stream is complete from there, even
+    after a sink lost its state; the next record goes on from it."""
+    t = StateTracker()
+    f = Feed(t)
+    f.batch(stored([1, 2]), stored([9], medium="CPU"))
+    f.lost(2)  # incomplete
+    f.batch(stored([3]))
+    t.invalidate(A)
+    seed = Record(A, 1, 4, "StateSeeded", events=[stored([2]), stored([5])])
+    d = t.apply(Record(A, 1, 4, events=[stored([2]), removed([5])], seed=seed))
+    assert d.clear and cleared_keys(d) == {("GPU", None, 3)} and d.head.complete
+    assert sorted((k, c) for _m, _g, k, c, _v in t.entries(A)) == [(2, 2)]
+    f.seq = 5
+    d = f.batch(stored([6]))
+    assert not d.clear and d.head.complete and sorted(k for _m, _g, k, _c, _v in t.entries(A)) == [2, 6]
+    fb = Feed(t, B)
+    fb.batch(stored([1]))
+    fb.lost(1)
+    d = t.apply(Record(B, 1, 2, seed=Record(B, 1, 2, "StateSeeded", events=[stored([7])])))
+    assert d.clear and cleared_keys(d) == set() and d.head.complete and [k for *_, k, _c, _v in t.entries(B)] == [7]
+    d = t.apply(Record(B, 1, 3, seed=Record(B, 1, 3, "StateSeeded", events=[stored([8])])))
+    assert cleared_keys(d) == {("GPU", None, 7)} and [k for *_, k, _c, _v in t.entries(B)] == [8]
+
+
+def test_seeding_keeps_only_live_entries_with_a_block_id_the_first_of_a_key_given_twice() -> None:
+    head = Head(epoch=1, generation=3, seq=5, complete=True, live=2)
+    entries = [
+        ("GPU", None, 1, 2, 4, None),
+        ("GPU", None, 2, 0, 4, None),  # no copy left
+        ("GPU", None, 3, -1, 4, None),
+        ("GPU", None, -1, 1, 4, None),  # no 64-bit id
+        ("GPU", None, 2**64, 1, 4, None),
+        ("GPU", None, 1, 1, 5, None),  # again: the first stands
+        ("GPU", None, 2**64 - 1, 1, 3, None),
+        ("GPU", None, 0, 1, 3, None),
+    ]
+    t = StateTracker()
+    assert t.seed(A, head, entries)
+    assert sorted(t.entries(A)) == [("GPU", None, 0, 1, 3), ("GPU", None, 1, 2, 4), ("GPU", None, 2**64 - 1, 1, 3)]
+    assert t.total == 3 and t.head(A) == Head(1, 3, 5, True, 3)
+
+
+def test_a_stream_seeded_switched_off_stays_off_until_its_next_clear() -> None:
+    t = StateTracker()
+    off = Head(epoch=1, generation=3, seq=5, complete=False, live=0, tracking=False)
+    assert t.seed(A, off, [("GPU", None, 1, 1, 4, None)])
+    assert t.head(A) == off and list(t.entries(A)) == [] and t.streams_off() == 1
+    d = t.apply(Record(A, 1, 6, events=[stored([2])]))
+    assert not d.head.tracking and d.changes == [] and t.total == 0
+    d = t.apply(Record(A, 1, 7, events=[CLEARED, stored([3])]))
+    assert d.switched_on and d.head.tracking and d.head.complete and t.streams_off() == 0 and t.count(A, "GPU", None, 3) == 1
+
+
+def test_a_tracker_s_bytes_are_those_of_its_tables_arrays() -> None:
+    t = StateTracker()
+    assert t.nbytes() == 0
+    Feed(t).batch(stored([1]), stored([1], medium="CPU"))
+    Feed(t, B).batch(stored([2]))
+    assert t.nbytes() == 3 * BlockTable().nbytes() > 0
