@@ -718,3 +718,44 @@ def test_a_tracker_s_bytes_are_those_of_its_tables_arrays() -> None:
     Feed(t).batch(stored([1]), stored([1], medium="CPU"))
     Feed(t, B).batch(stored([2]))
     assert t.nbytes() == 3 * BlockTable().nbytes() > 0
+
+
+def test_a_table_keeps_its_arrays_until_under_load_0_2_then_is_rebuilt_at_load_0_5() -> None:
+    table = BlockTable(1005)
+    for k in range(600):
+        table.add(k, 1)
+    for k in range(399):
+        table.remove(k, 2)
+    assert table.cap == 1005 and len(table) == 201  # 20% of 1005 slots: not under it
+    table.remove(399, 2)
+    assert table.cap == 401 and table.nbytes() == 401 * (8 + 4)
+    assert sorted(table) == list(range(400, 600)) and all(table.version(k) == 1 for k in range(400, 600))
+
+
+def test_a_sink_s_entries_written_by_the_first_record_after_its_head_are_not_applied_twice() -> None:
+    """A head written at a reset (seq -1) and an entry already holding the epoch's first batch
+    (a write cut before the head's): that batch, delivered again, leaves the entry as it is."""
+    t = StateTracker()
+    assert t.seed(A, Head(epoch=2, generation=3, seq=-1, complete=True, live=0), [("GPU", None, 1, 1, 0, None)])
+    d = t.apply(Record(A, 2, 0, events=[stored([1]), stored([2])]))
+    assert t.count(A, "GPU", None, 1) == 1 and [(c.block, c.count) for c in d.changes] == [(2, 1)]
+
+
+def test_after_a_clear_in_the_record_a_block_the_seeded_entry_held_back_is_stored_again() -> None:
+    """Blocks a seeded entry already holds are left as they are, until a clear in the record: from
+    there the block is stored like any other (the entry that held it is gone)."""
+    head = Head(epoch=1, generation=3, seq=4, complete=True, live=1)
+    for clear in ({"type": "BlockTransferred", "block_hashes": [1], "from_medium": "GPU", "to_medium": "CPU"}, CLEARED):
+        t = StateTracker()
+        assert t.seed(A, head, [("GPU", None, 1, 1, 5, None)])
+        t.apply(Record(A, 1, 5, events=[stored([1]), clear, stored([1])]))
+        assert t.count(A, "GPU", None, 1) == 1 and t.version(A, "GPU", None, 1) == (1, 5)
+
+
+def test_removals_in_a_tier_that_holds_nothing_are_each_an_absent_removal() -> None:
+    t = StateTracker()
+    f = Feed(t)
+    f.batch(stored([1]))
+    d = f.batch(removed([1, 2, "not a hash"], medium="CPU"), removed([1]))
+    assert d.absent_removals == 2 and t.stats.absent_removals == 2 and t.stats.bad_hashes == 1
+    assert [(c.medium, c.block, c.count) for c in d.changes] == [("GPU", 1, 0)]
