@@ -759,3 +759,36 @@ def test_removals_in_a_tier_that_holds_nothing_are_each_an_absent_removal() -> N
     d = f.batch(removed([1, 2, "not a hash"], medium="CPU"), removed([1]))
     assert d.absent_removals == 2 and t.stats.absent_removals == 2 and t.stats.bad_hashes == 1
     assert [(c.medium, c.block, c.count) for c in d.changes] == [("GPU", 1, 0)]
+
+
+def test_while_growing_a_block_already_moved_is_listed_once_and_stored_again_as_a_second_copy() -> None:
+    table = BlockTable(1001)
+    k = 0
+    while table._old is None:
+        k += 1
+        table.add(k, 1)
+    n = len(table)
+    table.add(10**6, 2)  # moves the first old slots (ids 1, 2, ... sit at their home slots)
+    assert 0 < table._cursor < 1001
+    listed = [b for b, _c, _v in table.items()]
+    assert len(listed) == len(set(listed)) == n + 1
+    assert table.add(1, 3) == 2 and table.count(1) == 2 and table.version(1) == 3 and len(table) == n + 1
+    assert table.remove(1, 4) == (1, None) and table.remove(1, 5) == (0, None) and 1 not in table
+
+
+def test_a_block_removed_twice_in_one_record_is_gone_once_and_one_absent_removal() -> None:
+    t = StateTracker()
+    f = Feed(t)
+    f.batch(stored([1, 2]))
+    d = f.batch(removed([1]), removed([1]))
+    assert [(c.block, c.count, c.fact) for c in d.changes] == [(1, 0, None)] and d.absent_removals == 1
+    d = f.batch(removed([2]), removed([2]), CLEARED)  # a clear after them still enumerates it
+    assert cleared_keys(d) == {("GPU", None, 2)} and d.absent_removals == 1
+
+
+def test_a_live_block_stored_again_then_removed_twice_in_one_record_is_gone() -> None:
+    t = StateTracker()
+    f = Feed(t)
+    f.batch(stored([1]))
+    d = f.batch(stored([1]), removed([1]), removed([1]))
+    assert [(c.block, c.count, c.fact) for c in d.changes] == [(1, 0, None)] and t.count(A, "GPU", None, 1) == 0
