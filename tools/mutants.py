@@ -459,6 +459,19 @@ _SLOTS = (
     "__slots__ only saves the memory of each object's __dict__: no code sets an attribute it does not list, so "
     "without it every object behaves the same"
 )
+_OLD_SLOT_0 = (
+    "old slot 0 is always moved by then: a change moves the old slots from 0 up (_move_some) before it looks in the old "
+    "arrays, and _old_slot never gives a moved slot, so j is never 0"
+)
+_NEW_STREAM = (
+    "a new stream's value before its first record: apply sets it (and _clear sets ahead) on every path before it is "
+    "read, save in the first delta's head, which apply replaces at its end; seed sets it too"
+)
+_AHEAD_ABOVE = (
+    "st.ahead only has to cover the newest seeded seq when it is above the head: a record above every seeded entry's "
+    "seq finds no version at or above its own and starts its skipped set empty, so a higher st.ahead (or 0 when no "
+    "entry is above the head) skips nothing, and any value below 0 is none, as -1 is"
+)
 EQUIVALENT: list[Equivalent] = [
     *(
         Equivalent("sequencer", text, what, _REPLAY_STATE, within="__init__")
@@ -1575,7 +1588,273 @@ EQUIVALENT: list[Equivalent] = [
             ("kafka", '__slots__ = ("ends", "stream")'),
             ("nats", '__slots__ = ("fresh", "spans")'),
             ("state", '__slots__ = ("_cursor", "_limit", "_moved", "_old", "_vmax", "cap", "ids", "multi", "n", "vers")'),
+            (
+                "state",
+                '__slots__ = ("ahead", "complete", "epoch", "generation", "live", "lost", "position", "seq", "tiers", '
+                '"tracking")',
+            ),
+            ("state", '__slots__ = ("count", "existed", "source")'),
         )
+    ),
+    Equivalent(
+        "state",
+        "for k, v, gone in zip(ids, vers, self._moved, strict=True):",
+        "True -> False",
+        "_grow allocates _moved at the old arrays' cap, the length of their ids and vers: always the same length",
+    ),
+    *(
+        Equivalent("state", text, what, _OLD_SLOT_0, within=within)
+        for text, within in (
+            ("if j >= 0:", "add"),
+            ("if j >= 0:", "remove"),
+        )
+        for what in (">= -> >", "0 -> 1")
+    ),
+    *(
+        Equivalent(
+            "state",
+            "j = -1 if i >= 0 else self._old_slot(k)",
+            what,
+            "a block found in the new arrays (at slot 0 too) is in no old slot: a block is in exactly one of the two "
+            "arrays, so _old_slot gives the -1 this gives",
+            within="remove",
+        )
+        for what in (">= -> >", "0 -> 1")
+    ),
+    *(
+        Equivalent("state", text, "1 -> 2", "a flag: any value but 0 says moved (it is only tested for truth)", within=within)
+        for text, within in (
+            ("self._moved[j] = 1  # it moves now, with its new version", "add"),
+            ("self._moved[j] = 1", "remove"),
+            ("moved[c] = 1", "_move_some"),
+        )
+    ),
+    Equivalent(
+        "state",
+        "self._moved = bytearray()",
+        "statement deleted",
+        "frees the old slots' flags when the move ends; kept, they are never read while _old is None and the next "
+        "growth replaces them: only memory, a byte per old slot",
+        within="_move_some",
+    ),
+    Equivalent("state", "self._move_some(-1)", "1 -> 2", "step is only compared with 0: -2 moves every old slot as -1 does"),
+    Equivalent(
+        "state",
+        "self._finish()",
+        "statement deleted",
+        "_delete, its one caller, rebuilds only when no growth is in progress (_old is None): _finish does nothing there",
+        within="_rebuild",
+    ),
+    Equivalent(
+        "state",
+        "for k, v in zip(old_ids, old_vers, strict=True):",
+        "True -> False",
+        "ids and vers are allocated together at cap slots (_alloc), and _widen copies vers whole: always the same length",
+    ),
+    Equivalent(
+        "state",
+        "pending[(tier, k)] = _Pending(c, (c - 1 if stored else c + 1) > 0, source)",
+        "1 -> 2",
+        "a removal's count here is 0 or more (an absent one went on before): c + 1 and c + 2 are both above 0",
+        nth=1,
+    ),
+    *(
+        Equivalent(
+            "state",
+            "if p.count > 0:",
+            what,
+            "a count of 0 comes only from a removal, whose source is None (BlockTable.remove gives no fact at 0): no "
+            "fact either way",
+        )
+        for what in ("> -> >=", "0 -> -1")
+    ),
+    Equivalent(
+        "state",
+        "source = m[1]",
+        "statement deleted",
+        "m[1] was just made by _fact(event, i, n, medium, group); from the (event, i, n) left in source _changes "
+        "makes the same fact, with the key's tier",
+    ),
+    Equivalent(
+        "state",
+        "ahead.add((tier, k))",
+        "statement deleted",
+        "a block skipped keeps its version, at or above the record's, until a clear ends the skipping: the version "
+        "test skips it again, the set only saves that lookup",
+    ),
+    *(
+        Equivalent(
+            "state",
+            text,
+            "0 -> -1",
+            "the probe's wrap: from -1 it reads the last slot again, the one it just left (occupied and not the id, or "
+            "the probe would have stopped there; in _delete, the same decision as a moment before), then slot 0: the "
+            "same result",
+            within=within,
+        )
+        for text, within in (("i = 0", "add"), ("i = 0", "_put"), ("j = 0", "_delete"))
+    ),
+    *(
+        Equivalent(
+            "state", text, "1 -> 2", "j says 'not in the old arrays' by being below 0: only compared with 0", within="remove"
+        )
+        for text in ("j = -1 if i >= 0 else self._old_slot(k)", "i, j = self._slot(k), -1")
+    ),
+    Equivalent(
+        "state",
+        "if (i < h <= j) if i <= j else (h > i or h <= j):",
+        "<= -> <",
+        "j is never i: the probe ends at an empty slot before it comes round, the table being at most 70% full",
+    ),
+    *(
+        Equivalent(
+            "state",
+            text,
+            what,
+            "an empty slot is told by its version (0): the id left in it is never read (every probe and scan tests "
+            "the version first) and a store overwrites it",
+        )
+        for text in ("ids[i] = 0",)
+        for what in ("statement deleted", "0 -> 1")
+    ),
+    *(
+        Equivalent(
+            "state",
+            "if self.n < self.cap * MIN_LOAD and self.cap > 64 and self._old is None:",
+            what,
+            "a tuning constant of BlockTable (the size at or under which a table is never rebuilt smaller): the table "
+            "holds the same blocks, counts and versions, only the memory of a table of 63 to 65 slots differs",
+        )
+        for what in ("> -> >=", "64 -> 65", "64 -> 63")
+    ),
+    Equivalent(
+        "state",
+        "self._vmax = U64",
+        "statement deleted",
+        "only cost: each later change past 2**32 - 1 widens the versions again (a copy of the same values)",
+        within="_widen",
+    ),
+    *(
+        Equivalent("state", text, what, _NEW_STREAM, within="__init__")
+        for text, whats in (
+            ("self.seq = -1", ("1 -> 2", "1 -> 0")),
+            ("self.ahead = -1", ("statement deleted", "1 -> 2", "1 -> 0")),
+            ("self.position = (epoch, -1)", ("statement deleted", "1 -> 2", "1 -> 0")),
+            ("self.complete = False", ("False -> True",)),
+        )
+        for what in whats
+    ),
+    *(
+        Equivalent(
+            "state",
+            "elif type(size) is int and size > 0:",
+            what,
+            "a block_size of 0 slices no tokens: [] either way",
+        )
+        for what in ("> -> >=", "0 -> -1")
+    ),
+    *(
+        Equivalent("state", text, what, _AHEAD_ABOVE, nth=nth)
+        for text, what, nth in (
+            ("newest = max((v - 1 for t in st.tiers.values() for _k, _c, v in t.items()), default=-1)", "- -> +", 0),
+            ("newest = max((v - 1 for t in st.tiers.values() for _k, _c, v in t.items()), default=-1)", "1 -> 0", 0),
+            ("newest = max((v - 1 for t in st.tiers.values() for _k, _c, v in t.items()), default=-1)", "1 -> 2", 1),
+            ("newest = max((v - 1 for t in st.tiers.values() for _k, _c, v in t.items()), default=-1)", "1 -> 0", 1),
+            ("st.ahead = newest if newest > head.seq else -1", "> -> >=", 0),
+            ("st.ahead = newest if newest > head.seq else -1", "1 -> 2", 0),
+            ("st.ahead = newest if newest > head.seq else -1", "1 -> 0", 0),
+        )
+    ),
+    *(
+        Equivalent(
+            "state",
+            "self._alloc(_size_for(self.n + 1, MAX_LOAD / GROWTH), self.vers.typecode)",
+            what,
+            "a tuning of BlockTable (the new arrays sized for one block more than it holds): the table holds the same "
+            "blocks, counts and versions, only its size differs by a slot or two",
+        )
+        for what in ("1 -> 2", "1 -> 0")
+    ),
+    Equivalent(
+        "state",
+        "def _move_some(self, step: int = 0) -> None:",
+        "0 -> 1",
+        "step is only compared with 0 (below it: move every old slot): 1 moves MOVE_STEP slots as 0 does",
+    ),
+    *(
+        Equivalent(
+            "state",
+            "k = h if type(h) is int and 0 <= h <= U64 else block_id(h)",
+            what,
+            "the fast path only saves a call: block_id gives every int from 0 to U64 itself",
+            nth=nth,
+        )
+        for what, nth in (("<= -> <", 0), ("<= -> <", 1), ("0 -> 1", 0))
+    ),
+    *(
+        Equivalent(
+            "state",
+            "st.complete = False",
+            what,
+            "complete is read only with tracking (Head.complete is both), and tracking comes back on only in _restart, "
+            "which sets complete first",
+            within="_switch_off",
+        )
+        for what in ("statement deleted", "False -> True")
+    ),
+    *(
+        Equivalent(
+            "state",
+            "st.ahead = -1",
+            what,
+            "after a clear the stream's tables hold only versions of its record or later ones, each below the next "
+            "record's own, and a block its record touched has a pending entry (never skipped): whatever st.ahead "
+            "says (kept, 0, -2), the skipping finds nothing to skip",
+            within="_clear",
+        )
+        for what in ("statement deleted", "1 -> 2", "1 -> 0")
+    ),
+    *(
+        Equivalent(
+            "state",
+            "if f is not None and f.parent is not None and order.get((key[0], block_id(f.parent)), -1) > i:",
+            what,
+            "only decides whether _parents_first runs: a block that is its own parent, or a missing one (any default "
+            "at or below 0 is never above an index), and _parents_first keeps an order in which every parent comes "
+            "first as it is",
+        )
+        for what in ("> -> >=", "1 -> 2", "1 -> 0")
+    ),
+    Equivalent(
+        "state",
+        "if st.ahead >= 0:",
+        "0 -> -1",
+        "st.ahead -1 then reaches the inner test, -1 >= record.seq, false for every seq: it is set to -1 again",
+    ),
+    *(
+        Equivalent(
+            "state",
+            "st.ahead = -1",
+            what,
+            "the record is past st.ahead, and so is every later one of the epoch (seqs rise; a new epoch or a clear "
+            "sets it to -1): whether it is reset, or to -2 or 0, no later record is at or below it",
+            within="_events",
+        )
+        for what in ("statement deleted", "1 -> 2", "1 -> 0")
+    ),
+    Equivalent(
+        "state",
+        "if new_epoch and not fresh:",
+        "and -> or",
+        "inside 'fresh or new_epoch': a fresh stream's state is made with the record's epoch (new_epoch False), so "
+        "new_epoch is 'not fresh' there and both forms say the same",
+    ),
+    Equivalent(
+        "state",
+        "st.lost = False",
+        "statement deleted",
+        "apply has cleared it already: a lost stream's record clears it whole first ('if fresh or st.lost')",
+        within="apply",
     ),
 ]
 
