@@ -1610,6 +1610,7 @@ EQUIVALENT: list[Equivalent] = [
         )
         for what in (">= -> >", "0 -> 1")
     ),
+    *(Equivalent("state", "if i < 0 and j < 0:", what, _OLD_SLOT_0, nth=1) for what in ("< -> <=", "0 -> 1")),
     *(
         Equivalent(
             "state",
