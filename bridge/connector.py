@@ -95,6 +95,9 @@ The delivery contract (design.md, "Delivery"), kept by the runtime and this API 
 - A message is dead-lettered only when it was refused for itself (too large, malformed for the
   broker, permanently rejected): classify it ``Permanent`` at its index. Something an operator can
   fix (authorization, a full stream, out of memory) is transient: retried, the sink not ready.
+  An announcement refused for itself is kept and retried, holding the sink back, unless the
+  refusal is ``StreamRefused``: the sink refuses the whole stream for as long as it runs (its
+  health says why), so the stream's announcements are dead-lettered too and the other streams go on.
 - A write is bounded by ``retry.write_timeout``, owned by the runtime (the write is cancelled);
   a connector adds no timeouts, locks or concurrency windows of its own around it (a client's
   socket timeouts are its own business). Writes of one sink never overlap.
@@ -122,7 +125,17 @@ import msgspec
 from .checkpoint import SinkPosition
 from .config import ByteSize, Duration, SinkConfig, convert_options, doc
 from .config import Struct as ConnectorOptions
-from .errors import EPOCHS_REMEMBERED, ConfigError, ConnectorError, NotConnected, PartialFailure, Permanent, Retriable, SinkLost
+from .errors import (
+    EPOCHS_REMEMBERED,
+    ConfigError,
+    ConnectorError,
+    NotConnected,
+    PartialFailure,
+    Permanent,
+    Retriable,
+    SinkLost,
+    StreamRefused,
+)
 from .formats import STATE_TYPE, Envelope, Message, hex64, message_types, sample_message
 from .records import Event, Record, Stream
 from .secret import Secret, redact, redact_url, reveal
@@ -430,6 +443,7 @@ __all__ = [
     "StateDelta",
     "StateReader",
     "Stream",
+    "StreamRefused",
     "Template",
     "TlsOptions",
     "doc",

@@ -73,6 +73,15 @@ class Permanent(ConnectorError):
     reason = "permanent"
 
 
+class StreamRefused(Permanent):
+    """The sink refuses every message of the stream for as long as it runs (a NATS subject that
+    another stream owns). Unlike another refusal, the stream's announcements are dead-lettered
+    too: kept, they would hold every other stream of the sink back for good (I5), and the
+    destination will never take them; the connector's health says why, naming the fix."""
+
+    reason = "stream_refused"
+
+
 class PartialFailure(ConnectorError):
     """Some messages of a write were not delivered; the others were.
 

@@ -835,7 +835,7 @@ class Bridge:
             all_quiet = not any_waiting and all(
                 r.problem is not None or (k in pipelines and _quiet(pipelines[k])) for k, r in readers.items()
             )
-        ready = self.failed is None and all(w.connected for w in self.workers) and not any_waiting
+        ready = self.failed is None and all(w.problem is None for w in self.workers) and not any_waiting
         why = None
         if self._started_at is not None and time.monotonic() - self._started_at >= self.config.ingest.connect_grace:
             if not readers:
@@ -851,7 +851,7 @@ class Bridge:
         self.metrics.ready.set(1 if ready else 0)
         if not detail:
             return ready, {}
-        sinks = {w.name: ("ok" if w.connected else (w.last_error or "not connected")) for w in self.workers}
+        sinks = {w.name: w.problem or "ok" for w in self.workers}
         out: dict[str, Any] = {"sinks": sinks, "sources_not_subscribed": waiting}
         if down:
             shown = dict(sorted(down.items())[:MAX_SHOWN])

@@ -16,7 +16,8 @@ time, renders them in the sink's format, and calls ``connector.write`` until it 
   is never dead-lettered: what refuses it (a key of another type, a size limit lowered below it)
   refuses the whole stream, and its consumers would never learn what they lack. It is kept and
   retried like a transient failure (backoff, the sink not ready, the queue backing up) until the
-  sink takes it, before anything later of its stream;
+  sink takes it, before anything later of its stream; except when the refusal is
+  ``StreamRefused`` (the sink refuses the stream for as long as it runs: see :func:`kept_back`);
 - ``SinkLost``: the sink lost messages it had acknowledged: each span is announced to this sink
   (``EventsLost``, reason ``sink_lost:<sink>``) ahead of the write, which goes again; a connector
   with ``audit()`` is also asked between writes (every ``AUDIT_INTERVAL``), so that a loss on a
@@ -48,7 +49,7 @@ from .backoff import Backoff
 from .config import SinkConfig
 from .connector import Connector
 from .deadletter import DeadLetters
-from .errors import ConnectorError, NotConnected, PartialFailure, Permanent, Retriable, SinkLost
+from .errors import ConnectorError, NotConnected, PartialFailure, Permanent, Retriable, SinkLost, StreamRefused
 from .formats import STATE_TYPE, Message, Renderer, state_message
 from .metrics import Metrics
 from .records import EMPTY_RECORD_BYTES, Record, Stream, events_lost
@@ -107,6 +108,13 @@ def announces(message: Message) -> bool:
     return message.record.kind != "batch" and message.type != STATE_TYPE
 
 
+def kept_back(message: Message, error: ConnectorError | None) -> bool:
+    """Whether ``message``, refused for itself with ``error``, is kept and retried rather than
+    dead-lettered: an announcement (:func:`announces`), unless the sink refuses its whole stream
+    for good (:class:`~bridge.errors.StreamRefused`)."""
+    return announces(message) and not isinstance(error, StreamRefused)
+
+
 def fold(messages: Sequence[Message], errors: Mapping[int, ConnectorError]) -> Outcome:
     """The one rule for partial failures, for every connector (design.md, "Delivery").
 
@@ -120,7 +128,7 @@ def fold(messages: Sequence[Message], errors: Mapping[int, ConnectorError]) -> O
     """
     first: dict[str, int] = {}  # stream key -> index of its first transient failure
     for i in sorted(errors):
-        if not isinstance(errors[i], Permanent) or announces(messages[i]):
+        if not isinstance(errors[i], Permanent) or kept_back(messages[i], errors[i]):
             first.setdefault(messages[i].record.stream.key, i)
     out = Outcome()
     for i, m in enumerate(messages):
@@ -182,6 +190,9 @@ class SinkWorker:
         self._state_gone: set[str] = set()  # streams whose state changes are not written until a clear
         self.connected = False
         self.last_error: str | None = "not connected yet"
+        # Why the sink refuses a stream for as long as it runs (a StreamRefused met): not ready
+        # for good, though its other streams are written (see kept_back).
+        self.refusing: str | None = None
         self._task: asyncio.Task[None] | None = None
         self.health_interval = HEALTH_INTERVAL
         self._audit = getattr(connector, "audit", None)
@@ -509,14 +520,16 @@ class SinkWorker:
                     messages, attempt = refusals, 0
                     continue
                 # after what goes again: an announcement stands at the highest seq of its stream
-                n_kept = sum(1 for i in outcome.retry if announces(messages[i]) and isinstance(exc.errors.get(i), Permanent))
+                n_kept = sum(
+                    1 for i in outcome.retry if isinstance(exc.errors.get(i), Permanent) and kept_back(messages[i], exc.errors[i])
+                )
                 messages = [messages[i] for i in outcome.retry] + refusals
                 error = self._kept(outcome.cause, n_kept) if isinstance(outcome.cause, Permanent) else outcome.cause
                 retry_after = outcome.retry_after
                 del outcome  # it holds the failure too (see _collect_failure)
             except Permanent as exc:
-                kept = [m for m in messages if announces(m)]
-                refused = [m for m in messages if not announces(m)]
+                kept = [m for m in messages if kept_back(m, exc)]
+                refused = [m for m in messages if not kept_back(m, exc)]
                 if refused:
                     dead |= self._dead_letter_messages(refused, exc)
                     attempt = 0  # progress: the announcements' retries back off from the start
@@ -727,8 +740,17 @@ class SinkWorker:
         except Exception as exc:  # a health hook must not raise; if it does, that is its answer
             return f"health check failed: {type(exc).__name__}: {exc}"
 
+    @property
+    def problem(self) -> str | None:
+        """Why the sink is not ready (None: it is): not connected, or refusing a stream."""
+        if not self.connected:
+            return self.last_error or "not connected"
+        return self.refusing
+
     def _dead_letter_messages(self, messages: list[Message], exc: ConnectorError) -> set[int]:
         self.metrics.sink_errors.labels(self.name, exc.reason).inc()
+        if isinstance(exc, StreamRefused) and self.refusing is None:
+            self.refusing = f"{exc.reason}: {exc}"
         state = [m for m in messages if m.type == STATE_TYPE]
         if state:
             # A state change the sink refused: nothing to dead-letter (it has no body), and its

@@ -111,6 +111,7 @@ from bridge.connector import (
     SinkPosition,
     StateDelta,
     Stream,
+    StreamRefused,
     Template,
     TlsOptions,
     doc,
@@ -258,7 +259,7 @@ class _Subjects:
         clash = self._taken.get(message.record.stream.key)
         if clash is None:
             return None
-        return Permanent(self.refusal(message.record.stream, prefix), reason="subject_taken")
+        return StreamRefused(self.refusal(message.record.stream, prefix), reason="subject_taken")
 
     def refusal(self, stream: Stream, prefix: str) -> str:
         """Why ``stream``'s messages are refused (it is :meth:`taken`): both streams and the fix."""

@@ -32,7 +32,7 @@ from nats.js import api as js_api
 from bridge.checkpoint import SinkPosition
 from bridge.config import SinkConfig, convert_options
 from bridge.connector import Connector
-from bridge.errors import ConnectorError, NotConnected, PartialFailure, Permanent, Retriable
+from bridge.errors import ConnectorError, NotConnected, PartialFailure, Permanent, Retriable, StreamRefused
 from bridge.formats import Message, Renderer
 from bridge.records import Stream
 from bridge.sink import fold
@@ -547,7 +547,7 @@ async def test_a_stream_whose_subject_another_stream_owns_is_refused_never_mixed
         with pytest.raises(PartialFailure) as info:
             await conn.write(messages)
         assert [messages[i].record.stream for i in info.value.failed] == [clash, clash]
-        assert isinstance(info.value.cause, Permanent) and info.value.cause.reason == "subject_taken"
+        assert isinstance(info.value.cause, StreamRefused) and info.value.cause.reason == "subject_taken"
         with pytest.raises(Permanent, match=r"subject .* is written by stream 'llama_a/0' already"):
             await conn.write([m for m in messages if m.record.stream == clash][-1:])
     finally:
@@ -634,7 +634,7 @@ async def test_a_subject_taken_over_after_its_owners_messages_left_the_stream_is
             await first.audit()
             assert await first.health() is not None
         refused = await _write_refused(first, batches[2:])
-        assert isinstance(refused, Permanent) and refused.reason == "subject_taken", refused
+        assert isinstance(refused, StreamRefused) and refused.reason == "subject_taken", refused
         assert "'llama_a/0'" in str(refused) and "'llama.a'" in str(refused)
         health = await first.health()
         assert health is not None and "'llama_a/0'" in health and "rename one of the two sources" in health
@@ -665,7 +665,7 @@ async def test_a_bridge_resuming_from_the_sinks_does_not_take_over_another_bridg
     try:
         assert await later.positions([clash]) == {}  # (the other stream's message: cannot tell)
         refused = await _write_refused(later, _render("raw", "batch", [clash], 1))
-        assert isinstance(refused, Permanent) and refused.reason == "subject_taken", refused
+        assert isinstance(refused, StreamRefused) and refused.reason == "subject_taken", refused
     finally:
         await later.close()
     stored = await _read_stream(reader, js_dest, _subject(js_dest, owner))
@@ -743,7 +743,7 @@ async def test_two_bridges_claiming_one_empty_subject_at_the_same_moment_never_b
             await conn._claim(conn._nc, messages)
         await first.write(mine)
         refused = await _write_refused(second, theirs)
-        assert isinstance(refused, Permanent) and refused.reason == "subject_taken", refused
+        assert isinstance(refused, StreamRefused) and refused.reason == "subject_taken", refused
         assert "'llama.a/0'" in str(refused)
     finally:
         await first.close()

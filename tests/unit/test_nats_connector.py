@@ -9,7 +9,7 @@ import pytest
 
 from bridge.config import SinkConfig, convert_options
 from bridge.connector import Registry, Secret
-from bridge.errors import EPOCHS_REMEMBERED, ConfigError, ConnectorError, NotConnected, Permanent, Retriable
+from bridge.errors import EPOCHS_REMEMBERED, ConfigError, ConnectorError, NotConnected, Permanent, Retriable, StreamRefused
 from bridge.formats import Message, Renderer, sample_message
 from bridge.records import Stream, events_lost, source_reset
 from bridge.secret import redact
@@ -207,7 +207,7 @@ def test_two_streams_whose_names_become_one_subject_token_never_share_a_subject(
     assert subjects.render(owned) == subjects.render(clash) == "kv.llama_a.0"
     assert subjects.taken(owned, "sinks[n]") is None  # the first stream to write it owns it
     refused = subjects.taken(clash, "sinks[n]")
-    assert isinstance(refused, Permanent) and refused.reason == "subject_taken"
+    assert isinstance(refused, StreamRefused) and refused.reason == "subject_taken"
     assert "'kv.llama_a.0' is written by stream 'llama_a/0' already" in str(refused) and "'llama.a'" in str(refused)
     assert subjects.taken(sample_message(second, "EventBatch", epoch=10), "sinks[n]") is not None  # every type, epoch
     assert subjects.taken(sample_message(Stream("llama.a", 1), "EventBatch"), "sinks[n]") is None  # another rank

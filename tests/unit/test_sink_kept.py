@@ -9,12 +9,13 @@ stayed ready. Each test fails on the loop before the fix.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from bridge.errors import ConnectorError, PartialFailure, Permanent
+from bridge.errors import ConnectorError, PartialFailure, Permanent, StreamRefused
 from bridge.formats import Message
 from bridge.records import Stream, events_lost, source_reset
 from bridge.sink import SinkWorker
@@ -149,3 +150,47 @@ async def test_an_announcement_the_connector_keeps_failing_on_is_kept_not_dead_l
     assert [m.record.kind for m in conn.messages] == ["SourceReset", "batch"]
     assert dead_lines(tmp_path) == []
     assert acked[0] is reset
+
+
+class RefusesStream(Answers):
+    """Refuses every message of STREAM for itself with StreamRefused, as the NATS sink does a
+    stream whose subject another stream owns (breaker31z B1); stores the rest."""
+
+    async def write(self, messages: Sequence[Message]) -> None:
+        self.writes.append(len(messages))
+        refused = {
+            i: StreamRefused("subject 'kvb.s.0' is written by stream 'x/0' already", reason="subject_taken")
+            for i, m in enumerate(messages)
+            if m.record.stream == STREAM
+        }
+        self.messages.extend(m for i, m in enumerate(messages) if i not in refused)
+        if len(refused) == len(messages):
+            raise refused[0]
+        if refused:
+            raise PartialFailure(refused)
+
+
+@pytest.mark.parametrize("alone", [False, True])
+async def test_a_stream_the_sink_refuses_for_good_has_its_announcements_dead_lettered_and_the_others_go_on(
+    tmp_path: Path, alone: bool
+) -> None:
+    """A refusal of the whole stream for as long as the sink runs (StreamRefused) is never taken
+    back: keeping its announcements held every other stream of the sink back for good (I5; the
+    NATS sink stored nothing more of any stream). Its batches and announcements are dead-lettered,
+    the other streams are written, and the sink says it is not ready, and why, from then on."""
+    worker, _, acked, _ = make(tmp_path, batch={"linger": 0, "max_messages": 1 if alone else 100})
+    conn = RefusesStream("mem", MemoryOptions(), worker.config)
+    worker.connector = conn
+    reset = source_reset(STREAM, 2, "publisher_restart", 0.0)
+    mine = stream_records(STREAM, 2)
+    other = stream_records(OTHER, 3)
+    await fill(worker, [reset, mine[0], other[0], other[1], mine[1], other[2]])
+    worker.start()
+    assert await worker.flush(5)
+    await done(worker)
+    assert stored(conn) == [("t/0", "batch", None, 0), ("t/0", "batch", None, 1), ("t/0", "batch", None, 2)]
+    kinds = {(json.loads(bytes.fromhex(d["payload_hex"]))["type"], d["seq"]) for d in dead_lines(tmp_path)}
+    assert {("SourceReset", 0), ("EventBatch", 0), ("EventBatch", 1)} <= kinds
+    assert any(kind == "EventsLost" for kind, _ in kinds)  # the announcement of the refused batches, refused too
+    assert len(acked) == 6
+    assert worker.problem is not None and "subject_taken" in worker.problem and "written by stream" in worker.problem
