@@ -382,3 +382,149 @@ def test_replies_waiting_for_a_verdict_when_the_live_stream_shows_a_restart_are_
     nxt = only_request(out)
     out = s.replayed(nxt.request_id, 0, p(2, 0))
     assert delivered(out) == [(1, p(2, 0)), (1, p(2, 1))] and s.held == {}
+
+
+def answer(s: StreamSequencer, req: RequestReplay, engine: dict[int, bytes], complete: bool = True) -> list[Action]:
+    """The engine's replay socket answers ``req`` from what it holds (``engine``: seq -> payload),
+    from its start up to the last seq asked for (or all), then ends."""
+    out: list[Action] = []
+    for q in sorted(engine):
+        if q >= req.start and (req.until < 0 or q <= req.until):
+            out += s.replayed(req.request_id, q, engine[q])
+    return out + s.replay_finished(req.request_id, complete)
+
+
+def test_a_replay_that_stops_at_seq_0_asked_for_is_followed_by_one_for_the_rest() -> None:
+    """Only seq 0 was delivered when the connection dropped; instance 1's batch 1 came live (with a
+    ts). The verifying replay asks for 0 only: instance 1 answers it without a ts (not the
+    anchor's bytes), which leaves 1 unsorted. The replay stopped at the last seq asked for, not at
+    the engine's last: the rest is asked of the same instance, and its reply 1 sorts batch 1."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts)
+    s.live(0, p(0, 0))
+    s.disconnected(now=5.0)
+    req = only_request(s.live(1, p(1, 1)))
+    assert (req.start, req.until) == (0, 0)
+    assert s.replayed(req.request_id, 0, p(1, 0, False)) == []
+    more = only_request(s.replay_finished(req.request_id, complete=True))
+    assert (more.start, more.until) == (0, 1)
+    out = answer(s, more, {0: p(1, 0, False), 1: p(1, 1)})
+    assert out[0] == Reset(1, "publisher_restart") and not [a for a in out if isinstance(a, Lost)]
+    assert delivered(out) == [(1, p(1, 0, False)), (1, p(1, 1))]
+
+
+def test_a_replay_that_stops_after_reply_0_before_the_reply_comparing_bytes_probes_that_seq() -> None:
+    """Resumed in an epoch with nothing delivered (seq -1): batch 1 came without a ts. Reply 0
+    tells nothing yet; the replay ends there: the next replay asks for exactly seq 1 (a new
+    question: attempt 0), whose reply, the same bytes, shows the same instance."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts, epoch=2, delivered=-1)
+    req = only_request(s.live(1, p(0, 1, False)))
+    assert (req.start, req.until) == (0, 1)
+    assert s.replayed(req.request_id, 0, p(0, 0)) == []
+    probe = only_request(s.replay_finished(req.request_id, complete=True))
+    assert (probe.start, probe.until, probe.attempt) == (1, 1, 0)
+    assert s.replayed(probe.request_id, 1, p(0, 1, False)) == [Duplicate(1)] and not s.in_doubt
+    out = answer(s, only_request(s.replay_finished(probe.request_id, complete=True)), {0: p(0, 0)})
+    assert delivered(out) == [(2, p(0, 0)), (2, p(0, 1, False))]
+
+
+def test_replies_read_without_a_verdict_are_asked_for_again_to_the_end() -> None:
+    """Batch 4 waits without a ts; reply 3 tells nothing yet, reply 5 skipped 4: no verdict. The
+    replies are dropped, but 5 is known published: the next replay asks to the end, not just up
+    to the batch waiting, and 5 is delivered with the rest."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts)
+    engine = {q: p(0, q, q != 4) for q in range(6)}
+    for q in range(3):
+        s.live(q, engine[q])
+    s.disconnected(now=5.0)
+    req = only_request(s.live(4, engine[4]))
+    assert s.replayed(req.request_id, 3, engine[3]) + s.replayed(req.request_id, 5, engine[5]) == []
+    again = only_request(s.replay_finished(req.request_id, complete=True))
+    assert (again.start, again.until) == (2, -1)
+    out = answer(s, again, engine)
+    assert [a.seq for a in out if isinstance(a, Deliver)] == [3, 4, 5] and not s.in_doubt
+
+
+def test_a_replay_stopped_before_the_reply_comparing_bytes_probes_the_held_batch_first() -> None:
+    """Batches 3 (no ts), 4 and 6 (no ts) were held above a gap when the connection dropped.
+    Replies 2 and 3 tell nothing yet (6 has no ts), then the replay stops: the next asks for
+    exactly 6, the held batch without a ts above the last reply (not 3, answered already, nor 4,
+    whose clock was compared); silent, it asks for 6 again."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts)
+    s.live(0, p(0, 0))
+    s.live(1, p(0, 1))
+    for q in (3, 4, 6):
+        s.live(q, p(0, q, q != 3 and q != 6))
+    req = only_request(s.disconnected(now=5.0))
+    assert (req.start, req.until) == (1, 6)
+    assert s.replayed(req.request_id, 2, p(0, 2)) + s.replayed(req.request_id, 3, p(0, 3, False)) == []
+    probe = only_request(s.replay_finished(req.request_id, complete=True))
+    assert (probe.start, probe.until, probe.attempt) == (6, 6, 0)
+    again = only_request(s.replay_finished(probe.request_id, complete=False))
+    assert (again.start, again.until, again.attempt) == (6, 6, 1)
+    assert s.replayed(again.request_id, 6, p(0, 6, False)) == [Duplicate(6)] and not s.in_doubt
+    out = s.replay_finished(again.request_id, complete=True)
+    while requests := [a for a in out if isinstance(a, RequestReplay)]:
+        out = answer(s, requests[0], {q: p(0, q, q not in (3, 6)) for q in range(7)})
+    assert s.delivered == 6 and not s.held
+
+
+def test_a_new_instances_reply_read_past_max_held_is_settled_by_its_epoch() -> None:
+    """Instance 1 answers (its reply 2 is not the anchor's bytes); its reply 3 sorts batch 3, then
+    reply 5 (4 was dropped) comes past ``max_held`` and is not kept. Seq 5 is known published by
+    instance 1: when it restarts in turn before the replay fetched it again, 5 is announced lost
+    with instance 1's epoch, not forgotten."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts, max_held=4)
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=5.0)
+    req = only_request(s.live(3, p(1, 3, False)))
+    s.live(4, p(1, 4, False))
+    for q in (2, 3):
+        assert s.replayed(req.request_id, q, p(1, q, q == 2)) == []
+    out = s.replayed(req.request_id, 5, p(1, 5))
+    assert Reset(1, "publisher_restart") in out and s.held == {2: p(1, 2), 3: p(1, 3, False)}
+    out = s.live(0, p(2, 0))  # instance 2: seq back to 0
+    assert [a for a in out if isinstance(a, Lost) and a.epoch == 1] == [
+        Lost(0, 1, "publisher_restart", 1),
+        Lost(4, 5, "publisher_restart", 1),
+    ]
+
+
+def test_a_late_live_copy_of_a_new_instances_reply_is_told_by_its_bytes() -> None:
+    """Instance 1's replies 2 and 3 opened its epoch (instance 2's batches 3 and 4, waiting, were
+    announced lost with the old one); its head 0..1 was fetched and 0..3 delivered. After another
+    disconnect, a late live copy of its batch 2 is a duplicate, known by its bytes: no replay is
+    asked to tell whose it is."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts)
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=5.0)
+    req = only_request(s.live(3, p(2, 3, False)))
+    s.live(4, p(2, 4, False))
+    s.replayed(req.request_id, 2, p(1, 2))
+    s.replayed(req.request_id, 3, p(1, 3))
+    more = only_request(s.replay_finished(req.request_id, complete=True))  # for 4, from 3
+    s.replayed(more.request_id, 3, p(1, 3))
+    out = s.replay_finished(more.request_id, complete=True)  # instance 1 never published 4
+    assert out[:2] == [Lost(3, 4, "publisher_restart", 0), Reset(1, "publisher_restart")]
+    head = only_request(out)
+    out = s.replayed(head.request_id, 0, p(1, 0)) + s.replayed(head.request_id, 1, p(1, 1))
+    out += s.replay_finished(head.request_id, complete=False)  # broken off after 1
+    assert delivered(out) == [(1, p(1, q)) for q in range(4)] and not s.replaying
+    s.disconnected(now=6.0)
+    assert s.live(2, p(1, 2)) == [Duplicate(2)]
+
+
+def test_a_replay_asked_to_the_end_that_ends_while_sorting_sorts_no_further() -> None:
+    """Asked to the end marker (the replies of the replay before were dropped, their seqs owed),
+    instance 1 answers 2 and 3, then the end marker comes: the engine's last seq is 3, so batch 4,
+    unsorted, is not instance 1's (announced lost with the old epoch), and nothing more is asked of it."""
+    s, req = in_doubt_with_undecodable_batches()
+    s.replayed(req.request_id, 3, p(1, 3, False))  # (the anchor's reply was dropped)
+    again = only_request(s.disconnected(now=6.0))
+    assert again.until == -1
+    s.replayed(again.request_id, 2, p(1, 2))
+    s.replayed(again.request_id, 3, p(1, 3, False))
+    out = s.replay_finished(again.request_id, complete=True)
+    assert out[:2] == [Lost(3, 4, "publisher_restart", 0), Reset(1, "publisher_restart")]
+    assert s.held == {2: p(1, 2), 3: p(1, 3, False)} and not s.unverified
