@@ -585,3 +585,44 @@ def test_only_batches_stamped_before_the_disconnect_by_more_than_the_clock_skew_
         Reset(1, "publisher_restart"),
         Deliver(0, p(1, 0), 1),
     ]
+
+
+def test_a_silent_replay_for_batch_0_waiting_counts_as_an_attempt() -> None:
+    """Resumed in an epoch with nothing delivered: batch 0 comes live, in doubt. The replay asked
+    for it (batch 0 waiting: it can verify it) goes silent: that is an attempt, and with one
+    allowed the instance is presumed the same."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts, max_attempts=1, epoch=2, delivered=-1)
+    req = only_request(s.live(0, p(0, 0)))
+    assert s.replay_finished(req.request_id, complete=False) == [Deliver(0, p(0, 0), 2)]
+    assert not s.in_doubt
+
+
+def test_in_doubt_live_seqs_not_kept_above_the_settled_gap_are_verified_afresh() -> None:
+    """Nothing is kept (``max_held`` 0). Seq 5, read after the disconnect, may be another
+    instance's: when the replays stay silent, the old instance's gap (1..3) is settled and a replay
+    is asked again for what came after it."""
+    s = seqr(max_held=0)
+    s.live(0, p(0, 0))
+    s.live(3, p(0, 3))
+    req = only_request(s.disconnected())
+    assert s.live(5, p(1, 5)) == []  # (a replay is in flight)
+    for _ in range(2):
+        req = only_request(s.replay_finished(req.request_id, complete=False))
+    out = s.replay_finished(req.request_id, complete=False)
+    assert settled(out) == [Lost(1, 3, "replay_unavailable", 0)]
+    req = only_request(out)
+    assert (req.start, req.until) == (0, 5) and s.in_doubt  # (from the anchor, which verifies)
+
+
+def test_batches_verified_above_a_gap_are_known_published() -> None:
+    """Batches 4 and 5 came after the disconnect, above a gap (3). The anchor's reply verifies
+    the instance and the replay breaks off: 4 and 5 are held, and known published by it."""
+    s = seqr()
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected()
+    req = only_request(s.live(4, p(0, 4)))
+    s.live(5, p(0, 5))
+    assert s.replayed(req.request_id, 2, p(0, 2)) == [Duplicate(2)]
+    s.replay_finished(req.request_id, complete=False)
+    assert not s.in_doubt and s.held == {4: p(0, 4), 5: p(0, 5)} and s.known_top == 5

@@ -393,3 +393,23 @@ def test_a_replay_answered_under_a_new_uuid_above_seq_0_knows_the_instance_and_i
     assert out[0] == Reset(1, INSTANCE_CHANGED) and isinstance(out[-1], RequestReplay) and out[-1].start == 0
     assert s.sure_instance == B and s.retired_instances == [A]
     assert s.held == {3: p(B, 3)} and s.known_top == 3
+
+
+def test_a_first_reply_past_a_seq_delivered_live_meanwhile_is_not_a_second_skip() -> None:
+    """The first replay's first reply skips 1..2 (a first time: asked again, nothing lost). During
+    the second, seq 1 comes live under the same UUID and is delivered; its first reply, 3, skips 2,
+    which no replay had skipped before: still nothing is lost, 2 is asked for again."""
+    s = seqr()
+    feed(s, A, [0])
+    out = s.live(5, p(A, 5), instance=A)
+    (req,) = [a for a in out if isinstance(a, RequestReplay)]
+    out = s.replayed(req.request_id, 0, p(A, 0), instance=A) + s.replayed(req.request_id, 3, p(A, 3), instance=A)
+    out += s.replay_finished(req.request_id, complete=True)
+    (req,) = [a for a in out if isinstance(a, RequestReplay)]
+    assert (req.start, req.until, req.attempt) == (0, 2, 1)
+    assert delivered(s.live(1, p(A, 1), instance=A)) == [(0, 1)]
+    out = s.replayed(req.request_id, 0, p(A, 0), instance=A) + s.replayed(req.request_id, 3, p(A, 3), instance=A)
+    out += s.replay_finished(req.request_id, complete=True)
+    assert not [a for a in out if isinstance(a, Lost)]
+    (req,) = [a for a in out if isinstance(a, RequestReplay)]
+    assert (req.start, req.until) == (1, 2)
