@@ -11,7 +11,7 @@ import zlib
 
 import pytest
 
-from bridge.sequencer import Action, Deliver, Duplicate, Lost, RequestReplay, Reset, StreamSequencer
+from bridge.sequencer import Action, Deliver, Duplicate, Lost, RequestReplay, Reset, StreamSequencer, fingerprint
 
 
 def p(instance: int, seq: int) -> bytes:
@@ -431,3 +431,58 @@ def test_below_an_anchor_without_a_ts_an_earlier_batchs_ts_tells_a_later_instanc
     out = s.live(2, payload)
     assert (Reset(1, "publisher_restart") in out) is restart
     assert restart or out == [Duplicate(2)]
+
+
+def test_live_seqs_not_kept_in_doubt_are_the_old_instances_once_it_is_verified() -> None:
+    """Seqs 4..9, read in doubt past ``max_held``, become the verified instance's (the anchor's
+    reply verified it). When a replay then shows instance 1, they are announced lost with the old
+    epoch, and not owed by instance 1's: when it restarts too, its epoch announces lost only what
+    instance 1 was seen to publish (up to 3)."""
+    s = seqr(max_held=1)
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=10.0)
+    out = s.live(3, p(0, 3))
+    for q in range(4, 10):
+        out += s.live(q, p(0, q))
+    (req,) = [a for a in out if isinstance(a, RequestReplay)]
+    out = s.replayed(req.request_id, 2, p(0, 2)) + s.replay_finished(req.request_id, complete=True)
+    assert delivered(out) == [(0, p(0, 3))] and not s.in_doubt
+    (req,) = [a for a in out if isinstance(a, RequestReplay)]
+    out = s.replayed(req.request_id, 3, p(1, 3))  # not the bytes delivered at 3: instance 1
+    assert [a for a in out if isinstance(a, Lost | Reset)] == [Lost(4, 9, "publisher_restart", 0), Reset(1, "publisher_restart")]
+    out = s.live(0, p(2, 0))  # instance 2, before instance 1's head was fetched
+    assert [a for a in out if isinstance(a, Lost)] == [Lost(0, 2, "publisher_restart", 1)]
+    assert delivered(out) == [(1, p(1, 3)), (2, p(2, 0))]
+
+
+def test_a_restart_a_replay_shows_with_the_new_instances_batches_waiting_loses_nothing_of_the_old() -> None:
+    """Verified once after a disconnect, then a second one: instance 1's batch 5 comes live (its
+    clock after the reply that shows it), and its reply 2 is not the anchor's bytes. Nothing was
+    read past ``max_held``: 3..4 are instance 1's (its epoch fetches them), not the old one's to
+    announce lost."""
+    s = seqr()
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=10.0)
+    (probe,) = s.probe()
+    assert isinstance(probe, RequestReplay)
+    s.replayed(probe.request_id, 2, p(0, 2))  # the same instance
+    s.replay_finished(probe.request_id, complete=True)
+    assert not s.in_doubt
+    s.disconnected(now=20.0)
+    (req,) = s.live(5, p(1, 5))
+    assert isinstance(req, RequestReplay)
+    out = s.replayed(req.request_id, 2, p(1, 2))
+    assert [a for a in out if isinstance(a, Lost | Reset)] == [Reset(1, "publisher_restart")]
+    assert s.held == {2: p(1, 2), 5: p(1, 5)}
+
+
+def test_a_live_batch_at_the_checkpoints_seq_with_other_bytes_is_a_new_instance() -> None:
+    """Resumed with the fingerprint of the batch delivered last (seq 5): the same bytes live are
+    that batch again; other bytes at that seq are a new instance's."""
+    fp = fingerprint(ts(p(0, 5)), p(0, 5))
+    s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts, epoch=2, delivered=5, delivered_fp=fp)
+    assert s.live(5, p(0, 5)) == [Duplicate(5)]
+    s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts, epoch=2, delivered=5, delivered_fp=fp)
+    assert Reset(3, "publisher_restart") in s.live(5, p(1, 5))
