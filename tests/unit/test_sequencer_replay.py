@@ -626,3 +626,16 @@ def test_batches_verified_above_a_gap_are_known_published() -> None:
     assert s.replayed(req.request_id, 2, p(0, 2)) == [Duplicate(2)]
     s.replay_finished(req.request_id, complete=False)
     assert not s.in_doubt and s.held == {4: p(0, 4), 5: p(0, 5)} and s.known_top == 5
+
+
+def test_a_first_reply_below_a_held_batch_stamped_in_the_same_instant_is_the_same_instance() -> None:
+    """The anchor's reply (3) was dropped: reply 4, the first, is compared with the held batch 5,
+    stamped in the same instant: not a later clock, so not another instance."""
+    stamp = {p(0, q): float(q) for q in range(5)} | {p(0, 5): 4.0}
+    s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=stamp.__getitem__)
+    for q in range(4):
+        s.live(q, p(0, q))
+    req = only_request(s.live(5, p(0, 5)))
+    assert (req.start, req.until) == (3, 4)
+    out = s.replayed(req.request_id, 4, p(0, 4))
+    assert out == [Deliver(4, p(0, 4), 0, replayed=True), Deliver(5, p(0, 5), 0)]

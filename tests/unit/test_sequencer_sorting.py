@@ -528,3 +528,14 @@ def test_a_replay_asked_to_the_end_that_ends_while_sorting_sorts_no_further() ->
     out = s.replay_finished(again.request_id, complete=True)
     assert out[:2] == [Lost(3, 4, "publisher_restart", 0), Reset(1, "publisher_restart")]
     assert s.held == {2: p(1, 2), 3: p(1, 3, False)} and not s.unverified
+
+
+def test_a_reply_that_skips_the_batch_waiting_right_after_reply_0_gives_no_verdict() -> None:
+    """Nothing delivered in this epoch yet; batch 1 waits without a ts. Reply 0 tells nothing yet,
+    reply 2 skipped 1 (the only reply that could compare its bytes): nothing goes out on the
+    strength of it, and batch 1 still waits."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts, epoch=2, delivered=-1)
+    req = only_request(s.live(1, p(0, 1, False)))
+    assert s.replayed(req.request_id, 0, p(0, 0)) == []
+    assert s.replayed(req.request_id, 2, p(0, 2)) == []
+    assert s.in_doubt and s.unverified == {1: p(0, 1, False)}
