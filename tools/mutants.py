@@ -455,6 +455,11 @@ _ROOM = (
     "_room is only waited on (Fanout.finish, after offer() said no) once offer() has cleared it itself: whether "
     "the constructor sets it, or a push clears it too, changes no wait"
 )
+_SUSPECT = (
+    "_suspect is only read as `_suspect == _replay_start`, and _replay_start is delivered + 1 when a replay is "
+    "asked; delivered never goes down in an epoch (_restart clears _suspect): a _suspect at or below delivered "
+    "never matches again, left or cleared alike"
+)
 _SLOTS = (
     "__slots__ only saves the memory of each object's __dict__: no code sets an attribute it does not list, so "
     "without it every object behaves the same"
@@ -1582,6 +1587,75 @@ EQUIVALENT: list[Equivalent] = [
         _NO_SEQ,
     ),
     Equivalent("sequencer", "unsure = -1", "1 -> 2", _NO_SEQ, within="_restart"),
+    Equivalent(
+        "sequencer",
+        "if self._replay_first and seq >= self._replay_start:",
+        ">= -> >",
+        "a first reply at exactly _replay_start (delivered + 1 when asked) leaves delivered at or above it (it is "
+        "delivered, or was already): not counted, the next reply is, and `seq > _replay_start > delivered` is then "
+        "false, which clears _suspect as this one would; with no next reply _suspect stays at or below that start. " + _SUSPECT,
+    ),
+    Equivalent(
+        "sequencer",
+        "if seq > self._replay_start > self.delivered:",
+        "> -> >=",
+        "the only case it adds is a first reply at exactly _replay_start with nothing delivered since it was asked "
+        "(_replay_start = delivered + 1): _lose(seq - 1) settles up to delivered, i.e. nothing, and clears _suspect, "
+        "or _suspect is set to that start; either way the reply is delivered right after, so delivered reaches it. " + _SUSPECT,
+        nth=0,
+    ),
+    Equivalent(
+        "sequencer",
+        "self._suspect = None",
+        "statement deleted",
+        "reached when the first reply is at _replay_start or delivered is at or above it already: after this reply "
+        "delivered is at or above _replay_start, and _suspect, a start asked before, is at most that. " + _SUSPECT,
+        within="_take",
+    ),
+    Equivalent(
+        "sequencer",
+        "self._suspect = None",
+        "statement deleted",
+        "the gap is closed: delivered is at or above every batch held and the last live seq. A first reply that "
+        "set _suspect above a start was kept in held (nothing else waits out of doubt, and max_held >= 1: config) "
+        "or the bound was full of batches held at or above that start; either way delivered has passed the start. " + _SUSPECT,
+        within="replay_finished",
+    ),
+    Equivalent(
+        "sequencer",
+        "self._suspect = None",
+        "statement deleted",
+        "every caller settles at least one seq (to_seq > delivered at each call), and _suspect is a start asked at "
+        "most at the old delivered + 1: after it delivered is at or above _suspect. " + _SUSPECT,
+        within="_lose",
+    ),
+    Equivalent(
+        "sequencer",
+        "if top > self.delivered:",
+        "> -> >=",
+        "at top == delivered nothing is held (every batch held is at or below _top and above delivered): _lose "
+        "settles nothing and only clears _suspect; the first reply that set it, above a start, raised _top to its "
+        "seq (_take), so delivered, at _top, is past that start. " + _SUSPECT,
+        within="replay_finished",
+    ),
+    Equivalent(
+        "sequencer",
+        "rest = max(self._unsorted(end), default=-1) if complete and cut and self._overlap is None else -1",
+        "1 -> 0",
+        "the default is never taken: while sorting, a batch waiting above the last reply is always unsorted (after a "
+        "reply that leaves none, replayed opens the new epoch at once; batches waiting only leave by _restart, which "
+        "drops the replay, or _trust, which needs the epoch's UUID known for certain, under which none waits "
+        "unverified: a live message under it ends the doubt, any other restarts)",
+        nth=0,
+    ),
+    Equivalent(
+        "sequencer",
+        "if probed is not None and (probed in self.unverified or probed in self.held):",
+        "and -> or",
+        "a probe asks for a batch waiting (held or unverified), and neither loses a batch while it is in flight in "
+        "doubt (only _trust, which ends the doubt, and _restart, which drops the replay, take batches out): with a "
+        "probe, the test in brackets is always true, without one it is false",
+    ),
     *(
         Equivalent(module, text, "statement deleted", _SLOTS)
         for module, text in (
