@@ -1589,6 +1589,13 @@ EQUIVALENT: list[Equivalent] = [
     Equivalent("sequencer", "unsure = -1", "1 -> 2", _NO_SEQ, within="_restart"),
     Equivalent(
         "sequencer",
+        "if ts_r is not None and (ts > ts_r or (ts == ts_r and seq > r)):",
+        "> -> >=",
+        "a batch at seq r was passed over on the line above (continue): seq >= r reads as seq > r here",
+        nth=1,
+    ),
+    Equivalent(
+        "sequencer",
         "if self._replay_first and seq >= self._replay_start:",
         ">= -> >",
         "a first reply at exactly _replay_start (delivered + 1 when asked) leaves delivered at or above it (it is "

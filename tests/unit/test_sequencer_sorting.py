@@ -539,3 +539,21 @@ def test_a_reply_that_skips_the_batch_waiting_right_after_reply_0_gives_no_verdi
     assert s.replayed(req.request_id, 0, p(0, 0)) == []
     assert s.replayed(req.request_id, 2, p(0, 2)) == []
     assert s.in_doubt and s.unverified == {1: p(0, 1, False)}
+
+
+def test_batches_waiting_that_the_answering_instances_replies_repeat_are_its_with_a_ts_or_not() -> None:
+    """Instance 1's batches 3 (with a ts) and 4 (without) came live after the disconnect; its reply 2
+    is not the anchor's bytes (the replay asked up to 2 stops there; the rest is asked for), and its
+    replies 3 and 4 repeat the batches waiting: both go to its epoch, nothing is announced lost."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts)
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected(now=5.0)
+    req = only_request(s.live(3, p(1, 3)))
+    s.live(4, p(1, 4, False))
+    assert s.replayed(req.request_id, 2, p(1, 2)) == []
+    more = only_request(s.replay_finished(req.request_id, complete=True))  # stopped at 2, asked for
+    assert (more.start, more.until) == (2, 4)
+    out = [a for q in (2, 3, 4) for a in s.replayed(more.request_id, q, p(1, q, q != 4))]
+    assert out[0] == Reset(1, "publisher_restart") and not [a for a in out if isinstance(a, Lost)]
+    assert s.held == {2: p(1, 2), 3: p(1, 3), 4: p(1, 4, False)} and not s.unverified
