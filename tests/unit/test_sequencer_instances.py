@@ -412,6 +412,7 @@ def test_a_stream_detached_with_nothing_unread_knows_of_nothing_more_published()
         ((2, 10.0), b"b2@5", False),  # an earlier clock (compared with the reference's ts, not its seq)
         ((2, 10.0), b"b2x", False),  # no ts: nothing to compare
         ((1, 1e6), b"b2@2000000", False),  # above the reference's seq: its clock bounds nothing
+        ((2, -math.inf), b"b2@5", False),  # a ts that is not a finite number says nothing
     ],
 )
 def test_below_an_anchor_without_a_ts_an_earlier_batchs_ts_tells_a_later_instance(
@@ -486,3 +487,4 @@ def test_a_live_batch_at_the_checkpoints_seq_with_other_bytes_is_a_new_instance(
     assert s.live(5, p(0, 5)) == [Duplicate(5)]
     s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts, epoch=2, delivered=5, delivered_fp=fp)
     assert Reset(3, "publisher_restart") in s.live(5, p(1, 5))
+
