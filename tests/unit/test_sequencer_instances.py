@@ -488,3 +488,19 @@ def test_a_live_batch_at_the_checkpoints_seq_with_other_bytes_is_a_new_instance(
     s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts, epoch=2, delivered=5, delivered_fp=fp)
     assert Reset(3, "publisher_restart") in s.live(5, p(1, 5))
 
+
+def test_a_batch_waiting_older_than_the_new_instances_reply_is_the_old_ones_only() -> None:
+    """After a disconnect, instance 0's batch 3 and instance 1's batch 5 came live; instance 1's
+    reply 2 shows the restart. By the clocks, 3 is the old instance's (announced lost with its
+    epoch: published after the disconnect, it cannot be proven) and 5 the new one's: the new
+    epoch owes nothing of the old, and asks only for its head, up to its reply 2."""
+    s = seqr()
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected()
+    (req,) = s.live(3, p(0, 3))
+    assert isinstance(req, RequestReplay)
+    s.live(5, p(1, 5))
+    out = s.replayed(req.request_id, 2, p(1, 2))
+    assert out == [Lost(3, 3, "publisher_restart", 0), Reset(1, "publisher_restart"), RequestReplay(req.request_id + 1, 0, 1, 0)]
+    assert s.held == {2: p(1, 2), 5: p(1, 5)}

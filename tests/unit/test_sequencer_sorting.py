@@ -557,3 +557,23 @@ def test_batches_waiting_that_the_answering_instances_replies_repeat_are_its_wit
     out = [a for q in (2, 3, 4) for a in s.replayed(more.request_id, q, p(1, q, q != 4))]
     assert out[0] == Reset(1, "publisher_restart") and not [a for a in out if isinstance(a, Lost)]
     assert s.held == {2: p(1, 2), 3: p(1, 3), 4: p(1, 4, False)} and not s.unverified
+
+
+def test_a_live_seq_not_kept_below_the_new_instances_first_batch_is_settled_by_the_old_epoch() -> None:
+    """In doubt, with ``max_held`` 2: batch 4 (no ts) waits and reply 3 is kept for a verdict, so
+    live 5 is not kept. Then instance 1's batch 6 is (the probe for 4 freed the room), and the
+    probe's reply 4, instance 1's, shows the restart: 6 goes to instance 1's epoch; 5, read
+    before it, may be the old instance's and is announced lost with the old epoch (3 and 4 too)."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts, max_held=2)
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected()
+    req = only_request(s.live(4, p(0, 4, False)))
+    assert s.replayed(req.request_id, 3, p(0, 3)) == []  # kept for a verdict (4 has no ts)
+    assert s.live(5, p(0, 5)) == [] and 5 not in s.unverified  # past max_held
+    probe = only_request(s.replay_finished(req.request_id, complete=True))
+    assert (probe.start, probe.until) == (4, 4)
+    s.live(6, p(1, 6))
+    out = s.replayed(probe.request_id, 4, p(1, 4))
+    assert [a for a in out if isinstance(a, Lost | Reset)] == [Lost(3, 5, "publisher_restart", 0), Reset(1, "publisher_restart")]
+    assert s.held == {4: p(1, 4), 6: p(1, 6)}

@@ -413,3 +413,12 @@ def test_a_first_reply_past_a_seq_delivered_live_meanwhile_is_not_a_second_skip(
     assert not [a for a in out if isinstance(a, Lost)]
     (req,) = [a for a in out if isinstance(a, RequestReplay)]
     assert (req.start, req.until) == (1, 2)
+
+
+def test_an_instance_that_published_nothing_has_nothing_announced_lost_when_it_goes() -> None:
+    """Instance B shows only by a heartbeat before anything (next seq 0), then C replaces it:
+    B's epoch opened and closed with nothing published, so nothing of it is announced lost."""
+    s = seqr()
+    feed(s, A, range(3))
+    assert s.heartbeat(0, instance=B) == [Reset(1, INSTANCE_CHANGED)]
+    assert s.heartbeat(0, instance=C) == [Reset(2, INSTANCE_CHANGED)]
