@@ -1596,6 +1596,13 @@ EQUIVALENT: list[Equivalent] = [
     ),
     Equivalent(
         "sequencer",
+        "unsure = max((seq for seq, p in self.unverified.items() if self._ts_of(p) is None or evidence[1] is None), default=-1)",
+        "max -> min",
+        "any batch waiting unverified, the least as the greatest, is at or below last_live (each was read live, so "
+        "last_live is set), and the next line raises unsure to last_live whenever it is >= 0",
+    ),
+    Equivalent(
+        "sequencer",
         "if self._replay_first and seq >= self._replay_start:",
         ">= -> >",
         "a first reply at exactly _replay_start (delivered + 1 when asked) leaves delivered at or above it (it is "
