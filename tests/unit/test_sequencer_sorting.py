@@ -577,3 +577,20 @@ def test_a_live_seq_not_kept_below_the_new_instances_first_batch_is_settled_by_t
     out = s.replayed(probe.request_id, 4, p(1, 4))
     assert [a for a in out if isinstance(a, Lost | Reset)] == [Lost(3, 5, "publisher_restart", 0), Reset(1, "publisher_restart")]
     assert s.held == {4: p(1, 4), 6: p(1, 6)}
+
+
+def test_a_batch_waiting_that_a_reply_without_a_ts_cannot_sort_is_settled_by_both_epochs() -> None:
+    """Instance 1's reply 0 has no ts (not the anchor's bytes): batch 1, waiting, cannot be compared
+    with it by clock. The rest asked for repeats 0 and ends: 1 is announced lost with the old epoch,
+    and owed by the new one, which settles it too when its instance restarts before it came again."""
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts)
+    s.live(0, p(0, 0))
+    s.disconnected(now=5.0)
+    req = only_request(s.live(1, p(1, 1)))
+    s.replayed(req.request_id, 0, p(1, 0, False))
+    more = only_request(s.replay_finished(req.request_id, complete=True))
+    s.replayed(more.request_id, 0, p(1, 0, False))
+    out = s.replay_finished(more.request_id, complete=True)
+    assert out[:3] == [Lost(1, 1, "publisher_restart", 0), Reset(1, "publisher_restart"), Deliver(0, p(1, 0, False), 1, True)]
+    out = s.live(0, p(2, 0))  # instance 2
+    assert [a for a in out if isinstance(a, Lost)] == [Lost(1, 1, "publisher_restart", 1)]
