@@ -1597,6 +1597,13 @@ EQUIVALENT: list[Equivalent] = [
     Equivalent(
         "sequencer",
         "unsure = max((seq for seq, p in self.unverified.items() if self._ts_of(p) is None or evidence[1] is None), default=-1)",
+        "1 -> 2",
+        _NO_SEQ,
+        nth=1,
+    ),
+    Equivalent(
+        "sequencer",
+        "unsure = max((seq for seq, p in self.unverified.items() if self._ts_of(p) is None or evidence[1] is None), default=-1)",
         "max -> min",
         "any batch waiting unverified, the least as the greatest, is at or below last_live (each was read live, so "
         "last_live is set), and the next line raises unsure to last_live whenever it is >= 0",

@@ -504,3 +504,25 @@ def test_a_batch_waiting_older_than_the_new_instances_reply_is_the_old_ones_only
     out = s.replayed(req.request_id, 2, p(1, 2))
     assert out == [Lost(3, 3, "publisher_restart", 0), Reset(1, "publisher_restart"), RequestReplay(req.request_id + 1, 0, 1, 0)]
     assert s.held == {2: p(1, 2), 5: p(1, 5)}
+
+
+def test_live_seqs_not_kept_when_a_replay_shows_a_restart_are_settled_by_both_epochs() -> None:
+    """After a disconnect, batch 3 (instance 0's, by its clock) waits and 4..5 come past
+    ``max_held``, not kept: whose they are is unknown. Instance 1's reply 2 shows the restart: 3..5
+    are announced lost with the old epoch, and owed by the new one, which settles them too when
+    its instance restarts before they came again."""
+    s = seqr(max_held=1)
+    for q in range(3):
+        s.live(q, p(0, q))
+    s.disconnected()
+    (req,) = s.live(3, p(0, 3))
+    assert isinstance(req, RequestReplay)
+    assert s.live(4, p(1, 4)) + s.live(5, p(1, 5)) == []
+    out = s.replayed(req.request_id, 2, p(1, 2))
+    assert [a for a in out if isinstance(a, Lost | Reset)] == [Lost(3, 5, "publisher_restart", 0), Reset(1, "publisher_restart")]
+    out = s.live(0, p(2, 0))
+    assert [a for a in out if isinstance(a, Lost | Deliver) and a.epoch == 1] == [
+        Lost(0, 1, "publisher_restart", 1),
+        Deliver(2, p(1, 2), 1),
+        Lost(3, 5, "publisher_restart", 1),
+    ]
