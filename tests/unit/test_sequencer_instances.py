@@ -510,7 +510,7 @@ def test_live_seqs_not_kept_when_a_replay_shows_a_restart_are_settled_by_both_ep
     """After a disconnect, batch 3 (instance 0's, by its clock) waits and 4..5 come past
     ``max_held``, not kept: whose they are is unknown. Instance 1's reply 2 shows the restart: 3..5
     are announced lost with the old epoch, and owed by the new one, which settles them too when
-    its instance restarts before they came again."""
+    its instance restarts before they came again (and the epoch after it owes none of them)."""
     s = seqr(max_held=1)
     for q in range(3):
         s.live(q, p(0, q))
@@ -526,3 +526,5 @@ def test_live_seqs_not_kept_when_a_replay_shows_a_restart_are_settled_by_both_ep
         Deliver(2, p(1, 2), 1),
         Lost(3, 5, "publisher_restart", 1),
     ]
+    out = s.live(0, p(3, 0))  # instance 3: instance 2 published only its seq 0, and owed nothing
+    assert [a for a in out if isinstance(a, Lost)] == []
