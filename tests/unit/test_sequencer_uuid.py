@@ -416,9 +416,12 @@ def test_a_first_reply_past_a_seq_delivered_live_meanwhile_is_not_a_second_skip(
 
 
 def test_an_instance_that_published_nothing_has_nothing_announced_lost_when_it_goes() -> None:
-    """Instance B shows only by a heartbeat before anything (next seq 0), then C replaces it:
-    B's epoch opened and closed with nothing published, so nothing of it is announced lost."""
+    """Instance B shows only by heartbeats before anything (next seq 0; one after a disconnect
+    ends the doubt), then C replaces it: B's epoch opened and closed with nothing published, so
+    nothing of it is announced lost."""
     s = seqr()
     feed(s, A, range(3))
     assert s.heartbeat(0, instance=B) == [Reset(1, INSTANCE_CHANGED)]
+    assert s.disconnected() == [] and s.in_doubt
+    assert s.heartbeat(0, instance=B) == [] and not s.in_doubt
     assert s.heartbeat(0, instance=C) == [Reset(2, INSTANCE_CHANGED)]
