@@ -1610,6 +1610,22 @@ EQUIVALENT: list[Equivalent] = [
     ),
     Equivalent(
         "sequencer",
+        "if top > self.delivered:",
+        "> -> >=",
+        "at top == delivered nothing is held (every batch held is in known and above delivered): _lose(delivered) "
+        "settles and drains nothing, and only clears _suspect, which the next lines clear too",
+        within="_restart",
+    ),
+    Equivalent(
+        "sequencer",
+        "self._older_last = -1",
+        "1 -> 2",
+        "_older_last is only compared with 0 (_late_of_older: < 0 means unknown; live: >= 0) and with a seq (>= 0): "
+        "-2 reads as -1",
+        within="_restart",
+    ),
+    Equivalent(
+        "sequencer",
         "if self._replay_first and seq >= self._replay_start:",
         ">= -> >",
         "a first reply at exactly _replay_start (delivered + 1 when asked) leaves delivered at or above it (it is "

@@ -528,3 +528,38 @@ def test_live_seqs_not_kept_when_a_replay_shows_a_restart_are_settled_by_both_ep
     ]
     out = s.live(0, p(3, 0))  # instance 3: instance 2 published only its seq 0, and owed nothing
     assert [a for a in out if isinstance(a, Lost)] == []
+
+
+def test_a_new_instance_an_empty_replay_shows_is_not_held_to_the_previous_instances_clock() -> None:
+    """Instance 3 replaced instance 2 on the live stream (its first batch is its epoch's floor);
+    later an empty answer shows a restart again. Instance 1 (a host whose clock is behind) is then
+    this epoch's: its batches are not taken for late ones of an instance before it."""
+    s = seqr()
+    for q in range(3):
+        s.live(q, p(2, q))
+    assert Reset(1, "publisher_restart") in s.live(0, p(3, 0)) + s.live(1, p(3, 1))
+    (probe,) = s.probe()
+    assert isinstance(probe, RequestReplay)
+    s.replayed(probe.request_id, 1, p(3, 1))  # the buffer works
+    s.replay_finished(probe.request_id, complete=True)
+    (probe,) = s.probe()
+    assert isinstance(probe, RequestReplay)
+    assert Reset(2, "publisher_restart") in s.replay_finished(probe.request_id, complete=True)  # nothing from 1 on
+    assert s.live(0, p(1, 0)) == [Deliver(0, p(1, 0), 2)]
+
+
+def test_after_a_restart_a_replay_shows_a_late_batch_of_an_older_instance_is_not_the_new_ones() -> None:
+    """Instance 3 replaced instance 2 on the live stream; then a probe's reply shows instance 4.
+    A late live batch of instance 3, stamped before instance 4's reply, is dropped: it is not
+    instance 4's, whatever instance 2's last seq was."""
+    s = seqr()
+    for q in range(3):
+        s.live(q, p(2, q))
+    for q in range(3):
+        s.live(q, p(3, q))
+    assert s.epoch == 1
+    (probe,) = s.probe()
+    assert isinstance(probe, RequestReplay)
+    assert Reset(2, "publisher_restart") in s.replayed(probe.request_id, 2, p(4, 2))
+    assert s.live(1, p(3, 1)) == [Duplicate(1)]
+    assert s.held == {2: p(4, 2)}
