@@ -425,3 +425,29 @@ def test_an_instance_that_published_nothing_has_nothing_announced_lost_when_it_g
     assert s.disconnected() == [] and s.in_doubt
     assert s.heartbeat(0, instance=B) == [] and not s.in_doubt
     assert s.heartbeat(0, instance=C) == [Reset(2, INSTANCE_CHANGED)]
+
+
+def test_an_instance_gone_by_an_empty_replay_is_retired() -> None:
+    """The replay socket answered under A (its buffer works), then nothing from our position on: A
+    restarted. A late live message under A is dropped, never taken into the new epoch."""
+    s = seqr()
+    feed(s, A, range(3))
+    (probe,) = s.probe()
+    assert isinstance(probe, RequestReplay)
+    s.replayed(probe.request_id, 2, p(A, 2), instance=A)
+    s.replay_finished(probe.request_id, complete=True)
+    (probe,) = s.probe()
+    assert isinstance(probe, RequestReplay)
+    assert Reset(1, PUBLISHER_RESTART) in s.replay_finished(probe.request_id, complete=True)
+    assert s.live(3, p(A, 3), instance=A) == [Duplicate(3)]
+    assert s.retired_instances == [A]
+
+
+def test_an_epoch_without_a_uuid_retires_none_when_it_ends() -> None:
+    """A, then messages without a UUID (a publisher that sends none: a certain restart), then B:
+    only A is retired; the epoch without a UUID leaves nothing to retire."""
+    s = seqr()
+    feed(s, A, range(3))
+    assert Reset(1, INSTANCE_CHANGED) in feed(s, None, [0])
+    assert Reset(2, INSTANCE_CHANGED) in feed(s, B, [0])
+    assert s.retired_instances == [A]
