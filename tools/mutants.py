@@ -1624,6 +1624,7 @@ EQUIVALENT: list[Equivalent] = [
         "-2 reads as -1",
         within="_restart",
     ),
+    Equivalent("sequencer", "self._unclaimed = -1", "1 -> 2", _NO_SEQ, within="_restart"),
     Equivalent(
         "sequencer",
         "if self._replay_first and seq >= self._replay_start:",

@@ -594,3 +594,18 @@ def test_a_batch_waiting_that_a_reply_without_a_ts_cannot_sort_is_settled_by_bot
     assert out[:3] == [Lost(1, 1, "publisher_restart", 0), Reset(1, "publisher_restart"), Deliver(0, p(1, 0, False), 1, True)]
     out = s.live(0, p(2, 0))  # instance 2
     assert [a for a in out if isinstance(a, Lost)] == [Lost(1, 1, "publisher_restart", 1)]
+
+
+def test_replies_dropped_without_a_verdict_are_owed_by_the_next_epoch_only() -> None:
+    """Reply 3 waited for a verdict when the connection dropped again: it is dropped, its seq owed.
+    Instance 2 then shows on the live stream: the old epoch announces 3 lost and instance 2's
+    epoch owes it too (settled when instance 3 replaces it); instance 3's epoch, which delivered
+    its seq 0, owes nothing of it when instance 4 comes."""
+    s, req = in_doubt_with_undecodable_batches()
+    s.replayed(req.request_id, 3, p(1, 3, False))  # (the anchor's reply was dropped)
+    s.disconnected(now=6.0)
+    assert Reset(1, "publisher_restart") in s.live(1, p(2, 1))
+    out = s.live(0, p(3, 0))
+    assert [a for a in out if isinstance(a, Lost)] == [Lost(0, 0, "publisher_restart", 1), Lost(2, 3, "publisher_restart", 1)]
+    out = s.live(0, p(4, 0))
+    assert [a for a in out if isinstance(a, Lost)] == [] and Reset(3, "publisher_restart") in out
