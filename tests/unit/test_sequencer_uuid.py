@@ -425,6 +425,7 @@ def test_an_instance_that_published_nothing_has_nothing_announced_lost_when_it_g
     assert s.disconnected() == [] and s.in_doubt
     assert s.heartbeat(0, instance=B) == [] and not s.in_doubt
     assert s.heartbeat(0, instance=C) == [Reset(2, INSTANCE_CHANGED)]
+    assert s.heartbeat(0, instance=b"\xdd" * 16) == [Reset(3, INSTANCE_CHANGED)]  # nor of C's
 
 
 def test_an_instance_gone_by_an_empty_replay_is_retired() -> None:
