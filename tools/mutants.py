@@ -1625,6 +1625,21 @@ EQUIVALENT: list[Equivalent] = [
         within="_restart",
     ),
     Equivalent("sequencer", "self._unclaimed = -1", "1 -> 2", _NO_SEQ, within="_restart"),
+    *(
+        Equivalent(
+            "sequencer",
+            "self.last_live = max(max(carried), last_live if last_live is not None else -1) if carried else None",
+            what,
+            "it is maxed with a carried seq (>= 0): -2, -1 and 0 all read the same",
+        )
+        for what in ("1 -> 2", "1 -> 0")
+    ),
+    Equivalent(
+        "sequencer",
+        "self._top = self.last_live if self.last_live is not None else -1",
+        "1 -> 2",
+        _NO_SEQ + " (_top is maxed with delivered, seqs and held, or compared with a seq)",
+    ),
     Equivalent(
         "sequencer",
         "if self._replay_first and seq >= self._replay_start:",

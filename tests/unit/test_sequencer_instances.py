@@ -563,3 +563,48 @@ def test_after_a_restart_a_replay_shows_a_late_batch_of_an_older_instance_is_not
     assert Reset(2, "publisher_restart") in s.replayed(probe.request_id, 2, p(4, 2))
     assert s.live(1, p(3, 1)) == [Duplicate(1)]
     assert s.held == {2: p(4, 2)}
+
+
+def test_held_replies_stamped_after_the_batch_that_shows_a_new_instance_are_its_and_known_published() -> None:
+    """A probe brought 4, 6 and 7 above the live stream (held: 3 and 5 missing). Live 3, stamped
+    after 4, shows a new instance; 6 and 7, stamped after 3, are its: carried to its epoch, which
+    knows it published up to 7."""
+    stamp = {b"a0": 0.0, b"a1": 1.0, b"a2": 2.0, b"a4": 10.0, b"b3": 20.0, b"b6": 30.0, b"b7": 40.0}
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=stamp.get)
+    for q in range(3):
+        s.live(q, b"a%d" % q)
+    (probe,) = s.probe()
+    assert isinstance(probe, RequestReplay)
+    for q, payload in ((2, b"a2"), (4, b"a4"), (6, b"b6"), (7, b"b7")):
+        s.replayed(probe.request_id, q, payload)
+    s.replay_finished(probe.request_id, complete=True)
+    out = s.live(3, b"b3")
+    assert [a for a in out if isinstance(a, Lost | Deliver | Reset)] == [
+        Lost(3, 3, "publisher_restart", 0),
+        Deliver(4, b"a4", 0),
+        Reset(1, "publisher_restart"),
+    ]
+    assert s.held == {3: b"b3", 6: b"b6", 7: b"b7"} and s.known_top == 7
+
+
+def test_a_new_instances_own_live_batch_below_what_its_replay_brought_is_its() -> None:
+    """Instance 0's batches 3..5 were replayed ahead of its live stream; then an empty answer showed
+    a restart. Instance 1's replay brings 0..2 and 4 (3 dropped), then its live batch 3 comes: it
+    is instance 1's (the copies instance 0's replay left are not compared with it)."""
+    s = seqr()
+    for q in range(3):
+        s.live(q, p(0, q))
+    (probe,) = s.probe()
+    assert isinstance(probe, RequestReplay)
+    for q in range(2, 6):
+        s.replayed(probe.request_id, q, p(0, q))
+    s.replay_finished(probe.request_id, complete=True)
+    (probe,) = s.probe()
+    assert isinstance(probe, RequestReplay)
+    out = s.replay_finished(probe.request_id, complete=True)  # nothing from 5 on: a restart
+    assert Reset(1, "publisher_restart") in out
+    (req,) = [a for a in out if isinstance(a, RequestReplay)]
+    for q in (0, 1, 2, 4):
+        s.replayed(req.request_id, q, p(1, q))
+    s.replay_finished(req.request_id, complete=True)
+    assert s.live(3, p(1, 3)) == [Deliver(3, p(1, 3), 1), Deliver(4, p(1, 4), 1)] and s.epoch == 1
