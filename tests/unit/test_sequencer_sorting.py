@@ -609,3 +609,16 @@ def test_replies_dropped_without_a_verdict_are_owed_by_the_next_epoch_only() -> 
     assert [a for a in out if isinstance(a, Lost)] == [Lost(0, 0, "publisher_restart", 1), Lost(2, 3, "publisher_restart", 1)]
     out = s.live(0, p(4, 0))
     assert [a for a in out if isinstance(a, Lost)] == [] and Reset(3, "publisher_restart") in out
+
+
+def test_the_answering_instances_own_copy_of_a_seq_wins_over_a_batch_carried_at_it() -> None:
+    """Resumed with nothing delivered: live 1 (instance 2's, stamped late) and 2 (no ts) wait
+    while instance 1 answers the replay from 0. Its reply 1 differs from batch 1 waiting: instance 1
+    is a new instance, and batch 1, stamped after instance 1's first reply, would be carried to its
+    epoch; but instance 1's own copy of seq 1 is what goes out, and nothing else stays held."""
+    s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts, epoch=2, delivered=-1)
+    req = only_request(s.start())
+    assert s.live(1, p(2, 1)) + s.live(2, p(1, 2, False)) == []
+    out = [a for q in (0, 1, 2) for a in s.replayed(req.request_id, q, p(1, q, q != 2))]
+    assert out[0] == Reset(3, "publisher_restart")
+    assert delivered(out) == [(3, p(1, 0)), (3, p(1, 1)), (3, p(1, 2, False))] and s.held == {}
