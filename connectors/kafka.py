@@ -458,6 +458,7 @@ class KafkaConnector:
         types = message_types(sink.granularity)  # those a templated topic is checked for (--check)
         self._types = types if "type" in self._topic.fields else types[:1]
         self._state_lost: set[str] = set()  # streams whose state a lost state topic held (refused: state_lost)
+        self._state_unfit: set[str] = set()  # streams told to have a state record too large for the topic
         # The state topic deletes records by retention (its configs, read at connect and at each
         # audit): why, while it does (state writes held, the sink not ready); and the log start
         # offset of each of its partitions as last seen (retention or DeleteRecords moves it up).
@@ -894,7 +895,8 @@ class KafkaConnector:
         the last head's when the record wrote none. A state message is not written when a message
         of its stream before it failed transiently (the runtime writes it again from there); when
         its write fails, the state messages of its partition after it are not sent either (the
-        state is never ahead of its head's order). Failures are transient, never Permanent."""
+        state is never ahead of its head's order). Failures are transient, never Permanent, but for a
+        state record larger than a batch of the topic holds (``state_too_large``, see _state_too_large)."""
         record_next = self._record_next
         for i in sorted(offsets):
             m = messages[i]
@@ -940,9 +942,14 @@ class KafkaConnector:
         parts = self._partitions[topic]
         limit = self._batch_limit.get(topic, self._max_bytes)
         chains: dict[int, list[_Chunk]] = {}
+        unfit: dict[str, Permanent] = {}  # streams with a state record no batch of the topic can hold
         built = 0
         for i, next_ in wanted:
             m = messages[i]
+            refused = unfit.get(m.record.stream.key)
+            if refused is not None:  # built on the refused one: not written either
+                errors[i] = refused
+                continue
             partition = _PARTITIONER(m.key, parts, parts)
             chain = chains.setdefault(partition, [])
             for name, value in self._state_records(m.record.stream, m.record.state, next_):
@@ -950,6 +957,12 @@ class KafkaConnector:
                 if not built % _YIELD_EVERY:
                     await asyncio.sleep(0)  # a clear of 10^5 keys: let the other streams' work run between
                 size = len(name) + (len(value) if value is not None else 0) + _STATE_RECORD_OVERHEAD
+                if size > limit:
+                    # Even alone (an entry already without its fact): sent, it would be refused for
+                    # ever and stop the sink (I5). Refused for itself instead: the runtime clears the
+                    # stream's state at its next record (incomplete until the engine's next reset).
+                    errors[i] = unfit[m.record.stream.key] = self._state_too_large(m.record.stream, name, size, limit)
+                    break
                 if not chain or chain[-1].used + size > limit:
                     chain.append(_Chunk(producer.create_batch(), topic, partition, False))
                 chunk = chain[-1]
@@ -995,6 +1008,31 @@ class KafkaConnector:
         errors.update((i, refused) for i, _ in wanted if messages[i].record.stream.key in lost)
         return [w for w in wanted if w[0] not in errors]
 
+    def _state_too_large(self, stream: Stream, key: bytes, size: int, limit: int) -> Permanent:
+        """The refusal of a state record of ``size`` bytes (``key``) above ``limit``, the bytes of
+        records a batch of the state topic holds; logged once per stream."""
+        what = "head" if key.endswith(b"/" + HEAD.encode()) else "entry"
+        fix = (
+            f"raise the state topic's max.message.bytes above {size + _BATCH_OVERHEAD} (kafka-configs --alter "
+            f"--entity-type topics --entity-name {self._state_topic} --add-config max.message.bytes=1048588)"
+        )
+        if stream.key not in self._state_unfit:
+            self._state_unfit.add(stream.key)
+            log.error(
+                "a state %s of %d bytes is larger than a batch of the state topic may hold (%d bytes): not written; "
+                "the stream's state is cleared and marked incomplete, its events keep flowing; %s",
+                what,
+                size,
+                limit,
+                fix,
+                extra={"sink": self.name, "stream": stream.key, "topic": self._state_topic},
+            )
+        return Permanent(
+            f"{self._where}: state {what} of {stream.key} is {size} bytes, over the {limit} a batch of state topic "
+            f"{self._state_topic!r} holds; {fix}",
+            reason="state_too_large",
+        )
+
     def _state_records(self, stream: Stream, delta: StateDelta, next_: int | None) -> Iterator[tuple[bytes, bytes | None]]:
         """(key, value) of the state records of one delta, in their order (see _write_state)."""
         prefix = f"{stream.key}/"
@@ -1039,8 +1077,13 @@ class KafkaConnector:
                 error = self._error(exc, chunk.topic)
                 if error is None:  # the broker refused the records (too large for the topic?)
                     if isinstance(exc, _SIZE_ERRORS):
+                        # Below what was refused (never back above the topic's real limit: a batch
+                        # as large would be refused for ever), and its max.message.bytes read
+                        # again before the next state write (_check_state_topic lowers it to that).
                         limit = self._batch_limit.get(chunk.topic, self._max_bytes)
-                        self._batch_limit[chunk.topic] = max(_STATE_BATCH_MIN, min(limit, chunk.used) // 2)
+                        floor = min(_STATE_BATCH_MIN, chunk.used - 1)
+                        self._batch_limit[chunk.topic] = max(floor, min(limit, chunk.used) // 2)
+                        self._partitions.pop(chunk.topic, None)
                     error = Retriable(
                         f"{self._where}: state topic {chunk.topic!r} refused a batch ({_describe(exc)})", reason="state_refused"
                     )

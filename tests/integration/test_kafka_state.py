@@ -24,6 +24,10 @@ s publishing through a bridge:
   sink is not ready naming the fix, and the state starts again incomplete;
 - ``test_a_state_entry_larger_than_the_state_topics_limit_neither_stalls_nor_lies``: an entry over
   the state topic's ``max.message.bytes`` is written without its fact; the state goes on, exact;
+- ``test_a_state_record_larger_than_a_state_batch_even_without_its_fact_neither_stalls_nor_lies`` and
+  ``test_a_state_head_larger_than_a_state_batch_does_not_stop_the_events``: one that no batch holds
+  even without its fact (a long medium, a long source name) is not written: the stream's state is
+  cleared and incomplete (logged once, counted), the events and the state go on;
 - ``test_a_state_topic_deleted_during_a_run_comes_back_compacted_and_the_state_incomplete``: no
   metadata request re-creates it with the broker's defaults; ``state.create`` makes it again as
   configured, and the stream's state starts a new generation, incomplete;
@@ -455,6 +459,120 @@ async def test_a_state_entry_larger_than_the_state_topics_limit_neither_stalls_n
                 assert follower.state.complete and follower.state.blocks() == truth(engine)
             finally:
                 await follower.close()
+        finally:
+            await bridge.stop()
+
+
+async def test_a_state_record_larger_than_a_state_batch_even_without_its_fact_neither_stalls_nor_lies(
+    tmp_path: Path, kafka: KafkaServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The state topic takes batches of 1100 bytes (above the connect check's floor); two blocks
+    # with a 600-character medium make entries larger than that even without their facts (the
+    # key and the document both carry the medium). Sent, such an entry was refused for ever and
+    # nothing past it was delivered (I5). Now it is refused for itself: the stream's state is
+    # cleared and incomplete, logged once, counted, and the events and the state go on.
+    topic = await kafka.anew_topic(partitions=1)
+    state_topic = await kafka.anew_topic(partitions=2, config={"cleanup.policy": "compact", "max.message.bytes": "1100"})
+    live, replay = free_port(), free_port()
+    config = {
+        "sources": [source("a", live, replay)],
+        "sinks": [sink(kafka, topic, state_topic, state={"enabled": True, "topic": state_topic})],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "replay": REPLAY,
+        "shutdown_timeout": "3s",
+    }
+    rand = random.Random(31)
+    async with CacheEngine(live, replay, seed=31) as engine:
+        bridge = Bridge(from_data(config, env={}))
+        await bridge.start()
+        try:
+            with caplog.at_level(logging.ERROR, logger="connectors.kafka"):
+                await engine.wait_subscribed()
+                await engine.step(3)
+                part = partition_of("a/0", 2)
+
+                async def state_at_last_seq() -> dict[str, Any]:
+                    deadline = time.monotonic() + 30
+                    # The stream's next record after a refusal clears its state: one batch at a time.
+                    while (head := await last_head(kafka.bootstrap_servers, state_topic, part, "a/0")) is None or head[
+                        "seq"
+                    ] != engine.last_seq:
+                        assert time.monotonic() < deadline, f"the state did not reach seq {engine.last_seq}: {head}"
+                        await engine.step(1)
+                        await asyncio.sleep(0.2)
+                    return head
+
+                for _ in range(2):  # the second after the state went on from the first
+                    big = event(
+                        "BlockStored",
+                        block_hashes=[rand.getrandbits(64)],
+                        parent_block_hash=None,
+                        token_ids=list(range(16)),
+                        block_size=16,
+                        medium="x" * 600,
+                        group_idx=0,
+                    )
+                    engine.apply(big)
+                    await engine.send([big])
+                    await engine.step(5)
+                    await state_at_last_seq()
+                await engine.step(5)  # blocks stored in the cleared state's generation
+                head = await state_at_last_seq()
+            assert head["complete"] is False  # honest: the large entries are not in it
+            refused = bridge.metrics.registry.get_sample_value(
+                "kv_bridge_sink_errors_total", {"sink": "k", "reason": "state_too_large"}
+            )
+            assert refused is not None and refused >= 2
+            told = [r.getMessage() for r in caplog.records if "larger than a batch of the state topic" in r.getMessage()]
+            assert len(told) == 1 and "max.message.bytes" in told[0], told
+            follower = await Follower.start(kafka.bootstrap_servers, "a", 0, topic=topic, state_topic=state_topic)
+            try:
+                await follower.catch_up(head["epoch"], head["seq"])
+                assert not follower.state.complete
+                blocks, true = follower.state.blocks(), truth(engine)
+                # A subset: never a block that is not live (a copy stored before the clear is not counted).
+                assert blocks and all(0 < n <= true.get(k, 0) for k, n in blocks.items())
+            finally:
+                await follower.close()
+        finally:
+            await bridge.stop()
+
+
+async def test_a_state_head_larger_than_a_state_batch_does_not_stop_the_events(tmp_path: Path, kafka: KafkaServer) -> None:
+    # Source names have no length bound: one of 1100 characters makes a head (its key and its
+    # document carry the name) that no batch of a 1100-byte state topic holds. The events go on.
+    topic = await kafka.anew_topic(partitions=1)
+    state_topic = await kafka.anew_topic(partitions=2, config={"cleanup.policy": "compact", "max.message.bytes": "1100"})
+    live, replay = free_port(), free_port()
+    name = "a" * 1100
+    config = {
+        "sources": [source(name, live, replay)],
+        "sinks": [sink(kafka, topic, state_topic, state={"enabled": True, "topic": state_topic})],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "replay": REPLAY,
+        "shutdown_timeout": "3s",
+    }
+    async with CacheEngine(live, replay, seed=32) as engine:
+        bridge = Bridge(from_data(config, env={}))
+        await bridge.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(10)
+            deadline = time.monotonic() + 30
+            tp = TopicPartition(topic, 0)
+            seqs: set[int] = set()
+            while engine.last_seq not in seqs:
+                assert time.monotonic() < deadline, f"the events did not reach seq {engine.last_seq}: {sorted(seqs)}"
+                await asyncio.sleep(0.2)
+                seqs = {json.loads(v)["seq"] for _, v in await read_partition(kafka.bootstrap_servers, tp) if v}
+            refused = bridge.metrics.registry.get_sample_value(
+                "kv_bridge_sink_errors_total", {"sink": "k", "reason": "state_too_large"}
+            )
+            assert refused is not None and refused >= 1
+            for p in range(2):  # no head says anything of the stream
+                assert await last_head(kafka.bootstrap_servers, state_topic, p, f"{name}/0") is None
         finally:
             await bridge.stop()
 
