@@ -18,7 +18,7 @@ import pytest
 
 from bridge.config import SinkConfig, convert_options
 from bridge.errors import ConfigError, PartialFailure, Permanent, Retriable
-from bridge.formats import Message, Renderer, state_message
+from bridge.formats import STATE_TYPE, Message, Renderer, state_message
 from bridge.records import Record, Stream, source_reset
 from bridge.state import StateTracker
 from bridge.state_docs import parse, seed_of
@@ -166,10 +166,13 @@ class FakeBuilder:
 class FakeProducer:
     """Partition logs in memory; ``fail(topic, partition, n)`` says whether the n-th batch sent there fails."""
 
-    def __init__(self, fail: Callable[[str, int, int], bool] = lambda *_: False, limit: int = 2**20) -> None:
+    def __init__(
+        self, fail: Callable[[str, int, int], bool] = lambda *_: False, limit: int = 2**20, state_limit: int | None = None
+    ) -> None:
         self.logs: dict[tuple[str, int], list[tuple[bytes, bytes | None]]] = {}
         self.sent: list[tuple[str, int]] = []
         self.fail, self.limit = fail, limit
+        self.state_limit = state_limit  # the state topic's max.message.bytes: larger batches refused (too large)
         parts = {TOPIC: {0, 1}, STATE: {0, 1}}
         self.client = SimpleNamespace(cluster=SimpleNamespace(partitions_for_topic=parts.get))
 
@@ -184,6 +187,8 @@ class FakeProducer:
         self.sent.append((topic, partition))
         if self.fail(topic, partition, sum(1 for s in self.sent if s == (topic, partition))):
             done.set_exception(errors.KafkaTimeoutError())
+        elif topic == STATE and self.state_limit is not None and builder.used > self.state_limit:
+            done.set_exception(errors.MessageSizeTooLargeError())
         else:
             done.set_result(SimpleNamespace(offset=len(log)))
             log.extend(builder.records)
@@ -298,6 +303,32 @@ async def test_a_large_clear_spans_batches_sent_one_after_the_other() -> None:
                 log.add(k, v)
     head, values = log.cut(A.key)
     assert head is not None and json.loads(head)["live"] == 0 and values == []
+
+
+async def test_after_a_size_refusal_the_state_batch_limit_stays_below_what_was_refused() -> None:
+    # The state topic's limit lowered below the 1024 bytes the sink assumed a batch could take
+    # (since connect): each refusal must lower the limit below the refused batch, never floor it
+    # back above, or the same batch is refused for ever and the sink stops (I5).
+    producer = FakeProducer(state_limit=500)
+    conn = ready(connector(), producer)
+    tracker = StateTracker()
+    batch = messages(tracker, [Record(stream=A, epoch=1, seq=0, events=[stored([k]) for k in range(1, 21)])])
+    limits: list[int] = []
+    for _ in range(20):
+        try:
+            await conn.write(batch)
+            break
+        except (PartialFailure, Retriable) as exc:
+            errors = exc.errors.values() if isinstance(exc, PartialFailure) else [exc]
+            assert all(e.reason == "state_refused" for e in errors), errors
+            limits.append(conn._batch_limit[STATE])
+            batch = [m for m in batch if m.type == STATE_TYPE]  # what the runtime writes again
+            conn._partitions = {TOPIC: [0, 1], STATE: [0, 1]}  # (its configs read again: the fake has none)
+            conn._stale = False  # (a new producer: the fake has nothing to discard)
+    else:
+        raise AssertionError(f"the state was refused for ever, limits {limits}")
+    assert limits == sorted(limits, reverse=True) and len(set(limits)) == len(limits)
+    assert [h["live"] for h in heads(producer, A)] == [20]
 
 
 # -- the consumer's bootstrap, with a fake consumer ----------------------------------------------------
