@@ -961,7 +961,7 @@ class KafkaConnector:
                     # Even alone (an entry already without its fact): sent, it would be refused for
                     # ever and stop the sink (I5). Refused for itself instead: the runtime clears the
                     # stream's state at its next record (incomplete until the engine's next reset).
-                    errors[i] = unfit[m.record.stream.key] = self._state_too_large(m.record.stream, name, size, limit)
+                    errors[i] = unfit[m.record.stream.key] = self._state_too_large(m.record.stream, name, value, size, limit)
                     break
                 if not chain or chain[-1].used + size > limit:
                     chain.append(_Chunk(producer.create_batch(), topic, partition, False))
@@ -1008,10 +1008,10 @@ class KafkaConnector:
         errors.update((i, refused) for i, _ in wanted if messages[i].record.stream.key in lost)
         return [w for w in wanted if w[0] not in errors]
 
-    def _state_too_large(self, stream: Stream, key: bytes, size: int, limit: int) -> Permanent:
-        """The refusal of a state record of ``size`` bytes (``key``) above ``limit``, the bytes of
-        records a batch of the state topic holds; logged once per stream."""
-        what = "head" if key.endswith(b"/" + HEAD.encode()) else "entry"
+    def _state_too_large(self, stream: Stream, key: bytes, value: bytes | None, size: int, limit: int) -> Permanent:
+        """The refusal of a state record of ``size`` bytes (``key``, ``value``) above ``limit``,
+        the bytes of records a batch of the state topic holds; logged once per stream."""
+        what = "tombstone" if value is None else "head" if key.endswith(b"/" + HEAD.encode()) else "entry"
         fix = (
             f"raise the state topic's max.message.bytes above {size + _BATCH_OVERHEAD} (kafka-configs --alter "
             f"--entity-type topics --entity-name {self._state_topic} --add-config max.message.bytes=1048588)"
