@@ -188,6 +188,10 @@ class SinkWorker:
         self._idle.set()
         self._dropped: dict[str, Record] = {}  # per stream: the EventsLost of the span being dropped
         self._state_gone: set[str] = set()  # streams whose state changes are not written until a clear
+        # Stream key -> reason of the refusal of its state last logged: told once while the sink
+        # refuses it again and again (a state record too large for the sink at every write), until
+        # the stream's state is written again.
+        self._state_refusals_told: dict[str, str] = {}
         self.connected = False
         self.last_error: str | None = "not connected yet"
         # Why the sink refuses a stream for as long as it runs (a StreamRefused met): not ready
@@ -481,6 +485,10 @@ class SinkWorker:
                 lag(now - ts if now > ts else 0.0)
         self._bytes -= size
         self._m_lag.observe_all(lags)
+        if self._state_refusals_told:  # a stream out of _state_gone here had its state written again
+            gone = self._state_gone
+            for key in [k for k in self._state_refusals_told if k not in gone]:
+                del self._state_refusals_told[key]
         if dead_batches:
             self._m_dead.inc(dead_batches)
         self._n_ok += delivered
@@ -757,10 +765,12 @@ class SinkWorker:
             # record's events were written; the sink's state now differs from the tracker's.
             messages = [m for m in messages if m.type != STATE_TYPE]
             for stream in {m.record.stream.key: m.record.stream for m in state}.values():
-                log.error(
-                    "state change refused by the sink: the stream's state is cleared at its next clear",
-                    extra={"sink": self.name, "stream": stream.key, "error": str(exc)},
-                )
+                if self._state_refusals_told.get(stream.key) != exc.reason:  # counted each time, told once
+                    self._state_refusals_told[stream.key] = exc.reason
+                    log.error(
+                        "state change refused by the sink: the stream's state is cleared at its next clear",
+                        extra={"sink": self.name, "stream": stream.key, "error": str(exc)},
+                    )
                 self._state_lost(stream)
         dead = {id(m.record) for m in messages if m.record.kind == "batch"}
         # The sink's state holds what the refused messages said, its messages do not: a consumer

@@ -539,9 +539,12 @@ async def test_a_state_record_larger_than_a_state_batch_even_without_its_fact_ne
             await bridge.stop()
 
 
-async def test_a_state_head_larger_than_a_state_batch_does_not_stop_the_events(tmp_path: Path, kafka: KafkaServer) -> None:
+async def test_a_state_head_larger_than_a_state_batch_does_not_stop_the_events(
+    tmp_path: Path, kafka: KafkaServer, caplog: pytest.LogCaptureFixture
+) -> None:
     # Source names have no length bound: one of 1100 characters makes a head (its key and its
-    # document carry the name) that no batch of a 1100-byte state topic holds. The events go on.
+    # document carry the name) that no batch of a 1100-byte state topic holds. The events go on;
+    # each record's state is refused again (counted), told once.
     topic = await kafka.anew_topic(partitions=1)
     state_topic = await kafka.anew_topic(partitions=2, config={"cleanup.policy": "compact", "max.message.bytes": "1100"})
     live, replay = free_port(), free_port()
@@ -559,18 +562,24 @@ async def test_a_state_head_larger_than_a_state_batch_does_not_stop_the_events(t
         await bridge.start()
         try:
             await engine.wait_subscribed()
-            await engine.step(10)
-            deadline = time.monotonic() + 30
-            tp = TopicPartition(topic, 0)
-            seqs: set[int] = set()
-            while engine.last_seq not in seqs:
-                assert time.monotonic() < deadline, f"the events did not reach seq {engine.last_seq}: {sorted(seqs)}"
-                await asyncio.sleep(0.2)
-                seqs = {json.loads(v)["seq"] for _, v in await read_partition(kafka.bootstrap_servers, tp) if v}
-            refused = bridge.metrics.registry.get_sample_value(
-                "kv_bridge_sink_errors_total", {"sink": "k", "reason": "state_too_large"}
-            )
-            assert refused is not None and refused >= 1
+            with caplog.at_level(logging.ERROR):
+                deadline = time.monotonic() + 30
+                tp = TopicPartition(topic, 0)
+                seqs: set[int] = set()
+                refused: float | None = None
+                # One batch at a time: the stream's next record after a refusal clears its state,
+                # whose write is refused again.
+                while engine.last_seq < 10 or engine.last_seq not in seqs or (refused or 0) < 3:
+                    assert time.monotonic() < deadline, f"the events did not reach seq {engine.last_seq}: {sorted(seqs)}"
+                    await engine.step(1)
+                    await asyncio.sleep(0.2)
+                    seqs = {json.loads(v)["seq"] for _, v in await read_partition(kafka.bootstrap_servers, tp) if v}
+                    refused = bridge.metrics.registry.get_sample_value(
+                        "kv_bridge_sink_errors_total", {"sink": "k", "reason": "state_too_large"}
+                    )
+            lines = [r.getMessage() for r in caplog.records]
+            assert sum("larger than a batch of the state topic" in line for line in lines) == 1, lines
+            assert sum("state change refused by the sink" in line for line in lines) == 1, lines
             for p in range(2):  # no head says anything of the stream
                 assert await last_head(kafka.bootstrap_servers, state_topic, p, f"{name}/0") is None
         finally:
