@@ -34,7 +34,10 @@ changes, then the head, whose ``next`` is the offset after the record's last mes
 partition). There is no transaction: the head is a fuzzy cut (a consumer's sweep may read entries
 of records after it), made exact by the entries' versions (:mod:`kv_consumer.state`); a bridge that
 rebuilds its tables (:meth:`KafkaConnector.read_state`) reads each stream up to its last head,
-which is exact. :func:`kv_consumer.kafka.bootstrap` is the consumers' side.
+which is exact. :func:`kv_consumer.kafka.bootstrap` is the consumers' side. An entry larger than
+the state topic's batches is written without its fact; a record no batch holds even so (a long
+medium, a long source name) is refused for itself (``state_too_large``: the stream's state is
+cleared, incomplete), never sent to be refused for ever.
 """
 
 from __future__ import annotations
