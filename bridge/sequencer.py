@@ -52,6 +52,8 @@ frame). Where a message carries one, it decides, and nothing above is inferred f
 - a retired UUID (a late message of an instance gone, or a second publisher on the stream) is
   dropped as a duplicate: nothing of it goes under another instance's epoch (I1);
 - replay replies that carry a UUID decide the same way once the epoch's UUID is known.
+  Before that, a reply under the UUID that the live batches waiting carried is their
+  instance's (no clock or bytes compared with them); it is still verified against the anchor.
 
 Replay rules (docs/protocol.md section 1): the first reply above the requested start means the span
 left the engine's buffer, but a ROUTER under load may also drop replies, so a loss is declared
@@ -262,6 +264,9 @@ class StreamSequencer:
         # Live batches under the UUID adopted in doubt wait with the others: the doubt's end makes
         # them this epoch's, and the UUID with them (see _trust).
         self._vouched = False
+        # The seqs of those batches (unverified, read live under it): a reply under the same UUID
+        # is their instance's, whatever the clocks say (see _check).
+        self._vouching: set[int] = set()
         self._anonymous = False  # live messages without a UUID were read in this epoch
         self._retired: dict[bytes, None] = dict.fromkeys(r for r in retired if r != instance)
 
@@ -332,6 +337,8 @@ class StreamSequencer:
             self._instance_sure = not self._doubt
             if self._doubt and (seq in self.unverified or seq == self._unkept):
                 self._vouched = True
+                if self.unverified.get(seq) == payload:
+                    self._vouching.add(seq)
         return out
 
     def heartbeat(self, next_seq: int, instance: bytes | None = None) -> list[Action]:
@@ -596,7 +603,7 @@ class StreamSequencer:
                 self._new_instance(out)
             return out
         if self._verdict is _UNSURE:
-            verdict = self._check(seq, payload)
+            verdict = self._check(seq, payload, instance)
             if verdict is _LATER:
                 self._hold(seq, payload)
                 return out
@@ -885,6 +892,7 @@ class StreamSequencer:
         if self._vouched and self.instance is not None:
             self._instance_sure = True
         self._vouched = False
+        self._vouching.clear()
         for seq, payload in self.unverified.items():
             self._top = max(self._top, seq)
             if seq > self.delivered:
@@ -920,9 +928,19 @@ class StreamSequencer:
         their_ts = self._ts_of(batches[min(above)])
         return their_ts is not None and ts > their_ts
 
-    def _check(self, seq: int, payload: bytes) -> str:
-        """Does this reply come from this epoch's instance? (_SAME, _NEW, or _UNSURE: look further.)"""
+    def _check(self, seq: int, payload: bytes, instance: bytes | None = None) -> str:
+        """Does this reply come from this epoch's instance? (_SAME, _NEW, or _UNSURE: look further.)
+
+        ``instance``: the reply's publisher UUID. Live batches waiting that carried the same one
+        (the UUID adopted in doubt) are the answering instance's for certain: neither their clock
+        nor their bytes are compared with it (an engine clock that stepped back between two of
+        its seqs would otherwise split one instance over two epochs). What the reply is compared
+        with otherwise is unchanged: the anchor (the epoch's batch delivered last, perhaps
+        another instance's) and the batches held."""
         ts = self._ts_of(payload)
+        unverified = self.unverified
+        if instance is not None and instance == self.instance and self._vouching:
+            unverified = {u: b for u, b in unverified.items() if u not in self._vouching}
         if seq < self._floor:
             # It answered nothing from _floor on, yet holds this earlier seq: the instance that
             # published _floor would hold every seq after this one too.
@@ -937,7 +955,7 @@ class StreamSequencer:
             if anchor_ts is not None and ts is not None and ts < anchor_ts:
                 return _NEW  # later seq, earlier clock: another instance
         # Against live batches: those of this epoch's instance, then unverified ones.
-        if self._contradicts(self.held, seq, payload, ts) or self._contradicts(self.unverified, seq, payload, ts):
+        if self._contradicts(self.held, seq, payload, ts) or self._contradicts(unverified, seq, payload, ts):
             return _NEW
         # No clock to compare with a batch waiting above (one of them could not be decoded): the
         # reply at its seq, which this replay brings, compares bytes. If that reply was skipped
@@ -947,12 +965,12 @@ class StreamSequencer:
             # left the engine's buffer) tells nothing.
             return _SAME if seq == self._until else _LATER
         # (Replies come in seq order: only one that jumped past the last can have skipped one.)
-        if 0 <= self._heard < seq - 1 and any(self._heard < w < seq for w in (*self.held, *self.unverified)):
+        if 0 <= self._heard < seq - 1 and any(self._heard < w < seq for w in (*self.held, *unverified)):
             self._skipped = True
         if self._skipped:
             return _LATER
         if self._doubt:
-            for where in (self.held, self.unverified):
+            for where in (self.held, unverified):
                 # (The latest read first: they are the ones above a reply; this runs for every reply.)
                 if any(u > seq and (ts is None or self._ts_of(p) is None) for u, p in reversed(where.items())):
                     return _LATER  # (if the replay stops before that reply, the rest is asked for)
@@ -1146,6 +1164,7 @@ class StreamSequencer:
         if self.instance is not None and self._instance_sure:  # (one adopted in doubt was never this epoch's for certain)
             self._retire(self.instance)
         self.instance, self._instance_sure, self._anonymous, self._vouched = None, False, False, False
+        self._vouching = set()
         self.epoch = self._next_epoch(self.epoch, shown_at)
         self.delivered = -1
         self._owed = max(unsure, self._unclaimed)  # (replies without a verdict may be its too)
