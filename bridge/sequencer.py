@@ -631,7 +631,9 @@ class StreamSequencer:
     def _replayed_by_new_instance(self, out: list[Action], seq: int, payload: bytes, instance: bytes, ts: float | None) -> None:
         """A replay answered under another UUID than this epoch's: a restart, for certain, shown
         by this reply (``ts``: its engine ts, which numbers the new epoch alike in every pod). The
-        new epoch takes this reply and asks its instance for the rest from seq 0."""
+        new epoch takes this reply and asks its instance for the rest from seq 0 to the end: the
+        replay given up (its later replies are dropped from now on) may have been bringing seqs
+        above this one that no live message will show (a quiet engine)."""
         old = self.instance
         self._restart(out, INSTANCE_CHANGED, trigger_ts=ts)
         if old is not None:
@@ -643,7 +645,7 @@ class StreamSequencer:
         else:
             self._keep(self.held, seq, payload)
         self._note_replayed(seq, payload)
-        self._request(out)
+        self._request(out, rest=True)
 
     def _hold(self, seq: int, payload: bytes, always: bool = False) -> None:
         """Keep a reply until the verdict (past the bound it is not kept: fetched again later)."""
@@ -1019,7 +1021,11 @@ class StreamSequencer:
         out.append(Lost(from_seq, to_seq, reason, self.epoch))
         self.delivered = to_seq  # the anchor stays at the last batch delivered
 
-    def _request(self, out: list[Action], to_end: bool = False, probe: int | None = None, floor: int = -1) -> None:
+    def _request(
+        self, out: list[Action], to_end: bool = False, probe: int | None = None, floor: int = -1, rest: bool = False
+    ) -> None:
+        """Ask for a replay from our position (``to_end``: to the end marker when nothing waits;
+        ``rest``: even when batches wait; ``probe``, ``floor``: see replay_finished)."""
         request_id = self._next_request()
         self._replay_start = self.delivered + 1
         self._replay_first = True
@@ -1040,6 +1046,8 @@ class StreamSequencer:
             until = -1
         else:
             until = self.last_live
+        if rest:
+            until = -1
         start = self._replay_start
         fp = self._fingerprint()
         self._anchor = (self._anchor_seq, fp) if fp is not None else None
