@@ -41,8 +41,9 @@ frame). Where a message carries one, it decides, and nothing above is inferred f
   from a checkpoint that kept its epoch's UUID (``instance``) starts with it, for certain, and
   one resumed without it verifies the first UUID it meets by replay first, as any stream: a UUID
   adopted in doubt is certain once the doubt ends with live batches under it among those it held
-  (verified, or presumed continuous); one known only from a reply or a heartbeat, with the first
-  live message under it;
+  (verified by replies under it or under none, or presumed continuous); one known only from a
+  reply or a heartbeat, or verified by replies under another UUID, with the first live message
+  under it;
 - a UUID other than the epoch's instance's, or one where the epoch's instance sent none (an
   upgrade), or none where it sent one, is a restart for certain: the epoch ends, a new one opens
   with the reason ``instance_changed`` (:data:`INSTANCE_CHANGED`), and the old UUID is retired;
@@ -619,7 +620,7 @@ class StreamSequencer:
                 out.append(Duplicate(seq))  # below the verification point: already delivered
                 return out
             self._verdict = _SAME
-            self._trust(out)
+            self._trust(out, instance)
             for s in sorted(early):
                 self._take(out, s, early[s])
             if self._anchor is not None and seq == self._anchor[0] and seq <= self.delivered:
@@ -882,16 +883,18 @@ class StreamSequencer:
         if len(self.held) + len(self.unverified) + len(self._early) < self.max_held:
             where[seq] = payload
 
-    def _trust(self, out: list[Action]) -> None:
+    def _trust(self, out: list[Action], by: bytes | None = None) -> None:
         """Continuity confirmed (or presumed): unverified live batches join the held ones. Where
         live batches under the UUID adopted in doubt waited among them, that UUID is this epoch's
         instance's for certain from now on, as a live message under it out of doubt would make it:
-        its batches go out under this epoch (records carry it, the checkpoint keeps it). A UUID
-        known only from a replay reply or a heartbeat stays unsure: the replay is answered by
-        whoever holds its socket, and nothing compared the live publisher's batches."""
+        its batches go out under this epoch (records carry it, the checkpoint keeps it); unless
+        the reply that confirmed it came under another UUID (``by``): then nothing says the live
+        publisher is the one that answered, and its UUID stays unsure. A UUID known only from a
+        replay reply or a heartbeat stays unsure: the replay is answered by whoever holds its
+        socket, and nothing compared the live publisher's batches."""
         self._doubt = False  # (_doubt_since matters only in doubt, and every way into doubt sets it)
         self._drops = 0
-        if self._vouched and self.instance is not None:
+        if self._vouched and self.instance is not None and by in (None, self.instance):
             self._instance_sure = True
         self._vouched = False
         self._vouching.clear()

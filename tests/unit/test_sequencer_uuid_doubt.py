@@ -7,8 +7,8 @@ answered by whoever holds its socket). Helpers: ``test_sequencer_uuid.py``."""
 
 from __future__ import annotations
 
-from bridge.sequencer import INSTANCE_CHANGED, Action, Lost, RequestReplay, Reset, StreamSequencer
-from tests.unit.test_sequencer_uuid import A, B, delivered, feed, p, seqr, ts
+from bridge.sequencer import INSTANCE_CHANGED, Action, Duplicate, Lost, RequestReplay, Reset, StreamSequencer
+from tests.unit.test_sequencer_uuid import A, B, C, delivered, feed, p, seqr, ts
 
 
 def request(actions: list[Action]) -> RequestReplay:
@@ -102,3 +102,21 @@ def test_a_uuid_known_only_from_a_replay_reply_stays_unsure_when_the_doubt_ends(
     assert delivered(out) == [(1, n) for n in range(4)] and not s.in_doubt
     assert s.instance == B and s.sure_instance is None
     assert delivered(feed(s, B, [4])) == [(1, 4)] and s.sure_instance == B
+
+
+def test_a_reply_under_another_uuid_that_ends_the_doubt_does_not_make_the_live_uuid_certain() -> None:
+    """B's live 3..6 wait in doubt; the replay is answered by another instance, C (it holds the
+    replay socket now). C's reply ends the doubt, but nothing says B answered: B stays unsure.
+    Before (breaker31y B3), B was made certain, C's next reply then made C certain as a restart
+    known only from replies, and B's live 7 and 8 were dropped as copies, never delivered nor
+    announced lost (I3)."""
+    s, out = restart_shown_after_two_drops()
+    out = answer(s, request(out), [(n, p(C, n)) for n in range(3)], C)
+    assert s.sure_instance != B
+    more = feed(s, B, [7, 8])
+    assert not [a for a in more if isinstance(a, Duplicate)]
+    assert s.sure_instance == B and s.instance == B
+    rest = out + more
+    for req in [a for a in rest if isinstance(a, RequestReplay)]:
+        rest += answer(s, req, [(n, p(B, n)) for n in range(req.start, 9)], B)
+    assert {7, 8} <= {seq for _, seq in delivered(rest)}
