@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.header
 import itertools
 import logging
 import random
@@ -76,7 +77,7 @@ import re
 import secrets
 import ssl
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
@@ -563,6 +564,26 @@ def shown_servers(urls: Sequence[str]) -> str:
 _NEWLINES = str.maketrans({"\r": " ", "\n": " "})
 
 
+def _header_text(value: object) -> str:
+    """A header value as nats-py gives it back, as the text it was sent as: nats-py parses headers
+    with the email package, which hands back a value with non-ASCII bytes as an ``email.header.Header``
+    (its ``str`` replaces them with U+FFFD); its bytes are the UTF-8 that was sent."""
+    if not isinstance(value, email.header.Header):
+        return "" if value is None else str(value)
+    parts = email.header.decode_header(value)
+    raw = b"".join(p if isinstance(p, bytes) else p.encode("utf-8", "surrogateescape") for p, _ in parts)
+    return raw.decode("utf-8", "replace")
+
+
+def _names(headers: Mapping[str, Any], stream: Stream) -> bool:
+    """Whether a message's headers, as nats-py parsed them, name ``stream`` (``source``, ``dp_rank``).
+    The parse also drops a value's leading blanks: a source sent as ``" llama"`` reads ``"llama"``."""
+    source = _header_text(headers.get("source"))
+    if headers.get("dp_rank") != str(stream.dp_rank) or "source" not in headers:
+        return False
+    return source == stream.source or source == stream.source.lstrip(" \t")
+
+
 def header_block(
     headers: dict[str, str], msg_id: str | None = None, expected_last: str | None = None, subject_seq: int | None = None
 ) -> bytes:
@@ -969,7 +990,7 @@ class NatsConnector:
                     out[stream.key] = None
                     return
             headers = msg.headers or {}
-            if headers.get("source") != stream.source or headers.get("dp_rank") != str(stream.dp_rank):
+            if not _names(headers, stream):
                 return  # another publisher's message, or a subject shared with another stream: cannot tell
             try:
                 out[stream.key] = SinkPosition.from_headers(headers, msg.data)
@@ -1266,7 +1287,11 @@ class NatsConnector:
         refusal of ``stream`` (logged, and the sink not ready, naming both and the fix)."""
         headers = (msg.headers if msg is not None else None) or {}
         source, rank = headers.get("source"), headers.get("dp_rank")
-        holder = f"{source}/{rank}" if source is not None and rank is not None else None
+        holder = None
+        if _names(headers, stream):
+            holder = stream.key
+        elif source is not None and rank is not None:
+            holder = f"{_header_text(source)}/{rank}"
         owner = self._subjects.claim(stream, holder)
         if owner is None:  # (a stream this process refused already keeps a fence it never uses)
             if name in self._consumed:

@@ -673,6 +673,37 @@ async def test_a_bridge_resuming_from_the_sinks_does_not_take_over_another_bridg
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("source", ["modèle", " llama"])
+async def test_a_source_name_nats_py_reads_back_changed_is_still_its_own_subjects_owner(
+    nats_server: NatsServer, js_dest: str, source: str
+) -> None:
+    """nats-py parses headers with the email package: a non-ASCII source comes back as an
+    email.header.Header whose text has U+FFFD for its bytes, and a leading blank is dropped. The
+    stream's own messages then named "another" stream: it was refused subject_taken at its first
+    audit or restart (its announcements dead-lettered since ea36386), and positions() could not
+    tell what the sink held, so a new pod announced a restart that never happened (breaker31y B1)."""
+    stream = Stream(source, 0)
+    first = NatsConnector("nats", _options(nats_server.url, js_dest), SINK)
+    await first.connect()
+    try:
+        await first.write(_render("raw", "batch", [stream], 2))
+        await first.audit()
+        assert await first.health() is None
+        await first.write(_render("raw", "batch", [stream], 3)[2:])
+    finally:
+        await first.close()
+    later = NatsConnector("nats", _options(nats_server.url, js_dest), SINK)
+    await later.connect()
+    try:
+        held = await later.positions([stream])
+        assert held[stream.key] is not None and held[stream.key].seq == 2, held
+        await later.write(_render("raw", "batch", [stream], 4)[3:])
+        assert await later.health() is None
+    finally:
+        await later.close()
+
+
+@pytest.mark.integration
 async def test_the_owner_writes_on_after_its_own_messages_left_the_stream(
     nats_server: NatsServer, reader: Client, js_dest: str
 ) -> None:
