@@ -632,14 +632,17 @@ class KafkaConnector:
         message, the partition's start (the rest hold nothing when that start is offset 0; when it
         is above 0, records were deleted there, the rest's among them perhaps: they cannot tell), or
         ``position_scan`` records (the rest cannot tell). A message counts when its key is the stream's and its headers name the
-        stream. A topic template with ``{type}`` or ``{epoch}`` spreads a stream over topics: cannot
-        tell."""
+        stream. A stream its partition holds nothing of is looked for in the partitions its key went
+        to while the topic had fewer (partitions added since): found there, or not known not to be,
+        it cannot tell. A topic template with ``{type}`` or ``{epoch}`` spreads a stream over
+        topics: cannot tell."""
         if any(f in self._topic.fields for f in ("type", "epoch")):
             return {}
         producer = self._producer  # started by connect(); not here, beside the sink's own reconnects
         if producer is None:
             raise NotConnected(f"{self._where}: not connected to {self._servers}")
         wanted: dict[tuple[str, int], dict[bytes, Stream]] = {}
+        earlier: dict[tuple[str, int], dict[bytes, Stream]] = {}
         for stream in streams:
             probe = sample_message(stream)
             topic = self._topic.render(probe)
@@ -650,24 +653,48 @@ class KafkaConnector:
             fixed = self.options.partition
             partition = fixed if fixed is not None else _PARTITIONER(key, parts, parts)
             wanted.setdefault((topic, partition), {})[key] = stream
+            if fixed is None:  # where the key went while the topic had fewer partitions (some added since)
+                for n in range(1, len(parts)):
+                    older = _PARTITIONER(key, parts[:n], parts[:n])
+                    if older != partition:
+                        earlier.setdefault((topic, older), {})[key] = stream
         consumer = self._reader
         if consumer is None:
             # Kept for later calls (discovery asks source by source) until close().
             consumer = self._reader = await self._start_reader()
         try:
             out: dict[str, SinkPosition | None] = {}
-            tps = [TopicPartition(t, p) for t, p in wanted]
-            consumer.assign(tps)
-            ends = await consumer.end_offsets(tps)
-            begins = await consumer.beginning_offsets(tps)
-            for tp in tps:
-                out.update(await self._scan(consumer, tp, begins[tp], ends[tp], wanted[(tp.topic, tp.partition)]))
+            await self._scan_all(consumer, wanted, out)
+            # A stream its partition holds nothing of may sit in the one its key went to before
+            # partitions were added: found there, or not known not to be, it cannot tell.
+            for where, ks in earlier.items():
+                nothing = {k: s for k, s in ks.items() if s.key in out and out[s.key] is None}
+                if not nothing:
+                    continue
+                seen: dict[str, SinkPosition | None] = {}
+                await self._scan_all(consumer, {where: nothing}, seen)
+                for s in nothing.values():
+                    if s.key not in seen or seen[s.key] is not None:
+                        del out[s.key]
             return out
         except BaseException:
             self._reader = None  # cancelled (timed out) or failed half-way: start over next time
             self._windows.clear()
             await consumer.stop()
             raise
+
+    async def _scan_all(
+        self, consumer: Any, wanted: dict[tuple[str, int], dict[bytes, Stream]], out: dict[str, SinkPosition | None]
+    ) -> None:
+        """:meth:`_scan` of each (topic, partition) of ``wanted``, its answers into ``out``."""
+        if not wanted:
+            return
+        tps = [TopicPartition(t, p) for t, p in wanted]
+        consumer.assign(tps)
+        ends = await consumer.end_offsets(tps)
+        begins = await consumer.beginning_offsets(tps)
+        for tp in tps:
+            out.update(await self._scan(consumer, tp, begins[tp], ends[tp], wanted[(tp.topic, tp.partition)]))
 
     async def _scan(
         self, consumer: Any, tp: Any, begin: int, end: int, wanted: dict[bytes, Stream]

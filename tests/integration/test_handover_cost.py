@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from aiokafka import TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewPartitions
 
 from bridge.checkpoint import SinkPosition
 from bridge.config import SinkConfig, convert
@@ -194,6 +195,35 @@ async def test_kafka_records_deleted_from_a_partitions_start_cannot_tell(kafka: 
         assert await emptied.positions([a, b, never]) == {}
     finally:
         await emptied.close()
+
+
+async def test_kafka_a_stream_in_the_partition_its_key_went_to_before_partitions_were_added_cannot_tell(kafka: Any) -> None:
+    """Partitions added to the topic send a stream's key to another partition, which holds nothing
+    of it: its records are in the partition the key went to before. That is "cannot tell", never
+    "holds nothing" (a new pod started the stream afresh with no SourceReset, the sink holding its
+    epoch: breaker31y B2). A stream found in no partition its key ever went to holds nothing."""
+    topic = await kafka.anew_topic(1)
+    sink = {"type": "kafka", "name": "k", "format": "raw", "bootstrap_servers": kafka.bootstrap_servers, "topic": topic}
+    conn, renderer = connector(sink)
+    await conn.connect()
+    moved, never = Stream("a", 0), Stream("never", 0)  # with 4 partitions, "a/0" goes to 3, "never/0" to 2
+    try:
+        await conn.write([m for seq in range(2) for m in renderer.render(batch(moved, seq, epoch=5))])
+    finally:
+        await conn.close()
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        await admin.create_partitions({topic: NewPartitions(total_count=4)})
+    finally:
+        await admin.close()
+    later, _ = connector(sink)  # a new pod
+    await later.connect()
+    try:
+        assert later._partitions[topic] == [0, 1, 2, 3]
+        assert await later.positions([moved, never]) == {"never/0": None}
+    finally:
+        await later.close()
 
 
 @pytest.mark.parametrize("index", [False, True])
