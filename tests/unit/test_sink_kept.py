@@ -79,6 +79,7 @@ async def test_an_announcement_refused_for_itself_is_retried_until_taken_then_de
         assert not connected
         assert why is not None and WRONGTYPE in why and "announcement" in why and "fix the destination" in why
     assert worker.connected and worker.last_error is None  # ready again once it went through
+    assert worker.problem is None  # (a batch refused for itself is no refusal of its stream)
     assert [(d["seq"], d["reason"]) for d in dead_lines(tmp_path)] == [(0, "sink_rejected")]
     assert value(metrics, "kv_bridge_dead_letters_total", reason="sink_rejected") == 1
     assert value(metrics, "kv_bridge_sink_batches_total", sink="mem", outcome="dead_lettered") == 1
@@ -114,14 +115,18 @@ async def test_a_refused_source_reset_is_kept_and_other_streams_go_on_in_a_parti
     worker, _, acked, _ = make(tmp_path, batch={"linger": 0})
     reset = source_reset(STREAM, 2, "publisher_restart", 0.0)
     other = stream_records(OTHER, 1)
-    conn = answering(worker, [PartialFailure({0: Permanent(WRONGTYPE)}), None])
+    conn = watched(worker, [PartialFailure({0: Permanent(WRONGTYPE)}), None])
     await fill(worker, [reset, *other])
+    assert worker.problem == "not connected yet"  # (not started: not ready)
     worker.start()
     assert await worker.flush(5)
     await done(worker)
     assert stored(conn) == [("t/0", "batch", None, 0), ("s/0", "SourceReset", None, reset.seq)]
     assert dead_lines(tmp_path) == []
     assert acked[0] is reset and len(acked) == 2
+    # the retry of the reset: not ready, saying that one announcement is kept
+    assert conn.seen[1][1] is not None and "(1 announcement(s) to this sink's consumers refused" in conn.seen[1][1]
+    assert worker.problem is None  # an ordinary refusal, once taken, leaves the sink ready
 
 
 async def test_an_announcement_the_connector_keeps_failing_on_is_kept_not_dead_lettered(tmp_path: Path) -> None:
