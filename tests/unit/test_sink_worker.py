@@ -815,3 +815,30 @@ async def test_a_write_whose_only_refusal_is_a_state_change_brings_the_sink_up(
     assert await worker.flush(5)
     assert worker.connected and worker.last_error is None
     await done(worker)
+
+
+async def test_a_stream_s_state_refused_again_and_again_is_told_once_until_its_state_is_written_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A state change refused for itself at every write (a head too large for the state topic:
+    fix31s) is counted each time but logged once; once a clear's state change is written, the next
+    refusal is logged again (the stream's state was fine in between)."""
+    worker, conn, _, metrics = make(tmp_path, batch={"linger": 0, "max_messages": 2})
+    worker.writes_state, worker.on_state_lost = True, lambda _stream: None
+    records = stream_records(STREAM, 5)
+    for r, clear in zip(records, [False, True, True, True, False], strict=True):
+        r.state = Delta(clear)
+    too_large = Permanent("state head of 1200 bytes, the topic takes 1100", reason="state_too_large")
+    # r0's state refused; the clears that start the stream's state afresh (r1, r2) refused again,
+    # not told again; r3's clear written; r4's state refused: told again
+    refused = [PartialFailure({1: too_large}) for _ in range(3)]
+    conn.failures = [*refused, None, PartialFailure({1: too_large})]
+    worker.start()
+    with caplog.at_level("ERROR", logger="bridge.sink"):
+        for r in records:
+            await fill(worker, [r])
+            assert await worker.flush(5)
+    await done(worker)
+    told = [r for r in caplog.records if r.getMessage().startswith("state change refused by the sink")]
+    assert len(told) == 2
+    assert value(metrics, "kv_bridge_sink_errors_total", sink="mem", reason="state_too_large") == 4
