@@ -120,3 +120,21 @@ def test_a_reply_under_another_uuid_that_ends_the_doubt_does_not_make_the_live_u
     for req in [a for a in rest if isinstance(a, RequestReplay)]:
         rest += answer(s, req, [(n, p(B, n)) for n in range(req.start, 9)], B)
     assert {7, 8} <= {seq for _, seq in delivered(rest)}
+
+
+def test_a_stream_resumed_without_its_uuid_keeps_one_verified_only_by_replies_unsure() -> None:
+    """Resumed from a checkpoint that kept no UUID (an earlier release), the start-up replay under
+    B verifies the position: B is adopted, unsure (no live batch of it waited), and certain with its
+    first live message. Nothing vouched for it before the start: a fresh sequencer has no live
+    batch of its UUID waiting."""
+    s, out = restart_shown_after_two_drops()
+    answer(s, request(out), [(n, p(B, n)) for n in range(3)], B)
+    epoch, at, fp, anchor = s.resume_point()
+    r = StreamSequencer(
+        can_replay=True, replay_on_start=True, ts_of=ts, epoch=epoch, delivered=at, delivered_fp=fp, anchor=anchor
+    )
+    out = answer(r, request(r.start()), [(n, p(B, n)) for n in range(at, at + 3)], B)
+    assert not any(isinstance(a, Reset) for a in out) and r.epoch == epoch
+    assert delivered(out) == [(epoch, at + 1), (epoch, at + 2)]
+    assert r.sure_instance is None
+    assert delivered(feed(r, B, [at + 3])) == [(epoch, at + 3)] and r.sure_instance == B
