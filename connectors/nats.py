@@ -627,7 +627,8 @@ class _ApiError(msgspec.Struct):
 
 
 class _StateGone(Permanent):
-    """The bucket no longer holds what this connector wrote of a stream's state (see _finish)."""
+    """The bucket no longer holds what this connector wrote of a stream's state (see _finish), or
+    cannot hold it (``state_too_large``: see _apply_state): the stream's state starts again."""
 
 
 class _PubAck(msgspec.Struct):
@@ -1630,6 +1631,19 @@ class NatsConnector:
             for c, head in op.changes.values()
         ]
         parts = journal_parts(op.head, head_doc, ops, budget, clear=op.clear, writer=self._writer)
+        room = self._part_size(nc)
+        largest = max(len(part) for part in parts)
+        if largest > room:
+            # A head or an entry (without its fact) too large for the bucket or the server even alone
+            # (a long source name or medium): refused for ever if sent, which stopped every stream of
+            # the sink (I5). The stream's state is cleared instead, incomplete; its events go on.
+            raise _StateGone(
+                f"{self._prefix}: the state of {stream.key} needs a journal part of {largest} bytes, above the "
+                f"{room} KV bucket {self._bucket!r} and the server take (max_value_size, max_payload): the stream's "
+                "state is cleared and incomplete until a write fits; raise the bucket's max_value_size and the "
+                "server's max_payload, or shorten the source name or medium",
+                reason="state_too_large",
+            )
         target = _order(op.head)
         await self._write_journal(nc, prefix, parts, target, clear=op.clear)
         await self._finish(nc, prefix, op.clear, ops, head_doc, target)
@@ -1845,9 +1859,9 @@ class NatsConnector:
         return Retriable(text, reason="stream_full" if "maximum" in err.description.lower() else "state_rejected")
 
     def _part_size(self, nc: Client) -> int:
-        """The size of a journal part: half the server's max_payload (4 KiB at least), within the
-        bucket's value limit (max_value_size)."""
-        size = max(4096, nc.max_payload // 2)
+        """The size of a journal part: half the server's max_payload (4 KiB at least, 1 KiB below
+        max_payload at most), within the bucket's value limit (max_value_size)."""
+        size = min(max(4096, nc.max_payload // 2), nc.max_payload - 1024)  # (headers, subject: within max_payload)
         return size if self._value_limit is None else min(size, self._value_limit)
 
     def _no_bucket(self) -> str:

@@ -38,7 +38,7 @@ from nats.js import api as js_api
 
 from bridge import config
 from bridge.config import SinkConfig, convert_options, from_data
-from bridge.errors import ConnectorError, NotConnected, Permanent, Retriable
+from bridge.errors import ConnectorError, NotConnected, PartialFailure, Permanent, Retriable
 from bridge.formats import state_message
 from bridge.records import Record, Stream, source_reset
 from bridge.runtime import Bridge
@@ -711,6 +711,34 @@ async def test_journal_parts_fit_a_bucket_with_a_value_size_limit(
     print(f"a bucket of 300-byte values: {refused}")
     assert f"KV bucket {bucket!r}" in str(refused) and "max_value_size" in str(refused)
     assert "--max-msg-size" in str(refused)
+
+
+async def test_a_state_record_too_large_for_the_bucket_even_without_its_fact_is_refused_for_itself(
+    nats_server: NatsServer, reader: Client, names: tuple[str, str]
+) -> None:
+    """A bucket of 1100-byte values (above the connect check's floor) and a block of a 600-character
+    medium: its entry does not fit even without its fact. It was sent, refused (as "stream_full")
+    and retried for ever, which stopped every stream of the sink (breaker31w, I5). It is refused
+    for itself now (state_too_large: the runtime clears the stream's state, incomplete), before
+    anything of it is written; another stream's state in the same write is written."""
+    dest, bucket = names
+    js = reader.jetstream(timeout=10)
+    await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1, max_value_size=1100))
+    odd, plain = Stream("odd", 0), Stream("plain", 0)
+    rand = random.Random(5)
+    async with connected(nats_server.url, dest, bucket, create=False) as w:
+        big = many_blocks(odd, 1, 0, 1, rand)
+        big.events[0]["medium"] = "x" * 600
+        records = [source_reset(odd, 1, "publisher_restart", 0.0), big]
+        records += [source_reset(plain, 1, "publisher_restart", 0.0), many_blocks(plain, 1, 0, 3, rand)]
+        with pytest.raises(PartialFailure) as failed:
+            await w.write(records)
+    refusals = {records[i].stream.key: e for i, e in failed.value.errors.items()}
+    assert set(refusals) == {"odd/0"}, refusals
+    assert all(isinstance(e, Permanent) and e.reason == "state_too_large" for e in refusals.values()), refusals
+    assert "max_value_size" in str(refusals["odd/0"])
+    state, _ = await bootstrap(reader, bucket, "plain", 0)
+    assert state.complete and len(state.blocks()) == 3
 
 
 async def test_a_sealed_bucket_is_refused_at_connect(nats_server: NatsServer, reader: Client, names: tuple[str, str]) -> None:
