@@ -262,6 +262,16 @@ def unwritable(path: str) -> str | None:
     return None
 
 
+def file_id(path: str) -> tuple[int, int] | None:
+    """The identity (device, inode) of the file at ``path`` now (None: there is none): a file
+    opened once and written on compares it with its own to see it removed or rotated under it."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
 STATE_FIELDS = ("block_hashes", "medium", "group_idx")
 """Event fields a consumer of the state needs in the messages it follows (``type`` is always written)."""
 
@@ -447,6 +457,7 @@ __all__ = [
     "Template",
     "TlsOptions",
     "doc",
+    "file_id",
     "hex64",
     "message_types",
     "redact",

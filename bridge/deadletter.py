@@ -22,6 +22,7 @@ from typing import IO, Any
 
 import msgspec
 
+from .connector import file_id
 from .errors import DecodeError
 from .metrics import Metrics
 from .records import Stream
@@ -54,7 +55,7 @@ class DeadLetters:
     def _out(self) -> IO[bytes]:
         if self.path == "-":
             return sys.stderr.buffer
-        if self._file is not None and self._inode != _inode(self.path):
+        if self._file is not None and self._inode != file_id(self.path):
             self._drop()  # removed or rotated under us: writes to the old file would be lost
         if self._file is None:
             p = Path(self.path)
@@ -119,14 +120,6 @@ class DeadLetters:
 
     def close(self) -> None:
         self._drop()
-
-
-def _inode(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino)
 
 
 def _encode(entry: dict[str, Any]) -> bytes:

@@ -19,7 +19,7 @@ from typing import IO, Annotated, Literal
 
 import msgspec
 
-from bridge.connector import ConnectorOptions, Message, NotConnected, SinkConfig, doc, unwritable
+from bridge.connector import ConnectorOptions, Message, NotConnected, SinkConfig, doc, file_id, unwritable
 
 _json = msgspec.json.Encoder()
 
@@ -47,6 +47,7 @@ class FileConnector:
         self.options = options
         self.text = sink.format == "json"
         self._out: IO[bytes] | None = None
+        self._id: tuple[int, int] | None = None  # (device, inode) of the file opened
 
     async def connect(self) -> None:
         if self._out is not None:
@@ -58,8 +59,18 @@ class FileConnector:
             p = Path(self.options.path)
             p.parent.mkdir(parents=True, exist_ok=True)
             self._out = p.open("ab")  # noqa: ASYNC230 - a local file, opened once
+            st = os.fstat(self._out.fileno())
+            self._id = (st.st_dev, st.st_ino)
         except OSError as exc:
             raise NotConnected(f"sinks[{self.name}].path: cannot open {self.options.path} ({exc.strerror or exc})") from exc
+
+    async def _reopen_if_moved(self) -> None:
+        """Before a write: the path removed or renamed since it was opened (logrotate) makes the
+        next write go to a new file at the path, never into the old file, where a removed
+        file's records would be lost while counted delivered."""
+        if self.options.path != "-" and self._out is not None and file_id(self.options.path) != self._id:
+            await self.close()
+            await self.connect()
 
     def _encode(self, messages: Sequence[Message]) -> bytes:
         if self.text:
@@ -79,6 +90,7 @@ class FileConnector:
         )
 
     async def write(self, messages: Sequence[Message]) -> None:
+        await self._reopen_if_moved()
         if self._out is None:
             raise NotConnected(f"sinks[{self.name}]: not open")
         data = self._encode(messages)
