@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -20,6 +21,8 @@ from typing import IO, Annotated, Literal
 import msgspec
 
 from bridge.connector import ConnectorOptions, Message, NotConnected, SinkConfig, doc, file_id, unwritable
+
+log = logging.getLogger(__name__)
 
 _json = msgspec.json.Encoder()
 
@@ -58,11 +61,34 @@ class FileConnector:
         try:
             p = Path(self.options.path)
             p.parent.mkdir(parents=True, exist_ok=True)
-            self._out = p.open("ab")  # noqa: ASYNC230 - a local file, opened once
+            # Unbuffered: a write that fails half-way (a full disk) is cut back (see write), never
+            # left in a buffer that a later flush or close would tear.
+            self._out = p.open("a+b", buffering=0)  # noqa: ASYNC230 - a local file, opened once (read: see _cut_torn_tail)
             st = os.fstat(self._out.fileno())
             self._id = (st.st_dev, st.st_ino)
+            self._cut_torn_tail(self._out.fileno(), st.st_size)
         except OSError as exc:
             raise NotConnected(f"sinks[{self.name}].path: cannot open {self.options.path} ({exc.strerror or exc})") from exc
+
+    def _cut_torn_tail(self, fd: int, size: int) -> None:
+        """A line-per-record file (JSON, the envelope) that does not end with a newline holds a
+        record torn by a crash in the middle of a write: cut back to its last whole line, so the
+        next record starts a line of its own (appended to the torn one, both would be unreadable)."""
+        if size == 0 or (not self.text and self.options.binary == "length-prefixed"):
+            return
+        start = max(0, size - 1_048_576)
+        tail = os.pread(fd, size - start, start)
+        if tail.endswith(b"\n"):
+            return
+        end = tail.rfind(b"\n")
+        keep = start + end + 1 if end >= 0 else (0 if start == 0 else size)
+        if keep == size:
+            return  # (no newline in its last MiB: not a file of lines; left as it is)
+        os.ftruncate(fd, keep)
+        log.warning(
+            "the file ended in a torn record (a write cut short by a crash or a full disk): cut back to its last whole line",
+            extra={"sink": self.name, "path": self.options.path, "bytes_cut": size - keep},
+        )
 
     async def _reopen_if_moved(self) -> None:
         """Before a write: the path removed or renamed since it was opened (logrotate) makes the
@@ -95,12 +121,24 @@ class FileConnector:
             raise NotConnected(f"sinks[{self.name}]: not open")
         data = self._encode(messages)
         out = self._out
+        if self.options.path == "-":
+            try:
+                out.write(data)
+                out.flush()
+            except OSError as exc:
+                raise NotConnected(f"sinks[{self.name}]: cannot write to standard output ({exc.strerror or exc})") from exc
+            return
+        fd = out.fileno()
+        start = os.lseek(fd, 0, os.SEEK_END)
         try:
-            out.write(data)
-            out.flush()
-            if self.options.fsync and self.options.path != "-":
-                await asyncio.to_thread(os.fsync, out.fileno())
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if self.options.fsync:
+                await asyncio.to_thread(os.fsync, fd)
         except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)  # (what was written of it: a torn record)
             raise NotConnected(f"sinks[{self.name}]: cannot write {self.options.path} ({exc.strerror or exc})") from exc
 
     async def close(self) -> None:
