@@ -642,7 +642,6 @@ class KafkaConnector:
         if producer is None:
             raise NotConnected(f"{self._where}: not connected to {self._servers}")
         wanted: dict[tuple[str, int], dict[bytes, Stream]] = {}
-        earlier: dict[tuple[str, int], dict[bytes, Stream]] = {}
         for stream in streams:
             probe = sample_message(stream)
             topic = self._topic.render(probe)
@@ -653,11 +652,6 @@ class KafkaConnector:
             fixed = self.options.partition
             partition = fixed if fixed is not None else _PARTITIONER(key, parts, parts)
             wanted.setdefault((topic, partition), {})[key] = stream
-            if fixed is None:  # where the key went while the topic had fewer partitions (some added since)
-                for n in range(1, len(parts)):
-                    older = _PARTITIONER(key, parts[:n], parts[:n])
-                    if older != partition:
-                        earlier.setdefault((topic, older), {})[key] = stream
         consumer = self._reader
         if consumer is None:
             # Kept for later calls (discovery asks source by source) until close().
@@ -667,7 +661,7 @@ class KafkaConnector:
             await self._scan_all(consumer, wanted, out)
             # A stream its partition holds nothing of may sit in the one its key went to before
             # partitions were added: found there, or not known not to be, it cannot tell.
-            for where, ks in earlier.items():
+            for where, ks in self._earlier_partitions(wanted, out).items():
                 nothing = {k: s for k, s in ks.items() if s.key in out and out[s.key] is None}
                 if not nothing:
                     continue
@@ -682,6 +676,25 @@ class KafkaConnector:
             self._windows.clear()
             await consumer.stop()
             raise
+
+    def _earlier_partitions(
+        self, wanted: dict[tuple[str, int], dict[bytes, Stream]], out: dict[str, SinkPosition | None]
+    ) -> dict[tuple[str, int], dict[bytes, Stream]]:
+        """Of the streams ``wanted`` whose partition holds nothing (None in ``out``), the other
+        partitions their key went to while the topic had fewer (none with a fixed ``partition``)."""
+        earlier: dict[tuple[str, int], dict[bytes, Stream]] = {}
+        if self.options.partition is not None:
+            return earlier
+        for (topic, partition), ks in wanted.items():
+            parts = self._partitions[topic]
+            for key, s in ks.items():
+                if out.get(s.key, 0) is not None:
+                    continue
+                for n in range(1, len(parts)):
+                    older = _PARTITIONER(key, parts[:n], parts[:n])
+                    if older != partition:
+                        earlier.setdefault((topic, older), {})[key] = s
+        return earlier
 
     async def _scan_all(
         self, consumer: Any, wanted: dict[tuple[str, int], dict[bytes, Stream]], out: dict[str, SinkPosition | None]
