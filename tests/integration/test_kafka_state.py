@@ -412,22 +412,32 @@ async def test_state_topic_is_created_compacted_and_one_that_deletes_by_retentio
             assert "retention.ms=3600000" in str(refused.value)
 
 
-async def test_a_state_entry_larger_than_the_state_topics_limit_neither_stalls_nor_lies(
-    tmp_path: Path, kafka: KafkaServer
-) -> None:
-    # The state topic takes records of up to 20000 bytes (max.message.bytes), the sink's batches
-    # 1MiB: one block with a 4,000-token prompt makes an entry of ~25KB, which the topic refuses.
+async def limited_state_topic(
+    tmp_path: Path, kafka: KafkaServer, limit: int, name: str = "a"
+) -> tuple[str, str, int, int, dict[str, Any]]:
+    """An events topic, a compacted state topic taking record batches of ``limit`` bytes at most
+    (max.message.bytes), and an in-process bridge's config writing both for source ``name``:
+    (topic, state topic, live port, replay port, config)."""
     topic = await kafka.anew_topic(partitions=1)
-    state_topic = await kafka.anew_topic(partitions=2, config={"cleanup.policy": "compact", "max.message.bytes": "20000"})
+    state_topic = await kafka.anew_topic(partitions=2, config={"cleanup.policy": "compact", "max.message.bytes": str(limit)})
     live, replay = free_port(), free_port()
     config = {
-        "sources": [source("a", live, replay)],
+        "sources": [source(name, live, replay)],
         "sinks": [sink(kafka, topic, state_topic, state={"enabled": True, "topic": state_topic})],
         "metrics": {"listen": ""},
         "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
         "replay": REPLAY,
         "shutdown_timeout": "3s",
     }
+    return topic, state_topic, live, replay, config
+
+
+async def test_a_state_entry_larger_than_the_state_topics_limit_neither_stalls_nor_lies(
+    tmp_path: Path, kafka: KafkaServer
+) -> None:
+    # The state topic takes records of up to 20000 bytes (max.message.bytes), the sink's batches
+    # 1MiB: one block with a 4,000-token prompt makes an entry of ~25KB, which the topic refuses.
+    topic, state_topic, live, replay, config = await limited_state_topic(tmp_path, kafka, 20000)
     async with CacheEngine(live, replay, seed=6) as engine:
         bridge = Bridge(from_data(config, env={}))
         await bridge.start()
@@ -471,17 +481,7 @@ async def test_a_state_record_larger_than_a_state_batch_even_without_its_fact_ne
     # key and the document both carry the medium). Sent, such an entry was refused for ever and
     # nothing past it was delivered (I5). Now it is refused for itself: the stream's state is
     # cleared and incomplete, logged once, counted, and the events and the state go on.
-    topic = await kafka.anew_topic(partitions=1)
-    state_topic = await kafka.anew_topic(partitions=2, config={"cleanup.policy": "compact", "max.message.bytes": "1100"})
-    live, replay = free_port(), free_port()
-    config = {
-        "sources": [source("a", live, replay)],
-        "sinks": [sink(kafka, topic, state_topic, state={"enabled": True, "topic": state_topic})],
-        "metrics": {"listen": ""},
-        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
-        "replay": REPLAY,
-        "shutdown_timeout": "3s",
-    }
+    topic, state_topic, live, replay, config = await limited_state_topic(tmp_path, kafka, 1100)
     rand = random.Random(31)
     async with CacheEngine(live, replay, seed=31) as engine:
         bridge = Bridge(from_data(config, env={}))
@@ -545,18 +545,8 @@ async def test_a_state_head_larger_than_a_state_batch_does_not_stop_the_events(
     # Source names have no length bound: one of 1100 characters makes a head (its key and its
     # document carry the name) that no batch of a 1100-byte state topic holds. The events go on;
     # each record's state is refused again (counted), told once.
-    topic = await kafka.anew_topic(partitions=1)
-    state_topic = await kafka.anew_topic(partitions=2, config={"cleanup.policy": "compact", "max.message.bytes": "1100"})
-    live, replay = free_port(), free_port()
     name = "a" * 1100
-    config = {
-        "sources": [source(name, live, replay)],
-        "sinks": [sink(kafka, topic, state_topic, state={"enabled": True, "topic": state_topic})],
-        "metrics": {"listen": ""},
-        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
-        "replay": REPLAY,
-        "shutdown_timeout": "3s",
-    }
+    topic, state_topic, live, replay, config = await limited_state_topic(tmp_path, kafka, 1100, name)
     async with CacheEngine(live, replay, seed=32) as engine:
         bridge = Bridge(from_data(config, env={}))
         await bridge.start()
