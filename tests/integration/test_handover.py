@@ -121,6 +121,11 @@ async def publish(sim: Simulator, n: int) -> None:
             await sim.step(r)
 
 
+
+def epochs(bridge: Bridge) -> list[int]:
+    """The epoch of each rank's stream in ``bridge``."""
+    return [bridge.pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
+
 async def delivered_through(bridge: Bridge, sim: Simulator) -> None:
     """Until the bridge has handed every published batch on and every sink took it."""
 
@@ -200,9 +205,9 @@ async def test_a_new_bridge_resumes_from_the_sink_exactly_once(tmp_path: Path, s
             finally:
                 proc.kill()
         held = await read(sink)
-        epochs = {}  # each stream's one epoch (the clock's when the stream was met)
+        opened: dict[int, int] = {}  # each stream's one epoch (the clock's when the stream was met)
         for r in range(RANKS):
-            (epochs[r],) = {e for rr, e, _s, _i, t in held if rr == r and t not in ("SourceReset", "EventsLost")}
+            (opened[r],) = {e for rr, e, _s, _i, t in held if rr == r and t not in ("SourceReset", "EventsLost")}
         await publish(sim, 10)  # while no bridge runs: the replay buffer keeps it
         second = Bridge(from_data(config(tmp_path, source, sink, from_sinks=True), env={}))
         await second.start()
@@ -212,7 +217,7 @@ async def test_a_new_bridge_resumes_from_the_sink_exactly_once(tmp_path: Path, s
                 # epoch's ids could hide copies in Redis and NATS), not afresh from seq 0.
                 last = max(s for rr, _e, s, _i, t in held if rr == r and t not in ("SourceReset", "EventsLost"))
                 resumed = second.pipelines[f"{SOURCE}/{r}"]._resumed_from
-                assert resumed is not None and resumed[0] == epochs[r], resumed
+                assert resumed is not None and resumed[0] == opened[r], resumed
                 assert resumed[1] == (last - 1 if sink.granularity == "event" else last), (resumed, last)
             await publish(sim, 5)
             await delivered_through(second, sim)
@@ -221,7 +226,7 @@ async def test_a_new_bridge_resumes_from_the_sink_exactly_once(tmp_path: Path, s
         rows = await read(sink)
         for r, rank in enumerate(sim.ranks):
             got = data(rows, r)
-            want = expect(epochs[r], range(rank.seq), sink.granularity)
+            want = expect(opened[r], range(rank.seq), sink.granularity)
             assert len(got) == len(set(got)), f"rank {r}: {len(got) - len(set(got))} duplicates"
             assert got == want, f"rank {r}: missing {sorted(set(want) - set(got))[:5]}, extra {sorted(set(got) - set(want))[:5]}"
             assert control(rows, r, "SourceReset") == []
@@ -271,7 +276,7 @@ async def test_a_pod_that_finds_the_events_deleted_announces_its_fresh_epoch(tmp
         await publish(sim, 15)
         await delivered_through(first, sim)
         await first.stop()
-        old = [first.pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
+        old = epochs(first)
         await delete_events(sink, how)
         assert await read(sink) == []
         second = Bridge(from_data(config(tmp_path, source, sink, from_sinks=True), env={}))
@@ -279,7 +284,7 @@ async def test_a_pod_that_finds_the_events_deleted_announces_its_fresh_epoch(tmp
         try:
             await publish(sim, 5)
             await delivered_through(second, sim)
-            new = [second.pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
+            new = epochs(second)
         finally:
             await second.stop()
     rows = await read(sink)
@@ -301,7 +306,7 @@ async def test_an_engine_restart_meanwhile_opens_a_new_epoch(tmp_path: Path, sin
         await publish(sim, 20)
         await delivered_through(first, sim)
         await first.stop()
-        old = [first.pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
+        old = epochs(first)
         before = [rank.seq for rank in sim.ranks]
         # Restarted, and counted on past seq 19 before the next bridge looks: only the fingerprint
         # (ts, and the CRC for raw) of the last batch the sink holds tells the instances apart.
@@ -314,7 +319,7 @@ async def test_an_engine_restart_meanwhile_opens_a_new_epoch(tmp_path: Path, sin
         try:
             await publish(sim, 5)
             await delivered_through(second, sim)
-            news = [second.pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
+            news = epochs(second)
         finally:
             await second.stop()
         rows = await read(sink)
@@ -348,7 +353,7 @@ async def test_a_pod_without_any_position_never_reuses_the_previous_pods_epoch(t
         await publish(sim, 20)
         await delivered_through(first, sim)
         await first.stop()
-        old = [first.pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
+        old = epochs(first)
         before = [rank.seq for rank in sim.ranks]
         for rank in sim.ranks:
             rank.restart()
@@ -358,7 +363,7 @@ async def test_a_pod_without_any_position_never_reuses_the_previous_pods_epoch(t
         try:
             await publish(sim, 5)
             await delivered_through(second, sim)
-            new = [second.pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
+            new = epochs(second)
         finally:
             await second.stop()
         rows = await read(sink)
@@ -384,7 +389,7 @@ async def test_a_restart_meanwhile_is_certain_from_the_uuid_the_sink_holds(tmp_p
         await publish(sim, 20)
         await delivered_through(first, sim)
         await first.stop()
-        old = [first.pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
+        old = epochs(first)
         before = [rank.seq for rank in sim.ranks]
         for rank in sim.ranks:
             rank.restart()
@@ -395,7 +400,7 @@ async def test_a_restart_meanwhile_is_certain_from_the_uuid_the_sink_holds(tmp_p
             await subscribed(second)
             await publish(sim, 5)
             await delivered_through(second, sim)
-            new = [second.pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
+            new = epochs(second)
         finally:
             await second.stop()
         back: Readback = await sink.read()
@@ -451,7 +456,7 @@ async def test_two_pods_number_a_restart_alike_when_no_live_batch_shows_it(
             await publish(sim, 5)
             for pod in pods:
                 await delivered_through(pod, sim)
-            old = [pods[0].pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
+            old = epochs(pods[0])
             if time.time() % 60 > 50:  # (a restart seen either side of a minute's turn: see docs/concepts/limits.md)
                 await asyncio.sleep(61 - time.time() % 60)
             for rank in sim.ranks:
@@ -463,9 +468,6 @@ async def test_two_pods_number_a_restart_alike_when_no_live_batch_shows_it(
             else:
                 for rank in sim.ranks:
                     await rank.heartbeat()
-
-            def epochs(pod: Bridge) -> list[int]:
-                return [pod.pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
 
             def seen() -> bool:
                 return all(e > o for pod in pods for e, o in zip(epochs(pod), old, strict=True))
@@ -535,7 +537,7 @@ async def test_a_sink_that_does_not_answer_falls_back_and_loses_nothing(
         await publish(sim, 10)
         await delivered_through(first, sim)
         await first.stop()
-        epochs = [first.pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
+        opened = epochs(first)
         before = [rank.seq for rank in sim.ranks]
         caplog.clear()
         second = Bridge(memory_config(tmp_path, source, checkpoint=checkpoint), registry=registry)
@@ -555,7 +557,7 @@ async def test_a_sink_that_does_not_answer_falls_back_and_loses_nothing(
             mine = [m for m in STORE[name] if m.record.stream.dp_rank == r]
             batches = [(m.record.epoch, m.record.seq) for m in mine if m.record.kind == "batch"]
             resets = [m.record.epoch for m in mine if m.record.kind == "SourceReset"]
-            published, epoch = sim.ranks[r].seq, epochs[r]
+            published, epoch = sim.ranks[r].seq, opened[r]
             # The first pod started each stream afresh while "hanging" could not tell what it held:
             # announced, for it may have held an earlier epoch's records (breaker31k Break 3).
             if checkpoint:  # the file says where every sink is: on from there, same epoch
@@ -596,12 +598,12 @@ async def test_a_sink_ahead_of_the_others_gets_no_copies(tmp_path: Path, fresh_r
             finally:
                 await bridge.stop()
         skipped = sum(s.skipped for s in bridge.skips)
-        epochs = [bridge.pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
+        opened = epochs(bridge)
     for s in (redis_of, kafka_of):
         rows = await read(s)
         for r, rank in enumerate(sim.ranks):
             got = data(rows, r)
-            assert got == expect(epochs[r], range(rank.seq), "batch"), f"{s.kind} rank {r}: {len(got)} of {rank.seq}"
+            assert got == expect(opened[r], range(rank.seq), "batch"), f"{s.kind} rank {r}: {len(got)} of {rank.seq}"
             assert control(rows, r, "SourceReset") == [] and control(rows, r, "EventsLost") == []
     assert skipped > 0  # the last bridge re-sent what Redis lacked, and Kafka left its copies out
 
