@@ -8,7 +8,8 @@ list of actions for the runtime to carry out in order:
 - :class:`Deliver` the next batch; :class:`Duplicate` (dropped, counted);
 - :class:`Gap` (counted) and :class:`RequestReplay` from the first missing seq;
 - :class:`Reset` when the engine restarted: a new epoch that is delivered from its seq 0;
-- :class:`Lost` for a span that replay cannot fill.
+- :class:`Lost` for a span that replay cannot fill;
+- :class:`Suspect` for a live batch whose seq its instance never published (dead-lettered).
 
 Every :class:`Deliver` and :class:`Lost` carries the epoch it belongs to, stamped when it is
 decided: the epoch changes in one place (``_restart``), after everything still owed for the old
@@ -55,6 +56,14 @@ frame). Where a message carries one, it decides, and nothing above is inferred f
 - replay replies that carry a UUID decide the same way once the epoch's UUID is known.
   Before that, a reply under the UUID that the live batches waiting carried is their
   instance's (no clock or bytes compared with them); it is still verified against the anchor.
+
+A live seq that jumps past everything this instance is known to have published (a gap, with
+replay) is taken on the engine's word only when confirmed: it waits aside (``_aside``), outside
+both watermarks, until a later live seq or a reply at or past it confirms it, or until a replay
+asked for after it, answered by this instance and read to its end marker, holds nothing at or past
+it: then it was never published (a corrupt or hostile frame) and is dead-lettered as a
+:class:`Suspect`. Until then the seqs below it flow as usual, so a frame far ahead of the engine
+neither turns the engine's next seq into a restart nor announces lost a span nobody published.
 
 Replay rules (docs/protocol.md section 1): the first reply above the requested start means the span
 left the engine's buffer, but a ROUTER under load may also drop replies, so a loss is declared
@@ -115,6 +124,15 @@ class RequestReplay(msgspec.Struct, frozen=True):
     attempt: int
 
 
+class Suspect(msgspec.Struct, frozen=True):
+    """A live batch at a seq its instance is not known to have published (``detail`` says why):
+    dead-lettered, never delivered (see ``_aside``)."""
+
+    seq: int
+    payload: bytes
+    detail: str
+
+
 class Lost(msgspec.Struct, frozen=True):
     from_seq: int
     to_seq: int
@@ -127,7 +145,7 @@ class Reset(msgspec.Struct, frozen=True):
     reason: str
 
 
-Action = Deliver | Duplicate | Gap | RequestReplay | Lost | Reset
+Action = Deliver | Duplicate | Gap | RequestReplay | Lost | Reset | Suspect
 
 PUBLISHER_RESTART = "publisher_restart"
 """``Reset.reason`` of a restart the sequencer inferred (seqs, fingerprints, clocks, replay)."""
@@ -269,6 +287,14 @@ class StreamSequencer:
         # is their instance's, whatever the clocks say (see _check).
         self._vouching: set[int] = set()
         self._anonymous = False  # live messages without a UUID were read in this epoch
+        # (seq, payload) of a live batch that jumped past what this instance is known to have
+        # published, not confirmed yet (see the module docstring); None: none.
+        self._aside: tuple[int, bytes] | None = None
+        self._aside_asked = False  # a replay was asked for since it came (only such a one can refute it)
+        self._aside_refuted = 0  # replays since then that refute it (see _settle_aside)
+        self._aside_silent = 0  # replays in a row since then that never came to an end
+        self._aside_below = False  # a live seq below it was read after it (see _trust)
+        self._replied_top = -1  # the highest reply of the replay in flight (what a Suspect's detail says)
         self._retired: dict[bytes, None] = dict.fromkeys(r for r in retired if r != instance)
 
     def _ts_of(self, payload: bytes) -> float | None:
@@ -295,6 +321,8 @@ class StreamSequencer:
         or older than this instance), with the same effect on the sequencer; False, and nothing
         changed, otherwise (then call ``live``). The hot path of every steady stream."""
         if seq != self.delivered + 1 or seq <= self._top or self.held or self._doubt or instance != self.instance:
+            return False
+        if self._aside is not None:
             return False
         last = self.last_live
         if last is not None and seq <= last:
@@ -395,6 +423,12 @@ class StreamSequencer:
         """A live message under this epoch's UUID: never a restart."""
         self._certain(out)
         self._resumed = False
+        if self._confirm_aside(out, seq, payload):
+            out.append(Duplicate(seq))
+            return out
+        # (A seq below the batch set aside proves nothing here: under one UUID seqs may interleave.)
+        if self._set_aside(out, seq, payload):
+            return out
         if self.last_live is None or seq > self.last_live:
             self.last_live = seq
         if self._replayed_crc:
@@ -420,6 +454,83 @@ class StreamSequencer:
                 self._request(out)
         return out
 
+    def _set_aside(self, out: list[Action], seq: int, payload: bytes) -> bool:
+        """Set a live batch aside if its seq jumps past everything this instance is known to have
+        published (out of doubt, with replay; see the module docstring): True if it was."""
+        last = self.last_live
+        if not self.can_replay or self._aside is not None:
+            return False
+        if last is None:
+            return False  # an epoch's first live batch: no seq of it to jump from (docs: "A seq ahead of the engine")
+        if seq <= max(last if last is not None else -1, self._top, self.delivered, max(self.held, default=-1)) + 1:
+            return False
+        if self._replay is None and not self.held:
+            out.append(Gap(self.delivered + 1, seq - 1))
+        self._aside, self._aside_asked, self._aside_refuted, self._aside_silent = (seq, payload), False, 0, 0
+        self._aside_below = False
+        if self._replay is None:
+            self._attempts = 0
+            self._request(out)
+        return True
+
+    def _confirm_aside(self, out: list[Action], seq: int, payload: bytes, reply: bool = False) -> bool:
+        """Seq ``seq`` of this epoch's instance came (live, or a reply if ``reply``) at or past the
+        batch set aside: that seq was published, and the batch joins those held. The reply at
+        that very seq, or another live batch there, with other bytes makes it a :class:`Suspect`
+        instead (the reply is the engine's; the later live batch is verified in its place). True
+        when the message is that batch itself again (a live copy: a duplicate)."""
+        aside = self._aside
+        if aside is None or seq < aside[0]:
+            return False
+        if seq == aside[0] and payload != aside[1]:
+            self._aside = None
+            where = "its engine's reply" if reply else "another live batch"
+            out.append(Suspect(seq, aside[1], f"live seq {seq} differs from {where} at that seq"))
+            return False
+        self._hold_aside(aside)
+        return seq == aside[0] and not reply
+
+    def _hold_aside(self, aside: tuple[int, bytes]) -> None:
+        """The batch set aside is taken as this instance's: held, as any live batch above a gap."""
+        self._aside = None
+        if aside[0] > self.delivered:
+            self._keep(self.held, *aside)
+        self._top = max(self._top, aside[0])
+        self.last_live = max(aside[0], self.last_live if self.last_live is not None else -1)
+        for s in [s for s in self._replayed_crc if s <= self.last_live]:
+            del self._replayed_crc[s]  # (no late live copy of these: the live stream is past them)
+
+    def _settle_aside(self, out: list[Action], complete: bool) -> None:
+        """The replay in flight ended: does it refute the batch set aside? Only one asked for
+        after it came, answered by this epoch's instance and asked for that seq, can: its end
+        marker came first (a reply at or past that seq would have confirmed it). One that tells
+        neither leaves it waiting, for the next replay or a live seq past it; except after
+        ``max_attempts`` replays in a row that never came to an end, or brought nothing from an
+        engine whose buffer was never seen at work (a replay that cannot tell anything: then it
+        is taken on its word, as a batch above a gap, rather than held for ever by a quiet
+        engine)."""
+        aside = self._aside
+        if aside is None or not self._aside_asked:
+            return
+        if not complete or not (self._answered or self._buffers):
+            self._aside_silent += 1
+            if self._aside_silent >= self.max_attempts:
+                self._hold_aside(aside)
+            return
+        self._aside_silent = 0
+        reached = self._until < 0 or self._until >= aside[0]  # (a reply at or past it would have confirmed it)
+        # Answered by this epoch's instance; or with nothing at all from seq 0 on by an engine whose
+        # buffer was seen at work (from a later seq, nothing at all shows another instance:
+        # _finished).
+        empty = not self._answered and self._buffers and self._replay_start == 0
+        if reached and not self._probing and (self._verdict is _SAME or empty):
+            # Twice: a ROUTER under load may drop a reply (the one at that seq).
+            self._aside_refuted += 1
+            if self._aside_refuted >= 2:
+                self._aside = None
+                detail = f"live seq {aside[0]} is ahead of its engine: two replays hold nothing past seq {self._replied_top}"
+                out.append(Suspect(aside[0], aside[1], detail))
+
     def _live(self, seq: int, payload: bytes, ts: float | None) -> list[Action]:
         """:meth:`live` by inference (no UUID decides)."""
         out: list[Action] = []
@@ -435,6 +546,9 @@ class StreamSequencer:
                     out.append(Duplicate(seq))
                     return out
                 self._floor_ts = ts  # this instance's clock stepped back: its batches are stamped from here
+        if not self._doubt and self._confirm_aside(out, seq, payload):
+            out.append(Duplicate(seq))
+            return out
         last = self.last_live
         copy = False  # proven a copy of a batch of this epoch's instance, by its bytes
         if last is not None and seq <= last:
@@ -465,6 +579,14 @@ class StreamSequencer:
             elif self._resumed and seq <= self.delivered and self._fingerprint() is None:
                 self._restart(out, PUBLISHER_RESTART)  # nothing to compare with: the plain rule
         self._resumed = False
+        if not self._doubt:
+            if self._aside is not None and seq < self._aside[0]:
+                # Below the batch set aside, read after it: one instance never publishes so. Either
+                # that batch is not its, or this is another instance's: continuity is in doubt.
+                self._aside_below = True
+                self._into_doubt(out)
+            elif self._set_aside(out, seq, payload):
+                return out
         self.last_live = seq
         if self._replayed_crc:
             for s in [s for s in self._replayed_crc if s <= seq]:
@@ -531,10 +653,17 @@ class StreamSequencer:
 
     def disconnected(self, now: float | None = None) -> list[Action]:
         """The live connection dropped (noticed at wall-clock ``now``, if given): whatever arrives
-        next may come from a new instance."""
+        next may come from a new instance. A batch set aside was read before the drop: it counts
+        as any batch read then (held; a live seq at or below it is then another instance's)."""
         out: list[Action] = []
+        if self._aside is not None:
+            self._hold_aside(self._aside)
+        self._into_doubt(out, now)
+        return out
+
+    def _into_doubt(self, out: list[Action], now: float | None = None) -> None:
         if not self.can_replay:
-            return out  # nothing to verify an instance with
+            return  # nothing to verify an instance with
         if self._verdict is _SORTING and self._replay is not None:
             # The rest of what the answering instance was asked for may now come from another.
             self._new_instance(out)
@@ -553,7 +682,6 @@ class StreamSequencer:
             if self._gap_open():
                 self._attempts = 0
                 self._request(out)
-        return out
 
     def probe(self) -> list[Action]:
         """The stream has been quiet: ask the replay socket for anything after our position.
@@ -580,6 +708,7 @@ class StreamSequencer:
             return out
         self._answered = True
         self._buffers = True
+        self._replied_top = max(self._replied_top, seq)
         if instance is not None and self._instance_sure:
             if instance != self.instance:
                 if instance not in self._retired:
@@ -710,6 +839,7 @@ class StreamSequencer:
 
     def _take(self, out: list[Action], seq: int, payload: bytes) -> None:
         """A reply of this epoch's instance."""
+        self._confirm_aside(out, seq, payload, reply=True)
         self._top = max(self._top, seq)
         self._note_replayed(seq, payload)
         if self._replay_first and seq >= self._replay_start:
@@ -737,6 +867,13 @@ class StreamSequencer:
         out: list[Action] = []
         if request_id != self._replay:
             return out
+        self._settle_aside(out, complete)
+        self._finished(out, complete)
+        if self._aside is not None and not self.replaying:
+            self._request(out)  # until it is confirmed or refuted
+        return out
+
+    def _finished(self, out: list[Action], complete: bool) -> None:
         self._replay = None
         if self._verdict is _SORTING:
             end = self._heard
@@ -748,9 +885,9 @@ class StreamSequencer:
                 self._overlap = (end, zlib.crc32(self._early[end])) if end in self._early else None
                 if self._overlap is not None:
                     self._request_more(out, end, rest)
-                    return out
+                    return
             self._new_instance(out)
-            return out
+            return
         heard, verdict_pending = self._heard, self._heard >= 0 and self._verdict is _UNSURE and not self._skipped
         probed = self._until if self._probing else None
         self._unclaim()  # (no verdict came of them)
@@ -764,7 +901,7 @@ class StreamSequencer:
             if above:
                 self._attempts = 0  # an answer came: the probe's attempts start afresh
                 self._request(out, probe=min(above))
-                return out
+                return
         if complete and not self._answered and (self._asked_unverified or (self._replay_start > 0 and self._buffers)):
             # The engine holds nothing from our position on, yet the instance that published it
             # still holds its latest seq (a fresh DEALER's first reply is never dropped by the
@@ -775,17 +912,17 @@ class StreamSequencer:
             # after the engine answered (from seq 0, nothing buffered yet is no proof).
             self._restart(out, PUBLISHER_RESTART)
             self._request(out)
-            return out
+            return
         if complete and not self._answered and self._asked_from > 0 and self._floor < 0 and not self._probing:
             # Nothing from a seq this epoch's instance published, and no replay has shown the
             # engine's buffer at work: an engine whose buffer is off answers so, and so does a new
             # instance that has not got this far (and may never, when the engine stays quiet).
             # Ask from seq 0: a batch below that seq is the new instance's.
             self._request(out, floor=self._asked_from)
-            return out
+            return
         if complete and not self._answered and self.unverified:
             self._request(out)  # ask again, now that the batches waiting are known published
-            return out
+            return
         if self._doubt:
             # Nothing in this replay could tell whether the instance is the same one. (One asked
             # for before the batches waiting now came could not check them: it does not count.)
@@ -796,7 +933,7 @@ class StreamSequencer:
                     self._request(out, probe=probed)  # the answer before it told nothing more
                 elif self.unverified or self._gap_open():
                     self._request(out)
-                return out
+                return
             self._attempts = 0
             if not self.unverified:
                 # The old instance's gap cannot be filled by anyone who can be trusted: settle it
@@ -807,14 +944,14 @@ class StreamSequencer:
                     self._lose(out, top, "replay_unavailable")
                 if self._gap_open():
                     self._request(out)
-                return out
+                return
             # The replay socket cannot tell: presume continuity (docs/concepts/correctness.md, "Instance detection")
             # rather than hold live batches forever.
             self._trust(out)
         if not self._gap_open():
             self._attempts = 0
             self._suspect = None
-            return out
+            return
         progressed = self.delivered >= self._replay_start
         if progressed:
             self._attempts = 0
@@ -830,14 +967,19 @@ class StreamSequencer:
             self._lose(out, end, self._head_reason("replay_unavailable"))
             self._attempts = 0
             if not self._gap_open():
-                return out
+                return
         self._request(out)
-        return out
+        return
 
     # -- state ----------------------------------------------------------------------------------
     @property
     def replaying(self) -> bool:
         return self._replay is not None
+
+    @property
+    def waiting(self) -> set[int]:
+        """The seqs of live batches waiting: held above a gap, and the one set aside (if any)."""
+        return {*self.held, *(self._aside[:1] if self._aside is not None else ())}
 
     @property
     def in_doubt(self) -> bool:
@@ -875,6 +1017,8 @@ class StreamSequencer:
 
     def _gap_open(self) -> bool:
         top = max(self.last_live if self.last_live is not None else -1, max(self.held, default=-1))
+        if self._aside is not None:
+            top = max(top, self._aside[0] - 1)  # (the seqs below it: itself waits to be confirmed)
         return self.delivered < top
 
     def _keep(self, where: dict[int, bytes], seq: int, payload: bytes) -> None:
@@ -894,6 +1038,13 @@ class StreamSequencer:
         socket, and nothing compared the live publisher's batches."""
         self._doubt = False  # (_doubt_since matters only in doubt, and every way into doubt sets it)
         self._drops = 0
+        aside = self._aside
+        if aside is not None and self._aside_below:
+            # The same instance went on below the batch set aside, after it: never published.
+            self._aside = None
+            out.append(
+                Suspect(aside[0], aside[1], f"live seq {aside[0]} is ahead of its engine: the same instance went on below it")
+            )
         if self._vouched and self.instance is not None and by in (None, self.instance):
             self._instance_sure = True
         self._vouched = False
@@ -1007,7 +1158,10 @@ class StreamSequencer:
 
     def _lose(self, out: list[Action], to_seq: int, reason: str) -> None:
         """Settle everything not yet settled up to ``to_seq`` (from ``delivered + 1``: every caller
-        settles from there): held batches in it are delivered, only the rest is lost."""
+        settles from there): held batches in it are delivered, only the rest is lost (the batch
+        set aside too, if in it: it reached the bridge, I4)."""
+        if self._aside is not None and self._aside[0] <= to_seq:
+            self._hold_aside(self._aside)
         for seq in sorted(s for s in self.held if s <= to_seq):
             payload = self.held.pop(seq)
             if seq <= self.delivered:
@@ -1030,13 +1184,16 @@ class StreamSequencer:
         """Ask for a replay from our position (``to_end``: to the end marker when nothing waits;
         ``rest``: even when batches wait; ``probe``, ``floor``: see replay_finished)."""
         request_id = self._next_request()
+        self._replied_top = -1
+        if self._aside is not None:
+            self._aside_asked = True
         self._replay_start = self.delivered + 1
         self._replay_first = True
         self._answered = False
         # (In doubt, held batches too: read before it, their instance would hold their seqs.)
         self._asked_unverified = bool(self.unverified) or (self._doubt and bool(self.held))
         self._asked_top = max([*self.held, *self.unverified], default=-1)
-        waiting = [*self.held, *self.unverified]
+        waiting = [*self.held, *self.unverified, *(self._aside[:1] if self._aside is not None else ())]
         # The last seq this replay must bring; -1: read to the end marker. In doubt, batches
         # waiting without a ts too: the replies of their seqs tell whose they are (_check).
         if waiting:
@@ -1051,6 +1208,8 @@ class StreamSequencer:
             until = self.last_live
         if rest:
             until = -1
+        elif self._aside is not None and until >= 0:
+            until = max(until, self._aside[0])  # its reply confirms it; the end marker before it refutes it
         start = self._replay_start
         fp = self._fingerprint()
         self._anchor = (self._anchor_seq, fp) if fp is not None else None
@@ -1110,6 +1269,11 @@ class StreamSequencer:
         """
         carried: dict[int, bytes] = {}
         last_live = self.last_live
+        # The batch set aside, not confirmed: the new instance's if the clocks say so as for a
+        # held batch (set aside again in the new epoch, for its instance to confirm); else the
+        # old instance's, which can confirm it no more: settled as its held batches are (I4).
+        aside, self._aside = self._aside, None
+        theirs_aside = False
         if evidence is not None:
             r, ts_r = evidence
             theirs = theirs or {}
@@ -1123,6 +1287,16 @@ class StreamSequencer:
                         continue  # (at r: the new instance's copy of this seq differs: this one is older)
                     if ts_r is not None and (ts > ts_r or (ts == ts_r and seq > r)):
                         carried[seq] = where.pop(seq)
+            if aside is not None:
+                ts = self._ts_of(aside[1])
+                if aside[1] == theirs.get(aside[0]):
+                    aside = None  # (their own copy of it goes into the new epoch with their replies)
+                else:
+                    theirs_aside = (
+                        ts is not None and ts_r is not None and aside[0] != r and (ts > ts_r or (ts == ts_r and aside[0] > r))
+                    )
+        if aside is not None and not theirs_aside:
+            self._keep(self.held, *aside)
         # What is left unverified was published before the connection dropped (then it is the
         # old instance's, read late: a stream waiting on a full sink reads its queue late), or
         # by an instance in between that came and went before a replay could tell. The first are
@@ -1132,6 +1306,8 @@ class StreamSequencer:
         # The anchor is the old instance's even when above delivered (a batch known published,
         # resumed from the checkpoint, not known delivered).
         known = [self.delivered, self._anchor_seq, self._owed, *self.held, *self.unverified]
+        if aside is not None and not theirs_aside:
+            known.append(aside[0])
         if not carried:
             # Seen live or replayed (perhaps not kept, past the bound) before the new instance
             # showed.
@@ -1190,6 +1366,9 @@ class StreamSequencer:
         # Known published by it (so settled by its epoch if it restarts first: I3).
         self._top = self.last_live if self.last_live is not None else -1
         out.append(Reset(self.epoch, reason))
+        if theirs_aside:
+            self._aside, self._aside_asked, self._aside_refuted, self._aside_silent = aside, False, 0, 0
+            self._aside_below = False
         if again:
             self._doubt, self._doubt_since, self._drops = True, last, 1
             self.unverified, self.held = self.held, {}  # what was carried is not verified against it either

@@ -29,7 +29,19 @@ from .fanout import Fanout
 from .metrics import Metrics, StreamMetrics
 from .records import Record, Stream, events_lost, source_reset
 from .replay import ReplayClient, ReplayOutcome
-from .sequencer import Action, Deliver, Duplicate, Fingerprint, Gap, Lost, RequestReplay, Reset, StreamSequencer, fingerprint
+from .sequencer import (
+    Action,
+    Deliver,
+    Duplicate,
+    Fingerprint,
+    Gap,
+    Lost,
+    RequestReplay,
+    Reset,
+    StreamSequencer,
+    Suspect,
+    fingerprint,
+)
 from .snapshot import StreamSnapshots
 
 log = logging.getLogger("bridge.stream")
@@ -190,6 +202,7 @@ class StreamPipeline:
                         if (
                             len(frames) == 3
                             and len(seq_frame := frames[1]) == wire.SEQ_BYTES
+                            and seq_frame != wire.END_FRAME
                             and (payload := frames[2]).__class__ is bytes
                             and payload
                         ):
@@ -365,6 +378,8 @@ class StreamPipeline:
             log.info("sequence gap", extra={"stream": self.stream.key, "from_seq": a.from_seq, "to_seq": a.to_seq})
         elif isinstance(a, RequestReplay):
             self._start_replay(a)
+        elif isinstance(a, Suspect):
+            self.ctx.decode_failures(self.stream, DecodeError("bad_seq", a.detail), a.seq, None, a.payload)
         elif isinstance(a, Lost):
             span = {"from_seq": a.from_seq, "to_seq": a.to_seq, "reason": a.reason}
             log.warning("batches lost", extra={"stream": self.stream.key, "epoch": a.epoch, **span})

@@ -40,6 +40,7 @@ SEQ_BYTES = 8
 INSTANCE_BYTES = 16  # the publisher lifetime UUID after the seq (vLLM #57789)
 SEQ_INSTANCE_BYTES = SEQ_BYTES + INSTANCE_BYTES
 END_SEQ = 2**64 - 1  # the replay end marker: ff ff ff ff ff ff ff ff
+END_FRAME = END_SEQ.to_bytes(8, "big")
 MS_TS_ABOVE = 1e11
 """An integer ts of an array batch above this is in milliseconds (RFC 1527 producers send int64
 ms; every other producer a float of seconds, and 1e11 seconds is the year 5138)."""
@@ -148,6 +149,8 @@ def parse_live(frames: Sequence[bytes]) -> Frames:
     if len(frames) != 3:
         raise DecodeError("bad_frames", f"live message has {len(frames)} frames, expected 3")
     seq, instance = parse_seq_frame(frames[1])
+    if seq == END_SEQ:
+        raise DecodeError("bad_seq", "live message with seq ff x 8, the replay end marker (never a batch's seq)")
     return Frames(bytes(frames[0]), seq, bytes(frames[2]), instance)
 
 

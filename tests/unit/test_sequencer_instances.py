@@ -105,7 +105,7 @@ def test_a_non_finite_ts_is_unknown_not_a_mismatch() -> None:
     s.live(1, nan)
     (req,) = [a for a in s.live(3, p(0, 3)) if isinstance(a, RequestReplay)]
     assert req.start == 1  # verifies at the NaN batch
-    out = s.replayed(req.request_id, 1, nan) + s.replayed(req.request_id, 2, p(0, 2))
+    out = s.replayed(req.request_id, 1, nan) + s.replayed(req.request_id, 2, p(0, 2)) + s.replayed(req.request_id, 3, p(0, 3))
     assert not [a for a in out if isinstance(a, Reset)]
     assert delivered(out) == [(0, p(0, 2)), (0, p(0, 3))]
     resumed = StreamSequencer(
@@ -322,7 +322,7 @@ def test_after_a_restart_a_seq_at_or_below_the_older_instances_last_is_this_inst
     back), here above a gap: held, and asked for by replay, not dropped as a late batch."""
     s = restarted(older_top=2, new_top=0)
     out = s.live(2, p(1, 2), STEPPED_BACK)
-    assert Duplicate(2) not in out and 2 in s.held
+    assert Duplicate(2) not in out and 2 in s.waiting
     assert [a.start for a in out if isinstance(a, RequestReplay)] == [0]
 
 
@@ -366,7 +366,7 @@ def test_after_a_restart_a_batch_stamped_at_the_epochs_first_is_this_instances()
     instance's; one stamped at the same instant, above a gap, is held and the gap fetched."""
     s = restarted(older_top=2, new_top=0)
     out = s.live(5, p(1, 5), 1e6)
-    assert Duplicate(5) not in out and 5 in s.held
+    assert Duplicate(5) not in out and 5 in s.waiting
 
 
 def test_the_older_instances_late_batches_raise_its_last_seq_known() -> None:
@@ -376,7 +376,7 @@ def test_the_older_instances_late_batches_raise_its_last_seq_known() -> None:
     s = restarted(older_top=0, new_top=0)
     assert s.live(3, p(0, 3), STEPPED_BACK) == [Duplicate(3)]
     out = s.live(2, p(1, 2), STEPPED_BACK)
-    assert Duplicate(2) not in out and 2 in s.held
+    assert Duplicate(2) not in out and 2 in s.waiting
 
 
 def test_disconnects_count_from_the_last_verification_not_from_the_first_doubt() -> None:

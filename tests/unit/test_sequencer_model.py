@@ -7,7 +7,9 @@ request made to one instance may be answered by the next). The bridge side sees 
 connection at each restart (as the ZMQ monitor reports it) and may also see one without a
 restart, and may miss the new instance's first messages (published while it reconnected).
 Discovery may remove the source and add it back at any step (the stream resumes with its
-sequencer, its replay in flight gone). Without a replay endpoint (NoReplayModel) the engine's
+sequencer, its replay in flight gone). A live frame the engine never sent may come, its seq ahead
+of the engine's (a corrupt or hostile sequence frame): it is never delivered, never extends a
+loss, and never splits an instance over two epochs. Without a replay endpoint (NoReplayModel) the engine's
 clock may also step back at any step.
 
 After every step the actions emitted so far are checked (design.md, "Engine instances and
@@ -18,7 +20,11 @@ caught up with the current instance without new traffic.
 Limits the model respects, because no protocol-level observer could see through them (docs/concepts/correctness.md,
 "Instance detection"): a new instance's buffer does not slide past its first seq before the
 bridge has heard from it, and while continuity is in doubt the replay socket answers one of
-``max_attempts`` requests in a row (after that the bridge presumes continuity). With batches
+``max_attempts`` requests in a row (after that the bridge presumes continuity), and so while a
+forged frame waits (after that the bridge takes it on its word). A forged frame is not an
+epoch's first live message, and the connection does not drop before it is settled
+(then it counts as read before the drop: docs/concepts/correctness.md, "A seq ahead of the
+engine"). With batches
 the bridge cannot decode (no ts), more: the answer must be in full (a reply dropped under load
 may be the one whose bytes tell the instances apart) and come one request earlier (a
 verification may take two: the second asks for exactly the batch waiting), and such a batch read
@@ -53,7 +59,7 @@ def ts_of(payload: bytes) -> float | None:
     clock stepped back (``back`` seconds: NTP). A batch the bridge cannot decode has none."""
     instance, seq, *rest = payload.decode().split(":")
     back = sum(int(r[4:]) for r in rest if r.startswith("back"))
-    return None if "bad" in rest else int(instance) * 1e6 + int(seq) - back
+    return None if "bad" in rest else float(int(instance) * 1_000_000 + int(seq) - back)
 
 
 def parse(payload: bytes) -> tuple[int, int]:
@@ -148,10 +154,17 @@ class SequencerModel(RuleBasedStateMachine):
         self.seen: dict[int, set[int]] = {}  # instance -> seqs the bridge received from it
         self.silent = 0  # replays in a row that ended without their end marker
         self.decoded: Deliver | None = None  # the last batch delivered that the bridge could decode
+        self.forged: int | None = None  # the seq of the last forged frame
+        self.replied = False  # a replay brought a batch
         self.apply(self.seqr.start())
 
     # -- plumbing -------------------------------------------------------------------------------
     def apply(self, actions: list[Action]) -> None:
+        forged = self.forged
+        for a in actions:
+            assert not (isinstance(a, Deliver) and a.payload.endswith(b":forged")), f"a forged frame delivered: {a}"
+            if isinstance(a, Lost) and forged is not None:
+                assert a.to_seq < forged, f"{a} reaches the forged seq {forged}"
         self.down.apply(actions)
         self.pending.extend(a for a in actions if isinstance(a, RequestReplay))
         for a in actions:
@@ -207,6 +220,7 @@ class SequencerModel(RuleBasedStateMachine):
             actions = self.seqr.replayed(req.request_id, seq, payload, self.reply_uuid(payload))
             if heard:
                 self.received(seq, payload)
+                self.replied = True
             self.apply(actions)
             if 0 <= req.until <= seq:
                 break
@@ -215,6 +229,15 @@ class SequencerModel(RuleBasedStateMachine):
         # bytes (module docstring): only a full answer counts then.
         full = mode == "answer" or (mode == "drop_some" and not self.UNDECODABLE)
         self.silent = 0 if full else self.silent + 1
+
+    def settled_on_current(self) -> bool:
+        """Is the bridge out of doubt, reading the engine's current instance in its epoch, live?"""
+        current = self.down.instance_of.get(self.down.epoch) == self.engine.instance
+        return current and self.seqr.last_live is not None and not self.seqr.in_doubt
+
+    def forged_waits(self) -> bool:
+        """Is the last forged frame neither confirmed nor refuted yet? (The model's limits.)"""
+        return self.forged is not None and self.forged in self.seqr.waiting and self.forged not in self.seqr.held
 
     # -- steps ----------------------------------------------------------------------------------
     def can_slide(self, n: int) -> bool:
@@ -232,6 +255,21 @@ class SequencerModel(RuleBasedStateMachine):
             self.apply(self.live(seq, payload))
             self.received(seq, payload)
 
+    @precondition(lambda self: self.replied and self.settled_on_current() and not self.forged_waits())
+    @rule(ahead=st.sampled_from([2**20, 2**40, 2**63]))
+    def forge(self, ahead: int) -> None:
+        """A live frame the engine never sent: its seq ``ahead`` of the engine's last (beyond any
+        seq it reaches in a run: one it reaches is compared with its own batch there, when the
+        bridge reads that one: tests/unit/test_sequencer_jump.py), its ts the engine's clock now.
+        Not as an epoch's first live message (nothing to jump from), nor before the bridge has
+        seen the engine's buffer at work (an empty replay cannot tell a buffer turned off from
+        one that does not hold that seq)."""
+        instance = self.engine.instance
+        seq = self.engine.published.get(instance, 0) - 1 + ahead
+        self.forged = seq
+        self.apply(self.live(seq, f"{instance}:{seq}:back{ahead - 1}:forged".encode()))
+
+    @precondition(lambda self: not self.forged_waits())
     @rule(missed=st.integers(0, 3), late=st.integers(0, 2))
     def restart(self, missed: int, late: int) -> None:
         """A new instance. The bridge notices the connection drop, but reads the old instance's
@@ -258,11 +296,13 @@ class SequencerModel(RuleBasedStateMachine):
         batches carry no timestamp the bridge can read."""
         self.engine.unknown = not self.engine.unknown
 
+    @precondition(lambda self: not self.forged_waits())
     @rule()
     def blip(self) -> None:
         """The connection dropped and came back; the same instance goes on."""
         self.apply(self.seqr.disconnected(self.engine.now()))
 
+    @precondition(lambda self: not self.forged_waits())
     @rule()
     def removed(self) -> None:
         """Discovery removes the source and adds it back (a pod flapping in DNS), as
@@ -288,7 +328,7 @@ class SequencerModel(RuleBasedStateMachine):
         # The model's second limit (module docstring). Without a ts a verification may take two
         # answers (the second asks for exactly the batch waiting): one of two then.
         silent_max = self.seqr.max_attempts - (2 if self.UNDECODABLE else 1)
-        if self.seqr.in_doubt and self.silent >= silent_max:
+        if (self.seqr.in_doubt or self.forged_waits()) and self.silent >= silent_max:
             mode = "answer"
         self.serve(mode)
 
@@ -339,7 +379,7 @@ class SequencerModel(RuleBasedStateMachine):
                 continue
             covered = self.down.covered[epoch]
             assert covered[: top + 1] == list(range(top + 1)), f"I3: epoch {epoch} (instance {instance}) not settled to {top}"
-        assert not self.seqr.held and not self.seqr.unverified, "batches left waiting"
+        assert not self.seqr.waiting and not self.seqr.unverified, "batches left waiting"
         current = self.engine.instance
         published = self.engine.published.get(current, 0)
         if published:
@@ -473,6 +513,8 @@ class NoReplayModel(SequencerModel):
         self.seen = {}
         self.silent = 0
         self.decoded = None
+        self.forged = None
+        self.replied = False
         self.missed: set[int] = set()  # instances with live batches the bridge missed
 
     @rule(missed=st.just(0), late=st.integers(0, 2))

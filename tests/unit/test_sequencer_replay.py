@@ -86,9 +86,9 @@ def test_silent_replays_lose_the_span_below_the_lowest_held_batch_then_fetch_the
         out = s.replay_finished(req.request_id, complete=False)
         req = only_request(out)
         if not settled(out):
-            assert req.until == 4  # up to the lowest held batch, not the highest
+            assert req.until == 7  # up to the lowest held batch, and the one set aside (its reply confirms it)
     assert settled(out) == [Lost(1, 4, "replay_unavailable", 0), Deliver(5, p(0, 5), 0)]
-    assert (req.start, req.until) == (5, 6)  # 6 is fetched, not given up with 1..4
+    assert (req.start, req.until) == (5, 7)  # 6 is fetched, not given up with 1..4 (and 7 confirmed)
     assert req.attempt == 0  # a new gap: its first attempt goes out at once
 
 
@@ -561,12 +561,13 @@ def test_a_replayed_seq_below_a_held_batch_stamped_in_the_same_instant_is_the_sa
     stamp = {p(0, q): float(q) for q in range(5)} | {p(0, 5): 4.0, p(0, 6): 6.0}
     s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=stamp.__getitem__)
     s.live(0, p(0, 0))
-    req = only_request(s.live(5, p(0, 5)))  # held, stamped with 4
+    req = only_request(s.live(5, p(0, 5)))  # stamped with 4
+    s.live(6, p(0, 6))  # (5 is confirmed: held)
     out = s.replayed(req.request_id, 0, p(0, 0))
     for q in range(1, 5):
         out += s.replayed(req.request_id, q, p(0, q))
     assert not [a for a in out if isinstance(a, Reset)]
-    assert [a.seq for a in out if isinstance(a, Deliver)] == [1, 2, 3, 4, 5]
+    assert [a.seq for a in out if isinstance(a, Deliver)] == [1, 2, 3, 4, 5, 6]
 
 
 def test_only_batches_stamped_before_the_disconnect_by_more_than_the_clock_skew_stay_the_old_instances() -> None:
@@ -631,11 +632,12 @@ def test_batches_verified_above_a_gap_are_known_published() -> None:
 def test_a_first_reply_below_a_held_batch_stamped_in_the_same_instant_is_the_same_instance() -> None:
     """The anchor's reply (3) was dropped: reply 4, the first, is compared with the held batch 5,
     stamped in the same instant: not a later clock, so not another instance."""
-    stamp = {p(0, q): float(q) for q in range(5)} | {p(0, 5): 4.0}
+    stamp = {p(0, q): float(q) for q in range(5)} | {p(0, 5): 4.0, p(0, 6): 6.0}
     s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=stamp.__getitem__)
     for q in range(4):
         s.live(q, p(0, q))
     req = only_request(s.live(5, p(0, 5)))
-    assert (req.start, req.until) == (3, 4)
+    assert (req.start, req.until) == (3, 5)  # from the anchor to the batch past the gap (its reply confirms it)
+    s.live(6, p(0, 6))  # (which confirms it too: held)
     out = s.replayed(req.request_id, 4, p(0, 4))
-    assert out == [Deliver(4, p(0, 4), 0, replayed=True), Deliver(5, p(0, 5), 0)]
+    assert out == [Deliver(4, p(0, 4), 0, replayed=True), Deliver(5, p(0, 5), 0), Deliver(6, p(0, 6), 0)]

@@ -445,14 +445,14 @@ def test_replies_read_without_a_verdict_are_asked_for_again_to_the_end() -> None
 
 
 def test_a_replay_stopped_before_the_reply_comparing_bytes_probes_the_held_batch_first() -> None:
-    """Batches 3 (no ts), 4 and 6 (no ts) were held above a gap when the connection dropped.
+    """Batches 3 (no ts), 4, 6 (no ts) and 7 were held above a gap when the connection dropped.
     Replies 2 and 3 tell nothing yet (6 has no ts), then the replay stops: the next asks for
     exactly 6, the held batch without a ts above the last reply (not 3, answered already, nor 4,
     whose clock was compared); silent, it asks for 6 again."""
     s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=ts)
     s.live(0, p(0, 0))
     s.live(1, p(0, 1))
-    for q in (3, 4, 6):
+    for q in (3, 4, 6, 7):  # (4 confirms 3, and 7 confirms 6: each came past a gap)
         s.live(q, p(0, q, q != 3 and q != 6))
     req = only_request(s.disconnected(now=5.0))
     assert (req.start, req.until) == (1, 6)
@@ -464,8 +464,8 @@ def test_a_replay_stopped_before_the_reply_comparing_bytes_probes_the_held_batch
     assert s.replayed(again.request_id, 6, p(0, 6, False)) == [Duplicate(6)] and not s.in_doubt
     out = s.replay_finished(again.request_id, complete=True)
     while requests := [a for a in out if isinstance(a, RequestReplay)]:
-        out = answer(s, requests[0], {q: p(0, q, q not in (3, 6)) for q in range(7)})
-    assert s.delivered == 6 and not s.held
+        out = answer(s, requests[0], {q: p(0, q, q not in (3, 6)) for q in range(8)})
+    assert s.delivered == 7 and not s.held
 
 
 def test_a_new_instances_reply_read_past_max_held_is_settled_by_its_epoch() -> None:

@@ -126,16 +126,19 @@ class SnapshotModel(SequencerModel):
         self.snaps.disconnected()
 
     # The base model's steps that drop the live connection tell the snapshots too.
+    @precondition(lambda self: not self.forged_waits())
     @rule(missed=st.integers(0, 3), late=st.integers(0, 2))
     def restart(self, missed: int, late: int) -> None:
         self.disconnect()
         super().restart(missed, late)
 
+    @precondition(lambda self: not self.forged_waits())
     @rule()
     def blip(self) -> None:
         self.disconnect()
         super().blip()
 
+    @precondition(lambda self: not self.forged_waits())
     @rule()
     def removed(self) -> None:
         self.disconnect()

@@ -172,17 +172,38 @@ async def test_a_burst_is_sequenced_decoded_and_handed_on_in_order(make: Callabl
 
 
 async def test_a_gap_is_fetched_from_the_replay_client_and_filled_in_order(make: Callable[..., Fakes]) -> None:
-    f = make({0: payload(0), 1: payload(1), 2: payload(2)})
+    f = make({q: payload(q) for q in range(4)})
     pipeline = f.pipeline
     await pipeline.start()
     await pipeline.on_live([frames(0), frames(3)], received=1_700_000_001.0)
     await settle(pipeline)
     assert [r.seq for r in f.fanout.records] == [0, 1, 2, 3]
-    # From the last seq delivered (its copy is checked against what went out) to the gap's end.
-    assert f.replays.requests == [(0, 2)]
+    # From the last seq delivered (its copy is checked against what went out) to the live batch
+    # past the gap (the reply at its seq confirms it: see the next test).
+    assert f.replays.requests == [(0, 3)]
     assert sample(f.metrics, "kv_bridge_replay_requests_total", source="engine", outcome="complete") == 1
-    assert sample(f.metrics, "kv_bridge_batches_replayed_total", source="engine") == 2
+    assert sample(f.metrics, "kv_bridge_batches_replayed_total", source="engine") == 3
     assert sample(f.metrics, "kv_bridge_sequence_gaps_total", source="engine", dp_rank="0") == 1
+
+
+async def test_a_live_frame_ahead_of_its_engine_is_dead_lettered_and_the_stream_goes_on(make: Callable[..., Fakes]) -> None:
+    """Issue 29 (breaker31x B2): one frame far ahead of the engine, then the engine's own next
+    seqs: one epoch, nothing lost, the frame dead-lettered (``bad_seq``); and a frame with the end
+    marker's seq, read on the socket's fast path, too."""
+    f = make({q: payload(q) for q in range(4)})  # (what the engine holds: it publishes 3 before it is asked)
+    pipeline = f.pipeline
+    await pipeline.start()
+    await pipeline.on_live(
+        [frames(0), frames(1), frames(2**63, payload(9)), frames(2), frames(2**64 - 1, payload(8))], received=1_700_000_001.0
+    )
+    await settle_all(pipeline)
+    await pipeline.on_live([frames(3)], received=1_700_000_002.0)
+    await settle_all(pipeline)
+    assert [(r.kind, r.epoch, r.seq) for r in f.fanout.records] == [("batch", 5, q) for q in range(4)]
+    assert sample(f.metrics, "kv_bridge_decode_failures_total", source="engine", reason="bad_seq") == 2
+    f.dead_letters.close()
+    dead = [msgspec.json.decode(line) for line in Path(f.dead_letters.path).read_bytes().splitlines()]  # noqa: ASYNC240
+    assert sorted(d["seq"] for d in dead if d["reason"] == "bad_seq" and d["seq"] is not None) == [2**63]
 
 
 async def test_a_restart_saves_the_new_epoch_before_its_reset_goes_out(make: Callable[..., Fakes]) -> None:

@@ -98,6 +98,8 @@ def test_live_frame_errors() -> None:
         ([*good, b"x"], "bad_frames"),
         ([b"", b"\x00" * 7, good[2]], "bad_seq"),
         ([b"", b"\x00" * 9, good[2]], "bad_seq"),
+        ([b"", b"\xff" * 8, good[2]], "bad_seq"),  # the replay end marker's seq, never a batch's
+        ([b"", b"\xff" * 8 + b"A" * 16, good[2]], "bad_seq"),
     ]:
         with pytest.raises(DecodeError) as exc:
             wire.parse_live(frames)
