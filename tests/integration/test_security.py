@@ -533,6 +533,76 @@ async def test_garbage_replay_replies_are_counted_and_the_stream_goes_on(tmp_pat
     assert bad == len(garbage) * len(requests) >= len(garbage)
 
 
+@pytest.mark.parametrize("forged", [2**63, 10**6, 22, 2**64 - 1])
+async def test_a_live_frame_ahead_of_its_engine_is_dead_lettered_never_a_restart_or_a_loss(tmp_path: Path, forged: int) -> None:
+    """Issue 29 (breaker31x B2). An engine on real ZMQ publishes 0..19, one frame whose seq is
+    ``forged`` (a flipped high bit, a garbled counter, one just ahead: 22, which the engine then
+    publishes itself with other bytes; the end marker's seq), then 20..39. Its replay socket
+    answers from what it holds. One epoch with every batch once, nothing announced lost, the
+    frame dead-lettered (``bad_seq``), never delivered, and no restart."""
+    pub_port, replay_port = free_ports(2)
+    profile = PROFILES["vllm-0.33.0"]
+    factory = EventFactory(profile, seed=5)
+    payloads = [encode_batch(profile, 1_700_000_000.0 + i, factory.batch(2), 0) for i in range(40)]
+    bogus = encode_batch(profile, 1_700_000_019.5, factory.batch(2), 0)
+    held: list[int] = []  # what the engine has published (its replay buffer)
+    ctx = zmq.asyncio.Context()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    pub.bind(f"tcp://127.0.0.1:{pub_port}")
+    router.bind(f"tcp://127.0.0.1:{replay_port}")
+
+    def seq(n: int) -> bytes:
+        return n.to_bytes(8, "big")
+
+    async def serve() -> None:
+        while True:
+            identity, *rest = await router.recv_multipart()
+            start = int.from_bytes(rest[-1], "big")
+            for s in [s for s in held if s >= start]:
+                await router.send_multipart([identity, b"", b"", seq(s), payloads[s]])
+            await router.send_multipart([identity, b"", b"", seq(2**64 - 1), b""])
+
+    async def publish(s: int) -> None:
+        held.append(s)
+        await pub.send_multipart([b"", seq(s), payloads[s]])
+        await asyncio.sleep(0.01)
+
+    server = asyncio.create_task(serve())
+    out = tmp_path / "out.jsonl"
+    source = {"name": "e", "endpoint": f"tcp://127.0.0.1:{pub_port}", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"}
+    cfg = _config(tmp_path, [0, 0, 0, 0], [{"type": "file", "path": str(out), "granularity": "batch", "batch": {"linger": 0}}])
+    cfg["sources"] = [source]
+    try:
+        async with running(cfg, {}) as bridge:
+            await wait_for(lambda: bridge.readers["e/0"].connections > 0, what="subscription")
+            await asyncio.sleep(0.3)
+            for s in range(20):
+                await publish(s)
+            await wait_for(lambda: len(read_lines(out)) >= 20, what="the first batches")
+            await pub.send_multipart([b"", seq(forged), bogus])
+            for s in range(20, 40):
+                await publish(s)
+            await wait_for(lambda: len(read_lines(out)) >= 40, what="the engine's next batches")
+            await wait_for(
+                lambda: metric(bridge, "kv_bridge_decode_failures_total", source="e", reason="bad_seq") == 1,
+                what="the frame dead-lettered",
+            )
+            await asyncio.sleep(0.5)  # (nothing more comes)
+            status, body = await readyz(bridge)
+            restarts = metric(bridge, "kv_bridge_source_restarts_total", source="e")
+    finally:
+        server.cancel()
+        pub.close(linger=0)
+        router.close(linger=0)
+        ctx.destroy(linger=0)
+    lines = read_lines(out)
+    assert [(ln["type"], ln["seq"]) for ln in lines] == [("EventBatch", s) for s in range(40)]
+    assert len({ln["epoch"] for ln in lines}) == 1 and restarts == 0
+    assert status == 200, body
+    dead = [json.loads(line) for line in (tmp_path / "dead.jsonl").read_text().splitlines()]
+    assert [d["reason"] for d in dead] == ["bad_seq"] and dead[0]["seq"] in (forged, None)
+
+
 async def test_a_100mb_message_is_refused_before_allocation(tmp_path: Path) -> None:
     """ZMQ's MAXMSGSIZE (ingest.max_frame_bytes, 64 MiB by default): the bridge's memory does not
     grow by the message, the connection is re-established and the next message is served."""
