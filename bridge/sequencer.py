@@ -58,12 +58,14 @@ frame). Where a message carries one, it decides, and nothing above is inferred f
   instance's (no clock or bytes compared with them); it is still verified against the anchor.
 
 A live seq that jumps past everything this instance is known to have published (a gap, with
-replay) is taken on the engine's word only when confirmed: it waits aside (``_aside``), outside
-both watermarks, until a later live seq or a reply at or past it confirms it, or until a replay
-asked for after it, answered by this instance and read to its end marker, holds nothing at or past
-it: then it was never published (a corrupt or hostile frame) and is dead-lettered as a
-:class:`Suspect`. Until then the seqs below it flow as usual, so a frame far ahead of the engine
-neither turns the engine's next seq into a restart nor announces lost a span nobody published.
+replay) is taken on the engine's word only when confirmed (docs/concepts/correctness.md, "A seq
+ahead of the engine"): it waits aside (``_aside``), outside both watermarks, until a later live
+seq or a reply at or past it confirms it. The reply at its seq with other bytes, two replays of
+this instance that end before reaching it, or a live seq below it read after it (once a replay
+verified the instance) show it was never published (a corrupt or hostile frame): it is
+dead-lettered as a :class:`Suspect`. Until then the seqs below it flow as usual, so a frame far
+ahead of the engine neither turns the engine's next seq into a restart nor announces lost a span
+nobody published.
 
 Replay rules (docs/protocol.md section 1): the first reply above the requested start means the span
 left the engine's buffer, but a ROUTER under load may also drop replies, so a loss is declared
