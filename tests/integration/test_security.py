@@ -475,20 +475,27 @@ async def test_metrics_listen_binds_where_told(host: str, tmp_path: Path) -> Non
 # -- hostile engines -----------------------------------------------------------------------------------
 
 
-async def test_garbage_replay_replies_are_counted_and_the_stream_goes_on(tmp_path: Path) -> None:
-    """A fake engine whose ROUTER answers each request with malformed replies before the real ones."""
+def seq(n: int) -> bytes:
+    return n.to_bytes(8, "big")
+
+
+def scripted_engine(seed: int) -> tuple[zmq.asyncio.Context, zmq.asyncio.Socket, zmq.asyncio.Socket, dict[str, Any], list[bytes]]:
+    """A fake engine's PUB and replay ROUTER bound on free ports, its source config and 40 batches."""
     pub_port, replay_port = free_ports(2)
     profile = PROFILES["vllm-0.33.0"]
-    factory = EventFactory(profile, seed=3)
-    payloads = [encode_batch(profile, 1_700_000_000.0 + i, factory.batch(2), 0) for i in range(40)]
+    factory = EventFactory(profile, seed=seed)
+    payloads = [encode_batch(profile, 1_700_000_000.0 + i, factory.batch(2), 0) for i in range(41)]
     ctx = zmq.asyncio.Context()
     pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
     pub.bind(f"tcp://127.0.0.1:{pub_port}")
     router.bind(f"tcp://127.0.0.1:{replay_port}")
+    source = {"name": "e", "endpoint": f"tcp://127.0.0.1:{pub_port}", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"}
+    return ctx, pub, router, source, payloads
 
-    def seq(n: int) -> bytes:
-        return n.to_bytes(8, "big")
 
+async def test_garbage_replay_replies_are_counted_and_the_stream_goes_on(tmp_path: Path) -> None:
+    """A fake engine whose ROUTER answers each request with malformed replies before the real ones."""
+    ctx, pub, router, source, payloads = scripted_engine(seed=3)
     garbage = [
         [b"only one frame"],
         [b"", b"topic", seq(0), payloads[0], b"a fifth frame"],
@@ -511,18 +518,17 @@ async def test_garbage_replay_replies_are_counted_and_the_stream_goes_on(tmp_pat
             await router.send_multipart([identity, b"", b"", seq(2**64 - 1), b""])
 
     server = asyncio.create_task(serve())
-    source = {"name": "liar", "endpoint": f"tcp://127.0.0.1:{pub_port}", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"}
     cfg = _config(tmp_path, [0, 0, 0, 0], [{"type": "file", "path": str(tmp_path / "out.jsonl"), "granularity": "batch"}])
     cfg["sources"] = [source]
     try:
         async with running(cfg, {}) as bridge:
             await wait_for(lambda: len(read_lines(tmp_path / "out.jsonl")) >= 20, what="the replayed history")
-            await wait_for(lambda: bridge.readers["liar/0"].connections > 0, what="subscription")
+            await wait_for(lambda: bridge.readers["e/0"].connections > 0, what="subscription")
             await asyncio.sleep(0.3)
             for s in range(20, 40):  # live from here on
                 await pub.send_multipart([b"", seq(s), payloads[s]])
             await wait_for(lambda: len(read_lines(tmp_path / "out.jsonl")) >= 40, what="the live batches")
-            bad = metric(bridge, "kv_bridge_decode_failures_total", source="liar", reason="bad_replay_reply")
+            bad = metric(bridge, "kv_bridge_decode_failures_total", source="e", reason="bad_replay_reply")
     finally:
         server.cancel()
         pub.close(linger=0)
@@ -540,19 +546,9 @@ async def test_a_live_frame_ahead_of_its_engine_is_dead_lettered_never_a_restart
     publishes itself with other bytes; the end marker's seq), then 20..39. Its replay socket
     answers from what it holds. One epoch with every batch once, nothing announced lost, the
     frame dead-lettered (``bad_seq``), never delivered, and no restart."""
-    pub_port, replay_port = free_ports(2)
-    profile = PROFILES["vllm-0.33.0"]
-    factory = EventFactory(profile, seed=5)
-    payloads = [encode_batch(profile, 1_700_000_000.0 + i, factory.batch(2), 0) for i in range(40)]
-    bogus = encode_batch(profile, 1_700_000_019.5, factory.batch(2), 0)
+    ctx, pub, router, source, payloads = scripted_engine(seed=5)
+    bogus = payloads.pop()  # (never published by the engine)
     held: list[int] = []  # what the engine has published (its replay buffer)
-    ctx = zmq.asyncio.Context()
-    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
-    pub.bind(f"tcp://127.0.0.1:{pub_port}")
-    router.bind(f"tcp://127.0.0.1:{replay_port}")
-
-    def seq(n: int) -> bytes:
-        return n.to_bytes(8, "big")
 
     async def serve() -> None:
         while True:
@@ -569,7 +565,6 @@ async def test_a_live_frame_ahead_of_its_engine_is_dead_lettered_never_a_restart
 
     server = asyncio.create_task(serve())
     out = tmp_path / "out.jsonl"
-    source = {"name": "e", "endpoint": f"tcp://127.0.0.1:{pub_port}", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"}
     cfg = _config(tmp_path, [0, 0, 0, 0], [{"type": "file", "path": str(out), "granularity": "batch", "batch": {"linger": 0}}])
     cfg["sources"] = [source]
     try:
