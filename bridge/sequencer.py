@@ -324,7 +324,7 @@ class StreamSequencer:
         changed, otherwise (then call ``live``). The hot path of every steady stream."""
         if seq != self.delivered + 1 or seq <= self._top or self.held or self._doubt or instance != self.instance:
             return False
-        if self._aside is not None:
+        if self._aside is not None:  # (a live seq below it puts continuity in doubt: live() decides)
             return False
         last = self.last_live
         if last is not None and seq <= last:
@@ -464,7 +464,7 @@ class StreamSequencer:
             return False
         if last is None:
             return False  # an epoch's first live batch: no seq of it to jump from (docs: "A seq ahead of the engine")
-        if seq <= max(last if last is not None else -1, self._top, self.delivered, max(self.held, default=-1)) + 1:
+        if seq <= max(last, self._top, self.delivered, max(self.held, default=-1)) + 1:
             return False
         if self._replay is None and not self.held:
             out.append(Gap(self.delivered + 1, seq - 1))
@@ -971,7 +971,6 @@ class StreamSequencer:
             if not self._gap_open():
                 return
         self._request(out)
-        return
 
     # -- state ----------------------------------------------------------------------------------
     @property
