@@ -510,14 +510,14 @@ class StreamSequencer:
         ``max_attempts`` replays in a row that never came to an end, or brought nothing from an
         engine whose buffer was never seen at work (a replay that cannot tell anything: then it
         is taken on its word, as a batch above a gap, rather than held for ever by a quiet
-        engine)."""
+        engine; unless a live seq below it came after it: see _trust)."""
         aside = self._aside
         if aside is None or not self._aside_asked:
             return
         if not complete or not (self._answered or self._buffers):
             self._aside_silent += 1
-            if self._aside_silent >= self.max_attempts:
-                self._hold_aside(aside)
+            if self._aside_silent >= self.max_attempts and not self._aside_below:
+                self._hold_aside(aside)  # (the live stream contradicted it: the doubt's end settles it)
             return
         self._aside_silent = 0
         reached = self._until < 0 or self._until >= aside[0]  # (a reply at or past it would have confirmed it)

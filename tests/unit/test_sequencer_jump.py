@@ -155,6 +155,25 @@ def test_a_replay_socket_that_never_ends_a_reply_takes_it_on_its_word() -> None:
     assert [a for a in out if isinstance(a, Lost | Deliver)] == [Lost(1, 2, "replay_unavailable", 0), Deliver(3, p(3), 0)]
 
 
+def test_a_silent_replay_socket_never_takes_it_on_its_word_once_the_live_stream_went_on_below_it() -> None:
+    """breaker32 B3 (a forged frame and a replay socket that never answers): the engine's next
+    seq, read after it, already contradicts it; the presumption of continuity that ends the
+    doubt makes it a Suspect, and the engine's batches go out in one epoch."""
+    s = seqr()
+    for q in range(3):
+        s.live(q, p(q))
+    s.live(FAR, p(FAR, "forged"))
+    out = s.live(3, p(3))
+    out += s.live(4, p(4))
+    for _ in range(3 * s.max_attempts):
+        if not s.replaying:
+            break
+        (req,) = [a for a in out if isinstance(a, RequestReplay)][-1:]
+        out += s.replay_finished(req.request_id, complete=False)
+    assert [a.seq for a in out if isinstance(a, Suspect)] == [FAR]
+    assert delivered(out) == [3, 4] and not [a for a in out if isinstance(a, Lost | Reset)] and not s.waiting
+
+
 def test_a_dropped_connection_takes_it_as_read_before_the_drop() -> None:
     """What the instance connected before the drop showed: held, as any batch read then (a live
     seq at or below it is then another instance's). (Docs: "A seq ahead of the engine".)"""
