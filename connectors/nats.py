@@ -1617,7 +1617,8 @@ class NatsConnector:
         prefix = state_prefix(stream.source, stream.dp_rank)
         head_doc = fmt.head(stream, op.head, op.next)
         # A journal part holds the head and one entry at least, within the bucket's value limit.
-        budget = self._part_size(nc) - len(head_doc) - _JOURNAL_FRAME
+        room = self._part_size(nc)
+        budget = room - len(head_doc) - _JOURNAL_FRAME
         limit = budget - _KEY_ROOM
 
         def document(c: EntryChange, head: Head) -> bytes:
@@ -1631,7 +1632,6 @@ class NatsConnector:
             for c, head in op.changes.values()
         ]
         parts = journal_parts(op.head, head_doc, ops, budget, clear=op.clear, writer=self._writer)
-        room = self._part_size(nc)
         largest = max(len(part) for part in parts)
         if largest > room:
             # A head or an entry (without its fact) too large for the bucket or the server even alone
