@@ -433,9 +433,7 @@ class StreamSequencer:
             return out
         if self.last_live is None or seq > self.last_live:
             self.last_live = seq
-        if self._replayed_crc:
-            for s in [s for s in self._replayed_crc if s <= seq]:
-                del self._replayed_crc[s]
+        self._forget_replayed(seq)
         self._top = max(self._top, seq)
         if self._join and self.delivered < 0 and seq > 0:
             self._lose(out, seq - 1, "joined_late")
@@ -499,8 +497,14 @@ class StreamSequencer:
             self._keep(self.held, *aside)
         self._top = max(self._top, aside[0])
         self.last_live = max(aside[0], self.last_live if self.last_live is not None else -1)
-        for s in [s for s in self._replayed_crc if s <= self.last_live]:
-            del self._replayed_crc[s]  # (no late live copy of these: the live stream is past them)
+        self._forget_replayed(self.last_live)
+
+    def _forget_replayed(self, seq: int) -> None:
+        """The live stream reached ``seq``: no late live copy of a batch replayed at or below it
+        can come any more."""
+        if self._replayed_crc:
+            for s in [s for s in self._replayed_crc if s <= seq]:
+                del self._replayed_crc[s]
 
     def _settle_aside(self, out: list[Action], complete: bool) -> None:
         """The replay in flight ended: does it refute the batch set aside? Only one asked for
@@ -590,9 +594,7 @@ class StreamSequencer:
             elif self._set_aside(out, seq, payload):
                 return out
         self.last_live = seq
-        if self._replayed_crc:
-            for s in [s for s in self._replayed_crc if s <= seq]:
-                del self._replayed_crc[s]
+        self._forget_replayed(seq)
         if self._doubt:
             if seq > self.delivered:
                 self._keep(self.unverified, seq, payload)
@@ -1278,24 +1280,22 @@ class StreamSequencer:
         if evidence is not None:
             r, ts_r = evidence
             theirs = theirs or {}
+
+            def newer(seq: int, payload: bytes) -> bool:
+                """Stamped after the reply that showed the new instance (at r itself: the new
+                instance's copy of that seq differs, so this one is older)."""
+                ts = self._ts_of(payload)
+                return seq != r and ts is not None and ts_r is not None and (ts > ts_r or (ts == ts_r and seq > r))
+
             for where in (self.held, self.unverified):
                 for seq in list(where):
-                    ts = self._ts_of(where[seq])
-                    if where[seq] == theirs.get(seq):
-                        carried[seq] = where.pop(seq)
-                        continue
-                    if seq == r or ts is None:
-                        continue  # (at r: the new instance's copy of this seq differs: this one is older)
-                    if ts_r is not None and (ts > ts_r or (ts == ts_r and seq > r)):
+                    if where[seq] == theirs.get(seq) or newer(seq, where[seq]):
                         carried[seq] = where.pop(seq)
             if aside is not None:
-                ts = self._ts_of(aside[1])
                 if aside[1] == theirs.get(aside[0]):
                     aside = None  # (their own copy of it goes into the new epoch with their replies)
                 else:
-                    theirs_aside = (
-                        ts is not None and ts_r is not None and aside[0] != r and (ts > ts_r or (ts == ts_r and aside[0] > r))
-                    )
+                    theirs_aside = newer(*aside)
         if aside is not None and not theirs_aside:
             self._keep(self.held, *aside)
         # What is left unverified was published before the connection dropped (then it is the
