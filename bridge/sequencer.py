@@ -48,6 +48,8 @@ frame). Where a message carries one, it decides, and nothing above is inferred f
 - a UUID other than the epoch's instance's, or one where the epoch's instance sent none (an
   upgrade), or none where it sent one, is a restart for certain: the epoch ends, a new one opens
   with the reason ``instance_changed`` (:data:`INSTANCE_CHANGED`), and the old UUID is retired;
+  at once after a dropped connection (a restart drops it first), else once confirmed: one frame
+  could be a corrupt one (``_await_newcomer``; docs/concepts/correctness.md, "A new UUID");
 - under the epoch's own UUID a seq at or below the last one seen is not a restart (a heartbeat's
   next seq, interleaving): it is a duplicate, or a batch the stream still needs; and a message
   under that UUID ends any doubt about continuity at once;
@@ -96,6 +98,10 @@ def _finite(ts: float | None) -> float | None:
 
 def _matches(fp: Fingerprint, ts: float | None, payload: bytes) -> bool:
     return ts == fp[0] and (fp[1] is None or zlib.crc32(payload) == fp[1])
+
+
+def _name(instance: bytes | None) -> str:
+    return instance.hex() if instance is not None else "no UUID"
 
 
 class Deliver(msgspec.Struct, frozen=True):
@@ -159,6 +165,18 @@ _RETIRED_MAX = 64  # retired UUIDs a stream remembers (oldest forgotten first)
 _SAME, _NEW, _UNSURE, _LATER = "same", "new", "unsure", "later"
 _SORTING = "sorting"  # another instance answers: its next replies tell whose the batches waiting are
 _LATE_COPIES = 1024  # replayed batches whose late live copy a stream recognises by its bytes
+
+
+class _Newcomer(msgspec.Struct):
+    """A live message or heartbeat under a publisher UUID other than this epoch's instance's (or
+    none where it sent one, or one where it sent none): a restart for certain, once confirmed
+    (see StreamSequencer._await_newcomer)."""
+
+    instance: bytes | None
+    batch: tuple[int, bytes, float | None] | None  # (seq, payload, ts) of the live message; None: a heartbeat
+    ts: float | None  # its engine ts: what numbers the new epoch alike in every pod
+    seq: int  # its seq (a heartbeat's: the last one published)
+    silent: int = 0  # replays about it that told nothing
 
 
 class StreamSequencer:
@@ -298,6 +316,10 @@ class StreamSequencer:
         self._aside_below = False  # a live seq below it was read after it (see _trust)
         self._replied_top = -1  # the highest reply of the replay in flight (what a Suspect's detail says)
         self._retired: dict[bytes, None] = dict.fromkeys(r for r in retired if r != instance)
+        # A message under another UUID than this epoch's instance's, not confirmed yet (see
+        # _await_newcomer); None: none. The replay in flight that asks about it, if any.
+        self._newcomer: _Newcomer | None = None
+        self._newcomer_replay: int | None = None
 
     def _ts_of(self, payload: bytes) -> float | None:
         return _finite(self._raw_ts_of(payload))
@@ -324,7 +346,7 @@ class StreamSequencer:
         changed, otherwise (then call ``live``). The hot path of every steady stream."""
         if seq != self.delivered + 1 or seq <= self._top or self.held or self._doubt or instance != self.instance:
             return False
-        if self._aside is not None:  # (a live seq below it puts continuity in doubt: live() decides)
+        if self._aside is not None or self._newcomer is not None:  # (live() decides what it settles)
             return False
         last = self.last_live
         if last is not None and seq <= last:
@@ -351,14 +373,22 @@ class StreamSequencer:
         """A message from the live PUB stream (``ts``: its engine ts, when the caller has it;
         ``instance``: the publisher UUID its sequence frame carries, if any)."""
         out: list[Action] = []
+        if instance is not None and instance in self._retired:
+            out.append(Duplicate(seq))  # a retired instance's
+            return out
+        if self._newcomer is not None:
+            self._newcomer_meets(out, instance)
         if instance is not None or self.instance is not None:
             if instance == self.instance and self._instance_sure:
                 return self._same_instance(out, seq, payload)
-            if instance != self.instance and not self._instance_changed(out, instance, None if ts is None else _finite(ts)):
-                out.append(Duplicate(seq))  # a retired instance's
-                return out
-            # (after a certain restart: the new epoch's first message, below; else first contact,
-            # or an id adopted in doubt, not verified yet)
+            if instance != self.instance and self._restarts(instance):
+                ts = _finite(ts) if ts is not None else self._ts_of(payload)
+                if not self._doubt:
+                    self._await_newcomer(out, _Newcomer(instance, (seq, payload, ts), ts, seq))
+                    return out
+                self._changed(out, instance, ts)  # (after a drop: a restart at once)
+            # (the new epoch's first message, below; else first contact, or an id adopted in
+            # doubt, not verified yet)
         out += self._live(seq, payload, ts)
         if instance is None:
             self._anonymous = True
@@ -377,12 +407,19 @@ class StreamSequencer:
         published. Its UUID is checked like a live message's; a tail the stream has not seen is
         fetched by replay (without replay the next batch shows the gap)."""
         out: list[Action] = []
+        if instance is not None and instance in self._retired:
+            return out  # a retired instance's
+        if self._newcomer is not None:
+            self._newcomer_meets(out, instance)
         if instance is not None or self.instance is not None:
             if instance != self.instance:
-                if not self._instance_changed(out, instance, None):
-                    return out
-                if self.instance is None:
+                if not self._restarts(instance):
                     self.instance, self._instance_sure = instance, not self._doubt  # first contact
+                elif self._doubt:
+                    self._changed(out, instance, None)  # (after a drop: a restart at once)
+                else:
+                    self._await_newcomer(out, _Newcomer(instance, None, None, next_seq - 1))
+                    return out
             elif self._instance_sure:
                 self._certain(out)
         if instance is None and self.instance is None and self._doubt:
@@ -395,19 +432,153 @@ class StreamSequencer:
                 self._request(out, to_end=True)
         return out
 
-    def _instance_changed(self, out: list[Action], instance: bytes | None, ts: float | None) -> bool:
-        """A message whose UUID is not this epoch's instance's: False for a retired one (drop it);
-        else True, after the certain restart when this epoch has an instance (first contact, a
-        stream without history here, opens nothing)."""
-        if instance is not None and instance in self._retired:
-            return False
-        if self.instance is not None or self._anonymous:
-            old = self.instance
-            self._restart(out, INSTANCE_CHANGED, trigger_ts=ts)
-            if old is not None:
-                self._retire(old)  # (also one adopted in doubt: another id has come since)
-            self.instance, self._instance_sure = instance, not self._doubt
-        return True
+    def _changed(self, out: list[Action], instance: bytes | None, ts: float | None) -> None:
+        """The certain restart shown by a message under ``instance`` (engine ts ``ts``)."""
+        old = self.instance
+        self._restart(out, INSTANCE_CHANGED, trigger_ts=ts)
+        if old is not None:
+            self._retire(old)  # (also one adopted in doubt: another id has come since)
+        self.instance, self._instance_sure = instance, not self._doubt
+
+    def _restarts(self, instance: bytes | None) -> bool:
+        """Is a message under ``instance`` (not this epoch's, not retired) another instance's, for
+        certain? Not at first contact (a stream without history here): then it opens nothing."""
+        return self.instance is not None or self._anonymous
+
+    def _await_newcomer(self, out: list[Action], newcomer: _Newcomer) -> None:
+        """A message under another UUID than this epoch's instance's (or none where it sent one,
+        or one where it sent none) is a restart for certain, once confirmed: a single corrupt or
+        forged frame must not retire the engine's own UUID (its batches would then be dropped
+        as a retired instance's). It waits, outside the epoch, until a second message under its
+        UUID, a replay reply under it (or, without UUIDs on replies, its own bytes at its seq)
+        confirms it; a message under the epoch's UUID, a reply under it, or a replay that shows
+        the engine never published that seq refutes it (dead-lettered: a refuted genuine batch
+        is fetched again by the new epoch's replay). One that the replay socket cannot tell about
+        (``max_attempts`` times) is taken on its word; so is one on a stream without replay at
+        the next message under its UUID. (Docs: concepts/correctness.md, "Instance detection".)"""
+        self._newcomer = newcomer
+        if self._replay is not None:
+            # Asked before it came: it cannot refute it, and no other restart may be shown while
+            # it waits (what the replay brought and did not settle is fetched again).
+            self._unclaim()
+            self._replay = None
+        if self.can_replay:
+            self._ask_newcomer(out)
+
+    def _ask_newcomer(self, out: list[Action]) -> None:
+        """Ask the replay socket for the newcomer's seq and the epoch's last batch delivered,
+        whichever comes first, up to the other: the engine holding the socket answers (a fresh
+        DEALER's first reply is never dropped), with the newcomer's batch or the epoch's."""
+        nc = self._newcomer
+        assert nc is not None
+        self._newcomer_replay = self._next_request()
+        self._verdict, self._early, self._heard, self._skipped = _UNSURE, {}, -1, False
+        self._answered = False
+        fp = self._fingerprint()
+        self._anchor = (self._anchor_seq, fp) if fp is not None else None
+        at = max(nc.seq, 0)
+        start, until = (min(at, self._anchor_seq), max(at, self._anchor_seq)) if self._anchor is not None else (at, at)
+        out.append(RequestReplay(self._newcomer_replay, start, until, nc.silent))
+
+    def _newcomer_meets(self, out: list[Action], instance: bytes | None) -> None:
+        """A live message or heartbeat (under ``instance``, not retired) while a newcomer waits:
+        one under the epoch's UUID refutes it; any other confirms it (a second one under its UUID;
+        one under a third UUID: the newcomer came and went, and the third waits in its place)."""
+        if instance == self.instance:
+            self._refute(out, f"its engine goes on under {_name(instance)}")
+        else:
+            self._welcome(out)
+
+    def _welcome(self, out: list[Action]) -> None:
+        """The newcomer is confirmed: the certain restart, then its batch as the new epoch's."""
+        nc = self._settle_newcomer()
+        if nc.instance is not None and nc.instance in self._retired:
+            if nc.batch is not None:  # (retired since it came)
+                out.append(Duplicate(nc.batch[0]))
+            return
+        if nc.instance != self.instance and self._restarts(nc.instance):
+            self._changed(out, nc.instance, nc.ts)
+        if nc.batch is not None:
+            out += self.live(*nc.batch, nc.instance)
+
+    def _refute(self, out: list[Action], why: str) -> None:
+        """The newcomer is shown not to be the engine's: dead-lettered, never delivered."""
+        nc = self._settle_newcomer()
+        if nc.batch is not None:
+            seq, payload, _ = nc.batch
+            out.append(Suspect(seq, payload, f"live seq {seq} under publisher {_name(nc.instance)} is not its engine's: {why}"))
+
+    def _settle_newcomer(self) -> _Newcomer:
+        nc, self._newcomer = self._newcomer, None
+        assert nc is not None
+        if self._replay is not None and self._replay == self._newcomer_replay:
+            # Its later replies are dropped; those read are fetched again, and settled by this
+            # epoch if it ends first (they may be the epoch's instance's: see _unclaim).
+            self._unclaim()
+            self._replay = None
+        self._newcomer_replay = None
+        return nc
+
+    def _resume(self, out: list[Action], to_end: bool = False) -> None:
+        """After a replay about a newcomer: the replay the stream needs, if any."""
+        if self.can_replay and self._replay is None and (to_end or self._doubt or self._gap_open() or self._aside is not None):
+            self._attempts = 0
+            self._request(out, to_end=to_end)
+
+    def _newcomer_replied(self, out: list[Action], seq: int, payload: bytes, instance: bytes | None) -> None:
+        """A reply to the replay about the newcomer: its UUID decides, when it has one (a third
+        UUID: the newcomer came and went, and the third is the engine now). Without, the
+        newcomer's own batch confirms it; the epoch's last batch delivered, or any other batch at
+        or past the newcomer's seq, refutes it (the engine holding the socket never published it:
+        the newcomer, which did, would answer with it; out of doubt, no drop showed an instance
+        in between). A reply below both tells nothing."""
+        nc = self._newcomer
+        assert nc is not None
+        self._heard = max(self._heard, seq)
+        if instance is not None:
+            if instance == self.instance:
+                refuted = True
+            elif instance != nc.instance:
+                self._welcome(out)
+                if self._instance_sure and instance != self.instance and instance not in self._retired:
+                    self._replayed_by_new_instance(out, seq, payload, instance, self._ts_of(payload))
+                else:
+                    self._resume(out, to_end=True)
+                return
+            else:
+                refuted = False
+        elif nc.batch is not None and seq >= nc.batch[0]:
+            refuted = seq != nc.batch[0] or payload != nc.batch[1]
+        elif self._anchor is not None and seq == self._anchor[0] and _matches(self._anchor[1], self._ts_of(payload), payload):
+            refuted = True
+        else:
+            return
+        if refuted:
+            self._refute(out, f"its engine answers the replay with its seq {seq} under {_name(instance)}")
+            self._resume(out, to_end=True)  # (what it brought: fetched again)
+        else:
+            self._welcome(out)
+            self._resume(out, to_end=True)  # (what the new instance published after it: a quiet engine)
+
+    def _newcomer_finished(self, out: list[Action], complete: bool) -> None:
+        """The replay about the newcomer ended without a reply that decides."""
+        nc = self._newcomer
+        assert nc is not None
+        heard = self._heard
+        self._unclaim()
+        self._replay = self._newcomer_replay = None
+        if complete and self._buffers and nc.batch is not None and heard < nc.seq:
+            # Its end marker before its seq, from an engine whose buffer was seen at work: whoever
+            # holds the replay socket never published it (the newcomer, which did, would hold it).
+            self._refute(out, f"its engine holds nothing from seq {nc.seq} on")
+            self._resume(out, to_end=heard >= 0)  # (what it brought: fetched again)
+            return
+        nc.silent += 1
+        if nc.silent >= self.max_attempts:
+            self._welcome(out)  # the replay socket cannot tell: taken on its word
+            self._resume(out, to_end=True)
+            return
+        self._ask_newcomer(out)
 
     def _retire(self, instance: bytes) -> None:
         self._retired[instance] = None
@@ -652,7 +823,7 @@ class StreamSequencer:
         seq of live messages read but never sequenced (settled by this epoch if it ends first)."""
         if self._replay is not None:
             self._unclaim()
-            self._replay = None
+            self._replay = self._newcomer_replay = None
         self._top = max(self._top, unread_top)
 
     def disconnected(self, now: float | None = None) -> list[Action]:
@@ -660,6 +831,8 @@ class StreamSequencer:
         next may come from a new instance. A batch set aside was read before the drop: it counts
         as any batch read then (held; a live seq at or below it is then another instance's)."""
         out: list[Action] = []
+        if self._newcomer is not None:
+            self._welcome(out)  # (a restart drops the connection: as if it came after the drop)
         if self._aside is not None:
             self._hold_aside(self._aside)
         self._into_doubt(out, now)
@@ -698,6 +871,10 @@ class StreamSequencer:
         yet, with no doubt to settle, has no history to ask for.
         """
         out: list[Action] = []
+        if self._newcomer is not None:
+            if self.can_replay and self._replay is None:
+                self._ask_newcomer(out)
+            return out
         heard = not self._join or self.last_live is not None or self._doubt or bool(self.held)
         if self.can_replay and self._replay is None and heard:
             self._attempts = 0
@@ -712,6 +889,9 @@ class StreamSequencer:
             return out
         self._answered = True
         self._buffers = True
+        if request_id == self._newcomer_replay:
+            self._newcomer_replied(out, seq, payload, instance)
+            return out
         self._replied_top = max(self._replied_top, seq)
         if instance is not None and self._instance_sure:
             if instance != self.instance:
@@ -871,6 +1051,9 @@ class StreamSequencer:
         out: list[Action] = []
         if request_id != self._replay:
             return out
+        if request_id == self._newcomer_replay:
+            self._newcomer_finished(out, complete)
+            return out
         self._settle_aside(out, complete)
         self._finished(out, complete)
         if self._aside is not None and not self.replaying:
@@ -981,8 +1164,10 @@ class StreamSequencer:
 
     @property
     def waiting(self) -> set[int]:
-        """The seqs of live batches waiting: held above a gap, and the one set aside (if any)."""
-        return {*self.held, *(self._aside[:1] if self._aside is not None else ())}
+        """The seqs of live batches waiting: held above a gap, the one set aside, and a newcomer's
+        (under another UUID, not confirmed yet), if any."""
+        nc = self._newcomer
+        return {*self.held, *(self._aside[:1] if self._aside is not None else ()), *(nc.batch[:1] if nc and nc.batch else ())}
 
     @property
     def in_doubt(self) -> bool:

@@ -598,6 +598,73 @@ async def test_a_live_frame_ahead_of_its_engine_is_dead_lettered_never_a_restart
     assert [d["reason"] for d in dead] == ["bad_seq"] and dead[0]["seq"] in (forged, None)
 
 
+@pytest.mark.parametrize("forged_uuid", [uuid.uuid4().bytes, None], ids=["another_uuid", "no_uuid"])
+@pytest.mark.parametrize("replies_named", [True, False], ids=["replies_with_uuid", "replies_without"])
+async def test_one_frame_under_another_uuid_is_dead_lettered_never_a_restart(
+    tmp_path: Path, forged_uuid: bytes | None, replies_named: bool
+) -> None:
+    """Issue 29 (breaker32 B1). An engine on real ZMQ with a publisher UUID (24-byte seq frames,
+    vLLM #57789) publishes 0..19, then one frame at seq 20 under another UUID (or an 8-byte seq
+    frame: no UUID), then its own 20..39; its replay socket answers from what it holds, with its
+    UUID on replies or without. Before: a certain restart, the engine's UUID retired and its
+    20..39 dropped as a retired instance's. Now: one epoch with every batch once, the frame
+    dead-lettered (``bad_seq``), no restart."""
+    ctx, pub, router, source, payloads = scripted_engine(seed=7)
+    bogus = payloads.pop()
+    mine = uuid.uuid4().bytes
+    held: list[int] = []
+
+    def frame(s: int, instance: bytes | None) -> bytes:
+        return seq(s) + (instance or b"")
+
+    async def serve() -> None:
+        while True:
+            identity, *rest = await router.recv_multipart()
+            start = int.from_bytes(rest[-1], "big")
+            for s in [s for s in held if s >= start]:
+                await router.send_multipart([identity, b"", b"", frame(s, mine if replies_named else None), payloads[s]])
+            await router.send_multipart([identity, b"", b"", seq(2**64 - 1), b""])
+
+    async def publish(s: int) -> None:
+        held.append(s)
+        await pub.send_multipart([b"", frame(s, mine), payloads[s]])
+        await asyncio.sleep(0.01)
+
+    server = asyncio.create_task(serve())
+    out = tmp_path / "out.jsonl"
+    cfg = _config(tmp_path, [0, 0, 0, 0], [{"type": "file", "path": str(out), "granularity": "batch", "batch": {"linger": 0}}])
+    cfg["sources"] = [source]
+    try:
+        async with running(cfg, {}) as bridge:
+            await wait_for(lambda: bridge.readers["e/0"].connections > 0, what="subscription")
+            await asyncio.sleep(0.3)
+            for s in range(20):
+                await publish(s)
+            await wait_for(lambda: len(read_lines(out)) >= 20, what="the first batches")
+            await pub.send_multipart([b"", frame(20, forged_uuid), bogus])
+            for s in range(20, 40):
+                await publish(s)
+            await wait_for(lambda: len(read_lines(out)) >= 40, what="the engine's next batches")
+            await wait_for(
+                lambda: metric(bridge, "kv_bridge_decode_failures_total", source="e", reason="bad_seq") == 1,
+                what="the frame dead-lettered",
+            )
+            await asyncio.sleep(0.5)  # (nothing more comes)
+            status, body = await readyz(bridge)
+            restarts = metric(bridge, "kv_bridge_source_restarts_total", source="e")
+    finally:
+        server.cancel()
+        pub.close(linger=0)
+        router.close(linger=0)
+        ctx.destroy(linger=0)
+    lines = read_lines(out)
+    assert [(ln["type"], ln["seq"]) for ln in lines] == [("EventBatch", s) for s in range(40)]
+    assert len({ln["epoch"] for ln in lines}) == 1 and restarts == 0
+    assert status == 200, body
+    dead = [json.loads(line) for line in (tmp_path / "dead.jsonl").read_text().splitlines()]
+    assert [d["reason"] for d in dead] == ["bad_seq"]
+
+
 async def test_a_100mb_message_is_refused_before_allocation(tmp_path: Path) -> None:
     """ZMQ's MAXMSGSIZE (ingest.max_frame_bytes, 64 MiB by default): the bridge's memory does not
     grow by the message, the connection is re-established and the next message is served."""

@@ -48,12 +48,13 @@ def test_a_new_uuid_is_a_certain_restart_even_when_its_seq_continues() -> None:
     """Inference would take seq 3 after 2 for the same instance (kthena #1541); the UUID says not."""
     s = seqr()
     out = feed(s, A, range(3))
-    out += s.live(3, p(B, 3), instance=B)
+    out += s.live(3, p(B, 3), instance=B)  # (waits for its confirmation: its next message here)
+    out += s.live(4, p(B, 4), instance=B)
     resets = [a for a in out if isinstance(a, Reset)]
     assert resets == [Reset(1, INSTANCE_CHANGED)]
-    # The new instance's head (0..2) is fetched by replay in the new epoch, seq 3 waits for it.
+    # The new instance's head (0..2) is fetched by replay in the new epoch, seq 3 and 4 wait for it.
     assert isinstance(out[-1], RequestReplay) and out[-1].start == 0
-    assert delivered(out) == [(0, 0), (0, 1), (0, 2)] and s.held == {3: p(B, 3)}
+    assert delivered(out) == [(0, 0), (0, 1), (0, 2)] and s.held == {3: p(B, 3), 4: p(B, 4)}
 
 
 def test_a_new_uuid_from_seq_0_opens_the_new_epoch_and_delivers_it() -> None:
@@ -76,11 +77,11 @@ def test_a_seq_going_back_under_the_same_uuid_is_not_a_restart() -> None:
 def test_a_retired_uuid_never_reaches_the_new_epoch() -> None:
     """A late message of the instance gone (or a second publisher on one stream) is dropped."""
     s = seqr(replay=False)
-    out = feed(s, A, range(2)) + feed(s, B, range(1))
+    out = feed(s, A, range(2)) + feed(s, B, range(2))
     late = s.live(2, p(A, 2), instance=A)
     assert late == [Duplicate(2)] and s.epoch == 1 and s.instance == B
     # ...and the epoch goes on under B as if nothing came.
-    assert delivered(out + late + feed(s, B, [1])) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert delivered(out + late + feed(s, B, [2])) == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
 
 
 def test_an_upgrade_to_a_uuid_is_a_certain_restart() -> None:
@@ -92,7 +93,7 @@ def test_an_upgrade_to_a_uuid_is_a_certain_restart() -> None:
     assert [a for a in out if isinstance(a, Lost)] == [Lost(0, 3, "no_replay", 1)]  # the new head, never seen
     assert delivered(out)[-2:] == [(1, 4), (1, 5)] and s.instance == A
     # Going back to none (a downgrade) is a restart too.
-    assert [a for a in feed(s, None, [0]) if isinstance(a, Reset)] == [Reset(2, INSTANCE_CHANGED)]
+    assert [a for a in feed(s, None, [0, 1]) if isinstance(a, Reset)] == [Reset(2, INSTANCE_CHANGED)]
 
 
 def test_the_first_uuid_of_a_fresh_stream_is_adopted_without_restart() -> None:
@@ -150,9 +151,9 @@ def test_a_restart_while_the_bridge_was_away_is_certain_without_a_replay_endpoin
     before = seqr(replay=False, delivered=5, delivered_fp=fingerprint(ts(last), last), epoch=7)
     assert delivered(before.live(8, p(B, 8), instance=B)) == [(7, 8)]  # (what happens without it)
     s = seqr(replay=False, delivered=5, delivered_fp=fingerprint(ts(last), last), epoch=7, instance=A)
-    out = s.live(8, p(B, 8), instance=B)
+    out = s.live(8, p(B, 8), instance=B) + s.live(9, p(B, 9), instance=B)
     assert [a for a in out if isinstance(a, Reset)] == [Reset(8, INSTANCE_CHANGED)]
-    assert delivered(out) == [(8, 8)] and s.epoch == 8 and s.sure_instance == B
+    assert delivered(out) == [(8, 8), (8, 9)] and s.epoch == 8 and s.sure_instance == B
     assert [(a.epoch, a.from_seq, a.to_seq) for a in out if isinstance(a, Lost)] == [(8, 0, 7)]
     assert s.retired_instances == [A]
 
@@ -172,7 +173,8 @@ def test_heartbeats_carry_the_uuid_and_the_next_seq() -> None:
     assert len(out) == 1 and isinstance(out[0], RequestReplay) and out[0].until == -1  # (from 2: it verifies)
     t = seqr(replay=False)
     feed(t, A, range(3))
-    assert t.heartbeat(0, B) == [Reset(1, INSTANCE_CHANGED)]  # a new instance, quiet so far
+    assert t.heartbeat(0, B) == []  # a new instance, quiet so far: confirmed by its next message
+    assert t.heartbeat(0, B) == [Reset(1, INSTANCE_CHANGED)]
     assert delivered(feed(t, B, [0])) == [(1, 0)]
 
 
@@ -216,10 +218,11 @@ def test_a_replay_under_the_epochs_uuid_needs_no_verification() -> None:
 def test_a_stream_remembers_the_64_uuids_retired_last() -> None:
     """Each instance gone is retired; past 64, the oldest is forgotten (a crash-looping engine must
     not grow a stream's memory without bound)."""
-    uuids = [bytes([i]) * 16 for i in range(1, 67)]
+    uuids = [bytes([i]) * 16 for i in range(100, 166)]
     s = seqr(replay=False)
     for n, uuid in enumerate(uuids):
-        s.live(n, p(uuid, n), instance=uuid)
+        s.live(2 * n, p(uuid, 2 * n), instance=uuid)
+        s.live(2 * n + 1, p(uuid, 2 * n + 1), instance=uuid)  # (its second message confirms it)
     assert s.sure_instance == uuids[-1]
     assert s.retired_instances == uuids[1:-1]  # 65 retired: the first forgotten
 
@@ -257,7 +260,8 @@ def test_what_a_heartbeat_says_of_the_seqs_below_it() -> None:
     assert t.heartbeat(6, A) == []  # without replay the next batch shows the gap
     u = seqr()
     feed(u, A, range(3))
-    assert u.heartbeat(3, None) == [Reset(1, INSTANCE_CHANGED), RequestReplay(1, 0, -1, 0)]
+    assert u.heartbeat(3, None) == [RequestReplay(1, 2, 2, 0)]  # (whose is seq 2 now?)
+    assert u.heartbeat(3, None) == [Reset(1, INSTANCE_CHANGED), RequestReplay(2, 0, -1, 0)]  # its second: confirmed
 
 
 def test_a_heartbeat_under_the_epochs_uuid_ends_the_doubt_and_one_without_a_uuid_proves_nothing() -> None:
@@ -276,7 +280,7 @@ def test_a_uuid_adopted_in_doubt_is_retired_when_another_comes() -> None:
     s.disconnected(now=10.0)
     feed(s, B, [0])  # adopted in doubt, not verified yet
     assert s.instance == B and s.sure_instance is None
-    out = feed(s, C, [0])
+    out = feed(s, C, [0, 1])
     assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
     assert s.retired_instances == [B] and s.sure_instance == C
     assert s.live(1, p(B, 1), instance=B) == [Duplicate(1)]  # a late message of it is dropped
@@ -301,13 +305,16 @@ def test_the_engine_ts_of_the_message_that_shows_a_new_uuid_numbers_the_new_epoc
     s = seqr(next_epoch=next_epoch)
     feed(s, A, range(3))
     s.live(3, p(B, 3), 7.5, instance=B)
+    s.live(4, p(B, 4), 8.5, instance=B)  # (confirms it: the first one's ts numbers the epoch)
     s.live(0, p(C, 0), float("nan"), instance=C)
+    s.live(1, p(C, 1), 9.5, instance=C)
     assert shown == [7.5, None]
 
 
 def test_a_heartbeats_new_uuid_is_known_for_certain_at_once() -> None:
     s = seqr(replay=False)
     feed(s, A, range(3))
+    assert s.heartbeat(0, B) == [] and s.sure_instance == A  # (one heartbeat could be a corrupt frame)
     assert s.heartbeat(0, B) == [Reset(1, INSTANCE_CHANGED)]
     assert s.sure_instance == B and s.retired_instances == [A]
 
@@ -319,7 +326,7 @@ def test_a_heartbeat_makes_the_seqs_below_it_the_instances_to_settle_when_it_res
     s = seqr(replay=False)
     feed(s, A, range(3))
     assert s.heartbeat(6, A) == [] and s.known_top == 5
-    out = feed(s, B, [0])
+    out = feed(s, B, [0, 1])
     assert out[:2] == [Lost(3, 5, INSTANCE_CHANGED, 0), Reset(1, INSTANCE_CHANGED)]
     anonymous = seqr(replay=False)
     feed(anonymous, None, range(3))
@@ -420,12 +427,12 @@ def test_an_instance_that_published_nothing_has_nothing_announced_lost_when_it_g
     """Instance B shows only by heartbeats before anything (next seq 0; one after a disconnect
     ends the doubt), then C replaces it: B's epoch opened and closed with nothing published, so
     nothing of it is announced lost."""
-    s = seqr()
+    s = seqr(replay=False)
     feed(s, A, range(3))
-    assert s.heartbeat(0, instance=B) == [Reset(1, INSTANCE_CHANGED)]
-    assert s.disconnected() == [] and s.in_doubt
-    assert s.heartbeat(0, instance=B) == [] and not s.in_doubt
-    assert s.heartbeat(0, instance=C) == [Reset(2, INSTANCE_CHANGED)]
+    assert s.heartbeat(0, instance=B) == [] and s.heartbeat(0, instance=B) == [Reset(1, INSTANCE_CHANGED)]
+    assert s.disconnected() == [] and not s.in_doubt  # (without replay nothing is in doubt)
+    assert s.heartbeat(0, instance=C) == [] and s.heartbeat(0, instance=C) == [Reset(2, INSTANCE_CHANGED)]
+    assert s.heartbeat(0, instance=b"\xdd" * 16) == []
     assert s.heartbeat(0, instance=b"\xdd" * 16) == [Reset(3, INSTANCE_CHANGED)]  # nor of C's
 
 
@@ -450,6 +457,6 @@ def test_an_epoch_without_a_uuid_retires_none_when_it_ends() -> None:
     only A is retired; the epoch without a UUID leaves nothing to retire."""
     s = seqr()
     feed(s, A, range(3))
-    assert Reset(1, INSTANCE_CHANGED) in feed(s, None, [0])
-    assert Reset(2, INSTANCE_CHANGED) in feed(s, B, [0])
+    assert Reset(1, INSTANCE_CHANGED) in feed(s, None, [0, 1])
+    assert Reset(2, INSTANCE_CHANGED) in feed(s, B, [0, 1])
     assert s.retired_instances == [A]

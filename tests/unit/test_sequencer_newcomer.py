@@ -1,0 +1,145 @@
+"""A new publisher UUID takes effect once confirmed (issue 29, breaker32 B1): one corrupt or forged
+frame under another UUID (or under none, an 8-byte seq frame) must not end the epoch, retire the
+engine's own UUID and drop its later batches. Out of doubt (no drop noticed: a restart drops the
+connection first) such a frame waits until a second message or a replay reply under its UUID
+confirms it, or a message or reply of the epoch's instance refutes it (dead-lettered). The model
+with forged UUIDs and restarts nobody noticed is ``UuidModel.forge_uuid`` and
+``restart_unnoticed`` in ``test_sequencer_model.py``. Helpers: ``test_sequencer_uuid.py``."""
+
+from __future__ import annotations
+
+from bridge.sequencer import INSTANCE_CHANGED, Action, Deliver, Duplicate, RequestReplay, Reset, Suspect
+from tests.unit.test_sequencer_uuid import A, B, C, delivered, feed, p, seqr
+
+FORGED = b"f:99"  # (a ts the engine never stamped)
+
+
+def requests(out: list[Action]) -> list[RequestReplay]:
+    return [a for a in out if isinstance(a, RequestReplay)]
+
+
+def suspects(out: list[Action]) -> list[int]:
+    return [a.seq for a in out if isinstance(a, Suspect)]
+
+
+def test_one_frame_under_another_uuid_is_refuted_by_the_engines_next_message() -> None:
+    """Before: an immediate restart, A retired, and A's seq 3 dropped as a retired instance's."""
+    s = seqr()
+    feed(s, A, range(3))
+    out = s.live(3, FORGED, instance=B)
+    assert not [a for a in out if isinstance(a, Reset | Deliver)] and s.waiting == {3}
+    (ask,) = requests(out)
+    assert (ask.start, ask.until) == (2, 3)  # the epoch's last batch and the frame's seq: whoever holds the socket
+    out = s.live(3, p(A, 3), instance=A)
+    assert suspects(out) == [3] and delivered(out) == [(0, 3)]
+    assert s.epoch == 0 and s.sure_instance == A and s.retired_instances == [] and not s.waiting
+    assert s.replayed(ask.request_id, 2, p(A, 2), instance=A) == []  # (the replay about it is dropped)
+    assert delivered(feed(s, A, [4])) == [(0, 4)]
+
+
+def test_one_frame_without_a_uuid_on_a_uuid_stream_is_refuted_too() -> None:
+    """An 8-byte seq frame where the engine sends 24 bytes (a corrupt frame, or a downgrade)."""
+    s = seqr()
+    feed(s, A, range(3))
+    assert not [a for a in s.live(3, FORGED) if isinstance(a, Reset)]
+    out = s.heartbeat(3, A)  # a heartbeat of the epoch's instance refutes it as well
+    assert suspects(out) == [3] and s.epoch == 0 and s.sure_instance == A
+
+
+def test_the_replay_about_it_refutes_it_by_uuid_or_by_the_epochs_last_batch() -> None:
+    for instance in (A, None):  # replies with the engine's UUID, or with none (the bytes decide)
+        s = seqr()
+        feed(s, A, range(3))
+        (ask,) = requests(s.live(9, FORGED, instance=B))
+        out = s.replayed(ask.request_id, 2, p(A, 2), instance=instance)
+        assert suspects(out) == [9] and s.epoch == 0 and s.sure_instance == A
+        (again,) = requests(out)  # the replay the stream needs goes on from its position
+        assert again.start == 2 and again.until == -1
+        assert not s.waiting
+
+
+def test_an_engine_holding_nothing_at_its_seq_refutes_it() -> None:
+    """The engine's buffer was seen at work and holds nothing from the frame's seq on: the one
+    that published it would hold it (a frame far ahead, where the epoch's last batch left the
+    buffer)."""
+    s = seqr()
+    feed(s, A, range(3))
+    (probe,) = s.probe()
+    s.replayed(probe.request_id, 2, p(A, 2), instance=A)
+    s.replay_finished(probe.request_id, complete=True)
+    (ask,) = requests(s.live(2**63, FORGED, instance=B))
+    out = s.replay_finished(ask.request_id, complete=True)
+    assert suspects(out) == [2**63] and s.epoch == 0 and not s.waiting
+
+
+def test_a_restart_nobody_noticed_is_confirmed_by_the_new_instances_reply() -> None:
+    """No drop noticed (a missed monitor event): the new instance's first message waits; its
+    replay reply under its UUID (or, without UUIDs on replies, its own bytes at that seq)
+    confirms it, and the new epoch fetches what it published from seq 0."""
+    for instance in (B, None):
+        s = seqr()
+        feed(s, A, range(3))
+        (ask,) = requests(s.live(1, p(B, 1), instance=B))
+        assert (ask.start, ask.until) == (1, 2)
+        out = s.replayed(ask.request_id, 1, p(B, 1), instance=instance)
+        assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
+        assert s.sure_instance == B and s.retired_instances == [A] and s.held == {1: p(B, 1)}
+        (fetch,) = requests(out)
+        assert fetch.start == 0
+        out = s.replayed(fetch.request_id, 0, p(B, 0), instance=instance) + s.replayed(fetch.request_id, 1, p(B, 1), instance)
+        assert delivered(out) == [(1, 0), (1, 1)]
+
+
+def test_without_replay_the_next_message_under_its_uuid_confirms_it() -> None:
+    s = seqr(replay=False)
+    feed(s, A, range(3))
+    assert s.live(0, p(B, 0), instance=B) == []
+    out = s.live(1, p(B, 1), instance=B)
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
+    assert delivered(out) == [(1, 0), (1, 1)]
+    heartbeat = seqr(replay=False)
+    feed(heartbeat, A, range(3))
+    assert heartbeat.live(0, p(B, 0), instance=B) == []
+    assert Reset(1, INSTANCE_CHANGED) in heartbeat.heartbeat(1, B) and heartbeat.delivered == 0
+
+
+def test_a_replay_socket_that_cannot_tell_takes_it_on_its_word_after_max_attempts() -> None:
+    s = seqr(max_attempts=3)
+    feed(s, A, range(3))
+    out = s.live(5, p(B, 5), instance=B)
+    for _ in range(2):
+        (ask,) = requests(out)
+        out = s.replay_finished(ask.request_id, complete=False)  # (timed out)
+        assert not [a for a in out if isinstance(a, Reset)]
+    (ask,) = requests(out)
+    assert ask.attempt == 2
+    out = s.replay_finished(ask.request_id, complete=False)
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)] and s.held == {5: p(B, 5)}
+
+
+def test_a_drop_after_it_makes_it_a_restart_and_a_drop_before_it_needs_no_confirmation() -> None:
+    """A restart drops the connection first: in doubt a new UUID is a restart at once (as
+    before); a drop noticed while one waits confirms it the same way."""
+    s = seqr()
+    feed(s, A, range(3))
+    s.live(0, p(B, 0), instance=B)
+    out = s.disconnected(now=10.0)
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)] and delivered(out) == [(1, 0)]
+    t = seqr()
+    feed(t, A, range(3))
+    t.disconnected(now=10.0)
+    assert [a for a in t.live(0, p(B, 0), instance=B) if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
+
+
+def test_a_third_uuid_after_it_confirms_it_and_waits_in_its_place() -> None:
+    """B came and went (one message) and C publishes now: B's epoch opens with its batch, and C
+    waits for its own confirmation; a late message of A is a retired instance's."""
+    s = seqr(replay=False)
+    feed(s, A, range(3))
+    s.live(0, p(B, 0), instance=B)
+    out = s.live(0, p(C, 0), instance=C)
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)] and delivered(out) == [(1, 0)]
+    assert s.sure_instance == B and s.waiting == {0}
+    assert s.live(3, p(A, 3), instance=A) == [Duplicate(3)]
+    out = s.live(1, p(C, 1), instance=C)
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(2, INSTANCE_CHANGED)] and delivered(out) == [(2, 0), (2, 1)]
