@@ -33,12 +33,14 @@ from .config import Config
 from .connector import Connector, Registry, template_labels, unwritable
 from .endpoints import for_rank
 from .errors import ConfigError, ConnectorError, NotConnected, StartupError
+from .health import listen_problem
 from .probe import diagnose, split_tcp
 from .records import Stream
 from .runtime import run as run_bridge
 from .runtime import streams_of
 from .secret import redact
 from .simulator import DEFAULT_PROFILE, PROFILES, Faults, Simulator, SimulatorOptions
+from .source import try_bind
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_UNREACHABLE = 0, 1, 2, 3
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
@@ -434,6 +436,8 @@ def check(path: str, *, offline: bool = False, registry: Registry | None = None)
         print("config ok (offline: sinks not contacted)")
         return EXIT_OK
     unreachable = _unwritable_paths(cfg)
+    if cfg.metrics.listen and (problem := listen_problem(cfg.metrics.listen)) is not None:
+        unreachable.append(problem)
     probed, answering, wrong, shapes = asyncio.run(_probe_engines(cfg))
     if probed or wrong:
         print(f"engines: {answering} of {probed} endpoint(s) answer as they should")
@@ -508,7 +512,11 @@ async def _probe_engines(cfg: Config) -> tuple[int, int, list[str], list[tuple[s
     for where_from, source in targets:
         for key in ("endpoint", "replay_endpoint", "snapshot_endpoint"):
             endpoint = getattr(source, key, None)  # (discovered sources have no snapshot_endpoint)
-            if endpoint is None or (key == "endpoint" and source.bind):
+            if endpoint is not None and key == "endpoint" and source.bind:
+                # Nothing to reach: the bridge's own address, which it must be able to take.
+                lines += filter(None, (try_bind(f"{where_from}.endpoint", for_rank(endpoint, r)) for r in range(source.dp_ranks)))
+                continue
+            if endpoint is None:
                 continue
             for rank in range(source.dp_ranks):
                 ep = for_rank(endpoint, rank)

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import errno
 import json
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -26,11 +27,32 @@ from .secret import redact
 Readiness = Callable[[bool], tuple[bool, dict[str, Any]]]  # (detail: False for the verdict alone)
 
 
+def _cannot_listen(host: str, port: int, exc: OSError) -> str:
+    why = "another process holds the port: stop it, or" if exc.errno == errno.EADDRINUSE else "fix the address, or"
+    return (
+        f"metrics.listen: cannot listen on {host}:{port} ({exc.strerror or exc}); {why} choose another "
+        "host:port in metrics.listen (an empty string turns the endpoints off)"
+    )
+
+
+def listen_problem(listen: str) -> str | None:
+    """Can ``metrics.listen`` be taken (what --check asks)? None if so, else the problem."""
+    host, port = _address(listen)
+    try:
+        with socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET):
+            return None
+    except OSError as exc:
+        return _cannot_listen(host, port, exc)
+
+
+def _address(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
 class HealthServer:
     def __init__(self, listen: str, exposition: Callable[[], Awaitable[Sequence[bytes]]], readiness: Readiness) -> None:
-        host, _, port = listen.rpartition(":")
-        self.host = host.strip("[]") or "0.0.0.0"
-        self.port = int(port)
+        self.host, self.port = _address(listen)
         self.exposition = exposition
         self.readiness = readiness
         self._server: asyncio.Server | None = None
@@ -39,11 +61,7 @@ class HealthServer:
         try:
             self._server = await asyncio.start_server(self._handle, self.host, self.port, limit=16384)
         except OSError as exc:
-            why = "another process holds the port: stop it, or" if exc.errno == errno.EADDRINUSE else "fix the address, or"
-            raise StartupError(
-                f"metrics.listen: cannot listen on {self.host}:{self.port} ({exc.strerror or exc}); {why} choose another "
-                "host:port in metrics.listen (an empty string turns the endpoints off)"
-            ) from exc
+            raise StartupError(_cannot_listen(self.host, self.port, exc)) from exc
         sock = self._server.sockets[0]
         self.port = sock.getsockname()[1]
 

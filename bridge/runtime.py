@@ -425,6 +425,8 @@ class Bridge:
             reader = SourceReader(
                 pipeline, self.zmq_context, endpoint, bind=source.bind, topic=source.topic, ingest=ingest, drainer=self.drainer
             )
+            configured = [i for i, s in enumerate(self.config.sources) if s is source]
+            reader.open(f"sources[{configured[0]}].endpoint" if configured else f"source {source.name}: endpoint")
             self.readers[key] = reader
             self._reader_tasks[key] = self._watch(asyncio.create_task(reader.run(), name=f"source:{key}"))
             await pipeline.start()

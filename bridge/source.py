@@ -43,6 +43,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from . import probe
 from .config import IngestConfig
+from .errors import StartupError
 from .ingest import Drainer, finish, start_inline
 from .stream import StreamPipeline
 
@@ -67,6 +68,30 @@ _get = cast(Callable[[zmq.Socket[bytes], int], int], _BackendSocket.get)  # an i
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
+def bind_problem(where: str, endpoint: str, exc: zmq.ZMQError) -> str:
+    """The one line for a ``bind: true`` source whose address cannot be taken (also --check's)."""
+    why = (
+        "another process holds the port: stop it, or choose another"
+        if exc.errno == zmq.EADDRINUSE
+        else "the address is not this host's: use one of its addresses (or * for all), or another"
+    )
+    fix = f"{why} address, or set bind: false to connect to the engine"
+    return f"{where}: cannot bind {endpoint} ({zmq.strerror(exc.errno) if exc.errno is not None else exc}); {fix}"
+
+
+def try_bind(where: str, endpoint: str) -> str | None:
+    """Bind ``endpoint`` on a throwaway socket (what --check does for a ``bind: true`` source):
+    None if it can be taken, else the problem."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        return bind_problem(where, endpoint, exc)
+    finally:
+        sock.close(linger=0)
+    return None
+
+
 class SourceReader:
     """Reads one stream's live socket. ``subscribed`` is True once the socket is set up."""
 
@@ -86,6 +111,7 @@ class SourceReader:
         self.ctx = ctx
         self.endpoint = endpoint
         self.bind = bind
+        self._opened: tuple[zmq.Socket[bytes], zmq.asyncio.Socket] | None = None  # by open(), for run()
         self.topic = topic
         self.ingest = ingest
         self.subscribed = False
@@ -140,10 +166,22 @@ class SourceReader:
             sock.connect(self.endpoint)
         return sock, monitor
 
+    def open(self, where: str) -> None:
+        """Make the socket now (bind or connect), before :meth:`run`: a ``bind`` address the
+        bridge cannot take is a start-up error naming the thing (``where``) and the fix, not a
+        task that dies later."""
+        try:
+            self._opened = self._socket()
+        except zmq.ZMQError as exc:
+            if not self.bind:
+                raise
+            raise StartupError(bind_problem(where, self.endpoint, exc)) from None
+
     async def run(self) -> None:
         """Set the socket up, have the process's drainer read it (see :mod:`bridge.ingest`), and
         finish here what a burst's pipeline call could not finish inline."""
-        sock, monitor = self._socket()
+        opened, self._opened = self._opened, None
+        sock, monitor = opened if opened is not None else self._socket()
         # Watched like every background task: a monitor that dies would hide reconnects (and
         # with them the check that the engine on the other end is still the same instance).
         monitor_task = self.pipeline.ctx.spawn(self._monitor(monitor, sock), f"monitor:{self.endpoint}")

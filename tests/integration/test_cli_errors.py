@@ -150,7 +150,16 @@ CASES = [
          "discovery: {dns: {name: no-such-service.invalid, timeout: 2s}}\n" + FILE_SINK),
     Case("redis-unreachable", CHECK, 3, ["(is the server up and reachable from here? --offline skips this step)"],
          SOURCE + "sinks:\n  - {type: redis, url: 'redis://127.0.0.1:{dead}/0', timeout: 2s}\n"),
+    Case("check-bind-port-in-use", CHECK, 3,
+         ["sources[0].endpoint: cannot bind tcp://127.0.0.1:{busy} (Address already in use); another process holds the "
+          "port: stop it, or choose another address, or set bind: false"],
+         "sources:\n  - {name: a, endpoint: 'tcp://127.0.0.1:{busy}', bind: true}\n" + FILE_SINK),
+    Case("check-metrics-port-in-use", CHECK, 3, ["metrics.listen: cannot listen on 127.0.0.1:{busy}"],
+         SOURCE + FILE_SINK + "metrics: {listen: '127.0.0.1:{busy}'}\n"),
     # -- run: the same validation at start, and start-up failures in one line
+    Case("run-bind-port-in-use", RUN, 1,
+         ["sources[0].endpoint: cannot bind tcp://127.0.0.1:{busy} (Address already in use); another process holds the port"],
+         "sources:\n  - {name: a, endpoint: 'tcp://127.0.0.1:{busy}', bind: true}\n" + FILE_SINK),
     Case("run-invalid-config", RUN, 2, ["sources[0].endpoint: 'vllm-host:5557' has no transport"],
          "sources:\n  - {name: a, endpoint: 'vllm-host:5557'}\n" + FILE_SINK),
     Case("run-placeholder-typo", RUN, 2, ["unknown placeholder {sorce}"],
