@@ -225,6 +225,8 @@ class Bridge:
         self._retired: dict[str, tuple[ckpt.StreamPosition | None, int, float, StreamSequencer]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.failed: BaseException | None = None
+        # Per sink index: spans a state sink was found at start-up to have lost (see _behind_at_start).
+        self._lost_at_start: dict[int, list[tuple[Stream, int, int, int]]] = {}
         self.stopped = asyncio.Event()
         self.health: HealthServer | None = None
         self._checkpoint_task: asyncio.Task[None] | None = None
@@ -319,6 +321,7 @@ class Bridge:
             worker = SinkWorker(
                 i, sink, conn, renderer, self.metrics, self.dead_letters, self.checkpointer.on_ack, self._state_lost
             )
+            worker.lost_at_start = self._lost_at_start.pop(i, [])
             self.metrics.start_sink(worker.name)
             self.workers.append(worker)
             self._watch(worker.start())
@@ -610,6 +613,7 @@ class Bridge:
                         "its first record and incomplete until the engine's next reset",
                         extra={"stream": stream.key, "state_seq": head.seq, "acknowledged_seq": resume.seq},
                     )
+                    self._behind_at_start(stream, [r[stream.key][0] for r in reads], resume)
                     fresh += 1
                     continue
                 short = [(len(e), h.live) for h, e in held if len(e) < h.live]
@@ -638,6 +642,17 @@ class Bridge:
         self.metrics.state_rebuilds.labels("fresh").inc(fresh)
         if rebuilt:
             log.info("state rebuilt from the sinks", extra={"count": rebuilt, "entries": tracker.total})
+
+    def _behind_at_start(self, stream: Stream, heads: Sequence[Any], resume: ckpt.StreamPosition) -> None:
+        """Each state sink whose head of ``stream`` (``heads``, in the order of the state sinks) is
+        behind what every sink acknowledged lost the records since, its events with its state (a
+        server restored from an older snapshot while no bridge ran): they are announced to that
+        sink alone, ahead of the stream's first record (``SinkWorker.lost_at_start``), as a loss
+        found at run time is (I6)."""
+        for conn, head in zip(self._state_sinks, heads, strict=True):
+            if (head.epoch, head.seq) < (resume.epoch, resume.seq):
+                first = head.seq + 1 if head.epoch == resume.epoch else 0  # (where an older epoch's ended: unknown)
+                self._lost_at_start.setdefault(self._built.index(conn), []).append((stream, resume.epoch, first, resume.seq))
 
     async def _read_state(self, conn: Connector, streams: list[Stream]) -> dict[str, Any]:
         """What one state sink holds of ``streams``; nothing (every stream unknown) when it cannot say."""

@@ -188,6 +188,9 @@ class SinkWorker:
         self._idle.set()
         self._dropped: dict[str, Record] = {}  # per stream: the EventsLost of the span being dropped
         self._state_gone: set[str] = set()  # streams whose state changes are not written until a clear
+        # (stream, epoch, from_seq, to_seq) the runtime found this sink lost before it started:
+        # announced once it is connected, ahead of anything queued.
+        self.lost_at_start: list[tuple[Stream, int, int, int]] = []
         # Stream key -> reason of the refusal of its state last logged: told once while the sink
         # refuses it again and again (a state record too large for the sink at every write), until
         # the stream's state is written again.
@@ -372,6 +375,11 @@ class SinkWorker:
 
     async def _run(self) -> None:
         await self._connect()
+        if self.lost_at_start:
+            exc = SinkLost("it holds less than it acknowledged before this start", self.lost_at_start)
+            self.lost_at_start = []
+            if await self._deliver(self._announce_lost(exc, [])):
+                log.error("announcements of lost messages dead-lettered", extra={"sink": self.name})
         linger = self.config.batch.linger
         while True:
             if not self._queue:

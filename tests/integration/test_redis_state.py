@@ -511,6 +511,58 @@ async def test_entries_redis_lost_are_announced_and_the_state_cleared(
             (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
 
 
+async def test_entries_redis_lost_while_no_bridge_ran_are_announced_at_the_next_start(
+    tmp_path: Path, forgetful_redis: RedisServer
+) -> None:
+    """Issue 29 (breaker33 B2): Redis comes back from an older RDB snapshot while the bridge is
+    stopped. The restarted bridge read the state head back behind what its checkpoint says every
+    sink acknowledged, cleared the state (incomplete), and said so in its log only: the stream
+    silently lacked the acknowledged batches, and no EventsLost came. Now the span the sink lost
+    is announced to it (reason sink_lost:out) before the stream's first record."""
+    prefix = "kvs"
+    live, rep = free_port(), free_port()
+    checkpoint = {"path": str(tmp_path / "cp.json"), "interval": "100ms"}
+    cfg = in_process(tmp_path, [("a", live, rep)], sink(forgetful_redis.url, prefix), checkpoint=checkpoint)
+    client = aioredis.Redis.from_url(forgetful_redis.url)
+    async with CacheEngine(live, rep, seed=12) as engine:
+        try:
+            first = Bridge(cfg)
+            await first.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(10)
+                await settled(client, prefix, engine, "a")
+                await client.save()
+                kept = engine.last_seq
+                await engine.step(10)
+                await settled(client, prefix, engine, "a")
+                acknowledged = engine.last_seq
+            finally:
+                await first.stop()
+            await client.aclose()
+            await forgetful_redis.akill()
+            await forgetful_redis.astart()
+            client = aioredis.Redis.from_url(forgetful_redis.url)
+            assert await top_seq(client, f"{prefix}:a:0") == kept
+            second = Bridge(cfg)
+            await second.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(10)
+                await settled(client, prefix, engine, "a")
+            finally:
+                await second.stop()
+            back = await read_redis(forgetful_redis.url, [f"{prefix}:a:0"])
+            assert [x for x in back.lost if x[3].startswith("sink_lost")] == [(0, kept + 1, acknowledged, "sink_lost:out")]
+            present = {seq for _, _, seq, _, kind in back.rows if kind not in ("SourceReset", "EventsLost")}
+            gone = set(range(kept + 1, acknowledged + 1))
+            assert present | gone == set(range(engine.last_seq + 1)) and not present & gone, sorted(present)
+            check(await bootstrapped(client, prefix, "a"), engine, complete=False)
+        finally:
+            await client.aclose()
+            (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
+
+
 async def test_a_loss_on_a_quiet_stream_is_announced_without_waiting_for_its_next_batch(
     tmp_path: Path, forgetful_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
