@@ -2053,7 +2053,35 @@ class NatsConnector:
                     self._bucket_lives[stream.key] = self._bucket_life  # the tracker builds on what it holds
 
         await asyncio.gather(*(one(s) for s in streams))
+        await self._check_heads_stored(nc, {s.key: s for s in streams}, out)
         return out
+
+    async def _check_heads_stored(
+        self, nc: Client, streams: dict[str, Stream], out: dict[str, tuple[Head, list[SeedEntry]] | None]
+    ) -> None:
+        """Each head read back names the events stream's seq its stream continues from (``next``,
+        one past its last message stored): an events stream that no longer reaches it (created
+        again, empty, after a server that kept it in memory restarted, or deleted, while no bridge
+        ran) lost what the head says it stored. The head's epoch is announced lost from seq 0 at
+        the first write or audit, and the stream's state cleared, as a loss found at run time is
+        (I6)."""
+        name = self._events_stream
+        reach = {key: n for key, n in self._next.items() if n is not None and isinstance(out.get(key), tuple)}
+        if self.options.mode == "core" or name is None or not reach:
+            return
+        js = nc.jetstream(timeout=self.options.connect_timeout)
+        try:
+            last = (await js.stream_info(name)).state.last_seq
+        except nats.js.errors.NotFoundError:
+            last = 0
+        gone = [key for key, n in reach.items() if n - 1 > last]
+        for key in gone:
+            head = out[key]
+            assert head is not None
+            self._held.spans[key] = [_Span(streams[key], head[0].epoch, 0, head[0].seq)]
+        if gone:
+            stored = max(reach[k] for k in gone) - 1
+            self._stream_lost(f"{name!r} ends at seq {last}, below the {stored} the state says it stored")
 
     async def _redo(
         self, nc: Client, prefix: str, clear: bool, ops: Sequence[tuple[str, bytes | None]], head_doc: bytes, head: Head | None

@@ -422,3 +422,90 @@ async def test_a_server_restart_that_loses_a_memory_stream_is_announced_to_its_c
     finally:
         with contextlib.suppress(nats.errors.Error):
             await js.delete_key_value(bucket)
+
+
+async def test_a_memory_stream_lost_while_no_bridge_ran_is_announced_at_the_next_start(
+    tmp_path: Path, nats_server: NatsServer, reader: Client, dest: str
+) -> None:
+    """Issue 29 (breaker33 B3). Events stream in memory, state bucket on file: the bridge stops, the
+    server restarts (the stream is gone), the bridge starts again from its checkpoint and creates
+    the stream afresh. Before: it wrote on from JetStream seq 1 in the same epoch, nothing
+    announced, and the state it read back stayed complete over batches the stream no longer
+    held. Now the heads read back name a JetStream seq the new stream does not reach: the new
+    stream starts with an EventsLost (sink_lost:<sink>) over what the old one held, and the state
+    is cleared (incomplete)."""
+    bucket = f"SF{dest}"
+    live, rep = free_port(), free_port()
+    sink = {
+        "type": "nats",
+        "name": "nats-f",
+        "servers": nats_server.url,
+        "subject": dest + ".{source}.{dp_rank}",
+        "format": "json",
+        "granularity": "batch",
+        "batch": {"linger": 0},
+        "stream": {"create": True, "name": dest, "storage": "memory"},
+        "state": {"enabled": True, "bucket": bucket, "create": True},
+    }
+    cfg = {
+        "sources": [{"name": "eng", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}],
+        "sinks": [sink],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "checkpoint": {"path": str(tmp_path / "checkpoint.json")},
+        "replay": {"timeout": "300ms", "max_attempts": 20, "initial_backoff": "50ms", "max_backoff": "200ms", "idle_probe": 0},
+        "shutdown_timeout": "3s",
+    }
+    stream = Stream("eng", 0)
+    js = reader.jetstream(timeout=5)
+
+    async def until_stored(seq: int) -> None:
+        for _ in range(600):  # bounded wait for the stream to hold that batch
+            with contextlib.suppress(nats.errors.Error):
+                if seq in [m["seq"] for m in await _subject_messages(reader, dest, stream)]:
+                    return
+            await asyncio.sleep(0.05)
+        pytest.fail(f"the stream never held seq {seq}")
+
+    async def until_head(seq: int) -> None:
+        for _ in range(600):  # bounded wait for the state's head, not a timing assertion
+            with contextlib.suppress(LookupError, nats.errors.Error):
+                state, _ = await bootstrap(reader, bucket, "eng", 0, attempts=1)
+                if int(state.head["seq"]) == seq:
+                    return
+            await asyncio.sleep(0.05)
+        pytest.fail(f"the state's head never reached seq {seq}")
+
+    try:
+        async with CacheEngine(live, rep, seed=6) as engine:
+            first = Bridge(from_data(cfg, env={}))
+            await first.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(20, events_per_batch=4)
+                await until_stored(engine.last_seq)
+                before = engine.last_seq
+            finally:
+                await first.stop()
+            await nats_server.arestart()  # the events stream, kept in memory, is gone
+            second = Bridge(from_data(cfg, env={}))
+            await second.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(10, events_per_batch=4)
+                await until_stored(engine.last_seq)
+                await engine.step(5, events_per_batch=4)  # a state cleared is written again at its next record
+                await until_head(engine.last_seq)
+            finally:
+                await second.stop()
+        held = await _subject_messages(reader, dest, stream)
+        shown = [(m["type"], m.get("reason"), m.get("from_seq"), m.get("to_seq", m["seq"])) for m in held]
+        head = held[0]
+        assert head.get("type") == "EventsLost" and head["reason"] == "sink_lost:nats-f", shown
+        assert (head["from_seq"], head["to_seq"]) == (0, before), shown
+        assert [m["seq"] for m in held if "events" in m] == list(range(before + 1, engine.last_seq + 1))
+        state, _ = await bootstrap(reader, bucket, "eng", 0)
+        assert not state.complete and int(state.head["seq"]) == engine.last_seq
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await js.delete_key_value(bucket)
