@@ -225,7 +225,8 @@ class Bridge:
         self._retired: dict[str, tuple[ckpt.StreamPosition | None, int, float, StreamSequencer]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.failed: BaseException | None = None
-        # Per sink index: spans a state sink was found at start-up to have lost (see _behind_at_start).
+        # Per state sink (its connector's id): spans it was found at start-up to have lost (see
+        # _behind_at_start), for its worker to announce.
         self._lost_at_start: dict[int, list[tuple[Stream, int, int, int]]] = {}
         self.stopped = asyncio.Event()
         self.health: HealthServer | None = None
@@ -321,7 +322,7 @@ class Bridge:
             worker = SinkWorker(
                 i, sink, conn, renderer, self.metrics, self.dead_letters, self.checkpointer.on_ack, self._state_lost
             )
-            worker.lost_at_start = self._lost_at_start.pop(i, [])
+            worker.lost_at_start = self._lost_at_start.pop(id(conn), [])
             self.metrics.start_sink(worker.name)
             self.workers.append(worker)
             self._watch(worker.start())
@@ -652,7 +653,7 @@ class Bridge:
         for conn, head in zip(self._state_sinks, heads, strict=True):
             if (head.epoch, head.seq) < (resume.epoch, resume.seq):
                 first = head.seq + 1 if head.epoch == resume.epoch else 0  # (where an older epoch's ended: unknown)
-                self._lost_at_start.setdefault(self._built.index(conn), []).append((stream, resume.epoch, first, resume.seq))
+                self._lost_at_start.setdefault(id(conn), []).append((stream, resume.epoch, first, resume.seq))
 
     async def _read_state(self, conn: Connector, streams: list[Stream]) -> dict[str, Any]:
         """What one state sink holds of ``streams``; nothing (every stream unknown) when it cannot say."""

@@ -454,8 +454,8 @@ class StreamSequencer:
         confirms it; a message under the epoch's UUID, a reply under it, or a replay that shows
         the engine never published that seq refutes it (dead-lettered: a refuted genuine batch
         is fetched again by the new epoch's replay). One that the replay socket cannot tell about
-        (``max_attempts`` times) is taken on its word; so is one on a stream without replay at
-        the next message under its UUID. (Docs: concepts/correctness.md, "Instance detection".)"""
+        (``max_attempts`` times) is taken on its word; without replay the next message decides.
+        (Docs: concepts/correctness.md, "A new UUID".)"""
         self._newcomer = newcomer
         if self._replay is not None:
             # Asked before it came: it cannot refute it, and no other restart may be shown while

@@ -227,6 +227,7 @@ async def test_a_state_behind_what_every_sink_acknowledged_is_not_rebuilt(tmp_pa
     bridge.tracker, bridge._state_sinks = StateTracker(), [conn]
     await bridge.load_state([stream])
     assert bridge.tracker.total == 0
+    assert bridge._lost_at_start == {id(conn): [(stream, 1, 10, 19)]}  # (announced to it: breaker33 B2)
     delta = bridge.tracker.apply(Record(stream=stream, epoch=1, seq=20, events=[]))
     assert delta.clear and not delta.head.complete
     bridge.zmq_context.destroy(linger=0)
