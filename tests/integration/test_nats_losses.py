@@ -338,19 +338,13 @@ async def test_memory_storage_is_warned_about_at_connect_and_in_check(
 # -- case 5 end to end: the runtime announces what the server lost --------------------------------
 
 
-async def test_a_server_restart_that_loses_a_memory_stream_is_announced_to_its_consumers(
-    tmp_path: Path, nats_server: NatsServer, reader: Client, dest: str
-) -> None:
-    """Stream and bucket kept in memory, the server restarts: the sink goes on by itself (both
-    created again), the new stream starts with an EventsLost (reason sink_lost:<sink>) covering
-    what the old one held, then the batches after, and a consumer's bootstrap is incomplete, never
-    complete with blocks missing."""
-    bucket = f"ST{dest}"
-    live, rep = free_port(), free_port()
+def _bridge_config(tmp_path: Path, url: str, dest: str, name: str, bucket_storage: str, live: int, rep: int) -> dict[str, Any]:
+    """A bridge on one engine whose NATS sink keeps its events stream in memory (and its state
+    bucket in ``bucket_storage``), with a checkpoint."""
     sink = {
         "type": "nats",
-        "name": "nats-m",
-        "servers": nats_server.url,
+        "name": name,
+        "servers": url,
         "subject": dest + ".{source}.{dp_rank}",
         "format": "json",
         "granularity": "batch",
@@ -358,9 +352,9 @@ async def test_a_server_restart_that_loses_a_memory_stream_is_announced_to_its_c
         "batch": {"linger": 0, "max_messages": 200},
         "retry": {"initial_backoff": "50ms", "max_backoff": "200ms", "jitter": 0.0, "write_timeout": 10},
         "stream": {"create": True, "name": dest, "storage": "memory"},
-        "state": {"enabled": True, "bucket": bucket, "create": True, "storage": "memory"},
+        "state": {"enabled": True, "bucket": f"ST{dest}", "create": True, "storage": bucket_storage},
     }
-    cfg = {
+    return {
         "sources": [{"name": "eng", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}],
         "sinks": [sink],
         "metrics": {"listen": ""},
@@ -369,30 +363,53 @@ async def test_a_server_restart_that_loses_a_memory_stream_is_announced_to_its_c
         "replay": {"timeout": "300ms", "max_attempts": 20, "initial_backoff": "50ms", "max_backoff": "200ms", "idle_probe": 0},
         "shutdown_timeout": "3s",
     }
-    stream = Stream("eng", 0)
-    js = reader.jetstream(timeout=5)
 
-    async def head_seq() -> int | None:
+
+async def _until_head(reader: Client, bucket: str, seq: int) -> None:
+    """Wait (bounded, not a timing assertion) until the state's head of stream eng/0 is at ``seq``."""
+    for _ in range(600):
         with contextlib.suppress(LookupError, nats.errors.Error):
             state, _ = await bootstrap(reader, bucket, "eng", 0, attempts=1)
-            return int(state.head["seq"])
-        return None
-
-    async def until_head(seq: int) -> None:
-        for _ in range(600):  # bounded wait for the state's head, not a timing assertion
-            if await head_seq() == seq:
+            if int(state.head["seq"]) == seq:
                 return
-            await asyncio.sleep(0.05)
-        pytest.fail(f"the state's head never reached seq {seq}")
+        await asyncio.sleep(0.05)
+    pytest.fail(f"the state's head never reached seq {seq}")
 
-    async def until_stored(seq: int) -> None:
-        for _ in range(600):  # bounded wait for the stream to hold that batch
-            with contextlib.suppress(nats.errors.Error):
-                if seq in [m["seq"] for m in await _subject_messages(reader, dest, stream)]:
-                    return
-            await asyncio.sleep(0.05)
-        pytest.fail(f"the stream never held seq {seq}")
 
+async def _until_stored(reader: Client, dest: str, seq: int) -> None:
+    """Wait (bounded) until the events stream holds batch ``seq`` of stream eng/0."""
+    for _ in range(600):
+        with contextlib.suppress(nats.errors.Error):
+            if seq in [m["seq"] for m in await _subject_messages(reader, dest, Stream("eng", 0))]:
+                return
+        await asyncio.sleep(0.05)
+    pytest.fail(f"the stream never held seq {seq}")
+
+
+async def _check_announced(reader: Client, dest: str, sink: str, before: int, last: int) -> None:
+    """The new stream starts with the EventsLost of what the old one held (0..``before``), then the
+    batches after it; the state read back is incomplete, up to ``last``."""
+    held = await _subject_messages(reader, dest, Stream("eng", 0))
+    shown = [(m["type"], m.get("reason"), m.get("from_seq"), m.get("to_seq", m["seq"])) for m in held]
+    print(f"\nthe new stream holds: {shown}")
+    first = held[0]
+    assert first.get("type") == "EventsLost" and first["reason"] == f"sink_lost:{sink}", shown
+    assert (first["from_seq"], first["to_seq"]) == (0, before), shown
+    assert [m["seq"] for m in held if "events" in m] == list(range(before + 1, last + 1))
+    state, _ = await bootstrap(reader, f"ST{dest}", "eng", 0)
+    assert not state.complete and int(state.head["seq"]) == last
+
+
+async def test_a_server_restart_that_loses_a_memory_stream_is_announced_to_its_consumers(
+    tmp_path: Path, nats_server: NatsServer, reader: Client, dest: str
+) -> None:
+    """Stream and bucket kept in memory, the server restarts: the sink goes on by itself (both
+    created again), the new stream starts with an EventsLost (reason sink_lost:<sink>) covering
+    what the old one held, then the batches after, and a consumer's bootstrap is incomplete, never
+    complete with blocks missing."""
+    live, rep = free_port(), free_port()
+    cfg = _bridge_config(tmp_path, nats_server.url, dest, "nats-m", "memory", live, rep)
+    js = reader.jetstream(timeout=5)
     try:
         async with CacheEngine(live, rep, seed=5) as engine:
             bridge = Bridge(from_data(cfg, env={}))
@@ -400,28 +417,21 @@ async def test_a_server_restart_that_loses_a_memory_stream_is_announced_to_its_c
             try:
                 await engine.wait_subscribed()
                 await engine.step(20, events_per_batch=4)
-                await until_head(engine.last_seq)
+                await _until_head(reader, f"ST{dest}", engine.last_seq)
                 before = engine.last_seq
                 await nats_server.arestart()  # what it kept in memory is gone
                 await engine.step(10, events_per_batch=4)
-                await until_stored(engine.last_seq)
+                await _until_stored(reader, dest, engine.last_seq)
                 await engine.step(5, events_per_batch=4)  # a state cleared is written again at its next record
-                await until_head(engine.last_seq)
+                await _until_head(reader, f"ST{dest}", engine.last_seq)
             finally:
                 await bridge.stop()
-        held = await _subject_messages(reader, dest, stream)
-        shown = [(m["type"], m.get("reason"), m.get("from_seq"), m.get("to_seq", m["seq"])) for m in held]
-        print(f"\nthe new stream holds: {shown}")
-        first = held[0]
-        assert first.get("type") == "EventsLost" and first["reason"] == "sink_lost:nats-m", first
-        assert (first["from_seq"], first["to_seq"]) == (0, before)
-        assert [m["seq"] for m in held if "events" in m] == list(range(before + 1, engine.last_seq + 1))
-        state, _ = await bootstrap(reader, bucket, "eng", 0)
-        assert not state.complete and int(state.head["seq"]) == engine.last_seq
+        await _check_announced(reader, dest, "nats-m", before, engine.last_seq)
+        state, _ = await bootstrap(reader, f"ST{dest}", "eng", 0)
         assert set(state.blocks()) <= {(m, 0, h & U64) for h, m in engine.cache}
     finally:
         with contextlib.suppress(nats.errors.Error):
-            await js.delete_key_value(bucket)
+            await js.delete_key_value(f"ST{dest}")
 
 
 async def test_a_memory_stream_lost_while_no_bridge_ran_is_announced_at_the_next_start(
@@ -434,48 +444,9 @@ async def test_a_memory_stream_lost_while_no_bridge_ran_is_announced_at_the_next
     held. Now the heads read back name a JetStream seq the new stream does not reach: the new
     stream starts with an EventsLost (sink_lost:<sink>) over what the old one held, and the state
     is cleared (incomplete)."""
-    bucket = f"SF{dest}"
     live, rep = free_port(), free_port()
-    sink = {
-        "type": "nats",
-        "name": "nats-f",
-        "servers": nats_server.url,
-        "subject": dest + ".{source}.{dp_rank}",
-        "format": "json",
-        "granularity": "batch",
-        "batch": {"linger": 0},
-        "stream": {"create": True, "name": dest, "storage": "memory"},
-        "state": {"enabled": True, "bucket": bucket, "create": True},
-    }
-    cfg = {
-        "sources": [{"name": "eng", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}],
-        "sinks": [sink],
-        "metrics": {"listen": ""},
-        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
-        "checkpoint": {"path": str(tmp_path / "checkpoint.json")},
-        "replay": {"timeout": "300ms", "max_attempts": 20, "initial_backoff": "50ms", "max_backoff": "200ms", "idle_probe": 0},
-        "shutdown_timeout": "3s",
-    }
-    stream = Stream("eng", 0)
+    cfg = _bridge_config(tmp_path, nats_server.url, dest, "nats-f", "file", live, rep)
     js = reader.jetstream(timeout=5)
-
-    async def until_stored(seq: int) -> None:
-        for _ in range(600):  # bounded wait for the stream to hold that batch
-            with contextlib.suppress(nats.errors.Error):
-                if seq in [m["seq"] for m in await _subject_messages(reader, dest, stream)]:
-                    return
-            await asyncio.sleep(0.05)
-        pytest.fail(f"the stream never held seq {seq}")
-
-    async def until_head(seq: int) -> None:
-        for _ in range(600):  # bounded wait for the state's head, not a timing assertion
-            with contextlib.suppress(LookupError, nats.errors.Error):
-                state, _ = await bootstrap(reader, bucket, "eng", 0, attempts=1)
-                if int(state.head["seq"]) == seq:
-                    return
-            await asyncio.sleep(0.05)
-        pytest.fail(f"the state's head never reached seq {seq}")
-
     try:
         async with CacheEngine(live, rep, seed=6) as engine:
             first = Bridge(from_data(cfg, env={}))
@@ -483,7 +454,7 @@ async def test_a_memory_stream_lost_while_no_bridge_ran_is_announced_at_the_next
             try:
                 await engine.wait_subscribed()
                 await engine.step(20, events_per_batch=4)
-                await until_stored(engine.last_seq)
+                await _until_head(reader, f"ST{dest}", engine.last_seq)
                 before = engine.last_seq
             finally:
                 await first.stop()
@@ -493,19 +464,12 @@ async def test_a_memory_stream_lost_while_no_bridge_ran_is_announced_at_the_next
             try:
                 await engine.wait_subscribed()
                 await engine.step(10, events_per_batch=4)
-                await until_stored(engine.last_seq)
+                await _until_stored(reader, dest, engine.last_seq)
                 await engine.step(5, events_per_batch=4)  # a state cleared is written again at its next record
-                await until_head(engine.last_seq)
+                await _until_head(reader, f"ST{dest}", engine.last_seq)
             finally:
                 await second.stop()
-        held = await _subject_messages(reader, dest, stream)
-        shown = [(m["type"], m.get("reason"), m.get("from_seq"), m.get("to_seq", m["seq"])) for m in held]
-        head = held[0]
-        assert head.get("type") == "EventsLost" and head["reason"] == "sink_lost:nats-f", shown
-        assert (head["from_seq"], head["to_seq"]) == (0, before), shown
-        assert [m["seq"] for m in held if "events" in m] == list(range(before + 1, engine.last_seq + 1))
-        state, _ = await bootstrap(reader, bucket, "eng", 0)
-        assert not state.complete and int(state.head["seq"]) == engine.last_seq
+        await _check_announced(reader, dest, "nats-f", before, engine.last_seq)
     finally:
         with contextlib.suppress(nats.errors.Error):
-            await js.delete_key_value(bucket)
+            await js.delete_key_value(f"ST{dest}")

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -539,14 +539,14 @@ async def test_garbage_replay_replies_are_counted_and_the_stream_goes_on(tmp_pat
     assert bad == len(garbage) * len(requests) >= len(garbage)
 
 
-@pytest.mark.parametrize("forged", [2**63, 10**6, 22, 2**64 - 1])
-async def test_a_live_frame_ahead_of_its_engine_is_dead_lettered_never_a_restart_or_a_loss(tmp_path: Path, forged: int) -> None:
-    """Issue 29 (breaker31x B2). An engine on real ZMQ publishes 0..19, one frame whose seq is
-    ``forged`` (a flipped high bit, a garbled counter, one just ahead: 22, which the engine then
-    publishes itself with other bytes; the end marker's seq), then 20..39. Its replay socket
-    answers from what it holds. One epoch with every batch once, nothing announced lost, the
-    frame dead-lettered (``bad_seq``), never delivered, and no restart."""
-    ctx, pub, router, source, payloads = scripted_engine(seed=5)
+async def _one_foreign_frame(
+    tmp_path: Path, seed: int, foreign: bytes, live: Callable[[int], bytes], reply: Callable[[int], bytes]
+) -> tuple[list[dict[str, Any]], float, int, str, list[dict[str, Any]]]:
+    """An engine on real ZMQ publishes 0..19 (sequence frames ``live(seq)``), one frame the engine
+    never sent (sequence frame ``foreign``), then 20..39; its replay socket answers from what it
+    has published (``reply(seq)``). What the bridge delivered (file sink), its restarts, /readyz,
+    and its dead letters, once the frame is dead-lettered."""
+    ctx, pub, router, source, payloads = scripted_engine(seed=seed)
     bogus = payloads.pop()  # (never published by the engine)
     held: list[int] = []  # what the engine has published (its replay buffer)
 
@@ -555,12 +555,12 @@ async def test_a_live_frame_ahead_of_its_engine_is_dead_lettered_never_a_restart
             identity, *rest = await router.recv_multipart()
             start = int.from_bytes(rest[-1], "big")
             for s in [s for s in held if s >= start]:
-                await router.send_multipart([identity, b"", b"", seq(s), payloads[s]])
+                await router.send_multipart([identity, b"", b"", reply(s), payloads[s]])
             await router.send_multipart([identity, b"", b"", seq(2**64 - 1), b""])
 
     async def publish(s: int) -> None:
         held.append(s)
-        await pub.send_multipart([b"", seq(s), payloads[s]])
+        await pub.send_multipart([b"", live(s), payloads[s]])
         await asyncio.sleep(0.01)
 
     server = asyncio.create_task(serve())
@@ -574,7 +574,7 @@ async def test_a_live_frame_ahead_of_its_engine_is_dead_lettered_never_a_restart
             for s in range(20):
                 await publish(s)
             await wait_for(lambda: len(read_lines(out)) >= 20, what="the first batches")
-            await pub.send_multipart([b"", seq(forged), bogus])
+            await pub.send_multipart([b"", foreign, bogus])
             for s in range(20, 40):
                 await publish(s)
             await wait_for(lambda: len(read_lines(out)) >= 40, what="the engine's next batches")
@@ -590,11 +590,25 @@ async def test_a_live_frame_ahead_of_its_engine_is_dead_lettered_never_a_restart
         pub.close(linger=0)
         router.close(linger=0)
         ctx.destroy(linger=0)
-    lines = read_lines(out)
+    dead = [json.loads(line) for line in (tmp_path / "dead.jsonl").read_text().splitlines()]
+    return read_lines(out), restarts, status, body, dead
+
+
+def _one_epoch_every_batch_once(lines: list[dict[str, Any]], restarts: float, status: int, body: str) -> None:
     assert [(ln["type"], ln["seq"]) for ln in lines] == [("EventBatch", s) for s in range(40)]
     assert len({ln["epoch"] for ln in lines}) == 1 and restarts == 0
     assert status == 200, body
-    dead = [json.loads(line) for line in (tmp_path / "dead.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("forged", [2**63, 10**6, 22, 2**64 - 1])
+async def test_a_live_frame_ahead_of_its_engine_is_dead_lettered_never_a_restart_or_a_loss(tmp_path: Path, forged: int) -> None:
+    """Issue 29 (breaker31x B2). An engine on real ZMQ publishes 0..19, one frame whose seq is
+    ``forged`` (a flipped high bit, a garbled counter, one just ahead: 22, which the engine then
+    publishes itself with other bytes; the end marker's seq), then 20..39. Its replay socket
+    answers from what it holds. One epoch with every batch once, nothing announced lost, the
+    frame dead-lettered (``bad_seq``), never delivered, and no restart."""
+    lines, restarts, status, body, dead = await _one_foreign_frame(tmp_path, 5, seq(forged), seq, seq)
+    _one_epoch_every_batch_once(lines, restarts, status, body)
     assert [d["reason"] for d in dead] == ["bad_seq"] and dead[0]["seq"] in (forged, None)
 
 
@@ -609,59 +623,15 @@ async def test_one_frame_under_another_uuid_is_dead_lettered_never_a_restart(
     UUID on replies or without. Before: a certain restart, the engine's UUID retired and its
     20..39 dropped as a retired instance's. Now: one epoch with every batch once, the frame
     dead-lettered (``bad_seq``), no restart."""
-    ctx, pub, router, source, payloads = scripted_engine(seed=7)
-    bogus = payloads.pop()
     mine = uuid.uuid4().bytes
-    held: list[int] = []
-
-    def frame(s: int, instance: bytes | None) -> bytes:
-        return seq(s) + (instance or b"")
-
-    async def serve() -> None:
-        while True:
-            identity, *rest = await router.recv_multipart()
-            start = int.from_bytes(rest[-1], "big")
-            for s in [s for s in held if s >= start]:
-                await router.send_multipart([identity, b"", b"", frame(s, mine if replies_named else None), payloads[s]])
-            await router.send_multipart([identity, b"", b"", seq(2**64 - 1), b""])
-
-    async def publish(s: int) -> None:
-        held.append(s)
-        await pub.send_multipart([b"", frame(s, mine), payloads[s]])
-        await asyncio.sleep(0.01)
-
-    server = asyncio.create_task(serve())
-    out = tmp_path / "out.jsonl"
-    cfg = _config(tmp_path, [0, 0, 0, 0], [{"type": "file", "path": str(out), "granularity": "batch", "batch": {"linger": 0}}])
-    cfg["sources"] = [source]
-    try:
-        async with running(cfg, {}) as bridge:
-            await wait_for(lambda: bridge.readers["e/0"].connections > 0, what="subscription")
-            await asyncio.sleep(0.3)
-            for s in range(20):
-                await publish(s)
-            await wait_for(lambda: len(read_lines(out)) >= 20, what="the first batches")
-            await pub.send_multipart([b"", frame(20, forged_uuid), bogus])
-            for s in range(20, 40):
-                await publish(s)
-            await wait_for(lambda: len(read_lines(out)) >= 40, what="the engine's next batches")
-            await wait_for(
-                lambda: metric(bridge, "kv_bridge_decode_failures_total", source="e", reason="bad_seq") == 1,
-                what="the frame dead-lettered",
-            )
-            await asyncio.sleep(0.5)  # (nothing more comes)
-            status, body = await readyz(bridge)
-            restarts = metric(bridge, "kv_bridge_source_restarts_total", source="e")
-    finally:
-        server.cancel()
-        pub.close(linger=0)
-        router.close(linger=0)
-        ctx.destroy(linger=0)
-    lines = read_lines(out)
-    assert [(ln["type"], ln["seq"]) for ln in lines] == [("EventBatch", s) for s in range(40)]
-    assert len({ln["epoch"] for ln in lines}) == 1 and restarts == 0
-    assert status == 200, body
-    dead = [json.loads(line) for line in (tmp_path / "dead.jsonl").read_text().splitlines()]
+    lines, restarts, status, body, dead = await _one_foreign_frame(
+        tmp_path,
+        7,
+        seq(20) + (forged_uuid or b""),
+        lambda s: seq(s) + mine,
+        lambda s: seq(s) + (mine if replies_named else b""),
+    )
+    _one_epoch_every_batch_once(lines, restarts, status, body)
     assert [d["reason"] for d in dead] == ["bad_seq"]
 
 
