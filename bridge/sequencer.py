@@ -315,6 +315,10 @@ class StreamSequencer:
         self._aside_silent = 0  # replays in a row since then that never came to an end
         self._aside_below = False  # a live seq below it was read after it (see _trust)
         self._replied_top = -1  # the highest reply of the replay in flight (what a Suspect's detail says)
+        # The highest seq an idle heartbeat of this instance said was published, above what was
+        # seen (-1: none), and the replays since that refute it (see _settle_claim).
+        self._claimed = -1
+        self._claim_refuted = 0
         self._retired: dict[bytes, None] = dict.fromkeys(r for r in retired if r != instance)
         # A message under another UUID than this epoch's instance's, not confirmed yet (see
         # _await_newcomer); None: none. The replay in flight that asks about it, if any.
@@ -426,7 +430,8 @@ class StreamSequencer:
             return out  # (without an id a heartbeat proves nothing about the instance)
         top = next_seq - 1
         if top > max(self.delivered, self.last_live if self.last_live is not None else -1, max(self.held, default=-1)):
-            self._top = max(self._top, top) if self.instance is not None else self._top
+            if self.instance is not None and top > self._claimed:
+                self._claimed, self._claim_refuted = top, 0
             if self.can_replay and self._replay is None:
                 self._attempts = 0
                 self._request(out, to_end=True)
@@ -633,7 +638,7 @@ class StreamSequencer:
             return False
         if last is None:
             return False  # an epoch's first live batch: no seq of it to jump from (docs: "A seq ahead of the engine")
-        if seq <= max(last, self._top, self.delivered, max(self.held, default=-1)) + 1:
+        if seq <= max(last, self._top, self._claimed, self.delivered, max(self.held, default=-1)) + 1:
             return False
         if self._replay is None and not self.held:
             out.append(Gap(self.delivered + 1, seq - 1))
@@ -676,6 +681,19 @@ class StreamSequencer:
         if self._replayed_crc:
             for s in [s for s in self._replayed_crc if s <= seq]:
                 del self._replayed_crc[s]
+
+    def _settle_claim(self, complete: bool) -> None:
+        """The replay in flight ended: does it refute what a heartbeat said was published? One
+        to the end marker, answered by this epoch's instance, that brought nothing up to it does;
+        twice in a row (a ROUTER under load may drop a reply), and the claim is dropped: a forged
+        or corrupt heartbeat far ahead is then never announced lost at the engine's restart."""
+        if self._claimed <= self._top:
+            self._claimed = -1  # (reached: what is published is known without it)
+            return
+        if complete and self._until < 0 and self._verdict is _SAME and self._replied_top < self._claimed:
+            self._claim_refuted += 1
+            if self._claim_refuted >= 2:
+                self._claimed = -1
 
     def _settle_aside(self, out: list[Action], complete: bool) -> None:
         """The replay in flight ended: does it refute the batch set aside? Only one asked for
@@ -1055,6 +1073,7 @@ class StreamSequencer:
             self._newcomer_finished(out, complete)
             return out
         self._settle_aside(out, complete)
+        self._settle_claim(complete)
         self._finished(out, complete)
         if self._aside is not None and not self.replaying:
             self._request(out)  # until it is confirmed or refuted
@@ -1176,7 +1195,7 @@ class StreamSequencer:
     @property
     def known_top(self) -> int:
         """The highest seq this epoch's instance is known to have published."""
-        return max(self._top, self.delivered)  # carried batches delivered after a restart count too
+        return max(self._top, self.delivered, self._claimed)  # carried batches delivered after a restart count too
 
     @property
     def sure_instance(self) -> bytes | None:
@@ -1494,6 +1513,8 @@ class StreamSequencer:
         known = [self.delivered, self._anchor_seq, self._owed, *self.held, *self.unverified]
         if aside is not None and not theirs_aside:
             known.append(aside[0])
+        known.append(self._claimed)  # (a heartbeat's, under the old instance's UUID)
+        self._claimed = -1
         if not carried:
             # Seen live or replayed (perhaps not kept, past the bound) before the new instance
             # showed.

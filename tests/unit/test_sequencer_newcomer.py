@@ -8,7 +8,7 @@ with forged UUIDs and restarts nobody noticed is ``UuidModel.forge_uuid`` and
 
 from __future__ import annotations
 
-from bridge.sequencer import INSTANCE_CHANGED, Action, Deliver, Duplicate, RequestReplay, Reset, Suspect
+from bridge.sequencer import INSTANCE_CHANGED, Action, Deliver, Duplicate, Lost, RequestReplay, Reset, Suspect
 from tests.unit.test_sequencer_uuid import A, B, C, delivered, feed, p, seqr
 
 FORGED = b"f:99"  # (a ts the engine never stamped)
@@ -143,3 +143,30 @@ def test_a_third_uuid_after_it_confirms_it_and_waits_in_its_place() -> None:
     assert s.live(3, p(A, 3), instance=A) == [Duplicate(3)]
     out = s.live(1, p(C, 1), instance=C)
     assert [a for a in out if isinstance(a, Reset)] == [Reset(2, INSTANCE_CHANGED)] and delivered(out) == [(2, 0), (2, 1)]
+
+
+def test_a_heartbeat_far_ahead_that_two_replays_refute_is_never_announced_lost() -> None:
+    """breaker32 B3 (a forged or corrupt heartbeat): its next seq was taken as published, and the
+    engine's next restart announced 3..2^63-2 lost (9.2e18 batches). Now it is a claim that the
+    replay it asks for confirms (a reply at or past it) or, twice answered by the same instance to
+    its end marker without it, refutes. A genuine one the engine restarts before fetching is still
+    settled (announced lost) with the old epoch."""
+    s = seqr()
+    feed(s, A, range(3))
+    (ask,) = s.heartbeat(2**63, A)
+    assert isinstance(ask, RequestReplay) and ask.until == -1 and s.known_top == 2**63 - 1
+    for _ in range(2):
+        s.replayed(ask.request_id, 2, p(A, 2), instance=A)
+        assert s.replay_finished(ask.request_id, complete=True) == []
+        if _ == 0:
+            (ask,) = s.probe()
+            assert isinstance(ask, RequestReplay)
+    assert s.known_top == 2
+    out = feed(s, B, [0, 1])
+    assert [a for a in out if isinstance(a, Lost)] == [] and Reset(1, INSTANCE_CHANGED) in out
+    genuine = seqr()
+    feed(genuine, A, range(3))
+    genuine.heartbeat(6, A)  # 3..5 published, the replay not answered yet: the engine restarts
+    genuine.disconnected(now=10.0)
+    out = feed(genuine, B, [0])
+    assert [a for a in out if isinstance(a, Lost)] == [Lost(3, 5, INSTANCE_CHANGED, 0)]
