@@ -165,6 +165,12 @@ _RETIRED_MAX = 64  # retired UUIDs a stream remembers (oldest forgotten first)
 _SAME, _NEW, _UNSURE, _LATER = "same", "new", "unsure", "later"
 _SORTING = "sorting"  # another instance answers: its next replies tell whose the batches waiting are
 _LATE_COPIES = 1024  # replayed batches whose late live copy a stream recognises by its bytes
+_STASH_MAX = 16  # batches under another UUID a stream keeps for that UUID's confirmation
+_STASH_AFTER = 64  # messages of the epoch's instance after which such a batch is dead-lettered
+
+
+_Batch = tuple[int, bytes, float | None]  # a live batch: (seq, payload, engine ts)
+_Stashed = tuple[bytes | None, _Batch, int]  # (its UUID, the batch, messages of the epoch's instance since)
 
 
 class _Newcomer(msgspec.Struct):
@@ -173,10 +179,11 @@ class _Newcomer(msgspec.Struct):
     (see StreamSequencer._await_newcomer)."""
 
     instance: bytes | None
-    batch: tuple[int, bytes, float | None] | None  # (seq, payload, ts) of the live message; None: a heartbeat
+    batch: _Batch | None  # the live message's; None: a heartbeat
     ts: float | None  # its engine ts: what numbers the new epoch alike in every pod
     seq: int  # its seq (a heartbeat's: the last one published)
     silent: int = 0  # replays about it that told nothing
+    contradicted: bool = False  # a message of the epoch's instance came after it
 
 
 class StreamSequencer:
@@ -324,6 +331,9 @@ class StreamSequencer:
         # _await_newcomer); None: none. The replay in flight that asks about it, if any.
         self._newcomer: _Newcomer | None = None
         self._newcomer_replay: int | None = None
+        # (UUID, (seq, payload, ts), messages of the epoch's instance since) of newcomers a live
+        # message of the epoch's instance came after (see _stash_newcomer), oldest first.
+        self._stash: list[_Stashed] = []
 
     def _ts_of(self, payload: bytes) -> float | None:
         return _finite(self._raw_ts_of(payload))
@@ -350,7 +360,7 @@ class StreamSequencer:
         changed, otherwise (then call ``live``). The hot path of every steady stream."""
         if seq != self.delivered + 1 or seq <= self._top or self.held or self._doubt or instance != self.instance:
             return False
-        if self._aside is not None or self._newcomer is not None:  # (live() decides what it settles)
+        if self._aside is not None or self._newcomer is not None or self._stash:  # (live() decides what it settles)
             return False
         last = self.last_live
         if last is not None and seq <= last:
@@ -380,6 +390,8 @@ class StreamSequencer:
         if instance is not None and instance in self._retired:
             out.append(Duplicate(seq))  # a retired instance's
             return out
+        if self._stash and instance == self.instance:
+            self._stash_counts(out)
         if self._newcomer is not None:
             self._newcomer_meets(out, instance)
         if instance is not None or self.instance is not None:
@@ -413,6 +425,8 @@ class StreamSequencer:
         out: list[Action] = []
         if instance is not None and instance in self._retired:
             return out  # a retired instance's
+        if self._stash and instance == self.instance:
+            self._stash_counts(out)
         if self._newcomer is not None:
             self._newcomer_meets(out, instance)
         if instance is not None or self.instance is not None:
@@ -455,13 +469,19 @@ class StreamSequencer:
         or one where it sent none) is a restart for certain, once confirmed: a single corrupt or
         forged frame must not retire the engine's own UUID (its batches would then be dropped
         as a retired instance's). It waits, outside the epoch, until a second message under its
-        UUID, a replay reply under it (or, without UUIDs on replies, its own bytes at its seq)
-        confirms it; a message under the epoch's UUID, a reply under it, or a replay that shows
-        the engine never published that seq refutes it (dead-lettered: a refuted genuine batch
-        is fetched again by the new epoch's replay). One that the replay socket cannot tell about
-        (``max_attempts`` times) is taken on its word; without replay the next message decides.
-        (Docs: concepts/correctness.md, "A new UUID".)"""
+        UUID (or a third UUID), a replay reply under it (or, without UUIDs on replies, its own
+        bytes at its seq) confirms it; a reply under the epoch's UUID, or a replay that shows the
+        engine never published that seq, refutes it (dead-lettered: a refuted genuine batch is
+        fetched again by the new epoch's replay). One that the replay socket cannot tell about
+        (``max_attempts`` times) is taken on its word, unless the epoch's instance went on
+        meanwhile; without replay a message of the epoch's instance sets it aside for its UUID
+        (_stash_newcomer). (Docs: concepts/correctness.md, "A new UUID".)"""
         self._newcomer = newcomer
+        first = next((batch for i, batch, _ in self._stash if i == newcomer.instance), None)
+        if first is not None:
+            newcomer.ts = first[2]  # (what numbers the epoch: its first message)
+            self._welcome(out)  # its second message: the first was set aside (_stash_newcomer)
+            return
         if self._replay is not None:
             # Asked before it came: it cannot refute it, and no other restart may be shown while
             # it waits (what the replay brought and did not settle is fetched again).
@@ -487,12 +507,20 @@ class StreamSequencer:
 
     def _newcomer_meets(self, out: list[Action], instance: bytes | None) -> None:
         """A live message or heartbeat (under ``instance``, not retired) while a newcomer waits:
-        one under the epoch's UUID refutes it; any other confirms it (a second one under its UUID;
-        one under a third UUID: the newcomer came and went, and the third waits in its place)."""
-        if instance == self.instance:
-            self._refute(out, f"its engine goes on under {_name(instance)}")
-        else:
+        any other than the epoch's UUID confirms it (a second one under its UUID; one under a third
+        UUID: the newcomer came and went, and the third waits in its place). One under the epoch's
+        UUID does not refute it by itself (late batches of the instance before it, read
+        interleaved): the replay about it decides, or without one it is kept aside
+        (_stash_newcomer)."""
+        nc = self._newcomer
+        assert nc is not None
+        if instance != self.instance:
             self._welcome(out)
+        elif self._replay is not None and self._replay == self._newcomer_replay:
+            nc.contradicted = True  # (the replay about it decides: late batches of this instance prove nothing)
+        else:
+            self._stash_newcomer(out)
+            self._resume(out)  # (the replay it cancelled, if the stream still needs one)
 
     def _welcome(self, out: list[Action]) -> None:
         """The newcomer is confirmed: the certain restart, then its batch as the new epoch's."""
@@ -503,8 +531,42 @@ class StreamSequencer:
             return
         if nc.instance != self.instance and self._restarts(nc.instance):
             self._changed(out, nc.instance, nc.ts)
-        if nc.batch is not None:
-            out += self.live(*nc.batch, nc.instance)
+        for batch in [*self._unstash(nc.instance), *([nc.batch] if nc.batch is not None else [])]:
+            out += self.live(*batch, nc.instance)
+
+    def _stash_newcomer(self, out: list[Action]) -> None:
+        """A live message of the epoch's instance while a newcomer waits: the newcomer is not the
+        engine now, but it may be the next instance, read interleaved with the late batches of
+        this one (several connections into one bound socket are read fair-queued): its batch is
+        kept aside for its UUID (``_stash``), delivered in that UUID's epoch if it is confirmed
+        later, and dead-lettered as not the engine's after ``_STASH_AFTER`` more messages of the
+        epoch's instance, at the epoch's end, or past the bound."""
+        nc = self._settle_newcomer()
+        if nc.batch is None:
+            return
+        self._stash.append((nc.instance, nc.batch, 1))
+        if len(self._stash) > _STASH_MAX:
+            self._drop_stashed(out, self._stash.pop(0), "more such batches came")
+
+    def _stash_counts(self, out: list[Action]) -> None:
+        """Another message of the epoch's instance: stashed batches age (see _stash_newcomer)."""
+        kept = []
+        for instance, batch, n in self._stash:
+            if n + 1 >= _STASH_AFTER:
+                self._drop_stashed(out, (instance, batch, n), f"its engine went on under {_name(self.instance)}")
+            else:
+                kept.append((instance, batch, n + 1))
+        self._stash = kept
+
+    def _drop_stashed(self, out: list[Action], stashed: _Stashed, why: str) -> None:
+        instance, (seq, payload, _), _ = stashed
+        out.append(Suspect(seq, payload, f"live seq {seq} under publisher {_name(instance)} is not its engine's: {why}"))
+
+    def _unstash(self, instance: bytes | None) -> list[_Batch]:
+        """The batches kept for ``instance`` (confirmed now), in seq order, taken from the stash."""
+        mine = sorted(batch for i, batch, _ in self._stash if i == instance)
+        self._stash = [x for x in self._stash if x[0] != instance]
+        return mine
 
     def _refute(self, out: list[Action], why: str) -> None:
         """The newcomer is shown not to be the engine's: dead-lettered, never delivered."""
@@ -525,8 +587,9 @@ class StreamSequencer:
         return nc
 
     def _resume(self, out: list[Action], to_end: bool = False) -> None:
-        """After a replay about a newcomer: the replay the stream needs, if any."""
-        if self.can_replay and self._replay is None and (to_end or self._doubt or self._gap_open() or self._aside is not None):
+        """After a newcomer is settled: the replay the stream needs, if any."""
+        needed = self._doubt or self._gap_open() or self._aside is not None or self._owed > self.delivered
+        if self.can_replay and self._replay is None and (to_end or needed):
             self._attempts = 0
             self._request(out, to_end=to_end)
 
@@ -580,8 +643,13 @@ class StreamSequencer:
             return
         nc.silent += 1
         if nc.silent >= self.max_attempts:
-            self._welcome(out)  # the replay socket cannot tell: taken on its word
-            self._resume(out, to_end=True)
+            # The replay socket cannot tell: taken on its word, unless the epoch's instance went on.
+            if nc.contradicted:
+                self._refute(out, f"its engine went on under {_name(self.instance)}, and its replay socket cannot tell")
+                self._resume(out)
+            else:
+                self._welcome(out)
+                self._resume(out, to_end=True)
             return
         self._ask_newcomer(out)
 
@@ -842,6 +910,10 @@ class StreamSequencer:
         if self._replay is not None:
             self._unclaim()
             self._replay = self._newcomer_replay = None
+        # A message under another UUID waiting for its confirmation: forgotten (adding the source
+        # again is no evidence of a restart; a genuine new instance's batch is fetched again by
+        # its epoch's replay, and shows itself again on the live stream).
+        self._newcomer = None
         self._top = max(self._top, unread_top)
 
     def disconnected(self, now: float | None = None) -> list[Action]:

@@ -22,27 +22,90 @@ def suspects(out: list[Action]) -> list[int]:
     return [a.seq for a in out if isinstance(a, Suspect)]
 
 
-def test_one_frame_under_another_uuid_is_refuted_by_the_engines_next_message() -> None:
-    """Before: an immediate restart, A retired, and A's seq 3 dropped as a retired instance's."""
+def test_one_frame_under_another_uuid_is_no_restart_and_the_engine_goes_on() -> None:
+    """Before: an immediate restart, A retired, and A's seq 3 dropped as a retired instance's. Now
+    A's next batches go out while the replay about the frame decides (a message of A alone could
+    be a late one, read interleaved with a genuine new instance's)."""
     s = seqr()
     feed(s, A, range(3))
     out = s.live(3, FORGED, instance=B)
     assert not [a for a in out if isinstance(a, Reset | Deliver)] and s.waiting == {3}
     (ask,) = requests(out)
     assert (ask.start, ask.until) == (2, 3)  # the epoch's last batch and the frame's seq: whoever holds the socket
+    out = s.live(3, p(A, 3), instance=A) + s.live(4, p(A, 4), instance=A)
+    assert delivered(out) == [(0, 3), (0, 4)] and not suspects(out) and s.waiting == {3}
+    out = s.replayed(ask.request_id, 2, p(A, 2), instance=A)
+    assert suspects(out) == [3] and s.epoch == 0 and s.sure_instance == A and s.retired_instances == [] and not s.waiting
+    assert delivered(feed(s, A, [5])) == [(0, 5)]
+
+
+def test_a_replay_socket_that_cannot_tell_while_the_engine_goes_on_refutes_it() -> None:
+    s = seqr(max_attempts=2)
+    feed(s, A, range(3))
+    (ask,) = requests(s.live(3, FORGED, instance=B))
+    s.live(3, p(A, 3), instance=A)
+    (ask,) = requests(s.replay_finished(ask.request_id, complete=False))
+    out = s.replay_finished(ask.request_id, complete=False)
+    assert suspects(out) == [3] and s.epoch == 0 and not s.waiting
+
+
+def test_without_replay_a_frame_the_engine_went_on_after_is_dead_lettered_after_64_of_its_messages() -> None:
+    s = seqr(replay=False)
+    feed(s, A, range(3))
+    assert s.live(3, FORGED, instance=B) == []
+    out = feed(s, A, range(3, 66))
+    assert not suspects(out) and delivered(out) == [(0, n) for n in range(3, 66)]
+    out = feed(s, A, [66])
+    assert suspects(out) == [3] and delivered(out) == [(0, 66)] and s.epoch == 0 and s.retired_instances == []
+
+
+def test_without_replay_a_new_instance_read_interleaved_with_the_old_ones_late_batches_loses_nothing() -> None:
+    """breaker34 B3: a bound socket reads A5 B0 A6 B1 (B restarted, A's queue still draining).
+    Before: B0 was dead-lettered on A6 and announced lost in B's epoch (I4). Now it waits for
+    B's confirmation and goes out in B's epoch."""
+    s = seqr(replay=False)
+    out = feed(s, A, range(6)) + feed(s, B, [0]) + feed(s, A, [6]) + feed(s, B, [1]) + feed(s, A, [7]) + feed(s, B, [2])
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
+    assert not suspects(out) and not [a for a in out if isinstance(a, Lost)]
+    assert delivered(out) == [(0, n) for n in range(7)] + [(1, 0), (1, 1), (1, 2)]
+    assert out[[i for i, a in enumerate(out) if isinstance(a, Reset)][0] - 1] == Deliver(6, p(A, 6), 0)
+
+
+def test_a_gap_waiting_when_the_frame_came_is_fetched_once_it_is_settled() -> None:
+    """breaker34 B1: the frame cancels the replay of a gap; the engine's heartbeats (no batch, no
+    seq above the held ones) must not leave the gap open once the frame is settled."""
+    s = seqr()
+    out = feed(s, A, [0, 1, 3, 4])
+    (gap,) = requests(out)
+    (ask,) = requests(s.live(9, FORGED, instance=B))
+    assert s.heartbeat(5, A) == []  # (the replay about the frame is in flight)
+    out = s.replayed(ask.request_id, 1, p(A, 1), instance=A)
+    assert suspects(out) == [9]
+    (again,) = requests(out)
+    out = [a for n in (1, 2, 3, 4) for a in s.replayed(again.request_id, n, p(A, n), instance=A)]
+    assert delivered(out) == [(0, 2), (0, 3), (0, 4)]
+
+
+def test_a_source_removed_and_added_again_forgets_a_frame_waiting_rather_than_restart() -> None:
+    """breaker34 B2: adding the source again puts continuity in doubt (``disconnected``); that is
+    no evidence of a restart, and must not confirm a frame read before the removal."""
+    s = seqr()
+    feed(s, A, range(3))
+    s.live(3, FORGED, instance=B)
+    s.detached()
+    out = s.disconnected(now=10.0)
+    assert not [a for a in out if isinstance(a, Reset)] and not s.waiting
     out = s.live(3, p(A, 3), instance=A)
-    assert suspects(out) == [3] and delivered(out) == [(0, 3)]
-    assert s.epoch == 0 and s.sure_instance == A and s.retired_instances == [] and not s.waiting
-    assert s.replayed(ask.request_id, 2, p(A, 2), instance=A) == []  # (the replay about it is dropped)
-    assert delivered(feed(s, A, [4])) == [(0, 4)]
+    assert delivered(out) == [(0, 3)] and s.epoch == 0 and s.sure_instance == A
 
 
 def test_one_frame_without_a_uuid_on_a_uuid_stream_is_refuted_too() -> None:
     """An 8-byte seq frame where the engine sends 24 bytes (a corrupt frame, or a downgrade)."""
     s = seqr()
     feed(s, A, range(3))
-    assert not [a for a in s.live(3, FORGED) if isinstance(a, Reset)]
-    out = s.heartbeat(3, A)  # a heartbeat of the epoch's instance refutes it as well
+    (ask,) = requests(s.live(3, FORGED))
+    assert s.heartbeat(3, A) == []  # (the engine goes on: the replay decides)
+    out = s.replayed(ask.request_id, 2, p(A, 2))  # (the epoch's last batch, replies without a UUID)
     assert suspects(out) == [3] and s.epoch == 0 and s.sure_instance == A
 
 
