@@ -68,7 +68,7 @@ def test_without_replay_a_new_instance_read_interleaved_with_the_old_ones_late_b
     assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
     assert not suspects(out) and not [a for a in out if isinstance(a, Lost)]
     assert delivered(out) == [(0, n) for n in range(7)] + [(1, 0), (1, 1), (1, 2)]
-    assert out[[i for i, a in enumerate(out) if isinstance(a, Reset)][0] - 1] == Deliver(6, p(A, 6), 0)
+    assert out[next(i for i, a in enumerate(out) if isinstance(a, Reset)) - 1] == Deliver(6, p(A, 6), 0)
 
 
 def test_a_gap_waiting_when_the_frame_came_is_fetched_once_it_is_settled() -> None:
@@ -76,7 +76,7 @@ def test_a_gap_waiting_when_the_frame_came_is_fetched_once_it_is_settled() -> No
     seq above the held ones) must not leave the gap open once the frame is settled."""
     s = seqr()
     out = feed(s, A, [0, 1, 3, 4])
-    (gap,) = requests(out)
+    assert len(requests(out)) == 1  # (the gap's replay, which the frame cancels)
     (ask,) = requests(s.live(9, FORGED, instance=B))
     assert s.heartbeat(5, A) == []  # (the replay about the frame is in flight)
     out = s.replayed(ask.request_id, 1, p(A, 1), instance=A)
