@@ -348,6 +348,8 @@ class Bridge:
     async def add_source(self, source: SourceConfig) -> None:
         """Subscribe to every rank of ``source`` (also used by discovery at run time)."""
         await self.load_state(streams_of(source))
+        for worker in self.workers:  # (running: each announces them before its next records)
+            worker.lost_at_start += self._lost_at_start.pop(id(worker.connector), [])
         if self.skips:
             await self.take_over(streams_of(source))
         added = self._add_pipelines(source)

@@ -533,6 +533,8 @@ class StreamSequencer:
             self._changed(out, nc.instance, nc.ts)
         for batch in [*self._unstash(nc.instance), *([nc.batch] if nc.batch is not None else [])]:
             out += self.live(*batch, nc.instance)
+        if nc.batch is None:
+            out += self.heartbeat(nc.seq + 1, nc.instance)  # (what it says was published: the new epoch's)
 
     def _stash_newcomer(self, out: list[Action]) -> None:
         """A live message of the epoch's instance while a newcomer waits: the newcomer is not the

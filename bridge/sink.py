@@ -188,8 +188,8 @@ class SinkWorker:
         self._idle.set()
         self._dropped: dict[str, Record] = {}  # per stream: the EventsLost of the span being dropped
         self._state_gone: set[str] = set()  # streams whose state changes are not written until a clear
-        # (stream, epoch, from_seq, to_seq) the runtime found this sink lost before it started:
-        # announced once it is connected, ahead of anything queued.
+        # (stream, epoch, from_seq, to_seq) the runtime found this sink lost before the stream
+        # started (at start-up, or a source added at run time): announced ahead of its records.
         self.lost_at_start: list[tuple[Stream, int, int, int]] = []
         # Stream key -> reason of the refusal of its state last logged: told once while the sink
         # refuses it again and again (a state record too large for the sink at every write), until
@@ -375,25 +375,31 @@ class SinkWorker:
 
     async def _run(self) -> None:
         await self._connect()
-        if self.lost_at_start:
-            exc = SinkLost("it holds less than it acknowledged before this start", self.lost_at_start)
-            self.lost_at_start = []
-            if await self._deliver(self._announce_lost(exc, [])):
-                log.error("announcements of lost messages dead-lettered", extra={"sink": self.name})
         linger = self.config.batch.linger
         while True:
+            await self._announce_lost_at_start()
             if not self._queue:
                 self._idle.set()
                 self._work.clear()
                 await self._wait_for_work()
                 if linger > 0 and len(self._queue) < self.config.batch.max_messages:
                     await asyncio.sleep(linger)
+                await self._announce_lost_at_start()  # (handed on meanwhile: ahead of what woke it)
             records, messages, unrendered, size = self._take()
             dead = await self._deliver(messages) if messages else set()
             dead |= unrendered
             self._settle(records, dead, size)
             if self._audit_due():
                 await self._run_audit()
+
+    async def _announce_lost_at_start(self) -> None:
+        """Announce what the runtime found this sink lost before its stream started (see
+        ``lost_at_start``), ahead of anything of the stream queued after that."""
+        if self.lost_at_start:
+            exc = SinkLost("it holds less than it acknowledged before the stream started", self.lost_at_start)
+            self.lost_at_start = []
+            if await self._deliver(self._announce_lost(exc, [])):
+                log.error("announcements of lost messages dead-lettered", extra={"sink": self.name})
 
     async def _wait_for_work(self) -> None:
         """Wait for records; meanwhile check the connector's health every ``health_interval``."""

@@ -2062,7 +2062,8 @@ class NatsConnector:
         """Each head read back names the events stream's seq its stream continues from (``next``,
         one past its last message stored): an events stream that no longer reaches it (created
         again, empty, after a server that kept it in memory restarted, or deleted, while no bridge
-        ran) lost what the head says it stored. The head's epoch is announced lost from seq 0 at
+        ran), or holds another writer's message there (created again and filled past it), lost
+        what the head says it stored. The head's epoch is announced lost from seq 0 at
         the first write or audit, and the stream's state cleared, as a loss found at run time is
         (I6)."""
         name = self._events_stream
@@ -2075,13 +2076,32 @@ class NatsConnector:
         except nats.js.errors.NotFoundError:
             last = 0
         gone = [key for key, n in reach.items() if n - 1 > last]
+        window = asyncio.Semaphore(16)
+
+        async def refilled(key: str, at: int) -> bool:
+            """Is the message at ``at`` another one than this stream's own, in the head's epoch (the
+            stream created again and filled past it by another writer)? One gone (expired,
+            deleted) proves nothing."""
+            stream, head = streams[key], out[key]
+            assert head is not None
+            async with window:
+                try:
+                    msg = await js.get_msg(name, seq=at)
+                except (nats.js.errors.NotFoundError, nats.js.errors.APIError):
+                    return False
+            given = (msg.headers or {}).get(MSG_ID_HEADER, "")
+            return not given.startswith(f"{stream.source}/{stream.dp_rank}/{head[0].epoch}/")
+
+        kept = [(key, n - 1) for key, n in reach.items() if 0 < n - 1 <= last]
+        found = await asyncio.gather(*(refilled(key, at) for key, at in kept))
+        gone += [key for (key, _), other in zip(kept, found, strict=True) if other]
         for key in gone:
             head = out[key]
             assert head is not None
             self._held.spans[key] = [_Span(streams[key], head[0].epoch, 0, head[0].seq)]
         if gone:
             stored = max(reach[k] for k in gone) - 1
-            self._stream_lost(f"{name!r} ends at seq {last}, below the {stored} the state says it stored")
+            self._stream_lost(f"{name!r} (up to seq {last}) no longer holds the message at seq {stored} the state says it stored")
 
     async def _redo(
         self, nc: Client, prefix: str, clear: bool, ops: Sequence[tuple[str, bytes | None]], head_doc: bytes, head: Head | None

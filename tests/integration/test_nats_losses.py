@@ -434,8 +434,9 @@ async def test_a_server_restart_that_loses_a_memory_stream_is_announced_to_its_c
             await js.delete_key_value(f"ST{dest}")
 
 
+@pytest.mark.parametrize("refilled", [0, 60], ids=["empty", "refilled_by_another_writer"])
 async def test_a_memory_stream_lost_while_no_bridge_ran_is_announced_at_the_next_start(
-    tmp_path: Path, nats_server: NatsServer, reader: Client, dest: str
+    tmp_path: Path, nats_server: NatsServer, reader: Client, dest: str, refilled: int
 ) -> None:
     """Issue 29 (breaker33 B3). Events stream in memory, state bucket on file: the bridge stops, the
     server restarts (the stream is gone), the bridge starts again from its checkpoint and creates
@@ -443,7 +444,8 @@ async def test_a_memory_stream_lost_while_no_bridge_ran_is_announced_at_the_next
     announced, and the state it read back stayed complete over batches the stream no longer
     held. Now the heads read back name a JetStream seq the new stream does not reach: the new
     stream starts with an EventsLost (sink_lost:<sink>) over what the old one held, and the state
-    is cleared (incomplete)."""
+    is cleared (incomplete). So when another writer created the stream again and filled it past
+    that seq before this bridge started (breaker35 B3): the message there is not this stream's."""
     live, rep = free_port(), free_port()
     cfg = _bridge_config(tmp_path, nats_server.url, dest, "nats-f", "file", live, rep)
     js = reader.jetstream(timeout=5)
@@ -459,6 +461,14 @@ async def test_a_memory_stream_lost_while_no_bridge_ran_is_announced_at_the_next
             finally:
                 await first.stop()
             await nats_server.arestart()  # the events stream, kept in memory, is gone
+            if refilled:
+                other = NatsConnector("other", _options(nats_server.url, dest, stream={"create": True, "name": dest}), SINK)
+                await other.connect()
+                try:
+                    await other.write(_render([Stream("eng-b", 1)], 0, refilled))
+                finally:
+                    await other.close()
+                assert (await js.stream_info(dest)).state.last_seq > before
             second = Bridge(from_data(cfg, env={}))
             await second.start()
             try:

@@ -511,18 +511,21 @@ async def test_entries_redis_lost_are_announced_and_the_state_cleared(
             (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
 
 
+@pytest.mark.parametrize("source", ["configured", "discovered"])
 async def test_entries_redis_lost_while_no_bridge_ran_are_announced_at_the_next_start(
-    tmp_path: Path, forgetful_redis: RedisServer
+    tmp_path: Path, forgetful_redis: RedisServer, source: str
 ) -> None:
-    """Issue 29 (breaker33 B2): Redis comes back from an older RDB snapshot while the bridge is
-    stopped. The restarted bridge read the state head back behind what its checkpoint says every
-    sink acknowledged, cleared the state (incomplete), and said so in its log only: the stream
-    silently lacked the acknowledged batches, and no EventsLost came. Now the span the sink lost
-    is announced to it (reason sink_lost:out) before the stream's first record."""
-    prefix = "kvs"
+    """Issue 29 (breaker33 B2, breaker35 B2): Redis comes back from an older RDB snapshot while the
+    bridge is stopped. The restarted bridge read the state head back behind what its checkpoint
+    says every sink acknowledged, cleared the state (incomplete), and said so in its log only: the
+    stream silently lacked the acknowledged batches, and no EventsLost came. Now the span the sink
+    lost is announced to it (reason sink_lost:out) before the stream's first record, for a source
+    in the config and for one added at run time (what DNS discovery does)."""
+    prefix = f"kvs{source[0]}"
     live, rep = free_port(), free_port()
     checkpoint = {"path": str(tmp_path / "cp.json"), "interval": "100ms"}
     cfg = in_process(tmp_path, [("a", live, rep)], sink(forgetful_redis.url, prefix), checkpoint=checkpoint)
+    other = in_process(tmp_path, [("z", free_port(), free_port())], sink(forgetful_redis.url, prefix), checkpoint=checkpoint)
     client = aioredis.Redis.from_url(forgetful_redis.url)
     async with CacheEngine(live, rep, seed=12) as engine:
         try:
@@ -544,9 +547,11 @@ async def test_entries_redis_lost_while_no_bridge_ran_are_announced_at_the_next_
             await forgetful_redis.astart()
             client = aioredis.Redis.from_url(forgetful_redis.url)
             assert await top_seq(client, f"{prefix}:a:0") == kept
-            second = Bridge(cfg)
+            second = Bridge(cfg if source == "configured" else other)
             await second.start()
             try:
+                if source == "discovered":
+                    await second.add_source(cfg.sources[0])
                 await engine.wait_subscribed()
                 await engine.step(10)
                 await settled(client, prefix, engine, "a")

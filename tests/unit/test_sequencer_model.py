@@ -238,7 +238,11 @@ class SequencerModel(RuleBasedStateMachine):
 
     def forged_waits(self) -> bool:
         """Is the last forged frame neither confirmed nor refuted yet? (The model's limits.)"""
-        return self.forged is not None and self.forged in self.seqr.waiting and self.forged not in self.seqr.held
+        if self.forged is None:
+            return False
+        if self.forged_uuid:  # (its seq may also be the engine's own, held: the frame waits apart)
+            return self.seqr._newcomer is not None or bool(self.seqr._stash)
+        return self.forged in self.seqr.waiting and self.forged not in self.seqr.held
 
     # -- steps ----------------------------------------------------------------------------------
     def can_slide(self, n: int) -> bool:

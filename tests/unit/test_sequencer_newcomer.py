@@ -233,3 +233,18 @@ def test_a_heartbeat_far_ahead_that_two_replays_refute_is_never_announced_lost()
     genuine.disconnected(now=10.0)
     out = feed(genuine, B, [0])
     assert [a for a in out if isinstance(a, Lost)] == [Lost(3, 5, INSTANCE_CHANGED, 0)]
+
+
+def test_a_new_instance_met_by_its_heartbeat_settles_what_it_said_it_published() -> None:
+    """breaker35 B1: a heartbeat under a new UUID (next seq 50), confirmed by a reply under it or by
+    a dropped connection: its epoch took nothing of what it said, and when it restarted before the
+    tail was fetched, 0..49 were never announced (I3)."""
+    for confirm in ("reply", "drop"):
+        s = seqr()
+        feed(s, A, range(3))
+        (ask,) = s.heartbeat(50, B)
+        out = s.replayed(ask.request_id, 49, p(B, 49), instance=B) if confirm == "reply" else s.disconnected(now=10.0)
+        assert Reset(1, INSTANCE_CHANGED) in out and s.known_top >= 49
+        s.disconnected(now=20.0)
+        out = feed(s, C, [0])
+        assert [(a.epoch, a.from_seq, a.to_seq) for a in out if isinstance(a, Lost)][-1:] == [(1, 0, 49)], (confirm, out)
