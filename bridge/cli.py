@@ -436,8 +436,17 @@ def check(path: str, *, offline: bool = False, registry: Registry | None = None)
         print("config ok (offline: sinks not contacted)")
         return EXIT_OK
     unreachable = _unwritable_paths(cfg)
-    if cfg.metrics.listen and (problem := listen_problem(cfg.metrics.listen)) is not None:
-        unreachable.append(problem)
+    # The addresses the bridge listens on. One another process holds now may be this bridge's
+    # own, running with this config (--check in its pod): a warning, not a failure.
+    taken = [listen_problem(cfg.metrics.listen)] if cfg.metrics.listen else []
+    for i, source in enumerate(cfg.sources):
+        if source.bind:
+            taken += (try_bind(f"sources[{i}].endpoint", for_rank(source.endpoint, r)) for r in range(source.dp_ranks))
+    for problem, in_use in filter(None, taken):
+        if in_use:
+            print(f"warning: {problem} (nothing to fix if it is this bridge, running with this config)", file=sys.stderr)
+        else:
+            unreachable.append(problem)
     probed, answering, wrong, shapes = asyncio.run(_probe_engines(cfg))
     if probed or wrong:
         print(f"engines: {answering} of {probed} endpoint(s) answer as they should")
@@ -512,12 +521,8 @@ async def _probe_engines(cfg: Config) -> tuple[int, int, list[str], list[tuple[s
     for where_from, source in targets:
         for key in ("endpoint", "replay_endpoint", "snapshot_endpoint"):
             endpoint = getattr(source, key, None)  # (discovered sources have no snapshot_endpoint)
-            if endpoint is not None and key == "endpoint" and source.bind:
-                # Nothing to reach: the bridge's own address, which it must be able to take.
-                lines += filter(None, (try_bind(f"{where_from}.endpoint", for_rank(endpoint, r)) for r in range(source.dp_ranks)))
-                continue
-            if endpoint is None:
-                continue
+            if endpoint is None or (key == "endpoint" and source.bind):
+                continue  # (the bridge's own address: see check)
             for rank in range(source.dp_ranks):
                 ep = for_rank(endpoint, rank)
                 if split_tcp(ep) is None:

@@ -35,14 +35,15 @@ def _cannot_listen(host: str, port: int, exc: OSError) -> str:
     )
 
 
-def listen_problem(listen: str) -> str | None:
-    """Can ``metrics.listen`` be taken (what --check asks)? None if so, else the problem."""
+def listen_problem(listen: str) -> tuple[str, bool] | None:
+    """Can ``metrics.listen`` be taken (what --check asks)? None if so, else the problem and
+    whether another process holds it now."""
     host, port = _address(listen)
     try:
         with socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET):
             return None
     except OSError as exc:
-        return _cannot_listen(host, port, exc)
+        return _cannot_listen(host, port, exc), exc.errno == errno.EADDRINUSE
 
 
 def _address(listen: str) -> tuple[str, int]:

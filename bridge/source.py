@@ -79,14 +79,14 @@ def bind_problem(where: str, endpoint: str, exc: zmq.ZMQError) -> str:
     return f"{where}: cannot bind {endpoint} ({zmq.strerror(exc.errno) if exc.errno is not None else exc}); {fix}"
 
 
-def try_bind(where: str, endpoint: str) -> str | None:
+def try_bind(where: str, endpoint: str) -> tuple[str, bool] | None:
     """Bind ``endpoint`` on a throwaway socket (what --check does for a ``bind: true`` source):
-    None if it can be taken, else the problem."""
+    None if it can be taken, else the problem and whether another process holds it now."""
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as exc:
-        return bind_problem(where, endpoint, exc)
+        return bind_problem(where, endpoint, exc), exc.errno == zmq.EADDRINUSE
     finally:
         sock.close(linger=0)
     return None

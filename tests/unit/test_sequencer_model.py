@@ -307,13 +307,15 @@ class SequencerModel(RuleBasedStateMachine):
         """The connection dropped and came back; the same instance goes on."""
         self.apply(self.seqr.disconnected(self.engine.now()))
 
-    @precondition(lambda self: not self.forged_waits())
+    @precondition(lambda self: not self.forged_waits() and self.seqr._newcomer is None)
     @rule()
     def removed(self) -> None:
         """Discovery removes the source and adds it back (a pod flapping in DNS), as
         ``Bridge.remove_source`` / ``_add_pipelines`` do: the replay in flight is dropped with the
         stream's tasks, and the stream resumes with its sequencer, as after a dropped connection
-        (issue 29 case 17: what it had read and not settled is never forgotten)."""
+        (issue 29 case 17: what it had read and not settled is never forgotten). The model's
+        limit: not while a message under a new UUID waits for its confirmation (forgotten then:
+        docs/concepts/correctness.md, "A new UUID")."""
         self.seqr.detached()
         self.pending.clear()  # (the silent replays in a row still count: the model's second limit)
         self.apply(self.seqr.disconnected(self.engine.now()))

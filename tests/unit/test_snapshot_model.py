@@ -138,7 +138,7 @@ class SnapshotModel(SequencerModel):
         self.disconnect()
         super().blip()
 
-    @precondition(lambda self: not self.forged_waits())
+    @precondition(lambda self: not self.forged_waits() and self.seqr._newcomer is None)  # (the base model's limit)
     @rule()
     def removed(self) -> None:
         self.disconnect()
