@@ -387,13 +387,9 @@ class StreamSequencer:
         """A message from the live PUB stream (``ts``: its engine ts, when the caller has it;
         ``instance``: the publisher UUID its sequence frame carries, if any)."""
         out: list[Action] = []
-        if instance is not None and instance in self._retired:
+        if not self._meet(out, instance):
             out.append(Duplicate(seq))  # a retired instance's
             return out
-        if self._stash and instance == self.instance:
-            self._stash_counts(out)
-        if self._newcomer is not None:
-            self._newcomer_meets(out, instance)
         if instance is not None or self.instance is not None:
             if instance == self.instance and self._instance_sure:
                 return self._same_instance(out, seq, payload)
@@ -423,12 +419,8 @@ class StreamSequencer:
         published. Its UUID is checked like a live message's; a tail the stream has not seen is
         fetched by replay (without replay the next batch shows the gap)."""
         out: list[Action] = []
-        if instance is not None and instance in self._retired:
+        if not self._meet(out, instance):
             return out  # a retired instance's
-        if self._stash and instance == self.instance:
-            self._stash_counts(out)
-        if self._newcomer is not None:
-            self._newcomer_meets(out, instance)
         if instance is not None or self.instance is not None:
             if instance != self.instance:
                 if not self._restarts(instance):
@@ -450,6 +442,17 @@ class StreamSequencer:
                 self._attempts = 0
                 self._request(out, to_end=True)
         return out
+
+    def _meet(self, out: list[Action], instance: bytes | None) -> bool:
+        """A live message or heartbeat under ``instance``: False for a retired instance's (dropped);
+        else True, after what it settles of a batch under another UUID waiting or set aside."""
+        if instance is not None and instance in self._retired:
+            return False
+        if self._stash and instance == self.instance:
+            self._stash_counts(out)
+        if self._newcomer is not None:
+            self._newcomer_meets(out, instance)
+        return True
 
     def _changed(self, out: list[Action], instance: bytes | None, ts: float | None) -> None:
         """The certain restart shown by a message under ``instance`` (engine ts ``ts``)."""
@@ -485,8 +488,7 @@ class StreamSequencer:
         if self._replay is not None:
             # Asked before it came: it cannot refute it, and no other restart may be shown while
             # it waits (what the replay brought and did not settle is fetched again).
-            self._unclaim()
-            self._replay = None
+            self._drop_replay()
         if self.can_replay:
             self._ask_newcomer(out)
 
@@ -542,7 +544,7 @@ class StreamSequencer:
         this one (several connections into one bound socket are read fair-queued): its batch is
         kept aside for its UUID (``_stash``), delivered in that UUID's epoch if it is confirmed
         later, and dead-lettered as not the engine's after ``_STASH_AFTER`` more messages of the
-        epoch's instance, at the epoch's end, or past the bound."""
+        epoch's instance (the one whose epoch it is then), or past the bound."""
         nc = self._settle_newcomer()
         if nc.batch is None:
             return
@@ -561,7 +563,12 @@ class StreamSequencer:
         self._stash = kept
 
     def _drop_stashed(self, out: list[Action], stashed: _Stashed, why: str) -> None:
-        instance, (seq, payload, _), _ = stashed
+        self._not_the_engines(out, stashed[0], stashed[1], why)
+
+    @staticmethod
+    def _not_the_engines(out: list[Action], instance: bytes | None, batch: _Batch, why: str) -> None:
+        """A live batch under another UUID than the engine's, shown not to be its: dead-lettered."""
+        seq, payload, _ = batch
         out.append(Suspect(seq, payload, f"live seq {seq} under publisher {_name(instance)} is not its engine's: {why}"))
 
     def _unstash(self, instance: bytes | None) -> list[_Batch]:
@@ -574,8 +581,7 @@ class StreamSequencer:
         """The newcomer is shown not to be the engine's: dead-lettered, never delivered."""
         nc = self._settle_newcomer()
         if nc.batch is not None:
-            seq, payload, _ = nc.batch
-            out.append(Suspect(seq, payload, f"live seq {seq} under publisher {_name(nc.instance)} is not its engine's: {why}"))
+            self._not_the_engines(out, nc.instance, nc.batch, why)
 
     def _settle_newcomer(self) -> _Newcomer:
         nc, self._newcomer = self._newcomer, None
@@ -583,10 +589,15 @@ class StreamSequencer:
         if self._replay is not None and self._replay == self._newcomer_replay:
             # Its later replies are dropped; those read are fetched again, and settled by this
             # epoch if it ends first (they may be the epoch's instance's: see _unclaim).
-            self._unclaim()
-            self._replay = None
+            self._drop_replay()
         self._newcomer_replay = None
         return nc
+
+    def _drop_replay(self) -> None:
+        """The replay in flight is given up: its later replies are ignored, those kept without a
+        verdict are fetched again (see _unclaim)."""
+        self._unclaim()
+        self._replay = self._newcomer_replay = None
 
     def _resume(self, out: list[Action], to_end: bool = False) -> None:
         """After a newcomer is settled: the replay the stream needs, if any."""
@@ -635,8 +646,7 @@ class StreamSequencer:
         nc = self._newcomer
         assert nc is not None
         heard = self._heard
-        self._unclaim()
-        self._replay = self._newcomer_replay = None
+        self._drop_replay()
         if complete and self._buffers and nc.batch is not None and heard < nc.seq:
             # Its end marker before its seq, from an engine whose buffer was seen at work: whoever
             # holds the replay socket never published it (the newcomer, which did, would hold it).
@@ -910,8 +920,7 @@ class StreamSequencer:
         verdict are dropped, to be fetched again (their seqs owed). ``unread_top``: the highest
         seq of live messages read but never sequenced (settled by this epoch if it ends first)."""
         if self._replay is not None:
-            self._unclaim()
-            self._replay = self._newcomer_replay = None
+            self._drop_replay()
         # A message under another UUID waiting for its confirmation: forgotten (adding the source
         # again is no evidence of a restart; a genuine new instance's batch is fetched again by
         # its epoch's replay, and shows itself again on the live stream).
