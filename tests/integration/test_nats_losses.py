@@ -21,7 +21,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -365,25 +365,33 @@ def _bridge_config(tmp_path: Path, url: str, dest: str, name: str, bucket_storag
     }
 
 
-async def _until_head(reader: Client, bucket: str, seq: int) -> None:
-    """Wait (bounded, not a timing assertion) until the state's head of stream eng/0 is at ``seq``."""
+async def _until(met: Callable[[], Awaitable[bool]], never: str) -> None:
+    """Wait (bounded, not a timing assertion) until ``met``; a read that fails counts as not yet."""
     for _ in range(600):
         with contextlib.suppress(LookupError, nats.errors.Error):
-            state, _ = await bootstrap(reader, bucket, "eng", 0, attempts=1)
-            if int(state.head["seq"]) == seq:
+            if await met():
                 return
         await asyncio.sleep(0.05)
-    pytest.fail(f"the state's head never reached seq {seq}")
+    pytest.fail(never)
+
+
+async def _until_head(reader: Client, bucket: str, seq: int) -> None:
+    """Until the state's head of stream eng/0 is at ``seq``."""
+
+    async def met() -> bool:
+        state, _ = await bootstrap(reader, bucket, "eng", 0, attempts=1)
+        return int(state.head["seq"]) == seq
+
+    await _until(met, f"the state's head never reached seq {seq}")
 
 
 async def _until_stored(reader: Client, dest: str, seq: int) -> None:
-    """Wait (bounded) until the events stream holds batch ``seq`` of stream eng/0."""
-    for _ in range(600):
-        with contextlib.suppress(nats.errors.Error):
-            if seq in [m["seq"] for m in await _subject_messages(reader, dest, Stream("eng", 0))]:
-                return
-        await asyncio.sleep(0.05)
-    pytest.fail(f"the stream never held seq {seq}")
+    """Until the events stream holds batch ``seq`` of stream eng/0."""
+
+    async def met() -> bool:
+        return seq in [m["seq"] for m in await _subject_messages(reader, dest, Stream("eng", 0))]
+
+    await _until(met, f"the stream never held seq {seq}")
 
 
 async def _check_announced(reader: Client, dest: str, sink: str, before: int, last: int) -> None:

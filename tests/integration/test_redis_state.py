@@ -461,6 +461,37 @@ def forgetful_redis(tmp_path_factory: pytest.TempPathFactory) -> Any:
         yield server
 
 
+async def around_a_snapshot(client: aioredis.Redis, prefix: str, engine: CacheEngine, save: bool = True) -> tuple[int, int]:
+    """10 batches, a SAVE (the snapshot Redis will come back from; none unless ``save``), 10 more,
+    each settled: (the last seq in the snapshot, -1 for none; the last seq acknowledged)."""
+    await engine.step(10)
+    await settled(client, prefix, engine, "a")
+    kept = -1
+    if save:
+        await client.save()
+        kept = engine.last_seq
+    await engine.step(10)
+    await settled(client, prefix, engine, "a")
+    return kept, engine.last_seq
+
+
+async def restarted(server: RedisServer, client: aioredis.Redis) -> aioredis.Redis:
+    """Kill the server without AOF and start it again (back empty, or from its last SAVE): a new client."""
+    await client.aclose()
+    await server.akill()
+    await server.astart()
+    return aioredis.Redis.from_url(server.url)
+
+
+def lost_exactly(back: Any, kept: int, acknowledged: int, last: int) -> None:
+    """The sink's copy lacks exactly kept+1..acknowledged, announced by one EventsLost (sink_lost:out),
+    and holds every other seq up to ``last``."""
+    assert [x for x in back.lost if x[3].startswith("sink_lost")] == [(0, kept + 1, acknowledged, "sink_lost:out")], back.lost
+    present = {seq for _, _, seq, _, kind in back.rows if kind not in ("SourceReset", "EventsLost")}
+    gone = set(range(kept + 1, acknowledged + 1))
+    assert present | gone == set(range(last + 1)) and not present & gone, sorted(present)
+
+
 @pytest.mark.parametrize("restart", ["empty", "snapshot"])
 async def test_entries_redis_lost_are_announced_and_the_state_cleared(
     tmp_path: Path, forgetful_redis: RedisServer, restart: str
@@ -480,29 +511,13 @@ async def test_entries_redis_lost_are_announced_and_the_state_cleared(
         await bridge.start()
         try:
             await engine.wait_subscribed()
-            await engine.step(10)
-            await settled(client, prefix, engine, "a")
-            kept = -1
-            if restart == "snapshot":
-                await client.save()
-                kept = engine.last_seq
-            await engine.step(10)
-            await settled(client, prefix, engine, "a")
-            acknowledged = engine.last_seq
+            kept, acknowledged = await around_a_snapshot(client, prefix, engine, save=restart == "snapshot")
             check(await bootstrapped(client, prefix, "a"), engine)
-            await client.aclose()
-            await forgetful_redis.akill()
-            await forgetful_redis.astart()
-            client = aioredis.Redis.from_url(forgetful_redis.url)
+            client = await restarted(forgetful_redis, client)
             assert await top_seq(client, f"{prefix}:a:0") == (kept if kept >= 0 else None)
             await engine.step(10)
             await settled(client, prefix, engine, "a")
-            back = await read_redis(forgetful_redis.url, [f"{prefix}:a:0"])
-            lost = [x for x in back.lost if x[3].startswith("sink_lost")]
-            assert lost == [(0, kept + 1, acknowledged, "sink_lost:out")], back.lost
-            present = {seq for _, _, seq, _, kind in back.rows if kind not in ("SourceReset", "EventsLost")}
-            gone = set(range(kept + 1, acknowledged + 1))
-            assert present | gone == set(range(engine.last_seq + 1)) and not present & gone, sorted(present)
+            lost_exactly(await read_redis(forgetful_redis.url, [f"{prefix}:a:0"]), kept, acknowledged, engine.last_seq)
             state = await bootstrapped(client, prefix, "a")
             check(state, engine, complete=False)  # cleared into a new generation: incomplete, no false block
         finally:
@@ -533,19 +548,10 @@ async def test_entries_redis_lost_while_no_bridge_ran_are_announced_at_the_next_
             await first.start()
             try:
                 await engine.wait_subscribed()
-                await engine.step(10)
-                await settled(client, prefix, engine, "a")
-                await client.save()
-                kept = engine.last_seq
-                await engine.step(10)
-                await settled(client, prefix, engine, "a")
-                acknowledged = engine.last_seq
+                kept, acknowledged = await around_a_snapshot(client, prefix, engine)
             finally:
                 await first.stop()
-            await client.aclose()
-            await forgetful_redis.akill()
-            await forgetful_redis.astart()
-            client = aioredis.Redis.from_url(forgetful_redis.url)
+            client = await restarted(forgetful_redis, client)
             assert await top_seq(client, f"{prefix}:a:0") == kept
             second = Bridge(cfg if source == "configured" else other)
             await second.start()
@@ -557,11 +563,7 @@ async def test_entries_redis_lost_while_no_bridge_ran_are_announced_at_the_next_
                 await settled(client, prefix, engine, "a")
             finally:
                 await second.stop()
-            back = await read_redis(forgetful_redis.url, [f"{prefix}:a:0"])
-            assert [x for x in back.lost if x[3].startswith("sink_lost")] == [(0, kept + 1, acknowledged, "sink_lost:out")]
-            present = {seq for _, _, seq, _, kind in back.rows if kind not in ("SourceReset", "EventsLost")}
-            gone = set(range(kept + 1, acknowledged + 1))
-            assert present | gone == set(range(engine.last_seq + 1)) and not present & gone, sorted(present)
+            lost_exactly(await read_redis(forgetful_redis.url, [f"{prefix}:a:0"]), kept, acknowledged, engine.last_seq)
             check(await bootstrapped(client, prefix, "a"), engine, complete=False)
         finally:
             await client.aclose()
@@ -589,18 +591,9 @@ async def test_a_loss_on_a_quiet_stream_is_announced_without_waiting_for_its_nex
         await bridge_.start()
         try:
             await engine.wait_subscribed()
-            await engine.step(10)
-            await settled(client, prefix, engine, "a")
-            await client.save()
-            kept = engine.last_seq
-            await engine.step(10)
-            await settled(client, prefix, engine, "a")
-            acknowledged = engine.last_seq
+            kept, acknowledged = await around_a_snapshot(client, prefix, engine)
             check(await bootstrapped(client, prefix, "a"), engine)
-            await client.aclose()
-            await forgetful_redis.akill()
-            await forgetful_redis.astart()
-            client = aioredis.Redis.from_url(forgetful_redis.url)
+            client = await restarted(forgetful_redis, client)
             assert await top_seq(client, f"{prefix}:a:0") == kept
             stale = await bootstrapped(client, prefix, "a")
             assert stale.complete and Counter(stale.blocks()) != truth(engine)  # what the snapshot brought back
