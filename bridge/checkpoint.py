@@ -15,7 +15,8 @@ record reaches a sink, so a restarted bridge never opens it again. ``instances``
 stream whose publisher sends its lifetime UUID (vLLM #57789), the UUID of its instance in its
 newest epoch, known for certain, and those of the instances before it: a stream resumed in that
 epoch knows its instance at the first message, with or without a replay endpoint. A corrupt or
-unreadable file is reported by the caller and the bridge starts fresh; it never crashes on it.
+unreadable file, or one of a later release (a roll back), is reported by the caller and kept aside
+as ``FILE.unusable``, and the bridge starts fresh; it never crashes on it.
 
 Epoch numbers. A stream met for the first time opens epoch :func:`clock_epoch` (the wall clock
 in microseconds since 1970), and every later epoch is above the previous one, the saved one and
@@ -92,6 +93,9 @@ _INSTANCE_ID = "[0-9a-f]{32}"
 InstanceId = Annotated[str, msgspec.Meta(pattern=f"^{_INSTANCE_ID}$")]
 """A publisher lifetime UUID, in lower-case hex (in the file, and in the ``instance`` header)."""
 
+VERSION = 1
+"""The checkpoint format this release writes and reads; a file of a later one is not read."""
+
 RETIRED_KEPT = 16
 """UUIDs of instances gone a checkpoint keeps per stream (their late messages are dropped)."""
 
@@ -105,7 +109,7 @@ class Instances(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class CheckpointFile(msgspec.Struct):
-    version: int = 1
+    version: int = VERSION
     streams: dict[str, StreamPosition] = msgspec.field(default_factory=dict)
     epochs: dict[str, int] = msgspec.field(default_factory=dict)
     opened: dict[str, StreamPosition] = msgspec.field(default_factory=dict)
@@ -126,9 +130,17 @@ def load(path: str | Path) -> CheckpointFile:
     except OSError as exc:
         raise CheckpointError(f"checkpoint {p}: cannot read ({exc.strerror or exc})") from exc
     try:
-        return msgspec.json.decode(data, type=CheckpointFile)
+        loaded = msgspec.json.decode(data, type=CheckpointFile)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise CheckpointError(f"checkpoint {p}: corrupt ({exc})") from exc
+    if loaded.version > VERSION:
+        # A later release's fields may mean something else: guessing could resume a stream at a
+        # wrong position. Roll forward again, or start afresh (safe, see the epoch numbers above).
+        raise CheckpointError(
+            f"checkpoint {p}: written by a later release (format version {loaded.version}; this release reads "
+            f"version {VERSION} and earlier); run that release again, or move the file away to start afresh"
+        )
+    return loaded
 
 
 def save(path: str | Path, checkpoint: CheckpointFile) -> None:
@@ -426,7 +438,14 @@ class CheckpointStore:
         try:
             loaded = load(self.path)
         except CheckpointError as exc:
-            log.error("checkpoint unusable, starting fresh", extra={"error": str(exc)})
+            # Kept aside rather than overwritten by the first save: a later release's file is its
+            # own again after a roll forward, and a corrupt one is there to look at.
+            kept = f"{self.path}.unusable"
+            try:
+                os.replace(self.path, kept)
+            except OSError:
+                kept = "(not kept: cannot rename it)"
+            log.error("checkpoint unusable, starting fresh", extra={"error": str(exc), "kept_as": kept})
             return CheckpointFile()
         if loaded.streams:
             log.info("resuming from checkpoint", extra={"path": self.path, "streams": len(loaded.streams)})

@@ -27,7 +27,7 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from . import __version__, discovery, logs
+from . import __version__, checkpoint, discovery, logs
 from . import config as config_mod
 from .config import Config
 from .connector import Connector, Registry, template_labels, unwritable
@@ -436,6 +436,11 @@ def check(path: str, *, offline: bool = False, registry: Registry | None = None)
         print("config ok (offline: sinks not contacted)")
         return EXIT_OK
     unreachable = _unwritable_paths(cfg)
+    if cfg.checkpoint.path:
+        try:
+            checkpoint.load(cfg.checkpoint.path)
+        except checkpoint.CheckpointError as exc:
+            print(f"warning: checkpoint.path: {exc} (the bridge would start every stream afresh)", file=sys.stderr)
     # The addresses the bridge listens on. One another process holds now may be this bridge's
     # own, running with this config (--check in its pod): a warning, not a failure.
     taken = [listen_problem(cfg.metrics.listen)] if cfg.metrics.listen else []

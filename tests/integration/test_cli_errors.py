@@ -163,6 +163,13 @@ CASES = [
     Case("check-metrics-port-in-use", CHECK, 0, ["warning: metrics.listen: cannot listen on 127.0.0.1:{busy}"],
          "sources:\n  - {name: a, endpoint: 'tcp://127.0.0.1:{dead}', bind: true}\n" + FILE_SINK
          + "metrics: {listen: '127.0.0.1:{busy}'}\n"),
+    # A checkpoint the bridge would not read (a later release's, after a roll back): a warning.
+    Case("check-checkpoint-of-a-later-release", CHECK, 0,
+         ["warning: checkpoint.path: checkpoint {tmp}/later.json: written by a later release (format version 99; this "
+          "release reads version 1 and earlier); run that release again, or move the file away to start afresh (the "
+          "bridge would start every stream afresh)"],
+         "sources:\n  - {name: a, endpoint: 'tcp://127.0.0.1:{dead}', bind: true}\n" + FILE_SINK
+         + "checkpoint: {path: '{tmp}/later.json'}\n"),
     # -- run: the same validation at start, and start-up failures in one line
     Case("run-bind-port-in-use", RUN, 1,
          ["sources[0].endpoint: cannot bind tcp://127.0.0.1:{busy} (Address already in use); another process holds the port"],
@@ -229,6 +236,7 @@ def _files(root: Path) -> set[Path]:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_a_mistake_ends_in_one_line_per_problem(case: Case, tmp_path: Path, busy_port: int) -> None:
     (tmp_path / "plain").write_text("a file, not a directory\n")
+    (tmp_path / "later.json").write_text('{"version": 99, "streams": {}}')
     values = {"tmp": str(tmp_path), "busy": str(busy_port), "dead": str(free_ports(1)[0]), "cfg": str(tmp_path / "c.yaml")}
 
     def fill(text: str) -> str:

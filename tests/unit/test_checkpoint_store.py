@@ -28,6 +28,18 @@ def test_an_unusable_file_is_reported_and_the_bridge_starts_fresh(tmp_path: Path
     assert "checkpoint unusable, starting fresh" in caplog.text
 
 
+def test_a_later_releases_file_is_not_read_and_kept_aside(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A roll back after a release that wrote format version 2: its fields may mean something else."""
+    path = tmp_path / "ckpt.json"
+    text = '{"version": 2, "streams": {"e/0": {"epoch": 7, "seq": 41}}, "epochs": {"e/0": 7}}'
+    path.write_text(text)
+    store = CheckpointStore(str(path), 1)
+    assert store.checkpointer.position(STREAM.key) is None
+    assert "written by a later release (format version 2" in caplog.records[-1].error  # type: ignore[attr-defined]
+    assert (tmp_path / "ckpt.json.unusable").read_text() == text  # the first save cannot overwrite it
+    assert not path.exists()
+
+
 def test_a_saved_checkpoint_is_resumed(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.json"
     save(path, CheckpointFile(streams={STREAM.key: StreamPosition(7, 41, 1.5, 9)}, epochs={STREAM.key: 7}))
