@@ -40,8 +40,18 @@ def listen_problem(listen: str) -> tuple[str, bool] | None:
     whether another process holds it now."""
     host, port = _address(listen)
     try:
-        with socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET):
-            return None
+        # Every address the name stands for, as asyncio.start_server binds them ("localhost": the
+        # IPv4 and the IPv6 loopback), each in its own family only.
+        infos = {(i[0], i[4]) for i in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)}
+        with contextlib.ExitStack() as held:
+            for family, address in infos:
+                sock = held.enter_context(socket.socket(family, socket.SOCK_STREAM))
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+                sock.listen()
+        return None
     except OSError as exc:
         return _cannot_listen(host, port, exc), exc.errno == errno.EADDRINUSE
 

@@ -5,6 +5,7 @@ one line per problem naming the thing and the fix, the documented exit code, and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -585,3 +586,44 @@ async def test_check_refuses_a_redis_user_the_writes_would_be_refused_for(tmp_pa
     finally:
         await admin.execute_command("ACL", "DELUSER", user)
         await admin.aclose()
+
+
+@pytest.mark.parametrize("held", ["::1", "127.0.0.1", None])
+async def test_check_takes_every_address_the_metrics_name_stands_for_as_the_run_does(
+    monkeypatch: pytest.MonkeyPatch, held: str | None
+) -> None:
+    """A name for both loopbacks (``localhost`` on many hosts): the run listens on each, so --check
+    must take each too, and says "ok" exactly where the run can listen."""
+    from bridge.errors import StartupError
+    from bridge.health import HealthServer, listen_problem
+
+    real = socket.getaddrinfo
+    port = free_ports(1)[0]
+
+    def dual(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host != "both-loopbacks":
+            return real(host, *args, **kwargs)
+        return real("127.0.0.1", *args, **kwargs) + real("::1", *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", dual)
+    with contextlib.ExitStack() as stack:
+        if held is not None:
+            family = socket.AF_INET6 if ":" in held else socket.AF_INET
+            other = stack.enter_context(socket.socket(family, socket.SOCK_STREAM))
+            if family == socket.AF_INET6:
+                other.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            other.bind((held, port))
+            other.listen()
+        said = listen_problem(f"both-loopbacks:{port}")
+        server = HealthServer(f"both-loopbacks:{port}", lambda: asyncio.sleep(0, []), lambda detail: (True, {}))
+        try:
+            await server.start()
+            started = True
+        except StartupError:
+            started = False
+        finally:
+            await server.stop()
+    assert started == (held is None)
+    assert (said is None) == started, said
+    if said is not None:
+        assert said[1] and f":{port} (Address already in use)" in said[0]
