@@ -27,6 +27,7 @@ playground: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 servers: install
@@ -47,6 +48,7 @@ test: install
 	$(PY) -m bridge schema --check schema/kv-events.schema.json
 	$(PY) -m bridge schema state --check schema/kv-state.schema.json
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	cd go/kvconsumer && GOFLAGS="-mod=mod -buildvcs=false" go vet ./... && GOFLAGS="-mod=mod -buildvcs=false" go test ./...
 	$(PY) -m pytest

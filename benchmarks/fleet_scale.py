@@ -63,9 +63,7 @@ async def _measure(streams: int, scrapes: int) -> dict[str, float]:
     tune_gc()
     config = config_mod.from_data(
         {
-            "sources": [
-                {"name": f"engine-{s:05d}", "endpoint": f"tcp://127.0.0.1:{20000 + s % 10000}"} for s in range(streams)
-            ],
+            "sources": [{"name": f"engine-{s:05d}", "endpoint": f"tcp://127.0.0.1:{20000 + s % 10000}"} for s in range(streams)],
             "sinks": [{"type": "file", "name": "null", "path": "/dev/null", "format": "raw", "granularity": "batch"}],
             "metrics": {"listen": ""},
             "replay": {"idle_probe": 0},

@@ -410,7 +410,7 @@ def _value_text(value: float) -> str:
 
 
 def _escape(value: str) -> str:
-    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
 def _family_lines(metric: Counter | Gauge) -> Iterator[str]:

@@ -345,7 +345,7 @@ class SourceReader:
         problem = (
             f"{self.endpoint}: the engine publishes under {', '.join(map(repr, self._foreign_topics))} and "
             f"nothing yet under a topic starting with {self.topic!r}: set the source's topic to the engine's "
-            "KV events topic (\"\" for every topic)"
+            'KV events topic ("" for every topic)'
         )
         if problem == self.problem:
             return

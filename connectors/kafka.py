@@ -119,6 +119,8 @@ def topic_template_problem(text: str) -> str | None:
     if literal in (".", ".."):
         return f"{text!r} is not a valid Kafka topic name"
     return None
+
+
 # Kafka protocol error codes seen in metadata and CreateTopics responses.
 _UNKNOWN_TOPIC, _INVALID_TOPIC, _TOPIC_AUTHORIZATION, _TOPIC_EXISTS = 3, 17, 29, 36
 _PARTITIONER = DefaultPartitioner()  # murmur2(key) % partitions, as Java's client does
@@ -1248,8 +1250,7 @@ class KafkaConnector:
                 accepted = []
             which = f"it accepts {', '.join(accepted)}" if accepted else "see its sasl.enabled.mechanisms"
             return (
-                f"the broker does not accept SASL mechanism {o.sasl_mechanism} ({which}): set sasl_mechanism to one "
-                "it accepts",
+                f"the broker does not accept SASL mechanism {o.sasl_mechanism} ({which}): set sasl_mechanism to one it accepts",
                 "auth",
             )
         if isinstance(exc, kafka_errors.SaslAuthenticationFailed | kafka_errors.AuthenticationFailedError):

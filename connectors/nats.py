@@ -510,7 +510,7 @@ class NatsOptions(ConnectorOptions):
     stream: Annotated[StreamOptions, doc("JetStream stream to create when missing (see stream.create).")] = msgspec.field(
         default_factory=StreamOptions
     )
-    state: Annotated[StateOptions, doc('Live-block state in a JetStream KV bucket (docs/output/state.md).')] = msgspec.field(
+    state: Annotated[StateOptions, doc("Live-block state in a JetStream KV bucket (docs/output/state.md).")] = msgspec.field(
         default_factory=StateOptions
     )
 
@@ -2376,6 +2376,8 @@ async def _all_streams(js: JetStreamContext) -> list[js_api.StreamInfo]:
 def _expect_subject_seq(seq: int | None) -> bytes:
     """The header block of a KV put written only over the subject's message ``seq`` (None: none)."""
     return _KV_PUT if seq is None else header_block({}, subject_seq=seq)
+
+
 _KV_PUT = b""  # a plain PUB: no header block to store and parse back
 
 

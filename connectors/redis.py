@@ -159,6 +159,7 @@ log = logging.getLogger(__name__)
 
 # -- entry ids ----------------------------------------------------------------------------------
 
+
 def entry_id(position: tuple[int, int, int]) -> str:
     """The Redis entry id of a message at ``position`` = (epoch, slot, sub).
 

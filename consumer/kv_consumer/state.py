@@ -177,9 +177,14 @@ class StreamState:
         if pos <= self.applied or pos[0] < self.epoch:
             return False
         source = self.head.get("source")
-        if source is not None and "source" in message and (message["source"], message.get("dp_rank")) != (
-            source,
-            self.head.get("dp_rank"),
+        if (
+            source is not None
+            and "source" in message
+            and (message["source"], message.get("dp_rank"))
+            != (
+                source,
+                self.head.get("dp_rank"),
+            )
         ):
             return False  # another stream's record where this one's are read (two sources sharing a subject)
         if pos[2] == 0 and pos[0] == self.applied[0] and pos[1] > self.applied[1] + 1 and "events" in message:
@@ -199,9 +204,7 @@ class StreamState:
         if kind == "StateSeeded":
             if not self.complete:
                 self.rebootstrap = True
-                self.why = (
-                    f"the bridge re-seeded the state from an engine snapshot at ({epoch}, {seq}): bootstrap again"
-                )
+                self.why = f"the bridge re-seeded the state from an engine snapshot at ({epoch}, {seq}): bootstrap again"
             return True
         if kind == "EventsLost":
             lost = f"seqs {message.get('from_seq')}-{message.get('to_seq')} of epoch {epoch} lost ({message.get('reason')})"

@@ -121,10 +121,10 @@ async def publish(sim: Simulator, n: int) -> None:
             await sim.step(r)
 
 
-
 def epochs(bridge: Bridge) -> list[int]:
     """The epoch of each rank's stream in ``bridge``."""
     return [bridge.pipelines[f"{SOURCE}/{r}"].sequencer.epoch for r in range(RANKS)]
+
 
 async def delivered_through(bridge: Bridge, sim: Simulator) -> None:
     """Until the bridge has handed every published batch on and every sink took it."""
