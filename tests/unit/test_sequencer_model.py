@@ -509,6 +509,24 @@ class UuidModel(SequencerModel):
         assert not [a for a in actions if isinstance(a, Reset)], f"a forged UUID ended the epoch: {actions}"
         self.apply(actions)
 
+    @precondition(lambda self: not self.seqr.in_doubt)
+    @rule()
+    def heartbeat(self) -> None:
+        """An idle heartbeat under the engine's UUID (vLLM #57789 sends both): its next seq says
+        everything below it was published, so the bridge has heard of those seqs (I3: each is
+        delivered or announced lost in the instance's epoch, teardown), whether it missed them
+        (slide), or the instance restarts before they are fetched. The model's limit: not while
+        continuity is in doubt (a heartbeat read then, of an instance that restarts again before
+        the bridge reads anything else of it, makes a claim the next instance's empty replays
+        refute: its seqs are never announced; the SourceReset of the next instance to publish clears them)."""
+        instance = self.engine.instance
+        published = self.engine.published.get(instance, 0)
+        uuid = self.uuid_of(payload_of(instance, 0))
+        if uuid is None or not published:
+            return  # (an instance before the upgrade sends none; an empty one says nothing)
+        self.apply(self.seqr.heartbeat(published, uuid))
+        self.seen.setdefault(instance, set()).add(published - 1)
+
     @precondition(
         lambda self: (
             not self.forged_waits()
