@@ -48,6 +48,7 @@ import os
 import re
 import tempfile
 import threading
+import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -428,6 +429,12 @@ class CheckpointStore:
         self.path = path
         self.checkpointer = Checkpointer(sinks, self._load())
         self._lock = asyncio.Lock()
+        # The last save's failure (None: it succeeded, or none was tried), and the wall-clock time
+        # of the last good one (None: none since start). Called (in the saving thread) after each
+        # save: with its time, or None when it failed (the metrics).
+        self.error: str | None = None
+        self.saved_at: float | None = None
+        self.on_save: Callable[[float | None], None] = lambda at: None
         # Called on the loop before each save: notes what the running streams know and the
         # checkpointer is not told as it happens (their instances' UUIDs, see note_instance).
         self.collect: Callable[[], None] = lambda: None
@@ -489,7 +496,24 @@ class CheckpointStore:
         try:
             self.checkpointer.write(self.path, generation, snapshot)
         except OSError as exc:
+            self.error = exc.strerror or str(exc)
+            self.on_save(None)
             log.error("cannot save the checkpoint", extra={"path": self.path, "error": str(exc)})
+        else:
+            self.error, self.saved_at = None, time.time()
+            self.on_save(self.saved_at)
+
+    @property
+    def problem(self) -> str | None:
+        """Why the checkpoint is not being saved now (None: it is, or there is none), for /readyz:
+        a restart would resume from the last save, as far back as that is."""
+        if self.error is None:
+            return None
+        last = "none since start" if self.saved_at is None else f"the last one {time.time() - self.saved_at:.0f}s ago"
+        return (
+            f"checkpoint.path: cannot save {self.path} ({self.error}); a restart would resume from the last save "
+            f"({last}): free space on its volume, or fix its permissions"
+        )
 
     async def run(self, interval: float) -> None:
         """Save every ``interval`` seconds, for ever."""

@@ -296,6 +296,12 @@ class Metrics:
         )
         for outcome in ("rebuilt", "fresh"):
             self.state_rebuilds.labels(outcome)
+        self.checkpoint_save_failures = Counter(
+            p + "checkpoint_save_failures", "Checkpoint saves that failed (the volume full or unwritable).", registry=r
+        )
+        self.checkpoint_saved = Gauge(
+            p + "checkpoint_last_save_timestamp_seconds", "Unix time of the last checkpoint saved (0: none yet).", registry=r
+        )
         self.ready = Gauge(p + "ready", "1 when every sink is connected and every source subscribed.", registry=r)
         self.build_info = Gauge(p + "build_info", "Build information.", ["version"], registry=r)
         self.build_info.labels(__version__).set(1)

@@ -280,6 +280,7 @@ class Bridge:
         cfg = self.config
         self.store = self.context.epochs = ckpt.CheckpointStore(cfg.checkpoint.path, len(cfg.sinks))
         self.store.collect = self._note_instances
+        self.store.on_save = self._saved
         configured = [s for source in cfg.sources for s in streams_of(source)]
         self._state_sinks = [c for c in connectors if getattr(c, "writes_state", False)]
         if self._state_sinks:
@@ -819,8 +820,16 @@ class Bridge:
         await self.store.persist()
 
     # -- health ---------------------------------------------------------------------------------
+    def _saved(self, at: float | None) -> None:
+        """A checkpoint save ended (in its thread): at ``at``, or failed (None)."""
+        if at is None:
+            self.metrics.checkpoint_save_failures.inc()
+        else:
+            self.metrics.checkpoint_saved.set(at)
+
     def readiness(self, detail: bool = True) -> tuple[bool, dict[str, Any]]:
-        """Ready: no background task failed, every sink connected, every source subscribed, and,
+        """Ready: no background task failed, every sink connected, every source subscribed, the
+        checkpoint (if any) saved at its last try, and,
         once ``ingest.connect_grace`` has passed since start-up, at least one engine connected
         and answering with batches it can decode (a bridge that reads nothing is not ready; one
         engine down among several is not enough to say so). The detail names each sink's state,
@@ -855,7 +864,8 @@ class Bridge:
             all_quiet = not any_waiting and all(
                 r.problem is not None or (k in pipelines and _quiet(pipelines[k])) for k, r in readers.items()
             )
-        ready = self.failed is None and all(w.problem is None for w in self.workers) and not any_waiting
+        unsaved = self.store.problem
+        ready = self.failed is None and all(w.problem is None for w in self.workers) and not any_waiting and unsaved is None
         why = None
         if self._started_at is not None and time.monotonic() - self._started_at >= self.config.ingest.connect_grace:
             if not readers:
@@ -887,6 +897,8 @@ class Bridge:
             out["sources_not_decodable"] = dict(sorted(garbled.items())[:MAX_SHOWN])
         if why is not None:
             out["not_ready"] = why
+        if unsaved is not None:
+            out["checkpoint"] = unsaved
         if self.failed is not None:
             out["failed"] = repr(self.failed)
         return ready, out

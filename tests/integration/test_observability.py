@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import re
+import shutil
 import subprocess
 import time
 import urllib.error
@@ -244,6 +245,7 @@ async def test_every_dashboard_query_and_alert_on_a_real_prometheus(tmp_path: Pa
         ],
         "metrics": {"listen": f"127.0.0.1:{port}"},
         "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "checkpoint": {"path": str(tmp_path / "checkpoint.json"), "interval": "1s"},
         "replay": {"timeout": "300ms", "initial_backoff": "20ms", "max_backoff": "200ms"},
         "state": {"max_entries": 50},  # the simulated engine stores more: a stream's state is switched off
     }
@@ -440,6 +442,36 @@ async def test_readyz_follows_a_redis_sink_going_away_and_back(
     finally:
         await client.delete(f"{prefix}:engine:0")
         await client.aclose()
+
+
+async def test_readyz_says_not_ready_while_the_checkpoint_cannot_be_saved(tmp_path: Path) -> None:
+    """A bridge whose checkpoint saves fail (its volume full or gone) would resume, after a restart,
+    from a save as old as the failure: not ready, with the path and the error, until one succeeds."""
+    sim_ports, port = free_ports(2), free_port()
+    volume = tmp_path / "volume"
+    checkpoint = {"path": str(volume / "c.json"), "interval": "100ms"}
+    async with Simulator(_sim(sim_ports)) as sim:
+        async with running_bridge(
+            tmp_path, [_source("engine", sim_ports)], checkpoint=checkpoint, metrics={"listen": f"127.0.0.1:{port}"}
+        ) as (b, _):
+            await _subscribed(b)
+            for _ in range(5):
+                await sim.step()
+            await wait_for(lambda: metric(b, "kv_bridge_checkpoint_last_save_timestamp_seconds") > 0, what="a save")
+            assert (await _readyz(port))[0] == 200
+            shutil.rmtree(volume)
+            volume.write_text("a file where the checkpoint's directory was\n")  # every save fails now
+            body = await _until_status(port, 503)
+            assert body["checkpoint"].startswith(f"checkpoint.path: cannot save {volume / 'c.json'} ("), body
+            assert "a restart would resume from the last save (the last one " in body["checkpoint"], body
+            assert metric(b, "kv_bridge_checkpoint_save_failures_total") > 0
+            assert b"\nkv_bridge_ready 0.0\n" in (await http_get(port, "/metrics"))[1]
+            volume.unlink()  # the volume is back: the next save succeeds
+            body = await _until_status(port, 200)
+            assert "checkpoint" not in body
+            await sim.step()
+            saved = metric(b, "kv_bridge_checkpoint_last_save_timestamp_seconds")
+            await wait_for(lambda: metric(b, "kv_bridge_checkpoint_last_save_timestamp_seconds") > saved, what="saves again")
 
 
 # -- logs -----------------------------------------------------------------------------------------

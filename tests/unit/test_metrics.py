@@ -101,6 +101,8 @@ CONTRACT: dict[str, tuple[str, frozenset[str]]] = {
         ("kv_bridge_state_switched_off_total", "counter", ["source"]),
         ("kv_bridge_snapshots_total", "counter", ["source", "outcome"]),
         ("kv_bridge_state_rebuilds_total", "counter", ["outcome"]),
+        ("kv_bridge_checkpoint_save_failures_total", "counter", []),
+        ("kv_bridge_checkpoint_last_save_timestamp_seconds", "gauge", []),
     ]
 }
 LOW_CARDINALITY = frozenset({"source", "dp_rank", "sink", "reason", "type", "outcome", "version"})
