@@ -866,6 +866,8 @@ def endpoint_problem(endpoint: str) -> str | None:
     if scheme != "tcp":
         return f"{endpoint!r}: transport {scheme}:// is not supported; use tcp://HOST:PORT, ipc://PATH or inproc://NAME"
     host, sep, port = rest.rpartition(":")
+    if sep and not host and port.isdigit():
+        return f"{endpoint!r} has no host: write tcp://HOST:{port} (* to bind every interface)"
     if not sep or not host or not port.isdigit():
         return f"{endpoint!r} has no port: write tcp://{rest or 'HOST'}:PORT (vLLM's default live port is 5557, replay 5558)"
     if not 0 < int(port) < 65536:
@@ -901,7 +903,7 @@ def _check_semantics(config: Config, sinks: list[SinkConfig], raw: list[Any], pr
             n = used.get(s.type, 0)
             s.name = s.type if counts[s.type] == 1 else f"{s.type}-{n}"
             used[s.type] = n + 1
-    _check_ports(config.sources, problems)
+    _check_ports(config.sources, problems, config.metrics.listen)
     _check_snapshots(config.sources, problems)
     dns = config.discovery.dns
     if dns is not None and dns.replay_port is not None and dns.dp_ranks > 1:
@@ -997,16 +999,37 @@ def _check_snapshots(sources: list[SourceConfig], problems: list[str]) -> None:
             )
 
 
-def _check_ports(sources: list[SourceConfig], problems: list[str]) -> None:
+_ANY_HOST = frozenset({"*", "0.0.0.0", "::", ""})
+"""Hosts that bind every address: a port bound on one is bound on each of them."""
+
+
+def _host_key(host: str) -> str:
+    host = host.strip("[]").lower()
+    return "127.0.0.1" if host == "localhost" else host
+
+
+def _hosts_meet(side: str, a: str, b: str) -> bool:
+    """Do two hosts of one side of a connection take the same addresses? Bound: a wildcard meets
+    every host, and ``localhost`` is the loopback."""
+    if side != "bind":
+        return a == b
+    a, b = _host_key(a), _host_key(b)
+    return a == b or a in _ANY_HOST or b in _ANY_HOST
+
+
+def _check_ports(sources: list[SourceConfig], problems: list[str], listen: str = "") -> None:
     """Refuse one host:port used by two port ranges.
 
     Rank r uses port + r on both sockets (docs/protocol.md section 1), so with several ranks a live and
     a replay port one apart overlap: rank 1's live port would be rank 0's replay port. Only what is
     certainly wrong is refused: the same host, on the same side of the connection (``bind: true``
-    binds the live endpoints here; replay endpoints are always the engines', connected to).
-    ``ipc://`` and ``inproc://`` endpoints have no ports.
+    binds the live endpoints here, as ``metrics.listen`` does; replay endpoints are always the
+    engines', connected to). ``ipc://`` and ``inproc://`` endpoints have no ports.
     """
     seen: list[tuple[str, str, int, int, int, str]] = []  # side, host, first port, last port, source, socket
+    host, _, port = listen.rpartition(":")
+    if port.isdigit():
+        seen.append(("bind", host, int(port), int(port), -1, "metrics"))  # (source -1: metrics.listen)
     for i, source in enumerate(sources):
         n = source.dp_ranks
         sockets = (
@@ -1024,9 +1047,14 @@ def _check_ports(sources: list[SourceConfig], problems: list[str]) -> None:
             if last > 65535:
                 problems.append(f"sources[{i}].dp_ranks: ranks 0..{n - 1} would use {kind} ports up to {last} (> 65535)")
             for side2, host2, first2, last2, j, kind2 in seen:
-                if (side2, host2) != (side, host) or first > last2 or first2 > last:
+                if side2 != side or not _hosts_meet(side, host, host2) or first > last2 or first2 > last:
                     continue
-                if j == i and (kind2, kind) != ("live", "replay"):
+                if j < 0:
+                    problems.append(
+                        f"sources[{i}].{key}: {_uses(n, kind, first)} on {host}, which {_overlap(n)} metrics.listen "
+                        f"({listen}); a port can be bound once: choose another port for one of them"
+                    )
+                elif j == i and (kind2, kind) != ("live", "replay"):
                     problems.append(
                         f"sources[{i}].{key}: {_uses(n, kind, first)}, which {_overlap(n)} its "
                         f"{_ports(kind2, first2, last2 - first2 + 1)}; rank r uses port + r on every socket, so the ports "

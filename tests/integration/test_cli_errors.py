@@ -58,6 +58,19 @@ CASES = [
          "sources:\n  - {name: a, endpoint: 'vllm-host:5557'}\n" + FILE_SINK),
     Case("endpoint-without-port", OFFLINE, 2, ["sources[0].endpoint: 'tcp://vllm-host' has no port: write tcp://vllm-host:PORT"],
          "sources:\n  - {name: a, endpoint: 'tcp://vllm-host'}\n" + FILE_SINK),
+    Case("endpoint-without-host", OFFLINE, 2, ["sources[0].endpoint: 'tcp://:5557' has no host: write tcp://HOST:5557"],
+         "sources:\n  - {name: a, endpoint: 'tcp://:5557'}\n" + FILE_SINK),
+    # Three addresses of one config that the run could not all bind: refused before anything runs.
+    Case("check-bind-port-twice-wildcard-and-loopback", OFFLINE, 2,
+         ["sources[1].endpoint: rank 0 uses live port {dead} on 127.0.0.1, which overlaps the live port {dead} of "
+          "sources[0] (a); a port can be bound once"],
+         "sources:\n  - {name: a, endpoint: 'tcp://*:{dead}', bind: true}\n"
+         "  - {name: b, endpoint: 'tcp://127.0.0.1:{dead}', bind: true}\n" + FILE_SINK),
+    Case("check-bind-port-is-the-metrics-port", OFFLINE, 2,
+         ["sources[0].endpoint: rank 0 uses live port {dead} on 127.0.0.1, which overlaps metrics.listen "
+          "(127.0.0.1:{dead}); a port can be bound once"],
+         "sources:\n  - {name: a, endpoint: 'tcp://127.0.0.1:{dead}', bind: true}\n" + FILE_SINK
+         + "metrics: {listen: '127.0.0.1:{dead}'}\n"),
     Case("replay-endpoint-without-transport", OFFLINE, 2,
          ["sources[0].replay_endpoint: 'vllm-host:5558' has no transport: write tcp://vllm-host:5558"],
          "sources:\n  - {name: a, endpoint: 'tcp://h:5557', replay_endpoint: 'vllm-host:5558'}\n" + FILE_SINK),

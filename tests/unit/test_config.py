@@ -203,6 +203,33 @@ def test_port_ranges_of_two_sources_must_not_overlap() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [("tcp://*:6000", "tcp://127.0.0.1:6000"), ("tcp://127.0.0.1:6000", "tcp://localhost:6000"),
+     ("tcp://0.0.0.0:6000", "tcp://[::1]:6000"), ("tcp://[::]:6000", "tcp://10.1.2.3:6000")],
+)  # fmt: skip
+def test_a_port_bound_on_every_address_or_on_the_loopback_by_name_meets_the_same_port_on_one(first: str, second: str) -> None:
+    """The bind would fail at run time (breaker38 B2: --check said ok, the run exited 1)."""
+    host = second.removeprefix("tcp://").rpartition(":")[0]
+    assert _ports_problems({"endpoint": first, "bind": True}, {"endpoint": second, "bind": True}) == [
+        f"sources[1].endpoint: rank 0 uses live port 6000 on {host.lower()}, which overlaps the live port "
+        "6000 of sources[0] (e0); a port can be bound once"
+    ]
+
+
+def test_a_bound_port_must_not_be_the_metrics_port() -> None:
+    data = {"sources": [{"name": "e", "endpoint": "tcp://127.0.0.1:9300", "bind": True, "dp_ranks": 2}],
+            "sinks": [{"type": "file", "path": "-"}]}  # fmt: skip
+    with pytest.raises(ConfigError) as exc:
+        config.from_data(data, env={})  # (metrics.listen's default: 0.0.0.0:9300)
+    assert exc.value.problems == [
+        "sources[0].endpoint: ranks 0..1 use live ports 9300-9301 on 127.0.0.1, which overlap metrics.listen "
+        "(0.0.0.0:9300); a port can be bound once: choose another port for one of them"
+    ]
+    assert not _ports_problems({"endpoint": "tcp://127.0.0.1:9301", "bind": True})
+    assert not _ports_problems({"endpoint": "tcp://h:9300"})  # an engine's port, connected to
+
+
 def test_check_refuses_overlapping_rank_ports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     p = tmp_path / "c.yaml"
     p.write_text(
