@@ -904,6 +904,7 @@ def _check_semantics(config: Config, sinks: list[SinkConfig], raw: list[Any], pr
             s.name = s.type if counts[s.type] == 1 else f"{s.type}-{n}"
             used[s.type] = n + 1
     _check_ports(config.sources, problems, config.metrics.listen)
+    _check_files(config, sinks, problems)
     _check_snapshots(config.sources, problems)
     dns = config.discovery.dns
     if dns is not None and dns.replay_port is not None and dns.dp_ranks > 1:
@@ -997,6 +998,22 @@ def _check_snapshots(sources: list[SourceConfig], problems: list[str]) -> None:
                 f"{at}.snapshot: auto needs snapshot_endpoint (vLLM #57789, SGLang #34407) or replay_endpoint "
                 "(vLLM #50134): set one, or snapshot: off"
             )
+
+
+def _check_files(config: Config, sinks: list[SinkConfig], problems: list[str]) -> None:
+    """Refuse one file written as two of the bridge's files: a file sink's path that is the
+    checkpoint (each save replaces the file, and what the sink wrote with it), the dead-letter
+    file, or another file sink's."""
+    owners: dict[str, str] = {}
+    named = [("checkpoint.path", config.checkpoint.path), ("dead_letter.path", config.dead_letter.path)]
+    named += [(f"sinks[{i}].path", s.options.get("path")) for i, s in enumerate(sinks) if s.type == "file"]
+    for key, path in named:
+        if not isinstance(path, str) or not path or path == "-":
+            continue
+        real = os.path.realpath(path)
+        other = owners.setdefault(real, key)
+        if other != key:
+            problems.append(f"{key}: {path} is also {other}: the bridge would write both into one file; give each its own")
 
 
 _ANY_HOST = frozenset({"*", "0.0.0.0", "::", ""})

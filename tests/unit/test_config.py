@@ -230,6 +230,25 @@ def test_a_bound_port_must_not_be_the_metrics_port() -> None:
     assert not _ports_problems({"endpoint": "tcp://h:9300"})  # an engine's port, connected to
 
 
+def test_a_file_the_bridge_writes_is_written_as_one_thing_only(tmp_path: Path) -> None:
+    """A file sink writing the checkpoint's file lost every line at the next save (breaker38 B3)."""
+    ck, dead = str(tmp_path / "kv.json"), str(tmp_path / "dead.jsonl")
+    data = {
+        "sources": [{"name": "e", "endpoint": "tcp://h:5557"}],
+        "sinks": [{"type": "file", "path": ck}, {"type": "file", "path": f"{tmp_path}/./dead.jsonl"},
+                  {"type": "file", "path": "-"}, {"type": "file", "path": "-"}, {"type": "file", "path": str(tmp_path / "ok")}],
+        "checkpoint": {"path": ck},
+        "dead_letter": {"path": dead},
+    }  # fmt: skip
+    with pytest.raises(ConfigError) as exc:
+        config.from_data(data, env={})
+    assert exc.value.problems == [
+        f"sinks[0].path: {ck} is also checkpoint.path: the bridge would write both into one file; give each its own",
+        f"sinks[1].path: {tmp_path}/./dead.jsonl is also dead_letter.path: the bridge would write both into one file; "
+        "give each its own",
+    ]
+
+
 def test_check_refuses_overlapping_rank_ports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     p = tmp_path / "c.yaml"
     p.write_text(
