@@ -6,12 +6,18 @@ Saved atomically (write to a temp file, fsync, rename, fsync the directory) as J
      "streams": {"llama-a/0": {"epoch": 1013402, "seq": 1041, "ts": 1732870000.25, "crc": 3735928559}},
      "epochs": {"llama-a/0": 1013402},
      "opened": {},
-     "instances": {"llama-a/0": {"epoch": 1013402, "id": "5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f"}}}
+     "instances": {"llama-a/0": {"epoch": 1013402, "id": "5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f"}},
+     "ended": {"llama-a/0": {"epoch": 1013380, "seq": 977}},
+     "state_sinks": ["redis"]}
 
 ``ts`` and ``crc`` fingerprint the batch at ``seq`` (engine ts, CRC-32 of its payload): on resume
 the replay's copy of that seq must match, or the engine restarted while the bridge was away.
 ``epochs`` holds the highest epoch each stream ever opened, saved before that epoch's first
-record reaches a sink, so a restarted bridge never opens it again. ``instances`` holds, for a
+record reaches a sink, so a restarted bridge never opens it again. ``ended`` holds where the
+epoch before the newest one ended (the last seq acknowledged in it): a state sink found behind at
+start in that epoch lost its tail too, announced up to there. ``state_sinks`` names the sinks that
+kept state when it was saved: one of them found holding nothing of a stream at the next start lost
+what it held. ``instances`` holds, for a
 stream whose publisher sends its lifetime UUID (vLLM #57789), the UUID of its instance in its
 newest epoch, known for certain, and those of the instances before it: a stream resumed in that
 epoch knows its instance at the first message, with or without a replay endpoint. A corrupt or
@@ -115,6 +121,8 @@ class CheckpointFile(msgspec.Struct):
     epochs: dict[str, int] = msgspec.field(default_factory=dict)
     opened: dict[str, StreamPosition] = msgspec.field(default_factory=dict)
     instances: dict[str, Instances] = msgspec.field(default_factory=dict)
+    ended: dict[str, StreamPosition] = msgspec.field(default_factory=dict)
+    state_sinks: list[str] = msgspec.field(default_factory=list)  # (none in a file of an earlier release)
 
 
 class CheckpointError(BridgeError):
@@ -153,6 +161,8 @@ def save(path: str | Path, checkpoint: CheckpointFile) -> None:
         epochs=dict(sorted(checkpoint.epochs.items())),
         opened=dict(sorted(checkpoint.opened.items())),
         instances=dict(sorted(checkpoint.instances.items())),
+        ended=dict(sorted(checkpoint.ended.items())),
+        state_sinks=list(checkpoint.state_sinks),
     )
     data = msgspec.json.encode(checkpoint)
     fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
@@ -191,6 +201,11 @@ class Checkpointer:
         # sink): a bridge that crashed before its epoch's position was saved resumes there.
         self.opened: dict[str, StreamPosition] = dict(loaded.opened) if loaded else {}
         self.instances: dict[str, Instances] = dict(loaded.instances) if loaded else {}
+        # Per stream, the epoch before its newest one and the last seq acknowledged in it.
+        self.ended: dict[str, StreamPosition] = dict(loaded.ended) if loaded else {}
+        # The state sinks of the run that saved the file (none named by an earlier release), and of this run.
+        self.held_state: list[str] = list(loaded.state_sinks) if loaded else []
+        self.state_sinks: list[str] = []
         self._forgotten: set[str] = set()  # keys whose epoch numbers are kept until the clock passes them
         # Streams about to start afresh of which a sink could not tell what it holds (adopt): it
         # may hold an earlier epoch's records, so the new epoch is announced (needs_reset).
@@ -222,6 +237,12 @@ class Checkpointer:
                 init = (base.epoch, base.seq, base.seq if base.at is None else base.at, base.ts, None)
             row = self._acked[key] = [init] * self.sinks
         if r.kind == "SourceReset":
+            last = row[sink]
+            ended = self.ended.get(key)
+            if last is not None and last[0] < r.epoch and last[1] >= 0 and (ended is None or ended.epoch <= last[0]):
+                # (every sink acknowledges the old epoch's end before its reset: the same for each;
+                # a slower sink's older reset does not move it back)
+                self.ended[key] = StreamPosition(last[0], last[1])
             row[sink] = (r.epoch, -1, -1, None, None)
         elif r.kind == "batch":
             row[sink] = (r.epoch, r.seq, r.seq, r.ts, r.payload)
@@ -346,6 +367,7 @@ class Checkpointer:
         self.loaded.pop(key, None)
         self.opened.pop(key, None)
         self.instances.pop(key, None)
+        self.ended.pop(key, None)
         self._unsure.discard(key)
         self._forgotten.add(key)
         self.prune(now)
@@ -395,7 +417,12 @@ class Checkpointer:
             if pos is not None:
                 streams[key] = pos
         return self._generation, CheckpointFile(
-            streams=streams, epochs=dict(self.epochs), opened=dict(self.opened), instances=dict(self.instances)
+            streams=streams,
+            epochs=dict(self.epochs),
+            opened=dict(self.opened),
+            instances=dict(self.instances),
+            ended=dict(self.ended),
+            state_sinks=list(self.state_sinks),
         )
 
     def write(self, path: str | Path, generation: int, checkpoint: CheckpointFile) -> bool:

@@ -1011,6 +1011,8 @@ def _check_files(config: Config, sinks: list[SinkConfig], problems: list[str]) -
         if not isinstance(path, str) or not path or path == "-":
             continue
         real = os.path.realpath(path)
+        if os.path.exists(real) and not os.path.isfile(real):
+            continue  # (a device, /dev/null or a terminal: written by many at once by design)
         other = owners.setdefault(real, key)
         if other != key:
             problems.append(f"{key}: {path} is also {other}: the bridge would write both into one file; give each its own")

@@ -283,6 +283,7 @@ class Bridge:
         self.store.on_save = self._saved
         configured = [s for source in cfg.sources for s in streams_of(source)]
         self._state_sinks = [c for c in connectors if getattr(c, "writes_state", False)]
+        self.checkpointer.state_sinks = [c.name for c in self._state_sinks]
         if self._state_sinks:
             # Generations start at the clock in microseconds plus a random part: above an earlier
             # process's, and unlike another's started at the same time (see StateTracker).
@@ -604,22 +605,16 @@ class Bridge:
             held = [g for g in got if isinstance(g, tuple)]
             for head, _ in held:  # a stream started afresh must open a generation above what sinks hold
                 tracker.generation_base = max(tracker.generation_base, head.generation + 1)
+            # Without checkpoint.from_sinks the stream resumes from the checkpoint (with it,
+            # take_over sets where it resumes from what the sinks hold, and checks the same).
+            acked = None if self.config.checkpoint.from_sinks else self.checkpointer.position(stream.key)
+            if acked is not None and self._behind_at_start(stream, got, acked):
+                # A sink acknowledged records past the state it holds (restored from an older
+                # backup, say): they will not come again, so its state cannot follow them (I6).
+                fresh += 1
+                continue
             if held and len(held) == len(got) and len({(h.epoch, h.generation) for h, _ in held}) == 1:
                 head, entries = min(held, key=lambda g: (g[0].epoch, g[0].seq))
-                # Without checkpoint.from_sinks the stream resumes from the checkpoint (with it,
-                # take_over sets where it resumes from what the sinks hold, and checks the same).
-                resume = None if self.config.checkpoint.from_sinks else self.checkpointer.resume_position(stream.key)
-                if resume is not None and (resume.epoch, resume.seq) > (head.epoch, head.seq):
-                    # Every sink acknowledged records past the state it holds (restored from an older
-                    # backup, say): they will not come again, so the state cannot follow them (I6).
-                    log.warning(
-                        "the sinks' state of this stream is behind what every sink acknowledged: it is cleared at "
-                        "its first record and incomplete until the engine's next reset",
-                        extra={"stream": stream.key, "state_seq": head.seq, "acknowledged_seq": resume.seq},
-                    )
-                    self._behind_at_start(stream, [r[stream.key][0] for r in reads], resume)
-                    fresh += 1
-                    continue
                 short = [(len(e), h.live) for h, e in held if len(e) < h.live]
                 if short:
                     # A sink's entries gone that no write removed (a topic's retention or
@@ -647,16 +642,39 @@ class Bridge:
         if rebuilt:
             log.info("state rebuilt from the sinks", extra={"count": rebuilt, "entries": tracker.total})
 
-    def _behind_at_start(self, stream: Stream, heads: Sequence[Any], resume: ckpt.StreamPosition) -> None:
-        """Each state sink whose head of ``stream`` (``heads``, in the order of the state sinks) is
-        behind what every sink acknowledged lost the records since, its events with its state (a
-        server restored from an older snapshot while no bridge ran): they are announced to that
-        sink alone, ahead of the stream's first record (``SinkWorker.lost_at_start``), as a loss
-        found at run time is (I6)."""
-        for conn, head in zip(self._state_sinks, heads, strict=True):
-            if (head.epoch, head.seq) < (resume.epoch, resume.seq):
-                first = head.seq + 1 if head.epoch == resume.epoch else 0  # (where an older epoch's ended: unknown)
-                self._lost_at_start.setdefault(id(conn), []).append((stream, resume.epoch, first, resume.seq))
+    def _behind_at_start(self, stream: Stream, got: Sequence[Any], acked: ckpt.StreamPosition) -> bool:
+        """Each state sink whose head of ``stream`` (``got``, what each state sink holds, in their
+        order) is behind what every sink acknowledged (``acked``, the checkpoint's position), or
+        that kept state in the run that saved the checkpoint and holds nothing of the stream now,
+        lost the records since, its events with its state (a server restored from an older
+        snapshot, or restarted empty, while no bridge ran): they are announced to that sink alone,
+        ahead of the stream's first record (``SinkWorker.lost_at_start``), as a loss found at run
+        time is (I6); in the epoch before the position's too, as far as the checkpoint knows where
+        it ended (``ended``; an older epoch's tail is not known). True when a sink is behind (its
+        state is then cleared at the stream's first record)."""
+        ended = self.checkpointer.ended.get(stream.key)
+        known = [p for p in (ended, acked) if p is not None and p.seq >= 0 and p.epoch <= acked.epoch]
+        if len(known) == 2 and known[0].epoch == known[1].epoch:
+            known = known[1:]
+        behind = False
+        for conn, held in zip(self._state_sinks, got, strict=True):
+            if isinstance(held, tuple):
+                at = (held[0].epoch, held[0].seq)
+            elif held is None and conn.name in self.checkpointer.held_state:
+                at = (-1, -1)  # (it held the stream, and holds nothing of it now)
+            else:
+                continue  # ("unknown": it cannot tell; or a sink that kept no state then)
+            spans = [(stream, p.epoch, at[1] + 1 if at[0] == p.epoch else 0, p.seq) for p in known if at < (p.epoch, p.seq)]
+            if not spans:
+                continue
+            behind = True
+            log.warning(
+                "a sink's state of this stream is behind what every sink acknowledged: the records since are announced "
+                "lost to it, and the state is cleared at its first record, incomplete until the engine's next reset",
+                extra={"sink": conn.name, "stream": stream.key, "state_seq": at[1], "acknowledged_seq": acked.seq},
+            )
+            self._lost_at_start.setdefault(id(conn), []).extend(spans)
+        return behind
 
     async def _read_state(self, conn: Connector, streams: list[Stream]) -> dict[str, Any]:
         """What one state sink holds of ``streams``; nothing (every stream unknown) when it cannot say."""

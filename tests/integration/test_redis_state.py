@@ -526,17 +526,19 @@ async def test_entries_redis_lost_are_announced_and_the_state_cleared(
             (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
 
 
+@pytest.mark.parametrize("restart", ["snapshot", "empty"])
 @pytest.mark.parametrize("source", ["configured", "discovered"])
 async def test_entries_redis_lost_while_no_bridge_ran_are_announced_at_the_next_start(
-    tmp_path: Path, forgetful_redis: RedisServer, source: str
+    tmp_path: Path, forgetful_redis: RedisServer, source: str, restart: str
 ) -> None:
-    """Issue 29 (breaker33 B2, breaker35 B2): Redis comes back from an older RDB snapshot while the
-    bridge is stopped. The restarted bridge read the state head back behind what its checkpoint
-    says every sink acknowledged, cleared the state (incomplete), and said so in its log only: the
-    stream silently lacked the acknowledged batches, and no EventsLost came. Now the span the sink
-    lost is announced to it (reason sink_lost:out) before the stream's first record, for a source
-    in the config and for one added at run time (what DNS discovery does)."""
-    prefix = f"kvs{source[0]}"
+    """Issue 29 (breaker33 B2, breaker35 B2, breaker37 B1): Redis comes back from an older RDB
+    snapshot, or empty, while the bridge is stopped. The restarted bridge read the state head back
+    behind what its checkpoint says every sink acknowledged (or no head at all), cleared the state
+    (incomplete), and said so in its log only: the stream silently lacked the acknowledged
+    batches, and no EventsLost came. Now the span the sink lost is announced to it (reason
+    sink_lost:out) before the stream's first record, for a source in the config and for one added
+    at run time (what DNS discovery does)."""
+    prefix = f"kvs{source[0]}{restart[0]}"
     live, rep = free_port(), free_port()
     checkpoint = {"path": str(tmp_path / "cp.json"), "interval": "100ms"}
     cfg = in_process(tmp_path, [("a", live, rep)], sink(forgetful_redis.url, prefix), checkpoint=checkpoint)
@@ -548,11 +550,11 @@ async def test_entries_redis_lost_while_no_bridge_ran_are_announced_at_the_next_
             await first.start()
             try:
                 await engine.wait_subscribed()
-                kept, acknowledged = await around_a_snapshot(client, prefix, engine)
+                kept, acknowledged = await around_a_snapshot(client, prefix, engine, save=restart == "snapshot")
             finally:
                 await first.stop()
             client = await restarted(forgetful_redis, client)
-            assert await top_seq(client, f"{prefix}:a:0") == kept
+            assert await top_seq(client, f"{prefix}:a:0") == (kept if kept >= 0 else None)
             second = Bridge(cfg if source == "configured" else other)
             await second.start()
             try:
@@ -568,6 +570,75 @@ async def test_entries_redis_lost_while_no_bridge_ran_are_announced_at_the_next_
         finally:
             await client.aclose()
             (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("sinks", ["one", "two"])
+async def test_an_older_epochs_lost_tail_is_announced_at_start_to_the_sink_that_lost_it(
+    tmp_path: Path, forgetful_redis: RedisServer, redis_server: RedisServer, sinks: str
+) -> None:
+    """Issue 29 (breaker37 B2, B3): epoch E0's seqs 0..4, a SAVE, 5..9; the engine restarts (E1 0..9);
+    the bridge stops, and Redis comes back from the SAVE. Before, only E1 0..9 was announced (E0
+    5..9 never), and with a second, intact state sink nothing at all (the sinks' heads disagree).
+    Now the sink that lost them gets both spans, in order; the intact one gets none."""
+    prefix = f"kvt{sinks[0]}"
+    live, rep = free_port(), free_port()
+    intact = {**sink(redis_server.url, prefix), "name": "out2"}
+    lossy = sink(forgetful_redis.url, prefix)
+    cfg = in_process(tmp_path, [("a", live, rep)], lossy, checkpoint={"path": str(tmp_path / "cp.json"), "interval": "100ms"},
+                     sinks=[lossy, intact] if sinks == "two" else [lossy])  # fmt: skip
+    client = aioredis.Redis.from_url(forgetful_redis.url)
+    key = f"{prefix}:a:0"
+    async with CacheEngine(live, rep, seed=6) as engine:
+        try:
+            first = Bridge(cfg)
+            await first.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(5)
+                await settled(client, prefix, engine, "a")
+                await client.save()  # Redis comes back with E0 0..4
+                await engine.step(5)
+                await settled(client, prefix, engine, "a")
+                e0 = int((await client.xrevrange(key, "+", "-", count=1))[0][1][b"epoch"])
+                await engine.restart()
+                await engine.wait_subscribed()
+                await engine.step(10)
+
+                async def in_e1_at(seq: int) -> None:
+                    deadline = asyncio.get_running_loop().time() + 20
+                    while True:
+                        last = (await client.xrevrange(key, "+", "-", count=1))[0][1]
+                        if int(last[b"epoch"]) != e0 and int(last[b"seq"]) == seq:
+                            return
+                        assert asyncio.get_running_loop().time() < deadline, f"{key}: E1 seq {seq} not written"
+                        await asyncio.sleep(0.05)
+
+                await in_e1_at(9)
+                e1 = int((await client.xrevrange(key, "+", "-", count=1))[0][1][b"epoch"])
+            finally:
+                await first.stop()
+            client = await restarted(forgetful_redis, client)
+            second = Bridge(cfg)
+            await second.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(5)
+                await in_e1_at(engine.last_seq)
+            finally:
+                await second.stop()
+            back = await read_redis(forgetful_redis.url, [key])
+            lost = [(epoch, seq) for _, epoch, seq, _, kind in back.rows if kind == "EventsLost"]
+            assert lost == [(e0, 9), (e1, 9)], lost  # (an EventsLost stands at its to_seq)
+            assert back.lost == [(0, 5, 9, "sink_lost:out"), (0, 0, 9, "sink_lost:out")]
+            if sinks == "two":
+                assert not (await read_redis(redis_server.url, [key])).lost  # the intact sink lost nothing
+                check(await bootstrapped(client, prefix, "a"), engine, complete=False)
+        finally:
+            await client.aclose()
+            (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
+            other = aioredis.Redis.from_url(redis_server.url)
+            await other.delete(key, f"{key}:state")
+            await other.aclose()
 
 
 async def test_a_loss_on_a_quiet_stream_is_announced_without_waiting_for_its_next_batch(

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bridge.checkpoint import Checkpointer, CheckpointFile, Instances, StreamPosition, load, save
-from tests.unit.test_checkpoint import KEY, NOW, batch, batch_position, lost
+from tests.unit.test_checkpoint import KEY, NOW, batch, batch_position, lost, reset
 
 # -- positions -----------------------------------------------------------------------------------
 
@@ -131,13 +131,16 @@ def test_the_file_is_the_documented_json(tmp_path: Path) -> None:
             streams={KEY: StreamPosition(1013402, 1041, 1732870000.25, 3735928559), "b/1": StreamPosition(7, -1)},
             epochs={KEY: 1013402, "b/1": 7},
             instances={KEY: Instances(1013402, "5f" * 16)},
+            ended={KEY: StreamPosition(1013380, 977)},
+            state_sinks=["redis"],
         ),
     )
     assert path.read_bytes() == (
         b'{"version":1,"streams":{"b/1":{"epoch":7,"seq":-1},'
         b'"llama-a/0":{"epoch":1013402,"seq":1041,"ts":1732870000.25,"crc":3735928559}},'
         b'"epochs":{"b/1":7,"llama-a/0":1013402},"opened":{},'
-        b'"instances":{"llama-a/0":{"epoch":1013402,"id":"5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f"}}}'
+        b'"instances":{"llama-a/0":{"epoch":1013402,"id":"5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f"}},'
+        b'"ended":{"llama-a/0":{"epoch":1013380,"seq":977}},"state_sinks":["redis"]}'
     )
 
 
@@ -181,3 +184,23 @@ def test_save_syncs_the_whole_file_before_the_rename_and_the_directory_after(
     if open_before is not None:
         assert len(os.listdir("/proc/self/fd")) == open_before  # nothing left open
     assert load(path) == data
+
+
+def test_where_the_epoch_before_the_newest_ended_is_kept_until_the_stream_is_forgotten(tmp_path: Path) -> None:
+    """A state sink found behind at start in that epoch lost its tail too (runtime._behind_at_start)."""
+    cp = Checkpointer(3)
+    cp.on_ack(0, [batch(5, s) for s in range(10)] + [reset(6)])
+    cp.on_ack(1, [batch(5, s) for s in range(4)])
+    cp.on_ack(2, [batch(5, s) for s in range(10)])
+    assert cp.ended[KEY] == StreamPosition(5, 9)  # (every sink acknowledges the same end before the reset)
+    cp.on_ack(1, [batch(5, s) for s in range(4, 10)] + [reset(6), batch(6, 0), lost(6, 1, 3), reset(7)])
+    assert cp.ended[KEY] == StreamPosition(6, 3)  # (an EventsLost ended it)
+    cp.on_ack(2, [reset(6)])
+    assert cp.ended[KEY] == StreamPosition(6, 3)  # (a slower sink's older reset)
+    path = tmp_path / "checkpoint.json"
+    cp.state_sinks = ["redis"]
+    cp.write(path, *cp.snapshot())
+    loaded = Checkpointer(3, load(path))
+    assert loaded.ended[KEY] == StreamPosition(6, 3) and loaded.held_state == ["redis"]
+    loaded.forget(KEY, 0.0)
+    assert KEY not in loaded.ended

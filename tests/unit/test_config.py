@@ -236,7 +236,8 @@ def test_a_file_the_bridge_writes_is_written_as_one_thing_only(tmp_path: Path) -
     data = {
         "sources": [{"name": "e", "endpoint": "tcp://h:5557"}],
         "sinks": [{"type": "file", "path": ck}, {"type": "file", "path": f"{tmp_path}/./dead.jsonl"},
-                  {"type": "file", "path": "-"}, {"type": "file", "path": "-"}, {"type": "file", "path": str(tmp_path / "ok")}],
+                  {"type": "file", "path": "-"}, {"type": "file", "path": "-"}, {"type": "file", "path": str(tmp_path / "ok")},
+                  {"type": "file", "path": "/dev/null"}, {"type": "file", "path": "/dev/null"}],
         "checkpoint": {"path": ck},
         "dead_letter": {"path": dead},
     }  # fmt: skip
