@@ -531,12 +531,27 @@ class StreamSequencer:
             if nc.batch is not None:  # (retired since it came)
                 out.append(Duplicate(nc.batch[0]))
             return
+        self._welcome_stashed(out, nc.instance)
         if nc.instance != self.instance and self._restarts(nc.instance):
             self._changed(out, nc.instance, nc.ts)
         for batch in [*self._unstash(nc.instance), *([nc.batch] if nc.batch is not None else [])]:
             out += self.live(*batch, nc.instance)
         if nc.batch is None:
             out += self.heartbeat(nc.seq + 1, nc.instance)  # (what it says was published: the new epoch's)
+
+    def _welcome_stashed(self, out: list[Action], but: bytes | None = None) -> None:
+        """What confirms a newcomer (a dropped connection; a UUID after it) confirms the batches
+        set aside for other UUIDs before it too: each came and went, an instance of its own (a
+        crash loop), in the order they came; ``but``'s go with it (see _welcome)."""
+        for instance in dict.fromkeys(i for i, _, _ in self._stash if i != but):
+            batches = self._unstash(instance)
+            if instance is not None and instance in self._retired:
+                out += [Duplicate(seq) for seq, _, _ in batches]
+                continue
+            if instance != self.instance and self._restarts(instance):
+                self._changed(out, instance, batches[0][2])
+            for batch in batches:
+                out += self.live(*batch, instance)
 
     def _stash_newcomer(self, out: list[Action]) -> None:
         """A live message of the epoch's instance while a newcomer waits: the newcomer is not the
@@ -934,6 +949,8 @@ class StreamSequencer:
         out: list[Action] = []
         if self._newcomer is not None:
             self._welcome(out)  # (a restart drops the connection: as if it came after the drop)
+        elif self._stash:
+            self._welcome_stashed(out)
         if self._aside is not None:
             self._hold_aside(self._aside)
         self._into_doubt(out, now)

@@ -248,3 +248,20 @@ def test_a_new_instance_met_by_its_heartbeat_settles_what_it_said_it_published()
         s.disconnected(now=20.0)
         out = feed(s, C, [0])
         assert [(a.epoch, a.from_seq, a.to_seq) for a in out if isinstance(a, Lost)][-1:] == [(1, 0, 49)], (confirm, out)
+
+
+def test_a_batch_set_aside_is_confirmed_by_a_drop_or_a_later_uuid_as_a_waiting_one_is() -> None:
+    """breaker36 B3, no replay endpoint: B published one batch and died (a crash loop), read
+    interleaved with A's last one, so B's was set aside; then the connection dropped (or not) and
+    C came. Before, neither confirmed B: its seq 0 was never delivered nor announced, and 64
+    messages later it was dead-lettered as forged. Now B gets its own epoch, before C's."""
+    for drop in (True, False):
+        s = seqr(replay=False)
+        feed(s, A, range(6))
+        out = s.live(0, p(B, 0), instance=B) + s.live(6, p(A, 6), instance=A)
+        assert delivered(out) == [(0, 6)] and s.epoch == 0
+        out = s.disconnected(2500.0) if drop else []
+        assert delivered(out) == ([(1, 0)] if drop else [])
+        out += feed(s, C, range(70))
+        assert delivered(out) == [(1, 0)] + [(2, n) for n in range(70)] and not suspects(out), drop
+        assert [a.reason for a in out if isinstance(a, Reset)] == [INSTANCE_CHANGED] * 2
