@@ -649,9 +649,9 @@ class Bridge:
         lost the records since, its events with its state (a server restored from an older
         snapshot, or restarted empty, while no bridge ran): they are announced to that sink alone,
         ahead of the stream's first record (``SinkWorker.lost_at_start``), as a loss found at run
-        time is (I6); in the epoch before the position's too, as far as the checkpoint knows where
-        it ended (``ended``: the last one with a batch; an older epoch's tail is not known). True when a sink is behind (its
-        state is then cleared at the stream's first record)."""
+        time is (I6); in the epoch before the position's too (the last one with a batch), as far
+        as the checkpoint knows where it ended (``ended``; an older epoch's tail is not known).
+        True when a sink is behind (its state is then cleared at the stream's first record)."""
         ended = self.checkpointer.ended.get(stream.key)
         known = [p for p in (ended, acked) if p is not None and p.seq >= 0 and p.epoch <= acked.epoch]
         if len(known) == 2 and known[0].epoch == known[1].epoch:
