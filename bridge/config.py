@@ -13,6 +13,7 @@ connector type; the latter are kept in ``SinkConfig.options`` and validated by t
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
 import os
 import re
@@ -1000,6 +1001,9 @@ def _check_snapshots(sources: list[SourceConfig], problems: list[str]) -> None:
             )
 
 
+_STANDARD_STREAM = re.compile(r"^/(dev/(stdout|stderr|fd/\d+)|proc/self/fd/\d+)$")
+
+
 def _check_files(config: Config, sinks: list[SinkConfig], problems: list[str]) -> None:
     """Refuse one file written as two of the bridge's files: a file sink's path that is the
     checkpoint (each save replaces the file, and what the sink wrote with it), the dead-letter
@@ -1008,8 +1012,8 @@ def _check_files(config: Config, sinks: list[SinkConfig], problems: list[str]) -
     named = [("checkpoint.path", config.checkpoint.path), ("dead_letter.path", config.dead_letter.path)]
     named += [(f"sinks[{i}].path", s.options.get("path")) for i, s in enumerate(sinks) if s.type == "file"]
     for key, path in named:
-        if not isinstance(path, str) or not path or path == "-":
-            continue
+        if not isinstance(path, str) or not path or path == "-" or _STANDARD_STREAM.match(path):
+            continue  # (this process's own streams, as "-": what they are depends on where it runs)
         real = os.path.realpath(path)
         if os.path.exists(real) and not os.path.isfile(real):
             continue  # (a device, /dev/null or a terminal: written by many at once by design)
@@ -1018,22 +1022,33 @@ def _check_files(config: Config, sinks: list[SinkConfig], problems: list[str]) -
             problems.append(f"{key}: {path} is also {other}: the bridge would write both into one file; give each its own")
 
 
-_ANY_HOST = frozenset({"*", "0.0.0.0", "::", ""})
-"""Hosts that bind every address: a port bound on one is bound on each of them."""
-
-
-def _host_key(host: str) -> str:
+def _bound(host: str, metrics: bool) -> tuple[frozenset[int], str | None]:
+    """The addresses a bind on ``host`` takes: its IP families and its address (None: every
+    address of those families). A ZMQ socket (IPv6 on: the bridge's) binds ``*`` and ``::``
+    dual-stack; ``metrics.listen`` (asyncio) binds ``::`` IPv6 only, and an empty host as
+    ``0.0.0.0``. ``localhost`` is the loopback, an IPv4-mapped IPv6 address its IPv4 one."""
     host = host.strip("[]").lower()
-    return "127.0.0.1" if host == "localhost" else host
+    if host in ("", "0.0.0.0") or (host == "*" and metrics):
+        return frozenset({4}), None
+    if host in ("*", "::"):
+        return (frozenset({6}) if metrics else frozenset({4, 6})), None
+    host = "127.0.0.1" if host == "localhost" else host
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return frozenset({4, 6}), host  # (a name: whichever family it resolves to)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return frozenset({ip.version}), str(ip)
 
 
-def _hosts_meet(side: str, a: str, b: str) -> bool:
-    """Do two hosts of one side of a connection take the same addresses? Bound: a wildcard meets
-    every host, and ``localhost`` is the loopback."""
+def _hosts_meet(side: str, a: str, b: str, metrics: bool = False) -> bool:
+    """Do two hosts of one side of a connection take the same addresses? Connected to: the same
+    host as written. Bound (``metrics``: ``b`` is ``metrics.listen``'s): see _bound."""
     if side != "bind":
         return a == b
-    a, b = _host_key(a), _host_key(b)
-    return a == b or a in _ANY_HOST or b in _ANY_HOST
+    (fa, xa), (fb, xb) = _bound(a, False), _bound(b, metrics)
+    return bool(fa & fb) and (xa is None or xb is None or xa == xb)
 
 
 def _check_ports(sources: list[SourceConfig], problems: list[str], listen: str = "") -> None:
@@ -1066,7 +1081,7 @@ def _check_ports(sources: list[SourceConfig], problems: list[str], listen: str =
             if last > 65535:
                 problems.append(f"sources[{i}].dp_ranks: ranks 0..{n - 1} would use {kind} ports up to {last} (> 65535)")
             for side2, host2, first2, last2, j, kind2 in seen:
-                if side2 != side or not _hosts_meet(side, host, host2) or first > last2 or first2 > last:
+                if side2 != side or not _hosts_meet(side, host, host2, j < 0) or first > last2 or first2 > last:
                     continue
                 if j < 0:
                     problems.append(

@@ -20,7 +20,7 @@ import logging
 import random
 import resource
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -176,6 +176,11 @@ class SkipHeld:
         for key in past:
             through.pop(key, None)
             self.behind.pop(key, None)
+
+
+_NOWHERE = (1 << 62, 0)
+"""Above every (epoch, seq): a state sink that cannot tell where its state stands is never behind."""
+_UNKNOWN = object()
 
 
 class Bridge:
@@ -599,16 +604,24 @@ class Bridge:
         if not wanted:
             return
         reads = await asyncio.gather(*(self._read_state(c, wanted) for c in self._state_sinks))
+        # Without checkpoint.from_sinks the stream resumes from the checkpoint (with it, take_over
+        # sets where it resumes from what the sinks hold, and checks the same).
+        acked_of = {} if self.config.checkpoint.from_sinks else {s.key: self.checkpointer.position(s.key) for s in wanted}
+        behind: list[list[Stream]] = [[] for _ in self._state_sinks]  # per state sink: its state behind
+        for stream in wanted:
+            acked = acked_of.get(stream.key)
+            for i, r in enumerate(reads):
+                if acked is not None and self._state_at(i, r.get(stream.key, "unknown")) < (acked.epoch, acked.seq):
+                    behind[i].append(stream)
+        records = await asyncio.gather(*(self._records_held(c, b) for c, b in zip(self._state_sinks, behind, strict=True)))
         rebuilt = fresh = 0
         for stream in wanted:
             got = [r.get(stream.key, "unknown") for r in reads]
             held = [g for g in got if isinstance(g, tuple)]
             for head, _ in held:  # a stream started afresh must open a generation above what sinks hold
                 tracker.generation_base = max(tracker.generation_base, head.generation + 1)
-            # Without checkpoint.from_sinks the stream resumes from the checkpoint (with it,
-            # take_over sets where it resumes from what the sinks hold, and checks the same).
-            acked = None if self.config.checkpoint.from_sinks else self.checkpointer.position(stream.key)
-            if acked is not None and self._behind_at_start(stream, got, acked):
+            acked = acked_of.get(stream.key)
+            if acked is not None and self._behind_at_start(stream, got, acked, records):
                 # A sink acknowledged records past the state it holds (restored from an older
                 # backup, say): they will not come again, so its state cannot follow them (I6).
                 fresh += 1
@@ -642,39 +655,70 @@ class Bridge:
         if rebuilt:
             log.info("state rebuilt from the sinks", extra={"count": rebuilt, "entries": tracker.total})
 
-    def _behind_at_start(self, stream: Stream, got: Sequence[Any], acked: ckpt.StreamPosition) -> bool:
-        """Each state sink whose head of ``stream`` (``got``, what each state sink holds, in their
-        order) is behind what every sink acknowledged (``acked``, the checkpoint's position), or
-        that kept state in the run that saved the checkpoint and holds nothing of the stream now,
-        lost the records since, its events with its state (a server restored from an older
-        snapshot, or restarted empty, while no bridge ran): they are announced to that sink alone,
-        ahead of the stream's first record (``SinkWorker.lost_at_start``), as a loss found at run
-        time is (I6); in the epoch before the position's too (the last one with a batch), as far
-        as the checkpoint knows where it ended (``ended``; an older epoch's tail is not known).
-        True when a sink is behind (its state is then cleared at the stream's first record)."""
+    def _state_at(self, i: int, held: Any) -> tuple[int, int]:
+        """Where state sink ``i``'s state of a stream stands (what ``read_state`` gave of it):
+        (epoch, seq) of its head; (-1, -1) for none where that sink kept state in the run that
+        saved the checkpoint (it lost it); above every position when it cannot tell, or kept none."""
+        if isinstance(held, tuple):
+            return held[0].epoch, held[0].seq
+        if held is None and self._state_sinks[i].name in self.checkpointer.held_state:
+            return -1, -1
+        return _NOWHERE
+
+    def _behind_at_start(
+        self, stream: Stream, got: Sequence[Any], acked: ckpt.StreamPosition, records: Sequence[Mapping[str, Any]]
+    ) -> bool:
+        """Each state sink whose state of ``stream`` (``got``, what each state sink holds, in their
+        order) is behind what every sink acknowledged (``acked``, the checkpoint's position): its
+        state is cleared at the stream's first record (True when one is). What it lost of the
+        records since (``records``: the last record each holds, from ``_records_held``; a server
+        restored from an older snapshot, or restarted empty, while no bridge ran) is announced to
+        that sink alone, ahead of the stream's first record (``SinkWorker.lost_at_start``), as a
+        loss found at run time is (I6): from the last record it holds, or from its state's head
+        when it cannot tell; in the epoch before the position's too (the last one with a batch),
+        as far as the checkpoint knows where it ended (``ended``; an older epoch's tail is not
+        known). A state lost alone (its key deleted, or not written for a run) loses no record."""
         ended = self.checkpointer.ended.get(stream.key)
         known = [p for p in (ended, acked) if p is not None and p.seq >= 0 and p.epoch <= acked.epoch]
         if len(known) == 2 and known[0].epoch == known[1].epoch:
             known = known[1:]
         behind = False
-        for conn, held in zip(self._state_sinks, got, strict=True):
-            if isinstance(held, tuple):
-                at = (held[0].epoch, held[0].seq)
-            elif held is None and conn.name in self.checkpointer.held_state:
-                at = (-1, -1)  # (it held the stream, and holds nothing of it now)
-            else:
-                continue  # ("unknown": it cannot tell; or a sink that kept no state then)
-            spans = [(stream, p.epoch, at[1] + 1 if at[0] == p.epoch else 0, p.seq) for p in known if at < (p.epoch, p.seq)]
-            if not spans:
+        for i, (conn, held) in enumerate(zip(self._state_sinks, got, strict=True)):
+            at = self._state_at(i, held)
+            if at >= (acked.epoch, acked.seq):
                 continue
             behind = True
+            last = records[i].get(stream.key, _UNKNOWN)
+            if isinstance(last, ckpt.SinkPosition):
+                # (an event of a batch counts as the batch: a broker that writes a batch's events
+                # at once loses all or none of them)
+                at = max(at, (last.epoch, last.seq))
+            spans = [(stream, p.epoch, at[1] + 1 if at[0] == p.epoch else 0, p.seq) for p in known if at < (p.epoch, p.seq)]
             log.warning(
-                "a sink's state of this stream is behind what every sink acknowledged: the records since are announced "
-                "lost to it, and the state is cleared at its first record, incomplete until the engine's next reset",
+                "a sink's state of this stream is behind what every sink acknowledged: it is cleared at its first "
+                "record, incomplete until the engine's next reset"
+                + ("; the records it lost since are announced to it" if spans else ""),
                 extra={"sink": conn.name, "stream": stream.key, "state_seq": at[1], "acknowledged_seq": acked.seq},
             )
-            self._lost_at_start.setdefault(id(conn), []).extend(spans)
+            if spans:
+                self._lost_at_start.setdefault(id(conn), []).extend(spans)
         return behind
+
+    async def _records_held(self, conn: Connector, streams: list[Stream]) -> Mapping[str, Any]:
+        """The last record one state sink holds of each of ``streams`` (``positions``; None: none);
+        a stream it cannot tell of (or a sink that cannot say, or does not answer in time) is
+        left out."""
+        if not streams or not isinstance(conn, PositionReader):
+            return {}
+        try:
+            async with asyncio.timeout(self.config.state.load_timeout):
+                return await conn.positions(streams)
+        except Exception as exc:  # TimeoutError, a connector error, a client's own
+            log.error(
+                "cannot read back what the sink holds: what its state lost is announced as lost from the state's head",
+                extra={"sink": conn.name, "count": len(streams), "error": str(exc) or type(exc).__name__},
+            )
+            return {}
 
     async def _read_state(self, conn: Connector, streams: list[Stream]) -> dict[str, Any]:
         """What one state sink holds of ``streams``; nothing (every stream unknown) when it cannot say."""

@@ -641,6 +641,45 @@ async def test_an_older_epochs_lost_tail_is_announced_at_start_to_the_sink_that_
             await other.aclose()
 
 
+@pytest.mark.parametrize("how", ["deleted", "toggled"])
+async def test_a_state_lost_alone_while_no_bridge_ran_is_cleared_and_no_record_announced_lost(
+    tmp_path: Path, redis_server: RedisServer, how: str
+) -> None:
+    """breaker39 B1: the state hash alone deleted (or evicted) while no bridge ran, or not written
+    for a run (state.enabled off): every record stays in the stream key. The start check took the
+    missing or behind hash for lost records and told the sink's consumers EventsLost (sink_lost)
+    for batches it still held (I4, I6). Now it asks the sink what it holds: the state starts a new
+    generation, incomplete, and nothing is announced."""
+    prefix = f"kvg{how[0]}"
+    live, rep = free_port(), free_port()
+    checkpoint = {"path": str(tmp_path / "cp.json"), "interval": "100ms"}
+    on = in_process(tmp_path, [("a", live, rep)], sink(redis_server.url, prefix), checkpoint=checkpoint)
+    plain = {k: v for k, v in sink(redis_server.url, prefix).items() if k != "state"}
+    off = in_process(tmp_path, [("a", live, rep)], plain, checkpoint=checkpoint)
+    client = aioredis.Redis.from_url(redis_server.url)
+    key = f"{prefix}:a:0"
+    async with CacheEngine(live, rep, seed=7) as engine:
+        try:
+            for run, config in enumerate([on, off, on] if how == "toggled" else [on, on]):
+                bridge = Bridge(config)
+                await bridge.start()
+                try:
+                    await engine.wait_subscribed()
+                    await engine.step(10)
+                    await settled(client, prefix, engine, "a")
+                finally:
+                    await bridge.stop()
+                if how == "deleted" and run == 0:
+                    assert await client.delete(f"{key}:state") == 1
+            back = await read_redis(redis_server.url, [key])
+            assert {seq for _, _, seq, _, kind in back.rows if kind not in CONTROL} == set(range(engine.last_seq + 1))
+            assert not back.lost, back.lost
+            check(await bootstrapped(client, prefix, "a"), engine, complete=False)
+        finally:
+            await remove_keys(client, prefix)
+            await client.aclose()
+
+
 async def test_a_loss_on_a_quiet_stream_is_announced_without_waiting_for_its_next_batch(
     tmp_path: Path, forgetful_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

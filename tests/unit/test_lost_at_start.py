@@ -1,9 +1,12 @@
 """What a state sink lost while no bridge ran, announced at the next start (I6; runtime
 ``Bridge._behind_at_start``), as a model: an engine history of up to three epochs that every sink
 acknowledged, saved in the checkpoint; then each state sink holds a prefix of it (restored from an
-older snapshot), nothing (restarted empty), or cannot say. Each sink is announced exactly what it
-lost in the checkpoint's epoch and the last one before it with a batch (an older epoch's tail is
-not known: the documented limit), nothing it still holds, and a sink that cannot say nothing at all."""
+older snapshot), nothing (restarted empty), or cannot say, and its records as much or more (its
+state key alone deleted, or not written for a run), nothing, or it cannot tell. Each sink is
+announced exactly what it lost of the records in the checkpoint's epoch and the last one before it
+with a batch (an older epoch's tail is not known: the documented limit), from its last record or,
+when it cannot tell, its state's head; nothing it still holds; a sink whose state cannot say,
+nothing at all."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bridge.checkpoint import Checkpointer, load
+from bridge.checkpoint import Checkpointer, SinkPosition, load
 from bridge.records import Record, Stream, source_reset
 from bridge.runtime import Bridge
 from bridge.state import Head
@@ -43,11 +46,13 @@ def bridge_after(tmp: Path, records: list[Record]) -> Any:
         before.on_ack(sink, records)
     path = tmp / "checkpoint.json"
     before.write(path, *before.snapshot())
-    return SimpleNamespace(
+    fake = SimpleNamespace(
         checkpointer=Checkpointer(len(SINKS), load(path)),
         _state_sinks=[SimpleNamespace(name=name) for name in SINKS],
         _lost_at_start={},
     )
+    fake._state_at = lambda i, held: Bridge._state_at(fake, i, held)  # type: ignore[arg-type]
+    return fake
 
 
 @settings(max_examples=examples(300), deadline=None)
@@ -61,7 +66,9 @@ def test_each_sink_is_announced_exactly_what_it_lost_in_the_last_two_epochs(
         return  # (nothing acknowledged: nothing to lose)
     bridge = bridge_after(tmp_path_factory.mktemp("ck"), records)
     got: list[Any] = []
-    kept: list[int] = []  # per sink: how many of ``batches`` it still holds (-1: cannot say)
+    records: list[dict[str, Any]] = []
+    kept: list[int] = []  # per sink: how many of ``batches`` its state still reflects (-1: cannot say)
+    held: list[int] = []  # ... and how many of them its records still hold, when it can tell
     for _ in SINKS:
         k = data.draw(st.integers(-1, len(batches)))
         kept.append(k)
@@ -72,15 +79,28 @@ def test_each_sink_is_announced_exactly_what_it_lost_in_the_last_two_epochs(
         else:
             epoch, seq = batches[k - 1]
             got.append((Head(epoch=epoch, generation=1, seq=seq, live=0, complete=True), {}))
+        # What its records hold: as much as the state or more (the state key alone deleted, or not
+        # written for a run), nothing, or it cannot tell.
+        r = data.draw(st.sampled_from(["unknown", "none", "more"]))
+        if r == "more" and k >= 0:
+            n = data.draw(st.integers(max(k, 1), len(batches)))
+            epoch, seq = batches[n - 1]
+            records.append({STREAM.key: SinkPosition(epoch, seq)})
+            held.append(n)
+        else:
+            records.append({} if r == "unknown" else {STREAM.key: None})
+            held.append(max(k, 0))
     acked = bridge.checkpointer.position(STREAM.key)
     assert acked is not None
-    behind = Bridge._behind_at_start(bridge, STREAM, got, acked)
+    behind = Bridge._behind_at_start(bridge, STREAM, got, acked, records)
     # The checkpoint's epoch and the last one before it with a batch (an epoch with none has no tail).
     with_batches = sorted({e for e, _ in batches})
     last_two = set(with_batches[-2:] if sizes[-1] else with_batches[-1:])
     for i, conn in enumerate(bridge._state_sinks):
         spans = [x for x in bridge._lost_at_start.get(id(conn), [])]
         announced = [(e, s) for _, e, first, last in spans for s in range(first, last + 1)]
-        lost = [] if kept[i] < 0 else [b for b in batches[kept[i] :] if b[0] in last_two]
-        assert announced == lost, (sizes, kept[i], spans)
-    assert behind == any(k >= 0 and k < len(batches) for k in kept)
+        lost = [] if kept[i] < 0 else [b for b in batches[held[i] :] if b[0] in last_two]
+        assert announced == lost, (sizes, kept[i], held[i], spans)
+    # Its state is cleared when behind what every sink acknowledged (a SourceReset included), records lost or not.
+    state_at = [batches[k - 1] if k > 0 else (-1, -1) for k in kept if k >= 0]
+    assert behind == any(at < (acked.epoch, acked.seq) for at in state_at)
