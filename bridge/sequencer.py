@@ -387,6 +387,8 @@ class StreamSequencer:
         """A message from the live PUB stream (``ts``: its engine ts, when the caller has it;
         ``instance``: the publisher UUID its sequence frame carries, if any)."""
         out: list[Action] = []
+        if self._older_newcomer(out, seq, payload, ts, instance):
+            return out
         if not self._meet(out, instance):
             out.append(Duplicate(seq))  # a retired instance's
             return out
@@ -507,6 +509,28 @@ class StreamSequencer:
         start, until = (min(at, self._anchor_seq), max(at, self._anchor_seq)) if self._anchor is not None else (at, at)
         out.append(RequestReplay(self._newcomer_replay, start, until, nc.silent))
 
+    def _older_newcomer(self, out: list[Action], seq: int, payload: bytes, ts: float | None, instance: bytes | None) -> bool:
+        """A second message under the waiting newcomer's UUID, stamped before the epoch's last
+        batch delivered (less ``clock_skew``), while the replay about the newcomer is in flight:
+        the newcomer may be an instance before the epoch's, whose last batches are read late,
+        interleaved with its successor's (several connections into one bound socket; a stream met
+        for the first time at an engine restart). It confirms nothing: the replay decides, and
+        the message is set aside for the newcomer's UUID (delivered if it is confirmed, else
+        dead-lettered as the newcomer is). True when it is."""
+        nc = self._newcomer
+        if nc is None or instance is None or instance != nc.instance or self._replay is None:
+            return False
+        if self._replay != self._newcomer_replay:
+            return False
+        fp = self._fingerprint()
+        ts = _finite(ts) if ts is not None else self._ts_of(payload)
+        if fp is None or fp[0] is None or ts is None or ts >= fp[0] - self.clock_skew:
+            return False
+        self._stash.append((instance, (seq, payload, ts), 1))
+        if len(self._stash) > _STASH_MAX:
+            self._drop_stashed(out, self._stash.pop(0), "more such batches came")
+        return True
+
     def _newcomer_meets(self, out: list[Action], instance: bytes | None) -> None:
         """A live message or heartbeat (under ``instance``, not retired) while a newcomer waits:
         any other than the epoch's UUID confirms it (a second one under its UUID; one under a third
@@ -593,10 +617,13 @@ class StreamSequencer:
         return mine
 
     def _refute(self, out: list[Action], why: str) -> None:
-        """The newcomer is shown not to be the engine's: dead-lettered, never delivered."""
+        """The newcomer is shown not to be the engine's: dead-lettered, never delivered, with what
+        was set aside for its UUID."""
         nc = self._settle_newcomer()
         if nc.batch is not None:
             self._not_the_engines(out, nc.instance, nc.batch, why)
+        for batch in self._unstash(nc.instance):
+            self._not_the_engines(out, nc.instance, batch, why)
 
     def _settle_newcomer(self) -> _Newcomer:
         nc, self._newcomer = self._newcomer, None

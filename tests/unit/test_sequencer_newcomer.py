@@ -265,3 +265,21 @@ def test_a_batch_set_aside_is_confirmed_by_a_drop_or_a_later_uuid_as_a_waiting_o
         out += feed(s, C, range(70))
         assert delivered(out) == [(1, 0)] + [(2, n) for n in range(70)] and not suspects(out), drop
         assert [a.reason for a in out if isinstance(a, Reset)] == [INSTANCE_CHANGED] * 2
+
+
+def test_late_batches_of_an_older_instance_read_after_its_successors_first_do_not_end_its_epoch() -> None:
+    """breaker36 B1: a stream met for the first time at an engine restart reads B's seq 0, then A's
+    last two (published before A died; several connections into one bound socket are read in turn).
+    Before, A's second batch confirmed A: a restart, B's UUID retired, and every later batch of the
+    running engine dropped, nothing announced. Now a message under the waiting UUID stamped before
+    the epoch's last batch confirms nothing: the replay, answered by B, decides; A's two batches are
+    dead-lettered, and B goes on in its epoch."""
+    s = seqr()  # (payloads carry their engine ts: B's batch 0 was stamped at 1000, A's last at 7 and 8)
+    out = s.live(0, b"\xbb:1000", instance=B)
+    assert delivered(out) == [(0, 0)]
+    (ask,) = requests(s.live(7, b"\xaa:7", instance=A))
+    out = s.live(8, b"\xaa:8", instance=A)
+    assert not [a for a in out if isinstance(a, Reset | Deliver)] and s.epoch == 0 and s.retired_instances == []
+    out = s.replayed(ask.request_id, 0, b"\xbb:1000", instance=B)  # the engine holding the socket: B
+    assert sorted(suspects(out)) == [7, 8] and s.epoch == 0 and s.sure_instance == B
+    assert delivered([a for n in range(1, 4) for a in s.live(n, b"\xbb:%d" % (1000 + n), instance=B)]) == [(0, 1), (0, 2), (0, 3)]
