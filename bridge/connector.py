@@ -80,7 +80,11 @@ Optional, for the live-block state (``state:`` in a sink's options; docs/output/
 - ``async read_state(streams)``: the state the sink holds of each stream, for a restarted bridge:
   ``{stream.key: (Head, [SeedEntry, ...])}`` (``bridge.state_docs.head_of`` and ``seed_entry``
   read the documents), ``{stream.key: None}`` when it holds none, no entry when it cannot tell.
-  Called after ``connect()``, before the streams start, bounded by ``state.load_timeout``.
+  Called after ``connect()``, before the streams start, bounded by ``state.load_timeout``. The
+  runtime also asks ``positions()`` (if the connector has it) what records each stream still
+  holds, and announces what it acknowledged and no longer holds (I6); a batch held in part
+  (event granularity) counts as lost, unless the class sets ``whole_batches = True`` (a write
+  stores, and a loss removes, a batch's messages all or none: Redis's one script call).
 
 The delivery contract (design.md, "Delivery"), kept by the runtime and this API together:
 

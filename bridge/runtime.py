@@ -178,6 +178,14 @@ class SkipHeld:
             self.behind.pop(key, None)
 
 
+def _nothing_held_is_known(conn: Connector, stream: Stream) -> bool:
+    """Does a sink that holds no record of ``stream`` know that it lost them (rather than its own
+    limits removing them)? Kafka's ``positions`` says "nothing" only of a partition that starts at
+    offset 0 (``nothing_held_is_known``); NATS names the streams whose events stream it found
+    created again while no bridge ran (``records_gone``)."""
+    return bool(getattr(conn, "nothing_held_is_known", False)) or stream.key in getattr(conn, "records_gone", ())
+
+
 _NOWHERE = (1 << 62, 0)
 """Above every (epoch, seq): a state sink that cannot tell where its state stands is never behind."""
 _UNKNOWN = object()
@@ -607,13 +615,16 @@ class Bridge:
         # Without checkpoint.from_sinks the stream resumes from the checkpoint (with it, take_over
         # sets where it resumes from what the sinks hold, and checks the same).
         acked_of = {} if self.config.checkpoint.from_sinks else {s.key: self.checkpointer.position(s.key) for s in wanted}
-        behind: list[list[Stream]] = [[] for _ in self._state_sinks]  # per state sink: its state behind
+        # What records each state sink still holds, of every stream it holds a state of or should
+        # (a loss of records alone, the state intact, is a loss all the same: an events topic
+        # deleted, a stream kept in memory).
+        asked: list[list[Stream]] = [[] for _ in self._state_sinks]
         for stream in wanted:
-            acked = acked_of.get(stream.key)
-            for i, r in enumerate(reads):
-                if acked is not None and self._state_at(i, r.get(stream.key, "unknown")) < (acked.epoch, acked.seq):
-                    behind[i].append(stream)
-        records = await asyncio.gather(*(self._records_held(c, b) for c, b in zip(self._state_sinks, behind, strict=True)))
+            if acked_of.get(stream.key) is not None:
+                for i, r in enumerate(reads):
+                    if self._state_at(i, r.get(stream.key, "unknown")) != _NOWHERE:
+                        asked[i].append(stream)
+        records = await asyncio.gather(*(self._records_held(c, a) for c, a in zip(self._state_sinks, asked, strict=True)))
         rebuilt = fresh = 0
         for stream in wanted:
             got = [r.get(stream.key, "unknown") for r in reads]
@@ -668,37 +679,48 @@ class Bridge:
     def _behind_at_start(
         self, stream: Stream, got: Sequence[Any], acked: ckpt.StreamPosition, records: Sequence[Mapping[str, Any]]
     ) -> bool:
-        """Each state sink whose state of ``stream`` (``got``, what each state sink holds, in their
-        order) is behind what every sink acknowledged (``acked``, the checkpoint's position): its
-        state is cleared at the stream's first record (True when one is). What it lost of the
-        records since (``records``: the last record each holds, from ``_records_held``; a server
-        restored from an older snapshot, or restarted empty, while no bridge ran) is announced to
-        that sink alone, ahead of the stream's first record (``SinkWorker.lost_at_start``), as a
-        loss found at run time is (I6): from the last record it holds, or from its state's head
-        when it cannot tell; in the epoch before the position's too (the last one with a batch),
-        as far as the checkpoint knows where it ended (``ended``; an older epoch's tail is not
-        known). A state lost alone (its key deleted, or not written for a run) loses no record."""
+        """What each state sink lost of ``stream`` while no bridge ran (``got``: what each state
+        sink's state holds, in their order; ``records``: the last record each holds, from
+        ``_records_held``), against what every sink acknowledged (``acked``, the checkpoint's
+        position): a server restored from an older snapshot, restarted empty, an events topic or
+        stream deleted. A sink's state behind is cleared at the stream's first record (True when
+        one is). The records it lost are announced to that sink alone, ahead of the stream's first
+        record (``SinkWorker.lost_at_start``), as a loss found at run time is (I6): from the first
+        record it does not hold, or from its state's head when it cannot tell; in the epoch before
+        the position's too (the last one with a batch), as far as the checkpoint knows where it
+        ended (``ended``; an older epoch's tail is not known). A state lost alone (its key
+        deleted, or not written for a run) loses no record; records lost alone clear the state as
+        the announcement does."""
         ended = self.checkpointer.ended.get(stream.key)
         known = [p for p in (ended, acked) if p is not None and p.seq >= 0 and p.epoch <= acked.epoch]
         if len(known) == 2 and known[0].epoch == known[1].epoch:
             known = known[1:]
+        top = (acked.epoch, acked.seq)
         behind = False
         for i, (conn, held) in enumerate(zip(self._state_sinks, got, strict=True)):
-            at = self._state_at(i, held)
-            if at >= (acked.epoch, acked.seq):
+            state_at = self._state_at(i, held)
+            if state_at == _NOWHERE:
+                continue  # (it cannot tell, or kept no state: nothing to compare)
+            last = records[i].get(stream.key, _UNKNOWN)
+            at = state_at
+            if isinstance(last, ckpt.SinkPosition):
+                whole = getattr(conn, "whole_batches", False) and last.kind == "batch"
+                at = (last.epoch, last.seq if whole else last.first_missing() - 1)
+            elif last is None and (state_at < top or _nothing_held_is_known(conn, stream)):
+                at = (-1, -1)  # (it holds no record of the stream, and none was removed by its own limits)
+            elif state_at >= top:
+                # Its state is not behind, and what its records hold cannot be told, or nothing
+                # that may be its own limits' doing (a stream idle past the sink's retention).
+                continue
+            spans = [(stream, p.epoch, at[1] + 1 if at[0] == p.epoch else 0, p.seq) for p in known if at < (p.epoch, p.seq)]
+            if state_at >= top and not spans:
                 continue
             behind = True
-            last = records[i].get(stream.key, _UNKNOWN)
-            if isinstance(last, ckpt.SinkPosition):
-                # (an event of a batch counts as the batch: a broker that writes a batch's events
-                # at once loses all or none of them)
-                at = max(at, (last.epoch, last.seq))
-            spans = [(stream, p.epoch, at[1] + 1 if at[0] == p.epoch else 0, p.seq) for p in known if at < (p.epoch, p.seq)]
             log.warning(
-                "a sink's state of this stream is behind what every sink acknowledged: it is cleared at its first "
+                "a sink lost what it held of this stream while no bridge ran: its state is cleared at the stream's first "
                 "record, incomplete until the engine's next reset"
-                + ("; the records it lost since are announced to it" if spans else ""),
-                extra={"sink": conn.name, "stream": stream.key, "state_seq": at[1], "acknowledged_seq": acked.seq},
+                + ("; the records it lost are announced to it" if spans else ""),
+                extra={"sink": conn.name, "stream": stream.key, "held_seq": at[1], "acknowledged_seq": acked.seq},
             )
             if spans:
                 self._lost_at_start.setdefault(id(conn), []).extend(spans)

@@ -191,6 +191,10 @@ class SinkWorker:
         # (stream, epoch, from_seq, to_seq) the runtime found this sink lost before the stream
         # started (at start-up, or a source added at run time): announced ahead of its records.
         self.lost_at_start: list[tuple[Stream, int, int, int]] = []
+        # (stream key, epoch) -> the spans announced from lost_at_start: the connector's own check
+        # may find the same loss at its first write (NATS reads its heads against its stream), and
+        # a span one of these covers is not announced twice.
+        self._announced_at_start: dict[tuple[str, int], list[tuple[int, int]]] = {}
         # Stream key -> reason of the refusal of its state last logged: told once while the sink
         # refuses it again and again (a state record too large for the sink at every write), until
         # the stream's state is written again.
@@ -398,7 +402,10 @@ class SinkWorker:
         if self.lost_at_start:
             exc = SinkLost("it holds less than it acknowledged before the stream started", self.lost_at_start)
             self.lost_at_start = []
-            if await self._deliver(self._announce_lost(exc, [])):
+            announced = self._announce_lost(exc, [])
+            for stream, epoch, first, last in exc.spans:
+                self._announced_at_start.setdefault((stream.key, epoch), []).append((first, last))
+            if await self._deliver(announced):
                 log.error("announcements of lost messages dead-lettered", extra={"sink": self.name})
 
     async def _wait_for_work(self) -> None:
@@ -726,6 +733,8 @@ class SinkWorker:
             self._state_lost(stream)
             if (stream.key, epoch, first, last) in have:
                 continue
+            if self._announced_already(stream.key, epoch, first, last):
+                continue
             log.error(
                 "the sink lost messages it had acknowledged: announced to its consumers",
                 extra={
@@ -742,6 +751,16 @@ class SinkWorker:
             self.metrics.announced_lost(lost)
             out.extend(self.renderer.render(lost))
         return out + messages
+
+    def _announced_already(self, key: str, epoch: int, first: int, last: int) -> bool:
+        """Did the announcement at start cover this span? Once: a later loss of the same seqs (the
+        announcement itself lost by the broker) is announced again."""
+        spans = self._announced_at_start.get((key, epoch), [])
+        for span in spans:
+            if span[0] <= first and last <= span[1]:
+                spans.remove(span)
+                return True
+        return False
 
     def _state_lost(self, stream: Stream) -> None:
         """What the sink holds of ``stream``'s state is not what the tracker says any more: the

@@ -423,6 +423,9 @@ class KafkaConnector:
 
     Options: ClassVar[type[KafkaOptions]] = KafkaOptions
     needs_events: ClassVar[bool] = False  # sends value, key and headers only: raw batches need no decoding
+    # positions() says a stream holds nothing only where its partition starts at offset 0 (no
+    # record ever deleted there by retention): a stream with a state here and nothing there lost it.
+    nothing_held_is_known: ClassVar[bool] = True
 
     def __init__(self, name: str, options: KafkaOptions, sink: SinkConfig) -> None:
         self.name = name

@@ -795,6 +795,9 @@ class NatsConnector:
         self._stream_created: dict[str, datetime | None] = {}
         self._new_seqs: dict[str, list[int]] = {}
         self._held = _Held()
+        # Streams whose events stream was found created again while no bridge ran (read_state):
+        # their records are known lost, beyond what the head's epoch says (the runtime reads it).
+        self.records_gone: set[str] = set()
         # Per bridge stream whose subject it claimed (see _claim): the JetStream stream holding the
         # subject and the seq of the subject's last message there as far as this connector knows
         # (0: none). A stream's first message of each write is stored only over that one
@@ -2099,6 +2102,7 @@ class NatsConnector:
             head = out[key]
             assert head is not None
             self._held.spans[key] = [_Span(streams[key], head[0].epoch, 0, head[0].seq)]
+            self.records_gone.add(key)  # (the runtime announces the epoch before the head's too)
         if gone:
             stored = max(reach[k] for k in gone) - 1
             self._stream_lost(f"{name!r} (up to seq {last}) no longer holds the message at seq {stored} the state says it stored")

@@ -939,6 +939,8 @@ class RedisConnector:
     """Writes messages to Redis Streams (see the module docstring for layout and semantics)."""
 
     Options: ClassVar[type[msgspec.Struct]] = RedisOptions
+    whole_batches: ClassVar[bool] = True
+    """Each write is one script call: a batch's entries are stored, and lost, all or none."""
 
     def __init__(self, name: str, options: RedisOptions, sink: SinkConfig) -> None:
         """Prepare templates and client settings; no I/O."""

@@ -1,12 +1,13 @@
 """What a state sink lost while no bridge ran, announced at the next start (I6; runtime
 ``Bridge._behind_at_start``), as a model: an engine history of up to three epochs that every sink
-acknowledged, saved in the checkpoint; then each state sink holds a prefix of it (restored from an
-older snapshot), nothing (restarted empty), or cannot say, and its records as much or more (its
-state key alone deleted, or not written for a run), nothing, or it cannot tell. Each sink is
-announced exactly what it lost of the records in the checkpoint's epoch and the last one before it
-with a batch (an older epoch's tail is not known: the documented limit), from its last record or,
-when it cannot tell, its state's head; nothing it still holds; a sink whose state cannot say,
-nothing at all."""
+acknowledged, saved in the checkpoint; then each state sink's state holds a prefix of it (restored
+from an older snapshot), nothing (restarted empty), or cannot say; and its records any prefix (more
+than the state: its key alone deleted, or not written for a run; less: an events topic or stream
+lost alone), nothing, or it cannot tell. Each sink is announced exactly what it lost of the records
+in the checkpoint's epoch and the last one before it with a batch (an older epoch's tail is not
+known: the documented limit): from its last record, or its state's head when it cannot tell;
+nothing it still holds; nothing where its state cannot say, or where nothing at all is held beside
+a state that is not behind (a stream idle past the sink's retention)."""
 
 from __future__ import annotations
 
@@ -65,13 +66,15 @@ def test_each_sink_is_announced_exactly_what_it_lost_in_the_last_two_epochs(
     if not batches:
         return  # (nothing acknowledged: nothing to lose)
     bridge = bridge_after(tmp_path_factory.mktemp("ck"), records)
+    acked = bridge.checkpointer.position(STREAM.key)
+    assert acked is not None
+    top = (acked.epoch, acked.seq)
     got: list[Any] = []
     records: list[dict[str, Any]] = []
-    kept: list[int] = []  # per sink: how many of ``batches`` its state still reflects (-1: cannot say)
-    held: list[int] = []  # ... and how many of them its records still hold, when it can tell
+    held: list[int | None] = []  # per sink: how many of ``batches`` it is expected to hold (None: nothing announced)
+    expect_behind = False
     for _ in SINKS:
-        k = data.draw(st.integers(-1, len(batches)))
-        kept.append(k)
+        k = data.draw(st.integers(-1, len(batches)))  # how many its state still reflects (-1: cannot say)
         if k < 0:
             got.append("unknown")
         elif k == 0:
@@ -79,19 +82,25 @@ def test_each_sink_is_announced_exactly_what_it_lost_in_the_last_two_epochs(
         else:
             epoch, seq = batches[k - 1]
             got.append((Head(epoch=epoch, generation=1, seq=seq, live=0, complete=True), {}))
-        # What its records hold: as much as the state or more (the state key alone deleted, or not
-        # written for a run), nothing, or it cannot tell.
-        r = data.draw(st.sampled_from(["unknown", "none", "more"]))
-        if r == "more" and k >= 0:
-            n = data.draw(st.integers(max(k, 1), len(batches)))
-            epoch, seq = batches[n - 1]
-            records.append({STREAM.key: SinkPosition(epoch, seq)})
-            held.append(n)
+        state_behind = k >= 0 and (batches[k - 1] if k > 0 else (-1, -1)) < top
+        # What its records hold: any prefix (more than the state: the state key alone deleted, or
+        # not written for a run; less: an events topic or stream lost alone), nothing, or it
+        # cannot tell.
+        r = data.draw(st.sampled_from(["unknown", "none", "prefix"]))
+        n = data.draw(st.integers(1, len(batches))) if r == "prefix" else 0
+        records.append(
+            {} if r == "unknown" else {STREAM.key: None} if r == "none" else {STREAM.key: SinkPosition(*batches[n - 1])}
+        )
+        if k < 0:
+            held.append(None)  # (a state that cannot say: nothing to compare)
+        elif r == "prefix":
+            held.append(n)  # (the records decide)
+            expect_behind |= state_behind or n < len(batches)
+        elif state_behind:
+            held.append(k if r == "unknown" else 0)  # (from the state's head, or nothing held)
+            expect_behind = True
         else:
-            records.append({} if r == "unknown" else {STREAM.key: None})
-            held.append(max(k, 0))
-    acked = bridge.checkpointer.position(STREAM.key)
-    assert acked is not None
+            held.append(None)  # (nothing held at all proves no loss: the sink's own limits)
     behind = Bridge._behind_at_start(bridge, STREAM, got, acked, records)
     # The checkpoint's epoch and the last one before it with a batch (an epoch with none has no tail).
     with_batches = sorted({e for e, _ in batches})
@@ -99,8 +108,6 @@ def test_each_sink_is_announced_exactly_what_it_lost_in_the_last_two_epochs(
     for i, conn in enumerate(bridge._state_sinks):
         spans = [x for x in bridge._lost_at_start.get(id(conn), [])]
         announced = [(e, s) for _, e, first, last in spans for s in range(first, last + 1)]
-        lost = [] if kept[i] < 0 else [b for b in batches[held[i] :] if b[0] in last_two]
-        assert announced == lost, (sizes, kept[i], held[i], spans)
-    # Its state is cleared when behind what every sink acknowledged (a SourceReset included), records lost or not.
-    state_at = [batches[k - 1] if k > 0 else (-1, -1) for k in kept if k >= 0]
-    assert behind == any(at < (acked.epoch, acked.seq) for at in state_at)
+        h = held[i]
+        assert announced == ([] if h is None else [b for b in batches[h:] if b[0] in last_two]), (sizes, h, spans)
+    assert behind == expect_behind

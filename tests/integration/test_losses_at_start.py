@@ -1,0 +1,338 @@
+"""What a Kafka or NATS state sink lost while no bridge ran, announced at the next start (issue 29,
+I6; breaker40). The runtime asks each state sink what records it still holds (``positions``) and
+announces what every sink acknowledged and it no longer holds, in the checkpoint's epoch and the
+one before it (``Bridge._behind_at_start``; the model: tests/unit/test_lost_at_start.py):
+
+- a NATS server restored from a backup taken in the middle of one write: its last message the
+  SourceReset of a new epoch (that epoch's seq 0 is lost), or an event of a batch held in part
+  (event granularity: the batch is lost). Before, the last message was counted as a whole batch
+  held, and the first batch lost was never announced;
+- a Kafka events topic deleted while no bridge ran, its state topic intact: before, nothing was
+  announced (its state was not behind);
+- a NATS events stream kept in memory, lost with a server restart, across an engine restart:
+  before, only the head's epoch was announced, never the epoch before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import nats.errors
+import pytest
+from aiokafka import TopicPartition
+from nats.aio.client import Client
+
+import connectors.nats as cn
+from bridge.config import from_data
+from bridge.records import Stream
+from bridge.runtime import Bridge
+from tests.infra.servers import KafkaServer, NatsServer
+from tests.integration.test_kafka import delete_topic
+from tests.integration.test_kafka_state import REPLAY, last_head, partition_of, read_partition, sink, source
+from tests.integration.test_nats_losses import _bridge_config, _subject_messages, _until, _until_head, _until_stored
+from tests.support.cache_engine import CacheEngine
+from tests.support.harness import free_port
+
+pytestmark = pytest.mark.integration
+
+ENG = Stream("eng", 0)
+
+
+def config(tmp_path: Path, url: str, dest: str, granularity: str, live: int, rep: int) -> dict[str, Any]:
+    sink = {
+        "type": "nats",
+        "name": "nats-b",
+        "servers": url,
+        "subject": dest + ".{source}.{dp_rank}",
+        "format": "json",
+        "granularity": granularity,
+        "reconnect_wait": "200ms",
+        "batch": {"linger": 0, "max_messages": 200},
+        "retry": {"initial_backoff": "50ms", "max_backoff": "200ms", "jitter": 0.0, "write_timeout": 10},
+        "stream": {"create": True, "name": dest, "storage": "file"},
+        "state": {"enabled": True, "bucket": f"ST{dest}", "create": True, "storage": "file"},
+    }
+    return {
+        "sources": [{"name": "eng", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}],
+        "sinks": [sink],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "checkpoint": {"path": str(tmp_path / "checkpoint.json"), "interval": "100ms"},
+        "replay": {"timeout": "300ms", "max_attempts": 20, "initial_backoff": "50ms", "max_backoff": "200ms", "idle_probe": 0},
+        "shutdown_timeout": "5s",
+    }
+
+
+def header(hdr: bytes, name: str) -> str | None:
+    m = re.search(rb"\r\n" + name.encode() + rb":\s*([^\r]*)\r\n", hdr)
+    return m.group(1).decode() if m else None
+
+
+class Gate:
+    """Holds the first message matching ``match`` (its headers) in NatsConnector._send until let go."""
+
+    def __init__(self, match: Any) -> None:
+        self.match = match
+        self.reached = asyncio.Event()
+        self.go = asyncio.Event()
+        self.armed = True
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        original = cn.NatsConnector._send
+        gate = self
+
+        async def _send(conn: Any, nc: Any, subject: str, hdr: bytes, payload: bytes, acks: Any) -> None:
+            if gate.armed and gate.match(hdr):
+                gate.armed = False
+                gate.reached.set()
+                await gate.go.wait()
+            await original(conn, nc, subject, hdr, payload, acks)
+
+        monkeypatch.setattr(cn.NatsConnector, "_send", _send)
+
+
+async def wait_held(reader: Client, dest: str, pred: Any, what: str) -> None:
+    async def met() -> bool:
+        return pred(await _subject_messages(reader, dest, ENG))
+
+    await _until(met, what)
+
+
+def announced(msgs: list[dict[str, Any]]) -> list[tuple[int, int, int, str]]:
+    return [(m["epoch"], m["from_seq"], m["to_seq"], m["reason"]) for m in msgs if m.get("type") == "EventsLost"]
+
+
+@pytest.mark.parametrize("case", ["reset", "partial"])
+async def test_a_nats_server_restored_from_a_backup_taken_mid_write(
+    tmp_path: Path, nats_server: NatsServer, reader: Client, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    dest = f"KVB{uuid.uuid4().hex[:8].upper()}"
+    live, rep = free_port(), free_port()
+    granularity = "event" if case == "partial" else "batch"
+    cfg = from_data(config(tmp_path, nats_server.url, dest, granularity, live, rep), env={})
+    backup = tmp_path / "js-backup"
+    epochs: list[int] = []
+
+    if case == "reset":
+        # hold the first batch message of an epoch above the first one (batch (E1, 0))
+        def match(hdr: bytes) -> bool:
+            e, t = header(hdr, "epoch"), header(hdr, "type")
+            return e is not None and bool(epochs) and int(e) > epochs[0] and t not in ("SourceReset", "EventsLost")
+    else:
+
+        def match(hdr: bytes) -> bool:  # event index 2 of batch 5
+            return header(hdr, "seq") == "5" and header(hdr, "index") == "2"
+
+    gate = Gate(match)
+    gate.install(monkeypatch)
+    try:
+        async with CacheEngine(live, rep, seed=40) as engine:
+            first = Bridge(cfg)
+            await first.start()
+            try:
+                await engine.wait_subscribed()
+                if case == "reset":
+                    await engine.step(10, events_per_batch=3)
+                    await wait_held(reader, dest, lambda ms: any(m["seq"] == 9 for m in ms), "E0 9 never stored")
+                    epochs.append(int((await _subject_messages(reader, dest, ENG))[-1]["epoch"]))
+                    await engine.restart()
+                    await engine.wait_subscribed()
+                    await engine.step(5, events_per_batch=3)
+                    await asyncio.wait_for(gate.reached.wait(), 30)
+                    await wait_held(reader, dest, lambda ms: ms and ms[-1].get("type") == "SourceReset", "no SourceReset")
+                else:
+                    await engine.step(10, events_per_batch=4)
+                    await asyncio.wait_for(gate.reached.wait(), 30)
+                    await wait_held(
+                        reader, dest, lambda ms: ms and (ms[-1]["seq"], ms[-1].get("index")) == (5, 1), "5/1 never stored"
+                    )
+                # the backup: the server stopped, its store copied, started again
+                await nats_server.astop()
+                shutil.copytree(nats_server.store_dir, backup)
+                await nats_server.astart()
+                gate.go.set()
+                last = engine.last_seq
+                await wait_held(
+                    reader,
+                    dest,
+                    lambda ms: (
+                        ms
+                        and ms[-1]["seq"] == last
+                        and ms[-1].get("type") not in ("SourceReset",)
+                        and (granularity == "batch" or ms[-1].get("index") == 3)
+                    ),
+                    "the rest never stored",
+                )
+                await asyncio.sleep(0.5)
+            finally:
+                await first.stop()
+            # while no bridge runs: the server comes back from the backup
+            await nats_server.astop()
+            shutil.rmtree(nats_server.store_dir)
+            shutil.copytree(backup, nats_server.store_dir)
+            await nats_server.astart()
+            second = Bridge(cfg)
+            await second.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(3, events_per_batch=4)
+                last = engine.last_seq
+                await wait_held(
+                    reader,
+                    dest,
+                    lambda ms: any(m["seq"] == last and m.get("type") != "EventsLost" for m in ms[-5:]),
+                    "the second run's batches never stored",
+                )
+            finally:
+                await second.stop()
+        msgs = await _subject_messages(reader, dest, ENG)
+        lost = announced(msgs)
+        # every (epoch, seq) whole in the sink
+        counts: dict[tuple[int, int], set[Any]] = {}
+        for m in msgs:
+            if m.get("type") in ("SourceReset", "EventsLost"):
+                continue
+            counts.setdefault((m["epoch"], m["seq"]), set()).add(m.get("index"))
+        told = {(e, s) for e, a, b, r in lost if r.startswith("sink_lost") for s in range(a, b + 1)}
+        whole = {k for k, ix in counts.items() if ix == {0, 1, 2, 3}} if granularity == "event" else set(counts)
+        missing = [
+            (e, s)
+            for e in sorted({k[0] for k in counts})
+            for s in range(0, max(k[1] for k in counts if k[0] == e) + 1)
+            if (e, s) not in whole and (e, s) not in told
+        ]
+        assert not missing, f"lost and never announced: {missing}"
+        # Exactly the first batch lost on (E1 0 at the SourceReset; batch 5 held in part), once.
+        assert [(e - min(counts)[0], a, b, r) for e, a, b, r in lost] == (
+            [(1, 0, 4, "sink_lost:nats-b")] if case == "reset" else [(0, 5, 9, "sink_lost:nats-b")]
+        )
+    finally:
+        with contextlib.suppress(nats.errors.Error, Exception):
+            js = reader.jetstream(timeout=5)
+            await js.delete_stream(dest)
+            await js.delete_key_value(f"ST{dest}")
+
+
+async def kafka_docs(kafka: KafkaServer, topic: str) -> list[dict[str, Any]]:
+    tp = TopicPartition(topic, 0)
+    return [json.loads(v) for k, v in await read_partition(kafka.bootstrap_servers, tp) if k == b"a/0" and v]
+
+
+async def test_kafka_events_topic_deleted_while_no_bridge_ran(tmp_path: Path, kafka: KafkaServer) -> None:
+    topic = f"kvb40-events-{uuid.uuid4().hex[:10]}"
+    state_topic = f"kvb40-state-{uuid.uuid4().hex[:10]}"
+    live, replay = free_port(), free_port()
+    created = {"enabled": True, "partitions": 1}
+    config = {
+        "sources": [source("a", live, replay)],
+        "sinks": [
+            sink(
+                kafka,
+                topic,
+                state_topic,
+                granularity="batch",
+                request_timeout="2s",
+                create_topics=created,
+                allow_auto_create_topics=False,
+            )
+        ],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "checkpoint": {"path": str(tmp_path / "cp.json"), "interval": "100ms"},
+        "replay": REPLAY,
+        "shutdown_timeout": "5s",
+    }
+    cfg = from_data(config, env={})
+    part = partition_of("a/0", 2)
+
+    async def state_at(seq: int) -> dict[str, Any]:
+        deadline = time.monotonic() + 30
+        while (head := await last_head(kafka.bootstrap_servers, state_topic, part, "a/0")) is None or head["seq"] != seq:
+            assert time.monotonic() < deadline, f"the state did not reach seq {seq}: {head}"
+            await asyncio.sleep(0.2)
+        return head
+
+    async with CacheEngine(live, replay, seed=40) as engine:
+        first = Bridge(cfg)
+        await first.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(10)
+            await state_at(engine.last_seq)
+        finally:
+            await first.stop()
+        acked = engine.last_seq
+        await delete_topic(kafka, topic)  # while no bridge runs
+        second = Bridge(cfg)
+        await second.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(5)
+            head = await state_at(engine.last_seq)
+        finally:
+            await second.stop()
+    docs = await kafka_docs(kafka, topic)
+    lost = [(d["epoch"], d["from_seq"], d["to_seq"], d["reason"]) for d in docs if d["type"] == "EventsLost"]
+    held = [d["seq"] for d in docs if d["type"] not in ("EventsLost", "SourceReset")]
+    missing = [s for s in range(acked + 1) if s not in held and not any(a <= s <= b for _, a, b, _ in lost)]
+    assert not missing
+    assert lost == [(lost[0][0], 0, acked, "sink_lost:k")] and not head["complete"]  # once, and the state cleared
+
+
+async def test_nats_memory_stream_lost_while_no_bridge_ran_two_epochs(
+    tmp_path: Path, nats_server: NatsServer, reader: Client
+) -> None:
+    dest = f"KVC{uuid.uuid4().hex[:8].upper()}"
+    live, rep = free_port(), free_port()
+    raw = _bridge_config(tmp_path, nats_server.url, dest, "nats-f", "file", live, rep)
+    raw["checkpoint"]["interval"] = "100ms"
+    cfg = from_data(raw, env={})
+    eng = Stream("eng", 0)
+    js = reader.jetstream(timeout=5)
+    try:
+        async with CacheEngine(live, rep, seed=41) as engine:
+            first = Bridge(cfg)
+            await first.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(10, events_per_batch=4)
+                await _until_head(reader, f"ST{dest}", 9)
+                e0 = int((await _subject_messages(reader, dest, eng))[-1]["epoch"])
+                await engine.restart()
+                await engine.wait_subscribed()
+                await engine.step(5, events_per_batch=4)
+                await _until_head(reader, f"ST{dest}", 4)
+            finally:
+                await first.stop()
+            await nats_server.arestart()  # the events stream, kept in memory, is gone
+            second = Bridge(cfg)
+            await second.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(3, events_per_batch=4)
+                await _until_stored(reader, dest, engine.last_seq)
+            finally:
+                await second.stop()
+        msgs = await _subject_messages(reader, dest, eng)
+        lost = [(m["epoch"] - e0, m["from_seq"], m["to_seq"], m["reason"]) for m in msgs if m.get("type") == "EventsLost"]
+        held = [(m["epoch"] - e0, m["seq"]) for m in msgs if m.get("type") not in ("EventsLost", "SourceReset")]
+        missing = [
+            (e, s)
+            for e, top in ((0, 9), (1, 4))
+            for s in range(top + 1)
+            if (e, s) not in held and not any(le == e and a <= s <= b for le, a, b, _ in lost)
+        ]
+        assert not missing
+        assert lost == [(0, 0, 9, "sink_lost:nats-f"), (1, 0, 4, "sink_lost:nats-f")]  # each once
+    finally:
+        with contextlib.suppress(nats.errors.Error, Exception):
+            await js.delete_stream(dest)
+            await js.delete_key_value(f"ST{dest}")
