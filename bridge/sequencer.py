@@ -169,6 +169,9 @@ _STASH_MAX = 16  # batches under another UUID a stream keeps for that UUID's con
 _STASH_AFTER = 64  # messages of the epoch's instance after which such a batch is dead-lettered
 
 
+_NOBODY = b""
+"""No UUID (a publisher's is 16 bytes; None stands for a message without one)."""
+
 _Batch = tuple[int, bytes, float | None]  # a live batch: (seq, payload, engine ts)
 _Stashed = tuple[bytes | None, _Batch, int]  # (its UUID, the batch, messages of the epoch's instance since)
 
@@ -526,9 +529,10 @@ class StreamSequencer:
         ts = _finite(ts) if ts is not None else self._ts_of(payload)
         if fp is None or fp[0] is None or ts is None or ts >= fp[0] - self.clock_skew:
             return False
-        self._stash.append((instance, (seq, payload, ts), 1))
-        if len(self._stash) > _STASH_MAX:
-            self._drop_stashed(out, self._stash.pop(0), "more such batches came")
+        # Past the bound, not kept (as a live batch past max_held): the engine's buffer still has
+        # it, fetched by the epoch's replay if the newcomer is confirmed. Nothing else is pushed out.
+        if sum(1 for i, _, _ in self._stash if i == instance) < _STASH_MAX:
+            self._stash.append((instance, (seq, payload, ts), 1))
         return True
 
     def _newcomer_meets(self, out: list[Action], instance: bytes | None) -> None:
@@ -541,21 +545,23 @@ class StreamSequencer:
         nc = self._newcomer
         assert nc is not None
         if instance != self.instance:
-            self._welcome(out)
+            self._welcome(out, instance)
         elif self._replay is not None and self._replay == self._newcomer_replay:
             nc.contradicted = True  # (the replay about it decides: late batches of this instance prove nothing)
         else:
             self._stash_newcomer(out)
             self._resume(out)  # (the replay it cancelled, if the stream still needs one)
 
-    def _welcome(self, out: list[Action]) -> None:
-        """The newcomer is confirmed: the certain restart, then its batch as the new epoch's."""
+    def _welcome(self, out: list[Action], by: bytes | None = _NOBODY) -> None:
+        """The newcomer is confirmed: the certain restart, then its batch as the new epoch's.
+        ``by``: the third UUID whose message confirmed it, if one did (its batches set aside go in
+        its own epoch, after the newcomer's: see _await_newcomer)."""
         nc = self._settle_newcomer()
         if nc.instance is not None and nc.instance in self._retired:
             if nc.batch is not None:  # (retired since it came)
                 out.append(Duplicate(nc.batch[0]))
             return
-        self._welcome_stashed(out, nc.instance)
+        self._welcome_stashed(out, nc.instance, by)
         if nc.instance != self.instance and self._restarts(nc.instance):
             self._changed(out, nc.instance, nc.ts)
         for batch in [*self._unstash(nc.instance), *([nc.batch] if nc.batch is not None else [])]:
@@ -563,11 +569,12 @@ class StreamSequencer:
         if nc.batch is None:
             out += self.heartbeat(nc.seq + 1, nc.instance)  # (what it says was published: the new epoch's)
 
-    def _welcome_stashed(self, out: list[Action], but: bytes | None = None) -> None:
+    def _welcome_stashed(self, out: list[Action], but: bytes | None = _NOBODY, by: bytes | None = _NOBODY) -> None:
         """What confirms a newcomer (a dropped connection; a UUID after it) confirms the batches
-        set aside for other UUIDs before it too: each came and went, an instance of its own (a
-        crash loop), in the order they came; ``but``'s go with it (see _welcome)."""
-        for instance in dict.fromkeys(i for i, _, _ in self._stash if i != but):
+        set aside for other UUIDs too: each came and went, an instance of its own (a crash loop),
+        in the order they came; ``but``'s go with it (see _welcome), and ``by``'s (the UUID whose
+        message confirms it) in the epoch after it."""
+        for instance in dict.fromkeys(i for i, _, _ in self._stash if i != but and i != by):
             batches = self._unstash(instance)
             if instance is not None and instance in self._retired:
                 out += [Duplicate(seq) for seq, _, _ in batches]
@@ -965,7 +972,10 @@ class StreamSequencer:
             self._drop_replay()
         # A message under another UUID waiting for its confirmation: forgotten (adding the source
         # again is no evidence of a restart; a genuine new instance's batch is fetched again by
-        # its epoch's replay, and shows itself again on the live stream).
+        # its epoch's replay, and shows itself again on the live stream), with its later batches
+        # set aside with it while the replay about it decided (_older_newcomer).
+        if self._newcomer is not None:
+            self._unstash(self._newcomer.instance)
         self._newcomer = None
         self._top = max(self._top, unread_top)
 
@@ -977,7 +987,7 @@ class StreamSequencer:
         if self._newcomer is not None:
             self._welcome(out)  # (a restart drops the connection: as if it came after the drop)
         elif self._stash:
-            self._welcome_stashed(out)
+            self._welcome_stashed(out)  # (every one of them)
         if self._aside is not None:
             self._hold_aside(self._aside)
         self._into_doubt(out, now)
@@ -1434,6 +1444,11 @@ class StreamSequencer:
         if seq < self._floor:
             # It answered nothing from _floor on, yet holds this earlier seq: the instance that
             # published _floor would hold every seq after this one too.
+            return _NEW
+        nothing_to_compare = self._anchor is None and not self.held and not unverified
+        if nothing_to_compare and instance is not None and self.instance not in (None, instance):
+            # Another UUID than the epoch's (adopted unsure: from a heartbeat), and no batch of the
+            # epoch to compare with: the instance that answers is another one.
             return _NEW
         if self._anchor is not None:
             at, fp = self._anchor

@@ -283,3 +283,55 @@ def test_late_batches_of_an_older_instance_read_after_its_successors_first_do_no
     out = s.replayed(ask.request_id, 0, b"\xbb:1000", instance=B)  # the engine holding the socket: B
     assert sorted(suspects(out)) == [7, 8] and s.epoch == 0 and s.sure_instance == B
     assert delivered([a for n in range(1, 4) for a in s.live(n, b"\xbb:%d" % (1000 + n), instance=B)]) == [(0, 1), (0, 2), (0, 3)]
+
+
+def test_the_uuid_whose_message_confirms_a_newcomer_gets_the_epoch_after_it() -> None:
+    """breaker42 B1, no replay endpoint: a crash loop A -> B -> C read through one bound socket in
+    turn: C:0, A:6, B:0, C:1, ... C:0 was set aside (A:6 after it), B:0 waited, and C:1 confirmed B.
+    Before, C's set-aside batch took an epoch first, then B's epoch retired C, the running engine,
+    and every later message of C was dropped. Now B gets epoch 1, C epoch 2, and C goes on."""
+    s = seqr(replay=False)
+    feed(s, A, range(6))
+    out = [a for inst, seq in [(C, 0), (A, 6), (B, 0), (C, 1), (A, 7), (B, 1)] for a in s.live(seq, p(inst, seq), instance=inst)]
+    out += feed(s, C, range(2, 41))
+    assert [a.epoch for a in out if isinstance(a, Reset)] == [1, 2]
+    assert [seq for epoch, seq in delivered(out) if epoch == 2] == list(range(41)) and s.sure_instance == C
+
+
+def test_a_source_removed_and_added_again_forgets_what_was_set_aside_with_the_newcomer() -> None:
+    """breaker42 B2: the breaker36 B1 burst (B:0, then A's late 7 and 8: A:8 set aside while the
+    replay about A:7 is in flight), then discovery removes the source and adds it again. Before,
+    the newcomer was forgotten but A:8 was not: the drop that follows confirmed A, retired B, the
+    running engine, and dropped all of it. Now A:8 is forgotten with it."""
+    s = seqr()
+    s.live(0, b"\xbb:1000", instance=B)
+    s.live(7, b"\xaa:7", instance=A)
+    s.live(8, b"\xaa:8", instance=A)
+    s.detached()
+    out = s.disconnected(2000.0)
+    assert not [a for a in out if isinstance(a, Reset)] and s.retired_instances == []
+    out = [a for n in range(1, 41) for a in s.live(n, b"\xbb:%d" % (1000 + n), instance=B)]
+    for ask in requests(out):
+        out += s.replayed(ask.request_id, 0, b"\xbb:1000", instance=B) + s.replay_finished(ask.request_id, complete=True)
+    assert {seq for _, seq in delivered(out)} == set(range(1, 41)) and not [a for a in out if isinstance(a, Duplicate)]
+
+
+def test_what_waits_with_a_newcomer_past_the_bound_is_not_kept_nor_dead_lettered() -> None:
+    """breaker42 B3: an unnoticed restart to B, whose clock runs 100 s behind A's: B:0 waits, and
+    B's next 30 batches, stamped before A's last, wait with it while the replay socket is silent.
+    Before, past 16 the oldest were dead-lettered as not the engine's, then announced lost. Now the
+    first 16 are kept and those past the bound are not (left in the engine's buffer, as live
+    batches past max_held are): none is dead-lettered; B, taken on its word, delivers what was kept."""
+    s = seqr(max_attempts=2)
+    for n in range(6):
+        s.live(n, b"\xaa:%d" % (1000 + n), instance=A)
+    out = s.live(0, b"\xbb:900", instance=B)
+    out += [a for n in range(1, 31) for a in s.live(n, b"\xbb:%d" % (900 + n), instance=B)]
+    assert not suspects(out) and len(s._stash) == 16
+    for _ in range(4):
+        asks = [a for a in requests(out) if a.request_id == s._replay]
+        if not asks:
+            break
+        out += s.replay_finished(asks[-1].request_id, complete=False)  # (a silent replay socket)
+    assert not suspects(out)
+    assert [seq for epoch, seq in delivered(out) if epoch == 1][:17] == list(range(17))

@@ -138,3 +138,26 @@ def test_a_stream_resumed_without_its_uuid_keeps_one_verified_only_by_replies_un
     assert delivered(out) == [(epoch, at + 1), (epoch, at + 2)]
     assert r.sure_instance is None
     assert delivered(feed(r, B, [at + 3])) == [(epoch, at + 3)] and r.sure_instance == B
+
+
+def test_a_reply_under_another_uuid_in_an_epoch_with_no_batch_to_compare_is_another_instance() -> None:
+    """breaker36 B2: resumed from a checkpoint in an epoch with no batch delivered, the idle engine A
+    known only by its heartbeat (adopted unsure, in doubt); A restarts (the drop is seen) and B
+    publishes seq 0 while the bridge reconnects; the probe's replay is answered by B, under B's
+    UUID. Nothing of the epoch to compare it with: before, B's seq 0 went out in A's epoch, and again
+    in B's own once its live messages came (one instance in two epochs, I1). Now a reply under
+    another UUID with nothing to compare is another instance's: B's epoch, once."""
+    s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts, epoch=5, delivered=-1)
+    out = s.start()
+    out += answer(s, request(out), [], None)
+    out += s.heartbeat(0, A)
+    out += s.disconnected(1999.0)
+    req = [a for a in out + s.probe() if isinstance(a, RequestReplay)][-1]
+    out += answer(s, req, [(0, p(B, 0))], B)
+    for n in (1, 2):
+        out += s.live(n, p(B, n), instance=B)
+        for ask in [a for a in out if isinstance(a, RequestReplay) and a.request_id == s._replay]:
+            out += answer(s, ask, [(q, p(B, q)) for q in range(max(ask.start, 0), n + 1)], B)
+    epochs = {e for e, seq in delivered(out)}
+    assert len(epochs) == 1 and epochs != {5}, delivered(out)
+    assert sorted(seq for _, seq in delivered(out)) == [0, 1, 2]
