@@ -753,11 +753,13 @@ class SinkWorker:
         return out + messages
 
     def _announced_already(self, key: str, epoch: int, first: int, last: int) -> bool:
-        """Did the announcement at start cover this span? Once: a later loss of the same seqs (the
-        announcement itself lost by the broker) is announced again."""
+        """Did the announcement at start tell this loss? One that overlaps it did: what the
+        connector's own check says past it (up to a state head the checkpoint was behind, after
+        a crash) comes again, the stream resuming from the checkpoint. Once: a later loss of the
+        same seqs (the announcement itself lost by the broker) is announced again."""
         spans = self._announced_at_start.get((key, epoch), [])
         for span in spans:
-            if span[0] <= first and last <= span[1]:
+            if span[0] <= last and first <= span[1]:
                 spans.remove(span)
                 return True
         return False

@@ -639,19 +639,29 @@ class KafkaConnector:
         ``position_scan`` records (the rest cannot tell). A message counts when its key is the stream's and its headers name the
         stream. A stream its partition holds nothing of is looked for in the partitions its key went
         to while the topic had fewer (partitions added since): found there, or not known not to be,
-        it cannot tell. A topic template with ``{type}`` or ``{epoch}`` spreads a stream over
-        topics: cannot tell."""
+        it cannot tell. A topic that does not exist (deleted, not created yet) holds nothing. A
+        topic template with ``{type}`` or ``{epoch}`` spreads a stream over topics: cannot tell."""
         if any(f in self._topic.fields for f in ("type", "epoch")):
             return {}
         producer = self._producer  # started by connect(); not here, beside the sink's own reconnects
         if producer is None:
             raise NotConnected(f"{self._where}: not connected to {self._servers}")
         wanted: dict[tuple[str, int], dict[bytes, Stream]] = {}
+        missing: dict[str, list[Stream]] = {}  # topics that do not exist: their streams hold nothing
         for stream in streams:
             probe = sample_message(stream)
             topic = self._topic.render(probe)
+            if topic in missing:
+                missing[topic].append(stream)
+                continue
             if topic not in self._partitions:
-                await self._prepare_topic(producer, topic)
+                try:
+                    await self._prepare_topic(producer, topic)
+                except NotConnected as exc:
+                    if exc.reason not in ("unknown_topic", "topic_deleted"):
+                        raise
+                    missing[topic] = [stream]
+                    continue
             parts = self._partitions[topic]
             key = stream.key.encode()
             fixed = self.options.partition
@@ -662,7 +672,7 @@ class KafkaConnector:
             # Kept for later calls (discovery asks source by source) until close().
             consumer = self._reader = await self._start_reader()
         try:
-            out: dict[str, SinkPosition | None] = {}
+            out: dict[str, SinkPosition | None] = {s.key: None for ss in missing.values() for s in ss}
             await self._scan_all(consumer, wanted, out)
             # A stream its partition holds nothing of may sit in the one its key went to before
             # partitions were added: found there, or not known not to be, it cannot tell.

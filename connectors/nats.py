@@ -2062,23 +2062,29 @@ class NatsConnector:
     async def _check_heads_stored(
         self, nc: Client, streams: dict[str, Stream], out: dict[str, tuple[Head, list[SeedEntry]] | None]
     ) -> None:
-        """Each head read back names the events stream's seq its stream continues from (``next``,
-        one past its last message stored): an events stream that no longer reaches it (created
-        again, empty, after a server that kept it in memory restarted, or deleted, while no bridge
-        ran), or holds another writer's message there (created again and filled past it), lost
-        what the head says it stored. The head's epoch is announced lost from seq 0 at
-        the first write or audit, and the stream's state cleared, as a loss found at run time is
-        (I6)."""
-        name = self._events_stream
+        """Each head read back names the seq its stream continues from in the JetStream stream that
+        captures its subject (``next``, one past its last message stored): one that no longer
+        reaches it (created again, empty, after a server that kept it in memory restarted, or
+        deleted, while no bridge ran), or holds another writer's message there (created again and
+        filled past it), lost what the head says it stored. The head's epoch is announced lost
+        from seq 0 at the first write or audit, and the stream's state cleared, as a loss found at
+        run time is (I6); the runtime is told (``records_gone``). Each stream is judged by the
+        stream capturing its own subject (an operator may split the subjects over several); one no
+        stream captures: cannot tell."""
         reach = {key: n for key, n in self._next.items() if n is not None and isinstance(out.get(key), tuple)}
-        if self.options.mode == "core" or name is None or not reach:
+        if self.options.mode == "core" or self._events_stream is None or not reach:
             return
         js = nc.jetstream(timeout=self.options.connect_timeout)
-        try:
-            last = (await js.stream_info(name)).state.last_seq
-        except nats.js.errors.NotFoundError:
-            last = 0
-        gone = [key for key, n in reach.items() if n - 1 > last]
+        subjects = {key: self._subjects.render(sample_message(streams[key])) for key in reach}
+        owners = await self._capturing(js, subjects.values())
+        owner = {key: owners[subject] for key, subject in subjects.items() if subject in owners}
+        lasts: dict[str, int] = {}
+        for name in set(owner.values()):
+            try:
+                lasts[name] = (await js.stream_info(name)).state.last_seq
+            except nats.js.errors.NotFoundError:
+                lasts[name] = 0
+        gone = [key for key, n in reach.items() if key in owner and n - 1 > lasts[owner[key]]]
         window = asyncio.Semaphore(16)
 
         async def refilled(key: str, at: int) -> bool:
@@ -2089,13 +2095,13 @@ class NatsConnector:
             assert head is not None
             async with window:
                 try:
-                    msg = await js.get_msg(name, seq=at)
+                    msg = await js.get_msg(owner[key], seq=at)
                 except (nats.js.errors.NotFoundError, nats.js.errors.APIError):
                     return False
             given = (msg.headers or {}).get(MSG_ID_HEADER, "")
             return not given.startswith(f"{stream.source}/{stream.dp_rank}/{head[0].epoch}/")
 
-        kept = [(key, n - 1) for key, n in reach.items() if 0 < n - 1 <= last]
+        kept = [(key, n - 1) for key, n in reach.items() if key in owner and 0 < n - 1 <= lasts[owner[key]]]
         found = await asyncio.gather(*(refilled(key, at) for key, at in kept))
         gone += [key for (key, _), other in zip(kept, found, strict=True) if other]
         for key in gone:
@@ -2104,8 +2110,11 @@ class NatsConnector:
             self._held.spans[key] = [_Span(streams[key], head[0].epoch, 0, head[0].seq)]
             self.records_gone.add(key)  # (the runtime announces the epoch before the head's too)
         if gone:
+            where = sorted({owner[k] for k in gone})
             stored = max(reach[k] for k in gone) - 1
-            self._stream_lost(f"{name!r} (up to seq {last}) no longer holds the message at seq {stored} the state says it stored")
+            self._stream_lost(
+                f"{', '.join(map(repr, where))} no longer holds the message at seq {stored} the state says it stored"
+            )
 
     async def _redo(
         self, nc: Client, prefix: str, clear: bool, ops: Sequence[tuple[str, bytes | None]], head_doc: bytes, head: Head | None

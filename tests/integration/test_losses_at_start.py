@@ -26,14 +26,17 @@ from pathlib import Path
 from typing import Any
 
 import nats.errors
+import nats.js.errors
 import pytest
 from aiokafka import TopicPartition
 from nats.aio.client import Client
+from nats.js import api as js_api
 
 import connectors.nats as cn
 from bridge.config import from_data
 from bridge.records import Stream
 from bridge.runtime import Bridge
+from kv_consumer.nats import bootstrap
 from tests.infra.servers import KafkaServer, NatsServer
 from tests.integration.test_kafka import delete_topic
 from tests.integration.test_kafka_state import REPLAY, last_head, partition_of, read_partition, sink, source
@@ -332,6 +335,245 @@ async def test_nats_memory_stream_lost_while_no_bridge_ran_two_epochs(
         ]
         assert not missing
         assert lost == [(0, 0, 9, "sink_lost:nats-f"), (1, 0, 4, "sink_lost:nats-f")]  # each once
+    finally:
+        with contextlib.suppress(nats.errors.Error, Exception):
+            await js.delete_stream(dest)
+            await js.delete_key_value(f"ST{dest}")
+
+
+async def subject_msgs(nc: Client, stream: str, subject: str) -> list[dict[str, Any]]:
+    js = nc.jetstream(timeout=5)
+    out, seq = [], 1
+    while True:
+        try:
+            msg = await js.get_msg(stream, seq=seq, subject=subject, next=True)
+        except nats.js.errors.NotFoundError:
+            return out
+        out.append(json.loads(msg.data or b"{}"))
+        seq = msg.seq + 1
+
+
+async def until(pred: Any, what: str) -> None:
+    for _ in range(600):
+        with contextlib.suppress(LookupError, nats.errors.Error, KeyError):
+            if await pred():
+                return
+        await asyncio.sleep(0.05)
+    pytest.fail(what)
+
+
+async def test_nats_subjects_split_over_two_streams_lose_nothing_over_a_clean_restart(
+    tmp_path: Path, nats_server: NatsServer, reader: Client
+) -> None:
+    """breaker41 B1: the connector's start check judged every head by one JetStream stream; the
+    stream whose subject another captures was told EventsLost for seqs it held, its state cleared."""
+    dest = f"KVS{uuid.uuid4().hex[:8].upper()}"
+    s_a, s_b = dest + "A", dest + "B"
+    bucket = f"ST{dest}"
+    js = reader.jetstream(timeout=5)
+    await js.add_stream(js_api.StreamConfig(name=s_a, subjects=[f"{dest}.a.>"]))
+    await js.add_stream(js_api.StreamConfig(name=s_b, subjects=[f"{dest}.b.>"]))
+    ports = {n: (free_port(), free_port()) for n in "ab"}
+    sink = {
+        "type": "nats",
+        "name": "nats-s",
+        "servers": nats_server.url,
+        "subject": dest + ".{source}.{dp_rank}",
+        "format": "json",
+        "granularity": "batch",
+        "reconnect_wait": "200ms",
+        "batch": {"linger": 0, "max_messages": 200},
+        "retry": {"initial_backoff": "50ms", "max_backoff": "200ms", "jitter": 0.0, "write_timeout": 10},
+        "stream": {"create": False},
+        "state": {"enabled": True, "bucket": bucket, "create": True, "storage": "file"},
+    }
+    raw = {
+        "sources": [
+            {"name": n, "endpoint": f"tcp://127.0.0.1:{lv}", "replay_endpoint": f"tcp://127.0.0.1:{rp}"}
+            for n, (lv, rp) in ports.items()
+        ],
+        "sinks": [sink],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "checkpoint": {"path": str(tmp_path / "checkpoint.json"), "interval": "100ms"},
+        "replay": {"timeout": "300ms", "max_attempts": 20, "initial_backoff": "50ms", "max_backoff": "200ms", "idle_probe": 0},
+        "shutdown_timeout": "5s",
+    }
+    cfg = from_data(raw, env={})
+
+    async def head(src: str) -> Any:
+        state, _ = await bootstrap(reader, bucket, src, 0, attempts=1)
+        return state
+
+    try:
+        async with CacheEngine(*ports["a"], seed=1) as ea, CacheEngine(*ports["b"], seed=2) as eb:
+            first = Bridge(cfg)
+            await first.start()
+            try:
+                await ea.wait_subscribed()
+                await eb.wait_subscribed()
+                await ea.step(10, events_per_batch=3)
+                await eb.step(10, events_per_batch=3)
+
+                async def both_at_head() -> bool:
+                    return int((await head("a")).head["seq"]) == ea.last_seq and int((await head("b")).head["seq"]) == eb.last_seq
+
+                await until(both_at_head, "heads never reached")
+                await asyncio.sleep(0.5)
+            finally:
+                await first.stop()
+            # nothing happens to the server while no bridge runs
+            second = Bridge(cfg)
+            await second.start()
+            try:
+                await ea.wait_subscribed()
+                await eb.wait_subscribed()
+                await ea.step(3, events_per_batch=3)
+                await eb.step(3, events_per_batch=3)
+
+                async def both_again() -> bool:
+                    return int((await head("a")).head["seq"]) == ea.last_seq and int((await head("b")).head["seq"]) == eb.last_seq
+
+                await until(both_again, "second run heads never reached")
+                await asyncio.sleep(0.5)
+            finally:
+                await second.stop()
+        result = {}
+        for src, name in (("a", s_a), ("b", s_b)):
+            msgs = await subject_msgs(reader, name, f"{dest}.{src}.0")
+            held = sorted({m["seq"] for m in msgs if m.get("type") not in ("EventsLost", "SourceReset")})
+            lost = [(m["from_seq"], m["to_seq"], m["reason"]) for m in msgs if m.get("type") == "EventsLost"]
+            falsely = sorted({s for a, b, _ in lost for s in range(a, b + 1) if s in held})
+            st = await head(src)
+            result[src] = (lost, falsely, st.complete)
+        assert all(not r[0] for r in result.values()), f"EventsLost announced although nothing was lost: {result}"
+        assert all(r[2] for r in result.values()), f"a complete state was cleared: {result}"
+    finally:
+        with contextlib.suppress(Exception):
+            await js.delete_stream(s_a)
+            await js.delete_stream(s_b)
+            await js.delete_key_value(bucket)
+
+
+async def docs_of(kafka: KafkaServer, topic: str) -> list[dict[str, Any]]:
+    tp = TopicPartition(topic, 0)
+    return [json.loads(v) for k, v in await read_partition(kafka.bootstrap_servers, tp) if k == b"a/0" and v]
+
+
+async def test_a_kafka_events_topic_missing_at_start_is_announced_once_created_again(tmp_path: Path, kafka: KafkaServer) -> None:
+    """breaker41 B2: topics managed by the operator (create_topics off): the bridge starts while the
+    events topic is deleted; positions() failed for it, and nothing was announced."""
+    topic = await kafka.anew_topic(partitions=1)
+    state_topic = f"kvb41-state-{uuid.uuid4().hex[:10]}"
+    live, replay = free_port(), free_port()
+    config = {
+        "sources": [source("a", live, replay)],
+        "sinks": [
+            sink(
+                kafka,
+                topic,
+                state_topic,
+                granularity="batch",
+                request_timeout="2s",
+                create_topics={"enabled": False},
+                allow_auto_create_topics=False,
+            )
+        ],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "checkpoint": {"path": str(tmp_path / "cp.json"), "interval": "100ms"},
+        "state": {"load_timeout": "3s"},
+        "replay": REPLAY,
+        "shutdown_timeout": "5s",
+    }
+    cfg = from_data(config, env={})
+    part = partition_of("a/0", 2)
+
+    async def state_at(seq: int) -> dict[str, Any]:
+        deadline = time.monotonic() + 60
+        while (head := await last_head(kafka.bootstrap_servers, state_topic, part, "a/0")) is None or head["seq"] != seq:
+            assert time.monotonic() < deadline, f"the state did not reach seq {seq}: {head}"
+            await asyncio.sleep(0.2)
+        return head
+
+    async with CacheEngine(live, replay, seed=41) as engine:
+        first = Bridge(cfg)
+        await first.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(10)
+            await state_at(engine.last_seq)
+        finally:
+            await first.stop()
+        acked = engine.last_seq
+        await delete_topic(kafka, topic)  # while no bridge runs
+        second = Bridge(cfg)
+        await second.start()  # the topic is missing: the sink is not ready
+        try:
+            await asyncio.sleep(1.0)
+            await kafka.anew_topic(partitions=1, name=topic)  # the operator creates it again
+            await engine.wait_subscribed()
+            await engine.step(5)
+            await state_at(engine.last_seq)
+        finally:
+            await second.stop()
+    docs = await docs_of(kafka, topic)
+    lost = [(d["from_seq"], d["to_seq"], d["reason"]) for d in docs if d["type"] == "EventsLost"]
+    held = [d["seq"] for d in docs if d["type"] not in ("EventsLost", "SourceReset")]
+    missing = [s for s in range(acked + 1) if s not in held and not any(a <= s <= b for a, b, _ in lost)]
+    assert not missing
+    assert lost == [(0, acked, "sink_lost:k")] and docs[0]["type"] == "EventsLost"  # once, ahead of the rest
+
+
+async def test_a_loss_found_by_both_checks_after_a_crash_is_announced_once(
+    tmp_path: Path, nats_server: NatsServer, reader: Client
+) -> None:
+    """breaker41 B3: the checkpoint behind the state heads (a crash between two saves), then the
+    memory stream lost: the start check and the connector's own both announced, overlapping."""
+    dest = f"KVD{uuid.uuid4().hex[:8].upper()}"
+    live, rep = free_port(), free_port()
+    raw = _bridge_config(tmp_path, nats_server.url, dest, "nats-f", "file", live, rep)
+    raw["checkpoint"]["interval"] = "100ms"
+    cfg = from_data(raw, env={})
+    cp = Path(raw["checkpoint"]["path"])
+    eng = Stream("eng", 0)
+    js = reader.jetstream(timeout=5)
+    try:
+        async with CacheEngine(live, rep, seed=41) as engine:
+            first = Bridge(cfg)
+            await first.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(10, events_per_batch=4)
+                await _until_head(reader, f"ST{dest}", 9)
+
+                async def saved_at_9() -> bool:
+                    text = await asyncio.to_thread(lambda: cp.read_text() if cp.exists() else "")
+                    return '"seq":9,' in text or '"seq":9}' in text
+
+                await _until(saved_at_9, "checkpoint never saved at seq 9")
+                shutil.copy(cp, tmp_path / "cp-at-crash.json")  # what was on disk at the crash
+                await engine.step(5, events_per_batch=4)
+                await _until_head(reader, f"ST{dest}", 14)
+            finally:
+                await first.stop()
+            shutil.copy(tmp_path / "cp-at-crash.json", cp)  # the crash: the last save was at seq 9
+            await nats_server.arestart()  # the events stream, kept in memory, is gone
+            second = Bridge(cfg)
+            await second.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(3, events_per_batch=4)
+                await _until_stored(reader, dest, engine.last_seq)
+                await asyncio.sleep(0.5)
+            finally:
+                await second.stop()
+        msgs = await _subject_messages(reader, dest, eng)
+        lost = [(m["from_seq"], m["to_seq"], m["reason"]) for m in msgs if m.get("type") == "EventsLost"]
+        count = {s: sum(1 for a, b, _ in lost if a <= s <= b) for s in range(0, 18)}
+        twice = [s for s, n in count.items() if n > 1]
+        assert not twice
+        assert lost == [(0, 9, "sink_lost:nats-f")]  # what the checkpoint had: 10..14 came again, resumed from it
     finally:
         with contextlib.suppress(nats.errors.Error, Exception):
             await js.delete_stream(dest)
