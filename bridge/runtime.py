@@ -178,14 +178,6 @@ class SkipHeld:
             self.behind.pop(key, None)
 
 
-def _nothing_held_is_known(conn: Connector, stream: Stream) -> bool:
-    """Does a sink that holds no record of ``stream`` know that it lost them (rather than its own
-    limits removing them)? Kafka's ``positions`` says "nothing" only of a partition that starts at
-    offset 0 (``nothing_held_is_known``); NATS names the streams whose events stream it found
-    created again while no bridge ran (``records_gone``)."""
-    return bool(getattr(conn, "nothing_held_is_known", False)) or stream.key in getattr(conn, "records_gone", ())
-
-
 _NOWHERE = (1 << 62, 0)
 """Above every (epoch, seq): a state sink that cannot tell where its state stands is never behind."""
 _UNKNOWN = object()
@@ -706,8 +698,14 @@ class Bridge:
             if isinstance(last, ckpt.SinkPosition):
                 whole = getattr(conn, "whole_batches", False) and last.kind == "batch"
                 at = (last.epoch, last.seq if whole else last.first_missing() - 1)
-            elif last is None and (state_at < top or _nothing_held_is_known(conn, stream)):
-                at = (-1, -1)  # (it holds no record of the stream, and none was removed by its own limits)
+            elif stream.key in getattr(conn, "records_gone", ()) or (
+                last is None and (state_at < top or bool(getattr(conn, "nothing_held_is_known", False)))
+            ):
+                # It holds no record of the stream, and none was removed by its own limits: its
+                # state is behind too, or the connector knows (Kafka says "nothing" only of a
+                # partition that starts at offset 0, or a topic gone; NATS names the streams whose
+                # events stream it found created again or gone, ``records_gone``).
+                at = (-1, -1)
             elif state_at >= top:
                 # Its state is not behind, and what its records hold cannot be told, or nothing
                 # that may be its own limits' doing (a stream idle past the sink's retention).

@@ -191,9 +191,9 @@ class SinkWorker:
         # (stream, epoch, from_seq, to_seq) the runtime found this sink lost before the stream
         # started (at start-up, or a source added at run time): announced ahead of its records.
         self.lost_at_start: list[tuple[Stream, int, int, int]] = []
-        # (stream key, epoch) -> the spans announced from lost_at_start: the connector's own check
-        # may find the same loss at its first write (NATS reads its heads against its stream), and
-        # a span one of these covers is not announced twice.
+        # (stream key, epoch) -> the spans announced from lost_at_start, while they are written:
+        # the connector's own check may find the same loss at that write (NATS reads its heads
+        # against its stream), and what they cover is not announced twice.
         self._announced_at_start: dict[tuple[str, int], list[tuple[int, int]]] = {}
         # Stream key -> reason of the refusal of its state last logged: told once while the sink
         # refuses it again and again (a state record too large for the sink at every write), until
@@ -405,8 +405,13 @@ class SinkWorker:
             announced = self._announce_lost(exc, [])
             for stream, epoch, first, last in exc.spans:
                 self._announced_at_start.setdefault((stream.key, epoch), []).append((first, last))
-            if await self._deliver(announced):
-                log.error("announcements of lost messages dead-lettered", extra={"sink": self.name})
+            try:
+                if await self._deliver(announced):
+                    log.error("announcements of lost messages dead-lettered", extra={"sink": self.name})
+            finally:
+                # Only the connector's own check of the same loss, at the write that carries them, is
+                # told by them: a loss found later (the topic deleted again) is announced whole.
+                self._announced_at_start.clear()
 
     async def _wait_for_work(self) -> None:
         """Wait for records; meanwhile check the connector's health every ``health_interval``."""
@@ -729,12 +734,14 @@ class SinkWorker:
             extra = {"sink": self.name, "stream": stream.key, "error": str(exc)}
             log.error("the sink lost the state of a stream: cleared", extra=extra)
             self._state_lost(stream)
-        for stream, epoch, first, last in exc.spans:
+        starting = bool(self._announced_at_start)
+        for stream, epoch, whole_first, last in exc.spans:
             self._state_lost(stream)
-            if (stream.key, epoch, first, last) in have:
+            if (stream.key, epoch, whole_first, last) in have:
                 continue
-            if self._announced_already(stream.key, epoch, first, last):
-                continue
+            first = self._past_start_spans(stream.key, epoch, whole_first, last)
+            if first > last:
+                continue  # (told at start)
             log.error(
                 "the sink lost messages it had acknowledged: announced to its consumers",
                 extra={
@@ -747,22 +754,24 @@ class SinkWorker:
                 },
             )
             lost = events_lost(stream, epoch, first, last, reason, now)
-            lost.seq, lost.to_seq = max(last, exc.at.get((stream.key, epoch, first, last), last)), last
+            lost.seq, lost.to_seq = max(last, exc.at.get((stream.key, epoch, whole_first, last), last)), last
             self.metrics.announced_lost(lost)
             out.extend(self.renderer.render(lost))
+        if starting:
+            # Beside the announcements made at start (``messages``): each stream's in seq order.
+            return sorted(out + messages, key=lambda m: (m.record.stream.key, m.record.position))
         return out + messages
 
-    def _announced_already(self, key: str, epoch: int, first: int, last: int) -> bool:
-        """Did the announcement at start tell this loss? One that overlaps it did: what the
-        connector's own check says past it (up to a state head the checkpoint was behind, after
-        a crash) comes again, the stream resuming from the checkpoint. Once: a later loss of the
-        same seqs (the announcement itself lost by the broker) is announced again."""
-        spans = self._announced_at_start.get((key, epoch), [])
-        for span in spans:
-            if span[0] <= last and first <= span[1]:
-                spans.remove(span)
-                return True
-        return False
+    def _past_start_spans(self, key: str, epoch: int, first: int, last: int) -> int:
+        """Where what the connector's own check finds lost (``first``..``last``), while the
+        announcements made at start are written, goes beyond them: the first seq after the start
+        span it overlaps (what the sink holds before it, ``positions`` read it; what is past it is
+        announced too: an engine that restarted meanwhile will not send it again); ``first`` when
+        none overlaps."""
+        for f, t in self._announced_at_start.get((key, epoch), []):
+            if f <= last and first <= t:
+                first = max(first, t + 1)
+        return first
 
     def _state_lost(self, stream: Stream) -> None:
         """What the sink holds of ``stream``'s state is not what the tracker says any more: the

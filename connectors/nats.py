@@ -2069,10 +2069,11 @@ class NatsConnector:
         filled past it), lost what the head says it stored. The head's epoch is announced lost
         from seq 0 at the first write or audit, and the stream's state cleared, as a loss found at
         run time is (I6); the runtime is told (``records_gone``). Each stream is judged by the
-        stream capturing its own subject (an operator may split the subjects over several); one no
-        stream captures: cannot tell."""
+        stream capturing its own subject (an operator may split the subjects over several); a head
+        whose subject no stream captures any more (deleted while no bridge ran, and not created
+        again yet) lost what it stored all the same."""
         reach = {key: n for key, n in self._next.items() if n is not None and isinstance(out.get(key), tuple)}
-        if self.options.mode == "core" or self._events_stream is None or not reach:
+        if self.options.mode == "core" or not reach:
             return
         js = nc.jetstream(timeout=self.options.connect_timeout)
         subjects = {key: self._subjects.render(sample_message(streams[key])) for key in reach}
@@ -2084,7 +2085,7 @@ class NatsConnector:
                 lasts[name] = (await js.stream_info(name)).state.last_seq
             except nats.js.errors.NotFoundError:
                 lasts[name] = 0
-        gone = [key for key, n in reach.items() if key in owner and n - 1 > lasts[owner[key]]]
+        gone = [key for key, n in reach.items() if n > 1 and (key not in owner or n - 1 > lasts[owner[key]])]
         window = asyncio.Semaphore(16)
 
         async def refilled(key: str, at: int) -> bool:
@@ -2110,11 +2111,9 @@ class NatsConnector:
             self._held.spans[key] = [_Span(streams[key], head[0].epoch, 0, head[0].seq)]
             self.records_gone.add(key)  # (the runtime announces the epoch before the head's too)
         if gone:
-            where = sorted({owner[k] for k in gone})
+            where = ", ".join(sorted({repr(owner[k]) if k in owner else "no stream (deleted)" for k in gone}))
             stored = max(reach[k] for k in gone) - 1
-            self._stream_lost(
-                f"{', '.join(map(repr, where))} no longer holds the message at seq {stored} the state says it stored"
-            )
+            self._stream_lost(f"{where} no longer holds the message at seq {stored} the state says it stored")
 
     async def _redo(
         self, nc: Client, prefix: str, clear: bool, ops: Sequence[tuple[str, bytes | None]], head_doc: bytes, head: Head | None

@@ -38,7 +38,7 @@ from bridge.records import Stream
 from bridge.runtime import Bridge
 from kv_consumer.nats import bootstrap
 from tests.infra.servers import KafkaServer, NatsServer
-from tests.integration.test_kafka import delete_topic
+from tests.integration.test_kafka import delete_topic, topic_exists
 from tests.integration.test_kafka_state import REPLAY, last_head, partition_of, read_partition, sink, source
 from tests.integration.test_nats_losses import _bridge_config, _subject_messages, _until, _until_head, _until_stored
 from tests.support.cache_engine import CacheEngine
@@ -573,7 +573,200 @@ async def test_a_loss_found_by_both_checks_after_a_crash_is_announced_once(
         count = {s: sum(1 for a, b, _ in lost if a <= s <= b) for s in range(0, 18)}
         twice = [s for s, n in count.items() if n > 1]
         assert not twice
-        assert lost == [(0, 9, "sink_lost:nats-f")]  # what the checkpoint had: 10..14 came again, resumed from it
+        # The start check's span (to what the checkpoint had), then the rest of the connector's (to
+        # the head): each seq once, in order (10..14 come again, resumed from the checkpoint, after
+        # their announcement; an engine restarted meanwhile would not send them again).
+        assert lost == [(0, 9, "sink_lost:nats-f"), (10, 14, "sink_lost:nats-f")]
+    finally:
+        with contextlib.suppress(nats.errors.Error, Exception):
+            await js.delete_stream(dest)
+            await js.delete_key_value(f"ST{dest}")
+
+
+async def test_a_runtime_loss_overlapping_the_start_announcement_is_announced(tmp_path: Path, kafka: KafkaServer) -> None:
+    """breaker43 B1: a loss found during the run (the topic deleted again) that overlaps what was
+    announced at start: before, the connector's span was skipped whole as told at start, and the
+    seqs acknowledged in this run were neither held nor announced."""
+    topic = f"kvb43-events-{uuid.uuid4().hex[:10]}"
+    state_topic = f"kvb43-state-{uuid.uuid4().hex[:10]}"
+    live, replay = free_port(), free_port()
+    config = {
+        "sources": [source("a", live, replay)],
+        "sinks": [
+            sink(
+                kafka,
+                topic,
+                state_topic,
+                granularity="batch",
+                request_timeout="2s",
+                create_topics={"enabled": True, "partitions": 1},
+                allow_auto_create_topics=False,
+            )
+        ],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        "checkpoint": {"path": str(tmp_path / "cp.json"), "interval": "100ms"},
+        "state": {"load_timeout": "3s"},
+        "replay": REPLAY,
+        "shutdown_timeout": "5s",
+    }
+    cfg = from_data(config, env={})
+    part = partition_of("a/0", 2)
+
+    async def state_at(seq: int) -> None:
+        deadline = time.monotonic() + 60
+        while (head := await last_head(kafka.bootstrap_servers, state_topic, part, "a/0")) is None or head["seq"] != seq:
+            assert time.monotonic() < deadline, f"the state did not reach seq {seq}: {head}"
+            await asyncio.sleep(0.2)
+
+    async with CacheEngine(live, replay, seed=43) as engine:
+        first = Bridge(cfg)
+        await first.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(10)
+            await state_at(engine.last_seq)
+        finally:
+            await first.stop()
+        await delete_topic(kafka, topic)  # while no bridge runs: announced at start
+        second = Bridge(cfg)
+        await second.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(5)
+            await state_at(engine.last_seq)
+            acked_run2 = engine.last_seq  # acknowledged by the (re-created) topic in this run
+            await delete_topic(kafka, topic)  # during the run: the connector's own check finds it
+            deadline = time.monotonic() + 60
+            while not await topic_exists(kafka, topic):
+                assert time.monotonic() < deadline, "the events topic did not come back"
+                await engine.step(1)
+                await asyncio.sleep(0.3)
+            await engine.step(1)
+            await state_at(engine.last_seq)
+        finally:
+            await second.stop()
+    docs = [
+        json.loads(v) for k, v in await read_partition(kafka.bootstrap_servers, TopicPartition(topic, 0)) if k == b"a/0" and v
+    ]
+    lost = [(d["epoch"], d["from_seq"], d["to_seq"], d["reason"]) for d in docs if d["type"] == "EventsLost"]
+    held = sorted({d["seq"] for d in docs if d["type"] not in ("EventsLost", "SourceReset")})
+    missing = [s for s in range(acked_run2 + 1) if s not in held and not any(a <= s <= b for _, a, b, _ in lost)]
+    assert not missing, f"I6: acknowledged then lost, never announced: {missing}"
+    assert [(a, b) for _, a, b, _ in lost] == [(0, acked_run2)]  # once, whole (the start announcement went with the topic)
+
+
+@pytest.mark.parametrize("recreated", ["after_start", "before_start_control"])
+async def test_a_nats_stream_missing_at_start_has_its_loss_announced_once_created_again(
+    recreated: str, tmp_path: Path, nats_server: NatsServer, reader: Client
+) -> None:
+    """breaker43 B2 (the NATS twin of breaker41 B2): an operator-managed events stream deleted while
+    no bridge ran, created again only after the start: its heads' subject captured by no stream was
+    taken for "cannot tell", and nothing was announced."""
+    dest = f"KVM{uuid.uuid4().hex[:8].upper()}"
+    js = reader.jetstream(timeout=5)
+    stream_cfg = js_api.StreamConfig(name=dest, subjects=[f"{dest}.>"], storage=js_api.StorageType.FILE)
+    await js.add_stream(stream_cfg)  # the operator's stream
+    live, rep = free_port(), free_port()
+    raw = _bridge_config(tmp_path, nats_server.url, dest, "nats-o", "file", live, rep)
+    raw["sinks"][0]["stream"] = {"create": False, "name": dest}  # operator-managed (the default)
+    raw["checkpoint"]["interval"] = "100ms"
+    cfg = from_data(raw, env={})
+    try:
+        async with CacheEngine(live, rep, seed=43) as engine:
+            first = Bridge(cfg)
+            await first.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(10, events_per_batch=4)
+                await _until_head(reader, f"ST{dest}", engine.last_seq)
+                await _until_stored(reader, dest, engine.last_seq)
+            finally:
+                await first.stop()
+            acked = engine.last_seq
+            await js.delete_stream(dest)  # while no bridge runs
+            if recreated != "after_start":
+                await js.add_stream(stream_cfg)  # control: created again (empty) before the start
+            second = Bridge(cfg)
+            await second.start()
+            try:
+                await asyncio.sleep(1.0)
+                if recreated == "after_start":
+                    await js.add_stream(stream_cfg)  # the operator creates it again
+                await engine.wait_subscribed()
+                await engine.step(5, events_per_batch=4)
+                await _until_stored(reader, dest, engine.last_seq)
+                await asyncio.sleep(0.5)
+            finally:
+                await second.stop()
+        msgs = await _subject_messages(reader, dest, Stream("eng", 0))
+        lost = [(m["from_seq"], m["to_seq"], m["reason"]) for m in msgs if m.get("type") == "EventsLost"]
+        held = sorted({m["seq"] for m in msgs if m.get("type") not in ("EventsLost", "SourceReset")})
+        state, _ = await bootstrap(reader, f"ST{dest}", "eng", 0, attempts=1)
+        missing = [s for s in range(acked + 1) if s not in held and not any(a <= s <= b for a, b, _ in lost)]
+        assert not missing, f"I6: acknowledged then lost, never announced: {missing}"
+        assert lost == [(0, acked, "sink_lost:nats-o")] and not state.complete
+    finally:
+        with contextlib.suppress(nats.errors.Error, Exception):
+            await js.delete_stream(dest)
+            await js.delete_key_value(f"ST{dest}")
+
+
+async def test_a_crash_then_engine_restart_then_memory_stream_lost(
+    tmp_path: Path, nats_server: NatsServer, reader: Client
+) -> None:
+    """breaker43 B3: as the crash case above, the engine also restarting while no bridge ran: 10..14
+    never come again, and the part of the connector's span past the start's must be announced."""
+    dest = f"KVD{uuid.uuid4().hex[:8].upper()}"
+    live, rep = free_port(), free_port()
+    raw = _bridge_config(tmp_path, nats_server.url, dest, "nats-f", "file", live, rep)
+    raw["checkpoint"]["interval"] = "100ms"
+    cfg = from_data(raw, env={})
+    cp = Path(raw["checkpoint"]["path"])
+    eng = Stream("eng", 0)
+    js = reader.jetstream(timeout=5)
+    try:
+        async with CacheEngine(live, rep, seed=43) as engine:
+            first = Bridge(cfg)
+            await first.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(10, events_per_batch=4)
+                await _until_head(reader, f"ST{dest}", 9)
+
+                async def saved_at_9() -> bool:
+                    text = await asyncio.to_thread(lambda: cp.read_text() if cp.exists() else "")
+                    return '"seq":9,' in text or '"seq":9}' in text
+
+                await _until(saved_at_9, "checkpoint never saved at seq 9")
+                shutil.copy(cp, tmp_path / "cp-at-crash.json")
+                await engine.step(5, events_per_batch=4)
+                await _until_head(reader, f"ST{dest}", 14)
+                await _until_stored(reader, dest, 14)  # NATS acknowledged 10..14
+            finally:
+                await first.stop()
+            before = await _subject_messages(reader, dest, eng)
+            shutil.copy(tmp_path / "cp-at-crash.json", cp)  # the crash: the last save was at seq 9
+            await nats_server.arestart()  # the events stream, kept in memory, is gone
+            await engine.restart()  # and the engine restarted while no bridge ran: 10..14 are not in its buffer
+            second = Bridge(cfg)
+            await second.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(3, events_per_batch=4)
+                await asyncio.sleep(1.5)
+            finally:
+                await second.stop()
+        msgs = await _subject_messages(reader, dest, eng)
+        first_epoch = before[-1]["epoch"]
+        lost = [(m["epoch"], m["from_seq"], m["to_seq"], m["reason"]) for m in msgs if m.get("type") == "EventsLost"]
+        held = sorted({(m["epoch"], m["seq"]) for m in msgs if m.get("type") not in ("EventsLost", "SourceReset")})
+        acked = [m["seq"] for m in before if m.get("type") not in ("EventsLost", "SourceReset") and m["epoch"] == first_epoch]
+        missing = [
+            s for s in acked if (first_epoch, s) not in held and not any(e == first_epoch and a <= s <= b for e, a, b, _ in lost)
+        ]
+        assert not missing, f"I6: {missing}"
+        assert [(a, b) for e, a, b, _ in lost if e == first_epoch] == [(0, 9), (10, 14)]
     finally:
         with contextlib.suppress(nats.errors.Error, Exception):
             await js.delete_stream(dest)
