@@ -69,15 +69,16 @@ def _render(streams: Sequence[Stream], start: int, count: int, epoch: int = 1) -
     return [m for s in streams for rec in stream_records(s, count, start=start, epoch=epoch) for m in r.render(rec)]
 
 
-async def _subject_messages(nc: Client, dest: str, stream: Stream) -> list[dict[str, Any]]:
-    """The messages (JSON) held on ``stream``'s subject of JetStream stream ``dest``, in stream order."""
+async def _subject_messages(nc: Client, dest: str, stream: Stream, within: str | None = None) -> list[dict[str, Any]]:
+    """The messages (JSON) held on ``stream``'s subject (``dest.<source>.<rank>``) of JetStream stream
+    ``dest`` (or ``within``, where an operator split the subjects over several), in stream order."""
     js = nc.jetstream(timeout=5)
     subject = f"{dest}.{subject_token(stream.source)}.{stream.dp_rank}"
     out: list[dict[str, Any]] = []
     seq = 1
     while True:
         try:
-            msg = await js.get_msg(dest, seq=seq, subject=subject, next=True)
+            msg = await js.get_msg(within or dest, seq=seq, subject=subject, next=True)
         except nats.js.errors.NotFoundError:
             return out
         out.append(json.loads(msg.data or b"{}"))
