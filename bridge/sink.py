@@ -42,7 +42,7 @@ import gc
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .backoff import Backoff
@@ -147,6 +147,17 @@ def fold(messages: Sequence[Message], errors: Mapping[int, ConnectorError]) -> O
     return out
 
 
+def _past(spans: Iterable[tuple[int, int]], first: int, last: int) -> int:
+    """Where a loss the connector's own check finds (``first``..``last``), while announcements made
+    at start (``spans``) are written, goes beyond them: the first seq after the start span it
+    overlaps (what the sink holds before it, ``positions`` read it; what is past it is announced
+    too: an engine that restarted meanwhile will not send it again); ``first`` when none does."""
+    for f, t in spans:
+        if f <= last and first <= t:
+            first = max(first, t + 1)
+    return first
+
+
 class SinkWorker:
     """Delivers records to one connector. See the module docstring."""
 
@@ -191,10 +202,10 @@ class SinkWorker:
         # (stream, epoch, from_seq, to_seq) the runtime found this sink lost before the stream
         # started (at start-up, or a source added at run time): announced ahead of its records.
         self.lost_at_start: list[tuple[Stream, int, int, int]] = []
-        # (stream key, epoch) -> the spans announced from lost_at_start, while they are written:
+        # The records (ids) of the announcements made from lost_at_start, while they are written:
         # the connector's own check may find the same loss at that write (NATS reads its heads
-        # against its stream), and what they cover is not announced twice.
-        self._announced_at_start: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        # against its stream), and what those not stored yet cover is not announced twice.
+        self._start_records: set[int] = set()
         # Stream key -> reason of the refusal of its state last logged: told once while the sink
         # refuses it again and again (a state record too large for the sink at every write), until
         # the stream's state is written again.
@@ -403,15 +414,14 @@ class SinkWorker:
             exc = SinkLost("it holds less than it acknowledged before the stream started", self.lost_at_start)
             self.lost_at_start = []
             announced = self._announce_lost(exc, [])
-            for stream, epoch, first, last in exc.spans:
-                self._announced_at_start.setdefault((stream.key, epoch), []).append((first, last))
+            self._start_records = {id(m.record) for m in announced}
             try:
                 if await self._deliver(announced):
                     log.error("announcements of lost messages dead-lettered", extra={"sink": self.name})
             finally:
-                # Only the connector's own check of the same loss, at the write that carries them, is
-                # told by them: a loss found later (the topic deleted again) is announced whole.
-                self._announced_at_start.clear()
+                # Only the connector's own check of the same loss, while they are written, is told
+                # by them: a loss found later (the topic deleted again) is announced whole.
+                self._start_records = set()
 
     async def _wait_for_work(self) -> None:
         """Wait for records; meanwhile check the connector's health every ``health_interval``."""
@@ -734,14 +744,17 @@ class SinkWorker:
             extra = {"sink": self.name, "stream": stream.key, "error": str(exc)}
             log.error("the sink lost the state of a stream: cleared", extra=extra)
             self._state_lost(stream)
-        starting = bool(self._announced_at_start)
+        # The announcements made at start that this write carries still (none stored yet).
+        starting: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        for m in messages:
+            r = m.record
+            if id(r) in self._start_records and r.from_seq is not None:
+                starting.setdefault((r.stream.key, r.epoch), []).append((r.from_seq, r.seq if r.to_seq is None else r.to_seq))
         for stream, epoch, whole_first, last in exc.spans:
             self._state_lost(stream)
-            if (stream.key, epoch, whole_first, last) in have:
-                continue
-            first = self._past_start_spans(stream.key, epoch, whole_first, last)
-            if first > last:
-                continue  # (told at start)
+            first = _past(starting.get((stream.key, epoch), ()), whole_first, last)
+            if first > last or {(stream.key, epoch, whole_first, last), (stream.key, epoch, first, last)} & have:
+                continue  # (told at start, or by this write already)
             log.error(
                 "the sink lost messages it had acknowledged: announced to its consumers",
                 extra={
@@ -761,17 +774,6 @@ class SinkWorker:
             # Beside the announcements made at start (``messages``): each stream's in seq order.
             return sorted(out + messages, key=lambda m: (m.record.stream.key, m.record.position))
         return out + messages
-
-    def _past_start_spans(self, key: str, epoch: int, first: int, last: int) -> int:
-        """Where what the connector's own check finds lost (``first``..``last``), while the
-        announcements made at start are written, goes beyond them: the first seq after the start
-        span it overlaps (what the sink holds before it, ``positions`` read it; what is past it is
-        announced too: an engine that restarted meanwhile will not send it again); ``first`` when
-        none overlaps."""
-        for f, t in self._announced_at_start.get((key, epoch), []):
-            if f <= last and first <= t:
-                first = max(first, t + 1)
-        return first
 
     def _state_lost(self, stream: Stream) -> None:
         """What the sink holds of ``stream``'s state is not what the tracker says any more: the
