@@ -102,19 +102,23 @@ class Record(msgspec.Struct):
             return {"type": "SourceReset", "reason": self.reason or "publisher_restart"}
         if self.kind == "StateSeeded":
             return {"type": "StateSeeded", "cut": self.from_seq, "design": self.reason or ""}
-        to_seq = self.seq if self.to_seq is None else self.to_seq
         return {
             "type": "EventsLost",
             "from_seq": self.from_seq,
-            "to_seq": to_seq,
+            "to_seq": self.lost_to,
             "count": self.lost_count,
             "reason": self.reason or "unrecoverable",
         }
 
     @property
+    def lost_to(self) -> int:
+        """The last seq an ``EventsLost`` announces lost (its ``seq``, unless it stands later)."""
+        return self.seq if self.to_seq is None else self.to_seq
+
+    @property
     def lost_count(self) -> int:
         """The batches an ``EventsLost`` announces lost (``from_seq`` to ``to_seq``, inclusive)."""
-        to_seq = self.seq if self.to_seq is None else self.to_seq
+        to_seq = self.lost_to
         return to_seq - (self.from_seq if self.from_seq is not None else to_seq) + 1
 
 

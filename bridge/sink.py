@@ -734,7 +734,7 @@ class SinkWorker:
         announce already (I6); each stream named has its state cleared."""
         reason = f"sink_lost:{self.name}"
         have = {
-            (m.record.stream.key, m.record.epoch, m.record.from_seq, m.record.seq if m.record.to_seq is None else m.record.to_seq)
+            (m.record.stream.key, m.record.epoch, m.record.from_seq, m.record.lost_to)
             for m in messages
             if m.record.kind == "EventsLost" and m.record.reason == reason
         }
@@ -749,7 +749,7 @@ class SinkWorker:
         for m in messages:
             r = m.record
             if id(r) in self._start_records and r.from_seq is not None:
-                starting.setdefault((r.stream.key, r.epoch), []).append((r.from_seq, r.seq if r.to_seq is None else r.to_seq))
+                starting.setdefault((r.stream.key, r.epoch), []).append((r.from_seq, r.lost_to))
         for stream, epoch, whole_first, last in exc.spans:
             self._state_lost(stream)
             first = _past(starting.get((stream.key, epoch), ()), whole_first, last)
