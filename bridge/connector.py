@@ -84,7 +84,12 @@ Optional, for the live-block state (``state:`` in a sink's options; docs/output/
   runtime also asks ``positions()`` (if the connector has it) what records each stream still
   holds, and announces what it acknowledged and no longer holds (I6); a batch held in part
   (event granularity) counts as lost, unless the class sets ``whole_batches = True`` (a write
-  stores, and a loss removes, a batch's messages all or none: Redis's one script call).
+  stores, and a loss removes, a batch's messages all or none: Redis's one script call). A
+  stream of which ``positions()`` finds nothing, beside a state that is not behind, counts as
+  lost only if the connector knows its own limits did not remove it: the class sets
+  ``nothing_held_is_known = True`` (Kafka: "nothing" only of a partition that starts at offset 0,
+  or a topic gone), or ``read_state`` adds its key to the set ``records_gone`` (NATS: the events
+  stream found created again, or gone).
 
 The delivery contract (design.md, "Delivery"), kept by the runtime and this API together:
 

@@ -604,6 +604,7 @@ class Bridge:
         if not wanted:
             return
         reads = await asyncio.gather(*(self._read_state(c, wanted) for c in self._state_sinks))
+        got_of = {s.key: [r.get(s.key, "unknown") for r in reads] for s in wanted}  # per stream, each sink's
         # Without checkpoint.from_sinks the stream resumes from the checkpoint (with it, take_over
         # sets where it resumes from what the sinks hold, and checks the same).
         acked_of = {} if self.config.checkpoint.from_sinks else {s.key: self.checkpointer.position(s.key) for s in wanted}
@@ -613,13 +614,13 @@ class Bridge:
         asked: list[list[Stream]] = [[] for _ in self._state_sinks]
         for stream in wanted:
             if acked_of.get(stream.key) is not None:
-                for i, r in enumerate(reads):
-                    if self._state_at(i, r.get(stream.key, "unknown")) != _NOWHERE:
+                for i, held in enumerate(got_of[stream.key]):
+                    if self._state_at(i, held) != _NOWHERE:
                         asked[i].append(stream)
         records = await asyncio.gather(*(self._records_held(c, a) for c, a in zip(self._state_sinks, asked, strict=True)))
         rebuilt = fresh = 0
         for stream in wanted:
-            got = [r.get(stream.key, "unknown") for r in reads]
+            got = got_of[stream.key]
             held = [g for g in got if isinstance(g, tuple)]
             for head, _ in held:  # a stream started afresh must open a generation above what sinks hold
                 tracker.generation_base = max(tracker.generation_base, head.generation + 1)
@@ -735,7 +736,8 @@ class Bridge:
                 return await conn.positions(streams)
         except Exception as exc:  # TimeoutError, a connector error, a client's own
             log.error(
-                "cannot read back what the sink holds: what its state lost is announced as lost from the state's head",
+                "cannot read back what the sink holds: a state behind is announced lost from its head; records lost "
+                "beside a state that is not behind are not seen",
                 extra={"sink": conn.name, "count": len(streams), "error": str(exc) or type(exc).__name__},
             )
             return {}

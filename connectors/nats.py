@@ -795,8 +795,9 @@ class NatsConnector:
         self._stream_created: dict[str, datetime | None] = {}
         self._new_seqs: dict[str, list[int]] = {}
         self._held = _Held()
-        # Streams whose events stream was found created again while no bridge ran (read_state):
-        # their records are known lost, beyond what the head's epoch says (the runtime reads it).
+        # Streams whose events stream was found created again, or gone, while no bridge ran
+        # (read_state): their records are known lost, beyond what the head's epoch says (the
+        # runtime reads it: bridge.connector).
         self.records_gone: set[str] = set()
         # Per bridge stream whose subject it claimed (see _claim): the JetStream stream holding the
         # subject and the seq of the subject's last message there as far as this connector knows
