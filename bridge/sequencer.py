@@ -316,6 +316,12 @@ class StreamSequencer:
         # The seqs of those batches (unverified, read live under it): a reply under the same UUID
         # is their instance's, whatever the clocks say (see _check).
         self._vouching: set[int] = set()
+        # A reply in doubt that nothing could attribute (no UUID, nothing of the epoch to compare):
+        # a heartbeat under the epoch's UUID read since ends the doubt (see _check).
+        self._unattributed = False
+        # Without a replay endpoint (no doubt to settle): the connection dropped and nothing was
+        # read since, so a new UUID now is a restart at once.
+        self._dropped = False
         self._anonymous = False  # live messages without a UUID were read in this epoch
         # (seq, payload) of a live batch that jumped past what this instance is known to have
         # published, not confirmed yet (see the module docstring); None: none.
@@ -363,7 +369,7 @@ class StreamSequencer:
         changed, otherwise (then call ``live``). The hot path of every steady stream."""
         if seq != self.delivered + 1 or seq <= self._top or self.held or self._doubt or instance != self.instance:
             return False
-        if self._aside is not None or self._newcomer is not None or self._stash:  # (live() decides what it settles)
+        if self._aside is not None or self._newcomer is not None or self._stash or self._dropped:  # (live() settles these)
             return False
         last = self.last_live
         if last is not None and seq <= last:
@@ -390,6 +396,7 @@ class StreamSequencer:
         """A message from the live PUB stream (``ts``: its engine ts, when the caller has it;
         ``instance``: the publisher UUID its sequence frame carries, if any)."""
         out: list[Action] = []
+        dropped, self._dropped = self._dropped, False
         if self._older_newcomer(out, seq, payload, ts, instance):
             return out
         if not self._meet(out, instance):
@@ -400,7 +407,7 @@ class StreamSequencer:
                 return self._same_instance(out, seq, payload)
             if instance != self.instance and self._restarts(instance):
                 ts = _finite(ts) if ts is not None else self._ts_of(payload)
-                if not self._doubt:
+                if not self._doubt and not dropped:
                     self._await_newcomer(out, _Newcomer(instance, (seq, payload, ts), ts, seq))
                     return out
                 self._changed(out, instance, ts)  # (after a drop: a restart at once)
@@ -424,18 +431,19 @@ class StreamSequencer:
         published. Its UUID is checked like a live message's; a tail the stream has not seen is
         fetched by replay (without replay the next batch shows the gap)."""
         out: list[Action] = []
+        dropped, self._dropped = self._dropped, False
         if not self._meet(out, instance):
             return out  # a retired instance's
         if instance is not None or self.instance is not None:
             if instance != self.instance:
                 if not self._restarts(instance):
                     self.instance, self._instance_sure = instance, not self._doubt  # first contact
-                elif self._doubt:
+                elif self._doubt or dropped:
                     self._changed(out, instance, None)  # (after a drop: a restart at once)
                 else:
                     self._await_newcomer(out, _Newcomer(instance, None, None, next_seq - 1))
                     return out
-            elif self._instance_sure:
+            elif self._instance_sure or self._unattributed:
                 self._certain(out)
         if instance is None and self.instance is None and self._doubt:
             return out  # (without an id a heartbeat proves nothing about the instance)
@@ -974,13 +982,13 @@ class StreamSequencer:
         # again is no evidence of a restart; a genuine new instance's batch is fetched again by
         # its epoch's replay, and shows itself again on the live stream), with its later batches
         # set aside with it while the replay about it decided (_older_newcomer).
-        if self._newcomer is not None:
-            self._unstash(self._newcomer.instance)
         self._newcomer = None
+        self._stash = []  # (and what was set aside for other UUIDs: see _welcome_stashed)
         self._top = max(self._top, unread_top)
 
     def disconnected(self, now: float | None = None) -> list[Action]:
-        """The live connection dropped (noticed at wall-clock ``now``, if given): whatever arrives
+        """The live connection dropped (noticed at ``now``, if given, on the engine's clock: the
+        caller's wall clock less the engine's offset, see StreamPipeline._engine_time): whatever arrives
         next may come from a new instance. A batch set aside was read before the drop: it counts
         as any batch read then (held; a live seq at or below it is then another instance's)."""
         out: list[Action] = []
@@ -990,6 +998,7 @@ class StreamSequencer:
             self._welcome_stashed(out)  # (every one of them)
         if self._aside is not None:
             self._hold_aside(self._aside)
+        self._dropped = not self.can_replay  # (with a replay endpoint, the doubt says it)
         self._into_doubt(out, now)
         return out
 
@@ -1382,6 +1391,7 @@ class StreamSequencer:
         socket, and nothing compared the live publisher's batches."""
         self._doubt = False  # (_doubt_since matters only in doubt, and every way into doubt sets it)
         self._drops = 0
+        self._unattributed = False
         aside = self._aside
         if aside is not None and self._aside_below:
             # The same instance went on below the batch set aside, after it: never published.
@@ -1450,6 +1460,13 @@ class StreamSequencer:
             # Another UUID than the epoch's (adopted unsure: from a heartbeat), and no batch of the
             # epoch to compare with: the instance that answers is another one.
             return _NEW
+        if nothing_to_compare and instance is None and self.instance is not None and self._doubt:
+            # No UUID on the reply, none of the epoch's batches to compare it with, and the live
+            # publisher may have changed: whoever holds the replay socket now answered, this
+            # epoch's instance or the next. The next message under a UUID decides: another UUID
+            # is a restart, the epoch's own (a heartbeat too) says who holds the engine now.
+            self._unattributed = True
+            return _LATER
         if self._anchor is not None:
             at, fp = self._anchor
             anchor_ts = fp[0]
@@ -1688,7 +1705,7 @@ class StreamSequencer:
         shown_at = evidence[1] if evidence is not None else trigger_ts
         last = self._last_drop
         again = self._drops > 1 and (shown_at is None or last is None or shown_at < last - self.clock_skew)
-        self._doubt = False
+        self._doubt = self._unattributed = False
         if top > self.delivered:
             self._lose(out, top, reason)
         self._replay = None

@@ -358,10 +358,14 @@ class SequencerModel(RuleBasedStateMachine):
             if epoch is not None:
                 assert seq not in self.down.lost.get(epoch, set()), f"I4: kept batch {instance}:{seq} announced lost"
 
+    def idle(self) -> None:
+        """What the quiet engine sends between two probes: nothing (UuidModel: a heartbeat)."""
+
     def teardown(self) -> None:
-        """Quiet phase: the engine publishes nothing more; the bridge only probes (``replay.idle_probe``)
-        and every replay is answered. Within a bounded number of probes nothing may be unsettled,
-        and the stream must be in the current instance's epoch with everything it published
+        """Quiet phase: the engine publishes nothing more (but what :meth:`idle` sends); the bridge
+        only probes (``replay.idle_probe``) and every replay is answered. Within a bounded number of
+        probes nothing may be unsettled, and the stream must be in the current instance's epoch with
+        everything it published
         (issue 29 case 16: a quiet engine is never left behind)."""
         for _ in range(4 * self.seqr.max_attempts):
             for _ in range(1000):
@@ -369,6 +373,7 @@ class SequencerModel(RuleBasedStateMachine):
                     break
                 self.serve("answer")
             assert not self.pending, "replays never settle"
+            self.idle()
             self.apply(self.seqr.probe())
         while self.pending:  # the last probe's answer
             self.serve("answer")
@@ -519,6 +524,9 @@ class UuidModel(SequencerModel):
         continuity is in doubt (a heartbeat read then, of an instance that restarts again before
         the bridge reads anything else of it, makes a claim the next instance's empty replays
         refute: its seqs are never announced; the SourceReset of the next instance to publish clears them)."""
+        self.idle()
+
+    def idle(self) -> None:
         instance = self.engine.instance
         published = self.engine.published.get(instance, 0)
         uuid = self.uuid_of(payload_of(instance, 0))

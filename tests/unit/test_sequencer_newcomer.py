@@ -194,6 +194,26 @@ def test_a_drop_after_it_makes_it_a_restart_and_a_drop_before_it_needs_no_confir
     assert [a for a in t.live(0, p(B, 0), instance=B) if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
 
 
+def test_without_replay_a_new_uuid_right_after_a_drop_is_a_restart_at_once() -> None:
+    """breaker47 B2: without a replay endpoint a drop leaves no doubt to settle, yet it is what a
+    restart shows first: B's seq 0 read right after it opens B's epoch at once (before, it waited
+    for a second message, and a bridge stopped meanwhile announced it lost: I4). A message of A
+    after the drop (a blip) and then one under B: B waits for its confirmation as out of doubt."""
+    s = seqr(replay=False)
+    feed(s, A, range(5))
+    s.disconnected(now=10.0)
+    assert not s.accept(5, p(A, 5), instance=A)  # (the fast path leaves the drop to live())
+    out = s.live(0, p(B, 0), instance=B)
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)] and delivered(out) == [(1, 0)]
+    assert s.sure_instance == B and s.retired_instances == [A]
+    t = seqr(replay=False)
+    feed(t, A, range(5))
+    t.disconnected(now=10.0)
+    assert delivered(feed(t, A, [5])) == [(0, 5)]
+    out = t.live(0, p(B, 0), instance=B)
+    assert not [a for a in out if isinstance(a, Reset)] and t.waiting == {0}
+
+
 def test_a_third_uuid_after_it_confirms_it_and_waits_in_its_place() -> None:
     """B came and went (one message) and C publishes now: B's epoch opens with its batch, and C
     waits for its own confirmation; a late message of A is a retired instance's."""
@@ -335,3 +355,20 @@ def test_what_waits_with_a_newcomer_past_the_bound_is_not_kept_nor_dead_lettered
         out += s.replay_finished(asks[-1].request_id, complete=False)  # (a silent replay socket)
     assert not suspects(out)
     assert [seq for epoch, seq in delivered(out) if epoch == 1][:17] == list(range(17))
+
+
+def test_a_source_removed_and_added_again_forgets_what_was_set_aside_for_another_uuid() -> None:
+    """breaker47 B1: without replay, one frame under X, then A's own seq 5: X's frame is set aside
+    for its UUID. Discovery removes the source and adds it again. Before, the drop that re-adding
+    makes confirmed X: X's epoch opened with the frame, A was retired and A's 6..19 were dropped
+    as a retired instance's, neither delivered nor announced lost (I3). Now the frame is forgotten
+    with the source (adding it again is no evidence either way) and A goes on in its epoch."""
+    s = seqr(replay=False)
+    feed(s, A, range(5))
+    s.live(5, FORGED, instance=C)
+    s.live(5, p(A, 5), instance=A)
+    s.detached()
+    out = s.disconnected(100.0)
+    out += feed(s, A, range(6, 20))
+    assert not [a for a in out if isinstance(a, Reset | Duplicate | Lost)] and s.retired_instances == []
+    assert delivered(out) == [(0, n) for n in range(6, 20)]

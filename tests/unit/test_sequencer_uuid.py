@@ -424,15 +424,15 @@ def test_a_first_reply_past_a_seq_delivered_live_meanwhile_is_not_a_second_skip(
 
 
 def test_an_instance_that_published_nothing_has_nothing_announced_lost_when_it_goes() -> None:
-    """Instance B shows only by heartbeats before anything (next seq 0; one after a disconnect
-    ends the doubt), then C replaces it: B's epoch opened and closed with nothing published, so
+    """Instance B shows only by heartbeats before anything (next seq 0; confirmed by its second),
+    then C replaces it (at once, right after a disconnect): B's epoch opened and closed with nothing published, so
     nothing of it is announced lost."""
     s = seqr(replay=False)
     feed(s, A, range(3))
     assert s.heartbeat(0, instance=B) == [] and s.heartbeat(0, instance=B) == [Reset(1, INSTANCE_CHANGED)]
     assert s.disconnected() == [] and not s.in_doubt  # (without replay nothing is in doubt)
-    assert s.heartbeat(0, instance=C) == [] and s.heartbeat(0, instance=C) == [Reset(2, INSTANCE_CHANGED)]
-    assert s.heartbeat(0, instance=b"\xdd" * 16) == []
+    assert s.heartbeat(0, instance=C) == [Reset(2, INSTANCE_CHANGED)]  # (right after the drop: at once)
+    assert s.heartbeat(0, instance=C) == [] and s.heartbeat(0, instance=b"\xdd" * 16) == []
     assert s.heartbeat(0, instance=b"\xdd" * 16) == [Reset(3, INSTANCE_CHANGED)]  # nor of C's
 
 

@@ -161,3 +161,62 @@ def test_a_reply_under_another_uuid_in_an_epoch_with_no_batch_to_compare_is_anot
     epochs = {e for e, seq in delivered(out)}
     assert len(epochs) == 1 and epochs != {5}, delivered(out)
     assert sorted(seq for _, seq in delivered(out)) == [0, 1, 2]
+
+
+def idle_engine_after_a_drop() -> tuple[StreamSequencer, list[Action]]:
+    """A running stream: X delivered 0..4, restarted into A, which is idle (its heartbeat opened
+    epoch 1: nothing delivered in it). The connection drops; the idle probe's replay is asked."""
+    X = b"\x99" * 16
+    s = seqr()
+    feed(s, X, range(5))
+    s.disconnected(now=999.0)
+    assert [a for a in s.heartbeat(0, A) if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
+    s.disconnected(now=1999.0)
+    return s, s.probe()
+
+
+def serve(s: StreamSequencer, out: list[Action], by: bytes, published: int) -> list[Action]:
+    """Every replay asked, answered by instance ``by`` (seqs 0..published-1), replies without a UUID."""
+    done: list[Action] = []
+    todo = [a for a in out if isinstance(a, RequestReplay)]
+    while todo:
+        req = todo.pop(0)
+        top = published - 1 if req.until < 0 else min(req.until, published - 1)
+        more = answer(s, req, [(n, p(by, n)) for n in range(max(req.start, 0), top + 1)], None)
+        done += more
+        todo += [a for a in more if isinstance(a, RequestReplay)]
+    return done
+
+
+def test_a_reply_without_a_uuid_in_an_epoch_with_nothing_to_compare_waits_for_a_uuid_to_decide() -> None:
+    """breaker36 B2, replies without UUIDs: A restarted into B (the drop is seen), B published seq 0
+    while the bridge reconnected, and the probe's replay is answered by B under no UUID. Nothing of
+    epoch 1 to compare it with: before, B's seq 0 went out in A's epoch 1, then B's next messages
+    opened epoch 2 and 0..2 went out again (one instance in two epochs, I1). Now the reply waits:
+    B's heartbeat decides, and B's batches go out in B's epoch only, once each."""
+    s, out = idle_engine_after_a_drop()
+    out += serve(s, out, B, 1)
+    assert not delivered(out) and s.in_doubt
+    more = s.heartbeat(1, B)
+    more += serve(s, more, B, 1)
+    for n in (1, 2):
+        more += s.live(n, p(B, n), ts(p(B, n)), B)
+        more += serve(s, more, B, n + 1)
+    out += more
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(2, INSTANCE_CHANGED)]
+    assert delivered(out) == [(2, 0), (2, 1), (2, 2)]
+
+
+def test_a_heartbeat_under_the_epochs_uuid_after_an_unattributed_reply_ends_the_doubt() -> None:
+    """The control: A did not restart (the connection blipped), published seq 0 and answers the
+    probe under no UUID. The reply waits; A's next heartbeat says A holds the engine now: the doubt
+    ends, and the next probe delivers A's seq 0 in A's epoch, with no restart."""
+    s, out = idle_engine_after_a_drop()
+    out += serve(s, out, A, 1)
+    assert not delivered(out) and s.in_doubt
+    out += s.heartbeat(1, A)
+    assert not s.in_doubt
+    out += serve(s, out, A, 1)
+    out += serve(s, s.probe(), A, 1)
+    assert not [a for a in out if isinstance(a, (Reset, Lost))]
+    assert delivered(out) == [(1, 0)] and s.epoch == 1
