@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import operator
 import time
 from collections import Counter
@@ -49,6 +50,7 @@ log = logging.getLogger("bridge.stream")
 REPLAY_DIAGNOSE_EVERY = 60.0
 """At most this often (seconds) a stream asks its replay endpoint why a replay got no reply."""
 _type_of = operator.itemgetter("type")
+_BEHIND_WINDOW = 60.0  # seconds over which the least clock offset seen is kept (see _engine_time)
 _MAX_TYPES = 8192  # event types gathered for the metrics before they are applied (memory bound)
 UNDECODABLE_AFTER = 5
 """A stream whose last this many batches in a row failed to decode, none since, counts as not
@@ -109,6 +111,11 @@ class StreamPipeline:
         self._unanswered: float | None = None  # when the replay endpoint was found not answering at all
         self._replied_at = 0.0  # when a replay last got a reply
         self._last_live = 0.0  # when the last live burst was read
+        # How far the engine's clock is behind the bridge's, as its live batches show it (received
+        # less engine ts: the clock offset plus the delivery delay): the least of the bursts of the
+        # last _BEHIND_WINDOW seconds (see _engine_time). None until a batch with a ts was read.
+        self._behind: float | None = None
+        self._behind_since = 0.0
         self._replay_diagnosed = -REPLAY_DIAGNOSE_EVERY
         cfg = ctx.replay_config
         key = stream.key
@@ -172,7 +179,8 @@ class StreamPipeline:
                 await self._execute([Reset(self.sequencer.epoch, "bridge_restart")], now, persist=False)
             if self._reattached:
                 self._reattached = False
-                await self._execute(self.sequencer.disconnected(now), now)  # whoever answers now may be another instance
+                # Whoever answers now may be another instance.
+                await self._execute(self.sequencer.disconnected(self._engine_time(now)), now)
             await self._execute(self.sequencer.start(), now)
 
     async def on_live(self, burst: Sequence[list[bytes]], received: float) -> None:
@@ -190,6 +198,7 @@ class StreamPipeline:
         accept, live, decode = sequencer.accept, sequencer.live, self._decode
         needs_events, decode_batch, count_batch = self.ctx.needs_events, wire.decode_batch, wire.count_batch
         run = self._run
+        newest: float | None = None  # the engine ts of the burst's latest batch (see _engine_time)
         sequenced = 0  # frames of the burst the sequencer has seen (the rest is unread if cut short)
         decided: list[Action] = []  # decided by live(), not yet taken by _execute
         try:
@@ -237,6 +246,7 @@ class StreamPipeline:
                                 ts = peek_ts(payload)
                             if ts is not None:
                                 lag(received - ts if received > ts else 0.0)  # never NaN: a NaN ts compares false
+                                newest = ts
                             # An epoch's first batch is noted (and saved) before it goes out: not here.
                             if not self._first_pending and accept(seq, payload, ts, instance):
                                 run.append(decode(seq, payload, received, sequencer.epoch, counted, batch))
@@ -257,6 +267,8 @@ class StreamPipeline:
                     raise
                 finally:
                     self.metrics.ingest_lag.observe_all(lags)
+                    if newest is not None:
+                        self._clock_seen(received, newest)
                 if len(self._types) > _MAX_TYPES:
                     self.flush_metrics()
         except asyncio.CancelledError:
@@ -311,13 +323,29 @@ class StreamPipeline:
         async with self.lock:
             await self._execute(self.sequencer.probe(), time.time())
 
+    def _clock_seen(self, received: float, ts: float) -> None:
+        """A burst read at ``received`` (bridge clock) whose latest batch the engine stamped ``ts``."""
+        behind = received - ts
+        if behind != behind or abs(behind) == math.inf:
+            return  # (a ts that is no time)
+        if self._behind is None or behind < self._behind or received - self._behind_since > _BEHIND_WINDOW:
+            self._behind, self._behind_since = behind, received
+
+    def _engine_time(self, now: float) -> float:
+        """Bridge time ``now`` on the engine's clock: what the sequencer compares engine ts with when
+        it judges which batches were published before a drop. The engine's host clock may be off
+        the bridge's by more than ``clock_skew``; the least delay of the recent bursts, taken for
+        the offset, is too early by at most the delivery delay (fewer batches taken as published
+        before the drop: announced lost rather than put in the wrong epoch)."""
+        return now - self._behind if self._behind is not None else now
+
     async def disconnected(self) -> None:
         """The live connection dropped (from the source's socket monitor)."""
         if self.snapshots is not None:
             self.snapshots.disconnected()
         async with self.lock:
             now = time.time()
-            await self._execute(self.sequencer.disconnected(now), now)
+            await self._execute(self.sequencer.disconnected(self._engine_time(now)), now)
         task = self._replay_task
         if task is not None and not task.done() and not self.sequencer.replaying:
             task.cancel()  # it asked the instance that went away; the sequencer no longer listens
