@@ -870,11 +870,14 @@ class _Call:
         return ["EVAL", WRITE_SCRIPT, len(keys), *keys, *self.head, len(expect) // 2, *expect, at, gen, *self.args]
 
 
-def state_args(m: Message, fmt: StateFormat) -> list[str | bytes | int]:
+def state_args(m: Message, fmt: StateFormat, max_bulk: int = _MAX_BULK) -> list[str | bytes | int]:
     """The script's arguments for the state change of ``m``'s record (a STATE_TYPE message):
     ``0``, the clear flag, its position as an entry id (``_at``), its generation, the fields to
     delete, the fields to set with their documents, the head. The head's ``next`` is that same id:
-    every entry of the record is at or below it, every later one above."""
+    every entry of the record is at or below it, every later one above. A document over the
+    server's ``proto-max-bulk-len`` (``max_bulk``: a block of a huge prompt's token ids) would make
+    the server refuse the whole call, for ever: it is written without its fact, as Kafka and NATS
+    write it (the count and version are the state; the fact only describes the block)."""
     delta: StateDelta = m.record.state
     stream, head = delta.stream, delta.head
     at = entry_id(m.position)
@@ -883,7 +886,10 @@ def state_args(m: Message, fmt: StateFormat) -> list[str | bytes | int]:
     for c in delta.changes:
         field = entry_key(c.medium, c.group_idx, c.block)
         if c.count > 0:
-            puts += [field, fmt.entry(stream, head, c)]
+            doc = fmt.entry(stream, head, c)
+            if len(doc) > max_bulk:
+                doc = fmt.entry(stream, head, msgspec.structs.replace(c, fact=None))
+            puts += [field, doc]
         else:
             deletes.append(field)
     return [
@@ -1510,7 +1516,7 @@ class RedisConnector:
             errors[i] = stopped[stream] = collision
             return
         try:
-            args = state_args(m, self._state_format)
+            args = state_args(m, self._state_format, self._max_bulk or _MAX_BULK)
         except ValueError as exc:  # a position no entry id holds: its entries are refused alike
             errors[i] = Permanent(f"{self._prefix}: state: {exc}", reason="id_range")
             return

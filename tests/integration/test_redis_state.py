@@ -448,6 +448,44 @@ async def test_past_state_max_entries_a_streams_state_is_switched_off_and_its_ev
             await remove_keys(client, prefix)
 
 
+async def test_a_state_entry_over_proto_max_bulk_len_is_written_without_its_fact(
+    tmp_path: Path, redis_server: RedisServer, client: Any
+) -> None:
+    """breaker45 B1: proto-max-bulk-len 1 MiB, and one block stored with 300,000 token ids: its
+    state entry (about 1.2 MB of JSON) was one argument of the stream's script call, which the
+    server refused whole, and the connector retried it for ever (a protocol error): the stream
+    stopped at the batch before it, every later batch queued (I5). Now the entry is written without
+    its fact, as Kafka and NATS write it: the stream goes on and its state equals the engine's."""
+    prefix = f"kvb{uuid.uuid4().hex[:8]}"
+    live, rep = free_port(), free_port()
+    small_events = {"keep": ["block_hashes", "parent_block_hash", "medium", "group_idx", "block_size"]}  # (no token ids)
+    cfg = in_process(tmp_path, [("a", live, rep)], sink(redis_server.url, prefix, fields=small_events))
+    await client.config_set("proto-max-bulk-len", 1024 * 1024)
+    try:
+        async with CacheEngine(live, rep, seed=7) as engine:
+            bridge = Bridge(cfg)
+            await bridge.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(3)
+                await settled(client, prefix, engine, "a")
+                big = event("BlockStored", block_hashes=[123456789], token_ids=[100] * 300_000, block_size=16, medium="GPU",
+                            group_idx=0)  # fmt: skip
+                engine.apply(big)
+                await engine.send([big])
+                await engine.step(3)
+                await settled(client, prefix, engine, "a")
+                check(await bootstrapped(client, prefix, "a"), engine)
+                docs = [json.loads(v) for k, v in (await client.hgetall(f"{prefix}:a:0:state")).items() if not k.startswith(b"_")]
+                assert docs and max(len(json.dumps(d)) for d in docs) < 1024 * 1024
+                assert bridge.workers[0].problem is None
+            finally:
+                await bridge.stop()
+                await remove_keys(client, prefix)
+    finally:
+        await client.config_set("proto-max-bulk-len", 512 * 1024 * 1024)
+
+
 # -- Redis losing what it acknowledged (I6) ------------------------------------------------------
 
 
@@ -526,10 +564,13 @@ async def test_entries_redis_lost_are_announced_and_the_state_cleared(
             (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
 
 
-@pytest.mark.parametrize("restart", ["snapshot", "empty"])
-@pytest.mark.parametrize("source", ["configured", "discovered"])
+@pytest.mark.parametrize(
+    ("source", "restart", "mode"),
+    [(s, r, "file") for s in ("configured", "discovered") for r in ("snapshot", "empty")]
+    + [("configured", r, "from_sinks") for r in ("snapshot", "empty")],
+)
 async def test_entries_redis_lost_while_no_bridge_ran_are_announced_at_the_next_start(
-    tmp_path: Path, forgetful_redis: RedisServer, source: str, restart: str
+    tmp_path: Path, forgetful_redis: RedisServer, source: str, restart: str, mode: str
 ) -> None:
     """Issue 29 (breaker33 B2, breaker35 B2, breaker37 B1): Redis comes back from an older RDB
     snapshot, or empty, while the bridge is stopped. The restarted bridge read the state head back
@@ -537,10 +578,13 @@ async def test_entries_redis_lost_while_no_bridge_ran_are_announced_at_the_next_
     (incomplete), and said so in its log only: the stream silently lacked the acknowledged
     batches, and no EventsLost came. Now the span the sink lost is announced to it (reason
     sink_lost:out) before the stream's first record, for a source in the config and for one added
-    at run time (what DNS discovery does)."""
-    prefix = f"kvs{source[0]}{restart[0]}"
+    at run time (what DNS discovery does). With checkpoint.from_sinks (breaker45 B2), a sink that
+    still holds a batch gets the rest again from the engine's buffer (the stream resumes from it:
+    nothing lost, the state exact); one that holds nothing had the announcement made for it and
+    dropped (it was handed to the SkipHeld wrapper's id, never to the worker): now it gets it."""
+    prefix = f"kvs{source[0]}{restart[0]}{mode[0]}"
     live, rep = free_port(), free_port()
-    checkpoint = {"path": str(tmp_path / "cp.json"), "interval": "100ms"}
+    checkpoint = {"path": str(tmp_path / "cp.json"), "interval": "100ms", "from_sinks": mode == "from_sinks"}
     cfg = in_process(tmp_path, [("a", live, rep)], sink(forgetful_redis.url, prefix), checkpoint=checkpoint)
     other = in_process(tmp_path, [("z", free_port(), free_port())], sink(forgetful_redis.url, prefix), checkpoint=checkpoint)
     client = aioredis.Redis.from_url(forgetful_redis.url)
@@ -565,8 +609,15 @@ async def test_entries_redis_lost_while_no_bridge_ran_are_announced_at_the_next_
                 await settled(client, prefix, engine, "a")
             finally:
                 await second.stop()
-            lost_exactly(await read_redis(forgetful_redis.url, [f"{prefix}:a:0"]), kept, acknowledged, engine.last_seq)
-            check(await bootstrapped(client, prefix, "a"), engine, complete=False)
+            back = await read_redis(forgetful_redis.url, [f"{prefix}:a:0"])
+            if mode == "from_sinks" and kept >= 0:
+                assert not back.lost, back.lost
+                held = {seq for _, _, seq, _, kind in back.rows if kind not in ("SourceReset", "EventsLost")}
+                assert held == set(range(engine.last_seq + 1))
+                check(await bootstrapped(client, prefix, "a"), engine)
+            else:
+                lost_exactly(back, kept, acknowledged, engine.last_seq)
+                check(await bootstrapped(client, prefix, "a"), engine, complete=False)
         finally:
             await client.aclose()
             (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
