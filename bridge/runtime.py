@@ -56,6 +56,18 @@ MAX_SHOWN = 50
 """Streams named at most in /readyz's sources_not_connected (a fleet has thousands)."""
 
 
+def _inner(conn: Any) -> Connector:
+    """The sink's connector, under the SkipHeld that wraps it with ``checkpoint.from_sinks``
+    (what load_state keys the losses it finds by)."""
+    return conn.inner if isinstance(conn, SkipHeld) else conn
+
+
+def _told_by_worker(record: Record) -> bool:
+    """An ``EventsLost`` a sink worker made for its sink alone (I6: what that sink lost or refused):
+    never a message the sink holds already, whatever position it stands at."""
+    return record.kind == "EventsLost" and (record.reason or "").startswith(("sink_lost:", "sink_refused:"))
+
+
 class SkipHeld:
     """A sink's connector that leaves out, per stream and once, the messages the sink already holds
     (``through``: stream key -> message position, from :func:`bridge.checkpoint.combine`). A stream
@@ -138,7 +150,7 @@ class SkipHeld:
                 # not hold (a clear of a new generation, after a loss or a fresh start) must reach it.
                 keep.append(i)
                 continue
-            if limit is not None:
+            if limit is not None and not _told_by_worker(m.record):
                 position = m.position
                 if m.record.kind == "EventsLost":  # it sorts after the batch at its to_seq
                     position = (position[0], position[1], ckpt.MAX_SUB)
@@ -329,7 +341,7 @@ class Bridge:
             worker = SinkWorker(
                 i, sink, conn, renderer, self.metrics, self.dead_letters, self.checkpointer.on_ack, self._state_lost
             )
-            worker.lost_at_start = self._lost_at_start.pop(id(conn), [])
+            worker.lost_at_start = self._lost_at_start.pop(id(_inner(conn)), [])
             self.metrics.start_sink(worker.name)
             self.workers.append(worker)
             self._watch(worker.start())
@@ -356,7 +368,7 @@ class Bridge:
         """Subscribe to every rank of ``source`` (also used by discovery at run time)."""
         await self.load_state(streams_of(source))
         for worker in self.workers:  # (running: each announces them before its next records)
-            worker.lost_at_start += self._lost_at_start.pop(id(worker.connector), [])
+            worker.lost_at_start += self._lost_at_start.pop(id(_inner(worker.connector)), [])
         if self.skips:
             await self.take_over(streams_of(source))
         added = self._add_pipelines(source)
@@ -605,9 +617,7 @@ class Bridge:
             return
         reads = await asyncio.gather(*(self._read_state(c, wanted) for c in self._state_sinks))
         got_of = {s.key: [r.get(s.key, "unknown") for r in reads] for s in wanted}  # per stream, each sink's
-        # Without checkpoint.from_sinks the stream resumes from the checkpoint (with it, take_over
-        # sets where it resumes from what the sinks hold, and checks the same).
-        acked_of = {} if self.config.checkpoint.from_sinks else {s.key: self.checkpointer.position(s.key) for s in wanted}
+        acked_of = {s.key: self.checkpointer.position(s.key) for s in wanted}
         # What records each state sink still holds, of every stream it holds a state of or should
         # (a loss of records alone, the state intact, is a loss all the same: an events topic
         # deleted, a stream kept in memory).
@@ -696,6 +706,10 @@ class Bridge:
                 continue  # (it cannot tell, or kept no state: nothing to compare)
             last = records[i].get(stream.key, _UNKNOWN)
             at = state_at
+            if isinstance(last, ckpt.SinkPosition) and self.config.checkpoint.from_sinks:
+                # The stream resumes from what this sink holds (take_over): what it lacks comes
+                # again from the engine's buffer, or is announced as a gap, to it as to every sink.
+                continue
             if isinstance(last, ckpt.SinkPosition):
                 whole = getattr(conn, "whole_batches", False) and last.kind == "batch"
                 at = (last.epoch, last.seq if whole else last.first_missing() - 1)

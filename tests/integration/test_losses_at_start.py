@@ -314,13 +314,19 @@ async def test_a_kafka_events_topic_deleted_while_no_bridge_ran_is_announced_onc
     assert topics == "deleted_again_in_the_run" or not head["complete"]
 
 
+@pytest.mark.parametrize("mode", ["file", "from_sinks"])
 async def test_nats_memory_stream_lost_while_no_bridge_ran_two_epochs(
-    tmp_path: Path, nats_server: NatsServer, reader: Client
+    tmp_path: Path, nats_server: NatsServer, reader: Client, mode: str
 ) -> None:
+    """With checkpoint.from_sinks too (breaker45 B3): the sink holds nothing, so it skips every
+    message at or below the checkpoint's position, and that dropped the announcement made for it
+    (its seq stands there); the state head then stayed complete. Now an announcement a worker made
+    for its own sink is never skipped."""
     dest = f"KVC{uuid.uuid4().hex[:8].upper()}"
     live, rep = free_port(), free_port()
     raw = _bridge_config(tmp_path, nats_server.url, dest, "nats-f", "file", live, rep)
     raw["checkpoint"]["interval"] = "100ms"
+    raw["checkpoint"]["from_sinks"] = mode == "from_sinks"
     cfg = from_data(raw, env={})
     eng = Stream("eng", 0)
     js = reader.jetstream(timeout=5)
@@ -359,6 +365,8 @@ async def test_nats_memory_stream_lost_while_no_bridge_ran_two_epochs(
         ]
         assert not missing
         assert lost == [(0, 0, 9, "sink_lost:nats-f"), (1, 0, 4, "sink_lost:nats-f")]  # each once
+        state, _ = await bootstrap(reader, f"ST{dest}", "eng", 0, attempts=1)
+        assert not state.complete
     finally:
         with contextlib.suppress(nats.errors.Error, Exception):
             await js.delete_stream(dest)
