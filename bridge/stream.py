@@ -50,7 +50,6 @@ log = logging.getLogger("bridge.stream")
 REPLAY_DIAGNOSE_EVERY = 60.0
 """At most this often (seconds) a stream asks its replay endpoint why a replay got no reply."""
 _type_of = operator.itemgetter("type")
-_BEHIND_WINDOW = 60.0  # seconds over which the least clock offset seen is kept (see _engine_time)
 _MAX_TYPES = 8192  # event types gathered for the metrics before they are applied (memory bound)
 UNDECODABLE_AFTER = 5
 """A stream whose last this many batches in a row failed to decode, none since, counts as not
@@ -111,11 +110,10 @@ class StreamPipeline:
         self._unanswered: float | None = None  # when the replay endpoint was found not answering at all
         self._replied_at = 0.0  # when a replay last got a reply
         self._last_live = 0.0  # when the last live burst was read
-        # How far the engine's clock is behind the bridge's, as its live batches show it (received
-        # less engine ts: the clock offset plus the delivery delay): the least of the bursts of the
-        # last _BEHIND_WINDOW seconds (see _engine_time). None until a batch with a ts was read.
+        # How far the engine's clock is behind the bridge's, as the latest burst of batches taken in
+        # order showed it (received less the ts of its first: the clock offset plus the delivery
+        # delay; see _engine_time). None until such a batch with a ts was read.
         self._behind: float | None = None
-        self._behind_since = 0.0
         self._replay_diagnosed = -REPLAY_DIAGNOSE_EVERY
         cfg = ctx.replay_config
         key = stream.key
@@ -180,7 +178,7 @@ class StreamPipeline:
             if self._reattached:
                 self._reattached = False
                 # Whoever answers now may be another instance.
-                await self._execute(self.sequencer.disconnected(self._engine_time(now)), now)
+                await self._execute(self.sequencer.disconnected(self._engine_time(now), readded=True), now)
             await self._execute(self.sequencer.start(), now)
 
     async def on_live(self, burst: Sequence[list[bytes]], received: float) -> None:
@@ -198,7 +196,7 @@ class StreamPipeline:
         accept, live, decode = sequencer.accept, sequencer.live, self._decode
         needs_events, decode_batch, count_batch = self.ctx.needs_events, wire.decode_batch, wire.count_batch
         run = self._run
-        newest: float | None = None  # the engine ts of the burst's latest batch (see _engine_time)
+        oldest: float | None = None  # the engine ts of the burst's first batch taken in order (see _engine_time)
         sequenced = 0  # frames of the burst the sequencer has seen (the rest is unread if cut short)
         decided: list[Action] = []  # decided by live(), not yet taken by _execute
         try:
@@ -246,10 +244,11 @@ class StreamPipeline:
                                 ts = peek_ts(payload)
                             if ts is not None:
                                 lag(received - ts if received > ts else 0.0)  # never NaN: a NaN ts compares false
-                                newest = ts
                             # An epoch's first batch is noted (and saved) before it goes out: not here.
                             if not self._first_pending and accept(seq, payload, ts, instance):
                                 run.append(decode(seq, payload, received, sequencer.epoch, counted, batch))
+                                if oldest is None:  # (taken in order: no stray frame's clock; the first: the
+                                    oldest = ts  # longest delay, one batch stamped ahead does not count)
                                 continue
                             actions = live(seq, payload, ts, instance)
                         if run:
@@ -267,8 +266,8 @@ class StreamPipeline:
                     raise
                 finally:
                     self.metrics.ingest_lag.observe_all(lags)
-                    if newest is not None:
-                        self._clock_seen(received, newest)
+                    if oldest is not None:
+                        self._clock_seen(received, oldest)
                 if len(self._types) > _MAX_TYPES:
                     self.flush_metrics()
         except asyncio.CancelledError:
@@ -324,20 +323,20 @@ class StreamPipeline:
             await self._execute(self.sequencer.probe(), time.time())
 
     def _clock_seen(self, received: float, ts: float) -> None:
-        """A burst read at ``received`` (bridge clock) whose latest batch the engine stamped ``ts``."""
+        """A burst read at ``received`` (bridge clock) whose first batch taken in order the engine
+        stamped ``ts``."""
         behind = received - ts
-        if behind != behind or abs(behind) == math.inf:
-            return  # (a ts that is no time)
-        if self._behind is None or behind < self._behind or received - self._behind_since > _BEHIND_WINDOW:
-            self._behind, self._behind_since = behind, received
+        if behind == behind and abs(behind) != math.inf:  # (a ts that is no time: not a sample)
+            self._behind = behind
 
-    def _engine_time(self, now: float) -> float:
+    def _engine_time(self, now: float) -> float | None:
         """Bridge time ``now`` on the engine's clock: what the sequencer compares engine ts with when
-        it judges which batches were published before a drop. The engine's host clock may be off
-        the bridge's by more than ``clock_skew``; the least delay of the recent bursts, taken for
-        the offset, is too early by at most the delivery delay (fewer batches taken as published
-        before the drop: announced lost rather than put in the wrong epoch)."""
-        return now - self._behind if self._behind is not None else now
+        it judges which batches were published before a drop (the engine's host clock may be off
+        the bridge's by more than ``clock_skew``). Taken from the latest burst, it errs only early:
+        by the delivery delay, or by a step back of the engine's clock since (fewer batches taken
+        as published before the drop: announced lost rather than put in the wrong epoch). None
+        (no batch read yet to tell the offset): nothing is taken as published before it."""
+        return now - self._behind if self._behind is not None else None
 
     async def disconnected(self) -> None:
         """The live connection dropped (from the source's socket monitor)."""
