@@ -316,9 +316,10 @@ class StreamSequencer:
         # The seqs of those batches (unverified, read live under it): a reply under the same UUID
         # is their instance's, whatever the clocks say (see _check).
         self._vouching: set[int] = set()
-        # A reply in doubt that nothing could attribute (no UUID, nothing of the epoch to compare):
-        # a heartbeat under the epoch's UUID read since ends the doubt (see _check).
-        self._unattributed = False
+        # The highest seq of replies in doubt that nothing could attribute (no UUID, nothing of the
+        # epoch to compare): a heartbeat under the epoch's UUID read since, saying its instance
+        # published that seq, ends the doubt (see _check); -1: none.
+        self._unattributed = -1
         # Without a replay endpoint (no doubt to settle): the connection dropped and nothing was
         # read since, so a new UUID now is a restart at once.
         self._dropped = False
@@ -411,6 +412,7 @@ class StreamSequencer:
                     self._await_newcomer(out, _Newcomer(instance, (seq, payload, ts), ts, seq))
                     return out
                 self._changed(out, instance, ts)  # (after a drop: a restart at once)
+                self._take_stashed(out, instance)
             # (the new epoch's first message, below; else first contact, or an id adopted in
             # doubt, not verified yet)
         out += self._live(seq, payload, ts)
@@ -440,10 +442,14 @@ class StreamSequencer:
                     self.instance, self._instance_sure = instance, not self._doubt  # first contact
                 elif self._doubt or dropped:
                     self._changed(out, instance, None)  # (after a drop: a restart at once)
+                    self._take_stashed(out, instance)
                 else:
                     self._await_newcomer(out, _Newcomer(instance, None, None, next_seq - 1))
                     return out
-            elif self._instance_sure or self._unattributed:
+            elif (self._unattributed < 0 and self._instance_sure) or 0 <= self._unattributed < next_seq:
+                # (With a reply waiting that nothing could attribute, a heartbeat that does not say
+                # its instance published that seq tells nothing: one of the old instance read late,
+                # or the reply is the next one's, whose own message decides then.)
                 self._certain(out)
         if instance is None and self.instance is None and self._doubt:
             return out  # (without an id a heartbeat proves nothing about the instance)
@@ -474,6 +480,12 @@ class StreamSequencer:
         if old is not None:
             self._retire(old)  # (also one adopted in doubt: another id has come since)
         self.instance, self._instance_sure = instance, not self._doubt
+
+    def _take_stashed(self, out: list[Action], instance: bytes | None) -> None:
+        """``instance`` has its epoch now: what was set aside for it (read before, kept across a
+        source removed and added again) goes out first, in its seq order."""
+        for batch in self._unstash(instance):
+            out += self.live(*batch, instance)
 
     def _restarts(self, instance: bytes | None) -> bool:
         """Is a message under ``instance`` (not this epoch's, not retired) another instance's, for
@@ -982,11 +994,12 @@ class StreamSequencer:
         # again is no evidence of a restart; a genuine new instance's batch is fetched again by
         # its epoch's replay, and shows itself again on the live stream), with its later batches
         # set aside with it while the replay about it decided (_older_newcomer).
+        if self._newcomer is not None:
+            self._unstash(self._newcomer.instance)
         self._newcomer = None
-        self._stash = []  # (and what was set aside for other UUIDs: see _welcome_stashed)
         self._top = max(self._top, unread_top)
 
-    def disconnected(self, now: float | None = None) -> list[Action]:
+    def disconnected(self, now: float | None = None, readded: bool = False) -> list[Action]:
         """The live connection dropped (noticed at ``now``, if given, on the engine's clock: the
         caller's wall clock less the engine's offset, see StreamPipeline._engine_time): whatever arrives
         next may come from a new instance. A batch set aside was read before the drop: it counts
@@ -994,8 +1007,10 @@ class StreamSequencer:
         out: list[Action] = []
         if self._newcomer is not None:
             self._welcome(out)  # (a restart drops the connection: as if it came after the drop)
-        elif self._stash:
-            self._welcome_stashed(out)  # (every one of them)
+        elif self._stash and not readded:
+            # (every one of them; not when the source was added again: no evidence either way, so
+            # each waits for a message under its UUID, and ages out under the engine's: _stash_counts)
+            self._welcome_stashed(out)
         if self._aside is not None:
             self._hold_aside(self._aside)
         self._dropped = not self.can_replay  # (with a replay endpoint, the doubt says it)
@@ -1391,7 +1406,7 @@ class StreamSequencer:
         socket, and nothing compared the live publisher's batches."""
         self._doubt = False  # (_doubt_since matters only in doubt, and every way into doubt sets it)
         self._drops = 0
-        self._unattributed = False
+        self._unattributed = -1
         aside = self._aside
         if aside is not None and self._aside_below:
             # The same instance went on below the batch set aside, after it: never published.
@@ -1465,7 +1480,7 @@ class StreamSequencer:
             # publisher may have changed: whoever holds the replay socket now answered, this
             # epoch's instance or the next. The next message under a UUID decides: another UUID
             # is a restart, the epoch's own (a heartbeat too) says who holds the engine now.
-            self._unattributed = True
+            self._unattributed = max(self._unattributed, seq)
             return _LATER
         if self._anchor is not None:
             at, fp = self._anchor
@@ -1705,7 +1720,7 @@ class StreamSequencer:
         shown_at = evidence[1] if evidence is not None else trigger_ts
         last = self._last_drop
         again = self._drops > 1 and (shown_at is None or last is None or shown_at < last - self.clock_skew)
-        self._doubt = self._unattributed = False
+        self._doubt, self._unattributed = False, -1
         if top > self.delivered:
             self._lose(out, top, reason)
         self._replay = None

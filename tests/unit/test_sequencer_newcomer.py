@@ -357,18 +357,35 @@ def test_what_waits_with_a_newcomer_past_the_bound_is_not_kept_nor_dead_lettered
     assert [seq for epoch, seq in delivered(out) if epoch == 1][:17] == list(range(17))
 
 
-def test_a_source_removed_and_added_again_forgets_what_was_set_aside_for_another_uuid() -> None:
-    """breaker47 B1: without replay, one frame under X, then A's own seq 5: X's frame is set aside
+def test_a_source_added_again_confirms_nothing_set_aside_for_another_uuid() -> None:
+    """breaker47 B1: without replay, one frame under C, then A's own seq 5: C's frame is set aside
     for its UUID. Discovery removes the source and adds it again. Before, the drop that re-adding
-    makes confirmed X: X's epoch opened with the frame, A was retired and A's 6..19 were dropped
-    as a retired instance's, neither delivered nor announced lost (I3). Now the frame is forgotten
-    with the source (adding it again is no evidence either way) and A goes on in its epoch."""
+    makes confirmed C: C's epoch opened with the frame, A was retired and A's 6..19 were dropped
+    as a retired instance's, neither delivered nor announced lost (I3). Now adding it again is no
+    evidence either way: the frame waits on, and A goes on in its epoch (the frame ages out under
+    A's messages as before)."""
     s = seqr(replay=False)
     feed(s, A, range(5))
     s.live(5, FORGED, instance=C)
     s.live(5, p(A, 5), instance=A)
     s.detached()
-    out = s.disconnected(100.0)
+    out = s.disconnected(100.0, readded=True)
     out += feed(s, A, range(6, 20))
     assert not [a for a in out if isinstance(a, Reset | Duplicate | Lost)] and s.retired_instances == []
     assert delivered(out) == [(0, n) for n in range(6, 20)]
+
+
+def test_a_new_instances_batch_set_aside_goes_out_first_in_its_epoch_after_the_source_is_added_again() -> None:
+    """breaker48 B2: without replay, B's seq 0 is read before A's drop is noticed, then A's late seq
+    5: B:0 is set aside for B's UUID. Discovery removes the source and adds it again. Forgotten
+    with the source (37def60), B:0 was announced lost when B's next message opened its epoch (I4:
+    it had reached the bridge). Now it waits, and goes out first in B's epoch."""
+    s = seqr(replay=False)
+    feed(s, A, range(5))
+    s.live(0, p(B, 0), instance=B)
+    s.live(5, p(A, 5), instance=A)
+    s.detached()
+    out = s.disconnected(100.0, readded=True)
+    out += feed(s, B, [1, 2])
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
+    assert not [a for a in out if isinstance(a, Lost)] and delivered(out) == [(1, 0), (1, 1), (1, 2)]

@@ -207,6 +207,21 @@ def test_a_reply_without_a_uuid_in_an_epoch_with_nothing_to_compare_waits_for_a_
     assert delivered(out) == [(2, 0), (2, 1), (2, 2)]
 
 
+def test_a_late_heartbeat_of_the_old_instance_that_does_not_cover_the_reply_decides_nothing() -> None:
+    """breaker48 B1: as above, and A's last heartbeat (next seq 0, published before it died) is read
+    after B's reply. It ended the doubt, B's replies went out in A's epoch, and B's own messages were
+    then dead-lettered as not the engine's (I1). A heartbeat saying its instance published nothing up
+    to the reply's seq tells nothing: B's message decides, and B has its own epoch."""
+    s, out = idle_engine_after_a_drop()
+    out += serve(s, out, B, 1)
+    out += s.heartbeat(0, A)  # (late)
+    assert s.in_doubt and not delivered(out)
+    more = s.live(1, p(B, 1), ts(p(B, 1)), B)
+    out += more + serve(s, more, B, 2)
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(2, INSTANCE_CHANGED)]
+    assert delivered(out) == [(2, 0), (2, 1)]
+
+
 def test_a_heartbeat_under_the_epochs_uuid_after_an_unattributed_reply_ends_the_doubt() -> None:
     """The control: A did not restart (the connection blipped), published seq 0 and answers the
     probe under no UUID. The reply waits; A's next heartbeat says A holds the engine now: the doubt
