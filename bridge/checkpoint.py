@@ -744,6 +744,13 @@ def combine(local: StreamPosition | None, held: Sequence[Held], acked: StreamPos
     return Handover(resume, skip, latest, max(tops) if tops else None, behind, instance)
 
 
+def resumes_from(h: SinkPosition, held: Sequence[Held]) -> bool:
+    """Whether :func:`combine` can resume the stream from what this sink holds (``held``: what every
+    sink holds of it): its last record is a batch with a fingerprint, or another sink holds one of
+    its epoch at or right after it. What it lacks then comes again from the engine's buffer."""
+    return _own_need(h, [a for a in held if isinstance(a, SinkPosition) and a.fingerprinted]) is not None
+
+
 def _own_need(h: SinkPosition, anchors: Sequence[SinkPosition]) -> StreamPosition | None:
     """Where one sink needs its stream from, with a fingerprint to verify the instance; None when
     no batch of its epoch anchors it (see :func:`combine`)."""

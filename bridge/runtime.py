@@ -62,6 +62,13 @@ def _inner(conn: Any) -> Connector:
     return conn.inner if isinstance(conn, SkipHeld) else conn
 
 
+def _whole(held: ckpt.SinkPosition | None) -> ckpt.SinkPosition | None:
+    """A sink's last message of a stream, as the whole batch it belongs to."""
+    if isinstance(held, ckpt.SinkPosition) and held.kind == "batch" and held.index is not None:
+        return msgspec.structs.replace(held, index=None)
+    return held
+
+
 def _told_by_worker(record: Record) -> bool:
     """An ``EventsLost`` a sink worker made for its sink alone (I6: what that sink lost or refused):
     never a message the sink holds already, whatever position it stands at."""
@@ -706,9 +713,14 @@ class Bridge:
                 continue  # (it cannot tell, or kept no state: nothing to compare)
             last = records[i].get(stream.key, _UNKNOWN)
             at = state_at
-            if isinstance(last, ckpt.SinkPosition) and self.config.checkpoint.from_sinks:
+            if (
+                isinstance(last, ckpt.SinkPosition)
+                and self.config.checkpoint.from_sinks
+                and ckpt.resumes_from(last, [r.get(stream.key) for r in records])
+            ):
                 # The stream resumes from what this sink holds (take_over): what it lacks comes
                 # again from the engine's buffer, or is announced as a gap, to it as to every sink.
+                # (Not from a control record with no batch to verify the instance: announced here.)
                 continue
             if isinstance(last, ckpt.SinkPosition):
                 whole = getattr(conn, "whole_batches", False) and last.kind == "batch"
@@ -890,6 +902,9 @@ class Bridge:
                 },
             )
             return {}
+        if getattr(reader, "whole_batches", False):
+            # It stores a batch's messages all or none (Redis): its last event is its batch's last.
+            found = {k: _whole(v) for k, v in found.items()}
         unknown = [s.key for s in streams if s.key not in found]
         if unknown:
             log.warning(

@@ -182,7 +182,7 @@ def seed_entry(doc: dict[str, Any]) -> SeedEntry | None:
     if not (medium is None or isinstance(medium, str)) or not (group is None or type(group) is int):
         return None
     fact = None
-    if count > 1:
+    if count > 1 and "hash" in doc:  # (an entry written without its fact has none to give back)
         h = _hash_back(doc.get("hash"))
         fact = BlockFact(
             hash=block if h is None else h,

@@ -1202,3 +1202,81 @@ async def test_a_refused_snapshot_leaves_the_state_incomplete_and_is_counted(
         finally:
             await bridge.stop()
             await remove_keys(client, prefix)
+
+
+@pytest.mark.parametrize(("buffer", "checkpoint", "restart"), [(5, "file", False), (10_000, "none", True)])
+async def test_a_redis_sink_restored_alone_is_told_from_its_first_missing_batch_and_the_intact_one_nothing(
+    tmp_path: Path, fresh_redis: RedisServer, buffer: int, checkpoint: str, restart: bool
+) -> None:
+    """breaker49 B2: two Redis state sinks at event granularity under checkpoint.from_sinks; sink A's
+    stream and state are restored to seq 7 while no bridge runs (B is intact), the engine buffering
+    its last 5 batches, or restarted meanwhile. Redis stores a batch's entries all or none, yet its
+    last entry (an event index) was taken for a batch held in part: A was told 7.. lost though it
+    holds 7 whole, and intact B was told its last batch lost. Now each is told only what it lacks."""
+    uid = uuid.uuid4().hex[:6]
+    live, rep = free_port(), free_port()
+    sinks = [{**sink(fresh_redis.url, f"{n}{uid}"), "name": f"r{n}", "granularity": "event"} for n in ("a", "b")]
+    path = str(tmp_path / "cp.json") if checkpoint == "file" else None
+    cfg = in_process(tmp_path, [("a", live, rep)], sinks[0], sinks=sinks, replay={**REPLAY, "max_attempts": 3},
+                     checkpoint={"path": path, "interval": "100ms", "from_sinks": True})  # fmt: skip
+    ka, kb = f"a{uid}:a:0", f"b{uid}:a:0"
+    client = aioredis.Redis.from_url(fresh_redis.url)
+    try:
+        async with CacheEngine(live, rep, seed=7, buffer_steps=buffer) as engine:
+            first = Bridge(cfg)
+            await first.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(8, events_per_batch=3)
+                await all_at(client, [ka, kb], 7)
+                snapshot = {k: await client.dump(k) for k in (ka, ka + ":state")}
+                await engine.step(12, events_per_batch=3)
+                epoch = await all_at(client, [ka, kb], 19)
+            finally:
+                await first.stop()
+            for k, v in snapshot.items():
+                await client.restore(k, 0, v, replace=True)
+            if restart:
+                await engine.restart()
+                await engine.step(2, events_per_batch=3)
+            second = Bridge(cfg)
+            await second.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(3, events_per_batch=3)
+                await all_at(client, [ka, kb], engine.last_seq, epoch if restart else epoch - 1)
+            finally:
+                await second.stop()
+        for key in (ka, kb):
+            rows = [json.loads(f[b"data"]) for _, f in await client.xrange(key)]
+            lost = [(r["epoch"], r["from_seq"], r["to_seq"]) for r in rows if r["type"] == "EventsLost"]
+            held: dict[tuple[int, int], set[int]] = {}
+            for r in rows:
+                if r["type"] not in ("EventsLost", "SourceReset"):
+                    held.setdefault((r["epoch"], r["seq"]), set()).add(r["index"])
+            falsely = [(e, s) for e, a, b in lost for s in range(a, b + 1) if held.get((e, s)) == {0, 1, 2}]
+            assert not falsely, f"{key}: told lost what it holds whole: {falsely}"
+            if key == kb:
+                assert not lost, f"the intact sink was told a loss: {lost}"
+            state, after = await bootstrap(client, key + ":state", key)
+            await follow(client, key, state, after)
+            assert not state.complete or Counter(state.blocks()) == truth(engine)
+    finally:
+        await client.aclose()
+
+
+async def all_at(client: aioredis.Redis, keys: list[str], seq: int, above: int = -1) -> int:
+    """Until every stream key's last entry is at ``seq`` or past it in an epoch above ``above``
+    (event granularity: read from its data); the epoch of the last one."""
+    deadline = asyncio.get_running_loop().time() + 20
+    epoch = -1
+    for key in keys:
+        while True:
+            last = await client.xrevrange(key, count=1)
+            data = json.loads(last[0][1][b"data"]) if last else {"epoch": -1, "seq": -1}
+            if data["epoch"] > above and data["seq"] >= seq:
+                break
+            assert asyncio.get_running_loop().time() < deadline, f"{key}: seq {seq} never written"
+            await asyncio.sleep(0.05)
+        epoch = data["epoch"]
+    return epoch

@@ -66,9 +66,10 @@ def test_each_sink_is_announced_exactly_what_it_lost_in_the_last_two_epochs(
     batches = [(r.epoch, r.seq) for r in records if r.kind == "batch"]
     if not batches:
         return  # (nothing acknowledged: nothing to lose)
-    # checkpoint.from_sinks: a sink that holds a batch gets the rest again (the stream resumes
-    # from it), nothing announced; one that holds nothing is told as without it.
-    from_sinks = data.draw(st.booleans())
+    # checkpoint.from_sinks: a sink that holds a batch with its fingerprint gets the rest again (the
+    # stream resumes from it), nothing announced; one that holds nothing, or a batch nothing
+    # verifies (no fingerprint anywhere), is told as without it.
+    from_sinks, fingerprints = data.draw(st.booleans()), data.draw(st.booleans())
     bridge = bridge_after(tmp_path_factory.mktemp("ck"), records, from_sinks)
     acked = bridge.checkpointer.position(STREAM.key)
     assert acked is not None
@@ -93,9 +94,13 @@ def test_each_sink_is_announced_exactly_what_it_lost_in_the_last_two_epochs(
         r = data.draw(st.sampled_from(["unknown", "none", "prefix"]))
         n = data.draw(st.integers(1, len(batches))) if r == "prefix" else 0
         records.append(
-            {} if r == "unknown" else {STREAM.key: None} if r == "none" else {STREAM.key: SinkPosition(*batches[n - 1])}
+            {}
+            if r == "unknown"
+            else {STREAM.key: None}
+            if r == "none"
+            else {STREAM.key: SinkPosition(*batches[n - 1], ts=1.0 if fingerprints else None)}
         )
-        if k < 0 or (from_sinks and r == "prefix"):
+        if k < 0 or (from_sinks and fingerprints and r == "prefix"):
             held.append(None)  # (a state that cannot say: nothing to compare; or what it lacks comes again)
         elif r == "prefix":
             held.append(n)  # (the records decide)

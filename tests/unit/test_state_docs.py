@@ -3,6 +3,8 @@ of an entry in each hash form, as a consumer reads them back."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from bridge.formats import hex64
@@ -159,6 +161,16 @@ def test_an_entry_held_once_is_read_back_without_its_facts() -> None:
     twice = seed_entry(entry_doc(count=2, hash=7))
     assert once == ("GPU", None, 255, 1, 3, None)
     assert twice is not None and twice[5] is not None and twice[5].hash == 7
+
+
+def test_an_entry_written_without_its_fact_is_read_back_without_one() -> None:
+    """breaker49 B3: an entry too large for the sink is written without its fact (count and version
+    only). Read back held twice, it was given a made-up fact (its block id for its hash, no parent,
+    no tokens), which the tracker wrote out once a copy was removed: a complete state then said the
+    block was a root with no tokens (I6)."""
+    written = StateFormat().entry(A, HEAD, EntryChange("GPU", None, 255, 2, None))
+    read = seed_entry(json.loads(written))
+    assert read == ("GPU", None, 255, 2, 9, None)
 
 
 def test_a_stream_is_rebuilt_from_the_entries_of_its_heads_generation_only() -> None:
