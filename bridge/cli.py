@@ -30,7 +30,7 @@ from typing import Any, cast
 from . import __version__, checkpoint, discovery, logs
 from . import config as config_mod
 from .config import Config
-from .connector import Connector, Registry, template_labels, unwritable
+from .connector import Connector, Registry, local_file_problems, template_labels, unwritable
 from .endpoints import for_rank
 from .errors import ConfigError, ConnectorError, NotConnected, StartupError
 from .health import listen_problem
@@ -364,7 +364,8 @@ def validate(data: Any, registry: Registry | None = None, env: Mapping[str, str]
                     result.connectors.append((i, conn))
             else:
                 with template_labels(labels):
-                    config_mod.convert_options(options, factory.Options, f"sinks[{i}]")
+                    converted = config_mod.convert_options(options, factory.Options, f"sinks[{i}]")
+                problems.extend(local_file_problems(converted, f"sinks[{i}]"))
         except ConfigError as exc:
             problems.extend(exc.problems)
         except Exception as exc:  # a plugin's constructor must not end validation with a traceback

@@ -228,7 +228,8 @@ class Registry:
         return factory  # type: ignore[no-any-return]
 
     def build(self, sink: SinkConfig, index: int, labels: Collection[str] | None = None) -> Connector:
-        """Validate ``sink.options`` with the connector's Options and construct it (no I/O).
+        """Validate ``sink.options`` with the connector's Options, check that the local files
+        they name (TLS, credentials) can be read and parsed, and construct it (no network I/O).
 
         ``labels``: every label a source can have (``Config.label_names()``); given, a name template
         with a placeholder that is neither fixed nor one of them (``{sorce}``) is refused."""
@@ -236,6 +237,9 @@ class Registry:
         factory = self.get(sink.type, f"{path}.type")
         with template_labels(labels):
             options = convert_options(sink.options, factory.Options, path)
+            files = local_file_problems(options, path)
+            if files:  # (refused here, not at connect: no server would have been asked)
+                raise ConfigError(files)
             connector = factory(sink.name, options, sink)
         if getattr(connector, "writes_state", False):
             check_state_sink(sink, path)
@@ -350,6 +354,91 @@ class TlsOptions(ConnectorOptions):
         context.check_hostname = self.check_hostname
         context.verify_mode = ssl.CERT_REQUIRED
         return context
+
+    def file_problems(self, path: str) -> list[str]:
+        """Why the files named here could not make the context (``path``: this block's config
+        path), one line per file naming its key; [] when :meth:`ssl_context` would load them.
+        Read at validation, so ``--check --offline`` and a run's start refuse a missing or
+        unusable file as a config problem, before any server is contacted."""
+        given = [(k, f) for k in ("ca_file", "cert_file", "key_file") if (f := getattr(self, k))]
+        problems = [
+            f"{path}.{key}: {file}: {problem} (give the path of a PEM file the bridge can read)"
+            for key, file in given
+            if (problem := unreadable(file)) is not None
+        ]
+        if problems:
+            return problems
+        if self.ca_file:
+            try:
+                ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca_file)
+            except (ssl.SSLError, ValueError) as exc:
+                problems.append(
+                    f"{path}.ca_file: {self.ca_file}: holds no PEM certificate ({_ssl_reason(exc)}); give the PEM "
+                    "bundle of the CA that signs the server's certificate"
+                )
+        if self.cert_file:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            try:  # (a passphrase callback: an encrypted key fails here rather than prompting on a terminal)
+                context.load_cert_chain(self.cert_file, self.key_file or None, password=_no_passphrase)
+            except (ssl.SSLError, ValueError) as exc:
+                if self.key_file and _holds_certificate(self.cert_file):
+                    problems.append(
+                        f"{path}.key_file: {self.key_file}: not the unencrypted PEM private key of tls.cert_file "
+                        f"({_ssl_reason(exc)}); give the key that belongs to {self.cert_file}"
+                    )
+                else:
+                    problems.append(
+                        f"{path}.cert_file: {self.cert_file}: holds no PEM client certificate"
+                        f"{'' if self.key_file else ' and its unencrypted private key'} ({_ssl_reason(exc)}); "
+                        f"give the client certificate{'' if self.key_file else ' (with its key, or set tls.key_file)'}"
+                    )
+        return problems
+
+
+def unreadable(path: str) -> str | None:
+    """Why the file at ``path`` cannot be read by this process (said after the path), or None."""
+    p = Path(path)
+    try:
+        if p.is_dir():
+            return "is a directory"
+        if not p.exists():
+            return "no such file"
+        with p.open("rb"):
+            return None
+    except OSError as exc:
+        return f"cannot be read by uid {os.getuid()} ({exc.strerror or exc})"
+
+
+def local_file_problems(options: Any, path: str) -> list[str]:
+    """The local files a connector's options name (its ``tls`` blocks, and what its own
+    ``file_problems(path)`` checks, such as a credentials file) that it could not use, one line
+    each with its key path; [] when every one can be read and parsed."""
+    own: Callable[[str], list[str]] | None = getattr(options, "file_problems", None)
+    problems = list(own(path)) if own is not None else []
+    for name in getattr(options, "__struct_fields__", ()):
+        value = getattr(options, name)
+        if isinstance(value, TlsOptions):
+            problems.extend(value.file_problems(f"{path}.{name}"))
+    return problems
+
+
+def _no_passphrase() -> bytes:
+    raise ValueError("the key is encrypted; the bridge takes no passphrase: give an unencrypted key")
+
+
+def _holds_certificate(path: str) -> bool:
+    try:
+        ssl.create_default_context(cafile=path)
+    except (ssl.SSLError, OSError, ValueError):
+        return False
+    return True
+
+
+def _ssl_reason(exc: Exception) -> str:
+    """An ssl error's reason without its errno noise (``[SSL] PEM lib (_ssl.c:3900)``: ``PEM lib``)."""
+    if isinstance(exc, ssl.SSLError) and exc.reason:
+        return str(exc.reason).replace("_", " ").lower()
+    return str(exc) or type(exc).__name__
 
 
 # -- name templates ---------------------------------------------------------------------------
@@ -468,11 +557,13 @@ __all__ = [
     "doc",
     "file_id",
     "hex64",
+    "local_file_problems",
     "message_types",
     "redact",
     "redact_url",
     "reveal",
     "sample_message",
     "template_labels",
+    "unreadable",
     "unwritable",
 ]

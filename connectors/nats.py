@@ -121,6 +121,7 @@ from bridge.connector import (
     redact_url,
     reveal,
     sample_message,
+    unreadable,
 )
 from bridge.state import EntryChange, Head
 from bridge.state_docs import StateFormat, entry_key, head_of, parse, seed_entry
@@ -547,10 +548,44 @@ class NatsOptions(ConnectorOptions):
     def server_list(self) -> list[str]:
         return [self.servers] if isinstance(self.servers, str) else list(self.servers)
 
+    def file_problems(self, path: str) -> list[str]:
+        """The ``credentials`` or ``nkey_seed`` file that the client could not read, or that does
+        not hold what it reads (read at validation: see ``local_file_problems``)."""
+        problems = []
+        for key, what in (("credentials", "a .creds file"), ("nkey_seed", "an nkey seed file")):
+            file = getattr(self, key)
+            if not file:
+                continue
+            problem = unreadable(file)
+            if problem is None:
+                problem = _creds_problem(Path(file).read_bytes(), key == "credentials")
+            if problem is not None:
+                problems.append(f"{path}.{key}: {file}: {problem} (give the path of {what} the bridge can read)")
+        return problems
+
     def __repr__(self) -> str:
         # The default Struct repr would print the servers as given, with a token or password inside.
         rest = "".join(f", {f}={getattr(self, f)!r}" for f in self.__struct_fields__ if f != "servers")
         return f"NatsOptions(servers={shown_servers(self.server_list)!r}{rest})"
+
+
+def _creds_problem(content: bytes, creds: bool) -> str | None:
+    """What a credentials file (``creds``) or an nkey seed file lacks of what nats-py reads from it."""
+    lines = [line.strip() for line in content.splitlines()]
+
+    def after(marker: bytes) -> bytes | None:
+        for i, line in enumerate(lines[:-1]):
+            if marker in line:
+                return lines[i + 1]
+        return None
+
+    if not creds:
+        return None if content.strip().startswith(b"SU") else "holds no user nkey seed (a line starting with SU)"
+    if not after(b"BEGIN NATS USER JWT"):
+        return "holds no user JWT (no -----BEGIN NATS USER JWT----- block)"
+    if not (after(b"BEGIN USER NKEY SEED") or b"").startswith(b"SU"):
+        return "holds no user nkey seed (no -----BEGIN USER NKEY SEED----- block with a seed starting with SU)"
+    return None
 
 
 def shown_servers(urls: Sequence[str]) -> str:

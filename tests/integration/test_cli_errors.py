@@ -147,6 +147,24 @@ CASES = [
     Case("config-file-missing", ["--config", "{tmp}/nope.yaml", "--check", "--offline"], 2,
          ["nope.yaml: cannot read the config file (No such file or directory)"]),
     Case("config-file-type", ["--config", "{tmp}/c.ini", "--check"], 2, ["unknown config file type '.ini': use .yaml"]),
+    # -- a local file the sink needs (TLS, credentials) missing or not what it should hold: a config
+    # problem naming its key, offline, online and at a run's start alike (breaker46 B1: online it was
+    # "reachable, not usable as configured" where nothing listens, Redis "unreachable", offline ok)
+    Case("tls-ca-file-missing-offline", OFFLINE, 2,
+         ["sinks[0].tls.ca_file: {tmp}/missing.pem: no such file (give the path of a PEM file the bridge can read)"],
+         SOURCE + "sinks:\n  - {type: kafka, bootstrap_servers: '127.0.0.1:{dead}', security_protocol: SSL, "
+         "tls: {ca_file: '{tmp}/missing.pem'}}\n"),
+    Case("tls-ca-file-not-pem", CHECK, 2,
+         ["sinks[0].tls.ca_file: {tmp}/garbage.pem: holds no PEM certificate (", "give the PEM bundle of the CA"],
+         SOURCE + "sinks:\n  - {type: nats, servers: 'tls://127.0.0.1:{dead}', tls: {ca_file: '{tmp}/garbage.pem'}}\n"),
+    Case("nats-credentials-missing", CHECK, 2,
+         ["sinks[0].credentials: {tmp}/missing.creds: no such file (give the path of a .creds file the bridge can read)"],
+         SOURCE + "sinks:\n  - {type: nats, servers: 'nats://127.0.0.1:{dead}', credentials: '{tmp}/missing.creds'}\n"),
+    Case("nats-credentials-not-creds", CHECK, 2,
+         ["sinks[0].credentials: {tmp}/garbage.pem: holds no user JWT"],
+         SOURCE + "sinks:\n  - {type: nats, servers: 'nats://127.0.0.1:{dead}', credentials: '{tmp}/garbage.pem'}\n"),
+    Case("run-tls-ca-file-missing", RUN, 2, ["sinks[0].tls.ca_file: {tmp}/missing.pem: no such file"],
+         SOURCE + "sinks:\n  - {type: redis, url: 'rediss://127.0.0.1:{dead}/0', tls: {ca_file: '{tmp}/missing.pem'}}\n"),
     # -- valid, with a warning: a secret written in plain text
     Case("plain-text-secret", OFFLINE, 0,
          ["warning: sinks[0].password: this secret is written in plain text in the config file: give it as ${VAR} "
@@ -251,6 +269,7 @@ def _files(root: Path) -> set[Path]:
 def test_a_mistake_ends_in_one_line_per_problem(case: Case, tmp_path: Path, busy_port: int) -> None:
     (tmp_path / "plain").write_text("a file, not a directory\n")
     (tmp_path / "later.json").write_text('{"version": 99, "streams": {}}')
+    (tmp_path / "garbage.pem").write_text("not a certificate\n")
     values = {"tmp": str(tmp_path), "busy": str(busy_port), "dead": str(free_ports(1)[0]), "cfg": str(tmp_path / "c.yaml")}
 
     def fill(text: str) -> str:

@@ -29,11 +29,14 @@ from jsonschema import Draft202012Validator
 
 from bridge import cli
 from bridge.config import Config
+from tests.support import tls
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kv-event-bridge"
 FENCE = re.compile(r"^```(?P<lang>yaml|yml|toml)[^\n]*\n(?P<body>.*?)^```", re.M | re.S)
 UNSET = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+MOUNTED = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*_FILE):-")
+"""A file the deployment mounts (``${KAFKA_CA_FILE:-/etc/kafka-ca/ca.crt}``): validation reads it."""
 PLACEHOLDER_SOURCE = {"name": "docs-example", "endpoint": "tcp://127.0.0.1:5557"}
 PLACEHOLDER_SINK = {"type": "file", "path": "-"}
 BRIDGE_KEYS = frozenset(Config.__struct_fields__)
@@ -147,10 +150,19 @@ def test_every_config_block_of_the_docs_passes_check(
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_every_example_config_passes_check(
-    path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The example files are checked as they are (not completed, not re-serialised)."""
-    _placeholders(path.read_text(), monkeypatch)
+    """The example files are checked as they are (not completed, not re-serialised); a file the
+    deployment mounts is given as a test one of its kind (a CA certificate)."""
+    text = path.read_text()
+    _placeholders(text, monkeypatch)
+    mounted = set(MOUNTED.findall(text))
+    if mounted:
+        if not tls.available():
+            pytest.skip("openssl is not installed")
+        ca = tls.make_certificates(tmp_path / "certs").ca
+        for var in mounted:
+            monkeypatch.setenv(var, str(ca))
     code = cli.main(["--config", str(path), "--check", "--offline"])
     err = capsys.readouterr().err
     assert code == cli.EXIT_OK, err

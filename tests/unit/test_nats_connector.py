@@ -71,6 +71,36 @@ def test_options_are_validated_with_their_path(options: dict[str, Any], problem:
     assert text.startswith("sinks[2]") and problem in text, text
 
 
+def test_a_credentials_or_seed_file_the_client_could_not_use_is_a_config_problem(tmp_path: Any) -> None:
+    """breaker46 B1: a missing credentials file was found at connect, reason ``auth``, which
+    ``--check`` took for a server's refusal where nothing listened. The registry refuses it now,
+    and a file that does not hold what nats-py reads from it too."""
+    jwt, seed = "eyJ0eXAiOiJKV1QifQ.e30.c2ln", "SUAIBDPBAUTWCWBKIO6XHQNINK5FWJW4OHLXC3HQ2KFE4PEJUA44CNHTC4"
+    files = {
+        "good.creds": f"-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n\n"
+        f"-----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n",
+        "no-seed.creds": f"-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n",
+        "seed.nk": seed + "\n",
+        "garbage": "not a credential\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    cases = [
+        ({"credentials": str(tmp_path / "nope.creds")}, "sinks[1].credentials: {}/nope.creds: no such file (give the path of"),
+        ({"credentials": str(tmp_path / "garbage")}, "sinks[1].credentials: {}/garbage: holds no user JWT ("),
+        ({"credentials": str(tmp_path / "no-seed.creds")}, "sinks[1].credentials: {}/no-seed.creds: holds no user nkey seed"),
+        ({"nkey_seed": str(tmp_path / "garbage")}, "sinks[1].nkey_seed: {}/garbage: holds no user nkey seed"),
+        ({"nkey_seed": str(tmp_path)}, "sinks[1].nkey_seed: {}: is a directory (give the path of an nkey seed file"),
+    ]
+    for options, problem in cases:
+        with pytest.raises(ConfigError) as info:
+            Registry().build(SinkConfig(type="nats", options=options), 1)
+        assert len(info.value.problems) == 1, info.value.problems
+        assert info.value.problems[0].startswith(problem.format(tmp_path)), info.value.problems
+    for options in ({"credentials": str(tmp_path / "good.creds")}, {"nkey_seed": str(tmp_path / "seed.nk")}):
+        Registry().build(SinkConfig(type="nats", options=options), 1)
+
+
 def test_options_defaults_and_secrets() -> None:
     options = convert_options(
         {"servers": ["nats://a:1", "nats://b:2"], "user": "u", "password": "pw-123456"}, NatsOptions, "sinks[0]"

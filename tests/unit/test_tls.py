@@ -149,3 +149,32 @@ def test_context_reports_unusable_files(certs: Certificates, tmp_path: Path) -> 
         TlsOptions(cert_file=str(tmp_path / "missing.pem")).ssl_context()
     with pytest.raises(ssl.SSLError):  # the server's key does not belong to the client certificate
         TlsOptions(cert_file=str(certs.client_cert), key_file=str(certs.server_key)).ssl_context()
+
+
+def test_validation_names_each_unusable_file_by_its_key(certs: Certificates, tmp_path: Path) -> None:
+    """breaker46 B1: a missing or unusable TLS file was found only at connect, where ``--check``
+    took it for a server's refusal ("reachable, not usable as configured" where nothing listened)
+    and ``--check --offline`` said ok. The registry refuses it now, naming the key and the fix."""
+    from bridge.connector import Registry, SinkConfig
+
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    cases = [
+        ({"ca_file": str(tmp_path / "no.pem")}, f"sinks[0].tls.ca_file: {tmp_path / 'no.pem'}: no such file (give the path"),
+        ({"ca_file": str(tmp_path)}, f"sinks[0].tls.ca_file: {tmp_path}: is a directory (give the path of a PEM file"),
+        ({"ca_file": str(garbage)}, f"sinks[0].tls.ca_file: {garbage}: holds no PEM certificate (no certificate or crl"),
+        ({"cert_file": str(garbage)}, f"sinks[0].tls.cert_file: {garbage}: holds no PEM client certificate and its"),
+        (
+            {"cert_file": str(certs.client_cert), "key_file": str(certs.server_key)},
+            f"sinks[0].tls.key_file: {certs.server_key}: not the unencrypted PEM private key of tls.cert_file (",
+        ),
+        ({"cert_file": str(certs.client_cert), "key_file": str(garbage)}, f"sinks[0].tls.key_file: {garbage}: not the"),
+    ]
+    for name, (_, base) in CONNECTORS.items():
+        for tls, problem in cases:
+            sink = SinkConfig(type=name, options={**base, "tls": tls})
+            with pytest.raises(ConfigError) as info:
+                Registry().build(sink, 0)
+            assert len(info.value.problems) == 1 and info.value.problems[0].startswith(problem), (name, info.value.problems)
+        good = {"ca_file": str(certs.ca), "cert_file": str(certs.client_cert), "key_file": str(certs.client_key)}
+        Registry().build(SinkConfig(type=name, options={**base, "tls": good}), 0)
