@@ -456,14 +456,10 @@ def check(path: str, *, offline: bool = False, registry: Registry | None = None)
     probed, answering, wrong, shapes = asyncio.run(_probe_engines(cfg))
     if probed or wrong:
         print(f"engines: {answering} of {probed} endpoint(s) answer as they should")
-    for line, undecodable in shapes:
+    for line, fix in shapes:
         print(f"engines: {line}")
-        if undecodable:
-            wrong.append(
-                f"{line}: nothing of the engine's first message could be decoded, and the bridge would deliver nothing "
-                "of such messages (is it a vLLM or SGLang KV event publisher with the msgpack encoder, and the source's "
-                "topic its own?)"
-            )
+        if fix is not None:
+            wrong.append(f"{line}: {fix}")
     unreachable.extend(wrong)
     with _quiet_clients():
         for i, conn in result.connectors:
@@ -498,13 +494,13 @@ PROBE_MAX = 32
 """Discovered engines probed by ``--check``, at most (the first addresses in sorted order)."""
 
 
-async def _probe_engines(cfg: Config) -> tuple[int, int, list[str], list[tuple[str, bool]]]:
+async def _probe_engines(cfg: Config) -> tuple[int, int, list[str], list[tuple[str, str | None]]]:
     """``--check``: ask every engine endpoint the bridge connects to which ZMQ socket answers (ZMTP
     greeting; nothing subscribed or requested), DNS discovery's engines included: how many were
     asked, how many answered as they should, one line per problem; then, for each configured
     source's live endpoints that answered, what its first message shows of the wire (publisher
-    UUID or none, producer shape; see ``tail.wire_shape``), one line each, flagged when it could
-    not be decoded."""
+    UUID or none, producer shape; see ``tail.wire_shape``), one line each, with the problem when it
+    could not be decoded or only other topics than the source's arrived."""
     from .tail import wire_shape
 
     checks: list[tuple[str, str, int, Coroutine[Any, Any, tuple[str, str] | None]]] = []
@@ -545,7 +541,7 @@ async def _probe_engines(cfg: Config) -> tuple[int, int, list[str], list[tuple[s
             topic = cfg.sources[int(path[len("sources[") : path.index("]")])].topic
             listen.append((where, wire_shape(ep, topic, SHAPE_TIMEOUT)))
     shapes = await asyncio.gather(*(c for _, c in listen))
-    shown = [(f"{w}: {s}", bad) for (w, _), (s, bad) in zip(listen, shapes, strict=True)]
+    shown = [(f"{w}: {s}", problem) for (w, _), (s, problem) in zip(listen, shapes, strict=True)]
     return len(checks), sum(got is None for got in found), lines, shown
 
 

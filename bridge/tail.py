@@ -131,7 +131,8 @@ async def tail(
             ep = for_rank(endpoint, rank)
             sub = ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            # Every topic: one the engine publishes under other than --topic is said, not taken for silence.
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
             socks.append((rank, ep, sub))
             monitor = sub.get_monitor_socket()
             tasks.append(asyncio.create_task(_watch(rank, ep, monitor, bind)))
@@ -163,14 +164,24 @@ async def tail(
                 printed += await _snapshot(ctx, rank, for_rank(at, rank), design, timeout, renderer, endpoint, last)
         queue: asyncio.Queue[tuple[int, list[bytes]]] = asyncio.Queue(maxsize=1000)
         tasks += [asyncio.create_task(_read(rank, sub, queue)) for rank, _, sub in socks]
+        own, foreign = topic.encode(), list[str]()
         while not count or printed < count:
             try:
                 rank, frames = await asyncio.wait_for(queue.get(), idle_notice)
             except TimeoutError:
+                if foreign:
+                    _note(f"no events from {where} in {idle_notice:g}s: {foreign_topics(foreign, topic)}: give --topic ''")
+                    continue
                 _note(
                     f"no events from {where} in {idle_notice:g}s: the engine may be idle, or not publishing here "
                     "(is it started with KV events on, and is this its PUB port?)"
                 )
+                continue
+            if not frames[0].startswith(own):  # another topic: said (the first few), never printed
+                seen = frames[0][:64].decode(errors="replace")
+                if seen not in foreign and len(foreign) < 3:
+                    foreign.append(seen)
+                    _note(f"rank {rank}: a message under topic {seen!r}, not under {topic!r}: skipped (is --topic the engine's?)")
                 continue
             try:
                 f = wire.parse_live(frames)
@@ -234,45 +245,75 @@ async def _snapshot(
     return 1
 
 
-async def wire_shape(endpoint: str, topic: str, timeout: float) -> tuple[str, bool]:
-    """What the first live message read from ``endpoint`` within ``timeout`` shows of the wire (for
-    ``--check``): whether its sequence frame carries the publisher UUID (vLLM #57789), and the
-    producer shape its payload has; "nothing within ..." for an idle engine. The flag: nothing of
-    the message could be decoded (its frames, its batch, or any of its events)."""
+WRONG_TOPIC_FIX = "set the source's topic to the engine's KV events topic (\"\" for every topic)"
+"""What to do when only messages of other topics arrive (the run's reason ``wrong_topic`` says the same)."""
+
+UNDECODABLE_FIX = (
+    "nothing of the engine's first message could be decoded, and the bridge would deliver nothing of such messages "
+    "(is it a vLLM or SGLang KV event publisher with the msgpack encoder, and the source's topic its own?)"
+)
+
+
+def foreign_topics(topics: list[str], prefix: str) -> str:
+    """The other topics seen, for a line saying that nothing came under ``prefix``."""
+    return f"the engine publishes under {', '.join(map(repr, topics))} and nothing under a topic starting with {prefix!r}"
+
+
+async def wire_shape(endpoint: str, topic: str, timeout: float) -> tuple[str, str | None]:
+    """What the first live message of the source's ``topic`` read from ``endpoint`` within
+    ``timeout`` shows of the wire (for ``--check``): whether its sequence frame carries the
+    publisher UUID (vLLM #57789), and the producer shape its payload has; "nothing within ..." for
+    an idle engine. Listens as the run does, to every topic: messages only under other topics are
+    no idle engine but a wrong ``topic`` (the run would receive nothing, reason ``wrong_topic``).
+    Second: the problem, with its fix, or None: only other topics, or nothing of the message
+    could be decoded (its frames, its batch, or any of its events)."""
     ctx = zmq.asyncio.Context()
     sub = ctx.socket(zmq.SUB)
+    own, foreign = topic.encode(), list[str]()
+    frames: list[bytes] | None = None
     try:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
-        sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        sub.setsockopt(zmq.SUBSCRIBE, b"")  # every topic, as the run until one of its own: see bridge.source
         sub.connect(endpoint)
-        if not await sub.poll(max(1, int(timeout * 1000))):
-            return f"nothing published within {timeout:g}s (an idle engine: the wire shape shows with its first batch)", False
-        frames = await sub.recv_multipart()
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0 and await sub.poll(max(1, int(left * 1000))):
+            got = await sub.recv_multipart()
+            if got[0].startswith(own):
+                frames = got
+                break
+            seen = got[0][:64].decode(errors="replace")
+            if seen not in foreign and len(foreign) < 3:
+                foreign.append(seen)
     finally:
         sub.close(linger=0)
         ctx.destroy(linger=0)
+    if frames is None:
+        if foreign:
+            said = f"{foreign_topics(foreign, topic)} within {timeout:g}s"
+            return said, f"the run would receive nothing (not ready, reason wrong_topic); {WRONG_TOPIC_FIX}"
+        return f"nothing published within {timeout:g}s (an idle engine: the wire shape shows with its first batch)", None
     try:
         f = wire.parse_live(frames)
     except DecodeError as exc:
-        return f"a message the bridge cannot read ({exc})", True
+        return f"a message the bridge cannot read ({exc})", UNDECODABLE_FIX
     ident = (
         f"publisher UUID {uuid.UUID(bytes=f.instance)} (24-byte sequence frames: restarts are certain)"
         if f.instance is not None
         else "no publisher UUID (8-byte sequence frames: restarts are inferred)"
     )
     if f.heartbeat:
-        return f"{ident}; an idle heartbeat (next seq {f.seq})", False
+        return f"{ident}; an idle heartbeat (next seq {f.seq})", None
     try:
         batch = wire.decode_batch(f.payload)
     except DecodeError as exc:
-        return f"{ident}; an undecodable batch ({exc})", True
+        return f"{ident}; an undecodable batch ({exc})", UNDECODABLE_FIX
     kinds = sorted({"RFC 1527 maps" if "event_type" in e else e["type"] for e in batch.events})
     bad = len(batch.bad_events)
     if bad and not batch.events:
-        return f"{ident}; seq {f.seq}, {bad} event(s), none of which decodes ({batch.bad_events[0].reason})", True
+        return f"{ident}; seq {f.seq}, {bad} event(s), none of which decodes ({batch.bad_events[0].reason})", UNDECODABLE_FIX
     undecoded = f", and {bad} that do not decode" if bad else ""
-    return f"{ident}; seq {f.seq}, {len(batch.events)} event(s): {', '.join(kinds) or 'none'}{undecoded}", False
+    return f"{ident}; seq {f.seq}, {len(batch.events)} event(s): {', '.join(kinds) or 'none'}{undecoded}", None
 
 
 async def _read(rank: int, sub: zmq.asyncio.Socket, queue: asyncio.Queue[tuple[int, list[bytes]]]) -> None:

@@ -204,6 +204,42 @@ async def test_tail_piped_into_head_exits_0_and_says_where_it_waits(tmp_path: Pa
     assert f"# connecting to tcp://127.0.0.1:{ports[0]}, tcp://127.0.0.1:{ports[0] + 1} (topic ''); waiting for events" in err
 
 
+async def test_tail_says_the_topics_an_engine_publishes_under_instead_of_calling_it_idle() -> None:
+    """breaker46 B2 (tail's side): with a --topic the engine does not publish under, tail subscribed
+    to it alone and said only "the engine may be idle". It names the topics seen now (once each)
+    and prints none of their messages (its idle notice says them too, with the --topic to give)."""
+    live = free_ports(1)[0]
+    opts = SimulatorOptions(endpoint=f"tcp://127.0.0.1:{live}", replay_endpoint=None, topic="kv-events", rate=20)
+    said = "# rank 0: a message under topic 'kv-events', not under 'vllm-kv': skipped (is --topic the engine's?)"
+    lines: list[str] = []
+    async with Simulator(opts) as sim:
+        runner = asyncio.create_task(sim.run())
+        tail = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bridge", "tail", f"tcp://127.0.0.1:{live}", "--topic", "vllm-kv",
+            cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            assert tail.stderr is not None and tail.stdout is not None
+            async with asyncio.timeout(60):
+                while said not in lines:
+                    line = await tail.stderr.readline()
+                    assert line, "\n".join(lines)
+                    lines.append(line.decode().rstrip("\n"))
+            await asyncio.sleep(1.0)  # 20 more messages of that topic: said once
+            tail.send_signal(signal.SIGTERM)
+            stdout, stderr = await asyncio.wait_for(tail.communicate(), 30)
+        finally:
+            if tail.returncode is None:
+                tail.kill()
+                await tail.wait()
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+    err = "\n".join(lines) + "\n" + stderr.decode()
+    assert tail.returncode == 0 and "Traceback" not in err, err
+    assert stdout == b"", stdout[:200]
+    assert [ln for ln in err.splitlines() if "a message under topic" in ln] == [said], err
+
+
 async def test_tail_marks_the_gaps_it_sees() -> None:
     """Live messages the engine never sent (kept for its replay): tail says which seqs it missed."""
     ports = free_ports(1)

@@ -458,6 +458,38 @@ async def test_check_refuses_an_engine_whose_first_batch_cannot_be_decoded(tmp_p
     assert "config ok" not in proc.stdout.splitlines()
 
 
+async def test_check_refuses_a_source_topic_the_engine_does_not_publish_under(tmp_path: Path) -> None:
+    """breaker46 B2: --check subscribed to the configured topic alone, heard nothing from an engine
+    publishing 20 batches/s under another, called it "an idle engine" and said "config ok"; the run,
+    which listens to every topic, was never ready (wrong_topic). --check listens as the run does:
+    exit 3, naming the topic seen and the fix; a topic the engine does use passes."""
+    live = free_ports(1)[0]
+    opts = SimulatorOptions(endpoint=f"tcp://127.0.0.1:{live}", replay_endpoint=None, topic="kv-events", rate=20)
+    config: dict[str, Any] = {
+        "sources": [{"name": "e", "endpoint": f"tcp://127.0.0.1:{live}", "topic": "vllm-kv"}],
+        "sinks": [{"type": "file", "path": str(tmp_path / "out.jsonl")}],
+    }
+    async with Simulator(opts) as sim:
+        runner = asyncio.create_task(sim.run())
+        try:
+            wrong = await check_config(tmp_path, config)
+            config["sources"][0]["topic"] = "kv-"  # a prefix of the engine's topic: what the run takes
+            right = await check_config(tmp_path, config)
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+    assert wrong.returncode == 3 and "Traceback" not in wrong.stderr, wrong.stdout + wrong.stderr
+    assert "idle engine" not in wrong.stdout and "config ok" not in wrong.stdout.splitlines(), wrong.stdout
+    problems = [ln.strip() for ln in wrong.stderr.splitlines() if ln.startswith("  ")]
+    assert problems == [
+        f"sources[0].endpoint: tcp://127.0.0.1:{live}: the engine publishes under 'kv-events' and nothing under a topic "
+        "starting with 'vllm-kv' within 1.5s: the run would receive nothing (not ready, reason wrong_topic); set the "
+        "source's topic to the engine's KV events topic (\"\" for every topic)"
+    ], wrong.stderr
+    assert right.returncode == 0, right.stdout + right.stderr
+    assert f"engines: sources[0].endpoint: tcp://127.0.0.1:{live}: no publisher UUID" in right.stdout, right.stdout
+
+
 async def topics_of(kafka: KafkaServer) -> set[str]:
     admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
     await admin.start()
