@@ -586,8 +586,9 @@ async def _reach(conn: Connector, streams: Sequence[Stream]) -> tuple[str | None
             return cast("str | None", await asyncio.wait_for(probe(), 15)), True
         if hasattr(conn, "creates_nothing"):
             conn.creates_nothing = True
-        if hasattr(conn, "configured_streams"):
-            conn.configured_streams = list(streams)
+        for known in ("configured_streams", "known_streams"):
+            if hasattr(conn, known):
+                setattr(conn, known, list(streams))
         await asyncio.wait_for(conn.connect(), 15)
         return await asyncio.wait_for(conn.health(), 15), True
     except ConnectorError as exc:

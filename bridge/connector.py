@@ -36,6 +36,9 @@ says it could create it, as far as it can ask without creating it (Kafka: Create
 ``validate_only``). A connector with a ``configured_streams`` attribute gets the configured
 streams there first (``--check`` only; discovered ones are not known then), to check what it
 needs for each (a NATS stream capturing each one's subject, a Redis user allowed on each one's keys).
+A connector with a ``known_streams`` attribute gets them before its first ``connect()`` at a run
+too (and under ``--check``): what its connect checks of each one (a Redis key's type) makes the
+run's sink not ready as it makes ``--check`` fail.
 
 Optional, for configs that would mix streams: ``destination(stream)``: where the sink writes
 ``stream``'s batches (a subject, a key) when every stream is meant to have one of its own, after

@@ -284,6 +284,10 @@ class Bridge:
                 problems.extend(exc.problems)
         if problems:
             raise ConfigError(problems)
+        configured = [s for source in cfg.sources for s in streams_of(source)]
+        for conn in connectors:  # (see bridge.connector: what a connect checks of each, --check checks too)
+            if hasattr(conn, "known_streams"):
+                conn.known_streams = list(configured)
         self._built = connectors
         if cfg.metrics.listen:
             # Up before the sinks are read: a start-up waiting for them (up to state.load_timeout

@@ -39,7 +39,8 @@ SADD or XADD (never DEL or SREM, which would let everything after them past the 
   or deleted this entry (XDEL). It can no longer be added in order: ``Permanent`` (reason
   ``out_of_order``, dead-lettered), and the stream goes on. The bridge must be the only writer;
 - WRONGTYPE (the key is no stream): refused for itself, the stream goes on (the runtime keeps and
-  retries a refused announcement: bridge/sink.py);
+  retries a refused announcement: bridge/sink.py); a configured stream's key of another type is
+  refused at connect already (``_check_key_types``, reason ``key_type``);
 - anything else stops the stream, the entries after it reported transient (not attempted):
   LOADING, BUSY, TRYAGAIN, OOM, MISCONF, READONLY, NOPERM, MASTERDOWN, CLUSTERDOWN, redirections and
   key collisions are transient (retried, sink not ready), other refusals ``Permanent``. An ACL refusal
@@ -913,6 +914,7 @@ _STREAM_COMMANDS = (("TYPE",), ("XREVRANGE", "+", "-", "COUNT", "1"), ("XADD", "
 _SET_COMMANDS = (("TYPE",), ("SADD", "m"), ("SREM", "m"), ("DEL",))
 _COUNTS_COMMANDS = (("TYPE",), ("HGET", "f"), ("HSET", "f", "v"), ("HDEL", "f"), ("DEL",))
 _STATE_COMMANDS = (("TYPE",), ("HMGET", "f"), ("HSET", "f", "v"), ("HDEL", "f"), ("UNLINK",), ("HGET", "f"), ("HSCAN", "0"))
+_KEY_KINDS = {"stream": "stream key", "index.key": "index key", "state.key": "state key"}
 _STREAMS_CHECKED = 32  # configured engine streams whose keys --check looks at, at most
 # Whether the connection's ACL user may run each probe (ARGV: per probe its number of words, then
 # the words: a command, maybe a key and arguments), by redis.acl_check_cmd (Redis 7.0+), which needs
@@ -961,6 +963,7 @@ class RedisConnector:
         # the block index and the state read the events, even of raw batches
         self.needs_events = self._index is not None or self.writes_state
         self.configured_streams: list[Stream] = []  # --check: their keys are checked against the ACL user's
+        self.known_streams: list[Stream] = []  # run and --check: their keys' types are checked at connect
         self._clear_on_lost = options.index.on_events_lost == "clear"
         self._hash_hex = sink.hash_format == "hex"
         self._raw = sink.format == "raw"
@@ -1030,7 +1033,8 @@ class RedisConnector:
     async def connect(self) -> None:
         """PING the server, run a script that does nothing (every write is one: an ACL or a
         renamed command that forbids it is found here, and so by ``--check``), ask whether the
-        user may run what the writes run (:meth:`_check_permissions`), refuse a replica,
+        user may run what the writes run (:meth:`_check_permissions`), refuse a key of the known
+        streams that holds another type than the writes need (:meth:`_check_key_types`), refuse a replica,
         then read the settings the writes depend on (see :meth:`_read_settings`), and refuse a
         primary with too few good replicas for its ``min-replicas-to-write`` (see
         :meth:`_replicas_short`); NotConnected naming the sink, the server and the cause if any of
@@ -1039,6 +1043,7 @@ class RedisConnector:
             await self._connection().ping()
             await self._connection().eval("return 1", 0)
             await self._check_permissions()
+            await self._check_key_types()
             await self._check_role()
             settings = await self._read_settings()
             short = await self._replicas_short()
@@ -1447,6 +1452,58 @@ class RedisConnector:
                         keyed.setdefault((c[0], key + ":counts"), c[1:])
         probes += [(command, key, rest) for (command, key), rest in keyed.items()]
         return probes
+
+    def _typed_keys(self) -> dict[str, tuple[str, str]]:
+        """Each key the sink writes for a known stream (``known_streams``, at most
+        ``_STREAMS_CHECKED``): the type its writes need there and the option that names it. None
+        of a template with ``{epoch}`` (the run's epochs are not known before it) or ``{type}``
+        (which types a stream's records will have is not known either)."""
+        kinds: list[tuple[Template, str, str]] = [(self._stream, "stream", "stream")]
+        if self._index is not None:
+            kinds.append((self._index, "set", "index.key"))
+        if self._state is not None:
+            kinds.append((self._state, "hash", "state.key"))
+        keys: dict[str, tuple[str, str]] = {}
+        for stream in self.known_streams[:_STREAMS_CHECKED]:
+            m = _sample_of(stream)
+            for template, kind, option in kinds:
+                if "epoch" in template.fields or "type" in template.fields:
+                    continue
+                key = template.render(m)
+                keys.setdefault(key, (kind, option))
+                if template is self._index:
+                    keys.setdefault(key + ":counts", ("hash", option))
+        return keys
+
+    async def _check_key_types(self) -> None:
+        """A key the sink writes that holds another type (an operator's string, an old stream
+        where the set goes) refuses every write to it (WRONGTYPE): each batch of its stream would
+        be dead-lettered, after the sink said it was ready. Asked at connect (and so by ``--check``;
+        a key spoiled later is met by the writes, see the module docstring), one ``TYPE`` per key of
+        the known streams in one pipeline:
+        NotConnected (``key_type``) naming each such key, its type and the fix. A key that does
+        not exist is fine (the first write makes it); one whose TYPE is refused is left to
+        :meth:`_check_permissions`."""
+        keys = self._typed_keys()
+        if not keys:
+            return
+        pipe = self._connection().pipeline(transaction=False)
+        for key in keys:
+            pipe.type(key)
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        wrong = [
+            (f"{_KEY_KINDS[option]} {key!r} holds a {found}, not a {kind}", option)
+            for (key, (kind, option)), reply in zip(keys.items(), replies, strict=True)
+            if not isinstance(reply, Exception) and (found := _text(reply)) not in ("none", kind)
+        ]
+        if wrong:
+            shown = "; ".join(w for w, _ in wrong[:3]) + (f" (+{len(wrong) - 3} more)" if len(wrong) > 3 else "")
+            options = " or ".join(dict.fromkeys(o for _, o in wrong))
+            raise NotConnected(
+                f"{self._prefix}: {self._server}: {shown}: the sink's writes there would be refused (WRONGTYPE); "
+                f"delete the key if nothing else needs it, or change {options} so that the sink writes to keys of its own",
+                reason="key_type",
+            )
 
     async def _check_permissions(self) -> None:
         """Whether the ACL user may run what the writes run, on the keys they write (connect, and

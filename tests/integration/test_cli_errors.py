@@ -652,6 +652,45 @@ async def test_check_refuses_a_redis_user_the_writes_would_be_refused_for(tmp_pa
         await admin.aclose()
 
 
+async def test_check_refuses_a_redis_key_of_another_type_than_the_writes_need(tmp_path: Path, redis_server: RedisServer) -> None:
+    """breaker46 B3: a stream key holding a string passed ``--check`` ("config ok"), and the run was
+    never ready and dead-lettered every batch of that stream (WRONGTYPE). ``--check`` asks each
+    configured stream's keys' TYPE now: the stream key, the block index and its counts, the state
+    hash; exit 3 naming each key, its type and the fix. Keys that do not exist yet pass."""
+    prefix = f"b3-{uuid.uuid4().hex[:8]}"
+    sink = {
+        "type": "redis", "name": "r", "url": redis_server.url, "stream": prefix + ":{source}:{dp_rank}",
+        "index": {"enabled": True, "key": prefix + ":{source}:{dp_rank}:blocks"},
+        "state": {"enabled": True, "key": prefix + ":{source}:{dp_rank}:state"},
+    }  # fmt: skip
+    config = {
+        "sources": [{"name": "a", "endpoint": f"tcp://127.0.0.1:{free_ports(1)[0]}", "bind": True, "dp_ranks": 2}],
+        "sinks": [sink],
+        "checkpoint": {"path": str(tmp_path / "checkpoint.json")},
+    }
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        fresh = await check_config(tmp_path, config)
+        assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+        await admin.set(f"{prefix}:a:1", "not a stream")
+        await admin.sadd(f"{prefix}:a:0:blocks:counts", "m")
+        await admin.xadd(f"{prefix}:a:1:state", {"f": "v"})
+        await admin.xadd(f"{prefix}:a:0", {"f": "v"})  # the right type: fine
+        proc = await check_config(tmp_path, config)
+        assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+        problems = [ln.strip() for ln in proc.stderr.splitlines() if ln.startswith("  ")]
+        assert problems == [
+            f"sinks[r]: {redis_server.url}: index key '{prefix}:a:0:blocks:counts' holds a set, not a hash; stream key "
+            f"'{prefix}:a:1' holds a string, not a stream; state key '{prefix}:a:1:state' holds a stream, not a hash: "
+            "the sink's writes there would be refused (WRONGTYPE); delete the key if nothing else needs it, or change "
+            "index.key or stream or state.key so that the sink writes to keys of its own"
+        ], proc.stderr
+        assert "sinks[0] (r): reachable, not usable as configured" in proc.stdout, proc.stdout
+    finally:
+        await admin.delete(*[f"{prefix}:a:1", f"{prefix}:a:0:blocks:counts", f"{prefix}:a:1:state", f"{prefix}:a:0"])
+        await admin.aclose()
+
+
 @pytest.mark.parametrize("held", ["::1", "127.0.0.1", None])
 async def test_check_takes_every_address_the_metrics_name_stands_for_as_the_run_does(
     monkeypatch: pytest.MonkeyPatch, held: str | None

@@ -730,6 +730,32 @@ async def test_wrongtype_is_a_partial_permanent_failure(redis_server: RedisServe
 
 
 @integration
+async def test_connect_refuses_a_known_streams_key_of_another_type(redis_server: RedisServer) -> None:
+    """breaker46 B3: a run whose stream key held a string connected and said it was ready, then
+    dead-lettered every batch of the stream. The runtime gives the connector the configured streams
+    (``known_streams``) before it connects: connect refuses such a key (``key_type``, so the sink is
+    not ready and says why), and connects once the key is gone; keys of streams it does not know
+    (a discovered engine's) are left to the writes."""
+    prefix = new_prefix()
+    client = aioredis.Redis.from_url(redis_server.url)
+    await client.set(f"{prefix}:w:0:blocks", "a string")
+    conn = make_indexed(redis_server.url, sink("json", "batch"), prefix, "blocks")
+    try:
+        await conn.connect()  # no known streams: nothing to ask
+        await conn.close()
+        conn.known_streams = [Stream("w", 0), Stream("w", 1)]
+        with pytest.raises(NotConnected) as info:
+            await conn.connect()
+        assert info.value.reason == "key_type", info.value
+        assert f"index key '{prefix}:w:0:blocks' holds a string, not a set" in str(info.value), info.value
+        await conn.close()
+        await client.delete(f"{prefix}:w:0:blocks")
+        await conn.connect()
+    finally:
+        await conn.close()
+        await client.aclose()
+
+
 async def test_wrongtype_index_key_stores_nothing(redis_server: RedisServer) -> None:
     s = sink("json", "batch")
     prefix = new_prefix()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -165,3 +166,47 @@ async def test_raw_only_records_carry_counts_and_metrics(tmp_path: Path) -> None
         bodies.append(data[4 : 4 + n])
         data = data[4 + n :]
     assert bodies == payloads  # the engine's bytes, untouched
+
+
+async def test_a_run_gives_each_connector_that_asks_the_configured_streams_before_it_connects(tmp_path: Path) -> None:
+    """breaker46 B3: what a connector's connect checks of each configured stream (a Redis key's
+    type) is checked at a run too, not only by --check: the runtime sets ``known_streams`` (every
+    rank of every configured source) on a connector that has the attribute, before it connects."""
+    from tests.support.memory import MemoryConnector
+
+    seen: list[list[Stream]] = []
+
+    class Knowing(MemoryConnector):
+        known_streams: list[Stream]
+
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self.known_streams = []
+
+        async def connect(self) -> None:
+            seen.append(list(self.known_streams))
+            await super().connect()
+
+    config = config_mod.from_data(
+        {
+            "sources": [
+                {"name": "a", "endpoint": "tcp://127.0.0.1:9", "dp_ranks": 2},
+                {"name": "b", "endpoint": "tcp://127.0.0.1:19"},
+            ],
+            "sinks": [{"type": "mem"}],
+            "metrics": {"listen": ""},
+            "replay": {"idle_probe": 0},
+            "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+        },
+        env={},
+    )
+    bridge = Bridge(config, registry=Registry({"mem": Knowing}, entry_points=False))  # type: ignore[dict-item]
+    await bridge.start()
+    try:
+        for _ in range(100):  # (the sink worker connects as it starts)
+            if seen:
+                break
+            await asyncio.sleep(0.05)
+        assert seen and seen[0] == [Stream("a", 0), Stream("a", 1), Stream("b", 0)], seen
+    finally:
+        await bridge.stop()
