@@ -747,8 +747,11 @@ class StreamSequencer:
             self._trust(out)
 
     def _same_instance(self, out: list[Action], seq: int, payload: bytes) -> list[Action]:
-        """A live message under this epoch's UUID: never a restart."""
-        self._certain(out)
+        """A live message under this epoch's UUID: never a restart. It ends the doubt, unless a reply
+        nothing could attribute waits at its seq or above (see _check): then it is a late batch of
+        this epoch's instance, which says nothing of who answered the replay."""
+        if seq > self._unattributed:
+            self._certain(out)
         self._resumed = False
         if self._confirm_aside(out, seq, payload):
             out.append(Duplicate(seq))
@@ -1648,6 +1651,8 @@ class StreamSequencer:
         fetches the new instance's own copy of its seq by replay (I1 before I4). ``theirs``: the
         new instance's replies; a batch with the same seq and bytes as one of them is its.
         """
+        if self._replay is not None and self._heard >= 0:
+            self._unclaim()  # (replies kept for a verdict, perhaps the old instance's: it settles their seqs)
         carried: dict[int, bytes] = {}
         last_live = self.last_live
         # The batch set aside, not confirmed: the new instance's if the clocks say so as for a

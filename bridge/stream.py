@@ -114,6 +114,7 @@ class StreamPipeline:
         # order showed it (received less the ts of its first: the clock offset plus the delivery
         # delay; see _engine_time). None until such a batch with a ts was read.
         self._behind: float | None = None
+        self._newest: float | None = None  # the engine ts of the last batch taken in order
         self._replay_diagnosed = -REPLAY_DIAGNOSE_EVERY
         cfg = ctx.replay_config
         key = stream.key
@@ -197,6 +198,7 @@ class StreamPipeline:
         needs_events, decode_batch, count_batch = self.ctx.needs_events, wire.decode_batch, wire.count_batch
         run = self._run
         oldest: float | None = None  # the engine ts of the burst's first batch taken in order (see _engine_time)
+        newest: float | None = None  # and of its last
         sequenced = 0  # frames of the burst the sequencer has seen (the rest is unread if cut short)
         decided: list[Action] = []  # decided by live(), not yet taken by _execute
         try:
@@ -249,6 +251,7 @@ class StreamPipeline:
                                 run.append(decode(seq, payload, received, sequencer.epoch, counted, batch))
                                 if oldest is None:  # (taken in order: no stray frame's clock; the first: the
                                     oldest = ts  # longest delay, one batch stamped ahead does not count)
+                                newest = ts
                                 continue
                             actions = live(seq, payload, ts, instance)
                         if run:
@@ -267,7 +270,7 @@ class StreamPipeline:
                 finally:
                     self.metrics.ingest_lag.observe_all(lags)
                     if oldest is not None:
-                        self._clock_seen(received, oldest)
+                        self._clock_seen(received, oldest, newest)
                 if len(self._types) > _MAX_TYPES:
                     self.flush_metrics()
         except asyncio.CancelledError:
@@ -322,21 +325,25 @@ class StreamPipeline:
         async with self.lock:
             await self._execute(self.sequencer.probe(), time.time())
 
-    def _clock_seen(self, received: float, ts: float) -> None:
+    def _clock_seen(self, received: float, ts: float, newest: float | None) -> None:
         """A burst read at ``received`` (bridge clock) whose first batch taken in order the engine
-        stamped ``ts``."""
+        stamped ``ts``, and its last ``newest``."""
         behind = received - ts
         if behind == behind and abs(behind) != math.inf:  # (a ts that is no time: not a sample)
             self._behind = behind
+            self._newest = newest if newest is not None and math.isfinite(newest) else ts
 
     def _engine_time(self, now: float) -> float | None:
         """Bridge time ``now`` on the engine's clock: what the sequencer compares engine ts with when
         it judges which batches were published before a drop (the engine's host clock may be off
-        the bridge's by more than ``clock_skew``). Taken from the latest burst, it errs only early:
-        by the delivery delay, or by a step back of the engine's clock since (fewer batches taken
-        as published before the drop: announced lost rather than put in the wrong epoch). None
-        (no batch read yet to tell the offset): nothing is taken as published before it."""
-        return now - self._behind if self._behind is not None else None
+        the bridge's by more than ``clock_skew``). Taken from the latest burst, and never past the
+        last batch taken in order (plus ``clock_skew``, which the sequencer takes off again): a
+        step back of the engine's clock since cannot make it late. It errs only early (fewer
+        batches taken as published before the drop: announced lost rather than put in the wrong
+        epoch). None (no batch read yet): nothing is taken as published before the drop."""
+        if self._behind is None or self._newest is None:
+            return None
+        return min(now - self._behind, self._newest + self.sequencer.clock_skew)
 
     async def disconnected(self) -> None:
         """The live connection dropped (from the source's socket monitor)."""

@@ -235,3 +235,48 @@ def test_a_heartbeat_under_the_epochs_uuid_after_an_unattributed_reply_ends_the_
     out += serve(s, s.probe(), A, 1)
     assert not [a for a in out if isinstance(a, (Reset, Lost))]
     assert delivered(out) == [(1, 0)] and s.epoch == 1
+
+
+def idle_and_probed_after_a_drop(published: int, by: bytes) -> tuple[StreamSequencer, RequestReplay]:
+    """A fresh stream whose engine A is idle (its heartbeat, next seq 0: A sure, nothing delivered);
+    the connection drops, and the idle probe's replay is answered by ``by``'s 0..published-1 under
+    no UUID (held: nothing of the epoch to compare with), its end marker not read yet."""
+    s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts)
+    (start,) = s.start()
+    assert isinstance(start, RequestReplay)
+    s.replay_finished(start.request_id, complete=True)
+    s.heartbeat(0, A)
+    s.disconnected(now=1999.0)
+    (probe,) = s.probe()
+    assert isinstance(probe, RequestReplay)
+    for n in range(published):
+        assert s.replayed(probe.request_id, n, p(by, n)) == []
+    return s, probe
+
+
+def test_a_restart_shown_while_unattributed_replies_wait_announces_their_seqs_in_the_old_epoch() -> None:
+    """breaker50 B1: A published 0..5 during the blip and answers the probe with them; before the
+    replay ends, B's first message shows the restart. The replies were dropped with the replay and
+    A's 0..5, which reached the bridge, were neither delivered nor announced (I3). Now its epoch
+    announces them lost (it may have published them), and B's epoch fetches its own."""
+    s, _ = idle_and_probed_after_a_drop(6, A)
+    out = s.live(0, p(B, 0), ts(p(B, 0)), B)
+    assert out[:2] == [Lost(0, 5, INSTANCE_CHANGED, 0), Reset(1, INSTANCE_CHANGED)]
+    assert delivered(out) == [(1, 0)]
+
+
+def test_a_late_live_batch_of_the_epochs_instance_below_an_unattributed_reply_does_not_end_the_doubt() -> None:
+    """breaker50 B3: A's live seq 0, read late (queued before A died), comes after B's replies 0..1
+    under no UUID. It ended the doubt: B's replies went out in A's epoch and B's own messages were
+    dead-lettered as not the engine's (I1). A's batch is A's (its UUID): it goes out in A's epoch,
+    but it says nothing of who answered; B's message decides."""
+    s, probe = idle_and_probed_after_a_drop(2, B)
+    out = s.live(0, p(A, 0), ts(p(A, 0)), A)
+    assert delivered(out) == [(0, 0)] and s.in_doubt
+    out += s.replayed(probe.request_id, 2, p(B, 2)) + s.replay_finished(probe.request_id, complete=True)
+    more = s.live(3, p(B, 3), ts(p(B, 3)), B)
+    more += serve(s, more, B, 4)
+    out += more
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
+    assert [(e, n) for e, n in delivered(out) if e == 1] == [(1, n) for n in range(4)]
+    assert [(e, n) for e, n in delivered(out) if e == 0] == [(0, 0)]

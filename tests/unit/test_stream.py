@@ -824,7 +824,15 @@ async def test_a_uuid_met_in_doubt_is_named_by_the_batches_the_replay_verified(m
 
 @pytest.mark.parametrize(
     ("behind", "before"),
-    [(0.0, "read"), (5.0, "read"), (30.0, "read"), (30.0, "stepped back"), (0.0, "one stamped ahead"), (30.0, "none read")],
+    [
+        (0.0, "read"),
+        (5.0, "read"),
+        (30.0, "read"),
+        (30.0, "stepped back"),
+        (0.0, "one stamped ahead"),
+        (30.0, "none read"),
+        (0.0, "stepped back while idle"),
+    ],
 )
 async def test_batches_read_in_doubt_are_judged_on_the_engines_clock_not_the_bridges(
     make: Callable[..., Fakes], monkeypatch: pytest.MonkeyPatch, behind: float, before: str
@@ -837,8 +845,9 @@ async def test_batches_read_in_doubt_are_judged_on_the_engines_clock_not_the_bri
     or 30 s behind, B's 12..14 were taken as published before it, A's, and went out in epoch 5.
     breaker48 B3, where the clock's offset is not known well: A's clock ran 40 s ahead and was
     stepped back 30 s before the drop (an NTP step), one frame out of order stamped an hour ahead
-    was read, or no batch of A was read at all (an idle engine): the drop may be taken early on
-    the engine's clock, never late."""
+    was read, or no batch of A was read at all (an idle engine); breaker50 B2: A's clock stepped
+    back 30 s while it was idle after its last batch (no batch to show it): the drop may be taken
+    early on the engine's clock, never late."""
     f = make({})
     hanging(f)  # (the replay socket never answers in time)
     clock = [0.0]
@@ -859,6 +868,8 @@ async def test_batches_read_in_doubt_are_judged_on_the_engines_clock_not_the_bri
         if before == "one stamped ahead":
             burst[-1] = stamped(9, engine + 3600.0)  # (a clock glitch, or a corrupt ts)
         await f.pipeline.on_live(burst, received=clock[0])
+    if before == "stepped back while idle":  # idle 40 s after its batches, meanwhile its clock stepped back 30 s
+        behind, engine = behind + 30.0, engine + 10.0
     clock[0] = engine + behind + 2.0
     await f.pipeline.disconnected()  # noticed 2 s after A's last batch
     clock[0] = engine + behind + 3.0  # B up 1 s later: 0..11 published while the bridge reconnected
