@@ -603,7 +603,9 @@ class SinkPosition(msgspec.Struct, frozen=True, omit_defaults=True):
         instance = text("instance")
         if instance is not None and not _HEX_ID.fullmatch(instance):
             raise ValueError(f"not a bridge message: instance header {instance[:40]!r} is not a UUID in hex")
-        index = int(index_text) if index_text else None
+        # The last message of its batch (header ``last``): the batch is held whole, as one that
+        # holds a whole-batch message.
+        index = int(index_text) if index_text and text("last") != "1" else None
         return cls(int(epoch), int(seq), kind, index, ts, crc, instance if kind == "batch" else None)
 
     @property
@@ -612,13 +614,6 @@ class SinkPosition(msgspec.Struct, frozen=True, omit_defaults=True):
         instance with; a control record, or a batch without either, has none."""
         finite = self.ts is not None and math.isfinite(self.ts)
         return self.kind == "batch" and (finite or self.crc is not None)
-
-    def held_at_most(self) -> tuple[int, int, int]:
-        """The highest message position the sink may hold the stream through: ``held_through``,
-        except that a batch held up to one of its events may be whole (its last event)."""
-        if self.kind == "batch" and self.index is not None:
-            return (self.epoch, self.seq + 1, MAX_SUB)
-        return self.held_through()
 
     def held_through(self) -> tuple[int, int, int]:
         """The message position (epoch, slot, sub) up to which the sink holds the stream; a message
@@ -721,7 +716,7 @@ def combine(local: StreamPosition | None, held: Sequence[Held], acked: StreamPos
             own = _own_need(h, anchors)
             # Below what every sink acknowledged: the sink lost it (a broker restarted from an older
             # snapshot, I6). It needs the stream from what it still holds, and skips only that.
-            lost = acked_through is not None and own is not None and h.held_at_most() < acked_through
+            lost = acked_through is not None and own is not None and h.held_through() < acked_through
             through = h.held_through() if acked_through is None or lost else max(h.held_through(), acked_through)
         else:
             own, through = None, acked_through

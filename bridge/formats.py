@@ -126,6 +126,7 @@ class Message(msgspec.Struct):
     type: str
     value: bytes
     envelope: Envelope
+    last: bool = False  # the last message of its batch at event granularity (header ``last``)
 
     @property
     def position(self) -> tuple[int, int, int]:
@@ -147,6 +148,8 @@ class Message(msgspec.Struct):
         if i is not None:
             h["type"] = self.type
             h["index"] = _INDEX_TEXT[i] if i < 4096 else str(i)
+            if self.last:
+                h["last"] = "1"
         return h
 
     def header_items(self) -> list[tuple[str, bytes]]:
@@ -158,6 +161,8 @@ class Message(msgspec.Struct):
         if i is not None:
             items[at] = ("type", self.type.encode())
             items.append(("index", _INDEX[i] if i < 4096 else str(i).encode()))
+            if self.last:
+                items.append(("last", b"1"))
         return items
 
     @property
@@ -466,4 +471,6 @@ class Renderer:
                 type_ = event.get("type")
                 type_ = type_ if type_.__class__ is str else "Unknown"
                 out.append(Message(record, i, type_, _msgpack.encode(fields), envelope))
+        if out:
+            out[-1].last = True  # (a sink that holds it holds the whole batch: SinkPosition.from_headers)
         return out

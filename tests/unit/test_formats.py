@@ -211,7 +211,8 @@ def test_every_messages_headers_follow_the_contract_and_their_encoded_pairs_agre
     named = msgspec.structs.replace(RECORD, instance=b"\x5f" * 16)  # (a publisher that sends its UUID)
     records = [RECORD, no_ts, named, source_reset(STREAM, 3, "publisher_restart", 0.0), events_lost(STREAM, 3, 0, 4, "gap", 0.0)]
     for record in records:
-        for m in renderer.render(record):
+        messages = renderer.render(record)
+        for m in messages:
             expected = {
                 "source": "llama-a",
                 "dp_rank": "1",
@@ -227,6 +228,8 @@ def test_every_messages_headers_follow_the_contract_and_their_encoded_pairs_agre
                 expected["instance"] = "5f" * 16
             if m.index is not None:
                 expected["index"] = str(m.index)
+                if m is messages[-1]:
+                    expected["last"] = "1"  # (the batch's last event: a sink holding it holds the batch whole)
             assert list(m.headers.items()) == list(expected.items())
             assert m.header_items() == [(k, v.encode()) for k, v in expected.items()]
             m.headers["type"] = "changed"  # each read is the message's own copy

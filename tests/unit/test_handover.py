@@ -44,7 +44,8 @@ def messages(events_per_batch: list[int]) -> list[tuple[Position, SinkPosition]]
         if n == 0:  # batch granularity: one message
             out.append(((E, seq + 1, 0), SinkPosition(E, seq, ts=ts)))
         else:
-            out += [((E, seq + 1, i + 1), SinkPosition(E, seq, index=i, ts=ts)) for i in range(n)]
+            # (the last event's message says ``last``: a sink holding it holds the batch whole)
+            out += [((E, seq + 1, i + 1), SinkPosition(E, seq, index=i if i < n - 1 else None, ts=ts)) for i in range(n)]
     return out
 
 
@@ -461,9 +462,10 @@ def test_a_sink_holding_less_than_every_sink_acknowledged_is_fed_again_from_what
     result = combine(local, [lossy, whole])
     assert result.resume is not None and (result.resume.epoch, result.resume.seq) == (E, 9)
     assert result.skip == [lossy.held_through(), whole.held_through()]
-    # A batch held up to one of its events may be whole: not taken for a loss.
+    # A batch held up to an event that is not its last (no ``last`` header) is held in part: it
+    # goes again, and the sink skips the events it has.
     partial = SinkPosition(E, 19, index=0, ts=1019.0)
-    assert combine(local, [partial, whole]).resume == local
+    assert combine(local, [partial, whole]).resume == StreamPosition(E, 18, 1019.0, None, 19)
 
 
 def test_adopting_what_the_file_already_says_changes_nothing_of_it() -> None:
@@ -546,17 +548,23 @@ def test_seq_zero_held_in_the_resume_epoch_is_known_published() -> None:
     assert combine(None, [SinkPosition(E, 0, ts=1.0)]).top == 0
 
 
-def test_a_whole_batch_is_held_through_its_state_message() -> None:
+def test_a_whole_batch_is_held_through_its_state_message_and_one_held_in_part_to_its_event() -> None:
     """The state message of a record comes after all of the record's messages: a sink that holds
-    the batch whole (or may, holding it up to an event) holds that too, and nothing of the next."""
+    the batch whole (its last event message says ``last``) holds that too, and nothing of the next;
+    one held up to an event that is not its batch's last holds only that far (breaker51 B1: taken
+    for a batch that may be whole, a restored topic lacking its last events was neither sent again
+    nor announced)."""
     from bridge.formats import state_message
 
     record = Record(stream=Stream("a", 0), epoch=E, seq=5, ts=1.0, payload=b"x")
     state = state_message(record).position
-    for held in (SinkPosition(E, 5, ts=1.0), SinkPosition(E, 5, index=2, ts=1.0)):
-        assert held.held_at_most() == state
-    first_event_of_the_next = (E, 7, 1)  # batch 6's slot is 7, its event 0's sub 1 (Message.position)
-    assert SinkPosition(E, 5, index=2, ts=1.0).held_at_most() < first_event_of_the_next
+    headers = {"epoch": str(E), "seq": "5", "type": "BlockStored", "index": "2", "ts": "1.0"}
+    whole = SinkPosition.from_headers({**headers, "last": "1"})
+    assert whole == SinkPosition(E, 5, ts=1.0) and whole.held_through() == state
+    part = SinkPosition.from_headers(headers)
+    assert part == SinkPosition(E, 5, index=2, ts=1.0) and part.held_through() == (E, 6, 3) < state
+    assert combine(StreamPosition(E, 5, 1.0), [part]).resume == StreamPosition(E, 4, 1.0, None, 5)  # sent again
+    assert combine(StreamPosition(E, 5, 1.0), [whole]).resume == StreamPosition(E, 5, 1.0)
 
 
 def test_a_header_without_its_epoch_seq_or_type_is_not_a_bridge_message() -> None:
