@@ -570,8 +570,12 @@ class NatsOptions(ConnectorOptions):
 
 
 def _creds_problem(content: bytes, creds: bool) -> str | None:
-    """What a credentials file (``creds``) or an nkey seed file lacks of what nats-py reads from it."""
-    lines = [line.strip() for line in content.splitlines()]
+    """What a credentials file (``creds``) or an nkey seed file lacks of what nats-py reads from it:
+    the seed is read as nats-py reads it (a credentials file's seed line up to its newline, a
+    carriage return kept; a seed file whole, stripped) and parsed by nkeys, as its login does."""
+    import nkeys  # (nats-py's own dependency for these logins: the nkeys extra)
+
+    lines = content.split(b"\n")
 
     def after(marker: bytes) -> bytes | None:
         for i, line in enumerate(lines[:-1]):
@@ -579,12 +583,23 @@ def _creds_problem(content: bytes, creds: bool) -> str | None:
                 return lines[i + 1]
         return None
 
-    if not creds:
-        return None if content.strip().startswith(b"SU") else "holds no user nkey seed (a line starting with SU)"
-    if not after(b"BEGIN NATS USER JWT"):
-        return "holds no user JWT (no -----BEGIN NATS USER JWT----- block)"
-    if not (after(b"BEGIN USER NKEY SEED") or b"").startswith(b"SU"):
-        return "holds no user nkey seed (no -----BEGIN USER NKEY SEED----- block with a seed starting with SU)"
+    if creds:
+        if not (after(b"BEGIN NATS USER JWT") or b"").strip():
+            return "holds no user JWT (no -----BEGIN NATS USER JWT----- block)"
+        seed = after(b"BEGIN USER NKEY SEED")
+        if seed is None:
+            return "holds no user nkey seed (no -----BEGIN USER NKEY SEED----- block)"
+    else:
+        seed = content.strip()
+    try:
+        nkeys.from_seed(bytearray(seed)).wipe()
+    except Exception as exc:  # nkeys raises its own errors, binascii's and ValueError alike
+        why = (
+            "a carriage return ends its seed line (write the file with Unix line ends)"
+            if seed.endswith(b"\r")
+            else (f"{type(exc).__name__}")
+        )
+        return f"holds no user nkey seed nkeys can read ({why})"
     return None
 
 
@@ -914,6 +929,12 @@ class NatsConnector:
             if self._last_error is None:
                 self._last_error, self._refusal = _describe(exc), _refusal(exc)
             raise self._not_connected(f"cannot connect to NATS at {self._where} within {timeout:g}s") from None
+        except Exception as exc:  # the client's own failure (a login it could not set up): the sink waits, not the bridge
+            await self._close_client(nc)
+            raise NotConnected(
+                f"{self._prefix}: the NATS client could not connect to {self._where}: {type(exc).__name__}: {exc}",
+                reason="auth",
+            ) from None
         self._nc = nc
         try:
             if self.options.mode == "jetstream":

@@ -82,6 +82,12 @@ def test_a_credentials_or_seed_file_the_client_could_not_use_is_a_config_problem
         "no-seed.creds": f"-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n",
         "seed.nk": seed + "\n",
         "garbage": "not a credential\n",
+        # breaker53 B1: nats-py reads these with nkeys (missing: every login failed at connect);
+        # a seed that only starts like one, and a credentials file with Windows line ends
+        # (nats-py keeps the carriage return of its seed line), are refused here now.
+        "bad-seed.nk": "SUNOTASEED\n",
+        "crlf.creds": f"-----BEGIN NATS USER JWT-----\r\n{jwt}\r\n------END NATS USER JWT------\r\n\r\n"
+        f"-----BEGIN USER NKEY SEED-----\r\n{seed}\r\n------END USER NKEY SEED------\r\n",
     }
     for name, text in files.items():
         (tmp_path / name).write_text(text)
@@ -91,6 +97,11 @@ def test_a_credentials_or_seed_file_the_client_could_not_use_is_a_config_problem
         ({"credentials": str(tmp_path / "no-seed.creds")}, "sinks[1].credentials: {}/no-seed.creds: holds no user nkey seed"),
         ({"nkey_seed": str(tmp_path / "garbage")}, "sinks[1].nkey_seed: {}/garbage: holds no user nkey seed"),
         ({"nkey_seed": str(tmp_path)}, "sinks[1].nkey_seed: {}: is a directory (give the path of an nkey seed file"),
+        ({"nkey_seed": str(tmp_path / "bad-seed.nk")}, "sinks[1].nkey_seed: {}/bad-seed.nk: holds no user nkey seed nkeys"),
+        (
+            {"credentials": str(tmp_path / "crlf.creds")},
+            "sinks[1].credentials: {}/crlf.creds: holds no user nkey seed nkeys can read (a carriage return",
+        ),
     ]
     for options, problem in cases:
         with pytest.raises(ConfigError) as info:
@@ -318,3 +329,19 @@ async def test_a_refusal_is_kept_over_the_socket_closing_after_it_not_over_later
     assert conn._refusal is None and "Connect call failed" in (conn._last_error or "")
     await conn._on_error(nats.errors.Error("nats: 'Authentication Timeout'"))
     assert conn._refusal is None
+
+
+async def test_a_client_failure_at_connect_is_the_sinks_not_the_bridges(monkeypatch: pytest.MonkeyPatch) -> None:
+    """breaker53 B1: nats-py could not set up a credentials login (its nkeys module was missing) and
+    raised ModuleNotFoundError out of connect: the sink's task failed and the bridge exited. Any
+    failure of the client's own is now the sink's: not connected (reason auth), named, retried."""
+    import nats.aio.client
+
+    async def failing(self: Any, **options: Any) -> None:
+        raise ModuleNotFoundError("No module named 'nkeys'")
+
+    monkeypatch.setattr(nats.aio.client.Client, "connect", failing)
+    conn = NatsConnector("n", convert_options({}, NatsOptions, "s"), SinkConfig(type="nats", name="n"))
+    with pytest.raises(NotConnected) as info:
+        await conn.connect()
+    assert info.value.reason == "auth" and "ModuleNotFoundError: No module named 'nkeys'" in str(info.value)
