@@ -915,7 +915,7 @@ _SET_COMMANDS = (("TYPE",), ("SADD", "m"), ("SREM", "m"), ("DEL",))
 _COUNTS_COMMANDS = (("TYPE",), ("HGET", "f"), ("HSET", "f", "v"), ("HDEL", "f"), ("DEL",))
 _STATE_COMMANDS = (("TYPE",), ("HMGET", "f"), ("HSET", "f", "v"), ("HDEL", "f"), ("UNLINK",), ("HGET", "f"), ("HSCAN", "0"))
 _KEY_KINDS = {"stream": "stream key", "index.key": "index key", "state.key": "state key"}
-_STREAMS_CHECKED = 32  # configured engine streams whose keys --check looks at, at most
+_STREAMS_CHECKED = 32  # configured engine streams whose keys the permission check samples, at most
 # Whether the connection's ACL user may run each probe (ARGV: per probe its number of words, then
 # the words: a command, maybe a key and arguments), by redis.acl_check_cmd (Redis 7.0+), which needs
 # no permission beyond EVAL and touches no key: the numbers (from 1) of the probes refused, negative
@@ -1454,17 +1454,18 @@ class RedisConnector:
         return probes
 
     def _typed_keys(self) -> dict[str, tuple[str, str]]:
-        """Each key the sink writes for a known stream (``known_streams``, at most
-        ``_STREAMS_CHECKED``): the type its writes need there and the option that names it. None
-        of a template with ``{epoch}`` (the run's epochs are not known before it) or ``{type}``
-        (which types a stream's records will have is not known either)."""
+        """Each key the sink writes for a known stream (``known_streams``, every one: a single key
+        of another type left out would stop the sink at its stream's first announcement): the
+        type its writes need there and the option that names it. None of a template with
+        ``{epoch}`` (the run's epochs are not known before it) or ``{type}`` (which types a
+        stream's records will have is not known either)."""
         kinds: list[tuple[Template, str, str]] = [(self._stream, "stream", "stream")]
         if self._index is not None:
             kinds.append((self._index, "set", "index.key"))
         if self._state is not None:
             kinds.append((self._state, "hash", "state.key"))
         keys: dict[str, tuple[str, str]] = {}
-        for stream in self.known_streams[:_STREAMS_CHECKED]:
+        for stream in self.known_streams:
             m = _sample_of(stream)
             for template, kind, option in kinds:
                 if "epoch" in template.fields or "type" in template.fields:

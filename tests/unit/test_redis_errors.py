@@ -93,3 +93,15 @@ def test_a_key_collision_reported_by_the_script_is_retried_and_says_how_to_fix_i
 def test_a_refusal_of_the_whole_call_or_of_persistence_is_retried(reply: str, reason: str) -> None:
     error = connector()._classify(parsed(reply))
     assert isinstance(error, Retriable) and error.reason == reason, error
+
+
+def test_the_key_type_check_covers_every_known_stream() -> None:
+    """breaker53 B2: only the first 32 configured streams' keys were asked their TYPE: a string at
+    the 36th stream's key passed --check, and at the run its stream's first announcement met
+    WRONGTYPE, kept and retried ahead of every other stream (the whole sink stopped)."""
+    from bridge.records import Stream
+
+    conn = connector()
+    conn.known_streams = [Stream("e", rank) for rank in range(40)]
+    keys = conn._typed_keys()
+    assert keys["kv:e:35"] == ("stream", "stream") and keys["kv:e:39"] == ("stream", "stream")
