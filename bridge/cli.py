@@ -29,6 +29,7 @@ from typing import Any, cast
 
 from . import __version__, checkpoint, discovery, logs
 from . import config as config_mod
+from . import tail as tail_mod
 from .config import Config
 from .connector import Connector, Registry, local_file_problems, template_labels, unwritable
 from .endpoints import for_rank
@@ -458,7 +459,9 @@ def check(path: str, *, offline: bool = False, registry: Registry | None = None)
         print(f"engines: {answering} of {probed} endpoint(s) answer as they should")
     for line, fix in shapes:
         print(f"engines: {line}")
-        if fix is not None:
+        if isinstance(fix, tail_mod.Caution):  # (it cannot tell a problem from an engine's habits)
+            print(f"warning: {fix}", file=sys.stderr)
+        elif fix is not None:
             wrong.append(f"{line}: {fix}")
     unreachable.extend(wrong)
     with _quiet_clients():

@@ -406,6 +406,8 @@ def unreadable(path: str) -> str | None:
             return "is a directory"
         if not p.exists():
             return "no such file"
+        if not p.is_file():  # (a FIFO would block the open, and a device holds no PEM)
+            return "is not a regular file"
         with p.open("rb"):
             return None
     except OSError as exc:

@@ -164,20 +164,25 @@ async def tail(
                 printed += await _snapshot(ctx, rank, for_rank(at, rank), design, timeout, renderer, endpoint, last)
         queue: asyncio.Queue[tuple[int, list[bytes]]] = asyncio.Queue(maxsize=1000)
         tasks += [asyncio.create_task(_read(rank, sub, queue)) for rank, _, sub in socks]
-        own, foreign = topic.encode(), list[str]()
+        own, foreign, heard = topic.encode(), list[str](), False
         while not count or printed < count:
             try:
                 rank, frames = await asyncio.wait_for(queue.get(), idle_notice)
             except TimeoutError:
-                if foreign:
-                    _note(f"no events from {where} in {idle_notice:g}s: {foreign_topics(foreign, topic)}: give --topic ''")
+                if foreign and not heard:
+                    _note(
+                        f"no events from {where} in {idle_notice:g}s: {foreign_topics(foreign, topic)} so far: give --topic "
+                        "the engine's KV events topic"
+                    )
                     continue
                 _note(
                     f"no events from {where} in {idle_notice:g}s: the engine may be idle, or not publishing here "
                     "(is it started with KV events on, and is this its PUB port?)"
                 )
                 continue
-            if not frames[0].startswith(own):  # another topic: said (the first few), never printed
+            if frames[0].startswith(own):
+                heard = True  # (its own topic came: the idle notice no longer blames the others)
+            else:  # another topic: said (the first few), never printed
                 seen = frames[0][:64].decode(errors="replace")
                 if seen not in foreign and len(foreign) < 3:
                     foreign.append(seen)
@@ -248,6 +253,13 @@ async def _snapshot(
 WRONG_TOPIC_FIX = "set the source's topic to the engine's KV events topic (\"\" for every topic)"
 """What to do when only messages of other topics arrive (the run's reason ``wrong_topic`` says the same)."""
 
+
+class Caution(str):
+    """What ``wire_shape`` found that may or may not be a problem (``--check`` says it as a
+    warning): a window with only other topics' messages cannot tell a wrong ``topic`` from an
+    engine that publishes its own rarely beside busier ones."""
+
+
 UNDECODABLE_FIX = (
     "nothing of the engine's first message could be decoded, and the bridge would deliver nothing of such messages "
     "(is it a vLLM or SGLang KV event publisher with the msgpack encoder, and the source's topic its own?)"
@@ -291,7 +303,11 @@ async def wire_shape(endpoint: str, topic: str, timeout: float) -> tuple[str, st
     if frames is None:
         if foreign:
             said = f"{foreign_topics(foreign, topic)} within {timeout:g}s"
-            return said, f"the run would receive nothing (not ready, reason wrong_topic); {WRONG_TOPIC_FIX}"
+            return said, Caution(
+                f"{said}: if its KV events go under another topic, the run receives nothing (not ready, reason "
+                f"wrong_topic): set the source's topic to it; an engine that publishes under {topic!r} only now and "
+                "then needs nothing"
+            )
         return f"nothing published within {timeout:g}s (an idle engine: the wire shape shows with its first batch)", None
     try:
         f = wire.parse_live(frames)

@@ -458,11 +458,13 @@ async def test_check_refuses_an_engine_whose_first_batch_cannot_be_decoded(tmp_p
     assert "config ok" not in proc.stdout.splitlines()
 
 
-async def test_check_refuses_a_source_topic_the_engine_does_not_publish_under(tmp_path: Path) -> None:
+async def test_check_warns_of_a_source_topic_the_engine_does_not_publish_under(tmp_path: Path) -> None:
     """breaker46 B2: --check subscribed to the configured topic alone, heard nothing from an engine
     publishing 20 batches/s under another, called it "an idle engine" and said "config ok"; the run,
-    which listens to every topic, was never ready (wrong_topic). --check listens as the run does:
-    exit 3, naming the topic seen and the fix; a topic the engine does use passes."""
+    which listens to every topic, was never ready (wrong_topic). --check listens as the run does and
+    names the topic seen and the fix. breaker53 B3: as a refusal (exit 3) it was wrong where the
+    engine publishes its own topic only now and then beside a busier one (the run is ready then):
+    in 1.5 s --check cannot tell the two apart, so it says so, as a warning (exit 0)."""
     live = free_ports(1)[0]
     opts = SimulatorOptions(endpoint=f"tcp://127.0.0.1:{live}", replay_endpoint=None, topic="kv-events", rate=20)
     config: dict[str, Any] = {
@@ -478,13 +480,13 @@ async def test_check_refuses_a_source_topic_the_engine_does_not_publish_under(tm
         finally:
             runner.cancel()
             await asyncio.gather(runner, return_exceptions=True)
-    assert wrong.returncode == 3 and "Traceback" not in wrong.stderr, wrong.stdout + wrong.stderr
-    assert "idle engine" not in wrong.stdout and "config ok" not in wrong.stdout.splitlines(), wrong.stdout
-    problems = [ln.strip() for ln in wrong.stderr.splitlines() if ln.startswith("  ")]
-    assert problems == [
-        f"sources[0].endpoint: tcp://127.0.0.1:{live}: the engine publishes under 'kv-events' and nothing under a topic "
-        "starting with 'vllm-kv' within 1.5s: the run would receive nothing (not ready, reason wrong_topic); set the "
-        "source's topic to the engine's KV events topic (\"\" for every topic)"
+    assert wrong.returncode == 0 and "Traceback" not in wrong.stderr, wrong.stdout + wrong.stderr
+    assert "idle engine" not in wrong.stdout, wrong.stdout
+    warnings = [ln for ln in wrong.stderr.splitlines() if ln.startswith("warning: ")]
+    assert warnings == [
+        "warning: the engine publishes under 'kv-events' and nothing under a topic starting with 'vllm-kv' within 1.5s: if "
+        "its KV events go under another topic, the run receives nothing (not ready, reason wrong_topic): set the "
+        "source's topic to it; an engine that publishes under 'vllm-kv' only now and then needs nothing"
     ], wrong.stderr
     assert right.returncode == 0, right.stdout + right.stderr
     assert f"engines: sources[0].endpoint: tcp://127.0.0.1:{live}: no publisher UUID" in right.stdout, right.stdout

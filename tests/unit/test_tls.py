@@ -3,6 +3,7 @@ the client context it builds, proven by TLS handshakes in memory (no sockets) wi
 
 from __future__ import annotations
 
+import os
 import ssl
 from pathlib import Path
 from typing import Any
@@ -159,7 +160,10 @@ def test_validation_names_each_unusable_file_by_its_key(certs: Certificates, tmp
 
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("not a certificate\n")
+    fifo = tmp_path / "fifo.pem"
+    os.mkfifo(fifo)  # (breaker53: opened, a FIFO with no writer blocked --check --offline and a run's start)
     cases = [
+        ({"ca_file": str(fifo)}, f"sinks[0].tls.ca_file: {fifo}: is not a regular file (give the path of a PEM file"),
         ({"ca_file": str(tmp_path / "no.pem")}, f"sinks[0].tls.ca_file: {tmp_path / 'no.pem'}: no such file (give the path"),
         ({"ca_file": str(tmp_path)}, f"sinks[0].tls.ca_file: {tmp_path}: is a directory (give the path of a PEM file"),
         ({"ca_file": str(garbage)}, f"sinks[0].tls.ca_file: {garbage}: holds no PEM certificate (no certificate or crl"),
