@@ -993,13 +993,14 @@ class StreamSequencer:
         seq of live messages read but never sequenced (settled by this epoch if it ends first)."""
         if self._replay is not None:
             self._drop_replay()
-        # A message under another UUID waiting for its confirmation: forgotten (adding the source
-        # again is no evidence of a restart; a genuine new instance's batch is fetched again by
-        # its epoch's replay, and shows itself again on the live stream), with its later batches
-        # set aside with it while the replay about it decided (_older_newcomer).
-        if self._newcomer is not None:
-            self._unstash(self._newcomer.instance)
-        self._newcomer = None
+        # A message under another UUID waiting for its confirmation: set aside for its UUID, as
+        # the batches set aside with it (_older_newcomer), unconfirmed (adding the source again is
+        # no evidence either way: disconnected(readded=True) confirms none of them). A message
+        # under its UUID confirms it later, and it goes out first (_take_stashed: without a replay
+        # endpoint nothing else would bring it, I4); else it ages out (_stash_counts).
+        nc, self._newcomer = self._newcomer, None
+        if nc is not None and nc.batch is not None and len(self._stash) < _STASH_MAX:
+            self._stash.append((nc.instance, nc.batch, 1))
         self._top = max(self._top, unread_top)
 
     def disconnected(self, now: float | None = None, readded: bool = False) -> list[Action]:
@@ -1478,7 +1479,7 @@ class StreamSequencer:
             # Another UUID than the epoch's (adopted unsure: from a heartbeat), and no batch of the
             # epoch to compare with: the instance that answers is another one.
             return _NEW
-        if nothing_to_compare and instance is None and self.instance is not None and self._doubt:
+        if (nothing_to_compare or self._unattributed >= 0) and instance is None and self.instance is not None and self._doubt:
             # No UUID on the reply, none of the epoch's batches to compare it with, and the live
             # publisher may have changed: whoever holds the replay socket now answered, this
             # epoch's instance or the next. The next message under a UUID decides: another UUID

@@ -280,3 +280,23 @@ def test_a_late_live_batch_of_the_epochs_instance_below_an_unattributed_reply_do
     assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
     assert [(e, n) for e, n in delivered(out) if e == 1] == [(1, n) for n in range(4)]
     assert [(e, n) for e, n in delivered(out) if e == 0] == [(0, 0)]
+
+
+def test_once_a_reply_waits_unattributed_every_later_one_without_a_uuid_waits_too() -> None:
+    """breaker52 B1: B's replies 0..3 wait (no UUID, nothing to compare); A's late live seq 2 is kept
+    (it decides nothing); then B's replies 4 and 5 no longer met "nothing to compare" (A's batch was
+    there), contradicted nothing, and took every reply waiting into A's epoch: B's 0..5 went out
+    in it, and B's own messages were then dead-lettered (I1). Every later reply without a UUID now
+    waits too, until a message under a UUID decides."""
+    s, probe = idle_and_probed_after_a_drop(4, B)
+    out = s.live(2, p(A, 2), ts(p(A, 2)), A)
+    for n in (4, 5):
+        out += s.replayed(probe.request_id, n, p(B, n))
+    out += s.replay_finished(probe.request_id, complete=True)
+    assert not [(e, n) for e, n in delivered(out) if n != 2]
+    more = s.live(6, p(B, 6), ts(p(B, 6)), B)
+    more += serve(s, more, B, 7)
+    out += more
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
+    assert [(e, n) for e, n in delivered(out) if e == 1] == [(1, n) for n in range(7)]
+    assert [(e, n) for e, n in delivered(out) if e == 0] == [(0, 2)]
