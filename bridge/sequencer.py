@@ -320,6 +320,10 @@ class StreamSequencer:
         # epoch to compare): a heartbeat under the epoch's UUID read since, saying its instance
         # published that seq, ends the doubt (see _check); -1: none.
         self._unattributed = -1
+        # UUIDs whose set-aside frames were kept across a source removed and added again: only a
+        # message under the UUID itself confirms them (not a drop, not another UUID: they were read
+        # before the instance that runs now was confirmed, see detached).
+        self._readded: set[bytes | None] = set()
         # Without a replay endpoint (no doubt to settle): the connection dropped and nothing was
         # read since, so a new UUID now is a restart at once.
         self._dropped = False
@@ -468,6 +472,10 @@ class StreamSequencer:
         if instance is not None and instance in self._retired:
             return False
         if self._stash and instance == self.instance:
+            if instance is not None and any(i == instance for i, _, _ in self._stash):
+                # Set aside for this UUID (kept across a re-add) while its epoch came by another
+                # route (a replay under it, first contact): its own, not to age out as another's.
+                self._take_stashed(out, instance)
             self._stash_counts(out)
         if self._newcomer is not None:
             self._newcomer_meets(out, instance)
@@ -594,7 +602,7 @@ class StreamSequencer:
         set aside for other UUIDs too: each came and went, an instance of its own (a crash loop),
         in the order they came; ``but``'s go with it (see _welcome), and ``by``'s (the UUID whose
         message confirms it) in the epoch after it."""
-        for instance in dict.fromkeys(i for i, _, _ in self._stash if i != but and i != by):
+        for instance in dict.fromkeys(i for i, _, _ in self._stash if i != but and i != by and i not in self._readded):
             batches = self._unstash(instance)
             if instance is not None and instance in self._retired:
                 out += [Duplicate(seq) for seq, _, _ in batches]
@@ -627,6 +635,7 @@ class StreamSequencer:
             else:
                 kept.append((instance, batch, n + 1))
         self._stash = kept
+        self._readded.intersection_update(i for i, _, _ in kept)
 
     def _drop_stashed(self, out: list[Action], stashed: _Stashed, why: str) -> None:
         self._not_the_engines(out, stashed[0], stashed[1], why)
@@ -641,6 +650,7 @@ class StreamSequencer:
         """The batches kept for ``instance`` (confirmed now), in seq order, taken from the stash."""
         mine = sorted(batch for i, batch, _ in self._stash if i == instance)
         self._stash = [x for x in self._stash if x[0] != instance]
+        self._readded.discard(instance)
         return mine
 
     def _refute(self, out: list[Action], why: str) -> None:
@@ -1001,6 +1011,7 @@ class StreamSequencer:
         nc, self._newcomer = self._newcomer, None
         if nc is not None and nc.batch is not None and len(self._stash) < _STASH_MAX:
             self._stash.append((nc.instance, nc.batch, 1))
+        self._readded.update(i for i, _, _ in self._stash)
         self._top = max(self._top, unread_top)
 
     def disconnected(self, now: float | None = None, readded: bool = False) -> list[Action]:
@@ -1136,8 +1147,11 @@ class StreamSequencer:
         if old is not None:
             self._retire(old)
         self.instance, self._instance_sure = instance, not self._doubt
+        self._take_stashed(out, instance)  # (its frames set aside across a re-add: first, in its epoch)
         self._top = max(self._top, seq)
-        if seq == self.delivered + 1:
+        if seq <= self.delivered:
+            out.append(Duplicate(seq))
+        elif seq == self.delivered + 1:
             self._deliver(out, seq, payload, replayed=True)
         else:
             self._keep(self.held, seq, payload)
@@ -1295,6 +1309,8 @@ class StreamSequencer:
             self._request(out)  # ask again, now that the batches waiting are known published
             return
         if self._doubt:
+            if self._unattributed >= 0:
+                return  # (it answered: whose the replies are, a message under a UUID says; probed again)
             # Nothing in this replay could tell whether the instance is the same one. (One asked
             # for before the batches waiting now came could not check them: it does not count.)
             if self._asked_top >= 0 or not self.unverified:
@@ -1479,6 +1495,11 @@ class StreamSequencer:
             # Another UUID than the epoch's (adopted unsure: from a heartbeat), and no batch of the
             # epoch to compare with: the instance that answers is another one.
             return _NEW
+        mine = self.held.get(seq) if self._unattributed >= 0 and instance is None else None
+        if mine is not None:
+            # A batch of this epoch's instance (held: read under its UUID) at the reply's seq: the
+            # bytes tell who answers, as the anchor's do.
+            return _SAME if mine == payload else _NEW
         if (nothing_to_compare or self._unattributed >= 0) and instance is None and self.instance is not None and self._doubt:
             # No UUID on the reply, none of the epoch's batches to compare it with, and the live
             # publisher may have changed: whoever holds the replay socket now answered, this

@@ -405,3 +405,40 @@ def test_a_new_uuid_waiting_for_its_confirmation_goes_out_first_in_its_epoch_aft
     out += feed(s, B, [1, 2])
     assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
     assert not [a for a in out if isinstance(a, Lost)] and delivered(out) == [(1, 0), (1, 1), (1, 2)]
+
+
+def test_a_frame_kept_across_a_re_add_is_never_confirmed_by_a_later_drop() -> None:
+    """breaker54 B2: without replay, B's seq 0 waits; the source is removed and added again (B:0 kept,
+    unconfirmed); B dies and C starts, and C's first message, right after the re-add, opens C's
+    epoch. A blip then confirmed B:0 as a crash loop's instance: B got an epoch after C's, and C,
+    the running engine, was retired, every later batch of it dropped (I1, I3). Only a message under
+    B's own UUID confirms a frame kept so: C goes on."""
+    s = seqr(replay=False)
+    feed(s, A, range(5))
+    s.live(0, p(B, 0), instance=B)
+    s.detached()
+    out = s.disconnected(None, readded=True)
+    out += feed(s, C, range(4))
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
+    out = s.disconnected(now=10.0) + feed(s, C, range(4, 8))
+    assert not [a for a in out if isinstance(a, Reset | Duplicate)] and C not in s.retired_instances
+    assert delivered(out) == [(1, n) for n in range(4, 8)]
+
+
+def test_a_frame_kept_across_a_re_add_goes_out_first_when_a_reply_under_its_uuid_opens_its_epoch() -> None:
+    """breaker54 B1: B's seq 0 waits (the drop not seen), the source is removed and added again, and
+    the start-up replay is answered under B's UUID before B's next live message, its buffer past
+    seq 0: B's epoch opened with 0..4 announced lost though B:0 had reached the bridge (I4), and
+    B:0 was later dead-lettered as not its engine's. It goes out first in B's epoch now."""
+    s = seqr()
+    feed(s, A, range(5))
+    s.live(0, p(B, 0), instance=B)
+    s.detached()
+    out = s.disconnected(None, readded=True)
+    ask = [a for a in out + s.probe() if isinstance(a, RequestReplay)][-1]
+    out += s.replayed(ask.request_id, 5, p(B, 5), instance=B)
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
+    for req in [a for a in out if isinstance(a, RequestReplay) and a.request_id == s._replay]:
+        out += s.replayed(req.request_id, 5, p(B, 5), instance=B) + s.replay_finished(req.request_id, complete=True)
+    assert (1, 0) in delivered(out), out
+    assert not [a for a in out if isinstance(a, Lost) and a.epoch == 1 and a.from_seq <= 0 <= a.to_seq], out

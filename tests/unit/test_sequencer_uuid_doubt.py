@@ -300,3 +300,30 @@ def test_once_a_reply_waits_unattributed_every_later_one_without_a_uuid_waits_to
     assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
     assert [(e, n) for e, n in delivered(out) if e == 1] == [(1, n) for n in range(7)]
     assert [(e, n) for e, n in delivered(out) if e == 0] == [(0, 2)]
+
+
+def test_a_reply_at_the_seq_of_a_batch_held_under_the_epochs_uuid_compares_its_bytes() -> None:
+    """breaker54 B3: A (sure from its heartbeat, next seq 6) answers the probe after a blip with
+    0..7 under no UUID: they wait; A's live 6, read late, is held (it decides nothing). Every reply
+    waited for ever after, the replays counted as telling nothing, and the fillable gap 0..5 was
+    announced lost (I4). The reply at the held batch's seq tells by its bytes: the same, it is
+    A's, and 0..7 go out in A's epoch."""
+    s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts)
+    (start,) = s.start()
+    assert isinstance(start, RequestReplay)
+    out = s.replay_finished(start.request_id, complete=True) + s.heartbeat(6, A)
+    out += s.disconnected(now=1999.0)
+    (probe,) = s.probe()
+    assert isinstance(probe, RequestReplay)
+    for n in range(8):
+        out += s.replayed(probe.request_id, n, p(A, n))
+    out += s.live(6, p(A, 6), ts(p(A, 6)), A)  # (6 <= 7: a late batch, perhaps)
+    out += s.replay_finished(probe.request_id, complete=True)
+    assert s.in_doubt and not delivered(out)
+    for _ in range(3):  # the next probes, answered alike
+        for ask in [a for a in s.probe() if isinstance(a, RequestReplay)]:
+            for n in range(max(ask.start, 0), 8):
+                out += s.replayed(ask.request_id, n, p(A, n))
+            out += s.replay_finished(ask.request_id, complete=True)
+    assert not [a for a in out if isinstance(a, Lost | Reset)], out
+    assert delivered(out) == [(0, n) for n in range(8)]
