@@ -65,6 +65,7 @@ import msgspec
 from .errors import BridgeError
 from .formats import CONTENT_TYPES
 from .records import Record
+from .wire import count_batch
 
 log = logging.getLogger("bridge.checkpoint")
 
@@ -94,6 +95,9 @@ class StreamPosition(msgspec.Struct, frozen=True, omit_defaults=True):
     ts: float | None = None
     crc: int | None = None
     at: int | None = None
+    # The batch at ``seq`` holds no event: a sink at event granularity got no message of it (its
+    # last message is the batch before's; see Bridge._behind_at_start).
+    empty: bool = False
 
 
 _INSTANCE_ID = "[0-9a-f]{32}"
@@ -259,13 +263,18 @@ class Checkpointer:
         epoch, seq, at, ts, payload = min((p for p in row if p is not None), key=lambda p: (p[0], p[1]))
         if at < 0:
             return StreamPosition(epoch, seq)
+        empty = False
         if payload is None:
             base = self.loaded.get(key)  # a position carried over from the file keeps its fingerprint
             same = base is not None and base.epoch == epoch and (base.seq if base.at is None else base.at) == at
             crc = base.crc if base is not None and same else None
+            empty = base is not None and same and base.empty and base.seq == seq
         else:
             crc = zlib.crc32(payload)
-        return StreamPosition(epoch, seq, ts, crc, None if at == seq else at)
+            if at == seq:
+                counted = count_batch(payload)
+                empty = counted is not None and not counted.types
+        return StreamPosition(epoch, seq, ts, crc, None if at == seq else at, empty)
 
     def resume_position(self, key: str) -> StreamPosition | None:
         """Where a stream starts at start-up: its position; or, when an epoch was opened after it

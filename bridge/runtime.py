@@ -729,6 +729,8 @@ class Bridge:
             if isinstance(last, ckpt.SinkPosition):
                 whole = getattr(conn, "whole_batches", False) and last.kind == "batch"
                 at = (last.epoch, last.seq if whole else last.first_missing() - 1)
+                if acked.empty and at == (acked.epoch, acked.seq - 1):
+                    at = top  # (the batch every sink acknowledged last holds no event: no message of it at event granularity)
             elif stream.key in getattr(conn, "records_gone", ()) or (
                 last is None and (state_at < top or bool(getattr(conn, "nothing_held_is_known", False)))
             ):

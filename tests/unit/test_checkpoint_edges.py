@@ -204,3 +204,19 @@ def test_where_the_epoch_before_the_newest_ended_is_kept_until_the_stream_is_for
     assert loaded.ended[KEY] == StreamPosition(6, 3) and loaded.held_state == ["redis"]
     loaded.forget(KEY, 0.0)
     assert KEY not in loaded.ended
+
+
+def test_the_position_says_when_the_last_batch_acknowledged_holds_no_event() -> None:
+    """breaker55 B1: at event granularity a batch with no event renders no message, so a sink's last
+    message is the batch before it; read back at start, that looked like a loss of the last batch
+    (announced, the state cleared). The position says the batch is empty, and keeps saying it."""
+    import msgspec
+
+    c = Checkpointer(1)
+    c.on_ack(0, [batch(1, 0, payload=msgspec.msgpack.encode([1000.0, [{"type": "AllBlocksCleared"}], 0]))])
+    assert c.position(KEY) is not None and not c.position(KEY).empty  # type: ignore[union-attr]
+    c.on_ack(0, [batch(1, 1, payload=msgspec.msgpack.encode([1001.0, [], 0]))])
+    position = c.position(KEY)
+    assert position is not None and position.empty and position.seq == 1
+    again = Checkpointer(1, CheckpointFile(streams={KEY: position}))
+    assert again.position(KEY) == position
