@@ -415,6 +415,7 @@ class StreamSequencer:
                 if not self._doubt and not dropped:
                     self._await_newcomer(out, _Newcomer(instance, (seq, payload, ts), ts, seq))
                     return out
+                self._welcome_stashed(out, but=instance, kept=True)  # (read before it: their epochs first)
                 self._changed(out, instance, ts)  # (after a drop: a restart at once)
                 self._take_stashed(out, instance)
             # (the new epoch's first message, below; else first contact, or an id adopted in
@@ -445,6 +446,7 @@ class StreamSequencer:
                 if not self._restarts(instance):
                     self.instance, self._instance_sure = instance, not self._doubt  # first contact
                 elif self._doubt or dropped:
+                    self._welcome_stashed(out, but=instance, kept=True)  # (read before it: their epochs first)
                     self._changed(out, instance, None)  # (after a drop: a restart at once)
                     self._take_stashed(out, instance)
                 else:
@@ -597,12 +599,17 @@ class StreamSequencer:
         if nc.batch is None:
             out += self.heartbeat(nc.seq + 1, nc.instance)  # (what it says was published: the new epoch's)
 
-    def _welcome_stashed(self, out: list[Action], but: bytes | None = _NOBODY, by: bytes | None = _NOBODY) -> None:
+    def _welcome_stashed(
+        self, out: list[Action], but: bytes | None = _NOBODY, by: bytes | None = _NOBODY, kept: bool = False
+    ) -> None:
         """What confirms a newcomer (a dropped connection; a UUID after it) confirms the batches
         set aside for other UUIDs too: each came and went, an instance of its own (a crash loop),
         in the order they came; ``but``'s go with it (see _welcome), and ``by``'s (the UUID whose
-        message confirms it) in the epoch after it."""
-        for instance in dict.fromkeys(i for i, _, _ in self._stash if i != but and i != by and i not in self._readded):
+        message confirms it) in the epoch after it. Those kept across a re-add only when ``kept``:
+        a new UUID taking the epoch at once came after them (not a drop: they were read before the
+        instance running since the re-add showed, which a drop would retire)."""
+        skip = set() if kept else self._readded
+        for instance in dict.fromkeys(i for i, _, _ in self._stash if i != but and i != by and i not in skip):
             batches = self._unstash(instance)
             if instance is not None and instance in self._retired:
                 out += [Duplicate(seq) for seq, _, _ in batches]
