@@ -642,14 +642,14 @@ class SinkPosition(msgspec.Struct, frozen=True, omit_defaults=True):
 
     def resume(self) -> StreamPosition:
         """Where a stream resumes for this sink to miss nothing. A batch held in part (event
-        granularity: the sink cannot tell whether its last event is the batch's last) counts as not
+        granularity: its last event message held is not the one that says ``last``) counts as not
         delivered; its fingerprint is kept at ``at`` so that the replay of it still verifies the
         engine instance (the events the sink has are skipped, see :class:`Handover`)."""
         if self.kind == "SourceReset":
             return StreamPosition(self.epoch, -1)
         if self.kind == "EventsLost":
             return StreamPosition(self.epoch, self.seq)  # the batch before the loss is not known here
-        if self.index is not None:
+        if self.index is not None:  # (held in part: its last event's message says ``last``)
             return StreamPosition(self.epoch, self.seq - 1, self.ts, self.crc, self.seq)
         return StreamPosition(self.epoch, self.seq, self.ts, self.crc)
 

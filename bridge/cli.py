@@ -503,7 +503,7 @@ async def _probe_engines(cfg: Config) -> tuple[int, int, list[str], list[tuple[s
     asked, how many answered as they should, one line per problem; then, for each configured
     source's live endpoints that answered, what its first message shows of the wire (publisher
     UUID or none, producer shape; see ``tail.wire_shape``), one line each, with the problem when it
-    could not be decoded or only other topics than the source's arrived."""
+    could not be decoded, or the caution when only other topics than the source's arrived."""
     from .tail import wire_shape
 
     checks: list[tuple[str, str, int, Coroutine[Any, Any, tuple[str, str] | None]]] = []

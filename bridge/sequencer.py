@@ -238,8 +238,8 @@ class StreamSequencer:
         self.replay_on_start = replay_on_start and can_replay
         self.max_held = max_held
         self.max_attempts = max_attempts
-        # How far an engine's clock may be ahead of the bridge's: a batch stamped earlier than a
-        # disconnect was noticed, by more than this, was published before it.
+        # How far the estimate of when a disconnect was noticed, on the engine's clock, may be off:
+        # a batch stamped earlier than that, by more than this, was published before it.
         self.clock_skew = clock_skew
         self.epoch = epoch
         # A ts that is not a finite number (NaN never equals itself; JSON keeps neither NaN nor
@@ -299,9 +299,9 @@ class StreamSequencer:
         # The last live seq of the instance before it, when the live stream showed the restart
         # (-1: unknown; see _late_of_older).
         self._older_last = -1
-        self._doubt_since: float | None = None  # wall clock when the disconnect was noticed
+        self._doubt_since: float | None = None  # when the disconnect was noticed (the engine's clock: disconnected)
         self._drops = 0  # disconnects noticed since continuity came into doubt
-        self._last_drop: float | None = None  # wall clock of the latest one
+        self._last_drop: float | None = None  # and the latest one (likewise)
         # The publisher UUID of this epoch's instance (None: unknown, or it sends none) and the
         # UUIDs of instances gone (see the module docstring).
         # A UUID a checkpoint kept for this epoch is certain; but only with a batch to verify a
@@ -317,12 +317,14 @@ class StreamSequencer:
         # is their instance's, whatever the clocks say (see _check).
         self._vouching: set[int] = set()
         # The highest seq of replies in doubt that nothing could attribute (no UUID, nothing of the
-        # epoch to compare): a heartbeat under the epoch's UUID read since, saying its instance
-        # published that seq, ends the doubt (see _check); -1: none.
+        # epoch to compare): a heartbeat or live batch under the epoch's UUID read since that says
+        # its instance published above that seq ends the doubt, another UUID is the restart, and a
+        # reply at a held batch's seq compares bytes (see _check); -1: none.
         self._unattributed = -1
-        # UUIDs whose set-aside frames were kept across a source removed and added again: only a
-        # message under the UUID itself confirms them (not a drop, not another UUID: they were read
-        # before the instance that runs now was confirmed, see detached).
+        # UUIDs whose set-aside frames were kept across a source removed and added again: a drop
+        # confirms none of them (they were read before the instance running now showed, which it
+        # would retire); a message or reply under the UUID itself does, and a new UUID taking the
+        # epoch at once gives them their epochs first (see detached, _welcome_stashed).
         self._readded: set[bytes | None] = set()
         # Without a replay endpoint (no doubt to settle): the connection dropped and nothing was
         # read since, so a new UUID now is a restart at once.
@@ -1511,7 +1513,8 @@ class StreamSequencer:
             # No UUID on the reply, none of the epoch's batches to compare it with, and the live
             # publisher may have changed: whoever holds the replay socket now answered, this
             # epoch's instance or the next. The next message under a UUID decides: another UUID
-            # is a restart, the epoch's own (a heartbeat too) says who holds the engine now.
+            # is a restart, the epoch's own says who holds the engine now when it is above the
+            # reply's seq (a heartbeat's next seq too); once one waits, every later one does.
             self._unattributed = max(self._unattributed, seq)
             return _LATER
         if self._anchor is not None:
@@ -1546,8 +1549,8 @@ class StreamSequencer:
         return _SAME
 
     def _adopt_published_before_doubt(self) -> None:
-        """Unverified batches stamped (engine clock) before the disconnect was noticed (bridge
-        clock, less ``clock_skew``) were published by the instance connected then: this epoch's."""
+        """Unverified batches stamped before the disconnect was noticed (both on the engine's clock,
+        less ``clock_skew``) were published by the instance connected then: this epoch's."""
         if self._doubt_since is None:
             return
         cutoff = self._doubt_since - self.clock_skew

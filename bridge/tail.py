@@ -250,10 +250,6 @@ async def _snapshot(
     return 1
 
 
-WRONG_TOPIC_FIX = "set the source's topic to the engine's KV events topic (\"\" for every topic)"
-"""What to do when only messages of other topics arrive (the run's reason ``wrong_topic`` says the same)."""
-
-
 class Caution(str):
     """What ``wire_shape`` found that may or may not be a problem (``--check`` says it as a
     warning): a window with only other topics' messages cannot tell a wrong ``topic`` from an
@@ -276,9 +272,10 @@ async def wire_shape(endpoint: str, topic: str, timeout: float) -> tuple[str, st
     ``timeout`` shows of the wire (for ``--check``): whether its sequence frame carries the
     publisher UUID (vLLM #57789), and the producer shape its payload has; "nothing within ..." for
     an idle engine. Listens as the run does, to every topic: messages only under other topics are
-    no idle engine but a wrong ``topic`` (the run would receive nothing, reason ``wrong_topic``).
-    Second: the problem, with its fix, or None: only other topics, or nothing of the message
-    could be decoded (its frames, its batch, or any of its events)."""
+    no idle engine but perhaps a wrong ``topic`` (the run would receive nothing, reason
+    ``wrong_topic``). Second: the problem, with its fix (nothing of the message could be
+    decoded: its frames, its batch, or any of its events); a :class:`Caution` (only other
+    topics: a warning); or None."""
     ctx = zmq.asyncio.Context()
     sub = ctx.socket(zmq.SUB)
     own, foreign = topic.encode(), list[str]()
