@@ -378,10 +378,10 @@ class Bridge:
     async def add_source(self, source: SourceConfig) -> None:
         """Subscribe to every rank of ``source`` (also used by discovery at run time)."""
         await self.load_state(streams_of(source))
-        for worker in self.workers:  # (running: each announces them before its next records)
-            worker.lost_at_start += self._lost_at_start.pop(id(_inner(worker.connector)), [])
         if self.skips:
             await self.take_over(streams_of(source))
+        for worker in self.workers:  # (running: each announces them before its next records)
+            worker.lost_at_start += self._lost_at_start.pop(id(_inner(worker.connector)), [])
         added = self._add_pipelines(source)
         await self.persist_epochs()  # epochs opened here are on disk before any record of them
         await self._start_readers(source, added)
@@ -852,6 +852,8 @@ class Bridge:
             unsure = any(isinstance(s.inner, PositionReader) and key not in h for s, h in zip(self.skips, held, strict=True))
             self.checkpointer.adopt(key, handover, unsure)
             resumed, top = self.checkpointer.resume_position(key), handover.top
+            if resumed is not None:
+                self._not_lost_after(stream, resumed)
             if head is not None and resumed is not None and (resumed.epoch, resumed.seq) > (head.epoch, head.seq):
                 # The sinks hold messages past their state (a pod killed between the two writes):
                 # the records in between will not come again, so the state cannot follow them.
@@ -885,6 +887,22 @@ class Bridge:
                         "seq": handover.resume.seq if handover.resume else None,
                     },
                 )
+
+    def _not_lost_after(self, stream: Stream, resume: ckpt.StreamPosition) -> None:
+        """What the start check found a sink lost of ``stream`` (load_state) past where the stream
+        resumes is not lost: it comes again from the engine's buffer (or a gap says what does not).
+        The check spares a sink the stream resumes from (``resumes_from``), but it sees only the
+        state sinks' positions; another sink's batch can anchor the resume too (combine)."""
+        for conn, spans in self._lost_at_start.items():
+            kept = []
+            for span in spans:
+                s, epoch, first, last = span
+                if s.key == stream.key and epoch == resume.epoch and last > resume.seq:
+                    if first <= resume.seq:
+                        kept.append((s, epoch, first, resume.seq))
+                    continue
+                kept.append(span)
+            self._lost_at_start[conn] = kept
 
     async def _positions(self, skip: SkipHeld, streams: list[Stream]) -> dict[str, ckpt.Held]:
         """What one sink holds of ``streams``; nothing (every stream unknown) when it cannot say."""

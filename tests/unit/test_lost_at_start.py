@@ -18,7 +18,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bridge.checkpoint import Checkpointer, SinkPosition, load
+from bridge.checkpoint import Checkpointer, SinkPosition, StreamPosition, load
 from bridge.records import Record, Stream, source_reset
 from bridge.runtime import Bridge
 from bridge.state import Head
@@ -120,3 +120,17 @@ def test_each_sink_is_announced_exactly_what_it_lost_in_the_last_two_epochs(
         h = held[i]
         assert announced == ([] if h is None else [b for b in batches[h:] if b[0] in last_two]), (sizes, h, spans)
     assert behind == expect_behind
+
+
+def test_what_a_sink_gets_again_after_where_the_stream_resumes_is_not_announced_lost() -> None:
+    """The reviewer's case: with checkpoint.from_sinks, the start check saw only the state sinks'
+    positions and announced a state sink's loss past where the stream then resumed (another sink's
+    batch anchored it): those seqs came again after their announcement. What lies past the resume
+    point, in its epoch, is dropped from the announcement; older epochs are kept."""
+    other = Stream("other", 0)
+    spans = [(STREAM, 5, 0, 9), (STREAM, 4, 3, 7), (other, 5, 0, 9)]
+    fake = SimpleNamespace(_lost_at_start={1: list(spans)})
+    Bridge._not_lost_after(fake, STREAM, StreamPosition(5, 4))  # type: ignore[arg-type]
+    assert fake._lost_at_start[1] == [(STREAM, 5, 0, 4), (STREAM, 4, 3, 7), (other, 5, 0, 9)]
+    Bridge._not_lost_after(fake, STREAM, StreamPosition(5, -1))  # type: ignore[arg-type]
+    assert fake._lost_at_start[1] == [(STREAM, 4, 3, 7), (other, 5, 0, 9)]
