@@ -611,8 +611,11 @@ class StreamSequencer:
         a new UUID taking the epoch at once came after them (not a drop: they were read before the
         instance running since the re-add showed, which a drop would retire)."""
         skip = set() if kept else self._readded
-        for instance in dict.fromkeys(i for i, _, _ in self._stash if i != but and i != by and i not in skip):
-            batches = self._unstash(instance)
+        # Every group taken out first: delivering one goes through live(), whose _meet ages (and
+        # may dead-letter) what is still set aside.
+        chosen = dict.fromkeys(i for i, _, _ in self._stash if i not in (but, by) and i not in skip)
+        groups = [(i, self._unstash(i)) for i in chosen]
+        for instance, batches in groups:
             if instance is not None and instance in self._retired:
                 out += [Duplicate(seq) for seq, _, _ in batches]
                 continue
@@ -1151,6 +1154,7 @@ class StreamSequencer:
         new epoch takes this reply and asks its instance for the rest from seq 0 to the end: the
         replay given up (its later replies are dropped from now on) may have been bringing seqs
         above this one that no live message will show (a quiet engine)."""
+        self._welcome_stashed(out, but=instance, kept=True)  # (read before it: their epochs first)
         old = self.instance
         self._restart(out, INSTANCE_CHANGED, trigger_ts=ts)
         if old is not None:

@@ -444,3 +444,35 @@ def test_a_frame_kept_across_a_re_add_goes_out_first_when_a_reply_under_its_uuid
         out += s.replayed(req.request_id, 5, p(B, 5), instance=B) + s.replay_finished(req.request_id, complete=True)
     assert (1, 0) in delivered(out), out
     assert not [a for a in out if isinstance(a, Lost) and a.epoch == 1 and a.from_seq <= 0 <= a.to_seq], out
+
+
+def test_frames_of_two_uuids_kept_across_re_adds_get_their_epochs_in_turn_without_failing() -> None:
+    """breaker56 B1: frames of B and C kept across re-adds, aged 63 under the engine's messages; a new
+    UUID D takes the epoch at once. Delivering B's frame went through live(), whose aging
+    dead-lettered C's meanwhile, and the loop then raised IndexError on C's empty group: every
+    action decided was lost and the stream's task failed (I5). Each group is taken out first."""
+    D = b"\xdd" * 16
+    s = seqr(replay=False)
+    feed(s, A, range(3))
+    s._stash = [(B, (0, p(B, 0), None), 63), (C, (0, p(C, 0), None), 63)]
+    s._readded = {B, C}
+    assert s.disconnected(now=10.0) == []  # (a drop confirms nothing kept across a re-add)
+    out = s.live(0, p(D, 0), instance=D)
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(n, INSTANCE_CHANGED) for n in (1, 2, 3)]
+    assert delivered(out) == [(1, 0), (2, 0), (3, 0)] and not suspects(out)
+
+
+def test_a_reply_under_a_new_uuid_gives_frames_kept_across_a_re_add_their_epochs_first() -> None:
+    """breaker56 B2: B's seq 0 waits, the source is removed and added again (B:0 kept), B dies and C
+    runs; the start-up replay, answered under C's UUID, opened C's epoch at once, and B:0 aged out
+    under C's messages, dead-lettered: neither delivered nor announced (I3). A new UUID taking the
+    epoch at once by a reply came after it, as by a live message: B's epoch comes first."""
+    s = seqr()
+    feed(s, A, range(3))
+    s.live(0, p(B, 0), instance=B)
+    s.detached()
+    out = s.disconnected(None, readded=True)
+    ask = [a for a in out + s.probe() if isinstance(a, RequestReplay)][-1]
+    out += s.replayed(ask.request_id, 0, p(C, 0), instance=C)
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED), Reset(2, INSTANCE_CHANGED)]
+    assert delivered(out) == [(1, 0), (2, 0)] and s.sure_instance in (C, None) and s.instance == C
