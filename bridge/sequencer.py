@@ -417,9 +417,7 @@ class StreamSequencer:
                 if not self._doubt and not dropped:
                     self._await_newcomer(out, _Newcomer(instance, (seq, payload, ts), ts, seq))
                     return out
-                self._welcome_stashed(out, but=instance, kept=True)  # (read before it: their epochs first)
                 self._changed(out, instance, ts)  # (after a drop: a restart at once)
-                self._take_stashed(out, instance)
             # (the new epoch's first message, below; else first contact, or an id adopted in
             # doubt, not verified yet)
         out += self._live(seq, payload, ts)
@@ -448,9 +446,7 @@ class StreamSequencer:
                 if not self._restarts(instance):
                     self.instance, self._instance_sure = instance, not self._doubt  # first contact
                 elif self._doubt or dropped:
-                    self._welcome_stashed(out, but=instance, kept=True)  # (read before it: their epochs first)
                     self._changed(out, instance, None)  # (after a drop: a restart at once)
-                    self._take_stashed(out, instance)
                 else:
                     self._await_newcomer(out, _Newcomer(instance, None, None, next_seq - 1))
                     return out
@@ -486,7 +482,15 @@ class StreamSequencer:
         return True
 
     def _changed(self, out: list[Action], instance: bytes | None, ts: float | None) -> None:
-        """The certain restart shown by a message under ``instance`` (engine ts ``ts``)."""
+        """The certain restart shown by a message (or a reply) under ``instance`` (engine ts ``ts``),
+        at once: frames set aside across a re-add for UUIDs before it get their epochs first, and
+        its own go out first in its epoch."""
+        self._welcome_stashed(out, but=instance, kept=True)
+        self._restart_under(out, instance, ts)
+        self._take_stashed(out, instance)
+
+    def _restart_under(self, out: list[Action], instance: bytes | None, ts: float | None) -> None:
+        """The restart to ``instance``'s epoch: the old instance retired."""
         old = self.instance
         self._restart(out, INSTANCE_CHANGED, trigger_ts=ts)
         if old is not None:
@@ -595,7 +599,7 @@ class StreamSequencer:
             return
         self._welcome_stashed(out, nc.instance, by)
         if nc.instance != self.instance and self._restarts(nc.instance):
-            self._changed(out, nc.instance, nc.ts)
+            self._restart_under(out, nc.instance, nc.ts)
         for batch in [*self._unstash(nc.instance), *([nc.batch] if nc.batch is not None else [])]:
             out += self.live(*batch, nc.instance)
         if nc.batch is None:
@@ -620,7 +624,7 @@ class StreamSequencer:
                 out += [Duplicate(seq) for seq, _, _ in batches]
                 continue
             if instance != self.instance and self._restarts(instance):
-                self._changed(out, instance, batches[0][2])
+                self._restart_under(out, instance, batches[0][2])
             for batch in batches:
                 out += self.live(*batch, instance)
 
@@ -1154,13 +1158,7 @@ class StreamSequencer:
         new epoch takes this reply and asks its instance for the rest from seq 0 to the end: the
         replay given up (its later replies are dropped from now on) may have been bringing seqs
         above this one that no live message will show (a quiet engine)."""
-        self._welcome_stashed(out, but=instance, kept=True)  # (read before it: their epochs first)
-        old = self.instance
-        self._restart(out, INSTANCE_CHANGED, trigger_ts=ts)
-        if old is not None:
-            self._retire(old)
-        self.instance, self._instance_sure = instance, not self._doubt
-        self._take_stashed(out, instance)  # (its frames set aside across a re-add: first, in its epoch)
+        self._changed(out, instance, ts)
         self._top = max(self._top, seq)
         if seq <= self.delivered:
             out.append(Duplicate(seq))
