@@ -62,11 +62,16 @@ def _inner(conn: Any) -> Connector:
     return conn.inner if isinstance(conn, SkipHeld) else conn
 
 
-def _whole(held: ckpt.SinkPosition | None) -> ckpt.SinkPosition | None:
-    """A sink's last message of a stream, as the whole batch it belongs to."""
-    if isinstance(held, ckpt.SinkPosition) and held.kind == "batch" and held.index is not None:
-        return msgspec.structs.replace(held, index=None)
-    return held
+def _as_held(conn: Any, found: Mapping[str, ckpt.SinkPosition | None]) -> dict[str, ckpt.SinkPosition | None]:
+    """What a connector's ``positions`` found, as each stream's last record held: for one that
+    stores a batch's messages all or none (``whole_batches``: Redis), the whole batch its last
+    event belongs to (the start check and the handover both read them so)."""
+    if not getattr(conn, "whole_batches", False):
+        return dict(found)
+    return {
+        k: msgspec.structs.replace(v, index=None) if v is not None and v.kind == "batch" and v.index is not None else v
+        for k, v in found.items()
+    }
 
 
 def _told_by_worker(record: Record) -> bool:
@@ -727,8 +732,7 @@ class Bridge:
                 # (Not from a control record with no batch to verify the instance: announced here.)
                 continue
             if isinstance(last, ckpt.SinkPosition):
-                whole = getattr(conn, "whole_batches", False) and last.kind == "batch"
-                at = (last.epoch, last.seq if whole else last.first_missing() - 1)
+                at = (last.epoch, last.first_missing() - 1)
                 if acked.empty and at == (acked.epoch, acked.seq - 1):
                     at = top  # (the batch every sink acknowledged last holds no event: no message of it at event granularity)
             elif stream.key in getattr(conn, "records_gone", ()) or (
@@ -765,7 +769,7 @@ class Bridge:
             return {}
         try:
             async with asyncio.timeout(self.config.state.load_timeout):
-                return await conn.positions(streams)
+                return _as_held(conn, await conn.positions(streams))
         except Exception as exc:  # TimeoutError, a connector error, a client's own
             log.error(
                 "cannot read back what the sink holds: a state behind is announced lost from its head; records lost "
@@ -926,9 +930,7 @@ class Bridge:
                 },
             )
             return {}
-        if getattr(reader, "whole_batches", False):
-            # It stores a batch's messages all or none (Redis): its last event is its batch's last.
-            found = {k: _whole(v) for k, v in found.items()}
+        found = _as_held(reader, found)
         unknown = [s.key for s in streams if s.key not in found]
         if unknown:
             log.warning(
