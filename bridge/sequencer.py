@@ -296,11 +296,22 @@ class StreamSequencer:
         # (seq, ts) of a batch of this epoch below an anchor without a ts (see reference()).
         self._ref: tuple[int, float] | None = None
         self._floor_ts: float | None = None  # engine ts of the batch that showed this epoch's instance
+        # A restart a replay inferred by answering nothing from our position: no batch showed the
+        # new instance, so the first batch delivered in its epoch sets _floor_ts. (A batch of
+        # this instance dropped below it, its clock stepped back, is fetched by replay.)
+        self._floor_pending = False
         # The last live seq of the instance before it, when the live stream showed the restart
         # (-1: unknown; see _late_of_older).
         self._older_last = -1
         self._doubt_since: float | None = None  # when the disconnect was noticed (the engine's clock: disconnected)
         self._drops = 0  # disconnects noticed since continuity came into doubt
+        # This epoch was opened for a UUID by a certain restart (``_restart_under``): its instance
+        # is that UUID's, and the live batches that came under it are its, even in doubt.
+        self._opened_for: bytes | None = None
+        # And the doubt it opened in was the one before it (``_restart``'s ``again``), no drop
+        # since: a message under another UUID is a newcomer to confirm, not a restart at once (it
+        # may be a late frame of an instance gone before this one).
+        self._reopened = False
         self._last_drop: float | None = None  # and the latest one (likewise)
         # The publisher UUID of this epoch's instance (None: unknown, or it sends none) and the
         # UUIDs of instances gone (see the module docstring).
@@ -376,7 +387,9 @@ class StreamSequencer:
         changed, otherwise (then call ``live``). The hot path of every steady stream."""
         if seq != self.delivered + 1 or seq <= self._top or self.held or self._doubt or instance != self.instance:
             return False
-        if self._aside is not None or self._newcomer is not None or self._stash or self._dropped:  # (live() settles these)
+        if (
+            self._aside is not None or self._newcomer is not None or self._stash or self._dropped or self._floor_pending
+        ):  # (live() settles these)
             return False
         last = self.last_live
         if last is not None and seq <= last:
@@ -414,12 +427,15 @@ class StreamSequencer:
                 return self._same_instance(out, seq, payload)
             if instance != self.instance and self._restarts(instance):
                 ts = _finite(ts) if ts is not None else self._ts_of(payload)
-                if not self._doubt and not dropped:
+                if (not self._doubt or self._reopened) and not dropped:
                     self._await_newcomer(out, _Newcomer(instance, (seq, payload, ts), ts, seq))
                     return out
                 self._changed(out, instance, ts)  # (after a drop: a restart at once)
             # (the new epoch's first message, below; else first contact, or an id adopted in
             # doubt, not verified yet)
+        if self._before_epoch(seq, payload, ts):
+            out.append(Duplicate(seq))
+            return out  # (an instance's before this epoch's: its UUID, if any, is not this epoch's)
         out += self._live(seq, payload, ts)
         if instance is None:
             self._anonymous = True
@@ -445,7 +461,7 @@ class StreamSequencer:
             if instance != self.instance:
                 if not self._restarts(instance):
                     self.instance, self._instance_sure = instance, not self._doubt  # first contact
-                elif self._doubt or dropped:
+                elif (self._doubt and not self._reopened) or dropped:
                     self._changed(out, instance, None)  # (after a drop: a restart at once)
                 else:
                     self._await_newcomer(out, _Newcomer(instance, None, None, next_seq - 1))
@@ -496,6 +512,8 @@ class StreamSequencer:
         if old is not None:
             self._retire(old)  # (also one adopted in doubt: another id has come since)
         self.instance, self._instance_sure = instance, not self._doubt
+        self._opened_for = instance
+        self._reopened = self._doubt
 
     def _take_stashed(self, out: list[Action], instance: bytes | None) -> None:
         """``instance`` has its epoch now: what was set aside for it (read before, kept across a
@@ -904,21 +922,26 @@ class StreamSequencer:
                 detail = f"live seq {aside[0]} is ahead of its engine: two replays hold nothing past seq {self._replied_top}"
                 out.append(Suspect(aside[0], aside[1], detail))
 
-    def _live(self, seq: int, payload: bytes, ts: float | None) -> list[Action]:
-        """:meth:`live` by inference (no UUID decides)."""
-        out: list[Action] = []
+    def _before_epoch(self, seq: int, payload: bytes, ts: float | None) -> bool:
+        """Is a live batch stamped before the first one known of this epoch's instance a late batch of
+        an instance that came before it (read after the restart showed), never this one's? (If
+        not, this instance's clock stepped back: its batches are stamped from there on.)"""
         floor = self._floor_ts
-        if floor is not None:
-            ts = _finite(ts) if ts is not None else self._ts_of(payload)
-            if ts is not None and ts < floor:
-                if self._late_of_older(seq):
-                    # Older than the first batch seen of this epoch's instance: a late batch of an
-                    # instance that came before it (read after the restart showed), never this one's.
-                    if self._older_last >= 0:
-                        self._older_last = seq
-                    out.append(Duplicate(seq))
-                    return out
-                self._floor_ts = ts  # this instance's clock stepped back: its batches are stamped from here
+        if floor is None:
+            return False
+        ts = _finite(ts) if ts is not None else self._ts_of(payload)
+        if ts is None or ts >= floor:
+            return False
+        if self._late_of_older(seq):
+            if self._older_last >= 0:
+                self._older_last = seq
+            return True
+        self._floor_ts = ts
+        return False
+
+    def _live(self, seq: int, payload: bytes, ts: float | None) -> list[Action]:
+        """:meth:`live` by inference (no UUID decides), for a batch not older than the epoch."""
+        out: list[Action] = []
         if not self._doubt and self._confirm_aside(out, seq, payload):
             out.append(Duplicate(seq))
             return out
@@ -1060,6 +1083,7 @@ class StreamSequencer:
             self._request(out)
         self._drops += 1
         self._last_drop = now
+        self._reopened = False
         if not self._doubt:
             self._doubt = True
             self._doubt_since = now  # (_drops was 0: it is whenever continuity is not in doubt)
@@ -1149,6 +1173,11 @@ class StreamSequencer:
             if self._anchor is not None and seq == self._anchor[0] and seq <= self.delivered:
                 out.append(Duplicate(seq))  # the verification reply itself (delivered before)
                 return out
+        if instance is not None and self.instance is None and not self._anonymous and not self._doubt:
+            # The epoch's batches are this UUID's replies: a live message under another one is
+            # not a first contact but a newcomer (perhaps a late one of an instance before it).
+            # Unsure: the replay socket answered, not the live publisher.
+            self.instance = instance
         self._take(out, seq, payload)
         return out
 
@@ -1437,6 +1466,7 @@ class StreamSequencer:
         socket, and nothing compared the live publisher's batches."""
         self._doubt = False  # (_doubt_since matters only in doubt, and every way into doubt sets it)
         self._drops = 0
+        self._reopened = False
         self._unattributed = -1
         aside = self._aside
         if aside is not None and self._aside_below:
@@ -1570,6 +1600,10 @@ class StreamSequencer:
             self._deliver(out, nxt, payload)
 
     def _deliver(self, out: list[Action], seq: int, payload: bytes, replayed: bool = False) -> None:
+        if self._floor_pending:
+            self._floor_pending = False
+            if self._floor_ts is None:
+                self._floor_ts = self._ts_of(payload)
         self.delivered = self._anchor_seq = seq
         self._last_payload = payload  # its fingerprint replaces _fp when next asked for
         out.append(Deliver(seq, payload, self.epoch, replayed))
@@ -1721,6 +1755,12 @@ class StreamSequencer:
         # told by their engine ts; the rest cannot be proven and is announced lost with the old
         # epoch's tail rather than delivered under it (I1 before I4).
         self._adopt_published_before_doubt()
+        if self._opened_for is not None and self._opened_for == self.instance:
+            # Read live under the UUID this epoch was opened for: its instance's, whoever took
+            # the epoch since (a frame kept across a re-add, welcomed just before).
+            for seq in self._vouching & self.unverified.keys():
+                self.held[seq] = self.unverified.pop(seq)
+        self._opened_for = None
         # The anchor is the old instance's even when above delivered (a batch known published,
         # resumed from the checkpoint, not known delivered).
         known = [self.delivered, self._anchor_seq, self._owed, *self.held, *self.unverified]
@@ -1767,6 +1807,7 @@ class StreamSequencer:
         self._suspect = None
         self._fresh = self._join = self._resumed = False
         self._floor_ts = None
+        self._floor_pending = reason == PUBLISHER_RESTART  # (the caller may set the floor first)
         self._older_last = -1
         if self.instance is not None and self._instance_sure:  # (one adopted in doubt was never this epoch's for certain)
             self._retire(self.instance)
@@ -1789,6 +1830,7 @@ class StreamSequencer:
         if theirs_aside:
             self._aside, self._aside_asked, self._aside_refuted, self._aside_silent = aside, False, 0, 0
             self._aside_below = False
+        self._reopened = False  # (set by _restart_under, whose epoch this is)
         if again:
             self._doubt, self._doubt_since, self._drops = True, last, 1
             self.unverified, self.held = self.held, {}  # what was carried is not verified against it either

@@ -12,6 +12,7 @@ import zlib
 import pytest
 
 from bridge.sequencer import Action, Deliver, Duplicate, Lost, RequestReplay, Reset, StreamSequencer, fingerprint
+from tests.unit.test_sequencer_newcomer import serve
 
 
 def p(instance: int, seq: int) -> bytes:
@@ -608,3 +609,30 @@ def test_a_new_instances_own_live_batch_below_what_its_replay_brought_is_its() -
         s.replayed(req.request_id, q, p(1, q))
     s.replay_finished(req.request_id, complete=True)
     assert s.live(3, p(1, 3)) == [Deliver(3, p(1, 3), 1), Deliver(4, p(1, 4), 1)] and s.epoch == 1
+
+
+@pytest.mark.parametrize("uuids", [False, True], ids=["no UUID", "UUIDs"])
+def test_late_batches_of_an_instance_gone_before_a_restart_a_replay_showed_stay_out_of_its_epoch(uuids: bool) -> None:
+    """breaker58 B2: instance 0 delivered 0..2; instance 1 ran and died while the stream read its
+    queue late (instance 1's 0..2 still in it), and instance 2 runs now. The idle probe's replay
+    answers nothing from seq 2: a restart, and the replay from seq 0 delivers instance 2's 0..1 in
+    epoch 1. Then instance 1's batches are read: with no batch showing the new instance, its epoch
+    had no clock floor, and instance 1's seq 2 went out in epoch 1 (with UUIDs, the first one read,
+    dropped, still gave the epoch its UUID). Instance 2's next live batch then opened epoch 2 and
+    its 0..2 went out again (I1). Stamped before the epoch's first batch, they are an earlier
+    instance's now, and their UUID is not the epoch's."""
+    ids = {n: bytes([n + 1]) * 16 if uuids else None for n in range(3)}
+    s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts, clock_skew=0.25)
+
+    out = serve(s, s.start(), {0: p(0, 0), 1: p(0, 1)}, ids[0])
+    out += s.live(2, p(0, 2), instance=ids[0])
+    now = {0: p(2, 0), 1: p(2, 1)}
+    out += serve(s, s.probe(), now, ids[2])
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, "publisher_restart")]
+    for q in range(3):
+        out += s.live(q, p(1, q), instance=ids[1])
+    now[2] = p(2, 2)
+    got = s.live(2, p(2, 2), instance=ids[2])
+    out += got + serve(s, got, now, ids[2])
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, "publisher_restart")]
+    assert [d for d in delivered(out) if d[0] == 1] == [(1, p(2, q)) for q in range(3)]

@@ -8,7 +8,7 @@ with forged UUIDs and restarts nobody noticed is ``UuidModel.forge_uuid`` and
 
 from __future__ import annotations
 
-from bridge.sequencer import INSTANCE_CHANGED, Action, Deliver, Duplicate, Lost, RequestReplay, Reset, Suspect
+from bridge.sequencer import INSTANCE_CHANGED, Action, Deliver, Duplicate, Lost, RequestReplay, Reset, StreamSequencer, Suspect
 from tests.unit.test_sequencer_uuid import A, B, C, delivered, feed, p, seqr
 
 FORGED = b"f:99"  # (a ts the engine never stamped)
@@ -476,3 +476,78 @@ def test_a_reply_under_a_new_uuid_gives_frames_kept_across_a_re_add_their_epochs
     out += s.replayed(ask.request_id, 0, p(C, 0), instance=C)
     assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED), Reset(2, INSTANCE_CHANGED)]
     assert delivered(out) == [(1, 0), (2, 0)] and s.sure_instance in (C, None) and s.instance == C
+
+
+def serve(s: StreamSequencer, out: list[Action], buffer: dict[int, bytes], instance: bytes | None) -> list[Action]:
+    """The engine answers every replay the sequencer asks for (the one in flight), from ``buffer``."""
+    got: list[Action] = []
+    pending = requests(out)
+    while pending:
+        req = pending.pop(0)
+        if req.request_id != s._replay:
+            continue
+        more: list[Action] = []
+        for n in sorted(q for q in buffer if q >= req.start and (req.until < 0 or q <= req.until)):
+            more += s.replayed(req.request_id, n, buffer[n], instance=instance)
+        more += s.replay_finished(req.request_id, complete=True)
+        got += more
+        pending += requests(more)
+    return got
+
+
+def test_a_late_frame_of_an_instance_before_the_one_that_took_the_epoch_after_two_drops_retires_nothing() -> None:
+    """breaker58 B1: A delivered 0..2; the connection drops twice; C, idle, shows by its heartbeat
+    (no ts to date it: its epoch opens still in the drops' doubt). B ran between the drops: its
+    seq 0 is read only now. Taken for a restart at once (a new UUID in doubt), it opened an epoch
+    after C's and retired C, the running engine: every later batch and reply of C was dropped as
+    a retired instance's, never delivered nor announced (I3). It waits as a newcomer now, and
+    C's reply at its seq refutes it."""
+    s = seqr()
+    feed(s, A, range(3))
+    s.disconnected(now=10.0)
+    s.disconnected(now=20.0)
+    out = s.heartbeat(0, C)
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
+    out += s.live(0, p(B, 0), instance=B)
+    out += feed(s, C, range(4))
+    out += serve(s, out, {n: p(C, n) for n in range(4)}, C)
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
+    assert C not in s.retired_instances and s.instance == C
+    assert delivered(out) == [(1, n) for n in range(4)] and suspects(out) == [0]
+
+
+def test_a_frame_kept_across_two_re_adds_goes_out_in_its_epoch_when_a_new_uuid_takes_over() -> None:
+    """breaker58 B3: B's seq 0 waits for its confirmation; discovery removes and adds the source
+    twice (no drop time: a pipeline added again has no clock sample yet). C's first message then
+    takes the epoch at once, and B's epoch comes first, with B:0 (57e414d). But B's epoch opened
+    in the two drops' doubt, B:0 waited there unverified, and C's restart, unable to date it,
+    announced it lost in B's own epoch (I4: it had reached the bridge under B's UUID). A batch
+    read under the UUID its epoch was opened for is that epoch's."""
+    s = seqr()
+    feed(s, A, range(3))
+    s.live(0, p(B, 0), instance=B)
+    for _ in range(2):
+        s.detached()
+        s.disconnected(None, readded=True)
+        s.start()
+    out = s.live(0, p(C, 0), instance=C)
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED), Reset(2, INSTANCE_CHANGED)]
+    assert delivered(out) == [(1, 0), (2, 0)]
+    assert not [a for a in out if isinstance(a, Lost)]
+
+
+def test_a_live_uuid_other_than_the_replies_a_fresh_epoch_was_built_from_is_no_first_contact() -> None:
+    """breaker58 walk, seed 407: met for the first time, the start-up replay is answered by C (its
+    seq 0, under C's UUID); then B's 0..1, an instance before C whose last batches were still
+    queued, are read. B's seq 0 was dropped as a copy, and its UUID taken as the epoch's at first
+    contact: B's seq 1 went out in the epoch of C's seq 0 (I1). C's replies name the epoch's
+    instance now (unsure: the replay socket answered), so B's frames wait as newcomers, and C's
+    replies refute them."""
+    s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=lambda payload: None)
+    out = serve(s, s.start(), {0: p(C, 0)}, C)
+    out += s.live(0, p(B, 0), instance=B)
+    out += serve(s, out, {0: p(C, 0)}, C)
+    got = s.live(1, p(B, 1), instance=B)
+    out += got + serve(s, got, {0: p(C, 0)}, C)
+    assert [a.payload for a in out if isinstance(a, Deliver)] == [p(C, 0)]
+    assert suspects(out) == [0, 1] and s.instance == C and not s.retired_instances
