@@ -825,6 +825,10 @@ class NatsConnector:
         self._where = shown_servers(options.server_list)
         self._subjects = _Subjects(options.subject)
         self._nc: Client | None = None
+        # A new client for one nats-py closed for good (see _revived): the attempt in flight, and
+        # when the next may start.
+        self._revival: asyncio.Task[None] | None = None
+        self._revive_after = 0.0
         self._last_error: str | None = None
         self._refusal: str | None = None  # the reason (auth, tls) when _last_error is the server refusing us
         self._refused_at = 0.0  # when the server last refused us (see _on_error)
@@ -954,10 +958,10 @@ class NatsConnector:
             if self.options.mode == "jetstream":
                 await self._check_publish(nc)
         except NotConnected:
-            await self.close()
+            await self._discard(nc)
             raise
         except (TimeoutError, OSError, nats.errors.Error) as exc:
-            await self.close()
+            await self._discard(nc)
             raise NotConnected(f"{self._prefix}: NATS at {self._where} failed during setup: {_describe(exc)}") from None
         log.info("%s: connected to NATS at %s (%s)", self._prefix, self._where, self.options.mode, extra={"sink": self.name})
 
@@ -979,11 +983,49 @@ class NatsConnector:
             if self._permission_problem is not None:
                 raise NotConnected(self._permission_problem, reason="no_permission")
 
+    async def _discard(self, nc: Client) -> None:
+        """A client whose setup failed: closed, and kept closed (the next connect makes a new one)."""
+        self._fail_acks(NotConnected(f"{self._prefix}: closed"))
+        await self._close_client(nc)
+
+    async def _revived(self) -> Client | None:
+        """The client, connected again if nats-py closed it for good: it does so after a server
+        error it takes as fatal (a "Maximum Payload Violation" once a configuration reload lowered
+        ``max_payload``; an authorization violation), and never reconnects then. A new client learns
+        the server's limits afresh, so the message over the new one is then refused for itself.
+        One attempt at a time (shielded: a caller's timeout does not cut it short), at most once
+        per ``reconnect_wait`` plus jitter; None while not connected."""
+        nc = self._nc
+        if nc is None or not nc.is_closed:
+            return nc
+        task = self._revival
+        if task is None:
+            now = time.monotonic()
+            if now < self._revive_after:
+                return None
+            self._revive_after = now + self.options.reconnect_wait + random.uniform(0, self.options.reconnect_jitter)
+            task = self._revival = asyncio.get_running_loop().create_task(self._revive())
+        await asyncio.shield(task)
+        return self._nc if self._nc is not None and not self._nc.is_closed else None
+
+    async def _revive(self) -> None:
+        try:
+            log.warning(
+                "%s: the NATS client was closed (%s): connecting again",
+                self._prefix,
+                self._last_error or "by the server",
+                extra={"sink": self.name},
+            )
+            with contextlib.suppress(NotConnected):
+                await self.connect()
+        finally:
+            self._revival = None
+
     async def write(self, messages: Sequence[Message]) -> None:
         """JetStream: return once every message is acknowledged; core: once flushed."""
-        nc = self._nc
         if not messages:
             return
+        nc = await self._revived()
         if nc is None or nc.is_closed:
             raise NotConnected(f"{self._prefix}: not connected to NATS at {self._where}")
         if not nc.is_connected:
@@ -1004,12 +1046,15 @@ class NatsConnector:
         """Flush what is buffered and close the connection (the runtime bounds the call); never raises."""
         nc, self._nc = self._nc, None
         self._fail_acks(NotConnected(f"{self._prefix}: closed"))
+        revival, self._revival = self._revival, None
+        if revival is not None:
+            revival.cancel()
         if nc is not None:
             await self._close_client(nc)
 
     async def health(self) -> str | None:
         """None when connected (and, in JetStream mode, a stream captures the subjects), else why not."""
-        nc = self._nc
+        nc = await self._revived()
         if nc is None or nc.is_closed:
             return f"{self._prefix}: not connected to NATS at {self._where}"
         if not nc.is_connected:

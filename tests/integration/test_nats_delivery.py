@@ -472,3 +472,44 @@ def _check(path: str) -> tuple[int, str]:
     with redirect_stdout(out), redirect_stderr(err):
         code = check(path)
     return code, out.getvalue() + err.getvalue()
+
+
+async def test_a_message_over_a_max_payload_lowered_by_a_reload_is_refused_alone_and_the_sink_goes_on(tmp_path: Path) -> None:
+    """breaker57 B1: the operator lowers the server's max_payload by a configuration reload during a
+    run, and the next batch is over it. nats-py closes its client for good on the server's
+    "Maximum Payload Violation": the sink never connected again and stayed not ready, every later
+    batch undelivered, nothing dead-lettered nor announced, until the bridge restarted (I5, I6).
+    It connects again now, learns the new limit, and refuses that batch alone."""
+    from tests.integration.test_nats import _reload
+
+    server = await NatsServer(tmp_path / "nats").astart()
+    reader = await nats.connect(server.url)
+    try:
+        dest = _dest()
+        got: list[Msg] = []
+
+        async def on_msg(msg: Msg) -> None:
+            got.append(msg)
+
+        await reader.subscribe(f"{dest}.>", cb=on_msg)
+        await reader.flush()
+        h = Harness(tmp_path, server.url, dest, mode="core", max_messages=1)
+        h.start([record(A, seq, 200) for seq in range(5)])
+        try:
+            await _until(lambda: len(h.acked) == 5, "the first batches delivered")
+            await _reload(server, "max_payload: 16384")
+            for r in [record(A, 5, 20000), *(record(A, seq, 200) for seq in range(6, 10))]:
+                h.worker.force(r)
+            assert await h.worker.flush(30), f"not delivered: {h.worker.last_error}"
+            assert await h.connector.health() is None
+        finally:
+            await h.finish()
+        await _until(lambda: len({m.headers.get("seq") for m in got if m.headers}) >= 10, "every batch and the announcement")
+    finally:
+        await reader.close()
+        server.remove()
+    dead = h.dead()
+    assert [(d["source"], d["seq"]) for d in dead] == [("eng-a", 5)] and "max_payload" in dead[0]["detail"], dead
+    kinds = [(int((m.headers or {})["seq"]), (m.headers or {}).get("type", "batch")) for m in got]
+    assert [seq for seq, kind in kinds if kind == "EventBatch"] == [0, 1, 2, 3, 4, 6, 7, 8, 9], kinds
+    assert (5, "EventsLost") in kinds, kinds
