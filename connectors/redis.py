@@ -50,9 +50,11 @@ SADD or XADD (never DEL or SREM, which would let everything after them past the 
 
 A refusal of a whole script call is no entry's own: an operator's ``SCRIPT KILL`` (reason
 ``script_killed``) and a protocol error are retried. An argument over the server's
-``proto-max-bulk-len`` would make the server refuse the whole call (and close the connection), so
-the connector reads that limit at connect (Redis's default, 512 MB, when CONFIG is not allowed)
-and refuses a longer entry for itself (``Permanent``, reason ``too_large``) before the call.
+``proto-max-bulk-len`` would make the server refuse the whole call (and close the connection), and
+one over its ``client-query-buffer-limit`` (less 2: the CRLF) would make it close the connection,
+so the connector reads both limits at connect (Redis's defaults, 512 MB and 1 GB, when CONFIG is
+not allowed), again after a write whose connection failed, and refuses a longer entry for itself
+(``Permanent``, reason ``too_large``) before the call.
 
 Losses (I6). The connector remembers the last entry id it stored in each stream key and the
 ``_at``/``_gen`` it last wrote to each state hash, and the script checks them before it writes
@@ -95,7 +97,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 from urllib.parse import parse_qsl, urlsplit
@@ -819,7 +821,14 @@ _CALL_REFUSALS = (
     ),
 )
 _MAX_BULK = 512 * 1024 * 1024  # Redis's default proto-max-bulk-len
-_SETTINGS = ("proto-max-bulk-len", "appendonly", "maxmemory-policy", "min-replicas-to-write")
+_MAX_QUERY = 1024 * 1024 * 1024  # and client-query-buffer-limit
+_SETTINGS = (
+    "proto-max-bulk-len",
+    "client-query-buffer-limit",
+    "appendonly",
+    "maxmemory-policy",
+    "min-replicas-to-write",
+)
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
 _KEYS_PER_STREAM = 64
 
@@ -977,7 +986,8 @@ class RedisConnector:
         self._owners: dict[str, str] = {}
         self._keys: dict[str, dict[str, None]] = {}
         self._streams: dict[str, Stream] = {}  # the engine streams of _keys
-        self._max_bulk: int | None = None  # the server's proto-max-bulk-len (None: read it again)
+        self._max_bulk: int | None = None  # the longest argument the server takes (None: read it again)
+        self._max_bulk_by = "proto-max-bulk-len"  # the setting that sets it
         self._min_replicas = 0  # the server's min-replicas-to-write (0: off, or CONFIG not allowed)
         # What this connector stored, checked by the script before it builds on it (I6): the last
         # entry id stored in each stream key (keys bounded like _keys), the (_at, _gen) last written
@@ -1129,9 +1139,10 @@ class RedisConnector:
 
     async def _read_settings(self) -> dict[str, str]:
         """The server's settings this sink depends on (``CONFIG GET``, one command per setting: Redis
-        6 takes one pattern; in a cluster, one node's), and ``proto-max-bulk-len`` remembered: an
-        argument longer than it makes the server refuse the whole script call (and close the
-        connection), so a longer entry is refused for itself before the call is sent. A server that
+        6 takes one pattern; in a cluster, one node's), and the longest argument it takes remembered
+        (``proto-max-bulk-len``, and ``client-query-buffer-limit``): a longer one makes the server
+        refuse the whole script call, or close the connection, so a longer entry is refused for
+        itself before the call is sent. A server that
         does not allow CONFIG (an ACL, a managed service) keeps Redis's defaults."""
         client = self._connection()
         settings: dict[str, str] = {}
@@ -1143,14 +1154,12 @@ class RedisConnector:
             pairs = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
             for k, v in pairs:
                 settings[_text(k)] = _text(v)
-        try:
-            self._max_bulk = int(settings.get("proto-max-bulk-len", _MAX_BULK))
-        except ValueError:
-            self._max_bulk = _MAX_BULK
-        try:
-            self._min_replicas = int(settings.get("min-replicas-to-write", 0))
-        except ValueError:
-            self._min_replicas = 0
+        limits = [(_setting(settings, "proto-max-bulk-len", _MAX_BULK), "proto-max-bulk-len")]
+        # An argument is read whole into the connection's query buffer (with its CRLF): over
+        # client-query-buffer-limit, the server closes the connection instead of refusing it.
+        limits.append((_setting(settings, "client-query-buffer-limit", _MAX_QUERY) - 2, "client-query-buffer-limit"))
+        self._max_bulk, self._max_bulk_by = min(limits)
+        self._min_replicas = _setting(settings, "min-replicas-to-write", 0)
         return settings
 
     async def health(self) -> str | None:
@@ -1233,8 +1242,8 @@ class RedisConnector:
             if len(value) > max_bulk:
                 # The server would refuse the whole call (every entry of the stream in this write).
                 errors[i] = Permanent(
-                    f"{self._prefix}: entry {ident} of {key} is {len(value)} bytes, over the server's "
-                    f"proto-max-bulk-len ({max_bulk} bytes): refused; raise proto-max-bulk-len or keep "
+                    f"{self._prefix}: entry {ident} of {key} is {len(value)} bytes, over what the server's "
+                    f"{self._max_bulk_by} takes ({max_bulk} bytes): refused; raise {self._max_bulk_by} or keep "
                     "batches smaller at the engine",
                     reason="too_large",
                 )
@@ -1254,6 +1263,9 @@ class RedisConnector:
                 replies = await pipe.execute(raise_on_error=False)
             except (RedisError, RedisClusterException, OSError) as exc:
                 # The pipeline as a whole failed; what was stored is recognised by its id on retry.
+                # A limit lowered since they were read makes the server close the connection at an
+                # entry over it: read them again before the retry.
+                self._max_bulk = None
                 raise self._classify(exc) from None
             lost: list[SinkLost] = []
             for call, reply in zip(calls.values(), replies, strict=True):
@@ -1762,6 +1774,14 @@ class RedisConnector:
         if isinstance(exc, RedisClusterException):
             return Retriable(f"{where}: {text}", retry_after=0.5, reason="cluster")
         return Retriable(f"{where}: {text}")
+
+
+def _setting(settings: Mapping[str, str], name: str, default: int) -> int:
+    """A numeric server setting (``CONFIG GET``), ``default`` when unknown or not a number."""
+    try:
+        return int(settings.get(name, default))
+    except ValueError:
+        return default
 
 
 def _text(value: str | bytes) -> str:
