@@ -215,6 +215,7 @@ class StreamSequencer:
     _answered: bool  # a reply came
     _asked_unverified: bool  # unverified batches were waiting when it was asked for
     _asked_top: int  # the highest seq waiting then (-1: none)
+    _asked_claim: int  # and the highest a heartbeat of the epoch's instance said was published (-1: none)
 
     def __init__(
         self,
@@ -300,6 +301,7 @@ class StreamSequencer:
         # new instance, so the first batch delivered in its epoch sets _floor_ts. (A batch of
         # this instance dropped below it, its clock stepped back, is fetched by replay.)
         self._floor_pending = False
+        self._first_ts: float | None = None  # engine ts of the first batch delivered in this epoch (in this process)
         # The last live seq of the instance before it, when the live stream showed the restart
         # (-1: unknown; see _late_of_older).
         self._older_last = -1
@@ -349,6 +351,7 @@ class StreamSequencer:
         self._aside_silent = 0  # replays in a row since then that never came to an end
         self._aside_below = False  # a live seq below it was read after it (see _trust)
         self._replied_top = -1  # the highest reply of the replay in flight (what a Suspect's detail says)
+        self._replier: bytes | None = None  # the UUID its replies came under (None: none, or none yet)
         # The highest seq an idle heartbeat of this instance said was published, above what was
         # seen (-1: none), and the replays since that refute it (see _settle_claim).
         self._claimed = -1
@@ -408,6 +411,8 @@ class StreamSequencer:
             self._instance_sure = True  # (out of doubt, as live() would have it)
         self.last_live = self._top = self.delivered = self._anchor_seq = seq
         self._last_payload = payload
+        if self._first_ts is None:
+            self._first_ts = self._ts_of(payload)  # (as _deliver: see _predates_epoch)
         if self._replayed_crc:
             self._replayed_crc.clear()  # all at or below _top < seq: no late copy can follow
         return True
@@ -427,7 +432,7 @@ class StreamSequencer:
                 return self._same_instance(out, seq, payload)
             if instance != self.instance and self._restarts(instance):
                 ts = _finite(ts) if ts is not None else self._ts_of(payload)
-                if (not self._doubt or self._reopened) and not dropped:
+                if (not self._doubt or self._reopened or self._predates_epoch(ts)) and not dropped:
                     self._await_newcomer(out, _Newcomer(instance, (seq, payload, ts), ts, seq))
                     return out
                 self._changed(out, instance, ts)  # (after a drop: a restart at once)
@@ -540,7 +545,7 @@ class StreamSequencer:
         (_stash_newcomer). (Docs: concepts/correctness.md, "A new UUID".)"""
         self._newcomer = newcomer
         first = next((batch for i, batch, _ in self._stash if i == newcomer.instance), None)
-        if first is not None:
+        if first is not None and not self._predates_epoch(newcomer.ts) and not self._predates_epoch(first[2]):
             newcomer.ts = first[2]  # (what numbers the epoch: its first message)
             self._welcome(out)  # its second message: the first was set aside (_stash_newcomer)
             return
@@ -579,15 +584,26 @@ class StreamSequencer:
             return False
         if self._replay != self._newcomer_replay:
             return False
-        fp = self._fingerprint()
         ts = _finite(ts) if ts is not None else self._ts_of(payload)
-        if fp is None or fp[0] is None or ts is None or ts >= fp[0] - self.clock_skew:
+        if not self._predates_epoch(ts):
             return False
         # Past the bound, not kept (as a live batch past max_held): the engine's buffer still has
         # it, fetched by the epoch's replay if the newcomer is confirmed. Nothing else is pushed out.
         if sum(1 for i, _, _ in self._stash if i == instance) < _STASH_MAX:
             self._stash.append((instance, (seq, payload, ts), 1))
         return True
+
+    def _predates_epoch(self, ts: float | None) -> bool:
+        """Is a frame stamped ``ts`` older than this epoch's instance: before the first batch
+        delivered in the epoch (in this process; with none yet, the one that showed the instance),
+        less ``clock_skew``? Under another UUID such a frame is an instance's before the epoch's,
+        read late (its pipe drained after its successor's), unless the replay shows otherwise:
+        nothing else confirms it (a drop, a second message, a third UUID, time), or it would open
+        an epoch after the running instance's and retire it."""
+        if ts is None or not self.can_replay:
+            return False
+        bound = self._first_ts if self._first_ts is not None else self._floor_ts
+        return bound is not None and ts < bound - self.clock_skew
 
     def _newcomer_meets(self, out: list[Action], instance: bytes | None) -> None:
         """A live message or heartbeat (under ``instance``, not retired) while a newcomer waits:
@@ -598,7 +614,9 @@ class StreamSequencer:
         (_stash_newcomer)."""
         nc = self._newcomer
         assert nc is not None
-        if instance != self.instance:
+        if instance != self.instance and self._predates_epoch(nc.ts):
+            self._stash_newcomer(out)  # (the third one waits in its place; this one ages out, or its UUID's reply confirms it)
+        elif instance != self.instance:
             self._welcome(out, instance)
         elif self._replay is not None and self._replay == self._newcomer_replay:
             nc.contradicted = True  # (the replay about it decides: late batches of this instance prove nothing)
@@ -633,6 +651,8 @@ class StreamSequencer:
         a new UUID taking the epoch at once came after them (not a drop: they were read before the
         instance running since the re-add showed, which a drop would retire)."""
         skip = set() if kept else self._readded
+        # (Frames older than this epoch's batches are an instance's before it: never an epoch after it.)
+        skip |= {i for i, batch, _ in self._stash if self._predates_epoch(batch[2])}
         # Every group taken out first: delivering one goes through live(), whose _meet ages (and
         # may dead-letter) what is still set aside.
         chosen = dict.fromkeys(i for i, _, _ in self._stash if i not in (but, by) and i not in skip)
@@ -1059,7 +1079,9 @@ class StreamSequencer:
         next may come from a new instance. A batch set aside was read before the drop: it counts
         as any batch read then (held; a live seq at or below it is then another instance's)."""
         out: list[Action] = []
-        if self._newcomer is not None:
+        if self._newcomer is not None and self._predates_epoch(self._newcomer.ts):
+            self._stash_newcomer(out)  # (the drop may be its own dead connection's: see _predates_epoch)
+        elif self._newcomer is not None:
             self._welcome(out)  # (a restart drops the connection: as if it came after the drop)
         elif self._stash and not readded:
             # (every one of them; not when the source was added again: no evidence either way, so
@@ -1123,6 +1145,8 @@ class StreamSequencer:
             return out
         self._answered = True
         self._buffers = True
+        if instance is not None:
+            self._replier = instance
         if request_id == self._newcomer_replay:
             self._newcomer_replied(out, seq, payload, instance)
             return out
@@ -1212,6 +1236,7 @@ class StreamSequencer:
 
     def _next_request(self) -> int:
         """A new replay in flight (replies of any earlier one are ignored from now on)."""
+        self._replier = None
         self._request_id += 1
         self._replay = self._request_id
         return self._request_id
@@ -1238,10 +1263,15 @@ class StreamSequencer:
     def _new_instance(self, out: list[Action]) -> None:
         """The replay in flight was answered by another instance than this epoch's: the replies
         kept (``_early``) are its."""
-        replies, heard = self._early, self._heard
+        replies, heard, replier = self._early, self._heard, self._replier
         self._early, self._heard, self._skipped = {}, -1, False
         first = min(replies)
         self._restart(out, PUBLISHER_RESTART, evidence=(first, self._ts_of(replies[first])), theirs=replies)
+        if replier is not None and replier not in self._retired:
+            # Its batches are the replies under this UUID: a message under another one is not a
+            # first contact but a newcomer (perhaps a late one of an instance in between).
+            # Unsure: the replay socket answered, not the live publisher.
+            self.instance = replier
         if heard > max(replies):
             self._owed = max(self._owed, heard)  # its replies read but not kept (past max_held)
         # A live batch stamped before the new instance's first one known is an older instance's,
@@ -1327,7 +1357,10 @@ class StreamSequencer:
                 self._attempts = 0  # an answer came: the probe's attempts start afresh
                 self._request(out, probe=min(above))
                 return
-        if complete and not self._answered and (self._asked_unverified or (self._replay_start > 0 and self._buffers)):
+        # (A heartbeat of the epoch's instance saying, before it was asked, that it published past
+        # our position counts as a batch read live: that instance would hold it.)
+        claimed = self._asked_claim >= self._replay_start and self._until < 0 and not self._probing
+        if complete and not self._answered and (self._asked_unverified or claimed or (self._replay_start > 0 and self._buffers)):
             # The engine holds nothing from our position on, yet the instance that published it
             # still holds its latest seq (a fresh DEALER's first reply is never dropped by the
             # ROUTER's high-water mark), and the one that published the unverified batches would
@@ -1336,6 +1369,11 @@ class StreamSequencer:
             # before the replay was asked for count: those read since may have been published
             # after the engine answered (from seq 0, nothing buffered yet is no proof).
             self._restart(out, PUBLISHER_RESTART)
+            if not self._doubt:
+                # No batch of the new instance is known yet: one read live before its replay
+                # answers may be a late one of an instance in between. It waits, unverified,
+                # and that replay tells (no drop time: nothing is taken as published before it).
+                self._doubt, self._doubt_since = True, None
             self._request(out)
             return
         if complete and not self._answered and self._asked_from > 0 and self._floor < 0 and not self._probing:
@@ -1366,7 +1404,7 @@ class StreamSequencer:
                 # The old instance's gap cannot be filled by anyone who can be trusted: settle it
                 # (its held batches delivered, the rest lost) and stay in doubt. Live seqs above it
                 # (read in doubt, past the bound) are not known to be its: verify them afresh.
-                top = max(self._top, max(self.held, default=-1))
+                top = max(self._top, self._claimed, max(self.held, default=-1))  # (what its heartbeat said it published too)
                 if top > self.delivered:
                     self._lose(out, top, "replay_unavailable")
                 if self._gap_open():
@@ -1600,6 +1638,8 @@ class StreamSequencer:
             self._deliver(out, nxt, payload)
 
     def _deliver(self, out: list[Action], seq: int, payload: bytes, replayed: bool = False) -> None:
+        if self._first_ts is None:
+            self._first_ts = self._ts_of(payload)
         if self._floor_pending:
             self._floor_pending = False
             if self._floor_ts is None:
@@ -1645,6 +1685,7 @@ class StreamSequencer:
         # (In doubt, held batches too: read before it, their instance would hold their seqs.)
         self._asked_unverified = bool(self.unverified) or (self._doubt and bool(self.held))
         self._asked_top = max([*self.held, *self.unverified], default=-1)
+        self._asked_claim = self._claimed
         waiting = [*self.held, *self.unverified, *(self._aside[:1] if self._aside is not None else ())]
         # The last seq this replay must bring; -1: read to the end marker. In doubt, batches
         # waiting without a ts too: the replies of their seqs tell whose they are (_check).
@@ -1806,7 +1847,7 @@ class StreamSequencer:
         self._attempts = 0
         self._suspect = None
         self._fresh = self._join = self._resumed = False
-        self._floor_ts = None
+        self._floor_ts = self._first_ts = None
         self._floor_pending = reason == PUBLISHER_RESTART  # (the caller may set the floor first)
         self._older_last = -1
         if self.instance is not None and self._instance_sure:  # (one adopted in doubt was never this epoch's for certain)

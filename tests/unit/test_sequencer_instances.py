@@ -545,8 +545,38 @@ def test_a_new_instance_an_empty_replay_shows_is_not_held_to_the_previous_instan
     s.replay_finished(probe.request_id, complete=True)
     (probe,) = s.probe()
     assert isinstance(probe, RequestReplay)
-    assert Reset(2, "publisher_restart") in s.replay_finished(probe.request_id, complete=True)  # nothing from 1 on
-    assert s.live(0, p(1, 0)) == [Deliver(0, p(1, 0), 2)]
+    out = s.replay_finished(probe.request_id, complete=True)
+    assert Reset(2, "publisher_restart") in out  # nothing from 1 on
+    (ask,) = [a for a in out if isinstance(a, RequestReplay)]
+    assert s.live(0, p(1, 0)) == []  # (it waits for the new instance's replay: see the next test)
+    out = s.replayed(ask.request_id, 0, p(1, 0)) + s.replay_finished(ask.request_id, complete=True)
+    assert delivered(out) == [(2, p(1, 0))]
+
+
+def test_a_late_batch_read_before_the_replay_of_an_instance_an_empty_answer_showed_is_not_its() -> None:
+    """breaker59 X1: instance 0 delivered 0..2; instance 1 ran and died while the stream read its
+    queue late, and instance 2 runs now. The idle probe's replay answers nothing from seq 2: a
+    restart, and the replay from seq 0 is asked. Instance 1's seq 0 is read before it answers:
+    it went out as the new epoch's first batch, and instance 2's reply at seq 0 was dropped as a
+    copy, unchecked: epoch 1 held two instances (I1), and instance 2's seq 0 was neither
+    delivered nor announced (I3). The new epoch waits in doubt for that replay now."""
+    s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts, clock_skew=0.25)
+    out = serve(s, s.start(), {0: p(0, 0), 1: p(0, 1)}, None)
+    out += s.live(2, p(0, 2))
+    (probe,) = s.probe()
+    assert isinstance(probe, RequestReplay)
+    got = s.replay_finished(probe.request_id, complete=True)
+    assert Reset(1, "publisher_restart") in got
+    got += s.live(0, p(1, 0))
+    out += got + serve(s, got, {0: p(2, 0), 1: p(2, 1)}, None)
+    for q in (2, 3):
+        got = s.live(q, p(2, q))
+        out += got + serve(s, got, {n: p(2, n) for n in range(q + 1)}, None)
+    epochs: dict[int, set[bytes]] = {}
+    for epoch, payload in delivered(out):
+        epochs.setdefault(epoch, set()).add(payload.split(b":")[0])
+    assert all(len(instances) == 1 for instances in epochs.values()), epochs
+    assert [payload for _, payload in delivered(out) if payload.startswith(b"2:")] == [p(2, q) for q in range(4)]
 
 
 def test_after_a_restart_a_replay_shows_a_late_batch_of_an_older_instance_is_not_the_new_ones() -> None:

@@ -8,8 +8,20 @@ with forged UUIDs and restarts nobody noticed is ``UuidModel.forge_uuid`` and
 
 from __future__ import annotations
 
-from bridge.sequencer import INSTANCE_CHANGED, Action, Deliver, Duplicate, Lost, RequestReplay, Reset, StreamSequencer, Suspect
-from tests.unit.test_sequencer_uuid import A, B, C, delivered, feed, p, seqr
+from bridge.sequencer import (
+    INSTANCE_CHANGED,
+    PUBLISHER_RESTART,
+    Action,
+    Deliver,
+    Duplicate,
+    Lost,
+    RequestReplay,
+    Reset,
+    StreamSequencer,
+    Suspect,
+    fingerprint,
+)
+from tests.unit.test_sequencer_uuid import A, B, C, delivered, feed, p, seqr, ts
 
 FORGED = b"f:99"  # (a ts the engine never stamped)
 
@@ -551,3 +563,77 @@ def test_a_live_uuid_other_than_the_replies_a_fresh_epoch_was_built_from_is_no_f
     out += got + serve(s, got, {0: p(C, 0)}, C)
     assert [a.payload for a in out if isinstance(a, Deliver)] == [p(C, 0)]
     assert suspects(out) == [0, 1] and s.instance == C and not s.retired_instances
+
+
+def stamped(instance: bytes, seq: int) -> bytes:
+    """Instance ``instance``'s batch ``seq`` on one engine clock: A, B, C and D in turn, each
+    thousands of seconds after the one before."""
+    return b"%s:%d" % (instance[:1], 1000 * (instance[0] - 0xA9) + seq)
+
+
+def test_a_late_frame_of_an_instance_before_the_epochs_confirms_nothing_by_its_dead_connection() -> None:
+    """breaker59 X2: engines connect into one bound socket. B delivered 0..2 and crashed; C ran, and
+    died on a lost host (its connection not closed yet); D runs now, its 0..3 delivered in epoch 1.
+    C's seq 0, stamped before D's first batch, is read late from C's own pipe and waits; then the
+    drop of C's connection is noticed. It confirmed C's frame at once: an epoch after D's, D
+    retired, every later batch of D dropped, never delivered nor announced (I3). A frame older
+    than the epoch's instance is confirmed by nothing but the replay, which D answers."""
+    D = b"\xdd" * 16
+    s = seqr(clock_skew=0.25)
+    out = [a for n in range(3) for a in s.live(n, stamped(B, n), instance=B)]
+    out += s.disconnected(now=ts(stamped(B, 2)) + 0.5)
+    out += [a for n in range(4) for a in s.live(n, stamped(D, n), instance=D)]
+    engine = {n: stamped(D, n) for n in range(8)}
+    out += serve(s, out, engine, D)
+    got = s.live(0, stamped(C, 0), instance=C) + s.disconnected(now=ts(stamped(D, 3)) + 0.5)
+    got += s.live(1, stamped(C, 1), instance=C)
+    got += [a for n in range(4, 8) for a in s.live(n, stamped(D, n), instance=D)]
+    out += got + serve(s, got, engine, D)
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
+    assert D not in s.retired_instances and s.instance == D
+    assert [seq for epoch, seq in delivered(out) if epoch == 1] == list(range(8))
+    assert sorted(suspects(out)) == [0, 1]
+
+
+def test_a_late_heartbeat_of_an_instance_before_a_replays_restart_is_no_first_contact() -> None:
+    """breaker59 X3: resumed at A's seq 2 (its UUID not kept); B ran and died, C runs. The start-up
+    replay is answered by C (its seq 2 differs: a restart, epoch 1, without C's UUID), then B's
+    late heartbeat and seqs 0..1 are read before C answers from seq 0. B's heartbeat was a first
+    contact, B certain, and B's batches went out in epoch 1 before C's seq 2, C's in epoch 2
+    again (I1). The replies' UUID names epoch 1's instance now: B waits as a newcomer, its frames
+    stamped before C's first are set aside with it, and C's reply refutes them."""
+    last = stamped(A, 2)
+    s = StreamSequencer(
+        can_replay=True, replay_on_start=True, ts_of=ts, clock_skew=0.25, delivered=2, delivered_fp=fingerprint(ts(last), last)
+    )
+    engine = {n: stamped(C, n) for n in range(6)}
+    (first,) = s.start()
+    assert isinstance(first, RequestReplay)
+    out: list[Action] = []
+    for n in (2, 3):
+        out += s.replayed(first.request_id, n, engine[n], instance=C)
+    out += s.replay_finished(first.request_id, complete=True)
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, PUBLISHER_RESTART)]
+    got = s.heartbeat(0, B) + s.live(0, stamped(B, 0), instance=B) + s.live(1, stamped(B, 1), instance=B)
+    out += got + serve(s, out + got, {n: engine[n] for n in range(4)}, C)
+    got = [a for n in (4, 5) for a in s.live(n, engine[n], instance=C)]
+    out += got + serve(s, got, engine, C)
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, PUBLISHER_RESTART)]
+    assert [a.payload for a in out if isinstance(a, Deliver)] == [engine[n] for n in range(6)]
+    assert sorted(suspects(out)) == [0, 1] and B not in s.retired_instances
+
+
+def test_a_seq_the_epochs_heartbeat_claimed_that_no_replay_brings_after_a_restart_is_announced_lost() -> None:
+    """The sequencer model (UuidReplayModel): C, known by its heartbeats, says it published seq 0,
+    which the bridge never read; C restarts, and the new instance answers every replay with
+    nothing (before any replay showed the buffer at work). C's seq 0 was never announced: the
+    idle probes went on for ever (I3). A replay to the end asked after such a heartbeat, answered
+    with nothing, shows another instance, as for a batch read live."""
+    s = seqr()
+    out = feed(s, A, range(2))
+    out += s.heartbeat(3, A)  # (A says it published seq 2, which the bridge did not read)
+    out += s.disconnected(now=10.0)  # (A restarts; the new instance publishes nothing)
+    for _ in range(2 * s.max_attempts):
+        asks = [a for a in requests(out) if a.request_id == s._replay] or requests(s.probe())
+        out += s.replay_finished(asks[-1].request_id, complete=True)
+    assert Lost(2, 2, PUBLISHER_RESTART, 0) in out, out
