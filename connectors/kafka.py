@@ -109,6 +109,12 @@ def topic_value(value: str) -> str:
     return _TOPIC_UNSAFE.sub("_", value) or "_"
 
 
+def compacts(policy: str) -> bool:
+    """Whether a topic's ``cleanup.policy`` (``compact``, ``delete``, ``compact,delete``...)
+    compacts its log."""
+    return "compact" in (p.strip().lower() for p in policy.split(","))
+
+
 def topic_template_problem(text: str) -> str | None:
     """Why the topic name template ``text`` renders no valid Kafka topic name whatever the values
     (its own characters), or None."""
@@ -182,9 +188,9 @@ class CreateTopicsOptions(ConnectorOptions):
     replication_factor: Annotated[
         int, msgspec.Meta(ge=1, description="Replicas of a created topic (use 3 on a production cluster).")
     ] = 1
-    configs: Annotated[dict[str, str], doc("Topic configs of a created topic, e.g. retention.ms.")] = msgspec.field(
-        default_factory=dict
-    )
+    configs: Annotated[
+        dict[str, str], doc("Topic configs of a created topic, e.g. retention.ms (cleanup.policy compact is refused).")
+    ] = msgspec.field(default_factory=dict)
 
 
 class StateOptions(ConnectorOptions):
@@ -324,6 +330,12 @@ class KafkaOptions(ConnectorOptions):
                 f"partition: {self.partition} does not exist in a topic create_topics makes (create_topics.partitions: "
                 f"{self.create_topics.partitions}, numbered from 0); set create_topics.partitions to at least "
                 f"{self.partition + 1}, or a lower partition"
+            )
+        if compacts(self.create_topics.configs.get("cleanup.policy", "")):
+            problems.append(
+                f"create_topics.configs: cleanup.policy {self.create_topics.configs['cleanup.policy']!r} would log-compact "
+                "the events topics it creates: the key is the stream, so compaction keeps only each stream's last message "
+                "and deletes the others the broker acknowledged, unannounced; remove it or use delete"
             )
         if self.state.enabled:
             if not _TOPIC_NAME.fullmatch(self.state.topic):

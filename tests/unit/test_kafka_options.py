@@ -107,6 +107,13 @@ async def test_missing_tls_file_is_not_connected_without_network(tmp_path: Any) 
             "partition: 3 does not exist in a topic create_topics makes (create_topics.partitions: 2, numbered from 0); "
             "set create_topics.partitions to at least 4, or a lower partition",
         ),
+        # (breaker57 B3: the key is the stream, so a compacted events topic keeps each stream's
+        # last message only, and deleted 69 of 75 acknowledged seqs unannounced)
+        (
+            {"create_topics": {"configs": {"cleanup.policy": "compact"}}},
+            "create_topics.configs: cleanup.policy 'compact' would log-compact the events topics it creates",
+        ),
+        ({"create_topics": {"configs": {"cleanup.policy": "delete, Compact"}}}, "remove it or use delete"),
     ],
 )
 def test_config_problems_are_reported_with_their_path(values: dict[str, Any], problem: str) -> None:
