@@ -485,6 +485,10 @@ class KafkaConnector:
         self._state_deletes: str | None = None
         self._state_starts: dict[tuple[str, int], int] = {}
         self._read_back: dict[str, Stream] = {}  # streams whose head read_state found
+        # Events topics' cleanup.policy read ahead for several topics in one request (connect,
+        # audit), taken by the _prepare_topic that follows; and whether "cannot tell" was logged.
+        self._policies: dict[str, str] = {}
+        self._policy_unread_told = False
         # Streams whose state the state topic lost records of: told (SinkLost ``states``) at the
         # next write or audit, after their heads are deleted (tombstones: no head says complete).
         self._lost_states: dict[str, Stream] = {}
@@ -507,11 +511,17 @@ class KafkaConnector:
     async def connect(self) -> None:
         """Start the producer and check a static topic (``--check``: a templated one for each
         configured stream); NotConnected naming the sink and the servers, or the topic when it is
-        missing and will not be created, lacks the ``partition``, or may not be written."""
+        missing and will not be created, lacks the ``partition``, may not be written, or is
+        log-compacted (:meth:`_check_events_topic`; several topics' policies read in one request)."""
         producer = await self._ensure_producer()
-        for topic in self._topics_to_check():
-            if topic not in self._partitions:
+        topics = [t for t in self._topics_to_check() if t not in self._partitions]
+        try:
+            if len(topics) > 1:
+                self._policies = await self._events_policies(topics)
+            for topic in topics:
                 await self._prepare_topic(producer, topic)
+        finally:
+            self._policies = {}
         if self.writes_state and self._state_topic not in self._partitions:
             await self._prepare_topic(producer, self._state_topic, state=True)
 
@@ -627,16 +637,25 @@ class KafkaConnector:
         topic's streams have their next state refused, as at a write. The state topic's configs
         and start offsets are read again: one that deletes records by retention now, or whose
         partitions start later than before (retention, DeleteRecords), lost state: those streams'
-        heads are deleted and their state told lost (SinkLost ``states``)."""
+        heads are deleted and their state told lost (SinkLost ``states``). An events topic found
+        log-compacted now lost what it held of each stream but the last message: its spans are
+        raised (SinkLost) and the sink is not ready until the policy is fixed."""
         producer = self._producer
         if producer is None or self._closed:
             return
-        for topic in sorted({tp[0] for tp in self._acked} | ({self._state_topic} if self._read_back else set())):
-            try:
-                await self._prepare_topic(producer, topic, state=self.writes_state and topic == self._state_topic)
-            except NotConnected as exc:
-                if exc.reason != "state_topic_deletes":
-                    raise
+        topics = sorted({tp[0] for tp in self._acked} | ({self._state_topic} if self._read_back else set()))
+        try:
+            events = [t for t in topics if not (self.writes_state and t == self._state_topic)]
+            if len(events) > 1:
+                self._policies = await self._events_policies(events)
+            for topic in topics:
+                try:
+                    await self._prepare_topic(producer, topic, state=self.writes_state and topic == self._state_topic)
+                except NotConnected as exc:
+                    if exc.reason not in ("state_topic_deletes", "events_topic_compacted"):
+                        raise
+        finally:
+            self._policies = {}
         if self._lost_states:
             await self._drop_heads(producer)
         self._raise_lost(stale=self._stale)
@@ -1417,6 +1436,67 @@ class KafkaConnector:
             self._topic_problem = None
         if state:
             await self._check_state_topic(topic, partitions)
+        else:
+            await self._check_events_topic(topic)
+
+    async def _check_events_topic(self, topic: str) -> None:
+        """Refuse an events topic that is log-compacted (``compact`` in its ``cleanup.policy``): the
+        key is the stream, so the cleaner keeps each stream's last message only and deletes every
+        other one the broker acknowledged, with nothing to tell a consumer (I6). NotConnected
+        (``events_topic_compacted``) naming the fix, the sink not ready, until it is fixed (read
+        again each time the topic is prepared: at each write meanwhile, health check and audit).
+        Found so after the sink wrote to it in this run (the policy changed), what it acknowledged
+        there is announced lost at the next write (:meth:`_lose`). A policy that cannot be read
+        (no DescribeConfigs) lets the topic be used (:meth:`_events_policies`)."""
+        policy = self._policies.pop(topic, None)
+        if policy is None:
+            policy = (await self._events_policies([topic])).get(topic)
+        if policy is None or not compacts(policy):
+            return
+        self._lose([tp for tp in self._acked if tp[0] == topic], state=False)
+        self._topic_problem = (
+            f"events topic {topic!r} is log-compacted (cleanup.policy={policy}): its messages are keyed by stream, so "
+            "compaction keeps only each stream's last message and deletes every other one the broker acknowledged, "
+            f"unannounced; set cleanup.policy=delete on it (kafka-configs --alter --entity-type topics --entity-name "
+            f"{topic} --add-config cleanup.policy=delete)"
+        )
+        self._partitions.pop(topic, None)  # prepared again (its policy read again) before each write to it
+        raise NotConnected(f"{self._where}: {self._topic_problem}", reason="events_topic_compacted")
+
+    async def _events_policies(self, topics: Sequence[str]) -> dict[str, str]:
+        """The ``cleanup.policy`` of each of the events ``topics`` the broker describes, in one
+        DescribeConfigs request bounded by ``request_timeout``. A broker or an ACL that refuses it
+        cannot tell: the topics are used all the same (an events topic needs no DescribeConfigs
+        ACL), and that it cannot tell is logged once per sink."""
+        policies: dict[str, str] = {}
+        unread: list[str] = []
+        admin = self._admin()
+        try:
+            async with asyncio.timeout(self._timeout):
+                await admin.start()
+                resources = [ConfigResource(ConfigResourceType.TOPIC, t, {"cleanup.policy": None}) for t in topics]
+                responses = await admin.describe_configs(resources)
+            for res in (res for r in responses for res in r.resources):
+                code, name = int(res[0]), res[3]
+                if code == _UNKNOWN_TOPIC:
+                    continue  # not there (yet): checked once it is
+                if code != 0:
+                    unread.append(f"{name}: {kafka_errors.for_code(code).__name__}{f': {res[1]}' if res[1] else ''}")
+                    continue
+                policies.update((name, entry[1]) for entry in res[4] if entry[0] == "cleanup.policy" and entry[1])
+        except (kafka_errors.KafkaError, OSError, IndexError, TypeError) as exc:  # (TimeoutError is an OSError)
+            unread.append(_describe(exc))
+        finally:
+            await admin.close()
+        if unread and not self._policy_unread_told:
+            self._policy_unread_told = True
+            log.info(
+                "cannot read the events topics' cleanup.policy (%s): a log-compacted events topic, which keeps only each "
+                "stream's last message, would go unnoticed; grant the bridge's principal DescribeConfigs on them",
+                "; ".join(unread),
+                extra={"sink": self.name},
+            )
+        return policies
 
     def _check_partition(self, topic: str, partitions: list[int], *, created: bool = False) -> None:
         """NotConnected (``unknown_partition``) when the configured ``partition`` is not one of the

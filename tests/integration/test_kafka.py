@@ -7,11 +7,14 @@ the option-mapping tests without a broker are in tests/unit/test_kafka_options.p
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 import logging
 import struct
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from aiokafka.codec import has_zstd
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import ConsumerRecord
 
+from bridge.cli import check
 from bridge.config import SinkConfig, convert_options
 from bridge.connector import Registry
 from bridge.errors import ConfigError, ConnectorError, NotConnected, PartialFailure, Permanent, SinkLost
@@ -645,6 +649,98 @@ async def test_create_topics_creates_missing_topic_with_partitions_and_configs(k
         await connector.close()
     assert {r.partition for r in await consume(kafka, topic)} <= {0, 1, 2}
     assert len(await partitions_of(kafka, topic)) == 3
+
+
+async def set_topic_configs(kafka: KafkaServer, topic: str, configs: dict[str, str]) -> None:
+    """AlterConfigs: ``topic``'s configs become ``configs`` (the others the broker's defaults)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, configs)])
+    finally:
+        await admin.close()
+
+
+def run_check(path: Path) -> tuple[int, str]:
+    """``--check`` of the config file at ``path``: its exit code and what it printed."""
+    out = io.StringIO()
+    with redirect_stdout(out), redirect_stderr(out):
+        code = check(str(path))
+    return code, out.getvalue()
+
+
+@pytest.mark.integration
+async def test_a_log_compacted_events_topic_is_refused_at_connect_in_check_and_at_first_write(
+    kafka: KafkaServer, tmp_path: Path
+) -> None:
+    """breaker57 B3: the key is the stream, so a compacted events topic (cleanup.policy compact,
+    or compact,delete) keeps each stream's last message and deletes the rest the broker
+    acknowledged, unannounced (69 of 75 seqs gone), while ``--check`` said "reachable" and the sink
+    stayed ready. Refused now, naming the topic and the fix: at connect (the sink not ready until
+    the policy is fixed), by ``--check`` (a templated topic's too: read in one request), and at the
+    first write to a templated topic."""
+    fix = "--add-config cleanup.policy=delete"
+    compacted = await kafka.anew_topic(config={"cleanup.policy": "compact"})
+    connector = build(kafka, compacted)
+    messages = render(stream_records(Stream("llama-a", 0), 2))
+    try:
+        with pytest.raises(NotConnected, match=f"events topic '{compacted}' is log-compacted") as info:
+            await connector.connect()
+        assert info.value.reason == "events_topic_compacted" and fix in str(info.value)
+        problem = await connector.health()
+        assert problem is not None and compacted in problem and fix in problem, problem
+        with pytest.raises(NotConnected, match="is log-compacted"):
+            await connector.write(messages)
+        await set_topic_configs(kafka, compacted, {"cleanup.policy": "delete"})
+        assert await connector.health() is None
+        await connector.write(messages)
+    finally:
+        await connector.close()
+    assert [r.value for r in await consume(kafka, compacted)] == [m.value for m in messages]
+
+    # Compacted during a run: what the sink wrote there may be gone; the audit announces it.
+    connector = build(kafka, compacted)
+    try:
+        await connector.connect()
+        await connector.write(render(stream_records(Stream("llama-a", 0), 5, epoch=3)))
+        await connector.audit()  # nothing lost: nothing raised
+        await set_topic_configs(kafka, compacted, {"cleanup.policy": "compact"})
+        with pytest.raises(SinkLost) as lost:
+            await connector.audit()
+        assert [(st.key, *span) for st, *span in lost.value.spans] == [("llama-a/0", 3, 0, 4)]
+        problem = await connector.health()
+        assert problem is not None and "is log-compacted" in problem and fix in problem, problem
+        await set_topic_configs(kafka, compacted, {"cleanup.policy": "delete"})
+        assert await connector.health() is None
+    finally:
+        await connector.close()
+
+    # --check, a templated topic rendered for each source: the compacted one named, the plain one not.
+    prefix = f"kvb-compacted-{uuid.uuid4().hex[:8]}"
+    await kafka.anew_topic(name=f"{prefix}-llama-a")
+    await kafka.anew_topic(name=f"{prefix}-qwen-b", config={"cleanup.policy": "compact,delete"})
+    sink = {"type": "kafka", "name": "k", "bootstrap_servers": kafka.bootstrap_servers, "topic": prefix + "-{source}"}
+    sources = [{"name": name, "endpoint": f"tcp://127.0.0.1:{port}"} for name, port in (("llama-a", 11), ("qwen-b", 21))]
+    path = tmp_path / "bridge.yaml"
+    path.write_text(json.dumps({"sources": sources, "sinks": [sink]}))
+    code, out = await asyncio.to_thread(run_check, path)
+    assert code == 3 and f"events topic '{prefix}-qwen-b' is log-compacted (cleanup.policy=compact,delete)" in out, out
+    assert fix in out and f"'{prefix}-llama-a'" not in out, out
+
+    # A run learns a templated topic at its first write: only that topic's messages are refused.
+    connector = build(kafka, prefix + "-{source}", allow_auto_create_topics=False)
+    a = render(stream_records(Stream("llama-a", 0), 2))
+    b = render(stream_records(Stream("qwen-b", 0), 2))
+    try:
+        await connector.connect()
+        with pytest.raises(PartialFailure) as partial:
+            await connector.write(a + b)
+        assert partial.value.failed == list(range(len(a), len(a) + len(b)))
+        cause = partial.value.cause
+        assert isinstance(cause, NotConnected) and cause.reason == "events_topic_compacted", cause
+    finally:
+        await connector.close()
+    assert [r.value for r in await consume(kafka, f"{prefix}-llama-a")] == [m.value for m in a]
 
 
 @pytest.mark.integration

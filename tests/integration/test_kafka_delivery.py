@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -394,6 +395,48 @@ async def test_a_state_topic_whose_configs_cannot_be_read_is_refused_naming_the_
     refused, problem = await connect(deleting, check=True)
     assert refused is not None and refused.reason == "state_topic_deletes", refused
     assert problem is not None and "set cleanup.policy=compact" in problem
+
+
+async def test_an_events_topic_whose_policy_cannot_be_read_is_used_and_that_said_once(
+    acl_kafka: KafkaServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """breaker57 B3: a log-compacted events topic is refused (its cleanup.policy read at connect).
+    An events topic needs no DescribeConfigs ACL: one the broker will not describe is used all
+    the same, and that the sink cannot tell is logged once, at info; once it may read the policy,
+    a compacted one is refused."""
+    compacted = await acl_kafka.anew_topic(config={"cleanup.policy": "compact"})
+    values = {k: v for k, v in bridge_sink(acl_kafka, compacted, "unused").items() if k != "state"}
+
+    async def connect() -> NotConnected | None:
+        conn = KafkaConnector("k", config.convert_options(values, KafkaOptions, "sinks[0]"), SinkConfig(type="kafka", name="k"))
+        try:
+            await conn.connect()
+            await conn.connect()  # said once per sink
+        except NotConnected as exc:
+            return exc
+        finally:
+            await conn.close()
+        return None
+
+    refused = await connect()
+    assert refused is not None and refused.reason == "events_topic_compacted", refused
+    await acl(acl_kafka, "create", TOPIC, compacted, DESCRIBE_CONFIGS, DENY)
+    try:
+        deadline = time.monotonic() + 60  # the broker applies the ACL shortly after the controller took it
+        with caplog.at_level(logging.INFO, logger="connectors.kafka"):
+            while (refused := await connect()) is not None:
+                assert refused.reason == "events_topic_compacted", refused
+                assert time.monotonic() < deadline, "DescribeConfigs denied never took effect"
+                await asyncio.sleep(0.2)
+        told = [r.getMessage() for r in caplog.records if "cannot read the events topics' cleanup.policy" in r.getMessage()]
+        assert len(told) == 1 and "TopicAuthorizationFailedError" in told[0], told
+    finally:
+        await acl(acl_kafka, "delete", TOPIC, compacted, DESCRIBE_CONFIGS, DENY)
+    deadline = time.monotonic() + 60
+    while (refused := await connect()) is None:
+        assert time.monotonic() < deadline, "DescribeConfigs granted again never took effect"
+        await asyncio.sleep(0.2)
+    assert refused.reason == "events_topic_compacted", refused
 
 
 @pytest.mark.parametrize("denied", ["events", "state"])
