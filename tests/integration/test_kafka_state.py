@@ -64,7 +64,7 @@ from connectors.kafka import KafkaConnector, KafkaOptions
 from kv_consumer.kafka import StateLog
 from kv_consumer.state import StreamState
 from tests.infra.servers import KafkaServer, free_port
-from tests.integration.test_kafka import delete_topic, topic_exists
+from tests.integration.test_kafka import delete_topic, set_topic_configs, topic_exists
 from tests.support.cache_engine import CacheEngine, event
 from tests.support.process import BridgeProcess, bridge_config
 from tests.support.snapshots import seeded_mid_epoch_and_after_a_loss, snapshot_source
@@ -661,16 +661,6 @@ async def head_now(kafka: KafkaServer, state_topic: str, partition: int, stream:
     return head
 
 
-async def alter_topic(kafka: KafkaServer, topic: str, configs: dict[str, str]) -> None:
-    """Set ``topic``'s configs to ``configs`` (AlterConfigs: the others go back to the broker's defaults)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
-    await admin.start()
-    try:
-        await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, configs)])
-    finally:
-        await admin.close()
-
-
 async def head_at(kafka: KafkaServer, state_topic: str, partition: int, engine: CacheEngine) -> dict[str, Any]:
     """Until the stream's head stands at the engine's last seq: that head."""
     deadline = time.monotonic() + 30
@@ -737,7 +727,7 @@ async def test_a_state_topic_set_to_delete_by_retention_during_a_run_is_refused_
     state_topic = f"kvb-state-{uuid.uuid4().hex[:12]}"
     part = partition_of("a/0", 2)
     async with complete_state(tmp_path, kafka, topic, state_topic, 13) as (engine, bridge, before):
-        await alter_topic(kafka, state_topic, {"cleanup.policy": "compact,delete", "retention.ms": "3600000"})
+        await set_topic_configs(kafka, state_topic, {"cleanup.policy": "compact,delete", "retention.ms": "3600000"})
         deadline = time.monotonic() + 30
         # The head goes (a bootstrap finds no state: incomplete) and the sink is not ready.
         while await head_now(kafka, state_topic, part, "a/0") is not None or bridge.readiness()[0]:
@@ -746,7 +736,7 @@ async def test_a_state_topic_set_to_delete_by_retention_during_a_run_is_refused_
         problem = bridge.readiness()[1]["sinks"]["k"]
         assert repr(state_topic) in problem and "set cleanup.policy=compact" in problem, problem
         await engine.step(5)  # batches meanwhile: the sink holds them (their state may not be written)
-        await alter_topic(kafka, state_topic, {"cleanup.policy": "compact"})
+        await set_topic_configs(kafka, state_topic, {"cleanup.policy": "compact"})
         after = await head_at(kafka, state_topic, part, engine)
         assert not after["complete"] and after["gen"] > before["gen"], (before, after)
         deadline = time.monotonic() + 30

@@ -126,6 +126,18 @@ async def _until(condition: Callable[[], bool], what: str) -> None:
     pytest.fail(f"never saw {what}")
 
 
+async def _subscribed(reader: Client, dest: str) -> list[Msg]:
+    """Every message published under ``dest`` from now on (core NATS), in arrival order."""
+    got: list[Msg] = []
+
+    async def on_msg(msg: Msg) -> None:
+        got.append(msg)
+
+    await reader.subscribe(f"{dest}.>", cb=on_msg)
+    await reader.flush()
+    return got
+
+
 async def _stored(reader: Client, dest: str) -> dict[str, list[tuple[int, bytes]]]:
     """Every message of JetStream stream ``dest`` in stream order, per subject: (engine seq, value)."""
     js = reader.jetstream(timeout=5)
@@ -330,13 +342,7 @@ async def test_core_oversized_message_is_isolated_across_a_server_restart(
     that meet the server down fail whole and are sent again once it is back: copies are possible,
     first copies arrive in order."""
     dest = _dest()
-    got: list[Msg] = []
-
-    async def on_msg(msg: Msg) -> None:
-        got.append(msg)
-
-    await reader.subscribe(f"{dest}.>", cb=on_msg)
-    await reader.flush()
+    got = await _subscribed(reader, dest)
     big = reader.max_payload + 1
     records = [record(s, seq, big if (s, seq) == (A, 3) else 200) for seq in range(1000) for s in (A, B)]
     before, after = records[:1000], records[1000:]
@@ -486,13 +492,7 @@ async def test_a_message_over_a_max_payload_lowered_by_a_reload_is_refused_alone
     reader = await nats.connect(server.url)
     try:
         dest = _dest()
-        got: list[Msg] = []
-
-        async def on_msg(msg: Msg) -> None:
-            got.append(msg)
-
-        await reader.subscribe(f"{dest}.>", cb=on_msg)
-        await reader.flush()
+        got = await _subscribed(reader, dest)
         h = Harness(tmp_path, server.url, dest, mode="core", max_messages=1)
         h.start([record(A, seq, 200) for seq in range(5)])
         try:
