@@ -49,7 +49,9 @@ frame). Where a message carries one, it decides, and nothing above is inferred f
   upgrade), or none where it sent one, is a restart for certain: the epoch ends, a new one opens
   with the reason ``instance_changed`` (:data:`INSTANCE_CHANGED`), and the old UUID is retired;
   at once after a dropped connection (a restart drops it first), else once confirmed: one frame
-  could be a corrupt one (``_await_newcomer``; docs/concepts/correctness.md, "A new UUID");
+  could be a corrupt one (``_await_newcomer``; docs/concepts/correctness.md, "A new UUID"); one
+  stamped before the epoch's first batch, an instance's before it read late, only by its replay
+  (``_predates_epoch``);
 - under the epoch's own UUID a seq at or below the last one seen is not a restart (a heartbeat's
   next seq, interleaving): it is a duplicate, or a batch the stream still needs; and a message
   under that UUID ends any doubt about continuity at once;
