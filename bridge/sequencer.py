@@ -370,6 +370,10 @@ class StreamSequencer:
     def _ts_of(self, payload: bytes) -> float | None:
         return _finite(self._raw_ts_of(payload))
 
+    def _stamp(self, payload: bytes, ts: float | None) -> float | None:
+        """A live message's engine ts: the caller's, else its payload's."""
+        return _finite(ts) if ts is not None else self._ts_of(payload)
+
     def _late_of_older(self, seq: int) -> bool:
         """Can a live batch stamped before this epoch's first be a late one of the instance before
         it, rather than this instance's with a clock that stepped back (NTP)? The older
@@ -440,7 +444,8 @@ class StreamSequencer:
                 self._changed(out, instance, ts)  # (after a drop: a restart at once)
             # (the new epoch's first message, below; else first contact, or an id adopted in
             # doubt, not verified yet)
-        if self._before_epoch(seq, payload, ts):
+        first_contact = instance is not None and self.instance is None
+        if self._before_epoch(seq, payload, ts) or (first_contact and self._predates_epoch(self._stamp(payload, ts))):
             out.append(Duplicate(seq))
             return out  # (an instance's before this epoch's: its UUID, if any, is not this epoch's)
         out += self._live(seq, payload, ts)
@@ -467,7 +472,9 @@ class StreamSequencer:
         if instance is not None or self.instance is not None:
             if instance != self.instance:
                 if not self._restarts(instance):
-                    self.instance, self._instance_sure = instance, not self._doubt  # first contact
+                    if self._first_ts is None:  # (first contact; with batches of the epoch delivered, whose
+                        # UUID nothing said, a heartbeat's, with no ts to compare, may be an earlier instance's)
+                        self.instance, self._instance_sure = instance, not self._doubt
                 elif (self._doubt and not self._reopened) or dropped:
                     self._changed(out, instance, None)  # (after a drop: a restart at once)
                 else:
@@ -521,6 +528,8 @@ class StreamSequencer:
         self.instance, self._instance_sure = instance, not self._doubt
         self._opened_for = instance
         self._reopened = self._doubt
+        if ts is not None and self._floor_ts is None:
+            self._floor_ts = ts  # (what showed the instance: a frame stamped before it is an earlier one's)
 
     def _take_stashed(self, out: list[Action], instance: bytes | None) -> None:
         """``instance`` has its epoch now: what was set aside for it (read before, kept across a

@@ -8,6 +8,8 @@ with forged UUIDs and restarts nobody noticed is ``UuidModel.forge_uuid`` and
 
 from __future__ import annotations
 
+import pytest
+
 from bridge.sequencer import (
     INSTANCE_CHANGED,
     PUBLISHER_RESTART,
@@ -637,3 +639,49 @@ def test_a_seq_the_epochs_heartbeat_claimed_that_no_replay_brings_after_a_restar
         asks = [a for a in requests(out) if a.request_id == s._replay] or requests(s.probe())
         out += s.replay_finished(asks[-1].request_id, complete=True)
     assert Lost(2, 2, PUBLISHER_RESTART, 0) in out, out
+
+
+def test_late_frames_of_two_earlier_instances_open_no_epoch_after_the_one_that_showed_first() -> None:
+    """breaker61 Y1 (walk seed 78): A delivered 0..2; the source is added again and A's drop is
+    noticed with no engine time (a pipeline added again has no clock sample): D's 0..1 open epoch
+    1 in doubt, nothing delivered in it yet. Then late frames of B and C, which ran before D, are
+    read: C's third UUID confirmed B, and B and C got epochs after D's, D retired, its later
+    batches dropped (I3, I4). The frame that showed D bounds the epoch: B and C predate it."""
+    D = b"\xdd" * 16
+    s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts, clock_skew=0.25)
+    out = [a for n in range(3) for a in s.live(n, stamped(A, n), instance=A)]
+    s.detached()
+    out += s.disconnected(None, readded=True) + s.start() + s.disconnected(None)
+    if s._replay is not None:
+        out += s.replay_finished(s._replay, complete=False)
+    engine = {n: stamped(D, n) for n in range(6)}
+    got = [a for n in (0, 1) for a in s.live(n, engine[n], instance=D)]
+    got += s.live(1, stamped(B, 1), instance=B) + s.live(1, stamped(C, 1), instance=C)
+    out += got + serve(s, out + got, {n: engine[n] for n in (0, 1)}, D)
+    got = [a for n in range(2, 6) for a in s.live(n, engine[n], instance=D)]
+    out += got + serve(s, got, engine, D)
+    assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
+    assert D not in s.retired_instances and s.instance == D
+    assert [seq for epoch, seq in delivered(out) if epoch == 1] == list(range(6))
+
+
+@pytest.mark.parametrize("heartbeat", [False, True], ids=["batch", "heartbeat first"])
+def test_a_late_frame_of_an_earlier_instance_is_no_first_contact_in_an_epoch_replies_delivered(heartbeat: bool) -> None:
+    """breaker61 Y2, Y3 (walk seeds 142, 94, 209): resumed in epoch 1 with nothing delivered and no
+    UUID kept; the start-up replay, its replies without a UUID, delivers D's 0..1. Then B's late
+    seq 9, stamped before D's first batch, is read (Y3: after B's late heartbeat). It was a first
+    contact: delivered in epoch 1 beside D's batches, B's UUID adopted, and D's next seqs went to
+    another epoch (I1). It is an earlier instance's now, dropped, and a heartbeat with no ts to
+    compare names no instance in an epoch that has batches."""
+    D = b"\xdd" * 16
+    s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts, clock_skew=0.25, epoch=1, delivered=-1)
+    engine = {n: stamped(D, n) for n in range(5)}
+    out = serve(s, s.start(), {0: engine[0], 1: engine[1]}, None)
+    if heartbeat:
+        out += s.heartbeat(10, B)
+    out += s.live(9, stamped(B, 9), instance=B)
+    got = [a for n in range(2, 5) for a in s.live(n, engine[n], instance=D)]
+    out += got + serve(s, got, engine, None)
+    assert not [a for a in out if isinstance(a, Reset)]
+    assert [a.payload for a in out if isinstance(a, Deliver)] == [engine[n] for n in range(5)]
+    assert s.instance == D
