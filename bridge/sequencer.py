@@ -444,7 +444,9 @@ class StreamSequencer:
                 self._changed(out, instance, ts)  # (after a drop: a restart at once)
             # (the new epoch's first message, below; else first contact, or an id adopted in
             # doubt, not verified yet)
-        first_contact = instance is not None and self.instance is None
+        # (At a first contact, not the epoch's next seq: that one may be its instance's whose clock
+        # stepped back, or the epoch's first ts a corrupt one; as _late_of_older spares it.)
+        first_contact = instance is not None and self.instance is None and seq != self.delivered + 1
         if self._before_epoch(seq, payload, ts) or (first_contact and self._predates_epoch(self._stamp(payload, ts))):
             out.append(Duplicate(seq))
             return out  # (an instance's before this epoch's: its UUID, if any, is not this epoch's)

@@ -685,3 +685,15 @@ def test_a_late_frame_of_an_earlier_instance_is_no_first_contact_in_an_epoch_rep
     assert not [a for a in out if isinstance(a, Reset)]
     assert [a.payload for a in out if isinstance(a, Deliver)] == [engine[n] for n in range(5)]
     assert s.instance == D
+
+
+def test_a_corrupt_ts_on_an_epochs_first_batch_drops_none_of_its_instances_next_batches() -> None:
+    """breaker62 Z1: met for the first time; the start-up replay, its replies without a UUID, brings
+    seq 0 with a corrupt (finite) ts far ahead, then seq 1. Every live batch under the engine's UUID
+    then predated that first ts: dropped as an earlier instance's at every first contact, none
+    delivered (I4), for as long as the stream stayed busy. The epoch's next seq is never taken
+    for an earlier instance's there."""
+    s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts, clock_skew=0.25)
+    out = serve(s, s.start(), {0: b"\xaa:1000000000000", 1: stamped(A, 1)}, None)
+    out += [a for n in range(2, 12) for a in s.live(n, stamped(A, n), instance=A)]
+    assert [seq for _, seq in delivered(out)] == list(range(12)) and s.instance == A
