@@ -1279,7 +1279,7 @@ class StreamSequencer:
         replies, heard, replier = self._early, self._heard, self._replier
         self._early, self._heard, self._skipped = {}, -1, False
         first = min(replies)
-        self._restart(out, PUBLISHER_RESTART, evidence=(first, self._ts_of(replies[first])), theirs=replies)
+        self._restart(out, PUBLISHER_RESTART, evidence=(first, self._ts_of(replies[first])), theirs=replies, by=replier)
         if replier is not None and replier not in self._retired:
             # Its batches are the replies under this UUID: a message under another one is not a
             # first contact but a newcomer (perhaps a late one of an instance in between).
@@ -1758,6 +1758,7 @@ class StreamSequencer:
         evidence: tuple[int, float | None] | None = None,
         trigger_ts: float | None = None,
         theirs: dict[int, bytes] | None = None,
+        by: bytes | None = None,
     ) -> None:
         """The engine restarted: settle the old epoch, then open a new one.
 
@@ -1771,7 +1772,9 @@ class StreamSequencer:
         stays the old instance's; an unverified one is not carried either (it may be a late batch
         of the old instance): it is announced lost with the old epoch's tail, and the new epoch
         fetches the new instance's own copy of its seq by replay (I1 before I4). ``theirs``: the
-        new instance's replies; a batch with the same seq and bytes as one of them is its.
+        new instance's replies; a batch with the same seq and bytes as one of them is its. ``by``:
+        the UUID they came under; batches read live under this epoch's UUID, when it is another,
+        are never carried, whatever the clocks say (the new instance's may run behind).
         """
         if self._replay is not None and self._heard >= 0:
             self._unclaim()  # (replies kept for a verdict, perhaps the old instance's: it settles their seqs)
@@ -1792,9 +1795,11 @@ class StreamSequencer:
                 ts = self._ts_of(payload)
                 return seq != r and ts is not None and ts_r is not None and (ts > ts_r or (ts == ts_r and seq > r))
 
+            other = by is not None and self.instance is not None and by != self.instance
+            mine = {*self.held, *self._vouching} if other else set()
             for where in (self.held, self.unverified):
                 for seq in list(where):
-                    if where[seq] == theirs.get(seq) or newer(seq, where[seq]):
+                    if where[seq] == theirs.get(seq) or (seq not in mine and newer(seq, where[seq])):
                         carried[seq] = where.pop(seq)
             if aside is not None:
                 if aside[1] == theirs.get(aside[0]):

@@ -697,3 +697,40 @@ def test_a_corrupt_ts_on_an_epochs_first_batch_drops_none_of_its_instances_next_
     out = serve(s, s.start(), {0: b"\xaa:1000000000000", 1: stamped(A, 1)}, None)
     out += [a for n in range(2, 12) for a in s.live(n, stamped(A, n), instance=A)]
     assert [seq for _, seq in delivered(out)] == list(range(12)) and s.instance == A
+
+
+def test_batches_read_under_the_epochs_uuid_never_go_to_a_new_instance_whose_clock_runs_behind() -> None:
+    """breaker62 Z4 (a clock-skew walk, seed 35): B delivered 0..13 (the checkpoint kept B's
+    UUID); after a re-add and drops, C's 0..5 are read in doubt under C's UUID and wait. C then
+    restarts into D, whose host clock runs 2.2 s behind C's, and D answers the replay under its
+    UUID: the restart its reply shows carried C's 1..5 into D's epoch, being stamped after D's
+    reply (I1, though every message names its UUID). Batches read under the epoch's UUID are
+    never carried to replies under another."""
+    D = b"\xdd" * 16
+
+    def at(instance: bytes, seq: int, base: float) -> bytes:
+        return b"%s:%.3f" % (instance[:1], base + seq * 0.1)
+
+    last = at(B, 13, 1000.0)
+    s = StreamSequencer(
+        can_replay=True, replay_on_start=True, ts_of=ts, clock_skew=0.25, max_held=8, max_attempts=3,
+        delivered=13, delivered_fp=fingerprint(ts(last), last), instance=B,
+    )  # fmt: skip
+    s.start()
+    s.detached()
+    s.disconnected(None, readded=True)
+    (first,) = s.start()
+    assert isinstance(first, RequestReplay)
+    out = s.disconnected(None)
+    out += s.live(0, at(C, 0, 1007.164), instance=C)
+    (ask,) = requests(out)
+    out += [a for n in (1, 2, 3) for a in s.live(n, at(C, n, 1007.164), instance=C)]
+    out += s.disconnected(None) + s.replay_finished(first.request_id, complete=False)
+    out += [a for n in (4, 5) for a in s.live(n, at(C, n, 1007.164), instance=C)]
+    out += s.disconnected(None)
+    engine = {n: at(D, n, 1004.989) for n in (0, 1)}
+    got = s.replayed(ask.request_id, 0, engine[0], instance=D) + s.replayed(ask.request_id, 1, engine[1], instance=D)
+    got += s.replay_finished(ask.request_id, complete=True)
+    out += got + serve(s, got, engine, D)
+    new = max(a.epoch for a in out if isinstance(a, Reset))
+    assert [a.payload for a in out if isinstance(a, Deliver) and a.epoch == new] == [engine[0], engine[1]]
