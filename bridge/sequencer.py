@@ -1164,6 +1164,8 @@ class StreamSequencer:
             self._newcomer_replied(out, seq, payload, instance)
             return out
         self._replied_top = max(self._replied_top, seq)
+        if instance is not None and instance in self._retired:
+            return out  # (a retired instance's reply: nothing of it is taken, the epoch's UUID sure or not)
         if instance is not None and self._instance_sure:
             if instance != self.instance:
                 if instance not in self._retired:
@@ -1578,6 +1580,15 @@ class StreamSequencer:
         unverified = self.unverified
         if instance is not None and instance == self.instance and self._vouching:
             unverified = {u: b for u, b in unverified.items() if u not in self._vouching}
+        # The epoch's instance is the UUID it was opened for, or the one live batches waiting were
+        # read under: a reply under another is another instance's, whatever the clocks say (its
+        # host's may run behind).
+        if (
+            instance is not None
+            and self.instance not in (None, instance)
+            and (self._opened_for == self.instance or self._vouching & self.unverified.keys())
+        ):
+            return _NEW
         if seq < self._floor:
             # It answered nothing from _floor on, yet holds this earlier seq: the instance that
             # published _floor would hold every seq after this one too.

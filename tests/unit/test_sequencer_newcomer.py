@@ -734,3 +734,73 @@ def test_batches_read_under_the_epochs_uuid_never_go_to_a_new_instance_whose_clo
     out += got + serve(s, got, engine, D)
     new = max(a.epoch for a in out if isinstance(a, Reset))
     assert [a.payload for a in out if isinstance(a, Deliver) and a.epoch == new] == [engine[0], engine[1]]
+
+
+def _instances_per_epoch(out: list[Action]) -> dict[int, set[bytes]]:
+    epochs: dict[int, set[bytes]] = {}
+    for a in out:
+        if isinstance(a, Deliver):
+            epochs.setdefault(a.epoch, set()).add(a.payload.split(b":")[0])
+    return epochs
+
+
+def test_replies_under_another_uuid_than_the_one_an_epoch_was_opened_for_are_another_instances() -> None:
+    """breaker63 Z5 (walk62 --skew seed 11): after flaps, B's live seq 3 (UUID 7) opens epoch 1 for
+    B in doubt, waiting. B restarts into C (UUID 8), whose host clock runs 1.2 s behind B's, and C
+    answers the replay of 0..2 under its UUID: compared by clocks alone (C's stamped before B's
+    seq 3), it was B's, and C's 0..1 went out in B's epoch, before B's 3 (I1, though every message
+    names its UUID). A reply under another UUID than the one the epoch was opened for is another
+    instance's."""
+    base = {6: 1008.0, 7: 1010.103, 8: 1009.175}
+
+    def at(i: int, q: int) -> bytes:
+        return b"%d:%d:%.3f" % (i, q, base[i] + q * 0.1)
+
+    s = StreamSequencer(
+        can_replay=True, replay_on_start=True, max_held=8, max_attempts=3, clock_skew=0.25,
+        ts_of=lambda b: float(b.split(b":")[-1]),
+    )  # fmt: skip
+    uid = {i: bytes([i]) * 16 for i in base}
+    out = s.start()
+    out += [a for q in range(6) for a in s.live(q, at(6, q), instance=uid[6])]
+    out += s.live(0, at(7, 0), instance=uid[7])
+    for _ in range(2):
+        s.detached()
+        out += s.disconnected(None, readded=True) + s.start()
+    out += s.live(3, at(7, 3), instance=uid[7])
+    s.detached()
+    out += s.disconnected(None, readded=True) + s.start() + s.disconnected(None)
+    engine = {q: at(8, q) for q in range(4)}
+    got = serve(s, out, {0: engine[0], 1: engine[1]}, uid[8])
+    got += s.live(2, engine[2], instance=uid[8]) + s.live(3, engine[3], instance=uid[8])
+    out += got + serve(s, got, engine, uid[8])
+    assert all(len(instances) == 1 for instances in _instances_per_epoch(out).values()), _instances_per_epoch(out)
+
+
+def test_a_retired_uuids_replies_go_into_no_epoch_even_while_the_epochs_uuid_is_unsure() -> None:
+    """breaker63 Z6 (walk59 --corrupt seed 262): met in doubt, C's 0..1 (UUID 3) are read, then B's
+    late frames (UUID 2, the instance before C): B opens epoch 1 and C's UUID is retired (the open
+    limit in limits.md). C's replay socket then answers under UUID 3: a retired UUID's replies
+    were dropped only while the epoch's UUID was certain, so C's 3..14 went out in B's epoch (I1).
+    A retired instance's reply is never taken."""
+    s = StreamSequencer(can_replay=True, replay_on_start=True, max_held=8, max_attempts=3, ts_of=ts, clock_skew=0.25)
+    uid = {i: bytes([i]) * 16 for i in (2, 3)}
+
+    def at(i: int, q: int) -> bytes:
+        return b"%d:%d" % (i, i * 1000 + q)
+
+    def flap() -> list[Action]:
+        s.detached()
+        return s.disconnected(None, readded=True) + s.start()
+
+    out = s.disconnected(None)
+    (first,) = requests(flap())
+    out += s.disconnected(None) + s.replay_finished(first.request_id, complete=True)
+    out += s.live(0, at(3, 0), instance=uid[3]) + s.live(1, at(3, 1), instance=uid[3])
+    out += s.live(0, at(2, 0), instance=uid[2]) + s.heartbeat(1, uid[2]) + s.live(1, at(2, 1), instance=uid[2])
+    out += s.disconnected(None) + s.live(2, at(2, 2), instance=uid[2])
+    out += [a for q in range(2, 15) for a in s.live(q, at(3, q), instance=uid[3])]
+    ask = requests(flap())[-1]
+    out += [a for q in range(3, 15) for a in s.replayed(ask.request_id, q, at(3, q), instance=uid[3])]
+    out += s.replay_finished(ask.request_id, complete=True)
+    assert all(len(instances) == 1 for instances in _instances_per_epoch(out).values()), _instances_per_epoch(out)
