@@ -440,11 +440,15 @@ class SinkWorker:
         if problem is None:
             self._set_up()
             return
-        # Not a write failure (no sink_errors, no retry): only readiness and sink_up change.
+        self._set_unhealthy("health", problem)
+
+    def _set_unhealthy(self, what: str, problem: str) -> None:
+        """Not a write failure (no sink_errors, no retry): only readiness and sink_up change, until
+        the next health check or write that succeeds."""
         if self.connected:
-            log.warning("sink unhealthy while idle", extra={"sink": self.name, "error": problem})
+            log.warning("sink unhealthy while idle", extra={"sink": self.name, "error": f"{what}: {problem}"})
         self.connected = False
-        self.last_error = f"health: {problem}"
+        self.last_error = f"{what}: {problem}"
         self._m_up.set(0)
 
     def _take(self) -> tuple[list[Record], list[Message], set[int], int]:
@@ -728,6 +732,8 @@ class SinkWorker:
             raise
         except Exception as exc:  # an audit that fails proves no loss: the next write checks again
             log.warning("sink audit failed", extra={"sink": self.name, "error": f"{type(exc).__name__}: {exc}"})
+            if isinstance(exc, ConnectorError | TimeoutError | OSError):  # (the broker did not answer it: not ready)
+                self._set_unhealthy("audit", str(exc) or type(exc).__name__)
 
     def _announce_lost(self, exc: SinkLost, messages: list[Message]) -> list[Message]:
         """``messages`` preceded by the announcement of each span ``exc`` names that they do not

@@ -748,6 +748,25 @@ async def test_a_record_refused_after_isolation_is_dead_lettered_with_the_last_e
     assert seqs(conn) == [("EventsLost", 0, 0)]
 
 
+async def test_an_audit_the_broker_does_not_answer_makes_the_sink_not_ready(tmp_path: Path) -> None:
+    """breaker60 B1: an idle NATS sink's audits timed out against a frozen server while /readyz
+    said ready for about 60 s. An audit that fails for the broker (a timeout, a connection error)
+    makes the sink not ready, until a health check or a write succeeds."""
+    worker, _, _, metrics = make(tmp_path, batch={"linger": 0})
+
+    async def audit() -> None:
+        raise TimeoutError
+
+    worker._audit = audit
+    worker._audit_at = 0.0  # due now
+    worker.start()
+    await fill(worker, STREAM_RECORDS[:1])
+    assert await worker.flush(5)
+    await until(lambda: not worker.connected)
+    assert (worker.last_error or "").startswith("audit:") and value(metrics, "kv_bridge_sink_up", sink="mem") == 0
+    await done(worker)
+
+
 async def test_an_audit_runs_again_only_an_audit_interval_later(tmp_path: Path) -> None:
     worker, _, _, _ = make(tmp_path, batch={"linger": 0, "max_messages": 1})
     audits = 0
