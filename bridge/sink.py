@@ -219,6 +219,10 @@ class SinkWorker:
         self.health_interval = HEALTH_INTERVAL
         self._audit = getattr(connector, "audit", None)
         self._audit_at = time.monotonic() + AUDIT_INTERVAL
+        # The last audit found the broker not answering (a frozen server keeps a client
+        # "connected"): not ready, and audited again at each health check, until an audit or a
+        # write succeeds.
+        self._audit_failed = False
         # Read when scraped: always current, and nothing to update per record on the hot path.
         metrics.sink_queue_batches.labels(self.name).set_function(lambda: len(self._queue))
         metrics.sink_queue_bytes.labels(self.name).set_function(lambda: self._bytes)
@@ -372,6 +376,7 @@ class SinkWorker:
     def _set_up(self) -> None:
         if not self.connected:
             log.info("sink connected", extra={"sink": self.name})
+        self._audit_failed = False
         self.connected = True
         self.last_error = None
         self._m_up.set(1)
@@ -438,7 +443,8 @@ class SinkWorker:
     async def _check_health(self) -> None:
         problem = await self._health()
         if problem is None:
-            self._set_up()
+            if not self._audit_failed:  # (else the next audit says)
+                self._set_up()
             return
         self._set_unhealthy("health", problem)
 
@@ -712,7 +718,7 @@ class SinkWorker:
         return out
 
     def _audit_due(self) -> bool:
-        return self._audit is not None and self.connected and time.monotonic() >= self._audit_at
+        return self._audit is not None and (self.connected or self._audit_failed) and time.monotonic() >= self._audit_at
 
     async def _run_audit(self) -> None:
         """Ask the connector whether its broker still holds what it acknowledged; announce what it
@@ -721,7 +727,11 @@ class SinkWorker:
         self._audit_at = time.monotonic() + AUDIT_INTERVAL
         try:
             await asyncio.wait_for(self._audit(), self.config.retry.write_timeout)
+            if self._audit_failed:
+                self._set_up()  # (the broker answers again)
         except SinkLost as exc:
+            if self._audit_failed:
+                self._set_up()  # (it answers again: what it lost is announced below)
             self.metrics.sink_errors.labels(self.name, exc.reason).inc()
             announcements = self._announce_lost(exc, [])
             del exc  # see _collect_failure
@@ -734,6 +744,8 @@ class SinkWorker:
             log.warning("sink audit failed", extra={"sink": self.name, "error": f"{type(exc).__name__}: {exc}"})
             if isinstance(exc, ConnectorError | TimeoutError | OSError):  # (the broker did not answer it: not ready)
                 self._set_unhealthy("audit", str(exc) or type(exc).__name__)
+                self._audit_failed = True
+                self._audit_at = time.monotonic()  # (again at the next health check)
 
     def _announce_lost(self, exc: SinkLost, messages: list[Message]) -> list[Message]:
         """``messages`` preceded by the announcement of each span ``exc`` names that they do not

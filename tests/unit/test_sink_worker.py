@@ -748,22 +748,35 @@ async def test_a_record_refused_after_isolation_is_dead_lettered_with_the_last_e
     assert seqs(conn) == [("EventsLost", 0, 0)]
 
 
-async def test_an_audit_the_broker_does_not_answer_makes_the_sink_not_ready(tmp_path: Path) -> None:
+async def test_an_audit_the_broker_does_not_answer_keeps_the_sink_not_ready_until_one_passes(tmp_path: Path) -> None:
     """breaker60 B1: an idle NATS sink's audits timed out against a frozen server while /readyz
-    said ready for about 60 s. An audit that fails for the broker (a timeout, a connection error)
-    makes the sink not ready, until a health check or a write succeeds."""
+    said ready for about 60 s (its client stays "connected" until its pings run out; a health
+    PING that times out kills nats-py's read loop, breaker64). An audit that fails for the broker
+    (a timeout, a connection error) makes the sink not ready; the health check, which still
+    passes, does not make it ready again: the audit runs again at each health check, and the sink
+    is ready once one passes (or a write does)."""
     worker, _, _, metrics = make(tmp_path, batch={"linger": 0})
+    worker.health_interval = 0.01
+    frozen = True
+    audits = 0
 
     async def audit() -> None:
-        raise TimeoutError
+        nonlocal audits
+        audits += 1
+        if frozen:
+            raise TimeoutError
 
     worker._audit = audit
     worker._audit_at = 0.0  # due now
     worker.start()
     await fill(worker, STREAM_RECORDS[:1])
     assert await worker.flush(5)
-    await until(lambda: not worker.connected)
-    assert (worker.last_error or "").startswith("audit:") and value(metrics, "kv_bridge_sink_up", sink="mem") == 0
+    await until(lambda: audits >= 3)  # (audited again at each health check meanwhile)
+    assert not worker.connected and (worker.last_error or "").startswith("audit:")
+    assert value(metrics, "kv_bridge_sink_up", sink="mem") == 0
+    frozen = False
+    await until(lambda: worker.connected)
+    assert worker.last_error is None
     await done(worker)
 
 
