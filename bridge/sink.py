@@ -745,7 +745,7 @@ class SinkWorker:
             if isinstance(exc, ConnectorError | TimeoutError | OSError):  # (the broker did not answer it: not ready)
                 self._set_unhealthy("audit", str(exc) or type(exc).__name__)
                 self._audit_failed = True
-                self._audit_at = time.monotonic()  # (again at the next health check)
+                self._audit_at = time.monotonic() + self.health_interval  # (again a health interval later, not after each write)
 
     def _announce_lost(self, exc: SinkLost, messages: list[Message]) -> list[Message]:
         """``messages`` preceded by the announcement of each span ``exc`` names that they do not
