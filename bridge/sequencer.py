@@ -405,7 +405,7 @@ class StreamSequencer:
             return False
         floor = self._floor_ts
         if floor is not None:
-            ts = _finite(ts) if ts is not None else self._ts_of(payload)
+            ts = self._stamp(payload, ts)
             if ts is not None and ts < floor:
                 return False
         # seq == delivered + 1 > _top >= delivered: no restart, no head to lose (seq 0 when
@@ -437,7 +437,7 @@ class StreamSequencer:
             if instance == self.instance and self._instance_sure:
                 return self._same_instance(out, seq, payload)
             if instance != self.instance and self._restarts(instance):
-                ts = _finite(ts) if ts is not None else self._ts_of(payload)
+                ts = self._stamp(payload, ts)
                 if (not self._doubt or self._reopened or self._predates_epoch(ts)) and not dropped:
                     self._await_newcomer(out, _Newcomer(instance, (seq, payload, ts), ts, seq))
                     return out
@@ -597,7 +597,7 @@ class StreamSequencer:
             return False
         if self._replay != self._newcomer_replay:
             return False
-        ts = _finite(ts) if ts is not None else self._ts_of(payload)
+        ts = self._stamp(payload, ts)
         if not self._predates_epoch(ts):
             return False
         # Past the bound, not kept (as a live batch past max_held): the engine's buffer still has
@@ -962,7 +962,7 @@ class StreamSequencer:
         floor = self._floor_ts
         if floor is None:
             return False
-        ts = _finite(ts) if ts is not None else self._ts_of(payload)
+        ts = self._stamp(payload, ts)
         if ts is None or ts >= floor:
             return False
         if self._late_of_older(seq):
