@@ -441,17 +441,23 @@ def test_a_frame_kept_across_a_re_add_is_never_confirmed_by_a_later_drop() -> No
     assert delivered(out) == [(2, n) for n in range(4, 8)]
 
 
+def b0_kept_across_a_re_add(published: int) -> tuple[StreamSequencer, list[Action], RequestReplay]:
+    """A delivered 0..``published``-1; B's seq 0 waits (the drop not seen), and the source is removed
+    and added again (B:0 kept): the sequencer, what the re-add said, and the replay it asks next."""
+    s = seqr()
+    feed(s, A, range(published))
+    s.live(0, p(B, 0), instance=B)
+    s.detached()
+    out = s.disconnected(None, readded=True)
+    return s, out, [a for a in out + s.probe() if isinstance(a, RequestReplay)][-1]
+
+
 def test_a_frame_kept_across_a_re_add_goes_out_first_when_a_reply_under_its_uuid_opens_its_epoch() -> None:
     """breaker54 B1: B's seq 0 waits (the drop not seen), the source is removed and added again, and
     the start-up replay is answered under B's UUID before B's next live message, its buffer past
     seq 0: B's epoch opened with 0..4 announced lost though B:0 had reached the bridge (I4), and
     B:0 was later dead-lettered as not its engine's. It goes out first in B's epoch now."""
-    s = seqr()
-    feed(s, A, range(5))
-    s.live(0, p(B, 0), instance=B)
-    s.detached()
-    out = s.disconnected(None, readded=True)
-    ask = [a for a in out + s.probe() if isinstance(a, RequestReplay)][-1]
+    s, out, ask = b0_kept_across_a_re_add(5)
     out += s.replayed(ask.request_id, 5, p(B, 5), instance=B)
     assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED)]
     for req in [a for a in out if isinstance(a, RequestReplay) and a.request_id == s._replay]:
@@ -481,12 +487,7 @@ def test_a_reply_under_a_new_uuid_gives_frames_kept_across_a_re_add_their_epochs
     runs; the start-up replay, answered under C's UUID, opened C's epoch at once, and B:0 aged out
     under C's messages, dead-lettered: neither delivered nor announced (I3). A new UUID taking the
     epoch at once by a reply came after it, as by a live message: B's epoch comes first."""
-    s = seqr()
-    feed(s, A, range(3))
-    s.live(0, p(B, 0), instance=B)
-    s.detached()
-    out = s.disconnected(None, readded=True)
-    ask = [a for a in out + s.probe() if isinstance(a, RequestReplay)][-1]
+    s, out, ask = b0_kept_across_a_re_add(3)
     out += s.replayed(ask.request_id, 0, p(C, 0), instance=C)
     assert [a for a in out if isinstance(a, Reset)] == [Reset(1, INSTANCE_CHANGED), Reset(2, INSTANCE_CHANGED)]
     assert delivered(out) == [(1, 0), (2, 0)] and s.sure_instance in (C, None) and s.instance == C
