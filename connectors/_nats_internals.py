@@ -8,7 +8,10 @@ loudly. ``pyproject.toml`` pins nats-py below the next minor version for the sam
 
 from __future__ import annotations
 
+import asyncio
+
 from nats.aio.client import Client
+from nats.errors import StaleConnectionError
 
 TESTED = "2.16"  # the nats-py minor version these functions were written and tested against
 
@@ -49,6 +52,29 @@ def write_pending(nc: Client) -> None:
         transport.writelines(nc._pending[:])
         nc._pending = []
         nc._pending_data_size = 0
+
+
+async def round_trip(nc: Client, timeout: float) -> bool:
+    """PING the server and wait up to ``timeout`` for its PONG: True once it came, False if not.
+
+    ``Client.flush(timeout)`` cancels its PING's future on a timeout (or when its caller is
+    cancelled) and leaves it queued: the server's late PONG then meets ``set_result`` on a cancelled
+    future, nats-py's read loop dies of ``InvalidStateError`` without reconnecting, nothing the
+    server sends is read again until the keep-alive gives up (2 x ``ping_interval``), and every
+    ``flush()`` meanwhile returns at once, proving nothing. Here the future is waited on with
+    ``asyncio.wait``, which never cancels it: a late PONG completes it harmlessly.
+
+    A read loop found dead (by anything else that raised in it) cannot read a PONG: the connection
+    is handed to nats-py's reconnect, as a stale one, and this raises ``StaleConnectionError``.
+    """
+    reading = nc._reading_task
+    if nc._transport is None or reading is None or reading.done():
+        await nc._process_op_err(StaleConnectionError())
+        raise StaleConnectionError
+    pong: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+    await nc._send_ping(pong)
+    done, _ = await asyncio.wait((pong,), timeout=timeout)
+    return bool(done)
 
 
 def server_info(nc: Client) -> dict[str, object]:

@@ -1129,12 +1129,14 @@ class NatsConnector:
                 await internals.send_encoded(nc, hpub(subject, "", hdr, m.value))
             except (nats.errors.Error, OSError) as exc:
                 raise NotConnected(f"{self._prefix}: publish to NATS failed: {_describe(exc)}") from None
-        internals.write_pending(nc)  # else flush()'s PING overtakes them (see write_pending)
+        internals.write_pending(nc)  # else the PING overtakes them (see write_pending)
         try:
-            # nats-py wants a bound; the runtime's write timeout cancels this first.
-            await nc.flush(timeout=self.sink.retry.write_timeout)  # type: ignore[arg-type]  # a float works
+            # Not nc.flush(): see round_trip. The runtime's write timeout usually ends this first.
+            answered = await internals.round_trip(nc, self.sink.retry.write_timeout)
         except (nats.errors.Error, OSError) as exc:
             raise NotConnected(f"{self._prefix}: flush to NATS at {self._where} failed: {_describe(exc)}") from None
+        if not answered:
+            raise NotConnected(f"{self._prefix}: NATS at {self._where} did not answer a PING within the write timeout")
         if self._refused != refused:
             raise Retriable(self._permission_problem or f"{self._prefix}: a publish was refused", reason="no_permission")
         self._permission_problem = None  # (whatever was refused before was fixed)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -40,7 +39,7 @@ from connectors.nats import MSG_ID_HEADER, NatsConnector, NatsOptions, subject_t
 from tests.infra.servers import NatsServer, free_port, port_open
 from tests.integration.conformance import ConformanceSuite, Stored
 from tests.support.contract import BeforeFirstWrite, Scenario, interleaved, sized, worker_config
-from tests.support.process import BridgeProcess, bridge_config, http_get
+from tests.support.process import BridgeProcess, bridge_config, freeze, http_get, thaw
 from tests.support.records import control_records, stream_records
 from tests.support.schema import check_if_written_by_bridge
 
@@ -238,12 +237,6 @@ class TestCoreConformance(ConformanceSuite):
     def _request(self, request: pytest.FixtureRequest) -> None:
         self.request = request
 
-    @staticmethod
-    def _stopped(pid: int) -> bool:
-        """Every thread of process ``pid`` is stopped (state T in /proc)."""
-        tasks = Path(f"/proc/{pid}/task").iterdir()
-        return all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for t in tasks)
-
     async def transient_partial_failure(self, sink: SinkConfig, dest: str) -> Scenario:
         """Not applicable (see ``partial_failure_not_applicable``): a whole write fails instead.
         A nats-server of the test's own is stopped (SIGSTOP) as the first write starts: its flush
@@ -264,19 +257,13 @@ class TestCoreConformance(ConformanceSuite):
         await reader.flush()
 
         async def stall() -> None:
-            os.kill(pid, signal.SIGSTOP)
-            # The signal takes effect asynchronously: wait until every thread of the server is stopped.
-            for _ in range(1000):
-                if self._stopped(pid):
-                    return
-                await asyncio.sleep(0.001)
-            pytest.fail(f"nats-server {pid} did not stop")
+            await freeze(pid)
 
         async def heal() -> None:
-            os.kill(pid, signal.SIGCONT)
+            thaw(pid)
 
         async def cleanup() -> None:
-            os.kill(pid, signal.SIGCONT)
+            thaw(pid)
             with contextlib.suppress(nats.errors.Error):
                 await reader.flush(timeout=5)  # the subscriber has had everything the server took
             await reader.close()

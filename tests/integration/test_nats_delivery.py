@@ -39,6 +39,7 @@ from bridge.records import Record, Stream, events_lost
 from bridge.sink import SinkWorker
 from connectors.nats import NatsConnector, NatsOptions, subject_token
 from tests.infra.servers import NatsServer
+from tests.support.process import freeze, thaw
 from tests.support.records import batch
 
 pytestmark = pytest.mark.integration
@@ -70,7 +71,9 @@ async def dest(reader: Client) -> AsyncIterator[str]:
 class Harness:
     """One sink (``nats-d``, raw batches) and its SinkWorker, with dead letters in a file."""
 
-    def __init__(self, tmp_path: Path, url: str, dest: str, *, max_messages: int = 10000, **options: Any) -> None:
+    def __init__(
+        self, tmp_path: Path, url: str, dest: str, *, max_messages: int = 10000, write_timeout: float = 20, **options: Any
+    ) -> None:
         opts = {"servers": url, "subject": dest + ".{source}.{dp_rank}", "connect_timeout": "5s", "reconnect_wait": "200ms"}
         opts.update(options)
         cfg = config.convert(
@@ -78,7 +81,7 @@ class Harness:
                 "type": "nats",
                 "name": "nats-d",
                 "format": "raw",
-                "retry": {"initial_backoff": 0.05, "max_backoff": 0.2, "jitter": 0.0, "write_timeout": 20},
+                "retry": {"initial_backoff": 0.05, "max_backoff": 0.2, "jitter": 0.0, "write_timeout": write_timeout},
                 "batch": {"max_messages": max_messages, "linger": 0},
                 "options": opts,
             },
@@ -371,6 +374,42 @@ async def test_core_oversized_message_is_isolated_across_a_server_restart(
     assert [(d["source"], d["seq"]) for d in dead] == [("eng-a", 3)]
     assert "max_payload" in dead[0]["detail"]
     assert len(h.acked) == len(records)
+
+
+async def test_core_writes_after_a_server_stall_are_counted_only_once_the_server_answers(tmp_path: Path) -> None:
+    """Core NATS proves a write by a PING's PONG. A server frozen past the write timeout answers
+    the first write's PING late; that late PONG must not end the client's reading (nats-py's own
+    flush() leaves its PING cancelled, and a PONG for it kills the read loop: every flush after
+    returns at once, proving nothing). So a write while the server is frozen again is never
+    counted delivered, and both stalls' batches are delivered once the server answers."""
+    server = await NatsServer(tmp_path / "srv").astart()
+    pid = server.pid
+    assert pid is not None
+    dest = _dest()
+    h = Harness(tmp_path, server.url, dest, mode="core", write_timeout=1)
+    h.start([record(A, 0, 100)])
+    try:
+        await _until(lambda: len(h.acked) == 1, "the first write delivered")
+        for seq in (1, 2):  # each write meets a frozen server, then a server that answers late
+            await freeze(pid)
+            h.worker.force(record(A, seq, 100))
+            retries = h.worker.metrics.registry.get_sample_value("kv_bridge_sink_retries_total", {"sink": "nats-d"}) or 0
+            await _until(
+                lambda r=retries, s=seq: (
+                    len(h.acked) > s
+                    or (h.worker.metrics.registry.get_sample_value("kv_bridge_sink_retries_total", {"sink": "nats-d"}) or 0)
+                    > r + 1
+                ),
+                "two writes timing out on the frozen server",
+            )
+            assert len(h.acked) == seq, f"seq {seq} counted delivered while the server was frozen"
+            thaw(pid)
+            await _until(lambda s=seq: len(h.acked) == s + 1, f"seq {seq} delivered once the server answers")
+    finally:
+        thaw(pid)
+        await h.finish()
+        await asyncio.to_thread(server.remove)
+    assert [r.seq for r in h.acked] == [0, 1, 2] and h.dead() == []
 
 
 async def test_no_stream_fails_at_once_and_check_reports_it(nats_server: NatsServer, tmp_path: Path) -> None:

@@ -39,6 +39,27 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+async def freeze(pid: int) -> None:
+    """Stop ``pid`` (SIGSTOP: a GC pause, a stalled VM, a ``docker pause``) and return once every
+    thread of it is stopped (the signal takes effect asynchronously); ``thaw`` continues it."""
+    os.kill(pid, signal.SIGSTOP)
+    for _ in range(1000):  # bounded wait, not a timing assertion
+        if _stopped(pid):
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop")
+
+
+def _stopped(pid: int) -> bool:
+    """Every thread of process ``pid`` is stopped (state T in /proc)."""
+    tasks = Path(f"/proc/{pid}/task").iterdir()
+    return all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for t in tasks)
+
+
+def thaw(pid: int) -> None:
+    os.kill(pid, signal.SIGCONT)
+
+
 def wait_readyz(port: int, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
     """Block until the bridge's ``/readyz`` on ``port`` answers 200 (for synchronous callers);
     AssertionError after ``timeout`` seconds, or as soon as ``proc`` (the bridge) has exited."""

@@ -4,9 +4,12 @@ nats-py: when an upgrade renames, retypes or reorders any of them, these fail, l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import inspect
 
+import nats.errors
+import pytest
 from nats.aio.client import Client
 
 from connectors import _nats_internals as internals
@@ -82,3 +85,66 @@ def test_the_library_still_behaves_as_the_functions_assume() -> None:
     assert reconnect.index("await self._disconnected_cb()") < reconnect.index("await self._flush_pending()")
     # The reconnect handler the connector passes (least-tried server, jittered wait).
     assert "reconnect_to_server_handler" in inspect.signature(Client.connect).parameters
+
+
+def _reading_client() -> tuple[Client, FakeTransport, asyncio.Task[bool]]:
+    """A connected client with a fake socket, and a read loop and flusher that are alive (one task
+    that waits for ever stands for both)."""
+    nc = Client()
+    fake = FakeTransport()
+    nc._transport = fake  # type: ignore[assignment]
+    nc._status = Client.CONNECTED
+    nc._flush_queue = asyncio.Queue()
+    loop = asyncio.create_task(asyncio.Event().wait())
+    nc._reading_task = nc._flusher_task = loop
+    return nc, fake, loop
+
+
+async def test_a_pong_after_the_round_trip_gave_up_is_taken_harmlessly() -> None:
+    nc, fake, loop = _reading_client()
+    try:
+        assert not await internals.round_trip(nc, 0.01)  # no PONG within the timeout
+        waiting = asyncio.create_task(internals.round_trip(nc, 5))
+        await asyncio.sleep(0)
+        waiting.cancel()  # the caller's own timeout (the runtime's write timeout) ends it
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        assert fake.written == [b"PING\r\n", b"PING\r\n"]
+        await nc._process_pong()  # the late PONGs: what would end the read loop if they raised
+        await nc._process_pong()
+        answered = asyncio.create_task(internals.round_trip(nc, 5))
+        await asyncio.sleep(0)
+        await nc._process_pong()
+        assert await answered
+    finally:
+        loop.cancel()
+
+
+async def test_the_library_flush_leaves_a_cancelled_ping_that_its_late_pong_breaks_on() -> None:
+    # Why round_trip exists: when this stops raising, nats-py fixed it, and flush() may do again.
+    nc, _fake, loop = _reading_client()
+    try:
+        with contextlib.suppress(nats.errors.TimeoutError):
+            await nc.flush(timeout=0.01)  # type: ignore[arg-type]  # a float works
+        with pytest.raises(asyncio.InvalidStateError):
+            await nc._process_pong()
+    finally:
+        loop.cancel()
+
+
+async def test_a_dead_read_loop_is_handed_to_the_reconnect_not_taken_for_an_answer() -> None:
+    nc, fake, loop = _reading_client()
+    loop.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await loop
+    reconnects: list[bool] = []
+
+    async def reconnect() -> None:
+        reconnects.append(True)
+
+    nc._attempt_reconnect = reconnect  # type: ignore[method-assign]
+    nc.options["allow_reconnect"] = True
+    with pytest.raises(nats.errors.StaleConnectionError):
+        await internals.round_trip(nc, 5)
+    await asyncio.sleep(0)
+    assert nc.is_reconnecting and reconnects == [True] and fake.written == []
