@@ -608,14 +608,18 @@ class StreamSequencer:
 
     def _predates_epoch(self, ts: float | None) -> bool:
         """Is a frame stamped ``ts`` older than this epoch's instance: before the first batch
-        delivered in the epoch (in this process; with none yet, the one that showed the instance),
-        less ``clock_skew``? Under another UUID such a frame is an instance's before the epoch's,
-        read late (its pipe drained after its successor's), unless the replay shows otherwise:
-        nothing else confirms it (a drop, a second message, a third UUID, time), or it would open
-        an epoch after the running instance's and retire it."""
+        delivered in the epoch (in this process; with none yet, the one that showed the instance,
+        else the first one waiting in doubt under its UUID), less ``clock_skew``? Under another
+        UUID such a frame is an instance's before the epoch's, read late (its pipe drained after
+        its successor's), unless the replay shows otherwise: nothing else confirms it (a drop, a
+        second message, a third UUID, time), or it would open an epoch after the running
+        instance's and retire it."""
         if ts is None or not self.can_replay:
             return False
         bound = self._first_ts if self._first_ts is not None else self._floor_ts
+        if bound is None and self.instance is not None:
+            # (nothing delivered yet: the first batch read under its UUID, waiting in doubt)
+            bound = min((t for p in self.unverified.values() if (t := self._ts_of(p)) is not None), default=None)
         return bound is not None and ts < bound - self.clock_skew
 
     def _newcomer_meets(self, out: list[Action], instance: bytes | None) -> None:

@@ -805,3 +805,25 @@ def test_a_retired_uuids_replies_go_into_no_epoch_even_while_the_epochs_uuid_is_
     out += [a for q in range(3, 15) for a in s.replayed(ask.request_id, q, at(3, q), instance=uid[3])]
     out += s.replay_finished(ask.request_id, complete=True)
     assert all(len(instances) == 1 for instances in _instances_per_epoch(out).values()), _instances_per_epoch(out)
+
+
+@pytest.mark.parametrize("reply_uuid", [True, False], ids=["replies with a UUID", "replies without"])
+def test_a_late_frame_read_before_anything_is_delivered_is_bounded_by_the_batches_waiting(reply_uuid: bool) -> None:
+    """breaker62 Z3 (walk seeds 794, 811): resumed with nothing delivered, the start-up replay in
+    flight. The running engine C's 0..1 are read and wait, C's UUID adopted in doubt; then a late
+    frame of B, the instance before C, stamped long before them. With no batch delivered in the
+    epoch nothing bounded it: a restart at once, an epoch for B after C's, C retired and every
+    later batch of the running engine dropped (I3, I4). The first batch waiting under the
+    epoch's UUID bounds it now: it waits for the replay, which C answers, and is refuted."""
+    s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts, clock_skew=0.25, epoch=0, delivered=-1)
+    engine = {n: stamped(C, n) for n in range(10)}
+    out = s.start()
+    got = [a for n in (0, 1) for a in s.live(n, engine[n], instance=C)]
+    got += s.live(0, stamped(B, 0), instance=B)
+    got += [a for n in range(2, 6) for a in s.live(n, engine[n], instance=C)]
+    out += got + serve(s, out + got, {n: engine[n] for n in range(6)}, C if reply_uuid else None)
+    got = [a for n in range(6, 10) for a in s.live(n, engine[n], instance=C)]
+    out += got + serve(s, got, engine, C if reply_uuid else None)
+    assert not [a for a in out if isinstance(a, Reset | Lost)]
+    assert delivered(out) == [(0, n) for n in range(10)] and s.instance == C and C not in s.retired_instances
+    assert suspects(out) == [0]  # B's frame, dead-lettered: its engine answered with C's seq 0
