@@ -715,7 +715,14 @@ class StreamSequencer:
     def _not_the_engines(out: list[Action], instance: bytes | None, batch: _Batch, why: str) -> None:
         """A live batch under another UUID than the engine's, shown not to be its: dead-lettered."""
         seq, payload, _ = batch
-        out.append(Suspect(seq, payload, f"live seq {seq} under publisher {_name(instance)} is not its engine's: {why}"))
+        out.append(
+            Suspect(
+                seq,
+                payload,
+                f"live seq {seq} under publisher {_name(instance)} is not the running engine's (a late frame of "
+                f"an instance gone, or a corrupt or forged one): {why}",
+            )
+        )
 
     def _unstash(self, instance: bytes | None) -> list[_Batch]:
         """The batches kept for ``instance`` (confirmed now), in seq order, taken from the stash."""
