@@ -1059,8 +1059,15 @@ class NatsConnector:
             return f"{self._prefix}: not connected to NATS at {self._where}"
         if not nc.is_connected:
             return str(self._reconnecting())
-        # (No round trip here: a PING that times out stays queued in nats-py, whose read loop then
-        # dies at its late PONG. A server that stopped answering shows in the sink's audit.)
+        # A round trip: a server that stopped answering (frozen, a half-open connection) keeps the
+        # client "connected" until its pings run out (ping_interval x 2), while writes would stall.
+        timeout = self.options.connect_timeout
+        try:
+            answered = await internals.round_trip(nc, timeout)
+        except (nats.errors.Error, OSError) as exc:
+            return f"{self._prefix}: NATS at {self._where} does not answer ({_describe(exc)})"
+        if not answered:
+            return f"{self._prefix}: NATS at {self._where} does not answer a PING within {timeout:g}s"
         return self._permission_problem or self._stream_problem or self._state_problem or self._subject_problem
 
     def destination(self, stream: Stream) -> str | None:

@@ -488,6 +488,46 @@ async def test_health_follows_the_connection(nats_server: NatsServer, js_dest: s
 
 
 @pytest.mark.integration
+async def test_health_sees_a_frozen_server_and_the_client_reads_again_once_it_answers(tmp_path: Path) -> None:
+    """A server frozen (SIGSTOP) keeps the connection up: health's PING round trip says it does not
+    answer, within ``connect_timeout``, while the sink is idle. Its late PONGs, once it answers,
+    leave the client reading (a PING cancelled in nats-py's own flush() killed its read loop):
+    health passes again and a write is acknowledged."""
+    server = await NatsServer(tmp_path / "srv").astart()
+    pid = server.pid
+    assert pid is not None
+    dest = _dest()
+    conn = NatsConnector("nats-f", _options(server.url, dest, connect_timeout=1.0), SINK)
+    await conn.connect()
+    try:
+        assert await conn.health() is None
+        await freeze(pid)
+        reason = await conn.health()
+        assert reason is not None and "nats-f" in reason and "does not answer" in reason
+        with contextlib.suppress(TimeoutError):  # health cut short by the caller's own timeout
+            async with asyncio.timeout(0.2):
+                await conn.health()
+        thaw(pid)
+        for _ in range(100):  # bounded wait, not a timing assertion
+            if await conn.health() is None:
+                break
+        assert await conn.health() is None
+        messages = _render("json", "event", [Stream("a", 0)], 3)
+        async with asyncio.timeout(10):
+            await conn.write(messages)
+        reader = await nats.connect(server.url)
+        try:
+            stored = await _read_stream(reader, dest, _subject(dest, Stream("a", 0)))
+            assert [m.data for m in stored] == [m.value for m in messages]
+        finally:
+            await reader.close()
+    finally:
+        thaw(pid)
+        await conn.close()
+        await asyncio.to_thread(server.remove)
+
+
+@pytest.mark.integration
 async def test_connect_fails_fast_naming_sink_and_server() -> None:
     url = f"nats://bridge:hunter2@127.0.0.1:{free_port()}"
     options = NatsOptions(servers=url, connect_timeout=1.0)  # type: ignore[arg-type]
