@@ -886,8 +886,32 @@ def _check_endpoints(entries: Any, problems: list[str]) -> None:
         for key in ("endpoint", "replay_endpoint", "snapshot_endpoint"):
             value = entry.get(key)
             problem = endpoint_problem(value) if isinstance(value, str) else None
+            if problem is None and isinstance(value, str) and _wildcard_host(value):
+                problem = _connected_wildcard(value, key, bool(entry.get("bind")))
             if problem is not None:
                 problems.append(f"sources[{i}].{key}: {problem}")
+
+
+def _wildcard_host(endpoint: str) -> bool:
+    """``tcp://*:PORT`` (every interface): an address to bind, never one to connect to."""
+    return endpoint.startswith("tcp://") and endpoint[len("tcp://") :].rpartition(":")[0] == "*"
+
+
+def _connected_wildcard(endpoint: str, key: str, bind: bool) -> str | None:
+    """Why a wildcard ``endpoint`` under ``key`` cannot be used: the bridge connects there (every
+    endpoint but a live one with ``bind: true``); None when it binds it."""
+    port = endpoint.rpartition(":")[2]
+    if key == "endpoint":
+        if bind:
+            return None
+        return (
+            f"{endpoint!r}: * (every interface) can only be bound, and the bridge connects to the live endpoint: "
+            f"give the engine's host (tcp://HOST:{port}), or set bind: true for the engines to connect in"
+        )
+    return (
+        f"{endpoint!r}: * (every interface) can only be bound, and the bridge always connects to the engine's "
+        f"{key.split('_')[0]} socket: give the engine's host (tcp://HOST:{port})"
+    )
 
 
 def _check_semantics(config: Config, sinks: list[SinkConfig], raw: list[Any], problems: list[str]) -> None:

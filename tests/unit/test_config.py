@@ -181,7 +181,25 @@ def test_live_and_replay_ports_of_ranks_must_not_overlap() -> None:
     assert not _ports_problems({"endpoint": "tcp://h:5557", "replay_endpoint": "tcp://h:5559", "dp_ranks": 2})
     assert not _ports_problems({"endpoint": "tcp://h:5557", "replay_endpoint": "tcp://g:5558", "dp_ranks": 2})
     assert not _ports_problems({"endpoint": "ipc:///tmp/kv", "replay_endpoint": "ipc:///tmp/kv-replay", "dp_ranks": 4})
-    assert not _ports_problems({"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "dp_ranks": 2, "bind": True})
+    assert not _ports_problems({"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://h:5558", "dp_ranks": 2, "bind": True})
+
+
+def test_a_wildcard_host_is_refused_where_the_bridge_connects() -> None:
+    """breaker66 B3: ``tcp://*:PORT`` passed both checks; as a live endpoint without ``bind`` the run
+    exited 1 (ZMQError: Invalid argument), as a replay endpoint every gap was announced lost."""
+    assert _ports_problems({"endpoint": "tcp://*:5557"}) == [
+        "sources[0].endpoint: 'tcp://*:5557': * (every interface) can only be bound, and the bridge connects to the "
+        "live endpoint: give the engine's host (tcp://HOST:5557), or set bind: true for the engines to connect in"
+    ]
+    assert _ports_problems({"endpoint": "tcp://*:5557", "bind": True, "replay_endpoint": "tcp://*:5600"}) == [
+        "sources[0].replay_endpoint: 'tcp://*:5600': * (every interface) can only be bound, and the bridge always "
+        "connects to the engine's replay socket: give the engine's host (tcp://HOST:5600)"
+    ]
+    assert _ports_problems({"endpoint": "tcp://h:5557", "snapshot": "vllm-57789", "snapshot_endpoint": "tcp://*:5560"}) == [
+        "sources[0].snapshot_endpoint: 'tcp://*:5560': * (every interface) can only be bound, and the bridge always "
+        "connects to the engine's snapshot socket: give the engine's host (tcp://HOST:5560)"
+    ]
+    assert not _ports_problems({"endpoint": "tcp://*:5557", "bind": True})
 
 
 def test_port_ranges_of_two_sources_must_not_overlap() -> None:
