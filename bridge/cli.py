@@ -542,7 +542,7 @@ async def _probe_engines(cfg: Config) -> tuple[int, int, list[str], list[tuple[s
             lines.append(f"{where}: {got[0]}")
         elif path.endswith(".endpoint") and path.startswith("sources["):
             topic = cfg.sources[int(path[len("sources[") : path.index("]")])].topic
-            listen.append((where, wire_shape(ep, topic, SHAPE_TIMEOUT)))
+            listen.append((where, wire_shape(ep, topic, SHAPE_TIMEOUT, cfg.ingest.max_frame_bytes)))
     shapes = await asyncio.gather(*(c for _, c in listen))
     shown = [(f"{w}: {s}", problem) for (w, _), (s, problem) in zip(listen, shapes, strict=True)]
     return len(checks), sum(got is None for got in found), lines, shown

@@ -7,7 +7,9 @@ stream's pipeline: one call per burst, not per message, and for a fleet one wake
 streams. The reader's own task only finishes a pipeline call that had to wait (see
 :mod:`bridge.ingest`). ZMQ's
 ``MAXMSGSIZE`` refuses oversized messages before allocating them (the connection is dropped and
-re-established; the sequence gap is then repaired through replay). A monitor socket tracks
+re-established; the sequence gap is then repaired through replay). A source whose connections are
+dropped ``_UNREAD_DROPS`` times in a row before any message is read counts as not connected
+(reason ``dropped_unread``) until one is: every message may be over the limit. A monitor socket tracks
 connections for ``kv_bridge_sources_connected`` and the logs.
 
 Health (docs/operations/monitoring.md): a connection counts once its ZMTP handshake succeeded (a
@@ -54,6 +56,9 @@ _MONITOR_EVENTS = (
 )
 # While a source is not connected, how often the reader asks the endpoint why (one TCP connection).
 _DIAGNOSE_EVERY = 15.0
+# Connections in a row dropped before any message was read: a message over ingest.max_frame_bytes
+# (ZMQ ends the session and says nothing else), or an engine restarting before it publishes.
+_UNREAD_DROPS = 3
 # libzmq does not reconnect a session it ended for a protocol error (e.g. a message over
 # MAXMSGSIZE): if a dropped connection shows no sign of retrying within this time, re-dial.
 _REDIAL_AFTER = 1.0
@@ -125,6 +130,8 @@ class SourceReader:
         # Subscribed to every topic too: no message of the source's own topic since the connection.
         self._probing = False
         self._foreign_topics: list[str] = []  # the first few other topics seen, for the problem
+        self._heard = False  # a message was read since the last connection came up
+        self._unread_drops = 0  # connections in a row dropped before one was (see _UNREAD_DROPS)
         self._connected_gauge = pipeline.metrics.connected
         self._disconnects = pipeline.metrics.disconnects
         metrics = pipeline.metrics.metrics
@@ -248,6 +255,8 @@ class SourceReader:
         if sock is None or self._busy:
             return False
         burst, foreign = self._read(sock)
+        if not self._heard and (burst or foreign):
+            self._heard_now()
         if burst:
             if self._probing:
                 self._own_topic(sock)
@@ -309,13 +318,19 @@ class SourceReader:
                 if self._topic and not self._probing:  # a new engine (a redeploy) may publish under another topic
                     sock.setsockopt(zmq.SUBSCRIBE, b"")
                     self._probing = True
-                self._set_problem(None, "")
+                self._heard = False
+                if self._unread_drops < _UNREAD_DROPS:  # (else not connected until a message is read)
+                    self._set_problem(None, "")
                 log.info("source connected", extra={"stream": key, "endpoint": self.endpoint})
             elif event == zmq.EVENT_DISCONNECTED and self.connections > 0:
                 self.connections -= 1
                 self._connected_gauge.dec()
                 self._disconnects.inc()
-                if not self.connections:
+                if not self._heard:
+                    self._unread_drops += 1
+                if self._unread_drops >= _UNREAD_DROPS:
+                    self._dropped_unread()
+                elif not self.connections:
                     self._set_problem("the engine went away: reconnecting", "disconnected")
                 log.warning("source disconnected", extra={"stream": key, "endpoint": self.endpoint})
                 # Whoever is there when it reconnects may be a new engine instance.
@@ -358,6 +373,25 @@ class SourceReader:
         self._probing = False
         if self._reason == "wrong_topic" and self.connections:
             self._set_problem(None, "")
+
+    def _heard_now(self) -> None:
+        """The first message read since the connection came up: the engine's messages get through."""
+        self._heard = True
+        self._unread_drops = 0
+        if self._reason == "dropped_unread" and self.connections:
+            self._set_problem(None, "")
+
+    def _dropped_unread(self) -> None:
+        """``_UNREAD_DROPS`` connections or more in a row dropped before a message was read: not
+        connected (reason ``dropped_unread``) across the reconnects, until one is."""
+        problem = (
+            f"{self.endpoint}: the connection was dropped {self._unread_drops} times in a row before any message was "
+            f"read. ZMQ drops it at a message over ingest.max_frame_bytes ({self.ingest.max_frame_bytes} bytes) and says "
+            "nothing else: raise that above the engine's largest batch; or the engine restarts before it publishes"
+        )
+        if self._reason != "dropped_unread":
+            log.error("source reads nothing", extra={"stream": self.pipeline.stream.key, "error": problem})
+        self._set_problem(problem, "dropped_unread")
 
     def _set_problem(self, problem: str | None, reason: str) -> None:
         """Record why the source is not connected (None: it is), in the metrics too."""

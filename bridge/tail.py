@@ -267,22 +267,23 @@ def foreign_topics(topics: list[str], prefix: str) -> str:
     return f"the engine publishes under {', '.join(map(repr, topics))} and nothing under a topic starting with {prefix!r}"
 
 
-async def wire_shape(endpoint: str, topic: str, timeout: float) -> tuple[str, str | None]:
+async def wire_shape(endpoint: str, topic: str, timeout: float, max_frame_bytes: int = 64 << 20) -> tuple[str, str | None]:
     """What the first live message of the source's ``topic`` read from ``endpoint`` within
     ``timeout`` shows of the wire (for ``--check``): whether its sequence frame carries the
     publisher UUID (vLLM #57789), and the producer shape its payload has; "nothing within ..." for
     an idle engine. Listens as the run does, to every topic: messages only under other topics are
     no idle engine but perhaps a wrong ``topic`` (the run would receive nothing, reason
     ``wrong_topic``). Second: the problem, with its fix (nothing of the message could be
-    decoded: its frames, its batch, or any of its events); a :class:`Caution` (only other
-    topics: a warning); or None."""
+    decoded: its frames, its batch, or any of its events; or a frame over ``max_frame_bytes``,
+    the run's ``ingest.max_frame_bytes``, at which ZMQ drops the connection: this listener reads
+    past it to say so); a :class:`Caution` (only other topics: a warning); or None."""
     ctx = zmq.asyncio.Context()
     sub = ctx.socket(zmq.SUB)
     own, foreign = topic.encode(), list[str]()
     frames: list[bytes] | None = None
     try:
         sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        sub.setsockopt(zmq.MAXMSGSIZE, max(64 << 20, max_frame_bytes))
         sub.setsockopt(zmq.SUBSCRIBE, b"")  # every topic, as the run until one of its own: see bridge.source
         sub.connect(endpoint)
         deadline = time.monotonic() + timeout
@@ -306,6 +307,13 @@ async def wire_shape(endpoint: str, topic: str, timeout: float) -> tuple[str, st
                 "then needs nothing"
             )
         return f"nothing published within {timeout:g}s (an idle engine: the wire shape shows with its first batch)", None
+    largest = max(map(len, frames))
+    if largest > max_frame_bytes:
+        return f"a message with a {largest}-byte frame", (
+            f"it is over ingest.max_frame_bytes ({max_frame_bytes} bytes): ZMQ drops the connection at every such "
+            "message, and the run reads nothing of them (not ready, reason dropped_unread): raise "
+            "ingest.max_frame_bytes above the engine's largest batch"
+        )
     try:
         f = wire.parse_live(frames)
     except DecodeError as exc:

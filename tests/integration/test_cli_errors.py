@@ -458,6 +458,38 @@ async def test_check_refuses_an_engine_whose_first_batch_cannot_be_decoded(tmp_p
     assert "config ok" not in proc.stdout.splitlines()
 
 
+async def test_check_refuses_an_engine_whose_first_message_is_over_max_frame_bytes(tmp_path: Path) -> None:
+    """breaker66 B1: --check read the first message with a 64 MiB limit, printed it and said "config
+    ok"; the run, with ``ingest.max_frame_bytes`` 1 KiB, read nothing (ZMQ drops the connection at
+    each larger message). It is a problem now: exit 3, naming the frame's size and the limit."""
+    live, rep = free_ports(2)
+    config = {
+        "sources": [{"name": "e", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}],
+        "sinks": [{"type": "file", "path": str(tmp_path / "out.jsonl")}],
+        "ingest": {"max_frame_bytes": "1KiB"},
+        "checkpoint": {"path": str(tmp_path / "checkpoint.json")},
+    }
+    # A batch that decodes: one BlockStored with 1,000 tokens.
+    batch = msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, list(range(1000, 2000)), 16, None]], 0])
+    async with ScriptedEngine(live, rep) as engine:
+
+        async def publish() -> None:
+            while True:
+                await engine.publish(1, payload=batch)
+                await asyncio.sleep(0.05)
+
+        publisher = asyncio.create_task(publish())
+        try:
+            proc = await check_config(tmp_path, config)
+        finally:
+            publisher.cancel()
+            await asyncio.gather(publisher, return_exceptions=True)
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert f"a message with a {len(batch)}-byte frame" in proc.stderr, proc.stderr
+    assert "over ingest.max_frame_bytes (1024 bytes)" in proc.stderr, proc.stderr
+    assert "config ok" not in proc.stdout.splitlines()
+
+
 async def test_check_warns_of_a_source_topic_the_engine_does_not_publish_under(tmp_path: Path) -> None:
     """breaker46 B2: --check subscribed to the configured topic alone, heard nothing from an engine
     publishing 20 batches/s under another, called it "an idle engine" and said "config ok"; the run,

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -306,3 +307,45 @@ async def test_an_engine_whose_every_batch_is_undecodable_is_not_taken_for_a_wor
             await engine.publish(1)
             await wait_for(lambda: bridge.readiness()[0], what="ready after a good batch", timeout=10)
             assert "sources_not_decodable" not in bridge.readiness()[1]
+
+
+async def test_an_engine_whose_every_message_is_over_max_frame_bytes_is_not_taken_for_a_connected_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """breaker66 B1: every batch over ``ingest.max_frame_bytes``. ZMQ drops the connection at each
+    one and says nothing else; the bridge read nothing, yet said ready between the drops (and
+    "the engine went away" during them). Now 3 drops in a row before any message was read make
+    the stream not connected (``dropped_unread``, naming the limit) across the reconnects, until
+    a message is read."""
+    caplog.set_level(logging.INFO)
+    live, rep = free_port(), free_port()
+    big = msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, list(range(1000, 2000)), 16, None]], 0])  # 3 KB
+    async with ScriptedEngine(live, rep) as engine:
+        src = source("eng", f"tcp://127.0.0.1:{live}", f"tcp://127.0.0.1:{rep}")
+        async with running_bridge(tmp_path, [src], ingest=GRACE | {"max_frame_bytes": "1KiB"}) as (bridge, out):
+
+            async def publish_big() -> None:
+                while True:
+                    await engine.publish(1, payload=big)
+                    await asyncio.sleep(0.1)
+
+            publisher = asyncio.create_task(publish_big())
+            try:
+                await wait_for(lambda: problem(bridge, "eng/0", "dropped_unread") == 1, what="dropped_unread", timeout=30)
+                for _ in range(20):  # across the reconnects that follow (one a second)
+                    detail = await not_ready(bridge)
+                    said = detail["sources_not_connected"]["eng/0"]
+                    assert "times in a row before any message was read" in said and "max_frame_bytes (1024 bytes)" in said
+                    await asyncio.sleep(0.1)
+                assert not out.exists() or read_lines(out) == []
+                (line,) = lines(caplog, "source reads nothing")
+                assert line.levelno == logging.ERROR
+            finally:
+                publisher.cancel()
+                await asyncio.gather(publisher, return_exceptions=True)
+            for _ in range(50):  # (a small batch once the bridge has redialled)
+                await engine.publish(1)
+                if problem(bridge, "eng/0", "dropped_unread") == 0:
+                    break
+                await asyncio.sleep(0.2)
+            await wait_for(lambda: bridge.readiness()[0], what="ready once a message is read", timeout=10)
