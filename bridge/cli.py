@@ -541,8 +541,9 @@ async def _probe_engines(cfg: Config) -> tuple[int, int, list[str], list[tuple[s
         if got is not None:
             lines.append(f"{where}: {got[0]}")
         elif path.endswith(".endpoint") and path.startswith("sources["):
-            topic = cfg.sources[int(path[len("sources[") : path.index("]")])].topic
-            listen.append((where, wire_shape(ep, topic, SHAPE_TIMEOUT, cfg.ingest.max_frame_bytes)))
+            source = cfg.sources[int(path[len("sources[") : path.index("]")])]
+            replay = for_rank(source.replay_endpoint, rank) if source.replay_endpoint else None
+            listen.append((where, wire_shape(ep, source.topic, SHAPE_TIMEOUT, cfg.ingest.max_frame_bytes, replay)))
     shapes = await asyncio.gather(*(c for _, c in listen))
     shown = [(f"{w}: {s}", problem) for (w, _), (s, problem) in zip(listen, shapes, strict=True)]
     return len(checks), sum(got is None for got in found), lines, shown

@@ -267,7 +267,9 @@ def foreign_topics(topics: list[str], prefix: str) -> str:
     return f"the engine publishes under {', '.join(map(repr, topics))} and nothing under a topic starting with {prefix!r}"
 
 
-async def wire_shape(endpoint: str, topic: str, timeout: float, max_frame_bytes: int = 64 << 20) -> tuple[str, str | None]:
+async def wire_shape(
+    endpoint: str, topic: str, timeout: float, max_frame_bytes: int = 64 << 20, replay_endpoint: str | None = None
+) -> tuple[str, str | None]:
     """What the first live message of the source's ``topic`` read from ``endpoint`` within
     ``timeout`` shows of the wire (for ``--check``): whether its sequence frame carries the
     publisher UUID (vLLM #57789), and the producer shape its payload has; "nothing within ..." for
@@ -276,7 +278,8 @@ async def wire_shape(endpoint: str, topic: str, timeout: float, max_frame_bytes:
     ``wrong_topic``). Second: the problem, with its fix (nothing of the message could be
     decoded: its frames, its batch, or any of its events; or a frame over ``max_frame_bytes``,
     the run's ``ingest.max_frame_bytes``, at which ZMQ drops the connection: this listener reads
-    past it to say so); a :class:`Caution` (only other topics: a warning); or None."""
+    past it to say so; or a ``replay_endpoint`` that answers for the message's seq with another
+    batch, see :func:`foreign_replay`); a :class:`Caution` (only other topics: a warning); or None."""
     ctx = zmq.asyncio.Context()
     sub = ctx.socket(zmq.SUB)
     own, foreign = topic.encode(), list[str]()
@@ -334,7 +337,31 @@ async def wire_shape(endpoint: str, topic: str, timeout: float, max_frame_bytes:
     if bad and not batch.events:
         return f"{ident}; seq {f.seq}, {bad} event(s), none of which decodes ({batch.bad_events[0].reason})", UNDECODABLE_FIX
     undecoded = f", and {bad} that do not decode" if bad else ""
-    return f"{ident}; seq {f.seq}, {len(batch.events)} event(s): {', '.join(kinds) or 'none'}{undecoded}", None
+    said = f"{ident}; seq {f.seq}, {len(batch.events)} event(s): {', '.join(kinds) or 'none'}{undecoded}"
+    if replay_endpoint is None:
+        return said, None
+    return said, await foreign_replay(replay_endpoint, f.seq, f.payload, timeout, max(64 << 20, max_frame_bytes))
+
+
+async def foreign_replay(endpoint: str, seq: int, payload: bytes, timeout: float, max_frame_bytes: int) -> str | None:
+    """The problem, when the replay socket at ``endpoint`` answers for ``seq`` with another batch
+    than ``payload`` (what the live endpoint sent at that seq): it is another engine's (or another
+    rank's), and the run would take its batches for this engine's (a restart, and another
+    engine's cache). None when it answers with the same bytes, or cannot tell (no answer, the seq
+    gone from its buffer: the run diagnoses a replay socket that does not answer)."""
+    ctx = zmq.asyncio.Context()
+    try:
+        async for reply in replay(ctx, endpoint, seq, seq, timeout, ReplayOutcome(), max_frame_bytes):
+            if reply.seq != seq or reply.payload == payload:
+                return None
+            return (
+                f"the replay endpoint {endpoint} answers for seq {seq} with another batch than the live endpoint sent: "
+                "it is another engine's replay socket (or another rank's: rank r uses port + r on both sockets), and the "
+                "run would take that engine's batches for this one's; give this engine's replay_endpoint"
+            )
+    finally:
+        ctx.destroy(linger=0)
+    return None
 
 
 async def _read(rank: int, sub: zmq.asyncio.Socket, queue: asyncio.Queue[tuple[int, list[bytes]]]) -> None:

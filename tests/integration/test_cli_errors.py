@@ -490,6 +490,42 @@ async def test_check_refuses_an_engine_whose_first_message_is_over_max_frame_byt
     assert "config ok" not in proc.stdout.splitlines()
 
 
+@pytest.mark.parametrize("own", [False, True], ids=["another engine's", "its own"])
+async def test_check_refuses_a_replay_endpoint_that_answers_for_another_engine(tmp_path: Path, own: bool) -> None:
+    """breaker66 B2: a replay_endpoint that is another engine's passed --check; the run took that
+    engine's replies for restarts of this one and delivered its batches under this stream. --check
+    asks the replay socket for the seq of the live endpoint's first message: another batch there
+    is a problem (exit 3); the engine's own replay socket is not."""
+    live_a, rep_a, live_b, rep_b = free_ports(4)
+    replay = rep_a if own else rep_b
+    config = {
+        "sources": [{"name": "e", "endpoint": f"tcp://127.0.0.1:{live_a}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}],
+        "sinks": [{"type": "file", "path": str(tmp_path / "out.jsonl")}],
+        "checkpoint": {"path": str(tmp_path / "checkpoint.json")},
+    }
+    async with ScriptedEngine(live_a, rep_a) as a, ScriptedEngine(live_b, rep_b) as b:
+
+        async def publish() -> None:
+            while True:
+                await a.publish(1)
+                await b.publish(1)
+                await asyncio.sleep(0.05)
+
+        publisher = asyncio.create_task(publish())
+        try:
+            proc = await check_config(tmp_path, config)
+        finally:
+            publisher.cancel()
+            await asyncio.gather(publisher, return_exceptions=True)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    if own:
+        assert proc.returncode == 0 and "config ok" in proc.stdout, proc.stdout + proc.stderr
+        return
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert f"the replay endpoint tcp://127.0.0.1:{rep_b} answers for seq " in proc.stderr, proc.stderr
+    assert "another engine's replay socket" in proc.stderr
+
+
 async def test_check_warns_of_a_source_topic_the_engine_does_not_publish_under(tmp_path: Path) -> None:
     """breaker46 B2: --check subscribed to the configured topic alone, heard nothing from an engine
     publishing 20 batches/s under another, called it "an idle engine" and said "config ok"; the run,
