@@ -469,6 +469,8 @@ class StreamSequencer:
         fetched by replay (without replay the next batch shows the gap)."""
         out: list[Action] = []
         dropped, self._dropped = self._dropped, False
+        if instance is not None and instance != self.instance and instance not in self._retired and self._older_uuid(instance):
+            return out  # (an instance's whose frame was stamped before the epoch: a heartbeat shows nothing more)
         if not self._meet(out, instance):
             return out  # a retired instance's
         if instance is not None or self.instance is not None:
@@ -477,7 +479,7 @@ class StreamSequencer:
                     if self._first_ts is None:  # (first contact; with batches of the epoch delivered, whose
                         # UUID nothing said, a heartbeat's, with no ts to compare, may be an earlier instance's)
                         self.instance, self._instance_sure = instance, not self._doubt
-                elif (self._doubt and not self._reopened) or dropped:
+                elif dropped or (self._doubt and not self._reopened and not self._first_waiting()):
                     self._changed(out, instance, None)  # (after a drop: a restart at once)
                 else:
                     self._await_newcomer(out, _Newcomer(instance, None, None, next_seq - 1))
@@ -582,6 +584,11 @@ class StreamSequencer:
         self._anchor = (self._anchor_seq, fp) if fp is not None else None
         at = max(nc.seq, 0)
         start, until = (min(at, self._anchor_seq), max(at, self._anchor_seq)) if self._anchor is not None else (at, at)
+        if self._anchor is None and self.instance is not None and self.unverified:
+            # Nothing delivered to compare with: the first batch waiting under the epoch's UUID is
+            # its instance's, which answers with it (see _newcomer_replied).
+            first = min(self.unverified)
+            start, until = min(at, first), max(at, first)
         out.append(RequestReplay(self._newcomer_replay, start, until, nc.silent))
 
     def _older_newcomer(self, out: list[Action], seq: int, payload: bytes, ts: float | None, instance: bytes | None) -> bool:
@@ -621,6 +628,20 @@ class StreamSequencer:
             # (nothing delivered yet: the first batch read under its UUID, waiting in doubt)
             bound = min((t for p in self.unverified.values() if (t := self._ts_of(p)) is not None), default=None)
         return bound is not None and ts < bound - self.clock_skew
+
+    def _first_waiting(self) -> bool:
+        """Is the epoch bounded only by batches waiting in doubt (nothing delivered in it in this
+        process, no floor; see _predates_epoch)? A heartbeat under another UUID, which has no ts
+        to compare, may be an earlier instance's then: it waits as a newcomer."""
+        return self._first_ts is None and self._floor_ts is None and bool(self.unverified)
+
+    def _older_uuid(self, instance: bytes) -> bool:
+        """Is ``instance`` the UUID of a frame waiting (the newcomer's, or set aside) stamped
+        before the epoch's instance? Its heartbeat, read late too, shows nothing more."""
+        nc = self._newcomer
+        if nc is not None and nc.instance == instance and self._predates_epoch(nc.ts):
+            return True
+        return any(i == instance and self._predates_epoch(b[2]) for i, b, _ in self._stash)
 
     def _newcomer_meets(self, out: list[Action], instance: bytes | None) -> None:
         """A live message or heartbeat (under ``instance``, not retired) while a newcomer waits:
@@ -735,10 +756,17 @@ class StreamSequencer:
         """The newcomer is shown not to be the engine's: dead-lettered, never delivered, with what
         was set aside for its UUID."""
         nc = self._settle_newcomer()
-        if nc.batch is not None:
-            self._not_the_engines(out, nc.instance, nc.batch, why)
-        for batch in self._unstash(nc.instance):
+        batches = [*([nc.batch] if nc.batch is not None else []), *self._unstash(nc.instance)]
+        for batch in batches:
             self._not_the_engines(out, nc.instance, batch, why)
+        if not self._instance_sure:
+            # Perhaps the epoch's own instance's next seqs, its UUID not known (read after its
+            # successor's first): settled by the epoch, delivered or announced lost when it ends.
+            # Only those that follow what it delivered: a seq far past it says nothing of the epoch.
+            refuted, owed = {b[0] for b in batches}, max(self._owed, self.delivered)
+            while owed + 1 in refuted:
+                owed += 1
+            self._owed = max(self._owed, owed)
 
     def _settle_newcomer(self) -> _Newcomer:
         nc, self._newcomer = self._newcomer, None
@@ -766,8 +794,9 @@ class StreamSequencer:
     def _newcomer_replied(self, out: list[Action], seq: int, payload: bytes, instance: bytes | None) -> None:
         """A reply to the replay about the newcomer: its UUID decides, when it has one (a third
         UUID: the newcomer came and went, and the third is the engine now). Without, the
-        newcomer's own batch confirms it; the epoch's last batch delivered, or any other batch at
-        or past the newcomer's seq, refutes it (the engine holding the socket never published it:
+        newcomer's own batch confirms it; the epoch's last batch delivered (with none, one
+        waiting under the epoch's UUID), or any other batch at or past the newcomer's seq,
+        refutes it (the engine holding the socket never published it:
         the newcomer, which did, would answer with it; out of doubt, no drop showed an instance
         in between). A reply below both tells nothing."""
         nc = self._newcomer
@@ -789,6 +818,8 @@ class StreamSequencer:
             refuted = seq != nc.batch[0] or payload != nc.batch[1]
         elif self._anchor is not None and seq == self._anchor[0] and _matches(self._anchor[1], self._ts_of(payload), payload):
             refuted = True
+        elif self._anchor is None and self.instance is not None and self.unverified.get(seq) == payload:
+            refuted = True  # (a batch waiting under the epoch's UUID: its instance holds the socket)
         else:
             return
         if refuted:
@@ -804,7 +835,7 @@ class StreamSequencer:
         assert nc is not None
         heard = self._heard
         self._drop_replay()
-        if complete and self._buffers and nc.batch is not None and heard < nc.seq:
+        if complete and (self._buffers or self._predates_epoch(nc.ts)) and nc.batch is not None and heard < nc.seq:
             # Its end marker before its seq, from an engine whose buffer was seen at work: whoever
             # holds the replay socket never published it (the newcomer, which did, would hold it).
             self._refute(out, f"its engine holds nothing from seq {nc.seq} on")

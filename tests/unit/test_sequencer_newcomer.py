@@ -807,23 +807,62 @@ def test_a_retired_uuids_replies_go_into_no_epoch_even_while_the_epochs_uuid_is_
     assert all(len(instances) == 1 for instances in _instances_per_epoch(out).values()), _instances_per_epoch(out)
 
 
+@pytest.mark.parametrize("late", ["frame", "frame past the buffer", "heartbeat"])
 @pytest.mark.parametrize("reply_uuid", [True, False], ids=["replies with a UUID", "replies without"])
-def test_a_late_frame_read_before_anything_is_delivered_is_bounded_by_the_batches_waiting(reply_uuid: bool) -> None:
+def test_a_late_message_read_before_anything_is_delivered_is_bounded_by_the_batches_waiting(
+    reply_uuid: bool, late: str
+) -> None:
     """breaker62 Z3 (walk seeds 794, 811): resumed with nothing delivered, the start-up replay in
     flight. The running engine C's 0..1 are read and wait, C's UUID adopted in doubt; then a late
     frame of B, the instance before C, stamped long before them. With no batch delivered in the
     epoch nothing bounded it: a restart at once, an epoch for B after C's, C retired and every
     later batch of the running engine dropped (I3, I4). The first batch waiting under the
-    epoch's UUID bounds it now: it waits for the replay, which C answers, and is refuted."""
+    epoch's UUID bounds it now: it waits for the replay, which C answers, and is refuted.
+    breaker67 Z9: B ran long, its frame's seq (5000) past C's buffer: C's end marker refutes it
+    (it counted as a silent answer, and B got its epoch after max_attempts). Z8: B's late idle
+    heartbeat, which has no ts to compare, waits as a newcomer too (it was a restart at once)."""
     s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts, clock_skew=0.25, epoch=0, delivered=-1)
     engine = {n: stamped(C, n) for n in range(10)}
     out = s.start()
     got = [a for n in (0, 1) for a in s.live(n, engine[n], instance=C)]
-    got += s.live(0, stamped(B, 0), instance=B)
-    got += [a for n in range(2, 6) for a in s.live(n, engine[n], instance=C)]
-    out += got + serve(s, out + got, {n: engine[n] for n in range(6)}, C if reply_uuid else None)
-    got = [a for n in range(6, 10) for a in s.live(n, engine[n], instance=C)]
+    if late == "heartbeat":
+        got += s.heartbeat(8, B)
+    else:
+        seq = 5000 if late == "frame past the buffer" else 0
+        got += s.live(seq, stamped(B, seq), instance=B)
+    # C idle meanwhile: its replay socket holds 0..1 (past B's seq 5000: its end marker alone)
+    out += got + serve(s, out + got, {n: engine[n] for n in (0, 1)}, C if reply_uuid else None)
+    got = [a for n in range(2, 10) for a in s.live(n, engine[n], instance=C)]
     out += got + serve(s, got, engine, C if reply_uuid else None)
     assert not [a for a in out if isinstance(a, Reset | Lost)]
     assert delivered(out) == [(0, n) for n in range(10)] and s.instance == C and C not in s.retired_instances
-    assert suspects(out) == [0]  # B's frame, dead-lettered: its engine answered with C's seq 0
+    # B's frame, dead-lettered: its engine answered with C's batch at its seq, or nothing there
+    assert suspects(out) == {"frame": [0], "frame past the buffer": [5000], "heartbeat": []}[late]
+
+
+@pytest.mark.parametrize("reply_uuid", [True, False], ids=["replies with a UUID", "replies without"])
+def test_the_epochs_own_next_seqs_refuted_as_a_late_newcomer_are_announced_lost_in_it(reply_uuid: bool) -> None:
+    """breaker67 Z7: resumed in epoch 5 with B's 0..3 delivered (B's UUID not kept: replies opened
+    the epoch). B published 4 and 5, then restarted into C; C's 10 and 11 are read first, then
+    B's 4 and 5, stamped long before them. Bounded by C's waiting batches (6625de0), B's frames
+    wait as a newcomer that C's replay refutes: dead-lettered, and epoch 5 ended at seq 3 with
+    no EventsLost for 4..5, which its instance published (I3). With the epoch's UUID unsure,
+    refuted seqs that follow what it delivered are settled by it: announced lost there."""
+    fp = fingerprint(ts(stamped(B, 3)), stamped(B, 3))
+    s = StreamSequencer(
+        can_replay=True, replay_on_start=True, ts_of=ts, clock_skew=0.25, epoch=5, delivered=3, delivered_fp=fp, anchor=3
+    )
+    engine = {n: stamped(C, n) for n in range(17)}
+    out = s.start()
+    got = [a for n in (10, 11) for a in s.live(n, engine[n], instance=C)]
+    got += [a for n in (4, 5) for a in s.live(n, stamped(B, n), instance=B)]
+    got += [a for n in (12, 13) for a in s.live(n, engine[n], instance=C)]
+    out += got + serve(s, out + got, {n: engine[n] for n in range(14)}, C if reply_uuid else None)
+    got = [a for n in range(14, 17) for a in s.live(n, engine[n], instance=C)]
+    out += got + serve(s, got, engine, C if reply_uuid else None)
+    lost_in_5 = [(a.from_seq, a.to_seq) for a in out if isinstance(a, Lost) and a.epoch == 5]
+    b_delivered = [seq for epoch, seq in delivered(out) if epoch == 5]
+    for seq in (4, 5):
+        assert seq in b_delivered or any(lo <= seq <= hi for lo, hi in lost_in_5), (seq, lost_in_5, b_delivered)
+    assert [a.epoch for a in out if isinstance(a, Reset)] == [6]
+    assert [seq for epoch, seq in delivered(out) if epoch == 6] == list(range(17))
