@@ -420,6 +420,25 @@ async def test_check_says_whether_an_engine_sends_its_publisher_uuid(tmp_path: P
     assert f"engines: sources[1].endpoint: tcp://127.0.0.1:{ports[1]}: no publisher UUID" in out, out
 
 
+async def check_while_publishing(
+    tmp_path: Path, config: dict[str, Any], *engines: tuple[ScriptedEngine, bytes | None]
+) -> subprocess.CompletedProcess[str]:
+    """``--check`` on ``config`` while each engine publishes a batch (or these bytes) every 50 ms."""
+
+    async def publish() -> None:
+        while True:
+            for engine, payload in engines:
+                await engine.publish(1, payload=payload)
+            await asyncio.sleep(0.05)
+
+    publisher = asyncio.create_task(publish())
+    try:
+        return await check_config(tmp_path, config)
+    finally:
+        publisher.cancel()
+        await asyncio.gather(publisher, return_exceptions=True)
+
+
 @pytest.mark.parametrize(
     ("payload", "said"),
     [
@@ -440,18 +459,7 @@ async def test_check_refuses_an_engine_whose_first_batch_cannot_be_decoded(tmp_p
         "checkpoint": {"path": str(tmp_path / "checkpoint.json")},
     }
     async with ScriptedEngine(live, rep) as engine:
-
-        async def publish() -> None:
-            while True:
-                await engine.publish(1, payload=payload)
-                await asyncio.sleep(0.05)
-
-        publisher = asyncio.create_task(publish())
-        try:
-            proc = await check_config(tmp_path, config)
-        finally:
-            publisher.cancel()
-            await asyncio.gather(publisher, return_exceptions=True)
+        proc = await check_while_publishing(tmp_path, config, (engine, payload))
     assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith(f"  sources[0].endpoint: tcp://127.0.0.1:{live}")]
     assert len(lines) == 1 and said in lines[0], proc.stdout + proc.stderr
@@ -472,18 +480,7 @@ async def test_check_refuses_an_engine_whose_first_message_is_over_max_frame_byt
     # A batch that decodes: one BlockStored with 1,000 tokens.
     batch = msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, list(range(1000, 2000)), 16, None]], 0])
     async with ScriptedEngine(live, rep) as engine:
-
-        async def publish() -> None:
-            while True:
-                await engine.publish(1, payload=batch)
-                await asyncio.sleep(0.05)
-
-        publisher = asyncio.create_task(publish())
-        try:
-            proc = await check_config(tmp_path, config)
-        finally:
-            publisher.cancel()
-            await asyncio.gather(publisher, return_exceptions=True)
+        proc = await check_while_publishing(tmp_path, config, (engine, batch))
     assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     assert f"a message with a {len(batch)}-byte frame" in proc.stderr, proc.stderr
     assert "over ingest.max_frame_bytes (1024 bytes)" in proc.stderr, proc.stderr
@@ -504,19 +501,7 @@ async def test_check_refuses_a_replay_endpoint_that_answers_for_another_engine(t
         "checkpoint": {"path": str(tmp_path / "checkpoint.json")},
     }
     async with ScriptedEngine(live_a, rep_a) as a, ScriptedEngine(live_b, rep_b) as b:
-
-        async def publish() -> None:
-            while True:
-                await a.publish(1)
-                await b.publish(1)
-                await asyncio.sleep(0.05)
-
-        publisher = asyncio.create_task(publish())
-        try:
-            proc = await check_config(tmp_path, config)
-        finally:
-            publisher.cancel()
-            await asyncio.gather(publisher, return_exceptions=True)
+        proc = await check_while_publishing(tmp_path, config, (a, None), (b, None))
     assert "Traceback" not in proc.stderr, proc.stderr
     if own:
         assert proc.returncode == 0 and "config ok" in proc.stdout, proc.stdout + proc.stderr

@@ -809,9 +809,7 @@ def test_a_retired_uuids_replies_go_into_no_epoch_even_while_the_epochs_uuid_is_
 
 @pytest.mark.parametrize("late", ["frame", "frame past the buffer", "heartbeat"])
 @pytest.mark.parametrize("reply_uuid", [True, False], ids=["replies with a UUID", "replies without"])
-def test_a_late_message_read_before_anything_is_delivered_is_bounded_by_the_batches_waiting(
-    reply_uuid: bool, late: str
-) -> None:
+def test_a_late_message_read_before_anything_is_delivered_is_bounded_by_the_batches_waiting(reply_uuid: bool, late: str) -> None:
     """breaker62 Z3 (walk seeds 794, 811): resumed with nothing delivered, the start-up replay in
     flight. The running engine C's 0..1 are read and wait, C's UUID adopted in doubt; then a late
     frame of B, the instance before C, stamped long before them. With no batch delivered in the
