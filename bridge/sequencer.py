@@ -81,7 +81,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import msgspec
 
@@ -189,6 +189,9 @@ class _Newcomer(msgspec.Struct):
     seq: int  # its seq (a heartbeat's: the last one published)
     silent: int = 0  # replays about it that told nothing
     contradicted: bool = False  # a message of the epoch's instance came after it
+    # Perhaps an instance's before the epoch's (stamped before it, or a heartbeat met while only
+    # batches waiting bound the epoch): confirmed by its replay only, never taken on its word.
+    older: bool = False
 
 
 class StreamSequencer:
@@ -276,6 +279,13 @@ class StreamSequencer:
         self._request_id = 0
         self._replay: int | None = None  # id of the replay in flight (its state: set by _request)
         self._buffers = False  # a replay ever brought a batch (the engine's buffer is not empty by design)
+        # seq -> (bytes, UUID) of frames refuted as a newcomer's (the last few): a reply without a
+        # UUID that brings those very bytes is that UUID's instance's (a genuine one, refuted
+        # while its replay socket could not tell).
+        self._refuted: dict[int, tuple[bytes, bytes]] = {}
+        # The UUID adopted in doubt (unsure) when a replay under another showed a restart: retired
+        # once the new epoch's instance is read live (see live).
+        self._prior: bytes | None = None
         self._attempts = 0
         self._suspect: int | None = None  # a start that a previous attempt's first reply skipped
         # Seen live, announced lost with the previous epoch, perhaps this instance's: settled by
@@ -397,7 +407,12 @@ class StreamSequencer:
         if seq != self.delivered + 1 or seq <= self._top or self.held or self._doubt or instance != self.instance:
             return False
         if (
-            self._aside is not None or self._newcomer is not None or self._stash or self._dropped or self._floor_pending
+            self._aside is not None
+            or self._newcomer is not None
+            or self._stash
+            or self._dropped
+            or self._floor_pending
+            or self._prior is not None
         ):  # (live() settles these)
             return False
         last = self.last_live
@@ -454,6 +469,12 @@ class StreamSequencer:
         if instance is None:
             self._anonymous = True
         else:
+            if self._prior is not None and instance == self.instance:
+                # The epoch's instance, read live: the UUID adopted in doubt before a replay under
+                # this one showed the restart is an earlier instance's (its batches were settled
+                # in the epoch that ended); a message under it now is a late one.
+                self._retire(self._prior)
+                self._prior = None
             self.instance = instance
             self._retired.pop(instance, None)
             self._instance_sure = not self._doubt
@@ -482,7 +503,8 @@ class StreamSequencer:
                 elif dropped or (self._doubt and not self._reopened and not self._first_waiting()):
                     self._changed(out, instance, None)  # (after a drop: a restart at once)
                 else:
-                    self._await_newcomer(out, _Newcomer(instance, None, None, next_seq - 1))
+                    older = not dropped and self._doubt and self._first_waiting()
+                    self._await_newcomer(out, _Newcomer(instance, None, None, next_seq - 1, older=older))
                     return out
             elif (self._unattributed < 0 and self._instance_sure) or 0 <= self._unattributed < next_seq:
                 # (With a reply waiting that nothing could attribute, a heartbeat that does not say
@@ -752,6 +774,18 @@ class StreamSequencer:
         self._readded.discard(instance)
         return mine
 
+    def _read_under(self, seq: int, payload: bytes) -> bytes | None:
+        """The UUID a reply without one (``seq``, ``payload``) was read under live, when it is the
+        very batch of a frame set aside, waiting or refuted under another UUID than the epoch's:
+        the replier is that frame's instance (its bytes say so where its UUID does not)."""
+        refuted = self._refuted.get(seq)
+        if refuted is not None and refuted[0] == payload:
+            return refuted[1]
+        nc = self._newcomer
+        if nc is not None and nc.batch is not None and nc.batch[:2] == (seq, payload):
+            return nc.instance
+        return next((i for i, (n, p, _), _ in self._stash if (n, p) == (seq, payload)), None)
+
     def _refute(self, out: list[Action], why: str) -> None:
         """The newcomer is shown not to be the engine's: dead-lettered, never delivered, with what
         was set aside for its UUID."""
@@ -759,14 +793,28 @@ class StreamSequencer:
         batches = [*([nc.batch] if nc.batch is not None else []), *self._unstash(nc.instance)]
         for batch in batches:
             self._not_the_engines(out, nc.instance, batch, why)
+        if nc.instance is not None:
+            for seq, payload, _ in batches:
+                self._refuted[seq] = (payload, nc.instance)
+            while len(self._refuted) > _STASH_MAX:
+                del self._refuted[next(iter(self._refuted))]
         if not self._instance_sure:
-            # Perhaps the epoch's own instance's next seqs, its UUID not known (read after its
-            # successor's first): settled by the epoch, delivered or announced lost when it ends.
-            # Only those that follow what it delivered: a seq far past it says nothing of the epoch.
-            refuted, owed = {b[0] for b in batches}, max(self._owed, self.delivered)
-            while owed + 1 in refuted:
-                owed += 1
-            self._owed = max(self._owed, owed)
+            self._owed = max([self._owed, *(seq for seq, _, ts in batches if self._perhaps_ours(seq, ts, batches))])
+
+    def _perhaps_ours(self, seq: int, ts: float | None, batches: Sequence[_Batch]) -> bool:
+        """May a frame refuted or set aside under another UUID (``seq``, engine ts ``ts``, among
+        ``batches``) be this epoch's own instance's next seq, its UUID not known for certain (read
+        after its successor's first)? Then the epoch settles it: delivered, or announced lost when
+        it ends (I3). Yes when it is stamped at or after the epoch's last batch delivered (less
+        ``clock_skew``), or its seqs follow what was delivered without a hole; a seq far past it,
+        stamped before it, says nothing of the epoch."""
+        if seq <= self.delivered:
+            return False
+        fp = self._fingerprint()
+        if fp is not None and fp[0] is not None and ts is not None and ts >= fp[0] - self.clock_skew:
+            return True
+        seqs = {b[0] for b in batches}
+        return all(n in seqs for n in range(self.delivered + 1, seq))
 
     def _settle_newcomer(self) -> _Newcomer:
         nc, self._newcomer = self._newcomer, None
@@ -846,6 +894,9 @@ class StreamSequencer:
             # The replay socket cannot tell: taken on its word, unless the epoch's instance went on.
             if nc.contradicted:
                 self._refute(out, f"its engine went on under {_name(self.instance)}, and its replay socket cannot tell")
+                self._resume(out)
+            elif nc.older or self._predates_epoch(nc.ts):
+                self._refute(out, "it was stamped before the epoch's instance, and its replay socket cannot tell")
                 self._resume(out)
             else:
                 self._welcome(out)
@@ -1200,6 +1251,8 @@ class StreamSequencer:
             return out
         self._answered = True
         self._buffers = True
+        if instance is None:
+            instance = self._read_under(seq, payload)
         if instance is not None:
             self._replier = instance
         if request_id == self._newcomer_replay:
@@ -1323,7 +1376,10 @@ class StreamSequencer:
         replies, heard, replier = self._early, self._heard, self._replier
         self._early, self._heard, self._skipped = {}, -1, False
         first = min(replies)
+        old = self.instance
         self._restart(out, PUBLISHER_RESTART, evidence=(first, self._ts_of(replies[first])), theirs=replies, by=replier)
+        if replier is not None and old not in (None, replier):
+            self._prior = old  # (adopted in doubt, its batches settled in the epoch that ended: see _meet)
         if replier is not None and replier not in self._retired:
             # Its batches are the replies under this UUID: a message under another one is not a
             # first contact but a newcomer (perhaps a late one of an instance in between).
@@ -1878,6 +1934,17 @@ class StreamSequencer:
         known = [self.delivered, self._anchor_seq, self._owed, *self.held, *self.unverified]
         if aside is not None and not theirs_aside:
             known.append(aside[0])
+        if not self._instance_sure and self._stash:
+            # Set aside under other UUIDs (a drop came before the replay could refute them):
+            # those that may be this epoch's own are settled by it, as refuted ones are; not
+            # one stamped after what showed the new instance (perhaps the new instance's).
+            shown = trigger_ts if trigger_ts is not None else evidence[1] if evidence is not None else None
+            stashed = [batch for _, batch, _ in self._stash]
+            known += [
+                seq
+                for seq, _, ts in stashed
+                if self._perhaps_ours(seq, ts, stashed) and (shown is None or ts is None or ts < shown)
+            ]
         known.append(self._claimed)  # (a heartbeat's, under the old instance's UUID)
         self._claimed = -1
         if not carried:

@@ -355,18 +355,19 @@ def test_what_waits_with_a_newcomer_past_the_bound_is_not_kept_nor_dead_lettered
     B's next 30 batches, stamped before A's last, wait with it while the replay socket is silent.
     Before, past 16 the oldest were dead-lettered as not the engine's, then announced lost. Now the
     first 16 are kept and those past the bound are not (left in the engine's buffer, as live
-    batches past max_held are): none is dead-lettered; B, taken on its word, delivers what was kept."""
-    s = seqr(max_attempts=2)
+    batches past max_held are): none is dead-lettered; B, confirmed by its replay once the socket
+    answers (without a UUID: with B:0's very bytes), delivers what was kept. (Stamped before the
+    epoch, B is never taken on its word: breaker68 Z12.)"""
+    s = seqr(max_attempts=3)
     for n in range(6):
         s.live(n, b"\xaa:%d" % (1000 + n), instance=A)
     out = s.live(0, b"\xbb:900", instance=B)
     out += [a for n in range(1, 31) for a in s.live(n, b"\xbb:%d" % (900 + n), instance=B)]
     assert not suspects(out) and len(s._stash) == 16
-    for _ in range(4):
-        asks = [a for a in requests(out) if a.request_id == s._replay]
-        if not asks:
-            break
-        out += s.replay_finished(asks[-1].request_id, complete=False)  # (a silent replay socket)
+    (ask,) = [a for a in requests(out) if a.request_id == s._replay]
+    out += s.replay_finished(ask.request_id, complete=False)  # (a silent replay socket, once)
+    (ask,) = [a for a in requests(out) if a.request_id == s._replay]
+    out += s.replayed(ask.request_id, 0, b"\xbb:900")  # (then B answers, without a UUID)
     assert not suspects(out)
     assert [seq for epoch, seq in delivered(out) if epoch == 1][:17] == list(range(17))
 
@@ -838,14 +839,21 @@ def test_a_late_message_read_before_anything_is_delivered_is_bounded_by_the_batc
     assert suspects(out) == {"frame": [0], "frame past the buffer": [5000], "heartbeat": []}[late]
 
 
+@pytest.mark.parametrize(
+    ("late", "drop"), [((4, 5), False), ((4, 5), True), ((5, 6), False)], ids=["refuted", "set aside by a drop", "after a hole"]
+)
 @pytest.mark.parametrize("reply_uuid", [True, False], ids=["replies with a UUID", "replies without"])
-def test_the_epochs_own_next_seqs_refuted_as_a_late_newcomer_are_announced_lost_in_it(reply_uuid: bool) -> None:
+def test_the_epochs_own_next_seqs_refuted_as_a_late_newcomer_are_announced_lost_in_it(
+    reply_uuid: bool, late: tuple[int, int], drop: bool
+) -> None:
     """breaker67 Z7: resumed in epoch 5 with B's 0..3 delivered (B's UUID not kept: replies opened
     the epoch). B published 4 and 5, then restarted into C; C's 10 and 11 are read first, then
     B's 4 and 5, stamped long before them. Bounded by C's waiting batches (6625de0), B's frames
     wait as a newcomer that C's replay refutes: dead-lettered, and epoch 5 ended at seq 3 with
     no EventsLost for 4..5, which its instance published (I3). With the epoch's UUID unsure,
-    refuted seqs that follow what it delivered are settled by it: announced lost there."""
+    refuted seqs that follow what it delivered are settled by it: announced lost there.
+    breaker68 Z13: also when a drop set them aside before the replay could refute them, and when
+    B's seq 4 was lost in flight (5 and 6 read): they are stamped after the epoch's last batch."""
     fp = fingerprint(ts(stamped(B, 3)), stamped(B, 3))
     s = StreamSequencer(
         can_replay=True, replay_on_start=True, ts_of=ts, clock_skew=0.25, epoch=5, delivered=3, delivered_fp=fp, anchor=3
@@ -853,14 +861,90 @@ def test_the_epochs_own_next_seqs_refuted_as_a_late_newcomer_are_announced_lost_
     engine = {n: stamped(C, n) for n in range(17)}
     out = s.start()
     got = [a for n in (10, 11) for a in s.live(n, engine[n], instance=C)]
-    got += [a for n in (4, 5) for a in s.live(n, stamped(B, n), instance=B)]
+    got += [a for n in late for a in s.live(n, stamped(B, n), instance=B)]
+    if drop:
+        got += s.disconnected(None)
     got += [a for n in (12, 13) for a in s.live(n, engine[n], instance=C)]
     out += got + serve(s, out + got, {n: engine[n] for n in range(14)}, C if reply_uuid else None)
     got = [a for n in range(14, 17) for a in s.live(n, engine[n], instance=C)]
     out += got + serve(s, got, engine, C if reply_uuid else None)
     lost_in_5 = [(a.from_seq, a.to_seq) for a in out if isinstance(a, Lost) and a.epoch == 5]
     b_delivered = [seq for epoch, seq in delivered(out) if epoch == 5]
-    for seq in (4, 5):
+    for seq in late:
         assert seq in b_delivered or any(lo <= seq <= hi for lo, hi in lost_in_5), (seq, lost_in_5, b_delivered)
     assert [a.epoch for a in out if isinstance(a, Reset)] == [6]
     assert [seq for epoch, seq in delivered(out) if epoch == 6] == list(range(17))
+
+
+def silent(s: StreamSequencer, times: int) -> list[Action]:
+    """The replay in flight, and each one asked again after it, end without an answer ``times`` times."""
+    out: list[Action] = []
+    for _ in range(times):
+        if s._replay is None:
+            break
+        out += s.replay_finished(s._replay, complete=False)
+    return out
+
+
+@pytest.mark.parametrize("late", ["frame", "heartbeat"])
+@pytest.mark.parametrize("reply_uuid", [True, False], ids=["replies with a UUID", "replies without"])
+def test_a_late_message_older_than_the_epoch_is_never_taken_on_its_word(reply_uuid: bool, late: str) -> None:
+    """breaker68 Z12: as Z3, but the replays about B's late frame (or heartbeat) all time out while
+    C is idle: B was taken on its word after max_attempts, an epoch opened for it after C's, C
+    retired and its next batches dropped (I3, I4). A message older than the epoch's instance is
+    confirmed by its replay only: refuted instead, and C goes on in its epoch."""
+    s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts, clock_skew=0.25, epoch=0, delivered=-1, max_attempts=3)
+    engine = {n: stamped(C, n) for n in range(6)}
+    out = s.start() + [a for n in (0, 1) for a in s.live(n, engine[n], instance=C)]
+    out += s.heartbeat(1, B) if late == "heartbeat" else s.live(0, stamped(B, 0), instance=B)
+    out += silent(s, 3)
+    out += serve(s, out, {n: engine[n] for n in (0, 1)}, C if reply_uuid else None)
+    got = [a for n in range(2, 6) for a in s.live(n, engine[n], instance=C)]
+    out += got + serve(s, got, engine, C if reply_uuid else None)
+    assert not [a for a in out if isinstance(a, Reset)] and C not in s.retired_instances
+    assert delivered(out) == [(0, n) for n in range(6)]
+
+
+@pytest.mark.parametrize("reply_uuid", [True, False], ids=["replies with a UUID", "replies without"])
+def test_a_genuine_instance_refuted_while_its_replay_was_silent_is_known_by_its_bytes(reply_uuid: bool) -> None:
+    """breaker68 Z10/Z11 against Z12's rule: D, a genuine restart whose clock runs 3 s behind C's,
+    is refuted while its replay socket stays silent. When the socket answers with D's own bytes
+    (without a UUID), those bytes name D: the restart is D's, and C's batches waiting stay in C's
+    epoch (not carried into D's by the clock, which would mix instances, I1)."""
+    D = b"\xdd" * 16
+    s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts, clock_skew=0.25, epoch=0, delivered=-1, max_attempts=3)
+    c = {n: b"\xcc:%.3f" % (1000 + n * 0.05) for n in range(3)}
+    d = {n: b"\xdd:%.3f" % (997.4 + n * 0.05) for n in range(6)}
+    out = s.start() + [a for n in range(3) for a in s.live(n, c[n], instance=C)]
+    out += s.live(0, d[0], instance=D) + s.live(1, d[1], instance=D)
+    out += silent(s, 3)
+    assert suspects(out) == [0, 1]  # (refuted: stamped before C's, and nothing answered)
+    out += serve(s, out, {0: d[0], 1: d[1]}, D if reply_uuid else None)
+    got = [a for n in range(2, 6) for a in s.live(n, d[n], instance=D)]
+    out += got + serve(s, got, d, D if reply_uuid else None)
+    epochs = _instances_per_epoch(out)
+    assert all(len(who) == 1 for who in epochs.values()), epochs
+    assert [seq for epoch, seq in delivered(out) if epoch == s.epoch] == list(range(6)) and s.instance == D
+
+
+def test_an_instance_adopted_in_doubt_before_a_reply_showed_the_next_one_is_retired_once_that_one_is_read_live() -> None:
+    """breaker68 Z14: resumed in epoch 5, B's 4..5 read in doubt (B adopted, unsure); B restarts
+    into C, whose clock runs 2.5 s behind; two drops. C's reply (under C) opens epoch 6; then
+    live C:0, and B's last frame B:6, read late and stamped within clock_skew of C's first. B:6
+    opened epoch 7 for B, C was retired, and C's 1..5 were dropped (I1, I3). Once C is read
+    live, B's UUID is an earlier instance's: B:6 is dropped."""
+    b = {n: b"\xbb:%.1f" % (1000 + n * 0.1) for n in range(7)}
+    c = {n: b"\xcc:%.1f" % (1001.1 + n * 0.1) for n in range(6)}
+    s = StreamSequencer(
+        can_replay=True, replay_on_start=True, ts_of=ts, clock_skew=1.0, max_attempts=3,
+        epoch=5, delivered=0, delivered_fp=fingerprint(ts(b[0]), b[0]), anchor=0,
+    )  # fmt: skip
+    out = s.start() + s.live(4, b[4], instance=B) + s.live(5, b[5], instance=B)
+    out += s.disconnected(None) + s.disconnected(None)
+    out += serve(s, out, {0: c[0]}, C)
+    out += s.live(0, c[0], instance=C) + s.live(6, b[6], instance=B)
+    for n in range(1, 6):
+        got = s.live(n, c[n], instance=C)
+        out += got + serve(s, got, c, C)
+    assert [a.epoch for a in out if isinstance(a, Reset)] == [6] and C not in s.retired_instances and B in s.retired_instances
+    assert [seq for epoch, seq in delivered(out) if epoch == 6] == list(range(6))
