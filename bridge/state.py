@@ -430,9 +430,9 @@ SeedEntry = tuple[str | None, int | None, int, int, int, "BlockFact | None"]
 """One live entry a sink holds: (medium, group_idx, block id, count, seq of its last change, fact)."""
 
 
-_UNTRACKABLE = frozenset({"BlockTransferred"})
-"""Event types that change which blocks live where in a way the tracker cannot apply (see _events);
-newer types it does not know change nothing it tracks (``BlockInactive``: a block still cached)."""
+_UNCHANGING = frozenset({"BlockInactive"})
+"""Event types known to change no block's presence (``BlockInactive``: a block still cached).
+Any other type the tracker does not know (a newer engine's) may have: the state is unknown (I6)."""
 
 
 class TrackerStats(msgspec.Struct):
@@ -734,17 +734,18 @@ class StateTracker:
                 self._restart(st, delta)
                 ahead = None  # the seeded entries are gone
                 continue
-            if kind in _UNTRACKABLE or kind == "AllBlocksCleared":
+            stored = kind == "BlockStored"
+            if kind in _UNCHANGING:
+                continue
+            if kind == "AllBlocksCleared" or not (stored or kind == "BlockRemoved"):
                 # ROCm ATOM's moves between media, and its clear of one medium: block changes this
-                # tracker keeps no facts to apply exactly (what moved, what else a medium held).
-                # The stream's state is unknown until its next reset or full clear (I6).
+                # tracker keeps no facts to apply exactly (what moved, what else a medium held); a
+                # newer engine's event type may change the cache in a way it cannot know. The
+                # stream's state is unknown until its next reset or full clear (I6).
                 self._clear(st, delta, pending)
                 st.complete = False
                 ahead = None
                 continue
-            stored = kind == "BlockStored"
-            if not stored and kind != "BlockRemoved":
-                continue  # a newer engine's event type: not a block change this tracker knows
             if not st.tracking:
                 continue
             hashes = event.get("block_hashes")

@@ -218,11 +218,16 @@ class StreamState:
 
     def _event(self, event: Document, epoch: int, seq: int) -> None:
         kind = event.get("type")
-        if kind == "AllBlocksCleared":
+        if kind == "AllBlocksCleared" and event.get("medium") is None:
             self._clear(epoch, True)
             return
         stored = kind == "BlockStored"
+        if kind == "BlockInactive":
+            return  # (a block still cached: no change)
         if not stored and kind != "BlockRemoved":
+            # A clear of one medium, a move between media, or a newer engine's event type: what
+            # it did to the cache cannot be applied exactly (as the bridge's own state does).
+            self._clear(epoch, False, f"a {kind} event at ({epoch}, {seq}) cannot be applied: the state is unknown")
             return
         hashes = event.get("block_hashes")
         if not isinstance(hashes, list):

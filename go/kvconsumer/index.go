@@ -346,12 +346,18 @@ func (s *StreamState) Apply(r Record) (bool, error) {
 
 func (s *StreamState) event(e Record, epoch, seq int64) {
 	kind, _ := e["type"].(string)
-	if kind == "AllBlocksCleared" {
+	if kind == "AllBlocksCleared" && e["medium"] == nil {
 		s.clear(epoch, true, "")
 		return
 	}
 	stored := kind == "BlockStored"
+	if kind == "BlockInactive" {
+		return // a block still cached: no change
+	}
 	if !stored && kind != "BlockRemoved" {
+		// A clear of one medium, a move between media, or a newer engine's event type: what it
+		// did to the cache cannot be applied exactly (as the bridge's own state does).
+		s.clear(epoch, false, fmt.Sprintf("a %s event at (%d, %d) cannot be applied: the state is unknown", kind, epoch, seq))
 		return
 	}
 	hashes, ok := e["block_hashes"].([]any)

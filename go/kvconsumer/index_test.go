@@ -230,3 +230,31 @@ func TestAStateAppliesOnlyTheRecordsOfTheStreamItsHeadNames(t *testing.T) {
 		t.Fatalf("mine: %v %+v", applied, s)
 	}
 }
+
+// A newer engine's event type, or a clear of one medium, may change the cache in a way the
+// consumer cannot apply: the stream's state is unknown (incomplete) until its next full clear.
+func TestAnEventTheConsumerCannotApplyMakesTheStreamIncomplete(t *testing.T) {
+	for _, event := range []string{`{"type":"SomethingNew","block_hashes":[1]},`, `{"type":"AllBlocksCleared","medium":"CPU"},`} {
+		x := NewIndex()
+		e := Stream{"e", 0}
+		apply := func(r Record) {
+			if err := x.Apply(r); err != nil {
+				t.Fatal(err)
+			}
+		}
+		apply(rec(t, batch(7, 0, stored("GPU", "1"))))
+		apply(rec(t, batch(7, 1, `{"type":"BlockInactive","block_hashes":[1]},`+stored("GPU", "2"))))
+		if s := x.Streams[e]; !s.Complete {
+			t.Fatalf("BlockInactive changes nothing: %q", s.Why)
+		}
+		apply(rec(t, batch(7, 2, event+stored("GPU", "3"))))
+		if s := x.Streams[e]; s.Complete || !strings.Contains(s.Why, "cannot be applied") {
+			t.Fatalf("%s: complete %v, why %q", event, s.Complete, s.Why)
+		}
+		same(t, residency(x, e), map[string]int64{"3/GPU": 1})
+		apply(rec(t, batch(7, 3, `{"type":"AllBlocksCleared"},`+stored("GPU", "4"))))
+		if s := x.Streams[e]; !s.Complete {
+			t.Fatalf("a full clear: %q", s.Why)
+		}
+	}
+}

@@ -23,6 +23,7 @@ import os
 from typing import Any
 
 import msgspec
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -352,11 +353,27 @@ def test_an_incomplete_head_says_so_until_the_engine_clears() -> None:
     assert (s.complete, s.why, s.blocks()) == (True, "", {("GPU", None, 8): 1})
 
 
+@pytest.mark.parametrize(
+    "event",
+    [{"type": "SomethingNew", "block_hashes": [1]}, {"type": "AllBlocksCleared", "medium": "CPU"}],
+    ids=["new type", "one medium"],
+)
+def test_an_event_the_consumer_cannot_apply_leaves_the_state_incomplete(event: dict[str, Any]) -> None:
+    """As the bridge's own state: a newer engine's event type, or a clear of one medium, may have
+    changed the cache in a way that cannot be applied exactly. The state is unknown until the
+    engine's next full clear or restart, and says so."""
+    s = StreamState(HEAD, [entry(1, seq=4)])
+    assert s.apply(batch_msg(3, 6, event, stored(8)))
+    assert not s.complete and "cannot be applied" in s.why and s.blocks() == {("GPU", None, 8): 1}
+    assert s.apply(batch_msg(3, 7, {"type": "AllBlocksCleared"}, stored(9)))
+    assert (s.complete, s.blocks()) == (True, {("GPU", None, 9): 1})
+
+
 def test_events_change_only_keys_the_sweep_read_before_them_and_counts_never_go_below_zero() -> None:
     s = StreamState(HEAD, [entry(1, seq=4), entry(2, seq=7)])
     changes: list[tuple[Any, bool]] = []
     s.watch = lambda key, held: changes.append((key[2], held))
-    assert s.apply(batch_msg(3, 6, stored(1), removed(2), stored(10, 11, parent=9), removed(12), {"type": "Other"}))
+    assert s.apply(batch_msg(3, 6, stored(1), removed(2), stored(10, 11, parent=9), removed(12), {"type": "BlockInactive"}))
     assert s.blocks() == {("GPU", None, 1): 2, ("GPU", None, 2): 1, ("GPU", None, 10): 1, ("GPU", None, 11): 1}
     assert s.entries[("GPU", None, 10)]["parent"] == 9 and s.entries[("GPU", None, 11)]["parent"] == 10
     assert (s.entries[("GPU", None, 1)]["epoch"], s.entries[("GPU", None, 1)]["seq"]) == (3, 6)

@@ -356,10 +356,25 @@ def test_malformed_events_are_counted_and_skipped() -> None:
         {"type": "BlockStored", "block_hashes": [1], "medium": ["GPU"]},
         {"type": "BlockStored", "block_hashes": [1], "group_idx": "0"},
         {"type": "BlockStored", "block_hashes": ["x", 2]},
-        {"type": "SomethingNew", "block_hashes": [3]},
     )
     assert [c.block for c in d.changes] == [2]
     assert t.stats.bad_events == 3 and t.stats.bad_hashes == 1
+
+
+def test_an_event_type_the_bridge_does_not_know_leaves_the_state_incomplete() -> None:
+    """breaker65: a newer engine's event type left the state complete, although it may change the
+    cache (an eviction of a new kind). What it did is unknown: the stream's state is cleared and
+    incomplete until its next reset or full clear (I6). BlockInactive (a block still cached) is
+    known to change nothing."""
+    t = StateTracker()
+    f = Feed(t)
+    f.batch({"type": "BlockStored", "block_hashes": [1, 2]})
+    f.batch({"type": "BlockInactive", "block_hashes": [1], "medium": "GPU"})
+    head = t.head(f.stream)
+    assert head is not None and head.complete
+    d = f.batch({"type": "SomethingNew", "block_hashes": [3]})
+    head = t.head(f.stream)
+    assert d.clear and head is not None and not head.complete
 
 
 def test_a_forgotten_stream_gives_its_blocks_and_room_back() -> None:

@@ -56,7 +56,8 @@ hashes = st.lists(st.builds(send_as, st.sampled_from(IDS), st.integers(0, 1 + le
 
 @st.composite
 def block_event(draw: st.DrawFn) -> dict[str, Any]:
-    kind = draw(st.sampled_from(["BlockStored", "BlockStored", "BlockRemoved", "BlockRemoved", "AllBlocksCleared", "Other"]))
+    kinds = ["BlockStored", "BlockStored", "BlockRemoved", "BlockRemoved", "AllBlocksCleared", "BlockInactive", "Other"]
+    kind = draw(st.sampled_from(kinds))
     if kind in ("AllBlocksCleared", "Other"):
         return {"type": kind}
     ev: dict[str, Any] = {"type": kind, "block_hashes": draw(hashes)}
@@ -165,7 +166,13 @@ class StateModel(RuleBasedStateMachine):
                 self.ref_clear(r)
                 self.ref_restart(r)
                 continue
-            if ev["type"] not in ("BlockStored", "BlockRemoved") or not r.tracking:
+            if ev["type"] == "BlockInactive":
+                continue  # (a block still cached: no change)
+            if ev["type"] not in ("BlockStored", "BlockRemoved"):
+                self.ref_clear(r)  # (a type the bridge does not know: what it did to the cache is unknown)
+                r.complete = False
+                continue
+            if not r.tracking:
                 continue
             for h in ev["block_hashes"]:
                 k = block_id(h)
