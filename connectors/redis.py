@@ -100,7 +100,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import msgspec
 import redis.asyncio as aioredis
@@ -1549,7 +1549,7 @@ class RedisConnector:
         for command, key, _ in refused:
             if key is not None and command not in commands:
                 keys.setdefault(key, []).append(command)
-        user = self.options.username or "default"
+        user = self.options.username or unquote(urlsplit(self.options.url).username or "") or "default"
         what = []
         if commands:
             what.append(f"may not run {', '.join(commands)}")

@@ -681,14 +681,21 @@ async def test_check_checks_a_templated_kafka_topic_for_each_configured_source(
         assert rendered not in await topics_of(kafka)  # nothing created
 
 
-async def test_check_refuses_a_redis_user_the_writes_would_be_refused_for(tmp_path: Path, redis_server: RedisServer) -> None:
+@pytest.mark.parametrize("credentials", ["options", "url"])
+async def test_check_refuses_a_redis_user_the_writes_would_be_refused_for(
+    tmp_path: Path, redis_server: RedisServer, credentials: str
+) -> None:
     """breaker30r A1: the docs' example user (``~kv:* +@all -@dangerous``) with a stream template
     outside its keys passed ``--check`` ("config ok": connect ran an empty script) and every write
-    of the run was refused NOPERM. ``--check`` asks for the keys of each configured source now."""
+    of the run was refused NOPERM. ``--check`` asks for the keys of each configured source now.
+    breaker65 B2: with the user in the URL, the refusal named the user 'default' and its fix."""
     user = f"a1-{uuid.uuid4().hex[:8]}"
     admin = aioredis.Redis.from_url(redis_server.url)
     await admin.execute_command("ACL", "SETUSER", user, "reset", "on", ">a1-pw", "~kv:*", "+@all", "-@dangerous")
-    sink = {"type": "redis", "name": "r", "url": redis_server.url, "username": user, "password": "a1-pw"}
+    if credentials == "url":
+        sink = {"type": "redis", "name": "r", "url": redis_server.url.replace("redis://", f"redis://{user}:a1-pw@")}
+    else:
+        sink = {"type": "redis", "name": "r", "url": redis_server.url, "username": user, "password": "a1-pw"}
     config = {
         "sources": [{"name": "a", "endpoint": f"tcp://127.0.0.1:{free_ports(1)[0]}", "bind": True, "dp_ranks": 2}],
         "sinks": [{**sink, "stream": "events:{source}:{dp_rank}"}],
