@@ -811,6 +811,11 @@ class _Held:
 # -- the connector ------------------------------------------------------------------------------
 
 
+_ACCOUNT_ROOM_MIN = 64 << 10
+"""Less room than this left in an account's JetStream storage is full, for ``--check``: not one
+batch of a busy engine would fit."""
+
+
 class NatsConnector:
     """Writes messages to NATS subjects, through JetStream or core NATS (see the module docstring)."""
 
@@ -825,6 +830,7 @@ class NatsConnector:
         self._where = shown_servers(options.server_list)
         self._subjects = _Subjects(options.subject)
         self._nc: Client | None = None
+        self._would_create = 0  # --check: streams and buckets the run would create (see _check_creatable)
         # A new client for one nats-py closed for good (see _revived): the attempt in flight, and
         # when the next may start.
         self._revival: asyncio.Task[None] | None = None
@@ -950,7 +956,7 @@ class NatsConnector:
             so = self.options.stream
             if self.options.mode == "jetstream" and self.creates_nothing and so.create and not await self._stream_exists(js):
                 subjects = so.subjects or [subject_filter(self.options.subject)]  # (--check: one the run would create)
-                await self._check_creatable(nc, js, f"JetStream stream {so.name!r}", subjects, so.replicas)
+                await self._check_creatable(nc, js, f"JetStream stream {so.name!r}", subjects, so.replicas, so.storage)
             elif self.options.mode == "jetstream":
                 await self._check_stream(js)
             if self.writes_state:
@@ -2002,7 +2008,7 @@ class NatsConnector:
             return
         if self.creates_nothing:  # --check: the run would create it, if it can be
             assert self._nc is not None
-            await self._check_creatable(self._nc, js, f"KV bucket {so.bucket!r}", [f"$KV.{so.bucket}.>"], so.replicas)
+            await self._check_creatable(self._nc, js, f"KV bucket {so.bucket!r}", [f"$KV.{so.bucket}.>"], so.replicas, so.storage)
             self._state_problem = None
             return
         config = js_api.KeyValueConfig(
@@ -2024,17 +2030,23 @@ class NatsConnector:
         if so.storage == "memory":
             self._warn_memory(f"KV bucket {so.bucket!r}", _MEMORY_BUCKET, "state.storage: file")
 
-    async def _check_creatable(self, nc: Client, js: JetStreamContext, what: str, subjects: list[str], replicas: int) -> None:
+    async def _check_creatable(
+        self, nc: Client, js: JetStreamContext, what: str, subjects: list[str], replicas: int, storage: str
+    ) -> None:
         """``--check``, for a stream or bucket the run would create: what the server would refuse and
         can be seen without creating anything is refused now, naming the fix (NotConnected):
-        replicas above one on a server outside a cluster, subjects another stream captures. (A size
-        above the server's store is seen only when the run creates it.)"""
+        replicas above one on a server outside a cluster, subjects another stream captures, an
+        account at its limit of streams (counting every one this sink would create) or with no
+        room left in the storage it would use. (A size above the server's store is seen only when
+        the run creates it.)"""
+        self._would_create += 1
         if replicas > 1 and not internals.server_info(nc).get("cluster"):
             raise NotConnected(
                 f"{self._prefix}: {what} would be created with {replicas} replicas, but NATS at {self._where} is not "
                 "in a JetStream cluster: set replicas: 1 (or run a cluster of as many servers)",
                 reason="cannot_create",
             )
+        await self._check_account_room(js, what, storage)
         for info in await _all_streams(js):
             taken = [s for s in info.config.subjects or [] for ours in subjects if subjects_overlap(s, ours)]
             if taken:
@@ -2043,6 +2055,29 @@ class NatsConnector:
                     f"{taken} already (NATS refuses overlapping streams): use that stream (stream.name), or other subjects",
                     reason="cannot_create",
                 )
+
+    async def _check_account_room(self, js: JetStreamContext, what: str, storage: str) -> None:
+        """The account's own JetStream limits (``nats account info``), for ``_check_creatable``:
+        -1 is no limit; an account that may not read its info cannot tell (nothing refused)."""
+        try:
+            account = await js.account_info()
+        except nats.errors.Error:
+            return
+        limits = account.limits
+        if limits.max_streams >= 0 and account.streams + self._would_create > limits.max_streams:
+            raise NotConnected(
+                f"{self._prefix}: {what} would be created, but the account may have {limits.max_streams} JetStream "
+                f"stream(s) and has {account.streams} already (this sink would create {self._would_create}): raise the "
+                "account's max_streams, or use streams that exist (stream.name, state.bucket)",
+                reason="cannot_create",
+            )
+        limit, used = (limits.max_memory, account.memory) if storage == "memory" else (limits.max_storage, account.storage)
+        if limit >= 0 and limit - used < _ACCOUNT_ROOM_MIN:
+            raise NotConnected(
+                f"{self._prefix}: {what} would be created with {storage} storage, but the account's {storage} storage "
+                f"is full ({used} of {limit} bytes): raise the account's limit, or free room",
+                reason="cannot_create",
+            )
 
     async def _recheck_bucket(self, nc: Client) -> None:
         """The bucket's settings again (an operator can edit them during the run: ``nats stream

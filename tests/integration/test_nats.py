@@ -1033,6 +1033,50 @@ async def test_check_refuses_a_stream_or_bucket_the_run_could_not_create(
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("limit", ["max_streams", "max_file"])
+async def test_check_refuses_streams_the_accounts_jetstream_limits_leave_no_room_for(tmp_path: Path, limit: str) -> None:
+    """breaker65 B1: an account that may have one JetStream stream, already used (or whose file
+    storage is full): ``--check`` said ok for a sink that would create a stream and a bucket, and
+    the run then never stored anything (``maximum number of streams reached``). The account's
+    limits are read (``nats account info``): counted with every stream the sink would create."""
+    cap = {"max_streams": "max_streams: 2", "max_file": "max_file: 100000"}[limit]
+    server = await NatsServer(
+        tmp_path / "srv",
+        extra_config="accounts {\n  A: { jetstream: { " + cap + ", max_mem: 1000000 }, users: [{user: a, password: a}] }\n}\n"
+        "no_auth_user: a\n",
+    ).astart()
+    nc = await nats.connect(server.url)
+    try:
+        js = nc.jetstream()
+        await js.add_stream(name="OCCUPY", subjects=["occ.>"])
+        if limit == "max_file":
+            with contextlib.suppress(nats.js.errors.BadRequestError):  # (resource limits exceeded: full)
+                for _ in range(200):
+                    await js.publish("occ.x", b"x" * 1000)
+        dest = _dest()
+        state = {"enabled": True, "bucket": f"ST{dest}", "create": True}
+        conn = NatsConnector("nats-l", _options(server.url, dest, state=state), SINK)
+        conn.creates_nothing = True
+        with pytest.raises(NotConnected) as refused:
+            await conn.connect()
+        assert refused.value.reason == "cannot_create", refused.value
+        said = str(refused.value)
+        if limit == "max_streams":
+            assert "the account may have 2 JetStream stream(s) and has 1 already (this sink would create 2)" in said, said
+        else:
+            assert "file storage is full" in said, said
+        assert [i.config.name for i in await js.streams_info()] == ["OCCUPY"]  # nothing created
+        if limit == "max_streams":  # one stream the sink would create: room for it
+            fine = NatsConnector("nats-l", _options(server.url, dest), SINK)
+            fine.creates_nothing = True
+            await fine.connect()
+            await fine.close()
+    finally:
+        await nc.close()
+        await asyncio.to_thread(server.remove)
+
+
+@pytest.mark.integration
 async def test_a_stream_with_a_max_age_below_the_default_duplicate_window_is_created_and_written(
     nats_server: NatsServer, reader: Client, js_dest: str
 ) -> None:
