@@ -831,6 +831,7 @@ class NatsConnector:
         self._subjects = _Subjects(options.subject)
         self._nc: Client | None = None
         self._would_create = 0  # --check: streams and buckets the run would create (see _check_creatable)
+        self._closing = False  # this connector is closing a client of its own
         # A new client for one nats-py closed for good (see _revived): the attempt in flight, and
         # when the next may start.
         self._revival: asyncio.Task[None] | None = None
@@ -2406,7 +2407,10 @@ class NatsConnector:
         nc = self._nc
         if nc is not None:
             internals.drop_pending(nc)
-            log.warning("%s: disconnected from NATS at %s; reconnecting", self._prefix, self._where, extra={"sink": self.name})
+            if not self._closing:
+                log.warning(
+                    "%s: disconnected from NATS at %s; reconnecting", self._prefix, self._where, extra={"sink": self.name}
+                )
         self._fail_acks(
             NotConnected(f"{self._prefix}: connection to NATS at {self._where} lost before the ack", reason="disconnected")
         )
@@ -2419,10 +2423,13 @@ class NatsConnector:
         self._fail_acks(NotConnected(f"{self._prefix}: NATS connection closed"))
 
     async def _close_client(self, nc: Client) -> None:
+        self._closing = True  # (its disconnected callback is no loss of the connection: see _on_disconnected)
         try:
             await nc.close()  # flushes what is buffered first; the runtime bounds the call
         except Exception as exc:
             log.debug("%s: close failed: %s", self._prefix, _describe(exc), extra={"sink": self.name})
+        finally:
+            self._closing = False
 
     # -- streams --------------------------------------------------------------------------------
     async def _ensure_stream(self, js: JetStreamContext) -> None:

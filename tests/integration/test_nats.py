@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -1034,7 +1035,9 @@ async def test_check_refuses_a_stream_or_bucket_the_run_could_not_create(
 
 @pytest.mark.integration
 @pytest.mark.parametrize("limit", ["max_streams", "max_file"])
-async def test_check_refuses_streams_the_accounts_jetstream_limits_leave_no_room_for(tmp_path: Path, limit: str) -> None:
+async def test_check_refuses_streams_the_accounts_jetstream_limits_leave_no_room_for(
+    tmp_path: Path, limit: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """breaker65 B1: an account that may have one JetStream stream, already used (or whose file
     storage is full): ``--check`` said ok for a sink that would create a stream and a bucket, and
     the run then never stored anything (``maximum number of streams reached``). The account's
@@ -1066,7 +1069,17 @@ async def test_check_refuses_streams_the_accounts_jetstream_limits_leave_no_room
         else:
             assert "file storage is full" in said, said
         assert [i.config.name for i in await js.streams_info()] == ["OCCUPY"]  # nothing created
-        if limit == "max_streams":  # one stream the sink would create: room for it
+        # The run: the server refuses the stream. The client the sink closes itself after each
+        # try was logged as "disconnected from NATS ...; reconnecting" (about 200 WARNINGs).
+        if limit == "max_streams":
+            caplog.set_level(logging.WARNING)
+            run = NatsConnector("nats-l", _options(server.url, dest, state=state), SINK)
+            for _ in range(3):
+                with pytest.raises(NotConnected):
+                    await run.connect()
+            assert not [r for r in caplog.records if "disconnected from NATS" in r.getMessage()]
+            await run.close()
+            # One stream the sink would create: room for it.
             fine = NatsConnector("nats-l", _options(server.url, dest), SINK)
             fine.creates_nothing = True
             await fine.connect()
