@@ -651,6 +651,12 @@ class StreamSequencer:
             bound = min((t for p in self.unverified.values() if (t := self._ts_of(p)) is not None), default=None)
         return bound is not None and ts < bound - self.clock_skew
 
+    def _is_older(self, nc: _Newcomer) -> bool:
+        """Is the newcomer perhaps an instance's before the epoch's (stamped before it, or a
+        heartbeat met while only batches waiting bound the epoch)? Then its replay alone confirms
+        it: not a drop (perhaps its own dead connection's), a second message, a third UUID, time."""
+        return nc.older or self._predates_epoch(nc.ts)
+
     def _first_waiting(self) -> bool:
         """Is the epoch bounded only by batches waiting in doubt (nothing delivered in it in this
         process, no floor; see _predates_epoch)? A heartbeat under another UUID, which has no ts
@@ -661,7 +667,7 @@ class StreamSequencer:
         """Is ``instance`` the UUID of a frame waiting (the newcomer's, or set aside) stamped
         before the epoch's instance? Its heartbeat, read late too, shows nothing more."""
         nc = self._newcomer
-        if nc is not None and nc.instance == instance and self._predates_epoch(nc.ts):
+        if nc is not None and nc.instance == instance and self._is_older(nc):
             return True
         return any(i == instance and self._predates_epoch(b[2]) for i, b, _ in self._stash)
 
@@ -674,7 +680,7 @@ class StreamSequencer:
         (_stash_newcomer)."""
         nc = self._newcomer
         assert nc is not None
-        if instance != self.instance and self._predates_epoch(nc.ts):
+        if instance != self.instance and self._is_older(nc):
             self._stash_newcomer(out)  # (the third one waits in its place; this one ages out, or its UUID's reply confirms it)
         elif instance != self.instance:
             self._welcome(out, instance)
@@ -753,6 +759,7 @@ class StreamSequencer:
 
     def _drop_stashed(self, out: list[Action], stashed: _Stashed, why: str) -> None:
         self._not_the_engines(out, stashed[0], stashed[1], why)
+        self._owe([stashed[1]])
 
     @staticmethod
     def _not_the_engines(out: list[Action], instance: bytes | None, batch: _Batch, why: str) -> None:
@@ -777,7 +784,9 @@ class StreamSequencer:
     def _read_under(self, seq: int, payload: bytes) -> bytes | None:
         """The UUID a reply without one (``seq``, ``payload``) was read under live, when it is the
         very batch of a frame set aside, waiting or refuted under another UUID than the epoch's:
-        the replier is that frame's instance (its bytes say so where its UUID does not)."""
+        the replier is that frame's instance (its bytes say so where its UUID does not). Asked
+        only while the epoch's UUID is unsure: under a sure one, the frame may be the engine's own
+        batch under a corrupt UUID, which must never name a restart."""
         refuted = self._refuted.get(seq)
         if refuted is not None and refuted[0] == payload:
             return refuted[1]
@@ -798,6 +807,12 @@ class StreamSequencer:
                 self._refuted[seq] = (payload, nc.instance)
             while len(self._refuted) > _STASH_MAX:
                 del self._refuted[next(iter(self._refuted))]
+        self._owe(batches)
+
+    def _owe(self, batches: Sequence[_Batch]) -> None:
+        """Frames under another UUID dead-lettered (refuted, or aged out of the stash) that may be
+        this epoch's own next seqs, while its UUID is not known for certain: the epoch settles
+        them (see _perhaps_ours)."""
         if not self._instance_sure:
             self._owed = max([self._owed, *(seq for seq, _, ts in batches if self._perhaps_ours(seq, ts, batches))])
 
@@ -895,7 +910,7 @@ class StreamSequencer:
             if nc.contradicted:
                 self._refute(out, f"its engine went on under {_name(self.instance)}, and its replay socket cannot tell")
                 self._resume(out)
-            elif nc.older or self._predates_epoch(nc.ts):
+            elif self._is_older(nc):
                 self._refute(out, "it was stamped before the epoch's instance, and its replay socket cannot tell")
                 self._resume(out)
             else:
@@ -1185,7 +1200,7 @@ class StreamSequencer:
         next may come from a new instance. A batch set aside was read before the drop: it counts
         as any batch read then (held; a live seq at or below it is then another instance's)."""
         out: list[Action] = []
-        if self._newcomer is not None and self._predates_epoch(self._newcomer.ts):
+        if self._newcomer is not None and self._is_older(self._newcomer):
             self._stash_newcomer(out)  # (the drop may be its own dead connection's: see _predates_epoch)
         elif self._newcomer is not None:
             self._welcome(out)  # (a restart drops the connection: as if it came after the drop)
@@ -1251,7 +1266,7 @@ class StreamSequencer:
             return out
         self._answered = True
         self._buffers = True
-        if instance is None:
+        if instance is None and not self._instance_sure:
             instance = self._read_under(seq, payload)
         if instance is not None:
             self._replier = instance

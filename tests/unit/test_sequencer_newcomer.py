@@ -948,3 +948,64 @@ def test_an_instance_adopted_in_doubt_before_a_reply_showed_the_next_one_is_reti
         out += got + serve(s, got, c, C)
     assert [a.epoch for a in out if isinstance(a, Reset)] == [6] and C not in s.retired_instances and B in s.retired_instances
     assert [seq for epoch, seq in delivered(out) if epoch == 6] == list(range(6))
+
+
+def test_the_engines_own_batch_under_a_corrupt_uuid_never_names_a_restart_by_its_bytes() -> None:
+    """breaker69 Z15: B (UUID sure, replies without one) delivered 0..4; its batch 5 is read
+    under a corrupt UUID X and refuted by B's replay. When a later replay brought B:5 again (no
+    UUID), its bytes named X: a certain restart, B retired and its later batches dropped. Bytes
+    name a UUID only while the epoch's is unsure."""
+    X = b"\xbb" * 15 + b"X"
+    s = seqr(clock_skew=1.0)
+    b = {n: b"\xbb:%.2f" % (1000 + n * 0.05) for n in range(20)}
+    out = [a for n in range(5) for a in s.live(n, b[n], instance=B)]
+    got = s.live(5, b[5], instance=X)
+    out += got + serve(s, got, {n: b[n] for n in range(6)}, None)
+    for n in range(6, 9):
+        got = s.live(n, b[n], instance=B)
+        out += got + serve(s, got, {k: b[k] for k in range(n + 1)}, None)
+    got = s.disconnected(None)
+    out += got + serve(s, got, {k: b[k] for k in range(9)}, None)
+    for n in range(9, 20):
+        got = s.live(n, b[n], instance=B)
+        out += got + serve(s, got, {k: b[k] for k in range(n + 1)}, None)
+    out += serve(s, s.probe(), b, None)
+    assert not [a for a in out if isinstance(a, Reset)] and B not in s.retired_instances and s.instance == B
+    assert sorted({seq for _, seq in delivered(out)}) == list(range(20)) and suspects(out) == [5]
+
+
+@pytest.mark.parametrize("then", ["drop", "heartbeat"])
+def test_a_late_heartbeat_met_before_anything_is_delivered_is_confirmed_by_its_replay_only(then: str) -> None:
+    """breaker69 Z16: as Z12 with B's late heartbeat, then the drop of B's dead connection (or a
+    second late heartbeat of B): it confirmed B at once, C was retired and none of C's batches
+    was delivered (I3, I4)."""
+    s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts, clock_skew=0.25, epoch=0, delivered=-1, max_attempts=3)
+    engine = {n: stamped(C, n) for n in range(6)}
+    out = s.start() + [a for n in (0, 1) for a in s.live(n, engine[n], instance=C)]
+    out += s.heartbeat(1, B)
+    out += s.disconnected(None) if then == "drop" else s.heartbeat(1, B)
+    out += serve(s, out, {n: engine[n] for n in (0, 1)}, C)
+    got = [a for n in range(2, 6) for a in s.live(n, engine[n], instance=C)]
+    out += got + serve(s, got, engine, C)
+    assert not [a for a in out if isinstance(a, Reset)] and C not in s.retired_instances
+    assert delivered(out) == [(0, n) for n in range(6)]
+
+
+def test_the_epochs_own_late_frames_aged_out_of_the_stash_are_announced_lost_in_it() -> None:
+    """breaker69 Z17: as Z13's drop case, but C publishes 64 batches while the start-up replay is
+    slow: B's 4 and 5, set aside by the drop, age out of the stash (dead-lettered) before the
+    epoch ends, and epoch 5 ended with no EventsLost for them (I3). Aged out while the epoch's
+    UUID is unsure, frames it may own are owed by it as refuted ones are."""
+    fp = fingerprint(ts(stamped(B, 3)), stamped(B, 3))
+    s = StreamSequencer(
+        can_replay=True, replay_on_start=True, ts_of=ts, clock_skew=0.25, epoch=5, delivered=3, delivered_fp=fp, anchor=3
+    )
+    engine = {n: stamped(C, n) for n in range(90)}
+    out = s.start()
+    out += [a for n in (10, 11) for a in s.live(n, engine[n], instance=C)]
+    out += [a for n in (4, 5) for a in s.live(n, stamped(B, n), instance=B)]
+    out += s.disconnected(None)
+    out += [a for n in range(12, 90) for a in s.live(n, engine[n], instance=C)]  # (the replay is slow)
+    out += serve(s, out, engine, C)
+    lost_in_5 = [(a.from_seq, a.to_seq) for a in out if isinstance(a, Lost) and a.epoch == 5]
+    assert all(any(lo <= seq <= hi for lo, hi in lost_in_5) for seq in (4, 5)), lost_in_5
