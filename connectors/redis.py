@@ -111,6 +111,7 @@ from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
     BusyLoadingError,
+    ClusterCrossSlotError,
     ClusterDownError,
     NoPermissionError,
     OutOfMemoryError,
@@ -790,6 +791,7 @@ _TRANSIENT: dict[str, tuple[str, float | None]] = {
     **{code: ("cluster", 0.5) for code in ("TRYAGAIN", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "MOVED", "ASK")},
     "KEY_COLLISION": ("key_collision", None),  # two engine streams render one key: the template needs fixing
     "STATE_WRONGTYPE": ("state_key_type", None),  # the state key holds something else: an operator fixes it
+    "CROSSSLOT": ("cluster", None),  # a Redis Cluster node written as a single server: cluster: true fixes it
 }
 # An ACL refusal, however it reaches us: NOPERM from a command, "ERR The user executing the script
 # can't run this command or subcommand" / "... can't access at least one of the keys ..." from a
@@ -804,6 +806,7 @@ _CODES = (
     (TryAgainError, "TRYAGAIN"),
     (ClusterDownError, "CLUSTERDOWN"),
     (AskError, "MOVED"),
+    (ClusterCrossSlotError, "CROSSSLOT"),
 )
 # Refusals of a whole script call that no entry caused for itself: retried.
 _CALL_REFUSALS = (
@@ -1055,6 +1058,7 @@ class RedisConnector:
             await self._check_permissions()
             await self._check_key_types()
             await self._check_role()
+            await self._check_server_state()
             settings = await self._read_settings()
             short = await self._replicas_short()
         except (RedisError, RedisClusterException, OSError) as exc:
@@ -1083,6 +1087,33 @@ class RedisConnector:
                 f"{self._prefix}: {self._server} is a {name}, not a primary (ROLE): it refuses the sink's writes "
                 "(READONLY) or loses them at its next sync; point url at the primary",
                 reason="replica",
+            )
+
+    async def _check_server_state(self) -> None:
+        """Refused at connect (and so by ``--check``), naming the fix: a Redis Cluster node written
+        as a single server (``cluster: false``: a script over the state's keys and the stream's
+        gets CROSSSLOT), and a server over its ``maxmemory`` that evicts nothing (every write gets
+        OOM until memory is freed). A server that does not allow INFO (an ACL, a managed service)
+        is left to its first write."""
+        try:
+            cluster: Any = None if self.options.cluster else await self._connection().info("cluster")
+            memory: Any = await self._connection().info("memory")
+        except ResponseError:
+            return
+        if cluster and int(cluster.get("cluster_enabled", 0) or 0):
+            raise NotConnected(
+                f"{self._prefix}: {self._server} is a Redis Cluster node (cluster_enabled:1), but the sink has cluster: "
+                "false: set cluster: true (a single-server client's scripts get CROSSSLOT over the sink's keys)",
+                reason="cluster",
+            )
+        limit, used = int(memory.get("maxmemory", 0) or 0), int(memory.get("used_memory", 0) or 0)
+        policy = str(memory.get("maxmemory_policy", ""))
+        if limit > 0 and used >= limit and policy == "noeviction":
+            raise NotConnected(
+                f"{self._prefix}: {self._server} is over its maxmemory ({used} of {limit} bytes) and evicts nothing "
+                "(noeviction): every write is refused (OOM) until memory is freed (consumers trimming, or a raised "
+                "maxmemory)",
+                reason="oom",
             )
 
     async def _replicas_short(self) -> str | None:
@@ -1737,6 +1768,8 @@ class RedisConnector:
         if code not in _TRANSIENT and code not in ("WRONGTYPE", "OUT_OF_ORDER") and _ACL_REFUSAL.search(line):
             code = "NOPERM"  # an ACL refusal, worded as the server and redis-py do (see _ACL_REFUSAL)
         text = f"{self._prefix}: {what}: {line}" if what else f"{self._prefix}: {line}"
+        if code == "CROSSSLOT":
+            text += "; the server is a Redis Cluster node: set cluster: true (the sink's keys are hash-tagged then)"
         if code == "KEY_COLLISION":
             text += (
                 "; one key must hold one engine stream: put a separator between the placeholders, e.g. stream: "

@@ -794,3 +794,39 @@ async def test_an_announcement_refused_by_a_key_of_another_type_is_kept_until_th
     after = [x["seq"] if x["type"] == "EventBatch" else x["type"] for x in entries]
     # the refusal (and the announcement of 0-4, deleted with the key) before what came later
     assert after[-2:] == [10, 11] and "EventBatch" not in {x["type"] for x in entries[:-2]}, after
+
+
+@pytest.mark.parametrize("case", ["cluster node", "over maxmemory"])
+async def test_connect_refuses_a_server_every_write_would_be_refused_by(tmp_path: Path, case: str) -> None:
+    """breaker70 B1, B2: ``--check`` said ok for a Redis Cluster node with ``cluster: false`` (each
+    write with state got CROSSSLOT, and every batch was dead-lettered) and for a server over its
+    maxmemory that evicts nothing (every write OOM). Connect (and so ``--check``) refuses both,
+    naming the fix; the second passes again once there is room."""
+    extra = {"cluster-enabled": "yes", "cluster-config-file": str(tmp_path / "nodes.conf")} if case == "cluster node" else {}
+    server = RedisServer(tmp_path / "redis", extra_config=extra)
+    await asyncio.to_thread(server.start)
+    admin = aioredis.Redis.from_url(server.url)
+    try:
+        if case == "cluster node":
+            await admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        else:
+            used = int((await admin.info("memory"))["used_memory"])
+            await admin.config_set("maxmemory-policy", "noeviction")
+            await admin.config_set("maxmemory", str(used // 2))
+        s = SinkConfig(type="redis", name="r")
+        conn = RedisConnector(
+            s.name, convert_options({"url": server.url, "state": {"enabled": True}}, RedisOptions, "sinks[0]"), s
+        )
+        with pytest.raises(NotConnected) as refused:
+            await conn.connect()
+        said = str(refused.value)
+        if case == "cluster node":
+            assert refused.value.reason == "cluster" and "set cluster: true" in said, said
+        else:
+            assert refused.value.reason == "oom" and "over its maxmemory" in said, said
+            await admin.config_set("maxmemory", "0")
+            await conn.connect()
+        await conn.close()
+    finally:
+        await admin.aclose()
+        await asyncio.to_thread(server.stop)

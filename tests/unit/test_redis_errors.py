@@ -85,6 +85,8 @@ def test_a_key_collision_reported_by_the_script_is_retried_and_says_how_to_fix_i
         ("ERR Script killed by user with SCRIPT KILL... script: b0eb, on @user_script:137.", "script_killed"),
         ("ERR Protocol error: invalid bulk length", "protocol"),
         ("MISCONF Errors writing to the AOF file: No space left on device", "misconf"),
+        # a Redis Cluster node written as a single server (breaker70 B1: it dead-lettered every batch)
+        ("CROSSSLOT Keys in request don't hash to the same slot", "cluster"),
         # a command renamed or disabled (rename-command, a managed service): the sink's, not an entry's
         ("ERR unknown command 'EVAL', with args beginning with: ", "unknown_command"),
         ("ERR Error running script @user_script:12: Unknown Redis command called from script", "unknown_command"),
