@@ -2484,7 +2484,15 @@ class NatsConnector:
         try:
             name = self._events_stream = await js.find_stream_name_by_subject(wildcard)
             self._stream_problem = None
-            config = (await js.stream_info(name)).config
+            info = await js.stream_info(name)
+            config = info.config
+            if self.creates_nothing and (full := _full(info)) is not None:
+                # (--check only: at a run, writes say stream_full, and the first that fits clears it)
+                self._stream_problem = (
+                    f"{self._prefix}: JetStream stream {name!r} is full ({full}) and discards new messages: every write "
+                    "would be refused until room is made (consumers acking, a purge) or its limits are raised"
+                )
+                return
             if config.sealed:
                 self._stream_problem = (
                     f"{self._prefix}: JetStream stream {name!r} is sealed: it refuses every write, for good; write to "
@@ -2523,6 +2531,21 @@ class NatsConnector:
         log.warning("%s", self._stream_problem, extra={"sink": self.name})
 
 
+def _full(info: js_api.StreamInfo) -> str | None:
+    """Which limit a ``discard: new`` stream has reached (it refuses every publish then), or None."""
+    config, state = info.config, info.state
+    if config.discard != js_api.DiscardPolicy.NEW:
+        return None
+    max_msgs, max_bytes = config.max_msgs or 0, config.max_bytes or 0
+    if max_msgs > 0 and state.messages >= max_msgs:
+        return f"{state.messages} of max_msgs {max_msgs}"
+    if max_bytes > 0 and max_bytes - state.bytes < _STREAM_ROOM_MIN:
+        return f"{state.bytes} of max_bytes {max_bytes}"
+    return None
+
+
+_STREAM_ROOM_MIN = 1024
+"""Less room than this left in a ``discard: new`` stream is full: no batch record would fit."""
 _GONE = "is gone (deleted, or a server that kept it in memory restarted)"
 _STREAM_PAGES = 100
 """Pages of ``STREAM.LIST`` read at most (the server gives 256 streams a page): 25,600 streams."""

@@ -505,6 +505,29 @@ async def test_a_sealed_stream_is_not_usable_and_check_says_so(nats_server: Nats
         await js.delete_stream(dest)
 
 
+@pytest.mark.parametrize("limit", ["max_msgs", "max_bytes"])
+async def test_check_says_a_full_discard_new_stream_is_not_usable(
+    nats_server: NatsServer, reader: Client, tmp_path: Path, limit: str
+) -> None:
+    """breaker70 B3: an existing stream with ``discard: new`` at its max_msgs (or max_bytes)
+    refuses every publish; ``--check`` said "config ok". It says the stream is full now (exit 3)."""
+    dest = _dest()
+    js = reader.jetstream(timeout=10)
+    cap = {"max_msgs": 5} if limit == "max_msgs" else {"max_bytes": 4000}
+    await js.add_stream(js_api.StreamConfig(name=dest, subjects=[f"{dest}.>"], discard=js_api.DiscardPolicy.NEW, **cap))
+    with contextlib.suppress(nats.js.errors.BadRequestError, nats.js.errors.APIError):
+        for _ in range(5 if limit == "max_msgs" else 40):
+            await js.publish(f"{dest}.x", b"x" * 100)
+    try:
+        path = tmp_path / "bridge.yaml"
+        sink = {"type": "nats", "name": "nats-f", "format": "raw", **options_dict(nats_server, dest)}
+        path.write_text(json.dumps({"sources": [{"name": "e", "endpoint": "tcp://127.0.0.1:1"}], "sinks": [sink]}))
+        code, out = await asyncio.to_thread(_check, str(path))
+        assert code == 3 and f"JetStream stream {dest!r} is full (" in out and f"of {limit} " in out, out
+    finally:
+        await js.delete_stream(dest)
+
+
 def options_dict(server: NatsServer, dest: str) -> dict[str, Any]:
     return {"servers": server.url, "subject": dest + ".{source}.{dp_rank}"}
 
