@@ -1108,13 +1108,21 @@ class RedisConnector:
             )
         limit, used = int(memory.get("maxmemory", 0) or 0), int(memory.get("used_memory", 0) or 0)
         policy = str(memory.get("maxmemory_policy", ""))
-        if limit > 0 and used >= limit and policy == "noeviction":
-            raise NotConnected(
-                f"{self._prefix}: {self._server} is over its maxmemory ({used} of {limit} bytes) and evicts nothing "
-                "(noeviction): every write is refused (OOM) until memory is freed (consumers trimming, or a raised "
-                "maxmemory)",
-                reason="oom",
-            )
+        if limit <= 0 or used < limit or not (policy == "noeviction" or policy.startswith("volatile-")):
+            return
+        if policy.startswith("volatile-"):  # evicts only keys with a TTL: nothing, when none has one
+            try:
+                keyspace: Any = await self._connection().info("keyspace")
+            except ResponseError:
+                return
+            if any(int(db.get("expires", 0) or 0) for db in keyspace.values() if isinstance(db, dict)):
+                return
+        raise NotConnected(
+            f"{self._prefix}: {self._server} is over its maxmemory ({used} of {limit} bytes) and evicts nothing "
+            f"({policy}{', and no key has a TTL' if policy != 'noeviction' else ''}): every write is refused (OOM) "
+            "until memory is freed (consumers trimming, or a raised maxmemory)",
+            reason="oom",
+        )
 
     async def _replicas_short(self) -> str | None:
         """Why the primary refuses every write now for want of replicas: its ``min-replicas-to-write``

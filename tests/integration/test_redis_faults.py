@@ -796,7 +796,7 @@ async def test_an_announcement_refused_by_a_key_of_another_type_is_kept_until_th
     assert after[-2:] == [10, 11] and "EventBatch" not in {x["type"] for x in entries[:-2]}, after
 
 
-@pytest.mark.parametrize("case", ["cluster node", "over maxmemory"])
+@pytest.mark.parametrize("case", ["cluster node", "over maxmemory", "over maxmemory, volatile"])
 async def test_connect_refuses_a_server_every_write_would_be_refused_by(tmp_path: Path, case: str) -> None:
     """breaker70 B1, B2: ``--check`` said ok for a Redis Cluster node with ``cluster: false`` (each
     write with state got CROSSSLOT, and every batch was dead-lettered) and for a server over its
@@ -811,7 +811,7 @@ async def test_connect_refuses_a_server_every_write_would_be_refused_by(tmp_path
             await admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
         else:
             used = int((await admin.info("memory"))["used_memory"])
-            await admin.config_set("maxmemory-policy", "noeviction")
+            await admin.config_set("maxmemory-policy", "volatile-lru" if "volatile" in case else "noeviction")
             await admin.config_set("maxmemory", str(used // 2))
         s = SinkConfig(type="redis", name="r")
         conn = RedisConnector(
