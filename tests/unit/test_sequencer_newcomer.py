@@ -1009,3 +1009,23 @@ def test_the_epochs_own_late_frames_aged_out_of_the_stash_are_announced_lost_in_
     out += serve(s, out, engine, C)
     lost_in_5 = [(a.from_seq, a.to_seq) for a in out if isinstance(a, Lost) and a.epoch == 5]
     assert all(any(lo <= seq <= hi for lo, hi in lost_in_5) for seq in (4, 5)), lost_in_5
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["resumed", "first met"])
+def test_a_busy_engine_whose_heartbeat_came_first_is_delivered_as_it_publishes(fresh: bool) -> None:
+    """breaker71 Z21: replies carry no UUID. The engine's idle heartbeat (next=2) is read before the
+    start-up replay, which brings its 0..1; then it publishes 2..9, each read live, every replay
+    served in full. Each reply waited for a heartbeat to say whose it was (a live batch of the
+    UUID adopted in doubt did not), so the stream stayed in doubt and delivered nothing. A reply
+    with the very bytes of a batch read live under that UUID is its instance's."""
+    E = b"\xee" * 16
+    resumed = {} if fresh else {"epoch": 16, "delivered": -1}
+    s = StreamSequencer(can_replay=True, replay_on_start=True, max_held=8, max_attempts=3, ts_of=ts, clock_skew=0.25, **resumed)
+    engine = {n: b"\xee:%d" % (5000 + n) for n in range(10)}
+    out = s.start() + s.heartbeat(2, E)
+    out += serve(s, out, {0: engine[0], 1: engine[1]}, None)
+    for n in range(2, 10):
+        got = s.live(n, engine[n], instance=E)
+        out += got + serve(s, got, {k: engine[k] for k in range(n + 1)}, None)
+    out += serve(s, s.probe(), engine, None)
+    assert [seq for _, seq in delivered(out)] == list(range(10)) and not s.in_doubt
