@@ -957,7 +957,9 @@ class NatsConnector:
             so = self.options.stream
             if self.options.mode == "jetstream" and self.creates_nothing and so.create and not await self._stream_exists(js):
                 subjects = so.subjects or [subject_filter(self.options.subject)]  # (--check: one the run would create)
-                await self._check_creatable(nc, js, f"JetStream stream {so.name!r}", subjects, so.replicas, so.storage)
+                await self._check_creatable(
+                    nc, js, f"JetStream stream {so.name!r}", subjects, so.replicas, so.storage, so.max_bytes
+                )
             elif self.options.mode == "jetstream":
                 await self._check_stream(js)
             if self.writes_state:
@@ -2002,6 +2004,8 @@ class NatsConnector:
         else:
             self._check_bucket_config(info.config)
             self._state_problem = None
+            if self.creates_nothing:  # (--check only, as for the events stream: see _check_stream)
+                self._state_problem = await self._full_problem(js, info, f"KV bucket {so.bucket!r}")
             return
         if not so.create:
             self._state_problem = self._no_bucket()
@@ -2009,7 +2013,9 @@ class NatsConnector:
             return
         if self.creates_nothing:  # --check: the run would create it, if it can be
             assert self._nc is not None
-            await self._check_creatable(self._nc, js, f"KV bucket {so.bucket!r}", [f"$KV.{so.bucket}.>"], so.replicas, so.storage)
+            await self._check_creatable(
+                self._nc, js, f"KV bucket {so.bucket!r}", [f"$KV.{so.bucket}.>"], so.replicas, so.storage, so.max_bytes
+            )
             self._state_problem = None
             return
         config = js_api.KeyValueConfig(
@@ -2032,7 +2038,14 @@ class NatsConnector:
             self._warn_memory(f"KV bucket {so.bucket!r}", _MEMORY_BUCKET, "state.storage: file")
 
     async def _check_creatable(
-        self, nc: Client, js: JetStreamContext, what: str, subjects: list[str], replicas: int, storage: str
+        self,
+        nc: Client,
+        js: JetStreamContext,
+        what: str,
+        subjects: list[str],
+        replicas: int,
+        storage: str,
+        max_bytes: int | None,
     ) -> None:
         """``--check``, for a stream or bucket the run would create: what the server would refuse and
         can be seen without creating anything is refused now, naming the fix (NotConnected):
@@ -2047,8 +2060,9 @@ class NatsConnector:
                 "in a JetStream cluster: set replicas: 1 (or run a cluster of as many servers)",
                 reason="cannot_create",
             )
-        await self._check_account_room(js, what, storage)
-        for info in await _all_streams(js):
+        streams = await _all_streams(js)
+        await self._check_account_room(js, what, storage, creating=(max_bytes, streams))
+        for info in streams:
             taken = [s for s in info.config.subjects or [] for ours in subjects if subjects_overlap(s, ours)]
             if taken:
                 raise NotConnected(
@@ -2057,28 +2071,69 @@ class NatsConnector:
                     reason="cannot_create",
                 )
 
-    async def _check_account_room(self, js: JetStreamContext, what: str, storage: str) -> None:
-        """The account's own JetStream limits (``nats account info``), for ``_check_creatable``:
-        -1 is no limit; an account that may not read its info cannot tell (nothing refused)."""
+    async def _check_account_room(
+        self,
+        js: JetStreamContext,
+        what: str,
+        storage: str,
+        creating: tuple[int | None, list[js_api.StreamInfo]] | None = None,
+    ) -> None:
+        """The account's own JetStream limits (``nats account info``), for ``--check``: a full
+        storage of the kind ``what`` uses (NotConnected); with ``creating`` (the ``max_bytes`` it
+        would be created with, and the account's streams), also its ``max_streams`` (counting
+        every stream this sink would create), ``max_bytes_required``, its per-stream cap, and the
+        bytes the other streams reserve (their ``max_bytes``). -1 is no limit; an account that may
+        not read its info cannot tell (nothing refused)."""
         try:
             account = await js.account_info()
         except nats.errors.Error:
             return
         limits = account.limits
-        if limits.max_streams >= 0 and account.streams + self._would_create > limits.max_streams:
-            raise NotConnected(
-                f"{self._prefix}: {what} would be created, but the account may have {limits.max_streams} JetStream "
-                f"stream(s) and has {account.streams} already (this sink would create {self._would_create}): raise the "
-                "account's max_streams, or use streams that exist (stream.name, state.bucket)",
-                reason="cannot_create",
-            )
-        limit, used = (limits.max_memory, account.memory) if storage == "memory" else (limits.max_storage, account.storage)
+        memory = storage == "memory"
+        limit, used = (limits.max_memory, account.memory) if memory else (limits.max_storage, account.storage)
+        problem = None
         if limit >= 0 and limit - used < _ACCOUNT_ROOM_MIN:
-            raise NotConnected(
-                f"{self._prefix}: {what} would be created with {storage} storage, but the account's {storage} storage "
-                f"is full ({used} of {limit} bytes): raise the account's limit, or free room",
-                reason="cannot_create",
+            problem = (
+                f"the account's {storage} storage is full ({used} of {limit} bytes): raise the account's limit, or free room"
             )
+        if creating is not None and problem is None:
+            max_bytes, streams = creating
+            cap = (limits.memory_max_stream_bytes if memory else limits.storage_max_stream_bytes) or 0
+            kind = js_api.StorageType.MEMORY if memory else js_api.StorageType.FILE
+            reserved = sum(max(i.config.max_bytes or 0, 0) for i in streams if i.config.storage == kind)
+            if limits.max_streams >= 0 and account.streams + self._would_create > limits.max_streams:
+                problem = (
+                    f"the account may have {limits.max_streams} JetStream stream(s) and has {account.streams} already "
+                    f"(this sink would create {self._would_create}): raise the account's max_streams, or use streams "
+                    "that exist (stream.name, state.bucket)"
+                )
+            elif limits.max_bytes_required and not max_bytes:
+                problem = "the account requires a max_bytes on every stream: set max_bytes (stream.max_bytes, state.max_bytes)"
+            elif cap > 0 and (not max_bytes or max_bytes > cap):
+                problem = f"the account caps each {storage} stream at {cap} bytes: set max_bytes to {cap} or less"
+            elif limit >= 0 and max_bytes and reserved + max_bytes > limit:
+                problem = (
+                    f"its max_bytes {max_bytes} does not fit in the account's {storage} storage ({limit} bytes, "
+                    f"{reserved} reserved by other streams): lower max_bytes, or raise the account's limit"
+                )
+        if problem is not None:
+            verb = "would be created" if creating is not None else "is written"
+            raise NotConnected(f"{self._prefix}: {what} {verb} with {storage} storage, but {problem}", reason="cannot_create")
+
+    async def _full_problem(self, js: JetStreamContext, info: js_api.StreamInfo, what: str) -> str | None:
+        """``--check``: why an existing stream or bucket refuses every write now (a ``discard: new``
+        one at its limits, or an account whose storage of its kind is full), or None."""
+        full = _full(info)
+        if full is not None:
+            return (
+                f"{self._prefix}: {what} is full ({full}) and discards new messages: every write would be refused "
+                "until room is made (consumers acking, a purge) or its limits are raised"
+            )
+        try:
+            await self._check_account_room(js, what, _storage(info.config))
+        except NotConnected as exc:
+            return str(exc)
+        return None
 
     async def _recheck_bucket(self, nc: Client) -> None:
         """The bucket's settings again (an operator can edit them during the run: ``nats stream
@@ -2486,12 +2541,9 @@ class NatsConnector:
             self._stream_problem = None
             info = await js.stream_info(name)
             config = info.config
-            if self.creates_nothing and (full := _full(info)) is not None:
+            if self.creates_nothing and (problem := await self._full_problem(js, info, f"JetStream stream {name!r}")):
                 # (--check only: at a run, writes say stream_full, and the first that fits clears it)
-                self._stream_problem = (
-                    f"{self._prefix}: JetStream stream {name!r} is full ({full}) and discards new messages: every write "
-                    "would be refused until room is made (consumers acking, a purge) or its limits are raised"
-                )
+                self._stream_problem = problem
                 return
             if config.sealed:
                 self._stream_problem = (
@@ -2529,6 +2581,10 @@ class NatsConnector:
             problem = f"JetStream is not enabled on NATS at {self._where} (or mode: core was meant)"
         self._stream_problem = f"{self._prefix}: {problem}"
         log.warning("%s", self._stream_problem, extra={"sink": self.name})
+
+
+def _storage(config: js_api.StreamConfig) -> str:
+    return "memory" if config.storage == js_api.StorageType.MEMORY else "file"
 
 
 def _full(info: js_api.StreamInfo) -> str | None:

@@ -1090,6 +1090,63 @@ async def test_check_refuses_streams_the_accounts_jetstream_limits_leave_no_room
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("case", ["max_bytes required", "per-stream cap", "reserved", "full bucket", "full account"])
+async def test_check_refuses_what_the_account_or_a_full_bucket_would_refuse(tmp_path: Path, case: str) -> None:
+    """breaker72 B2, B3: the events stream exists; the sink creates (or finds) the state bucket.
+    ``--check`` said ok although every write would be refused: an account that requires max_bytes
+    on each stream, caps each stream's bytes, or has its storage reserved by other streams; an
+    existing bucket that is full (discard new); an account whose storage is full with the streams
+    already there. Each is refused now, naming the limit."""
+    limits = {
+        "max_bytes required": "max_file: 100MB, max_bytes_required: true",
+        "per-stream cap": "max_file: 100MB, disk_max_stream_bytes: 1MB",
+        "reserved": "max_file: 5MB",
+        "full account": "max_file: 300000",
+    }.get(case)
+    accounts = f"accounts {{\n  A: {{ jetstream: {{ {limits}, max_mem: 1000000 }}, users: [{{user: a, password: a}}] }}\n}}\n"
+    server = await NatsServer(tmp_path / "srv", extra_config=accounts + "no_auth_user: a\n" if limits else "").astart()
+    nc = await nats.connect(server.url)
+    try:
+        js = nc.jetstream()
+        dest = _dest()
+        await js.add_stream(name=dest, subjects=[f"{dest}.>"], max_bytes=-1 if case == "full account" else 512 * 1024)
+        state: dict[str, Any] = {"enabled": True, "bucket": f"ST{dest}", "create": case != "full bucket"}
+        if case == "per-stream cap":
+            state["max_bytes"] = 4 << 20
+        elif case == "reserved":
+            state["max_bytes"] = 50 << 20
+        elif case == "full bucket":
+            kv = await js.create_key_value(js_api.KeyValueConfig(bucket=f"ST{dest}", history=1, max_bytes=64 * 1024))
+            with contextlib.suppress(nats.js.errors.BadRequestError, nats.js.errors.APIError):
+                for i in range(100):
+                    await kv.put(f"fill.{i}", b"x" * 900)
+        elif case == "full account":
+            with contextlib.suppress(nats.js.errors.BadRequestError, nats.js.errors.APIError):
+                for _ in range(200):
+                    await js.publish(f"{dest}.fill", b"x" * 2000)
+        stream = {"create": False, "name": dest}
+        conn = NatsConnector("nats-b", _options(server.url, dest, stream=stream, state=state), SINK)
+        conn.creates_nothing = True
+        try:  # (what the run would create is refused at connect; what exists is a problem health says)
+            await conn.connect()
+            problem = await conn.health()
+        except NotConnected as exc:
+            problem = str(exc)
+        await conn.close()
+        said = {
+            "max_bytes required": "requires a max_bytes on every stream",
+            "per-stream cap": "caps each file stream at",
+            "reserved": "reserved by other streams",
+            "full bucket": "is full (",
+            "full account": "file storage is full",
+        }[case]
+        assert problem is not None and said in problem, problem
+    finally:
+        await nc.close()
+        await asyncio.to_thread(server.remove)
+
+
+@pytest.mark.integration
 async def test_a_stream_with_a_max_age_below_the_default_duplicate_window_is_created_and_written(
     nats_server: NatsServer, reader: Client, js_dest: str
 ) -> None:
