@@ -1394,7 +1394,7 @@ class StreamSequencer:
         old = self.instance
         self._restart(out, PUBLISHER_RESTART, evidence=(first, self._ts_of(replies[first])), theirs=replies, by=replier)
         if replier is not None and old not in (None, replier):
-            self._prior = old  # (adopted in doubt, its batches settled in the epoch that ended: see _meet)
+            self._prior = old  # (adopted in doubt, its batches settled in the epoch that ended: see live)
         if replier is not None and replier not in self._retired:
             # Its batches are the replies under this UUID: a message under another one is not a
             # first contact but a newcomer (perhaps a late one of an instance in between).

@@ -29,6 +29,16 @@ func removed(medium string, hashes ...string) string {
 	return fmt.Sprintf(`{"type":"BlockRemoved","block_hashes":[%s],"medium":%q}`, strings.Join(hashes, ","), medium)
 }
 
+// applier applies records to x, failing the test at the first error.
+func applier(t *testing.T, x *Index) func(Record) {
+	return func(r Record) {
+		t.Helper()
+		if err := x.Apply(r); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 // residency is a stream's (hash, medium) -> count, as text.
 func residency(x *Index, s Stream) map[string]int64 {
 	out := map[string]int64{}
@@ -49,11 +59,7 @@ func same(t *testing.T, got, want map[string]int64) {
 func TestIndexRules(t *testing.T) {
 	x := NewIndex()
 	e := Stream{"e", 0}
-	apply := func(r Record) {
-		if err := x.Apply(r); err != nil {
-			t.Fatal(err)
-		}
-	}
+	apply := applier(t, x)
 	apply(rec(t, batch(10, 0, stored("GPU", "1", "2")+","+stored("GPU", "1")+","+stored("CPU", "2"))))
 	apply(rec(t, batch(10, 1, removed("GPU", "1")+","+removed("CPU", "2"))))
 	same(t, residency(x, e), map[string]int64{"1/GPU": 1, "2/GPU": 1})
@@ -191,11 +197,7 @@ func TestSweptCountsTheHeadsEntries(t *testing.T) {
 func TestASeqMissingBetweenBatchRecordsMakesTheStreamIncomplete(t *testing.T) {
 	x := NewIndex()
 	e := Stream{"e", 0}
-	apply := func(r Record) {
-		if err := x.Apply(r); err != nil {
-			t.Fatal(err)
-		}
-	}
+	apply := applier(t, x)
 	apply(rec(t, batch(7, 0, stored("GPU", "1"))))
 	apply(rec(t, batch(7, 3, stored("GPU", "2"))))
 	if s := x.Streams[e]; s.Complete || s.Why != "seqs 1-2 of epoch 7 missing from what the sink holds" {
@@ -237,11 +239,7 @@ func TestAnEventTheConsumerCannotApplyMakesTheStreamIncomplete(t *testing.T) {
 	for _, event := range []string{`{"type":"SomethingNew","block_hashes":[1]},`, `{"type":"AllBlocksCleared","medium":"CPU"},`} {
 		x := NewIndex()
 		e := Stream{"e", 0}
-		apply := func(r Record) {
-			if err := x.Apply(r); err != nil {
-				t.Fatal(err)
-			}
-		}
+		apply := applier(t, x)
 		apply(rec(t, batch(7, 0, stored("GPU", "1"))))
 		apply(rec(t, batch(7, 1, `{"type":"BlockInactive","block_hashes":[1]},`+stored("GPU", "2"))))
 		if s := x.Streams[e]; !s.Complete {
