@@ -1716,8 +1716,15 @@ class StreamSequencer:
             # A batch of this epoch's instance (held: read under its UUID) at the reply's seq: the
             # bytes tell who answers, as the anchor's do.
             return _SAME if mine == payload else _NEW
-        if self._unattributed >= 0 and instance is None and self.instance is not None and unverified.get(seq) == payload:
-            # A batch read live under the UUID adopted in doubt, with the reply's very bytes: that
+        if (
+            self._unattributed >= 0
+            and instance is None
+            and self.instance is not None
+            and unverified.get(seq) == payload
+            and self._ts_of(payload) is not None
+        ):
+            # A batch read live under the UUID adopted in doubt, with the reply's very bytes (and
+            # its engine ts: undecodable bytes can be two instances' alike, breaker73 Z23): that
             # instance answers (breaker71 Z21: else a busy engine's every reply waited for a
             # heartbeat, and the doubt never ended). Other bytes prove nothing here: a batch
             # waiting may be a late one of the instance before.

@@ -1029,3 +1029,44 @@ def test_a_busy_engine_whose_heartbeat_came_first_is_delivered_as_it_publishes(f
         out += got + serve(s, got, {k: engine[k] for k in range(n + 1)}, None)
     out += serve(s, s.probe(), engine, None)
     assert [seq for _, seq in delivered(out)] == list(range(10)) and not s.in_doubt
+
+
+def test_undecodable_bytes_alike_in_two_instances_name_no_replier() -> None:
+    """breaker73 Z23 (new in 2195a96): resumed with nothing delivered, replies without a UUID. The
+    new instance N's heartbeat comes first; the old instance O still answers the replay socket.
+    N's seq 0 and O's are the same undecodable bytes (no ts). O's reply at 0 matched N's batch
+    waiting, so O was taken for N: O's 1..3 went into N's epoch (I1) and N's own 1..3 were
+    dropped as copies (I3). Bytes without a ts name no instance."""
+    O_, N_ = b"\x11" * 16, b"\x12" * 16
+
+    def pay(who: bytes, q: int) -> bytes:
+        return b"U" if q == 0 else b"%s:%d:%d" % (who[:1], q, (1000 if who == O_ else 5000) + q)
+
+    def ts_of(b: bytes) -> float | None:
+        parts = b.split(b":")
+        return float(parts[2]) if len(parts) > 2 else None
+
+    s = StreamSequencer(
+        can_replay=True, replay_on_start=True, max_held=8, max_attempts=3, ts_of=ts_of, clock_skew=0.25,
+        epoch=16, delivered=-1, retired=[b"\x0f" * 16, b"\x10" * 16],
+    )  # fmt: skip
+    old, new = {q: pay(O_, q) for q in range(4)}, {q: pay(N_, q) for q in range(5)}
+    out = s.start() + s.heartbeat(0, N_)
+    out += serve(s, out, old, None)  # O still answers the start-up replay
+    got = s.live(0, new[0], instance=N_)
+    out += got + serve(s, got, old, None)
+    got = s.probe()
+    out += got + serve(s, got, old, None)
+    for q in range(1, 5):
+        got = s.live(q, new[q], instance=N_)
+        out += got + serve(s, got, {k: new[k] for k in range(q + 1)}, None)
+    for _ in range(3):
+        got = s.probe()
+        out += got + serve(s, got, new, None)
+    got = s.heartbeat(5, N_) + s.probe()
+    out += got + serve(s, got, new, None)
+    delivered_payloads = [a.payload for a in out if isinstance(a, Deliver)]
+    assert not [p for p in delivered_payloads if p.startswith(b"\x11:")], delivered_payloads  # nothing of O's (I1)
+    lost = [(a.from_seq, a.to_seq) for a in out if isinstance(a, Lost)]
+    for q in range(1, 5):  # N's own: delivered, or announced lost (I3)
+        assert new[q] in delivered_payloads or any(lo <= q <= hi for lo, hi in lost), (q, delivered_payloads, lost)
