@@ -66,19 +66,10 @@ def fail_pending(producer: Any, exc: BaseException) -> None:
     accumulator._pending_batches.update(batch for batch in queued if batch.retry_count > 0)
     batches = queued + list(accumulator._pending_batches)
     accumulator.fail_all(exc)
-    # A batch in flight that meets a retriable error is put back in the queue by its request's
-    # task once that ends: failed now, its done-callback has taken it off the pending set, and
-    # the re-queue's own removal would raise KeyError, which stop() then raises (the sink took
-    # it for an unexpected error of its own). Nothing this producer holds is sent again.
-    accumulator.reenqueue = _not_again
     for batch in batches:
         waiter = batch._drain_waiter  # nobody waits for the drain of a failed batch: mark it seen
         if waiter.done() and not waiter.cancelled():
             waiter.exception()
-
-
-def _not_again(batch: Any) -> None:
-    """``reenqueue`` of a producer whose batches ``fail_pending`` failed: there is no retry."""
 
 
 # aiokafka's own metadata update, in a namespace where MetadataRequest never lets the broker
