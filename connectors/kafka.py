@@ -172,7 +172,16 @@ _HEADROOM = 4096  # a message this close to max_batch_bytes gets its exact size 
 _SCAN_CHUNK = 2_000  # records read at a time, backward from a partition's end (positions())
 _TOPICS_CHECKED = 32  # templated topics --check looks at, at most
 _MEMORY = 10_000  # msg_ids remembered as refused by the broker, or to be sent alone
-STATE_TOPIC_CONFIGS = {"cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.1", "segment.ms": str(3600 * 1000)}
+STATE_TOPIC_CONFIGS = {
+    "cleanup.policy": "compact",
+    "min.cleanable.dirty.ratio": "0.1",
+    "segment.ms": str(3600 * 1000),
+    "delete.retention.ms": str(24 * 3600 * 1000),  # (Kafka's default, whatever the broker's is: see _TOMBSTONES_KEPT_MIN)
+}
+_TOMBSTONES_KEPT_MIN = 3600 * 1000
+"""The shortest ``delete.retention.ms`` a state topic may have: a consumer's bootstrap reads the
+entries, then the tombstones after them; one that takes longer than that window can miss a
+tombstone the cleaner deleted meanwhile and keep a removed block in a state marked complete."""
 """Topic configs of a state topic the sink creates (``state.create``)."""
 _YIELD_EVERY = 4096  # state records built between two yields to the event loop
 _STATE_RECORD_OVERHEAD = 32  # bytes a record adds to its key and value in a batch (varints, no headers)
@@ -214,7 +223,7 @@ class StateOptions(ConnectorOptions):
         bool,
         doc(
             "Create the state topic at connect when missing: cleanup.policy=compact, min.cleanable.dirty.ratio=0.1, "
-            "segment.ms=1h, the partitions below and create_topics.replication_factor."
+            "segment.ms=1h, delete.retention.ms=1d, the partitions below and create_topics.replication_factor."
         ),
     ] = False
     partitions: Annotated[int, msgspec.Meta(ge=1, description="Partitions of a created state topic.")] = 6
@@ -1636,6 +1645,14 @@ class KafkaConnector:
         elif room is not None and room < self._batch_limit.get(topic, self._max_bytes):
             # A larger entry is written without its fact (_state_records): never refused for ever.
             self._batch_limit[topic] = room
+        kept = configs.get("delete.retention.ms")
+        if small is None and "compact" in policy and kept is not None and kept.isdigit() and int(kept) < _TOMBSTONES_KEPT_MIN:
+            small = (
+                f"state topic {topic!r} deletes tombstones {kept} ms after compaction (delete.retention.ms): a consumer "
+                "whose bootstrap takes longer misses removals and keeps removed blocks in a state marked complete; "
+                f"raise it to {_TOMBSTONES_KEPT_MIN} or more (kafka-configs --alter --entity-type topics --entity-name "
+                f"{topic} --add-config delete.retention.ms=86400000)"
+            )
         moved = await self._moved_starts(topic, partitions)
         if deletes and self._state_deletes is None:
             moved = partitions  # what it deleted before this was seen is unknown: every partition
@@ -1660,7 +1677,8 @@ class KafkaConnector:
         raise NotConnected(f"{self._where}: {self._state_deletes}", reason="state_topic_deletes")
 
     async def _state_topic_configs(self, topic: str) -> dict[str, str]:
-        """The state topic's ``cleanup.policy``, ``retention.*`` and ``max.message.bytes``.
+        """The state topic's ``cleanup.policy``, ``retention.*``, ``max.message.bytes`` and
+        ``delete.retention.ms``.
 
         A topic whose configs cannot be read (a broker answers DescribeConfigs with an error for
         it, TOPIC_AUTHORIZATION_FAILED without that ACL, or does not answer) may delete records by
@@ -1668,7 +1686,9 @@ class KafkaConnector:
         naming the error and the fix (state writes held, the sink not ready, ``--check`` refused),
         read again before each state write, at each health check and audit."""
         configs, code, error = await self._configs(
-            ConfigResourceType.TOPIC, topic, ("cleanup.policy", "retention.ms", "retention.bytes", "max.message.bytes")
+            ConfigResourceType.TOPIC,
+            topic,
+            ("cleanup.policy", "retention.ms", "retention.bytes", "max.message.bytes", "delete.retention.ms"),
         )
         if not error:
             return configs
