@@ -13,6 +13,7 @@ the cut's seq, and then follows the live stream from there (a live seq past cut 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 import uuid
@@ -125,6 +126,7 @@ async def tail(
         printed += 1
 
     socks: list[tuple[int, str, zmq.asyncio.Socket]] = []
+    monitors: list[zmq.asyncio.Socket] = []
     tasks: list[asyncio.Task[None]] = []
     try:
         for rank in range(dp_ranks):
@@ -135,6 +137,7 @@ async def tail(
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             socks.append((rank, ep, sub))
             monitor = sub.get_monitor_socket()
+            monitors.append(monitor)
             tasks.append(asyncio.create_task(_watch(rank, ep, monitor, bind)))
             try:
                 sub.bind(ep) if bind else sub.connect(ep)
@@ -202,6 +205,12 @@ async def tail(
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for (_, _, sub), monitor in zip(socks, monitors, strict=False):  # (a failed start: one socket more)
+            # The monitor is stopped before its socket is closed, as in bridge.source (closed first,
+            # libzmq may hang in disable_monitor or at the context's end: pyzmq #1020, libzmq #1279).
+            with contextlib.suppress(zmq.ZMQError):
+                sub.disable_monitor()
+            monitor.close(linger=0)
         for _, _, sub in socks:
             sub.close(linger=0)
         ctx.destroy(linger=0)
@@ -372,16 +381,13 @@ async def _read(rank: int, sub: zmq.asyncio.Socket, queue: asyncio.Queue[tuple[i
 async def _watch(rank: int, endpoint: str, monitor: zmq.asyncio.Socket, bind: bool) -> None:
     """Say when the connection comes up, cannot be made, or goes away (the SUB socket's monitor)."""
     retried = False
-    try:
-        while True:
-            event = parse_monitor_message(await monitor.recv_multipart())["event"]
-            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
-                retried = False
-                _note(f"rank {rank}: {'a publisher connected to' if bind else 'connected to'} {endpoint}")
-            elif event == zmq.EVENT_CONNECT_RETRIED and not retried:
-                retried = True
-                _note(f"rank {rank}: nothing answers at {endpoint} yet (engine down, or a wrong host or port?); retrying")
-            elif event == zmq.EVENT_DISCONNECTED:
-                _note(f"rank {rank}: {endpoint} went away; {'waiting for it' if bind else 'reconnecting'}")
-    finally:
-        monitor.close(linger=0)
+    while True:
+        event = parse_monitor_message(await monitor.recv_multipart())["event"]
+        if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+            retried = False
+            _note(f"rank {rank}: {'a publisher connected to' if bind else 'connected to'} {endpoint}")
+        elif event == zmq.EVENT_CONNECT_RETRIED and not retried:
+            retried = True
+            _note(f"rank {rank}: nothing answers at {endpoint} yet (engine down, or a wrong host or port?); retrying")
+        elif event == zmq.EVENT_DISCONNECTED:
+            _note(f"rank {rank}: {endpoint} went away; {'waiting for it' if bind else 'reconnecting'}")

@@ -217,6 +217,7 @@ async def test_tail_says_the_topics_an_engine_publishes_under_instead_of_calling
         tail = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "bridge", "tail", f"tcp://127.0.0.1:{live}", "--topic", "vllm-kv",
             cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # (SIGABRT: its threads' stacks, should it hang)
         )  # fmt: skip
         try:
             assert tail.stderr is not None and tail.stdout is not None
@@ -227,7 +228,12 @@ async def test_tail_says_the_topics_an_engine_publishes_under_instead_of_calling
                     lines.append(line.decode().rstrip("\n"))
             await asyncio.sleep(1.0)  # 20 more messages of that topic: said once
             tail.send_signal(signal.SIGTERM)
-            stdout, stderr = await asyncio.wait_for(tail.communicate(), 30)
+            try:
+                stdout, stderr = await asyncio.wait_for(tail.communicate(), 30)
+            except TimeoutError:
+                tail.send_signal(signal.SIGABRT)
+                stdout, stderr = await asyncio.wait_for(tail.communicate(), 10)
+                pytest.fail(f"tail did not stop in 30 s after SIGTERM; where it was:\n{stderr.decode()[-6000:]}")
         finally:
             if tail.returncode is None:
                 tail.kill()
