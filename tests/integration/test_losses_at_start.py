@@ -251,12 +251,20 @@ def kafka_config(
     )
 
 
+async def kafka_head_at(kafka: KafkaServer, state_topic: str, seq: int, within: float) -> dict[str, Any] | None:
+    """Stream a/0's state head once it is at ``seq``, or None if it is not within ``within`` seconds."""
+    part, deadline = partition_of("a/0", 2), time.monotonic() + within
+    while (head := await last_head(kafka.bootstrap_servers, state_topic, part, "a/0")) is None or head["seq"] != seq:
+        if time.monotonic() >= deadline:
+            return None
+        await asyncio.sleep(0.2)
+    return head
+
+
 async def kafka_state_at(kafka: KafkaServer, state_topic: str, seq: int) -> dict[str, Any]:
     """Until stream a/0's state head is at ``seq``: the head."""
-    part, deadline = partition_of("a/0", 2), time.monotonic() + 60
-    while (head := await last_head(kafka.bootstrap_servers, state_topic, part, "a/0")) is None or head["seq"] != seq:
-        assert time.monotonic() < deadline, f"the state did not reach seq {seq}: {head}"
-        await asyncio.sleep(0.2)
+    head = await kafka_head_at(kafka, state_topic, seq, 60)
+    assert head is not None, f"the state did not reach seq {seq}"
     return head
 
 
@@ -308,8 +316,16 @@ async def test_a_kafka_events_topic_deleted_while_no_bridge_ran_is_announced_onc
                     assert time.monotonic() < deadline, "the events topic did not come back"
                     await engine.step(1)
                     await asyncio.sleep(0.3)
-                await engine.step(1)
-                head = await kafka_state_at(kafka, state_topic, engine.last_seq)
+                # The loss found, the state is cleared at the stream's next record (docs/sinks/kafka.md):
+                # a record queued before that (a loaded machine) is written without it. So a record
+                # more until one lands after and the head reaches it.
+                for _ in range(5):
+                    await engine.step(1)
+                    if (reached := await kafka_head_at(kafka, state_topic, engine.last_seq, 15)) is not None:
+                        head = reached
+                        break
+                else:
+                    pytest.fail(f"the state did not reach the last seq {engine.last_seq} after 5 records")
         finally:
             await second.stop()
     docs = await kafka_docs(kafka, topic)
