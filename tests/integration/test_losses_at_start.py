@@ -365,6 +365,22 @@ async def test_nats_memory_stream_lost_while_no_bridge_ran_two_epochs(
                 await engine.wait_subscribed()
                 await engine.step(5, events_per_batch=4)
                 await _until_head(reader, f"ST{dest}", 4)
+                # The restart's epoch is read, not assumed e0 + 1: it is the engine clock's minute
+                # when that is above e0 (Checkpointer.next_epoch), i.e. when a minute turned
+                # between epoch 0's first batch and the restart.
+                e1s: set[int] = set()
+
+                async def epoch1_stored() -> bool:
+                    held = await _subject_messages(reader, dest, eng)
+                    e1s.update(
+                        int(m["epoch"])
+                        for m in held
+                        if int(m["epoch"]) != e0 and m.get("type") not in ("EventsLost", "SourceReset") and m["seq"] == 4
+                    )
+                    return bool(e1s)
+
+                await _until(epoch1_stored, "the events stream never held seq 4 of the second epoch")
+                (e1,) = e1s
             finally:
                 await first.stop()
             await nats_server.arestart()  # the events stream, kept in memory, is gone
@@ -377,8 +393,13 @@ async def test_nats_memory_stream_lost_while_no_bridge_ran_two_epochs(
             finally:
                 await second.stop()
         msgs = await _subject_messages(reader, dest, eng)
-        lost = [(m["epoch"] - e0, m["from_seq"], m["to_seq"], m["reason"]) for m in msgs if m.get("type") == "EventsLost"]
-        held = [(m["epoch"] - e0, m["seq"]) for m in msgs if m.get("type") not in ("EventsLost", "SourceReset")]
+        rank = {e0: 0, e1: 1}  # (another epoch stays as it is, and fails below)
+        lost = [
+            (rank.get(m["epoch"], m["epoch"]), m["from_seq"], m["to_seq"], m["reason"])
+            for m in msgs
+            if m.get("type") == "EventsLost"
+        ]
+        held = [(rank.get(m["epoch"], m["epoch"]), m["seq"]) for m in msgs if m.get("type") not in ("EventsLost", "SourceReset")]
         missing = [
             (e, s)
             for e, top in ((0, 9), (1, 4))
