@@ -178,11 +178,15 @@ STATE_TOPIC_CONFIGS = {
     "segment.ms": str(3600 * 1000),
     "delete.retention.ms": str(24 * 3600 * 1000),  # (Kafka's default, whatever the broker's is: see _TOMBSTONES_KEPT_MIN)
 }
+"""Topic configs of a state topic the sink creates (``state.create``)."""
 _TOMBSTONES_KEPT_MIN = 3600 * 1000
 """The shortest ``delete.retention.ms`` a state topic may have: a consumer's bootstrap reads the
 entries, then the tombstones after them; one that takes longer than that window can miss a
 tombstone the cleaner deleted meanwhile and keep a removed block in a state marked complete."""
-"""Topic configs of a state topic the sink creates (``state.create``)."""
+_TIMESTAMP_CONFIGS = ("message.timestamp.type", "message.timestamp.before.max.ms", "message.timestamp.difference.max.ms")
+_TIMESTAMP_WINDOW_MIN = 60_000
+"""The shortest timestamp window (ms) a CreateTime topic may have: a loaded host or broker can
+take seconds between stamping a record and the broker checking it (``request_timeout`` if longer)."""
 _YIELD_EVERY = 4096  # state records built between two yields to the event loop
 _STATE_RECORD_OVERHEAD = 32  # bytes a record adds to its key and value in a batch (varints, no headers)
 _BATCH_OVERHEAD = 61  # bytes of a record batch's header, counted in a topic's max.message.bytes
@@ -494,9 +498,9 @@ class KafkaConnector:
         self._state_deletes: str | None = None
         self._state_starts: dict[tuple[str, int], int] = {}
         self._read_back: dict[str, Stream] = {}  # streams whose head read_state found
-        # Events topics' cleanup.policy read ahead for several topics in one request (connect,
+        # Events topics' configs (cleanup.policy, timestamps) read ahead for several topics in one request (connect,
         # audit), taken by the _prepare_topic that follows; and whether "cannot tell" was logged.
-        self._policies: dict[str, str] = {}
+        self._policies: dict[str, dict[str, str]] = {}  # events topic -> the configs _events_configs reads
         self._policy_unread_told = False
         # Streams whose state the state topic lost records of: told (SinkLost ``states``) at the
         # next write or audit, after their heads are deleted (tombstones: no head says complete).
@@ -526,7 +530,7 @@ class KafkaConnector:
         topics = [t for t in self._topics_to_check() if t not in self._partitions]
         try:
             if len(topics) > 1:
-                self._policies = await self._events_policies(topics)
+                self._policies = await self._events_configs(topics)
             for topic in topics:
                 await self._prepare_topic(producer, topic)
         finally:
@@ -656,7 +660,7 @@ class KafkaConnector:
         try:
             events = [t for t in topics if not (self.writes_state and t == self._state_topic)]
             if len(events) > 1:
-                self._policies = await self._events_policies(events)
+                self._policies = await self._events_configs(events)
             for topic in topics:
                 try:
                     await self._prepare_topic(producer, topic, state=self.writes_state and topic == self._state_topic)
@@ -1209,6 +1213,8 @@ class KafkaConnector:
             return None
         fix = _BROKER_REFUSES.get(type(exc))
         if fix is not None:
+            if isinstance(exc, kafka_errors.InvalidTimestampError):
+                self._partitions.pop(topic, None)  # its configs read again at the next write: a short window is named
             self._denied = f"topic {topic!r} refuses every write ({text}): {fix}"
             return Retriable(f"{self._where}: {self._denied}", reason="broker_refuses")
         # Anything else (the producer's sequence state, a broker setting) is not the records'
@@ -1456,11 +1462,18 @@ class KafkaConnector:
         again each time the topic is prepared: at each write meanwhile, health check and audit).
         Found so after the sink wrote to it in this run (the policy changed), what it acknowledged
         there is announced lost at the next write (:meth:`_lose`). A policy that cannot be read
-        (no DescribeConfigs) lets the topic be used (:meth:`_events_policies`)."""
-        policy = self._policies.pop(topic, None)
-        if policy is None:
-            policy = (await self._events_policies([topic])).get(topic)
+        (no DescribeConfigs) lets the topic be used (:meth:`_events_configs`). A timestamp window
+        too short for the sink's records is refused too (:meth:`_timestamp_window`)."""
+        configs = self._policies.pop(topic, None)
+        if configs is None:
+            configs = (await self._events_configs([topic])).get(topic, {})
+        policy = configs.get("cleanup.policy")
         if policy is None or not compacts(policy):
+            window = self._timestamp_window(topic, configs)
+            if window is not None:
+                self._topic_problem, self._denied = window, None  # (the cause of InvalidTimestamp refusals, if any)
+                self._partitions.pop(topic, None)  # prepared again (its configs read again) before each write to it
+                raise NotConnected(f"{self._where}: {window}", reason="timestamp_window")
             return
         self._lose([tp for tp in self._acked if tp[0] == topic], state=False)
         self._topic_problem = (
@@ -1472,18 +1485,20 @@ class KafkaConnector:
         self._partitions.pop(topic, None)  # prepared again (its policy read again) before each write to it
         raise NotConnected(f"{self._where}: {self._topic_problem}", reason="events_topic_compacted")
 
-    async def _events_policies(self, topics: Sequence[str]) -> dict[str, str]:
-        """The ``cleanup.policy`` of each of the events ``topics`` the broker describes, in one
-        DescribeConfigs request bounded by ``request_timeout``. A broker or an ACL that refuses it
-        cannot tell: the topics are used all the same (an events topic needs no DescribeConfigs
-        ACL), and that it cannot tell is logged once per sink."""
-        policies: dict[str, str] = {}
+    async def _events_configs(self, topics: Sequence[str]) -> dict[str, dict[str, str]]:
+        """The ``cleanup.policy`` and timestamp settings (``_TIMESTAMP_CONFIGS``) of each of the
+        events ``topics`` the broker describes, in one DescribeConfigs request bounded by
+        ``request_timeout``. A broker or an ACL that refuses it cannot tell: the topics are used all
+        the same (an events topic needs no DescribeConfigs ACL), and that it cannot tell is logged
+        once per sink."""
+        configs: dict[str, dict[str, str]] = {}
         unread: list[str] = []
         admin = self._admin()
         try:
             async with asyncio.timeout(self._timeout):
                 await admin.start()
-                resources = [ConfigResource(ConfigResourceType.TOPIC, t, {"cleanup.policy": None}) for t in topics]
+                wanted = dict.fromkeys(("cleanup.policy", *_TIMESTAMP_CONFIGS))
+                resources = [ConfigResource(ConfigResourceType.TOPIC, t, wanted) for t in topics]
                 responses = await admin.describe_configs(resources)
             for res in (res for r in responses for res in r.resources):
                 code, name = int(res[0]), res[3]
@@ -1492,7 +1507,7 @@ class KafkaConnector:
                 if code != 0:
                     unread.append(f"{name}: {kafka_errors.for_code(code).__name__}{f': {res[1]}' if res[1] else ''}")
                     continue
-                policies.update((name, entry[1]) for entry in res[4] if entry[0] == "cleanup.policy" and entry[1])
+                configs[name] = {entry[0]: entry[1] for entry in res[4] if entry[1] is not None}
         except (kafka_errors.KafkaError, OSError, IndexError, TypeError) as exc:  # (TimeoutError is an OSError)
             unread.append(_describe(exc))
         finally:
@@ -1505,7 +1520,30 @@ class KafkaConnector:
                 "; ".join(unread),
                 extra={"sink": self.name},
             )
-        return policies
+        return configs
+
+    def _timestamp_window(self, topic: str, configs: dict[str, str], *, state: bool = False) -> str | None:
+        """Why ``topic`` would refuse the sink's records, with the fix, or None: with CreateTime
+        (the records carry the bridge host's clock, stamped as each write starts), a
+        ``message.timestamp.before.max.ms`` (or ``difference.max.ms`` of brokers before 4.0) under
+        ``_TIMESTAMP_WINDOW_MIN`` or ``request_timeout`` refuses them whatever the clock, every write
+        or the slow ones, and the sink would stall blaming the clock. The caller refuses the topic
+        (the sink not ready) until it is fixed, its configs read again each time it is prepared."""
+        if configs.get("message.timestamp.type", "CreateTime") != "CreateTime":
+            return None  # (LogAppendTime: the broker stamps the records; it checks no window)
+        floor = max(_TIMESTAMP_WINDOW_MIN, int(self._timeout * 1000))
+        for key in ("message.timestamp.before.max.ms", "message.timestamp.difference.max.ms"):
+            value = configs.get(key)
+            if value is None or not value.isdigit() or int(value) >= floor:
+                continue
+            return (
+                f"{'state ' if state else ''}topic {topic!r} refuses records stamped more than {value} ms before they "
+                f"reach it ({key}, message.timestamp.type=CreateTime): the bridge stamps each record as a write starts, "
+                f"and a write may take up to request_timeout to reach the broker, so it would refuse the sink's records; "
+                f"raise it to {floor} or more (kafka-configs --alter --entity-type topics --entity-name {topic} "
+                f"--add-config {key}={floor}), or set message.timestamp.type=LogAppendTime on it"
+            )
+        return None
 
     def _check_partition(self, topic: str, partitions: list[int], *, created: bool = False) -> None:
         """NotConnected (``unknown_partition``) when the configured ``partition`` is not one of the
@@ -1653,6 +1691,8 @@ class KafkaConnector:
                 f"raise it to {_TOMBSTONES_KEPT_MIN} or more (kafka-configs --alter --entity-type topics --entity-name "
                 f"{topic} --add-config delete.retention.ms=86400000)"
             )
+        if small is None:
+            small = self._timestamp_window(topic, configs, state=True)
         moved = await self._moved_starts(topic, partitions)
         if deletes and self._state_deletes is None:
             moved = partitions  # what it deleted before this was seen is unknown: every partition
@@ -1688,7 +1728,14 @@ class KafkaConnector:
         configs, code, error = await self._configs(
             ConfigResourceType.TOPIC,
             topic,
-            ("cleanup.policy", "retention.ms", "retention.bytes", "max.message.bytes", "delete.retention.ms"),
+            (
+                "cleanup.policy",
+                "retention.ms",
+                "retention.bytes",
+                "max.message.bytes",
+                "delete.retention.ms",
+                *_TIMESTAMP_CONFIGS,
+            ),
         )
         if not error:
             return configs

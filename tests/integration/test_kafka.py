@@ -362,15 +362,45 @@ async def test_message_refused_by_the_topic_is_permanent_and_the_rest_delivered(
 
 
 @pytest.mark.integration
-async def test_a_clock_outside_the_topics_timestamp_window_is_retried_not_dead_lettered(kafka: KafkaServer) -> None:
-    # Records carry the bridge host's clock; a topic accepting no timestamp older than its arrival
-    # (before.max.ms 0) refuses every record as a skewed clock does (INVALID_TIMESTAMP). An
-    # operator fixes the clock or the topic: nothing is the records' fault, nothing dead-lettered.
+async def test_a_timestamp_window_too_short_is_refused_at_connect_and_a_skewed_clock_is_retried(
+    kafka: KafkaServer, tmp_path: Path
+) -> None:
+    """breaker74 B1: a CreateTime topic whose message.timestamp.before.max.ms is shorter than a
+    write may take refuses every record (INVALID_TIMESTAMP) whatever the clock, while ``--check``
+    said ok and the not-ready sink blamed the bridge host's clock. Refused now at connect, by
+    ``--check`` and in ``/readyz``, naming the setting and the fix. A refusal the configs cannot
+    foresee (a skewed clock, the window shortened mid-run) is retried, never dead-lettered."""
+    fix = "--add-config message.timestamp.before.max.ms=60000"
     topic = await kafka.anew_topic(config={"message.timestamp.before.max.ms": "0"})
     messages = render(stream_records(Stream("llama-a", 0), 3))
     connector = build(kafka, topic)
+    try:
+        with pytest.raises(NotConnected, match=f"topic '{topic}' refuses records stamped more than 0 ms") as info:
+            await connector.connect()
+        assert info.value.reason == "timestamp_window" and fix in str(info.value), info.value
+        problem = await connector.health()
+        assert problem is not None and topic in problem and fix in problem, problem
+        await set_topic_configs(kafka, topic, {"message.timestamp.type": "LogAppendTime"})  # (the broker stamps)
+        assert await connector.health() is None
+        assert await deliver(connector, messages) == []
+    finally:
+        await connector.close()
+
+    path = tmp_path / "bridge.yaml"
+    state_topic = f"kvb-ts-state-{uuid.uuid4().hex[:8]}"
+    await kafka.anew_topic(name=state_topic, config={"cleanup.policy": "compact", "message.timestamp.before.max.ms": "5000"})
+    sink = {"type": "kafka", "name": "k", "bootstrap_servers": kafka.bootstrap_servers, "topic": topic}
+    sink["state"] = {"enabled": True, "topic": state_topic}
+    path.write_text(json.dumps({"sources": [{"name": "a", "endpoint": "tcp://127.0.0.1:11"}], "sinks": [sink]}))
+    code, out = await asyncio.to_thread(run_check, path)
+    assert code == 3 and f"state topic '{state_topic}' refuses records stamped more than 5000 ms" in out, out
+
+    # The window shortened under a connected sink (as a skewed clock is refused): retried, not dead-lettered.
+    await set_topic_configs(kafka, topic, {"message.timestamp.type": "CreateTime", "message.timestamp.before.max.ms": "3600000"})
+    connector = build(kafka, topic)
     await connector.connect()
     try:
+        await set_topic_configs(kafka, topic, {"message.timestamp.before.max.ms": "0"})
         # Written as the runtime does (fold), without the backoff: what would be dead-lettered.
         everything = list(range(len(messages)))
         pending, dead, last = everything, [], None
@@ -390,15 +420,12 @@ async def test_a_clock_outside_the_topics_timestamp_window_is_retried_not_dead_l
         print("dead-lettered", dead, "last error:", last)
         assert dead == [] and last is not None
         assert last.reason == "broker_refuses" and "InvalidTimestamp" in str(last)
+        with pytest.raises(NotConnected) as info:  # the topic's configs read again: the window named
+            await connector.write(messages)
+        assert info.value.reason == "timestamp_window" and fix in str(info.value), info.value
         reason = await connector.health()
-        assert reason is not None and topic in reason and "clock" in reason
-        admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
-        await admin.start()
-        try:
-            resource = ConfigResource(ConfigResourceType.TOPIC, topic, {"message.timestamp.before.max.ms": "3600000"})
-            await admin.alter_configs([resource])
-        finally:
-            await admin.close()
+        assert reason is not None and topic in reason and fix in reason, reason
+        await set_topic_configs(kafka, topic, {"message.timestamp.before.max.ms": "3600000"})
         assert await deliver(connector, messages) == []
         assert await connector.health() is None
     finally:
