@@ -27,7 +27,7 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from . import __version__, checkpoint, discovery, logs
+from . import __version__, checkpoint, discovery, filters, logs
 from . import config as config_mod
 from . import tail as tail_mod
 from .config import Config
@@ -374,6 +374,8 @@ def validate(data: Any, registry: Registry | None = None, env: Mapping[str, str]
     result.warnings.extend(config_mod.plain_secrets(data, config_mod.Config, ""))
     if cfg is not None:
         problems.extend(_shared_destinations(cfg, result.connectors))
+        for i, sink in enumerate(cfg.sinks):
+            result.warnings.extend(filters.misspelt_fields(sink.fields, f"sinks[{i}]"))
     result.problems = list(dict.fromkeys(problems))  # a problem found two ways is told once
     result.warnings = list(dict.fromkeys(result.warnings))
     return result

@@ -24,6 +24,7 @@ The input events are shared by every sink and never changed: an event that chang
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
 import struct
 from collections.abc import Iterable
@@ -158,6 +159,28 @@ def hex_hashes(event: Event) -> Event:
     if HASH_FIELDS.isdisjoint(event):
         return event
     return {k: (_hex(v) if k in HASH_FIELDS else v) for k, v in event.items()}
+
+
+_NAMES = frozenset({"type", "extra", "token_offset", *(name for names in FIELDS.values() for name in names)})
+"""Every event field name the bridge knows (any producer's, any generation's)."""
+
+
+def misspelt_fields(fields: FieldSelection | None, path: str) -> list[str]:
+    """A warning for each name of ``fields`` (its keep/drop, and each of its by_type rules') that
+    is no known field but close to one: a name an event does not have is ignored, so a typo in
+    ``keep`` writes records with only ``type``, and one in ``drop`` drops nothing.
+    Not a problem: a newer engine may send a field the bridge does not know yet."""
+    if fields is None:
+        return []
+    rules = [(f"{path}.fields", fields), *((f"{path}.fields.by_type.{t}", r) for t, r in fields.by_type.items())]
+    out = []
+    for where, rule in rules:
+        for key in ("keep", "drop"):
+            for j, name in enumerate(getattr(rule, key) or ()):
+                near = difflib.get_close_matches(name, _NAMES, n=1, cutoff=0.8) if name not in _NAMES else []
+                if near:
+                    out.append(f"{where}.{key}[{j}]: no event has a field {name!r} (did you mean {near[0]!r}?): it is ignored")
+    return out
 
 
 def _rule(rule: FieldRule | None) -> _Rule | None:

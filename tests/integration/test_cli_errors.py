@@ -172,6 +172,12 @@ CASES = [
          SOURCE + "sinks:\n  - {type: nats, user: u, password: hunter2}\n"),
     Case("plain-text-url-password", OFFLINE, 0, ["warning: sinks[0].url: the password in this URL is written in plain text"],
          SOURCE + "sinks:\n  - {type: redis, url: 'redis://:hunter2@r:6379/0'}\n"),
+    # -- valid, with a warning: a field name close to a known one (ignored: records with only type)
+    Case("fields-keep-typo", OFFLINE, 0,
+         ["warning: sinks[0].fields.keep[0]: no event has a field 'block_hashs' (did you mean 'block_hashes'?): it is ignored",
+          "warning: sinks[0].fields.by_type.BlockRemoved.drop[0]: no event has a field 'mediun' (did you mean 'medium'?)"],
+         SOURCE + "sinks:\n  - {type: file, path: '{tmp}/o', fields: {keep: [block_hashs, new_field], "
+         "by_type: {BlockRemoved: {drop: [mediun]}}}}\n"),
     # -- valid, but something unreachable or unwritable: 3, and nothing created
     Case("file-sink-unwritable", CHECK, 3, ["sinks[file].path: cannot create {tmp}/plain/o: {tmp}/plain is not a directory"],
          SOURCE + "sinks:\n  - {type: file, path: '{tmp}/plain/o'}\n"),

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from bridge import config as config_mod
 from bridge.config import FieldRule, FieldSelection
 from bridge.errors import ConfigError
-from bridge.filters import BlockHasher, EventFilter, for_sink, hex_hashes, token_bytes
+from bridge.filters import BlockHasher, EventFilter, for_sink, hex_hashes, misspelt_fields, token_bytes
 from bridge.formats import Renderer
 from bridge.records import Record, Stream, events_lost, source_reset
 
@@ -350,3 +350,16 @@ async def test_the_runtime_shares_one_renderer_per_format_and_filter(tmp_path: A
         assert r[2] is r[3] and r[2] is not r[0] and r[4] is not r[2]
     finally:
         await bridge.stop()
+
+
+def test_a_name_close_to_a_known_field_is_warned_and_an_unknown_one_is_not() -> None:
+    """A typo in keep writes records holding only type (the name is ignored): said at start and by
+    --check. A name far from every known one may be a newer engine's field: nothing said."""
+    fields = FieldSelection(keep=["block_hashs", "new_field", "medium"], by_type={"BlockRemoved": FieldRule(drop=["grop_idx"])})
+    assert misspelt_fields(fields, "sinks[0]") == [
+        "sinks[0].fields.keep[0]: no event has a field 'block_hashs' (did you mean 'block_hashes'?): it is ignored",
+        "sinks[0].fields.by_type.BlockRemoved.drop[0]: no event has a field 'grop_idx' (did you mean 'group_idx'?): "
+        "it is ignored",
+    ]
+    assert misspelt_fields(FieldSelection(drop=["token_ids", "lora_name"]), "sinks[1]") == []
+    assert misspelt_fields(None, "sinks[2]") == []
