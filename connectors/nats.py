@@ -2198,9 +2198,11 @@ class NatsConnector:
             )
         if config.storage == js_api.StorageType.MEMORY:
             self._warn_memory(f"KV bucket {self._bucket!r}", _MEMORY_BUCKET, "a bucket with file storage")
-        if config.sealed:  # (deny_purge: a KV bucket cannot have it, its roll-ups need purges)
+        refusal = _refuses_writes(config, "key")  # (deny_purge: a KV bucket cannot have it, its roll-ups need purges)
+        if refusal is not None:
             raise NotConnected(
-                f"{self._prefix}: KV bucket {self._bucket!r} is sealed: it refuses every write, for good; use another bucket",
+                f"{self._prefix}: KV bucket {self._bucket!r} {refusal} (nats stream edit {self._kv_stream}), or use "
+                "another bucket",
                 reason="bucket_refuses_writes",
             )
         drops = []
@@ -2545,10 +2547,11 @@ class NatsConnector:
                 # (--check only: at a run, writes say stream_full, and the first that fits clears it)
                 self._stream_problem = problem
                 return
-            if config.sealed:
+            refusal = _refuses_writes(config, "engine stream")
+            if refusal is not None:
                 self._stream_problem = (
-                    f"{self._prefix}: JetStream stream {name!r} is sealed: it refuses every write, for good; write to "
-                    "another stream (stream.name, and subjects it captures)"
+                    f"{self._prefix}: JetStream stream {name!r} {refusal}, or write to another stream (stream.name, and "
+                    "subjects it captures)"
                 )
                 log.warning("%s", self._stream_problem, extra={"sink": self.name})
                 return
@@ -2585,6 +2588,27 @@ class NatsConnector:
 
 def _storage(config: js_api.StreamConfig) -> str:
     return "memory" if config.storage == js_api.StorageType.MEMORY else "file"
+
+
+def _refuses_writes(config: js_api.StreamConfig, subject: str) -> str | None:
+    """Why a stream refuses or never acknowledges the sink's writes, whatever it holds (with the
+    setting to change), or None. ``subject``: what one of its subjects is to the sink (an engine
+    stream's, a state key's), each written again and again."""
+    if config.sealed:
+        return "is sealed: it refuses every write, for good; nothing makes it take writes again"
+    if config.no_ack:
+        return (
+            "acknowledges no publish (no_ack: true): no write could be confirmed, so every write times out and "
+            "nothing is ever known stored; set no_ack: false on it"
+        )
+    per = config.max_msgs_per_subject or 0
+    if config.discard == js_api.DiscardPolicy.NEW and config.discard_new_per_subject and per > 0:
+        return (
+            f"refuses a subject's message past its {per} (discard: new with discard_new_per_subject and "
+            f"max_msgs_per_subject {per}), and each {subject} is one subject it writes to again and again: set "
+            "discard_new_per_subject: false"
+        )
+    return None
 
 
 def _full(info: js_api.StreamInfo) -> str | None:

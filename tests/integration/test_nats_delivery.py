@@ -487,20 +487,38 @@ async def test_check_reports_a_stream_that_captures_only_some_configured_sources
         await js.delete_stream(dest)
 
 
-async def test_a_sealed_stream_is_not_usable_and_check_says_so(nats_server: NatsServer, reader: Client, tmp_path: Path) -> None:
+REFUSING = {
+    "sealed": ({"sealed": True}, "is sealed"),
+    # breaker75 B2: no write is ever acknowledged (every one times out); ready and "config ok".
+    "no_ack": ({"no_ack": True}, "acknowledges no publish (no_ack: true)"),
+    # breaker75 B3: each engine stream (a state key) is one subject, refused past its N-th message.
+    "discard_new_per_subject": (
+        {"discard": js_api.DiscardPolicy.NEW, "discard_new_per_subject": True, "max_msgs_per_subject": 2},
+        "refuses a subject's message past its 2",
+    ),
+}
+"""Stream settings that refuse (or never acknowledge) every write of the sink, and what it says."""
+
+
+@pytest.mark.parametrize("setting", list(REFUSING))
+async def test_a_stream_refusing_every_write_is_not_usable_and_check_says_so(
+    nats_server: NatsServer, reader: Client, tmp_path: Path, setting: str
+) -> None:
     """A sealed stream refuses every write for good: ``--check`` said "config ok" and an idle sink
-    was ready (breaker30h2 B3, 4 of 4). Reported at connect: not ready, and ``--check`` exit 3."""
+    was ready (breaker30h2 B3, 4 of 4); so with a stream that acknowledges nothing, or refuses a
+    subject's messages past a few. Reported at connect: not ready, and ``--check`` exit 3."""
     dest = _dest()
     js = reader.jetstream(timeout=10)
+    changes, said = REFUSING[setting]
     await js.add_stream(js_api.StreamConfig(name=dest, subjects=[f"{dest}.>"]))
     info = await js.stream_info(dest)
-    await js.update_stream(dataclasses.replace(info.config, sealed=True))
+    await js.update_stream(dataclasses.replace(info.config, **changes))
     try:
         path = tmp_path / "bridge.yaml"
         sink = {"type": "nats", "name": "nats-z", "format": "raw", **options_dict(nats_server, dest)}
         path.write_text(json.dumps({"sources": [{"name": "e", "endpoint": "tcp://127.0.0.1:1"}], "sinks": [sink]}))
         code, out = await asyncio.to_thread(_check, str(path))
-        assert code == 3 and f"JetStream stream {dest!r} is sealed" in out and "reachable, not usable" in out, out
+        assert code == 3 and f"JetStream stream {dest!r} {said}" in out and "reachable, not usable" in out, out
     finally:
         await js.delete_stream(dest)
 

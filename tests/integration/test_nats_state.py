@@ -47,6 +47,7 @@ from connectors.nats import NatsConnector, NatsOptions, subject_token
 from kv_consumer.nats import HEAD_KEY, bootstrap, state_prefix, sweep
 from kv_consumer.state import StreamState
 from tests.infra.servers import NatsServer
+from tests.integration.test_nats_delivery import REFUSING
 from tests.support.cache_engine import CacheEngine
 from tests.support.harness import free_port
 from tests.support.process import BridgeProcess, bridge_config, metric
@@ -741,16 +742,21 @@ async def test_a_state_record_too_large_for_the_bucket_even_without_its_fact_is_
     assert state.complete and len(state.blocks()) == 3
 
 
-async def test_a_sealed_bucket_is_refused_at_connect(nats_server: NatsServer, reader: Client, names: tuple[str, str]) -> None:
+@pytest.mark.parametrize("setting", list(REFUSING))
+async def test_a_bucket_refusing_every_write_is_refused_at_connect(
+    nats_server: NatsServer, reader: Client, names: tuple[str, str], setting: str
+) -> None:
     """A sealed bucket refuses every write: the sink was ready until a write met it (as a sealed
-    events stream, breaker30h2 B3). Refused at connect (so by ``--check`` and /readyz)."""
+    events stream, breaker30h2 B3); so with one that acknowledges nothing, or refuses a key's
+    updates past its history (breaker75 B3). Refused at connect (so by ``--check`` and /readyz)."""
     dest, bucket = names
     js = reader.jetstream(timeout=10)
+    changes, said = REFUSING[setting]
     await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1))
     info = await js.stream_info(f"KV_{bucket}")
-    await js.update_stream(dataclasses.replace(info.config, sealed=True))
+    await js.update_stream(dataclasses.replace(info.config, **changes))
     refused = await refused_at_connect(nats_server.url, dest, bucket)
-    assert refused.reason == "bucket_refuses_writes" and "is sealed" in str(refused)
+    assert refused.reason == "bucket_refuses_writes" and said in str(refused), refused
 
 
 @pytest.mark.parametrize("limits", ["ttl", "discard_old"])
