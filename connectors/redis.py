@@ -779,6 +779,10 @@ end
 return out
 """
 
+_WRITE_PROBE = "#!lua\nreturn 1"
+"""A script Redis 7 takes for one that may write (a shebang without ``no-writes``): a read-only
+replica refuses it (READONLY) without its running; a primary runs it, and it writes nothing."""
+
 # Server error codes that an operator or time heals: retried, never dead-lettered.
 _TRANSIENT: dict[str, tuple[str, float | None]] = {
     "OOM": ("oom", None),  # consumers trimming or a raised maxmemory heal it; backpressure holds the data
@@ -1073,13 +1077,24 @@ class RedisConnector:
     async def _check_role(self) -> None:
         """A replica answers PING and runs a read-only script, but refuses every write (READONLY),
         or loses it at its next sync when it is writable: refused at connect (and so by
-        ``--check``), naming the fix. A server that does not allow ROLE (an ACL, a managed
-        service) is left to its first write. A cluster's nodes are found by the client."""
+        ``--check``), naming the fix. A server that does not allow ROLE (an ACL such as the one the
+        docs recommend, ``-@dangerous``; a managed service) is asked to run a script that may
+        write (``_WRITE_PROBE``: it writes nothing): a read-only replica refuses it. A writable
+        replica goes unseen then. A cluster's nodes are found by the client."""
         if self.options.cluster:
             return
         try:
             role: Any = await self._connection().execute_command("ROLE")
         except ResponseError:
+            try:
+                await self._connection().eval(_WRITE_PROBE, 0)
+            except ResponseError as exc:  # (an older Redis cannot parse the flags line: it cannot tell)
+                if isinstance(exc, ReadOnlyError) or "read only replica" in str(exc):
+                    raise NotConnected(
+                        f"{self._prefix}: {self._server} is a read-only replica, not a primary (it refuses a script that "
+                        "may write: READONLY): it refuses every write of the sink; point url at the primary",
+                        reason="replica",
+                    ) from None
             return
         name = _text(role[0]) if role else "master"
         if name != "master":

@@ -534,6 +534,19 @@ async def test_a_replica_is_refused_at_connect_naming_the_primary(
     with own_server("redis (replica)", replica) as server:
         refused = await refused_at_connect(server.url, "not a primary")
         assert refused.reason == "replica" and "point url at the primary" in str(refused)
+        # breaker75 B1: with the ACL the docs give first (-@dangerous: no ROLE, no INFO) it passed
+        # ("config ok", ready); a script that may write, which a read-only replica refuses, tells.
+        client = aioredis.Redis.from_url(server.url)
+        try:
+            await client.execute_command("ACL", "SETUSER", "kv-bridge", "on", f">{PASSWORD}", "~kv:*", "+@all", "-@dangerous")
+        finally:
+            await client.aclose()
+        options = convert_options({"url": server.url, "username": "kv-bridge", "password": PASSWORD}, RedisOptions, "s")
+        connector = RedisConnector("r", options, SinkConfig(type="redis", name="r"))
+        with pytest.raises(NotConnected, match="is a read-only replica") as info:
+            await connector.connect()
+        assert info.value.reason == "replica" and "point url at the primary" in str(info.value)
+        await connector.close()
     connector = connector_for(acl_redis.url)
     await connector.connect()  # the primary itself
     await connector.close()
