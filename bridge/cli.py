@@ -515,7 +515,8 @@ async def _probe_engines(cfg: Config) -> tuple[int, int, list[str], list[tuple[s
     if dns is not None:
         resolver = discovery.UdpResolver(dns.resolver) if dns.resolver else discovery.SystemResolver()
         try:
-            addresses = await asyncio.wait_for(resolver.resolve(dns.name), dns.timeout)
+            async with asyncio.timeout(dns.timeout):
+                addresses = await resolver.resolve(dns.name)
         except (discovery.ResolveError, TimeoutError) as exc:
             detail = exc.detail if isinstance(exc, discovery.ResolveError) else f"no answer in {dns.timeout:g}s"
             lines.append(
@@ -589,14 +590,17 @@ async def _reach(conn: Connector, streams: Sequence[Stream]) -> tuple[str | None
     probe = getattr(conn, "probe", None)
     try:
         if probe is not None:
-            return cast("str | None", await asyncio.wait_for(probe(), 15)), True
+            async with asyncio.timeout(15):
+                return cast("str | None", await probe()), True
         if hasattr(conn, "creates_nothing"):
             conn.creates_nothing = True
         for known in ("configured_streams", "known_streams"):
             if hasattr(conn, known):
                 setattr(conn, known, list(streams))
-        await asyncio.wait_for(conn.connect(), 15)
-        return await asyncio.wait_for(conn.health(), 15), True
+        async with asyncio.timeout(15):
+            await conn.connect()
+        async with asyncio.timeout(15):
+            return await conn.health(), True
     except ConnectorError as exc:
         return str(exc) or type(exc).__name__, exc.reason != NotConnected.reason
     except (TimeoutError, OSError) as exc:
@@ -604,7 +608,8 @@ async def _reach(conn: Connector, streams: Sequence[Stream]) -> tuple[str | None
     finally:
         if probe is None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.close(), 5)
+                async with asyncio.timeout(5):
+                    await conn.close()
 
 
 def _install_signals(stop: asyncio.Event) -> None:

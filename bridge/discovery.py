@@ -319,7 +319,8 @@ class UdpResolver:
                 deadline = loop.time() + self.retransmit
                 while (left := deadline - loop.time()) > 0:
                     try:
-                        data = await asyncio.wait_for(proto.replies.get(), left)
+                        async with asyncio.timeout(left):
+                            data = await proto.replies.get()
                     except TimeoutError:
                         break
                     with contextlib.suppress(DnsFormatError):  # a stray or late datagram: keep waiting
@@ -422,7 +423,8 @@ class Discovery:
         """Resolve once and apply the result; returns what changed."""
         name = self.config.name
         try:
-            addresses = await asyncio.wait_for(self.resolver.resolve(name), self.config.timeout)
+            async with asyncio.timeout(self.config.timeout):
+                addresses = await self.resolver.resolve(name)
         except (ResolveError, TimeoutError, OSError) as exc:
             if isinstance(exc, ResolveError):
                 err = exc

@@ -80,11 +80,13 @@ class HealthServer:
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2)
+                async with asyncio.timeout(2):
+                    await self._server.wait_closed()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            async with asyncio.timeout(5):
+                head = await reader.readuntil(b"\r\n\r\n")
             method, path, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
             path = path.split("?", 1)[0]
             body: Sequence[bytes]  # in pieces: the exposition of thousands of streams is megabytes
@@ -110,8 +112,10 @@ class HealthServer:
             if method != "HEAD":
                 for piece in body:  # a piece at a time: the transport never holds a copy of the whole body
                     writer.write(piece)
-                    await asyncio.wait_for(writer.drain(), 5)
-            await asyncio.wait_for(writer.drain(), 5)
+                    async with asyncio.timeout(5):
+                        await writer.drain()
+            async with asyncio.timeout(5):
+                await writer.drain()
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, ValueError):
             pass
         finally:

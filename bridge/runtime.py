@@ -506,7 +506,8 @@ class Bridge:
         self.stopped.set()
         for conn in self._built:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.close(), 5)
+                async with asyncio.timeout(5):
+                    await conn.close()
         if self.health is not None:
             await self.health.stop()
         self.dead_letters.close()
@@ -1051,7 +1052,8 @@ async def run(config: Config, stop: asyncio.Event, *, registry: Registry | None 
     try:
         while not stop.is_set() and bridge.failed is None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await stop.wait()
     finally:
         await bridge.stop()
     return 1 if bridge.failed is not None else 0

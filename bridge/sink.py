@@ -324,7 +324,8 @@ class SinkWorker:
         """Wait until everything queued is delivered (True) or ``timeout`` passes (False)."""
         self._flush_all_dropped()
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
             return True
         except TimeoutError:
             return False
@@ -364,7 +365,8 @@ class SinkWorker:
         attempt = 0
         while True:
             try:
-                await asyncio.wait_for(self.connector.connect(), self.config.retry.write_timeout)
+                async with asyncio.timeout(self.config.retry.write_timeout):
+                    await self.connector.connect()
                 self._set_up()
                 return
             except (ConnectorError, TimeoutError, OSError) as exc:
@@ -726,7 +728,8 @@ class SinkWorker:
         assert self._audit is not None
         self._audit_at = time.monotonic() + AUDIT_INTERVAL
         try:
-            await asyncio.wait_for(self._audit(), self.config.retry.write_timeout)
+            async with asyncio.timeout(self.config.retry.write_timeout):
+                await self._audit()
             if self._audit_failed:
                 self._set_up()  # (the broker answers again)
         except SinkLost as exc:
@@ -806,7 +809,8 @@ class SinkWorker:
     async def _health(self) -> str | None:
         """The connector's health check, bounded: None when healthy, else why not."""
         try:
-            return await asyncio.wait_for(self.connector.health(), self.config.retry.write_timeout)
+            async with asyncio.timeout(self.config.retry.write_timeout):
+                return await self.connector.health()
         except TimeoutError:
             return "health check timed out"
         except Exception as exc:  # a health hook must not raise; if it does, that is its answer

@@ -170,7 +170,8 @@ async def tail(
         own, foreign, heard = topic.encode(), list[str](), False
         while not count or printed < count:
             try:
-                rank, frames = await asyncio.wait_for(queue.get(), idle_notice)
+                async with asyncio.timeout(idle_notice):
+                    rank, frames = await queue.get()
             except TimeoutError:
                 if foreign and not heard:
                     _note(

@@ -934,7 +934,8 @@ class NatsConnector:
         timeout = self.options.connect_timeout
         try:
             # nats-py retries the first connect forever with max_reconnect_attempts=-1.
-            await asyncio.wait_for(nc.connect(**self._client_options()), timeout)
+            async with asyncio.timeout(timeout):
+                await nc.connect(**self._client_options())
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             await self._close_client(nc)
             if self._last_error is None:

@@ -49,3 +49,21 @@ def test_bridge_has_no_import_circle() -> None:
 def test_bridge_never_imports_a_connector() -> None:
     for p in (ROOT / "bridge").glob("*.py"):
         assert not {m for m in imports(p, "bridge") if m.startswith("connectors")}, p.name
+
+
+def test_no_asyncio_wait_for_in_the_service() -> None:
+    """On Python 3.11, asyncio.wait_for returns the result and drops a cancellation that comes as
+    its awaitable finishes (fixed in 3.12): a task cancelled at shutdown then runs on. ``tail``
+    hung so after SIGTERM (stop 46's CI). ``async with asyncio.timeout(...)`` is used instead.
+    (consumer/ supports 3.10, which has no asyncio.timeout.)"""
+    found = []
+    for path in [*(ROOT / "bridge").glob("*.py"), *(ROOT / "connectors").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "wait_for"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "asyncio"
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, found
