@@ -840,6 +840,7 @@ class NatsConnector:
         self._refusal: str | None = None  # the reason (auth, tls) when _last_error is the server refusing us
         self._refused_at = 0.0  # when the server last refused us (see _on_error)
         self._stream_problem: str | None = None
+        self._stream_refused = False  # _stream_problem is the events stream's settings (see _refusing)
         self._ack_prefix = ""  # JetStream acks: one wildcard inbox subscription, a token per publish
         self._tokens = itertools.count()
         self._acks: dict[str, tuple[_Acks, int]] = {}  # reply token -> who waits for it, at which position
@@ -1177,7 +1178,7 @@ class NatsConnector:
             await self._note_created(nc)
         if any(e.reason == "no_stream" for e in errors.values()):
             await self._stream_missing(nc, self._subjects.render(messages[min(errors)]))
-        elif not errors:
+        elif not errors and not self._stream_refused:
             self._stream_problem = None
         if self.writes_state:
             await self._write_state(nc, messages, errors, seqs)
@@ -1271,6 +1272,7 @@ class NatsConnector:
         except nats.js.errors.NotFoundError:
             self._stream_lost(f"{name!r} {_GONE}")
         else:
+            self._refusing(name, info.config)
             last, created = info.state.last_seq, self._stream_created.setdefault(name, info.created)
             if created != info.created:
                 self._stream_created[name] = info.created
@@ -2200,13 +2202,29 @@ class NatsConnector:
         if config.storage == js_api.StorageType.MEMORY:
             self._warn_memory(f"KV bucket {self._bucket!r}", _MEMORY_BUCKET, "a bucket with file storage")
         refusal = _refuses_writes(config, "key")  # (deny_purge: a KV bucket cannot have it, its roll-ups need purges)
+        if config.mirror is not None:  # (a KV read replica: its stream takes no publish, only its origin's)
+            refusal = (
+                f"is a mirror of {config.mirror.name.removeprefix('KV_')!r} (a read replica): it takes no write of its "
+                "own; write to the bucket it mirrors"
+            )
+        elif not any(subjects_overlap(f, f"$KV.{self._bucket}.x") for f in config.subjects or []):
+            refusal = f"captures no subject $KV.{self._bucket}.> (a stream named as a bucket, not one): use a KV bucket"
         if refusal is not None:
             raise NotConnected(
                 f"{self._prefix}: KV bucket {self._bucket!r} {refusal} (nats stream edit {self._kv_stream}), or use "
                 "another bucket",
                 reason="bucket_refuses_writes",
             )
+        if config.retention == js_api.RetentionPolicy.WORK_QUEUE:
+            raise NotConnected(
+                f"{self._prefix}: KV bucket {self._bucket!r} has workqueue retention: nobody can read the state back "
+                "(a workqueue stream takes only acking consumers, whose acks would delete the entries); use a bucket "
+                "with limits retention",
+                reason="bucket_refuses_writes",
+            )
         drops = []
+        if config.retention == js_api.RetentionPolicy.INTEREST:
+            drops.append("its entries go once every consumer interested acknowledged them (interest retention): use limits")
         if config.max_age:
             drops.append(f"its entries expire after {config.max_age:g} s (ttl): remove the TTL")
         if config.discard == js_api.DiscardPolicy.OLD and ((config.max_msgs or 0) > 0 or (config.max_bytes or 0) > 0):
@@ -2532,6 +2550,24 @@ class NatsConnector:
         types = message_types(self.sink.granularity)
         return types if "type" in self._subjects.template.fields else types[:1]
 
+    def _refusing(self, name: str, config: js_api.StreamConfig) -> bool:
+        """Whether events stream ``name`` refuses or never acknowledges every write (its settings:
+        :func:`_refuses_writes`), at connect and at each audit (an operator can edit it during the
+        run): the sink not ready, naming the setting, until the settings are fixed."""
+        refusal = _refuses_writes(config, "engine stream")
+        if refusal is None:
+            if self._stream_refused:
+                self._stream_refused, self._stream_problem = False, None
+            return False
+        problem = (
+            f"{self._prefix}: JetStream stream {name!r} {refusal}, or write to another stream (stream.name, and "
+            "subjects it captures)"
+        )
+        if problem != self._stream_problem:
+            log.warning("%s", problem, extra={"sink": self.name})
+        self._stream_problem, self._stream_refused = problem, True
+        return True
+
     async def _check_stream(self, js: JetStreamContext) -> None:
         """Report (health, ``--check``) when no stream captures any subject of the template; do not
         fail: a stream may be created later, and a write names the problem too. The server matches
@@ -2541,20 +2577,14 @@ class NatsConnector:
         wildcard = subject_filter(self.options.subject)
         try:
             name = self._events_stream = await js.find_stream_name_by_subject(wildcard)
-            self._stream_problem = None
+            self._stream_problem, self._stream_refused = None, False
             info = await js.stream_info(name)
             config = info.config
             if self.creates_nothing and (problem := await self._full_problem(js, info, f"JetStream stream {name!r}")):
                 # (--check only: at a run, writes say stream_full, and the first that fits clears it)
                 self._stream_problem = problem
                 return
-            refusal = _refuses_writes(config, "engine stream")
-            if refusal is not None:
-                self._stream_problem = (
-                    f"{self._prefix}: JetStream stream {name!r} {refusal}, or write to another stream (stream.name, and "
-                    "subjects it captures)"
-                )
-                log.warning("%s", self._stream_problem, extra={"sink": self.name})
+            if self._refusing(name, config):
                 return
             captured = config.subjects or []
             rendered = (self._subjects.render(sample_message(s, t)) for s in self.configured_streams for t in self._types())

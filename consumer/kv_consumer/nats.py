@@ -16,7 +16,7 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
-from nats.js.api import DeliverPolicy, DiscardPolicy
+from nats.js.api import DeliverPolicy, DiscardPolicy, RetentionPolicy
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
@@ -182,7 +182,7 @@ outside the bridge (a bucket trimmed by hand)."""
 
 async def bucket_drops_entries(js: JetStreamContext, bucket: str) -> str:
     """Why bucket ``bucket`` can lose state entries on its own (a TTL; limits that discard the
-    oldest), or "" when it keeps them: a state read from such a bucket is never complete, whatever
+    oldest; interest retention), or "" when it keeps them: a state read from such a bucket is never complete, whatever
     its head says (the bridge refuses such a bucket and notices an edit within seconds; this
     closes the time before it does). Empty too when the bucket cannot be looked up (missing, or a
     user without the JetStream API's ``STREAM.INFO``: the bridge's check stands alone then)."""
@@ -190,6 +190,8 @@ async def bucket_drops_entries(js: JetStreamContext, bucket: str) -> str:
         config = (await js.stream_info(f"KV_{bucket}")).config
     except (NatsError, TimeoutError):
         return ""
+    if config.retention == RetentionPolicy.INTEREST:
+        return "its entries go once every consumer interested acknowledged them (interest retention)"
     if config.max_age:
         return f"its entries expire after {config.max_age:g} s"
     if config.discard == DiscardPolicy.OLD and ((config.max_msgs or 0) > 0 or (config.max_bytes or 0) > 0):

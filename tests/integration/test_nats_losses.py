@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import uuid
@@ -41,6 +42,7 @@ from bridge.runtime import Bridge
 from connectors.nats import NatsConnector, NatsOptions, subject_token
 from kv_consumer.nats import bootstrap
 from tests.infra.servers import NatsServer
+from tests.integration.test_nats_delivery import REFUSING
 from tests.support.cache_engine import CacheEngine
 from tests.support.harness import free_port
 from tests.support.records import stream_records
@@ -492,3 +494,28 @@ async def test_a_memory_stream_lost_while_no_bridge_ran_is_announced_at_the_next
     finally:
         with contextlib.suppress(nats.errors.Error):
             await js.delete_key_value(f"ST{dest}")
+
+
+@pytest.mark.parametrize("setting", ["no_ack", "discard_new_per_subject"])
+async def test_a_stream_edited_to_refuse_every_write_is_found_by_the_audit(
+    nats_server: NatsServer, reader: Client, dest: str, setting: str
+) -> None:
+    """breaker76 B2: the events stream edited during the run to acknowledge nothing (no_ack), or to
+    refuse a subject's messages past a few: an idle sink stayed ready for a minute, --check alone
+    said why. The audit between writes reads the stream's settings: the sink is not ready, naming
+    the setting, until they are set back."""
+    js = reader.jetstream(timeout=5)
+    conn = NatsConnector("nats-l", _options(nats_server.url, dest), SINK)
+    await conn.connect()
+    try:
+        await conn.write(_render([A], 3, 2))
+        info = await js.stream_info(dest)
+        await js.update_stream(dataclasses.replace(info.config, **REFUSING[setting][0]))
+        await conn.audit()
+        said = await conn.health()
+        assert said is not None and REFUSING[setting][1] in said, said
+        await js.update_stream(info.config)
+        await conn.audit()
+        assert await conn.health() is None
+    finally:
+        await conn.close()

@@ -44,7 +44,7 @@ from bridge.records import Record, Stream, source_reset
 from bridge.runtime import Bridge
 from bridge.state import StateTracker
 from connectors.nats import NatsConnector, NatsOptions, subject_token
-from kv_consumer.nats import HEAD_KEY, bootstrap, state_prefix, sweep
+from kv_consumer.nats import HEAD_KEY, bootstrap, bucket_drops_entries, state_prefix, sweep
 from kv_consumer.state import StreamState
 from tests.infra.servers import NatsServer
 from tests.integration.test_nats_delivery import REFUSING
@@ -777,6 +777,41 @@ async def test_a_bucket_that_drops_entries_on_its_own_is_refused_at_connect(
     refused = await refused_at_connect(nats_server.url, dest, bucket)
     assert refused.reason == "bucket_drops_entries" and f"KV bucket {bucket!r}" in str(refused)
     assert ("remove the TTL" if limits == "ttl" else "use discard new") in str(refused)
+
+
+@pytest.mark.parametrize("kind", ["workqueue", "interest", "mirror"])
+async def test_a_bucket_whose_stream_is_not_a_plain_kv_store_is_refused_at_connect(
+    nats_server: NatsServer, reader: Client, names: tuple[str, str], kind: str
+) -> None:
+    """breaker76 B1: a bucket with workqueue retention kept what it was given, but nobody could
+    read it (a workqueue stream takes acking consumers only): each start began afresh, with
+    ``--check`` fine and the sink ready; with interest retention an acking consumer takes entries
+    away. B3: a KV mirror (a read replica) takes no write; the sink said it did not exist. Each
+    is refused at connect (so by ``--check`` and /readyz), naming the setting."""
+    dest, bucket = names
+    js = reader.jetstream(timeout=10)
+    kv = {"max_msgs_per_subject": 1, "discard": js_api.DiscardPolicy.NEW, "allow_rollup_hdrs": True, "deny_delete": True}
+    if kind == "mirror":
+        await js.create_key_value(js_api.KeyValueConfig(bucket=f"O{bucket}", history=1))
+        await js.add_stream(js_api.StreamConfig(name=f"KV_{bucket}", mirror=js_api.StreamSource(name=f"KV_O{bucket}"), **kv))
+        said, reason = f"is a mirror of 'O{bucket}'", "bucket_refuses_writes"
+    else:
+        retention = js_api.RetentionPolicy.WORK_QUEUE if kind == "workqueue" else js_api.RetentionPolicy.INTEREST
+        await js.add_stream(js_api.StreamConfig(name=f"KV_{bucket}", subjects=[f"$KV.{bucket}.>"], retention=retention, **kv))
+        said, reason = (
+            ("has workqueue retention", "bucket_refuses_writes")
+            if kind == "workqueue"
+            else ("(interest retention)", "bucket_drops_entries")
+        )
+    try:
+        refused = await refused_at_connect(nats_server.url, dest, bucket)
+        assert refused.reason == reason and said in str(refused), refused
+        if kind == "interest":
+            assert "its entries go once every consumer" in await bucket_drops_entries(js, bucket)
+    finally:
+        await js.delete_stream(f"KV_{bucket}")
+        if kind == "mirror":
+            await js.delete_stream(f"KV_O{bucket}")
 
 
 @pytest.mark.parametrize("limits", ["ttl", "discard_old"])
