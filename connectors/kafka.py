@@ -500,7 +500,7 @@ class KafkaConnector:
         self._read_back: dict[str, Stream] = {}  # streams whose head read_state found
         # Events topics' configs (cleanup.policy, timestamps) read ahead for several topics in one request (connect,
         # audit), taken by the _prepare_topic that follows; and whether "cannot tell" was logged.
-        self._policies: dict[str, dict[str, str]] = {}  # events topic -> the configs _events_configs reads
+        self._configs_ahead: dict[str, dict[str, str]] = {}  # events topic -> the configs _events_configs reads
         self._policy_unread_told = False
         # Streams whose state the state topic lost records of: told (SinkLost ``states``) at the
         # next write or audit, after their heads are deleted (tombstones: no head says complete).
@@ -530,11 +530,11 @@ class KafkaConnector:
         topics = [t for t in self._topics_to_check() if t not in self._partitions]
         try:
             if len(topics) > 1:
-                self._policies = await self._events_configs(topics)
+                self._configs_ahead = await self._events_configs(topics)
             for topic in topics:
                 await self._prepare_topic(producer, topic)
         finally:
-            self._policies = {}
+            self._configs_ahead = {}
         if self.writes_state and self._state_topic not in self._partitions:
             await self._prepare_topic(producer, self._state_topic, state=True)
 
@@ -660,7 +660,7 @@ class KafkaConnector:
         try:
             events = [t for t in topics if not (self.writes_state and t == self._state_topic)]
             if len(events) > 1:
-                self._policies = await self._events_configs(events)
+                self._configs_ahead = await self._events_configs(events)
             for topic in topics:
                 try:
                     await self._prepare_topic(producer, topic, state=self.writes_state and topic == self._state_topic)
@@ -668,7 +668,7 @@ class KafkaConnector:
                     if exc.reason not in ("state_topic_deletes", "events_topic_compacted"):
                         raise
         finally:
-            self._policies = {}
+            self._configs_ahead = {}
         if self._lost_states:
             await self._drop_heads(producer)
         self._raise_lost(stale=self._stale)
@@ -1464,7 +1464,7 @@ class KafkaConnector:
         there is announced lost at the next write (:meth:`_lose`). A policy that cannot be read
         (no DescribeConfigs) lets the topic be used (:meth:`_events_configs`). A timestamp window
         too short for the sink's records is refused too (:meth:`_timestamp_window`)."""
-        configs = self._policies.pop(topic, None)
+        configs = self._configs_ahead.pop(topic, None)
         if configs is None:
             configs = (await self._events_configs([topic])).get(topic, {})
         policy = configs.get("cleanup.policy")
