@@ -71,7 +71,8 @@ async def tail(
         changed = rank in instances
         instances[rank] = seen
         if seen is None:
-            _note(f"rank {rank}: the publisher stopped sending its UUID: a restart (a downgrade?)")
+            if changed:  # (an engine that never sent one is said nothing of)
+                _note(f"rank {rank}: the publisher stopped sending its UUID: a restart (a downgrade?)")
         else:
             what = "a new publisher instance (the engine restarted, for certain)" if changed else "publisher instance"
             _note(f"rank {rank}: {what} {uuid.UUID(bytes=seen)} (24-byte sequence frames, vLLM #57789)")
@@ -96,9 +97,10 @@ async def tail(
             _note(f"rank {rank} seq {seq}: bad event {bad.index} ({bad.reason})")
         before = last.get(rank)
         if before is not None and seq > before + 1:
+            fetch = f"--from-seq {before + 1}" if replay_endpoint else "--replay-endpoint, --from-seq"
             _note(
-                f"rank {rank}: gap: seq {before + 1}..{seq - 1} missed (the engine's replay socket keeps them: "
-                "--replay-endpoint, --from-seq)"
+                f"rank {rank}: gap: seq {before + 1}..{seq - 1} missed (tail fetches no gap; the engine's replay socket "
+                f"keeps them: {fetch})"
             )
         elif before is not None and seq <= before:
             if instances.get(rank) is not None:

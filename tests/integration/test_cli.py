@@ -268,6 +268,9 @@ async def test_tail_marks_the_gaps_it_sees() -> None:
     assert missed, seqs  # 30% dropped: some gap among 30 batches
     for first, last in missed:
         assert f"# rank 0: gap: seq {first}..{last} missed" in err, err
+    assert "--replay-endpoint, --from-seq)" in err, err  # (given none: both to give)
+    # breaker77 B2: an engine that never sent its UUID (this profile) was said to have stopped sending it.
+    assert "stopped sending its UUID" not in err, err
 
 
 async def test_tail_shows_the_publisher_uuid_and_a_certain_restart() -> None:
