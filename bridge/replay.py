@@ -26,6 +26,7 @@ class ReplayOutcome:
         self.complete = False
         self.replies = 0
         self.bad_replies = 0
+        self.foreign = 0  # replies under a topic other than the source's: skipped
 
 
 class ReplayClient:
@@ -38,10 +39,12 @@ class ReplayClient:
         self.timeout = timeout
         self.max_frame_bytes = max_frame_bytes
 
-    async def fetch(self, endpoint: str, start: int, until: int, outcome: ReplayOutcome) -> AsyncGenerator[ReplayReply, None]:
+    async def fetch(
+        self, endpoint: str, start: int, until: int, outcome: ReplayOutcome, topic: bytes = b""
+    ) -> AsyncGenerator[ReplayReply, None]:
         """The replies of one request from ``start`` (see :func:`replay`), holding a slot throughout."""
         async with self.slots:
-            async for reply in replay(self.ctx, endpoint, start, until, self.timeout, outcome, self.max_frame_bytes):
+            async for reply in replay(self.ctx, endpoint, start, until, self.timeout, outcome, self.max_frame_bytes, topic=topic):
                 yield reply
 
 
@@ -54,8 +57,12 @@ async def replay(
     outcome: ReplayOutcome,
     max_frame_bytes: int,
     max_buffered: int = 5000,
+    *,
+    topic: bytes = b"",
 ) -> AsyncIterator[ReplayReply]:
-    """Yield the replies of one replay request; ``outcome`` says how it ended.
+    """Yield the replies of one replay request; ``outcome`` says how it ended. A reply whose topic
+    frame does not start with ``topic`` (the source's) is skipped and counted: the source drops
+    such live messages as another topic's (``wrong_topic``), so replay must not deliver them.
 
     At most ``max_buffered`` replies wait in ZMQ's receive buffer while the stream is busy (a
     full sink queue): the engine's ROUTER drops the rest, the reply stream goes silent, and the
@@ -81,6 +88,9 @@ async def replay(
             if reply.end:
                 outcome.complete = True
                 return
+            if topic and reply.topic is not None and not reply.topic.startswith(topic):
+                outcome.foreign += 1
+                continue
             outcome.replies += 1
             yield reply
             if 0 <= until <= reply.seq:

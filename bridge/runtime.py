@@ -418,6 +418,7 @@ class Bridge:
                 stream,
                 replay_endpoint=for_rank(source.replay_endpoint, rank) if source.replay_endpoint else None,
                 replay_on_start=replay_on_start,
+                topic=source.topic,
                 epoch=pos.epoch if pos else self.checkpointer.first_epoch(key, time.time()),
                 delivered=pos.seq if pos else None,
                 delivered_fp=(pos.ts, pos.crc) if pos and (pos.ts is not None or pos.crc is not None) else None,

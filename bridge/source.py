@@ -403,6 +403,7 @@ class SourceReader:
             if problem is not None:
                 self._problem_metric.labels(*self._labels, reason).set(1)
             self._reason = reason if problem is not None else ""
+        self.pipeline.foreign_only = self._reason == "wrong_topic"
 
     def _diagnose(self) -> None:
         """Find out, in the background and at most every ``_DIAGNOSE_EVERY``, why nothing connects."""

@@ -93,6 +93,7 @@ class StreamPipeline:
         *,
         replay_endpoint: str | None,
         replay_on_start: bool,
+        topic: str = "",
         epoch: int,
         delivered: int | None = None,
         delivered_fp: Fingerprint | None = None,
@@ -106,6 +107,10 @@ class StreamPipeline:
         self.ctx = ctx
         self.stream = stream
         self.replay_endpoint = replay_endpoint
+        self.topic = topic.encode()  # the source's: replies under another are not this stream's
+        # The source reads only other topics' messages (wrong_topic): it drops them, so the idle
+        # probe must not take them from the replay socket (old engines' replies carry no topic).
+        self.foreign_only = False
         self.replay_problem: str | None = None  # why the replay endpoint does not answer, once asked
         self._unanswered: float | None = None  # when the replay endpoint was found not answering at all
         self._replied_at = 0.0  # when a replay last got a reply
@@ -322,6 +327,8 @@ class StreamPipeline:
     async def probe(self) -> None:
         """Called when the stream has been quiet for ``replay.idle_probe`` (see StreamSequencer.probe)."""
         self.last_activity = time.monotonic()
+        if self.foreign_only:
+            return
         async with self.lock:
             await self._execute(self.sequencer.probe(), time.time())
 
@@ -622,7 +629,8 @@ class StreamPipeline:
         outcome = ReplayOutcome()
         label = "error"
         try:
-            async with contextlib.aclosing(self.ctx.replay.fetch(self.replay_endpoint, req.start, req.until, outcome)) as replies:
+            fetched = self.ctx.replay.fetch(self.replay_endpoint, req.start, req.until, outcome, self.topic)
+            async with contextlib.aclosing(fetched) as replies:
                 async for reply in replies:
                     async with self.lock:
                         await self._execute(

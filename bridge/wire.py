@@ -157,13 +157,15 @@ def parse_live(frames: Sequence[bytes]) -> Frames:
 class ReplayReply(msgspec.Struct, frozen=True):
     """One replay reply; ``end`` marks the end marker. ``window``: ROCm ATOM's end marker carries
     the engine's buffered ``(oldest, latest)`` seqs (None where it says nothing, or for others);
-    ``instance``: the publisher UUID when the reply's sequence frame carries one."""
+    ``instance``: the publisher UUID when the reply's sequence frame carries one; ``topic``: its
+    topic frame (newer releases; None without one)."""
 
     seq: int
     payload: bytes
     end: bool = False
     window: tuple[int | None, int | None] | None = None
     instance: bytes | None = None
+    topic: bytes | None = None
 
 
 def parse_replay(frames: Sequence[bytes]) -> ReplayReply:
@@ -173,16 +175,17 @@ def parse_replay(frames: Sequence[bytes]) -> ReplayReply:
     ``[empty, topic, seq, payload]``. Frames are counted, not assumed.
     """
     parts = list(frames)
+    topic = None
     if parts and len(parts[0]) == 0 and len(parts) in (3, 4):
         parts = parts[1:]  # the delimiter the ROUTER puts before every reply
     if len(parts) == 3:
-        parts = parts[1:]  # the topic frame of newer releases
+        topic, parts = bytes(parts[0]) or None, parts[1:]  # the topic frame of newer releases (empty: no topic)
     if len(parts) != 2:
         raise DecodeError("bad_frames", f"replay reply has {len(frames)} frames, expected 3 or 4")
     seq, instance = parse_seq_frame(parts[0])
     if seq == END_SEQ:
-        return ReplayReply(seq, b"", end=True, window=_window(parts[1]), instance=instance)
-    return ReplayReply(seq, bytes(parts[1]), instance=instance)
+        return ReplayReply(seq, b"", end=True, window=_window(parts[1]), instance=instance, topic=topic)
+    return ReplayReply(seq, bytes(parts[1]), instance=instance, topic=topic)
 
 
 def _window(payload: bytes) -> tuple[int | None, int | None] | None:

@@ -189,6 +189,7 @@ async def test_an_engine_publishing_under_another_topic_is_not_taken_for_an_idle
             )
             assert metric(bridge, "kv_bridge_source_up", source="a", dp_rank="0") == 0
             assert not out.exists() or read_lines(out) == []  # nothing of another topic delivered
+            assert bridge.pipelines["a/0"].foreign_only  # (not probed: replay would deliver them, breaker77 B1)
             (line,) = lines(caplog, "source receives no message of its topic")
             assert line.levelno == logging.ERROR
         published = sim.ranks[0].seq
@@ -198,6 +199,7 @@ async def test_an_engine_publishing_under_another_topic_is_not_taken_for_an_idle
             await sim.step(0)
             await wait_for(lambda: out.exists() and len(read_lines(out)) == published + 1, what="every batch", timeout=10)
             assert bridge.readiness()[0] and problem(bridge, "a/0", "wrong_topic") == 0
+            assert not bridge.pipelines["a/0"].foreign_only
 
 
 async def test_an_engine_redeployed_under_another_topic_is_not_taken_for_an_idle_one(tmp_path: Path) -> None:

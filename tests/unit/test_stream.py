@@ -15,6 +15,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+import zmq.asyncio
 
 from bridge import probe
 from bridge.checkpoint import SinkPosition
@@ -24,7 +25,7 @@ from bridge.fanout import Fanout
 from bridge.formats import Renderer
 from bridge.metrics import Metrics
 from bridge.records import Record, Stream, events_lost, source_reset
-from bridge.replay import ReplayClient, ReplayOutcome
+from bridge.replay import ReplayClient, ReplayOutcome, replay
 from bridge.sequencer import fingerprint
 from bridge.sink import SinkWorker
 from bridge.stream import UNDECODABLE_AFTER, StreamContext, StreamPipeline
@@ -82,7 +83,9 @@ class Replays(ReplayClient):
         self.silent = False  # every request gets no reply at all (a dead or wrong endpoint)
         self.error: Exception | None = None  # raised by every request
 
-    async def fetch(self, endpoint: str, start: int, until: int, outcome: ReplayOutcome) -> AsyncGenerator[ReplayReply, None]:
+    async def fetch(
+        self, endpoint: str, start: int, until: int, outcome: ReplayOutcome, topic: bytes = b""
+    ) -> AsyncGenerator[ReplayReply, None]:
         self.requests.append((start, until))
         if self.error is not None:
             raise self.error
@@ -681,14 +684,34 @@ async def test_a_quiet_stream_probed_fetches_what_it_has_not_seen(make: Callable
     assert [(r.kind, r.seq) for r in f.fanout.records] == [("batch", 0), ("batch", 1), ("batch", 2)]
 
 
+async def test_a_stream_whose_source_reads_only_other_topics_is_not_probed(make: Callable[..., Fakes]) -> None:
+    """breaker77 B1: the source drops every live message as another topic's (wrong_topic), yet the
+    idle probe took them from the replay socket (an older engine's replies carry no topic), and a
+    restart then left what was dropped live unannounced. Such a stream is not probed."""
+    f = make({1: payload(1)})
+    await f.pipeline.start()
+    await f.pipeline.on_live([frames(0)], received=1_700_000_001.0)
+    await settle_all(f.pipeline)
+    f.pipeline.foreign_only = True  # (the engine moved to another topic, say)
+    await f.pipeline.probe()
+    await settle_all(f.pipeline)
+    assert f.replays.requests == [] and [r.seq for r in f.fanout.records] == [0]
+    f.pipeline.foreign_only = False  # (its topic came: the source says so)
+    await f.pipeline.probe()
+    await settle_all(f.pipeline)
+    assert [r.seq for r in f.fanout.records] == [0, 1]
+
+
 def hanging(f: Fakes) -> asyncio.Event:
     """Make every replay request wait for the returned event before it answers."""
     gate = asyncio.Event()
     fetch = f.replays.fetch
 
-    async def held(endpoint: str, start: int, until: int, outcome: ReplayOutcome) -> AsyncGenerator[ReplayReply, None]:
+    async def held(
+        endpoint: str, start: int, until: int, outcome: ReplayOutcome, topic: bytes = b""
+    ) -> AsyncGenerator[ReplayReply, None]:
         await gate.wait()
-        async for reply in fetch(endpoint, start, until, outcome):
+        async for reply in fetch(endpoint, start, until, outcome, topic):
             yield reply
 
     f.replays.fetch = held  # type: ignore[method-assign]
@@ -900,3 +923,33 @@ async def test_batches_read_in_doubt_are_judged_on_the_engines_clock_not_the_bri
         assert batches[:10] == [(5, n) for n in range(10)]
         lost = [(r.epoch, r.from_seq, r.lost_to) for r in f.fanout.records if r.kind == "EventsLost"]
         assert (5, 10, 14) in lost, lost
+
+
+async def test_replay_skips_replies_under_another_topic_than_the_sources() -> None:
+    """breaker77 B1: with a source topic the engine does not publish under, its live messages are
+    dropped as another topic's (not connected, ``wrong_topic``), yet the idle probe's replay
+    delivered them, and a restart then left the seqs dropped live unannounced. A reply whose topic
+    frame is not the source's is skipped (counted); one without a topic frame cannot tell."""
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("inproc://replay-topics")
+
+    async def answer() -> None:
+        while True:
+            ident, _, _start = await router.recv_multipart()
+            for topic, seq in ((b"kv-events", 0), (b"other", 1), (None, 2)):
+                head = [b""] if topic is None else [b"", topic]
+                await router.send_multipart([ident, *head, seq.to_bytes(8, "big"), payload(seq)])
+            await router.send_multipart([ident, b"", b"kv-events", (2**64 - 1).to_bytes(8, "big"), b""])
+
+    server = asyncio.create_task(answer())
+    try:
+        for topic, seqs, foreign in ((b"kv", [0, 2], 1), (b"", [0, 1, 2], 0)):
+            outcome = ReplayOutcome()
+            got = [r.seq async for r in replay(ctx, "inproc://replay-topics", 0, -1, 2.0, outcome, 1 << 20, topic=topic)]
+            assert (got, outcome.foreign, outcome.complete) == (seqs, foreign, True)
+    finally:
+        server.cancel()
+        await asyncio.gather(server, return_exceptions=True)
+        ctx.destroy(linger=0)

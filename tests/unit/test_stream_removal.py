@@ -105,7 +105,9 @@ class Replays(ReplayClient):
     def __init__(self, payloads: dict[int, bytes] | None) -> None:
         self.payloads = payloads
 
-    async def fetch(self, endpoint: str, start: int, until: int, outcome: ReplayOutcome) -> AsyncGenerator[ReplayReply, None]:
+    async def fetch(
+        self, endpoint: str, start: int, until: int, outcome: ReplayOutcome, topic: bytes = b""
+    ) -> AsyncGenerator[ReplayReply, None]:
         if self.payloads is None:
             await asyncio.Event().wait()
             return
