@@ -2211,9 +2211,7 @@ class NatsConnector:
             refusal = f"captures no subject $KV.{self._bucket}.> (a stream named as a bucket, not one): use a KV bucket"
         if refusal is not None:
             raise NotConnected(
-                f"{self._prefix}: KV bucket {self._bucket!r} {refusal} (nats stream edit {self._kv_stream}), or use "
-                "another bucket",
-                reason="bucket_refuses_writes",
+                f"{self._prefix}: KV bucket {self._bucket!r} {refusal}, or use another bucket", reason="bucket_refuses_writes"
             )
         if config.retention == js_api.RetentionPolicy.WORK_QUEUE:
             raise NotConnected(
