@@ -840,7 +840,7 @@ class NatsConnector:
         self._refusal: str | None = None  # the reason (auth, tls) when _last_error is the server refusing us
         self._refused_at = 0.0  # when the server last refused us (see _on_error)
         self._stream_problem: str | None = None
-        self._stream_refused = False  # _stream_problem is the events stream's settings (see _refusing)
+        self._stream_refusal: str | None = None  # the events stream's settings refuse every write (see _refusing)
         self._ack_prefix = ""  # JetStream acks: one wildcard inbox subscription, a token per publish
         self._tokens = itertools.count()
         self._acks: dict[str, tuple[_Acks, int]] = {}  # reply token -> who waits for it, at which position
@@ -1079,7 +1079,13 @@ class NatsConnector:
             return f"{self._prefix}: NATS at {self._where} does not answer ({_describe(exc)})"
         if not answered:
             return f"{self._prefix}: NATS at {self._where} does not answer a PING within {timeout:g}s"
-        return self._permission_problem or self._stream_problem or self._state_problem or self._subject_problem
+        return (
+            self._permission_problem
+            or self._stream_refusal
+            or self._stream_problem
+            or self._state_problem
+            or self._subject_problem
+        )
 
     def destination(self, stream: Stream) -> str | None:
         """The subject of ``stream``'s batches, when each stream has subjects of its own (see
@@ -1178,7 +1184,7 @@ class NatsConnector:
             await self._note_created(nc)
         if any(e.reason == "no_stream" for e in errors.values()):
             await self._stream_missing(nc, self._subjects.render(messages[min(errors)]))
-        elif not errors and not self._stream_refused:
+        elif not errors:
             self._stream_problem = None
         if self.writes_state:
             await self._write_state(nc, messages, errors, seqs)
@@ -2201,14 +2207,15 @@ class NatsConnector:
             )
         if config.storage == js_api.StorageType.MEMORY:
             self._warn_memory(f"KV bucket {self._bucket!r}", _MEMORY_BUCKET, "a bucket with file storage")
-        refusal = _refuses_writes(config, "key")  # (deny_purge: a KV bucket cannot have it, its roll-ups need purges)
         if config.mirror is not None:  # (a KV read replica: its stream takes no publish, only its origin's)
-            refusal = (
+            refusal: str | None = (
                 f"is a mirror of {config.mirror.name.removeprefix('KV_')!r} (a read replica): it takes no write of its "
                 "own; write to the bucket it mirrors"
             )
         elif not any(subjects_overlap(f, f"$KV.{self._bucket}.x") for f in config.subjects or []):
             refusal = f"captures no subject $KV.{self._bucket}.> (a stream named as a bucket, not one): use a KV bucket"
+        else:
+            refusal = _refuses_writes(config, "key")  # (deny_purge: a KV bucket cannot have it, its roll-ups need purges)
         if refusal is not None:
             raise NotConnected(
                 f"{self._prefix}: KV bucket {self._bucket!r} {refusal}, or use another bucket", reason="bucket_refuses_writes"
@@ -2553,18 +2560,14 @@ class NatsConnector:
         :func:`_refuses_writes`), at connect and at each audit (an operator can edit it during the
         run): the sink not ready, naming the setting, until the settings are fixed."""
         refusal = _refuses_writes(config, "engine stream")
-        if refusal is None:
-            if self._stream_refused:
-                self._stream_refused, self._stream_problem = False, None
-            return False
-        problem = (
+        problem = refusal and (
             f"{self._prefix}: JetStream stream {name!r} {refusal}, or write to another stream (stream.name, and "
             "subjects it captures)"
         )
-        if problem != self._stream_problem:
+        if problem is not None and problem != self._stream_refusal:
             log.warning("%s", problem, extra={"sink": self.name})
-        self._stream_problem, self._stream_refused = problem, True
-        return True
+        self._stream_refusal = problem
+        return problem is not None
 
     async def _check_stream(self, js: JetStreamContext) -> None:
         """Report (health, ``--check``) when no stream captures any subject of the template; do not
@@ -2574,8 +2577,9 @@ class NatsConnector:
         ``--check`` looks for each configured stream's subject (``configured_streams``)."""
         wildcard = subject_filter(self.options.subject)
         try:
+            self._stream_refusal = None  # (the stream found, if any, says again)
             name = self._events_stream = await js.find_stream_name_by_subject(wildcard)
-            self._stream_problem, self._stream_refused = None, False
+            self._stream_problem = None
             info = await js.stream_info(name)
             config = info.config
             if self.creates_nothing and (problem := await self._full_problem(js, info, f"JetStream stream {name!r}")):
