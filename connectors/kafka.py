@@ -1468,22 +1468,23 @@ class KafkaConnector:
         if configs is None:
             configs = (await self._events_configs([topic])).get(topic, {})
         policy = configs.get("cleanup.policy")
-        if policy is None or not compacts(policy):
-            window = self._timestamp_window(topic, configs)
-            if window is not None:
-                self._topic_problem, self._denied = window, None  # (the cause of InvalidTimestamp refusals, if any)
-                self._partitions.pop(topic, None)  # prepared again (its configs read again) before each write to it
-                raise NotConnected(f"{self._where}: {window}", reason="timestamp_window")
-            return
-        self._lose([tp for tp in self._acked if tp[0] == topic], state=False)
-        self._topic_problem = (
-            f"events topic {topic!r} is log-compacted (cleanup.policy={policy}): its messages are keyed by stream, so "
-            "compaction keeps only each stream's last message and deletes every other one the broker acknowledged, "
-            f"unannounced; set cleanup.policy=delete on it (kafka-configs --alter --entity-type topics --entity-name "
-            f"{topic} --add-config cleanup.policy=delete)"
-        )
-        self._partitions.pop(topic, None)  # prepared again (its policy read again) before each write to it
-        raise NotConnected(f"{self._where}: {self._topic_problem}", reason="events_topic_compacted")
+        if policy is not None and compacts(policy):
+            self._lose([tp for tp in self._acked if tp[0] == topic], state=False)
+            problem: str | None = (
+                f"events topic {topic!r} is log-compacted (cleanup.policy={policy}): its messages are keyed by stream, "
+                "so compaction keeps only each stream's last message and deletes every other one the broker "
+                "acknowledged, unannounced; set cleanup.policy=delete on it (kafka-configs --alter --entity-type topics "
+                f"--entity-name {topic} --add-config cleanup.policy=delete)"
+            )
+            reason = "events_topic_compacted"
+        else:
+            problem, reason = self._timestamp_window(topic, configs), "timestamp_window"
+            if problem is None:
+                return
+            self._denied = None  # (the cause of InvalidTimestamp refusals, if any: named instead)
+        self._topic_problem = problem
+        self._partitions.pop(topic, None)  # prepared again (its configs read again) before each write to it
+        raise NotConnected(f"{self._where}: {problem}", reason=reason)
 
     async def _events_configs(self, topics: Sequence[str]) -> dict[str, dict[str, str]]:
         """The ``cleanup.policy`` and timestamp settings (``_TIMESTAMP_CONFIGS``) of each of the
@@ -1717,8 +1718,8 @@ class KafkaConnector:
         raise NotConnected(f"{self._where}: {self._state_deletes}", reason="state_topic_deletes")
 
     async def _state_topic_configs(self, topic: str) -> dict[str, str]:
-        """The state topic's ``cleanup.policy``, ``retention.*``, ``max.message.bytes`` and
-        ``delete.retention.ms``.
+        """The state topic's ``cleanup.policy``, ``retention.*``, ``max.message.bytes``,
+        ``delete.retention.ms`` and timestamp settings (``_TIMESTAMP_CONFIGS``).
 
         A topic whose configs cannot be read (a broker answers DescribeConfigs with an error for
         it, TOPIC_AUTHORIZATION_FAILED without that ACL, or does not answer) may delete records by

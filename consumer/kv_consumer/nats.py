@@ -182,9 +182,9 @@ outside the bridge (a bucket trimmed by hand)."""
 
 async def bucket_drops_entries(js: JetStreamContext, bucket: str) -> str:
     """Why bucket ``bucket`` can lose state entries on its own (a TTL; limits that discard the
-    oldest; interest retention), or "" when it keeps them: a state read from such a bucket is never complete, whatever
-    its head says (the bridge refuses such a bucket and notices an edit within seconds; this
-    closes the time before it does). Empty too when the bucket cannot be looked up (missing, or a
+    oldest; interest retention), or "" when it keeps them: a state read from such a bucket is
+    never complete, whatever its head says (the bridge refuses such a bucket and notices an edit
+    within seconds; this closes the time before it does). Empty too when the bucket cannot be looked up (missing, or a
     user without the JetStream API's ``STREAM.INFO``: the bridge's check stands alone then)."""
     try:
         config = (await js.stream_info(f"KV_{bucket}")).config
