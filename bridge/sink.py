@@ -368,6 +368,9 @@ class SinkWorker:
                 async with asyncio.timeout(self.config.retry.write_timeout):
                     await self.connector.connect()
                 self._set_up()
+                # A connect can succeed on a broker that refuses every write (a NATS stream that
+                # takes no acks): ready only once the health check agrees, not a health_interval later.
+                await self._check_health()
                 return
             except (ConnectorError, TimeoutError, OSError) as exc:
                 attempt += 1

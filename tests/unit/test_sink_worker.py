@@ -182,7 +182,8 @@ async def test_each_failure_is_freed_before_the_backoff_not_kept_until_a_full_co
     if stage == "unexpected":
         conn.failures_left = 1  # a second one in a row would cut the write into records
     if stage == "isolated":
-        conn.failures_left, conn.unhealthy = 2, 3  # a retry, then the isolation's health checks
+        # a retry, then the isolation's health checks (3), after the one that follows the connect
+        conn.failures_left, conn.unhealthy = 2, 4
     alive_at_each_backoff: list[int] = []
     real_sleep = asyncio.sleep
 
@@ -707,7 +708,7 @@ async def test_an_unexpected_error_while_unhealthy_backs_off_until_healthy_then_
     record is written again and the sink is up."""
     worker, _, acked, metrics = make(tmp_path, batch={"linger": 0}, retry=BACKOFF_TEN_MS)
     conn = Raising("mem", MemoryOptions(), worker.config)
-    conn.down = 6  # counted down by the two writes, then by four health checks
+    conn.down = 7  # counted down by the check after the connect, the two writes, then four health checks
     worker.connector = conn
     slept = record_sleeps(monkeypatch)
     worker.start()
@@ -874,3 +875,26 @@ async def test_a_stream_s_state_refused_again_and_again_is_told_once_until_its_s
     told = [r for r in caplog.records if r.getMessage().startswith("state change refused by the sink")]
     assert len(told) == 2
     assert value(metrics, "kv_bridge_sink_errors_total", sink="mem", reason="state_too_large") == 4
+
+
+class RefusesAfterConnect(MemoryConnector):
+    """Connects, then says in its health check that the broker refuses every write (a NATS stream
+    with ``no_ack``), the way a connector finds a problem that does not fail its connect."""
+
+    async def health(self) -> str | None:
+        return "stream_refuses_writes: the stream takes no acks"
+
+
+async def test_a_sink_whose_health_check_fails_after_connect_is_not_ready_before_the_first_interval(
+    tmp_path: Path,
+) -> None:
+    """Ready means the health check agreed, not only the connect: a sink was ready for up to a
+    health interval (5 s) after connecting to a stream that refuses every write."""
+    worker, _, _, metrics = make(tmp_path, batch={"linger": 0})
+    conn = worker.connector = RefusesAfterConnect("mem", MemoryOptions(), worker.config)
+    worker.health_interval = 3600.0  # no idle check comes: only the one after the connect can tell
+    worker.start()
+    await until(lambda: conn.connected)
+    await until(lambda: worker.problem is not None and "stream_refuses_writes" in worker.problem)
+    assert value(metrics, "kv_bridge_sink_up", sink="mem") == 0
+    await done(worker)
