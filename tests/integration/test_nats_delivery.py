@@ -523,6 +523,30 @@ async def test_a_stream_refusing_every_write_is_not_usable_and_check_says_so(
         await js.delete_stream(dest)
 
 
+@pytest.mark.parametrize("setting", list(REFUSING))
+async def test_a_run_on_a_stream_refusing_every_write_is_not_ready_from_its_connect(
+    nats_server: NatsServer, reader: Client, tmp_path: Path, setting: str
+) -> None:
+    """The connect finds the refusal without failing, and the sink was ready until its first idle
+    health check, up to 5 s later. It is not ready from the connect on, naming the setting."""
+    dest = _dest()
+    js = reader.jetstream(timeout=10)
+    changes, said = REFUSING[setting]
+    await js.add_stream(js_api.StreamConfig(name=dest, subjects=[f"{dest}.>"]))
+    info = await js.stream_info(dest)
+    await js.update_stream(dataclasses.replace(info.config, **changes))
+    h = Harness(tmp_path, nats_server.url, dest)
+    h.worker.health_interval = 3600.0  # no idle health check comes: the connect alone must tell
+    try:
+        h.worker.start()
+        await _until(lambda: h.connector._nc is not None, "the connect")
+        await _until(lambda: f"JetStream stream {dest!r} {said}" in (h.worker.problem or ""), "the refusal at connect")
+    finally:
+        await h.worker.stop()
+        h.worker.dead_letters.close()
+        await js.delete_stream(dest)
+
+
 @pytest.mark.parametrize("limit", ["max_msgs", "max_bytes"])
 async def test_check_says_a_full_discard_new_stream_is_not_usable(
     nats_server: NatsServer, reader: Client, tmp_path: Path, limit: str
