@@ -217,6 +217,7 @@ class StreamSequencer:
     _verdict: str  # is it this epoch's instance?
     _until: int  # the last seq it brings (-1: to the end marker)
     _replay_first: bool  # no reply at or above _replay_start yet
+    _replied_below: bool  # a reply of this epoch's instance below _replay_start came (see _take)
     _answered: bool  # a reply came
     _asked_unverified: bool  # unverified batches were waiting when it was asked for
     _asked_top: int  # the highest seq waiting then (-1: none)
@@ -1320,6 +1321,7 @@ class StreamSequencer:
             for s in sorted(early):
                 self._take(out, s, early[s])
             if self._anchor is not None and seq == self._anchor[0] and seq <= self.delivered:
+                self._replied_below = True  # (see _take)
                 out.append(Duplicate(seq))  # the verification reply itself (delivered before)
                 return out
         if instance is not None and self.instance is None and not self._anonymous and not self._doubt:
@@ -1421,9 +1423,14 @@ class StreamSequencer:
         self._confirm_aside(out, seq, payload, reply=True)
         self._top = max(self._top, seq)
         self._note_replayed(seq, payload)
-        if self._replay_first and seq >= self._replay_start:
+        if seq < self._replay_start:
+            self._replied_below = True
+        elif self._replay_first:
             self._replay_first = False
-            if seq > self._replay_start > self.delivered:
+            # Skipped from the start: the buffer no longer holds it (twice in a row: lost). Not
+            # after a reply below it: an engine's buffer holds consecutive seqs, so it held this
+            # one too, and a ROUTER at its high-water mark dropped the reply (asked again).
+            if seq > self._replay_start > self.delivered and not self._replied_below:
                 if self._suspect == self._replay_start:
                     self._lose(out, seq - 1, self._head_reason("replay_buffer_exceeded"))
                 else:
@@ -1830,7 +1837,7 @@ class StreamSequencer:
         if self._aside is not None:
             self._aside_asked = True
         self._replay_start = self.delivered + 1
-        self._replay_first = True
+        self._replay_first, self._replied_below = True, False
         self._answered = False
         # (In doubt, held batches too: read before it, their instance would hold their seqs.)
         self._asked_unverified = bool(self.unverified) or (self._doubt and bool(self.held))

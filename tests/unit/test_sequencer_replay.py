@@ -641,3 +641,37 @@ def test_a_first_reply_below_a_held_batch_stamped_in_the_same_instant_is_the_sam
     s.live(6, p(0, 6))  # (which confirms it too: held)
     out = s.replayed(req.request_id, 4, p(0, 4))
     assert out == [Deliver(4, p(0, 4), 0, replayed=True), Deliver(5, p(0, 5), 0), Deliver(6, p(0, 6), 0)]
+
+
+def test_a_reply_dropped_right_after_the_verification_one_is_asked_again_never_announced_lost() -> None:
+    """breaker78 B3 (I4): a ROUTER at its high-water mark drops replies, the first excepted. Each
+    replay's verification reply (seq 1) came, then seq 2's went missing, then 3's: twice in a row
+    was taken for a buffer that no longer holds 2 (replay_buffer_exceeded), though a buffer holds
+    consecutive seqs and held 1. It is asked again, and delivered when its reply comes."""
+    s = seqr()
+    s.live(0, p(0, 0))
+    s.live(1, p(0, 1))
+    req = only_request(s.live(4, p(0, 4)))  # 2 and 3 missing
+    for _ in range(2):  # (max_attempts 3: a third such answer would give up, replay_unavailable)
+        out = s.replayed(req.request_id, 1, p(0, 1)) + s.replayed(req.request_id, 3, p(0, 3))
+        out += s.replay_finished(req.request_id, complete=True)
+        assert [a for a in settled(out) if isinstance(a, Lost | Reset)] == []
+        req = only_request(out)
+        assert req.start <= 2
+    out = s.replayed(req.request_id, 1, p(0, 1)) + s.replayed(req.request_id, 2, p(0, 2))
+    out += s.replayed(req.request_id, 3, p(0, 3)) + s.replayed(req.request_id, 4, p(0, 4))
+    assert [(a.seq, a.payload) for a in settled(out)] == [(n, p(0, n)) for n in (2, 3, 4)]
+
+
+def test_a_first_reply_past_the_start_twice_is_still_a_buffer_that_slid() -> None:
+    """The other side of the rule above: with no reply below it, a replay whose first reply skips
+    the seq needed, twice in a row, is a buffer that no longer holds it."""
+    s = seqr()
+    s.live(0, p(0, 0))
+    req = only_request(s.live(4, p(0, 4)))  # the replay asks from 0, which verifies
+    for attempt in range(2):
+        out = s.replayed(req.request_id, 2, p(0, 2)) + s.replay_finished(req.request_id, complete=True)
+        if attempt == 0:
+            assert [a for a in settled(out) if isinstance(a, Lost)] == []
+            req = only_request(out)
+    assert [a for a in settled(out) if isinstance(a, Lost)] == [Lost(1, 1, "replay_buffer_exceeded", 0)]
