@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--block-size", type=_positive, default=16)
     s.add_argument("--buffer-steps", type=_positive, default=10_000, help="replay buffer (batches)")
     s.add_argument("--drop-rate", type=_fraction, default=0.0, help="fraction of live messages never sent (kept for replay)")
-    s.add_argument("--replay-drop-rate", type=_fraction, default=0.0, help="fraction of replay replies lost")
+    s.add_argument("--replay-drop-rate", type=_fraction, default=0.0, help="fraction of replay replies lost (never the first of an answer)")
     s.add_argument("--restart-every", type=_count, default=0, help="restart the engine every N batches")
     s.add_argument("--connect", action="store_true", help="connect to the endpoint instead of binding it")
     s.add_argument("--seed", type=int, default=0)
