@@ -35,7 +35,7 @@ from .connector import Connector, Registry, local_file_problems, template_labels
 from .endpoints import for_rank
 from .errors import ConfigError, ConnectorError, NotConnected, StartupError
 from .health import listen_problem
-from .probe import diagnose, split_tcp
+from .probe import diagnose, split_ipc, split_tcp
 from .records import Stream
 from .runtime import run as run_bridge
 from .runtime import streams_of
@@ -74,7 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--block-size", type=_positive, default=16)
     s.add_argument("--buffer-steps", type=_positive, default=10_000, help="replay buffer (batches)")
     s.add_argument("--drop-rate", type=_fraction, default=0.0, help="fraction of live messages never sent (kept for replay)")
-    s.add_argument("--replay-drop-rate", type=_fraction, default=0.0, help="fraction of replay replies lost (never the first of an answer)")
+    s.add_argument(
+        "--replay-drop-rate", type=_fraction, default=0.0, help="fraction of replay replies lost (never the first of an answer)"
+    )
     s.add_argument("--restart-every", type=_count, default=0, help="restart the engine every N batches")
     s.add_argument("--connect", action="store_true", help="connect to the endpoint instead of binding it")
     s.add_argument("--seed", type=int, default=0)
@@ -533,7 +535,7 @@ async def _probe_engines(cfg: Config) -> tuple[int, int, list[str], list[tuple[s
                 continue  # (the bridge's own address: see check)
             for rank in range(source.dp_ranks):
                 ep = for_rank(endpoint, rank)
-                if split_tcp(ep) is None:
+                if split_tcp(ep) is None and split_ipc(ep) is None:
                     continue
                 role = {"endpoint": "live", "replay_endpoint": "replay"}.get(key, "snapshot")
                 checks.append((f"{where_from}.{key}", ep, rank, diagnose(ep, role, PROBE_TIMEOUT)))

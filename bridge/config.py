@@ -112,9 +112,7 @@ class SourceConfig(Struct):
     ]
     endpoint: Annotated[
         str,
-        doc(
-            "ZMQ PUB endpoint of rank 0, e.g. tcp://10.1.2.3:5557 (rank r uses port + r; ipc://x and inproc://x become x_dp{r})."
-        ),
+        doc("ZMQ PUB endpoint of rank 0, e.g. tcp://10.1.2.3:5557 (rank r uses port + r; ipc://x becomes ipc://x_dp{r})."),
     ]
     replay_endpoint: Annotated[str | None, doc("ZMQ ROUTER replay endpoint of rank 0; enables gap recovery.")] = None
     topic: Annotated[str, doc("ZMQ subscription prefix (the engine's topic).")] = ""
@@ -855,17 +853,22 @@ _ENDPOINT = re.compile(r"^([a-z]+)://(.*)$")
 
 
 def endpoint_problem(endpoint: str) -> str | None:
-    """Why ``endpoint`` is not a ZMQ endpoint the bridge can use (tcp://host:port, ipc://path,
-    inproc://name), with the fix; None when it is."""
+    """Why ``endpoint`` is not a ZMQ endpoint the bridge can use (tcp://host:port, ipc://path),
+    with the fix; None when it is."""
     m = _ENDPOINT.match(endpoint)
     if m is None:
         guess = f"tcp://{endpoint}" if re.fullmatch(r"[^/:\s]+:\d+", endpoint) else "tcp://HOST:PORT"
-        return f"{endpoint!r} has no transport: write {guess} (or ipc://PATH, inproc://NAME)"
+        return f"{endpoint!r} has no transport: write {guess} (or ipc://PATH)"
     scheme, rest = m.groups()
-    if scheme in ("ipc", "inproc"):
-        return None if rest else f"{endpoint!r} names no {'path' if scheme == 'ipc' else 'name'}"
+    if scheme == "ipc":
+        return None if rest else f"{endpoint!r} names no path"
+    if scheme == "inproc":
+        return (
+            f"{endpoint!r}: an inproc:// socket exists only inside one process, and no engine runs inside the "
+            "bridge's: use the engine's tcp://HOST:PORT, or ipc://PATH on a filesystem both see"
+        )
     if scheme != "tcp":
-        return f"{endpoint!r}: transport {scheme}:// is not supported; use tcp://HOST:PORT, ipc://PATH or inproc://NAME"
+        return f"{endpoint!r}: transport {scheme}:// is not supported; use tcp://HOST:PORT or ipc://PATH"
     host, sep, port = rest.rpartition(":")
     if sep and not host and port.isdigit():
         return f"{endpoint!r} has no host: write tcp://HOST:{port} (* to bind every interface)"

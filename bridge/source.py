@@ -420,7 +420,7 @@ class SourceReader:
         """Ask the endpoint what it is (see bridge.probe) and record the answer as the problem."""
         answer = await probe.diagnose(self.endpoint, "live")
         if answer is None:
-            return  # a PUB (libzmq connects on its next try), or not a TCP endpoint
+            return  # a PUB (libzmq connects on its next try), or neither a TCP nor an ipc endpoint
         if self.connections:
             return  # connected meanwhile
         problem, reason = f"{self.endpoint}: {answer[0]}", answer[1]

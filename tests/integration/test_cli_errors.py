@@ -322,8 +322,11 @@ def test_check_asks_each_engine_endpoint_which_socket_answers(tmp_path: Path) ->
             f"sources:\n  - {{name: a, endpoint: 'tcp://127.0.0.1:{r}', replay_endpoint: 'tcp://127.0.0.1:{p}'}}\n"
             "  - {name: b, endpoint: 'tcp://no-such-host.invalid:5557'}\n"
             f"  - {{name: c, endpoint: 'tcp://127.0.0.1:{dead}'}}\n"
+            # breaker78 B2: ipc:// endpoints were not asked: "config ok", and the run read nothing.
+            f"  - {{name: d, endpoint: 'ipc://{tmp_path}/kv', replay_endpoint: 'ipc://{tmp_path}/replay'}}\n"
             "sinks:\n  - {type: file, path: '-'}\n"
         )
+        router.bind(f"ipc://{tmp_path}/kv")  # (a ROUTER: the live endpoint of source d is the wrong socket)
         proc = subprocess.run(
             [sys.executable, "-m", "bridge", "--config", str(tmp_path / "c.yaml"), "--check"],
             cwd=ROOT, capture_output=True, text=True, timeout=60,
@@ -331,7 +334,7 @@ def test_check_asks_each_engine_endpoint_which_socket_answers(tmp_path: Path) ->
     finally:
         ctx.destroy(linger=0)
     assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr
-    assert "engines: 0 of 4 endpoint(s) answer as they should" in proc.stdout
+    assert "engines: 0 of 6 endpoint(s) answer as they should" in proc.stdout
     problems = [ln.strip() for ln in proc.stderr.splitlines() if ln.startswith("  ")]
     assert problems == [
         f"sources[0].endpoint: tcp://127.0.0.1:{r}: a ROUTER socket answers, not PUB or XPUB; this looks like the "
@@ -342,6 +345,12 @@ def test_check_asks_each_engine_endpoint_which_socket_answers(tmp_path: Path) ->
         problems[2],
         f"sources[2].endpoint: tcp://127.0.0.1:{dead}: connection refused; is the engine running with KV events on "
         "(vLLM: --kv-events-config with enable_kv_cache_events), and is this its port?",
+        f"sources[3].endpoint: ipc://{tmp_path}/kv: a ROUTER socket answers, not PUB or XPUB; this looks like the "
+        "engine's replay port: give its PUB (kv-events endpoint) port here (with dp ranks, rank r uses port + r on "
+        "both sockets)",
+        f"sources[3].replay_endpoint: ipc://{tmp_path}/replay: no socket at {tmp_path}/replay; is the engine running "
+        "on this host with this ipc path, and does the bridge see its filesystem (in Kubernetes, a volume shared "
+        "with the engine's container)?",
     ]
     assert problems[2].startswith(
         "sources[1].endpoint: tcp://no-such-host.invalid:5557: cannot resolve the host 'no-such-host.invalid' ("

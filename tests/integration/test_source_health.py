@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -60,14 +61,22 @@ def lines(caplog: pytest.LogCaptureFixture, message: str) -> list[logging.LogRec
     [
         ("tcp://127.0.0.1:{port}", "refused", ": connection refused; is the engine running"),
         ("tcp://no-such-engine.invalid:5557", "unresolvable", "cannot resolve the host 'no-such-engine.invalid'"),
+        # breaker78 B2: an ipc:// endpoint was never diagnosed: "not connected yet" for good.
+        ("ipc://{tmp}/kv", "refused", ": no socket at {tmp}/kv; is the engine running on this host"),
+        ("ipc://{tmp}/file", "not_zmq", ": {tmp}/file is not a socket; give the path the engine binds"),
+        ("ipc://{tmp}/stale", "refused", ": nothing listens at {tmp}/stale (a socket left by an engine that stopped?)"),
     ],
-    ids=["dead port", "unresolvable name"],
+    ids=["dead port", "unresolvable name", "ipc path missing", "ipc path a file", "ipc socket left behind"],
 )
 async def test_a_bridge_whose_only_engine_cannot_be_reached_is_not_ready_and_says_why(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, endpoint: str, reason: str, says: str
 ) -> None:
     caplog.set_level(logging.INFO)
-    live = endpoint.format(port=free_port())
+    (tmp_path / "file").write_text("not a socket")
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(tmp_path / "stale"))  # bound, never listening: as an engine's socket left after it stopped
+    stale.close()
+    live, says = endpoint.format(port=free_port(), tmp=tmp_path), says.format(tmp=tmp_path)
     async with running_bridge(tmp_path, [source("a", live)], ingest=GRACE) as (bridge, _out):
         detail = await not_ready(bridge)
         assert detail["not_ready"] == "no source connected: see sources_not_connected"

@@ -364,7 +364,7 @@ def _problems(data: dict[str, object]) -> list[str]:
         ),
         (
             {"sources": [{"name": "a", "endpoint": "vllm-host:5557"}]},
-            "sources[0].endpoint: 'vllm-host:5557' has no transport: write tcp://vllm-host:5557 (or ipc://PATH, inproc://NAME)",
+            "sources[0].endpoint: 'vllm-host:5557' has no transport: write tcp://vllm-host:5557 (or ipc://PATH)",
         ),
         (
             {"metrics": {"listen": "localhost"}},
@@ -387,9 +387,19 @@ def test_a_struct_refusing_a_combination_is_reported_beside_other_problems() -> 
     ]
 
 
-@pytest.mark.parametrize("endpoint", ["tcp://10.0.0.1:5557", "tcp://*:5557", "tcp://[::1]:5557", "ipc:///tmp/kv", "inproc://x"])
+@pytest.mark.parametrize("endpoint", ["tcp://10.0.0.1:5557", "tcp://*:5557", "tcp://[::1]:5557", "ipc:///tmp/kv"])
 def test_ordinary_endpoints_are_accepted(endpoint: str) -> None:
     assert config.endpoint_problem(endpoint) is None
+
+
+def test_an_inproc_source_is_refused_for_no_engine_can_reach_it() -> None:
+    """breaker78 B2: inproc:// passed --check, and the run read nothing for good, "not connected yet"."""
+    with pytest.raises(ConfigError) as err:
+        config.from_data({"sources": [{"name": "a", "endpoint": "inproc://kv"}], "sinks": [{"type": "file"}]}, env={})
+    assert err.value.problems == [
+        "sources[0].endpoint: 'inproc://kv': an inproc:// socket exists only inside one process, and no engine runs "
+        "inside the bridge's: use the engine's tcp://HOST:PORT, or ipc://PATH on a filesystem both see"
+    ]
 
 
 def test_label_names_and_plain_secrets() -> None:
