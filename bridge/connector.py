@@ -46,6 +46,13 @@ whatever the connector does to the names (None: streams share one by design). Th
 (start-up and ``--check``) refuses two configured streams with one destination; the connector
 itself must refuse, at write, a stream found at run time whose destination another owns.
 
+Optional, for configs whose sinks would mix their messages: ``places()``: where on its servers
+the sink writes, as ``(servers, place)`` pairs: ``servers`` a set of ``host:port`` (from
+:func:`server_address`), ``place`` a name on them (``"topic 'kv-events'"``, ``"key '...'"``, a
+template as written). The config check refuses two sinks with a place in common on a common
+server: their messages would mix in one destination, and share its ids and duplicate windows (one
+sink's stored as the other's copies).
+
 Optional, for ``checkpoint.from_sinks`` (a pod taking over streams it has no checkpoint for):
 
 - ``async positions(streams)``: what the sink holds of each stream, read from the sink itself:
@@ -526,6 +533,17 @@ class Template:
         return name
 
 
+def server_address(url: str, default_port: int) -> str:
+    """``host:port`` of a server given as a URL (``scheme://user@host:port/...``) or ``host:port``:
+    the host lower-cased, the default port filled in; what two sinks compare (see ``places``)."""
+    rest = url.split("://", 1)[-1].rsplit("@", 1)[-1].split("/", 1)[0].split("?", 1)[0]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit() or (host.startswith("[") != host.endswith("]")):
+        host, port = rest, str(default_port)
+    host = host.lower()
+    return f"{'127.0.0.1' if host == 'localhost' else host}:{port}"
+
+
 __all__ = [
     "ENTRY_POINT_GROUP",
     "EPOCHS_REMEMBERED",
@@ -568,6 +586,7 @@ __all__ = [
     "redact_url",
     "reveal",
     "sample_message",
+    "server_address",
     "template_labels",
     "unreadable",
     "unwritable",

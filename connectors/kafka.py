@@ -84,6 +84,7 @@ from bridge.connector import (
     message_types,
     redact,
     sample_message,
+    server_address,
 )
 from bridge.state import EntryChange
 from bridge.state_docs import StateFormat, entry_key, parse, seed_of, tier_text
@@ -672,6 +673,12 @@ class KafkaConnector:
         if self._lost_states:
             await self._drop_heads(producer)
         self._raise_lost(stale=self._stale)
+
+    def places(self) -> list[tuple[frozenset[str], str]]:
+        """The topics it writes, on its cluster (see bridge.connector: two sinks may not share one)."""
+        servers = frozenset(server_address(s, 9092) for s in self.options.servers())
+        topics = [self.options.topic, *([self._state_topic] if self.writes_state else [])]
+        return [(servers, f"topic {t!r}") for t in topics]
 
     async def positions(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:
         """The last message of each stream in its partition (``checkpoint.from_sinks``).

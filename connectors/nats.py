@@ -121,6 +121,7 @@ from bridge.connector import (
     redact_url,
     reveal,
     sample_message,
+    server_address,
     unreadable,
 )
 from bridge.state import EntryChange, Head
@@ -1086,6 +1087,18 @@ class NatsConnector:
             or self._state_problem
             or self._subject_problem
         )
+
+    def places(self) -> list[tuple[frozenset[str], str]]:
+        """Its subject template, the events stream it creates, its state bucket, on its servers (see
+        bridge.connector: two sinks may not share one; one JetStream stream's duplicate window
+        would take one sink's messages for copies of the other's, their ids being alike)."""
+        servers = frozenset(server_address(u, 4222) for u in self.options.server_list)
+        places = [f"subject {self.options.subject!r}"]
+        if self.options.mode == "jetstream" and self.options.stream.create:
+            places.append(f"JetStream stream {self.options.stream.name!r}")
+        if self.writes_state:
+            places.append(f"KV bucket {self.options.state.bucket!r}")
+        return [(servers, p) for p in places]
 
     def destination(self, stream: Stream) -> str | None:
         """The subject of ``stream``'s batches, when each stream has subjects of its own (see

@@ -150,6 +150,7 @@ from bridge.connector import (
     redact_url,
     reveal,
     sample_message,
+    server_address,
 )
 from bridge.state import Head, SeedEntry
 from bridge.state_docs import StateFormat, entry_key, parse, seed_of
@@ -1338,6 +1339,15 @@ class RedisConnector:
             if all(e is first for e in errors.values()) or not any(isinstance(e, Permanent) for e in errors.values()):
                 raise first
         raise PartialFailure(errors)
+
+    def places(self) -> list[tuple[frozenset[str], str]]:
+        """The key templates it writes, on its server and database (see bridge.connector: two sinks
+        may not share one)."""
+        url = urlsplit(self.options.url)
+        db = (url.path.strip("/") or dict(parse_qsl(url.query)).get("db") or "0") if url.scheme != "unix" else "0"
+        server = url.path if url.scheme == "unix" else f"{server_address(self.options.url, 6379)}/{db}"
+        keys = [t.text for t in (self._stream, self._index, self._state) if t is not None]
+        return [(frozenset({server}), f"key {k!r}") for k in keys]
 
     async def positions(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:
         """The last entry of each stream's key (``checkpoint.from_sinks``): one ``XREVRANGE key + -

@@ -444,3 +444,43 @@ async def test_check_tells_a_sink_that_refused_what_it_found_from_one_it_could_n
     for error in (NotConnected("a replica", reason="replica"), Retriable("no permission", reason="no_permission")):
         assert (await _reach(Refusing(error), []))[1] is True  # type: ignore[arg-type]
     assert (await _reach(Refusing(TimeoutError()), []))[1] is False  # type: ignore[arg-type]
+
+
+# -- two sinks in one place (breaker78 B1) -----------------------------------------------------------
+
+SOURCE = [{"name": "a", "endpoint": "tcp://127.0.0.1:5557"}]
+
+
+def _shared(*sinks: dict[str, object]) -> list[str]:
+    from bridge.cli import validate
+
+    return [p for p in validate({"sources": SOURCE, "sinks": list(sinks)}, env={}).problems if "two sinks in one place" in p]
+
+
+def test_two_nats_sinks_on_one_subject_are_refused() -> None:
+    """breaker78 B1: --check said ok, each sink counted 240 events delivered, and the stream held
+    240 of the 480: JetStream took one sink's messages for copies of the other's (same ids)."""
+    a = {"type": "nats", "name": "n1", "format": "json", "servers": "nats://127.0.0.1:4222"}
+    b = {"type": "nats", "name": "n2", "format": "msgpack", "servers": ["nats://localhost"]}
+    assert _shared(a, b) == [
+        "sinks[1] (n2): writes subject 'kv.{source}.{dp_rank}' on 127.0.0.1:4222, as sinks[0] (n1) does: two sinks in one "
+        "place mix their messages, and the broker takes one sink's for copies of the other's; give each sink its own, "
+        "or keep one of the two"
+    ]
+    assert _shared(a, {**b, "subject": "kv2.{source}.{dp_rank}"}) == []
+    assert _shared(a, {**b, "servers": "nats://other:4222"}) == []
+
+
+def test_two_redis_sinks_on_one_key_of_one_database_are_refused() -> None:
+    a = {"type": "redis", "name": "r1", "url": "redis://cache:6379/0"}
+    (line,) = _shared(a, {"type": "redis", "name": "r2", "url": "redis://CACHE", "format": "msgpack"})
+    assert line.startswith("sinks[1] (r2): writes key 'kv:{source}:{dp_rank}' on cache:6379/0, as sinks[0] (r1) does")
+    assert _shared(a, {"type": "redis", "name": "r2", "url": "redis://cache:6379/1"}) == []
+
+
+def test_a_kafka_sink_writing_its_events_into_another_sinks_state_topic_is_refused() -> None:
+    a = {"type": "kafka", "name": "k1", "bootstrap_servers": "b1:9092,b2:9092", "state": {"enabled": True, "topic": "kv-state"}}
+    b = {"type": "kafka", "name": "k2", "bootstrap_servers": ["b2:9092"], "topic": "kv-state"}
+    (line,) = _shared(a, b)
+    assert line.startswith("sinks[1] (k2): writes topic 'kv-state' on b2:9092, as sinks[0] (k1) does")
+    assert _shared(a, {**b, "topic": "kv-events-2"}) == []
