@@ -8,6 +8,7 @@ Saved atomically (write to a temp file, fsync, rename, fsync the directory) as J
      "opened": {},
      "instances": {"llama-a/0": {"epoch": 1013402, "id": "5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f"}},
      "ended": {"llama-a/0": {"epoch": 1013380, "seq": 977}},
+     "published": {"llama-a/0": {"epoch": 1013402, "seq": 1050}},
      "state_sinks": ["redis"]}
 
 ``ts`` and ``crc`` fingerprint the batch at ``seq`` (engine ts, CRC-32 of its payload): on resume
@@ -17,7 +18,10 @@ record reaches a sink, so a restarted bridge never opens it again. ``ended`` hol
 epoch before the newest one ended (the last seq acknowledged in it): a state sink found behind at
 start in that epoch lost its tail too, announced up to there. ``state_sinks`` names the sinks that
 kept state when it was saved: one of them found holding nothing of a stream at the next start lost
-what it held. ``instances`` holds, for a
+what it held. ``published`` holds the highest seq the bridge saw the instance of a stream's
+newest epoch publish (live, replayed or claimed by a heartbeat), past what every sink
+acknowledged: a bridge that crashed and finds at its next start that the engine restarted
+meanwhile announces the seqs between as lost in that epoch, rather than nothing (I3). ``instances`` holds, for a
 stream whose publisher sends its lifetime UUID (vLLM #57789), the UUID of its instance in its
 newest epoch, known for certain, and those of the instances before it: a stream resumed in that
 epoch knows its instance at the first message, with or without a replay endpoint. A corrupt or
@@ -127,6 +131,7 @@ class CheckpointFile(msgspec.Struct):
     instances: dict[str, Instances] = msgspec.field(default_factory=dict)
     ended: dict[str, StreamPosition] = msgspec.field(default_factory=dict)
     state_sinks: list[str] = msgspec.field(default_factory=list)  # (none in a file of an earlier release)
+    published: dict[str, StreamPosition] = msgspec.field(default_factory=dict)  # (likewise)
 
 
 class CheckpointError(BridgeError):
@@ -167,6 +172,7 @@ def save(path: str | Path, checkpoint: CheckpointFile) -> None:
         instances=dict(sorted(checkpoint.instances.items())),
         ended=dict(sorted(checkpoint.ended.items())),
         state_sinks=list(checkpoint.state_sinks),
+        published=dict(sorted(checkpoint.published.items())),
     )
     data = msgspec.json.encode(checkpoint)
     fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
@@ -207,6 +213,8 @@ class Checkpointer:
         self.instances: dict[str, Instances] = dict(loaded.instances) if loaded else {}
         # Per stream, the epoch before its newest one and the last seq acknowledged in it.
         self.ended: dict[str, StreamPosition] = dict(loaded.ended) if loaded else {}
+        # Per stream, the highest seq its newest epoch's instance was seen to publish (note_published).
+        self.published: dict[str, StreamPosition] = dict(loaded.published) if loaded else {}
         # The state sinks of the run that saved the file (none named by an earlier release), and of this run.
         self.held_state: list[str] = list(loaded.state_sinks) if loaded else []
         self.state_sinks: list[str] = []
@@ -361,6 +369,21 @@ class Checkpointer:
         self.instances[key] = Instances(epoch, instance.hex(), [r.hex() for r in retired[-RETIRED_KEPT:]])
         self._generation += 1
 
+    def note_published(self, key: str, epoch: int, seq: int) -> None:
+        """The instance of ``key``'s epoch ``epoch`` was seen to publish up to ``seq`` (see
+        ``published`` in the module docstring)."""
+        known = self.published.get(key)
+        if seq < 0 or (known is not None and (known.epoch, known.seq) >= (epoch, seq)):
+            return
+        self.published[key] = StreamPosition(epoch, seq)
+        self._generation += 1
+
+    def published_top(self, key: str, epoch: int) -> int | None:
+        """The highest seq the instance of ``key``'s epoch ``epoch`` was seen to publish by an
+        earlier run, if the checkpoint knows it for that very epoch."""
+        known = self.published.get(key)
+        return known.seq if known is not None and known.epoch == epoch else None
+
     def resume_instance(self, key: str, epoch: int) -> tuple[bytes | None, list[bytes]]:
         """The publisher UUID of the stream's instance in ``epoch`` and those of instances gone,
         if the checkpoint knows them for that very epoch (else None, []: it is verified anew)."""
@@ -377,6 +400,7 @@ class Checkpointer:
         self.opened.pop(key, None)
         self.instances.pop(key, None)
         self.ended.pop(key, None)
+        self.published.pop(key, None)
         self._unsure.discard(key)
         self._forgotten.add(key)
         self.prune(now)
@@ -432,6 +456,7 @@ class Checkpointer:
             instances=dict(self.instances),
             ended=dict(self.ended),
             state_sinks=list(self.state_sinks),
+            published=dict(self.published),
         )
 
     def write(self, path: str | Path, generation: int, checkpoint: CheckpointFile) -> bool:

@@ -409,6 +409,11 @@ class Bridge:
             else:
                 pos = self.checkpointer.resume_position(key)
                 top = self._held_top.pop(key) if key in self._held_top else None
+                # Seen published by the run before (a crash loses what it read past the sinks):
+                # an engine restart found now settles the old epoch up to there (I3).
+                seen = self.checkpointer.published_top(key, pos.epoch) if pos is not None else None
+                if seen is not None and (top is None or seen > top):
+                    top = seen
                 announce = self.checkpointer.needs_reset(key)
             instance, retired = self.checkpointer.resume_instance(key, pos.epoch) if pos and sequencer is None else (None, [])
             if self.tracker is not None:
@@ -475,13 +480,15 @@ class Bridge:
 
     def _note_instances(self) -> None:
         """Tell the checkpoint each running stream's instance, where its publisher's UUID makes it
-        certain (before every save, see CheckpointStore.collect)."""
-        note = self.checkpointer.note_instance
+        certain, and how far the instance was seen to publish (before every save, see
+        CheckpointStore.collect)."""
+        note, published = self.checkpointer.note_instance, self.checkpointer.note_published
         for key, pipeline in self.pipelines.items():
             sequencer = pipeline.sequencer
             instance = sequencer.sure_instance
             if instance is not None:
                 note(key, sequencer.epoch, instance, sequencer.retired_instances)
+            published(key, sequencer.epoch, pipeline.resume_point()[1])
 
     async def remove_source(self, name: str) -> None:
         """Stop reading every rank of source ``name``; what it delivered stays checkpointed."""

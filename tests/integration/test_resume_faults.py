@@ -358,3 +358,47 @@ async def test_a_restart_while_the_bridge_was_away_is_certain_from_the_checkpoin
         (True, {1}, list(range(15, 20)), list(range(15))),
     ]
     assert on_disk(tmp_path)["instances"][KEY]["id"] == engine.current.uuid.hex()
+
+
+async def test_a_crash_keeps_how_far_the_engine_was_seen_to_publish_for_a_restart_found_after_it(tmp_path: Path) -> None:
+    """breaker79 B2 (I3): 0..9 delivered and saved; 10..14 dropped live while the replay socket
+    ignores requests, 15..19 read live and held behind that gap; the bridge crashes (its
+    checkpoint at 9, and how far it saw instance 0 publish: 19); the engine restarts while no bridge
+    runs. The next bridge finds the restart, and instance 0's 10..19 were neither delivered nor
+    announced: the SourceReset closed its epoch at the checkpoint. Now they are announced lost in
+    it (publisher_restart) before the new epoch opens."""
+    live, rep = free_ports(2)
+    out = tmp_path / "out.jsonl"
+    cfg = config(tmp_path, live, rep, replay=REPLAY)
+    async with ScriptedEngine(live, rep) as engine:
+        first = Bridge(cfg, registry=gated_registry())
+        await first.start()
+        try:
+            await first_run_until_delivered(engine, first, out, 10)
+            engine.replay = "ignore"
+            await engine.publish(5, deliver=False)
+            await engine.publish(5)
+            await wait_for(lambda: first.pipelines[KEY].sequencer.known_top == 19, timeout=WAIT, what="15..19 read")
+            await first.store.save()
+            assert on_disk(tmp_path)["published"][KEY] == {"epoch": on_disk(tmp_path)["streams"][KEY]["epoch"], "seq": 19}
+            await crash(first)
+        finally:
+            await first.stop()
+        await engine.restart()
+        engine.replay = "answer"
+        second = Bridge(cfg, registry=gated_registry())
+        await second.start()
+        try:
+            await engine.wait_subscribed()
+            await asyncio.sleep(0.2)  # (the subscription settles: XPUB reports it a little early)
+            await engine.publish(5)
+            await wait_for(lambda: has(out, 1, 4), timeout=WAIT, what="instance 1's 0..4")
+        finally:
+            await second.stop()
+    records = read_lines(out)
+    # (I4 relaxed: 15..19 reached the bridge that crashed, and no sink; what a crash loses is lost.)
+    assert layout(check_invariants(dedupe(records), engine, held_cap_exceeded=True)) == [
+        (False, {0}, list(range(10)), list(range(10, 20))),
+        (True, {1}, list(range(5)), []),
+    ]
+    assert [r["reason"] for r in records if r["type"] == "EventsLost"] == ["publisher_restart"]

@@ -133,6 +133,7 @@ def test_the_file_is_the_documented_json(tmp_path: Path) -> None:
             instances={KEY: Instances(1013402, "5f" * 16)},
             ended={KEY: StreamPosition(1013380, 977)},
             state_sinks=["redis"],
+            published={KEY: StreamPosition(1013402, 1050)},
         ),
     )
     assert path.read_bytes() == (
@@ -140,8 +141,20 @@ def test_the_file_is_the_documented_json(tmp_path: Path) -> None:
         b'"llama-a/0":{"epoch":1013402,"seq":1041,"ts":1732870000.25,"crc":3735928559}},'
         b'"epochs":{"b/1":7,"llama-a/0":1013402},"opened":{},'
         b'"instances":{"llama-a/0":{"epoch":1013402,"id":"5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f"}},'
-        b'"ended":{"llama-a/0":{"epoch":1013380,"seq":977}},"state_sinks":["redis"]}'
+        b'"ended":{"llama-a/0":{"epoch":1013380,"seq":977}},"state_sinks":["redis"],'
+        b'"published":{"llama-a/0":{"epoch":1013402,"seq":1050}}}'
     )
+
+
+def test_a_file_of_the_release_before_without_published_is_read(tmp_path: Path) -> None:
+    """``published`` came later: a file without it resumes as before (nothing known past it)."""
+    path = tmp_path / "checkpoint.json"
+    path.write_bytes(b'{"version":1,"streams":{"llama-a/0":{"epoch":5,"seq":9}},"epochs":{"llama-a/0":5}}')
+    cp = Checkpointer(1, load(path))
+    assert cp.published_top(KEY, 5) is None
+    cp.note_published(KEY, 5, 19)
+    cp.note_published(KEY, 5, 12)  # (lower: kept at 19)
+    assert (cp.published_top(KEY, 5), cp.published_top(KEY, 6)) == (19, None)
 
 
 def test_save_creates_missing_parent_directories(tmp_path: Path) -> None:
