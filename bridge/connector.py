@@ -46,6 +46,12 @@ whatever the connector does to the names (None: streams share one by design). Th
 (start-up and ``--check``) refuses two configured streams with one destination; the connector
 itself must refuse, at write, a stream found at run time whose destination another owns.
 
+Optional, for I6 across a restart: ``acknowledged_before(stream, epoch, seq)``: before the
+stream starts, what every sink acknowledged of it in earlier runs (the checkpoint's position). A
+connector that finds its losses by what this process stored (NATS: the spans its events stream
+acknowledged) counts it as stored, so that a loss found before this process stores anything of
+the stream is announced too.
+
 Optional, for configs whose sinks would mix their messages: ``places()``: where on its servers
 the sink writes, as ``(servers, place)`` pairs: ``servers`` a set of ``host:port`` (from
 :func:`server_address`), ``place`` a name on them (``"topic 'kv-events'"``, ``"key '...'"``, a

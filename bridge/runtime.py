@@ -434,6 +434,12 @@ class Bridge:
                 instance=instance,
                 retired=retired,
             )
+            acked = self.checkpointer.position(key) if sequencer is None else None
+            if acked is not None and acked.seq >= 0:
+                for worker in self.workers:
+                    told = getattr(_inner(worker.connector), "acknowledged_before", None)
+                    if told is not None:
+                        told(stream, acked.epoch, acked.seq)
             pipeline.snapshots = self._snapshots(source, rank, pipeline)
             self.pipelines[key] = pipeline
             added.append((pipeline, for_rank(source.endpoint, rank)))

@@ -1088,6 +1088,14 @@ class NatsConnector:
             or self._subject_problem
         )
 
+    def acknowledged_before(self, stream: Stream, epoch: int, seq: int) -> None:
+        """Earlier runs had this sink acknowledge ``stream`` up to ``seq`` of ``epoch`` (see
+        bridge.connector): lost before this process stores anything of it (the events stream
+        deleted, a server keeping it in memory restarted, after the start read what the sink
+        held), that is announced too, from seq 0 (where it starts cannot be told)."""
+        if stream.key not in self.records_gone:  # (else found lost at start, and announced so)
+            self._held.spans.setdefault(stream.key, [_Span(stream, epoch, 0, seq)])
+
     def places(self) -> list[tuple[frozenset[str], str]]:
         """Its subject template, the events stream it creates, its state bucket, on its servers (see
         bridge.connector: two sinks may not share one; one JetStream stream's duplicate window

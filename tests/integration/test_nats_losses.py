@@ -496,6 +496,45 @@ async def test_a_memory_stream_lost_while_no_bridge_ran_is_announced_at_the_next
             await js.delete_key_value(f"ST{dest}")
 
 
+async def test_a_stream_lost_after_a_restarted_bridge_read_its_state_and_before_its_first_write_is_announced(
+    tmp_path: Path, nats_server: NatsServer, reader: Client, dest: str
+) -> None:
+    """breaker79 B3 (I6): the bridge restarts, reads the state back (its head says the stream
+    holds 0..N), and only then is the events stream lost (deleted; a server keeping it in memory
+    restarted), before the bridge wrote anything of it. Its first write created the stream again
+    and went on from N+1: what the old stream held was neither there nor announced, for a
+    process that had stored nothing yet had nothing to announce."""
+    live, rep = free_port(), free_port()
+    cfg = _bridge_config(tmp_path, nats_server.url, dest, "nats-r", "file", live, rep)
+    js = reader.jetstream(timeout=5)
+    try:
+        async with CacheEngine(live, rep, seed=7) as engine:
+            first = Bridge(from_data(cfg, env={}))
+            await first.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(20, events_per_batch=4)
+                await _until_head(reader, f"ST{dest}", engine.last_seq)
+                before = engine.last_seq
+            finally:
+                await first.stop()
+            second = Bridge(from_data(cfg, env={}))
+            await second.start()
+            try:
+                await engine.wait_subscribed()
+                await js.delete_stream(dest)  # after the start read what the sink holds; nothing written yet
+                await engine.step(10, events_per_batch=4)
+                await _until_stored(reader, dest, engine.last_seq)
+                await engine.step(5, events_per_batch=4)  # a state cleared is written again at its next record
+                await _until_head(reader, f"ST{dest}", engine.last_seq)
+            finally:
+                await second.stop()
+        await _check_announced(reader, dest, "nats-r", before, engine.last_seq)
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await js.delete_key_value(f"ST{dest}")
+
+
 @pytest.mark.parametrize("setting", ["no_ack", "discard_new_per_subject"])
 async def test_a_stream_edited_to_refuse_every_write_is_found_by_the_audit(
     nats_server: NatsServer, reader: Client, dest: str, setting: str
