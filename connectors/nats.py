@@ -70,6 +70,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.header
+import hashlib
 import itertools
 import logging
 import random
@@ -81,6 +82,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
+from urllib.parse import urlsplit
 
 import msgspec
 import nats.errors
@@ -1100,13 +1102,26 @@ class NatsConnector:
         """Its subject template, the events stream it creates, its state bucket, on its servers (see
         bridge.connector: two sinks may not share one; one JetStream stream's duplicate window
         would take one sink's messages for copies of the other's, their ids being alike)."""
-        servers = frozenset(server_address(u, 4222) for u in self.options.server_list)
+        servers = frozenset(server_address(u, 4222) + self._account() for u in self.options.server_list)
         places = [f"subject {self.options.subject!r}"]
         if self.options.mode == "jetstream" and self.options.stream.create:
             places.append(f"JetStream stream {self.options.stream.name!r}")
         if self.writes_state:
             places.append(f"KV bucket {self.options.state.bucket!r}")
         return [(servers, p) for p in places]
+
+    def _account(self) -> str:
+        """Who the sink connects as, for places(): another user may be in another NATS account,
+        whose subjects and streams are its own (a token shown as a hash of it)."""
+        o = self.options
+        url = urlsplit(o.server_list[0]) if o.server_list else None
+        token = reveal(o.token) or (url.username if url is not None and url.username and not url.password else None)
+        if o.credentials or o.nkey_seed:
+            return f" (as {o.credentials or o.nkey_seed})"
+        if token:
+            return f" (as token {hashlib.sha256(token.encode()).hexdigest()[:8]})"
+        user = o.user or (url.username if url is not None else None)
+        return f" (as {user})" if user else ""
 
     def destination(self, stream: Stream) -> str | None:
         """The subject of ``stream``'s batches, when each stream has subjects of its own (see

@@ -484,3 +484,16 @@ def test_a_kafka_sink_writing_its_events_into_another_sinks_state_topic_is_refus
     (line,) = _shared(a, b)
     assert line.startswith("sinks[1] (k2): writes topic 'kv-state' on b2:9092, as sinks[0] (k1) does")
     assert _shared(a, {**b, "topic": "kv-events-2"}) == []
+
+
+def test_two_nats_sinks_as_other_users_may_be_in_other_accounts_and_are_not_refused() -> None:
+    """A NATS account has subjects and streams of its own: one subject written by two users may be
+    two places. The same user (or token: shown as a hash) twice is one."""
+    a = {"type": "nats", "name": "n1", "servers": "nats://127.0.0.1:4222", "user": "alice", "password": "x"}
+    assert _shared(a, {**a, "name": "n2", "user": "bob"}) == []
+    (line,) = _shared(a, {**a, "name": "n2", "format": "msgpack"})
+    assert "on 127.0.0.1:4222 (as alice)" in line
+    t = {"type": "nats", "name": "t1", "servers": "nats://s3cr3t-token@127.0.0.1:4222"}
+    (line,) = _shared(t, {**t, "name": "t2"})
+    assert "s3cr3t" not in line and "(as token " in line
+    assert _shared(t, {**t, "name": "t2", "servers": "nats://other-token@127.0.0.1:4222"}) == []
