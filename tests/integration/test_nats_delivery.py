@@ -500,6 +500,15 @@ REFUSING = {
 """Stream settings that refuse (or never acknowledge) every write of the sink, and what it says."""
 
 
+async def _refusing_stream(js: Any, dest: str, setting: str) -> str:
+    """Stream ``dest`` with the refusing settings ``setting`` (see REFUSING); what the sink says of it."""
+    changes, said = REFUSING[setting]
+    await js.add_stream(js_api.StreamConfig(name=dest, subjects=[f"{dest}.>"]))
+    info = await js.stream_info(dest)
+    await js.update_stream(dataclasses.replace(info.config, **changes))
+    return said
+
+
 @pytest.mark.parametrize("setting", list(REFUSING))
 async def test_a_stream_refusing_every_write_is_not_usable_and_check_says_so(
     nats_server: NatsServer, reader: Client, tmp_path: Path, setting: str
@@ -507,12 +516,8 @@ async def test_a_stream_refusing_every_write_is_not_usable_and_check_says_so(
     """A sealed stream refuses every write for good: ``--check`` said "config ok" and an idle sink
     was ready (breaker30h2 B3, 4 of 4); so with a stream that acknowledges nothing, or refuses a
     subject's messages past a few. Reported at connect: not ready, and ``--check`` exit 3."""
-    dest = _dest()
-    js = reader.jetstream(timeout=10)
-    changes, said = REFUSING[setting]
-    await js.add_stream(js_api.StreamConfig(name=dest, subjects=[f"{dest}.>"]))
-    info = await js.stream_info(dest)
-    await js.update_stream(dataclasses.replace(info.config, **changes))
+    dest, js = _dest(), reader.jetstream(timeout=10)
+    said = await _refusing_stream(js, dest, setting)
     try:
         path = tmp_path / "bridge.yaml"
         sink = {"type": "nats", "name": "nats-z", "format": "raw", **options_dict(nats_server, dest)}
@@ -529,12 +534,8 @@ async def test_a_run_on_a_stream_refusing_every_write_is_not_ready_from_its_conn
 ) -> None:
     """The connect finds the refusal without failing, and the sink was ready until its first idle
     health check, up to 5 s later. It is not ready from the connect on, naming the setting."""
-    dest = _dest()
-    js = reader.jetstream(timeout=10)
-    changes, said = REFUSING[setting]
-    await js.add_stream(js_api.StreamConfig(name=dest, subjects=[f"{dest}.>"]))
-    info = await js.stream_info(dest)
-    await js.update_stream(dataclasses.replace(info.config, **changes))
+    dest, js = _dest(), reader.jetstream(timeout=10)
+    said = await _refusing_stream(js, dest, setting)
     h = Harness(tmp_path, nats_server.url, dest)
     h.worker.health_interval = 3600.0  # no idle health check comes: the connect alone must tell
     try:

@@ -397,6 +397,28 @@ async def _until_stored(reader: Client, dest: str, seq: int) -> None:
     await _until(met, f"the stream never held seq {seq}")
 
 
+async def _first_run(cfg: dict[str, Any], engine: CacheEngine, reader: Client, dest: str) -> int:
+    """A bridge run that stores 20 batches of eng/0 and its state, then stops; their last seq."""
+    first = Bridge(from_data(cfg, env={}))
+    await first.start()
+    try:
+        await engine.wait_subscribed()
+        await engine.step(20, events_per_batch=4)
+        await _until_head(reader, f"ST{dest}", engine.last_seq)
+        return engine.last_seq
+    finally:
+        await first.stop()
+
+
+async def _after_the_loss(engine: CacheEngine, reader: Client, dest: str) -> None:
+    """10 batches stored in the new stream, then 5 more, through the state (a state cleared is
+    written again at its next record)."""
+    await engine.step(10, events_per_batch=4)
+    await _until_stored(reader, dest, engine.last_seq)
+    await engine.step(5, events_per_batch=4)
+    await _until_head(reader, f"ST{dest}", engine.last_seq)
+
+
 async def _check_announced(reader: Client, dest: str, sink: str, before: int, last: int) -> None:
     """The new stream starts with the EventsLost of what the old one held (0..``before``), then the
     batches after it; the state read back is incomplete, up to ``last``."""
@@ -431,10 +453,7 @@ async def test_a_server_restart_that_loses_a_memory_stream_is_announced_to_its_c
                 await _until_head(reader, f"ST{dest}", engine.last_seq)
                 before = engine.last_seq
                 await nats_server.arestart()  # what it kept in memory is gone
-                await engine.step(10, events_per_batch=4)
-                await _until_stored(reader, dest, engine.last_seq)
-                await engine.step(5, events_per_batch=4)  # a state cleared is written again at its next record
-                await _until_head(reader, f"ST{dest}", engine.last_seq)
+                await _after_the_loss(engine, reader, dest)
             finally:
                 await bridge.stop()
         await _check_announced(reader, dest, "nats-m", before, engine.last_seq)
@@ -462,15 +481,7 @@ async def test_a_memory_stream_lost_while_no_bridge_ran_is_announced_at_the_next
     js = reader.jetstream(timeout=5)
     try:
         async with CacheEngine(live, rep, seed=6) as engine:
-            first = Bridge(from_data(cfg, env={}))
-            await first.start()
-            try:
-                await engine.wait_subscribed()
-                await engine.step(20, events_per_batch=4)
-                await _until_head(reader, f"ST{dest}", engine.last_seq)
-                before = engine.last_seq
-            finally:
-                await first.stop()
+            before = await _first_run(cfg, engine, reader, dest)
             await nats_server.arestart()  # the events stream, kept in memory, is gone
             if refilled:
                 other = NatsConnector("other", _options(nats_server.url, dest, stream={"create": True, "name": dest}), SINK)
@@ -484,10 +495,7 @@ async def test_a_memory_stream_lost_while_no_bridge_ran_is_announced_at_the_next
             await second.start()
             try:
                 await engine.wait_subscribed()
-                await engine.step(10, events_per_batch=4)
-                await _until_stored(reader, dest, engine.last_seq)
-                await engine.step(5, events_per_batch=4)  # a state cleared is written again at its next record
-                await _until_head(reader, f"ST{dest}", engine.last_seq)
+                await _after_the_loss(engine, reader, dest)
             finally:
                 await second.stop()
         await _check_announced(reader, dest, "nats-f", before, engine.last_seq)
@@ -509,24 +517,13 @@ async def test_a_stream_lost_after_a_restarted_bridge_read_its_state_and_before_
     js = reader.jetstream(timeout=5)
     try:
         async with CacheEngine(live, rep, seed=7) as engine:
-            first = Bridge(from_data(cfg, env={}))
-            await first.start()
-            try:
-                await engine.wait_subscribed()
-                await engine.step(20, events_per_batch=4)
-                await _until_head(reader, f"ST{dest}", engine.last_seq)
-                before = engine.last_seq
-            finally:
-                await first.stop()
+            before = await _first_run(cfg, engine, reader, dest)
             second = Bridge(from_data(cfg, env={}))
             await second.start()
             try:
                 await engine.wait_subscribed()
                 await js.delete_stream(dest)  # after the start read what the sink holds; nothing written yet
-                await engine.step(10, events_per_batch=4)
-                await _until_stored(reader, dest, engine.last_seq)
-                await engine.step(5, events_per_batch=4)  # a state cleared is written again at its next record
-                await _until_head(reader, f"ST{dest}", engine.last_seq)
+                await _after_the_loss(engine, reader, dest)
             finally:
                 await second.stop()
         await _check_announced(reader, dest, "nats-r", before, engine.last_seq)
