@@ -117,6 +117,19 @@ async def first_run_until_delivered(engine: ScriptedEngine, bridge: Bridge, out:
     return int(read_lines(out)[-1]["epoch"])
 
 
+async def second_run_publishes_5(cfg: Config, engine: ScriptedEngine, out: Path, last: int) -> None:
+    """The next bridge, subscribed, reads 5 batches of instance 1 live, up to ``last``; then stops."""
+    second = Bridge(cfg, registry=gated_registry())
+    await second.start()
+    try:
+        await engine.wait_subscribed()
+        await asyncio.sleep(0.2)  # (the subscription settles: XPUB reports it a little early)
+        await engine.publish(5)
+        await wait_for(lambda: has(out, 1, last), timeout=WAIT, what=f"instance 1's batches up to {last}")
+    finally:
+        await second.stop()
+
+
 async def until_probed(bridge: Bridge) -> None:
     """Until an idle probe (after what is delivered so far) got its answer from the engine."""
     done = completed_replays(bridge)
@@ -342,15 +355,7 @@ async def test_a_restart_while_the_bridge_was_away_is_certain_from_the_checkpoin
             await first.stop()
         await engine.restart()
         await engine.publish(15, deliver=False)
-        second = Bridge(cfg, registry=gated_registry())
-        await second.start()
-        try:
-            await engine.wait_subscribed()
-            await asyncio.sleep(0.2)  # (the subscription settles: XPUB reports it a little early)
-            await engine.publish(5)
-            await wait_for(lambda: has(out, 1, 19), timeout=WAIT, what="instance 1's 15..19")
-        finally:
-            await second.stop()
+        await second_run_publishes_5(cfg, engine, out, 19)
     records = read_lines(out)
     assert resets(records)[-1][1] == "instance_changed"
     assert layout(check_invariants(dedupe(records), engine)) == [
@@ -386,15 +391,7 @@ async def test_a_crash_keeps_how_far_the_engine_was_seen_to_publish_for_a_restar
             await first.stop()
         await engine.restart()
         engine.replay = "answer"
-        second = Bridge(cfg, registry=gated_registry())
-        await second.start()
-        try:
-            await engine.wait_subscribed()
-            await asyncio.sleep(0.2)  # (the subscription settles: XPUB reports it a little early)
-            await engine.publish(5)
-            await wait_for(lambda: has(out, 1, 4), timeout=WAIT, what="instance 1's 0..4")
-        finally:
-            await second.stop()
+        await second_run_publishes_5(cfg, engine, out, 4)
     records = read_lines(out)
     # (I4 relaxed: 15..19 reached the bridge that crashed, and no sink; what a crash loses is lost.)
     assert layout(check_invariants(dedupe(records), engine, held_cap_exceeded=True)) == [
