@@ -33,9 +33,10 @@ async def socket_type(host: str, port: int, timeout: float) -> str:
 
 
 async def unix_socket_type(path: str, timeout: float) -> str:
-    """:func:`socket_type` of the ``ipc://`` socket at ``path`` (a Unix domain socket)."""
+    """:func:`socket_type` of the ``ipc://`` socket at ``path`` (a Unix domain socket; ``@name``
+    is Linux's abstract namespace, as libzmq reads it)."""
     async with asyncio.timeout(timeout):
-        return await _greet(*await asyncio.open_unix_connection(path))
+        return await _greet(*await asyncio.open_unix_connection("\0" + path[1:] if path.startswith("@") else path))
 
 
 async def _greet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
@@ -93,6 +94,8 @@ def _ready_socket_type(body: bytes) -> str:
 def _ipc_problem(path: str, exc: OSError) -> tuple[str, str]:
     """Why nothing answers at the ``ipc://`` path ``path`` (connecting raised ``exc``)."""
     shared = "in Kubernetes, a volume shared with the engine's container"
+    if path.startswith("@"):  # (abstract: no file, and seen only within one network namespace)
+        return f"nothing listens at the abstract socket {path}; is the engine running in this pod's network namespace?", "refused"
     if isinstance(exc, FileNotFoundError):
         return (
             f"no socket at {path}; is the engine running on this host with this ipc path, and does the bridge see "

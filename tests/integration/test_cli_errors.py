@@ -324,9 +324,12 @@ def test_check_asks_each_engine_endpoint_which_socket_answers(tmp_path: Path) ->
             f"  - {{name: c, endpoint: 'tcp://127.0.0.1:{dead}'}}\n"
             # breaker78 B2: ipc:// endpoints were not asked: "config ok", and the run read nothing.
             f"  - {{name: d, endpoint: 'ipc://{tmp_path}/kv', replay_endpoint: 'ipc://{tmp_path}/replay'}}\n"
+            # breaker80 B3: Linux's abstract namespace (libzmq's ipc://@name) has no file to look for.
+            f"  - {{name: e, endpoint: 'ipc://@kvb-{r}'}}\n"
             "sinks:\n  - {type: file, path: '-'}\n"
         )
         router.bind(f"ipc://{tmp_path}/kv")  # (a ROUTER: the live endpoint of source d is the wrong socket)
+        pub.bind(f"ipc://@kvb-{r}")  # (the PUB of source e: right)
         proc = subprocess.run(
             [sys.executable, "-m", "bridge", "--config", str(tmp_path / "c.yaml"), "--check"],
             cwd=ROOT, capture_output=True, text=True, timeout=60,
@@ -334,7 +337,7 @@ def test_check_asks_each_engine_endpoint_which_socket_answers(tmp_path: Path) ->
     finally:
         ctx.destroy(linger=0)
     assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr
-    assert "engines: 0 of 6 endpoint(s) answer as they should" in proc.stdout
+    assert "engines: 1 of 7 endpoint(s) answer as they should" in proc.stdout
     problems = [ln.strip() for ln in proc.stderr.splitlines() if ln.startswith("  ")]
     assert problems == [
         f"sources[0].endpoint: tcp://127.0.0.1:{r}: a ROUTER socket answers, not PUB or XPUB; this looks like the "

@@ -65,8 +65,9 @@ def lines(caplog: pytest.LogCaptureFixture, message: str) -> list[logging.LogRec
         ("ipc://{tmp}/kv", "refused", ": no socket at {tmp}/kv; is the engine running on this host"),
         ("ipc://{tmp}/file", "not_zmq", ": {tmp}/file is not a socket; give the path the engine binds"),
         ("ipc://{tmp}/stale", "refused", ": nothing listens at {tmp}/stale (a socket left by an engine that stopped?)"),
+        ("ipc://@kvb-{port}", "refused", ": nothing listens at the abstract socket @kvb-{port}; is the engine running"),
     ],
-    ids=["dead port", "unresolvable name", "ipc path missing", "ipc path a file", "ipc socket left behind"],
+    ids=["dead port", "unresolvable name", "ipc path missing", "ipc path a file", "ipc socket left behind", "ipc abstract"],
 )
 async def test_a_bridge_whose_only_engine_cannot_be_reached_is_not_ready_and_says_why(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, endpoint: str, reason: str, says: str
@@ -76,7 +77,8 @@ async def test_a_bridge_whose_only_engine_cannot_be_reached_is_not_ready_and_say
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(str(tmp_path / "stale"))  # bound, never listening: as an engine's socket left after it stopped
     stale.close()
-    live, says = endpoint.format(port=free_port(), tmp=tmp_path), says.format(tmp=tmp_path)
+    port = free_port()
+    live, says = endpoint.format(port=port, tmp=tmp_path), says.format(tmp=tmp_path, port=port)
     async with running_bridge(tmp_path, [source("a", live)], ingest=GRACE) as (bridge, _out):
         detail = await not_ready(bridge)
         assert detail["not_ready"] == "no source connected: see sources_not_connected"
