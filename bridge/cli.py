@@ -376,7 +376,7 @@ def validate(data: Any, registry: Registry | None = None, env: Mapping[str, str]
     result.warnings.extend(config_mod.plain_secrets(data, config_mod.Config, ""))
     if cfg is not None:
         problems.extend(_shared_destinations(cfg, result.connectors))
-        problems.extend(_shared_places(result.connectors))
+        problems.extend(_shared_places(result.connectors, [s for source in cfg.sources for s in streams_of(source)]))
         for i, sink in enumerate(cfg.sinks):
             result.warnings.extend(filters.misspelt_fields(sink.fields, f"sinks[{i}]"))
     result.problems = list(dict.fromkeys(problems))  # a problem found two ways is told once
@@ -406,17 +406,18 @@ def _shared_destinations(cfg: Config, connectors: Sequence[tuple[int, Connector]
     return lines
 
 
-def _shared_places(connectors: Sequence[tuple[int, Connector]]) -> list[str]:
-    """Two sinks that would write one place on one server (a connector's ``places()``, see
-    :mod:`bridge.connector`): their messages would mix there, one sink's taken for copies of the
-    other's. One line per pair of sinks, naming the first place they share."""
+def _shared_places(connectors: Sequence[tuple[int, Connector]], streams: Sequence[Stream]) -> list[str]:
+    """Two sinks that would write one place on one server (a connector's ``places()`` for the
+    configured ``streams``, see :mod:`bridge.connector`): their messages would mix there, one
+    sink's taken for copies of the other's. One line per pair of sinks, naming the first place
+    they share."""
     lines = []
     seen: list[tuple[int, str, list[tuple[frozenset[str], str]]]] = []
     for i, conn in connectors:
         places = getattr(conn, "places", None)
         if places is None:
             continue
-        mine = places()
+        mine = places(streams)
         for j, other, theirs in seen:
             pairs = ((place, servers & others) for servers, place in mine for others, p in theirs if p == place)
             shared = next(((place, min(common)) for place, common in pairs if common), None)

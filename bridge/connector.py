@@ -52,12 +52,13 @@ connector that finds its losses by what this process stored (NATS: the spans its
 acknowledged) counts it as stored, so that a loss found before this process stores anything of
 the stream is announced too.
 
-Optional, for configs whose sinks would mix their messages: ``places()``: where on its servers
-the sink writes, as ``(servers, place)`` pairs: ``servers`` a set of ``host:port`` (from
-:func:`server_address`), ``place`` a name on them (``"topic 'kv-events'"``, ``"key '...'"``, a
-template as written). The config check refuses two sinks with a place in common on a common
-server: their messages would mix in one destination, and share its ids and duplicate windows (one
-sink's stored as the other's copies).
+Optional, for configs whose sinks would mix their messages: ``places(streams)``: where on its
+servers the sink writes, as ``(servers, place)`` pairs: ``servers`` a set of ``host:port`` (from
+:func:`server_address`), ``place`` a name on them (``"topic 'kv-events'"``, ``"key '...'"``): each
+template as written (streams found at run time) and as rendered for each of ``streams``, the
+configured ones (:func:`rendered`). The config check refuses two sinks with a place in common on a
+common server: their messages would mix in one destination, and share its ids and duplicate
+windows (one sink's stored as the other's copies).
 
 Optional, for ``checkpoint.from_sinks`` (a pod taking over streams it has no checkpoint for):
 
@@ -539,6 +540,13 @@ class Template:
         return name
 
 
+def rendered(render: Callable[[Message], str], text: str, streams: Sequence[Stream], types: Sequence[str]) -> list[str]:
+    """A name template's ``text`` and the names it renders (``render``) for each of ``streams``
+    and message ``types`` (see ``places``)."""
+    names = {render(sample_message(stream, t)) for stream in streams for t in types}
+    return [text, *sorted(names - {text})]
+
+
 def server_address(url: str, default_port: int) -> str:
     """``host:port`` of a server given as a URL (``scheme://user@host:port/...``) or ``host:port``:
     the host lower-cased, the default port filled in; what two sinks compare (see ``places``)."""
@@ -590,6 +598,7 @@ __all__ = [
     "message_types",
     "redact",
     "redact_url",
+    "rendered",
     "reveal",
     "sample_message",
     "server_address",

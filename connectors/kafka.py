@@ -83,6 +83,7 @@ from bridge.connector import (
     doc,
     message_types,
     redact,
+    rendered,
     sample_message,
     server_address,
 )
@@ -674,10 +675,11 @@ class KafkaConnector:
             await self._drop_heads(producer)
         self._raise_lost(stale=self._stale)
 
-    def places(self) -> list[tuple[frozenset[str], str]]:
+    def places(self, streams: Sequence[Stream]) -> list[tuple[frozenset[str], str]]:
         """The topics it writes, on its cluster (see bridge.connector: two sinks may not share one)."""
         servers = frozenset(server_address(s, 9092) for s in self.options.servers())
-        topics = [self.options.topic, *([self._state_topic] if self.writes_state else [])]
+        topics = rendered(self._topic.render, self.options.topic, streams, self._types)
+        topics += [self._state_topic] if self.writes_state else []
         return [(servers, f"topic {t!r}") for t in topics]
 
     async def positions(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:

@@ -70,7 +70,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.header
-import hashlib
 import itertools
 import logging
 import random
@@ -82,7 +81,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
-from urllib.parse import urlsplit
 
 import msgspec
 import nats.errors
@@ -121,6 +119,7 @@ from bridge.connector import (
     message_types,
     redact,
     redact_url,
+    rendered,
     reveal,
     sample_message,
     server_address,
@@ -1098,30 +1097,19 @@ class NatsConnector:
         if stream.key not in self.records_gone:  # (else found lost at start, and announced so)
             self._held.spans.setdefault(stream.key, [_Span(stream, epoch, 0, seq)])
 
-    def places(self) -> list[tuple[frozenset[str], str]]:
-        """Its subject template, the events stream it creates, its state bucket, on its servers (see
+    def places(self, streams: Sequence[Stream]) -> list[tuple[frozenset[str], str]]:
+        """Its subjects, the events stream it creates, its state bucket, on its servers (see
         bridge.connector: two sinks may not share one; one JetStream stream's duplicate window
-        would take one sink's messages for copies of the other's, their ids being alike)."""
-        servers = frozenset(server_address(u, 4222) + self._account() for u in self.options.server_list)
-        places = [f"subject {self.options.subject!r}"]
+        would take one sink's messages for copies of the other's, their ids being alike). Users
+        are not told apart: two may be in one account, and the config cannot say."""
+        servers = frozenset(server_address(u, 4222) for u in self.options.server_list)
+        subjects = rendered(self._subjects.render, self.options.subject, streams, message_types(self.sink.granularity))
+        places = [f"subject {s!r}" for s in subjects]
         if self.options.mode == "jetstream" and self.options.stream.create:
             places.append(f"JetStream stream {self.options.stream.name!r}")
         if self.writes_state:
             places.append(f"KV bucket {self.options.state.bucket!r}")
         return [(servers, p) for p in places]
-
-    def _account(self) -> str:
-        """Who the sink connects as, for places(): another user may be in another NATS account,
-        whose subjects and streams are its own (a token shown as a hash of it)."""
-        o = self.options
-        url = urlsplit(o.server_list[0]) if o.server_list else None
-        token = reveal(o.token) or (url.username if url is not None and url.username and not url.password else None)
-        if o.credentials or o.nkey_seed:
-            return f" (as {o.credentials or o.nkey_seed})"
-        if token:
-            return f" (as token {hashlib.sha256(token.encode()).hexdigest()[:8]})"
-        user = o.user or (url.username if url is not None else None)
-        return f" (as {user})" if user else ""
 
     def destination(self, stream: Stream) -> str | None:
         """The subject of ``stream``'s batches, when each stream has subjects of its own (see

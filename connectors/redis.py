@@ -147,7 +147,9 @@ from bridge.connector import (
     TlsOptions,
     doc,
     hex64,
+    message_types,
     redact_url,
+    rendered,
     reveal,
     sample_message,
     server_address,
@@ -976,6 +978,7 @@ class RedisConnector:
         self._index = Template(index, "index.key") if options.index.enabled else None
         self._state = Template(state, "state.key") if options.state.enabled else None
         self._state_format = StateFormat.for_sink(sink)
+        self._granularity = sink.granularity
         self.writes_state = self._state is not None
         # the block index and the state read the events, even of raw batches
         self.needs_events = self._index is not None or self.writes_state
@@ -1340,13 +1343,15 @@ class RedisConnector:
                 raise first
         raise PartialFailure(errors)
 
-    def places(self) -> list[tuple[frozenset[str], str]]:
-        """The key templates it writes, on its server and database (see bridge.connector: two sinks
-        may not share one)."""
+    def places(self, streams: Sequence[Stream]) -> list[tuple[frozenset[str], str]]:
+        """The keys it writes, on its server and database (see bridge.connector: two sinks may not
+        share one)."""
         url = urlsplit(self.options.url)
         db = (url.path.strip("/") or dict(parse_qsl(url.query)).get("db") or "0") if url.scheme != "unix" else "0"
         server = url.path if url.scheme == "unix" else f"{server_address(self.options.url, 6379)}/{db}"
-        keys = [t.text for t in (self._stream, self._index, self._state) if t is not None]
+        types = message_types(self._granularity)
+        templates = [t for t in (self._stream, self._index, self._state) if t is not None]
+        keys = [k for t in templates for k in rendered(t.render, t.text, streams, types)]
         return [(frozenset({server}), f"key {k!r}") for k in keys]
 
     async def positions(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:

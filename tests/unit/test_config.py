@@ -486,14 +486,36 @@ def test_a_kafka_sink_writing_its_events_into_another_sinks_state_topic_is_refus
     assert _shared(a, {**b, "topic": "kv-events-2"}) == []
 
 
-def test_two_nats_sinks_as_other_users_may_be_in_other_accounts_and_are_not_refused() -> None:
-    """A NATS account has subjects and streams of its own: one subject written by two users may be
-    two places. The same user (or token: shown as a hash) twice is one."""
+def test_two_nats_sinks_as_two_users_are_refused_for_users_may_share_one_account() -> None:
+    """breaker80 B1: two users of one account (nats-server's authorization.users) share subjects,
+    streams and the duplicate window: taking them for two places lost half the messages."""
     a = {"type": "nats", "name": "n1", "servers": "nats://127.0.0.1:4222", "user": "alice", "password": "x"}
-    assert _shared(a, {**a, "name": "n2", "user": "bob"}) == []
-    (line,) = _shared(a, {**a, "name": "n2", "format": "msgpack"})
-    assert "on 127.0.0.1:4222 (as alice)" in line
-    t = {"type": "nats", "name": "t1", "servers": "nats://s3cr3t-token@127.0.0.1:4222"}
-    (line,) = _shared(t, {**t, "name": "t2"})
-    assert "s3cr3t" not in line and "(as token " in line
-    assert _shared(t, {**t, "name": "t2", "servers": "nats://other-token@127.0.0.1:4222"}) == []
+    (line,) = _shared(a, {**a, "name": "n2", "user": "bob"})
+    assert line.startswith("sinks[1] (n2): writes subject 'kv.{source}.{dp_rank}' on 127.0.0.1:4222, as sinks[0] (n1)")
+
+
+@pytest.mark.parametrize(
+    ("kind", "first", "second", "place"),
+    [
+        ("redis", {"stream": "kv:{source}:{dp_rank}:{model}"}, {"stream": "kv:{source}:{dp_rank}:llama"}, "key 'kv:a:0:llama'"),
+        ("kafka", {"topic": "kv-{source}"}, {"topic": "kv-a"}, "topic 'kv-a'"),
+        (
+            "nats",
+            {"subject": "kv.{source}.{dp_rank}.{model}"},
+            {"subject": "kv.{source}.{dp_rank}.llama"},
+            "subject 'kv.a.0.llama'",
+        ),
+    ],
+)
+def test_two_templates_rendering_one_place_for_a_configured_stream_are_refused(
+    kind: str, first: dict[str, str], second: dict[str, str], place: str
+) -> None:
+    """breaker80 B2: the texts differ, the names they render for stream a/0 do not; Redis kept
+    100 of the 200 entries the two sinks were told were stored."""
+    from bridge.cli import validate
+
+    server = {"redis": {"url": "redis://r:6379"}, "kafka": {"bootstrap_servers": "k:9092"}, "nats": {"servers": "nats://n"}}[kind]
+    sinks = [{"type": kind, "name": "s1", **server, **first}, {"type": kind, "name": "s2", **server, **second}]
+    source = [{**SOURCE[0], "labels": {"model": "llama"}}]
+    problems = [p for p in validate({"sources": source, "sinks": sinks}, env={}).problems if "two sinks in one place" in p]
+    assert len(problems) == 1 and problems[0].startswith(f"sinks[1] (s2): writes {place} on "), problems
