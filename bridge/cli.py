@@ -375,8 +375,9 @@ def validate(data: Any, registry: Registry | None = None, env: Mapping[str, str]
             problems.append(f"sinks[{i}]: connector {type_name!r} failed to build: {type(exc).__name__}: {exc}")
     result.warnings.extend(config_mod.plain_secrets(data, config_mod.Config, ""))
     if cfg is not None:
-        problems.extend(_shared_destinations(cfg, result.connectors))
-        problems.extend(_shared_places(result.connectors, [s for source in cfg.sources for s in streams_of(source)]))
+        streams = [s for source in cfg.sources for s in streams_of(source)]
+        problems.extend(_shared_destinations(streams, result.connectors))
+        problems.extend(_shared_places(result.connectors, streams))
         for i, sink in enumerate(cfg.sinks):
             result.warnings.extend(filters.misspelt_fields(sink.fields, f"sinks[{i}]"))
     result.problems = list(dict.fromkeys(problems))  # a problem found two ways is told once
@@ -384,10 +385,9 @@ def validate(data: Any, registry: Registry | None = None, env: Mapping[str, str]
     return result
 
 
-def _shared_destinations(cfg: Config, connectors: Sequence[tuple[int, Connector]]) -> list[str]:
-    """Two configured streams that a sink would write to one destination meant for one stream each
-    (a connector's ``destination()``, see :mod:`bridge.connector`): one line per stream refused."""
-    streams = [s for source in cfg.sources for s in streams_of(source)]
+def _shared_destinations(streams: Sequence[Stream], connectors: Sequence[tuple[int, Connector]]) -> list[str]:
+    """Two configured ``streams`` that a sink would write to one destination meant for one stream
+    each (a connector's ``destination()``, see :mod:`bridge.connector`): one line per stream refused."""
     lines = []
     for i, conn in connectors:
         destination = getattr(conn, "destination", None)
@@ -412,14 +412,14 @@ def _shared_places(connectors: Sequence[tuple[int, Connector]], streams: Sequenc
     sink's taken for copies of the other's. One line per pair of sinks, naming the first place
     they share."""
     lines = []
-    seen: list[tuple[int, str, list[tuple[frozenset[str], str]]]] = []
+    seen: list[tuple[int, str, dict[str, frozenset[str]]]] = []  # per sink: each place -> its servers
     for i, conn in connectors:
         places = getattr(conn, "places", None)
         if places is None:
             continue
         mine = places(streams)
         for j, other, theirs in seen:
-            pairs = ((place, servers & others) for servers, place in mine for others, p in theirs if p == place)
+            pairs = ((place, servers & theirs.get(place, frozenset())) for servers, place in mine)
             shared = next(((place, min(common)) for place, common in pairs if common), None)
             if shared is not None:
                 lines.append(
@@ -427,7 +427,10 @@ def _shared_places(connectors: Sequence[tuple[int, Connector]], streams: Sequenc
                     "one place mix their messages, and the broker takes one sink's for copies of the other's; give each "
                     "sink its own, or keep one of the two"
                 )
-        seen.append((i, conn.name, mine))
+        held: dict[str, frozenset[str]] = {}
+        for servers, place in mine:
+            held[place] = held.get(place, frozenset()) | servers
+        seen.append((i, conn.name, held))
     return lines
 
 

@@ -540,11 +540,13 @@ class Template:
         return name
 
 
-def rendered(render: Callable[[Message], str], text: str, streams: Sequence[Stream], types: Sequence[str]) -> list[str]:
-    """A name template's ``text`` and the names it renders (``render``) for each of ``streams``
-    and message ``types`` (see ``places``)."""
+def rendered(render: Callable[[Message], str], template: Template, streams: Sequence[Stream], types: Sequence[str]) -> list[str]:
+    """A name template's text and the names it renders (``render``) for each of ``streams`` and
+    message ``types`` (only the first when it has no ``{type}``: the others render alike; see
+    ``places``)."""
+    types = types if "type" in template.fields else types[:1]
     names = {render(sample_message(stream, t)) for stream in streams for t in types}
-    return [text, *sorted(names - {text})]
+    return [template.text, *sorted(names - {template.text})]
 
 
 def server_address(url: str, default_port: int) -> str:

@@ -678,7 +678,7 @@ class KafkaConnector:
     def places(self, streams: Sequence[Stream]) -> list[tuple[frozenset[str], str]]:
         """The topics it writes, on its cluster (see bridge.connector: two sinks may not share one)."""
         servers = frozenset(server_address(s, 9092) for s in self.options.servers())
-        topics = rendered(self._topic.render, self.options.topic, streams, self._types)
+        topics = rendered(self._topic.render, self._topic, streams, self._types)
         topics += [self._state_topic] if self.writes_state else []
         return [(servers, f"topic {t!r}") for t in topics]
 

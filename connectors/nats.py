@@ -1103,7 +1103,7 @@ class NatsConnector:
         would take one sink's messages for copies of the other's, their ids being alike). Users
         are not told apart: two may be in one account, and the config cannot say."""
         servers = frozenset(server_address(u, 4222) for u in self.options.server_list)
-        subjects = rendered(self._subjects.render, self.options.subject, streams, message_types(self.sink.granularity))
+        subjects = rendered(self._subjects.render, self._subjects.template, streams, self._types())
         places = [f"subject {s!r}" for s in subjects]
         if self.options.mode == "jetstream" and self.options.stream.create:
             places.append(f"JetStream stream {self.options.stream.name!r}")

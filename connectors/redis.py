@@ -1351,7 +1351,7 @@ class RedisConnector:
         server = url.path if url.scheme == "unix" else f"{server_address(self.options.url, 6379)}/{db}"
         types = message_types(self._granularity)
         templates = [t for t in (self._stream, self._index, self._state) if t is not None]
-        keys = [k for t in templates for k in rendered(t.render, t.text, streams, types)]
+        keys = [k for t in templates for k in rendered(t.render, t, streams, types)]
         return [(frozenset({server}), f"key {k!r}") for k in keys]
 
     async def positions(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:
