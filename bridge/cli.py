@@ -35,7 +35,7 @@ from .connector import Connector, Registry, local_file_problems, template_labels
 from .endpoints import for_rank
 from .errors import ConfigError, ConnectorError, NotConnected, StartupError
 from .health import listen_problem
-from .probe import diagnose, split_ipc, split_tcp
+from .probe import diagnose, probed
 from .records import Stream
 from .runtime import run as run_bridge
 from .runtime import streams_of
@@ -564,7 +564,7 @@ async def _probe_engines(cfg: Config) -> tuple[int, int, list[str], list[tuple[s
                 continue  # (the bridge's own address: see check)
             for rank in range(source.dp_ranks):
                 ep = for_rank(endpoint, rank)
-                if split_tcp(ep) is None and split_ipc(ep) is None:
+                if not probed(ep):
                     continue
                 role = {"endpoint": "live", "replay_endpoint": "replay"}.get(key, "snapshot")
                 checks.append((f"{where_from}.{key}", ep, rank, diagnose(ep, role, PROBE_TIMEOUT)))

@@ -140,6 +140,11 @@ def split_tcp(endpoint: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
+def probed(endpoint: str) -> bool:
+    """Whether :func:`diagnose` can ask ``endpoint`` (a TCP host and port, or an ipc path)."""
+    return split_tcp(endpoint) is not None or split_ipc(endpoint) is not None
+
+
 async def diagnose(endpoint: str, role: str, timeout: float = 2.0) -> tuple[str, str] | None:
     """Why an engine's ``role`` endpoint ("live", "replay" or "snapshot") does not work, as (problem, reason),
     asked of the endpoint itself; None when the expected socket type answers (or it is neither a

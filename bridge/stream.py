@@ -585,7 +585,7 @@ class StreamPipeline:
         answer = await probe.diagnose(self.replay_endpoint, "replay")
         if self._replied_at >= asked:
             return  # (a replay got replies meanwhile: whatever this found is past)
-        if answer is None and probe.split_tcp(self.replay_endpoint) is None and probe.split_ipc(self.replay_endpoint) is None:
+        if answer is None and not probe.probed(self.replay_endpoint):
             answer = (
                 f"no reply to a replay request within {self.ctx.replay_config.timeout:g}s (neither a TCP nor an ipc "
                 "endpoint, so not probed: check that the engine's replay_endpoint is this one and that the engine is running)",
