@@ -21,10 +21,11 @@ kept state when it was saved: one of them found holding nothing of a stream at t
 what it held. ``published`` holds the highest seq the bridge saw the instance of a stream's
 newest epoch publish (live, replayed or claimed by a heartbeat), past what every sink
 acknowledged: a bridge that crashed and finds at its next start that the engine restarted
-meanwhile announces the seqs between as lost in that epoch, rather than nothing (I3). ``instances`` holds, for a
-stream whose publisher sends its lifetime UUID (vLLM #57789), the UUID of its instance in its
-newest epoch, known for certain, and those of the instances before it: a stream resumed in that
-epoch knows its instance at the first message, with or without a replay endpoint. A corrupt or
+meanwhile announces the seqs between as lost in that epoch, rather than nothing (I3).
+``instances`` holds, for a stream whose publisher sends its lifetime UUID (vLLM #57789), the UUID
+of its instance in its newest epoch, known for certain, and those of the instances before it: a
+stream resumed in that epoch knows its instance at the first message, with or without a replay
+endpoint. A corrupt or
 unreadable file, or one of a later release (a roll back), is reported by the caller and kept aside
 as ``FILE.unusable``, and the bridge starts fresh; it never crashes on it.
 
