@@ -93,6 +93,9 @@ class SkipHeld:
         self.metrics = metrics  # counts the sink_behind announcements, once written
         self.needs_events = getattr(inner, "needs_events", True)
         self.writes_state = getattr(inner, "writes_state", False)
+        audit = getattr(inner, "audit", None)
+        if audit is not None:  # (the worker asks its connector for one: I6 on a quiet stream)
+            self.audit = audit
         self.through: dict[str, tuple[int, int, int]] = {}
         self.skipped = 0  # messages left out (tests, logs)
         self.renderer: Renderer | None = None  # the sink's, to narrow or announce an EventsLost (see write)

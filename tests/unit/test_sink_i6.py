@@ -527,3 +527,35 @@ async def test_a_loss_found_while_the_start_announcements_are_written_is_told_on
     await worker.stop()
     told = sorted((m.record.stream.key, m.record.from_seq, m.record.seq) for m in conn.messages if m.record.kind == "EventsLost")
     assert told == [("a/0", 0, 10), ("b/0", 0, 10)]  # a's again, after its first went with the topic
+
+
+async def test_a_connector_wrapped_for_checkpoint_from_sinks_is_audited_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``checkpoint.from_sinks`` the runtime wraps every connector (SkipHeld), and the worker
+    asks the connector it is given for ``audit()``: the wrapper had none, so a loss on a quiet
+    stream was announced only at the stream's next write (I6). The wrapper passes it on."""
+    import bridge.sink
+    from bridge.runtime import SkipHeld
+
+    monkeypatch.setattr(bridge.sink, "AUDIT_INTERVAL", 0.01)
+    _plain, conn, _acked, metrics = make(tmp_path, batch={"linger": 0})
+    answers: list[BaseException] = [SinkLost("lost", [(STREAM, 0, 0, 1)])]
+
+    async def audit() -> None:
+        if answers:
+            raise answers.pop(0)
+
+    conn.audit = audit  # type: ignore[attr-defined]
+    worker = SinkWorker(0, _plain.config, SkipHeld(conn), _plain.renderer, metrics, _plain.dead_letters, lambda _i, _r: None)
+    worker.health_interval = 0.01
+    await fill(worker, stream_records(STREAM, 2))
+    worker.start()
+    assert await worker.flush(5)
+    for _ in range(500):
+        if len(conn.messages) > 2:
+            break
+        await asyncio.sleep(0.01)
+    await worker.stop()
+    worker.dead_letters.close()
+    assert kinds(conn) == [("s/0", "batch", 0), ("s/0", "batch", 1), ("s/0", "EventsLost", 1)]
