@@ -9,6 +9,7 @@ Saved atomically (write to a temp file, fsync, rename, fsync the directory) as J
      "instances": {"llama-a/0": {"epoch": 1013402, "id": "5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f"}},
      "ended": {"llama-a/0": {"epoch": 1013380, "seq": 977}},
      "published": {"llama-a/0": {"epoch": 1013402, "seq": 1050}},
+     "stored": {"llama-a/0": {"redis": [1013402, 1051, 18446744073709551615]}},
      "state_sinks": ["redis"]}
 
 ``ts`` and ``crc`` fingerprint the batch at ``seq`` (engine ts, CRC-32 of its payload): on resume
@@ -22,6 +23,11 @@ what it held. ``published`` holds the highest seq the bridge saw the instance of
 newest epoch publish (live, replayed or claimed by a heartbeat), past what every sink
 acknowledged: a bridge that crashed and finds at its next start that the engine restarted
 meanwhile announces the seqs between as lost in that epoch, rather than nothing (I3).
+``stored`` holds, per stream and sink, the position (epoch, slot, sub: ``Message.position``) of the
+last message the sink was seen to store, for a connector that can tell (``stored_through``, see
+bridge.connector): the next run leaves out what the sink holds and has it check that it still
+does, so a loss while no bridge ran (a key deleted, a restart from an older snapshot) is
+announced (I6).
 ``instances`` holds, for a stream whose publisher sends its lifetime UUID (vLLM #57789), the UUID
 of its instance in its newest epoch, known for certain, and those of the instances before it: a
 stream resumed in that epoch knows its instance at the first message, with or without a replay
@@ -133,6 +139,7 @@ class CheckpointFile(msgspec.Struct):
     ended: dict[str, StreamPosition] = msgspec.field(default_factory=dict)
     state_sinks: list[str] = msgspec.field(default_factory=list)  # (none in a file of an earlier release)
     published: dict[str, StreamPosition] = msgspec.field(default_factory=dict)  # (likewise)
+    stored: dict[str, dict[str, tuple[int, int, int]]] = msgspec.field(default_factory=dict)  # (likewise)
 
 
 class CheckpointError(BridgeError):
@@ -174,6 +181,7 @@ def save(path: str | Path, checkpoint: CheckpointFile) -> None:
         ended=dict(sorted(checkpoint.ended.items())),
         state_sinks=list(checkpoint.state_sinks),
         published=dict(sorted(checkpoint.published.items())),
+        stored={k: dict(sorted(v.items())) for k, v in sorted(checkpoint.stored.items())},
     )
     data = msgspec.json.encode(checkpoint)
     fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
@@ -216,6 +224,8 @@ class Checkpointer:
         self.ended: dict[str, StreamPosition] = dict(loaded.ended) if loaded else {}
         # Per stream, the highest seq its newest epoch's instance was seen to publish (note_published).
         self.published: dict[str, StreamPosition] = dict(loaded.published) if loaded else {}
+        # Per stream and sink name, the last message position the sink was seen to store (note_stored).
+        self.stored: dict[str, dict[str, tuple[int, int, int]]] = {k: dict(v) for k, v in loaded.stored.items()} if loaded else {}
         # The state sinks of the run that saved the file (none named by an earlier release), and of this run.
         self.held_state: list[str] = list(loaded.state_sinks) if loaded else []
         self.state_sinks: list[str] = []
@@ -379,6 +389,19 @@ class Checkpointer:
         self.published[key] = StreamPosition(epoch, seq)
         self._generation += 1
 
+    def note_stored(self, key: str, sink: str, position: tuple[int, int, int]) -> None:
+        """Sink ``sink`` was seen to store ``key``'s messages up to ``position`` (see ``stored`` in
+        the module docstring); a lower position than the one known is ignored."""
+        known = self.stored.setdefault(key, {})
+        if known.get(sink, (-1, -1, -1)) >= position:
+            return
+        known[sink] = position
+        self._generation += 1
+
+    def stored_through(self, key: str, sink: str) -> tuple[int, int, int] | None:
+        """The position of the last message of ``key`` sink ``sink`` was seen to store, if known."""
+        return self.stored.get(key, {}).get(sink)
+
     def published_top(self, key: str, epoch: int) -> int | None:
         """The highest seq the instance of ``key``'s epoch ``epoch`` was seen to publish by an
         earlier run, if the checkpoint knows it for that very epoch."""
@@ -402,6 +425,7 @@ class Checkpointer:
         self.instances.pop(key, None)
         self.ended.pop(key, None)
         self.published.pop(key, None)
+        self.stored.pop(key, None)
         self._unsure.discard(key)
         self._forgotten.add(key)
         self.prune(now)
@@ -458,6 +482,7 @@ class Checkpointer:
             ended=dict(self.ended),
             state_sinks=list(self.state_sinks),
             published=dict(self.published),
+            stored={k: dict(v) for k, v in self.stored.items()},
         )
 
     def write(self, path: str | Path, generation: int, checkpoint: CheckpointFile) -> bool:

@@ -267,6 +267,9 @@ class Bridge:
         self._started_at: float | None = None  # monotonic; ingest.connect_grace counts from here
         self._starting: str | None = "starting"  # what start() waits for (None: started)
         self.skips: list[SkipHeld] = []  # with checkpoint.from_sinks: every sink's connector, wrapped
+        # Without from_sinks: the sinks without state whose connector tells what it stored
+        # (stored_through), to check at the next start that they still hold it (_resume_stored).
+        self._stored_by: list[Connector] = []
         self._held_top: dict[str, int] = {}  # from_sinks: the highest seq a sink holds in a stream's resume epoch
         self.tracker: StateTracker | None = None  # when a sink keeps state (state.enabled)
         self._state_sinks: list[Connector] = []
@@ -315,7 +318,7 @@ class Bridge:
         """The rest of :meth:`start`: the sinks read first, then every sink worker and source."""
         cfg = self.config
         self.store = self.context.epochs = ckpt.CheckpointStore(cfg.checkpoint.path, len(cfg.sinks))
-        self.store.collect = self._note_instances
+        self.store.collect = self._collect
         self.store.on_save = self._saved
         configured = [s for source in cfg.sources for s in streams_of(source)]
         self._state_sinks = [c for c in connectors if getattr(c, "writes_state", False)]
@@ -344,6 +347,12 @@ class Bridge:
             self.skips = [SkipHeld(c, self.metrics) for c in connectors]
             connectors = [skip for skip in self.skips]
             await self.take_over(configured)
+        else:
+            self._stored_by = [
+                c
+                for c in connectors
+                if not getattr(c, "writes_state", False) and hasattr(c, "stored_before") and hasattr(c, "stored_through")
+            ]
         self._starting = "starting the sinks and sources"
         renderers: dict[tuple[str, str, str, EventFilter | None], Renderer] = {}
         for i, (sink, conn) in enumerate(zip(cfg.sinks, connectors, strict=True)):
@@ -443,6 +452,8 @@ class Bridge:
                     told = getattr(_inner(worker.connector), "acknowledged_before", None)
                     if told is not None:
                         told(stream, acked.epoch, acked.seq)
+            if sequencer is None:
+                self._resume_stored(stream, pos)
             pipeline.snapshots = self._snapshots(source, rank, pipeline)
             self.pipelines[key] = pipeline
             added.append((pipeline, for_rank(source.endpoint, rank)))
@@ -487,10 +498,10 @@ class Bridge:
             self._reader_tasks[key] = self._watch(asyncio.create_task(reader.run(), name=f"source:{key}"))
             await pipeline.start()
 
-    def _note_instances(self) -> None:
+    def _collect(self) -> None:
         """Tell the checkpoint each running stream's instance, where its publisher's UUID makes it
-        certain, and how far the instance was seen to publish (before every save, see
-        CheckpointStore.collect)."""
+        certain, how far the instance was seen to publish, and how far each sink that can tell
+        stored it (before every save, see CheckpointStore.collect)."""
         note, published = self.checkpointer.note_instance, self.checkpointer.note_published
         for key, pipeline in self.pipelines.items():
             sequencer = pipeline.sequencer
@@ -498,6 +509,24 @@ class Bridge:
             if instance is not None:
                 note(key, sequencer.epoch, instance, sequencer.retired_instances)
             published(key, sequencer.epoch, pipeline.resume_point()[1])
+        for conn in self._stored_by:
+            through = conn.stored_through  # type: ignore[attr-defined]
+            for key, pipeline in self.pipelines.items():
+                position = through(pipeline.stream)
+                if position is not None:
+                    self.checkpointer.note_stored(key, conn.name, position)
+
+    def _resume_stored(self, stream: Stream, resume: ckpt.StreamPosition | None) -> None:
+        """Before ``stream`` starts from the checkpoint file (without from_sinks): each sink without
+        state whose connector tells what it stored is told what an earlier run saw it store, to
+        check at its next write that it still holds it (``stored_before``, see bridge.connector; I6
+        for a loss while no bridge ran), and where the stream resumes (what it lost after that
+        comes again, or is announced to every sink as a gap)."""
+        for conn in self._stored_by:
+            position = self.checkpointer.stored_through(stream.key, conn.name)
+            if position is not None:
+                again = (resume.epoch, resume.seq) if resume is not None else None
+                conn.stored_before(stream, position, again)  # type: ignore[attr-defined]
 
     async def remove_source(self, name: str) -> None:
         """Stop reading every rank of source ``name``; what it delivered stays checkpointed."""

@@ -1012,6 +1012,9 @@ class RedisConnector:
         # EPOCHS_REMEMBERED): (entry id, from_seq, to_seq), announced again when Redis loses them
         self._held_announces: dict[str, list[tuple[str, int, int]]] = {}
         self._written: dict[str, tuple[str, str]] = {}
+        # per stream key whose _held an earlier run's checkpoint gave (stored_before): (epoch, seq)
+        # where its stream resumed, the entries after it being written again (not announced lost)
+        self._resent: dict[str, tuple[int, int]] = {}
         self._state_lost: dict[str, int] = {}
         self._warned: set[str] = set()  # durability problems logged (see _warn_durability)
 
@@ -1398,6 +1401,39 @@ class RedisConnector:
             out.update(dict.fromkeys(await self._unwritten(empty, keys)))
         return out
 
+    def _one_key(self, stream: Stream) -> str | None:
+        """The one key ``stream``'s messages go to, None when its template spreads it over keys
+        (``{type}``, ``{epoch}``)."""
+        if any(f in self._stream.fields for f in ("type", "epoch")):
+            return None
+        return self._stream.render(_sample_of(stream))
+
+    def stored_through(self, stream: Stream) -> tuple[int, int, int] | None:
+        """The position of the last entry stored of ``stream`` (bridge.connector; the checkpoint
+        keeps it for the next run's ``stored_before``), when its messages go to one key."""
+        keys = self._keys.get(stream.key)  # (the keys the stream claimed: its stream key, its index's)
+        if not keys or any(f in self._stream.fields for f in ("type", "epoch")):
+            return None
+        held = next((self._held[k] for k in reversed(keys) if k in self._held), None)  # (index keys hold none)
+        return entry_position(held) if held is not None else None
+
+    def stored_before(self, stream: Stream, position: tuple[int, int, int], resume: tuple[int, int] | None) -> None:
+        """An earlier run stored ``stream``'s entries up to ``position`` (bridge.connector): its key
+        must still hold it, checked at the stream's next write and by ``audit`` (I6), as if this
+        process had stored it. What Redis lost meanwhile is then announced (SinkLost), up to
+        ``resume``: the entries after it are written again."""
+        key = self._one_key(stream)
+        if key is None:
+            return
+        try:
+            ident = entry_id(position)
+        except ValueError:
+            return  # (not an id this connector writes: a checkpoint edited by hand)
+        if self._claim(stream, key, "stream") is None and key not in self._held:
+            self._held[key] = ident
+            if resume is not None:
+                self._resent[key] = resume
+
     async def _unwritten(self, streams: list[Stream], keys: dict[str, str]) -> list[str]:
         """Of ``streams``, whose stream keys hold no entry, the keys (``Stream.key``) of those that
         were never written, as far as Redis tells: no stream key (an empty one had entries, trimmed
@@ -1679,9 +1715,11 @@ class RedisConnector:
         at: dict[tuple[str, int, int, int], int] = {}
         placed: list[tuple[tuple[str, int, int, int], int, int, int | None]] = []
         lines = []
+        resent: tuple[int, int] | None = None
         for raw_key, raw_top in zip(found[::2], found[1::2], strict=True):
             key, top = _text(raw_key), _text(raw_top)
             want = self._held.pop(key)
+            resent = self._resent.pop(key, resent)
             before = self._held_before.pop(key, [])
             announces = self._held_announces.pop(key, [])
             lines.append(f"{key} holds {top or 'nothing'}, below {want} it stored")
@@ -1715,6 +1753,13 @@ class RedisConnector:
                 if first <= slot - 1:
                     low, high = spans.get(epoch, (first, slot - 1))
                     spans[epoch] = (min(low, first), max(high, slot - 1))
+        if resent is not None:
+            # Held as an earlier run stored it (stored_before): what follows the stream's resume
+            # point comes again, written after this announcement.
+            spans = {
+                e: (low, min(high, resent[1]) if e == resent[0] else high) for e, (low, high) in spans.items() if e <= resent[0]
+            }
+            spans = {e: (low, high) for e, (low, high) in spans.items() if low <= high}
         for span_key, epoch, where, at_top in placed:
             at[span_key] = at_top if epoch in spans and spans[epoch][1] == where and at_top is not None else where
         message = (
@@ -1745,6 +1790,7 @@ class RedisConnector:
                 old = next(iter(keys))
                 del keys[old]
                 self._held.pop(old, None)
+                self._resent.pop(old, None)
                 self._held_before.pop(old, None)
                 self._held_announces.pop(old, None)
                 if self._owners.get(old) == stream:
@@ -1779,6 +1825,7 @@ class RedisConnector:
                         before.append(last)
                         del before[: -(EPOCHS_REMEMBERED - 1)]
                     self._held[key] = what
+                    self._resent.pop(key, None)
                     if what in call.announces:
                         announces = self._held_announces.setdefault(key, [])
                         announces.append((what, *call.announces[what]))

@@ -623,6 +623,73 @@ async def test_entries_redis_lost_while_no_bridge_ran_are_announced_at_the_next_
             (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
 
 
+@pytest.mark.parametrize(
+    ("restart", "granularity", "resume"),
+    [(r, g, "acknowledged") for r in ("snapshot", "empty") for g in ("batch", "event")]
+    + [("snapshot", "event", "below"), ("intact", "event", "acknowledged")],
+)
+async def test_entries_an_events_only_sink_lost_while_no_bridge_ran_are_announced_at_the_next_start(
+    tmp_path: Path, forgetful_redis: RedisServer, restart: str, granularity: str, resume: str
+) -> None:
+    """Issue 29 (note 48, left alone): a sink without state lost entries while no bridge ran (Redis
+    back from an older snapshot, or empty). The next bridge read nothing back (no state to read),
+    expected nothing of the key, and wrote on top: the entries lost were never announced. Now the
+    checkpoint keeps the last entry each such sink stored (``stored``), and the first write checks
+    the key still holds it: the span lost is announced (sink_lost:out) ahead of the stream's next
+    entries. Where the stream resumes below what the sink stored (``below``: another sink was
+    behind), only the seqs up to the resume point are announced; the rest are written again. An
+    intact Redis gets no announcement and no copy."""
+    prefix = f"kve{restart[0]}{granularity[0]}{resume[0]}"
+    live, rep = free_port(), free_port()
+    index = {"enabled": granularity == "event", "key": prefix + ":{source}:{dp_rank}:blocks"}  # (a key of the stream's too)
+    events_only = sink(forgetful_redis.url, prefix, state={"enabled": False}, granularity=granularity, index=index)
+    cfg = in_process(
+        tmp_path, [("a", live, rep)], events_only, checkpoint={"path": str(tmp_path / "cp.json"), "interval": "100ms"}
+    )
+    client = aioredis.Redis.from_url(forgetful_redis.url)
+    key = f"{prefix}:a:0"
+    async with CacheEngine(live, rep, seed=13) as engine:
+        try:
+            first = Bridge(cfg)
+            await first.start()
+            try:
+                await engine.wait_subscribed()
+                kept, acknowledged = await around_a_snapshot(client, prefix, engine, save=restart != "empty")
+            finally:
+                await first.stop()
+            saved = json.loads((tmp_path / "cp.json").read_text())
+            stored = saved.get("stored", {}).get("a/0", {}).get("out")
+            if resume == "below":  # as if a second sink had acknowledged only up to kept + 3
+                saved["streams"]["a/0"]["seq"] = kept + 3
+                saved["streams"]["a/0"].pop("ts", None), saved["streams"]["a/0"].pop("crc", None)
+                (tmp_path / "cp.json").write_text(json.dumps(saved))
+            if restart != "intact":
+                client = await restarted(forgetful_redis, client)
+                assert await top_seq(client, key) == (kept if kept >= 0 else None)
+            second = Bridge(cfg)
+            await second.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(5)
+                await settled(client, prefix, engine, "a")
+            finally:
+                await second.stop()
+            back = await read_redis(forgetful_redis.url, [key])
+            present = [seq for _, _, seq, _, kind in back.rows if kind not in ("SourceReset", "EventsLost")]
+            if restart == "intact":
+                assert not back.lost, back.lost
+                assert len(set(back.rows)) == len(back.rows) and set(present) == set(range(engine.last_seq + 1))
+            elif resume == "below":
+                assert [x for x in back.lost if x[3].startswith("sink_lost")] == [(0, kept + 1, kept + 3, "sink_lost:out")]
+                assert set(present) == set(range(engine.last_seq + 1)) - set(range(kept + 1, kept + 4))
+            else:
+                lost_exactly(back, kept, acknowledged, engine.last_seq)
+            assert stored is not None and stored[1] == acknowledged + 1, stored  # (a slot is seq + 1)
+        finally:
+            await client.aclose()
+            (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
+
+
 @pytest.mark.parametrize("sinks", ["one", "two"])
 async def test_an_older_epochs_lost_tail_is_announced_at_start_to_the_sink_that_lost_it(
     tmp_path: Path, forgetful_redis: RedisServer, redis_server: RedisServer, sinks: str

@@ -134,6 +134,7 @@ def test_the_file_is_the_documented_json(tmp_path: Path) -> None:
             ended={KEY: StreamPosition(1013380, 977)},
             state_sinks=["redis"],
             published={KEY: StreamPosition(1013402, 1050)},
+            stored={KEY: {"redis": (1013402, 1051, 2**64 - 1)}},
         ),
     )
     assert path.read_bytes() == (
@@ -142,8 +143,10 @@ def test_the_file_is_the_documented_json(tmp_path: Path) -> None:
         b'"epochs":{"b/1":7,"llama-a/0":1013402},"opened":{},'
         b'"instances":{"llama-a/0":{"epoch":1013402,"id":"5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f"}},'
         b'"ended":{"llama-a/0":{"epoch":1013380,"seq":977}},"state_sinks":["redis"],'
-        b'"published":{"llama-a/0":{"epoch":1013402,"seq":1050}}}'
+        b'"published":{"llama-a/0":{"epoch":1013402,"seq":1050}},'
+        b'"stored":{"llama-a/0":{"redis":[1013402,1051,18446744073709551615]}}}'
     )
+    assert load(path).stored == {KEY: {"redis": (1013402, 1051, 2**64 - 1)}}
 
 
 def test_a_file_of_the_release_before_without_published_is_read(tmp_path: Path) -> None:
@@ -155,6 +158,12 @@ def test_a_file_of_the_release_before_without_published_is_read(tmp_path: Path) 
     cp.note_published(KEY, 5, 19)
     cp.note_published(KEY, 5, 12)  # (lower: kept at 19)
     assert (cp.published_top(KEY, 5), cp.published_top(KEY, 6)) == (19, None)
+    assert cp.stored_through(KEY, "redis") is None  # (``stored`` came later still)
+    cp.note_stored(KEY, "redis", (5, 20, 0))
+    cp.note_stored(KEY, "redis", (5, 13, 0))  # (lower: kept)
+    assert cp.stored_through(KEY, "redis") == (5, 20, 0) and cp.snapshot()[1].stored == {KEY: {"redis": (5, 20, 0)}}
+    cp.forget(KEY, 0.0)
+    assert cp.stored_through(KEY, "redis") is None
 
 
 def test_save_creates_missing_parent_directories(tmp_path: Path) -> None:
