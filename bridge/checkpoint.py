@@ -23,11 +23,12 @@ what it held. ``published`` holds the highest seq the bridge saw the instance of
 newest epoch publish (live, replayed or claimed by a heartbeat), past what every sink
 acknowledged: a bridge that crashed and finds at its next start that the engine restarted
 meanwhile announces the seqs between as lost in that epoch, rather than nothing (I3).
-``stored`` holds, per stream and sink, the position (epoch, slot, sub: ``Message.position``) of the
-last message the sink was seen to store, for a connector that can tell (``stored_through``, see
-bridge.connector): the next run leaves out what the sink holds and has it check that it still
-does, so a loss while no bridge ran (a key deleted, a restart from an older snapshot) is
-announced (I6).
+``stored`` holds, per stream and sink, a mark of the last message the sink was seen to store,
+for a connector that can tell (``stored_through``, see bridge.connector; integers only that
+connector reads, growing along the stream: Redis the position (epoch, slot, sub) of the stream
+key's last entry, Kafka the stream's last (epoch, seq) and its partition's end offset then): the
+next run has the sink check that it still holds it, so a loss while no bridge ran (a key or topic
+deleted, a restart from an older snapshot) is announced (I6).
 ``instances`` holds, for a stream whose publisher sends its lifetime UUID (vLLM #57789), the UUID
 of its instance in its newest epoch, known for certain, and those of the instances before it: a
 stream resumed in that epoch knows its instance at the first message, with or without a replay
@@ -139,7 +140,7 @@ class CheckpointFile(msgspec.Struct):
     ended: dict[str, StreamPosition] = msgspec.field(default_factory=dict)
     state_sinks: list[str] = msgspec.field(default_factory=list)  # (none in a file of an earlier release)
     published: dict[str, StreamPosition] = msgspec.field(default_factory=dict)  # (likewise)
-    stored: dict[str, dict[str, tuple[int, int, int]]] = msgspec.field(default_factory=dict)  # (likewise)
+    stored: dict[str, dict[str, tuple[int, ...]]] = msgspec.field(default_factory=dict)  # (likewise)
 
 
 class CheckpointError(BridgeError):
@@ -225,7 +226,7 @@ class Checkpointer:
         # Per stream, the highest seq its newest epoch's instance was seen to publish (note_published).
         self.published: dict[str, StreamPosition] = dict(loaded.published) if loaded else {}
         # Per stream and sink name, the last message position the sink was seen to store (note_stored).
-        self.stored: dict[str, dict[str, tuple[int, int, int]]] = {k: dict(v) for k, v in loaded.stored.items()} if loaded else {}
+        self.stored: dict[str, dict[str, tuple[int, ...]]] = {k: dict(v) for k, v in loaded.stored.items()} if loaded else {}
         # The state sinks of the run that saved the file (none named by an earlier release), and of this run.
         self.held_state: list[str] = list(loaded.state_sinks) if loaded else []
         self.state_sinks: list[str] = []
@@ -389,17 +390,17 @@ class Checkpointer:
         self.published[key] = StreamPosition(epoch, seq)
         self._generation += 1
 
-    def note_stored(self, key: str, sink: str, position: tuple[int, int, int]) -> None:
-        """Sink ``sink`` was seen to store ``key``'s messages up to ``position`` (see ``stored`` in
-        the module docstring); a lower position than the one known is ignored."""
+    def note_stored(self, key: str, sink: str, position: tuple[int, ...]) -> None:
+        """Sink ``sink`` was seen to store ``key``'s messages up to the mark ``position`` (see
+        ``stored`` in the module docstring); a lower mark than the one known is ignored."""
         known = self.stored.setdefault(key, {})
-        if known.get(sink, (-1, -1, -1)) >= position:
+        if known.get(sink, (-1,)) >= position:
             return
         known[sink] = position
         self._generation += 1
 
-    def stored_through(self, key: str, sink: str) -> tuple[int, int, int] | None:
-        """The position of the last message of ``key`` sink ``sink`` was seen to store, if known."""
+    def stored_through(self, key: str, sink: str) -> tuple[int, ...] | None:
+        """The mark of the last message of ``key`` sink ``sink`` was seen to store, if known."""
         return self.stored.get(key, {}).get(sink)
 
     def published_top(self, key: str, epoch: int) -> int | None:

@@ -52,16 +52,19 @@ connector that finds its losses by what this process stored (NATS: the spans its
 acknowledged) counts it as stored, so that a loss found before this process stores anything of
 the stream is announced too.
 
-Optional, for I6 across a restart, for a connector that can tell exactly what it stored (Redis:
-the last entry id of a stream's key): ``stored_through(stream)``, the ``Message.position`` of the
-last message of ``stream`` it stored (or was told of by ``stored_before``), None when it cannot
-tell; the runtime saves it in the checkpoint (``stored``). At the next start, for a sink without
-state and without ``checkpoint.from_sinks`` (those read back what the sink holds), the runtime
-calls ``stored_before(stream, position, resume)`` before the stream starts: the connector checks at
-its next write (and audit) that the sink still holds that message, and raises SinkLost for what it
-lost meanwhile (a key deleted, a restart from an older snapshot while no bridge ran), but only up
-to ``resume`` (epoch, seq), where the stream resumes: what follows is sent again (or announced to
-every sink as a gap). ``resume`` None: the stream starts afresh, nothing of it comes again.
+Optional, for I6 across a restart, for a connector that can tell exactly what it stored:
+``stored_through(stream)``, a mark of the last message of ``stream`` it stored (or was told of by
+``stored_before``): a tuple of integers that only it reads and that grows along the stream (Redis:
+the position of the stream key's last entry; Kafka: the stream's last epoch and seq in its
+partition and the partition's end offset then), None when it cannot tell. The runtime saves it in
+the checkpoint (``stored``). At the next start, for a sink without state and without
+``checkpoint.from_sinks`` (those read back what the sink holds), the runtime calls
+``stored_before(stream, mark, resume)`` before the stream starts: the connector checks at its next
+write (and audit) that the sink still holds what the mark says, and raises SinkLost for what it
+lost meanwhile (a key or topic deleted, a restart from an older snapshot while no bridge ran), but
+only up to ``resume`` (epoch, seq), where the stream resumes: what follows is sent again (or
+announced to every sink as a gap). ``resume`` None: the stream starts afresh, nothing of it comes
+again. A mark it does not read (another connector's) is ignored.
 
 Optional, for configs whose sinks would mix their messages: ``places(streams)``: where on its
 servers the sink writes, as ``(servers, place)`` pairs: ``servers`` a set of ``host:port`` (from

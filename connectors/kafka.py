@@ -486,6 +486,11 @@ class KafkaConnector:
         # per partition and stream: the last seq acknowledged there in each of its newest epochs (a
         # loss covers each: a crash-looping engine opens several between two writes)
         self._acked_streams: dict[tuple[str, int], dict[str, _Last]] = {}
+        # per stream, the events partition its last batch was acknowledged in (stored_through)
+        self._stream_tp: dict[str, tuple[str, int]] = {}
+        # per stream an earlier run's checkpoint told of (stored_before): (epoch, seq) where it
+        # resumes, what follows being sent again (not announced lost)
+        self._resent: dict[str, tuple[int, int]] = {}
         self._lost: dict[tuple[str, int], tuple[Stream, int, int, int]] = {}  # (stream key, epoch) -> span (SinkLost)
         self._lost_topics: set[str] = set()  # the topics those spans were lost from
         self.creates_nothing = False  # --check: connect() creates nothing (bridge.connector)
@@ -674,6 +679,39 @@ class KafkaConnector:
         if self._lost_states:
             await self._drop_heads(producer)
         self._raise_lost(stale=self._stale)
+
+    def stored_through(self, stream: Stream) -> tuple[int, ...] | None:
+        """The mark of the stream's last batch the broker acknowledged (bridge.connector; the
+        checkpoint keeps it for the next run's ``stored_before``): its (epoch, seq), its
+        partition and the partition's end offset then, when its topic is one."""
+        tp = self._stream_tp.get(stream.key)
+        last = self._acked_streams.get(tp, {}).get(stream.key) if tp is not None else None
+        end = self._acked.get(tp) if tp is not None else None
+        if last is None or not last.ends or end is None:
+            return None
+        epoch, seq = last.ends[-1]
+        return (epoch, seq, tp[1], end)  # type: ignore[index]  # (tp is set when last is)
+
+    def stored_before(self, stream: Stream, mark: tuple[int, ...], resume: tuple[int, int] | None) -> None:
+        """An earlier run had the broker acknowledge ``stream`` up to ``mark`` (bridge.connector):
+        remembered as if this process had written it, so the next write (which looks at the topic
+        again first) or audit finds a topic deleted, or created again, since (I6); the span lost
+        is announced up to ``resume``, where the stream resumes (what follows is sent again)."""
+        if len(mark) != 4 or any(f in self._topic.fields for f in ("type", "epoch")):
+            return
+        epoch, seq, partition, end = mark
+        topic = self._topic.render(sample_message(stream))
+        tp = (topic, partition)
+        if stream.key in self._stream_tp or end <= 0:
+            return  # (written by this process already: it knows better)
+        self._acked[tp] = max(self._acked.get(tp, 0), end)
+        last = self._acked_streams.setdefault(tp, {}).setdefault(stream.key, _Last(stream))
+        last.note(epoch, seq)
+        self._stream_tp[stream.key] = tp
+        if resume is not None:
+            self._resent[stream.key] = resume
+        self._known.add(topic)  # (deleted since: not auto-created by a metadata request, as in a run)
+        self._partitions.pop(topic, None)  # the next write looks at it again, before it sends
 
     def places(self, streams: Sequence[Stream]) -> list[tuple[frozenset[str], str]]:
         """The topics it writes, on its cluster (see bridge.connector: two sinks may not share one)."""
@@ -1618,7 +1656,12 @@ class KafkaConnector:
                 continue
             for key, last in streams.items():
                 self._lost_topics.add(tp[0])
+                resume = self._resent.pop(key, None)  # (told by stored_before: what follows is sent again)
                 for epoch, seq in last.ends:
+                    if resume is not None and (epoch, seq) > resume:
+                        if epoch > resume[0] or resume[1] < 0:
+                            continue
+                        seq = resume[1]
                     old = self._lost.get((key, epoch))
                     if old is None or seq > old[3]:
                         self._lost[(key, epoch)] = (last.stream, epoch, 0, seq)
@@ -1645,15 +1688,22 @@ class KafkaConnector:
             self._acked[tp] = end
         streams = self._acked_streams.setdefault(tp, {})
         record: Any = None
+        where = self._stream_tp if not state else None
+        resent = self._resent
         for i in chunk.indexes:
             r = messages[i].record
             if r is record or r.kind == "SourceReset":  # a reset says nothing of the seqs it opens
                 continue
             record = r
-            last = streams.get(r.stream.key)
+            key = r.stream.key
+            last = streams.get(key)
             if last is None:
-                last = streams[r.stream.key] = _Last(r.stream)
+                last = streams[key] = _Last(r.stream)
             last.note(r.epoch, r.seq)
+            if where is not None:
+                where[key] = tp
+                if resent:
+                    resent.pop(key, None)
 
     async def _check_state_topic(self, topic: str, partitions: list[int]) -> None:
         """Read the state topic's configs and its partitions' start offsets (at connect, at each

@@ -1417,16 +1417,16 @@ class RedisConnector:
         held = next((self._held[k] for k in reversed(keys) if k in self._held), None)  # (index keys hold none)
         return entry_position(held) if held is not None else None
 
-    def stored_before(self, stream: Stream, position: tuple[int, int, int], resume: tuple[int, int] | None) -> None:
+    def stored_before(self, stream: Stream, position: tuple[int, ...], resume: tuple[int, int] | None) -> None:
         """An earlier run stored ``stream``'s entries up to ``position`` (bridge.connector): its key
         must still hold it, checked at the stream's next write and by ``audit`` (I6), as if this
         process had stored it. What Redis lost meanwhile is then announced (SinkLost), up to
         ``resume``: the entries after it are written again."""
         key = self._one_key(stream)
-        if key is None:
+        if key is None or len(position) != 3:
             return
         try:
-            ident = entry_id(position)
+            ident = entry_id((position[0], position[1], position[2]))
         except ValueError:
             return  # (not an id this connector writes: a checkpoint edited by hand)
         if self._claim(stream, key, "stream") is None and key not in self._held:

@@ -336,6 +336,82 @@ async def test_a_kafka_events_topic_deleted_while_no_bridge_ran_is_announced_onc
     assert topics == "deleted_again_in_the_run" or not head["complete"]
 
 
+async def kafka_events_at(kafka: KafkaServer, topic: str, seq: int, within: float = 60) -> list[dict[str, Any]]:
+    """Stream a/0's messages in ``topic`` once one of batch ``seq`` is there."""
+    deadline = time.monotonic() + within
+    while True:
+        with contextlib.suppress(Exception):  # (the topic not there yet)
+            docs = await kafka_docs(kafka, topic)
+            if any(d["type"] not in ("EventsLost", "SourceReset") and d["seq"] == seq for d in docs):
+                return docs
+        assert time.monotonic() < deadline, f"{topic}: batch {seq} not written"
+        await asyncio.sleep(0.2)
+
+
+@pytest.mark.parametrize("case", ["deleted", "deleted_resumed_below", "intact"])
+async def test_a_kafka_events_topic_of_a_sink_without_state_deleted_while_no_bridge_ran_is_announced(
+    tmp_path: Path, kafka: KafkaServer, case: str
+) -> None:
+    """Note 48 (left alone): a sink without state reads nothing back at start, so its events topic
+    deleted while no bridge ran was created again and written on, and the batches it had
+    acknowledged were never announced (I6). Now the checkpoint keeps each such sink's last batch
+    acknowledged and its partition's end offset (``stored``), and the next start looks at the
+    topic again before its first write: EventsLost 0..acknowledged (sink_lost:k) comes first. Where
+    the stream resumes below that (another sink behind), only up to the resume point: the rest is
+    sent again. An intact topic gets no announcement."""
+    topic = f"kvs-events-{uuid.uuid4().hex[:10]}"
+    live, replay = free_port(), free_port()
+    made = {"enabled": True, "partitions": 1}
+    entry = sink(kafka, topic, "unused", granularity="batch", request_timeout="2s", create_topics=made, state={"enabled": False})
+    cfg = from_data(
+        {
+            "sources": [source("a", live, replay)],
+            "sinks": [entry],
+            "metrics": {"listen": ""},
+            "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+            "checkpoint": {"path": str(tmp_path / "cp.json"), "interval": "100ms"},
+            "replay": REPLAY,
+            "shutdown_timeout": "5s",
+        },
+        env={},
+    )
+    async with CacheEngine(live, replay, seed=48) as engine:
+        first = Bridge(cfg)
+        await first.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(10)
+            await kafka_events_at(kafka, topic, engine.last_seq)
+        finally:
+            await first.stop()
+        acked = engine.last_seq
+        saved = json.loads((tmp_path / "cp.json").read_text())
+        stored = saved.get("stored", {}).get("a/0", {}).get("k")
+        resume = acked
+        if case == "deleted_resumed_below":  # as if a second sink had acknowledged only up to seq 4
+            resume = 4
+            saved["streams"]["a/0"] = {"epoch": saved["streams"]["a/0"]["epoch"], "seq": resume}
+            (tmp_path / "cp.json").write_text(json.dumps(saved))
+        if case != "intact":
+            await delete_topic(kafka, topic)  # while no bridge runs
+        second = Bridge(cfg)
+        await second.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(5)
+            docs = await kafka_events_at(kafka, topic, engine.last_seq)
+        finally:
+            await second.stop()
+    lost = [(d["from_seq"], d["to_seq"], d["reason"]) for d in docs if d["type"] == "EventsLost"]
+    held = [d["seq"] for d in docs if d["type"] not in ("EventsLost", "SourceReset")]
+    if case == "intact":
+        assert not lost and sorted(set(held)) == list(range(engine.last_seq + 1))
+    else:
+        assert lost == [(0, resume, "sink_lost:k")] and docs[0]["type"] == "EventsLost", lost
+        assert held == list(range(resume + 1, engine.last_seq + 1))
+    assert stored is not None and stored[:3] == [saved["streams"]["a/0"]["epoch"], acked, 0], stored
+
+
 @pytest.mark.parametrize("mode", ["file", "from_sinks"])
 async def test_nats_memory_stream_lost_while_no_bridge_ran_two_epochs(
     tmp_path: Path, nats_server: NatsServer, reader: Client, mode: str
