@@ -774,8 +774,20 @@ class SinkWorker:
             r = m.record
             if id(r) in self._start_records and r.from_seq is not None:
                 starting.setdefault((r.stream.key, r.epoch), []).append((r.from_seq, r.lost_to))
-        for stream, epoch, whole_first, last in exc.spans:
+        # The lowest seq each (stream, epoch) of the write carries (a batch, or an announcement
+        # made since the start's): it comes again after the announcement, so it is not lost (seqs
+        # would go back in the epoch: I2; and be delivered as well as announced: I3).
+        carried: dict[tuple[str, int], int] = {}
+        for m in messages:
+            r = m.record
+            if r.kind != "SourceReset" and id(r) not in self._start_records:
+                at = (r.stream.key, r.epoch)
+                low = r.from_seq if r.kind == "EventsLost" and r.from_seq is not None else r.seq
+                if low < carried.get(at, low + 1):
+                    carried[at] = low
+        for stream, epoch, whole_first, whole_last in exc.spans:
             self._state_lost(stream)
+            last = min(whole_last, carried.get((stream.key, epoch), whole_last + 1) - 1)
             first = _past(starting.get((stream.key, epoch), ()), whole_first, last)
             if first > last or {(stream.key, epoch, whole_first, last), (stream.key, epoch, first, last)} & have:
                 continue  # (told at start, or by this write already)
@@ -791,7 +803,7 @@ class SinkWorker:
                 },
             )
             lost = events_lost(stream, epoch, first, last, reason, now)
-            lost.seq, lost.to_seq = max(last, exc.at.get((stream.key, epoch, whole_first, last), last)), last
+            lost.seq, lost.to_seq = max(last, exc.at.get((stream.key, epoch, whole_first, whole_last), last)), last
             self.metrics.announced_lost(lost)
             out.extend(self.renderer.render(lost))
         if starting:

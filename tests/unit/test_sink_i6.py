@@ -81,6 +81,39 @@ async def test_a_span_the_sink_lost_is_announced_to_it_ahead_of_the_write_which_
     assert worker.connected  # a loss is announced, not an outage
 
 
+async def test_a_lost_span_the_write_carries_again_is_announced_only_below_it(tmp_path: Path) -> None:
+    """Note 48 (left alone): a write's messages were stored and its state change failed; the retry
+    found the destination lost (a JetStream stream deleted, with the bucket) and the connector named
+    the span up to the last seq it had stored, the write's own among them. Announced whole, the
+    write's batches then came again after the EventsLost that covered them: seqs going back within
+    the epoch (I2), and delivered as well as announced (I3). Only what the write does not carry
+    again is announced."""
+    worker, conn, _acked, metrics = make(tmp_path, batch={"linger": 0, "max_messages": 8})
+    records = stream_records(STREAM, 5)
+    await fill(worker, records[:2])
+    worker.start()
+    assert await worker.flush(5)
+    conn.failures = [SinkLost("stream deleted", [(STREAM, 0, 0, 4)]), None]  # (2..4 had been stored, then lost)
+    await fill(worker, records[2:])
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    assert kinds(conn)[2:] == [("s/0", "EventsLost", 1), ("s/0", "batch", 2), ("s/0", "batch", 3), ("s/0", "batch", 4)]
+    assert conn.messages[2].record.control()["from_seq"] == 0
+    assert value(metrics, "kv_bridge_batches_lost_total", source="s", reason="sink_lost") == 2
+    # A span the write carries whole is announced not at all.
+    worker, conn, _acked, _metrics = make(tmp_path, batch={"linger": 0, "max_messages": 8})
+    await fill(worker, records[:2])
+    worker.start()
+    assert await worker.flush(5)
+    conn.failures = [SinkLost("stream deleted", [(STREAM, 0, 2, 4)]), None]
+    await fill(worker, records[2:])
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    assert [k for k in kinds(conn) if k[1] == "EventsLost"] == []
+
+
 class Raising(MemoryConnector):
     """Raises ``exc`` for every write holding a message of ``bad`` (seq of STREAM); while ``down``
     (counted down by each write and health check), every write raises and health() says so."""

@@ -818,16 +818,26 @@ async def test_a_loss_the_sink_reports_again_is_announced_once_even_where_it_sta
     ]
 
 
-async def test_a_loss_the_sink_reports_is_announced_even_beside_an_engine_loss_of_the_same_span(tmp_path: Path) -> None:
+async def test_a_loss_the_sink_reports_of_seqs_the_write_announces_itself_is_not_announced_twice(tmp_path: Path) -> None:
+    """The write carries an engine loss of seqs 0..1 (its announcement, lost with the sink, goes
+    again): the sink's own loss of 0..1 adds no second EventsLost over them (I3: one per seq), the
+    stream's state is cleared all the same; a loss reaching below the write's is announced below it."""
     worker, conn, _, _ = make(tmp_path, batch={"linger": 0})
+    cleared: list[Stream] = []
+    worker.writes_state, worker.on_state_lost = True, cleared.append
     engine_lost = events_lost(STREAM, 0, 0, 1, "replay_unavailable", 1.0)
     conn.failures = [SinkLost("stream reset", [(STREAM, 0, 0, 1)]), None]
     worker.start()
     await fill(worker, [engine_lost, STREAM_RECORDS[2]])
     assert await worker.flush(5)
+    later = events_lost(STREAM, 0, 4, 5, "replay_unavailable", 1.0)
+    conn.failures = [SinkLost("stream reset", [(STREAM, 0, 0, 5)]), None]
+    await fill(worker, [later, STREAM_RECORDS[6]])
+    assert await worker.flush(5)
     await done(worker)
-    reasons = [m.record.reason for m in conn.messages if m.record.kind == "EventsLost"]
-    assert reasons == ["sink_lost:mem", "replay_unavailable"]
+    told = [(m.record.reason, m.record.from_seq, m.record.lost_to) for m in conn.messages if m.record.kind == "EventsLost"]
+    assert told == [("replay_unavailable", 0, 1), ("sink_lost:mem", 0, 3), ("replay_unavailable", 4, 5)]
+    assert [s.key for s in cleared] == [STREAM.key, STREAM.key]
 
 
 async def test_a_write_whose_only_refusal_is_a_state_change_brings_the_sink_up(
