@@ -20,7 +20,7 @@ from .wire import END_SEQ, ReplayReply, parse_replay
 
 
 class ReplayOutcome:
-    """How a replay ended: ``complete`` (end marker or ``until`` reached) or a timeout."""
+    """How a replay ended: ``complete`` (end marker or ``until`` reached, no reply skipped) or not."""
 
     def __init__(self) -> None:
         self.complete = False
@@ -62,7 +62,8 @@ async def replay(
 ) -> AsyncIterator[ReplayReply]:
     """Yield the replies of one replay request; ``outcome`` says how it ended. A reply whose topic
     frame does not start with ``topic`` (the source's) is skipped and counted: the source drops
-    such live messages as another topic's (``wrong_topic``), so replay must not deliver them.
+    such live messages as another topic's (``wrong_topic``), so replay must not deliver them. An
+    answer that skipped a reply (that, or one it cannot parse) is not complete at its end marker.
 
     At most ``max_buffered`` replies wait in ZMQ's receive buffer while the stream is busy (a
     full sink queue): the engine's ROUTER drops the rest, the reply stream goes silent, and the
@@ -86,7 +87,11 @@ async def replay(
                 outcome.bad_replies += 1
                 continue
             if reply.end:
-                outcome.complete = True
+                # Complete only when no reply was skipped: one that could not be read, or came
+                # under another topic, may have been a batch the stream needs (that one was
+                # "not there" would read as a new instance: uncertain, as silence is). Likewise
+                # when the last one needed came (below).
+                outcome.complete = not (outcome.bad_replies or outcome.foreign)
                 return
             if topic and reply.topic is not None and not reply.topic.startswith(topic):
                 outcome.foreign += 1
@@ -94,7 +99,7 @@ async def replay(
             outcome.replies += 1
             yield reply
             if 0 <= until <= reply.seq:
-                outcome.complete = True
+                outcome.complete = not (outcome.bad_replies or outcome.foreign)
                 return
     finally:
         sock.close(linger=0)

@@ -8,7 +8,8 @@ Each example is a script of 8-20 steps:
   replay buffer has them;
 - ``("restart", k)``: the engine restarts on the same ports and publishes k hidden batches
   before the bridge's SUB is back;
-- ``("replay", mode)``: the replay socket answers / ignores / drops its end marker / answers half;
+- ``("replay", mode)``: the replay socket answers / ignores / drops its end marker / answers half
+  / answers in frames the bridge cannot read (then its end marker);
 - ``("slide", n)``: publish ``BUFFER + n`` hidden batches, sliding the replay buffer;
 - ``("wait", s)``: let the bridge run for s seconds.
 
@@ -64,7 +65,7 @@ BUFFER = 8  # the engine's replay buffer, in batches
 QUIET_STEPS = 3  # steps a non-answering replay mode lasts at most
 # As in test_compound_faults: replays time out fast, with attempts enough to span a restart.
 REPLAY = {"timeout": "300ms", "max_attempts": 20, "initial_backoff": "50ms", "max_backoff": "200ms", "idle_probe": 0}
-MODES: list[ReplayMode] = ["answer", "ignore", "drop_end_marker", "half"]
+MODES: list[ReplayMode] = ["answer", "ignore", "drop_end_marker", "half", "garbled"]
 
 Step = tuple[str, Any]
 STEP = st.one_of(

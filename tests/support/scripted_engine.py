@@ -26,7 +26,7 @@ from bridge.simulator import PROFILES, EventFactory, encode_batch
 from bridge.snapshot import REQUEST as SNAPSHOT_REQUEST
 from bridge.wire import END_SEQ
 
-ReplayMode = Literal["answer", "ignore", "drop_end_marker", "half"]
+ReplayMode = Literal["answer", "ignore", "drop_end_marker", "half", "garbled"]
 PROFILE = PROFILES["vllm-0.33.0"]
 MARK = 10**6  # block hash marker: instance * MARK + seq
 
@@ -50,7 +50,9 @@ class ScriptedEngine:
     """``async with ScriptedEngine(live_port, replay_port) as engine:`` then drive it step by step.
 
     ``replay`` (settable at any time): ``answer``; ``ignore``; ``drop_end_marker`` (every reply,
-    then silence); ``half`` (the first half of the replies, then silence). ``buffer_steps``: the
+    then silence); ``half`` (the first half of the replies, then silence); ``garbled`` (every reply
+    with a frame more than the protocol has, which the bridge cannot read, then the end marker:
+    it must not take that for "nothing there"). ``buffer_steps``: the
     replay buffer keeps the last that many batches. ``uuid``: 24-byte sequence frames, seq and
     each instance's lifetime UUID (vLLM #57789).
     """
@@ -205,9 +207,10 @@ class ScriptedEngine:
             replies = [(s, p) for s, p in self._buffer if s >= start] if mode != "ignore" else []
             if mode == "half":
                 replies = replies[: len(replies) // 2]
+            extra = [b"?"] if mode == "garbled" else []
             for seq, payload in replies:
-                await router.send_multipart([ident, b"", b"", seq.to_bytes(8, "big") + uuid, payload])
-            if mode == "answer":
+                await router.send_multipart([ident, b"", b"", seq.to_bytes(8, "big") + uuid, payload, *extra])
+            if mode in ("answer", "garbled"):
                 await router.send_multipart([ident, b"", b"", END_SEQ.to_bytes(8, "big"), b""])
             self.requests.append((instance, start))
 
