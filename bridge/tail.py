@@ -287,7 +287,8 @@ async def wire_shape(
     publisher UUID (vLLM #57789), and the producer shape its payload has; "nothing within ..." for
     an idle engine. Listens as the run does, to every topic: messages only under other topics are
     no idle engine but perhaps a wrong ``topic`` (the run would receive nothing, reason
-    ``wrong_topic``). Second: the problem, with its fix (nothing of the message could be
+    ``wrong_topic``); an idle heartbeat is read past, to the first batch within ``timeout``. Second:
+    the problem, with its fix (nothing of the message could be
     decoded: its frames, its batch, or any of its events; or a frame over ``max_frame_bytes``,
     the run's ``ingest.max_frame_bytes``, at which ZMQ drops the connection: this listener reads
     past it to say so; or a ``replay_endpoint`` that answers for the message's seq with another
@@ -296,6 +297,7 @@ async def wire_shape(
     sub = ctx.socket(zmq.SUB)
     own, foreign = topic.encode(), list[str]()
     frames: list[bytes] | None = None
+    beat: list[bytes] | None = None  # an idle heartbeat: said only if no batch follows in time
     try:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.MAXMSGSIZE, max(64 << 20, max_frame_bytes))
@@ -305,6 +307,11 @@ async def wire_shape(
         while (left := deadline - time.monotonic()) > 0 and await sub.poll(max(1, int(left * 1000))):
             got = await sub.recv_multipart()
             if got[0].startswith(own):
+                if beat is None and _heartbeat(got):
+                    beat = got  # (the batches that follow tell whether the run can read them)
+                    continue
+                if beat is not None and _heartbeat(got):
+                    continue
                 frames = got
                 break
             seen = got[0][:64].decode(errors="replace")
@@ -313,6 +320,8 @@ async def wire_shape(
     finally:
         sub.close(linger=0)
         ctx.destroy(linger=0)
+    if frames is None and beat is not None:
+        frames = beat
     if frames is None:
         if foreign:
             said = f"{foreign_topics(foreign, topic)} within {timeout:g}s"
@@ -353,6 +362,14 @@ async def wire_shape(
     if replay_endpoint is None:
         return said, None
     return said, await foreign_replay(replay_endpoint, f.seq, f.payload, timeout, max(64 << 20, max_frame_bytes))
+
+
+def _heartbeat(frames: list[bytes]) -> bool:
+    """Whether a live message is an idle heartbeat (it says nothing of the batches' shape)."""
+    try:
+        return wire.parse_live(frames).heartbeat
+    except DecodeError:
+        return False
 
 
 async def foreign_replay(endpoint: str, seq: int, payload: bytes, timeout: float, max_frame_bytes: int) -> str | None:

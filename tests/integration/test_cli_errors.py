@@ -484,6 +484,36 @@ async def test_check_refuses_an_engine_whose_first_batch_cannot_be_decoded(tmp_p
     assert "config ok" not in proc.stdout.splitlines()
 
 
+async def test_check_reads_past_an_idle_heartbeat_to_the_engines_first_batch(tmp_path: Path) -> None:
+    """breaker83 B2: a vLLM #57789 engine sent an idle heartbeat first, then only batches the bridge
+    cannot decode: --check described the heartbeat, said "config ok" (exit 0), and the run
+    delivered nothing. It reads past a heartbeat to the first batch within its window."""
+    live, rep = free_ports(2)
+    config = {
+        "sources": [{"name": "e", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}],
+        "sinks": [{"type": "file", "path": str(tmp_path / "out.jsonl")}],
+        "checkpoint": {"path": str(tmp_path / "checkpoint.json")},
+    }
+
+    async def publish(engine: ScriptedEngine) -> None:
+        while True:
+            await engine.publish(1, payload=b"")  # (an idle heartbeat)
+            await asyncio.sleep(0.3)
+            await engine.publish(1, payload=b"\xc1 not msgpack")
+            await asyncio.sleep(0.05)
+
+    async with ScriptedEngine(live, rep, uuid=True) as engine:
+        publisher = asyncio.create_task(publish(engine))
+        try:
+            proc = await check_config(tmp_path, config)
+        finally:
+            publisher.cancel()
+            await asyncio.gather(publisher, return_exceptions=True)
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert "an undecodable batch (bad_msgpack: " in proc.stderr, proc.stderr
+    assert "config ok" not in proc.stdout.splitlines()
+
+
 async def test_check_refuses_an_engine_whose_first_message_is_over_max_frame_bytes(tmp_path: Path) -> None:
     """breaker66 B1: --check read the first message with a 64 MiB limit, printed it and said "config
     ok"; the run, with ``ingest.max_frame_bytes`` 1 KiB, read nothing (ZMQ drops the connection at
