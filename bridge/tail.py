@@ -88,13 +88,6 @@ async def tail(
 
     def emit(rank: int, seq: int, payload: bytes) -> None:
         nonlocal printed
-        try:
-            batch = wire.decode_batch(payload)
-        except DecodeError as exc:
-            _note(f"rank {rank} seq {seq}: undecodable batch ({exc})")
-            return
-        for bad in batch.bad_events:
-            _note(f"rank {rank} seq {seq}: bad event {bad.index} ({bad.reason})")
         before = last.get(rank)
         if before is not None and seq > before + 1:
             fetch = f"--from-seq {before + 1}" if replay_endpoint else "--replay-endpoint, --from-seq"
@@ -108,6 +101,13 @@ async def tail(
             else:
                 _note(f"rank {rank}: seq went back from {before} to {seq}: the engine restarted (or a replay repeats)")
         last[rank] = max(seq, before) if before is not None and instances.get(rank) is not None else seq
+        try:  # (after the seq is noted: an undecodable batch was received all the same, not missed)
+            batch = wire.decode_batch(payload)
+        except DecodeError as exc:
+            _note(f"rank {rank} seq {seq}: undecodable batch ({exc})")
+            return
+        for bad in batch.bad_events:
+            _note(f"rank {rank} seq {seq}: bad event {bad.index} ({bad.reason})")
         record = Record(
             stream=Stream(endpoint, batch.dp_rank if batch.dp_rank is not None else rank),
             epoch=0,

@@ -273,6 +273,43 @@ async def test_tail_marks_the_gaps_it_sees() -> None:
     assert "stopped sending its UUID" not in err, err
 
 
+async def test_tail_calls_an_undecodable_batch_received_not_missed() -> None:
+    """breaker83 B4: seqs 0, 1, 2 with 1 undecodable: tail said so, then "gap: seq 1..1 missed (...
+    the engine's replay socket keeps them)", which was false: it had received seq 1."""
+    import zmq
+    import zmq.asyncio
+
+    from bridge.simulator import PROFILES, EventFactory, encode_batch
+
+    profile = PROFILES["vllm-0.33.0"]
+    factory = EventFactory(profile)
+    (port,) = free_ports(1)
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        tail = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bridge", "tail", f"tcp://127.0.0.1:{port}", "--count", "2",
+            cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert await pub.poll(30_000), "tail did not subscribe"
+        await pub.recv()
+        await asyncio.sleep(0.3)
+        batches = [encode_batch(profile, time.time(), [factory.stored_event()]), b"\xc1 not msgpack"]
+        batches.append(batches[0])
+        for seq, data in enumerate(batches):
+            await pub.send_multipart([b"", seq.to_bytes(8, "big"), data])
+            await asyncio.sleep(0.05)
+        _, stderr = await asyncio.wait_for(tail.communicate(), 60)
+    finally:
+        pub.close(linger=0)
+        ctx.destroy(linger=0)
+    err = stderr.decode()
+    assert tail.returncode == 0 and "rank 0 seq 1: undecodable batch" in err, err
+    assert "gap:" not in err, err
+
+
 async def test_tail_shows_the_publisher_uuid_and_a_certain_restart() -> None:
     """vLLM #57789 frames: tail names the publisher's UUID, a new one as a certain restart, and
     reads an idle heartbeat (an empty payload) as the next seq, not as a batch."""
