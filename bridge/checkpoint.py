@@ -9,7 +9,7 @@ Saved atomically (write to a temp file, fsync, rename, fsync the directory) as J
      "instances": {"llama-a/0": {"epoch": 1013402, "id": "5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f"}},
      "ended": {"llama-a/0": {"epoch": 1013380, "seq": 977}},
      "published": {"llama-a/0": {"epoch": 1013402, "seq": 1050}},
-     "stored": {"llama-a/0": {"redis": [1013402, 1051, 18446744073709551615]}},
+     "stored": {"llama-a/0": {"redis": [1013402, 1051, 18446744073709551615, 2285210148]}},
      "state_sinks": ["redis"]}
 
 ``ts`` and ``crc`` fingerprint the batch at ``seq`` (engine ts, CRC-32 of its payload): on resume
@@ -23,11 +23,12 @@ what it held. ``published`` holds the highest seq the bridge saw the instance of
 newest epoch publish (live, replayed or claimed by a heartbeat), past what every sink
 acknowledged: a bridge that crashed and finds at its next start that the engine restarted
 meanwhile announces the seqs between as lost in that epoch, rather than nothing (I3).
-``stored`` holds, per stream and sink, a mark of the last message the sink was seen to store,
-for a connector that can tell (``stored_through``, see bridge.connector; integers only that
-connector reads, growing along the stream: Redis the position (epoch, slot, sub) of the stream
-key's last entry, Kafka the stream's last (epoch, seq) and its partition's end offset then): the
-next run has the sink check that it still holds it, so a loss while no bridge ran (a key or topic
+``stored`` holds, per stream and sink, a mark of what the sink was seen to store, for a
+connector that can tell (``stored_through``, see bridge.connector; integers only that connector
+reads: Redis the positions of the stream key's last entry and of each earlier epoch's last one,
+Kafka the last seq of each epoch in the stream's partition and its end offset, NATS the last seq
+of each epoch and the events stream's last sequence and creation time): the next run has the
+sink check that it still holds it, so a loss while no bridge ran (a key, topic or stream
 deleted, a restart from an older snapshot) is announced (I6).
 ``instances`` holds, for a stream whose publisher sends its lifetime UUID (vLLM #57789), the UUID
 of its instance in its newest epoch, known for certain, and those of the instances before it: a
@@ -392,12 +393,19 @@ class Checkpointer:
 
     def note_stored(self, key: str, sink: str, position: tuple[int, ...]) -> None:
         """Sink ``sink`` was seen to store ``key``'s messages up to the mark ``position`` (see
-        ``stored`` in the module docstring); a lower mark than the one known is ignored."""
+        ``stored`` in the module docstring; a lower one than before after the sink lost some)."""
         known = self.stored.setdefault(key, {})
-        if known.get(sink, (-1,)) >= position:
+        if known.get(sink) == position:
             return
         known[sink] = position
         self._generation += 1
+
+    def forget_stored(self, key: str, sink: str) -> None:
+        """What sink ``sink`` stored of ``key`` is no longer known (it lost it, or the mark was not
+        its own): no mark of it is saved."""
+        known = self.stored.get(key)
+        if known is not None and known.pop(sink, None) is not None:
+            self._generation += 1
 
     def stored_through(self, key: str, sink: str) -> tuple[int, ...] | None:
         """The mark of the last message of ``key`` sink ``sink`` was seen to store, if known."""

@@ -57,8 +57,9 @@ Optional, for I6 across a restart, for a connector that can tell exactly what it
 ``stored_before``): a tuple of integers that only it reads and that grows along the stream (Redis:
 the position of the stream key's last entry; Kafka: the stream's last epoch and seq in its
 partition and the partition's end offset then), None when it cannot tell. The runtime saves it in
-the checkpoint (``stored``). At the next start, for a sink without state and without
-``checkpoint.from_sinks`` (those read back what the sink holds), the runtime calls
+the checkpoint (``stored``). At the next start, for a sink without state (a state sink's is read
+back) and, with ``checkpoint.from_sinks``, only one whose ``positions`` said it holds nothing of
+the stream (else the stream resumes by what it holds), the runtime calls
 ``stored_before(stream, mark, resume)`` before the stream starts: the connector checks at its next
 write (and audit) that the sink still holds what the mark says, and raises SinkLost for what it
 lost meanwhile (a key or topic deleted, a restart from an older snapshot while no bridge ran), but
@@ -119,8 +120,9 @@ Optional, for the live-block state (``state:`` in a sink's options; docs/output/
   stream of which ``positions()`` finds nothing, beside a state that is not behind, counts as
   lost only if the connector knows its own limits did not remove it: the class sets
   ``nothing_held_is_known = True`` (Kafka: "nothing" only of a partition that starts at offset 0,
-  or a topic gone), or ``read_state`` adds its key to the set ``records_gone`` (NATS: the events
-  stream found created again, or gone).
+  or a topic gone), or ``read_state`` or ``positions`` adds its key to the set ``records_gone``
+  (NATS: the events stream found created again, or gone; Redis: the stream key found empty, or
+  gone while the stream's state hash or index set is there).
 
 The delivery contract (design.md, "Delivery"), kept by the runtime and this API together:
 
@@ -156,7 +158,7 @@ import importlib.metadata
 import os
 import re
 import ssl
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Protocol, runtime_checkable
 
@@ -563,6 +565,26 @@ def rendered(render: Callable[[Message], str], template: Template, streams: Sequ
     return [template.text, *sorted(names - {template.text})]
 
 
+def resent_spans(
+    stream: Stream, ends: Iterable[tuple[int, int]], resume: tuple[int, int] | None
+) -> list[tuple[Stream, int, int, int]]:
+    """What a sink lost of ``stream`` that an earlier run's checkpoint told it of (``stored_before``),
+    for a connector that cannot tell where its copy started (each epoch from seq 0): ``ends`` the
+    last seq of each epoch it held, ``resume`` where the stream resumes (epoch, seq; None: afresh).
+    The seqs after ``resume`` in its epoch come again, written after the announcement; an epoch
+    later than the resume epoch (the sink was ahead of another, across an engine restart) would be
+    announced before the resumed epoch's records, and is left out (docs: Limits), the resume
+    epoch then lost up to ``resume`` (the sink held it to its end)."""
+    spans: dict[int, int] = {}
+    for epoch, seq in ends:
+        if resume is not None and (epoch, seq) > resume:
+            if resume[1] < 0:
+                continue  # (resumed at the epoch's SourceReset: every seq of it comes again)
+            epoch, seq = resume
+        spans[epoch] = max(seq, spans.get(epoch, -1))
+    return [(stream, epoch, 0, seq) for epoch, seq in sorted(spans.items()) if seq >= 0]
+
+
 def server_address(url: str, default_port: int) -> str:
     """``host:port`` of a server given as a URL (``scheme://user@host:port/...``) or ``host:port``:
     the host lower-cased, the default port filled in; what two sinks compare (see ``places``)."""
@@ -615,6 +637,7 @@ __all__ = [
     "redact",
     "redact_url",
     "rendered",
+    "resent_spans",
     "reveal",
     "sample_message",
     "server_address",

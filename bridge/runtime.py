@@ -267,9 +267,11 @@ class Bridge:
         self._started_at: float | None = None  # monotonic; ingest.connect_grace counts from here
         self._starting: str | None = "starting"  # what start() waits for (None: started)
         self.skips: list[SkipHeld] = []  # with checkpoint.from_sinks: every sink's connector, wrapped
-        # Without from_sinks: the sinks without state whose connector tells what it stored
-        # (stored_through), to check at the next start that they still hold it (_resume_stored).
+        # The sinks without state whose connector tells what it stored (stored_through), to check
+        # at the next start that they still hold it (_resume_stored); with from_sinks, only where
+        # the sink said it holds nothing of a stream (_holds_nothing: stream key, sink name).
         self._stored_by: list[Connector] = []
+        self._holds_nothing: set[tuple[str, str]] = set()
         self._held_top: dict[str, int] = {}  # from_sinks: the highest seq a sink holds in a stream's resume epoch
         self.tracker: StateTracker | None = None  # when a sink keeps state (state.enabled)
         self._state_sinks: list[Connector] = []
@@ -342,17 +344,16 @@ class Bridge:
         if self._state_sinks:
             self._starting = "reading the streams' state back from the state sinks (state.load_timeout)"
             await self.load_state(configured)
+        self._stored_by = [
+            c
+            for c in connectors
+            if not getattr(c, "writes_state", False) and hasattr(c, "stored_before") and hasattr(c, "stored_through")
+        ]
         if cfg.checkpoint.from_sinks:
             self._starting = "asking the sinks what they hold of each stream (checkpoint.from_sinks_timeout)"
             self.skips = [SkipHeld(c, self.metrics) for c in connectors]
             connectors = [skip for skip in self.skips]
             await self.take_over(configured)
-        else:
-            self._stored_by = [
-                c
-                for c in connectors
-                if not getattr(c, "writes_state", False) and hasattr(c, "stored_before") and hasattr(c, "stored_through")
-            ]
         self._starting = "starting the sinks and sources"
         renderers: dict[tuple[str, str, str, EventFilter | None], Renderer] = {}
         for i, (sink, conn) in enumerate(zip(cfg.sinks, connectors, strict=True)):
@@ -512,18 +513,22 @@ class Bridge:
         for conn in self._stored_by:
             through = conn.stored_through  # type: ignore[attr-defined]
             for key, pipeline in self.pipelines.items():
-                position = through(pipeline.stream)
-                if position is not None:
-                    self.checkpointer.note_stored(key, conn.name, position)
+                mark = through(pipeline.stream)
+                if mark is not None:
+                    self.checkpointer.note_stored(key, conn.name, mark)
+                else:  # (lost since, or the mark was another key's: a next run must not check it)
+                    self.checkpointer.forget_stored(key, conn.name)
 
     def _resume_stored(self, stream: Stream, resume: ckpt.StreamPosition | None) -> None:
-        """Before ``stream`` starts from the checkpoint file (without from_sinks): each sink without
-        state whose connector tells what it stored is told what an earlier run saw it store, to
-        check at its next write that it still holds it (``stored_before``, see bridge.connector; I6
-        for a loss while no bridge ran), and where the stream resumes (what it lost after that
-        comes again, or is announced to every sink as a gap)."""
+        """Before ``stream`` starts: each sink without state whose connector tells what it stored is
+        told what an earlier run saw it store, to check at its next write that it still holds it
+        (``stored_before``, see bridge.connector; I6 for a loss while no bridge ran), and where the
+        stream resumes (what it lost after that comes again, or is announced to every sink as a
+        gap). With from_sinks, only a sink that said it holds nothing of the stream."""
         for conn in self._stored_by:
             position = self.checkpointer.stored_through(stream.key, conn.name)
+            if self.skips and (stream.key, conn.name) not in self._holds_nothing:
+                continue  # (from_sinks: what the sink holds was read back, and the stream resumes by it)
             if position is not None:
                 again = (resume.epoch, resume.seq) if resume is not None else None
                 conn.stored_before(stream, position, again)  # type: ignore[attr-defined]
@@ -901,6 +906,9 @@ class Bridge:
             # A sink that reads positions and could not tell what it holds of the stream (its
             # events deleted, its read failed): a fresh start is announced (a SourceReset).
             unsure = any(isinstance(s.inner, PositionReader) and key not in h for s, h in zip(self.skips, held, strict=True))
+            for skip, h in zip(self.skips, held, strict=True):
+                if key in h and h[key] is None:  # (holds nothing: had it held some before, it lost it)
+                    self._holds_nothing.add((key, skip.name))
             self.checkpointer.adopt(key, handover, unsure)
             resumed, top = self.checkpointer.resume_position(key), handover.top
             if resumed is not None:

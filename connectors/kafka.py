@@ -84,6 +84,7 @@ from bridge.connector import (
     message_types,
     redact,
     rendered,
+    resent_spans,
     sample_message,
     server_address,
 )
@@ -683,30 +684,32 @@ class KafkaConnector:
     def stored_through(self, stream: Stream) -> tuple[int, ...] | None:
         """The mark of the stream's last batch the broker acknowledged (bridge.connector; the
         checkpoint keeps it for the next run's ``stored_before``): its (epoch, seq), its
-        partition and the partition's end offset then, when its topic is one."""
+        partition and the partition's end offset then, and the last seq of each epoch before
+        (newest first), when its topic is one."""
         tp = self._stream_tp.get(stream.key)
         last = self._acked_streams.get(tp, {}).get(stream.key) if tp is not None else None
         end = self._acked.get(tp) if tp is not None else None
-        if last is None or not last.ends or end is None:
+        if tp is None or last is None or not last.ends or end is None:
             return None
         epoch, seq = last.ends[-1]
-        return (epoch, seq, tp[1], end)  # type: ignore[index]  # (tp is set when last is)
+        return (epoch, seq, tp[1], end, *(n for e in reversed(last.ends[:-1]) for n in e))
 
     def stored_before(self, stream: Stream, mark: tuple[int, ...], resume: tuple[int, int] | None) -> None:
         """An earlier run had the broker acknowledge ``stream`` up to ``mark`` (bridge.connector):
         remembered as if this process had written it, so the next write (which looks at the topic
         again first) or audit finds a topic deleted, or created again, since (I6); the span lost
         is announced up to ``resume``, where the stream resumes (what follows is sent again)."""
-        if len(mark) != 4 or any(f in self._topic.fields for f in ("type", "epoch")):
+        if len(mark) < 4 or len(mark) % 2 or any(f in self._topic.fields for f in ("type", "epoch")):
             return
-        epoch, seq, partition, end = mark
+        epoch, seq, partition, end, *before = mark
         topic = self._topic.render(sample_message(stream))
         tp = (topic, partition)
         if stream.key in self._stream_tp or end <= 0:
             return  # (written by this process already: it knows better)
         self._acked[tp] = max(self._acked.get(tp, 0), end)
         last = self._acked_streams.setdefault(tp, {}).setdefault(stream.key, _Last(stream))
-        last.note(epoch, seq)
+        for e, n in [*reversed(list(zip(before[::2], before[1::2], strict=True))), (epoch, seq)]:
+            last.note(e, n)
         self._stream_tp[stream.key] = tp
         if resume is not None:
             self._resent[stream.key] = resume
@@ -1656,12 +1659,10 @@ class KafkaConnector:
                 continue
             for key, last in streams.items():
                 self._lost_topics.add(tp[0])
-                resume = self._resent.pop(key, None)  # (told by stored_before: what follows is sent again)
-                for epoch, seq in last.ends:
-                    if resume is not None and (epoch, seq) > resume:
-                        if epoch > resume[0] or resume[1] < 0:
-                            continue
-                        seq = resume[1]
+                ends = [(epoch, seq) for epoch, seq in last.ends]
+                if key in self._resent:  # (told by stored_before: what follows the resume point is sent again)
+                    ends = [(epoch, seq) for _, epoch, _, seq in resent_spans(last.stream, ends, self._resent.pop(key))]
+                for epoch, seq in ends:
                     old = self._lost.get((key, epoch))
                     if old is None or seq > old[3]:
                         self._lost[(key, epoch)] = (last.stream, epoch, 0, seq)

@@ -77,6 +77,7 @@ import re
 import secrets
 import ssl
 import time
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -120,6 +121,7 @@ from bridge.connector import (
     redact,
     redact_url,
     rendered,
+    resent_spans,
     reveal,
     sample_message,
     server_address,
@@ -758,6 +760,11 @@ class _Acks:
             await self._all_in.wait()
 
 
+def _micros(when: datetime) -> int:
+    """A server time as microseconds since 1970 (what a checkpoint mark keeps)."""
+    return int(when.timestamp() * 1_000_000)
+
+
 class _Span(msgspec.Struct):
     """What the events stream holds of one bridge stream, as far as this process knows: its newest
     epoch acknowledged, from ``first`` (0: cannot tell where its copy starts) to ``last``."""
@@ -859,6 +866,9 @@ class NatsConnector:
         self._stream_created: dict[str, datetime | None] = {}
         self._new_seqs: dict[str, list[int]] = {}
         self._held = _Held()
+        # Per bridge stream an earlier run's checkpoint told of (stored_before), not checked yet:
+        # its mark (see stored_through) and where the stream resumes (what follows comes again).
+        self._marked: dict[str, tuple[Stream, tuple[int, ...], tuple[int, int] | None]] = {}
         # Streams whose events stream was found created again, or gone, while no bridge ran
         # (read_state): their records are known lost, beyond what the head's epoch says (the
         # runtime reads it: bridge.connector).
@@ -1043,6 +1053,8 @@ class NatsConnector:
             raise NotConnected(f"{self._prefix}: not connected to NATS at {self._where}")
         if not nc.is_connected:
             raise self._reconnecting()
+        if self._marked:
+            await self._check_marked(nc)
         self._raise_lost()  # before anything of this write is stored: the runtime announces, then writes again
         errors = await (self._write_core(nc, messages) if self.options.mode == "core" else self._write_jetstream(nc, messages))
         if not errors:
@@ -1088,6 +1100,65 @@ class NatsConnector:
             or self._state_problem
             or self._subject_problem
         )
+
+    def stored_through(self, stream: Stream) -> tuple[int, ...] | None:
+        """The mark of ``stream``'s last message the events stream acknowledged (bridge.connector):
+        its epoch and seq, the events stream's last JetStream seq and its creation time
+        (microseconds) then, a CRC-32 of its name, and the last seq of each epoch before, newest
+        first; None in core mode, or before the events stream acknowledged anything of it in this
+        process (nor was told of it)."""
+        marked = self._marked.get(stream.key)
+        if marked is not None:
+            return marked[1]
+        name, spans = self._events_stream, self._held.spans.get(stream.key)
+        created = self._stream_created.get(name) if name is not None else None
+        if self.options.mode == "core" or name is None or not spans or created is None or name not in self._stream_seqs:
+            return None
+        before = [n for span in reversed(spans[:-1]) for n in (span.epoch, span.last)]
+        return (spans[-1].epoch, spans[-1].last, self._stream_seqs[name], _micros(created), zlib.crc32(name.encode()), *before)
+
+    def stored_before(self, stream: Stream, mark: tuple[int, ...], resume: tuple[int, int] | None) -> None:
+        """An earlier run had the events stream acknowledge ``stream`` up to ``mark`` (bridge.connector):
+        checked before this process's first write (and by the audit): an events stream gone, created
+        again (another creation time) or ending below the mark's JetStream seq lost the stream's
+        messages, announced (SinkLost) up to ``resume``, where the stream resumes."""
+        if len(mark) >= 5 and len(mark) % 2 and self.options.mode == "jetstream" and stream.key not in self.records_gone:
+            self._marked[stream.key] = (stream, mark, resume)
+
+    async def _check_marked(self, nc: Client) -> None:
+        """What the earlier run's marks say the events stream held (see stored_before), against the
+        stream as it is now, once: the streams it lost are kept for _raise_lost."""
+        name, marked = self._events_stream, self._marked
+        if name is None or not marked:
+            return
+        js = nc.jetstream(timeout=self.options.connect_timeout)
+        try:
+            info = await js.stream_info(name)
+        except nats.js.errors.NotFoundError:
+            now: tuple[int, int] | None = None
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise Retriable(f"{self._prefix}: cannot read JetStream stream {name!r} ({_describe(exc)})") from None
+        else:
+            now = (info.state.last_seq, _micros(info.created) if info.created is not None else -1)
+        self._marked = {}
+        crc = zlib.crc32(name.encode())
+        lost: list[tuple[Stream, int, int, int]] = []
+        for stream, (epoch, seq, js_seq, created, of, *before), resume in marked.values():
+            if of != crc:
+                continue  # (another events stream's)
+            ends = [(epoch, seq), *zip(before[::2], before[1::2], strict=True)]
+            if now is not None and now[1] == created and now[0] >= js_seq:
+                # Still held: known as if this process had stored it (the audit checks it too).
+                self._held.spans[stream.key] = [_Span(stream, e, 0, n) for e, n in reversed(ends)]
+                self._stream_seqs[name] = max(self._stream_seqs.get(name, 0), js_seq)
+                self._stream_created.setdefault(name, info.created)
+                continue
+            lost += resent_spans(stream, ends, resume)
+            self._held.spans.pop(stream.key, None)
+        if lost:
+            self._lost.extend(lost)
+            why = _GONE if now is None else "was created again, or lost messages, while no bridge ran"
+            self._lost_why = f"{name!r} {why}"
 
     def acknowledged_before(self, stream: Stream, epoch: int, seq: int) -> None:
         """Earlier runs had this sink acknowledge ``stream`` up to ``seq`` of ``epoch`` (see

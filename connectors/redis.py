@@ -97,6 +97,7 @@ from __future__ import annotations
 
 import logging
 import re
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
@@ -1012,6 +1013,9 @@ class RedisConnector:
         # EPOCHS_REMEMBERED): (entry id, from_seq, to_seq), announced again when Redis loses them
         self._held_announces: dict[str, list[tuple[str, int, int]]] = {}
         self._written: dict[str, tuple[str, str]] = {}
+        # Streams positions() found with an empty stream key, or none while their state hash or
+        # index set exists: their entries were deleted (announced at start by the runtime).
+        self.records_gone: set[str] = set()
         # per stream key whose _held an earlier run's checkpoint gave (stored_before): (epoch, seq)
         # where its stream resumed, the entries after it being written again (not announced lost)
         self._resent: dict[str, tuple[int, int]] = {}
@@ -1398,7 +1402,13 @@ class RedisConnector:
             out[stream.key] = held
             self._held.setdefault(keys[stream.key], _text(entry_id_))  # checked at the next write (I6)
         if empty:
-            out.update(dict.fromkeys(await self._unwritten(empty, keys)))
+            unwritten = await self._unwritten(empty, keys)
+            out.update(dict.fromkeys(unwritten))
+            # The others' keys are empty, or gone while the stream's state or index is there: their
+            # entries were deleted (the bridge sets no TTL, and MAXLEN ~ never empties a key). Where
+            # the stream resumes cannot be told by them, but what they held is lost (the runtime
+            # reads records_gone: bridge.connector).
+            self.records_gone.update(s.key for s in empty if s.key not in unwritten)
         return out
 
     def _one_key(self, stream: Stream) -> str | None:
@@ -1408,29 +1418,36 @@ class RedisConnector:
             return None
         return self._stream.render(_sample_of(stream))
 
-    def stored_through(self, stream: Stream) -> tuple[int, int, int] | None:
-        """The position of the last entry stored of ``stream`` (bridge.connector; the checkpoint
-        keeps it for the next run's ``stored_before``), when its messages go to one key."""
+    def stored_through(self, stream: Stream) -> tuple[int, ...] | None:
+        """The mark of the last entry stored of ``stream`` (bridge.connector; the checkpoint keeps
+        it for the next run's ``stored_before``), when its messages go to one key: that entry's
+        position, the position of the last one of each epoch before (newest first), and a CRC-32
+        of the key."""
         keys = self._keys.get(stream.key)  # (the keys the stream claimed: its stream key, its index's)
         if not keys or any(f in self._stream.fields for f in ("type", "epoch")):
             return None
-        held = next((self._held[k] for k in reversed(keys) if k in self._held), None)  # (index keys hold none)
-        return entry_position(held) if held is not None else None
+        key = next((k for k in reversed(keys) if k in self._held), None)  # (index keys hold none)
+        if key is None:
+            return None
+        ends = [self._held[key], *reversed(self._held_before.get(key, []))]
+        return (*(n for ident in ends for n in entry_position(ident)), zlib.crc32(key.encode()))
 
-    def stored_before(self, stream: Stream, position: tuple[int, ...], resume: tuple[int, int] | None) -> None:
-        """An earlier run stored ``stream``'s entries up to ``position`` (bridge.connector): its key
-        must still hold it, checked at the stream's next write and by ``audit`` (I6), as if this
-        process had stored it. What Redis lost meanwhile is then announced (SinkLost), up to
-        ``resume``: the entries after it are written again."""
+    def stored_before(self, stream: Stream, mark: tuple[int, ...], resume: tuple[int, int] | None) -> None:
+        """An earlier run stored ``stream``'s entries up to ``mark`` (bridge.connector): its key
+        must still hold that entry, checked at the stream's next write and by ``audit`` (I6), as
+        if this process had stored it. What Redis lost meanwhile is then announced (SinkLost), up
+        to ``resume``: the entries after it are written again. A mark of another key (the
+        template changed since) says nothing of this one."""
         key = self._one_key(stream)
-        if key is None or len(position) != 3:
+        if key is None or len(mark) % 3 != 1 or mark[-1] != zlib.crc32(key.encode()):
             return
         try:
-            ident = entry_id((position[0], position[1], position[2]))
+            ends = [entry_id((mark[i], mark[i + 1], mark[i + 2])) for i in range(0, len(mark) - 1, 3)]
         except ValueError:
             return  # (not an id this connector writes: a checkpoint edited by hand)
         if self._claim(stream, key, "stream") is None and key not in self._held:
-            self._held[key] = ident
+            self._held[key] = ends[0]
+            self._held_before[key] = ends[:0:-1][-(EPOCHS_REMEMBERED - 1) :]
             if resume is not None:
                 self._resent[key] = resume
 
@@ -1755,10 +1772,13 @@ class RedisConnector:
                     spans[epoch] = (min(low, first), max(high, slot - 1))
         if resent is not None:
             # Held as an earlier run stored it (stored_before): what follows the stream's resume
-            # point comes again, written after this announcement.
-            spans = {
-                e: (low, min(high, resent[1]) if e == resent[0] else high) for e, (low, high) in spans.items() if e <= resent[0]
-            }
+            # point comes again, written after this announcement. An epoch after the resume one
+            # would be announced before its records: left out (bridge.connector.resent_spans), the
+            # resume epoch then lost from the top up to the resume point (held to its end).
+            epoch, seq = resent
+            if any(e > epoch for e in spans) and seq >= 0:
+                spans[epoch] = (top_at[1] if top_at[0] == epoch else 0, seq)
+            spans = {e: (low, min(high, seq) if e == epoch else high) for e, (low, high) in spans.items() if e <= epoch}
             spans = {e: (low, high) for e, (low, high) in spans.items() if low <= high}
         for span_key, epoch, where, at_top in placed:
             at[span_key] = at_top if epoch in spans and spans[epoch][1] == where and at_top is not None else where

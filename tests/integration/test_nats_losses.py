@@ -504,6 +504,58 @@ async def test_a_memory_stream_lost_while_no_bridge_ran_is_announced_at_the_next
             await js.delete_key_value(f"ST{dest}")
 
 
+@pytest.mark.parametrize(
+    ("how", "mode"),
+    [("memory", "file"), ("deleted", "file"), ("created_again", "file"), ("deleted", "from_sinks")],
+)
+async def test_an_events_only_sinks_stream_lost_while_no_bridge_ran_is_announced_at_the_next_start(
+    tmp_path: Path, nats_server: NatsServer, reader: Client, dest: str, how: str, mode: str
+) -> None:
+    """breaker82 B1 (I6): a sink without state, its events stream lost while no bridge ran (kept in
+    memory and the server restarted, deleted, or deleted and created again empty by an operator).
+    The next bridge created it again (or found it) and wrote on: the seqs the old stream held were
+    neither there nor announced, 12 of 12 runs. The checkpoint now keeps what the sink stored
+    (the stream's last JetStream seq and creation time, ``stored``), checked before the first
+    write: an EventsLost (sink_lost) over them comes first. With from_sinks, likewise for a sink
+    that says it holds nothing of the stream."""
+    live, rep = free_port(), free_port()
+    cfg = _bridge_config(tmp_path, nats_server.url, dest, "nats-e", "file", live, rep)
+    sink = cfg["sinks"][0]
+    del sink["state"]
+    sink["stream"]["storage"] = "memory" if how == "memory" else "file"
+    cfg["checkpoint"]["from_sinks"] = mode == "from_sinks"
+    js = reader.jetstream(timeout=5)
+    async with CacheEngine(live, rep, seed=8) as engine:
+        first = Bridge(from_data(cfg, env={}))
+        await first.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(20, events_per_batch=4)
+            await _until_stored(reader, dest, engine.last_seq)
+        finally:
+            await first.stop()
+        before = engine.last_seq
+        if how == "memory":
+            await nats_server.arestart()  # what it kept in memory is gone
+        else:
+            await js.delete_stream(dest)
+            if how == "created_again":
+                await js.add_stream(name=dest, subjects=[dest + ".*.*"])
+        second = Bridge(from_data(cfg, env={}))
+        await second.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(10, events_per_batch=4)
+            await _until_stored(reader, dest, engine.last_seq)
+        finally:
+            await second.stop()
+    held = await _subject_messages(reader, dest, Stream("eng", 0))
+    shown = [(m["type"], m.get("reason"), m.get("from_seq"), m.get("to_seq", m["seq"])) for m in held]
+    assert held[0].get("type") == "EventsLost" and held[0]["reason"] == "sink_lost:nats-e", shown
+    assert (held[0]["from_seq"], held[0]["to_seq"]) == (0, before), shown
+    assert [m["seq"] for m in held if "events" in m] == list(range(before + 1, engine.last_seq + 1)), shown
+
+
 async def test_a_stream_lost_after_a_restarted_bridge_read_its_state_and_before_its_first_write_is_announced(
     tmp_path: Path, nats_server: NatsServer, reader: Client, dest: str
 ) -> None:

@@ -690,18 +690,98 @@ async def test_entries_an_events_only_sink_lost_while_no_bridge_ran_are_announce
             (forgetful_redis.workdir / "data" / "dump.rdb").unlink(missing_ok=True)
 
 
-@pytest.mark.parametrize("sinks", ["one", "two"])
+@pytest.mark.parametrize(("how", "mode"), [("deleted", "file"), ("trimmed", "file"), ("deleted", "from_sinks")])
+async def test_a_state_sinks_stream_key_emptied_while_no_bridge_ran_is_announced_at_the_next_start(
+    tmp_path: Path, redis_server: RedisServer, how: str, mode: str
+) -> None:
+    """breaker82 B2 (I6): a sink with state, its stream key deleted (or trimmed to nothing) while no
+    bridge ran, the state hash intact. The start check found "cannot tell" (the state not behind),
+    and the next bridge wrote on: the entries lost were never announced, 3 of 3. The bridge sets
+    no TTL and never empties a key itself, so such a key lost its entries: announced (sink_lost)
+    ahead of the stream's next records, the state cleared."""
+    prefix = f"kvk{how[0]}{mode[0]}"
+    live, rep = free_port(), free_port()
+    checkpoint = {"path": str(tmp_path / "cp.json"), "interval": "100ms", "from_sinks": mode == "from_sinks"}
+    cfg = in_process(tmp_path, [("a", live, rep)], sink(redis_server.url, prefix), checkpoint=checkpoint)
+    client = aioredis.Redis.from_url(redis_server.url)
+    key = f"{prefix}:a:0"
+    try:
+        async with CacheEngine(live, rep, seed=14) as engine:
+            first = Bridge(cfg)
+            await first.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(10)
+                await settled(client, prefix, engine, "a")
+            finally:
+                await first.stop()
+            acknowledged = engine.last_seq
+            if how == "deleted":
+                await client.delete(key)
+            else:
+                await client.xtrim(key, maxlen=0)
+            second = Bridge(cfg)
+            await second.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(5)
+                await settled(client, prefix, engine, "a")
+            finally:
+                await second.stop()
+        back = await read_redis(redis_server.url, [key])
+        lost_exactly(back, -1, acknowledged, engine.last_seq)
+        check(await bootstrapped(client, prefix, "a"), engine, complete=False)
+    finally:
+        await client.delete(key, f"{key}:state")
+        await client.aclose()
+
+
+async def test_a_mark_of_another_key_is_not_taken_for_a_loss(tmp_path: Path, forgetful_redis: RedisServer) -> None:
+    """breaker84 B2: the sink's stream template changed between runs (same sink name): the mark the
+    checkpoint kept of the old key was checked against the new one, and its 0..9 announced lost
+    (sink_lost) though the old key held them all, 5 of 5. A mark names its key."""
+    live, rep = free_port(), free_port()
+    checkpoint = {"path": str(tmp_path / "cp.json"), "interval": "100ms"}
+    old = sink(forgetful_redis.url, "kvo", state={"enabled": False})
+    new = {**old, "stream": "kvn:{source}:{dp_rank}"}
+    client = aioredis.Redis.from_url(forgetful_redis.url)
+    try:
+        async with CacheEngine(live, rep, seed=15) as engine:
+            first = Bridge(in_process(tmp_path, [("a", live, rep)], old, checkpoint=checkpoint))
+            await first.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(10)
+                await settled(client, "kvo", engine, "a")
+            finally:
+                await first.stop()
+            second = Bridge(in_process(tmp_path, [("a", live, rep)], new, checkpoint=checkpoint))
+            await second.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(5)
+                await settled(client, "kvn", engine, "a")
+            finally:
+                await second.stop()
+        back = await read_redis(forgetful_redis.url, ["kvn:a:0"])
+        assert not back.lost, back.lost
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("sinks", ["one", "two", "one_without_state"])
 async def test_an_older_epochs_lost_tail_is_announced_at_start_to_the_sink_that_lost_it(
     tmp_path: Path, forgetful_redis: RedisServer, redis_server: RedisServer, sinks: str
 ) -> None:
     """Issue 29 (breaker37 B2, B3): epoch E0's seqs 0..4, a SAVE, 5..9; the engine restarts (E1 0..9);
     the bridge stops, and Redis comes back from the SAVE. Before, only E1 0..9 was announced (E0
     5..9 never), and with a second, intact state sink nothing at all (the sinks' heads disagree).
-    Now the sink that lost them gets both spans, in order; the intact one gets none."""
-    prefix = f"kvt{sinks[0]}"
+    Now the sink that lost them gets both spans, in order; the intact one gets none. breaker84 B1:
+    so does a sink without state (the checkpoint's mark of what it stored names each epoch's end)."""
+    prefix = f"kvt{sinks[0]}{sinks[-1]}"
     live, rep = free_port(), free_port()
     intact = {**sink(redis_server.url, prefix), "name": "out2"}
-    lossy = sink(forgetful_redis.url, prefix)
+    lossy = sink(forgetful_redis.url, prefix, **({"state": {"enabled": False}} if sinks == "one_without_state" else {}))
     cfg = in_process(tmp_path, [("a", live, rep)], lossy, checkpoint={"path": str(tmp_path / "cp.json"), "interval": "100ms"},
                      sinks=[lossy, intact] if sinks == "two" else [lossy])  # fmt: skip
     client = aioredis.Redis.from_url(forgetful_redis.url)

@@ -160,8 +160,12 @@ def test_a_file_of_the_release_before_without_published_is_read(tmp_path: Path) 
     assert (cp.published_top(KEY, 5), cp.published_top(KEY, 6)) == (19, None)
     assert cp.stored_through(KEY, "redis") is None  # (``stored`` came later still)
     cp.note_stored(KEY, "redis", (5, 20, 0))
-    cp.note_stored(KEY, "redis", (5, 13, 0))  # (lower: kept)
     assert cp.stored_through(KEY, "redis") == (5, 20, 0) and cp.snapshot()[1].stored == {KEY: {"redis": (5, 20, 0)}}
+    cp.note_stored(KEY, "redis", (5, 13, 0))  # (lower: the sink lost some since)
+    assert cp.stored_through(KEY, "redis") == (5, 13, 0)
+    cp.forget_stored(KEY, "redis")
+    assert cp.stored_through(KEY, "redis") is None
+    cp.note_stored(KEY, "redis", (5, 20, 0))
     cp.forget(KEY, 0.0)
     assert cp.stored_through(KEY, "redis") is None
 
