@@ -121,8 +121,7 @@ Optional, for the live-block state (``state:`` in a sink's options; docs/output/
   lost only if the connector knows its own limits did not remove it: the class sets
   ``nothing_held_is_known = True`` (Kafka: "nothing" only of a partition that starts at offset 0,
   or a topic gone), or ``read_state`` or ``positions`` adds its key to the set ``records_gone``
-  (NATS: the events stream found created again, or gone; Redis: the stream key found empty, or
-  gone while the stream's state hash or index set is there).
+  (NATS: the events stream found created again, or gone; Redis: the stream key found empty).
 
 The delivery contract (design.md, "Delivery"), kept by the runtime and this API together:
 
@@ -158,6 +157,7 @@ import importlib.metadata
 import os
 import re
 import ssl
+import zlib
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Protocol, runtime_checkable
@@ -585,6 +585,13 @@ def resent_spans(
     return [(stream, epoch, 0, seq) for epoch, seq in sorted(spans.items()) if seq >= 0]
 
 
+def place_crc(servers: Iterable[str], place: str) -> int:
+    """A CRC-32 of a place (a key, topic or stream name) on its servers (``host:port``, see
+    :func:`server_address`), for a mark to name what it was taken of (``stored_through``): a mark
+    of another place says nothing of this one (a template changed, sinks renamed or moved)."""
+    return zlib.crc32(("/".join(sorted(servers)) + "|" + place).encode())
+
+
 def server_address(url: str, default_port: int) -> str:
     """``host:port`` of a server given as a URL (``scheme://user@host:port/...``) or ``host:port``:
     the host lower-cased, the default port filled in; what two sinks compare (see ``places``)."""
@@ -634,6 +641,7 @@ __all__ = [
     "hex64",
     "local_file_problems",
     "message_types",
+    "place_crc",
     "redact",
     "redact_url",
     "rendered",

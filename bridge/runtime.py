@@ -267,11 +267,14 @@ class Bridge:
         self._started_at: float | None = None  # monotonic; ingest.connect_grace counts from here
         self._starting: str | None = "starting"  # what start() waits for (None: started)
         self.skips: list[SkipHeld] = []  # with checkpoint.from_sinks: every sink's connector, wrapped
-        # The sinks without state whose connector tells what it stored (stored_through), to check
-        # at the next start that they still hold it (_resume_stored); with from_sinks, only where
-        # the sink said it holds nothing of a stream (_holds_nothing: stream key, sink name).
+        # The sinks whose connector tells what it stored (stored_through), to check at the next
+        # start that they still hold it (_resume_stored); with from_sinks, only where the sink said
+        # it holds nothing of a stream (_holds_nothing: stream key, sink name).
         self._stored_by: list[Connector] = []
         self._holds_nothing: set[tuple[str, str]] = set()
+        # (stream key, sink name) of state sinks that could not tell what they hold of a stream at
+        # start, and announced nothing of it: their mark is checked (_resume_stored)
+        self._held_unknown: set[tuple[str, str]] = set()
         self._held_top: dict[str, int] = {}  # from_sinks: the highest seq a sink holds in a stream's resume epoch
         self.tracker: StateTracker | None = None  # when a sink keeps state (state.enabled)
         self._state_sinks: list[Connector] = []
@@ -344,11 +347,7 @@ class Bridge:
         if self._state_sinks:
             self._starting = "reading the streams' state back from the state sinks (state.load_timeout)"
             await self.load_state(configured)
-        self._stored_by = [
-            c
-            for c in connectors
-            if not getattr(c, "writes_state", False) and hasattr(c, "stored_before") and hasattr(c, "stored_through")
-        ]
+        self._stored_by = [c for c in connectors if hasattr(c, "stored_before") and hasattr(c, "stored_through")]
         if cfg.checkpoint.from_sinks:
             self._starting = "asking the sinks what they hold of each stream (checkpoint.from_sinks_timeout)"
             self.skips = [SkipHeld(c, self.metrics) for c in connectors]
@@ -524,10 +523,14 @@ class Bridge:
         told what an earlier run saw it store, to check at its next write that it still holds it
         (``stored_before``, see bridge.connector; I6 for a loss while no bridge ran), and where the
         stream resumes (what it lost after that comes again, or is announced to every sink as a
-        gap). With from_sinks, only a sink that said it holds nothing of the stream."""
+        gap). A state sink only when it could not tell at start what it holds of the stream, and
+        announced nothing of it (load_state); with from_sinks, a sink that said it holds nothing."""
         for conn in self._stored_by:
             position = self.checkpointer.stored_through(stream.key, conn.name)
-            if self.skips and (stream.key, conn.name) not in self._holds_nothing:
+            at = (stream.key, conn.name)
+            if getattr(conn, "writes_state", False) and at not in self._held_unknown:
+                continue  # (a state sink: what it holds was read back at start, and a loss announced)
+            if self.skips and at not in self._holds_nothing and at not in self._held_unknown:
                 continue  # (from_sinks: what the sink holds was read back, and the stream resumes by it)
             if position is not None:
                 again = (resume.epoch, resume.seq) if resume is not None else None
@@ -696,6 +699,9 @@ class Bridge:
                     if self._state_at(i, held) != _NOWHERE:
                         asked[i].append(stream)
         records = await asyncio.gather(*(self._records_held(c, a) for c, a in zip(self._state_sinks, asked, strict=True)))
+        for conn, streams_asked, held_records in zip(self._state_sinks, asked, records, strict=True):
+            # (what the sink holds could not be told: its mark of what it stored is checked instead)
+            self._held_unknown.update((s.key, conn.name) for s in streams_asked if s.key not in held_records)
         rebuilt = fresh = 0
         for stream in wanted:
             got = got_of[stream.key]
@@ -811,6 +817,7 @@ class Bridge:
             )
             if spans:
                 self._lost_at_start.setdefault(id(conn), []).extend(spans)
+                self._held_unknown.discard((stream.key, conn.name))  # (told: the mark adds nothing)
         return behind
 
     async def _records_held(self, conn: Connector, streams: list[Stream]) -> Mapping[str, Any]:
@@ -907,7 +914,8 @@ class Bridge:
             # events deleted, its read failed): a fresh start is announced (a SourceReset).
             unsure = any(isinstance(s.inner, PositionReader) and key not in h for s, h in zip(self.skips, held, strict=True))
             for skip, h in zip(self.skips, held, strict=True):
-                if key in h and h[key] is None:  # (holds nothing: had it held some before, it lost it)
+                # (holds nothing, or its records were deleted: had it held some before, it lost them)
+                if (key in h and h[key] is None) or key in getattr(skip.inner, "records_gone", ()):
                     self._holds_nothing.add((key, skip.name))
             self.checkpointer.adopt(key, handover, unsure)
             resumed, top = self.checkpointer.resume_position(key), handover.top

@@ -774,15 +774,18 @@ class SinkWorker:
             r = m.record
             if id(r) in self._start_records and r.from_seq is not None:
                 starting.setdefault((r.stream.key, r.epoch), []).append((r.from_seq, r.lost_to))
-        # The lowest seq each (stream, epoch) of the write carries (a batch, or an announcement
-        # made since the start's): it comes again after the announcement, so it is not lost (seqs
-        # would go back in the epoch: I2; and be delivered as well as announced: I3).
+        # The lowest seq each (stream, epoch) of the write carries whole (a batch, or an
+        # announcement made since the start's): it comes again after the announcement, so it is
+        # not lost (seqs would go back in the epoch: I2; and be delivered as well as announced:
+        # I3). A batch carried from one of its later events on (the write goes again from the
+        # failed message) is not whole: its first events were stored, and lost with the rest.
         carried: dict[tuple[str, int], int] = {}
         for m in messages:
             r = m.record
             if r.kind != "SourceReset" and id(r) not in self._start_records:
                 at = (r.stream.key, r.epoch)
                 low = r.from_seq if r.kind == "EventsLost" and r.from_seq is not None else r.seq
+                low += 1 if m.index else 0
                 if low < carried.get(at, low + 1):
                     carried[at] = low
         for stream, epoch, whole_first, whole_last in exc.spans:

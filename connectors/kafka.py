@@ -46,6 +46,7 @@ import asyncio
 import logging
 import re
 import ssl
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -82,6 +83,7 @@ from bridge.connector import (
     TlsOptions,
     doc,
     message_types,
+    place_crc,
     redact,
     rendered,
     resent_spans,
@@ -416,7 +418,7 @@ def ssl_context(options: KafkaOptions) -> ssl.SSLContext | None:
 class _Chunk:
     """One record batch for one partition, and the indexes (into the write) it carries."""
 
-    __slots__ = ("alone", "builder", "indexes", "partition", "topic", "used")
+    __slots__ = ("alone", "builder", "indexes", "last", "partition", "topic", "used")
 
     def __init__(self, builder: Any, topic: str, partition: int, alone: bool) -> None:
         self.builder = builder
@@ -425,6 +427,7 @@ class _Chunk:
         self.alone = alone  # holds a message that must travel alone (it was in a refused batch)
         self.indexes: list[int] = []
         self.used = 0  # bytes of the records appended so far
+        self.last: tuple[bytes | None, bytes | None] = (None, None)  # the key and value appended last
 
 
 class _Last:
@@ -484,6 +487,9 @@ class KafkaConnector:
         # What the broker acknowledged, to tell later whether a topic lost it (deleted, created again):
         # per (topic, partition) the offset after its last record acknowledged.
         self._acked: dict[tuple[str, int], int] = {}
+        # per (topic, partition) the key and CRC-32 of the value (-1: none) of the last record
+        # acknowledged there: another producer's record found there later replaced it (_check_kept)
+        self._acked_last: dict[tuple[str, int], tuple[bytes | None, int]] = {}
         # per partition and stream: the last seq acknowledged there in each of its newest epochs (a
         # loss covers each: a crash-looping engine opens several between two writes)
         self._acked_streams: dict[tuple[str, int], dict[str, _Last]] = {}
@@ -681,28 +687,34 @@ class KafkaConnector:
             await self._drop_heads(producer)
         self._raise_lost(stale=self._stale)
 
+    def _mark_crc(self, topic: str) -> int:
+        """What a mark of ``topic`` on this cluster carries to name it (see place_crc)."""
+        return place_crc([server_address(s, 9092) for s in self.options.servers()], topic)
+
     def stored_through(self, stream: Stream) -> tuple[int, ...] | None:
         """The mark of the stream's last batch the broker acknowledged (bridge.connector; the
         checkpoint keeps it for the next run's ``stored_before``): its (epoch, seq), its
-        partition and the partition's end offset then, and the last seq of each epoch before
-        (newest first), when its topic is one."""
+        partition and the partition's end offset then, a CRC-32 of the topic and the cluster
+        (place_crc), and the last seq of each epoch before (newest first), when its topic is one."""
         tp = self._stream_tp.get(stream.key)
         last = self._acked_streams.get(tp, {}).get(stream.key) if tp is not None else None
         end = self._acked.get(tp) if tp is not None else None
         if tp is None or last is None or not last.ends or end is None:
             return None
         epoch, seq = last.ends[-1]
-        return (epoch, seq, tp[1], end, *(n for e in reversed(last.ends[:-1]) for n in e))
+        return (epoch, seq, tp[1], end, self._mark_crc(tp[0]), *(n for e in reversed(last.ends[:-1]) for n in e))
 
     def stored_before(self, stream: Stream, mark: tuple[int, ...], resume: tuple[int, int] | None) -> None:
         """An earlier run had the broker acknowledge ``stream`` up to ``mark`` (bridge.connector):
         remembered as if this process had written it, so the next write (which looks at the topic
         again first) or audit finds a topic deleted, or created again, since (I6); the span lost
         is announced up to ``resume``, where the stream resumes (what follows is sent again)."""
-        if len(mark) < 4 or len(mark) % 2 or any(f in self._topic.fields for f in ("type", "epoch")):
+        if len(mark) < 5 or not len(mark) % 2 or any(f in self._topic.fields for f in ("type", "epoch")):
             return
-        epoch, seq, partition, end, *before = mark
+        epoch, seq, partition, end, crc, *before = mark
         topic = self._topic.render(sample_message(stream))
+        if crc != self._mark_crc(topic):
+            return  # (another topic's, or another cluster's: the template changed, sinks renamed)
         tp = (topic, partition)
         if stream.key in self._stream_tp or end <= 0:
             return  # (written by this process already: it knows better)
@@ -981,6 +993,7 @@ class KafkaConnector:
                 chain.append(chunk)
                 appended = chunk.builder.append(timestamp=None, key=key, value=value, headers=headers)
             chunk.used += appended.size
+            chunk.last = (key, value)
             chunk.indexes.append(i)
         return list(chains.values())
 
@@ -1123,6 +1136,7 @@ class KafkaConnector:
                     chain.append(chunk)
                     chunk.builder.append(timestamp=None, key=name, value=value, headers=[])
                 chunk.used += size
+                chunk.last = (name, value)
                 if not chunk.indexes or chunk.indexes[-1] != i:
                     chunk.indexes.append(i)
         sends = list(chains.values())
@@ -1629,22 +1643,36 @@ class KafkaConnector:
     async def _check_kept(self, topic: str, partitions: list[int], *, state: bool) -> None:
         """Whether ``topic`` still holds what the broker acknowledged: a partition that ends before
         the offset after the last record acknowledged there, or no longer exists, lost it (the
-        topic was deleted and created again, or truncated). Its streams' losses are kept (_lose)."""
+        topic was deleted and created again, or truncated). So did one past that offset whose
+        record there is not the one acknowledged (another producer, a sharded bridge's other pod,
+        refilled it after the loss); one gone from there (compaction, retention) cannot tell. Its
+        streams' losses are kept (_lose)."""
         acked = {tp: end for tp, end in self._acked.items() if tp[0] == topic}
         present = [TopicPartition(*tp) for tp in acked if tp[1] in partitions]
         ends: dict[Any, int] = {}
+        found: dict[tuple[str, int], tuple[bytes | None, int] | None] = {}
         if present:
             try:
-                ends = await self._offsets(present, start=False)
+                consumer = await self._start_reader()
+                try:
+                    ends = await consumer.end_offsets(present)
+                    for tp in present:
+                        at = (tp.topic, tp.partition)
+                        if at in self._acked_last and ends[tp] > acked[at]:
+                            found[at] = await _record_at(consumer, tp, acked[at] - 1, self._timeout)
+                finally:
+                    await consumer.stop()
             except (kafka_errors.KafkaError, OSError) as exc:
                 raise NotConnected(f"{self._where}: cannot read the end offsets of topic {topic!r} ({_describe(exc)})") from None
         lost = [tp for tp, end in acked.items() if ends.get(TopicPartition(*tp), -1) < end]
-        if lost:
+        replaced = [tp for tp, got in found.items() if got is not None and got != self._acked_last.get(tp)]
+        if lost or replaced:
             log.error(
-                "a topic no longer holds what the broker acknowledged (deleted and created again, or truncated)",
-                extra={"sink": self.name, "topic": topic, "partitions": sorted(p for _, p in lost)},
+                "a topic no longer holds what the broker acknowledged (deleted and created again, or truncated; "
+                "refilled by another producer)",
+                extra={"sink": self.name, "topic": topic, "partitions": sorted(p for _, p in lost + replaced)},
             )
-            self._lose(lost, state=state)
+            self._lose(lost + replaced, state=state)
 
     def _lose(self, tps: list[tuple[str, int]], *, state: bool) -> None:
         """Forget what the broker acknowledged in partitions ``tps`` (they lost it): the state
@@ -1653,6 +1681,7 @@ class KafkaConnector:
         :class:`SinkLost`, and the offsets their heads point to forgotten."""
         for tp in tps:
             self._acked.pop(tp, None)
+            self._acked_last.pop(tp, None)
             streams = self._acked_streams.pop(tp, {})
             if state:
                 self._state_lost.update(streams)
@@ -1687,6 +1716,7 @@ class KafkaConnector:
             self._lose([tp], state=state)
         if end > self._acked.get(tp, 0):
             self._acked[tp] = end
+            self._acked_last[tp] = (chunk.last[0], _crc(chunk.last[1]))
         streams = self._acked_streams.setdefault(tp, {})
         record: Any = None
         where = self._stream_tp if not state else None
@@ -1928,6 +1958,27 @@ class _Window:
     def __init__(self, end: int) -> None:
         self.lo = self.hi = end
         self.last: dict[bytes, _Found] = {}
+
+
+def _crc(value: bytes | None) -> int:
+    """A record value's CRC-32 (-1 for none: a tombstone)."""
+    return zlib.crc32(value) if value is not None else -1
+
+
+async def _record_at(consumer: Any, tp: Any, offset: int, timeout: float) -> tuple[bytes | None, int] | None:
+    """The key and value CRC-32 of the record at ``offset`` of one partition; None when there is
+    none there (compacted, deleted by retention) or it cannot be read within ``timeout``."""
+    consumer.assign([tp])
+    consumer.seek(tp, offset)
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        got = await consumer.getmany(tp, timeout_ms=200, max_records=64)
+        for record in got.get(tp, []):
+            if record.offset == offset:
+                return record.key, _crc(record.value)
+            if record.offset > offset:
+                return None
+    return None
 
 
 async def _read(consumer: Any, tp: Any, lo: int, hi: int) -> dict[bytes, _Found]:

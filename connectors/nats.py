@@ -77,7 +77,6 @@ import re
 import secrets
 import ssl
 import time
-import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -118,6 +117,7 @@ from bridge.connector import (
     TlsOptions,
     doc,
     message_types,
+    place_crc,
     redact,
     redact_url,
     rendered,
@@ -1101,10 +1101,14 @@ class NatsConnector:
             or self._subject_problem
         )
 
+    def _mark_crc(self, name: str) -> int:
+        """What a mark of events stream ``name`` on these servers carries to name it (see place_crc)."""
+        return place_crc([server_address(u, 4222) for u in self.options.server_list], name)
+
     def stored_through(self, stream: Stream) -> tuple[int, ...] | None:
         """The mark of ``stream``'s last message the events stream acknowledged (bridge.connector):
         its epoch and seq, the events stream's last JetStream seq and its creation time
-        (microseconds) then, a CRC-32 of its name, and the last seq of each epoch before, newest
+        (microseconds) then, a CRC-32 of its name and servers (place_crc), and the last seq of each epoch before, newest
         first; None in core mode, or before the events stream acknowledged anything of it in this
         process (nor was told of it)."""
         marked = self._marked.get(stream.key)
@@ -1115,7 +1119,7 @@ class NatsConnector:
         if self.options.mode == "core" or name is None or not spans or created is None or name not in self._stream_seqs:
             return None
         before = [n for span in reversed(spans[:-1]) for n in (span.epoch, span.last)]
-        return (spans[-1].epoch, spans[-1].last, self._stream_seqs[name], _micros(created), zlib.crc32(name.encode()), *before)
+        return (spans[-1].epoch, spans[-1].last, self._stream_seqs[name], _micros(created), self._mark_crc(name), *before)
 
     def stored_before(self, stream: Stream, mark: tuple[int, ...], resume: tuple[int, int] | None) -> None:
         """An earlier run had the events stream acknowledge ``stream`` up to ``mark`` (bridge.connector):
@@ -1141,7 +1145,7 @@ class NatsConnector:
         else:
             now = (info.state.last_seq, _micros(info.created) if info.created is not None else -1)
         self._marked = {}
-        crc = zlib.crc32(name.encode())
+        crc = self._mark_crc(name)
         lost: list[tuple[Stream, int, int, int]] = []
         for stream, (epoch, seq, js_seq, created, of, *before), resume in marked.values():
             if of != crc:

@@ -97,7 +97,6 @@ from __future__ import annotations
 
 import logging
 import re
-import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
@@ -149,6 +148,7 @@ from bridge.connector import (
     doc,
     hex64,
     message_types,
+    place_crc,
     redact_url,
     rendered,
     reveal,
@@ -1350,12 +1350,16 @@ class RedisConnector:
                 raise first
         raise PartialFailure(errors)
 
+    def _server_place(self) -> str:
+        """The server and database its keys are on (``host:port/db``, or a unix socket's path)."""
+        url = urlsplit(self.options.url)
+        db = (url.path.strip("/") or dict(parse_qsl(url.query)).get("db") or "0") if url.scheme != "unix" else "0"
+        return url.path if url.scheme == "unix" else f"{server_address(self.options.url, 6379)}/{db}"
+
     def places(self, streams: Sequence[Stream]) -> list[tuple[frozenset[str], str]]:
         """The keys it writes, on its server and database (see bridge.connector: two sinks may not
         share one)."""
-        url = urlsplit(self.options.url)
-        db = (url.path.strip("/") or dict(parse_qsl(url.query)).get("db") or "0") if url.scheme != "unix" else "0"
-        server = url.path if url.scheme == "unix" else f"{server_address(self.options.url, 6379)}/{db}"
+        server = self._server_place()
         types = message_types(self._granularity)
         templates = [t for t in (self._stream, self._index, self._state) if t is not None]
         keys = [k for t in templates for k in rendered(t.render, t, streams, types)]
@@ -1402,13 +1406,14 @@ class RedisConnector:
             out[stream.key] = held
             self._held.setdefault(keys[stream.key], _text(entry_id_))  # checked at the next write (I6)
         if empty:
-            unwritten = await self._unwritten(empty, keys)
+            unwritten, emptied = await self._unwritten(empty, keys)
             out.update(dict.fromkeys(unwritten))
-            # The others' keys are empty, or gone while the stream's state or index is there: their
-            # entries were deleted (the bridge sets no TTL, and MAXLEN ~ never empties a key). Where
-            # the stream resumes cannot be told by them, but what they held is lost (the runtime
-            # reads records_gone: bridge.connector).
-            self.records_gone.update(s.key for s in empty if s.key not in unwritten)
+            # A stream key that exists and is empty had its entries deleted (the bridge never
+            # empties one: MAXLEN ~ keeps the newest). Where the stream resumes cannot be told by
+            # it, but what it held is lost (the runtime reads records_gone: bridge.connector). A
+            # key gone while the stream's state is there cannot tell: batches with no event leave
+            # no entry at event granularity, and a key template may have changed.
+            self.records_gone.update(emptied)
         return out
 
     def _one_key(self, stream: Stream) -> str | None:
@@ -1418,11 +1423,15 @@ class RedisConnector:
             return None
         return self._stream.render(_sample_of(stream))
 
+    def _mark_crc(self, key: str) -> int:
+        """What a mark of ``key`` on this server carries to name it (see place_crc)."""
+        return place_crc([self._server_place()], key)
+
     def stored_through(self, stream: Stream) -> tuple[int, ...] | None:
         """The mark of the last entry stored of ``stream`` (bridge.connector; the checkpoint keeps
         it for the next run's ``stored_before``), when its messages go to one key: that entry's
         position, the position of the last one of each epoch before (newest first), and a CRC-32
-        of the key."""
+        of the key and the server (place_crc)."""
         keys = self._keys.get(stream.key)  # (the keys the stream claimed: its stream key, its index's)
         if not keys or any(f in self._stream.fields for f in ("type", "epoch")):
             return None
@@ -1430,7 +1439,7 @@ class RedisConnector:
         if key is None:
             return None
         ends = [self._held[key], *reversed(self._held_before.get(key, []))]
-        return (*(n for ident in ends for n in entry_position(ident)), zlib.crc32(key.encode()))
+        return (*(n for ident in ends for n in entry_position(ident)), self._mark_crc(key))
 
     def stored_before(self, stream: Stream, mark: tuple[int, ...], resume: tuple[int, int] | None) -> None:
         """An earlier run stored ``stream``'s entries up to ``mark`` (bridge.connector): its key
@@ -1439,7 +1448,7 @@ class RedisConnector:
         to ``resume``: the entries after it are written again. A mark of another key (the
         template changed since) says nothing of this one."""
         key = self._one_key(stream)
-        if key is None or len(mark) % 3 != 1 or mark[-1] != zlib.crc32(key.encode()):
+        if key is None or len(mark) % 3 != 1 or mark[-1] != self._mark_crc(key):
             return
         try:
             ends = [entry_id((mark[i], mark[i + 1], mark[i + 2])) for i in range(0, len(mark) - 1, 3)]
@@ -1451,12 +1460,13 @@ class RedisConnector:
             if resume is not None:
                 self._resent[key] = resume
 
-    async def _unwritten(self, streams: list[Stream], keys: dict[str, str]) -> list[str]:
+    async def _unwritten(self, streams: list[Stream], keys: dict[str, str]) -> tuple[list[str], list[str]]:
         """Of ``streams``, whose stream keys hold no entry, the keys (``Stream.key``) of those that
         were never written, as far as Redis tells: no stream key (an empty one had entries, trimmed
         or deleted), and no state hash or index set of the stream (it was written, and its stream
-        key deleted since: FLUSHALL leaves nothing to tell by). One ``TYPE`` per key (a command the
-        sink's ACL user runs already), in one pipeline."""
+        key deleted since: FLUSHALL leaves nothing to tell by); and those whose stream key exists,
+        empty (its entries deleted). One ``TYPE`` per key (a command the sink's ACL user runs
+        already), in one pipeline."""
         asked = [[keys[s.key], *(t.render(_sample_of(s)) for t in (self._state, self._index) if t is not None)] for s in streams]
         pipe = self._connection().pipeline(transaction=False)
         for names in asked:
@@ -1467,9 +1477,12 @@ class RedisConnector:
         except (RedisError, RedisClusterException, OSError) as exc:
             raise self._classify(exc, "cannot read stream positions") from None
         # An error reply (NOPERM, ...) is no answer: cannot tell.
-        missing = iter([isinstance(r, (str, bytes)) and _text(r) == "none" for r in replies])
-        found = [[next(missing) for _ in names] for names in asked]
-        return [s.key for s, got in zip(streams, found, strict=True) if all(got)]
+        kinds = iter([_text(r) if isinstance(r, (str, bytes)) else None for r in replies])
+        found = [[next(kinds) for _ in names] for names in asked]
+        return (
+            [s.key for s, got in zip(streams, found, strict=True) if all(k == "none" for k in got)],
+            [s.key for s, got in zip(streams, found, strict=True) if got[0] == "stream"],
+        )
 
     async def audit(self) -> None:
         """Between writes (bridge.connector, I6): does Redis still hold the last entry stored in

@@ -590,6 +590,39 @@ async def test_a_topic_lost_while_the_sink_is_quiet_is_found_by_its_audit(kafka:
 
 
 @pytest.mark.integration
+async def test_a_topic_refilled_past_what_it_acknowledged_by_another_producer_is_found_by_its_audit(
+    kafka: KafkaServer,
+) -> None:
+    # breaker81 B3/B4: the partition lost the sink's records (here deleted and created again; a
+    # broker that lost its newest segment alike) and another producer (a sharded bridge's other
+    # pod) filled it past the offset the sink had acknowledged before its next look: the offsets
+    # alone said nothing was lost. The record the sink acknowledged last must still be its own.
+    topic = await kafka.anew_topic(partitions=1)
+    stream = Stream("llama-a", 0)
+    connector = build(kafka, topic, request_timeout="2s")
+    other = build(kafka, topic, request_timeout="2s")
+    await connector.connect()
+    await other.connect()
+    try:
+        await connector.write(render(stream_records(stream, 5, epoch=3)))
+        await other.write(render(stream_records(Stream("llama-b", 0), 2, epoch=7)))
+        await connector.audit()  # another producer's records after its own: nothing lost
+        await delete_topic(kafka, topic)
+        await kafka.anew_topic(partitions=1, name=topic)
+        refill = render(stream_records(Stream("llama-b", 0), 10, epoch=8))
+        with pytest.raises(SinkLost):  # (the other producer lost its own two: it says so, then writes)
+            await other.write(refill)
+        await other.write(refill)
+        with pytest.raises(SinkLost) as found:
+            await connector.audit()
+        assert [(s.key, e, a, b) for s, e, a, b in found.value.spans] == [("llama-a/0", 3, 0, 4)]
+        await connector.audit()  # said once
+    finally:
+        await other.close()
+        await connector.close()
+
+
+@pytest.mark.integration
 async def test_a_lost_topic_announces_every_epoch_it_held(kafka: KafkaServer) -> None:
     # Breaker finds (the Kafka twin of NATS's B5, then a crash loop): the topic held epoch 3's
     # seqs 0-4, after a restart epoch 4's seq 0, after another epoch 5's 0-2; lost, every span is

@@ -412,6 +412,45 @@ async def test_a_kafka_events_topic_of_a_sink_without_state_deleted_while_no_bri
     assert stored is not None and stored[:3] == [saved["streams"]["a/0"]["epoch"], acked, 0], stored
 
 
+async def test_a_kafka_mark_of_another_topic_is_not_taken_for_a_loss(tmp_path: Path, kafka: KafkaServer) -> None:
+    """breaker85 B4: the sink's topic changed between runs (same sink name): the checkpoint's mark
+    of the old topic's partition was checked against the new topic, and 0..4 announced lost there
+    though the new topic never held them and the old one holds them all. A mark names its topic
+    and cluster."""
+    old, new = (f"kvm-{n}-{uuid.uuid4().hex[:8]}" for n in ("old", "new"))
+    live, replay = free_port(), free_port()
+
+    def cfg(topic: str) -> Config:
+        made = {"enabled": True, "partitions": 1}
+        entry = sink(
+            kafka, topic, "unused", granularity="batch", request_timeout="2s", create_topics=made, state={"enabled": False}
+        )
+        return from_data(
+            {
+                "sources": [source("a", live, replay)],
+                "sinks": [entry],
+                "metrics": {"listen": ""},
+                "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+                "checkpoint": {"path": str(tmp_path / "cp.json"), "interval": "100ms"},
+                "replay": REPLAY,
+                "shutdown_timeout": "5s",
+            },
+            env={},
+        )
+
+    async with CacheEngine(live, replay, seed=85) as engine:
+        for topic, steps in ((old, 5), (new, 3)):
+            bridge = Bridge(cfg(topic))
+            await bridge.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(steps)
+                docs = await kafka_events_at(kafka, topic, engine.last_seq)
+            finally:
+                await bridge.stop()
+    assert not [d for d in docs if d["type"] == "EventsLost"], docs
+
+
 @pytest.mark.parametrize("mode", ["file", "from_sinks"])
 async def test_nats_memory_stream_lost_while_no_bridge_ran_two_epochs(
     tmp_path: Path, nats_server: NatsServer, reader: Client, mode: str

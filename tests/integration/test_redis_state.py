@@ -696,9 +696,11 @@ async def test_a_state_sinks_stream_key_emptied_while_no_bridge_ran_is_announced
 ) -> None:
     """breaker82 B2 (I6): a sink with state, its stream key deleted (or trimmed to nothing) while no
     bridge ran, the state hash intact. The start check found "cannot tell" (the state not behind),
-    and the next bridge wrote on: the entries lost were never announced, 3 of 3. The bridge sets
-    no TTL and never empties a key itself, so such a key lost its entries: announced (sink_lost)
-    ahead of the stream's next records, the state cleared."""
+    and the next bridge wrote on: the entries lost were never announced, 3 of 3. The bridge never
+    empties a key itself, so an empty one lost its entries (announced at start, the state cleared);
+    a key gone cannot tell by itself (batches with no event leave no entry, a template may have
+    changed: breaker85 B1, B5), and the checkpoint's mark of what the sink stored there decides at
+    the first write: announced (sink_lost) ahead of the stream's next records."""
     prefix = f"kvk{how[0]}{mode[0]}"
     live, rep = free_port(), free_port()
     checkpoint = {"path": str(tmp_path / "cp.json"), "interval": "100ms", "from_sinks": mode == "from_sinks"}
@@ -730,10 +732,107 @@ async def test_a_state_sinks_stream_key_emptied_while_no_bridge_ran_is_announced
                 await second.stop()
         back = await read_redis(redis_server.url, [key])
         lost_exactly(back, -1, acknowledged, engine.last_seq)
-        check(await bootstrapped(client, prefix, "a"), engine, complete=False)
+        state = await bootstrapped(client, prefix, "a")
+        check(state, engine, complete=state.complete)  # cleared (at the stream's next record), or exact: never wrong
     finally:
         await client.delete(key, f"{key}:state")
         await client.aclose()
+
+
+@pytest.mark.parametrize("case", ["empty_batches", "empty_batches_from_sinks", "key_renamed", "key_renamed_from_sinks"])
+async def test_a_state_sinks_stream_key_that_never_held_entries_is_no_loss(
+    tmp_path: Path, redis_server: RedisServer, case: str
+) -> None:
+    """breaker85 B1, B5: a state sink whose stream key is missing while its state hash is there was
+    taken for one whose entries were deleted, and 0..N announced lost (the state cleared) though
+    Redis lost nothing: batches with no event leave no entry at event granularity (5 of 5), and a
+    changed stream template renders a key never written (6 of 6). A missing key cannot tell; the
+    checkpoint's mark (none for a key without entries, another key's for a new template) decides."""
+    prefix = f"kvz{case[0]}{case[-1]}"
+    live, rep = free_port(), free_port()
+    checkpoint = {"path": str(tmp_path / "cp.json"), "interval": "100ms", "from_sinks": case.endswith("from_sinks")}
+    first_sink = sink(
+        redis_server.url, prefix, granularity="event", state={"enabled": True, "key": f"{prefix}:{{source}}:{{dp_rank}}:state"}
+    )
+    second_sink = {**first_sink, "stream": f"{prefix}n:{{source}}:{{dp_rank}}"} if case.startswith("key_renamed") else first_sink
+    client = aioredis.Redis.from_url(redis_server.url)
+    key = second_sink["stream"].format(source="a", dp_rank=0)
+    try:
+        async with CacheEngine(live, rep, seed=16) as engine:
+            first = Bridge(in_process(tmp_path, [("a", live, rep)], first_sink, checkpoint=checkpoint))
+            await first.start()
+            try:
+                await engine.wait_subscribed()
+                if case.startswith("empty_batches"):
+                    for _ in range(3):
+                        await engine.send([])
+                    await _state_at(client, f"{prefix}:a:0:state", engine.last_seq)
+                else:
+                    await engine.step(5)
+                    await settled(client, prefix, engine, "a")
+            finally:
+                await first.stop()
+            second = Bridge(in_process(tmp_path, [("a", live, rep)], second_sink, checkpoint=checkpoint))
+            await second.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(3)
+                await settled(client, key.rsplit(":", 2)[0], engine, "a")
+            finally:
+                await second.stop()
+        back = await read_redis(redis_server.url, [key])
+        assert not [x for x in back.lost if x[3].startswith("sink_lost")], back.lost
+    finally:
+        await client.delete(f"{prefix}:a:0", f"{prefix}n:a:0", f"{prefix}:a:0:state")
+        await client.aclose()
+
+
+async def test_an_events_only_key_emptied_while_no_bridge_ran_is_announced_with_from_sinks(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """breaker85 B6: a sink without state, checkpoint.from_sinks and a checkpoint file; its stream
+    key emptied (XTRIM MAXLEN 0) while no bridge ran. The key read back empty "cannot tell", so the
+    checkpoint's mark was not checked, and 0..4 were gone unannounced (3 of 3). An empty key's
+    entries were deleted: its mark is checked."""
+    live, rep = free_port(), free_port()
+    checkpoint = {"path": str(tmp_path / "cp.json"), "interval": "100ms", "from_sinks": True}
+    cfg = in_process(tmp_path, [("a", live, rep)], sink(redis_server.url, "kvx", state={"enabled": False}), checkpoint=checkpoint)
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        async with CacheEngine(live, rep, seed=17) as engine:
+            first = Bridge(cfg)
+            await first.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(5)
+                await settled(client, "kvx", engine, "a")
+            finally:
+                await first.stop()
+            acknowledged = engine.last_seq
+            await client.xtrim("kvx:a:0", maxlen=0)
+            second = Bridge(cfg)
+            await second.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(5)
+                await settled(client, "kvx", engine, "a")
+            finally:
+                await second.stop()
+        lost_exactly(await read_redis(redis_server.url, ["kvx:a:0"]), -1, acknowledged, engine.last_seq)
+    finally:
+        await client.delete("kvx:a:0")
+        await client.aclose()
+
+
+async def _state_at(client: aioredis.Redis, state_key: str, seq: int) -> None:
+    """Until the state hash's head is at ``seq``."""
+    deadline = asyncio.get_running_loop().time() + 20
+    while True:
+        head = await client.hget(state_key, "_head")
+        if head is not None and json.loads(head)["seq"] == seq:
+            return
+        assert asyncio.get_running_loop().time() < deadline, f"{state_key}: the state did not reach seq {seq}"
+        await asyncio.sleep(0.05)
 
 
 async def test_a_mark_of_another_key_is_not_taken_for_a_loss(tmp_path: Path, forgetful_redis: RedisServer) -> None:

@@ -51,6 +51,7 @@ def bridge_after(tmp: Path, records: list[Record], from_sinks: bool = False) -> 
         checkpointer=Checkpointer(len(SINKS), load(path)),
         _state_sinks=[SimpleNamespace(name=name) for name in SINKS],
         _lost_at_start={},
+        _held_unknown=set(),
         config=SimpleNamespace(checkpoint=SimpleNamespace(from_sinks=from_sinks)),
     )
     fake._state_at = lambda i, held: Bridge._state_at(fake, i, held)  # type: ignore[arg-type]

@@ -114,6 +114,39 @@ async def test_a_lost_span_the_write_carries_again_is_announced_only_below_it(tm
     assert [k for k in kinds(conn) if k[1] == "EventsLost"] == []
 
 
+async def test_a_lost_span_reaching_a_batch_the_write_carries_in_part_covers_that_batch(tmp_path: Path) -> None:
+    """breaker85 B2: at event granularity a batch's first events were stored, its third refused for
+    the time being; the write that went again (from the failed message) found the destination lost.
+    The span was cut below the lowest seq the write carried, that batch's: its stored events were
+    neither delivered nor announced (I3). A batch carried from a later event on is not carried
+    whole: the announcement covers it (its last events, written after, are superseded by it)."""
+
+    class Partial(MemoryConnector):
+        step = 0
+
+        async def write(self, messages: Sequence[Message]) -> None:
+            self.step += 1
+            if self.step == 2:  # batch 1: its first two events stored, the third waits (stream full)
+                self.messages.extend(messages[:2])
+                raise PartialFailure({i: Retriable("full", reason="stream_full") for i in range(2, len(messages))})
+            if self.step == 3:  # the destination lost everything meanwhile
+                self.messages.clear()
+                raise SinkLost("stream deleted", [(STREAM, 0, 0, 1)])
+            self.messages.extend(messages)
+
+    worker, _, _, _ = make(tmp_path, granularity="event", batch={"linger": 0})
+    worker.connector = conn = Partial("mem", MemoryOptions(), worker.config)
+    await fill(worker, stream_records(STREAM, 1))
+    worker.start()
+    assert await worker.flush(5)
+    await fill(worker, stream_records(STREAM, 1, start=1))
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    told = [(m.record.from_seq, m.record.lost_to) for m in conn.messages if m.record.kind == "EventsLost"]
+    assert told == [(0, 1)], told
+
+
 class Raising(MemoryConnector):
     """Raises ``exc`` for every write holding a message of ``bad`` (seq of STREAM); while ``down``
     (counted down by each write and health check), every write raises and health() says so."""
