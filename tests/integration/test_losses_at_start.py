@@ -336,6 +336,25 @@ async def test_a_kafka_events_topic_deleted_while_no_bridge_ran_is_announced_onc
     assert topics == "deleted_again_in_the_run" or not head["complete"]
 
 
+def kafka_events_only(tmp_path: Path, kafka: KafkaServer, topic: str, live: int, replay: int) -> Config:
+    """One source "a", one Kafka sink "k" without state (batch granularity, the topic created by
+    it), a checkpoint file."""
+    made = {"enabled": True, "partitions": 1}
+    entry = sink(kafka, topic, "unused", granularity="batch", request_timeout="2s", create_topics=made, state={"enabled": False})
+    return from_data(
+        {
+            "sources": [source("a", live, replay)],
+            "sinks": [entry],
+            "metrics": {"listen": ""},
+            "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
+            "checkpoint": {"path": str(tmp_path / "cp.json"), "interval": "100ms"},
+            "replay": REPLAY,
+            "shutdown_timeout": "5s",
+        },
+        env={},
+    )
+
+
 async def kafka_events_at(kafka: KafkaServer, topic: str, seq: int, within: float = 60) -> list[dict[str, Any]]:
     """Stream a/0's messages in ``topic`` once one of batch ``seq`` is there."""
     deadline = time.monotonic() + within
@@ -361,20 +380,7 @@ async def test_a_kafka_events_topic_of_a_sink_without_state_deleted_while_no_bri
     sent again. An intact topic gets no announcement."""
     topic = f"kvs-events-{uuid.uuid4().hex[:10]}"
     live, replay = free_port(), free_port()
-    made = {"enabled": True, "partitions": 1}
-    entry = sink(kafka, topic, "unused", granularity="batch", request_timeout="2s", create_topics=made, state={"enabled": False})
-    cfg = from_data(
-        {
-            "sources": [source("a", live, replay)],
-            "sinks": [entry],
-            "metrics": {"listen": ""},
-            "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
-            "checkpoint": {"path": str(tmp_path / "cp.json"), "interval": "100ms"},
-            "replay": REPLAY,
-            "shutdown_timeout": "5s",
-        },
-        env={},
-    )
+    cfg = kafka_events_only(tmp_path, kafka, topic, live, replay)
     async with CacheEngine(live, replay, seed=48) as engine:
         first = Bridge(cfg)
         await first.start()
@@ -420,27 +426,9 @@ async def test_a_kafka_mark_of_another_topic_is_not_taken_for_a_loss(tmp_path: P
     old, new = (f"kvm-{n}-{uuid.uuid4().hex[:8]}" for n in ("old", "new"))
     live, replay = free_port(), free_port()
 
-    def cfg(topic: str) -> Config:
-        made = {"enabled": True, "partitions": 1}
-        entry = sink(
-            kafka, topic, "unused", granularity="batch", request_timeout="2s", create_topics=made, state={"enabled": False}
-        )
-        return from_data(
-            {
-                "sources": [source("a", live, replay)],
-                "sinks": [entry],
-                "metrics": {"listen": ""},
-                "dead_letter": {"path": str(tmp_path / "dead.jsonl")},
-                "checkpoint": {"path": str(tmp_path / "cp.json"), "interval": "100ms"},
-                "replay": REPLAY,
-                "shutdown_timeout": "5s",
-            },
-            env={},
-        )
-
     async with CacheEngine(live, replay, seed=85) as engine:
         for topic, steps in ((old, 5), (new, 3)):
-            bridge = Bridge(cfg(topic))
+            bridge = Bridge(kafka_events_only(tmp_path, kafka, topic, live, replay))
             await bridge.start()
             try:
                 await engine.wait_subscribed()

@@ -130,6 +130,18 @@ async def settled(client: aioredis.Redis, prefix: str, engine: CacheEngine, sour
         await asyncio.sleep(0.05)
 
 
+async def run_settled(cfg: Config, engine: CacheEngine, client: aioredis.Redis, prefix: str, steps: int) -> None:
+    """One bridge run: the engine publishes ``steps`` batches, written up to the last, then the bridge stops."""
+    bridge = Bridge(cfg)
+    await bridge.start()
+    try:
+        await engine.wait_subscribed()
+        await engine.step(steps)
+        await settled(client, prefix, engine, "a")
+    finally:
+        await bridge.stop()
+
+
 def check(state: StreamState, engine: CacheEngine, *, complete: bool = True) -> None:
     __tracebackhide__ = True
     mine, want = Counter(state.blocks()), truth(engine)
@@ -666,14 +678,7 @@ async def test_entries_an_events_only_sink_lost_while_no_bridge_ran_are_announce
             if restart != "intact":
                 client = await restarted(forgetful_redis, client)
                 assert await top_seq(client, key) == (kept if kept >= 0 else None)
-            second = Bridge(cfg)
-            await second.start()
-            try:
-                await engine.wait_subscribed()
-                await engine.step(5)
-                await settled(client, prefix, engine, "a")
-            finally:
-                await second.stop()
+            await run_settled(cfg, engine, client, prefix, 5)
             back = await read_redis(forgetful_redis.url, [key])
             present = [seq for _, _, seq, _, kind in back.rows if kind not in ("SourceReset", "EventsLost")]
             if restart == "intact":
@@ -709,27 +714,13 @@ async def test_a_state_sinks_stream_key_emptied_while_no_bridge_ran_is_announced
     key = f"{prefix}:a:0"
     try:
         async with CacheEngine(live, rep, seed=14) as engine:
-            first = Bridge(cfg)
-            await first.start()
-            try:
-                await engine.wait_subscribed()
-                await engine.step(10)
-                await settled(client, prefix, engine, "a")
-            finally:
-                await first.stop()
+            await run_settled(cfg, engine, client, prefix, 10)
             acknowledged = engine.last_seq
             if how == "deleted":
                 await client.delete(key)
             else:
                 await client.xtrim(key, maxlen=0)
-            second = Bridge(cfg)
-            await second.start()
-            try:
-                await engine.wait_subscribed()
-                await engine.step(5)
-                await settled(client, prefix, engine, "a")
-            finally:
-                await second.stop()
+            await run_settled(cfg, engine, client, prefix, 5)
         back = await read_redis(redis_server.url, [key])
         lost_exactly(back, -1, acknowledged, engine.last_seq)
         state = await bootstrapped(client, prefix, "a")
@@ -772,14 +763,8 @@ async def test_a_state_sinks_stream_key_that_never_held_entries_is_no_loss(
                     await settled(client, prefix, engine, "a")
             finally:
                 await first.stop()
-            second = Bridge(in_process(tmp_path, [("a", live, rep)], second_sink, checkpoint=checkpoint))
-            await second.start()
-            try:
-                await engine.wait_subscribed()
-                await engine.step(3)
-                await settled(client, key.rsplit(":", 2)[0], engine, "a")
-            finally:
-                await second.stop()
+            again = in_process(tmp_path, [("a", live, rep)], second_sink, checkpoint=checkpoint)
+            await run_settled(again, engine, client, key.rsplit(":", 2)[0], 3)
         back = await read_redis(redis_server.url, [key])
         assert not [x for x in back.lost if x[3].startswith("sink_lost")], back.lost
     finally:
@@ -800,24 +785,10 @@ async def test_an_events_only_key_emptied_while_no_bridge_ran_is_announced_with_
     client = aioredis.Redis.from_url(redis_server.url)
     try:
         async with CacheEngine(live, rep, seed=17) as engine:
-            first = Bridge(cfg)
-            await first.start()
-            try:
-                await engine.wait_subscribed()
-                await engine.step(5)
-                await settled(client, "kvx", engine, "a")
-            finally:
-                await first.stop()
+            await run_settled(cfg, engine, client, "kvx", 5)
             acknowledged = engine.last_seq
             await client.xtrim("kvx:a:0", maxlen=0)
-            second = Bridge(cfg)
-            await second.start()
-            try:
-                await engine.wait_subscribed()
-                await engine.step(5)
-                await settled(client, "kvx", engine, "a")
-            finally:
-                await second.stop()
+            await run_settled(cfg, engine, client, "kvx", 5)
         lost_exactly(await read_redis(redis_server.url, ["kvx:a:0"]), -1, acknowledged, engine.last_seq)
     finally:
         await client.delete("kvx:a:0")
@@ -846,22 +817,8 @@ async def test_a_mark_of_another_key_is_not_taken_for_a_loss(tmp_path: Path, for
     client = aioredis.Redis.from_url(forgetful_redis.url)
     try:
         async with CacheEngine(live, rep, seed=15) as engine:
-            first = Bridge(in_process(tmp_path, [("a", live, rep)], old, checkpoint=checkpoint))
-            await first.start()
-            try:
-                await engine.wait_subscribed()
-                await engine.step(10)
-                await settled(client, "kvo", engine, "a")
-            finally:
-                await first.stop()
-            second = Bridge(in_process(tmp_path, [("a", live, rep)], new, checkpoint=checkpoint))
-            await second.start()
-            try:
-                await engine.wait_subscribed()
-                await engine.step(5)
-                await settled(client, "kvn", engine, "a")
-            finally:
-                await second.stop()
+            await run_settled(in_process(tmp_path, [("a", live, rep)], old, checkpoint=checkpoint), engine, client, "kvo", 10)
+            await run_settled(in_process(tmp_path, [("a", live, rep)], new, checkpoint=checkpoint), engine, client, "kvn", 5)
         back = await read_redis(forgetful_redis.url, ["kvn:a:0"])
         assert not back.lost, back.lost
     finally:
@@ -958,14 +915,7 @@ async def test_a_state_lost_alone_while_no_bridge_ran_is_cleared_and_no_record_a
     async with CacheEngine(live, rep, seed=7) as engine:
         try:
             for run, config in enumerate([on, off, on] if how == "toggled" else [on, on]):
-                bridge = Bridge(config)
-                await bridge.start()
-                try:
-                    await engine.wait_subscribed()
-                    await engine.step(10)
-                    await settled(client, prefix, engine, "a")
-                finally:
-                    await bridge.stop()
+                await run_settled(config, engine, client, prefix, 10)
                 if how == "deleted" and run == 0:
                     assert await client.delete(f"{key}:state") == 1
             back = await read_redis(redis_server.url, [key])
