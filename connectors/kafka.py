@@ -487,9 +487,9 @@ class KafkaConnector:
         # What the broker acknowledged, to tell later whether a topic lost it (deleted, created again):
         # per (topic, partition) the offset after its last record acknowledged.
         self._acked: dict[tuple[str, int], int] = {}
-        # per (topic, partition) the key and CRC-32 of the value (-1: none) of the last record
+        # per (topic, partition) the CRC-32s of the key and the value (-1: none) of the last record
         # acknowledged there: another producer's record found there later replaced it (_check_kept)
-        self._acked_last: dict[tuple[str, int], tuple[bytes | None, int]] = {}
+        self._acked_last: dict[tuple[str, int], tuple[int, int]] = {}
         # per partition and stream: the last seq acknowledged there in each of its newest epochs (a
         # loss covers each: a crash-looping engine opens several between two writes)
         self._acked_streams: dict[tuple[str, int], dict[str, _Last]] = {}
@@ -695,29 +695,43 @@ class KafkaConnector:
         """The mark of the stream's last batch the broker acknowledged (bridge.connector; the
         checkpoint keeps it for the next run's ``stored_before``): its (epoch, seq), its
         partition and the partition's end offset then, a CRC-32 of the topic and the cluster
-        (place_crc), and the last seq of each epoch before (newest first), when its topic is one."""
+        (place_crc), the CRC-32s of the key and value of the last record the sink stored in that
+        partition (-2: not known), and the last seq of each epoch before (newest first), when its
+        topic is one."""
         tp = self._stream_tp.get(stream.key)
         last = self._acked_streams.get(tp, {}).get(stream.key) if tp is not None else None
         end = self._acked.get(tp) if tp is not None else None
         if tp is None or last is None or not last.ends or end is None:
             return None
         epoch, seq = last.ends[-1]
-        return (epoch, seq, tp[1], end, self._mark_crc(tp[0]), *(n for e in reversed(last.ends[:-1]) for n in e))
+        key_crc, value_crc = self._acked_last.get(tp, (-2, -2))
+        return (
+            epoch,
+            seq,
+            tp[1],
+            end,
+            self._mark_crc(tp[0]),
+            key_crc,
+            value_crc,
+            *(n for e in reversed(last.ends[:-1]) for n in e),
+        )
 
     def stored_before(self, stream: Stream, mark: tuple[int, ...], resume: tuple[int, int] | None) -> None:
         """An earlier run had the broker acknowledge ``stream`` up to ``mark`` (bridge.connector):
         remembered as if this process had written it, so the next write (which looks at the topic
         again first) or audit finds a topic deleted, or created again, since (I6); the span lost
         is announced up to ``resume``, where the stream resumes (what follows is sent again)."""
-        if len(mark) < 5 or not len(mark) % 2 or any(f in self._topic.fields for f in ("type", "epoch")):
+        if len(mark) < 7 or not len(mark) % 2 or any(f in self._topic.fields for f in ("type", "epoch")):
             return
-        epoch, seq, partition, end, crc, *before = mark
+        epoch, seq, partition, end, crc, key_crc, value_crc, *before = mark
         topic = self._topic.render(sample_message(stream))
         if crc != self._mark_crc(topic):
             return  # (another topic's, or another cluster's: the template changed, sinks renamed)
         tp = (topic, partition)
         if stream.key in self._stream_tp or end <= 0:
             return  # (written by this process already: it knows better)
+        if end >= self._acked.get(tp, 0) and key_crc != -2:
+            self._acked_last[tp] = (key_crc, value_crc)  # (the record there must still be it: _check_kept)
         self._acked[tp] = max(self._acked.get(tp, 0), end)
         last = self._acked_streams.setdefault(tp, {}).setdefault(stream.key, _Last(stream))
         for e, n in [*reversed(list(zip(before[::2], before[1::2], strict=True))), (epoch, seq)]:
@@ -1650,7 +1664,7 @@ class KafkaConnector:
         acked = {tp: end for tp, end in self._acked.items() if tp[0] == topic}
         present = [TopicPartition(*tp) for tp in acked if tp[1] in partitions]
         ends: dict[Any, int] = {}
-        found: dict[tuple[str, int], tuple[bytes | None, int] | None] = {}
+        found: dict[tuple[str, int], tuple[int, int] | None] = {}
         if present:
             try:
                 consumer = await self._start_reader()
@@ -1658,7 +1672,7 @@ class KafkaConnector:
                     ends = await consumer.end_offsets(present)
                     for tp in present:
                         at = (tp.topic, tp.partition)
-                        if at in self._acked_last and ends[tp] > acked[at]:
+                        if at in self._acked_last and ends[tp] >= acked[at]:
                             found[at] = await _record_at(consumer, tp, acked[at] - 1, self._timeout)
                 finally:
                     await consumer.stop()
@@ -1716,7 +1730,7 @@ class KafkaConnector:
             self._lose([tp], state=state)
         if end > self._acked.get(tp, 0):
             self._acked[tp] = end
-            self._acked_last[tp] = (chunk.last[0], _crc(chunk.last[1]))
+            self._acked_last[tp] = (_crc(chunk.last[0]), _crc(chunk.last[1]))
         streams = self._acked_streams.setdefault(tp, {})
         record: Any = None
         where = self._stream_tp if not state else None
@@ -1961,12 +1975,12 @@ class _Window:
 
 
 def _crc(value: bytes | None) -> int:
-    """A record value's CRC-32 (-1 for none: a tombstone)."""
+    """A record key's or value's CRC-32 (-1 for none: a tombstone's value)."""
     return zlib.crc32(value) if value is not None else -1
 
 
-async def _record_at(consumer: Any, tp: Any, offset: int, timeout: float) -> tuple[bytes | None, int] | None:
-    """The key and value CRC-32 of the record at ``offset`` of one partition; None when there is
+async def _record_at(consumer: Any, tp: Any, offset: int, timeout: float) -> tuple[int, int] | None:
+    """The CRC-32s of the key and the value of the record at ``offset`` of one partition; None when there is
     none there (compacted, deleted by retention) or it cannot be read within ``timeout``."""
     consumer.assign([tp])
     consumer.seek(tp, offset)
@@ -1975,7 +1989,7 @@ async def _record_at(consumer: Any, tp: Any, offset: int, timeout: float) -> tup
         got = await consumer.getmany(tp, timeout_ms=200, max_records=64)
         for record in got.get(tp, []):
             if record.offset == offset:
-                return record.key, _crc(record.value)
+                return _crc(record.key), _crc(record.value)
             if record.offset > offset:
                 return None
     return None

@@ -590,13 +590,15 @@ async def test_a_topic_lost_while_the_sink_is_quiet_is_found_by_its_audit(kafka:
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("past", [10, 0], ids=["past_it", "to_exactly_it"])
 async def test_a_topic_refilled_past_what_it_acknowledged_by_another_producer_is_found_by_its_audit(
-    kafka: KafkaServer,
+    kafka: KafkaServer, past: int
 ) -> None:
     # breaker81 B3/B4: the partition lost the sink's records (here deleted and created again; a
     # broker that lost its newest segment alike) and another producer (a sharded bridge's other
     # pod) filled it past the offset the sink had acknowledged before its next look: the offsets
-    # alone said nothing was lost. The record the sink acknowledged last must still be its own.
+    # alone said nothing was lost. The record the sink acknowledged last must still be its own,
+    # also when the partition ends exactly where the sink's did (breaker86 B2).
     topic = await kafka.anew_topic(partitions=1)
     stream = Stream("llama-a", 0)
     connector = build(kafka, topic, request_timeout="2s")
@@ -609,10 +611,17 @@ async def test_a_topic_refilled_past_what_it_acknowledged_by_another_producer_is
         await connector.audit()  # another producer's records after its own: nothing lost
         await delete_topic(kafka, topic)
         await kafka.anew_topic(partitions=1, name=topic)
+        acked = connector._acked[(topic, 0)]  # (the offset after the sink's last record)
         refill = render(stream_records(Stream("llama-b", 0), 10, epoch=8))
-        with pytest.raises(SinkLost):  # (the other producer lost its own two: it says so, then writes)
+        if not past:  # records to exactly that offset (each batch is 3 messages at event granularity)
+            assert acked % 3 == 0
+            refill = render(stream_records(Stream("llama-b", 0), acked // 3, epoch=8))
+        with pytest.raises(SinkLost):  # (stored, then the other producer finds it lost its own two)
             await other.write(refill)
-        await other.write(refill)
+        if past:
+            await other.write(refill)
+        ends = await connector._offsets([TopicPartition(topic, 0)], start=False)
+        assert (ends[TopicPartition(topic, 0)] > acked) if past else (ends[TopicPartition(topic, 0)] == acked), ends
         with pytest.raises(SinkLost) as found:
             await connector.audit()
         assert [(s.key, e, a, b) for s, e, a, b in found.value.spans] == [("llama-a/0", 3, 0, 4)]

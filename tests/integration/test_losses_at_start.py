@@ -28,7 +28,7 @@ from typing import Any
 import nats.errors
 import nats.js.errors
 import pytest
-from aiokafka import TopicPartition
+from aiokafka import AIOKafkaProducer, TopicPartition
 from nats.aio.client import Client
 from nats.js import api as js_api
 
@@ -367,7 +367,7 @@ async def kafka_events_at(kafka: KafkaServer, topic: str, seq: int, within: floa
         await asyncio.sleep(0.2)
 
 
-@pytest.mark.parametrize("case", ["deleted", "deleted_resumed_below", "intact"])
+@pytest.mark.parametrize("case", ["deleted", "deleted_resumed_below", "refilled_by_another_producer", "intact"])
 async def test_a_kafka_events_topic_of_a_sink_without_state_deleted_while_no_bridge_ran_is_announced(
     tmp_path: Path, kafka: KafkaServer, case: str
 ) -> None:
@@ -400,6 +400,17 @@ async def test_a_kafka_events_topic_of_a_sink_without_state_deleted_while_no_bri
             (tmp_path / "cp.json").write_text(json.dumps(saved))
         if case != "intact":
             await delete_topic(kafka, topic)  # while no bridge runs
+        if case == "refilled_by_another_producer":
+            # breaker86 B1: a sharded bridge's other pod fills the new partition past the mark's end
+            # offset: the offsets alone look whole; the record at the mark's offset is not the sink's.
+            await kafka.anew_topic(partitions=1, name=topic)
+            producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap_servers, acks="all")
+            await producer.start()
+            try:
+                for i in range(stored[3] + 3):
+                    await producer.send_and_wait(topic, key=b"b/0", value=b'{"seq": %d}' % i, partition=0)
+            finally:
+                await producer.stop()
         second = Bridge(cfg)
         await second.start()
         try:
