@@ -519,8 +519,8 @@ class Bridge:
                     self.checkpointer.forget_stored(key, conn.name)
 
     def _resume_stored(self, stream: Stream, resume: ckpt.StreamPosition | None) -> None:
-        """Before ``stream`` starts: each sink without state whose connector tells what it stored is
-        told what an earlier run saw it store, to check at its next write that it still holds it
+        """Before ``stream`` starts: each sink whose connector tells what it stored is told what an
+        earlier run saw it store, to check at its next write that it still holds it
         (``stored_before``, see bridge.connector; I6 for a loss while no bridge ran), and where the
         stream resumes (what it lost after that comes again, or is announced to every sink as a
         gap). A state sink only when it could not tell at start what it holds of the stream, and

@@ -307,10 +307,8 @@ async def wire_shape(
         while (left := deadline - time.monotonic()) > 0 and await sub.poll(max(1, int(left * 1000))):
             got = await sub.recv_multipart()
             if got[0].startswith(own):
-                if beat is None and _heartbeat(got):
-                    beat = got  # (the batches that follow tell whether the run can read them)
-                    continue
-                if beat is not None and _heartbeat(got):
+                if _heartbeat(got):
+                    beat = beat or got  # (the batches that follow tell whether the run can read them)
                     continue
                 frames = got
                 break
