@@ -17,7 +17,6 @@ import contextlib
 import json
 import logging
 import re
-import shutil
 import subprocess
 import time
 import urllib.error
@@ -459,8 +458,16 @@ async def test_readyz_says_not_ready_while_the_checkpoint_cannot_be_saved(tmp_pa
                 await sim.step()
             await wait_for(lambda: metric(b, "kv_bridge_checkpoint_last_save_timestamp_seconds") > 0, what="a save")
             assert (await _readyz(port))[0] == 200
-            shutil.rmtree(volume)
-            volume.write_text("a file where the checkpoint's directory was\n")  # every save fails now
+            for n in range(50):  # every save fails once a file stands where the checkpoint's directory was
+                # (moved away whole: a save writing into it meanwhile must not make a removal fail;
+                # one that makes the directory again before the file is written is moved away too)
+                with contextlib.suppress(FileNotFoundError):
+                    volume.rename(tmp_path / f"gone-{n}")
+                try:
+                    volume.write_text("a file where the checkpoint's directory was\n")
+                    break
+                except IsADirectoryError:
+                    continue
             body = await _until_status(port, 503)
             assert body["checkpoint"].startswith(f"checkpoint.path: cannot save {volume / 'c.json'} ("), body
             assert "a restart would resume from the last save (the last one " in body["checkpoint"], body

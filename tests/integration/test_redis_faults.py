@@ -707,8 +707,10 @@ async def test_an_entry_over_the_longest_argument_alone_is_dead_lettered(
         errors = d.errors()
         assert "too_large" in errors and errors.keys() <= {"too_large", "protocol", "not_connected"}, errors
         # (the server answers "Protocol error" and closes the connection, or closes it at once: the
-        # client then meets the closed connection before the answer)
-        assert bool(errors.keys() & {"protocol", "not_connected"}) == (lowered == "after connect"), errors
+        # client then meets the closed connection before the answer). Lowered after connect, the
+        # health check right after it may read the new limit first: then no write fails.
+        if lowered == "before connect":
+            assert not errors.keys() & {"protocol", "not_connected"}, errors
         assert d.acked == records
     finally:
         await admin.config_set(limit, default)
