@@ -464,6 +464,10 @@ class KafkaConnector:
         self._where = f"sinks[{name}]"
         self._servers = ",".join(options.servers())
         self._topic = Template(options.topic, f"{self._where}.topic", clean=topic_value, max_length=_TOPIC_MAX)
+        self._addresses = frozenset(server_address(s, 9092) for s in options.servers())  # (places, marks)
+        # A template with {type} or {epoch} spreads a stream over topics: where it stands cannot be
+        # read back (positions), nor checked from a mark (stored_before).
+        self._spread = any(f in self._topic.fields for f in ("type", "epoch"))
         problem = topic_template_problem(options.topic)
         if problem is None and self._topic.static and not _TOPIC_NAME.fullmatch(options.topic):
             problem = f"{options.topic!r} is not a valid Kafka topic name (1-249 of A-Z a-z 0-9 . _ -)"
@@ -689,7 +693,7 @@ class KafkaConnector:
 
     def _mark_crc(self, topic: str) -> int:
         """What a mark of ``topic`` on this cluster carries to name it (see place_crc)."""
-        return place_crc([server_address(s, 9092) for s in self.options.servers()], topic)
+        return place_crc(self._addresses, topic)
 
     def stored_through(self, stream: Stream) -> tuple[int, ...] | None:
         """The mark of the stream's last batch the broker acknowledged (bridge.connector; the
@@ -721,7 +725,7 @@ class KafkaConnector:
         remembered as if this process had written it, so the next write (which looks at the topic
         again first) or audit finds a topic deleted, or created again, since (I6); the span lost
         is announced up to ``resume``, where the stream resumes (what follows is sent again)."""
-        if len(mark) < 7 or not len(mark) % 2 or any(f in self._topic.fields for f in ("type", "epoch")):
+        if len(mark) < 7 or not len(mark) % 2 or self._spread:
             return
         epoch, seq, partition, end, crc, key_crc, value_crc, *before = mark
         topic = self._topic.render(sample_message(stream))
@@ -744,7 +748,7 @@ class KafkaConnector:
 
     def places(self, streams: Sequence[Stream]) -> list[tuple[frozenset[str], str]]:
         """The topics it writes, on its cluster (see bridge.connector: two sinks may not share one)."""
-        servers = frozenset(server_address(s, 9092) for s in self.options.servers())
+        servers = self._addresses
         topics = rendered(self._topic.render, self._topic, streams, self._types)
         topics += [self._state_topic] if self.writes_state else []
         return [(servers, f"topic {t!r}") for t in topics]
@@ -761,7 +765,7 @@ class KafkaConnector:
         to while the topic had fewer (partitions added since): found there, or not known not to be,
         it cannot tell. A topic that does not exist (deleted, not created yet) holds nothing. A
         topic template with ``{type}`` or ``{epoch}`` spreads a stream over topics: cannot tell."""
-        if any(f in self._topic.fields for f in ("type", "epoch")):
+        if self._spread:
             return {}
         producer = self._producer  # started by connect(); not here, beside the sink's own reconnects
         if producer is None:

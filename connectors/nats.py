@@ -837,6 +837,7 @@ class NatsConnector:
         self.sink = sink
         self._prefix = f"sinks[{name}]"
         self._where = shown_servers(options.server_list)
+        self._addresses = frozenset(server_address(u, 4222) for u in options.server_list)  # (places, marks)
         self._subjects = _Subjects(options.subject)
         self._nc: Client | None = None
         self._would_create = 0  # --check: streams and buckets the run would create (see _check_creatable)
@@ -1103,7 +1104,7 @@ class NatsConnector:
 
     def _mark_crc(self, name: str) -> int:
         """What a mark of events stream ``name`` on these servers carries to name it (see place_crc)."""
-        return place_crc([server_address(u, 4222) for u in self.options.server_list], name)
+        return place_crc(self._addresses, name)
 
     def stored_through(self, stream: Stream) -> tuple[int, ...] | None:
         """The mark of ``stream``'s last message the events stream acknowledged (bridge.connector):
@@ -1177,7 +1178,7 @@ class NatsConnector:
         bridge.connector: two sinks may not share one; one JetStream stream's duplicate window
         would take one sink's messages for copies of the other's, their ids being alike). Users
         are not told apart: two may be in one account, and the config cannot say."""
-        servers = frozenset(server_address(u, 4222) for u in self.options.server_list)
+        servers = self._addresses
         subjects = rendered(self._subjects.render, self._subjects.template, streams, self._types())
         places = [f"subject {s!r}" for s in subjects]
         if self.options.mode == "jetstream" and self.options.stream.create:

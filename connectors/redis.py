@@ -205,6 +205,13 @@ def _merged(message: str, lost: Sequence[SinkLost], states: Sequence[Stream] = (
     return SinkLost(message, [span for e in lost for span in e.spans], states=states, at=at)
 
 
+def _server_place(url: str) -> str:
+    """The server and database a Redis URL's keys are on (``host:port/db``, or a unix socket's path)."""
+    parts = urlsplit(url)
+    db = (parts.path.strip("/") or dict(parse_qsl(parts.query)).get("db") or "0") if parts.scheme != "unix" else "0"
+    return parts.path if parts.scheme == "unix" else f"{server_address(url, 6379)}/{db}"
+
+
 def message_position(message: Message) -> tuple[int, int, int]:
     """``message.position``, except that an EventsLost takes the last sub of its slot: should the
     batch at its ``to_seq`` itself have reached the sink, the record must still sort after it."""
@@ -991,6 +998,10 @@ class RedisConnector:
         self._maxlen = str(options.maxlen) if options.maxlen else ""
         self._prefix = f"sinks[{name}]"
         self._server = redact_url(options.url)
+        self._server_at = _server_place(options.url)  # (places, marks)
+        # A stream template with {type} or {epoch} spreads a stream over keys: where it stands
+        # cannot be read back (positions), nor kept in a mark (stored_through).
+        self._spread = any(f in self._stream.fields for f in ("type", "epoch"))
         self._client: aioredis.Redis | aioredis.RedisCluster | None = None
         # Which engine stream each rendered key (stream or index) belongs to, and each stream's
         # keys, latest last: at most _KEYS_PER_STREAM per stream (a template with {epoch} renders
@@ -1350,16 +1361,10 @@ class RedisConnector:
                 raise first
         raise PartialFailure(errors)
 
-    def _server_place(self) -> str:
-        """The server and database its keys are on (``host:port/db``, or a unix socket's path)."""
-        url = urlsplit(self.options.url)
-        db = (url.path.strip("/") or dict(parse_qsl(url.query)).get("db") or "0") if url.scheme != "unix" else "0"
-        return url.path if url.scheme == "unix" else f"{server_address(self.options.url, 6379)}/{db}"
-
     def places(self, streams: Sequence[Stream]) -> list[tuple[frozenset[str], str]]:
         """The keys it writes, on its server and database (see bridge.connector: two sinks may not
         share one)."""
-        server = self._server_place()
+        server = self._server_at
         types = message_types(self._granularity)
         templates = [t for t in (self._stream, self._index, self._state) if t is not None]
         keys = [k for t in templates for k in rendered(t.render, t, streams, types)]
@@ -1373,7 +1378,7 @@ class RedisConnector:
         trimmed or deleted; both asked in a second pipeline, only for the keys found empty). A key
         template with ``{type}`` or ``{epoch}`` (a stream spread over keys), a key that is no stream
         or whose top entry is not the bridge's, cannot tell."""
-        if any(f in self._stream.fields for f in ("type", "epoch")):
+        if self._spread:
             return {}
         keys = {s.key: self._stream.render(_sample_of(s)) for s in streams}
         pipe = self._connection().pipeline(transaction=False)
@@ -1419,13 +1424,13 @@ class RedisConnector:
     def _one_key(self, stream: Stream) -> str | None:
         """The one key ``stream``'s messages go to, None when its template spreads it over keys
         (``{type}``, ``{epoch}``)."""
-        if any(f in self._stream.fields for f in ("type", "epoch")):
+        if self._spread:
             return None
         return self._stream.render(_sample_of(stream))
 
     def _mark_crc(self, key: str) -> int:
         """What a mark of ``key`` on this server carries to name it (see place_crc)."""
-        return place_crc([self._server_place()], key)
+        return place_crc([self._server_at], key)
 
     def stored_through(self, stream: Stream) -> tuple[int, ...] | None:
         """The mark of the last entry stored of ``stream`` (bridge.connector; the checkpoint keeps
@@ -1433,7 +1438,7 @@ class RedisConnector:
         position, the position of the last one of each epoch before (newest first), and a CRC-32
         of the key and the server (place_crc)."""
         keys = self._keys.get(stream.key)  # (the keys the stream claimed: its stream key, its index's)
-        if not keys or any(f in self._stream.fields for f in ("type", "epoch")):
+        if not keys or self._spread:
             return None
         key = next((k for k in reversed(keys) if k in self._held), None)  # (index keys hold none)
         if key is None:
