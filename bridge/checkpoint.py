@@ -226,7 +226,7 @@ class Checkpointer:
         self.ended: dict[str, StreamPosition] = dict(loaded.ended) if loaded else {}
         # Per stream, the highest seq its newest epoch's instance was seen to publish (note_published).
         self.published: dict[str, StreamPosition] = dict(loaded.published) if loaded else {}
-        # Per stream and sink name, the last message position the sink was seen to store (note_stored).
+        # Per stream and sink name, the mark of what the sink was seen to store (note_stored).
         self.stored: dict[str, dict[str, tuple[int, ...]]] = {k: dict(v) for k, v in loaded.stored.items()} if loaded else {}
         # The state sinks of the run that saved the file (none named by an earlier release), and of this run.
         self.held_state: list[str] = list(loaded.state_sinks) if loaded else []
@@ -406,6 +406,8 @@ class Checkpointer:
         known = self.stored.get(key)
         if known is not None and known.pop(sink, None) is not None:
             self._generation += 1
+            if not known:
+                del self.stored[key]
 
     def stored_through(self, key: str, sink: str) -> tuple[int, ...] | None:
         """The mark of the last message of ``key`` sink ``sink`` was seen to store, if known."""
