@@ -42,7 +42,7 @@ from tests.integration.test_kafka import delete_topic, topic_exists
 from tests.integration.test_kafka_state import REPLAY, last_head, partition_of, read_partition, sink, source
 from tests.integration.test_nats_losses import _bridge_config, _subject_messages, _until, _until_head, _until_stored
 from tests.support.cache_engine import CacheEngine
-from tests.support.harness import free_port
+from tests.support.harness import free_port, one_run
 
 pytestmark = pytest.mark.integration
 
@@ -382,14 +382,11 @@ async def test_a_kafka_events_topic_of_a_sink_without_state_deleted_while_no_bri
     live, replay = free_port(), free_port()
     cfg = kafka_events_only(tmp_path, kafka, topic, live, replay)
     async with CacheEngine(live, replay, seed=48) as engine:
-        first = Bridge(cfg)
-        await first.start()
-        try:
-            await engine.wait_subscribed()
-            await engine.step(10)
-            await kafka_events_at(kafka, topic, engine.last_seq)
-        finally:
-            await first.stop()
+
+        async def written() -> list[dict[str, Any]]:
+            return await kafka_events_at(kafka, topic, engine.last_seq)
+
+        await one_run(cfg, engine, 10, written)
         acked = engine.last_seq
         saved = json.loads((tmp_path / "cp.json").read_text())
         stored = saved.get("stored", {}).get("a/0", {}).get("k")
@@ -411,14 +408,7 @@ async def test_a_kafka_events_topic_of_a_sink_without_state_deleted_while_no_bri
                     await producer.send_and_wait(topic, key=b"b/0", value=b'{"seq": %d}' % i, partition=0)
             finally:
                 await producer.stop()
-        second = Bridge(cfg)
-        await second.start()
-        try:
-            await engine.wait_subscribed()
-            await engine.step(5)
-            docs = await kafka_events_at(kafka, topic, engine.last_seq)
-        finally:
-            await second.stop()
+        docs = await one_run(cfg, engine, 5, written)
     lost = [(d["from_seq"], d["to_seq"], d["reason"]) for d in docs if d["type"] == "EventsLost"]
     held = [d["seq"] for d in docs if d["type"] not in ("EventsLost", "SourceReset")]
     if case == "intact":
@@ -439,14 +429,8 @@ async def test_a_kafka_mark_of_another_topic_is_not_taken_for_a_loss(tmp_path: P
 
     async with CacheEngine(live, replay, seed=85) as engine:
         for topic, steps in ((old, 5), (new, 3)):
-            bridge = Bridge(kafka_events_only(tmp_path, kafka, topic, live, replay))
-            await bridge.start()
-            try:
-                await engine.wait_subscribed()
-                await engine.step(steps)
-                docs = await kafka_events_at(kafka, topic, engine.last_seq)
-            finally:
-                await bridge.stop()
+            cfg = kafka_events_only(tmp_path, kafka, topic, live, replay)
+            docs = await one_run(cfg, engine, steps, lambda t=topic: kafka_events_at(kafka, t, engine.last_seq))
     assert not [d for d in docs if d["type"] == "EventsLost"], docs
 
 

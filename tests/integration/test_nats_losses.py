@@ -44,7 +44,7 @@ from kv_consumer.nats import bootstrap
 from tests.infra.servers import NatsServer
 from tests.integration.test_nats_delivery import REFUSING
 from tests.support.cache_engine import CacheEngine
-from tests.support.harness import free_port
+from tests.support.harness import free_port, one_run
 from tests.support.records import stream_records
 
 pytestmark = pytest.mark.integration
@@ -526,14 +526,11 @@ async def test_an_events_only_sinks_stream_lost_while_no_bridge_ran_is_announced
     cfg["checkpoint"]["from_sinks"] = mode == "from_sinks"
     js = reader.jetstream(timeout=5)
     async with CacheEngine(live, rep, seed=8) as engine:
-        first = Bridge(from_data(cfg, env={}))
-        await first.start()
-        try:
-            await engine.wait_subscribed()
-            await engine.step(20, events_per_batch=4)
+
+        async def stored() -> None:
             await _until_stored(reader, dest, engine.last_seq)
-        finally:
-            await first.stop()
+
+        await one_run(from_data(cfg, env={}), engine, 20, stored, events_per_batch=4)
         before = engine.last_seq
         if how == "memory":
             await nats_server.arestart()  # what it kept in memory is gone
@@ -541,14 +538,7 @@ async def test_an_events_only_sinks_stream_lost_while_no_bridge_ran_is_announced
             await js.delete_stream(dest)
             if how == "created_again":
                 await js.add_stream(name=dest, subjects=[dest + ".*.*"])
-        second = Bridge(from_data(cfg, env={}))
-        await second.start()
-        try:
-            await engine.wait_subscribed()
-            await engine.step(10, events_per_batch=4)
-            await _until_stored(reader, dest, engine.last_seq)
-        finally:
-            await second.stop()
+        await one_run(from_data(cfg, env={}), engine, 10, stored, events_per_batch=4)
     held = await _subject_messages(reader, dest, Stream("eng", 0))
     shown = [(m["type"], m.get("reason"), m.get("from_seq"), m.get("to_seq", m["seq"])) for m in held]
     assert held[0].get("type") == "EventsLost" and held[0]["reason"] == "sink_lost:nats-e", shown

@@ -36,7 +36,7 @@ from kv_consumer.redis import bootstrap
 from kv_consumer.state import StreamState, block_id
 from tests.infra.servers import RedisServer
 from tests.support.cache_engine import CacheEngine, event
-from tests.support.harness import free_port, wait_for
+from tests.support.harness import free_port, one_run, wait_for
 from tests.support.process import BridgeProcess, bridge_config, metric
 from tests.support.readback import CONTROL, read_redis
 from tests.support.snapshots import seeded_mid_epoch_and_after_a_loss, snapshot_source
@@ -132,14 +132,7 @@ async def settled(client: aioredis.Redis, prefix: str, engine: CacheEngine, sour
 
 async def run_settled(cfg: Config, engine: CacheEngine, client: aioredis.Redis, prefix: str, steps: int) -> None:
     """One bridge run: the engine publishes ``steps`` batches, written up to the last, then the bridge stops."""
-    bridge = Bridge(cfg)
-    await bridge.start()
-    try:
-        await engine.wait_subscribed()
-        await engine.step(steps)
-        await settled(client, prefix, engine, "a")
-    finally:
-        await bridge.stop()
+    await one_run(cfg, engine, steps, lambda: settled(client, prefix, engine, "a"))
 
 
 def check(state: StreamState, engine: CacheEngine, *, complete: bool = True) -> None:

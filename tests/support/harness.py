@@ -6,15 +6,18 @@ import asyncio
 import json
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from bridge.config import from_data
+from bridge.config import Config, from_data
 from bridge.runtime import Bridge
 from tests.infra.servers import free_port, port_reserved, reserve_ports
 from tests.support.schema import check_line
+
+if TYPE_CHECKING:
+    from tests.support.cache_engine import CacheEngine
 
 
 def free_ports(n: int, bases: Iterable[int] | None = None) -> list[int]:
@@ -93,6 +96,20 @@ async def running_bridge(
     await bridge.start()
     try:
         yield bridge, out
+    finally:
+        await bridge.stop()
+
+
+async def one_run(config: Config, engine: CacheEngine, steps: int, written: Callable[[], Awaitable[Any]], **step: Any) -> Any:
+    """One in-process bridge on ``config``: the engine publishes ``steps`` batches (``step``: the
+    engine's step options), then what ``written()`` returns once the sink holds them; the bridge
+    stops (its checkpoint saved)."""
+    bridge = Bridge(config)
+    await bridge.start()
+    try:
+        await engine.wait_subscribed()
+        await engine.step(steps, **step)
+        return await written()
     finally:
         await bridge.stop()
 
