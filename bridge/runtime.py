@@ -526,12 +526,12 @@ class Bridge:
         gap). A state sink only when it could not tell at start what it holds of the stream, and
         announced nothing of it (load_state); with from_sinks, a sink that said it holds nothing."""
         for conn in self._stored_by:
-            position = self.checkpointer.stored_through(stream.key, conn.name)
             at = (stream.key, conn.name)
             if getattr(conn, "writes_state", False) and at not in self._held_unknown:
                 continue  # (a state sink: what it holds was read back at start, and a loss announced)
             if self.skips and at not in self._holds_nothing and at not in self._held_unknown:
                 continue  # (from_sinks: what the sink holds was read back, and the stream resumes by it)
+            position = self.checkpointer.stored_through(stream.key, conn.name)
             if position is not None:
                 again = (resume.epoch, resume.seq) if resume is not None else None
                 conn.stored_before(stream, position, again)  # type: ignore[attr-defined]
