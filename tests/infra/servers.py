@@ -855,6 +855,43 @@ class KafkaServer(ManagedServer):
         """new_topic() from async code."""
         return await asyncio.to_thread(self.new_topic, partitions, name=name, config=config)
 
+    async def topic_configs(self, topic: str) -> dict[str, str]:
+        """DescribeConfigs: every config of ``topic`` as the broker applies it."""
+        from aiokafka.admin import AIOKafkaAdminClient
+        from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers, request_timeout_ms=10000)
+        await admin.start()
+        try:
+            responses = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)])
+        finally:
+            await admin.close()
+        return {entry[0]: entry[1] for r in responses for res in r.resources for entry in res[4]}
+
+    async def set_topic_configs(self, topic: str, configs: Mapping[str, str], timeout: float = 30.0) -> None:
+        """AlterConfigs: ``topic``'s configs become ``configs`` (the others the broker's defaults).
+
+        Returns once the broker describes them. The controller answers AlterConfigs when the change
+        is in the metadata log; the broker applies it when it reads it back, a moment later, and a
+        write in between still meets the old configs."""
+        from aiokafka.admin import AIOKafkaAdminClient
+        from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers, request_timeout_ms=10000)
+        await admin.start()
+        try:
+            await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, dict(configs))])
+        finally:
+            await admin.close()
+        deadline = time.monotonic() + timeout
+        while True:
+            described = await self.topic_configs(topic)
+            if all(described.get(key) == value for key, value in configs.items()):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"kafka: topic {topic!r}: {dict(configs)} not applied after {timeout:.0f}s: {described}")
+            await asyncio.sleep(POLL_INTERVAL)
+
     async def _create_topic(self, topic: str, partitions: int, config: dict[str, str], wait: float) -> None:
         from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 

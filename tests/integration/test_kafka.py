@@ -22,7 +22,6 @@ import msgspec
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.codec import has_zstd
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import ConsumerRecord
@@ -380,7 +379,7 @@ async def test_a_timestamp_window_too_short_is_refused_at_connect_and_a_skewed_c
         assert info.value.reason == "timestamp_window" and fix in str(info.value), info.value
         problem = await connector.health()
         assert problem is not None and topic in problem and fix in problem, problem
-        await set_topic_configs(kafka, topic, {"message.timestamp.type": "LogAppendTime"})  # (the broker stamps)
+        await kafka.set_topic_configs(topic, {"message.timestamp.type": "LogAppendTime"})  # (the broker stamps)
         assert await connector.health() is None
         assert await deliver(connector, messages) == []
     finally:
@@ -396,11 +395,11 @@ async def test_a_timestamp_window_too_short_is_refused_at_connect_and_a_skewed_c
     assert code == 3 and f"state topic '{state_topic}' refuses records stamped more than 5000 ms" in out, out
 
     # The window shortened under a connected sink (as a skewed clock is refused): retried, not dead-lettered.
-    await set_topic_configs(kafka, topic, {"message.timestamp.type": "CreateTime", "message.timestamp.before.max.ms": "3600000"})
+    await kafka.set_topic_configs(topic, {"message.timestamp.type": "CreateTime", "message.timestamp.before.max.ms": "3600000"})
     connector = build(kafka, topic)
     await connector.connect()
     try:
-        await set_topic_configs(kafka, topic, {"message.timestamp.before.max.ms": "0"})
+        await kafka.set_topic_configs(topic, {"message.timestamp.before.max.ms": "0"})
         # Written as the runtime does (fold), without the backoff: what would be dead-lettered.
         everything = list(range(len(messages)))
         pending, dead, last = everything, [], None
@@ -425,7 +424,7 @@ async def test_a_timestamp_window_too_short_is_refused_at_connect_and_a_skewed_c
         assert info.value.reason == "timestamp_window" and fix in str(info.value), info.value
         reason = await connector.health()
         assert reason is not None and topic in reason and fix in reason, reason
-        await set_topic_configs(kafka, topic, {"message.timestamp.before.max.ms": "3600000"})
+        await kafka.set_topic_configs(topic, {"message.timestamp.before.max.ms": "3600000"})
         assert await deliver(connector, messages) == []
         assert await connector.health() is None
     finally:
@@ -720,16 +719,6 @@ async def test_create_topics_creates_missing_topic_with_partitions_and_configs(k
     assert len(await partitions_of(kafka, topic)) == 3
 
 
-async def set_topic_configs(kafka: KafkaServer, topic: str, configs: dict[str, str]) -> None:
-    """AlterConfigs: ``topic``'s configs become ``configs`` (the others the broker's defaults)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
-    await admin.start()
-    try:
-        await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, configs)])
-    finally:
-        await admin.close()
-
-
 def run_check(path: Path) -> tuple[int, str]:
     """``--check`` of the config file at ``path``: its exit code and what it printed."""
     out = io.StringIO()
@@ -760,7 +749,7 @@ async def test_a_log_compacted_events_topic_is_refused_at_connect_in_check_and_a
         assert problem is not None and compacted in problem and fix in problem, problem
         with pytest.raises(NotConnected, match="is log-compacted"):
             await connector.write(messages)
-        await set_topic_configs(kafka, compacted, {"cleanup.policy": "delete"})
+        await kafka.set_topic_configs(compacted, {"cleanup.policy": "delete"})
         assert await connector.health() is None
         await connector.write(messages)
     finally:
@@ -773,13 +762,13 @@ async def test_a_log_compacted_events_topic_is_refused_at_connect_in_check_and_a
         await connector.connect()
         await connector.write(render(stream_records(Stream("llama-a", 0), 5, epoch=3)))
         await connector.audit()  # nothing lost: nothing raised
-        await set_topic_configs(kafka, compacted, {"cleanup.policy": "compact"})
+        await kafka.set_topic_configs(compacted, {"cleanup.policy": "compact"})
         with pytest.raises(SinkLost) as lost:
             await connector.audit()
         assert [(st.key, *span) for st, *span in lost.value.spans] == [("llama-a/0", 3, 0, 4)]
         problem = await connector.health()
         assert problem is not None and "is log-compacted" in problem and fix in problem, problem
-        await set_topic_configs(kafka, compacted, {"cleanup.policy": "delete"})
+        await kafka.set_topic_configs(compacted, {"cleanup.policy": "delete"})
         assert await connector.health() is None
     finally:
         await connector.close()

@@ -186,16 +186,9 @@ async def test_an_announcement_refused_by_a_lowered_topic_limit_is_kept_until_th
     so the announcement was never stored, even after the limit was set back. Now the announcement
     is kept and sent again each time, the sink not ready meanwhile, and stored once the limit is
     back, before seq 4."""
-    from aiokafka.admin import AIOKafkaAdminClient
-    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
     async def limit(value: int) -> None:
-        admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
-        await admin.start()
-        try:
-            await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, {"max.message.bytes": str(value)})])
-        finally:
-            await admin.close()
+        await kafka.set_topic_configs(topic, {"max.message.bytes": str(value)})
 
     topic = await kafka.anew_topic(partitions=1)
     stream = Stream("llama-a", 0)

@@ -53,7 +53,6 @@ from typing import Any
 import pytest
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.partitioner import DefaultPartitioner
 
 from bridge.config import SinkConfig, convert_options, from_data
@@ -64,7 +63,7 @@ from connectors.kafka import KafkaConnector, KafkaOptions
 from kv_consumer.kafka import StateLog
 from kv_consumer.state import StreamState
 from tests.infra.servers import KafkaServer, free_port
-from tests.integration.test_kafka import delete_topic, set_topic_configs, topic_exists
+from tests.integration.test_kafka import delete_topic, topic_exists
 from tests.support.cache_engine import CacheEngine, event
 from tests.support.process import BridgeProcess, bridge_config
 from tests.support.snapshots import seeded_mid_epoch_and_after_a_loss, snapshot_source
@@ -348,16 +347,6 @@ async def test_reset_tombstones_every_old_key(tmp_path: Path, kafka: KafkaServer
 # -- the state topic ---------------------------------------------------------------------------------
 
 
-async def topic_configs(kafka: KafkaServer, topic: str) -> dict[str, str]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
-    await admin.start()
-    try:
-        responses = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)])
-    finally:
-        await admin.close()
-    return {entry[0]: entry[1] for r in responses for res in r.resources for entry in res[4]}
-
-
 def state_connector(kafka: KafkaServer, events: str, **state: Any) -> KafkaConnector:
     values = {"bootstrap_servers": kafka.bootstrap_servers, "topic": events, "state": {"enabled": True, **state}}
     return KafkaConnector("k", convert_options(values, KafkaOptions, "sinks[0]"), SinkConfig(type="kafka", name="k"))
@@ -371,7 +360,7 @@ async def test_state_topic_is_created_compacted_and_one_that_deletes_by_retentio
     conn = state_connector(kafka, topic, topic=created, create=True, partitions=3)
     await conn.connect()
     await conn.close()
-    configs = await topic_configs(kafka, created)
+    configs = await kafka.topic_configs(created)
     assert configs["cleanup.policy"] == "compact"
     assert (configs["min.cleanable.dirty.ratio"], configs["segment.ms"]) == ("0.1", "3600000")
     assert conn._partitions[created] == [0, 1, 2]
@@ -623,7 +612,7 @@ async def test_a_state_topic_deleted_during_a_run_comes_back_compacted_and_the_s
                 assert time.monotonic() < deadline, "the state topic did not come back"
                 await engine.step(1)
                 await asyncio.sleep(0.3)
-            configs = await topic_configs(kafka, state_topic)
+            configs = await kafka.topic_configs(state_topic)
             admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
             await admin.start()
             try:
@@ -732,7 +721,7 @@ async def test_a_state_topic_set_to_delete_by_retention_during_a_run_is_refused_
     state_topic = f"kvb-state-{uuid.uuid4().hex[:12]}"
     part = partition_of("a/0", 2)
     async with complete_state(tmp_path, kafka, topic, state_topic, 13) as (engine, bridge, before):
-        await set_topic_configs(kafka, state_topic, {"cleanup.policy": "compact,delete", "retention.ms": "3600000"})
+        await kafka.set_topic_configs(state_topic, {"cleanup.policy": "compact,delete", "retention.ms": "3600000"})
         deadline = time.monotonic() + 30
         # The head goes (a bootstrap finds no state: incomplete) and the sink is not ready.
         while await head_now(kafka, state_topic, part, "a/0") is not None or bridge.readiness()[0]:
@@ -741,7 +730,7 @@ async def test_a_state_topic_set_to_delete_by_retention_during_a_run_is_refused_
         problem = bridge.readiness()[1]["sinks"]["k"]
         assert repr(state_topic) in problem and "set cleanup.policy=compact" in problem, problem
         await engine.step(5)  # batches meanwhile: the sink holds them (their state may not be written)
-        await set_topic_configs(kafka, state_topic, {"cleanup.policy": "compact"})
+        await kafka.set_topic_configs(state_topic, {"cleanup.policy": "compact"})
         after = await head_at(kafka, state_topic, part, engine)
         assert not after["complete"] and after["gen"] > before["gen"], (before, after)
         deadline = time.monotonic() + 30
@@ -866,7 +855,7 @@ async def test_an_events_topic_deleted_during_a_run_is_created_with_its_settings
                 assert time.monotonic() < deadline, "the events topic did not come back"
                 await engine.step(1)
                 await asyncio.sleep(0.3)
-            configs = await topic_configs(kafka, topic)
+            configs = await kafka.topic_configs(topic)
             admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
             await admin.start()
             try:
