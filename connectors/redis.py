@@ -106,6 +106,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.connection import parse_url
 from redis.exceptions import (
     AskError,
     AuthenticationError,
@@ -206,9 +207,10 @@ def _merged(message: str, lost: Sequence[SinkLost], states: Sequence[Stream] = (
 
 
 def _server_place(url: str) -> str:
-    """The server and database a Redis URL's keys are on (``host:port/db``, or a unix socket's path)."""
+    """The server and database a Redis URL's keys are on (``host:port/db``, or a unix socket's path),
+    the database read as redis-py reads it (``?db=`` over the path, which is unquoted)."""
     parts = urlsplit(url)
-    db = (parts.path.strip("/") or dict(parse_qsl(parts.query)).get("db") or "0") if parts.scheme != "unix" else "0"
+    db = parse_url(url).get("db", 0)
     return parts.path if parts.scheme == "unix" else f"{server_address(url, 6379)}/{db}"
 
 
@@ -316,6 +318,13 @@ class RedisOptions(ConnectorOptions):
         if parts.scheme not in ("redis", "rediss"):
             raise ValueError("url: expected redis://host:port/db or rediss://host:port/db")
         redact_url(self.url)  # remembers a password inside the url: every log line, error and body hides it
+        database = unquote(parts.path).strip("/")
+        if database and not database.isdigit():  # (redis-py would use db 0)
+            raise ValueError(f"url: the database {database!r} is not a number: redis://host:port/N")
+        try:
+            parse_url(self.url)
+        except ValueError as exc:
+            raise ValueError(f"url: {exc}") from None
         in_url = parts.password or any(k.lower() == "password" for k, _ in parse_qsl(parts.query))
         if in_url and self.password is not None:
             raise ValueError("url: give the password either in url or in password, not both")

@@ -1047,6 +1047,8 @@ def test_registry_builds_the_connector_from_sink_keys() -> None:
     ("keys", "problem"),
     [
         ({"url": "http://x"}, "url: expected redis://"),
+        ({"url": "redis://x/abc"}, "url: the database 'abc' is not a number"),
+        ({"url": "redis://x/0?db=x"}, "url: invalid value for 'db' in connection URL"),
         ({"url": "redis://x", "stream": "kv:{source}"}, "must name {source} and {dp_rank}"),
         ({"url": "redis://x", "stream": "kv:{source}:{dp_rank}:{}"}, "bad placeholder"),
         ({"url": "redis://x", "index": {"enabled": True, "key": "i:{source}:{dp_rank}:{type}"}}, "{type} not allowed"),

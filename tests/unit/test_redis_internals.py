@@ -23,7 +23,7 @@ from redis.asyncio.connection import AbstractConnection, Connection, SSLConnecti
 from bridge.config import from_data
 from bridge.connector import Registry
 from connectors import _redis_internals as internals
-from connectors.redis import RedisConnector, _slot
+from connectors.redis import RedisConnector, _server_place, _slot
 from tests.support.strategies import examples
 
 ARG = st.one_of(
@@ -99,3 +99,21 @@ def test_key_slot_is_the_cluster_hash_slot() -> None:
     assert internals.key_slot("kv:{llama-a:0}") == internals.key_slot("kv:{llama-a:0}:blocks")
     assert internals.key_slot("foo{}{bar}") != internals.key_slot("bar")  # an empty first tag hashes the whole key
     assert _slot("foo") == 12182 and _slot("{user1000}.following") == tagged  # (the connector's, cached)
+
+
+@pytest.mark.parametrize(
+    ("url", "place"),
+    [
+        ("redis://h:1", "h:1/0"),
+        ("redis://h:1/3", "h:1/3"),
+        ("redis://h:1/0?db=1", "h:1/1"),  # breaker89 B3: redis-py lets the query win over the path
+        ("redis://h:1/%32", "h:1/2"),  # ... and unquotes the path
+        ("rediss://h/5", "h:6379/5"),
+    ],
+)
+def test_a_marks_place_is_the_database_redis_py_writes(url: str, place: str) -> None:
+    """breaker89 B3: the place a checkpoint's mark names read the path before ``?db=``, redis-py the
+    query: a URL changed from ``/0`` to ``/0?db=1`` had db 1 told db 0's entries were lost."""
+    assert _server_place(url) == place
+    pool_db = aioredis.Redis.from_url(url).connection_pool.connection_kwargs.get("db", 0)
+    assert place.endswith(f"/{pool_db}")
