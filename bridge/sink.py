@@ -66,6 +66,11 @@ HEALTH_INTERVAL = 5.0
 # acknowledged: a write checks it for its own streams, a quiet stream would wait for its next one.
 AUDIT_INTERVAL = 15.0
 
+# Batches in a row the sink refused for themselves (dead-lettered, announced) with none stored
+# between: a sink refusing every batch (a size limit below every batch's size) is not ready,
+# though connected; one refused batch among stored ones is not. Like UNDECODABLE_AFTER of sources.
+REFUSED_AFTER = 5
+
 
 UNEXPECTED_TRIES = 2
 """Writes of the same messages that may fail with an unclassified exception before the runtime
@@ -215,6 +220,9 @@ class SinkWorker:
         # Why the sink refuses a stream for as long as it runs (a StreamRefused met): not ready
         # for good, though its other streams are written (see kept_back).
         self.refusing: str | None = None
+        # Batches refused in a row (see REFUSED_AFTER), and the last refusal's reason.
+        self._refused_run = 0
+        self._refused_why = ""
         self._task: asyncio.Task[None] | None = None
         self.health_interval = HEALTH_INTERVAL
         self._audit = getattr(connector, "audit", None)
@@ -542,6 +550,14 @@ class SinkWorker:
                 del self._state_refusals_told[key]
         if dead_batches:
             self._m_dead.inc(dead_batches)
+            run, self._refused_run = self._refused_run, 0 if delivered else self._refused_run + dead_batches
+            if run < REFUSED_AFTER <= self._refused_run:
+                log.error(
+                    "the sink refuses every batch: not ready until one is stored",
+                    extra={"sink": self.name, "count": self._refused_run, "error": self._refused_why},
+                )
+        elif delivered:
+            self._refused_run = 0
         self._n_ok += delivered
         self._n_events += events
         self.on_ack(self.index, records)
@@ -836,13 +852,17 @@ class SinkWorker:
 
     @property
     def problem(self) -> str | None:
-        """Why the sink is not ready (None: it is): not connected, or refusing a stream."""
+        """Why the sink is not ready (None: it is): not connected, refusing a stream, or refusing
+        every batch it is given (its last REFUSED_AFTER, none stored since)."""
         if not self.connected:
             return self.last_error or "not connected"
+        if self.refusing is None and self._refused_run >= REFUSED_AFTER:
+            return f"refusing every batch: the last {self._refused_run} were refused, none stored since ({self._refused_why})"
         return self.refusing
 
     def _dead_letter_messages(self, messages: list[Message], exc: ConnectorError) -> set[int]:
         self.metrics.sink_errors.labels(self.name, exc.reason).inc()
+        self._refused_why = f"{exc.reason}: {exc}"
         if isinstance(exc, StreamRefused) and self.refusing is None:
             self.refusing = f"{exc.reason}: {exc}"
         state = [m for m in messages if m.type == STATE_TYPE]

@@ -16,7 +16,7 @@ from bridge import wire
 from bridge.errors import PartialFailure, Permanent, Retriable, SinkLost
 from bridge.formats import STATE_TYPE, Message
 from bridge.records import Record, Stream, source_reset
-from bridge.sink import SinkWorker
+from bridge.sink import REFUSED_AFTER, SinkWorker
 from tests.support.memory import MemoryConnector, MemoryOptions
 from tests.support.records import stream_records
 from tests.unit.test_hostile_input import deep_payload
@@ -625,3 +625,46 @@ async def test_a_connector_wrapped_for_checkpoint_from_sinks_is_audited_too(
     await worker.stop()
     worker.dead_letters.close()
     assert kinds(conn) == [("s/0", "batch", 0), ("s/0", "batch", 1), ("s/0", "EventsLost", 1)]
+
+
+class RefusesBatches(MemoryConnector):
+    """Refuses for itself every batch above ``limit`` events (a broker's size limit), storing
+    whatever else it is given (the announcements)."""
+
+    limit = 0
+
+    async def write(self, messages: Sequence[Message]) -> None:
+        refused = {i: Permanent("message too large", reason="too_large") for i, m in enumerate(messages)
+                   if m.record.kind == "batch" and len(m.record.events) > self.limit}  # fmt: skip
+        self.messages.extend(m for i, m in enumerate(messages) if i not in refused)
+        if refused:
+            raise PartialFailure(refused)
+
+
+async def test_a_sink_refusing_every_batch_is_not_ready_until_one_is_stored(tmp_path: Path) -> None:
+    """breaker89 B4: a NATS server whose max_payload is below every batch's size and above an
+    announcement's refused all 40 batches (dead-lettered, each announced) while /readyz said 200
+    (7 of 7). REFUSED_AFTER batches refused in a row, none stored between, make the sink not ready,
+    naming the refusal; one stored batch makes it ready again. Fewer in a row do not."""
+    worker, _, _acked, _ = make(tmp_path, batch={"linger": 0, "max_messages": 1})
+    conn = RefusesBatches("mem", MemoryOptions(), worker.config)
+    worker.connector = conn
+    records = stream_records(STREAM, 2 * REFUSED_AFTER + 2)
+    conn.limit = min(len(r.events) for r in records) - 1  # every batch refused
+    worker.start()
+    try:
+        await fill(worker, records[: REFUSED_AFTER - 1])
+        assert await worker.flush(5)
+        assert worker.problem is None  # a few refused in a row: the sink may be meeting a few large ones
+        await fill(worker, records[REFUSED_AFTER - 1 : REFUSED_AFTER])
+        assert await worker.flush(5)
+        problem = worker.problem
+        assert problem is not None and f"the last {REFUSED_AFTER} were refused" in problem and "too_large" in problem
+        conn.limit = 10**6  # the operator raises the limit
+        await fill(worker, records[REFUSED_AFTER : REFUSED_AFTER + 1])
+        assert await worker.flush(5)
+        assert worker.problem is None
+    finally:
+        await worker.stop()
+        worker.dead_letters.close()
+    assert sum(1 for m in conn.messages if m.record.kind == "EventsLost") >= 1
