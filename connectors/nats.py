@@ -68,19 +68,23 @@ write the last process was killed in. :func:`kv_consumer.nats.bootstrap` is the 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import email.header
 import itertools
+import json
 import logging
 import random
 import re
 import secrets
 import ssl
 import time
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
+from urllib.parse import unquote, urlsplit
 
 import msgspec
 import nats.errors
@@ -573,6 +577,39 @@ class NatsOptions(ConnectorOptions):
         return f"NatsOptions(servers={shown_servers(self.server_list)!r}{rest})"
 
 
+def _login(options: NatsOptions) -> str:
+    """Who a sink logs in as, for its marks (each JetStream account has streams of its own): a
+    credentials file's account (its user JWT's issuer account), an nkey's public key, a user name
+    or a token's CRC-32 (given as options or in the first server URL); "" without credentials.
+    A file that cannot be read is named by its path (the connection fails on it anyway)."""
+    if options.credentials is not None:
+        try:
+            lines = Path(options.credentials).read_text().splitlines()
+            jwt = next(lines[i + 1] for i, line in enumerate(lines[:-1]) if "BEGIN NATS USER JWT" in line).strip()
+            body = jwt.split(".")[1]
+            claims = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+            return f"account:{claims.get('nats', {}).get('issuer_account') or claims['iss']}"
+        except (OSError, StopIteration, IndexError, KeyError, ValueError, AttributeError):
+            return f"creds:{options.credentials}"
+    if options.nkey_seed is not None:
+        import nkeys
+
+        try:
+            key = nkeys.from_seed(bytearray(Path(options.nkey_seed).read_bytes().strip()))
+            return f"nkey:{key.public_key.decode()}"
+        except Exception:  # nkeys raises its own errors, binascii's and ValueError alike
+            return f"nkey:{options.nkey_seed}"
+    if options.user is not None:
+        return f"user:{options.user}"
+    if options.token is not None:
+        return f"token:{zlib.crc32((reveal(options.token) or '').encode()):08x}"
+    info = urlsplit(options.server_list[0] if "://" in options.server_list[0] else f"nats://{options.server_list[0]}")
+    if info.username:
+        secret = info.password is None  # nats://TOKEN@host
+        return f"token:{zlib.crc32(unquote(info.username).encode()):08x}" if secret else f"user:{unquote(info.username)}"
+    return ""
+
+
 def _creds_problem(content: bytes, creds: bool) -> str | None:
     """What a credentials file (``creds``) or an nkey seed file lacks of what nats-py reads from it:
     the seed is read as nats-py reads it (a credentials file's seed line up to its newline, a
@@ -838,6 +875,7 @@ class NatsConnector:
         self._prefix = f"sinks[{name}]"
         self._where = shown_servers(options.server_list)
         self._addresses = frozenset(server_address(u, 4222) for u in options.server_list)  # (places, marks)
+        self._login: str | None = None  # (marks: see _login; read at the first mark)
         self._subjects = _Subjects(options.subject)
         self._nc: Client | None = None
         self._would_create = 0  # --check: streams and buckets the run would create (see _check_creatable)
@@ -1103,8 +1141,12 @@ class NatsConnector:
         )
 
     def _mark_crc(self, name: str) -> int:
-        """What a mark of events stream ``name`` on these servers carries to name it (see place_crc)."""
-        return place_crc(self._addresses, name)
+        """What a mark of events stream ``name`` on these servers, in the account this sink logs in
+        to (see _login), carries to name it (see place_crc): a stream of that name in another
+        account is another stream."""
+        if self._login is None:
+            self._login = _login(self.options)
+        return place_crc(self._addresses, f"{name}|{self._login}" if self._login else name)
 
     def stored_through(self, stream: Stream) -> tuple[int, ...] | None:
         """The mark of ``stream``'s last message the events stream acknowledged (bridge.connector):

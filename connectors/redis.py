@@ -206,11 +206,16 @@ def _merged(message: str, lost: Sequence[SinkLost], states: Sequence[Stream] = (
     return SinkLost(message, [span for e in lost for span in e.spans], states=states, at=at)
 
 
+def _database(url: str) -> int:
+    """The database a Redis URL names, as redis-py reads it (ValueError: not a number)."""
+    return int(parse_url(url).get("db", 0))  # type: ignore[no-untyped-call]
+
+
 def _server_place(url: str) -> str:
     """The server and database a Redis URL's keys are on (``host:port/db``, or a unix socket's path),
     the database read as redis-py reads it (``?db=`` over the path, which is unquoted)."""
     parts = urlsplit(url)
-    db = parse_url(url).get("db", 0)
+    db = _database(url)
     return parts.path if parts.scheme == "unix" else f"{server_address(url, 6379)}/{db}"
 
 
@@ -322,7 +327,7 @@ class RedisOptions(ConnectorOptions):
         if database and not database.isdigit():  # (redis-py would use db 0)
             raise ValueError(f"url: the database {database!r} is not a number: redis://host:port/N")
         try:
-            parse_url(self.url)
+            _database(self.url)
         except ValueError as exc:
             raise ValueError(f"url: {exc}") from None
         in_url = parts.password or any(k.lower() == "password" for k, _ in parse_qsl(parts.query))

@@ -597,3 +597,44 @@ async def test_a_stream_edited_to_refuse_every_write_is_found_by_the_audit(
         assert await conn.health() is None
     finally:
         await conn.close()
+
+
+async def test_a_mark_of_a_stream_in_another_account_is_not_taken_for_a_loss(tmp_path: Path) -> None:
+    """breaker89 B2: the sink's user moved from account A to account B between runs (same servers,
+    stream name, subject and sink name). A's mark was checked against B's stream of that name
+    ("created again") and B's consumers were told 0..4 were lost while A held them all, 4 of 4. A
+    mark names who the sink logs in as; the same user again still has its loss found."""
+    accounts = (
+        "accounts {\n  A { jetstream: enabled, users: [{user: ua, password: pa}] }\n"
+        "  B { jetstream: enabled, users: [{user: ub, password: pb}] }\n}\nno_auth_user: ua\n"
+    )
+    server = await NatsServer(tmp_path / "srv", extra_config=accounts).astart()
+    try:
+        live, rep = free_port(), free_port()
+        cfg = _bridge_config(tmp_path, server.url, "KVACC", "nats-a", "file", live, rep)
+        sink = cfg["sinks"][0]
+        del sink["state"]
+        sink["stream"]["storage"] = "file"
+        clients = {}
+        for user in ("ua", "ub"):
+            clients[user] = await nats.connect(server.url, user=user, password="p" + user[1])
+        async with CacheEngine(live, rep, seed=5) as engine:
+            for user in ("ua", "ub", "ub"):
+                sink.update(user=user, password="p" + user[1])
+                reader = clients[user]
+                await one_run(from_data(cfg, env={}), engine, 5, lambda r=reader: _until_stored(r, "KVACC", engine.last_seq))
+                if user == "ub" and "lost" not in clients:
+                    in_b = await _subject_messages(reader, "KVACC", Stream("eng", 0))
+                    assert [("events" in m, m["seq"]) for m in in_b] == [(True, seq) for seq in range(5, 10)], in_b
+                    clients["lost"] = reader  # the same user's loss is still found: the control
+                    await reader.jetstream(timeout=5).delete_stream("KVACC")
+        in_a = await _subject_messages(clients["ua"], "KVACC", Stream("eng", 0))
+        assert [m["seq"] for m in in_a] == [0, 1, 2, 3, 4]
+        in_b = await _subject_messages(clients["ub"], "KVACC", Stream("eng", 0))
+        lost = [(m["reason"], m["from_seq"], m["to_seq"]) for m in in_b if m["type"] == "EventsLost"]
+        assert lost == [("sink_lost:nats-a", 0, 9)], lost  # (from 0: where B's copy began cannot be told)
+        assert [m["seq"] for m in in_b if "events" in m] == list(range(10, 15))
+    finally:
+        for nc in {id(c): c for c in clients.values()}.values():
+            await nc.close()
+        server.stop()

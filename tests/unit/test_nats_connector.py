@@ -3,6 +3,9 @@ and which refused messages a write sends again in turn."""
 
 from __future__ import annotations
 
+import base64
+import json
+import zlib
 from typing import Any
 
 import pytest
@@ -18,6 +21,7 @@ from connectors.nats import (
     NatsOptions,
     StreamOptions,
     _Held,
+    _login,
     _refused_for_turn,
     _Subjects,
     header_block,
@@ -345,3 +349,35 @@ async def test_a_client_failure_at_connect_is_the_sinks_not_the_bridges(monkeypa
     with pytest.raises(NotConnected) as info:
         await conn.connect()
     assert info.value.reason == "auth" and "ModuleNotFoundError: No module named 'nkeys'" in str(info.value)
+
+
+def _jwt(claims: dict[str, Any]) -> str:
+    body = base64.urlsafe_b64encode(json.dumps(claims).encode()).decode().rstrip("=")
+    return f"eyJhbGciOiJlZDI1NTE5LW5rZXkifQ.{body}.c2ln"
+
+
+@pytest.mark.parametrize(
+    ("options", "login"),
+    [
+        ({"servers": "nats://h:4222"}, ""),
+        ({"servers": "nats://h:4222", "user": "ua", "password": "pa"}, "user:ua"),
+        ({"servers": "nats://ua:pa@h:4222"}, "user:ua"),
+        ({"servers": "nats://T0KEN@h:4222"}, f"token:{zlib.crc32(b'T0KEN'):08x}"),
+        ({"servers": "h:4222", "token": "T0KEN"}, f"token:{zlib.crc32(b'T0KEN'):08x}"),
+        ({"servers": "nats://h", "credentials": "{creds}"}, "account:ACCOUNT_OF_THE_SIGNING_KEY"),
+        ({"servers": "nats://h", "credentials": "{plain}"}, "account:AISSUER"),
+        ({"servers": "nats://h", "credentials": "/no/such.creds"}, "creds:/no/such.creds"),
+    ],
+)
+def test_a_mark_names_the_login_of_its_sink(tmp_path: Any, options: dict[str, Any], login: str) -> None:
+    """breaker89 B2: each JetStream account has streams of its own, so a mark names who the sink
+    logs in as (a creds file's account; else the user, nkey or token): a mark taken in another
+    account is not checked against this one's stream of that name. The token is never in it."""
+    seed = "-----BEGIN USER NKEY SEED-----\nSU(not read)\n------END USER NKEY SEED------\n"
+    for name, claims in (("creds", {"iss": "ASIGNER", "nats": {"issuer_account": "ACCOUNT_OF_THE_SIGNING_KEY"}}),
+                         ("plain", {"iss": "AISSUER", "nats": {}})):  # fmt: skip
+        path = tmp_path / f"{name}.creds"
+        path.write_text(f"-----BEGIN NATS USER JWT-----\n{_jwt(claims)}\n------END NATS USER JWT------\n\n{seed}")
+        options = {k: (str(path) if v == "{" + name + "}" else v) for k, v in options.items()}
+    assert _login(convert_options(options, NatsOptions, "sinks[0]")) == login
+    assert "T0KEN" not in login
