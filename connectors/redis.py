@@ -211,6 +211,22 @@ def _database(url: str) -> int:
     return int(parse_url(url).get("db", 0))  # type: ignore[no-untyped-call]
 
 
+def _entries_added(info: object) -> int | None:
+    """``entries-added`` of an ``XINFO STREAM`` reply (RESP2 pairs or RESP3 map); None when the
+    reply has none (Redis before 7.0) or is an error."""
+    pairs: Iterable[tuple[Any, Any]]
+    if isinstance(info, dict):
+        pairs = info.items()
+    elif isinstance(info, list):
+        pairs = zip(info[::2], info[1::2], strict=False)
+    else:
+        return None
+    for name, value in pairs:
+        if _text(name) == "entries-added":
+            return int(value) if isinstance(value, int) else None
+    return None
+
+
 def _server_place(url: str) -> str:
     """The server and database a Redis URL's keys are on (``host:port/db``, or a unix socket's path),
     the database read as redis-py reads it (``?db=`` over the path, which is unquoted)."""
@@ -1498,6 +1514,22 @@ class RedisConnector:
         # An error reply (NOPERM, ...) is no answer: cannot tell.
         kinds = iter([_text(r) if isinstance(r, (str, bytes)) else None for r in replies])
         found = [[next(kinds) for _ in names] for names in asked]
+        empty = [got for got in found if got[0] == "stream"]
+        if empty:
+            # A stream key no entry was ever added to (Redis 7's entries-added: 0) was created
+            # empty by someone else (a consumer's XGROUP CREATE ... MKSTREAM): no entry of it was
+            # deleted, it tells no more than a missing key.
+            pipe = self._connection().pipeline(transaction=False)
+            for names, got in zip(asked, found, strict=True):
+                if got[0] == "stream":
+                    pipe.execute_command("XINFO", "STREAM", names[0])
+            try:
+                infos = await pipe.execute(raise_on_error=False)
+            except (RedisError, RedisClusterException, OSError) as exc:
+                raise self._classify(exc, "cannot read stream positions") from None
+            for got, info in zip(empty, infos, strict=True):
+                if _entries_added(info) == 0:
+                    got[0] = "none"
         return (
             [s.key for s, got in zip(streams, found, strict=True) if all(k == "none" for k in got)],
             [s.key for s, got in zip(streams, found, strict=True) if got[0] == "stream"],

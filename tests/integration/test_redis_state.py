@@ -818,6 +818,38 @@ async def test_a_mark_of_another_key_is_not_taken_for_a_loss(tmp_path: Path, for
         await client.aclose()
 
 
+@pytest.mark.parametrize("mkstream", [False, True])
+async def test_a_key_a_consumer_created_empty_is_not_taken_for_deleted_entries(
+    tmp_path: Path, redis_server: RedisServer, mkstream: bool
+) -> None:
+    """breaker88 B3: the stream template changed between runs (kvm -> kvn, the state key kept). A
+    consumer's usual ``XGROUP CREATE kvn:a:0 g $ MKSTREAM`` made the new key exist, empty, which the
+    next start read as entries deleted: 0..9 announced lost (sink_lost) and the state cleared,
+    incomplete, while kvm:a:0 held them all (3 of 3). A key no entry was ever added to (XINFO
+    entries-added 0) tells no more than a missing one."""
+    prefix = f"kvm{int(mkstream)}"
+    live, rep = free_port(), free_port()
+    old = {**sink(redis_server.url, prefix), "state": {"enabled": True, "key": f"{prefix}s:{{source}}:{{dp_rank}}"}}
+    new = {**old, "stream": prefix + "n:{source}:{dp_rank}"}
+    checkpoint = {"path": str(tmp_path / "cp.json"), "interval": "100ms"}
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        async with CacheEngine(live, rep, seed=21) as engine:
+            await run_settled(in_process(tmp_path, [("a", live, rep)], old, checkpoint=checkpoint), engine, client, prefix, 10)
+            if mkstream:
+                await client.xgroup_create(f"{prefix}n:a:0", "g", "$", mkstream=True)
+            await run_settled(
+                in_process(tmp_path, [("a", live, rep)], new, checkpoint=checkpoint), engine, client, prefix + "n", 5
+            )
+            back = await read_redis(redis_server.url, [f"{prefix}n:a:0"])
+            assert not back.lost, back.lost
+            state, _ = await bootstrap(client, f"{prefix}s:a:0", f"{prefix}n:a:0")
+            check(state, engine)
+    finally:
+        await client.delete(f"{prefix}:a:0", f"{prefix}n:a:0", f"{prefix}s:a:0")
+        await client.aclose()
+
+
 @pytest.mark.parametrize("sinks", ["one", "two", "one_without_state"])
 async def test_an_older_epochs_lost_tail_is_announced_at_start_to_the_sink_that_lost_it(
     tmp_path: Path, forgetful_redis: RedisServer, redis_server: RedisServer, sinks: str
