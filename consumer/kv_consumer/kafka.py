@@ -17,7 +17,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.partitioner import DefaultPartitioner
 
-from .state import NO_HEAD, StreamState, is_head, parse, swept
+from .state import NO_HEAD, StreamState, follows_head, is_head, parse, swept
 
 HEAD = "_head"
 """The last part of a head's key: ``source/dp_rank/_head``."""
@@ -183,11 +183,27 @@ async def bootstrap(
         if open_:  # not exact before that record is applied
             state.ready_at = max(state.ready_at, (state.epoch, int(head["seq"]) + 1))
         start = head.get("next")
+    consumer.assign([etp])
+    if type(start) is int and head is not None:
+        begin, end = (await consumer.beginning_offsets([etp]))[etp], (await consumer.end_offsets([etp]))[etp]
+        if start > end or (start > begin and not await _follows_head(consumer, etp, start - 1, head)):
+            start = None  # not the partition the head was written after: from its start
     if type(start) is not int:
         start = (await consumer.beginning_offsets([etp]))[etp]
-    consumer.assign([etp])
     consumer.seek(etp, start)
     return state, etp, start
+
+
+async def _follows_head(consumer: Any, tp: Any, offset: int, head: Mapping[str, Any], wait: float = 5.0) -> bool:
+    """Whether the record at ``offset`` of the events partition can be the one ``head`` was
+    written after (:func:`~kv_consumer.state.follows_head`); False when none comes in ``wait`` s."""
+    consumer.seek(tp, offset)
+    got = await consumer.getmany(tp, timeout_ms=int(wait * 1000), max_records=1)
+    for record in got.get(tp, []):
+        if record.offset == offset:
+            headers = {k: v.decode(errors="replace") for k, v in record.headers or ()}
+            return follows_head(head, headers)
+    return False
 
 
 __all__ = ["HEAD", "StateLog", "bootstrap", "partition_of", "read_log", "stream_of", "topic_partitions"]

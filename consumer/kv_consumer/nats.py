@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from nats.aio.client import Client
@@ -20,7 +21,7 @@ from nats.js.api import DeliverPolicy, DiscardPolicy, RetentionPolicy
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from .state import StreamState, is_head, parse, swept
+from .state import StreamState, follows_head, is_head, parse, swept
 
 _KV_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 HEAD_KEY = "_head"
@@ -135,10 +136,13 @@ async def bootstrap(
     Returns ``(state, start)``: ``state`` is a :class:`~kv_consumer.state.StreamState`; follow the
     stream's subject of the events stream from JetStream sequence ``start`` (the head's ``next``:
     a consumer with ``DeliverByStartSequence`` and the stream's subject as filter) and give every
-    message, decoded, to ``state.apply``. ``state.ready`` says when it is exact. When the head has
-    no ``next`` (the bridge did not know it), ``start`` is the first message of ``subject`` in
-    ``events_stream`` if both are given, else 1 (every held message; ``apply`` skips the old ones).
-    The events stream must keep the messages since the head was written (its ``max_age``).
+    message, decoded, to ``state.apply``. ``state.ready`` says when it is exact. With
+    ``events_stream``, the message right before ``next`` is checked to be one the head can have
+    been written after (:func:`~kv_consumer.state.follows_head`): an events stream lost and created
+    again since holds others there, or none. When it is not, or the head has no ``next`` (the
+    bridge did not know it), ``start`` is the first message of ``subject`` in ``events_stream``
+    if both are given, else 1 (every held message; ``apply`` skips the old ones). The events
+    stream must keep the messages since the head was written (its ``max_age``).
     """
     js = js_or_nc.jetstream() if isinstance(js_or_nc, Client) else js_or_nc
     prefix = state_prefix(source, dp_rank)
@@ -163,6 +167,8 @@ async def bootstrap(
             if short < SHORT_SWEEPS and attempt < attempts - 1:
                 continue  # a write in flight removes entries before it writes its head: look again
         start = first.get("next")
+        if type(start) is int and events_stream is not None and not await _follows_head(js, events_stream, start - 1, first):
+            start = None  # not the events stream the head was written after: from the subject's first message
         if type(start) is not int:
             start = 1
             if events_stream is not None and subject is not None:
@@ -197,6 +203,20 @@ async def bucket_drops_entries(js: JetStreamContext, bucket: str) -> str:
     if config.discard == DiscardPolicy.OLD and ((config.max_msgs or 0) > 0 or (config.max_bytes or 0) > 0):
         return "it discards its oldest entries at its limits"
     return ""
+
+
+async def _follows_head(js: JetStreamContext, events_stream: str, seq: int, head: Mapping[str, Any]) -> bool:
+    """Whether the message at JetStream sequence ``seq`` of ``events_stream`` can be the one
+    ``head`` was written after (:func:`~kv_consumer.state.follows_head`). A message gone (the
+    stream's limits, or the stream itself) cannot tell: False, and the caller reads from further
+    back, where the copies are skipped."""
+    if seq < 1:
+        return True  # (nothing before it: the stream's first message is the head's next)
+    try:
+        msg = await js.get_msg(events_stream, seq=seq)
+    except NotFoundError:
+        return False
+    return follows_head(head, dict(msg.headers or {}))
 
 
 async def _head_doc(js: JetStreamContext, kv_stream: str, subject: str) -> dict[str, Any] | None:

@@ -82,6 +82,21 @@ def position(message: Document) -> tuple[int, int, int]:
     return epoch, int(message["seq"]) + 1, LAST
 
 
+def follows_head(head: Document, headers: Mapping[str, Any]) -> bool:
+    """Whether the message right before a head's ``next`` (given by its headers, as text) can be
+    what the head was written after: a message of the head's stream and epoch, at or below the
+    head's position. Anything else (another stream's message, a later one of its own, none) means
+    the sink's events are not those the head counts (a topic or stream lost, created again and
+    written since): follow the stream from its start, where the copies are skipped."""
+    try:
+        if (str(headers["source"]), str(headers["dp_rank"])) != (str(head["source"]), str(head["dp_rank"])):
+            return False
+        epoch = int(head["epoch"])
+        return int(headers["epoch"]) == epoch and position(headers) <= (epoch, int(head["seq"]) + 1, LAST)
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
 def parse(value: bytes | str) -> dict[str, Any] | None:
     """A state document (a head or an entry, JSON), or None when it is not one."""
     try:
@@ -289,6 +304,7 @@ __all__ = [
     "Record",
     "StreamState",
     "block_id",
+    "follows_head",
     "is_head",
     "parse",
     "position",

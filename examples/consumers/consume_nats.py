@@ -26,9 +26,10 @@ from kv_consumer import KvIndex, decode
 from kv_consumer.nats import bootstrap as read_state
 
 
-async def seed(index: KvIndex, js: JetStreamContext, bucket: str) -> int:
+async def seed(index: KvIndex, js: JetStreamContext, bucket: str, events: str | None) -> int:
     """Seed ``index`` with every engine stream that has a head in KV ``bucket``; the lowest
-    JetStream sequence one of them continues from (1: no state)."""
+    JetStream sequence of events stream ``events`` one of them continues from (1: no state, or
+    no events stream yet: one lost and not created again yet holds none of what the heads count)."""
     try:  # the heads' subjects: $KV.<bucket>.<source>.<dp_rank>._head
         info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"$KV.{bucket}.*.*._head")
     except NotFoundError:  # no bucket (yet): every message
@@ -39,9 +40,9 @@ async def seed(index: KvIndex, js: JetStreamContext, bucket: str) -> int:
             head = json.loads((await js.get_last_msg(f"KV_{bucket}", subject)).data or b"")
         except (NotFoundError, ValueError):
             continue  # removed meanwhile (a delete marker is no JSON)
-        state, start = await read_state(js, bucket, head["source"], head["dp_rank"])
+        state, start = await read_state(js, bucket, head["source"], head["dp_rank"], events_stream=events)
         index.seed((head["source"], head["dp_rank"]), state)
-        starts.append(start)
+        starts.append(start if events is not None else 1)
     return min(starts, default=1)
 
 
@@ -64,7 +65,13 @@ async def consume(
     nc = await nats.connect(servers)
     try:
         js = nc.jetstream()
-        start = await seed(index, js, bootstrap) if bootstrap else 1
+        start = 1
+        if bootstrap:
+            try:
+                events = stream or await js.find_stream_name_by_subject(subject)
+            except NotFoundError:
+                events = None
+            start = await seed(index, js, bootstrap, events)
         config = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
         while True:  # until the bridge has created the stream
             try:
@@ -77,7 +84,7 @@ async def consume(
         while not stop():
             try:
                 messages = await sub.fetch(1000, timeout=wait)
-            except NatsTimeout:
+            except (NatsTimeout, TimeoutError):  # (nats-py raises either)
                 continue
             for message in messages:  # in stream order
                 index.apply(decode(message.data))

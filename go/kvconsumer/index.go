@@ -89,6 +89,29 @@ func Position(r Record) (Pos, error) {
 	return Pos{epoch, seq + 1, Last}, nil // EventsLost (seq = its to_seq)
 }
 
+// FollowsHead reports whether the message right before a head's next (given by its headers) can
+// be what the head was written after: a message of the head's stream and epoch, at or below the
+// head's position. Anything else (another stream's message, a later one of its own, none) means
+// the sink's events are not those the head counts (a topic lost, created again and written
+// since): follow the stream from its start, where the copies are skipped.
+func FollowsHead(head Record, headers map[string]string) bool {
+	if headers["source"] != fmt.Sprint(head["source"]) || headers["dp_rank"] != fmt.Sprint(head["dp_rank"]) {
+		return false
+	}
+	epoch, err1 := integer(head["epoch"])
+	seq, err2 := integer(head["seq"])
+	if err1 != nil || err2 != nil || headers["epoch"] != strconv.FormatInt(epoch, 10) {
+		return false
+	}
+	r := Record{}
+	for k, v := range headers {
+		r[k] = json.Number(v)
+	}
+	r["type"] = headers["type"]
+	at, err := Position(r)
+	return err == nil && !(Pos{epoch, seq + 1, Last}).Less(at)
+}
+
 func integer(v any) (int64, error) {
 	switch n := v.(type) {
 	case json.Number:

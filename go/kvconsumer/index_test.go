@@ -256,3 +256,31 @@ func TestAnEventTheConsumerCannotApplyMakesTheStreamIncomplete(t *testing.T) {
 		}
 	}
 }
+
+func TestFollowsHeadOnlyForAMessageOfTheHeadsStreamAtOrBelowIt(t *testing.T) {
+	head := rec(t, `{"source":"a","dp_rank":0,"epoch":7,"gen":1,"seq":19,"live":3,"complete":true,"next":80}`)
+	msg := func(source, rank, epoch, seq, kind string) map[string]string {
+		return map[string]string{"source": source, "dp_rank": rank, "epoch": epoch, "seq": seq, "type": kind}
+	}
+	for _, c := range []struct {
+		headers map[string]string
+		want    bool
+	}{
+		{msg("a", "0", "7", "19", "EventBatch"), true},
+		{msg("a", "0", "7", "12", "EventBatch"), true}, // a batch with no event at event granularity leaves none
+		{msg("a", "0", "7", "19", "EventsLost"), true},
+		{msg("a", "0", "7", "20", "EventBatch"), false}, // a later one: another stream's copy, written since
+		{msg("b", "0", "7", "19", "EventBatch"), false},
+		{msg("a", "1", "7", "19", "EventBatch"), false},
+		{msg("a", "0", "6", "19", "EventBatch"), false},
+		{map[string]string{}, false},
+	} {
+		if got := FollowsHead(head, c.headers); got != c.want {
+			t.Errorf("FollowsHead(%v) = %v, want %v", c.headers, got, c.want)
+		}
+	}
+	reset := rec(t, `{"source":"a","dp_rank":0,"epoch":8,"gen":1,"seq":-1,"live":0,"complete":true,"next":81}`)
+	if !FollowsHead(reset, msg("a", "0", "8", "0", "SourceReset")) {
+		t.Error("the SourceReset a reset's head was written after")
+	}
+}

@@ -249,6 +249,13 @@ func BootstrapKafka(ctx context.Context, conn *kafka.Conn, x *Index, opts KafkaO
 		x.Seed(Stream{source, rank}, state)
 		p := PartitionOf(stream, events)
 		if next, err := integer(head["next"]); err == nil {
+			first, end, err := offsets(ctx, opts.Brokers, opts.Topic, p)
+			if err != nil {
+				return nil, fmt.Errorf("%s[%d]: %w", opts.Topic, p, err)
+			}
+			if next > end || (next > first && !followsHeadAt(ctx, opts, p, next-1, head)) {
+				next = first // not the partition the head was written after: from its start
+			}
 			if !seeded[p] || next < starts[p] {
 				starts[p] = next
 			}
@@ -256,6 +263,22 @@ func BootstrapKafka(ctx context.Context, conn *kafka.Conn, x *Index, opts KafkaO
 		}
 	}
 	return starts, nil
+}
+
+// followsHeadAt reports whether the record at offset of the events partition p can be the one
+// head was written after (FollowsHead); false when it cannot be read.
+func followsHeadAt(ctx context.Context, opts KafkaOptions, p int, offset int64, head Record) bool {
+	headers := map[string]string{}
+	read := false
+	err := readRange(ctx, opts.Brokers, opts.Topic, p, offset, offset+1, func(m kafka.Message) {
+		if m.Offset == offset {
+			read = true
+			for _, h := range m.Headers {
+				headers[h.Key] = string(h.Value)
+			}
+		}
+	})
+	return err == nil && read && FollowsHead(head, headers)
 }
 
 // FollowKafka applies every record of opts.Topic to x until ctx is done: each partition from its

@@ -464,6 +464,160 @@ async def run_bootstrap_scenario(
     return index
 
 
+async def run_lost_events_bootstrap(
+    tmp: Path,
+    sink: dict[str, Any],
+    consume: Consume,
+    heads_at: Callable[[dict[tuple[str, int], CacheEngine]], Awaitable[None]],
+    lose: Callable[[], Awaitable[None]],
+    index: Any = None,
+) -> Any:
+    """breaker88 B1, B2: 20 batches of one engine (event granularity, where a missing seq cannot be
+    told from a batch with no event) until ``heads_at`` sees the last in the state; the bridge
+    stops and ``lose()`` loses the sink's events (a topic or stream deleted, created again empty);
+    the consumer (``consume``, with ``--bootstrap``) seeds from the state, which still names
+    offsets of the old events; then the bridge starts again (it announces the loss) and the engine
+    publishes 40 batches more. The consumer holds exactly the engine's cache. Before, it followed
+    from the head's ``next`` into the new events, past the first records written there, and held a
+    wrong state marked complete. Returns the index."""
+    live, rep = free_port(), free_port()
+    config = {
+        "sources": [{"name": "a", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}],
+        "sinks": [{**sink, "name": "out", "format": "json", "granularity": "event", "batch": {"linger": 0}}],
+        "metrics": {"listen": ""},
+        "dead_letter": {"path": str(tmp / "dead.jsonl")},
+        "checkpoint": {"path": str(tmp / "checkpoint.json"), "interval": "100ms"},
+        "replay": REPLAY,
+        "shutdown_timeout": "3s",
+    }
+    index = KvIndex() if index is None else index
+    stopped = False
+    consumer: asyncio.Task[None] | None = None
+    async with CacheEngine(live, rep, seed=11) as engine:
+        engines = {A: engine}
+        bridge = Bridge(from_data(config, env={}))
+        await bridge.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(20, events_per_batch=4)
+            await heads_at(engines)
+        finally:
+            await bridge.stop()
+        await lose()
+        try:
+            consumer = asyncio.create_task(consume(index, lambda: stopped), name="example-consumer")
+            deadline = time.monotonic() + WAIT
+            while A not in index.streams:  # seeded from the state before the bridge is back
+                assert time.monotonic() < deadline and not consumer.done(), index.summary()
+                await asyncio.sleep(0.05)
+            bridge = Bridge(from_data(config, env={}))
+            await bridge.start()
+            try:
+                await engine.wait_subscribed()
+                await engine.step(40, events_per_batch=4)
+                await caught_up(index, consumer, engines)
+            finally:
+                await bridge.stop()
+            check(index, engines)
+        finally:
+            stopped = True
+            if consumer is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(consumer, 10)
+    return index
+
+
+async def test_kafka_consumer_bootstrapping_over_a_topic_created_again_ends_exact(tmp_path: Path, kafka: KafkaServer) -> None:
+    """breaker88 B2 (the Python library: tests/integration/test_go_consumer.py has the Go one)."""
+    servers = kafka.bootstrap_servers
+    topic = await kafka.anew_topic(partitions=1)
+    state_topic = f"kvb-state-{uuid.uuid4().hex[:12]}"
+    sink = {
+        "type": "kafka",
+        "bootstrap_servers": servers,
+        "topic": topic,
+        "state": {"enabled": True, "topic": state_topic, "create": True, "partitions": 2},
+    }
+    consume_kafka = example("consume_kafka")
+
+    def consume(index: Any, stop: Callable[[], bool]) -> Coroutine[Any, Any, None]:
+        return consume_kafka.consume(index, servers, topic, stop, bootstrap=state_topic)  # type: ignore[no-any-return]
+
+    await run_lost_events_bootstrap(
+        tmp_path, sink, consume, kafka_heads_at(servers, state_topic), topic_created_again(kafka, topic)
+    )
+
+
+def kafka_heads_at(servers: str, state_topic: str) -> Callable[[dict[tuple[str, int], CacheEngine]], Awaitable[None]]:
+    """Until each engine's head in ``state_topic`` is at its last seq."""
+
+    async def heads_at(engines: dict[tuple[str, int], CacheEngine]) -> None:
+        deadline = time.monotonic() + WAIT
+        while True:
+            seqs = await kafka_heads(servers, state_topic)
+            if all(seqs.get(f"{s}/{r}/_head".encode()) == e.last_seq for (s, r), e in engines.items()):
+                return
+            assert time.monotonic() < deadline, f"the heads are at {seqs}"
+            await asyncio.sleep(0.1)
+
+    return heads_at
+
+
+def topic_created_again(kafka: KafkaServer, topic: str) -> Callable[[], Awaitable[None]]:
+    """Deletes ``topic`` and creates it again, empty (one partition)."""
+    from tests.integration.test_kafka import delete_topic
+
+    async def lose() -> None:
+        await delete_topic(kafka, topic)
+        await kafka.anew_topic(partitions=1, name=topic)
+
+    return lose
+
+
+async def test_nats_consumer_bootstrapping_over_a_stream_lost_ends_exact(tmp_path: Path, nats_server: NatsServer) -> None:
+    """breaker88 B1: the events stream deleted while no bridge ran; the bridge creates it again."""
+    from connectors.nats import state_prefix
+
+    uid = uuid.uuid4().hex[:8]
+    subject, stream, bucket = f"kvl{uid}", f"KVL_{uid}", f"KVLS{uid}"
+    sink = {
+        "type": "nats",
+        "servers": nats_server.url,
+        "subject": subject + ".{source}.{dp_rank}",
+        "stream": {"name": stream, "create": True},
+        "state": {"enabled": True, "bucket": bucket, "create": True},
+    }
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    consume_nats = example("consume_nats")
+
+    def consume(index: Any, stop: Callable[[], bool]) -> Coroutine[Any, Any, None]:
+        return consume_nats.consume(index, nats_server.url, stop, subject=subject + ".>", stream=stream, bootstrap=bucket)  # type: ignore[no-any-return]
+
+    async def heads_at(engines: dict[tuple[str, int], CacheEngine]) -> None:
+        kv = await js.key_value(bucket)
+        deadline = time.monotonic() + WAIT
+        for (source, rank), engine in engines.items():
+            while True:
+                with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+                    entry = await kv.get(f"{state_prefix(source, rank)}._head")
+                    if entry.value and json.loads(entry.value)["seq"] == engine.last_seq:
+                        break
+                assert time.monotonic() < deadline, f"{source}/{rank}: no head at seq {engine.last_seq}"
+                await asyncio.sleep(0.05)
+
+    async def lose() -> None:
+        await js.delete_stream(stream)
+
+    try:
+        await run_lost_events_bootstrap(tmp_path, sink, consume, heads_at, lose)
+    finally:
+        for name in (stream, f"KV_{bucket}"):
+            with contextlib.suppress(Exception):
+                await js.delete_stream(name)
+        await nc.close()
+
+
 def records_read(index: Any) -> int:
     return int(index.applied + index.duplicates + index.stale)
 

@@ -27,9 +27,12 @@ from tests.integration.conftest import unavailable
 from tests.integration.test_example_consumers import (
     delete_keys,
     kafka_heads,
+    kafka_heads_at,
     resend,
     run_bootstrap_scenario,
+    run_lost_events_bootstrap,
     run_scenario,
+    topic_created_again,
     wait_written,
 )
 from tests.support.cache_engine import CacheEngine
@@ -143,3 +146,23 @@ async def test_go_consumer_bootstraps_from_kafka_state(tmp_path: Path, kafka: Ka
     index = await run_bootstrap_scenario(tmp_path, sink, consume, heads_at, index=SnapshotIndex())
     written = sum(end for _, end in [await offsets(servers, TopicPartition(topic, p)) for p in range(2)])
     assert index.applied + index.duplicates + index.stale < written / 2, (index.summary(), written)
+
+
+async def test_go_consumer_bootstrapping_over_a_topic_created_again_ends_exact(
+    tmp_path: Path, kafka: KafkaServer, go_consumer: Path
+) -> None:
+    """breaker88 B2: the Go library followed the head's ``next`` (80) into the events topic created
+    again, whose offsets 0-79 held the bridge's EventsLost and the next 79 batches: complete, and
+    145 blocks where the engine held 203 (5 of 5)."""
+    servers = kafka.bootstrap_servers
+    topic = await kafka.anew_topic(partitions=1)
+    state_topic = f"kvg-state-{uuid.uuid4().hex[:12]}"
+    sink = {
+        "type": "kafka",
+        "bootstrap_servers": servers,
+        "topic": topic,
+        "state": {"enabled": True, "topic": state_topic, "create": True, "partitions": 2},
+    }
+    consume = go_follow(go_consumer, tmp_path, "kafka", "--brokers", servers, "--topic", topic, "--bootstrap", state_topic)
+    lose = topic_created_again(kafka, topic)
+    await run_lost_events_bootstrap(tmp_path, sink, consume, kafka_heads_at(servers, state_topic), lose, index=SnapshotIndex())

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from bridge.records import Record, Stream, events_lost, source_reset
 from bridge.state import StateDelta, StateTracker
 from bridge.state_docs import StateFormat, entry_key, parse, seed_of
-from kv_consumer.state import StreamState, block_id, is_head, position
+from kv_consumer.state import StreamState, block_id, follows_head, is_head, position
 from tests.support.strategies import examples
 
 EXAMPLES = examples(int(os.environ.get("KV_MODEL_EXAMPLES", "300")))
@@ -474,3 +474,36 @@ def test_a_block_stored_twice_and_removed_once_stays_with_the_removal_s_version(
     assert s.apply(batch_msg(3, 7, removed(1)))
     assert s.blocks() == {("GPU", None, 1): 1}
     assert (s.entries[("GPU", None, 1)]["epoch"], s.entries[("GPU", None, 1)]["seq"]) == (3, 7)
+
+
+HEAD_AT_19 = {"source": "a", "dp_rank": 0, "epoch": 7, "gen": 1, "seq": 19, "live": 3, "complete": True, "next": 80}
+
+
+def _headers(source: str = "a", rank: str = "0", epoch: str = "7", seq: str = "19", kind: str = "EventBatch") -> dict[str, str]:
+    return {"source": source, "dp_rank": rank, "epoch": epoch, "seq": seq, "type": kind}
+
+
+@pytest.mark.parametrize(
+    ("headers", "follows"),
+    [
+        (_headers(), True),
+        (_headers(seq="12"), True),  # a batch with no event at event granularity leaves no message
+        (_headers(kind="EventsLost"), True),
+        ({**_headers(), "index": "3"}, True),
+        (_headers(seq="20"), False),  # a later one of its own: written since, in a stream created again
+        (_headers(source="b"), False),
+        (_headers(rank="1"), False),
+        (_headers(epoch="6"), False),
+        ({}, False),
+    ],
+)
+def test_a_heads_next_is_followed_only_after_a_message_it_can_have_been_written_after(
+    headers: dict[str, str], follows: bool
+) -> None:
+    """breaker88 B1, B2: a consumer followed the head's ``next`` into an events stream or topic
+    lost and created again (the old offsets hold other messages, or none) and ended complete but
+    wrong. The message right before ``next`` must be one of the head's stream and epoch, at or
+    below it (the Go library's FollowsHead: same cases)."""
+    assert follows_head(HEAD_AT_19, headers) is follows
+    reset = {**HEAD_AT_19, "epoch": 8, "seq": -1, "live": 0}
+    assert follows_head(reset, _headers(epoch="8", seq="0", kind="SourceReset"))
