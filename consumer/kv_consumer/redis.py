@@ -60,13 +60,14 @@ async def bootstrap(
     client: aioredis.Redis | aioredis.RedisCluster, state_key: str, stream_key: str | None = None, *, attempts: int = 5
 ) -> tuple[StreamState, str | None]:
     """A consumer's state bootstrap of one engine stream: its head, its state hash read with
-    HSCAN, then its head read again (a clear that ran meanwhile makes it start over, up to
-    ``attempts`` times). With ``stream_key``, also that the stream still holds everything after
-    the head (``maxlen`` trims the oldest entries: a sweep slower than the trimming starts over
-    too). Returns the state and the entry id to follow the stream key from (``XRANGE key (ID +``
-    or ``XREAD ... ID``), then :meth:`StreamState.apply` each entry's ``data``; None (no state
-    yet): follow from the stream's first entry. Keep up with the trimming while following, too.
-    Raises redis-py's errors, and RuntimeError when clears or trimming kept cutting the sweep."""
+    HSCAN, then its head read again (a clear that ran meanwhile, or a head gone back: Redis
+    restarted from an older snapshot, makes it start over, up to ``attempts`` times). With
+    ``stream_key``, also that the stream still holds everything after the head (``maxlen`` trims
+    the oldest entries: a sweep slower than the trimming starts over too). Returns the state and
+    the entry id to follow the stream key from (``XRANGE key (ID +`` or ``XREAD ... ID``), then
+    :meth:`StreamState.apply` each entry's ``data``; None (no state yet): follow from the
+    stream's first entry. Keep up with the trimming while following, too. Raises redis-py's
+    errors, and RuntimeError when clears or trimming kept cutting the sweep."""
     for _ in range(attempts):
         # The head first: every entry the sweep reads afterwards is at or after it (one read
         # before the head may predate changes the head already covers, and would miss them).
@@ -79,6 +80,8 @@ async def bootstrap(
         again = parse(await client.hget(state_key, "_head") or b"") or {}
         if (again.get("epoch"), again.get("gen")) != (head.get("epoch"), head.get("gen")) or b"_w" in fields:
             continue
+        if _seq(again) < _seq(head):
+            continue  # the hash went back (Redis restarted from an older snapshot): the sweep mixes both
         after = head.get("next")
         if stream_key is not None and isinstance(after, str) and await _trimmed_after(client, stream_key, after):
             continue
@@ -88,6 +91,11 @@ async def bootstrap(
     raise RuntimeError(
         f"{state_key}: the state was cleared, or its stream trimmed past its head, during each of {attempts} sweeps"
     )
+
+
+def _seq(head: dict[str, Any]) -> int:
+    seq = head.get("seq")
+    return seq if type(seq) is int else -1
 
 
 async def _trimmed_after(client: aioredis.Redis | aioredis.RedisCluster, stream_key: str, after: str) -> bool:

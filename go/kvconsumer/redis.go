@@ -45,8 +45,8 @@ func EntryPosition(id string) (Pos, error) {
 
 // BootstrapRedis reads one engine stream's state from a Redis sink with state.enabled (the HASH
 // stateKey: field _head, one field per live block): the head, every field (HSCAN), the head
-// again; a clear that ran meanwhile (or the stream streamKey trimmed past the head) makes it
-// start over, up to attempts times. It returns the state and the entry id to follow streamKey
+// again; a clear that ran meanwhile (or a head gone back: Redis restarted from an older
+// snapshot; or the stream streamKey trimmed past the head) makes it start over, up to attempts times. It returns the state and the entry id to follow streamKey
 // after ("" when there is no state yet: follow from the stream's start, with a NewStreamState).
 func BootstrapRedis(ctx context.Context, c redis.UniversalClient, stateKey, streamKey string, attempts int) (*StreamState, string, error) {
 	for i := 0; i < attempts; i++ {
@@ -82,6 +82,11 @@ func BootstrapRedis(ctx context.Context, c redis.UniversalClient, stateKey, stre
 		_, writing := fields["_w"]
 		if again == nil || text(again["epoch"]) != text(head["epoch"]) || text(again["gen"]) != text(head["gen"]) || writing {
 			continue // a clear ran during the sweep
+		}
+		if seq, err1 := integer(head["seq"]); err1 == nil {
+			if seqAgain, err2 := integer(again["seq"]); err2 != nil || seqAgain < seq {
+				continue // the hash went back (Redis restarted from an older snapshot): the sweep mixes both
+			}
 		}
 		after, _ := head["next"].(string)
 		if after != "" && streamKey != "" {

@@ -1501,3 +1501,48 @@ async def all_at(client: aioredis.Redis, keys: list[str], seq: int, above: int =
             await asyncio.sleep(0.05)
         epoch = data["epoch"]
     return epoch
+
+
+class _RestoredMidSweep:
+    """A consumer's client whose Redis goes back to ``dump`` of ``key`` (RESTORE ... REPLACE: what a
+    restart from an older snapshot leaves) right before the sweep's second HSCAN call."""
+
+    def __init__(self, client: aioredis.Redis, key: str, dump: bytes) -> None:
+        self.client, self.key, self.dump, self.calls = client, key, dump, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    async def hscan(self, key: str, cursor: int = 0, **kw: Any) -> Any:
+        self.calls += 1
+        if self.calls == 2:
+            await self.client.restore(self.key, 0, self.dump, replace=True)
+        return await self.client.hscan(key, cursor, **kw)
+
+
+async def test_a_bootstrap_whose_state_went_back_mid_sweep_starts_over(client: Any) -> None:
+    """breaker88 B4: Redis restarted from an older snapshot during a consumer's sweep. The head read
+    again had the same (epoch, gen), only an older seq, so the sweep was taken: the newer head over
+    entries partly of the older state; the bridge's EventsLost for what Redis lost then stood at
+    that head and was skipped as a copy, and the consumer ended complete with 1,793 blocks where
+    the engine held 2,284 (3 of 3). A head gone back makes the sweep start over."""
+    key = f"kvback{uuid.uuid4().hex[:8]}:a:0:state"
+
+    def entry(block: int, seq: int) -> bytes:
+        return json.dumps({"epoch": 1, "gen": 1, "seq": seq, "block": f"{block:016x}", "medium": "GPU", "count": 1}).encode()
+
+    def head(seq: int, live: int) -> bytes:
+        return json.dumps(
+            {"source": "a", "dp_rank": 0, "epoch": 1, "gen": 1, "seq": seq, "live": live, "complete": True}
+        ).encode()
+
+    older = {f"GPU//{b:016x}".encode(): entry(b, 10) for b in range(3000)}  # (several HSCAN calls)
+    await client.hset(key, mapping={**older, b"_head": head(10, 3000)})
+    try:
+        dump = await client.dump(key)
+        newer = {f"GPU//{b:016x}".encode(): entry(b, 20) for b in range(3000, 3500)}
+        await client.hset(key, mapping={**newer, b"_head": head(20, 3500)})
+        state, _ = await bootstrap(_RestoredMidSweep(client, key, dump), key)
+        assert (state.head["seq"], len(state.entries), state.complete) == (10, 3000, True)
+    finally:
+        await client.delete(key)
