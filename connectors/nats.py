@@ -847,11 +847,11 @@ class _Held:
         elif span.epoch == record.epoch and record.seq > span.last:
             span.last = record.seq
 
-    def take(self) -> list[tuple[Stream, int, int, int]]:
-        """Every span, oldest epoch first per stream, forgotten: the stream that held them is gone."""
-        out = [(s.stream, s.epoch, s.first, s.last) for spans in self.spans.values() for s in spans]
-        self.spans.clear()
-        return out
+    def take(self, keys: Iterable[str] | None = None) -> list[tuple[Stream, int, int, int]]:
+        """Every span (of the bridge streams ``keys``; None: all), oldest epoch first per stream,
+        forgotten: the stream that held them is gone."""
+        taken = [self.spans.pop(k) for k in (list(self.spans) if keys is None else keys) if k in self.spans]
+        return [(s.stream, s.epoch, s.first, s.last) for spans in taken for s in spans]
 
 
 # -- the connector ------------------------------------------------------------------------------
@@ -899,6 +899,10 @@ class NatsConnector:
         # announced (SinkLost) at the start of the next write.
         self._events_stream: str | None = None
         self._stream_seqs: dict[str, int] = {}
+        # Per bridge stream, the JetStream stream that acknowledged its last message (an operator
+        # may split the template's subjects over several): a loss of one is announced to its
+        # bridge streams only, and each stream's mark names its own.
+        self._homes: dict[str, str] = {}
         # When the events stream that acknowledged this pod's messages was created, as the server
         # says, read right after the first acknowledgement (a stream created again by another
         # writer and already past our last seq is told apart by this alone).
@@ -1157,7 +1161,7 @@ class NatsConnector:
         marked = self._marked.get(stream.key)
         if marked is not None:
             return marked[1]
-        name, spans = self._events_stream, self._held.spans.get(stream.key)
+        name, spans = self._homes.get(stream.key), self._held.spans.get(stream.key)
         created = self._stream_created.get(name) if name is not None else None
         if self.options.mode == "core" or name is None or not spans or created is None or name not in self._stream_seqs:
             return None
@@ -1173,39 +1177,55 @@ class NatsConnector:
             self._marked[stream.key] = (stream, mark, resume)
 
     async def _check_marked(self, nc: Client) -> None:
-        """What the earlier run's marks say the events stream held (see stored_before), against the
-        stream as it is now, once: the streams it lost are kept for _raise_lost."""
-        name, marked = self._events_stream, self._marked
-        if name is None or not marked:
+        """What the earlier run's marks say the events streams held (see stored_before), against
+        each as it is now, once: the JetStream stream capturing each bridge stream's subject (an
+        operator may split the subjects over several), or, when none does, the one its mark names
+        (gone). The streams that lost messages are kept for _raise_lost."""
+        marked, self._marked = self._marked, {}
+        if not marked:
             return
         js = nc.jetstream(timeout=self.options.connect_timeout)
         try:
-            info = await js.stream_info(name)
-        except nats.js.errors.NotFoundError:
-            now: tuple[int, int] | None = None
+            subjects = {key: self._subjects.render(sample_message(stream)) for key, (stream, _, _) in marked.items()}
+            owners = await self._capturing(js, subjects.values())
         except (TimeoutError, nats.errors.Error) as exc:
-            raise Retriable(f"{self._prefix}: cannot read JetStream stream {name!r} ({_describe(exc)})") from None
-        else:
-            now = (info.state.last_seq, _micros(info.created) if info.created is not None else -1)
-        self._marked = {}
-        crc = self._mark_crc(name)
+            self._marked = marked
+            raise Retriable(f"{self._prefix}: cannot list the JetStream streams ({_describe(exc)})") from None
+        known = {n for n in (self._events_stream, self.options.stream.name, *self._stream_seqs) if n is not None}
+        infos: dict[str, js_api.StreamInfo | None] = {}
         lost: list[tuple[Stream, int, int, int]] = []
-        for stream, (epoch, seq, js_seq, created, of, *before), resume in marked.values():
-            if of != crc:
+        whys: list[str] = []
+        for key, (stream, (epoch, seq, js_seq, created, of, *before), resume) in marked.items():
+            name = owners.get(subjects[key])
+            if name is None:  # captured by none now: the stream the mark names is gone (if it is one this sink knows)
+                name = next((n for n in known if self._mark_crc(n) == of), None)
+            if name is None or self._mark_crc(name) != of:
                 continue  # (another events stream's)
+            if name not in infos:
+                try:
+                    infos[name] = await js.stream_info(name)
+                except nats.js.errors.NotFoundError:
+                    infos[name] = None
+                except (TimeoutError, nats.errors.Error) as exc:
+                    self._marked = marked
+                    raise Retriable(f"{self._prefix}: cannot read JetStream stream {name!r} ({_describe(exc)})") from None
+            info = infos[name]
             ends = [(epoch, seq), *zip(before[::2], before[1::2], strict=True)]
-            if now is not None and now[1] == created and now[0] >= js_seq:
+            made = _micros(info.created) if info is not None and info.created is not None else -1
+            if info is not None and made == created and info.state.last_seq >= js_seq:
                 # Still held: known as if this process had stored it (the audit checks it too).
                 self._held.spans[stream.key] = [_Span(stream, e, 0, n) for e, n in reversed(ends)]
+                self._homes[stream.key] = name
                 self._stream_seqs[name] = max(self._stream_seqs.get(name, 0), js_seq)
                 self._stream_created.setdefault(name, info.created)
                 continue
             lost += resent_spans(stream, ends, resume)
             self._held.spans.pop(stream.key, None)
+            why = _GONE if info is None else "was created again, or lost messages, while no bridge ran"
+            whys.append(f"{name!r} {why}")
         if lost:
             self._lost.extend(lost)
-            why = _GONE if now is None else "was created again, or lost messages, while no bridge ran"
-            self._lost_why = f"{name!r} {why}"
+            self._lost_why = ", ".join(dict.fromkeys(whys))
 
     def acknowledged_before(self, stream: Stream, epoch: int, seq: int) -> None:
         """Earlier runs had this sink acknowledge ``stream`` up to ``seq`` of ``epoch`` (see
@@ -1325,7 +1345,7 @@ class NatsConnector:
             self._note_stored(messages, seqs)
             await self._note_created(nc)
         if any(e.reason == "no_stream" for e in errors.values()):
-            await self._stream_missing(nc, self._subjects.render(messages[min(errors)]))
+            await self._stream_missing(nc, messages[min(i for i, e in errors.items() if e.reason == "no_stream")])
         elif not errors:
             self._stream_problem = None
         if self.writes_state:
@@ -1367,19 +1387,26 @@ class NatsConnector:
                 last = record
         for name, (low, high) in self._new_seqs.items():
             if low <= self._stream_seqs.get(name, 0):  # this write's messages too: the announcement follows them
-                self._stream_lost(f"{name!r} was created again (its sequence went back)")
+                self._stream_lost(f"{name!r} was created again (its sequence went back)", name)
             self._stream_seqs[name] = high
 
-    def _stream_lost(self, why: str) -> None:
-        """The events stream lost what it acknowledged: the spans it held are announced at the next
-        write (SinkLost); the JetStream seqs the state's heads continue from are void."""
-        spans = self._held.take()
+    def _stream_lost(self, why: str, name: str | None = None, keys: Iterable[str] | None = None) -> None:
+        """JetStream stream ``name`` (None: every one) lost what it acknowledged: the spans it held
+        of its bridge streams (those it acknowledged last, and those no stream acknowledged in this
+        process; or ``keys``) are announced at the next write (SinkLost); the JetStream seqs their
+        state's heads continue from are void."""
+        if keys is None:
+            keys = [k for k in self._held.spans if name is None or self._homes.get(k, name) == name]
+        keys = set(keys)
+        spans = self._held.take(keys)
         self._held.fresh = False
-        self._stream_seqs.clear()
-        self._stream_created.clear()
-        self._next.clear()
-        self._fences.clear()  # (a new stream: each subject's owner is read again)
-        self._subjects.claimed.clear()
+        for gone in list(self._stream_seqs) if name is None else [name]:
+            self._stream_seqs.pop(gone, None)
+            self._stream_created.pop(gone, None)
+        for key in keys | {k for k, n in self._homes.items() if name is None or n == name}:
+            self._next.pop(key, None)
+            self._fences.pop(key, None)  # (a new stream: the subject's owner is read again)
+            self._subjects.claimed.discard(key)
         if not spans:
             return
         self._lost.extend(spans)
@@ -1403,30 +1430,35 @@ class NatsConnector:
             raise SinkLost(what, spans)
 
     async def audit(self) -> None:
-        """Between writes (bridge.connector, I6): the events stream that acknowledged this sink's
-        messages still exists and has not gone back below the last JetStream seq it gave; else what
-        it held is lost (SinkLost; with ``stream.create`` the next write creates it again). The
-        state bucket still keeps what it is given (see _recheck_bucket)."""
-        nc, name = self._nc, self._events_stream
+        """Between writes (bridge.connector, I6): each JetStream stream that acknowledged this sink's
+        messages (one, unless an operator split the subjects over several) still exists and has not
+        gone back below the last JetStream seq it gave; else what it held is lost (SinkLost, to the
+        bridge streams it held; with ``stream.create`` the next write creates it again). The state
+        bucket still keeps what it is given (see _recheck_bucket)."""
+        nc = self._nc
         if nc is not None and nc.is_connected and self.writes_state:
             await self._recheck_bucket(nc)
         if nc is not None and nc.is_connected and self._fences:
             await self._recheck_subjects(nc)
-        if self.options.mode == "core" or nc is None or not nc.is_connected or name is None or name not in self._stream_seqs:
+        if self.options.mode == "core" or nc is None or not nc.is_connected or not self._stream_seqs:
             return
         js = nc.jetstream(timeout=self.options.connect_timeout)
-        try:
-            info = await js.stream_info(name)
-        except nats.js.errors.NotFoundError:
-            self._stream_lost(f"{name!r} {_GONE}")
-        else:
+        refusal = None
+        for name in list(self._stream_seqs):
+            try:
+                info = await js.stream_info(name)
+            except nats.js.errors.NotFoundError:
+                self._stream_lost(f"{name!r} {_GONE}", name)
+                continue
             self._refusing(name, info.config)
+            refusal = refusal or self._stream_refusal
             last, created = info.state.last_seq, self._stream_created.setdefault(name, info.created)
             if created != info.created:
                 self._stream_created[name] = info.created
-                self._stream_lost(f"{name!r} was created again (at {info.created}, after {created})")
+                self._stream_lost(f"{name!r} was created again (at {info.created}, after {created})", name)
             elif last < self._stream_seqs[name]:
-                self._stream_lost(f"{name!r} ends at seq {last}, below the {self._stream_seqs[name]} it acknowledged")
+                self._stream_lost(f"{name!r} ends at seq {last}, below the {self._stream_seqs[name]} it acknowledged", name)
+        self._stream_refusal = refusal
         self._raise_lost()
 
     async def _recheck_subjects(self, nc: Client) -> None:
@@ -1457,12 +1489,14 @@ class NatsConnector:
 
         await asyncio.gather(*(one(f) for f in list(self._fences.values())))
 
-    async def _stream_missing(self, nc: Client, subject: str) -> None:
-        """A write found no stream capturing ``subject``. When the stream that acknowledged earlier
-        writes is gone, what it held is lost (announced at the next write) and, with
-        ``stream.create``, it is created again (the configured settings) for the next write."""
+    async def _stream_missing(self, nc: Client, message: Message) -> None:
+        """A write found no stream capturing the subject of ``message``. When the stream that
+        acknowledged its bridge stream's earlier writes is gone, what it held is lost (announced at
+        the next write) and, with ``stream.create``, it is created again (the configured settings)
+        for the next write."""
         so = self.options.stream
-        name = self._events_stream or (so.name if so.create else None)
+        subject = self._subjects.render(message)
+        name = self._homes.get(message.record.stream.key) or self._events_stream or (so.name if so.create else None)
         js = nc.jetstream(timeout=self.options.connect_timeout)
         wildcard = subject_filter(self.options.subject)
         try:
@@ -1477,8 +1511,8 @@ class NatsConnector:
                         f"add {wildcard!r} to its subjects"
                     )
                     return
-                if name == self._events_stream:
-                    self._stream_lost(f"{name!r} {_GONE}")
+                if name == self._events_stream or name in self._stream_seqs:
+                    self._stream_lost(f"{name!r} {_GONE}", name)
             if so.create:
                 await self._ensure_stream(js)
                 self._stream_problem = None
@@ -1710,6 +1744,7 @@ class NatsConnector:
         err = ack.error
         if err is None:
             seqs[i] = ack.seq  # a duplicate's ack names the copy stored first
+            self._homes[m.record.stream.key] = ack.stream
             fence = self._fences.get(m.record.stream.key)
             if fence is not None and fence.name == ack.stream and ack.seq > fence.seq:
                 self._fences[m.record.stream.key] = fence._replace(seq=ack.seq)
@@ -2485,7 +2520,7 @@ class NatsConnector:
         if gone:
             where = ", ".join(sorted({repr(owner[k]) if k in owner else "no stream (deleted)" for k in gone}))
             stored = max(reach[k] for k in gone) - 1
-            self._stream_lost(f"{where} no longer holds the message at seq {stored} the state says it stored")
+            self._stream_lost(f"{where} no longer holds the message at seq {stored} the state says it stored", keys=gone)
 
     async def _redo(
         self, nc: Client, prefix: str, clear: bool, ops: Sequence[tuple[str, bytes | None]], head_doc: bytes, head: Head | None

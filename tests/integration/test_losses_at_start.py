@@ -577,6 +577,70 @@ async def test_nats_subjects_split_over_two_streams_lose_nothing_over_a_clean_re
             await js.delete_key_value(bucket)
 
 
+@pytest.mark.parametrize("lost", ["a", "b"])
+async def test_nats_subjects_split_over_two_streams_one_lost_while_no_bridge_ran(
+    tmp_path: Path, nats_server: NatsServer, reader: Client, lost: str
+) -> None:
+    """breaker89 B1 (marks): a sink without state, its subjects split over two JetStream streams;
+    one is deleted and created again while no bridge runs. Every mark named the stream that
+    acknowledged last, so the loss was never announced, whichever stream it was (4 of 4). Each
+    mark now names its bridge stream's own: the lost one is told, first, the other nothing."""
+    dest = f"KVM{uuid.uuid4().hex[:8].upper()}"
+    names = {"a": dest + "A", "b": dest + "B"}
+    js = reader.jetstream(timeout=5)
+    for src, name in names.items():
+        await js.add_stream(js_api.StreamConfig(name=name, subjects=[f"{dest}.{src}.>"]))
+    ports = {n: (free_port(), free_port()) for n in "ab"}
+    raw = _bridge_config(tmp_path, nats_server.url, dest, "nats-m", "file", *ports["a"])
+    del raw["sinks"][0]["state"]
+    raw["sinks"][0]["stream"] = {"create": False}  # (the operator's two streams)
+    raw["sources"] = [
+        {"name": n, "endpoint": f"tcp://127.0.0.1:{lv}", "replay_endpoint": f"tcp://127.0.0.1:{rp}"}
+        for n, (lv, rp) in ports.items()
+    ]
+    raw["checkpoint"]["interval"] = "100ms"
+    try:
+        async with CacheEngine(*ports["a"], seed=1) as ea, CacheEngine(*ports["b"], seed=2) as eb:
+            engines = {"a": ea, "b": eb}
+
+            async def stored() -> bool:
+                for src, engine in engines.items():
+                    seqs = [m["seq"] for m in await _subject_messages(reader, dest, Stream(src, 0), within=names[src])]
+                    if engine.last_seq not in seqs:
+                        return False
+                return True
+
+            async def run() -> None:
+                bridge = Bridge(from_data(raw, env={}))
+                await bridge.start()
+                try:
+                    await ea.wait_subscribed()
+                    await eb.wait_subscribed()
+                    await ea.step(5, events_per_batch=3)
+                    await eb.step(5, events_per_batch=3)
+                    await _until(stored, "the batches were never stored")
+                finally:
+                    await bridge.stop()
+
+            await run()
+            await js.delete_stream(names[lost])
+            await js.add_stream(js_api.StreamConfig(name=names[lost], subjects=[f"{dest}.{lost}.>"]))
+            await run()
+        for src, name in names.items():
+            msgs = await _subject_messages(reader, dest, Stream(src, 0), within=name)
+            told = [(m["from_seq"], m["to_seq"], m["reason"]) for m in msgs if m.get("type") == "EventsLost"]
+            held = [m["seq"] for m in msgs if "events" in m]
+            if src == lost:
+                assert told == [(0, 4, "sink_lost:nats-m")] and msgs[0]["type"] == "EventsLost", (src, told)
+                assert held == list(range(5, 10)), (src, held)
+            else:
+                assert (told, held) == ([], list(range(10))), (src, told, held)
+    finally:
+        for name in names.values():
+            with contextlib.suppress(Exception):
+                await js.delete_stream(name)
+
+
 @pytest.mark.parametrize("engine", ["goes_on", "restarted"])
 async def test_a_loss_found_by_both_checks_after_a_crash_is_announced_once(
     tmp_path: Path, nats_server: NatsServer, reader: Client, engine: str

@@ -88,9 +88,10 @@ async def _subject_messages(nc: Client, dest: str, stream: Stream, within: str |
         seq = msg.seq + 1
 
 
-async def _subject_seqs(nc: Client, dest: str, stream: Stream) -> list[int]:
-    """The engine seqs held on ``stream``'s subject of JetStream stream ``dest``, in stream order."""
-    return [int(m["seq"]) for m in await _subject_messages(nc, dest, stream)]
+async def _subject_seqs(nc: Client, dest: str, stream: Stream, within: str | None = None) -> list[int]:
+    """The engine seqs held on ``stream``'s subject of JetStream stream ``dest`` (or ``within``), in
+    stream order."""
+    return [int(m["seq"]) for m in await _subject_messages(nc, dest, stream, within)]
 
 
 @pytest.fixture
@@ -296,6 +297,48 @@ async def test_two_streams_sharing_the_subjects_are_not_taken_for_a_lost_one(
         await conn.close()
         await js.delete_stream(dest + "B")
     assert await _subject_seqs(reader, dest, A) == list(range(12))
+
+
+@pytest.mark.parametrize("lost", ["A", "B"])
+async def test_one_of_two_streams_sharing_the_subjects_lost_is_told_to_its_bridge_streams_only(
+    nats_server: NatsServer, reader: Client, dest: str, lost: str
+) -> None:
+    """breaker89 B1: subjects split over two JetStream streams (one per source). The connector knew
+    one events stream, the last to acknowledge: a loss of the other was never announced (3 of 3),
+    and a loss of either was announced to both bridge streams, the intact one too (3 of 3). Each
+    bridge stream now has its own: a loss goes to the bridge streams that stream held, found by
+    the audit and by a write's sequence going back."""
+    js = reader.jetstream(timeout=5)
+    names = {"A": dest, "B": dest + "B"}
+    await js.add_stream(js_api.StreamConfig(name=names["A"], subjects=[f"{dest}.eng-a.>"]))
+    await js.add_stream(js_api.StreamConfig(name=names["B"], subjects=[f"{dest}.eng-b.>"]))
+    gone, kept = (A, B) if lost == "A" else (B, A)
+    conn = NatsConnector("nats-l", _options(nats_server.url, dest, stream={"create": False}), SINK)
+    await conn.connect()
+    try:
+        await conn.write(_render([A], 0, 5))
+        await conn.write(_render([B], 0, 5))  # (B acknowledged last)
+        await conn.audit()  # nothing lost
+        await js.delete_stream(names[lost])
+        await js.add_stream(js_api.StreamConfig(name=names[lost], subjects=[f"{dest}.eng-{lost.lower()}.>"]))
+        with pytest.raises(SinkLost) as told:
+            await conn.audit()
+        assert [(s.key, e, f, t) for s, e, f, t in told.value.spans] == [(gone.key, 1, 0, 4)]
+        await conn.audit()  # said once
+        await conn.write(_render([A, B], 5, 3))
+        # The same found by a write: the lost stream's sequence goes back below what it gave.
+        await js.delete_stream(names[lost])
+        await js.add_stream(js_api.StreamConfig(name=names[lost], subjects=[f"{dest}.eng-{lost.lower()}.>"]))
+        await conn.write(_render([gone], 8, 1))
+        with pytest.raises(SinkLost) as told:
+            await conn.write(_render([A, B], 9, 1))
+        assert [(s.key, e, f, t) for s, e, f, t in told.value.spans] == [(gone.key, 1, 0, 8)]
+        held = {A.key: await _subject_seqs(reader, dest, A, names["A"]), B.key: await _subject_seqs(reader, dest, B, names["B"])}
+        assert held[kept.key] == list(range(8)), held
+    finally:
+        await conn.close()
+        with contextlib.suppress(nats.errors.Error):
+            await js.delete_stream(dest + "B")
 
 
 # -- case 13: memory storage under a sink that relies on what it stored ---------------------------
