@@ -986,7 +986,7 @@ class NatsConnector:
         if self._nc is not None and not self._nc.is_closed:
             return
         nc = Client()
-        self._last_error = self._refusal = None
+        self._last_error = self._refusal = self._permission_problem = None
         timeout = self.options.connect_timeout
         try:
             # nats-py retries the first connect forever with max_reconnect_attempts=-1.
@@ -1028,6 +1028,8 @@ class NatsConnector:
             raise
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             await self._discard(nc)
+            if self._permission_problem is not None:  # the server answered: it refused something setup needs
+                raise NotConnected(self._permission_problem, reason="no_permission") from None
             raise NotConnected(f"{self._prefix}: NATS at {self._where} failed during setup: {_describe(exc)}") from None
         log.info("%s: connected to NATS at %s (%s)", self._prefix, self._where, self.options.mode, extra={"sink": self.name})
 

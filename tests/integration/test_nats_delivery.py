@@ -32,7 +32,7 @@ from bridge import config
 from bridge.cli import check
 from bridge.config import SinkConfig, convert_options
 from bridge.deadletter import DeadLetters
-from bridge.errors import Retriable
+from bridge.errors import NotConnected, Retriable
 from bridge.formats import Renderer
 from bridge.metrics import Metrics
 from bridge.records import Record, Stream, events_lost
@@ -618,3 +618,33 @@ async def test_a_message_over_a_max_payload_lowered_by_a_reload_is_refused_alone
     kinds = [(int((m.headers or {})["seq"]), (m.headers or {}).get("type", "batch")) for m in got]
     assert [seq for seq, kind in kinds if kind == "EventBatch"] == [0, 1, 2, 3, 4, 6, 7, 8, 9], kinds
     assert (5, "EventsLost") in kinds, kinds
+
+
+async def test_a_user_who_may_not_subscribe_to_its_inbox_is_refused_not_unreachable(tmp_path: Path) -> None:
+    """breaker89 B5: a user that may publish anywhere but not subscribe to ``_INBOX.>`` (where
+    JetStream's answers come back). Setup's requests timed out and ``--check`` said "unreachable"
+    ("is the server up and reachable from here?"), while the server had answered with a
+    permissions violation: it is "reachable, not usable as configured", naming the permission."""
+    users = (
+        'users: [{user: u, password: p, permissions: {publish: {allow: [">"]}, subscribe: {deny: ["_INBOX.>"]}}}, '
+        "{user: admin, password: a}]"  # (the harness's own health check logs in as admin)
+    )
+    accounts = f"accounts {{\n  A {{ jetstream: enabled, {users} }}\n}}\nno_auth_user: admin\n"
+    server = await NatsServer(tmp_path / "srv", extra_config=accounts).astart()
+    try:
+        dest = _dest()
+        options = {"servers": server.url, "user": "u", "password": "p", "subject": dest + ".{source}.{dp_rank}",
+                   "connect_timeout": 2.0, "stream": {"create": True, "name": dest}}  # fmt: skip
+        conn = NatsConnector("nats-n", convert_options(options, NatsOptions, "sinks[0]"), SinkConfig(type="nats", name="nats-n"))
+        with pytest.raises(NotConnected) as refused:
+            await conn.connect()
+        assert refused.value.reason == "no_permission" and "_INBOX" in str(refused.value), refused.value
+        await conn.close()
+        path = tmp_path / "bridge.yaml"
+        sinks = [{"type": "nats", "name": "nats-n", **options}]
+        path.write_text(json.dumps({"sources": [{"name": "eng", "endpoint": "tcp://127.0.0.1:1"}], "sinks": sinks}))
+        code, said = await asyncio.to_thread(_check, str(path))
+        assert code == 3 and "sinks[0] (nats-n): reachable, not usable as configured" in said, said
+        assert "is the server up" not in said, said
+    finally:
+        server.stop()
