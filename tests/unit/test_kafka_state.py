@@ -338,10 +338,18 @@ PARTITIONS = {STATE: [0], TOPIC: [0, 1]}  # the partition ids of both topics, as
 
 
 class FakeConsumer:
-    """One state partition and one events partition; ``grow`` records appear at the second end_offsets()."""
+    """One state partition and one events partition; ``grow`` records appear at the second
+    end_offsets() of the state partition. ``events``: the headers of each record of the events
+    partition (the bootstrap reads the one before a head's next)."""
 
-    def __init__(self, records: list[tuple[bytes, bytes | None]], grow: list[tuple[bytes, bytes | None]]) -> None:
+    def __init__(
+        self,
+        records: list[tuple[bytes, bytes | None]],
+        grow: list[tuple[bytes, bytes | None]],
+        events: list[dict[str, str]] | None = None,
+    ) -> None:
         self.records, self.grow = records, grow
+        self.events = events or []
         self.positions: dict[Any, int] = {}
         self.assigned: list[Any] = []
         self.ends = 0
@@ -353,6 +361,8 @@ class FakeConsumer:
         return dict.fromkeys(tps, 0)
 
     async def end_offsets(self, tps: list[Any]) -> dict[Any, int]:
+        if all(tp.topic == TOPIC for tp in tps):
+            return dict.fromkeys(tps, len(self.events))
         self.ends += 1
         if self.ends == 2:
             self.records += self.grow
@@ -366,9 +376,24 @@ class FakeConsumer:
 
     async def getmany(self, tp: Any, timeout_ms: int, max_records: int) -> dict[Any, list[Any]]:
         at = self.positions[tp]
-        chunk = [SimpleNamespace(offset=at + i, key=k, value=v) for i, (k, v) in enumerate(self.records[at : at + max_records])]
+        if tp.topic == TOPIC:
+            held = [(None, None, [(k, v.encode()) for k, v in h.items()]) for h in self.events[at : at + max_records]]
+        else:
+            held = [(k, v, []) for k, v in self.records[at : at + max_records]]
+        chunk = [SimpleNamespace(offset=at + i, key=k, value=v, headers=h) for i, (k, v, h) in enumerate(held)]
         self.positions[tp] = at + len(chunk)
         return {tp: chunk}
+
+
+def batch_headers(stream: Stream, epoch: int, seq: int) -> dict[str, str]:
+    return {"source": stream.source, "dp_rank": str(stream.dp_rank), "epoch": str(epoch), "seq": str(seq), "type": "EventBatch"}
+
+
+def events_log(ends: dict[int, tuple[int, int]]) -> list[dict[str, str]]:
+    """An events partition whose record at each offset ``next - 1`` is stream A's batch (epoch,
+    seq) of ``ends[next]``, other streams' between."""
+    last = max(ends)
+    return [batch_headers(A, *ends[at + 1]) if at + 1 in ends else batch_headers(B, 1, at) for at in range(last)]
 
 
 def state_of(tracker: StateTracker, conn: KafkaConnector, record: Record, next_: int) -> list[tuple[bytes, bytes | None]]:
@@ -382,7 +407,7 @@ async def test_bootstrap_reads_on_past_a_state_write_in_progress() -> None:
     first = state_of(tracker, conn, Record(stream=A, epoch=5, seq=0, events=[stored([1, 2])]), 10)
     second = state_of(tracker, conn, Record(stream=A, epoch=5, seq=1, events=[removed([1]), stored([3])]), 12)
     # The pass ends inside the second record's state write (its tombstone, no head yet).
-    consumer = FakeConsumer(first + second[:1], second[1:])
+    consumer = FakeConsumer(first + second[:1], second[1:], events_log({10: (5, 0), 12: (5, 1)}))
     state, tp, start = await bootstrap(consumer, "llama-a", 0, topic=TOPIC, state_topic=STATE, partitions=PARTITIONS)  # type: ignore[arg-type]
     assert (state.head["seq"], start) == (1, 12) and consumer.ends >= 2
     assert sorted(k[2] for k in state.blocks()) == [2, 3] and state.ready
@@ -395,12 +420,31 @@ async def test_bootstrap_of_a_torn_write_is_not_ready_before_the_next_record() -
     tracker, conn = StateTracker(), connector()
     first = state_of(tracker, conn, Record(stream=A, epoch=5, seq=0, events=[stored([1, 2])]), 10)
     second = state_of(tracker, conn, Record(stream=A, epoch=5, seq=1, events=[removed([1])]), 11)
-    consumer = FakeConsumer(first + second[:1], [])  # a crashed bridge: the head never comes
+    consumer = FakeConsumer(first + second[:1], [], events_log({10: (5, 0)}))  # a crashed bridge: no head comes
     state, _, start = await bootstrap(consumer, "llama-a", 0, topic=TOPIC, state_topic=STATE, partitions=PARTITIONS, settle=0.1)  # type: ignore[arg-type]
     assert (state.head["seq"], start) == (0, 10)
     assert not state.ready  # the tombstone of seq 1 is in: exact only once seq 1 is applied
     assert state.apply({"source": "llama-a", "dp_rank": 0, "epoch": 5, "seq": 1, "index": 0, **removed([1])})
     assert state.ready and sorted(k[2] for k in state.blocks()) == [2]
+
+
+@pytest.mark.parametrize("events", ["past_the_end", "another_stream_there", "a_later_batch_there"])
+async def test_bootstrap_follows_from_the_start_of_a_partition_the_head_was_not_written_after(events: str) -> None:
+    """breaker88 B2: an events topic deleted and created again while no bridge ran (refilled since,
+    or not yet) still has the old head's next in the state: the record before it is not the head's
+    (or there is none), and following from next would skip what the bridge wrote there first."""
+    from kv_consumer.kafka import bootstrap
+
+    tracker, conn = StateTracker(), connector()
+    head = state_of(tracker, conn, Record(stream=A, epoch=5, seq=3, events=[stored([1, 2])]), 10)
+    partition = {
+        "past_the_end": events_log({4: (5, 3)}),
+        "another_stream_there": [batch_headers(B, 1, n) for n in range(12)],
+        "a_later_batch_there": events_log({10: (5, 7)}),
+    }[events]
+    consumer = FakeConsumer(head, [], partition)
+    _, tp, start = await bootstrap(consumer, "llama-a", 0, topic=TOPIC, state_topic=STATE, partitions=PARTITIONS, settle=0.1)  # type: ignore[arg-type]
+    assert start == 0 and consumer.positions[tp] == 0
 
 
 async def test_bootstrap_without_a_head_follows_from_the_start() -> None:
