@@ -81,6 +81,11 @@ RETRY_FLOOR = 0.001
 (which may be 0) or a connector's ``retry_after`` says: a sink that fails at once must not spin."""
 
 
+def _batch_messages(messages: list[Message]) -> int:
+    """How many of ``messages`` carry a batch's events (not its state change, nor an announcement)."""
+    return sum(1 for m in messages if m.record.kind == "batch" and m.type != STATE_TYPE)
+
+
 def _collect_failure() -> None:
     """Collect the young generations after a failed connector call, before its backoff.
 
@@ -223,6 +228,7 @@ class SinkWorker:
         # Batches refused in a row (see REFUSED_AFTER), and the last refusal's reason.
         self._refused_run = 0
         self._refused_why = ""
+        self._refused_messages = 0  # messages of batches the sink refused for themselves, ever
         self._task: asyncio.Task[None] | None = None
         self.health_interval = HEALTH_INTERVAL
         self._audit = getattr(connector, "audit", None)
@@ -419,7 +425,9 @@ class SinkWorker:
                     await asyncio.sleep(linger)
                 await self._announce_lost_at_start()  # (handed on meanwhile: ahead of what woke it)
             records, messages, unrendered, size = self._take()
+            sent, refused_before = _batch_messages(messages), self._refused_messages
             dead = await self._deliver(messages) if messages else set()
+            self._note_refusals(sent - (self._refused_messages - refused_before), len(dead))
             dead |= unrendered
             self._settle(records, dead, size)
             if self._audit_due():
@@ -521,6 +529,20 @@ class SinkWorker:
             return True
         return False
 
+    def _note_refusals(self, stored: int, refused: int) -> None:
+        """After a write: ``stored`` messages of batches the sink took, ``refused`` batches it
+        refused for themselves (dead-lettered). Any batch message stored ends a run of refusals
+        (see REFUSED_AFTER); batches the bridge could not render are none of the sink's doing."""
+        if stored > 0:
+            self._refused_run = 0
+        elif refused:
+            run, self._refused_run = self._refused_run, self._refused_run + refused
+            if run < REFUSED_AFTER <= self._refused_run:
+                log.error(
+                    "the sink refuses every batch: not ready until one is stored",
+                    extra={"sink": self.name, "count": self._refused_run, "error": self._refused_why},
+                )
+
     def _settle(self, records: list[Record], dead: set[int], size: int) -> None:
         """Remove ``records`` (``size`` bytes in all) from the queue and acknowledge them; ``dead``:
         ids of dead-lettered ones."""
@@ -550,14 +572,6 @@ class SinkWorker:
                 del self._state_refusals_told[key]
         if dead_batches:
             self._m_dead.inc(dead_batches)
-            run, self._refused_run = self._refused_run, 0 if delivered else self._refused_run + dead_batches
-            if run < REFUSED_AFTER <= self._refused_run:
-                log.error(
-                    "the sink refuses every batch: not ready until one is stored",
-                    extra={"sink": self.name, "count": self._refused_run, "error": self._refused_why},
-                )
-        elif delivered:
-            self._refused_run = 0
         self._n_ok += delivered
         self._n_events += events
         self.on_ack(self.index, records)
@@ -863,6 +877,7 @@ class SinkWorker:
     def _dead_letter_messages(self, messages: list[Message], exc: ConnectorError) -> set[int]:
         self.metrics.sink_errors.labels(self.name, exc.reason).inc()
         self._refused_why = f"{exc.reason}: {exc}"
+        self._refused_messages += _batch_messages(messages)
         if isinstance(exc, StreamRefused) and self.refusing is None:
             self.refusing = f"{exc.reason}: {exc}"
         state = [m for m in messages if m.type == STATE_TYPE]

@@ -668,3 +668,37 @@ async def test_a_sink_refusing_every_batch_is_not_ready_until_one_is_stored(tmp_
         await worker.stop()
         worker.dead_letters.close()
     assert sum(1 for m in conn.messages if m.record.kind == "EventsLost") >= 1
+
+
+class RefusesFirstEvents(MemoryConnector):
+    """Event granularity: refuses for itself the first event of every batch, stores the others."""
+
+    async def write(self, messages: Sequence[Message]) -> None:
+        refused = {i: Permanent("message too large", reason="too_large") for i, m in enumerate(messages) if m.index == 0}
+        self.messages.extend(m for i, m in enumerate(messages) if i not in refused)
+        if refused:
+            raise PartialFailure(refused)
+
+
+async def test_batches_stored_in_part_or_not_rendered_are_not_a_sink_refusing_every_batch(tmp_path: Path) -> None:
+    """breaker90 B1, B3: at event granularity, a sink that stored 3 of every batch's 4 events was
+    reported "refusing every batch" (a batch with one refused event counted as refused whole), 3 of
+    3; and batches the bridge could not render counted as refused by the sink, with no reason or a
+    stale one. Only a batch the sink refused every message of counts; an unrendered one does not."""
+    worker, _, _acked, _ = make(tmp_path, granularity="event", batch={"linger": 0, "max_messages": 1})
+    worker.connector = RefusesFirstEvents("mem", MemoryOptions(), worker.config)
+    payload = deep_payload()
+    batch = wire.decode_batch(payload)
+    unrenderable = [Record(stream=STREAM, epoch=0, seq=s, ts=batch.ts, payload=payload, events=batch.events) for s in range(100, 106)]
+    worker.start()
+    try:
+        await fill(worker, [r for r in stream_records(STREAM, 2 * REFUSED_AFTER, start=6) if len(r.events) > 1])
+        assert await worker.flush(5)
+        assert worker.problem is None
+        worker.connector = RefusesBatches("mem", MemoryOptions(), worker.config)  # every message refused
+        await fill(worker, unrenderable[: REFUSED_AFTER + 1])
+        assert await worker.flush(5)
+        assert worker.problem is None
+    finally:
+        await worker.stop()
+        worker.dead_letters.close()
