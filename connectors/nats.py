@@ -84,7 +84,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 import msgspec
 import nats.errors
@@ -604,9 +604,9 @@ def _login(options: NatsOptions) -> str:
     if options.token is not None:
         return f"token:{zlib.crc32((reveal(options.token) or '').encode()):08x}"
     info = urlsplit(options.server_list[0] if "://" in options.server_list[0] else f"nats://{options.server_list[0]}")
-    if info.username:
+    if info.username:  # (as nats-py sends it: not unquoted)
         secret = info.password is None  # nats://TOKEN@host
-        return f"token:{zlib.crc32(unquote(info.username).encode()):08x}" if secret else f"user:{unquote(info.username)}"
+        return f"token:{zlib.crc32(info.username.encode()):08x}" if secret else f"user:{info.username}"
     return ""
 
 
@@ -1154,6 +1154,12 @@ class NatsConnector:
             self._login = _login(self.options)
         return place_crc(self._addresses, f"{name}|{self._login}" if self._login else name)
 
+    def _marks_of(self, name: str, of: int) -> bool:
+        """Whether a mark naming ``of`` was taken of events stream ``name`` here: with this login,
+        or by a bridge before marks named the login (breaker90 B2b: those marks of every sink with
+        credentials were skipped after an upgrade, and a loss while no bridge ran went unseen)."""
+        return of in (self._mark_crc(name), place_crc(self._addresses, name))
+
     def stored_through(self, stream: Stream) -> tuple[int, ...] | None:
         """The mark of ``stream``'s last message the events stream acknowledged (bridge.connector):
         its epoch and seq, the events stream's last JetStream seq and its creation time
@@ -1200,8 +1206,8 @@ class NatsConnector:
         for key, (stream, (epoch, seq, js_seq, created, of, *before), resume) in marked.items():
             name = owners.get(subjects[key])
             if name is None:  # captured by none now: the stream the mark names is gone (if it is one this sink knows)
-                name = next((n for n in known if self._mark_crc(n) == of), None)
-            if name is None or self._mark_crc(name) != of:
+                name = next((n for n in known if self._marks_of(n, of)), None)
+            if name is None or not self._marks_of(name, of):
                 continue  # (another events stream's)
             if name not in infos:
                 try:

@@ -681,3 +681,35 @@ async def test_a_mark_of_a_stream_in_another_account_is_not_taken_for_a_loss(tmp
         for nc in {id(c): c for c in clients.values()}.values():
             await nc.close()
         server.stop()
+
+
+async def test_a_mark_taken_before_marks_named_the_login_is_still_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """breaker90 B2b: a sink with credentials, its checkpoint's marks written by a bridge from
+    before marks named the login; the events stream lost while no bridge ran. After the upgrade
+    the marks were taken for another stream's and skipped: 0..4 never announced (4 of 4). A mark
+    without the login is still this stream's."""
+    server = await NatsServer(
+        tmp_path / "srv",
+        extra_config="accounts {\n  A { jetstream: enabled, users: [{user: ua, password: pa}] }\n}\nno_auth_user: ua\n",
+    ).astart()
+    reader = await nats.connect(server.url)
+    try:
+        live, rep = free_port(), free_port()
+        cfg = _bridge_config(tmp_path, server.url, "KVUP", "nats-u", "file", live, rep)
+        sink = cfg["sinks"][0]
+        del sink["state"]
+        sink.update(user="ua", password="pa", stream={"create": True, "name": "KVUP", "storage": "file"})
+        async with CacheEngine(live, rep, seed=9) as engine:
+            with monkeypatch.context() as before:
+                before.setattr("connectors.nats._login", lambda _options: "")  # (what the marks named then)
+                await one_run(from_data(cfg, env={}), engine, 5, lambda: _until_stored(reader, "KVUP", engine.last_seq))
+            await reader.jetstream(timeout=5).delete_stream("KVUP")
+            await one_run(from_data(cfg, env={}), engine, 5, lambda: _until_stored(reader, "KVUP", engine.last_seq))
+        held = await _subject_messages(reader, "KVUP", Stream("eng", 0))
+        assert [(m["type"], m.get("from_seq"), m["seq"]) for m in held][:1] == [("EventsLost", 0, 4)], held
+        assert [m["seq"] for m in held if "events" in m] == list(range(5, 10))
+    finally:
+        await reader.close()
+        server.stop()

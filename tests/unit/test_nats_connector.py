@@ -362,6 +362,7 @@ def _jwt(claims: dict[str, Any]) -> str:
         ({"servers": "nats://h:4222"}, ""),
         ({"servers": "nats://h:4222", "user": "ua", "password": "pa"}, "user:ua"),
         ({"servers": "nats://ua:pa@h:4222"}, "user:ua"),
+        ({"servers": "nats://al%40ice:pa@h:4222"}, "user:al%40ice"),  # (nats-py sends it as written)
         ({"servers": "nats://T0KEN@h:4222"}, f"token:{zlib.crc32(b'T0KEN'):08x}"),
         ({"servers": "h:4222", "token": "T0KEN"}, f"token:{zlib.crc32(b'T0KEN'):08x}"),
         ({"servers": "nats://h", "credentials": "{creds}"}, "account:ACCOUNT_OF_THE_SIGNING_KEY"),
