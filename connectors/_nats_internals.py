@@ -81,3 +81,12 @@ def server_info(nc: Client) -> dict[str, object]:
     """The INFO the server sent at connect (``cluster``: its cluster's name, when it has one)."""
     info = getattr(nc, "_server_info", None)
     return info if isinstance(info, dict) else {}
+
+
+def raise_max_payload(nc: Client, limit: int) -> None:
+    """Take a larger ``max_payload`` than the one the server announced at connect. nats-py reads it
+    only from the INFO at connect (an INFO sent later updates the servers it knows, not this),
+    and checks each publish against it: a limit an operator raised by a configuration reload
+    would refuse messages the server now takes until the client connects again."""
+    if limit > nc._max_payload:
+        nc._max_payload = limit

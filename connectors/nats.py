@@ -903,6 +903,9 @@ class NatsConnector:
         # may split the template's subjects over several): a loss of one is announced to its
         # bridge streams only, and each stream's mark names its own.
         self._homes: dict[str, str] = {}
+        # A message was refused as over the max_payload the server announced at connect: the
+        # audit reads the server's limit again (raised by a reload, it takes them now).
+        self._payload_stale = False
         # When the events stream that acknowledged this pod's messages was created, as the server
         # says, read right after the first acknowledgement (a stream created again by another
         # writer and already past our last seq is told apart by this alone).
@@ -1444,6 +1447,8 @@ class NatsConnector:
         bridge streams it held; with ``stream.create`` the next write creates it again). The state
         bucket still keeps what it is given (see _recheck_bucket)."""
         nc = self._nc
+        if nc is not None and nc.is_connected and self._payload_stale:
+            await self._reread_max_payload(nc)
         if nc is not None and nc.is_connected and self.writes_state:
             await self._recheck_bucket(nc)
         if nc is not None and nc.is_connected and self._fences:
@@ -1468,6 +1473,36 @@ class NatsConnector:
                 self._stream_lost(f"{name!r} ends at seq {last}, below the {self._stream_seqs[name]} it acknowledged", name)
         self._stream_refusal = refusal
         self._raise_lost()
+
+    async def _reread_max_payload(self, nc: Client) -> None:
+        """The server's max_payload now, from the INFO it sends a new connection first (before any
+        login or TLS): raised by a configuration reload since this client connected, the client
+        takes it, and the messages it refused as too large go through. Failing says nothing."""
+        self._payload_stale = False
+        url = urlsplit(nc.connected_url.geturl() if nc.connected_url is not None else "")
+        if url.hostname is None:
+            return
+        writer = None
+        try:
+            async with asyncio.timeout(self.options.connect_timeout):
+                reader, writer = await asyncio.open_connection(url.hostname, url.port or 4222)
+                line = await reader.readline()
+            limit = json.loads(line[5:]).get("max_payload") if line.startswith(b"INFO ") else None
+        except (OSError, TimeoutError, ValueError):
+            return
+        finally:
+            if writer is not None:
+                writer.close()
+        if type(limit) is int and limit > nc.max_payload:
+            log.info(
+                "%s: NATS at %s takes messages up to %d bytes now (was %d)",
+                self._prefix,
+                self._where,
+                limit,
+                nc.max_payload,
+                extra={"sink": self.name},
+            )
+            internals.raise_max_payload(nc, limit)
 
     async def _recheck_subjects(self, nc: Client) -> None:
         """The audit's look at each claimed subject (see _claim): its last message again, one
@@ -1794,6 +1829,7 @@ class NatsConnector:
         return self._subjects.taken(m, self._prefix)
 
     def _too_large(self, m: Message, header_size: int, max_payload: int) -> Permanent:
+        self._payload_stale = True  # (the audit asks the server whether it still is: see _reread_max_payload)
         return Permanent(
             f"{self._prefix}: message {m.msg_id} is {header_size + len(m.value)} bytes with headers, over the "
             f"server's max_payload of {max_payload}",

@@ -620,6 +620,35 @@ async def test_a_message_over_a_max_payload_lowered_by_a_reload_is_refused_alone
     assert (5, "EventsLost") in kinds, kinds
 
 
+async def test_a_max_payload_raised_by_a_reload_is_taken_at_the_next_audit(tmp_path: Path) -> None:
+    """breaker90 B5: the operator raises the server's max_payload by a configuration reload, to let
+    the batches the sink refused as too large through. nats-py keeps the limit of its connect, and
+    the sink refused every later one as before, not ready, until the bridge restarted (3 of 3).
+    The audit after such a refusal reads the server's limit again."""
+    from tests.integration.test_nats import _reload
+
+    server = await NatsServer(tmp_path / "nats", extra_config="max_payload: 4096").astart()
+    reader = await nats.connect(server.url)
+    try:
+        dest = _dest()
+        got = await _subscribed(reader, dest)
+        h = Harness(tmp_path, server.url, dest, mode="core", max_messages=1)
+        h.start([record(A, 0, 200), record(A, 1, 6000)])
+        try:
+            await _until(lambda: len(h.dead()) == 1, "seq 1 refused as too large")
+            await _reload(server, "max_payload: 65536")
+            await h.connector.audit()
+            h.worker.force(record(A, 2, 6000))
+            assert await h.worker.flush(30), f"not delivered: {h.worker.last_error}"
+        finally:
+            await h.finish()
+        await _until(lambda: {int((m.headers or {})["seq"]) for m in got} >= {0, 1, 2}, "seq 2 stored")
+    finally:
+        await reader.close()
+        server.remove()
+    assert [d["seq"] for d in h.dead()] == [1]
+
+
 async def test_a_user_who_may_not_subscribe_to_its_inbox_is_refused_not_unreachable(tmp_path: Path) -> None:
     """breaker89 B5: a user that may publish anywhere but not subscribe to ``_INBOX.>`` (where
     JetStream's answers come back). Setup's requests timed out and ``--check`` said "unreachable"

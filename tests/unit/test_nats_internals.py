@@ -148,3 +148,12 @@ async def test_a_dead_read_loop_is_handed_to_the_reconnect_not_taken_for_an_answ
         await internals.round_trip(nc, 5)
     await asyncio.sleep(0)
     assert nc.is_reconnecting and reconnects == [True] and fake.written == []
+
+
+def test_raise_max_payload_changes_what_the_client_checks_publishes_against() -> None:
+    nc = Client()
+    nc._max_payload = 4096
+    internals.raise_max_payload(nc, 1 << 20)
+    assert nc.max_payload == 1 << 20
+    internals.raise_max_payload(nc, 1024)  # never lowered: the server refuses those itself
+    assert nc.max_payload == 1 << 20
