@@ -532,12 +532,7 @@ async def test_kafka_consumer_bootstrapping_over_a_topic_created_again_ends_exac
     servers = kafka.bootstrap_servers
     topic = await kafka.anew_topic(partitions=1)
     state_topic = f"kvb-state-{uuid.uuid4().hex[:12]}"
-    sink = {
-        "type": "kafka",
-        "bootstrap_servers": servers,
-        "topic": topic,
-        "state": {"enabled": True, "topic": state_topic, "create": True, "partitions": 2},
-    }
+    sink = kafka_state_sink(servers, topic, state_topic)
     consume_kafka = example("consume_kafka")
 
     def consume(index: Any, stop: Callable[[], bool]) -> Coroutine[Any, Any, None]:
@@ -576,7 +571,6 @@ def topic_created_again(kafka: KafkaServer, topic: str) -> Callable[[], Awaitabl
 
 async def test_nats_consumer_bootstrapping_over_a_stream_lost_ends_exact(tmp_path: Path, nats_server: NatsServer) -> None:
     """breaker88 B1: the events stream deleted while no bridge ran; the bridge creates it again."""
-    from connectors.nats import state_prefix
 
     uid = uuid.uuid4().hex[:8]
     subject, stream, bucket = f"kvl{uid}", f"KVL_{uid}", f"KVLS{uid}"
@@ -594,17 +588,7 @@ async def test_nats_consumer_bootstrapping_over_a_stream_lost_ends_exact(tmp_pat
     def consume(index: Any, stop: Callable[[], bool]) -> Coroutine[Any, Any, None]:
         return consume_nats.consume(index, nats_server.url, stop, subject=subject + ".>", stream=stream, bootstrap=bucket)  # type: ignore[no-any-return]
 
-    async def heads_at(engines: dict[tuple[str, int], CacheEngine]) -> None:
-        kv = await js.key_value(bucket)
-        deadline = time.monotonic() + WAIT
-        for (source, rank), engine in engines.items():
-            while True:
-                with contextlib.suppress(nats.js.errors.KeyNotFoundError):
-                    entry = await kv.get(f"{state_prefix(source, rank)}._head")
-                    if entry.value and json.loads(entry.value)["seq"] == engine.last_seq:
-                        break
-                assert time.monotonic() < deadline, f"{source}/{rank}: no head at seq {engine.last_seq}"
-                await asyncio.sleep(0.05)
+    heads_at = nats_heads_at(js, bucket)
 
     async def lose() -> None:
         await js.delete_stream(stream)
@@ -632,21 +616,13 @@ async def test_kafka_consumer_bootstraps_from_the_state(tmp_path: Path, kafka: K
     servers = kafka.bootstrap_servers
     topic = await kafka.anew_topic(partitions=2)
     state_topic = f"kvb-state-{uuid.uuid4().hex[:12]}"  # created by the sink (state.create)
-    state = {"enabled": True, "topic": state_topic, "create": True, "partitions": 2}
-    sink = {"type": "kafka", "bootstrap_servers": servers, "topic": topic, "state": state}
+    sink = kafka_state_sink(servers, topic, state_topic)
     consume_kafka = example("consume_kafka")
 
     def consume(index: Any, stop: Callable[[], bool]) -> Coroutine[Any, Any, None]:
         return consume_kafka.consume(index, servers, topic, stop, bootstrap=state_topic)  # type: ignore[no-any-return]
 
-    async def heads_at(engines: dict[tuple[str, int], CacheEngine]) -> None:
-        deadline = time.monotonic() + WAIT
-        while True:
-            seqs = await kafka_heads(servers, state_topic)
-            if all(seqs.get(f"{s}/{r}/_head".encode()) == e.last_seq for (s, r), e in engines.items()):
-                return
-            assert time.monotonic() < deadline, f"the heads are at {seqs}"
-            await asyncio.sleep(0.1)
+    heads_at = kafka_heads_at(servers, state_topic)
 
     index = await run_bootstrap_scenario(tmp_path, sink, consume, heads_at)
     written = sum(end for _, end in [await offsets(servers, TopicPartition(topic, p)) for p in range(2)])
@@ -678,7 +654,6 @@ async def test_nats_consumer_bootstraps_from_the_state(tmp_path: Path, nats_serv
     the engines' first batches takes each engine's blocks from the KV bucket, then follows from
     the lowest ``next`` of the heads; exact, while the engines go on publishing, and through an
     engine restart."""
-    from connectors.nats import state_prefix
 
     uid = uuid.uuid4().hex[:8]
     subject, stream, bucket = f"kvb{uid}", f"KVB_{uid}", f"KVBS{uid}"
@@ -699,16 +674,7 @@ async def test_nats_consumer_bootstraps_from_the_state(tmp_path: Path, nats_serv
         return consume_nats.consume(index, nats_server.url, stop, subject=subject + ".>", stream=stream, bootstrap=bucket)  # type: ignore[no-any-return]
 
     async def heads_at(engines: dict[tuple[str, int], CacheEngine]) -> None:
-        kv = await js.key_value(bucket)
-        deadline = time.monotonic() + WAIT
-        for (source, rank), engine in engines.items():
-            while True:
-                with contextlib.suppress(nats.js.errors.KeyNotFoundError):
-                    entry = await kv.get(f"{state_prefix(source, rank)}._head")
-                    if entry.value and json.loads(entry.value)["seq"] == engine.last_seq:
-                        break
-                assert time.monotonic() < deadline, f"{source}/{rank}: no head at seq {engine.last_seq}"
-                await asyncio.sleep(0.05)
+        await nats_heads_at(js, bucket)(engines)
         assert (await js.stream_info(stream)).state.first_seq > 1  # trimmed: the history alone no longer tells
 
     try:
@@ -720,3 +686,28 @@ async def test_nats_consumer_bootstraps_from_the_state(tmp_path: Path, nats_serv
             with contextlib.suppress(Exception):
                 await js.delete_stream(name)
         await nc.close()
+
+
+def nats_heads_at(js: Any, bucket: str) -> Callable[[dict[tuple[str, int], CacheEngine]], Awaitable[None]]:
+    """Until each engine's head in KV ``bucket`` is at its last seq."""
+    from connectors.nats import state_prefix
+
+    async def heads_at(engines: dict[tuple[str, int], CacheEngine]) -> None:
+        kv = await js.key_value(bucket)
+        deadline = time.monotonic() + WAIT
+        for (source, rank), engine in engines.items():
+            while True:
+                with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+                    entry = await kv.get(f"{state_prefix(source, rank)}._head")
+                    if entry.value and json.loads(entry.value)["seq"] == engine.last_seq:
+                        break
+                assert time.monotonic() < deadline, f"{source}/{rank}: no head at seq {engine.last_seq}"
+                await asyncio.sleep(0.05)
+
+    return heads_at
+
+
+def kafka_state_sink(servers: str, topic: str, state_topic: str) -> dict[str, Any]:
+    """A Kafka sink writing ``topic`` and its state to ``state_topic`` (created, 2 partitions)."""
+    state = {"enabled": True, "topic": state_topic, "create": True, "partitions": 2}
+    return {"type": "kafka", "bootstrap_servers": servers, "topic": topic, "state": state}

@@ -26,8 +26,8 @@ from tests.infra.servers import InstallError, KafkaServer, RedisServer, cache_di
 from tests.integration.conftest import unavailable
 from tests.integration.test_example_consumers import (
     delete_keys,
-    kafka_heads,
     kafka_heads_at,
+    kafka_state_sink,
     resend,
     run_bootstrap_scenario,
     run_lost_events_bootstrap,
@@ -120,8 +120,6 @@ async def test_go_consumer_bootstraps_from_redis_state(tmp_path: Path, redis_ser
 async def test_go_consumer_bootstraps_from_kafka_state(tmp_path: Path, kafka: KafkaServer, go_consumer: Path) -> None:
     """``--bootstrap STATE_TOPIC``: each stream from the compacted state topic, each partition
     from where its streams' heads continue (fewer records than the topic holds)."""
-    import asyncio
-    import time
 
     from aiokafka import TopicPartition
 
@@ -130,17 +128,9 @@ async def test_go_consumer_bootstraps_from_kafka_state(tmp_path: Path, kafka: Ka
     servers = kafka.bootstrap_servers
     topic = await kafka.anew_topic(partitions=2)
     state_topic = f"kvg-state-{uuid.uuid4().hex[:12]}"
-    state = {"enabled": True, "topic": state_topic, "create": True, "partitions": 2}
-    sink = {"type": "kafka", "bootstrap_servers": servers, "topic": topic, "state": state}
+    sink = kafka_state_sink(servers, topic, state_topic)
 
-    async def heads_at(engines: dict[tuple[str, int], CacheEngine]) -> None:
-        deadline = time.monotonic() + 20
-        while True:
-            seqs = await kafka_heads(servers, state_topic)
-            if all(seqs.get(f"{s}/{r}/_head".encode()) == e.last_seq for (s, r), e in engines.items()):
-                return
-            assert time.monotonic() < deadline, f"the heads are at {seqs}"
-            await asyncio.sleep(0.1)
+    heads_at = kafka_heads_at(servers, state_topic)
 
     consume = go_follow(go_consumer, tmp_path, "kafka", "--brokers", servers, "--topic", topic, "--bootstrap", state_topic)
     index = await run_bootstrap_scenario(tmp_path, sink, consume, heads_at, index=SnapshotIndex())
@@ -157,12 +147,7 @@ async def test_go_consumer_bootstrapping_over_a_topic_created_again_ends_exact(
     servers = kafka.bootstrap_servers
     topic = await kafka.anew_topic(partitions=1)
     state_topic = f"kvg-state-{uuid.uuid4().hex[:12]}"
-    sink = {
-        "type": "kafka",
-        "bootstrap_servers": servers,
-        "topic": topic,
-        "state": {"enabled": True, "topic": state_topic, "create": True, "partitions": 2},
-    }
+    sink = kafka_state_sink(servers, topic, state_topic)
     consume = go_follow(go_consumer, tmp_path, "kafka", "--brokers", servers, "--topic", topic, "--bootstrap", state_topic)
     lose = topic_created_again(kafka, topic)
     await run_lost_events_bootstrap(tmp_path, sink, consume, kafka_heads_at(servers, state_topic), lose, index=SnapshotIndex())

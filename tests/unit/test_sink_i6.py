@@ -689,7 +689,9 @@ async def test_batches_stored_in_part_or_not_rendered_are_not_a_sink_refusing_ev
     worker.connector = RefusesFirstEvents("mem", MemoryOptions(), worker.config)
     payload = deep_payload()
     batch = wire.decode_batch(payload)
-    unrenderable = [Record(stream=STREAM, epoch=0, seq=s, ts=batch.ts, payload=payload, events=batch.events) for s in range(100, 106)]
+    unrenderable = [
+        Record(stream=STREAM, epoch=0, seq=s, ts=batch.ts, payload=payload, events=batch.events) for s in range(100, 106)
+    ]
     worker.start()
     try:
         await fill(worker, [r for r in stream_records(STREAM, 2 * REFUSED_AFTER, start=6) if len(r.events) > 1])
