@@ -586,6 +586,9 @@ class Bridge:
             if not await w.flush(max(0.1, deadline - time.monotonic())):
                 n, size = w.queued
                 log.warning("sink not flushed before the shutdown deadline", extra={"sink": w.name, "batches": n, "bytes": size})
+        # 2b. announce what a sink found lost at its last writes (see SinkWorker.last_audit)
+        for w in self.workers:
+            await w.last_audit(max(0.1, deadline - time.monotonic()))
         # 3. checkpoint what every sink acknowledged (a periodic save still writing in its thread
         # cannot replace this one: see Checkpointer.write)
         if self._checkpoint_task is not None:

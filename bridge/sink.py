@@ -344,6 +344,18 @@ class SinkWorker:
         except TimeoutError:
             return False
 
+    async def last_audit(self, timeout: float) -> None:
+        """At shutdown, once flushed: one audit more (bounded by ``timeout``), so that a loss the
+        sink found during its last writes and keeps for the next one (a NATS stream whose
+        sequence went back) is announced now, not never (I6)."""
+        if self._audit is None or not self.connected or not self._idle.is_set():
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                await self._run_audit()
+        except TimeoutError:
+            log.warning("sink's last audit timed out at shutdown", extra={"sink": self.name, "timeout": timeout})
+
     def flush_metrics(self) -> None:
         """Apply the counts gathered since the last flush (see bridge.metrics)."""
         if self._n_ok:

@@ -903,6 +903,7 @@ class NatsConnector:
         # may split the template's subjects over several): a loss of one is announced to its
         # bridge streams only, and each stream's mark names its own.
         self._homes: dict[str, str] = {}
+        self._stream_subjects: dict[str, list[str]] = {}  # each JetStream stream's subjects, as last listed
         # A message was refused as over the max_payload the server announced at connect: the
         # audit reads the server's limit again (raised by a reload, it takes them now).
         self._payload_stale = False
@@ -1226,9 +1227,7 @@ class NatsConnector:
             if info is not None and made == created and info.state.last_seq >= js_seq:
                 # Still held: known as if this process had stored it (the audit checks it too).
                 self._held.spans[stream.key] = [_Span(stream, e, 0, n) for e, n in reversed(ends)]
-                self._homes[stream.key] = name
-                self._stream_seqs[name] = max(self._stream_seqs.get(name, 0), js_seq)
-                self._stream_created.setdefault(name, info.created)
+                self._adopt(stream.key, name, js_seq, info.created)
                 continue
             lost += resent_spans(stream, ends, resume)
             self._held.spans.pop(stream.key, None)
@@ -1301,8 +1300,16 @@ class NatsConnector:
                 out[stream.key] = SinkPosition.from_headers(headers, msg.data)
             except ValueError:
                 return
+            found[stream.key] = (name, msg.seq or 0)
 
+        found: dict[str, tuple[str, int]] = {}
         await asyncio.gather(*(last(s) for s in streams))
+        made: dict[str, datetime | None] = {}
+        for key, (name, js_seq) in found.items():
+            if name not in made:
+                with contextlib.suppress(TimeoutError, nats.errors.Error):
+                    made[name] = (await js.stream_info(name)).created
+            self._adopt(key, name, js_seq, made.get(name))
         return out
 
     # -- writes ---------------------------------------------------------------------------------
@@ -1401,20 +1408,48 @@ class NatsConnector:
                 self._stream_lost(f"{name!r} was created again (its sequence went back)", name)
             self._stream_seqs[name] = high
 
+    def _holds(self, name: str, key: str) -> bool:
+        """Whether JetStream stream ``name`` holds what this sink stored of bridge stream ``key``:
+        the one that acknowledged it last; one known to no acknowledgement of this process (an
+        earlier run's, see acknowledged_before) when ``name`` captures its subject (as last listed;
+        not listed: it may)."""
+        home = self._homes.get(key)
+        if home is not None:
+            return home == name
+        subjects = self._stream_subjects.get(name)
+        spans = self._held.spans.get(key)
+        if subjects is None or not spans:
+            return True
+        subject = self._subjects.render(sample_message(spans[-1].stream))
+        return any(subjects_overlap(f, subject) for f in subjects)
+
+    def _adopt(self, key: str, name: str, js_seq: int, created: datetime | None) -> None:
+        """An earlier run's messages of bridge stream ``key`` are held by JetStream stream ``name``,
+        up to its seq ``js_seq`` at least (created at ``created``): checked from now on by the
+        audit and each write, as if this process had stored them."""
+        self._homes.setdefault(key, name)
+        self._stream_seqs[name] = max(self._stream_seqs.get(name, 0), js_seq)
+        if created is not None:
+            self._stream_created.setdefault(name, created)
+
     def _stream_lost(self, why: str, name: str | None = None, keys: Iterable[str] | None = None) -> None:
         """JetStream stream ``name`` (None: every one) lost what it acknowledged: the spans it held
         of its bridge streams (those it acknowledged last, and those no stream acknowledged in this
         process; or ``keys``) are announced at the next write (SinkLost); the JetStream seqs their
         state's heads continue from are void."""
+        homed: set[str] = set()
+        names: list[str] = [name] if name is not None else []
         if keys is None:
-            keys = [k for k in self._held.spans if name is None or self._homes.get(k, name) == name]
+            keys = [k for k in self._held.spans if name is None or self._holds(name, k)]
+            homed = {k for k, n in self._homes.items() if name is None or n == name}
+            names = list(self._stream_seqs) if name is None else names
         keys = set(keys)
         spans = self._held.take(keys)
         self._held.fresh = False
-        for gone in list(self._stream_seqs) if name is None else [name]:
+        for gone in names:
             self._stream_seqs.pop(gone, None)
             self._stream_created.pop(gone, None)
-        for key in keys | {k for k, n in self._homes.items() if name is None or n == name}:
+        for key in keys | homed:
             self._next.pop(key, None)
             self._fences.pop(key, None)  # (a new stream: the subject's owner is read again)
             self._subjects.claimed.discard(key)
@@ -1587,6 +1622,7 @@ class NatsConnector:
                 self._consumed.discard(name)
             else:
                 self._consumed.add(name)
+            self._stream_subjects[name] = list(info.config.subjects or [])
             for filt in info.config.subjects or []:
                 out.update((subject, name) for subject in wanted.difference(out) if subjects_overlap(filt, subject))
         return out
@@ -2531,11 +2567,14 @@ class NatsConnector:
         owners = await self._capturing(js, subjects.values())
         owner = {key: owners[subject] for key, subject in subjects.items() if subject in owners}
         lasts: dict[str, int] = {}
+        made: dict[str, datetime | None] = {}
         for name in set(owner.values()):
             try:
-                lasts[name] = (await js.stream_info(name)).state.last_seq
+                info = await js.stream_info(name)
             except nats.js.errors.NotFoundError:
                 lasts[name] = 0
+            else:
+                lasts[name], made[name] = info.state.last_seq, info.created
         gone = [key for key, n in reach.items() if n > 1 and (key not in owner or n - 1 > lasts[owner[key]])]
         window = asyncio.Semaphore(16)
 
@@ -2561,6 +2600,9 @@ class NatsConnector:
             assert head is not None
             self._held.spans[key] = [_Span(streams[key], head[0].epoch, 0, head[0].seq)]
             self.records_gone.add(key)  # (the runtime announces the epoch before the head's too)
+        for key, at in kept:
+            if key not in gone:  # held: checked from now on, by the stream that holds it
+                self._adopt(key, owner[key], at, made.get(owner[key]))
         if gone:
             where = ", ".join(sorted({repr(owner[k]) if k in owner else "no stream (deleted)" for k in gone}))
             stored = max(reach[k] for k in gone) - 1

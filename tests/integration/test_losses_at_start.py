@@ -641,6 +641,88 @@ async def test_nats_subjects_split_over_two_streams_one_lost_while_no_bridge_ran
                 await js.delete_stream(name)
 
 
+@pytest.mark.parametrize("lost", ["a", "b"])
+@pytest.mark.parametrize("mode", ["state", "from_sinks"])
+async def test_nats_subjects_split_over_two_streams_one_lost_under_a_quiet_engine_after_a_restart(
+    tmp_path: Path, nats_server: NatsServer, reader: Client, lost: str, mode: str
+) -> None:
+    """breaker91 B1, B3: subjects split over two JetStream streams, a sink with state (or
+    ``checkpoint.from_sinks``), restarted; engine a writes, b is quiet. What the start read back
+    of b (its state's head, or its last message) gave b no stream of its own: a loss of a's stream
+    was told to b too, though b's stream held all it had (4 of 4), and a loss of b's stream was
+    never announced (4 of 4). The start now takes each stream's holder from what it read."""
+    dest = f"KVQ{uuid.uuid4().hex[:8].upper()}"
+    names = {"a": dest + "A", "b": dest + "B"}
+    js = reader.jetstream(timeout=5)
+    for src, name in names.items():
+        await js.add_stream(js_api.StreamConfig(name=name, subjects=[f"{dest}.{src}.>"]))
+    ports = {n: (free_port(), free_port()) for n in "ab"}
+    raw = _bridge_config(tmp_path, nats_server.url, dest, "nats-q", "file", *ports["a"])
+    if mode == "from_sinks":
+        del raw["sinks"][0]["state"]
+    raw["sinks"][0]["stream"] = {"create": False}  # (the operator's two streams)
+    raw["sources"] = [
+        {"name": n, "endpoint": f"tcp://127.0.0.1:{lv}", "replay_endpoint": f"tcp://127.0.0.1:{rp}"}
+        for n, (lv, rp) in ports.items()
+    ]
+    raw["checkpoint"].update(interval="100ms", from_sinks=mode == "from_sinks")
+
+    async def messages(src: str) -> list[dict[str, Any]]:
+        return await _subject_messages(reader, dest, Stream(src, 0), within=names[src])
+
+    try:
+        async with CacheEngine(*ports["a"], seed=1) as ea, CacheEngine(*ports["b"], seed=2) as eb:
+            engines = {"a": ea, "b": eb}
+
+            async def stored(*sources: str) -> None:
+                async def met() -> bool:
+                    for src in sources:
+                        if engines[src].last_seq not in [m["seq"] for m in await messages(src) if "events" in m]:
+                            return False
+                    return True
+
+                await _until(met, f"{sources}: the last batches were never stored")
+
+            bridge = Bridge(from_data(raw, env={}))
+            await bridge.start()
+            try:
+                await ea.wait_subscribed()
+                await eb.wait_subscribed()
+                await ea.step(10, events_per_batch=3)
+                await eb.step(10, events_per_batch=3)
+                await stored("a", "b")
+                await asyncio.sleep(0.5)  # (the state's heads, the checkpoint)
+            finally:
+                await bridge.stop()
+            bridge = Bridge(from_data(raw, env={}))
+            await bridge.start()
+            try:
+                await ea.wait_subscribed()
+                await eb.wait_subscribed()
+                await ea.step(3, events_per_batch=3)
+                await stored("a")
+                await js.delete_stream(names[lost])
+                await js.add_stream(js_api.StreamConfig(name=names[lost], subjects=[f"{dest}.{lost}.>"]))
+                await ea.step(2, events_per_batch=3)
+                await stored("a")
+                await eb.step(3, events_per_batch=3)
+                await stored("b")
+            finally:
+                await bridge.stop()
+        for src in "ab":
+            told = [(m["from_seq"], m["to_seq"]) for m in await messages(src) if m.get("type") == "EventsLost"]
+            if src == lost:
+                assert any(first <= 0 and last >= 9 for first, last in told), (src, told)
+            else:
+                assert told == [], (src, told)
+    finally:
+        for name in names.values():
+            with contextlib.suppress(Exception):
+                await js.delete_stream(name)
+        with contextlib.suppress(Exception):
+            await js.delete_key_value(f"ST{dest}")
+
+
 @pytest.mark.parametrize("engine", ["goes_on", "restarted"])
 async def test_a_loss_found_by_both_checks_after_a_crash_is_announced_once(
     tmp_path: Path, nats_server: NatsServer, reader: Client, engine: str
