@@ -266,8 +266,11 @@ func BootstrapKafka(ctx context.Context, conn *kafka.Conn, x *Index, opts KafkaO
 }
 
 // followsHeadAt reports whether the record at offset of the events partition p can be the one
-// head was written after (FollowsHead); false when it cannot be read.
+// head was written after (FollowsHead); false when it cannot be read within 5 s (a record gone
+// from within the partition's offsets: the caller then reads from the partition's start).
 func followsHeadAt(ctx context.Context, opts KafkaOptions, p int, offset int64, head Record) bool {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
 	headers := map[string]string{}
 	read := false
 	err := readRange(ctx, opts.Brokers, opts.Topic, p, offset, offset+1, func(m kafka.Message) {

@@ -46,8 +46,9 @@ func EntryPosition(id string) (Pos, error) {
 // BootstrapRedis reads one engine stream's state from a Redis sink with state.enabled (the HASH
 // stateKey: field _head, one field per live block): the head, every field (HSCAN), the head
 // again; a clear that ran meanwhile (or a head gone back: Redis restarted from an older
-// snapshot; or the stream streamKey trimmed past the head) makes it start over, up to attempts times. It returns the state and the entry id to follow streamKey
-// after ("" when there is no state yet: follow from the stream's start, with a NewStreamState).
+// snapshot; or the stream streamKey trimmed past the head) makes it start over, up to attempts
+// times. It returns the state and the entry id to follow streamKey after ("" when there is no
+// state yet: follow from the stream's start, with a NewStreamState).
 func BootstrapRedis(ctx context.Context, c redis.UniversalClient, stateKey, streamKey string, attempts int) (*StreamState, string, error) {
 	for i := 0; i < attempts; i++ {
 		raw, err := c.HGet(ctx, stateKey, "_head").Result()
