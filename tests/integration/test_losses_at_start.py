@@ -514,26 +514,66 @@ async def test_nats_memory_stream_lost_while_no_bridge_ran_two_epochs(
             await js.delete_key_value(f"ST{dest}")
 
 
+class _Split:
+    """Two engines (``a``, ``b``) whose subjects an operator split over two JetStream streams made
+    beforehand (``names``: source -> stream; ``stream.create: false``), and the config of a
+    bridge writing them through one NATS sink (state on, checkpoint saved every 100 ms)."""
+
+    def __init__(self, reader: Client, tmp_path: Path, url: str, prefix: str, sink_name: str) -> None:
+        self.reader, self.js = reader, reader.jetstream(timeout=5)
+        self.dest = f"{prefix}{uuid.uuid4().hex[:8].upper()}"
+        self.names = {"a": self.dest + "A", "b": self.dest + "B"}
+        self.ports = {n: (free_port(), free_port()) for n in "ab"}
+        self.raw = _bridge_config(tmp_path, url, self.dest, sink_name, "file", *self.ports["a"])
+        self.raw["sinks"][0]["stream"] = {"create": False}  # (the operator's two streams)
+        self.raw["sources"] = [
+            {"name": n, "endpoint": f"tcp://127.0.0.1:{lv}", "replay_endpoint": f"tcp://127.0.0.1:{rp}"}
+            for n, (lv, rp) in self.ports.items()
+        ]
+        self.raw["checkpoint"]["interval"] = "100ms"
+
+    async def create(self, *sources: str) -> None:
+        """Creates the stream of each of ``sources`` (all when none), empty."""
+        for src in sources or tuple(self.names):
+            await self.js.add_stream(js_api.StreamConfig(name=self.names[src], subjects=[f"{self.dest}.{src}.>"]))
+
+    async def lose(self, src: str) -> None:
+        """An operator deletes the stream of ``src`` and creates it again, empty."""
+        await self.js.delete_stream(self.names[src])
+        await self.create(src)
+
+    async def messages(self, src: str) -> list[dict[str, Any]]:
+        """What the stream of ``src`` holds on its subject, in stream order."""
+        return await _subject_messages(self.reader, self.dest, Stream(src, 0), within=self.names[src])
+
+    async def stored(self, engines: dict[str, CacheEngine], *sources: str) -> None:
+        """Until each of ``sources`` has its engine's last batch in its own stream."""
+
+        async def met() -> bool:
+            for src in sources:
+                if engines[src].last_seq not in [m["seq"] for m in await self.messages(src) if "events" in m]:
+                    return False
+            return True
+
+        await _until(met, f"{sources}: the last batches were never stored")
+
+    async def remove(self) -> None:
+        for name in self.names.values():
+            with contextlib.suppress(Exception):
+                await self.js.delete_stream(name)
+        with contextlib.suppress(Exception):
+            await self.js.delete_key_value(f"ST{self.dest}")
+
+
 async def test_nats_subjects_split_over_two_streams_lose_nothing_over_a_clean_restart(
     tmp_path: Path, nats_server: NatsServer, reader: Client
 ) -> None:
     """breaker41 B1: the connector's start check judged every head by one JetStream stream; the
     stream whose subject another captures was told EventsLost for seqs it held, its state cleared."""
-    dest = f"KVS{uuid.uuid4().hex[:8].upper()}"
-    s_a, s_b = dest + "A", dest + "B"
-    bucket = f"ST{dest}"
-    js = reader.jetstream(timeout=5)
-    await js.add_stream(js_api.StreamConfig(name=s_a, subjects=[f"{dest}.a.>"]))
-    await js.add_stream(js_api.StreamConfig(name=s_b, subjects=[f"{dest}.b.>"]))
-    ports = {n: (free_port(), free_port()) for n in "ab"}
-    raw = _bridge_config(tmp_path, nats_server.url, dest, "nats-s", "file", *ports["a"])
-    raw["sinks"][0]["stream"] = {"create": False}  # (the operator's two streams)
-    raw["sources"] = [
-        {"name": n, "endpoint": f"tcp://127.0.0.1:{lv}", "replay_endpoint": f"tcp://127.0.0.1:{rp}"}
-        for n, (lv, rp) in ports.items()
-    ]
-    raw["checkpoint"]["interval"] = "100ms"
-    cfg = from_data(raw, env={})
+    split = _Split(reader, tmp_path, nats_server.url, "KVS", "nats-s")
+    await split.create()
+    bucket, ports = f"ST{split.dest}", split.ports
+    cfg = from_data(split.raw, env={})
 
     async def head(src: str) -> Any:
         state, _ = await bootstrap(reader, bucket, src, 0, attempts=1)
@@ -561,8 +601,8 @@ async def test_nats_subjects_split_over_two_streams_lose_nothing_over_a_clean_re
                 finally:
                     await bridge.stop()
         result = {}
-        for src, name in (("a", s_a), ("b", s_b)):
-            msgs = await _subject_messages(reader, dest, Stream(src, 0), within=name)
+        for src in "ab":
+            msgs = await split.messages(src)
             held = sorted({m["seq"] for m in msgs if m.get("type") not in ("EventsLost", "SourceReset")})
             lost = [(m["from_seq"], m["to_seq"], m["reason"]) for m in msgs if m.get("type") == "EventsLost"]
             falsely = sorted({s for a, b, _ in lost for s in range(a, b + 1) if s in held})
@@ -571,10 +611,7 @@ async def test_nats_subjects_split_over_two_streams_lose_nothing_over_a_clean_re
         assert all(not r[0] for r in result.values()), f"EventsLost announced although nothing was lost: {result}"
         assert all(r[2] for r in result.values()), f"a complete state was cleared: {result}"
     finally:
-        with contextlib.suppress(Exception):
-            await js.delete_stream(s_a)
-            await js.delete_stream(s_b)
-            await js.delete_key_value(bucket)
+        await split.remove()
 
 
 @pytest.mark.parametrize("lost", ["a", "b"])
@@ -585,49 +622,30 @@ async def test_nats_subjects_split_over_two_streams_one_lost_while_no_bridge_ran
     one is deleted and created again while no bridge runs. Every mark named the stream that
     acknowledged last, so the loss was never announced, whichever stream it was (4 of 4). Each
     mark now names its bridge stream's own: the lost one is told, first, the other nothing."""
-    dest = f"KVM{uuid.uuid4().hex[:8].upper()}"
-    names = {"a": dest + "A", "b": dest + "B"}
-    js = reader.jetstream(timeout=5)
-    for src, name in names.items():
-        await js.add_stream(js_api.StreamConfig(name=name, subjects=[f"{dest}.{src}.>"]))
-    ports = {n: (free_port(), free_port()) for n in "ab"}
-    raw = _bridge_config(tmp_path, nats_server.url, dest, "nats-m", "file", *ports["a"])
-    del raw["sinks"][0]["state"]
-    raw["sinks"][0]["stream"] = {"create": False}  # (the operator's two streams)
-    raw["sources"] = [
-        {"name": n, "endpoint": f"tcp://127.0.0.1:{lv}", "replay_endpoint": f"tcp://127.0.0.1:{rp}"}
-        for n, (lv, rp) in ports.items()
-    ]
-    raw["checkpoint"]["interval"] = "100ms"
+    split = _Split(reader, tmp_path, nats_server.url, "KVM", "nats-m")
+    await split.create()
+    del split.raw["sinks"][0]["state"]
     try:
-        async with CacheEngine(*ports["a"], seed=1) as ea, CacheEngine(*ports["b"], seed=2) as eb:
+        async with CacheEngine(*split.ports["a"], seed=1) as ea, CacheEngine(*split.ports["b"], seed=2) as eb:
             engines = {"a": ea, "b": eb}
 
-            async def stored() -> bool:
-                for src, engine in engines.items():
-                    seqs = [m["seq"] for m in await _subject_messages(reader, dest, Stream(src, 0), within=names[src])]
-                    if engine.last_seq not in seqs:
-                        return False
-                return True
-
             async def run() -> None:
-                bridge = Bridge(from_data(raw, env={}))
+                bridge = Bridge(from_data(split.raw, env={}))
                 await bridge.start()
                 try:
                     await ea.wait_subscribed()
                     await eb.wait_subscribed()
                     await ea.step(5, events_per_batch=3)
                     await eb.step(5, events_per_batch=3)
-                    await _until(stored, "the batches were never stored")
+                    await split.stored(engines, "a", "b")
                 finally:
                     await bridge.stop()
 
             await run()
-            await js.delete_stream(names[lost])
-            await js.add_stream(js_api.StreamConfig(name=names[lost], subjects=[f"{dest}.{lost}.>"]))
+            await split.lose(lost)
             await run()
-        for src, name in names.items():
-            msgs = await _subject_messages(reader, dest, Stream(src, 0), within=name)
+        for src in "ab":
+            msgs = await split.messages(src)
             told = [(m["from_seq"], m["to_seq"], m["reason"]) for m in msgs if m.get("type") == "EventsLost"]
             held = [m["seq"] for m in msgs if "events" in m]
             if src == lost:
@@ -636,9 +654,7 @@ async def test_nats_subjects_split_over_two_streams_one_lost_while_no_bridge_ran
             else:
                 assert (told, held) == ([], list(range(10))), (src, told, held)
     finally:
-        for name in names.values():
-            with contextlib.suppress(Exception):
-                await js.delete_stream(name)
+        await split.remove()
 
 
 @pytest.mark.parametrize("lost", ["a", "b"])
@@ -651,37 +667,18 @@ async def test_nats_subjects_split_over_two_streams_one_lost_under_a_quiet_engin
     of b (its state's head, or its last message) gave b no stream of its own: a loss of a's stream
     was told to b too, though b's stream held all it had (4 of 4), and a loss of b's stream was
     never announced (4 of 4). The start now takes each stream's holder from what it read."""
-    dest = f"KVQ{uuid.uuid4().hex[:8].upper()}"
-    names = {"a": dest + "A", "b": dest + "B"}
-    js = reader.jetstream(timeout=5)
-    for src, name in names.items():
-        await js.add_stream(js_api.StreamConfig(name=name, subjects=[f"{dest}.{src}.>"]))
-    ports = {n: (free_port(), free_port()) for n in "ab"}
-    raw = _bridge_config(tmp_path, nats_server.url, dest, "nats-q", "file", *ports["a"])
+    split = _Split(reader, tmp_path, nats_server.url, "KVQ", "nats-q")
+    await split.create()
+    raw = split.raw
     if mode == "from_sinks":
         del raw["sinks"][0]["state"]
-    raw["sinks"][0]["stream"] = {"create": False}  # (the operator's two streams)
-    raw["sources"] = [
-        {"name": n, "endpoint": f"tcp://127.0.0.1:{lv}", "replay_endpoint": f"tcp://127.0.0.1:{rp}"}
-        for n, (lv, rp) in ports.items()
-    ]
-    raw["checkpoint"].update(interval="100ms", from_sinks=mode == "from_sinks")
-
-    async def messages(src: str) -> list[dict[str, Any]]:
-        return await _subject_messages(reader, dest, Stream(src, 0), within=names[src])
-
+    raw["checkpoint"]["from_sinks"] = mode == "from_sinks"
     try:
-        async with CacheEngine(*ports["a"], seed=1) as ea, CacheEngine(*ports["b"], seed=2) as eb:
+        async with CacheEngine(*split.ports["a"], seed=1) as ea, CacheEngine(*split.ports["b"], seed=2) as eb:
             engines = {"a": ea, "b": eb}
 
             async def stored(*sources: str) -> None:
-                async def met() -> bool:
-                    for src in sources:
-                        if engines[src].last_seq not in [m["seq"] for m in await messages(src) if "events" in m]:
-                            return False
-                    return True
-
-                await _until(met, f"{sources}: the last batches were never stored")
+                await split.stored(engines, *sources)
 
             bridge = Bridge(from_data(raw, env={}))
             await bridge.start()
@@ -701,8 +698,7 @@ async def test_nats_subjects_split_over_two_streams_one_lost_under_a_quiet_engin
                 await eb.wait_subscribed()
                 await ea.step(3, events_per_batch=3)
                 await stored("a")
-                await js.delete_stream(names[lost])
-                await js.add_stream(js_api.StreamConfig(name=names[lost], subjects=[f"{dest}.{lost}.>"]))
+                await split.lose(lost)
                 await ea.step(2, events_per_batch=3)
                 await stored("a")
                 await eb.step(3, events_per_batch=3)
@@ -710,17 +706,13 @@ async def test_nats_subjects_split_over_two_streams_one_lost_under_a_quiet_engin
             finally:
                 await bridge.stop()
         for src in "ab":
-            told = [(m["from_seq"], m["to_seq"]) for m in await messages(src) if m.get("type") == "EventsLost"]
+            told = [(m["from_seq"], m["to_seq"]) for m in await split.messages(src) if m.get("type") == "EventsLost"]
             if src == lost:
                 assert any(first <= 0 and last >= 9 for first, last in told), (src, told)
             else:
                 assert told == [], (src, told)
     finally:
-        for name in names.values():
-            with contextlib.suppress(Exception):
-                await js.delete_stream(name)
-        with contextlib.suppress(Exception):
-            await js.delete_key_value(f"ST{dest}")
+        await split.remove()
 
 
 @pytest.mark.parametrize("engine", ["goes_on", "restarted"])
