@@ -437,9 +437,10 @@ class SinkWorker:
                     await asyncio.sleep(linger)
                 await self._announce_lost_at_start()  # (handed on meanwhile: ahead of what woke it)
             records, messages, unrendered, size = self._take()
-            sent, refused_before = _batch_messages(messages), self._refused_messages
+            refused_before = self._refused_messages
             dead = await self._deliver(messages) if messages else set()
-            self._note_refusals(sent - (self._refused_messages - refused_before), len(dead))
+            if dead or self._refused_run:  # (else nothing refused and no run to end: no pass over the write)
+                self._note_refusals(_batch_messages(messages) - (self._refused_messages - refused_before), len(dead))
             dead |= unrendered
             self._settle(records, dead, size)
             if self._audit_due():
