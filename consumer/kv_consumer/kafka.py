@@ -184,12 +184,13 @@ async def bootstrap(
             state.ready_at = max(state.ready_at, (state.epoch, int(head["seq"]) + 1))
         start = head.get("next")
     consumer.assign([etp])
+    begin = (await consumer.beginning_offsets([etp]))[etp]
     if type(start) is int and head is not None:
-        begin, end = (await consumer.beginning_offsets([etp]))[etp], (await consumer.end_offsets([etp]))[etp]
+        end = (await consumer.end_offsets([etp]))[etp]
         if start > end or (start > begin and not await _follows_head(consumer, etp, start - 1, head)):
             start = None  # not the partition the head was written after: from its start
     if type(start) is not int:
-        start = (await consumer.beginning_offsets([etp]))[etp]
+        start = begin
     consumer.seek(etp, start)
     return state, etp, start
 
