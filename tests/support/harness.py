@@ -103,10 +103,14 @@ async def running_bridge(
 async def one_run(config: Config, engine: CacheEngine, steps: int, written: Callable[[], Awaitable[Any]], **step: Any) -> Any:
     """One in-process bridge on ``config``: the engine publishes ``steps`` batches (``step``: the
     engine's step options), then what ``written()`` returns once the sink holds them; the bridge
-    stops (its checkpoint saved)."""
+    stops (its checkpoint saved).
+
+    The engine publishes once every sink has connected: ``written()`` must not read a stream the
+    sink is still creating (nats-server before 2.9.15 crashes on a read in that window)."""
     bridge = Bridge(config)
     await bridge.start()
     try:
+        await wait_for(lambda: all(w.connected for w in bridge.workers), timeout=30, what="every sink connected")
         await engine.wait_subscribed()
         await engine.step(steps, **step)
         return await written()
