@@ -74,7 +74,9 @@ def _config(tmp: Path, ports: list[int], sinks: list[dict[str, Any]], **extra: A
         tmp,
         _sources(ports),
         sinks,
-        replay={"timeout": "500ms", "initial_backoff": "50ms", "max_backoff": "500ms"},
+        # The engine publishes its batches at once, possibly before its SUB peer's subscription
+        # has reached it (ZeroMQ drops those): the idle probe fetches them, in 1 s, not 30 s.
+        replay={"timeout": "500ms", "initial_backoff": "50ms", "max_backoff": "500ms", "idle_probe": "1s"},
         shutdown_timeout="3s",
     )
     cfg.update(extra)
