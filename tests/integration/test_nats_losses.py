@@ -421,8 +421,25 @@ async def _until(met: Callable[[], Awaitable[bool]], never: str) -> None:
     pytest.fail(never)
 
 
+async def _created(reader: Client, name: str) -> None:
+    """Until JetStream stream ``name`` exists, set up: nats-server before 2.9.15 lists a stream a
+    moment before its store is set up, and crashes on a read in that moment (stream names touch
+    no store). A stream the sink creates again after a loss is read only once it is made."""
+
+    async def listed() -> bool:
+        reply = await reader.request("$JS.API.STREAM.NAMES", b"{}", timeout=5)
+        return name in (json.loads(reply.data).get("streams") or [])
+
+    with contextlib.suppress(nats.errors.Error):
+        if await listed():
+            return
+    await _until(listed, f"JetStream stream {name} was never created")
+    await asyncio.sleep(0.5)
+
+
 async def _until_head(reader: Client, bucket: str, seq: int) -> None:
     """Until the state's head of stream eng/0 is at ``seq``."""
+    await _created(reader, f"KV_{bucket}")
 
     async def met() -> bool:
         state, _ = await bootstrap(reader, bucket, "eng", 0, attempts=1)
@@ -433,6 +450,7 @@ async def _until_head(reader: Client, bucket: str, seq: int) -> None:
 
 async def _until_stored(reader: Client, dest: str, seq: int) -> None:
     """Until the events stream holds batch ``seq`` of stream eng/0."""
+    await _created(reader, dest)
 
     async def met() -> bool:
         return seq in [m["seq"] for m in await _subject_messages(reader, dest, Stream("eng", 0))]
