@@ -393,6 +393,18 @@ class RedisOptions(ConnectorOptions):
                     f"{field}: {' and '.join(banned)} not allowed with state.enabled: a consumer bootstraps from one "
                     "hash, then follows the engine stream's messages in one stream key"
                 )
+        keys = [("stream", stream)] + [
+            (f, t) for f, t, on in (("index.key", index, self.index.enabled), ("state.key", state, self.state.enabled)) if on
+        ]
+        for n, (field, text) in enumerate(keys):
+            for other_field, other in keys[:n]:
+                same = next((k for m in _SAMPLES if (k := Template(text).render(m)) == Template(other).render(m)), None)
+                if same is not None:
+                    raise ValueError(
+                        f"{field}: {text!r} names the same key as {other_field} ({same!r} for both): one key holds one "
+                        f"type (a stream, a set, a hash); give it a key of its own, e.g. {field}: "
+                        f"{DEFAULT_INDEX_KEY if field == 'index.key' else DEFAULT_STATE_KEY!r}"
+                    )
         for enabled, other, field, default in (
             (self.index.enabled, index, "index.key", CLUSTER_INDEX_KEY),
             (self.state.enabled, state, "state.key", CLUSTER_STATE_KEY),
