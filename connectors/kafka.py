@@ -272,7 +272,14 @@ class KafkaOptions(ConnectorOptions):
     ] = True
     compression: Annotated[Compression, doc("Record batch compression (snappy, lz4, zstd need the cramjam package).")] = "none"
     linger_ms: Annotated[
-        int, msgspec.Meta(ge=0, description="Extra wait before a batch is sent (the runtime's batch.linger usually suffices).")
+        int,
+        msgspec.Meta(
+            ge=0,
+            description=(
+                "Extra wait before a batch is sent, at most half of retry.write_timeout (the runtime's batch.linger "
+                "usually suffices)."
+            ),
+        ),
     ] = 0
     max_batch_bytes: Annotated[
         ByteSize, doc("Record batch size per partition and the largest message accepted (keep <= broker message.max.bytes).")
@@ -473,6 +480,16 @@ class KafkaConnector:
             problem = f"{options.topic!r} is not a valid Kafka topic name (1-249 of A-Z a-z 0-9 . _ -)"
         if problem is not None:
             raise ConfigError([f"{self._where}.topic: {problem}"])
+        if options.linger_ms / 1000 > float(sink.retry.write_timeout) / 2:
+            # (each write waits the linger before it is sent, then its acks: cut at write_timeout,
+            # it is retried, and nothing is ever stored)
+            raise ConfigError(
+                [
+                    f"{self._where}.linger_ms: {options.linger_ms} ms is over half of retry.write_timeout "
+                    f"({float(sink.retry.write_timeout):g}s): a write waits the linger before it is sent and must be "
+                    "acknowledged within write_timeout; lower linger_ms (the sink's batch.linger usually suffices)"
+                ]
+            )
         self._timeout = float(options.request_timeout)
         self._max_bytes = int(options.max_batch_bytes)
         self._producer: Any = None

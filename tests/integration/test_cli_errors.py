@@ -134,6 +134,10 @@ CASES = [
     Case("nats-state-with-type-in-subject", OFFLINE, 2,
          ["sinks[0].subject: {type} not allowed with state.enabled", "remove it, or turn state off"],
          SOURCE + "sinks:\n  - {type: nats, subject: 'kv.{source}.{dp_rank}.{type}', state: {enabled: true}}\n"),
+    # breaker93 B6: every write waited a 60 s linger and was cut at write_timeout: "config ok", nothing ever stored.
+    Case("kafka-linger-over-the-write-timeout", OFFLINE, 2,
+         ["sinks[kafka].linger_ms: 60000 ms is over half of retry.write_timeout (30s)", "lower linger_ms"],
+         SOURCE + "sinks:\n  - {type: kafka, bootstrap_servers: 'k:9092', linger_ms: 60000}\n"),
     Case("kafka-state-with-drop", OFFLINE, 2,
          ["sinks[0].state.enabled: needs backpressure: block", "set backpressure: block or turn state off"],
          SOURCE + "sinks:\n  - {type: kafka, bootstrap_servers: 'k:9092', backpressure: drop, state: {enabled: true}}\n"),
