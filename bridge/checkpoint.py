@@ -75,6 +75,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from .backoff import Backoff
 from .errors import BridgeError
 from .formats import CONTENT_TYPES
 from .records import Record
@@ -517,6 +518,10 @@ class Checkpointer:
         return self._written
 
 
+PERSIST_MAX_DELAY = 5.0
+_PERSIST_BACKOFF = Backoff(0.2, PERSIST_MAX_DELAY)
+
+
 class CheckpointStore:
     """The checkpoint of a running bridge: a :class:`Checkpointer` and the file it is saved to
     (``path`` None: nothing saved, every stream starts fresh). Saves are snapshotted on the event
@@ -536,6 +541,8 @@ class CheckpointStore:
         # Called on the loop before each save: notes what the running streams know and the
         # checkpointer is not told as it happens (their instances' UUIDs, see note_instance).
         self.collect: Callable[[], None] = lambda: None
+        # Set as the bridge stops: persist tries once more and gives up (see persist).
+        self.stopping = False
 
     def _load(self) -> CheckpointFile:
         if not self.path:
@@ -564,12 +571,23 @@ class CheckpointStore:
         return self.checkpointer.note_first(key, record)
 
     async def persist(self) -> None:
-        """Return once the epochs opened so far are saved (at once without a file)."""
+        """Return once the epochs opened so far are saved (at once without a file). A save that
+        fails is tried again (backoff up to PERSIST_MAX_DELAY), for as long as it takes: an epoch's
+        first record reaches no sink before the epoch is saved, else a restart from the file could
+        open that epoch again for another engine instance, whose batches consumers would then drop
+        as copies. Meanwhile the bridge is not ready, naming the file and the fix.
+
+        Once the bridge stops (``stopping``), one try and no more: the streams hand what they
+        decided to the sinks as they stop (I4), saved or not."""
         if not self.path:
             return
         needed = self.checkpointer.generation
         async with self._lock:
-            if self.checkpointer.written < needed:
+            for attempt in itertools.count(1):
+                if self.checkpointer.written >= needed or (attempt > 1 and self.stopping):
+                    return
+                if attempt > 1:
+                    await asyncio.sleep(_PERSIST_BACKOFF.delay(attempt - 1))
                 await self._save()
 
     # -- saving ------------------------------------------------------------------------------------

@@ -517,7 +517,7 @@ def _unwritable_paths(cfg: Config) -> list[str]:
     """The bridge's own files (checkpoint, dead letters) that could not be written, one line each."""
     lines = []
     for key, target in (("checkpoint.path", cfg.checkpoint.path), ("dead_letter.path", cfg.dead_letter.path)):
-        problem = unwritable(target) if target and target != "-" else None
+        problem = unwritable(target, replaced=key == "checkpoint.path") if target and target != "-" else None
         if problem is not None:
             lines.append(f"{key}: {problem}")
     return lines

@@ -290,14 +290,23 @@ def template_labels(labels: Collection[str] | None) -> Iterator[None]:
         _LABELS.reset(token)
 
 
-def unwritable(path: str) -> str | None:
+def unwritable(path: str, replaced: bool = False) -> str | None:
     """Why a file at ``path`` could not be appended to, or created with its missing directories;
-    None when it could. Looks without creating anything (``--check`` writes nothing)."""
+    None when it could. ``replaced``: the file is saved by writing a new one beside it and renaming
+    it over (the checkpoint), so its directory must take new files too. Looks without creating
+    anything (``--check`` writes nothing)."""
     p = Path(path)
     if p.is_dir():
         return f"{path} is a directory; give a file path"
     if p.exists():
-        return None if os.access(p, os.W_OK) else f"{path} is not writable by uid {os.getuid()}; fix its permissions"
+        if not os.access(p, os.W_OK):
+            return f"{path} is not writable by uid {os.getuid()}; fix its permissions"
+        if replaced and not os.access(p.parent, os.W_OK | os.X_OK):
+            return (
+                f"{path} is saved by writing a new file in {p.parent} and renaming it over, and that directory "
+                f"is not writable by uid {os.getuid()}; fix the directory's permissions"
+            )
+        return None
     parent = p.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent

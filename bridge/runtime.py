@@ -571,6 +571,7 @@ class Bridge:
         if self.stopped.is_set():
             return
         self.stopped.set()
+        self.store.stopping = True  # (a stream waiting for its epoch to be saved stops waiting)
         deadline = time.monotonic() + self.config.shutdown_timeout
         # 1. stop discovery (no source comes or goes from here on), ingest and replays
         if self.discovery is not None:

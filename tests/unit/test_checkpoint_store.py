@@ -85,3 +85,26 @@ async def test_every_save_first_collects_what_the_running_streams_know(tmp_path:
     assert load(path).instances[STREAM.key].id == "aa" * 16
     store.save_now()
     assert load(path).instances[STREAM.key].id == "bb" * 16
+
+
+async def test_persist_returns_only_once_the_epoch_is_saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """breaker93 B7: the checkpoint's directory not writable (the file itself was): persist tried
+    once and returned, and 1,292 records reached the sink under epochs never saved, which a restart
+    from the file could open again for another engine instance. A failed save is tried again
+    until it goes through; the store names the problem meanwhile."""
+    path = tmp_path / "ckpt.json"
+    store = CheckpointStore(str(path), 1)
+    epoch = store.checkpointer.first_epoch(STREAM.key, 1.8e9)
+    monkeypatch.setattr("bridge.checkpoint._PERSIST_BACKOFF.delay", lambda attempt: 0.01)
+
+    def refused(**_: object) -> tuple[int, str]:
+        raise PermissionError(13, "Permission denied", str(tmp_path))
+
+    monkeypatch.setattr("bridge.checkpoint.tempfile.mkstemp", refused)  # (a new file in the directory)
+    waiting = asyncio.create_task(store.persist())
+    await asyncio.sleep(0.2)
+    assert not waiting.done() and not path.exists()
+    assert store.problem is not None and "Permission denied" in store.problem
+    monkeypatch.undo()
+    await asyncio.wait_for(waiting, 5)
+    assert load(path).epochs == {STREAM.key: epoch} and store.problem is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -519,3 +520,26 @@ def test_two_templates_rendering_one_place_for_a_configured_stream_are_refused(
     source = [{**SOURCE[0], "labels": {"model": "llama"}}]
     problems = [p for p in validate({"sources": source, "sinks": sinks}, env={}).problems if "two sinks in one place" in p]
     assert len(problems) == 1 and problems[0].startswith(f"sinks[1] (s2): writes {place} on "), problems
+
+
+def test_check_exits_3_when_the_checkpoints_directory_takes_no_new_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """breaker93 B7: the checkpoint file writable, its directory not (chattr +i; a volume where
+    only the file was handed to the bridge's uid): "config ok", then no save ever went through.
+    A save writes a new file beside it and renames it over; a dead-letter file is appended to."""
+    (tmp_path / "ck.json").write_text("{}")
+    (tmp_path / "dl.jsonl").write_text("")
+    real = os.access
+    monkeypatch.setattr(
+        "bridge.connector.os.access", lambda p, mode: Path(p) != tmp_path and real(p, mode)
+    )  # (root passes permission bits: the directory is refused by hand)
+    p = tmp_path / "c.yaml"
+    p.write_text(
+        f"sources:\n  - name: a\n    endpoint: tcp://127.0.0.1:5557\nsinks:\n  - type: file\n    path: '-'\n"
+        f"checkpoint: {{path: {tmp_path}/ck.json}}\ndead_letter: {{path: {tmp_path}/dl.jsonl}}\n"
+    )
+    assert check(str(p)) == 3
+    err = capsys.readouterr().err
+    assert f"checkpoint.path: {tmp_path}/ck.json is saved by writing a new file in {tmp_path} and renaming it over" in err
+    assert "dead_letter.path" not in err
