@@ -377,6 +377,9 @@ def validate(data: Any, registry: Registry | None = None, env: Mapping[str, str]
     if cfg is not None:
         streams = [s for source in cfg.sources for s in streams_of(source)]
         problems.extend(_shared_destinations(streams, result.connectors))
+        for i, conn in result.connectors:
+            conflicts = getattr(conn, "conflicts", None)
+            problems.extend(f"sinks[{i}] ({conn.name}): {line}" for line in (conflicts(streams) if conflicts else []))
         problems.extend(_shared_places(result.connectors, streams))
         for i, sink in enumerate(cfg.sinks):
             result.warnings.extend(filters.misspelt_fields(sink.fields, f"sinks[{i}]"))

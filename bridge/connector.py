@@ -46,6 +46,11 @@ whatever the connector does to the names (None: streams share one by design). Th
 (start-up and ``--check``) refuses two configured streams with one destination; the connector
 itself must refuse, at write, a stream found at run time whose destination another owns.
 
+Optional: ``conflicts(streams)``: lines naming what the configured streams make impossible within
+the sink (a Kafka events topic that is its state topic, two topics Kafka takes for one), refused
+by the config check like a shared destination; the connector refuses such a stream found at run
+time (``StreamRefused``).
+
 Optional, for I6 across a restart: ``acknowledged_before(stream, epoch, seq)``: before the
 stream starts, what every sink acknowledged of it in earlier runs (the checkpoint's position). A
 connector that finds its losses by what this process stored (NATS: the spans its events stream

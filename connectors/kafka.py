@@ -47,7 +47,7 @@ import logging
 import re
 import ssl
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
@@ -79,6 +79,7 @@ from bridge.connector import (
     SinkPosition,
     StateDelta,
     Stream,
+    StreamRefused,
     Template,
     TlsOptions,
     doc,
@@ -763,6 +764,35 @@ class KafkaConnector:
         self._known.add(topic)  # (deleted since: not auto-created by a metadata request, as in a run)
         self._partitions.pop(topic, None)  # the next write looks at it again, before it sends
 
+    def _topic_clash(self, topic: str, others: Iterable[str]) -> str | None:
+        """Why events topic ``topic`` cannot be written beside the sink's other topics (None: it
+        can): it is the sink's own state topic (compacted: events there are deleted), or it and
+        another differ only by '.' against '_', which Kafka refuses as colliding topic names."""
+        if self.writes_state and topic == self._state_topic:
+            return (
+                f"the topic template {self.options.topic!r} renders {topic!r}, the sink's state topic, "
+                "which is compacted and would delete events; change topic or state.topic"
+            )
+        folded = topic.replace(".", "_")
+        for other in [*others, *([self._state_topic] if self.writes_state else [])]:
+            if other != topic and other.replace(".", "_") == folded:
+                return (
+                    f"topics {other!r} and {topic!r} differ only by '.' and '_', which Kafka refuses "
+                    "as colliding names: rename one of the two sources, or change the topic template"
+                )
+        return None
+
+    def conflicts(self, streams: Sequence[Stream]) -> list[str]:
+        """What the configured ``streams`` make impossible before a run (see bridge.connector): an
+        events topic that is the state topic, or two topics Kafka takes for one."""
+        topics = (
+            rendered(self._topic.render, self._topic, streams, self._types)[1:]
+            if not self._topic.static
+            else [self.options.topic]
+        )
+        lines = [why for n, t in enumerate(topics) if (why := self._topic_clash(t, topics[:n])) is not None]
+        return list(dict.fromkeys(lines))
+
     def places(self, streams: Sequence[Stream]) -> list[tuple[frozenset[str], str]]:
         """The topics it writes, on its cluster (see bridge.connector: two sinks may not share one)."""
         servers = self._addresses
@@ -1443,6 +1473,10 @@ class KafkaConnector:
     async def _check_topic(self, producer: Any, topic: str, *, state: bool = False) -> ConnectorError | None:
         """None when ``topic`` can be written (checked once per producer, and again when its
         partitions changed), else why not."""
+        if not state:
+            clash = self._topic_clash(topic, [*self._partitions, *self._known])
+            if clash is not None:
+                return StreamRefused(f"{self._where}: {clash}", reason="topic_clash")
         parts = self._partitions.get(topic)
         known = producer.client.cluster.partitions_for_topic(topic)
         if parts is not None and (known is None or len(known) != len(parts)):

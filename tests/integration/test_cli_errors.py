@@ -138,6 +138,14 @@ CASES = [
     Case("kafka-linger-over-the-write-timeout", OFFLINE, 2,
          ["sinks[kafka].linger_ms: 60000 ms is over half of retry.write_timeout (30s)", "lower linger_ms"],
          SOURCE + "sinks:\n  - {type: kafka, bootstrap_servers: 'k:9092', linger_ms: 60000}\n"),
+    # breaker93 B1/B2: events in the compacted state topic; two topics Kafka takes for one ("config ok" both).
+    Case("kafka-topics-that-clash", OFFLINE, 2,
+         ["sinks[0] (k): the topic template 'kv.{source}' renders 'kv.b', the sink's state topic",
+          "sinks[0] (k): topics 'kv.a.x' and 'kv.a_x' differ only by '.' and '_'"],
+         "sources:\n  - {name: a.x, endpoint: 'tcp://h:1'}\n  - {name: a_x, endpoint: 'tcp://h:2'}\n"
+         "  - {name: b, endpoint: 'tcp://h:3'}\n"
+         "sinks:\n  - {type: kafka, name: k, bootstrap_servers: 'k:9092', topic: 'kv.{source}', "
+         "state: {enabled: true, topic: kv.b}}\n"),
     Case("kafka-state-with-drop", OFFLINE, 2,
          ["sinks[0].state.enabled: needs backpressure: block", "set backpressure: block or turn state off"],
          SOURCE + "sinks:\n  - {type: kafka, bootstrap_servers: 'k:9092', backpressure: drop, state: {enabled: true}}\n"),

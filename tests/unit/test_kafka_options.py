@@ -9,7 +9,8 @@ from aiokafka import errors as kafka_errors
 
 from bridge.config import SinkConfig, convert_options
 from bridge.connector import Registry
-from bridge.errors import ConfigError, NotConnected, Retriable
+from bridge.errors import ConfigError, NotConnected, Retriable, StreamRefused
+from bridge.records import Stream
 from connectors._aiokafka_internals import InvalidRecordError
 from connectors.kafka import KafkaConnector, KafkaOptions, client_settings, producer_settings, ssl_context
 
@@ -170,3 +171,25 @@ def test_a_broker_that_refuses_everything_is_transient_a_refused_record_is_not()
         assert connector._denied is not None and "'t'" in connector._denied
     assert connector._error(InvalidRecordError(), "t") is None  # the records' own fault (_refused_batch)
     assert connector._error(kafka_errors.MessageSizeTooLargeError(), "t") is None
+
+
+async def test_an_events_topic_that_is_the_state_topic_or_collides_with_one_is_refused_for_its_stream() -> None:
+    """breaker93 B1/B2: a topic template rendering the sink's compacted state topic (events there
+    were deleted by compaction, /readyz 200, 4 of 4), or two topics that differ only by '.' and
+    '_' (Kafka refuses the second: neither stream was delivered, the sink never ready, 3 of 3),
+    passed --check. The configured streams are refused by the config check; one found at run
+    time (discovery) is refused for itself, and the sink's other streams go on."""
+    state = {"enabled": True, "topic": "kv.b"}
+    conn = KafkaConnector("k", options(topic="kv.{source}", state=state), SinkConfig(type="kafka", name="k"))
+    streams = [Stream("llama.a", 0), Stream("llama_a", 0), Stream("b", 0), Stream("c", 0)]
+    assert conn.conflicts(streams) == [
+        "the topic template 'kv.{source}' renders 'kv.b', the sink's state topic, which is compacted and would delete "
+        "events; change topic or state.topic",
+        "topics 'kv.llama.a' and 'kv.llama_a' differ only by '.' and '_', which Kafka refuses as colliding names: "
+        "rename one of the two sources, or change the topic template",
+    ]
+    assert conn.conflicts([Stream("llama.a", 0), Stream("c", 0)]) == []
+    conn._partitions["kv.llama.a"] = [0]  # (a topic this run writes)
+    for topic, names in (("kv.llama_a", "'kv.llama.a' and 'kv.llama_a'"), ("kv.b", "renders 'kv.b'"), ("kv_b", "'kv_b'")):
+        refused = await conn._check_topic(None, topic)
+        assert isinstance(refused, StreamRefused) and refused.reason == "topic_clash" and names in str(refused), refused
