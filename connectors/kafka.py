@@ -47,7 +47,7 @@ import logging
 import re
 import ssl
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
@@ -199,6 +199,19 @@ _BATCH_OVERHEAD = 61  # bytes of a record batch's header, counted in a topic's m
 _STATE_BATCH_MIN = 1024  # bytes of state records a batch may need (a head, or an entry without its fact)
 
 
+def _short_window(configs: Mapping[str, str], request_timeout: float) -> tuple[str, str, int] | None:
+    """The timestamp window of topic ``configs`` that would refuse the sink's records (see
+    ``KafkaConnector._timestamp_window``): (config, its value, the least it may be), or None."""
+    if configs.get("message.timestamp.type", "CreateTime") != "CreateTime":
+        return None  # (LogAppendTime: the broker stamps the records; it checks no window)
+    floor = max(_TIMESTAMP_WINDOW_MIN, int(request_timeout * 1000))
+    for key in ("message.timestamp.before.max.ms", "message.timestamp.difference.max.ms"):
+        value = configs.get(key)
+        if value is not None and value.isdigit() and int(value) < floor:
+            return key, value, floor
+    return None
+
+
 class CreateTopicsOptions(ConnectorOptions):
     """Create missing topics with the admin API before the first write to them."""
 
@@ -208,7 +221,11 @@ class CreateTopicsOptions(ConnectorOptions):
         int, msgspec.Meta(ge=1, description="Replicas of a created topic (use 3 on a production cluster).")
     ] = 1
     configs: Annotated[
-        dict[str, str], doc("Topic configs of a created topic, e.g. retention.ms (cleanup.policy compact is refused).")
+        dict[str, str],
+        doc(
+            "Topic configs of a created topic, e.g. retention.ms (cleanup.policy compact is refused, and so is a "
+            "timestamp window too short for the sink's records)."
+        ),
     ] = msgspec.field(default_factory=dict)
 
 
@@ -362,6 +379,14 @@ class KafkaOptions(ConnectorOptions):
                 f"create_topics.configs: cleanup.policy {self.create_topics.configs['cleanup.policy']!r} would log-compact "
                 "the events topics it creates: the key is the stream, so compaction keeps only each stream's last message "
                 "and deletes the others the broker acknowledged, unannounced; remove it or use delete"
+            )
+        short = _short_window(self.create_topics.configs, float(self.request_timeout))
+        if short is not None:
+            key, value, floor = short
+            problems.append(
+                f"create_topics.configs: {key} {value} would make the topics it creates refuse the sink's records (each "
+                f"is stamped as its write starts, and a write may take up to request_timeout): use {floor} or more, or "
+                "set message.timestamp.type: LogAppendTime"
             )
         if self.state.enabled:
             if not _TOPIC_NAME.fullmatch(self.state.topic):
@@ -1534,6 +1559,12 @@ class KafkaConnector:
             if code == _UNKNOWN_TOPIC and self.creates_nothing and (create or auto):
                 if create:  # --check: the run would create it; the broker says whether it could
                     await self._create_topic(topic, state=state, validate_only=True)
+                elif (await self._broker_config(producer, "auto.create.topics.enable") or "").lower() == "false":
+                    self._topic_problem = (
+                        f"topic {topic!r} does not exist on {self._servers} and the broker does not auto-create "
+                        "topics (auto.create.topics.enable=false); create it, or set create_topics.enabled: true"
+                    )
+                    raise NotConnected(f"{self._where}: {self._topic_problem}", reason="unknown_topic")
                 if not state and self.options.partition is not None:  # and with how many partitions
                     count = self.options.create_topics.partitions if create else await self._auto_partitions(producer)
                     if count is not None:
@@ -1663,21 +1694,17 @@ class KafkaConnector:
         ``_TIMESTAMP_WINDOW_MIN`` or ``request_timeout`` refuses them whatever the clock, every write
         or the slow ones, and the sink would stall blaming the clock. The caller refuses the topic
         (the sink not ready) until it is fixed, its configs read again each time it is prepared."""
-        if configs.get("message.timestamp.type", "CreateTime") != "CreateTime":
-            return None  # (LogAppendTime: the broker stamps the records; it checks no window)
-        floor = max(_TIMESTAMP_WINDOW_MIN, int(self._timeout * 1000))
-        for key in ("message.timestamp.before.max.ms", "message.timestamp.difference.max.ms"):
-            value = configs.get(key)
-            if value is None or not value.isdigit() or int(value) >= floor:
-                continue
-            return (
-                f"{'state ' if state else ''}topic {topic!r} refuses records stamped more than {value} ms before they "
-                f"reach it ({key}, message.timestamp.type=CreateTime): the bridge stamps each record as a write starts, "
-                f"and a write may take up to request_timeout to reach the broker, so it would refuse the sink's records; "
-                f"raise it to {floor} or more (kafka-configs --alter --entity-type topics --entity-name {topic} "
-                f"--add-config {key}={floor}), or set message.timestamp.type=LogAppendTime on it"
-            )
-        return None
+        short = _short_window(configs, self._timeout)
+        if short is None:
+            return None
+        key, value, floor = short
+        return (
+            f"{'state ' if state else ''}topic {topic!r} refuses records stamped more than {value} ms before they "
+            f"reach it ({key}, message.timestamp.type=CreateTime): the bridge stamps each record as a write starts, "
+            f"and a write may take up to request_timeout to reach the broker, so it would refuse the sink's records; "
+            f"raise it to {floor} or more (kafka-configs --alter --entity-type topics --entity-name {topic} "
+            f"--add-config {key}={floor}), or set message.timestamp.type=LogAppendTime on it"
+        )
 
     def _check_partition(self, topic: str, partitions: list[int], *, created: bool = False) -> None:
         """NotConnected (``unknown_partition``) when the configured ``partition`` is not one of the
@@ -1696,18 +1723,22 @@ class KafkaConnector:
         )
         raise NotConnected(f"{self._where}: {self._topic_problem}", reason="unknown_partition")
 
-    async def _auto_partitions(self, producer: Any) -> int | None:
-        """The partitions a topic the broker auto-creates gets (``num.partitions`` of a broker), or
-        None when it cannot be read (no DescribeConfigs on the cluster: nothing more is said)."""
+    async def _broker_config(self, producer: Any, name: str) -> str | None:
+        """A broker config's value (of the broker with the lowest id), or None when it cannot be
+        read (no DescribeConfigs on the cluster: nothing more is said)."""
         brokers = sorted(b.nodeId for b in producer.client.cluster.brokers())
         if not brokers:
             return None
-        configs, _, error = await self._configs(ConfigResourceType.BROKER, str(brokers[0]), ("num.partitions",))
-        count = configs.get("num.partitions")
-        if error or count is None or not count.isdigit():
-            log.debug("cannot read the broker's num.partitions", extra={"sink": self.name, "error": error})
-            return None
-        return int(count)
+        configs, _, error = await self._configs(ConfigResourceType.BROKER, str(brokers[0]), (name,))
+        if error:
+            log.debug("cannot read a broker config", extra={"sink": self.name, "config": name, "error": error})
+        return None if error else configs.get(name)
+
+    async def _auto_partitions(self, producer: Any) -> int | None:
+        """The partitions a topic the broker auto-creates gets (``num.partitions``), or None when
+        it cannot be read."""
+        count = await self._broker_config(producer, "num.partitions")
+        return int(count) if count is not None and count.isdigit() else None
 
     async def _check_kept(self, topic: str, partitions: list[int], *, state: bool) -> None:
         """Whether ``topic`` still holds what the broker acknowledged: a partition that ends before

@@ -146,6 +146,12 @@ CASES = [
          "  - {name: b, endpoint: 'tcp://h:3'}\n"
          "sinks:\n  - {type: kafka, name: k, bootstrap_servers: 'k:9092', topic: 'kv.{source}', "
          "state: {enabled: true, topic: kv.b}}\n"),
+    # breaker93 B5: the run created the topic, then refused it for its timestamp window: "config ok", never ready.
+    Case("kafka-created-topics-refuse-the-records", OFFLINE, 2,
+         ["sinks[0].create_topics.configs: message.timestamp.before.max.ms 1000 would make the topics it creates refuse "
+          "the sink's records", "use 60000 or more"],
+         SOURCE + "sinks:\n  - {type: kafka, bootstrap_servers: 'k:9092', create_topics: {enabled: true, "
+         "configs: {message.timestamp.before.max.ms: '1000'}}}\n"),
     Case("kafka-state-with-drop", OFFLINE, 2,
          ["sinks[0].state.enabled: needs backpressure: block", "set backpressure: block or turn state off"],
          SOURCE + "sinks:\n  - {type: kafka, bootstrap_servers: 'k:9092', backpressure: drop, state: {enabled: true}}\n"),

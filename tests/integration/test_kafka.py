@@ -881,7 +881,8 @@ async def test_sasl_password_never_logged_when_handshake_fails(kafka: KafkaServe
 
 @pytest.fixture(scope="module")
 def sasl_kafka(infra_run_dir: Path) -> Iterator[KafkaServer]:
-    """A broker of this module's own with a SASL_PLAINTEXT (PLAIN) listener besides PLAINTEXT."""
+    """A broker of this module's own with a SASL_PLAINTEXT (PLAIN) listener besides PLAINTEXT, that
+    creates no topic by itself (auto.create.topics.enable=false)."""
     jaas = f'org.apache.kafka.common.security.plain.PlainLoginModule required user_bridge="{SECRET}";'
     server = KafkaServer(
         infra_run_dir / "kafka-sasl",
@@ -889,6 +890,7 @@ def sasl_kafka(infra_run_dir: Path) -> Iterator[KafkaServer]:
         extra_properties={
             "sasl.enabled.mechanisms": "PLAIN",
             "listener.name.sasl_plaintext.plain.sasl.jaas.config": jaas,
+            "auto.create.topics.enable": "false",
         },
     )
     try:
@@ -933,3 +935,22 @@ async def test_sasl_plain_delivers_and_never_logs_the_password(sasl_kafka: Kafka
     await connector.close()
     texts = [formatted(caplog.records), str(info.value), str(await connector.health())]
     assert not [t for t in texts if SECRET in t or wrong in t]
+
+
+@pytest.mark.integration
+def test_check_names_a_missing_topic_the_broker_would_not_auto_create(sasl_kafka: KafkaServer, tmp_path: Path) -> None:
+    """breaker93 B4: a broker with auto.create.topics.enable=false, the topic missing, the sink
+    left to the broker's auto-creation (the default): ``--check`` said "config ok", and the run
+    stayed not ready (unknown_topic) for ever, 3 of 3. ``--check`` reads the broker's setting."""
+    topic = f"kvb-missing-{uuid.uuid4().hex[:8]}"
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "sources:\n  - {name: a, endpoint: 'tcp://127.0.0.1:1'}\n"
+        f"sinks:\n  - {{type: kafka, name: k, bootstrap_servers: '{sasl_kafka.bootstrap_servers}', topic: {topic}}}\n"
+    )
+    code, out = run_check(path)
+    assert code == 3, out
+    assert (
+        f"topic '{topic}' does not exist on {sasl_kafka.bootstrap_servers} and the broker does not auto-create topics "
+        "(auto.create.topics.enable=false); create it, or set create_topics.enabled: true"
+    ) in out, out
