@@ -411,7 +411,10 @@ class StreamOptions(ConnectorOptions):
     subjects: Annotated[
         list[str] | None, doc("Subjects the stream captures; default: the subject template with placeholders as '*'.")
     ] = None
-    retention: Annotated[Literal["limits", "interest", "workqueue"], doc("JetStream retention policy.")] = "limits"
+    retention: Annotated[
+        Literal["limits", "interest", "workqueue"],
+        doc("JetStream retention policy; interest and workqueue drop consumed messages (refused with state.enabled)."),
+    ] = "limits"
     storage: Annotated[Literal["file", "memory"], doc("JetStream storage.")] = "file"
     max_age: Annotated[Duration | None, doc("Messages older than this are removed (null: no limit).")] = None
     max_bytes: Annotated[ByteSize | None, doc("Oldest messages are removed past this size (null: no limit).")] = None
@@ -545,6 +548,8 @@ class NatsOptions(ConnectorOptions):
             raise ValueError("user and password go together")
         if self.state.enabled and self.mode != "jetstream":
             raise ValueError("state.enabled: the state needs mode: jetstream (core NATS keeps nothing)")
+        if self.state.enabled and self.stream.create and self.stream.retention != "limits":
+            raise ValueError(f"stream.retention: {self.stream.retention} not allowed with state.enabled: {_CONSUMED_WITH_STATE}")
         banned = [f"{{{f}}}" for f in ("type", "epoch") if f in fields]
         if self.state.enabled and banned:
             raise ValueError(
@@ -749,6 +754,15 @@ _MEMORY_STREAM = (
     "states start again incomplete"
 )
 _MEMORY_BUCKET = "every stream's state starts again incomplete, until its engine's next clear or restart"
+_CONSUMED = (
+    "its messages leave once consumed (interest: once every consumer interested acknowledged them, at once "
+    "while none is; workqueue: once one did), so a consumer that starts later misses what came before, and "
+    "nothing announces it"
+)
+_CONSUMED_WITH_STATE = (
+    "a consumer bootstrapping from the state follows the events from the state's head, and those between the "
+    "head and its subscription may be gone while the state says complete; use limits retention"
+)
 _WRONG_LAST_MSG_ID = 10070  # JSStreamWrongLastMsgIDErr: Nats-Expected-Last-Msg-Id did not match
 _WRONG_LAST_SUBJECT_SEQ = 10071  # JSStreamWrongLastSequenceErrF: Nats-Expected-Last-Subject-Sequence did not match
 EXPECTED_LAST_HEADER = "Nats-Expected-Last-Msg-Id"
@@ -2823,6 +2837,8 @@ class NatsConnector:
         :func:`_refuses_writes`), at connect and at each audit (an operator can edit it during the
         run): the sink not ready, naming the setting, until the settings are fixed."""
         refusal = _refuses_writes(config, "engine stream")
+        if refusal is None and self.writes_state and (kind := _consumed(config)) is not None:
+            refusal = f"has {kind} retention: {_CONSUMED_WITH_STATE} (retention cannot be edited: create it again)"
         problem = refusal and (
             f"{self._prefix}: JetStream stream {name!r} {refusal}, or write to another stream (stream.name, and "
             "subjects it captures)"
@@ -2859,6 +2875,10 @@ class NatsConnector:
                 self._stream_problem = (
                     f"{self._prefix}: JetStream stream {name!r} captures {captured}, not the subject of every source: "
                     f"{shown} would fail (no_stream); add {wildcard!r} to its subjects, or create a stream capturing them"
+                )
+            if (kind := _consumed(config)) is not None:  # (with state: refused, see _refusing)
+                self._warn_once(
+                    f"retention {name}", "JetStream stream %s has %s retention: %s; use limits retention", name, kind, _CONSUMED
                 )
             if config.storage == js_api.StorageType.MEMORY:
                 consequence = _MEMORY_STREAM.format(sink=self.name)
@@ -2905,6 +2925,13 @@ def _refuses_writes(config: js_api.StreamConfig, subject: str) -> str | None:
             "discard_new_per_subject: false"
         )
     return None
+
+
+def _consumed(config: js_api.StreamConfig) -> str | None:
+    """The retention of a stream whose messages leave once consumed (interest, workqueue), or None."""
+    if config.retention == js_api.RetentionPolicy.INTEREST:
+        return "interest"
+    return "workqueue" if config.retention == js_api.RetentionPolicy.WORK_QUEUE else None
 
 
 def _full(info: js_api.StreamInfo) -> str | None:

@@ -35,7 +35,7 @@ from nats.js import api as js_api
 
 from bridge.cli import check
 from bridge.config import SinkConfig, convert_options, from_data
-from bridge.errors import Retriable, SinkLost
+from bridge.errors import ConfigError, Retriable, SinkLost
 from bridge.formats import Message, Renderer
 from bridge.records import Stream
 from bridge.runtime import Bridge
@@ -658,6 +658,39 @@ async def test_a_stream_edited_to_refuse_every_write_is_found_by_the_audit(
         assert await conn.health() is None
     finally:
         await conn.close()
+
+
+async def test_a_stream_whose_messages_leave_once_consumed_is_warned_about_and_refused_with_state(
+    nats_server: NatsServer, reader: Client, dest: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """breaker93 B8: an events stream with interest retention and no consumer yet: 264-272 batches
+    counted delivered, the stream held none, /readyz 200, --check ok, 4 of 4. Without state it is
+    one WARNING naming the consequence (that is what interest retention is for); with state it is
+    refused (a consumer bootstrapping would miss what left between the head and its subscription,
+    under a state saying complete), and stream.create with it is a config error."""
+    js = reader.jetstream(timeout=5)
+    await js.add_stream(name=dest, subjects=[f"{dest}.>"], retention=js_api.RetentionPolicy.INTEREST)
+    plain = NatsConnector("nats-l", _options(nats_server.url, dest, stream={"create": False}), SINK)
+    await plain.connect()
+    try:
+        assert await plain.health() is None
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any(f"JetStream stream {dest} has interest retention: its messages leave once consumed" in w for w in warned)
+    finally:
+        await plain.close()
+    state = {"enabled": True, "bucket": f"ST{dest}", "create": True}
+    with_state = NatsConnector("nats-l", _options(nats_server.url, dest, stream={"create": False}, state=state), SINK)
+    try:
+        await with_state.connect()
+        said = await with_state.health()
+        assert said is not None and f"JetStream stream {dest!r} has interest retention" in said, said
+        assert "retention cannot be edited: create it again" in said, said
+    finally:
+        await with_state.close()
+        with contextlib.suppress(nats.errors.Error):
+            await js.delete_key_value(f"ST{dest}")
+    with pytest.raises(ConfigError, match=r"stream\.retention: interest not allowed with state\.enabled"):
+        _options(nats_server.url, dest, stream={"create": True, "retention": "interest"}, state=state)
 
 
 async def test_a_mark_of_a_stream_in_another_account_is_not_taken_for_a_loss(tmp_path: Path) -> None:
