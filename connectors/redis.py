@@ -34,10 +34,11 @@ SADD or XADD (never DEL or SREM, which would let everything after them past the 
 
 - stored, or already there (id at or below the top and present, or below a trimmed head: a
   re-send after a timeout, a retry or a bridge restart): delivered, stored once;
-- id below the top and absent: the bridge never causes this (it stops a stream at its first
-  failure); another client wrote to the stream (an auto-id entry sits above every id of epoch 1)
-  or deleted this entry (XDEL). It can no longer be added in order: ``Permanent`` (reason
-  ``out_of_order``, dead-lettered), and the stream goes on. The bridge must be the only writer;
+- id below the top and absent: another client wrote to the stream (an auto-id entry sits above
+  every id of epoch 1) or deleted this entry (XDEL). It can no longer be added in order:
+  ``Permanent`` (reason ``out_of_order``, dead-lettered), and the stream goes on. The bridge must
+  be the only writer. It causes this itself only with an EventsLost, after a restart from a
+  checkpoint older than its last writes: settled (not stored), see ``_results``;
 - WRONGTYPE (the key is no stream): refused for itself, the stream goes on (the runtime keeps and
   retries a refused announcement: bridge/sink.py); a configured stream's key of another type is
   refused at connect already (``_check_key_types``, reason ``key_type``);
@@ -893,6 +894,9 @@ _NAME_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
 _KEYS_PER_STREAM = 64
 
 
+_BELOW_TOP = b" is below the top of "  # (WRITE_SCRIPT's OUT_OF_ORDER for an id below the top and absent)
+
+
 class _Call:
     """The script call of one engine stream in a write: its keys, arguments and message indexes."""
 
@@ -913,6 +917,7 @@ class _Call:
         self.state_key = state_key
         self.stream = stream
         self.announces: dict[str, tuple[int, int]] = {}  # entry id of an EventsLost -> the seqs it announces
+        self.lost: set[str] = set()  # entry ids of every EventsLost
 
     def add(self, i: int, key: str, ident: str, fields: list[str | bytes]) -> None:
         if key not in self.keys:
@@ -1369,8 +1374,10 @@ class RedisConnector:
             fields: list[str | bytes] = [x for kv in m.headers.items() for x in kv]
             fields += ["payload" if self._raw and m.record.kind == "batch" else "data", value]
             call.add(i, key, ident, fields)
-            if m.record.kind == "EventsLost" and m.record.from_seq is not None and m.record.to_seq is not None:
-                call.announces[ident] = (m.record.from_seq, m.record.to_seq)
+            if m.record.kind == "EventsLost":
+                call.lost.add(ident)
+                if m.record.from_seq is not None and m.record.to_seq is not None:
+                    call.announces[ident] = (m.record.from_seq, m.record.to_seq)
             if self._index is not None:
                 call.args += self._delta(m).args()
         if calls:
@@ -1905,6 +1912,17 @@ class RedisConnector:
         errors: dict[int, ConnectorError] = {}
         settled = True  # no transient failure yet: what is stored up to here is acknowledged
         for i, (key, what), result in zip(call.indexes, call.items, reply, strict=False):
+            if isinstance(result, bytes) and what in call.lost and result.startswith(b"OUT_OF_ORDER") and _BELOW_TOP in result:
+                # An EventsLost below entries this stream key holds: the key got everything up to
+                # its top from this bridge in order (stored, or announced then), so the span is
+                # settled here. A bridge restarted from a checkpoint saved before its last writes
+                # (a SIGKILL) announces what the engine's replay no longer holds, which this key
+                # may hold already (breaker94 B1/B2): stored as a copy, not refused for ever.
+                log.info(
+                    "announcement below what the stream holds: settled there",
+                    extra={"sink": self.name, "key": key, "entry": what},
+                )
+                continue
             if isinstance(result, bytes):
                 errors[i] = error = self._refused(result.decode(errors="replace"))
                 if error.reason == "state_lost" and call.state_key is not None:

@@ -9,6 +9,7 @@ server restart in the middle of a stream, and Redis Cluster.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import shutil
 import subprocess
@@ -448,6 +449,37 @@ async def test_an_absent_entry_below_the_top_is_refused_for_itself(redis_server:
     finally:
         await conn.close()
         await other.aclose()
+
+
+@integration
+async def test_an_announcement_below_what_the_stream_key_holds_is_settled_there(redis_server: RedisServer) -> None:
+    """breaker94 B1/B2: a bridge SIGKILLed before its checkpoint saved its last writes restarts from
+    an older position; the engine's replay no longer holds 0..3, so it announces them lost, while
+    the stream key holds 0..5 already. Redis refused the EventsLost below its top (out_of_order),
+    the runtime kept and retried it, and nothing later of the stream was ever written (20 of 20
+    runs). The key got everything up to its top in order: the span is settled there."""
+    s = sink("json", "batch")
+    prefix = new_prefix()
+    stream = Stream("llama-k", 0)
+    batches = render(s, stream_records(stream, 8))
+    key = f"{prefix}:llama-k:0"
+    before = make(redis_server.url, s, stream=prefix + ":{source}:{dp_rank}")
+    await before.connect()
+    try:
+        await before.write(batches[:6])
+    finally:
+        await before.close()
+    restarted = make(redis_server.url, s, stream=prefix + ":{source}:{dp_rank}")
+    await restarted.connect()
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await restarted.write(render(s, [events_lost(stream, 0, 0, 3, "replay_buffer_exceeded", 1.0)]) + batches[4:])
+        assert await restarted.health() is None
+        held = [json.loads(f[b"data"]) for _, f in await client.xrange(key)]
+        assert [(h["type"], h["seq"]) for h in held] == [("EventBatch", n) for n in range(8)], held
+    finally:
+        await restarted.close()
+        await client.aclose()
 
 
 @integration
