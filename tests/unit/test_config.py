@@ -124,15 +124,20 @@ def test_check_ok_and_creates_nothing(tmp_path: Path, capsys: pytest.CaptureFixt
     assert sorted(x.name for x in tmp_path.iterdir()) == ["ok.yaml"]  # --check writes nothing
 
 
-def test_check_exits_3_when_valid_but_a_path_is_unwritable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "plain").write_text("")
+def _checked_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str], sink_path: str, paths: str) -> str:
+    """``--check`` of one source, a file sink at ``sink_path`` and ``paths`` (YAML lines): it exits
+    3 (valid, but); what it printed on stderr."""
     p = tmp_path / "c.yaml"
     p.write_text(
-        f"sources:\n  - name: a\n    endpoint: tcp://127.0.0.1:5557\nsinks:\n  - type: file\n    path: {tmp_path}/plain/o\n"
-        f"checkpoint: {{path: {tmp_path}/plain/ck.json}}\n"
+        f"sources:\n  - name: a\n    endpoint: tcp://127.0.0.1:5557\nsinks:\n  - type: file\n    path: {sink_path}\n{paths}"
     )
     assert check(str(p)) == 3
-    err = capsys.readouterr().err
+    return capsys.readouterr().err
+
+
+def test_check_exits_3_when_valid_but_a_path_is_unwritable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "plain").write_text("")
+    err = _checked_paths(tmp_path, capsys, f"{tmp_path}/plain/o", f"checkpoint: {{path: {tmp_path}/plain/ck.json}}\n")
     assert f"checkpoint.path: cannot create {tmp_path}/plain/ck.json: {tmp_path}/plain is not a directory" in err
     assert f"sinks[file].path: cannot create {tmp_path}/plain/o: {tmp_path}/plain is not a directory" in err
 
@@ -534,12 +539,7 @@ def test_check_exits_3_when_the_checkpoints_directory_takes_no_new_file(
     monkeypatch.setattr(
         "bridge.connector.os.access", lambda p, mode: Path(p) != tmp_path and real(p, mode)
     )  # (root passes permission bits: the directory is refused by hand)
-    p = tmp_path / "c.yaml"
-    p.write_text(
-        f"sources:\n  - name: a\n    endpoint: tcp://127.0.0.1:5557\nsinks:\n  - type: file\n    path: '-'\n"
-        f"checkpoint: {{path: {tmp_path}/ck.json}}\ndead_letter: {{path: {tmp_path}/dl.jsonl}}\n"
-    )
-    assert check(str(p)) == 3
-    err = capsys.readouterr().err
+    paths = f"checkpoint: {{path: {tmp_path}/ck.json}}\ndead_letter: {{path: {tmp_path}/dl.jsonl}}\n"
+    err = _checked_paths(tmp_path, capsys, "'-'", paths)
     assert f"checkpoint.path: {tmp_path}/ck.json is saved by writing a new file in {tmp_path} and renaming it over" in err
     assert "dead_letter.path" not in err
