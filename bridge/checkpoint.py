@@ -522,6 +522,13 @@ PERSIST_MAX_DELAY = 5.0
 _PERSIST_BACKOFF = Backoff(0.2, PERSIST_MAX_DELAY)
 
 
+class EpochUnsaved(Exception):
+    """The bridge stops while the epochs a stream opened cannot be saved: what the stream decided
+    of them is not handed to any sink (the next start reads it again from the last save's
+    position; records of an unsaved epoch out there would let it number another engine instance
+    the same)."""
+
+
 class CheckpointStore:
     """The checkpoint of a running bridge: a :class:`Checkpointer` and the file it is saved to
     (``path`` None: nothing saved, every stream starts fresh). Saves are snapshotted on the event
@@ -577,15 +584,17 @@ class CheckpointStore:
         open that epoch again for another engine instance, whose batches consumers would then drop
         as copies. Meanwhile the bridge is not ready, naming the file and the fix.
 
-        Once the bridge stops (``stopping``), one try and no more: the streams hand what they
-        decided to the sinks as they stop (I4), saved or not."""
+        Once the bridge stops (``stopping``), one try more and no other: :class:`EpochUnsaved` if
+        it fails."""
         if not self.path:
             return
         needed = self.checkpointer.generation
         async with self._lock:
             for attempt in itertools.count(1):
-                if self.checkpointer.written >= needed or (attempt > 1 and self.stopping):
+                if self.checkpointer.written >= needed:
                     return
+                if attempt > 1 and self.stopping:
+                    raise EpochUnsaved(f"checkpoint.path: cannot save {self.path} ({self.error})")
                 if attempt > 1:
                     await asyncio.sleep(_PERSIST_BACKOFF.delay(attempt - 1))
                 await self._save()

@@ -578,7 +578,14 @@ class Bridge:
             await self.discovery.stop()
         for task in self._reader_tasks.values():
             task.cancel()
-        await asyncio.gather(*self._reader_tasks.values(), return_exceptions=True)
+        ended = await asyncio.gather(*self._reader_tasks.values(), return_exceptions=True)
+        unsaved = [e for e in ended if isinstance(e, ckpt.EpochUnsaved)]
+        if unsaved:
+            log.error(
+                "records of a new epoch not handed to the sinks: the epoch could not be saved; the next start reads "
+                "them again from the last save's position",
+                extra={"streams": len(unsaved), "error": str(unsaved[0])},
+            )
         self.drainer.close()
         for p in self.pipelines.values():
             await p.stop()

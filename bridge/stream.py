@@ -445,7 +445,9 @@ class StreamPipeline:
         what the sequencer already decided is handed to every sink all the same, past the queue
         bounds (at most one burst's or one reply's decisions), so that the stream resumes after
         it. Decisions stand: a batch decided delivered is never dropped (I4), nor a loss or a
-        restart left unannounced (I3), and the epochs and first batches they open are saved first."""
+        restart left unannounced (I3), and the epochs and first batches they open are saved first
+        (the bridge stopping while they cannot be: :class:`bridge.checkpoint.EpochUnsaved`, and
+        nothing is handed; the next start reads it all again)."""
         pending = self._pending
         self._pending = None
         first = self._first_pending  # of the records decided so far; a restart in ``rest`` opens an epoch

@@ -399,3 +399,66 @@ async def test_a_crash_keeps_how_far_the_engine_was_seen_to_publish_for_a_restar
         (True, {1}, list(range(5)), []),
     ]
     assert [r["reason"] for r in records if r["type"] == "EventsLost"] == ["publisher_restart"]
+
+
+async def test_a_stop_while_the_checkpoint_cannot_be_saved_hands_no_record_of_an_unsaved_epoch(tmp_path: Path) -> None:
+    """breaker95 B1: saves failing (the checkpoint's directory gone, a file in its place), the
+    engine restarted: its new epoch waited to be saved, and a SIGTERM then handed its records to
+    the sinks anyway. The next start, from the file (which names only the old epoch), gave the
+    same number to the engine's next instance: (epoch, 0) delivered twice with different events,
+    4 of 5 runs. At a stop an epoch that cannot be saved hands nothing on; the next start reads it
+    again from the last save."""
+    from tests.support.cache_engine import CacheEngine
+    from tests.support.harness import free_port
+
+    volume, out = tmp_path / "vol", tmp_path / "out.jsonl"
+    volume.mkdir()
+    live, rep = free_port(), free_port()
+    cfg = {
+        "sources": [{"name": "eng", "endpoint": f"tcp://127.0.0.1:{live}", "replay_endpoint": f"tcp://127.0.0.1:{rep}"}],
+        "sinks": [{"type": "file", "path": str(out), "batch": {"linger": 0}}],
+        "metrics": {"listen": ""},
+        "checkpoint": {"path": str(volume / "c.json"), "interval": "100ms"},
+        "shutdown_timeout": "3s",
+    }
+
+    def epochs() -> list[int]:
+        return sorted({int(r["epoch"]) for r in read_lines(out)})
+
+    async with CacheEngine(live, rep, seed=7) as engine:
+        bridge = Bridge(from_data(cfg, env={}))
+        await bridge.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(3)
+            await wait_for(lambda: len(read_lines(out)) >= 3 and bridge.checkpointer.written > 0, what="3 batches, saved")
+            first = epochs()
+            volume.rename(tmp_path / "kept")  # (the last good save, put back before the next start)
+            volume.write_text("a file where the checkpoint's directory was\n")
+            await engine.restart()
+            await engine.wait_subscribed()
+            await engine.step(2)
+            restarts = "kv_bridge_source_restarts_total"
+            await wait_for(lambda: metric(bridge, restarts, source="eng") >= 1, what="the new epoch opened (not saved)")
+            await wait_for(lambda: not bridge.readiness()[0], what="not ready: the new epoch cannot be saved")
+            assert "cannot save" in bridge.readiness()[1]["checkpoint"]
+        finally:
+            await bridge.stop()
+        assert epochs() == first, "a record of the unsaved epoch reached the sink"
+        volume.unlink()
+        (tmp_path / "kept").rename(volume)
+        await engine.restart()  # (another instance: the number the unsaved epoch had must not be reused for it)
+        again = Bridge(from_data(cfg, env={}))
+        await again.start()
+        try:
+            await engine.wait_subscribed()
+            await engine.step(2)
+            await wait_for(lambda: len(epochs()) > 1, what="the new instance's batches")
+        finally:
+            await again.stop()
+    held = read_lines(out)
+    seen: dict[tuple[int, int], Any] = {}
+    for h in held:
+        if h.get("type") == "EventBatch":
+            key = (int(h["epoch"]), int(h["seq"]))
+            assert seen.setdefault(key, h["events"]) == h["events"], f"{key} delivered with two payloads"

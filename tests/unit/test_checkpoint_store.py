@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.checkpoint import CheckpointFile, CheckpointStore, StreamPosition, load, save
+from bridge.checkpoint import CheckpointFile, CheckpointStore, EpochUnsaved, StreamPosition, load, save
 from bridge.records import Record, Stream
 
 STREAM = Stream("e", 0)
@@ -108,3 +108,16 @@ async def test_persist_returns_only_once_the_epoch_is_saved(tmp_path: Path, monk
     monkeypatch.undo()
     await asyncio.wait_for(waiting, 5)
     assert load(path).epochs == {STREAM.key: epoch} and store.problem is None
+
+
+async def test_persist_gives_up_with_epoch_unsaved_once_the_bridge_stops(tmp_path: Path) -> None:
+    """breaker95 B1: once the bridge stops, a failing save is tried once more, then EpochUnsaved:
+    the streams hand nothing of the epoch on (a restart from the file would number another engine
+    instance the same)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    store = CheckpointStore(str(blocker / "ckpt.json"), 1)  # a file where a directory should be
+    store.checkpointer.first_epoch(STREAM.key, 1.8e9)
+    store.stopping = True
+    with pytest.raises(EpochUnsaved, match="cannot save"):
+        await asyncio.wait_for(store.persist(), 5)
