@@ -398,14 +398,13 @@ class RedisOptions(ConnectorOptions):
             (f, t) for f, t, on in (("index.key", index, self.index.enabled), ("state.key", state, self.state.enabled)) if on
         ]
         for n, (field, text) in enumerate(keys):
-            for other_field, other in keys[:n]:
-                same = next((k for m in _SAMPLES if (k := Template(text).render(m)) == Template(other).render(m)), None)
-                if same is not None:
-                    raise ValueError(
-                        f"{field}: {text!r} names the same key as {other_field} ({same!r} for both): one key holds one "
-                        f"type (a stream, a set, a hash); give it a key of its own, e.g. {field}: "
-                        f"{DEFAULT_INDEX_KEY if field == 'index.key' else DEFAULT_STATE_KEY!r}"
-                    )
+            same = next((f for f, t in keys[:n] if t == text), None)  # (renders alike for every stream; see conflicts)
+            if same is not None:
+                raise ValueError(
+                    f"{field}: {text!r} is the {same} template too: one key holds one type (a stream, a set, a hash); "
+                    f"give it a key of its own, e.g. {field}: "
+                    f"{DEFAULT_INDEX_KEY if field == 'index.key' else DEFAULT_STATE_KEY!r}"
+                )
         for enabled, other, field, default in (
             (self.index.enabled, index, "index.key", CLUSTER_INDEX_KEY),
             (self.state.enabled, state, "state.key", CLUSTER_STATE_KEY),
@@ -1409,6 +1408,25 @@ class RedisConnector:
             if all(e is first for e in errors.values()) or not any(isinstance(e, Permanent) for e in errors.values()):
                 raise first
         raise PartialFailure(errors)
+
+    def conflicts(self, streams: Sequence[Stream]) -> list[str]:
+        """What the configured ``streams`` make impossible (see bridge.connector): a key that two of
+        the templates render (a stream key that is a stream's index set or state hash, labels
+        included): one key holds one type, and every write to it would fail WRONGTYPE."""
+        types = message_types(self._granularity)
+        owner: dict[str, str] = {}
+        lines = []
+        for field, template in (("stream", self._stream), ("index.key", self._index), ("state.key", self._state)):
+            if template is None:
+                continue
+            for key in rendered(template.render, template, streams, types)[1:]:
+                first = owner.setdefault(key, field)
+                if first != field:
+                    lines.append(
+                        f"{field} and {first} both name key {key!r}: one key holds one type (a stream, a set, a hash); "
+                        "give each a key of its own"
+                    )
+        return list(dict.fromkeys(lines))
 
     def places(self, streams: Sequence[Stream]) -> list[tuple[frozenset[str], str]]:
         """The keys it writes, on its server and database (see bridge.connector: two sinks may not

@@ -122,15 +122,17 @@ CASES = [
     Case("redis-placeholder-typo", OFFLINE, 2, ["sinks[0].stream: unknown placeholder {modle}", "known: {source}"],
          "sources:\n  - {name: a, endpoint: 'tcp://h:5557', labels: {model: m}}\n"
          "sinks:\n  - {type: redis, url: 'redis://r:6379', stream: 'kv:{modle}:{source}:{dp_rank}'}\n"),
-    # breaker93 B3: one key needed as a stream and a set (or hash): "config ok", then WRONGTYPE on every write.
+    # breaker93 B3: one key needed as a stream and a set (or hash): "config ok", then WRONGTYPE on every write;
+    # breaker95 B3: the same through a label.
     Case("redis-index-key-is-the-stream-key", OFFLINE, 2,
-         ["sinks[0].index.key: 'kv:{source}:{dp_rank}' names the same key as stream ('kv:a:0' for both)",
+         ["sinks[0].index.key: 'kv:{source}:{dp_rank}' is the stream template too",
           "give it a key of its own, e.g. index.key: 'kv:{source}:{dp_rank}:blocks'"],
          SOURCE + "sinks:\n  - {type: redis, url: 'redis://r:6379', index: {enabled: true, key: 'kv:{source}:{dp_rank}'}}\n"),
-    Case("redis-state-key-is-the-stream-key", OFFLINE, 2,
-         ["sinks[0].state.key: 'k:{dp_rank}:{source}' names the same key as stream ('k:0:a' for both)"],
-         SOURCE + "sinks:\n  - {type: redis, url: 'redis://r:6379', stream: 'k:{dp_rank}:{source}', "
-         "state: {enabled: true, key: 'k:{dp_rank}:{source}'}}\n"),
+    Case("redis-state-key-is-a-stream-key-through-a-label", OFFLINE, 2,
+         ["sinks[0] (r): state.key and stream both name key 'kv:a:0': one key holds one type"],
+         "sources:\n  - {name: a, endpoint: 'tcp://h:1', labels: {ns: kv}}\n"
+         "sinks:\n  - {type: redis, name: r, url: 'redis://r:6379', stream: '{labels.ns}:{source}:{dp_rank}', "
+         "state: {enabled: true, key: 'kv:{source}:{dp_rank}'}}\n"),
     Case("nats-state-with-type-in-subject", OFFLINE, 2,
          ["sinks[0].subject: {type} not allowed with state.enabled", "remove it, or turn state off"],
          SOURCE + "sinks:\n  - {type: nats, subject: 'kv.{source}.{dp_rank}.{type}', state: {enabled: true}}\n"),

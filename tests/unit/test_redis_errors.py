@@ -14,6 +14,7 @@ from redis.exceptions import NoPermissionError, ResponseError
 
 from bridge.config import SinkConfig, convert_options
 from bridge.errors import Permanent, Retriable
+from bridge.records import Stream
 from connectors.redis import RedisConnector, RedisOptions
 
 
@@ -107,3 +108,34 @@ def test_the_key_type_check_covers_every_known_stream() -> None:
     conn.known_streams = [Stream("e", rank) for rank in range(40)]
     keys = conn._typed_keys()
     assert keys["kv:e:35"] == ("stream", "stream") and keys["kv:e:39"] == ("stream", "stream")
+
+
+@pytest.mark.parametrize(
+    ("options", "granularity"),
+    [
+        (
+            {"stream": "{labels.ev}:{source}:{dp_rank}", "state": {"enabled": True, "key": "{labels.st}:{source}:{dp_rank}"}},
+            "event",
+        ),
+        (
+            {"stream": "{labels.ev}:{source}:{dp_rank}", "index": {"enabled": True, "key": "{labels.st}:{source}:{dp_rank}"}},
+            "event",
+        ),
+        (
+            {"stream": "kv:{source}:{dp_rank}:{type}", "index": {"enabled": True, "key": "kv:{source}:{dp_rank}:BlockStored"}},
+            "batch",
+        ),
+    ],
+    ids=["state-by-label", "index-by-label", "type-never-rendered-at-batch-granularity"],
+)
+def test_keys_that_differ_for_every_configured_stream_are_not_refused(options: dict[str, object], granularity: str) -> None:
+    """breaker95 B2: the check that one key is not both a stream and a set or hash rendered sample
+    streams without labels ('unknown:a:0' for both) and every message type, refusing valid
+    configs (exit 2 at --check and at start). It renders the configured streams, labels included,
+    and the types of the sink's granularity."""
+    opts = convert_options({"url": "redis://127.0.0.1:1/0", **options}, RedisOptions, "sinks[0]")
+    conn = RedisConnector("r", opts, SinkConfig(type="redis", name="r", granularity=granularity))  # type: ignore[arg-type]
+    streams = [Stream("llama-a", r, {"ev": "kvev", "st": "kvst"}) for r in range(2)]
+    assert conn.conflicts(streams) == []
+    clash = Stream("llama-b", 0, {"ev": "kvev", "st": "kvev"})  # (a stream's labels are fixed: renders are kept)
+    assert conn.conflicts([clash]) != [] or granularity == "batch"
