@@ -916,7 +916,7 @@ class _Call:
         self.state_key = state_key
         self.stream = stream
         self.announces: dict[str, tuple[int, int]] = {}  # entry id of an EventsLost -> the seqs it announces
-        self.lost: set[str] = set()  # entry ids of every EventsLost
+        self.lost: set[str] = set()  # entry ids of the EventsLost of the engine's gaps (not a sink's refusals)
 
     def add(self, i: int, key: str, ident: str, fields: list[str | bytes]) -> None:
         if key not in self.keys:
@@ -1373,10 +1373,10 @@ class RedisConnector:
             fields: list[str | bytes] = [x for kv in m.headers.items() for x in kv]
             fields += ["payload" if self._raw and m.record.kind == "batch" else "data", value]
             call.add(i, key, ident, fields)
-            if m.record.kind == "EventsLost":
-                call.lost.add(ident)
-                if m.record.from_seq is not None and m.record.to_seq is not None:
-                    call.announces[ident] = (m.record.from_seq, m.record.to_seq)
+            if m.record.kind == "EventsLost" and m.record.to_seq is None:
+                call.lost.add(ident)  # (not a sink's refusal: it stands after batches the key does not hold)
+            if m.record.kind == "EventsLost" and m.record.from_seq is not None and m.record.to_seq is not None:
+                call.announces[ident] = (m.record.from_seq, m.record.to_seq)
             if self._index is not None:
                 call.args += self._delta(m).args()
         if calls:
