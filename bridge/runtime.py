@@ -275,6 +275,9 @@ class Bridge:
         # (stream key, sink name) of state sinks that could not tell what they hold of a stream at
         # start, and announced nothing of it: their mark is checked (_resume_stored)
         self._held_unknown: set[tuple[str, str]] = set()
+        # (stream key, sink name) whose checkpointed mark the sink was not told (_resume_stored):
+        # kept as saved until the sink stores something of the stream (_collect)
+        self._untold: set[tuple[str, str]] = set()
         self._held_top: dict[str, int] = {}  # from_sinks: the highest seq a sink holds in a stream's resume epoch
         self.tracker: StateTracker | None = None  # when a sink keeps state (state.enabled)
         self._state_sinks: list[Connector] = []
@@ -514,8 +517,12 @@ class Bridge:
             for key, pipeline in self.pipelines.items():
                 mark = through(pipeline.stream)
                 if mark is not None:
+                    self._untold.discard((key, conn.name))
                     self.checkpointer.note_stored(key, conn.name, mark)
-                else:  # (lost since, or the mark was another key's: a next run must not check it)
+                elif (key, conn.name) not in self._untold:
+                    # (lost since, or the mark was another key's: a next run must not check it; a
+                    # mark the sink was not told, with nothing stored since, stays for the next run,
+                    # which may need it: breaker96 N2)
                     self.checkpointer.forget_stored(key, conn.name)
 
     def _resume_stored(self, stream: Stream, resume: ckpt.StreamPosition | None) -> None:
@@ -527,11 +534,13 @@ class Bridge:
         announced nothing of it (load_state); with from_sinks, a sink that said it holds nothing."""
         for conn in self._stored_by:
             at = (stream.key, conn.name)
-            if getattr(conn, "writes_state", False) and at not in self._held_unknown:
-                continue  # (a state sink: what it holds was read back at start, and a loss announced)
-            if self.skips and at not in self._holds_nothing and at not in self._held_unknown:
-                continue  # (from_sinks: what the sink holds was read back, and the stream resumes by it)
             position = self.checkpointer.stored_through(stream.key, conn.name)
+            if getattr(conn, "writes_state", False) and at not in self._held_unknown:
+                self._untold.add(at)  # (a state sink: what it holds was read back at start, and a loss announced)
+                continue
+            if self.skips and at not in self._holds_nothing and at not in self._held_unknown:
+                self._untold.add(at)  # (from_sinks: what the sink holds was read back, and the stream resumes by it)
+                continue
             if position is not None:
                 again = (resume.epoch, resume.seq) if resume is not None else None
                 conn.stored_before(stream, position, again)  # type: ignore[attr-defined]
