@@ -22,8 +22,9 @@ import pytest
 
 from bridge.config import Config, from_data
 from bridge.runtime import Bridge
+from tests.support.cache_engine import CacheEngine
 from tests.support.gated import GATED, crash, gated_registry, gated_sink
-from tests.support.harness import free_ports, metric, read_lines, wait_for
+from tests.support.harness import free_port, free_ports, metric, read_lines, wait_for
 from tests.support.scripted_engine import EpochView, ScriptedEngine, check_invariants, identify
 
 pytestmark = pytest.mark.integration
@@ -408,9 +409,6 @@ async def test_a_stop_while_the_checkpoint_cannot_be_saved_hands_no_record_of_an
     same number to the engine's next instance: (epoch, 0) delivered twice with different events,
     4 of 5 runs. At a stop an epoch that cannot be saved hands nothing on; the next start reads it
     again from the last save."""
-    from tests.support.cache_engine import CacheEngine
-    from tests.support.harness import free_port
-
     volume, out = tmp_path / "vol", tmp_path / "out.jsonl"
     volume.mkdir()
     live, rep = free_port(), free_port()
