@@ -1499,7 +1499,10 @@ class KafkaConnector:
         """None when ``topic`` can be written (checked once per producer, and again when its
         partitions changed), else why not."""
         if not state:
-            clash = self._topic_clash(topic, [*self._partitions, *self._known])
+            # (against every other topic once, as the topic is first prepared; after that only
+            # against the state topic: not a pass over all topics at each write)
+            others = [*self._partitions, *self._known] if topic not in self._partitions else []
+            clash = self._topic_clash(topic, others)
             if clash is not None:
                 return StreamRefused(f"{self._where}: {clash}", reason="topic_clash")
         parts = self._partitions.get(topic)
