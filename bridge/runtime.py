@@ -534,13 +534,13 @@ class Bridge:
         announced nothing of it (load_state); with from_sinks, a sink that said it holds nothing."""
         for conn in self._stored_by:
             at = (stream.key, conn.name)
-            position = self.checkpointer.stored_through(stream.key, conn.name)
             if getattr(conn, "writes_state", False) and at not in self._held_unknown:
                 self._untold.add(at)  # (a state sink: what it holds was read back at start, and a loss announced)
                 continue
             if self.skips and at not in self._holds_nothing and at not in self._held_unknown:
                 self._untold.add(at)  # (from_sinks: what the sink holds was read back, and the stream resumes by it)
                 continue
+            position = self.checkpointer.stored_through(stream.key, conn.name)
             if position is not None:
                 again = (resume.epoch, resume.seq) if resume is not None else None
                 conn.stored_before(stream, position, again)  # type: ignore[attr-defined]
