@@ -22,6 +22,7 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -557,6 +558,18 @@ class _Split:
 
         await _until(met, f"{sources}: the last batches were never stored")
 
+    @contextlib.asynccontextmanager
+    async def running(self, *engines: CacheEngine) -> AsyncIterator[Bridge]:
+        """A bridge on ``raw`` (as it is now), once ``engines`` have its subscription; stopped after."""
+        bridge = Bridge(from_data(self.raw, env={}))
+        await bridge.start()
+        try:
+            for engine in engines:
+                await engine.wait_subscribed()
+            yield bridge
+        finally:
+            await bridge.stop()
+
     async def remove(self) -> None:
         for name in self.names.values():
             with contextlib.suppress(Exception):
@@ -573,7 +586,6 @@ async def test_nats_subjects_split_over_two_streams_lose_nothing_over_a_clean_re
     split = _Split(reader, tmp_path, nats_server.url, "KVS", "nats-s")
     await split.create()
     bucket, ports = f"ST{split.dest}", split.ports
-    cfg = from_data(split.raw, env={})
 
     async def head(src: str) -> Any:
         state, _ = await bootstrap(reader, bucket, src, 0, attempts=1)
@@ -582,11 +594,7 @@ async def test_nats_subjects_split_over_two_streams_lose_nothing_over_a_clean_re
     try:
         async with CacheEngine(*ports["a"], seed=1) as ea, CacheEngine(*ports["b"], seed=2) as eb:
             for run in ("first", "second"):  # (nothing happens to the server while no bridge runs)
-                bridge = Bridge(cfg)
-                await bridge.start()
-                try:
-                    await ea.wait_subscribed()
-                    await eb.wait_subscribed()
+                async with split.running(ea, eb):
                     await ea.step(10, events_per_batch=3)
                     await eb.step(10, events_per_batch=3)
 
@@ -598,8 +606,6 @@ async def test_nats_subjects_split_over_two_streams_lose_nothing_over_a_clean_re
 
                     await _until(both_at_head, f"the {run} run's heads never reached")
                     await asyncio.sleep(0.5)
-                finally:
-                    await bridge.stop()
         result = {}
         for src in "ab":
             msgs = await split.messages(src)
@@ -630,16 +636,10 @@ async def test_nats_subjects_split_over_two_streams_one_lost_while_no_bridge_ran
             engines = {"a": ea, "b": eb}
 
             async def run() -> None:
-                bridge = Bridge(from_data(split.raw, env={}))
-                await bridge.start()
-                try:
-                    await ea.wait_subscribed()
-                    await eb.wait_subscribed()
+                async with split.running(ea, eb):
                     await ea.step(5, events_per_batch=3)
                     await eb.step(5, events_per_batch=3)
                     await split.stored(engines, "a", "b")
-                finally:
-                    await bridge.stop()
 
             await run()
             await split.lose(lost)
@@ -680,22 +680,12 @@ async def test_nats_subjects_split_over_two_streams_one_lost_under_a_quiet_engin
             async def stored(*sources: str) -> None:
                 await split.stored(engines, *sources)
 
-            bridge = Bridge(from_data(raw, env={}))
-            await bridge.start()
-            try:
-                await ea.wait_subscribed()
-                await eb.wait_subscribed()
+            async with split.running(ea, eb):
                 await ea.step(10, events_per_batch=3)
                 await eb.step(10, events_per_batch=3)
                 await stored("a", "b")
                 await asyncio.sleep(0.5)  # (the state's heads, the checkpoint)
-            finally:
-                await bridge.stop()
-            bridge = Bridge(from_data(raw, env={}))
-            await bridge.start()
-            try:
-                await ea.wait_subscribed()
-                await eb.wait_subscribed()
+            async with split.running(ea, eb):
                 await ea.step(3, events_per_batch=3)
                 await stored("a")
                 await split.lose(lost)
@@ -703,8 +693,6 @@ async def test_nats_subjects_split_over_two_streams_one_lost_under_a_quiet_engin
                 await stored("a")
                 await eb.step(3, events_per_batch=3)
                 await stored("b")
-            finally:
-                await bridge.stop()
         for src in "ab":
             told = [(m["from_seq"], m["to_seq"]) for m in await split.messages(src) if m.get("type") == "EventsLost"]
             if src == lost:
