@@ -113,7 +113,8 @@ async def follow(
         try:
             while not stop():
                 try:
-                    line = await asyncio.wait_for(proc.stdout.readline(), 0.2)
+                    async with asyncio.timeout(0.2):  # (not wait_for: it may swallow a cancel)
+                        line = await proc.stdout.readline()
                 except TimeoutError:
                     continue
                 if not line:

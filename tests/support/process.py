@@ -79,15 +79,20 @@ def wait_readyz(port: int, timeout: float, proc: subprocess.Popen[bytes] | None 
 
 async def http_get(port: int, path: str, host: str = "127.0.0.1", timeout: float = 5.0) -> tuple[int, bytes]:
     """(status, body) of one GET (the bridge's endpoints close the connection after each answer)."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    # (asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancel that arrives as the
+    # read completes, and a sampler polling through it then never stops)
+    async with asyncio.timeout(timeout):
+        reader, writer = await asyncio.open_connection(host, port)
     try:
         writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
-        await writer.drain()
-        data = await asyncio.wait_for(reader.read(), timeout)
+        async with asyncio.timeout(timeout):
+            await writer.drain()
+            data = await reader.read()
     finally:
         writer.close()
         with contextlib.suppress(Exception):
-            await writer.wait_closed()
+            async with asyncio.timeout(timeout):
+                await writer.wait_closed()
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split(b" ", 2)[1]), body
 
@@ -236,12 +241,14 @@ class Sampler:
         self.queue_batches_peak: dict[str, float] = {}
         self.queue_bytes: list[tuple[float, float]] = []  # (time, bytes queued over every sink)
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     def start(self) -> Sampler:
         self._task = asyncio.create_task(self._run(), name="rss-sampler")
         return self
 
     async def stop(self) -> None:
+        self._stopping = True  # (ends the loop even where a cancel gets swallowed)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -267,7 +274,7 @@ class Sampler:
 
     async def _run(self) -> None:
         n = 0
-        while self.bridge.alive():
+        while not self._stopping and self.bridge.alive():
             with contextlib.suppress(OSError, RuntimeError):
                 self.rss.append((time.monotonic(), self.bridge.rss()))
             if self.bridge.metrics_port is not None and n % self.metrics_every == 0:
