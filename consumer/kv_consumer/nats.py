@@ -9,7 +9,6 @@ sequence of the events stream the stream's messages continue from.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -91,8 +90,8 @@ async def sweep(js: JetStreamContext, bucket: str, prefix: str) -> dict[str, byt
         stalls = 0
         while not done.done() and newest < last:
             seen = newest
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(done), 0.5)
+            # (asyncio.wait, not wait_for: before 3.12 wait_for can swallow a cancel of the caller)
+            await asyncio.wait({done}, timeout=0.5)
             if not done.done() and newest == seen:
                 # Nothing came: the last message may have been purged meanwhile (never delivered).
                 last = await last_seq()
