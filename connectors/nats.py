@@ -1119,6 +1119,8 @@ class NatsConnector:
         if self._marked:
             await self._check_marked(nc)
         self._raise_lost()  # before anything of this write is stored: the runtime announces, then writes again
+        if self._stream_refusal is not None:
+            await self._still_refusing(nc)
         errors = await (self._write_core(nc, messages) if self.options.mode == "core" else self._write_jetstream(nc, messages))
         if not errors:
             return
@@ -2847,6 +2849,25 @@ class NatsConnector:
             log.warning("%s", problem, extra={"sink": self.name})
         self._stream_refusal = problem
         return problem is not None
+
+    async def _still_refusing(self, nc: Client) -> None:
+        """A write while the events stream's settings refuse it (:meth:`_refusing`): they are read
+        again (an operator may have fixed them, or created the stream again); still so, nothing is
+        written (``Retriable``: the sink not ready, retried). A stream whose messages leave once
+        consumed takes every write, so only this keeps a state's events from leaving unseen."""
+        name = self._events_stream
+        if name is not None:
+            js = nc.jetstream(timeout=self.options.connect_timeout)
+            try:
+                info = await js.stream_info(name)
+            except nats.js.errors.NotFoundError:
+                self._stream_refusal = None  # (gone: the write finds what captures its subjects now)
+                return
+            except (nats.errors.Error, OSError) as exc:
+                raise Retriable(f"{self._prefix}: cannot read JetStream stream {name!r} ({_describe(exc)})") from None
+            if not self._refusing(name, info.config):
+                return
+        raise Retriable(self._stream_refusal or f"{self._prefix}: the events stream refuses writes", reason="stream_refused")
 
     async def _check_stream(self, js: JetStreamContext) -> None:
         """Report (health, ``--check``) when no stream captures any subject of the template; do not
