@@ -482,6 +482,15 @@ class _Last:
             last[1] = seq
 
 
+def _place(topic: str) -> str:
+    """``topic`` as a place (see :meth:`KafkaConnector.places`): Kafka refuses a topic whose name
+    differs from an existing one's only by '.' against '_' (their metric names collide), so such
+    names are one place, shown with '_'."""
+    if "." not in topic and "_" not in topic:
+        return f"topic {topic!r}"
+    return f"topic {topic.replace('.', '_')!r} ('.' and '_' are one to Kafka)"
+
+
 class KafkaConnector:
     """The kafka sink: see the module docstring for routing and delivery semantics."""
 
@@ -823,7 +832,7 @@ class KafkaConnector:
         servers = self._addresses
         topics = rendered(self._topic.render, self._topic, streams, self._types)
         topics += [self._state_topic] if self.writes_state else []
-        return [(servers, f"topic {t!r}") for t in topics]
+        return [(servers, _place(t)) for t in topics]
 
     async def positions(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:
         """The last message of each stream in its partition (``checkpoint.from_sinks``).

@@ -492,6 +492,19 @@ def test_a_kafka_sink_writing_its_events_into_another_sinks_state_topic_is_refus
     assert _shared(a, {**b, "topic": "kv-events-2"}) == []
 
 
+def test_two_kafka_sinks_whose_topics_differ_only_by_dot_and_underscore_are_refused() -> None:
+    """breaker97 B3: 'ev.x' beside 'ev_x', and one sink's state topic 'st.y' beside another's events
+    topic 'st_y': --check ok, then Kafka refused the second topic ("collides with existing topic")
+    and that sink stored nothing, 4 of 4."""
+    a = {"type": "kafka", "name": "k1", "bootstrap_servers": "b1:9092", "topic": "ev.x"}
+    (line,) = _shared(a, {**a, "name": "k2", "topic": "ev_x"})
+    assert line.startswith("sinks[1] (k2): writes topic 'ev_x' ('.' and '_' are one to Kafka) on b1:9092, as sinks[0] (k1) does")
+    state = {**a, "topic": "ev-a", "state": {"enabled": True, "topic": "st.y"}}
+    (line,) = _shared(state, {**a, "name": "k2", "topic": "st_y"})
+    assert line.startswith("sinks[1] (k2): writes topic 'st_y' ('.' and '_' are one to Kafka) on b1:9092")
+    assert _shared(a, {**a, "name": "k2", "topic": "ev-x"}) == []  # ('-' is a name of its own)
+
+
 def test_two_nats_sinks_as_two_users_are_refused_for_users_may_share_one_account() -> None:
     """breaker80 B1: two users of one account (nats-server's authorization.users) share subjects,
     streams and the duplicate window: taking them for two places lost half the messages."""
