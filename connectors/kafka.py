@@ -199,12 +199,14 @@ _BATCH_OVERHEAD = 61  # bytes of a record batch's header, counted in a topic's m
 _STATE_BATCH_MIN = 1024  # bytes of state records a batch may need (a head, or an entry without its fact)
 
 
-def _short_window(configs: Mapping[str, str], request_timeout: float) -> tuple[str, str, int] | None:
+def _short_window(configs: Mapping[str, str], request_timeout: float, linger_ms: int) -> tuple[str, str, int] | None:
     """The timestamp window of topic ``configs`` that would refuse the sink's records (see
-    ``KafkaConnector._timestamp_window``): (config, its value, the least it may be), or None."""
+    ``KafkaConnector._timestamp_window``): (config, its value, the least it may be), or None. A
+    record waits up to ``linger_ms`` in the producer after it is stamped, then up to
+    ``request_timeout`` to reach the broker."""
     if configs.get("message.timestamp.type", "CreateTime") != "CreateTime":
         return None  # (LogAppendTime: the broker stamps the records; it checks no window)
-    floor = max(_TIMESTAMP_WINDOW_MIN, int(request_timeout * 1000))
+    floor = max(_TIMESTAMP_WINDOW_MIN, int(request_timeout * 1000) + linger_ms)
     for key in ("message.timestamp.before.max.ms", "message.timestamp.difference.max.ms"):
         value = configs.get(key)
         if value is not None and value.isdigit() and int(value) < floor:
@@ -380,13 +382,13 @@ class KafkaOptions(ConnectorOptions):
                 "the events topics it creates: the key is the stream, so compaction keeps only each stream's last message "
                 "and deletes the others the broker acknowledged, unannounced; remove it or use delete"
             )
-        short = _short_window(self.create_topics.configs, float(self.request_timeout))
+        short = _short_window(self.create_topics.configs, float(self.request_timeout), self.linger_ms)
         if short is not None:
             key, value, floor = short
             problems.append(
                 f"create_topics.configs: {key} {value} would make the topics it creates refuse the sink's records (each "
-                f"is stamped as its write starts, and a write may take up to request_timeout): use {floor} or more, or "
-                "set message.timestamp.type: LogAppendTime"
+                "is stamped as its write starts, then may wait linger_ms and take up to request_timeout): use "
+                f"{floor} or more, or set message.timestamp.type: LogAppendTime"
             )
         if self.state.enabled:
             if not _TOPIC_NAME.fullmatch(self.state.topic):
@@ -1706,14 +1708,15 @@ class KafkaConnector:
         ``_TIMESTAMP_WINDOW_MIN`` or ``request_timeout`` refuses them whatever the clock, every write
         or the slow ones, and the sink would stall blaming the clock. The caller refuses the topic
         (the sink not ready) until it is fixed, its configs read again each time it is prepared."""
-        short = _short_window(configs, self._timeout)
+        short = _short_window(configs, self._timeout, self.options.linger_ms)
         if short is None:
             return None
         key, value, floor = short
         return (
             f"{'state ' if state else ''}topic {topic!r} refuses records stamped more than {value} ms before they "
             f"reach it ({key}, message.timestamp.type=CreateTime): the bridge stamps each record as a write starts, "
-            f"and a write may take up to request_timeout to reach the broker, so it would refuse the sink's records; "
+            f"waits up to linger_ms in the producer and may take up to request_timeout to reach the broker, so it "
+            f"would refuse the sink's records; "
             f"raise it to {floor} or more (kafka-configs --alter --entity-type topics --entity-name {topic} "
             f"--add-config {key}={floor}), or set message.timestamp.type=LogAppendTime on it"
         )

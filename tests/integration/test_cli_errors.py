@@ -154,6 +154,13 @@ CASES = [
           "the sink's records", "use 60000 or more"],
          SOURCE + "sinks:\n  - {type: kafka, bootstrap_servers: 'k:9092', create_topics: {enabled: true, "
          "configs: {message.timestamp.before.max.ms: '1000'}}}\n"),
+    # breaker97 B4: a linger the write timeout allows, a window over request_timeout: "config ok", 0 records
+    # stored in 160 s, and /readyz blamed the clock. A record waits its linger after it is stamped.
+    Case("kafka-created-topics-refuse-lingering-records", OFFLINE, 2,
+         ["sinks[0].create_topics.configs: message.timestamp.before.max.ms 60000 would make the topics it creates "
+          "refuse the sink's records", "then may wait linger_ms", "use 80000 or more"],
+         SOURCE + "sinks:\n  - {type: kafka, bootstrap_servers: 'k:9092', linger_ms: 70000, retry: {write_timeout: 150s}, "
+         "create_topics: {enabled: true, configs: {message.timestamp.before.max.ms: '60000'}}}\n"),
     Case("kafka-state-with-drop", OFFLINE, 2,
          ["sinks[0].state.enabled: needs backpressure: block", "set backpressure: block or turn state off"],
          SOURCE + "sinks:\n  - {type: kafka, bootstrap_servers: 'k:9092', backpressure: drop, state: {enabled: true}}\n"),
