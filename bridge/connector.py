@@ -21,6 +21,11 @@ A connector class has:
   message is acknowledged as the sink defines it. Otherwise raise ``NotConnected`` / ``Retriable``
   (nothing known to be stored, or the whole write failed), ``Permanent`` (every message refused for
   itself), or ``PartialFailure({index: error})`` with each failed message's own classification.
+  A message refused for itself stops its stream at its record's end: the stream's messages of
+  later records in the write are not written (:class:`Stops`), so that the refusal's
+  announcement, written next, stands right after the refused batch, where a replay after a
+  restart puts it again (a copy). A connector that writes them anyway gets the announcement at
+  the stream's highest seq in the write instead;
   A :class:`Message` builds its ``headers`` (a new dict on each read), ``msg_id`` and
   ``position`` from its record when read: read each once per message (``header_items()`` gives
   the headers as (name, UTF-8 bytes) pairs, encoded once per record);
@@ -599,6 +604,35 @@ def resent_spans(
     return [(stream, epoch, 0, seq) for epoch, seq in sorted(spans.items()) if seq >= 0]
 
 
+class Stops:
+    """Within one write, the streams stopped at the record after a message refused for itself
+    (see ``write`` in the module docstring): :meth:`refused` notes a refusal, :meth:`past` is the
+    error of a later message of its stream (``not_sent``, transient: written again after the
+    refusal's announcement), None for any other."""
+
+    def __init__(self, prefix: str) -> None:
+        self._prefix = prefix
+        self._after: dict[str, Record] = {}  # stream key -> the record of its message refused
+
+    def refused(self, message: Message) -> None:
+        self._after.setdefault(message.record.stream.key, message.record)
+
+    def past(self, message: Message) -> Retriable | None:
+        after = self._after.get(message.record.stream.key) if self._after else None
+        if after is None or message.record is after:
+            return None
+        return Retriable(
+            f"{self._prefix}: not written yet: {message.record.stream.key} goes on after the announcement of a refusal",
+            reason="not_sent",
+        )
+
+
+def refusal(record: Record) -> bool:
+    """Whether ``record`` is a sink's announcement of batches it refused (``EventsLost``,
+    ``sink_refused:<sink>``): it stands right after the last of them (see ``write``)."""
+    return record.kind == "EventsLost" and (record.reason or "").startswith("sink_refused:")
+
+
 def place_crc(servers: Iterable[str], place: str) -> int:
     """A CRC-32 of a place (a key, topic or stream name) on its servers (``host:port``, see
     :func:`server_address`), for a mark to name what it was taken of (``stored_through``): a mark
@@ -646,6 +680,7 @@ __all__ = [
     "SinkPosition",
     "StateDelta",
     "StateReader",
+    "Stops",
     "Stream",
     "StreamRefused",
     "Template",
@@ -658,6 +693,7 @@ __all__ = [
     "place_crc",
     "redact",
     "redact_url",
+    "refusal",
     "rendered",
     "resent_spans",
     "reveal",

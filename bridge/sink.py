@@ -53,6 +53,7 @@ from .errors import ConnectorError, NotConnected, PartialFailure, Permanent, Ret
 from .formats import STATE_TYPE, Message, Renderer, state_message
 from .metrics import Metrics
 from .records import EMPTY_RECORD_BYTES, Record, Stream, events_lost
+from .state import StateDelta
 
 log = logging.getLogger("bridge.sink")
 
@@ -154,6 +155,23 @@ def fold(messages: Sequence[Message], errors: Mapping[int, ConnectorError]) -> O
         out.cause = next((e for e in transient if isinstance(e, NotConnected)), transient[0])
         waits = [e.retry_after for e in errors.values() if isinstance(e, Retriable) and e.retry_after is not None]
         out.retry_after = max(waits) if waits else None
+    return out
+
+
+def _reflected(record: Record) -> bool:
+    """Whether the sink's state is past ``record`` already (a re-delivery: its change is stale)."""
+    return isinstance(record.state, StateDelta) and record.state.stale
+
+
+def _placed(kept: Sequence[Message], announcements: Sequence[Message]) -> list[Message]:
+    """``kept`` (messages to write again, in order) with each refusal announcement of
+    :meth:`SinkWorker._refusals` before the first message of a later record of its stream: it is
+    written where it stands (its ``seq``), after what remains of its batch."""
+    out = list(kept)
+    for a in announcements:
+        key, at = a.record.stream.key, a.record.position
+        where = next((n for n, m in enumerate(out) if m.record.stream.key == key and m.record.position > at), len(out))
+        out.insert(where, a)
     return out
 
 
@@ -615,17 +633,17 @@ class SinkWorker:
                 for cause, group in _by_cause(outcome.dead):
                     dead |= self._dead_letter_messages([messages[i] for i in group], cause)
                 if outcome.dead:
-                    refusals = self._refusals(messages, [i for i, _ in outcome.dead], announced)
+                    taken = set(range(len(messages))).difference(outcome.retry, exc.errors)
+                    refusals = self._refusals(messages, [i for i, _ in outcome.dead], announced, taken)
                 if outcome.cause is None:
                     self._m_send.observe(time.perf_counter() - start)
                     self._set_up()
                     messages, attempt = refusals, 0
                     continue
-                # after what goes again: an announcement stands at the highest seq of its stream
                 n_kept = sum(
                     1 for i in outcome.retry if isinstance(exc.errors.get(i), Permanent) and kept_back(messages[i], exc.errors[i])
                 )
-                messages = [messages[i] for i in outcome.retry] + refusals
+                messages = _placed([messages[i] for i in outcome.retry], refusals)
                 error = self._kept(outcome.cause, n_kept) if isinstance(outcome.cause, Permanent) else outcome.cause
                 retry_after = outcome.retry_after
                 del outcome  # it holds the failure too (see _collect_failure)
@@ -639,7 +657,7 @@ class SinkWorker:
                 if not kept:
                     messages, attempt = refusals, 0
                     continue
-                messages = kept + refusals  # a write holds one epoch of a stream: kept ones come first
+                messages = _placed(kept, refusals)
                 error = self._kept(exc, len(kept))
             except SinkLost as exc:
                 messages = self._announce_lost(exc, messages)
@@ -726,15 +744,24 @@ class SinkWorker:
         dead = self._dead_letter_messages(messages, refused)
         return dead | await self._deliver(self._refusals(messages, range(len(messages)), set()))
 
-    def _refusals(self, messages: Sequence[Message], refused: Sequence[int], announced: set[int]) -> list[Message]:
+    def _refusals(
+        self, messages: Sequence[Message], refused: Sequence[int], announced: set[int], stored: Iterable[int] = ()
+    ) -> list[Message]:
         """The ``EventsLost`` messages announcing the batches of ``messages[i] for i in refused``
-        (dead-lettered) to this sink, to be written after the messages of the write that go again
-        (I6). One per stream and epoch: its span runs from the first to the last batch refused
-        (a batch between them that the sink stored is covered too: a consumer drops the stream's
-        view either way), and it stands at the highest seq of its stream in the write, so a
-        consumer that orders by position does not take it for a copy (a write holds one epoch of
-        a stream: see ``_take``). A record in ``announced`` is not announced again; those
-        announced now are added to it."""
+        (dead-lettered) to this sink, to be written with the messages of the write that go again,
+        placed by :func:`_placed` (I6). One per stream and epoch: its span runs from the first to
+        the last batch refused (a batch between them that the sink stored is covered too: a
+        consumer drops the stream's view either way). A record in ``announced`` is not announced
+        again; those announced now are added to it.
+
+        It stands right after the last batch refused (its ``seq``), unless the sink stored a later
+        record of the stream in this write (``stored``: indexes of messages the sink took): a
+        connector stops a stream at the record after one it refused (bridge.connector), so the
+        place is the same however writes are cut, and a refusal met again (a replay after a
+        restart) is announced at the same place, which the sink and consumers take for a copy.
+        Otherwise it stands at the highest seq of its stream in the write, so that a consumer that
+        orders by position does not take it for a copy (a write holds one epoch of a stream: see
+        ``_take``)."""
         spans: dict[tuple[str, int], list[int]] = {}  # (stream, epoch) -> [first, last] refused
         streams: dict[str, Stream] = {}
         for i in refused:
@@ -751,16 +778,22 @@ class SinkWorker:
                 span[0], span[1] = min(span[0], r.seq), max(span[1], r.seq)
         if not spans:
             return []
-        top: dict[tuple[str, int], int] = {}
-        for m in messages:
+        top = {at: last for at, (_, last) in spans.items()}  # where each span's announcement stands
+        passed = set()  # spans of which the sink stored a later record (a connector that went on)
+        for i in stored:
+            r = messages[i].record
+            at = (r.stream.key, r.epoch)
+            if at in spans and r.position > (r.epoch, spans[at][1] + 1):
+                passed.add(at)
+        for m in messages if passed else ():
             at = (m.record.stream.key, m.record.epoch)
-            if at in spans and m.record.seq > top.get(at, -1):
+            if at in passed and m.record.seq > top[at]:
                 top[at] = m.record.seq
         out: list[Message] = []
         now = time.time()
         for (stream_key, epoch), (first, last) in spans.items():
             lost = events_lost(streams[stream_key], epoch, first, last, f"sink_refused:{self.name}", now)
-            lost.seq, lost.to_seq = max(last, top[(stream_key, epoch)]), last
+            lost.seq, lost.to_seq = top[(stream_key, epoch)], last
             self.metrics.announced_lost(lost)
             out.extend(self.renderer.render(lost))
         return out
@@ -908,8 +941,9 @@ class SinkWorker:
                 self._state_lost(stream)
         dead = {id(m.record) for m in messages if m.record.kind == "batch"}
         # The sink's state holds what the refused messages said, its messages do not: a consumer
-        # following them would disagree with one bootstrapped later. Clear, incomplete.
-        for stream in {m.record.stream.key: m.record.stream for m in messages}.values():
+        # following them would disagree with one bootstrapped later. Clear, incomplete; not for a
+        # record the sink's state is past (a replay after a restart: cleared then already).
+        for stream in {m.record.stream.key: m.record.stream for m in messages if not _reflected(m.record)}.values():
             self._state_lost(stream)
         if messages:
             log.error(

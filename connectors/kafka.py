@@ -78,6 +78,7 @@ from bridge.connector import (
     SinkLost,
     SinkPosition,
     StateDelta,
+    Stops,
     Stream,
     StreamRefused,
     Template,
@@ -1049,9 +1050,13 @@ class KafkaConnector:
         topic = ""
         chain: list[_Chunk] = []
         limit = max_bytes
+        stops = Stops(self._where)
         for i, m in enumerate(messages):
             if m.type == STATE_TYPE:
                 continue  # written once the messages before it are stored (_write_state)
+            if (held := stops.past(m)) is not None:
+                errors[i] = held
+                continue
             new_topic = static if static is not None else template.render(m)
             if m.record is not record or new_topic != topic:
                 # The messages of one record are consecutive: routing is done once per record
@@ -1074,6 +1079,7 @@ class KafkaConnector:
             # kept and retried until the broker takes it: sent each time)
             if refused and m.record.kind == "batch" and (problem := refused.get(m.msg_id)) is not None:
                 errors[i] = problem
+                stops.refused(m)
                 continue
             headers = m.header_items()
             value = m.value
@@ -1083,6 +1089,7 @@ class KafkaConnector:
                     f"{self._where}: message {m.msg_id} is {size} bytes, more than max_batch_bytes ({max_bytes})",
                     reason="too_large",
                 )
+                stops.refused(m)
                 continue
             solo = bool(alone) and m.msg_id in alone
             if not chain or solo or chain[-1].alone or chain[-1].used + size > limit:

@@ -115,6 +115,7 @@ from bridge.connector import (
     SinkLost,
     SinkPosition,
     StateDelta,
+    Stops,
     Stream,
     StreamRefused,
     Template,
@@ -1336,12 +1337,17 @@ class NatsConnector:
         never counted delivered."""
         errors: dict[int, ConnectorError] = {}
         refused = self._refused
+        stops = Stops(self._prefix)
         for i, m in enumerate(messages):
+            if (held := stops.past(m)) is not None:
+                errors[i] = held
+                continue
             subject = self._subjects.render(m)
             hdr = header_block(m.headers)
             problem = self._unsendable(m, len(hdr), nc.max_payload)
             if problem is not None:
                 errors[i] = problem
+                stops.refused(m)
                 continue
             if not nc.is_connected:
                 raise self._reconnecting()
@@ -1731,15 +1737,20 @@ class NatsConnector:
         # Each stream's first message sent is fenced (see _claim); its next ones follow it in the
         # chain (nothing else stored in between), so they need none.
         fenced: set[str] = set()
+        stops = Stops(self._prefix)
         try:
             for n, i in enumerate(order):
                 m = messages[i]
-                subject = self._subjects.render(m)
                 key = m.record.stream.key
+                if (held := stops.past(m)) is not None:
+                    errors[i] = held
+                    continue
+                subject = self._subjects.render(m)
                 hdr = header_block(m.headers, m.msg_id, previous, None if key in fenced else self._fence(m))
                 problem = self._unsendable(m, len(hdr), nc.max_payload)
                 if problem is not None:
                     errors[i] = problem
+                    stops.refused(m)
                     continue
                 try:
                     await self._send(nc, subject, hdr, m.value, acks)
@@ -1753,9 +1764,18 @@ class NatsConnector:
         finally:
             self._forget(acks)
         for (i, subject), msg in zip(sent, acks.msgs, strict=True):
-            error = self._ack_error(msg, messages[i], subject, seqs, i) if msg is not None else acks.error
+            m = messages[i]
+            if (held := stops.past(m)) is not None:
+                # After a message the server refused for itself, the chain lets through only copies
+                # stored by an earlier write (a duplicate passes whatever it expects): they count as
+                # not sent, and go again after the refusal's announcement (see bridge.connector).
+                errors[i] = held
+                continue
+            error = self._ack_error(msg, m, subject, seqs, i) if msg is not None else acks.error
             if error is not None:
                 errors[i] = error
+                if isinstance(error, Permanent):
+                    stops.refused(m)
 
     async def _publish_in_turn(
         self,
@@ -1767,14 +1787,20 @@ class NatsConnector:
     ) -> None:
         """Publish one stream's messages of a write, each after the previous one's ack (and over
         its subject's last seq: see _claim); at the first transient failure, the rest of the
-        stream stays unsent (failed at its indexes)."""
+        stream stays unsent (failed at its indexes); after a message refused for itself, so do its
+        later records (see bridge.connector)."""
+        stops = Stops(self._prefix)
         for n, i in enumerate(indexes):
             m = messages[i]
+            if (held := stops.past(m)) is not None:
+                errors.update(dict.fromkeys(indexes[n:], held))
+                return
             subject = self._subjects.render(m)
             hdr = header_block(m.headers, m.msg_id, subject_seq=self._fence(m))
             problem = self._unsendable(m, len(hdr), nc.max_payload)
             if problem is not None:
                 errors[i] = problem
+                stops.refused(m)
                 continue
             acks = _Acks()
             error: ConnectorError | None
@@ -1789,7 +1815,9 @@ class NatsConnector:
             if error is None:
                 continue
             errors[i] = error
-            if not isinstance(error, Permanent):
+            if isinstance(error, Permanent):
+                stops.refused(m)
+            else:
                 errors.update(dict.fromkeys(indexes[n + 1 :], error))
                 return
 
@@ -3009,16 +3037,21 @@ def _refused_for_turn(messages: Sequence[Message], errors: dict[int, ConnectorEr
     when ``reclaimed``, by a subject fence whose subject was read again: ``subject_moved``), and
     that follow no transient failure of their own bridge stream: taken out of ``errors``, to be
     sent again, in turn. A stream that failed keeps the rest of its messages failed (fold()
-    retries them in order); the other streams go on."""
+    retries them in order), and so does one past the record of a message refused for itself (see
+    bridge.connector); the other streams go on."""
     failed: set[str] = set()
     again: list[int] = []
+    refused: dict[str, Record] = {}  # stream -> the record of its message refused for itself: not past it
     resend = ("out_of_turn", "subject_moved") if reclaimed else ("out_of_turn",)
     for i in sorted(errors):
         key = messages[i].record.stream.key
         error = errors[i]
-        if key in failed or isinstance(error, Permanent):
+        if key in failed:
             continue
-        if error.reason in resend:
+        if isinstance(error, Permanent):
+            refused.setdefault(key, messages[i].record)
+            continue
+        if error.reason in resend and refused.get(key, messages[i].record) is messages[i].record:
             again.append(i)
         else:
             failed.add(key)

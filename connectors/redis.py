@@ -144,6 +144,7 @@ from bridge.connector import (
     SinkLost,
     SinkPosition,
     StateDelta,
+    Stops,
     Stream,
     Template,
     TlsOptions,
@@ -152,6 +153,7 @@ from bridge.connector import (
     message_types,
     place_crc,
     redact_url,
+    refusal,
     rendered,
     reveal,
     sample_message,
@@ -916,7 +918,7 @@ class _Call:
         self.state_key = state_key
         self.stream = stream
         self.announces: dict[str, tuple[int, int]] = {}  # entry id of an EventsLost -> the seqs it announces
-        self.lost: set[str] = set()  # entry ids of the EventsLost of the engine's gaps (not a sink's refusals)
+        self.lost: set[str] = set()  # entry ids of the EventsLost of the engine's gaps and of this sink's refusals
 
     def add(self, i: int, key: str, ident: str, fields: list[str | bytes]) -> None:
         if key not in self.keys:
@@ -1328,6 +1330,7 @@ class RedisConnector:
         errors: dict[int, ConnectorError] = {}
         calls: dict[object, _Call] = {}
         stopped: dict[str, ConnectorError] = {}  # engine streams stopped at a key collision in this write
+        stops = Stops(self._prefix)  # engine streams with a message refused for itself: stopped at their next record
         if self._max_bulk is None:
             try:
                 await self._read_settings()
@@ -1336,6 +1339,8 @@ class RedisConnector:
         max_bulk = self._max_bulk or _MAX_BULK
         for i, m in enumerate(messages):
             stream = m.record.stream.key
+            if (held := stops.past(m)) is not None:
+                stopped[stream] = held
             if stream in stopped:  # nothing of a stream after its failed message
                 errors[i] = stopped[stream]
                 continue
@@ -1346,6 +1351,7 @@ class RedisConnector:
                 ident = entry_id(message_position(m))
             except ValueError as exc:
                 errors[i] = Permanent(f"{self._prefix}: {exc}", reason="id_range")
+                stops.refused(m)
                 continue
             key = self._stream.render(m)
             index_key = self._index.render(m) if self._index else None
@@ -1369,12 +1375,13 @@ class RedisConnector:
                     "batches smaller at the engine",
                     reason="too_large",
                 )
+                stops.refused(m)
                 continue
             fields: list[str | bytes] = [x for kv in m.headers.items() for x in kv]
             fields += ["payload" if self._raw and m.record.kind == "batch" else "data", value]
             call.add(i, key, ident, fields)
-            if m.record.kind == "EventsLost" and m.record.to_seq is None:
-                call.lost.add(ident)  # (not a sink's refusal: it stands after batches the key does not hold)
+            if m.record.kind == "EventsLost" and (m.record.to_seq is None or refusal(m.record)):
+                call.lost.add(ident)
             if m.record.kind == "EventsLost" and m.record.from_seq is not None and m.record.to_seq is not None:
                 call.announces[ident] = (m.record.from_seq, m.record.to_seq)
             if self._index is not None:
@@ -1935,7 +1942,8 @@ class RedisConnector:
                 # its top from this bridge in order (stored, or announced then), so the span is
                 # settled here. A bridge restarted from a checkpoint saved before its last writes
                 # (a SIGKILL) announces what the engine's replay no longer holds, which this key
-                # may hold already (breaker94 B1/B2): stored as a copy, not refused for ever.
+                # may hold already (breaker94 B1/B2), or a refusal it met before, announced where an
+                # earlier release put it (breaker98 B4): stored as a copy, not refused for ever.
                 log.info(
                     "announcement below what the stream holds: settled there",
                     extra={"sink": self.name, "key": key, "entry": what},

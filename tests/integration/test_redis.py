@@ -477,6 +477,13 @@ async def test_an_announcement_below_what_the_stream_key_holds_is_settled_there(
         assert await restarted.health() is None
         held = [json.loads(f[b"data"]) for _, f in await client.xrange(key)]
         assert [(h["type"], h["seq"]) for h in held] == [("EventBatch", n) for n in range(8)], held
+        # breaker98 B4: a refusal met again after a SIGKILL, whose announcement an earlier release
+        # had put elsewhere (at the top of its write): absent below the top, settled too, where it
+        # was refused (out_of_order), kept and retried for ever, and the stream stopped (6 of 6).
+        refusal = events_lost(stream, 0, 2, 2, "sink_refused:redis", 1.0)
+        refusal.to_seq = 2
+        await restarted.write(render(s, [refusal]))
+        assert [json.loads(f[b"data"])["seq"] for _, f in await client.xrange(key)] == list(range(8))
     finally:
         await restarted.close()
         await client.aclose()

@@ -104,20 +104,24 @@ class Result:
     errors: dict[str, float]  # sink error reason -> count
 
 
-def worker_config(sink: SinkConfig, write_timeout: float) -> SinkConfig:
-    """``sink`` with the runtime settings of these tests: short backoff, one write for everything."""
+def worker_config(sink: SinkConfig, write_timeout: float, max_messages: int = 100_000) -> SinkConfig:
+    """``sink`` with the runtime settings of these tests: short backoff, one write for everything
+    (or writes of ``max_messages``)."""
     return msgspec.structs.replace(
         sink,
         retry=RetryConfig(
             initial_backoff=Duration(0.05), max_backoff=Duration(0.3), jitter=0.0, write_timeout=Duration(write_timeout)
         ),
-        batch=BatchConfig(max_messages=100_000, max_bytes=ByteSize(64 << 20), linger=Duration(0)),
+        batch=BatchConfig(max_messages=max_messages, max_bytes=ByteSize(64 << 20), linger=Duration(0)),
     )
 
 
-async def run(scenario: Scenario, sink: SinkConfig, tmp: Path, *, budget: float = 60.0) -> Result:
-    """Deliver ``scenario.records`` through a SinkWorker over the scenario's connector."""
-    cfg = worker_config(sink, scenario.write_timeout)
+async def run(
+    scenario: Scenario, sink: SinkConfig, tmp: Path, *, budget: float = 60.0, max_messages: int = 100_000, cleanup: bool = True
+) -> Result:
+    """Deliver ``scenario.records`` through a SinkWorker over the scenario's connector (its
+    ``cleanup`` steps after, unless not ``cleanup``: the scenario runs again)."""
+    cfg = worker_config(sink, scenario.write_timeout, max_messages)
     observed = Observed(scenario.connector)
     dead_path = tmp / "dead-letters.jsonl"
     acked: list[Record] = []
@@ -158,7 +162,7 @@ async def run(scenario: Scenario, sink: SinkConfig, tmp: Path, *, budget: float 
     finally:
         await worker.stop()
         worker.dead_letters.close()
-        for step in scenario.cleanup:
+        for step in scenario.cleanup if cleanup else ():
             await step()
     dead = [json.loads(line) for line in dead_path.read_text().splitlines()] if dead_path.exists() else []
     return Result(observed.outcomes, dead, acked, errors())

@@ -181,10 +181,10 @@ def test_refused_for_turn_resends_what_only_the_chain_refused() -> None:
     lost = NotConnected("gone")
     errors: dict[int, ConnectorError] = {0: full, 1: big, 2: turn, 3: turn, 4: turn, 5: turn, 6: lost, 7: turn}
     again = _refused_for_turn(messages, errors)
-    # a failed at 0: its later ones stay failed; b's refusal for itself stays, b goes on; c goes on
-    # until its own failure at 6.
-    assert again == [3, 4, 7]
-    assert errors == {0: full, 1: big, 2: turn, 5: turn, 6: lost}
+    # a failed at 0: its later ones stay failed; b's refusal for itself stays, and b's later
+    # records wait for its announcement (stay failed); c goes on until its own failure at 6.
+    assert again == [3]
+    assert errors == {0: full, 1: big, 2: turn, 4: turn, 5: turn, 6: lost, 7: turn}
 
 
 def test_what_a_lost_stream_held_per_bridge_stream() -> None:

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from bridge import wire
-from bridge.errors import PartialFailure, Permanent, Retriable, SinkLost
+from bridge.connector import Stops
+from bridge.errors import ConnectorError, PartialFailure, Permanent, Retriable, SinkLost
 from bridge.formats import STATE_TYPE, Message
-from bridge.records import Record, Stream, source_reset
+from bridge.records import Record, Stream, events_lost, source_reset
 from bridge.sink import REFUSED_AFTER, SinkWorker
 from tests.support.memory import MemoryConnector, MemoryOptions
 from tests.support.records import stream_records
@@ -387,10 +388,10 @@ async def test_a_refused_state_change_clears_the_state_and_announces_no_batch(tm
     assert [r.seq for r in acked] == [0, 1]
 
 
-def positions(conn: MemoryConnector) -> list[tuple[int, int, int]]:
-    """What a consumer orders by: (epoch, seq, sub), an EventsLost after everything of its seq."""
+def positions_of(messages: Sequence[Message]) -> list[tuple[int, int, int]]:
+    """(epoch, seq, sub) of each message, as a consumer orders them."""
     out = []
-    for m in conn.messages:
+    for m in messages:
         r = m.record
         if r.kind == "SourceReset":
             out.append((r.epoch, -1, 0))
@@ -399,6 +400,11 @@ def positions(conn: MemoryConnector) -> list[tuple[int, int, int]]:
         else:
             out.append((r.epoch, r.seq, -1 if m.index is None else m.index))
     return out
+
+
+def positions(conn: MemoryConnector) -> list[tuple[int, int, int]]:
+    """What a consumer orders by: (epoch, seq, sub), an EventsLost after everything of its seq."""
+    return positions_of(conn.messages)
 
 
 async def test_two_batches_refused_in_one_write_are_announced_by_one_span_in_order(tmp_path: Path) -> None:
@@ -704,3 +710,99 @@ async def test_batches_stored_in_part_or_not_rendered_are_not_a_sink_refusing_ev
     finally:
         await worker.stop()
         worker.dead_letters.close()
+
+
+class StopsAtRefusals(MemoryConnector):
+    """A sink that keeps the connector contract on refusals and stores like Redis does by entry id:
+    a batch in ``refuse`` is refused for itself, and its stream's later records in the write are
+    not written (``not_sent``); a message at a position the sink holds is a copy (taken, not stored
+    again), one below the stream's top that it does not hold is refused (``out_of_order``)."""
+
+    refuse: frozenset[int] = frozenset()
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.held: set[tuple[int, int, int]] = set()
+
+    async def write(self, messages: Sequence[Message]) -> None:
+        self.writes.append(len(messages))
+        errors: dict[int, ConnectorError] = {}
+        stops = Stops("mem")
+        for i, m in enumerate(messages):
+            if (held := stops.past(m)) is not None:
+                errors[i] = held
+                continue
+            if m.record.kind == "batch" and m.record.seq in self.refuse:
+                errors[i] = Permanent("too large", reason="too_large")
+                stops.refused(m)
+                continue
+            (at,) = positions_of([m])
+            if at in self.held:
+                continue  # a copy
+            if self.held and at < max(self.held):
+                errors[i] = Permanent("below the top, absent", reason="out_of_order")
+                continue
+            self.held.add(at)
+            self.messages.append(m)
+        if errors:
+            raise PartialFailure(errors)
+
+
+def stopping(worker: SinkWorker, refuse: set[int], held: StopsAtRefusals | None = None) -> StopsAtRefusals:
+    conn = StopsAtRefusals("mem", MemoryOptions(), worker.config)
+    conn.refuse = frozenset(refuse)
+    if held is not None:  # the same sink, as a restarted bridge finds it
+        conn.held, conn.messages = held.held, held.messages
+    worker.connector = conn
+    return conn
+
+
+async def test_a_refusal_next_to_an_engine_gap_is_announced_at_a_place_of_its_own(tmp_path: Path) -> None:
+    """breaker98 B1/B2: batch 1 refused in the write that also held the engine's gap announcement
+    for seq 2: the refusal's announcement stood at the write's top, the gap's place, and Redis took
+    it for a copy (9 of 9), Kafka and NATS consumers skipped it (10 of 10). With the connector
+    stopping at the refused batch, it stands right after it."""
+    worker, _, acked, _ = make(tmp_path, batch={"linger": 0})
+    conn = stopping(worker, {1})
+    records = [*stream_records(STREAM, 2), events_lost(STREAM, 0, 2, 2, "no_replay", 0.0), *stream_records(STREAM, 2, start=3)]
+    await fill(worker, records)
+    worker.start()
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    assert [(m.record.kind, m.record.seq, m.record.reason) for m in conn.messages] == [
+        ("batch", 0, None),
+        ("EventsLost", 1, "sink_refused:mem"),
+        ("EventsLost", 2, "no_replay"),
+        ("batch", 3, None),
+        ("batch", 4, None),
+    ]
+    seen = positions_of(conn.messages)
+    assert seen == sorted(set(seen))
+    assert [r.seq for r in acked] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("cut", [1, 3, 10])
+async def test_a_refusal_met_again_after_a_restart_is_announced_at_the_same_place(tmp_path: Path, cut: int) -> None:
+    """breaker98 B3/B4: after a SIGKILL the replay cut the writes otherwise, and the refusal was
+    announced again at another place: a second EventsLost over an exact view (Kafka, NATS, Redis:
+    18 of 18), or, below the Redis key's top and absent there, refused and retried for ever (6 of 6).
+    Its place is its batch's now, however the writes are cut, so the second is a copy."""
+    first, _, _, _ = make(tmp_path / "a", batch={"linger": 0, "max_messages": 2})
+    sink = stopping(first, {1})
+    records = stream_records(STREAM, 6)
+    await fill(first, records)
+    first.start()
+    assert await first.flush(5)
+    await first.stop()
+    first.dead_letters.close()
+    again, _, acked, _ = make(tmp_path / "b", batch={"linger": 0, "max_messages": cut})
+    stopping(again, {1}, held=sink)
+    await fill(again, stream_records(STREAM, 6))  # the replay: the same batches again
+    again.start()
+    assert await again.flush(5), "the refusal's second announcement is stuck"
+    await again.stop()
+    again.dead_letters.close()
+    lost = [(m.record.seq, m.record.from_seq, m.record.to_seq) for m in sink.messages if m.record.kind == "EventsLost"]
+    assert lost == [(1, 1, 1)]
+    assert [r.seq for r in acked] == list(range(6))
