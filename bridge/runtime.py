@@ -592,7 +592,7 @@ class Bridge:
         if unsaved:
             log.error(
                 "records of a new epoch not handed to the sinks: the epoch could not be saved; the next start reads "
-                "them again from the last save's position",
+                "from the last save's position and does not know of the engine restart this run saw (docs: Limits)",
                 extra={"streams": len(unsaved), "error": str(unsaved[0])},
             )
         self.drainer.close()
