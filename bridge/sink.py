@@ -158,6 +158,12 @@ def fold(messages: Sequence[Message], errors: Mapping[int, ConnectorError]) -> O
     return out
 
 
+def _held_back(messages: Sequence[Message], errors: Mapping[int, ConnectorError]) -> bool:
+    """Whether every message of a write that goes again only waits behind a refusal (``not_sent``,
+    see bridge.connector ``Stops``): no failure of the sink's, nothing to back off from."""
+    return all(e.reason == "not_sent" for i, e in errors.items() if not isinstance(e, Permanent) or kept_back(messages[i], e))
+
+
 def _reflected(record: Record) -> bool:
     """Whether the sink's state is past ``record`` already (a re-delivery: its change is stale)."""
     return isinstance(record.state, StateDelta) and record.state.stale
@@ -628,17 +634,19 @@ class SinkWorker:
                 self._set_up()
                 return dead
             except PartialFailure as exc:
-                outcome = fold(messages, {i: e for i, e in exc.errors.items() if 0 <= i < len(messages)})
+                failed = {i: e for i, e in exc.errors.items() if 0 <= i < len(messages)}
+                outcome = fold(messages, failed)
                 refusals: list[Message] = []
                 for cause, group in _by_cause(outcome.dead):
                     dead |= self._dead_letter_messages([messages[i] for i in group], cause)
                 if outcome.dead:
-                    taken = set(range(len(messages))).difference(outcome.retry, exc.errors)
+                    taken = set(range(len(messages))).difference(outcome.retry, failed)
                     refusals = self._refusals(messages, [i for i, _ in outcome.dead], announced, taken)
-                if outcome.cause is None:
+                if outcome.cause is None or (outcome.dead and _held_back(messages, failed)):
+                    # (held back only behind a refusal: the rest goes after its announcement, at once)
                     self._m_send.observe(time.perf_counter() - start)
                     self._set_up()
-                    messages, attempt = refusals, 0
+                    messages, attempt = _placed([messages[i] for i in outcome.retry], refusals), 0
                     continue
                 n_kept = sum(
                     1 for i in outcome.retry if isinstance(exc.errors.get(i), Permanent) and kept_back(messages[i], exc.errors[i])

@@ -762,7 +762,7 @@ async def test_a_refusal_next_to_an_engine_gap_is_announced_at_a_place_of_its_ow
     for seq 2: the refusal's announcement stood at the write's top, the gap's place, and Redis took
     it for a copy (9 of 9), Kafka and NATS consumers skipped it (10 of 10). With the connector
     stopping at the refused batch, it stands right after it."""
-    worker, _, acked, _ = make(tmp_path, batch={"linger": 0})
+    worker, _, acked, metrics = make(tmp_path, batch={"linger": 0}, retry={"initial_backoff": 5, "max_backoff": 5})
     conn = stopping(worker, {1})
     records = [*stream_records(STREAM, 2), events_lost(STREAM, 0, 2, 2, "no_replay", 0.0), *stream_records(STREAM, 2, start=3)]
     await fill(worker, records)
@@ -780,6 +780,9 @@ async def test_a_refusal_next_to_an_engine_gap_is_announced_at_a_place_of_its_ow
     seen = positions_of(conn.messages)
     assert seen == sorted(set(seen))
     assert [r.seq for r in acked] == [0, 1, 2, 3, 4]
+    # What waited behind the refusal is no failure of the sink's: written at once, nothing counted.
+    assert conn.writes == [5, 4]
+    assert not value(metrics, "kv_bridge_sink_errors_total", sink="mem", reason="not_sent")
 
 
 @pytest.mark.parametrize("cut", [1, 3, 10])
