@@ -607,8 +607,9 @@ def resent_spans(
 class Stops:
     """Within one write, the streams stopped at the record after a message refused for itself
     (see ``write`` in the module docstring): :meth:`refused` notes a refusal, :meth:`past` is the
-    error of a later message of its stream (``not_sent``, transient: written again after the
-    refusal's announcement), None for any other."""
+    error of a message of a later record of its stream (``not_sent``, transient: written again
+    after the refusal's announcement), None for any other (an earlier record's, whose answer may
+    be read after the refusal's)."""
 
     def __init__(self, prefix: str) -> None:
         self._prefix = prefix
@@ -619,7 +620,7 @@ class Stops:
 
     def past(self, message: Message) -> Retriable | None:
         after = self._after.get(message.record.stream.key) if self._after else None
-        if after is None or message.record is after:
+        if after is None or message.record.position <= after.position:
             return None
         return Retriable(
             f"{self._prefix}: not written yet: {message.record.stream.key} goes on after the announcement of a refusal",

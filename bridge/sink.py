@@ -525,11 +525,19 @@ class SinkWorker:
         size = 0
         max_messages, max_bytes = self.config.batch.max_messages, self.config.batch.max_bytes
         render, state, gone = self.renderer.render, self.writes_state, self._state_gone
+        written: set[str] = set()  # streams with a batch in this write
         for record in self._queue:
             record_size = len(record.payload) or EMPTY_RECORD_BYTES  # Record.size, inline (the hot path)
             if records and (len(messages) >= max_messages or size + record_size > max_bytes or record.kind == "SourceReset"):
                 # A new epoch starts a write of its own: what a write refused of the old epoch is
                 # announced (in that epoch) before the SourceReset reaches the sink (I3).
+                break
+            if record.kind == "batch":
+                written.add(record.stream.key)
+            elif record.stream.key in written:
+                # An announcement after a batch of its stream starts a write of its own: a refusal
+                # of that batch is announced where it stands, never at the announcement's seq
+                # (see _refusals, for a connector that writes on past a refusal).
                 break
             try:
                 rendered = render(record)
@@ -654,7 +662,7 @@ class SinkWorker:
                 messages = _placed([messages[i] for i in outcome.retry], refusals)
                 error = self._kept(outcome.cause, n_kept) if isinstance(outcome.cause, Permanent) else outcome.cause
                 retry_after = outcome.retry_after
-                del outcome  # it holds the failure too (see _collect_failure)
+                del outcome, failed  # they hold the failure too (see _collect_failure)
             except Permanent as exc:
                 kept = [m for m in messages if kept_back(m, exc)]
                 refused = [m for m in messages if not kept_back(m, exc)]

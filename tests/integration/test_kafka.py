@@ -322,20 +322,22 @@ async def test_broker_down_for_20s_loses_nothing_and_keeps_order(kafka: KafkaSer
 async def test_message_larger_than_max_batch_bytes_is_permanent(kafka: KafkaServer) -> None:
     topic = await kafka.anew_topic()
     stream = Stream("llama-a", 0)
-    small = render(stream_records(stream, 2))
-    big = msgspec.structs.replace(render(stream_records(stream, 1, start=99))[0], value=b"x" * 100_000)
-    connector = build(kafka, topic, max_batch_bytes="64KiB")
+    small = render(stream_records(stream, 3), granularity="batch")  # one message per record
+    big = msgspec.structs.replace(small[1], value=b"x" * 100_000)
+    connector = build(kafka, topic, granularity="batch", max_batch_bytes="64KiB")
     await connector.connect()
     try:
         with pytest.raises(Permanent, match="more than max_batch_bytes"):
             await connector.write([big])
         with pytest.raises(PartialFailure) as info:
-            await connector.write([small[0], big, *small[1:]])
-        assert info.value.failed == [1]
+            await connector.write([small[0], big, small[2]])
+        assert info.value.failed == [1, 2]  # 2 waits for the refusal's announcement (bridge/connector.py)
         assert isinstance(info.value.cause, Permanent)
+        assert info.value.errors[2].reason == "not_sent"
+        await connector.write([small[2]])
     finally:
         await connector.close()
-    assert [r.value for r in await consume(kafka, topic)] == [m.value for m in small]
+    assert [r.value for r in await consume(kafka, topic)] == [small[0].value, small[2].value]
 
 
 @pytest.mark.integration

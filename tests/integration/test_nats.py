@@ -875,12 +875,13 @@ async def test_too_large_message_is_a_permanent_partial_failure(
     try:
         with pytest.raises(PartialFailure) as info:
             await conn.write(batch)
-        assert info.value.failed == [1]
+        assert info.value.failed == [1, 2]  # 2 waits for the refusal's announcement (bridge/connector.py)
         assert isinstance(info.value.cause, Permanent) and info.value.cause.reason == "too_large"
+        assert info.value.errors[2].reason == "not_sent"
         assert await conn.health() is None  # the connection survived (nothing oversized was sent)
         with pytest.raises(Permanent):
             await conn.write([big])
-        await conn.write([messages[0]])
+        await conn.write([messages[2]])
     finally:
         await conn.close()
     if mode == "jetstream":

@@ -233,28 +233,29 @@ async def test_refused_message_is_isolated_and_a_transient_failure_after_it_keep
     finally:
         await h.finish()
     stored = await _stored(reader, dest)
-    # I6: A1 is announced to the stream's consumers after A2 and A3 (written again after the stream
-    # was full), standing at A3's seq: a consumer that orders by position keeps it
+    # I6: A1 is announced to the stream's consumers right after A0, where it stands (A2 and A3 wait
+    # for it, then for the room): a consumer that orders by position keeps it
     lost = events_lost(A, records[2].epoch, 1, 1, "sink_refused:nats-d", 0.0)
-    lost.seq, lost.to_seq = 3, 1
+    lost.to_seq = 1
     (announcement,) = Renderer("raw", "batch").render(lost)
     kept = [(r.seq, r.payload) for r in records if r.stream == A and r.seq != 1]
-    assert stored[_subject(dest, A)] == [*kept, (3, announcement.value)]
+    assert stored[_subject(dest, A)] == [kept[0], (1, announcement.value), *kept[1:]]
     assert stored[_subject(dest, B)] == [(r.seq, r.payload) for r in records if r.stream == B]
     dead = h.dead()
     assert [(d["source"], d["seq"]) for d in dead] == [("eng-a", 1)]
     assert "message size exceeds maximum" in dead[0]["detail"]
-    assert [seq for seq, _ in while_full.get(_subject(dest, A), [])] == [0]  # A3 waited for A2
+    assert [seq for seq, _ in while_full.get(_subject(dest, A), []) if seq > 1] == []  # A2 and A3 waited for the room
 
 
 async def test_an_announcement_refused_by_a_lowered_max_msg_size_is_kept_until_the_limit_is_set_back(
     nats_server: NatsServer, reader: Client, dest: str, tmp_path: Path
 ) -> None:
     """Issue 29 (breaker29h W2): A0, A1 stored; an operator lowers the stream's max_msg_size to 64
-    bytes; A2 and A3, written meanwhile, are refused for themselves (dead-lettered), and so is the
+    bytes; A2 and A3, written meanwhile, were refused for themselves (dead-lettered), and so was the
     EventsLost announcing them, which used to be dead-lettered too: the stream's consumers never
     learnt of A2-A3, the sink stayed ready. Now the announcement is kept, the sink not ready and
-    naming why, until the limit is set back; it is then stored right after A1."""
+    naming why, until the limit is set back; it is then stored right after A1, and A3, which waited
+    behind it, after it."""
     js = reader.jetstream(timeout=5)
     await js.add_stream(js_api.StreamConfig(name=dest, subjects=[f"{dest}.>"], duplicate_window=600))
     records = [record(A, q, 200) for q in range(4)]
@@ -268,7 +269,7 @@ async def test_an_announcement_refused_by_a_lowered_max_msg_size_is_kept_until_t
         for r in records[2:]:  # one write: queued at once while the worker waits for work
             h.worker.force(r)
         await h.wait_for_error("announcement")
-        await _until(lambda: len(h.dead()) == 2, "A2, A3 dead-lettered")
+        await _until(lambda: len(h.dead()) == 1, "A2 dead-lettered")
         assert not h.worker.connected
         assert "message size exceeds maximum" in str(h.worker.last_error)
         assert len(h.acked) == 2, "acknowledged past an announcement not written"
@@ -277,13 +278,15 @@ async def test_an_announcement_refused_by_a_lowered_max_msg_size_is_kept_until_t
     finally:
         await h.finish()
     assert h.worker.connected and len(h.acked) == 4
-    assert [(d["source"], d["seq"]) for d in h.dead()] == [("eng-a", 2), ("eng-a", 3)]
-    lost = events_lost(A, records[2].epoch, 2, 3, "sink_refused:nats-d", 0.0)
+    # A3 waited behind the announcement of A2 (right after it), so the limit set back took it.
+    assert [(d["source"], d["seq"]) for d in h.dead()] == [("eng-a", 2)]
+    lost = events_lost(A, records[2].epoch, 2, 2, "sink_refused:nats-d", 0.0)
     (announcement,) = Renderer("raw", "batch").render(lost)
     stored = (await _stored(reader, dest))[_subject(dest, A)]
     assert stored[:2] == [(r.seq, r.payload) for r in records[:2]]
-    assert [seq for seq, _ in stored[2:]] == [3]
+    assert [seq for seq, _ in stored[2:]] == [2, 3]
     assert json.loads(stored[2][1]) | {"ts": None} == json.loads(announcement.value) | {"ts": None}
+    assert stored[3] == (3, records[3].payload)
 
 
 async def test_duplicates_from_an_earlier_try_do_not_let_the_chain_pass_a_failure(
@@ -366,10 +369,13 @@ async def test_core_oversized_message_is_isolated_across_a_server_restart(
     finally:
         await h.finish()
     for s in (A, B):
-        seqs = [int((m.headers or {})["seq"]) for m in got if m.subject == _subject(dest, s)]
+        heads = [m.headers or {} for m in got if m.subject == _subject(dest, s)]
+        seqs = [int(h["seq"]) for h in heads if h["type"] != "EventsLost"]
         first = list(dict.fromkeys(seqs))  # first copies, in arrival order
         assert first == sorted(first), f"{s.source}: first copies out of order"
         assert [seq for seq in first if seq < 500] == [seq for seq in range(500) if (s, seq) != (A, 3)]  # before the outage
+        announced = {int(h["seq"]) for h in heads if h["type"] == "EventsLost"}
+        assert announced == ({3} if s == A else set()), announced  # right after the refused batch
     dead = h.dead()
     assert [(d["source"], d["seq"]) for d in dead] == [("eng-a", 3)]
     assert "max_payload" in dead[0]["detail"]

@@ -781,7 +781,7 @@ async def test_a_refusal_next_to_an_engine_gap_is_announced_at_a_place_of_its_ow
     assert seen == sorted(set(seen))
     assert [r.seq for r in acked] == [0, 1, 2, 3, 4]
     # What waited behind the refusal is no failure of the sink's: written at once, nothing counted.
-    assert conn.writes == [5, 4]
+    assert conn.writes == [2, 1, 3]  # (the gap's announcement starts a write of its own)
     assert not value(metrics, "kv_bridge_sink_errors_total", sink="mem", reason="not_sent")
 
 
@@ -809,3 +809,23 @@ async def test_a_refusal_met_again_after_a_restart_is_announced_at_the_same_plac
     lost = [(m.record.seq, m.record.from_seq, m.record.to_seq) for m in sink.messages if m.record.kind == "EventsLost"]
     assert lost == [(1, 1, 1)]
     assert [r.seq for r in acked] == list(range(6))
+
+
+async def test_an_announcement_after_a_batch_of_its_stream_starts_a_write_of_its_own(tmp_path: Path) -> None:
+    """breaker99 B2: a connector that writes on past a refused batch (Kafka with a topic per type:
+    the refused batch's topic answers after the others stored) gets the refusal's announcement at
+    its write's top; when that top was the engine's gap announcement, both stood at one place and
+    consumers skipped the refusal (3 of 3). Such an announcement now starts a write of its own."""
+    worker, _, _, _ = make(tmp_path, batch={"linger": 0})
+    conn = answering(worker, [PartialFailure({1: Permanent("too large", reason="too_large")})])
+    await fill(worker, [*stream_records(STREAM, 2), events_lost(STREAM, 0, 2, 2, "no_replay", 0.0)])
+    worker.start()
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    seen = positions(conn)
+    assert seen == sorted(set(seen)), f"two records at one place: {seen}"
+    assert [(m.record.seq, m.record.reason) for m in conn.messages if m.record.kind == "EventsLost"] == [
+        (1, "sink_refused:mem"),
+        (2, "no_replay"),
+    ]
