@@ -447,7 +447,8 @@ class StreamPipeline:
         it. Decisions stand: a batch decided delivered is never dropped (I4), nor a loss or a
         restart left unannounced (I3), and the epochs and first batches they open are saved first
         (the bridge stopping while they cannot be: :class:`bridge.checkpoint.EpochUnsaved`, and
-        nothing is handed; the next start reads it all again)."""
+        nothing is handed; the next start reads from the last save's position, without knowing of
+        a restart decided here: docs Limits)."""
         pending = self._pending
         self._pending = None
         first = self._first_pending  # of the records decided so far; a restart in ``rest`` opens an epoch

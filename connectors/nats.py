@@ -3041,7 +3041,7 @@ def _refused_for_turn(messages: Sequence[Message], errors: dict[int, ConnectorEr
     bridge.connector); the other streams go on."""
     failed: set[str] = set()
     again: list[int] = []
-    refused: dict[str, Record] = {}  # stream -> the record of its message refused for itself: not past it
+    stops = Stops("")  # (only whether a message is past a refusal is asked)
     resend = ("out_of_turn", "subject_moved") if reclaimed else ("out_of_turn",)
     for i in sorted(errors):
         key = messages[i].record.stream.key
@@ -3049,9 +3049,9 @@ def _refused_for_turn(messages: Sequence[Message], errors: dict[int, ConnectorEr
         if key in failed:
             continue
         if isinstance(error, Permanent):
-            refused.setdefault(key, messages[i].record)
+            stops.refused(messages[i])
             continue
-        if error.reason in resend and refused.get(key, messages[i].record) is messages[i].record:
+        if error.reason in resend and stops.past(messages[i]) is None:
             again.append(i)
         else:
             failed.add(key)

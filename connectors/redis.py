@@ -1339,7 +1339,7 @@ class RedisConnector:
         max_bulk = self._max_bulk or _MAX_BULK
         for i, m in enumerate(messages):
             stream = m.record.stream.key
-            if (held := stops.past(m)) is not None:
+            if stream not in stopped and (held := stops.past(m)) is not None:
                 stopped[stream] = held
             if stream in stopped:  # nothing of a stream after its failed message
                 errors[i] = stopped[stream]
