@@ -903,7 +903,9 @@ class NatsConnector:
         self._refusal: str | None = None  # the reason (auth, tls) when _last_error is the server refusing us
         self._refused_at = 0.0  # when the server last refused us (see _on_error)
         self._stream_problem: str | None = None
-        self._stream_refusal: str | None = None  # the events stream's settings refuse every write (see _refusing)
+        # Per JetStream stream capturing some of the sink's subjects whose settings refuse every write
+        # (see _refusing): why, and its subjects; the bridge streams written there are held back.
+        self._refusals: dict[str, tuple[str, list[str]]] = {}
         self._ack_prefix = ""  # JetStream acks: one wildcard inbox subscription, a token per publish
         self._tokens = itertools.count()
         self._acks: dict[str, tuple[_Acks, int]] = {}  # reply token -> who waits for it, at which position
@@ -1120,9 +1122,20 @@ class NatsConnector:
         if self._marked:
             await self._check_marked(nc)
         self._raise_lost()  # before anything of this write is stored: the runtime announces, then writes again
-        if self._stream_refusal is not None:
+        held: dict[int, ConnectorError] = {}
+        if self._refusals:
             await self._still_refusing(nc)
-        errors = await (self._write_core(nc, messages) if self.options.mode == "core" else self._write_jetstream(nc, messages))
+            held = self._held_by_refusal(messages)
+        if len(held) == len(messages):
+            raise held[0]
+        if held:  # the other streams' messages are written (their indexes mapped back)
+            sent = [i for i in range(len(messages)) if i not in held]
+            errors = {sent[j]: e for j, e in (await self._write_jetstream(nc, [messages[i] for i in sent])).items()}
+            errors.update(held)
+        elif self.options.mode == "core":
+            errors = await self._write_core(nc, messages)
+        else:
+            errors = await self._write_jetstream(nc, messages)
         if not errors:
             return
         if len(errors) == len(messages):  # the whole write failed: one cause, as fold() would pick it
@@ -1161,7 +1174,7 @@ class NatsConnector:
             return f"{self._prefix}: NATS at {self._where} does not answer a PING within {timeout:g}s"
         return (
             self._permission_problem
-            or self._stream_refusal
+            or next((why for why, _ in self._refusals.values()), None)
             or self._stream_problem
             or self._state_problem
             or self._subject_problem
@@ -1510,25 +1523,26 @@ class NatsConnector:
             await self._recheck_bucket(nc)
         if nc is not None and nc.is_connected and self._fences:
             await self._recheck_subjects(nc)
+        if nc is not None and nc.is_connected and self._refusals:  # (fixed while the sink is quiet: ready again)
+            with contextlib.suppress(Retriable):
+                await self._still_refusing(nc)
         if self.options.mode == "core" or nc is None or not nc.is_connected or not self._stream_seqs:
             return
         js = nc.jetstream(timeout=self.options.connect_timeout)
-        refusal = None
         for name in list(self._stream_seqs):
             try:
                 info = await js.stream_info(name)
             except nats.js.errors.NotFoundError:
+                self._refusals.pop(name, None)
                 self._stream_lost(f"{name!r} {_GONE}", name)
                 continue
             self._refusing(name, info.config)
-            refusal = refusal or self._stream_refusal
             last, created = info.state.last_seq, self._stream_created.setdefault(name, info.created)
             if created != info.created:
                 self._stream_created[name] = info.created
                 self._stream_lost(f"{name!r} was created again (at {info.created}, after {created})", name)
             elif last < self._stream_seqs[name]:
                 self._stream_lost(f"{name!r} ends at seq {last}, below the {self._stream_seqs[name]} it acknowledged", name)
-        self._stream_refusal = refusal
         self._raise_lost()
 
     async def _reread_max_payload(self, nc: Client) -> None:
@@ -2863,39 +2877,58 @@ class NatsConnector:
         return types if "type" in self._subjects.template.fields else types[:1]
 
     def _refusing(self, name: str, config: js_api.StreamConfig) -> bool:
-        """Whether events stream ``name`` refuses or never acknowledges every write (its settings:
-        :func:`_refuses_writes`), at connect and at each audit (an operator can edit it during the
-        run): the sink not ready, naming the setting, until the settings are fixed."""
+        """Whether JetStream stream ``name``, capturing some of the sink's subjects, refuses or never
+        acknowledges every write (its settings: :func:`_refuses_writes`), at connect and at each
+        audit (an operator can edit it during the run): the sink not ready, naming the setting, and
+        the bridge streams it captures held back (:meth:`_held_by_refusal`), until the settings are
+        fixed. The other streams' messages are written."""
         refusal = _refuses_writes(config, "engine stream")
         if refusal is None and self.writes_state and (kind := _consumed(config)) is not None:
             refusal = f"has {kind} retention: {_CONSUMED_WITH_STATE} (retention cannot be edited: create it again)"
-        problem = refusal and (
+        if refusal is None:
+            self._refusals.pop(name, None)
+            return False
+        problem = (
             f"{self._prefix}: JetStream stream {name!r} {refusal}, or write to another stream (stream.name, and "
             "subjects it captures)"
         )
-        if problem is not None and problem != self._stream_refusal:
+        if problem != self._refusals.get(name, ("", []))[0]:
             log.warning("%s", problem, extra={"sink": self.name})
-        self._stream_refusal = problem
-        return problem is not None
+        self._refusals[name] = (problem, list(config.subjects or []))
+        return True
 
     async def _still_refusing(self, nc: Client) -> None:
-        """A write while the events stream's settings refuse it (:meth:`_refusing`): they are read
-        again (an operator may have fixed them, or created the stream again); still so, nothing is
-        written (``Retriable``: the sink not ready, retried). A stream whose messages leave once
-        consumed takes every write, so only this keeps a state's events from leaving unseen."""
-        name = self._events_stream
-        if name is not None:
-            js = nc.jetstream(timeout=self.options.connect_timeout)
+        """Each stream whose settings refused writes (:meth:`_refusing`) read again: an operator may
+        have fixed them, created it again, or deleted it (the write then finds what captures its
+        subjects now). A read that fails fails the write (``Retriable``: nothing written)."""
+        js = nc.jetstream(timeout=self.options.connect_timeout)
+        for name in list(self._refusals):
             try:
                 info = await js.stream_info(name)
             except nats.js.errors.NotFoundError:
-                self._stream_refusal = None  # (gone: the write finds what captures its subjects now)
-                return
+                self._refusals.pop(name, None)
+                continue
             except (nats.errors.Error, OSError) as exc:
                 raise Retriable(f"{self._prefix}: cannot read JetStream stream {name!r} ({_describe(exc)})") from None
-            if not self._refusing(name, info.config):
-                return
-        raise Retriable(self._stream_refusal or f"{self._prefix}: the events stream refuses writes", reason="stream_refused")
+            self._refusing(name, info.config)
+
+    def _held_by_refusal(self, messages: Sequence[Message]) -> dict[int, ConnectorError]:
+        """The messages not written while a stream refuses (see _refusing): every message of a
+        bridge stream with a message whose subject that stream captures (a stream's messages are
+        never stored past one held back), each as ``Retriable`` (``stream_refused``). A stream whose
+        messages leave once consumed takes every write, so only this keeps a state's events from
+        leaving unseen."""
+        refused: dict[str, str] = {}
+        for m in messages:
+            key = m.record.stream.key
+            if m.type == STATE_TYPE or key in refused:
+                continue
+            subject = self._subjects.render(m)
+            why = next((w for w, filters in self._refusals.values() if any(subjects_overlap(f, subject) for f in filters)), None)
+            if why is not None:
+                refused[key] = why
+        errors: dict[str, ConnectorError] = {k: Retriable(why, reason="stream_refused") for k, why in refused.items()}
+        return {i: errors[m.record.stream.key] for i, m in enumerate(messages) if m.record.stream.key in errors}
 
     async def _check_stream(self, js: JetStreamContext) -> None:
         """Report (health, ``--check``) when no stream captures any subject of the template; do not
@@ -2905,9 +2938,13 @@ class NatsConnector:
         ``--check`` looks for each configured stream's subject (``configured_streams``)."""
         wildcard = subject_filter(self.options.subject)
         try:
-            self._stream_refusal = None  # (the stream found, if any, says again)
+            self._refusals.clear()  # (the streams found, if any, say again)
             name = self._events_stream = await js.find_stream_name_by_subject(wildcard)
             self._stream_problem = None
+            for other in await _all_streams(js):  # (an operator may split the subjects over several)
+                named, filters = other.config.name, other.config.subjects or []
+                if named not in (None, name) and any(subjects_overlap(f, wildcard) for f in filters):
+                    self._refusing(named, other.config)
             info = await js.stream_info(name)
             config = info.config
             if self.creates_nothing and (problem := await self._full_problem(js, info, f"JetStream stream {name!r}")):

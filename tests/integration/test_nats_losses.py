@@ -35,7 +35,7 @@ from nats.js import api as js_api
 
 from bridge.cli import check
 from bridge.config import SinkConfig, convert_options, from_data
-from bridge.errors import ConfigError, Retriable, SinkLost
+from bridge.errors import ConfigError, PartialFailure, Retriable, SinkLost
 from bridge.formats import Message, Renderer
 from bridge.records import Stream
 from bridge.runtime import Bridge
@@ -703,6 +703,48 @@ async def test_a_stream_whose_messages_leave_once_consumed_is_warned_about_and_r
             await js.delete_key_value(f"ST{dest}")
     with pytest.raises(ConfigError, match=r"stream\.retention: interest not allowed with state\.enabled"):
         _options(nats_server.url, dest, stream={"create": True, "retention": "interest"}, state=state)
+
+
+@pytest.mark.parametrize("bad_first", [False, True], ids=["good-stream-named-first", "bad-stream-named-first"])
+async def test_a_refusing_stream_among_several_holds_back_only_the_engine_streams_it_captures(
+    nats_server: NatsServer, reader: Client, dest: str, bad_first: bool
+) -> None:
+    """breaker99 B4: the sink's subjects split over two streams, eng-a's kept (limits), eng-b's
+    with interest retention, and state on. When the server named the good stream first, connect
+    checked only that one: health said nothing, and eng-b's first write was stored and left at
+    once (3 of 3); once refused, eng-a's writes were held back too. Every stream capturing some
+    of the subjects is checked at connect, and only eng-b is held back until its stream keeps."""
+    js = reader.jetstream(timeout=5)
+    good, bad = (f"{dest}_Z_GOOD", f"{dest}_A_BAD") if bad_first else (f"{dest}_A_GOOD", f"{dest}_Z_BAD")
+    await js.add_stream(name=good, subjects=[f"{dest}.eng-a.>"])
+    await js.add_stream(name=bad, subjects=[f"{dest}.eng-b.>"], retention=js_api.RetentionPolicy.INTEREST)
+    state = {"enabled": True, "bucket": f"ST{dest}", "create": True}
+    conn = NatsConnector("nats-l", _options(nats_server.url, dest, stream={"create": False}, state=state), SINK)
+    try:
+        await conn.connect()
+        said = await conn.health()
+        assert said is not None and f"JetStream stream {bad!r} has interest retention" in said, said
+        with pytest.raises(PartialFailure) as held:
+            await conn.write(_render([A, B], 0, 2))
+        reasons = {i: e.reason for i, e in held.value.errors.items()}
+        assert reasons == {2: "stream_refused", 3: "stream_refused"}, reasons  # eng-b's two batches only
+        assert await _subject_seqs(reader, dest, A, within=good) == [0, 1]
+        assert (await js.stream_info(bad)).state.last_seq == 0
+        await conn.write(_render([A], 2, 1))  # eng-a alone goes on
+        assert await _subject_seqs(reader, dest, A, within=good) == [0, 1, 2]
+        await js.delete_stream(bad)
+        await js.add_stream(name=bad, subjects=[f"{dest}.eng-b.>"])
+        await conn.audit()  # (a quiet sink is ready again once the stream keeps)
+        assert await conn.health() is None
+        await conn.write(_render([B], 0, 2))
+        assert await _subject_seqs(reader, dest, B, within=bad) == [0, 1]
+    finally:
+        await conn.close()
+        for name in (good, bad):
+            with contextlib.suppress(nats.errors.Error):
+                await js.delete_stream(name)
+        with contextlib.suppress(nats.errors.Error):
+            await js.delete_key_value(f"ST{dest}")
 
 
 async def test_a_mark_of_a_stream_in_another_account_is_not_taken_for_a_loss(tmp_path: Path) -> None:
