@@ -688,9 +688,9 @@ class Bridge:
             extra={"stream": s.key, "entries": self.tracker.total if self.tracker else None},
         )
 
-    def _state_lost(self, stream: Stream) -> None:
+    def _state_lost(self, stream: Stream, after: tuple[int, int] | None) -> None:
         if self.tracker is not None:
-            self.tracker.invalidate(stream)
+            self.tracker.invalidate(stream, after)
 
     async def load_state(self, streams: Sequence[Stream]) -> None:
         """Before ``streams`` start: read back what every state sink holds of them (all at once, each

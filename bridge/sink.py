@@ -169,6 +169,16 @@ def _reflected(record: Record) -> bool:
     return isinstance(record.state, StateDelta) and record.state.stale
 
 
+def _firsts(messages: Iterable[Message]) -> dict[str, tuple[Stream, tuple[int, int]]]:
+    """Per stream of ``messages``, the stream and its lowest record position among them."""
+    out: dict[str, tuple[Stream, tuple[int, int]]] = {}
+    for m in messages:
+        r = m.record
+        if r.stream.key not in out or r.position < out[r.stream.key][1]:
+            out[r.stream.key] = (r.stream, r.position)
+    return out
+
+
 def _placed(kept: Sequence[Message], announcements: Sequence[Message]) -> list[Message]:
     """``kept`` (messages to write again, in order) with each refusal announcement of
     :meth:`SinkWorker._refusals` before the first message of a later record of its stream: it is
@@ -204,7 +214,7 @@ class SinkWorker:
         metrics: Metrics,
         dead_letters: DeadLetters,
         on_ack: AckCallback,
-        on_state_lost: Callable[[Stream], None] | None = None,
+        on_state_lost: Callable[[Stream, tuple[int, int] | None], None] | None = None,
     ) -> None:
         self.index = index
         self.on_state_lost = on_state_lost
@@ -549,7 +559,7 @@ class SinkWorker:
                 rendered = self.renderer.render(lost)
                 if state and record.state is not None:
                     # Its events are not written, so neither is its state change: clear, incomplete.
-                    self._state_lost(record.stream)
+                    self._state_lost(record.stream, record.position)
             records.append(record)
             messages.extend(rendered)
             if (
@@ -906,15 +916,17 @@ class SinkWorker:
             return sorted(out + messages, key=lambda m: (m.record.stream.key, m.record.position))
         return out + messages
 
-    def _state_lost(self, stream: Stream) -> None:
+    def _state_lost(self, stream: Stream, after: tuple[int, int] | None = None) -> None:
         """What the sink holds of ``stream``'s state is not what the tracker says any more: the
         tracker clears it at the stream's next record (a new generation, incomplete), and this sink
         writes none of the stream's state changes queued before that clear (each was computed on
-        what the sink no longer holds: written, they would leave a partial state marked complete)."""
+        what the sink no longer holds: written, they would leave a partial state marked complete).
+        ``after``: the position of the first record whose change the sink did not take (a
+        refusal), when the loss is of that record alone (see StateTracker.invalidate)."""
         if self.writes_state:
             self._state_gone.add(stream.key)
             if self.on_state_lost is not None:
-                self.on_state_lost(stream)
+                self.on_state_lost(stream, after)
 
     async def _health(self) -> str | None:
         """The connector's health check, bounded: None when healthy, else why not."""
@@ -947,20 +959,20 @@ class SinkWorker:
             # A state change the sink refused: nothing to dead-letter (it has no body), and its
             # record's events were written; the sink's state now differs from the tracker's.
             messages = [m for m in messages if m.type != STATE_TYPE]
-            for stream in {m.record.stream.key: m.record.stream for m in state}.values():
+            for stream, first in _firsts(state).values():
                 if self._state_refusals_told.get(stream.key) != exc.reason:  # counted each time, told once
                     self._state_refusals_told[stream.key] = exc.reason
                     log.error(
                         "state change refused by the sink: the stream's state is cleared at its next clear",
                         extra={"sink": self.name, "stream": stream.key, "error": str(exc)},
                     )
-                self._state_lost(stream)
+                self._state_lost(stream, first)
         dead = {id(m.record) for m in messages if m.record.kind == "batch"}
         # The sink's state holds what the refused messages said, its messages do not: a consumer
         # following them would disagree with one bootstrapped later. Clear, incomplete; not for a
         # record the sink's state is past (a replay after a restart: cleared then already).
-        for stream in {m.record.stream.key: m.record.stream for m in messages if not _reflected(m.record)}.values():
-            self._state_lost(stream)
+        for stream, first in _firsts([m for m in messages if not _reflected(m.record)]).values():
+            self._state_lost(stream, first)
         if messages:
             log.error(
                 "messages rejected by the sink, dead-lettered",

@@ -447,7 +447,19 @@ class TrackerStats(msgspec.Struct):
 
 
 class _StreamState:
-    __slots__ = ("ahead", "complete", "epoch", "generation", "live", "lost", "position", "seq", "tiers", "tracking")
+    __slots__ = (
+        "ahead",
+        "cleared_at",
+        "complete",
+        "epoch",
+        "generation",
+        "live",
+        "lost",
+        "position",
+        "seq",
+        "tiers",
+        "tracking",
+    )
 
     def __init__(self, epoch: int, generation: int) -> None:
         self.epoch = epoch
@@ -457,6 +469,7 @@ class _StreamState:
         # entries written after its head): records up to it skip the blocks already that new.
         self.ahead = -1
         self.lost = False  # a sink could not write a change: the next record clears the stream
+        self.cleared_at = (-1, -1)  # the position of the last record that cleared it (see invalidate)
         self.position = (epoch, -1)
         self.complete = False
         self.tracking = True
@@ -547,12 +560,19 @@ class StateTracker:
             for k, c, v in table.items():
                 yield medium, group, k, c, v - 1
 
-    def invalidate(self, stream: Stream) -> None:
+    def invalidate(self, stream: Stream, after: tuple[int, int] | None = None) -> None:
         """A sink could not write a change of ``stream`` (refused for itself): what it holds may
         differ from the tracker from now on. The stream's next record clears it everywhere (a new
-        generation) and makes it incomplete until the engine's next reset or clear."""
+        generation) and makes it incomplete until the engine's next reset or clear.
+
+        ``after``: the position of the first record whose change the sink could not write. A
+        record past it that this tracker applied already cleared the stream: the sink writes
+        that clear next (a new generation: what it held before no longer counts) and the changes
+        since, so its state is the tracker's again, and nothing is cleared (a refusal the sink
+        learns of late, after the engine's clear, would keep the state incomplete until the one
+        after it)."""
         st = self._streams.get(stream.key)
-        if st is not None:
+        if st is not None and (after is None or st.cleared_at <= after):
             st.lost = True
 
     def streams_off(self) -> int:
@@ -676,6 +696,8 @@ class StateTracker:
                 self._events(st, record, delta, pending)
         delta.changes = self._changes(pending)
         delta.head = st.head()
+        if delta.clear:
+            st.cleared_at = position
         return delta
 
     def _room(self) -> bool:

@@ -50,7 +50,7 @@ def value(worker_metrics: object, name: str, **labels: str) -> float:
 async def test_a_span_the_sink_lost_is_announced_to_it_ahead_of_the_write_which_goes_again(tmp_path: Path) -> None:
     worker, conn, acked, metrics = make(tmp_path, batch={"linger": 0, "max_messages": 2})
     lost_streams: list[Stream] = []
-    worker.writes_state, worker.on_state_lost = True, lost_streams.append
+    worker.writes_state, worker.on_state_lost = True, lambda stream, _at: lost_streams.append(stream)
     records = stream_records(STREAM, 4) + stream_records(OTHER, 1)
     await fill(worker, records[:2])
     worker.start()
@@ -253,7 +253,7 @@ async def test_an_unrenderable_record_writes_no_state_change_and_clears_the_stat
     the state document from it fails inside the sink's write, for ever)."""
     worker, conn, acked, metrics = make(tmp_path, granularity="event", batch={"linger": 0})
     lost_streams: list[Stream] = []
-    worker.writes_state, worker.on_state_lost = True, lost_streams.append
+    worker.writes_state, worker.on_state_lost = True, lambda stream, _at: lost_streams.append(stream)
     payload = deep_payload()
     batch = wire.decode_batch(payload)
     hostile = Record(stream=STREAM, epoch=0, seq=1, ts=batch.ts, payload=payload, events=batch.events, state=delta())
@@ -276,7 +276,7 @@ async def test_after_a_lost_state_the_stream_s_changes_are_written_again_from_it
     clears it (the tracker's new generation): that one and every later one are; another stream's
     are written throughout."""
     worker, conn, _, _ = make(tmp_path, granularity="event", batch={"linger": 0, "max_messages": 1})
-    worker.writes_state, worker.on_state_lost = True, lambda _stream: None
+    worker.writes_state, worker.on_state_lost = True, lambda _stream, _at: None
     payload = deep_payload()
     batch = wire.decode_batch(payload)
     hostile = Record(stream=STREAM, epoch=0, seq=1, ts=batch.ts, payload=payload, events=batch.events, state=delta())
@@ -297,9 +297,8 @@ async def test_after_a_lost_state_the_stream_s_changes_are_written_again_from_it
 async def test_the_state_lost_callback_given_at_construction_is_told(tmp_path: Path) -> None:
     made, conn, _, metrics = make(tmp_path, granularity="event", batch={"linger": 0})
     lost_streams: list[Stream] = []
-    worker = SinkWorker(
-        0, made.config, conn, made.renderer, metrics, made.dead_letters, made.on_ack, on_state_lost=lost_streams.append
-    )
+    told = lambda stream, _at: lost_streams.append(stream)  # noqa: E731
+    worker = SinkWorker(0, made.config, conn, made.renderer, metrics, made.dead_letters, made.on_ack, on_state_lost=told)
     worker.writes_state = True
     payload = deep_payload()
     batch = wire.decode_batch(payload)
@@ -314,7 +313,7 @@ async def test_the_state_lost_callback_given_at_construction_is_told(tmp_path: P
 async def test_an_unrenderable_record_without_a_state_change_leaves_the_state_alone(tmp_path: Path) -> None:
     worker, conn, _, _ = make(tmp_path, granularity="event", batch={"linger": 0})
     lost_streams: list[Stream] = []
-    worker.writes_state, worker.on_state_lost = True, lost_streams.append
+    worker.writes_state, worker.on_state_lost = True, lambda stream, _at: lost_streams.append(stream)
     payload = deep_payload()
     batch = wire.decode_batch(payload)
     hostile = Record(stream=STREAM, epoch=0, seq=1, ts=batch.ts, payload=payload, events=batch.events)
@@ -372,7 +371,7 @@ async def test_a_refused_state_change_clears_the_state_and_announces_no_batch(tm
     EventsLost is announced for the batch; the stream's state is cleared instead."""
     worker, _, acked, _ = make(tmp_path, batch={"linger": 0})
     lost_streams: list[Stream] = []
-    worker.writes_state, worker.on_state_lost = True, lost_streams.append
+    worker.writes_state, worker.on_state_lost = True, lambda stream, _at: lost_streams.append(stream)
     records = stream_records(STREAM, 2)
     for r in records:
         r.state = delta()
@@ -475,7 +474,7 @@ async def test_state_changes_queued_before_a_lost_state_is_cleared_are_not_writt
     the stream's changes is written until one that clears the state (the tracker's next)."""
     worker, _, acked, _ = make(tmp_path, batch={"linger": 0, "max_messages": 2})
     lost_streams: list[Stream] = []
-    worker.writes_state, worker.on_state_lost = True, lost_streams.append
+    worker.writes_state, worker.on_state_lost = True, lambda stream, _at: lost_streams.append(stream)
     records = stream_records(STREAM, 4) + stream_records(OTHER, 1)
     for r in records:
         r.state = delta(clear=r.seq == 3 and r.stream == STREAM)
@@ -505,7 +504,7 @@ async def test_a_loss_the_audit_finds_on_a_quiet_sink_is_announced_without_a_wri
     worker, conn, acked, metrics = make(tmp_path, batch={"linger": 0})
     worker.health_interval = 0.01
     cleared: list[Stream] = []
-    worker.writes_state, worker.on_state_lost = True, cleared.append
+    worker.writes_state, worker.on_state_lost = True, lambda stream, _at: cleared.append(stream)
     answers: list[BaseException | None] = [RuntimeError("cannot read"), SinkLost("lost", [(STREAM, 0, 0, 1)], states=[OTHER])]
     audits = 0
 

@@ -685,7 +685,7 @@ async def test_a_refused_state_change_in_a_write_that_also_goes_again_is_not_ann
     """A state message refused for itself while another message failed transiently: the write goes
     again from the transient failure on, with no announcement for the state message."""
     worker, conn, acked, _ = make(tmp_path, batch={"linger": 0})
-    worker.writes_state, worker.on_state_lost = True, lambda _stream: None
+    worker.writes_state, worker.on_state_lost = True, lambda _stream, _at: None
     records = stream_records(STREAM, 2)
     for r in records:
         r.state = Delta()
@@ -824,7 +824,7 @@ async def test_a_loss_the_sink_reports_of_seqs_the_write_announces_itself_is_not
     stream's state is cleared all the same; a loss reaching below the write's is announced below it."""
     worker, conn, _, _ = make(tmp_path, batch={"linger": 0})
     cleared: list[Stream] = []
-    worker.writes_state, worker.on_state_lost = True, cleared.append
+    worker.writes_state, worker.on_state_lost = True, lambda stream, _at: cleared.append(stream)
     engine_lost = events_lost(STREAM, 0, 0, 1, "replay_unavailable", 1.0)
     conn.failures = [SinkLost("stream reset", [(STREAM, 0, 0, 1)]), None]
     worker.start()
@@ -846,7 +846,7 @@ async def test_a_write_whose_only_refusal_is_a_state_change_brings_the_sink_up(
     """Down after a transient failure, then the write goes through but for its state change,
     refused for itself (nothing to announce): the sink is up."""
     worker, conn, _, _ = make(tmp_path, batch={"linger": 0}, retry=BACKOFF_TEN_MS)
-    worker.writes_state, worker.on_state_lost = True, lambda _stream: None
+    worker.writes_state, worker.on_state_lost = True, lambda _stream, _at: None
     record_sleeps(monkeypatch)
     (record,) = STREAM_RECORDS[:1]
     record = Record(stream=record.stream, epoch=0, seq=0, ts=record.ts, payload=record.payload, events=record.events)
@@ -867,7 +867,7 @@ async def test_a_stream_s_state_refused_again_and_again_is_told_once_until_its_s
     fix31s) is counted each time but logged once; once a clear's state change is written, the next
     refusal is logged again (the stream's state was fine in between)."""
     worker, conn, _, metrics = make(tmp_path, batch={"linger": 0, "max_messages": 2})
-    worker.writes_state, worker.on_state_lost = True, lambda _stream: None
+    worker.writes_state, worker.on_state_lost = True, lambda _stream, _at: None
     records = stream_records(STREAM, 5)
     for r, clear in zip(records, [False, True, True, True, False], strict=True):
         r.state = Delta(clear)

@@ -10,8 +10,11 @@ from ``cleared``, then ``changes``) equals the tracker.
 The sink can lose its state at any step (I6): wiped (a restart without persistence, a deleted key
 or bucket) or put back to an older snapshot (a restart from an older RDB file). The runtime is told
 (``StateTracker.invalidate``, as it is when a connector reports the loss): the stream's next record
-clears the sink whole into a new generation, incomplete until the engine's next reset. Whatever
-the sink holds, a head it marks complete equals the engine's cache at that head.
+clears the sink whole into a new generation, incomplete until the engine's next reset. The sink can
+also stall (an OOM: the tracker goes on, the deltas wait) and then refuse the first record it holds
+for itself: it writes none of the stream's changes until the next clear (as bridge.sink does), and
+the tracker clears the stream at its next record only if it applied no clear since the refused one.
+Whatever the sink holds, a head it marks complete equals the engine's cache at that head.
 """
 
 from __future__ import annotations
@@ -104,6 +107,12 @@ class StateModel(RuleBasedStateMachine):
         }
         self.truth: dict[tuple[str, int, int, int], dict[Key, int]] = {}  # the engine's cache at each head
         self.lost: set[str] = set()  # streams whose sink lost its state, until their next record
+        self.cleared_at: dict[str, tuple[int, int]] = {}  # the position of each stream's last clear (the reference's)
+        # The sink's side: deltas of streams it holds back (stalled), and streams whose changes it
+        # writes none of until the next clear (it lost or was refused one).
+        self.stalled: set[str] = set()
+        self.pending: dict[str, list[tuple[tuple[int, int], StateDelta]]] = {s.key: [] for s in STREAMS}
+        self.gone: set[str] = set()
         self.history: list[Record] = []
         self.cap: int | None = None
         self.tracker = StateTracker()
@@ -195,11 +204,12 @@ class StateModel(RuleBasedStateMachine):
                         del r.versions[bk]
 
     # -- the sink that applies deltas ------------------------------------------------------------
-    def sink_apply(self, d: StateDelta) -> None:
+    def sink_apply(self, d: StateDelta, whole: bool) -> None:
         entries = self.sink[d.stream.key]
-        if d.clear and d.stream.key in self.lost:
+        if d.clear and whole:
             # A sink that lost its state may hold keys the tracker never listed (an older
-            # snapshot's): the connector clears it whole, not key by key.
+            # snapshot's, what a refused record removed): a new generation, whatever the
+            # connector keeps of the old one, which no head names any more.
             entries.clear()
         elif d.clear:
             for tier in d.cleared:
@@ -222,19 +232,58 @@ class StateModel(RuleBasedStateMachine):
         before = self.tracker.head(rec.stream)
         delta = self.tracker.apply(rec)
         assert not delta.stale
-        self.ref_apply(rec)
-        self.sink_apply(delta)
-        self.lost.discard(rec.stream.key)
         key = rec.stream.key
-        self.sink_head[key] = delta.head
+        generation = self.refs[key].generation if key in self.refs else None
+        self.ref_apply(rec)
+        self.lost.discard(key)
         r = self.refs[key]
+        if r.generation != generation:
+            self.cleared_at[key] = rec.position
         self.truth[(key, delta.head.epoch, delta.head.seq, delta.head.generation)] = dict(r.counts)
-        self.snapshots[key].append((dict(self.sink[key]), delta.head))
+        self.pending[key].append((rec.position, delta))
+        if key not in self.stalled:
+            self.flush(key)
         if delta.switched_off and not delta.switched_on:
             assert not r.tracking
         if before is not None and before.tracking and not r.tracking:
             assert delta.switched_off
         self.history.append(rec)
+
+    def flush(self, key: str) -> None:
+        """The sink writes the deltas it holds of stream ``key``, skipping, while it is gone, each
+        one up to the next clear (bridge.sink's ``_state_gone``)."""
+        for _position, d in self.pending[key]:
+            whole = key in self.gone
+            if whole and not d.clear:
+                continue
+            self.gone.discard(key)
+            self.sink_apply(d, whole)
+            self.sink_head[key] = d.head
+            self.snapshots[key].append((dict(self.sink[key]), d.head))
+        self.pending[key].clear()
+
+    @rule(s=st.sampled_from(STREAMS))
+    def sink_stalls(self, s: Stream) -> None:
+        """The sink stops writing the stream for a while (an OOM): the tracker goes on."""
+        self.stalled.add(s.key)
+
+    @rule(s=st.sampled_from(STREAMS))
+    def sink_writes(self, s: Stream) -> None:
+        self.stalled.discard(s.key)
+        self.flush(s.key)
+
+    @precondition(lambda self: any(self.pending.values()))
+    @rule(i=st.integers(0, 10**6))
+    def sink_refuses(self, i: int) -> None:
+        """I6 fault: the sink refuses the first record it holds of a stream for itself; it writes
+        none of the stream's changes until the next clear, and the runtime tells the tracker."""
+        keys = [k for k, p in self.pending.items() if p]
+        key = keys[i % len(keys)]
+        position, _refused = self.pending[key].pop(0)
+        self.gone.add(key)
+        self.tracker.invalidate(next(s for s in STREAMS if s.key == key), position)
+        if self.cleared_at.get(key, (-1, -1)) <= position:
+            self.lost.add(key)  # the tracker clears the stream at its next record
 
     @rule(s=st.sampled_from(STREAMS), events=st.lists(block_event(), max_size=6), skip=st.integers(0, 3))
     def batch(self, s: Stream, events: list[dict[str, Any]], skip: int) -> None:
@@ -270,6 +319,7 @@ class StateModel(RuleBasedStateMachine):
         else:
             self.sink[key], self.sink_head[key] = {}, None
         self.tracker.invalidate(s)  # what the runtime does when the connector reports the loss
+        self.gone.add(key)  # (bridge.sink: none of the changes it holds are written, up to a clear)
         if key in self.refs:
             self.lost.add(key)
 
@@ -312,8 +362,8 @@ class StateModel(RuleBasedStateMachine):
             assert head.tracking == r.tracking
             assert head.complete == (r.complete and r.tracking)
             assert head.live == len(want)
-            if s.key in self.lost:  # the sink's state is what it lost to, until the stream's next record
-                continue
+            if s.key in self.lost or s.key in self.gone or self.pending[s.key]:
+                continue  # the sink's state is what it lost to (until the next clear), or behind
             sink = self.sink[s.key]
             assert {bk: c for bk, (c, _f, _v) in sink.items()} == dict(r.counts)
             assert {bk: v for bk, (_c, _f, v) in sink.items()} == r.versions

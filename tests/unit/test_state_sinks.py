@@ -123,6 +123,45 @@ async def test_a_message_refused_for_itself_clears_its_streams_state_at_the_next
     worker.dead_letters.close()
 
 
+async def test_a_refusal_learned_after_the_engine_cleared_leaves_the_state_complete(tmp_path: Any) -> None:
+    """breaker99 B5: an event of batch 0 is refused after the tracker applied batch 1, which
+    clears the cache (an OOM held the write back meanwhile). The sink writes batch 1's clear (a
+    new generation) and what follows, so its state is the tracker's again: clearing it once more
+    at the next record kept it incomplete until the engine's clear after that (4 of 4 runs)."""
+    from bridge.errors import PartialFailure, Permanent, Retriable
+    from bridge.records import Record, Stream
+    from bridge.state import StateTracker
+    from tests.unit.test_sink import make
+
+    worker, conn, _, _ = make(tmp_path, batch={"linger": 0})
+    tracker = StateTracker()
+    worker.writes_state = True
+    worker.on_state_lost = tracker.invalidate
+    stream = Stream("llama-a", 0)
+    store = {"type": "BlockStored", "block_hashes": [1], "medium": "GPU", "token_ids": [], "block_size": 1}
+    cleared = [{"type": "AllBlocksCleared"}, {**store, "block_hashes": [2]}]
+    records = [Record(stream=stream, epoch=1, seq=s, ts=1.0, events=e) for s, e in enumerate([[store], cleared])]
+    for r in records:
+        r.state = tracker.apply(r)
+    # batch 0's event refused, batch 1 (and its state change) held back behind it (Stops)
+    held = Retriable("behind a refusal", reason="not_sent")
+    conn.failures = [PartialFailure({0: Permanent("too large", reason="too_large"), 2: held, 3: held}), None]
+    worker.start()
+    for r in records:
+        assert worker.offer(r)
+    await worker.flush(5.0)
+    states = [m.record.state for m in conn.messages if m.type == "StateDelta"]
+    assert [(d.clear, d.head.seq, d.head.complete) for d in states] == [(True, 1, True)], states
+    delta = tracker.apply(Record(stream=stream, epoch=1, seq=2, ts=1.0, events=[{**store, "block_hashes": [3]}]))
+    assert not delta.clear and delta.head.complete
+    # a refusal of a record after the clear still clears the state at the next record
+    tracker.invalidate(stream, (1, 2))
+    delta = tracker.apply(Record(stream=stream, epoch=1, seq=3, ts=1.0, events=[store]))
+    assert delta.clear and not delta.head.complete
+    await worker.stop()
+    worker.dead_letters.close()
+
+
 def test_a_generation_is_above_the_process_base_after_a_rebuild() -> None:
     """Seeded from a head of generation g, the next clear opens a generation at or above this
     process's base, not g + 1, which a write an earlier process's crash cut may already hold."""
