@@ -2941,7 +2941,12 @@ class NatsConnector:
             self._refusals.clear()  # (the streams found, if any, say again)
             name = self._events_stream = await js.find_stream_name_by_subject(wildcard)
             self._stream_problem = None
-            for other in await _all_streams(js):  # (an operator may split the subjects over several)
+            try:  # (an operator may split the subjects over several: the first write reads them too, see _claim)
+                others = await _all_streams(js)
+            except (TimeoutError, nats.errors.Error) as exc:
+                log.debug("%s: listing the streams failed: %s", self._prefix, _describe(exc), extra={"sink": self.name})
+                others = []
+            for other in others:
                 named, filters = other.config.name, other.config.subjects or []
                 if named not in (None, name) and any(subjects_overlap(f, wildcard) for f in filters):
                     self._refusing(named, other.config)
