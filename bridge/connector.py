@@ -578,7 +578,10 @@ class Template:
 def rendered(render: Callable[[Message], str], template: Template, streams: Sequence[Stream], types: Sequence[str]) -> list[str]:
     """A name template's text and the names it renders (``render``) for each of ``streams`` and
     message ``types`` (only the first when it has no ``{type}``: the others render alike; see
-    ``places``)."""
+    ``places``). A template with ``{epoch}`` renders nothing: an epoch is known only once its
+    engine starts (the clock then), so no name rendered before would be one it writes."""
+    if "epoch" in template.fields:
+        return [template.text]
     types = types if "type" in template.fields else types[:1]
     names = {render(sample_message(stream, t)) for stream in streams for t in types}
     return [template.text, *sorted(names - {template.text})]

@@ -505,6 +505,27 @@ def test_two_kafka_sinks_whose_topics_differ_only_by_dot_and_underscore_are_refu
     assert _shared(a, {**a, "name": "k2", "topic": "ev-x"}) == []  # ('-' is a name of its own)
 
 
+@pytest.mark.parametrize(
+    ("kind", "first", "second"),
+    [
+        ("kafka", {"topic": "kvE-{epoch}"}, {"topic": "kvE-0"}),
+        ("redis", {"stream": "kv:{source}:{dp_rank}:{epoch}"}, {"stream": "kv:a:0:0"}),
+        ("nats", {"subject": "kv.{source}.{epoch}"}, {"subject": "kv.a.0"}),
+    ],
+)
+def test_a_template_with_the_epoch_is_not_rendered_into_a_false_collision(
+    kind: str, first: dict[str, str], second: dict[str, str]
+) -> None:
+    """breaker100 B3: 'kvE-{epoch}' was rendered with epoch 0 and refused beside a sink writing
+    'kvE-0' (--check and the start exit 2), while an epoch is the engine's clock at its start,
+    never 0. Only the same text is refused."""
+    server = {"redis": {"url": "redis://r:6379"}, "kafka": {"bootstrap_servers": "k:9092"}, "nats": {"servers": "nats://n"}}[kind]
+    a = {"type": kind, "name": "s1", **server, **first}
+    assert _shared(a, {"type": kind, "name": "s2", **server, **second}) == []
+    (line,) = _shared(a, {**a, "name": "s2"})
+    assert line.startswith("sinks[1] (s2): writes "), line
+
+
 def test_two_nats_sinks_as_two_users_are_refused_for_users_may_share_one_account() -> None:
     """breaker80 B1: two users of one account (nats-server's authorization.users) share subjects,
     streams and the duplicate window: taking them for two places lost half the messages."""
