@@ -819,6 +819,16 @@ class KafkaConnector:
                 )
         return None
 
+    def _collides(self, topic: str, detail: str) -> StreamRefused:
+        """Kafka refuses to create events topic ``topic``, a valid name: it collides with a topic
+        whose name differs only by '.' and '_' (another sink's or another writer's: the sink's own
+        are refused before, see _topic_clash). Its streams are refused for the run, not the sink."""
+        return StreamRefused(
+            f"{self._where}: Kafka refuses to create topic {topic!r} ({detail}): a topic whose name differs only by "
+            "'.' and '_' exists (another sink's?); rename the source, or change the topic template",
+            reason="topic_clash",
+        )
+
     def conflicts(self, streams: Sequence[Stream]) -> list[str]:
         """What the configured ``streams`` make impossible before a run (see bridge.connector): an
         events topic that is the state topic, or two topics Kafka takes for one."""
@@ -1604,6 +1614,10 @@ class KafkaConnector:
                         f"lost (announced to its consumers); create it again {fix}"
                     )
                     raise NotConnected(f"{self._where}: {self._topic_problem}", reason="topic_deleted")
+            if code == _UNKNOWN_TOPIC and (late or not creates) and allow and not state:
+                twin = await self._twin(topic)  # (the broker leaves a colliding name uncreated, saying only "unknown")
+                if twin is not None:
+                    raise self._collides(topic, f"the broker did not auto-create it: {twin!r} exists")
             if code == _UNKNOWN_TOPIC and (late or not creates):
                 why = "the broker did not auto-create it (auto.create.topics.enable=false?)" if allow else "auto-creation is off"
                 self._topic_problem = (
@@ -1614,6 +1628,8 @@ class KafkaConnector:
                     "create it, or set create_topics.enabled: true"
                 )
                 raise NotConnected(f"{self._where}: {self._topic_problem}", reason="unknown_topic")
+            if code == _INVALID_TOPIC and not state:
+                raise self._collides(topic, "the broker rejects the name")
             if code == _INVALID_TOPIC:
                 raise Permanent(f"{self._where}: the broker rejects topic name {topic!r}", reason="invalid_topic")
             if code == _TOPIC_AUTHORIZATION:
@@ -2039,6 +2055,20 @@ class KafkaConnector:
         internals.no_auto_create(admin._client)
         return admin
 
+    async def _twin(self, topic: str) -> str | None:
+        """A topic of the cluster whose name differs from ``topic`` only by '.' and '_' (None: none,
+        or the listing failed)."""
+        folded = topic.replace(".", "_")
+        admin = self._admin()
+        try:
+            await admin.start()
+            names = await admin.list_topics()
+        except kafka_errors.KafkaError:
+            return None
+        finally:
+            await admin.close()
+        return next((t for t in names if t != topic and t.replace(".", "_") == folded), None)
+
     async def _create_topic(self, topic: str, *, state: bool = False, validate_only: bool = False) -> None:
         """Create ``topic`` with the configured settings (an existing one will do); with
         ``validate_only`` (``--check``) the broker only says whether it could (replicas beyond its
@@ -2060,6 +2090,8 @@ class KafkaConnector:
             code = int(entry[1])
             if code not in (0, _TOPIC_EXISTS):
                 detail = entry[2] if len(entry) > 2 and entry[2] else kafka_errors.for_code(code).__name__
+                if code == _INVALID_TOPIC and not state:  # (a valid name: see _prepare_topic)
+                    raise self._collides(topic, detail)
                 self._topic_problem = f"cannot create topic {topic!r}: {detail}"
                 raise NotConnected(f"{self._where}: {self._topic_problem}", reason="create_topic")
         if validate_only:

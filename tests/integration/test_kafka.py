@@ -675,6 +675,33 @@ async def test_templated_topic_missing_for_one_stream_fails_only_its_messages(ka
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("create", [True, False], ids=["created-by-the-sink", "auto-created-by-the-broker"])
+async def test_a_stream_whose_topic_collides_with_another_writers_is_refused_alone(kafka: KafkaServer, create: bool) -> None:
+    """breaker100 B2: a discovered source whose topic ('kv.eng_x') differs from another sink's
+    ('kv_eng_x') only by '.' and '_': Kafka refuses to create it, and the whole sink went down
+    (create_topic, retried for ever: its other streams stored 0-1 of 6 batches, 2 of 2). The stream
+    is refused for itself (topic_clash), and the sink's other streams go on."""
+    prefix = f"kvb_clash_{uuid.uuid4().hex[:8]}"
+    await kafka.anew_topic(name=f"{prefix}_eng_x")  # (another sink's)
+    make = {"create_topics": {"enabled": True, "partitions": 1}} if create else {"allow_auto_create_topics": True}
+    connector = build(kafka, prefix + ".{source}", **make)
+    x = render(stream_records(Stream("eng_x", 0), 2))
+    y = render(stream_records(Stream("eng_y", 0), 2))
+    messages = [m for pair in zip(x, y, strict=True) for m in pair]
+    await connector.connect()
+    try:
+        with pytest.raises(PartialFailure) as info:
+            await connector.write(messages)
+        refused = {i: (type(e).__name__, e.reason) for i, e in info.value.errors.items()}
+        want = {i: ("StreamRefused", "topic_clash") for i, m in enumerate(messages) if m.record.stream.source == "eng_x"}
+        assert refused == want, refused
+        assert f"{prefix}.eng_x" in str(info.value.errors[0]), info.value.errors[0]
+    finally:
+        await connector.close()
+    assert [r.value for r in await consume(kafka, f"{prefix}.eng_y")] == [m.value for m in y]
+
+
+@pytest.mark.integration
 async def test_a_label_value_a_topic_name_cannot_hold_is_made_valid(kafka: KafkaServer) -> None:
     """Issue 29 C4: ``topic: kv-{labels.model}`` with design.md's own example label value
     ``meta-llama/Llama-3.1-8B`` rendered an invalid topic name: --check said ok, the run was
