@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .backoff import Backoff
+from .checkpoint import SinkPosition
 from .config import SinkConfig
 from .connector import Connector
 from .deadletter import DeadLetters
@@ -242,6 +243,10 @@ class SinkWorker:
         self._idle = asyncio.Event()
         self._idle.set()
         self._dropped: dict[str, Record] = {}  # per stream: the EventsLost of the span being dropped
+        # Dropped spans queued and not yet checked against what the sink holds (ids), and the
+        # (stream, epoch) pairs found past what it held before this process (see _unheld).
+        self._unchecked: set[int] = set()
+        self._past_held: set[tuple[str, int]] = set()
         self._state_gone: set[str] = set()  # streams whose state changes are not written until a clear
         # (stream, epoch, from_seq, to_seq) the runtime found this sink lost before the stream
         # started (at start-up, or a source added at run time): announced ahead of its records.
@@ -360,8 +365,57 @@ class SinkWorker:
     def _flush_dropped(self, key: str) -> None:
         span = self._dropped.pop(key, None)
         if span is not None:
-            self.metrics.announced_lost(span)
+            self._unchecked.add(id(span))  # (counted once checked: see _unheld)
             self._push(span)
+
+    async def _unheld(self, records: list[Record], messages: list[Message]) -> list[Message]:
+        """``messages`` with each dropped span among ``records`` announced only from the first
+        batch the sink does not hold: the replay after a restart sends again what the last run
+        stored, a full queue drops some of it, and those were delivered (I3). The connector's
+        ``positions()`` says the last message it holds of the stream; a span it holds whole is
+        acknowledged unannounced. Once a span reaches past what it holds, the stream's later spans
+        in that epoch are this process's own losses (not asked again). A connector without
+        ``positions()``, or one that cannot tell, gets the span whole."""
+        spans = [r for r in records if id(r) in self._unchecked]
+        self._unchecked.difference_update(id(r) for r in spans)
+        reader = getattr(self.connector, "positions", None)
+        asked = {id(r) for r in spans if (r.stream.key, r.epoch) not in self._past_held} if reader is not None else set()
+        held: Mapping[str, SinkPosition | None] = {}
+        if reader is not None and asked:
+            try:
+                async with asyncio.timeout(self.config.retry.write_timeout):
+                    held = await reader(list({r.stream.key: r.stream for r in spans if id(r) in asked}.values()))
+            except Exception as exc:  # (cannot tell: announced whole)
+                log.debug("reading what the sink holds failed", extra={"sink": self.name, "error": repr(exc)})
+        changed: dict[int, list[Message]] = {}
+        for r in spans:
+            key, first = r.stream.key, r.from_seq if r.from_seq is not None else r.seq
+            pos = held.get(key) if id(r) in asked else None
+            if pos is not None and pos.epoch >= r.epoch:
+                first = max(first, pos.first_missing() if pos.epoch == r.epoch else r.seq + 1)
+            if id(r) in asked and key in held and first <= r.seq:  # (the sink's copy of the epoch ends before it)
+                self._past_held.add((key, r.epoch))
+            if first > r.seq:
+                changed[id(r)] = []
+                log.info(
+                    "dropped batches the sink holds already (sent again after a restart): not announced",
+                    extra={"sink": self.name, "stream": key, "from_seq": r.from_seq, "to_seq": r.seq},
+                )
+                continue
+            if first != r.from_seq:
+                r.from_seq = first
+                changed[id(r)] = self.renderer.render(r)
+            self.metrics.announced_lost(r)
+        if not changed:
+            return messages
+        out: list[Message] = []
+        for m in messages:
+            again = changed.pop(id(m.record), None)
+            if again is not None:
+                out.extend(again)
+            elif id(m.record) not in changed:
+                out.append(m)
+        return out
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> asyncio.Task[None]:
@@ -471,6 +525,8 @@ class SinkWorker:
                     await asyncio.sleep(linger)
                 await self._announce_lost_at_start()  # (handed on meanwhile: ahead of what woke it)
             records, messages, unrendered, size = self._take()
+            if self._unchecked:
+                messages = await self._unheld(records, messages)
             refused_before = self._refused_messages
             dead = await self._deliver(messages) if messages else set()
             if dead or self._refused_run:  # (else nothing refused and no run to end: no pass over the write)

@@ -228,6 +228,56 @@ async def test_dropped_span_from_seq_0_counts_every_batch(tmp_path: Path) -> Non
     assert metrics.registry.get_sample_value("kv_bridge_batches_lost_total", {"source": "s", "reason": "sink_queue_full"}) == 3
 
 
+@pytest.mark.parametrize(
+    ("held", "announced", "lost"),
+    [
+        (None, [(0, 8)], 9),  # holds nothing of the stream: the whole span
+        (5, [(6, 8)], 3),  # held through 5 by the last run: announced from 6
+        (10, [], 0),  # held whole: nothing announced, acknowledged all the same
+    ],
+)
+async def test_a_dropped_span_is_announced_only_past_what_the_sink_holds(
+    tmp_path: Path, held: int | None, announced: list[tuple[int, int]], lost: int
+) -> None:
+    """breaker100 B1: after a restart the replay sends again batches the sink stored in the last
+    run, and a drop sink's full queue drops some: they were announced lost though the sink held
+    them (I3: delivered and announced), 6 of 6. The span is announced from the first batch the
+    sink does not hold (its positions()); once past, the epoch's later spans are not asked about."""
+    from bridge.checkpoint import SinkPosition
+
+    worker, conn, acked, metrics = make(tmp_path, queue={"max_batches": 1}, backpressure="drop", batch={"linger": 0})
+    asked: list[list[str]] = []
+
+    async def positions(streams: list[Stream]) -> dict[str, SinkPosition | None]:
+        asked.append([s.key for s in streams])
+        return {s.key: None if held is None else SinkPosition(1, held) for s in streams}
+
+    conn.positions = positions  # type: ignore[attr-defined]
+    conn.gate = asyncio.Event()
+    worker.start()
+    assert worker.offer(stream_records(Stream("other", 0), 1)[0])  # fills the queue, held in the write
+    await asyncio.sleep(0.01)
+    for r in stream_records(STREAM, 9, epoch=1):
+        assert worker.offer(r)  # dropped: seqs 0..8
+    conn.gate.set()
+    assert await worker.flush(5)
+    conn.gate = asyncio.Event()  # a second span, later in the epoch: past what the sink held
+    assert worker.offer(stream_records(Stream("other", 0), 1, start=1)[0])
+    await asyncio.sleep(0.01)
+    for r in stream_records(STREAM, 2, start=20, epoch=1):
+        assert worker.offer(r)
+    conn.gate.set()
+    assert await worker.flush(5)
+    await worker.stop()
+    worker.dead_letters.close()
+    spans = [(m.record.from_seq, m.record.seq) for m in conn.messages if m.record.stream == STREAM]
+    assert spans == [*announced, (20, 21)]
+    assert len(asked) == (2 if held == 10 else 1)  # (held whole: the second span is asked about too)
+    value = metrics.registry.get_sample_value("kv_bridge_batches_lost_total", {"source": "s", "reason": "sink_queue_full"})
+    assert value == lost + 2
+    assert [r.seq for r in acked if r.stream == STREAM] == [8, 21]  # each span acknowledged, announced or not
+
+
 # -- the dead-letter destination ---------------------------------------------------------------
 
 
