@@ -340,6 +340,10 @@ def file_id(path: str) -> tuple[int, int] | None:
 STATE_FIELDS = ("block_hashes", "medium", "group_idx")
 """Event fields a consumer of the state needs in the messages it follows (``type`` is always written)."""
 
+_STATE_FIELDS_OF = {"BlockStored": STATE_FIELDS, "BlockRemoved": STATE_FIELDS, "AllBlocksCleared": ("medium",)}
+"""Those of each event type's messages: a clear naming a medium clears that tier alone (ROCm ATOM),
+one without clears everything."""
+
 
 def check_state_sink(sink: SinkConfig, path: str) -> None:
     """What a sink that keeps state needs of the sink's own keys: ConfigError naming each problem."""
@@ -351,11 +355,11 @@ def check_state_sink(sink: SinkConfig, path: str) -> None:
         )
     fields = sink.fields
     if fields is not None:
-        rules = [("fields", fields)] + [
-            (f"fields.by_type.{t}", r) for t, r in fields.by_type.items() if t in ("BlockStored", "BlockRemoved")
+        rules = [("fields", fields, STATE_FIELDS)] + [
+            (f"fields.by_type.{t}", r, _STATE_FIELDS_OF[t]) for t, r in fields.by_type.items() if t in _STATE_FIELDS_OF
         ]
-        for where, rule in rules:
-            gone = [f for f in STATE_FIELDS if (rule.keep is not None and f not in rule.keep) or f in (rule.drop or ())]
+        for where, rule, needed in rules:
+            gone = [f for f in needed if (rule.keep is not None and f not in rule.keep) or f in (rule.drop or ())]
             if gone and (rule.keep is not None or rule.drop is not None):
                 problems.append(
                     f"{path}.{where}: state.enabled needs {', '.join(gone)} in the messages (a consumer follows them "

@@ -37,6 +37,10 @@ def test_state_needs_backpressure_block(kind: str) -> None:
         ({"drop": ["medium", "group_idx"]}, "sinks[0].fields:", "medium, group_idx"),
         ({"keep": ["block_hashes"]}, "sinks[0].fields:", "medium, group_idx"),
         ({"by_type": {"BlockRemoved": {"drop": ["block_hashes"]}}}, "sinks[0].fields.by_type.BlockRemoved:", "block_hashes"),
+        # breaker101 B5: a clear of one tier (ROCm ATOM) reached consumers as a clear of all, and
+        # they said complete with 6 copies where the engine held 50
+        ({"by_type": {"AllBlocksCleared": {"drop": ["medium"]}}}, "sinks[0].fields.by_type.AllBlocksCleared:", "medium"),
+        ({"by_type": {"AllBlocksCleared": {"keep": []}}}, "sinks[0].fields.by_type.AllBlocksCleared:", "medium"),
     ],
 )
 def test_state_needs_the_fields_a_consumer_follows(kind: str, fields: dict[str, Any], where: str, named: str) -> None:
