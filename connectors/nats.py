@@ -4,8 +4,10 @@ Every message goes to a subject rendered from a template (default ``kv.{source}.
 carries the stream header as NATS headers. A value put into a placeholder has ``.``, whitespace and
 the wildcards replaced by ``_`` (``llama-3.1`` -> ``kv.llama-3_1.0``): one placeholder, one token.
 
-``mode: jetstream``: each message carries ``Nats-Msg-Id`` = ``Message.msg_id``, so the server
-stores a message sent again within the stream's duplicate window once. JetStream acknowledges each
+``mode: jetstream``: each message carries ``Nats-Msg-Id`` = its subject, a space and
+``Message.msg_id`` (:func:`js_msg_id`), so the server stores a message sent again within the
+stream's duplicate window once, while two sinks (or bridges) whose subjects one stream captures
+keep their own (a subject holds no whitespace). JetStream acknowledges each
 message on its own, and may refuse one and store the next (a full ``discard: new`` stream takes a
 smaller message after refusing a larger one; a cluster fails a publish during a leader change). The
 delivery contract (:mod:`bridge.connector`) forbids storing a later message of a bridge stream
@@ -701,6 +703,13 @@ def header_block(
         pairs = [line[:-2].partition(": ") for line in lines]
         text = "".join(f"{k}: {v.translate(_NEWLINES).strip()}\r\n" for k, _, v in pairs)
     return b"NATS/1.0\r\n" + text.encode() + b"\r\n"
+
+
+def js_msg_id(subject: str, m: Message) -> str:
+    """The ``Nats-Msg-Id`` of ``m`` on ``subject``: JetStream drops a message as a copy by its id
+    across the whole stream, so two sinks' messages of one record, on two subjects of one stream,
+    must not share it (one would be dropped unannounced, counted delivered)."""
+    return f"{subject} {m.msg_id}"
 
 
 def hpub(subject: str, reply: str, hdr: bytes, payload: bytes) -> bytes:
@@ -1760,7 +1769,8 @@ class NatsConnector:
                     errors[i] = held
                     continue
                 subject = self._subjects.render(m)
-                hdr = header_block(m.headers, m.msg_id, previous, None if key in fenced else self._fence(m))
+                msg_id = js_msg_id(subject, m)
+                hdr = header_block(m.headers, msg_id, previous, None if key in fenced else self._fence(m))
                 problem = self._unsendable(m, len(hdr), nc.max_payload)
                 if problem is not None:
                     errors[i] = problem
@@ -1773,7 +1783,7 @@ class NatsConnector:
                     break
                 sent.append((i, subject))
                 fenced.add(key)
-                previous = m.msg_id
+                previous = msg_id
             await acks.wait()
         finally:
             self._forget(acks)
@@ -1810,7 +1820,7 @@ class NatsConnector:
                 errors.update(dict.fromkeys(indexes[n:], held))
                 return
             subject = self._subjects.render(m)
-            hdr = header_block(m.headers, m.msg_id, subject_seq=self._fence(m))
+            hdr = header_block(m.headers, js_msg_id(subject, m), subject_seq=self._fence(m))
             problem = self._unsendable(m, len(hdr), nc.max_payload)
             if problem is not None:
                 errors[i] = problem

@@ -344,6 +344,33 @@ SINK = SinkConfig(type="nats", name="nats", format="json", granularity="event")
 
 
 @pytest.mark.integration
+async def test_two_sinks_whose_subjects_one_stream_captures_each_keep_every_message(
+    nats_server: NatsServer, reader: Client, js_dest: str
+) -> None:
+    """breaker101 B2: two sinks on subjects kv.x.* and kv.y.* of one operator-made stream: JetStream
+    took one sink's messages for copies of the other's (one id per record): one subject held all,
+    the other none or a part, both counted delivered, nothing announced, 5 of 5. The id names the
+    subject."""
+    stream = Stream("llama-a", 0)
+    messages = [m for rec in stream_records(stream, 4, epoch=1) for m in Renderer("json").render(rec)]
+    sinks = []
+    for name in ("x", "y"):
+        options = _options(nats_server.url, js_dest, subject=f"{js_dest}.{name}.{{source}}.{{dp_rank}}")
+        sinks.append(NatsConnector(name, options, SinkConfig(type="nats", name=name, format="json", granularity="batch")))
+    for conn in sinks:
+        await conn.connect()
+    try:
+        for conn in sinks:
+            await conn.write(messages)
+    finally:
+        for conn in sinks:
+            await conn.close()
+    for name in ("x", "y"):
+        stored = await _read_stream(reader, js_dest, f"{js_dest}.{name}.llama-a.0")
+        assert [s.data for s in stored] == [m.value for m in messages], name
+
+
+@pytest.mark.integration
 async def test_jetstream_headers_and_msg_id(nats_server: NatsServer, reader: Client, js_dest: str) -> None:
     stream = Stream("llama-a", 2, {"model": "m"})
     records = control_records(stream, 1) + stream_records(stream, 3, epoch=1)
@@ -358,7 +385,7 @@ async def test_jetstream_headers_and_msg_id(nats_server: NatsServer, reader: Cli
     assert [s.data for s in stored] == [m.value for m in messages]
     for s, m in zip(stored, messages, strict=True):
         headers = dict(s.headers or {})
-        assert headers[MSG_ID_HEADER] == m.msg_id
+        assert headers[MSG_ID_HEADER] == f"{_subject(js_dest, stream)} {m.msg_id}"
         for key, value in m.headers.items():  # source, dp_rank, epoch, seq, type, content-type, schema_version, ts
             assert headers[key] == value
 
@@ -1276,7 +1303,8 @@ async def test_header_values_cannot_break_the_protocol(nats_server: NatsServer, 
     stored = await _read_stream(reader, js_dest, _subject(js_dest, stream))
     assert [s.data for s in stored] == [m.value for m in messages]
     headers = dict(stored[0].headers or {})
-    assert headers["type"] == "Evil  PUB x 1" and headers["seq"] == "0" and headers[MSG_ID_HEADER] == "llama-a/0/0/0/0"
+    assert headers["type"] == "Evil  PUB x 1" and headers["seq"] == "0"
+    assert headers[MSG_ID_HEADER] == f"{_subject(js_dest, stream)} llama-a/0/0/0/0"
 
 
 @pytest.mark.integration
