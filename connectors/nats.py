@@ -2893,8 +2893,16 @@ class NatsConnector:
         the bridge streams it captures held back (:meth:`_held_by_refusal`), until the settings are
         fixed. The other streams' messages are written."""
         refusal = _refuses_writes(config, "engine stream")
+        kept = config.max_msgs_per_subject or 0
         if refusal is None and self.writes_state and (kind := _consumed(config)) is not None:
             refusal = f"has {kind} retention: {_CONSUMED_WITH_STATE} (retention cannot be edited: create it again)"
+        elif refusal is None and self.writes_state and kept > 0:
+            refusal = (
+                f"keeps only the last {kept} message(s) of each subject (max_msgs_per_subject), and each engine stream "
+                "is one subject: a consumer bootstrapping from the state follows the events from the state's head, and "
+                "those removed before it read them would be missing while the state says complete; set "
+                "max_msgs_per_subject: -1"
+            )
         if refusal is None:
             self._refusals.pop(name, None)
             return False

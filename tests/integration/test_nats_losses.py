@@ -705,6 +705,41 @@ async def test_a_stream_whose_messages_leave_once_consumed_is_warned_about_and_r
         _options(nats_server.url, dest, stream={"create": True, "retention": "interest"}, state=state)
 
 
+async def test_a_stream_that_keeps_few_messages_per_subject_is_refused_with_state(
+    nats_server: NatsServer, reader: Client, dest: str
+) -> None:
+    """breaker101 B3: max_msgs_per_subject 4 with state on was one WARNING: --check 0, /readyz 200,
+    and a consumer that bootstrapped and then read on ended complete with 18-24 block copies where
+    the engine held 29-40, 4 of 4 (the events between the state's head and its read were gone).
+    With state it is refused as interest retention is; without, it stays a WARNING."""
+    js = reader.jetstream(timeout=5)
+    await js.add_stream(name=dest, subjects=[f"{dest}.>"], max_msgs_per_subject=4)
+    state = {"enabled": True, "bucket": f"ST{dest}", "create": True}
+    conn = NatsConnector("nats-l", _options(nats_server.url, dest, stream={"create": False}, state=state), SINK)
+    try:
+        await conn.connect()
+        said = await conn.health()
+        assert said is not None and "keeps only the last 4 message(s) of each subject" in said, said
+        with pytest.raises(Retriable, match="max_msgs_per_subject") as refused:
+            await conn.write(_render([A], 0, 2))
+        assert refused.value.reason == "stream_refused"
+        assert (await js.stream_info(dest)).state.messages == 0
+        await js.update_stream(name=dest, subjects=[f"{dest}.>"], max_msgs_per_subject=-1)
+        await conn.write(_render([A], 0, 2))
+        assert await _subject_seqs(reader, dest, A) == [0, 1]
+    finally:
+        await conn.close()
+        with contextlib.suppress(nats.errors.Error):
+            await js.delete_key_value(f"ST{dest}")
+    plain = NatsConnector("nats-l", _options(nats_server.url, dest, stream={"create": False}), SINK)
+    await js.update_stream(name=dest, subjects=[f"{dest}.>"], max_msgs_per_subject=4)
+    try:
+        await plain.connect()
+        assert await plain.health() is None
+    finally:
+        await plain.close()
+
+
 @pytest.mark.parametrize("bad_first", [False, True], ids=["good-stream-named-first", "bad-stream-named-first"])
 async def test_a_refusing_stream_among_several_holds_back_only_the_engine_streams_it_captures(
     nats_server: NatsServer, reader: Client, dest: str, bad_first: bool
