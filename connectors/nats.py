@@ -553,6 +553,11 @@ class NatsOptions(ConnectorOptions):
             raise ValueError("state.enabled: the state needs mode: jetstream (core NATS keeps nothing)")
         if self.state.enabled and self.stream.create and self.stream.retention != "limits":
             raise ValueError(f"stream.retention: {self.stream.retention} not allowed with state.enabled: {_CONSUMED_WITH_STATE}")
+        if self.state.enabled and self.stream.name == f"KV_{self.state.bucket}":
+            raise ValueError(
+                f"stream.name: {self.stream.name!r} is the JetStream stream of state.bucket {self.state.bucket!r}; "
+                "name the events stream otherwise"
+            )
         banned = [f"{{{f}}}" for f in ("type", "epoch") if f in fields]
         if self.state.enabled and banned:
             raise ValueError(
@@ -1294,8 +1299,8 @@ class NatsConnector:
         places = [f"subject {s!r}" for s in subjects]
         if self.options.mode == "jetstream" and self.options.stream.create:
             places.append(f"JetStream stream {self.options.stream.name!r}")
-        if self.writes_state:
-            places.append(f"KV bucket {self.options.state.bucket!r}")
+        if self.writes_state:  # (the bucket is JetStream stream KV_<bucket>, a name an events stream may take)
+            places.append(f"JetStream stream {self._kv_stream!r}")
         return [(servers, p) for p in places]
 
     def destination(self, stream: Stream) -> str | None:

@@ -526,6 +526,21 @@ def test_a_template_with_the_epoch_is_not_rendered_into_a_false_collision(
     assert line.startswith("sinks[1] (s2): writes "), line
 
 
+def test_a_nats_events_stream_named_as_another_sinks_state_bucket_is_refused() -> None:
+    """breaker101 B4: stream.name 'KV_ST' beside another sink's state.bucket 'ST' passed --check;
+    JetStream names the bucket's stream KV_ST, and one sink never stored anything (3 of 3)."""
+    a = {"type": "nats", "name": "n1", "servers": "nats://127.0.0.1:4222", "subject": "ev.{source}.{dp_rank}"}
+    a["stream"] = {"create": True, "name": "KV_ST"}
+    b = {"type": "nats", "name": "n2", "servers": "nats://127.0.0.1:4222", "state": {"enabled": True, "bucket": "ST"}}
+    (line,) = _shared(a, b)
+    assert line.startswith("sinks[1] (n2): writes JetStream stream 'KV_ST' on 127.0.0.1:4222, as sinks[0] (n1) does"), line
+    one = {**b, "stream": {"create": True, "name": "KV_ST"}}
+    from bridge.cli import validate
+
+    problems = validate({"sources": SOURCE, "sinks": [one]}, env={}).problems
+    assert any("stream.name: 'KV_ST' is the JetStream stream of state.bucket 'ST'" in p for p in problems), problems
+
+
 def test_two_nats_sinks_as_two_users_are_refused_for_users_may_share_one_account() -> None:
     """breaker80 B1: two users of one account (nats-server's authorization.users) share subjects,
     streams and the duplicate window: taking them for two places lost half the messages."""
