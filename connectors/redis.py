@@ -397,10 +397,21 @@ class RedisOptions(ConnectorOptions):
                     "hash, then follows the engine stream's messages in one stream key"
                 )
         keys = [("stream", stream)] + [
-            (f, t) for f, t, on in (("index.key", index, self.index.enabled), ("state.key", state, self.state.enabled)) if on
+            (f, t)
+            for f, t, on in (
+                ("index.key", index, self.index.enabled),
+                ("index.key's counts hash", index + ":counts", self.index.enabled),
+                ("state.key", state, self.state.enabled),
+            )
+            if on
         ]
         for n, (field, text) in enumerate(keys):
             same = next((f for f, t in keys[:n] if t == text), None)  # (renders alike for every stream; see conflicts)
+            if same is not None and field == "index.key's counts hash":
+                raise ValueError(
+                    f"index.key: {index!r} keeps its counts in {text!r}, the {same} template: one key holds one type "
+                    f"(a stream, a set, a hash); give index.key or {same} another key"
+                )
             if same is not None:
                 raise ValueError(
                     f"{field}: {text!r} is the {same} template too: one key holds one type (a stream, a set, a hash); "
@@ -1032,6 +1043,8 @@ class RedisConnector:
         stream, index, state = options.templates()
         self._stream = Template(stream, "stream")
         self._index = Template(index, "index.key") if options.index.enabled else None
+        # (the index's counts hash: a key of its own, beside the set)
+        self._counts = Template(index + ":counts", "index.key") if options.index.enabled else None
         self._state = Template(state, "state.key") if options.state.enabled else None
         self._state_format = StateFormat.for_sink(sink)
         self._granularity = sink.granularity
@@ -1423,7 +1436,13 @@ class RedisConnector:
         types = message_types(self._granularity)
         owner: dict[str, str] = {}
         lines = []
-        for field, template in (("stream", self._stream), ("index.key", self._index), ("state.key", self._state)):
+        fields = (
+            ("stream", self._stream),
+            ("index.key", self._index),
+            ("index.key's counts hash", self._counts),
+            ("state.key", self._state),
+        )
+        for field, template in fields:
             if template is None:
                 continue
             for key in rendered(template.render, template, streams, types)[1:]:
@@ -1440,7 +1459,7 @@ class RedisConnector:
         share one)."""
         server = self._server_at
         types = message_types(self._granularity)
-        templates = [t for t in (self._stream, self._index, self._state) if t is not None]
+        templates = [t for t in (self._stream, self._index, self._counts, self._state) if t is not None]
         keys = [k for t in templates for k in rendered(t.render, t, streams, types)]
         return [(frozenset({server}), f"key {k!r}") for k in keys]
 

@@ -128,6 +128,18 @@ CASES = [
          ["sinks[0].index.key: 'kv:{source}:{dp_rank}' is the stream template too",
           "give it a key of its own, e.g. index.key: 'kv:{source}:{dp_rank}:blocks'"],
          SOURCE + "sinks:\n  - {type: redis, url: 'redis://r:6379', index: {enabled: true, key: 'kv:{source}:{dp_rank}'}}\n"),
+    # breaker101 B1: the stream key is the index's counts hash: "config ok", then WRONGTYPE, nothing stored;
+    # across two sinks the same.
+    Case("redis-stream-key-is-the-index-counts-hash", OFFLINE, 2,
+         ["sinks[0].index.key: 'kv:{source}:{dp_rank}' keeps its counts in 'kv:{source}:{dp_rank}:counts', the stream "
+          "template"],
+         SOURCE + "sinks:\n  - {type: redis, url: 'redis://r:6379', stream: 'kv:{source}:{dp_rank}:counts', "
+         "index: {enabled: true, key: 'kv:{source}:{dp_rank}'}}\n"),
+    Case("redis-stream-key-is-another-sinks-index-counts-hash", OFFLINE, 2,
+         ["sinks[1] (r2): writes key 'kv:{source}:{dp_rank}:counts' on r:6379/0, as sinks[0] (r1) does"],
+         SOURCE + "sinks:\n  - {type: redis, name: r1, url: 'redis://r:6379', stream: 'ev:{source}:{dp_rank}', "
+         "index: {enabled: true, key: 'kv:{source}:{dp_rank}'}}\n"
+         "  - {type: redis, name: r2, url: 'redis://r:6379', stream: 'kv:{source}:{dp_rank}:counts'}\n"),
     Case("redis-state-key-is-a-stream-key-through-a-label", OFFLINE, 2,
          ["sinks[0] (r): state.key and stream both name key 'kv:a:0': one key holds one type"],
          "sources:\n  - {name: a, endpoint: 'tcp://h:1', labels: {ns: kv}}\n"
