@@ -579,15 +579,23 @@ class Template:
         return name
 
 
+_EPOCH_MARK = 987654321987654321
+"""An epoch no engine has (the clock in µs, some 30,000 years on), rendered into a name and then
+written back as ``{epoch}``."""
+
+
 def rendered(render: Callable[[Message], str], template: Template, streams: Sequence[Stream], types: Sequence[str]) -> list[str]:
     """A name template's text and the names it renders (``render``) for each of ``streams`` and
     message ``types`` (only the first when it has no ``{type}``: the others render alike; see
-    ``places``). A template with ``{epoch}`` renders nothing: an epoch is known only once its
-    engine starts (the clock then), so no name rendered before would be one it writes."""
-    if "epoch" in template.fields:
-        return [template.text]
+    ``places``). ``{epoch}`` stays ``{epoch}`` in them (an epoch is known only once its engine
+    starts): two templates that write one name in every epoch render one name, while no fixed
+    name (none holds ``{epoch}``) is taken for one an epoch renders."""
     types = types if "type" in template.fields else types[:1]
-    names = {render(sample_message(stream, t)) for stream in streams for t in types}
+    if "epoch" in template.fields:
+        mark = str(_EPOCH_MARK)
+        names = {render(sample_message(s, t, epoch=_EPOCH_MARK)).replace(mark, "{epoch}") for s in streams for t in types}
+    else:
+        names = {render(sample_message(stream, t)) for stream in streams for t in types}
     return [template.text, *sorted(names - {template.text})]
 
 

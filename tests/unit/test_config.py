@@ -524,6 +524,13 @@ def test_a_template_with_the_epoch_is_not_rendered_into_a_false_collision(
     assert _shared(a, {"type": kind, "name": "s2", **server, **second}) == []
     (line,) = _shared(a, {**a, "name": "s2"})
     assert line.startswith("sinks[1] (s2): writes "), line
+    if kind == "redis":
+        return  # (a Redis stream key names {source} and {dp_rank}: no fixed key renders a stream's)
+    # breaker102 B3: two templates writing one name in every epoch are one place (source 'a')
+    field = next(iter(first))
+    rendered_a = first[field].replace("{source}", "a").replace("{dp_rank}", "0")
+    (line,) = _shared(a, {"type": kind, "name": "s2", **server, field: rendered_a})
+    assert line.startswith("sinks[1] (s2): writes ") and "{epoch}" in line, line
 
 
 def test_a_nats_events_stream_named_as_another_sinks_state_bucket_is_refused() -> None:
