@@ -1136,20 +1136,7 @@ class NatsConnector:
         if self._marked:
             await self._check_marked(nc)
         self._raise_lost()  # before anything of this write is stored: the runtime announces, then writes again
-        held: dict[int, ConnectorError] = {}
-        if self._refusals:
-            await self._still_refusing(nc)
-            held = self._held_by_refusal(messages)
-        if len(held) == len(messages):
-            raise held[0]
-        if held:  # the other streams' messages are written (their indexes mapped back)
-            sent = [i for i in range(len(messages)) if i not in held]
-            errors = {sent[j]: e for j, e in (await self._write_jetstream(nc, [messages[i] for i in sent])).items()}
-            errors.update(held)
-        elif self.options.mode == "core":
-            errors = await self._write_core(nc, messages)
-        else:
-            errors = await self._write_jetstream(nc, messages)
+        errors = await (self._write_core(nc, messages) if self.options.mode == "core" else self._write_jetstream(nc, messages))
         if not errors:
             return
         if len(errors) == len(messages):  # the whole write failed: one cause, as fold() would pick it
@@ -1400,8 +1387,15 @@ class NatsConnector:
         seqs: dict[int, int] = {}  # index -> JetStream stream seq of the stored message
         self._new_seqs.clear()
         await self._claim(nc, messages)
+        if self._refusals:  # (known before, or met by the claim's listing: see _capturing)
+            await self._still_refusing(nc)
+            errors.update(self._held_by_refusal(messages))
         await self._publish_chained(nc, messages, errors, seqs)
         again = _refused_for_turn(messages, errors, await self._reclaim(nc, messages, errors))
+        if again and self._refusals:  # (a stream the reclaim's listing met: see _capturing)
+            held = self._held_by_refusal(messages)
+            errors.update((i, held[i]) for i in again if i in held)
+            again = [i for i in again if i not in held]
         if again:
             streams: dict[str, list[int]] = {}
             for i in again:
@@ -1436,11 +1430,19 @@ class NatsConnector:
     async def _note_created(self, nc: Client) -> None:
         """When the stream that just acknowledged this pod's first messages in it was created
         (one request per stream; again after a loss): what the audit compares with. Not read: the
-        audit reads it later (a stream lost and created again meanwhile then goes unseen)."""
+        audit reads it later (a stream lost and created again meanwhile then goes unseen). Its
+        settings are read too: one created during the run that refuses writes (see _refusing) is
+        refused from now on, and when its messages leave once consumed, what it acknowledged is
+        announced lost."""
         for name in self._stream_seqs.keys() - self._stream_created.keys():
             js = nc.jetstream(timeout=self.options.connect_timeout)
-            with contextlib.suppress(TimeoutError, nats.errors.Error):
-                self._stream_created[name] = (await js.stream_info(name)).created
+            try:
+                info = await js.stream_info(name)
+            except (TimeoutError, nats.errors.Error):
+                continue
+            self._stream_created[name] = info.created
+            if self._refusing(name, info.config) and (kind := _consumed(info.config)) is not None:
+                self._stream_lost(f"{name!r} has {kind} retention: its messages leave once consumed", name)
 
     def _note_stored(self, messages: Sequence[Message], seqs: dict[int, int]) -> None:
         """Follow what the events stream holds of each bridge stream; a new message stored at or
@@ -1673,8 +1675,11 @@ class NatsConnector:
             else:
                 self._consumed.add(name)
             self._stream_subjects[name] = list(info.config.subjects or [])
+            before = len(out)
             for filt in info.config.subjects or []:
                 out.update((subject, name) for subject in wanted.difference(out) if subjects_overlap(filt, subject))
+            if len(out) > before:  # (one met now, created during the run: its settings say at once)
+                self._refusing(name, info.config)
         return out
 
     async def _claim(self, nc: Client, messages: Sequence[Message]) -> None:
@@ -1768,6 +1773,8 @@ class NatsConnector:
         stops = Stops(self._prefix)
         try:
             for n, i in enumerate(order):
+                if i in errors:  # (held back: see _held_by_refusal)
+                    continue
                 m = messages[i]
                 key = m.record.stream.key
                 if (held := stops.past(m)) is not None:
@@ -2663,7 +2670,9 @@ class NatsConnector:
                 except (nats.js.errors.NotFoundError, nats.js.errors.APIError):
                     return False
             given = (msg.headers or {}).get(MSG_ID_HEADER, "")
-            return not given.startswith(f"{stream.source}/{stream.dp_rank}/{head[0].epoch}/")
+            mine = f"{stream.source}/{stream.dp_rank}/{head[0].epoch}/"
+            # (the id: the subject, a space and the record's id; a release before js_msg_id: the record's alone)
+            return not (given.partition(" ")[2].startswith(mine) or given.startswith(mine))
 
         kept = [(key, n - 1) for key, n in reach.items() if key in owner and 0 < n - 1 <= lasts[owner[key]]]
         found = await asyncio.gather(*(refilled(key, at) for key, at in kept))

@@ -740,6 +740,76 @@ async def test_a_stream_that_keeps_few_messages_per_subject_is_refused_with_stat
         await plain.close()
 
 
+async def test_a_refusing_stream_created_during_the_run_takes_no_write_or_has_it_announced(
+    nats_server: NatsServer, reader: Client, dest: str
+) -> None:
+    """breaker102 B2: with state on, an interest-retention stream an operator created during the run
+    for eng-b's subjects took eng-b's writes, which left at once while its state head said complete
+    (3 of 3); deleted and created again so, it took 3 more. Met by the listing of an engine stream's
+    first write it is refused before any write; met by a write's acknowledgement, what that write
+    stored is announced lost, and nothing more is written to it."""
+    js = reader.jetstream(timeout=5)
+    good, bad = f"{dest}_GOOD", f"{dest}_BAD"
+    await js.add_stream(name=good, subjects=[f"{dest}.eng-a.>"])
+    state = {"enabled": True, "bucket": f"ST{dest}", "create": True}
+    conn = NatsConnector("nats-l", _options(nats_server.url, dest, stream={"create": False}, state=state), SINK)
+    try:
+        await conn.connect()
+        await conn.write(_render([A], 0, 1))
+        with pytest.raises(Retriable) as missing:
+            await conn.write(_render([B], 0, 1))
+        assert missing.value.reason == "no_stream"
+        await js.add_stream(name=bad, subjects=[f"{dest}.eng-b.>"], retention=js_api.RetentionPolicy.INTEREST)
+        with pytest.raises(Retriable, match="has interest retention") as refused:
+            await conn.write(_render([B], 0, 1))
+        assert refused.value.reason == "stream_refused"
+        assert (await js.stream_info(bad)).state.last_seq == 0
+        await js.delete_stream(bad)  # fixed: eng-b goes on
+        await js.add_stream(name=bad, subjects=[f"{dest}.eng-b.>"])
+        await conn.write(_render([B], 0, 2))
+        await js.delete_stream(bad)  # and created again with interest retention, while the sink writes
+        await js.add_stream(name=bad, subjects=[f"{dest}.eng-b.>"], retention=js_api.RetentionPolicy.INTEREST)
+        # (eng-b's subject was claimed while the stream consumed its messages: no fence, so the
+        # write goes through, and its acknowledgement names the stream)
+        await conn.write(_render([B], 2, 1))
+        assert (await js.stream_info(bad)).state.last_seq == 1
+        with pytest.raises(SinkLost) as told:
+            await conn.write(_render([B], 3, 1))
+        assert [(s.key, lo, hi) for s, _e, lo, hi in told.value.spans] == [(B.key, 0, 2)], told.value.spans
+        with pytest.raises(Retriable, match="has interest retention"):
+            await conn.write(_render([B], 3, 1))
+        assert (await js.stream_info(bad)).state.last_seq == 1
+    finally:
+        await conn.close()
+        with contextlib.suppress(nats.errors.Error):
+            await js.delete_key_value(f"ST{dest}")
+
+
+async def test_a_stream_created_again_to_consume_its_messages_is_refused_when_the_fence_reads_it(
+    nats_server: NatsServer, reader: Client, dest: str
+) -> None:
+    """breaker102 B2, fenced: the stream holding eng-b's subject deleted and created again with
+    interest retention. The write's fence fails (the subject moved), the subject is read again,
+    and the stream is refused there: nothing of the write is stored in it."""
+    js = reader.jetstream(timeout=5)
+    await js.add_stream(name=dest, subjects=[f"{dest}.>"])
+    state = {"enabled": True, "bucket": f"ST{dest}", "create": True}
+    conn = NatsConnector("nats-l", _options(nats_server.url, dest, stream={"create": False}, state=state), SINK)
+    try:
+        await conn.connect()
+        await conn.write(_render([B], 0, 2))
+        await js.delete_stream(dest)
+        await js.add_stream(name=dest, subjects=[f"{dest}.>"], retention=js_api.RetentionPolicy.INTEREST)
+        with pytest.raises(Retriable, match="has interest retention") as refused:
+            await conn.write(_render([B], 2, 1))
+        assert refused.value.reason == "stream_refused"
+        assert (await js.stream_info(dest)).state.last_seq == 0
+    finally:
+        await conn.close()
+        with contextlib.suppress(nats.errors.Error):
+            await js.delete_key_value(f"ST{dest}")
+
+
 @pytest.mark.parametrize("bad_first", [False, True], ids=["good-stream-named-first", "bad-stream-named-first"])
 async def test_a_refusing_stream_among_several_holds_back_only_the_engine_streams_it_captures(
     nats_server: NatsServer, reader: Client, dest: str, bad_first: bool
