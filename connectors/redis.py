@@ -1068,6 +1068,7 @@ class RedisConnector:
         # keys, latest last: at most _KEYS_PER_STREAM per stream (a template with {epoch} renders
         # new keys as epochs go by), so bounded by the number of streams.
         self._owners: dict[str, str] = {}
+        self._fields: dict[str, str] = {}  # rendered key -> the template that rendered it first (see _claim)
         self._keys: dict[str, dict[str, None]] = {}
         self._streams: dict[str, Stream] = {}  # the engine streams of _keys
         self._max_bulk: int | None = None  # the longest argument the server takes (None: read it again)
@@ -1371,6 +1372,9 @@ class RedisConnector:
             collision = self._claim(m.record.stream, key, "stream")
             if collision is None and index_key is not None:
                 collision = self._claim(m.record.stream, index_key, "index.key")
+                collision = collision or self._claim(m.record.stream, index_key + ":counts", "index.key's counts hash")
+            if collision is None and self._state is not None:  # (claimed before any entry is written)
+                collision = self._claim(m.record.stream, self._state.render(m), "state.key")
             if collision is not None:
                 errors[i] = stopped[stream] = collision
                 continue
@@ -1917,9 +1921,18 @@ class RedisConnector:
         return SinkLost(message, [*again, *((stream, e, low, high) for e, (low, high) in spans.items())], at=at)
 
     def _claim(self, engine_stream: Stream, key: str, field: str) -> Retriable | None:
-        """None when ``key`` belongs to ``engine_stream`` (claimed now if no stream had it), else
-        the key collision: retried (the sink not ready) until the template is fixed, never written."""
+        """None when ``key`` belongs to ``engine_stream`` as its ``field`` key (claimed now if no
+        stream had it), else the key collision (another stream's, or another template's of one
+        stream): retried (the sink not ready) until the template is fixed, never written."""
         stream = engine_stream.key
+        first = self._fields.setdefault(key, field)
+        if first != field:  # (a label found at run time can make two templates render one key)
+            return Retriable(
+                f"{self._prefix}: key collision: engine stream {self._owners.get(key, stream)}'s {first} key and "
+                f"{stream}'s {field} key are both {key!r}, and one key holds one type (a stream, a set, a hash); "
+                f"change the templates (or the labels) so that they differ ({stream} is not written meanwhile)",
+                reason="key_collision",
+            )
         owner = self._owners.setdefault(key, stream)
         if owner != stream:
             return Retriable(
@@ -1942,6 +1955,7 @@ class RedisConnector:
                 self._held_announces.pop(old, None)
                 if self._owners.get(old) == stream:
                     del self._owners[old]
+                    self._fields.pop(old, None)
         return None
 
     def _results(self, call: _Call, reply: Any) -> dict[int, ConnectorError]:

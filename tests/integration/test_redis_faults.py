@@ -317,6 +317,29 @@ async def test_two_engine_streams_rendering_one_index_key_is_a_transient_key_col
     assert {m.decode() for m in await admin.smembers("kv:llama12:blocks")} == index_of(x)
 
 
+async def test_a_label_that_makes_a_stream_key_its_own_index_counts_hash_is_a_key_collision(
+    acl_redis: RedisServer, admin: aioredis.Redis, tmp_path: Path
+) -> None:
+    """breaker103 C3: a discovered source's label (role: counts) renders the stream key
+    'x:a:0:counts', the index's counts hash: --check ok (it sees configured sources only), then
+    WRONGTYPE, 0 of 12 batches stored, 3 dead letters. Every key a stream's templates render is
+    claimed before anything is written: a key two templates render is a key collision."""
+    labelled = Stream("a", 0, {"role": "counts"})
+    records = [batch(labelled, q, epoch=1) for q in range(3)]
+    options = {"stream": "x:{source}:{dp_rank}:{role}", "index": {"enabled": True, "key": "x:{source}:{dp_rank}"}}
+    d = await started(delivery(tmp_path, acl_redis.url, options, user=None))
+    try:
+        await d.feed(records)
+        await until(lambda: bool(d.errors() or d.acked), "the key collision")
+        await asyncio.sleep(0.5)
+        assert d.errors().keys() == {"key_collision"}, d.errors()
+        assert d.acked == [] and d.dead_letters() == []
+        assert "'x:a:0:counts'" in str(d.worker.last_error), d.worker.last_error
+    finally:
+        await d.close()
+    assert await admin.keys("x:*") == []
+
+
 async def test_a_key_holding_another_engine_streams_entries_is_a_key_collision_after_a_restart(
     acl_redis: RedisServer, admin: aioredis.Redis
 ) -> None:
