@@ -378,7 +378,8 @@ class SinkWorker:
         ``positions()``, or one that cannot tell, gets the span whole."""
         spans = [r for r in records if id(r) in self._unchecked]
         self._unchecked.difference_update(id(r) for r in spans)
-        reader = getattr(self.connector, "positions", None)
+        # (a sink that keeps copies, Kafka, says what it held before this process's copies)
+        reader = getattr(self.connector, "positions_before_run", None) or getattr(self.connector, "positions", None)
         asked = {id(r) for r in spans if (r.stream.key, r.epoch) not in self._past_held} if reader is not None else set()
         held: Mapping[str, SinkPosition | None] = {}
         if reader is not None and asked:

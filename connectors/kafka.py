@@ -546,6 +546,9 @@ class KafkaConnector:
         # What the broker acknowledged, to tell later whether a topic lost it (deleted, created again):
         # per (topic, partition) the offset after its last record acknowledged.
         self._acked: dict[tuple[str, int], int] = {}
+        # per (topic, partition) the offset of the first record this process stored there (see
+        # positions_before_run: what it held before, copies this process wrote left out)
+        self._own_from: dict[tuple[str, int], int] = {}
         # per (topic, partition) the CRC-32s of the key and the value (-1: none) of the last record
         # acknowledged there: another producer's record found there later replaced it (_check_kept)
         self._acked_last: dict[tuple[str, int], tuple[int, int]] = {}
@@ -864,27 +867,7 @@ class KafkaConnector:
         producer = self._producer  # started by connect(); not here, beside the sink's own reconnects
         if producer is None:
             raise NotConnected(f"{self._where}: not connected to {self._servers}")
-        wanted: dict[tuple[str, int], dict[bytes, Stream]] = {}
-        missing: dict[str, list[Stream]] = {}  # topics that do not exist: their streams hold nothing
-        for stream in streams:
-            probe = sample_message(stream)
-            topic = self._topic.render(probe)
-            if topic in missing:
-                missing[topic].append(stream)
-                continue
-            if topic not in self._partitions:
-                try:
-                    await self._prepare_topic(producer, topic)
-                except NotConnected as exc:
-                    if exc.reason not in ("unknown_topic", "topic_deleted"):
-                        raise
-                    missing[topic] = [stream]
-                    continue
-            parts = self._partitions[topic]
-            key = stream.key.encode()
-            fixed = self.options.partition
-            partition = fixed if fixed is not None else _PARTITIONER(key, parts, parts)
-            wanted.setdefault((topic, partition), {})[key] = stream
+        wanted, missing = await self._wanted(producer, streams)
         consumer = self._reader
         if consumer is None:
             # Kept for later calls (discovery asks source by source) until close().
@@ -909,6 +892,72 @@ class KafkaConnector:
             self._windows.clear()
             await consumer.stop()
             raise
+
+    async def positions_before_run(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:
+        """:meth:`positions` as each partition stood before this process first stored a record
+        there: a topic keeps the copies a replay after a restart sends again, so the last message
+        of a stream can be a copy this process wrote, below what the topic held (bridge.sink asks
+        this before announcing a dropped span). A partition this process has not written reads as
+        in ``positions``. Read with a consumer of its own (bounded by the caller), at most
+        ``position_scan`` records back."""
+        if self._spread:
+            return {}
+        producer = self._producer
+        if producer is None:
+            raise NotConnected(f"{self._where}: not connected to {self._servers}")
+        wanted, _missing = await self._wanted(producer, streams)
+        own = {tp: ks for tp, ks in wanted.items() if tp in self._own_from}
+        out = await self.positions([s for tp, ks in wanted.items() if tp not in own for s in ks.values()])
+        if not own:
+            return out
+        consumer = await self._start_reader()
+        try:
+            for (topic, partition), ks in own.items():
+                tp = TopicPartition(topic, partition)
+                consumer.assign([tp])
+                begin = (await consumer.beginning_offsets([tp]))[tp]
+                hi = lo = self._own_from[(topic, partition)]
+                left = dict(ks)
+                while left and lo > begin and hi - lo < self.options.position_scan:
+                    top, lo = lo, max(begin, lo - _SCAN_CHUNK)
+                    for key, (source, rank, position) in (await _read(consumer, tp, lo, top)).items():
+                        stream = left.pop(key, None)
+                        if stream is not None and source == stream.source and rank == str(stream.dp_rank) and position:
+                            out[stream.key] = position
+                for stream in left.values():
+                    if lo <= begin == 0:
+                        out[stream.key] = None  # (nothing before this process's first record)
+            return out
+        finally:
+            await consumer.stop()
+
+    async def _wanted(
+        self, producer: Any, streams: Sequence[Stream]
+    ) -> tuple[dict[tuple[str, int], dict[bytes, Stream]], dict[str, list[Stream]]]:
+        """Each stream's (topic, partition), and the topics that do not exist (their streams hold
+        nothing)."""
+        wanted: dict[tuple[str, int], dict[bytes, Stream]] = {}
+        missing: dict[str, list[Stream]] = {}
+        for stream in streams:
+            probe = sample_message(stream)
+            topic = self._topic.render(probe)
+            if topic in missing:
+                missing[topic].append(stream)
+                continue
+            if topic not in self._partitions:
+                try:
+                    await self._prepare_topic(producer, topic)
+                except NotConnected as exc:
+                    if exc.reason not in ("unknown_topic", "topic_deleted"):
+                        raise
+                    missing[topic] = [stream]
+                    continue
+            parts = self._partitions[topic]
+            key = stream.key.encode()
+            fixed = self.options.partition
+            partition = fixed if fixed is not None else _PARTITIONER(key, parts, parts)
+            wanted.setdefault((topic, partition), {})[key] = stream
+        return wanted, missing
 
     def _earlier_partitions(
         self, wanted: dict[tuple[str, int], dict[bytes, Stream]], out: dict[str, SinkPosition | None]
@@ -1820,6 +1869,7 @@ class KafkaConnector:
         for tp in tps:
             self._acked.pop(tp, None)
             self._acked_last.pop(tp, None)
+            self._own_from.pop(tp, None)
             streams = self._acked_streams.pop(tp, {})
             if state:
                 self._state_lost.update(streams)
@@ -1846,6 +1896,8 @@ class KafkaConnector:
         what the old one held is lost (_lose), found only now that this chunk is in the new one."""
         tp = (chunk.topic, chunk.partition)
         end = base + chunk.builder.record_count()
+        if not state and base >= 0:
+            self._own_from.setdefault(tp, base)
         if 0 <= base < self._acked.get(tp, 0):
             log.error(
                 "a partition stored a batch below what it had acknowledged: the topic was deleted and created again",

@@ -702,6 +702,35 @@ async def test_a_stream_whose_topic_collides_with_another_writers_is_refused_alo
 
 
 @pytest.mark.integration
+async def test_what_a_topic_held_before_this_process_leaves_its_copies_out(kafka: KafkaServer) -> None:
+    """breaker102 B1: after a restart the replay wrote copies of seqs 3 and 4 after the 0..12 the
+    topic held; positions() names the last message, the copy of 4, so a drop sink announced 5..12
+    lost (6 of 6). positions_before_run() reads the partition below this process's first record."""
+    topic = await kafka.anew_topic(1)
+    stream = Stream("llama-a", 0)
+    records = stream_records(stream, 13, epoch=1)
+    earlier = build(kafka, topic, granularity="batch")
+    await earlier.connect()
+    try:
+        await earlier.write(render(records, granularity="batch"))
+    finally:
+        await earlier.close()
+    again = build(kafka, topic, granularity="batch")
+    await again.connect()
+    try:
+        assert (await again.positions_before_run([stream]))[stream.key].seq == 12  # (nothing written yet)
+        await again.write(render(records[3:5], granularity="batch"))  # the replay's copies
+        last = (await again.positions([stream]))[stream.key]
+        held = (await again.positions_before_run([stream]))[stream.key]
+        other = (await again.positions_before_run([Stream("qwen-b", 0)]))["qwen-b/0"]
+    finally:
+        await again.close()
+    assert last is not None and (last.epoch, last.seq) == (1, 4)
+    assert held is not None and (held.epoch, held.seq) == (1, 12)
+    assert other is None  # (a stream the partition never held)
+
+
+@pytest.mark.integration
 async def test_a_label_value_a_topic_name_cannot_hold_is_made_valid(kafka: KafkaServer) -> None:
     """Issue 29 C4: ``topic: kv-{labels.model}`` with design.md's own example label value
     ``meta-llama/Llama-3.1-8B`` rendered an invalid topic name: --check said ok, the run was

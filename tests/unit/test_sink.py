@@ -236,8 +236,9 @@ async def test_dropped_span_from_seq_0_counts_every_batch(tmp_path: Path) -> Non
         (10, [], 0),  # held whole: nothing announced, acknowledged all the same
     ],
 )
+@pytest.mark.parametrize("reader", ["positions", "positions_before_run"])  # (a sink that keeps copies: the latter)
 async def test_a_dropped_span_is_announced_only_past_what_the_sink_holds(
-    tmp_path: Path, held: int | None, announced: list[tuple[int, int]], lost: int
+    tmp_path: Path, held: int | None, announced: list[tuple[int, int]], lost: int, reader: str
 ) -> None:
     """breaker100 B1: after a restart the replay sends again batches the sink stored in the last
     run, and a drop sink's full queue drops some: they were announced lost though the sink held
@@ -252,7 +253,7 @@ async def test_a_dropped_span_is_announced_only_past_what_the_sink_holds(
         asked.append([s.key for s in streams])
         return {s.key: None if held is None else SinkPosition(1, held) for s in streams}
 
-    conn.positions = positions  # type: ignore[attr-defined]
+    setattr(conn, reader, positions)
     conn.gate = asyncio.Event()
     worker.start()
     assert worker.offer(stream_records(Stream("other", 0), 1)[0])  # fills the queue, held in the write
