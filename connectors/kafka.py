@@ -922,7 +922,8 @@ class KafkaConnector:
                     top, lo = lo, max(begin, lo - _SCAN_CHUNK)
                     for key, (source, rank, position) in (await _read(consumer, tp, lo, top)).items():
                         stream = left.pop(key, None)
-                        if stream is not None and source == stream.source and rank == str(stream.dp_rank) and position:
+                        ours = stream is not None and source == stream.source and rank == str(stream.dp_rank)
+                        if stream is not None and ours and position is not None:
                             out[stream.key] = position
                 for stream in left.values():
                     if lo <= begin == 0:
