@@ -2672,7 +2672,10 @@ class NatsConnector:
             given = (msg.headers or {}).get(MSG_ID_HEADER, "")
             mine = f"{stream.source}/{stream.dp_rank}/{head[0].epoch}/"
             # (the id: the subject, a space and the record's id; a release before js_msg_id: the record's alone)
-            return not (given.partition(" ")[2].startswith(mine) or given.startswith(mine))
+            ours = given.partition(" ")[2].startswith(mine) or given.startswith(mine)
+            # On its own subject: another sink's message of the same record, on a subject of its
+            # own in the same stream, is another writer's (state keeps the subject one per stream).
+            return not (ours and msg.subject == self._subjects.render(sample_message(stream)))
 
         kept = [(key, n - 1) for key, n in reach.items() if key in owner and 0 < n - 1 <= lasts[owner[key]]]
         found = await asyncio.gather(*(refilled(key, at) for key, at in kept))

@@ -36,9 +36,10 @@ from nats.js import api as js_api
 from bridge.cli import check
 from bridge.config import SinkConfig, convert_options, from_data
 from bridge.errors import ConfigError, PartialFailure, Retriable, SinkLost
-from bridge.formats import Message, Renderer
+from bridge.formats import Message, Renderer, state_message
 from bridge.records import Stream
 from bridge.runtime import Bridge
+from bridge.state import StateTracker
 from connectors.nats import NatsConnector, NatsOptions, subject_token
 from kv_consumer.nats import bootstrap
 from tests.infra.servers import NatsServer
@@ -808,6 +809,52 @@ async def test_a_stream_created_again_to_consume_its_messages_is_refused_when_th
         await conn.close()
         with contextlib.suppress(nats.errors.Error):
             await js.delete_key_value(f"ST{dest}")
+
+
+async def test_a_head_whose_seq_now_holds_another_sinks_copy_of_the_record_is_told_lost(
+    nats_server: NatsServer, reader: Client, dest: str
+) -> None:
+    """breaker104 D5: two sinks on subjects of one stream, one epoch. The stream was created again
+    and the other sink refilled it past the state's head; at restart the message at the head's seq,
+    the other sink's copy of a record of the same epoch, was taken for the sink's own: the loss went
+    unannounced, the head kept (4 of 4). A message counts as its own only on its own subject."""
+    js = reader.jetstream(timeout=5)
+    await js.add_stream(name=dest, subjects=[f"{dest}.>"])
+    state = {"enabled": True, "bucket": f"ST{dest}", "create": True}
+
+    def sink_of(name: str, **extra: Any) -> NatsConnector:
+        options = _options(
+            nats_server.url, dest, subject=f"{dest}.{name}.{{source}}.{{dp_rank}}", stream={"create": False}, **extra
+        )
+        return NatsConnector(name, options, SinkConfig(type="nats", name=name, format="json", granularity="batch"))
+
+    tracker, renderer = StateTracker(), Renderer("json", "batch")
+    records = stream_records(A, 6, epoch=1)
+    for r in records:
+        r.state = tracker.apply(r)
+    first = sink_of("s1", state=state)
+    await first.connect()
+    try:
+        await first.write([m for r in records for m in (*renderer.render(r), state_message(r))])
+    finally:
+        await first.close()
+    await js.delete_stream(dest)
+    await js.add_stream(name=dest, subjects=[f"{dest}.>"])
+    other = sink_of("s2")
+    await other.connect()
+    try:
+        await other.write(_render([A], 0, 12))
+    finally:
+        await other.close()
+    again = sink_of("s1", state=state)
+    await again.connect()
+    try:
+        held = await again.read_state([A])
+    finally:
+        await again.close()
+        with contextlib.suppress(nats.errors.Error):
+            await js.delete_key_value(f"ST{dest}")
+    assert A.key in again.records_gone, held
 
 
 @pytest.mark.parametrize("bad_first", [False, True], ids=["good-stream-named-first", "bad-stream-named-first"])
