@@ -184,8 +184,13 @@ def subjects_overlap(a: str, b: str) -> bool:
 
 
 def subject_filter(text: str) -> str:
-    """The wildcard subject covering every subject the template renders (``kv.*.*``)."""
-    return ".".join("*" if "{" in token else token for token in text.split("."))
+    """The wildcard subject covering every subject the template renders (``kv.*.*``); a
+    placeholder is one token, whatever its name holds (``{labels.zone}``)."""
+    marked = _FIELD.sub("{}", text)
+    return ".".join("*" if "{" in token else token for token in marked.split("."))
+
+
+_FIELD = re.compile(r"\{[^{}]*\}")
 
 
 def _clean(stream: Stream) -> Stream:

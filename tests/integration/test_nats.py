@@ -371,6 +371,31 @@ async def test_two_sinks_whose_subjects_one_stream_captures_each_keep_every_mess
 
 
 @pytest.mark.integration
+async def test_a_stream_created_for_a_subject_with_a_label_captures_it(nats_server: NatsServer, reader: Client) -> None:
+    """breaker105 E2: subject 'kv.{labels.zone}.{source}.{dp_rank}' with stream.create made a stream
+    capturing 'kv.*.zone}.*.*': --check ok, nothing ever stored (3 of 3)."""
+    dest = f"KVL{uuid.uuid4().hex[:8].upper()}"
+    stream = Stream("a", 0, {"zone": "eu"})
+    options = _options(
+        nats_server.url, dest, subject=dest + ".{labels.zone}.{source}.{dp_rank}", stream={"create": True, "name": dest}
+    )
+    conn = NatsConnector("nats", options, SINK)
+    messages = [m for rec in stream_records(stream, 2) for m in Renderer("json").render(rec)]
+    await conn.connect()
+    try:
+        await conn.write(messages)
+        assert await conn.health() is None
+    finally:
+        await conn.close()
+    js = reader.jetstream(timeout=5)
+    try:
+        assert (await js.stream_info(dest)).config.subjects == [f"{dest}.*.*.*"]
+        assert [s.data for s in await _read_stream(reader, dest, f"{dest}.eu.a.0")] == [m.value for m in messages]
+    finally:
+        await js.delete_stream(dest)
+
+
+@pytest.mark.integration
 async def test_jetstream_headers_and_msg_id(nats_server: NatsServer, reader: Client, js_dest: str) -> None:
     stream = Stream("llama-a", 2, {"model": "m"})
     records = control_records(stream, 1) + stream_records(stream, 3, epoch=1)

@@ -41,6 +41,8 @@ def test_subject_tokens_and_filter() -> None:
     assert subject_token("llama-3.1 8b*>") == "llama-3_1_8b__"
     assert subject_token("") == "_"
     assert subject_filter("kv.{source}.{dp_rank}") == "kv.*.*"
+    # breaker105 E2: a label placeholder is one token ('kv.*.zone}.*.*' captured nothing)
+    assert subject_filter("kv.{labels.zone}.{source}.{dp_rank}") == "kv.*.*.*"
 
 
 def test_header_block_and_hpub_are_the_wire_format() -> None:
