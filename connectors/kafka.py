@@ -897,40 +897,67 @@ class KafkaConnector:
         """:meth:`positions` as each partition stood before this process first stored a record
         there: a topic keeps the copies a replay after a restart sends again, so the last message
         of a stream can be a copy this process wrote, below what the topic held (bridge.sink asks
-        this before announcing a dropped span). A partition this process has not written reads as
-        in ``positions``. Read with a consumer of its own (bounded by the caller), at most
-        ``position_scan`` records back."""
+        this before announcing a dropped span). A partition this process has not written is read
+        from its end. A stream its partition holds nothing of (back to offset 0) is looked for in
+        the partitions its key went to while the topic had fewer, as ``positions`` does. Read with
+        a consumer of its own (bounded by the caller), at most ``position_scan`` records back."""
         if self._spread:
             return {}
         producer = self._producer
         if producer is None:
             raise NotConnected(f"{self._where}: not connected to {self._servers}")
-        wanted, _missing = await self._wanted(producer, streams)
-        own = {tp: ks for tp, ks in wanted.items() if tp in self._own_from}
-        out = await self.positions([s for tp, ks in wanted.items() if tp not in own for s in ks.values()])
-        if not own:
-            return out
+        wanted, missing = await self._wanted(producer, streams)
+        out: dict[str, SinkPosition | None] = {s.key: None for ss in missing.values() for s in ss}
         consumer = await self._start_reader()
         try:
-            for (topic, partition), ks in own.items():
-                tp = TopicPartition(topic, partition)
-                consumer.assign([tp])
-                begin = (await consumer.beginning_offsets([tp]))[tp]
-                hi = lo = self._own_from[(topic, partition)]
-                left = dict(ks)
-                while left and lo > begin and hi - lo < self.options.position_scan:
-                    top, lo = lo, max(begin, lo - _SCAN_CHUNK)
-                    for key, (source, rank, position) in (await _read(consumer, tp, lo, top)).items():
-                        stream = left.pop(key, None)
-                        ours = stream is not None and source == stream.source and rank == str(stream.dp_rank)
-                        if stream is not None and ours and position is not None:
-                            out[stream.key] = position
-                for stream in left.values():
-                    if lo <= begin == 0:
-                        out[stream.key] = None  # (nothing before this process's first record)
+            for (topic, partition), ks in wanted.items():
+                found, nothing = await self._last_below(consumer, topic, partition, ks)
+                out.update(found)
+                for key, stream in nothing.items():
+                    parts = self._partitions[topic]
+                    older = (
+                        []
+                        if self.options.partition is not None
+                        else [_PARTITIONER(key, parts[:n], parts[:n]) for n in range(1, len(parts))]
+                    )
+                    answer: SinkPosition | None = None
+                    for other in dict.fromkeys(o for o in older if o != partition):
+                        there, none = await self._last_below(consumer, topic, other, {key: stream})
+                        if stream.key in there:
+                            answer = there[stream.key]
+                            break
+                        if key not in none:  # (not known not to be there: cannot tell)
+                            break
+                    else:
+                        out[stream.key] = None
+                        continue
+                    if answer is not None:
+                        out[stream.key] = answer
             return out
         finally:
             await consumer.stop()
+
+    async def _last_below(
+        self, consumer: Any, topic: str, partition: int, ks: dict[bytes, Stream]
+    ) -> tuple[dict[str, SinkPosition], dict[bytes, Stream]]:
+        """The last message of each of ``ks`` in one partition, below this process's first record
+        there (its end when it wrote none), and those it holds nothing of (read back to offset 0);
+        the rest, past ``position_scan``, cannot tell."""
+        tp = TopicPartition(topic, partition)
+        consumer.assign([tp])
+        begin = (await consumer.beginning_offsets([tp]))[tp]
+        hi = self._own_from.get((topic, partition))
+        if hi is None:
+            hi = (await consumer.end_offsets([tp]))[tp]
+        lo, left, found = hi, dict(ks), {}
+        while left and lo > begin and hi - lo < self.options.position_scan:
+            top, lo = lo, max(begin, lo - _SCAN_CHUNK)
+            for key, (source, rank, position) in (await _read(consumer, tp, lo, top)).items():
+                stream = left.pop(key, None)
+                ours = stream is not None and source == stream.source and rank == str(stream.dp_rank)
+                if stream is not None and ours and position is not None:
+                    found[stream.key] = position
+        return found, (left if lo <= begin == 0 else {})
 
     async def _wanted(
         self, producer: Any, streams: Sequence[Stream]

@@ -731,6 +731,41 @@ async def test_what_a_topic_held_before_this_process_leaves_its_copies_out(kafka
 
 
 @pytest.mark.integration
+async def test_what_a_topic_held_before_partitions_were_added_is_found_in_the_old_partition(kafka: KafkaServer) -> None:
+    """breaker105 E1: partitions added between two runs sent the stream's key to a new partition,
+    which held only this run's copies: positions_before_run said it held nothing before, and a drop
+    sink announced 5..12 lost while partition 0 held them (6 of 6). The partitions its key went to
+    while the topic had fewer are read too."""
+    from aiokafka.admin import NewPartitions
+
+    from connectors.kafka import _PARTITIONER
+
+    topic = await kafka.anew_topic(1)
+    stream = next(s for s in (Stream(f"eng-{n}", 0) for n in range(64)) if _PARTITIONER(s.key.encode(), [0, 1], [0, 1]) == 1)
+    records = stream_records(stream, 13, epoch=1)
+    earlier = build(kafka, topic, granularity="batch")
+    await earlier.connect()
+    try:
+        await earlier.write(render(records, granularity="batch"))
+    finally:
+        await earlier.close()
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        await admin.create_partitions({topic: NewPartitions(total_count=2)})
+    finally:
+        await admin.close()
+    again = build(kafka, topic, granularity="batch")
+    await again.connect()
+    try:
+        await again.write(render(records[3:5], granularity="batch"))  # the replay's copies, in partition 1
+        held = (await again.positions_before_run([stream]))[stream.key]
+    finally:
+        await again.close()
+    assert held is not None and (held.epoch, held.seq) == (1, 12)
+
+
+@pytest.mark.integration
 async def test_a_label_value_a_topic_name_cannot_hold_is_made_valid(kafka: KafkaServer) -> None:
     """Issue 29 C4: ``topic: kv-{labels.model}`` with design.md's own example label value
     ``meta-llama/Llama-3.1-8B`` rendered an invalid topic name: --check said ok, the run was
