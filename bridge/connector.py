@@ -102,9 +102,10 @@ Optional, for ``checkpoint.from_sinks`` (a pod taking over streams it has no che
   (:func:`bridge.checkpoint.combine`), so the sink sees no duplicate even if it cannot drop one.
 
 Optional, for a sink that keeps the copies a replay writes (Kafka): ``async
-positions_before_run(streams)``, what ``positions`` answered before this process first wrote
-to where each stream is (its copies left out): asked before a ``drop`` sink announces a dropped
-span (``positions`` otherwise), which is announced only from the first batch the sink lacks.
+positions_before_run(streams)``, what ``positions`` answers with this process's copies left out
+(the later of the last message and the last one below this process's first): asked before a
+``drop`` sink announces a dropped span (``positions`` otherwise), which is announced only from
+the first batch the sink lacks.
 
 Optional, for I6 on a quiet stream (a write checks what the sink holds before it builds on it, but
 a stream with no write would keep a loss unannounced): ``async audit()``: check that the sink

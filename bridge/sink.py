@@ -180,11 +180,6 @@ def _firsts(messages: Iterable[Message]) -> dict[str, tuple[Stream, tuple[int, i
     return out
 
 
-def _later(a: SinkPosition, b: SinkPosition) -> bool:
-    """Whether the sink holding ``a`` holds more of its stream than holding ``b`` says."""
-    return (a.epoch, a.first_missing()) > (b.epoch, b.first_missing())
-
-
 def _placed(kept: Sequence[Message], announcements: Sequence[Message]) -> list[Message]:
     """``kept`` (messages to write again, in order) with each refusal announcement of
     :meth:`SinkWorker._refusals` before the first message of a later record of its stream: it is
@@ -377,31 +372,22 @@ class SinkWorker:
         """``messages`` with each dropped span among ``records`` announced only from the first
         batch the sink does not hold: the replay after a restart sends again what the last run
         stored, a full queue drops some of it, and those were delivered (I3). The connector's
-        ``positions()`` says the last message it holds of the stream (and ``positions_before_run()``
-        what it held below this process's copies: the later answer counts); a span it holds whole is
+        ``positions()`` says the last message it holds of the stream (``positions_before_run()``,
+        where a sink keeps copies, with this process's copies left out); a span it holds whole is
         acknowledged unannounced. Once a span reaches past what it holds, the stream's later spans
         in that epoch are this process's own losses (not asked again). A connector without
         ``positions()``, or one that cannot tell, gets the span whole."""
         spans = [r for r in records if id(r) in self._unchecked]
         self._unchecked.difference_update(id(r) for r in spans)
-        # A sink that keeps copies (Kafka) also says what it held before this process's copies: the
-        # later of the two answers (another pod's records after them count too).
-        readers = [f for n in ("positions", "positions_before_run") if (f := getattr(self.connector, n, None)) is not None]
-        asked = {id(r) for r in spans if (r.stream.key, r.epoch) not in self._past_held} if readers else set()
-        held: dict[str, SinkPosition | None] = {}
-        if asked:
-            streams = list({r.stream.key: r.stream for r in spans if id(r) in asked}.values())
+        reader = getattr(self.connector, "positions_before_run", None) or getattr(self.connector, "positions", None)
+        asked = {id(r) for r in spans if (r.stream.key, r.epoch) not in self._past_held} if reader is not None else set()
+        held: Mapping[str, SinkPosition | None] = {}
+        if reader is not None and asked:
             try:
                 async with asyncio.timeout(self.config.retry.write_timeout):
-                    answers = [await read(streams) for read in readers]
+                    held = await reader(list({r.stream.key: r.stream for r in spans if id(r) in asked}.values()))
             except Exception as exc:  # (cannot tell: announced whole)
                 log.debug("reading what the sink holds failed", extra={"sink": self.name, "error": repr(exc)})
-                answers = []
-            for answer in answers:
-                for key, pos in answer.items():
-                    mine = held.get(key)
-                    if key not in held or (pos is not None and (mine is None or _later(pos, mine))):
-                        held[key] = pos
         changed: dict[int, list[Message]] = {}
         for r in spans:
             key, first = r.stream.key, r.from_seq if r.from_seq is not None else r.seq

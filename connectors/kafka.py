@@ -894,34 +894,36 @@ class KafkaConnector:
             raise
 
     async def positions_before_run(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:
-        """:meth:`positions` as each partition stood before this process first stored a record
-        there: a topic keeps the copies a replay after a restart sends again, so the last message
-        of a stream can be a copy this process wrote, below what the topic held (bridge.sink asks
-        this before announcing a dropped span). A partition this process has not written is read
-        from its end. A stream its partition holds nothing of (back to offset 0) is looked for in
-        the partitions its key went to while the topic had fewer, as ``positions`` does. Read with
-        a consumer of its own (bounded by the caller), at most ``position_scan`` records back."""
-        if self._spread:
-            return {}
+        """What the sink holds of each stream, its copies left out: a topic keeps the copies a
+        replay after a restart sends again, so the last message of a stream (:meth:`positions`)
+        can be a copy this process wrote, below what the topic held (bridge.sink asks this before
+        announcing a dropped span). In a partition this process wrote, the later of that last
+        message (another pod's records count too) and the last one below this process's first
+        record there. A stream its partition held nothing of (before this process) is looked for
+        in the partitions its key went to while the topic had fewer, and taken from there. Read
+        with a consumer of its own (bounded by the caller), at most ``position_scan`` records back."""
+        out = await self.positions(streams)
         producer = self._producer
-        if producer is None:
-            raise NotConnected(f"{self._where}: not connected to {self._servers}")
-        wanted, missing = await self._wanted(producer, streams)
-        out: dict[str, SinkPosition | None] = {s.key: None for ss in missing.values() for s in ss}
+        if self._spread or producer is None:
+            return out
+        wanted, _missing = await self._wanted(producer, streams)
+        # (a partition this process did not write reads from its end, as in positions: again only
+        # for a stream positions could not tell of, whose older partitions it does not read)
+        asked = {
+            tp: ks if tp in self._own_from else {k: s for k, s in ks.items() if s.key not in out} for tp, ks in wanted.items()
+        }
+        asked = {tp: ks for tp, ks in asked.items() if ks}
+        if not asked:
+            return out
+        below: dict[str, SinkPosition | None] = {}
         consumer = await self._start_reader()
         try:
-            for (topic, partition), ks in wanted.items():
+            for (topic, partition), ks in asked.items():
                 found, nothing = await self._last_below(consumer, topic, partition, ks)
-                out.update(found)
+                below.update(found)
                 for key, stream in nothing.items():
-                    parts = self._partitions[topic]
-                    older = (
-                        []
-                        if self.options.partition is not None
-                        else [_PARTITIONER(key, parts[:n], parts[:n]) for n in range(1, len(parts))]
-                    )
                     answer: SinkPosition | None = None
-                    for other in dict.fromkeys(o for o in older if o != partition):
+                    for other in self._older_partitions(topic, key, partition):
                         there, none = await self._last_below(consumer, topic, other, {key: stream})
                         if stream.key in there:
                             answer = there[stream.key]
@@ -929,13 +931,17 @@ class KafkaConnector:
                         if key not in none:  # (not known not to be there: cannot tell)
                             break
                     else:
-                        out[stream.key] = None
+                        below[stream.key] = None
                         continue
                     if answer is not None:
-                        out[stream.key] = answer
-            return out
+                        below[stream.key] = answer
         finally:
             await consumer.stop()
+        for name, pos in below.items():
+            last = out.get(name)
+            if name not in out or (pos is not None and (last is None or _later(pos, last))):
+                out[name] = pos
+        return out
 
     async def _last_below(
         self, consumer: Any, topic: str, partition: int, ks: dict[bytes, Stream]
@@ -993,18 +999,21 @@ class KafkaConnector:
         """Of the streams ``wanted`` whose partition holds nothing (None in ``out``), the other
         partitions their key went to while the topic had fewer (none with a fixed ``partition``)."""
         earlier: dict[tuple[str, int], dict[bytes, Stream]] = {}
-        if self.options.partition is not None:
-            return earlier
         for (topic, partition), ks in wanted.items():
-            parts = self._partitions[topic]
             for key, s in ks.items():
                 if out.get(s.key, 0) is not None:
                     continue
-                for n in range(1, len(parts)):
-                    older = _PARTITIONER(key, parts[:n], parts[:n])
-                    if older != partition:
-                        earlier.setdefault((topic, older), {})[key] = s
+                for older in self._older_partitions(topic, key, partition):
+                    earlier.setdefault((topic, older), {})[key] = s
         return earlier
+
+    def _older_partitions(self, topic: str, key: bytes, partition: int) -> list[int]:
+        """The partitions other than ``partition`` that ``key`` went to while ``topic`` had fewer
+        (none with a fixed ``partition``), oldest first."""
+        if self.options.partition is not None:
+            return []
+        parts = self._partitions[topic]
+        return list(dict.fromkeys(o for n in range(1, len(parts)) if (o := _PARTITIONER(key, parts[:n], parts[:n])) != partition))
 
     async def _scan_all(
         self, consumer: Any, wanted: dict[tuple[str, int], dict[bytes, Stream]], out: dict[str, SinkPosition | None]
@@ -2192,6 +2201,11 @@ class _Window:
     def __init__(self, end: int) -> None:
         self.lo = self.hi = end
         self.last: dict[bytes, _Found] = {}
+
+
+def _later(a: SinkPosition, b: SinkPosition) -> bool:
+    """Whether the sink holding ``a`` holds more of its stream than holding ``b`` says."""
+    return (a.epoch, a.first_missing()) > (b.epoch, b.first_missing())
 
 
 def _crc(value: bytes | None) -> int:
