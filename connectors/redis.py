@@ -301,6 +301,10 @@ class StateOptions(ConnectorOptions):
     ] = None
 
 
+_COUNTS_FIELD = "index.key's counts hash"
+"""How errors name the index's counts hash (``index.key`` + ``:counts``), a key of its own."""
+
+
 class RedisOptions(ConnectorOptions):
     """The redis sink's own keys."""
 
@@ -400,14 +404,14 @@ class RedisOptions(ConnectorOptions):
             (f, t)
             for f, t, on in (
                 ("index.key", index, self.index.enabled),
-                ("index.key's counts hash", index + ":counts", self.index.enabled),
+                (_COUNTS_FIELD, index + ":counts", self.index.enabled),
                 ("state.key", state, self.state.enabled),
             )
             if on
         ]
         for n, (field, text) in enumerate(keys):
             same = next((f for f, t in keys[:n] if t == text), None)  # (renders alike for every stream; see conflicts)
-            if same is not None and field == "index.key's counts hash":
+            if same is not None and field == _COUNTS_FIELD:
                 raise ValueError(
                     f"index.key: {index!r} keeps its counts in {text!r}, the {same} template: one key holds one type "
                     f"(a stream, a set, a hash); give index.key or {same} another key"
@@ -1372,7 +1376,7 @@ class RedisConnector:
             collision = self._claim(m.record.stream, key, "stream")
             if collision is None and index_key is not None:
                 collision = self._claim(m.record.stream, index_key, "index.key")
-                collision = collision or self._claim(m.record.stream, index_key + ":counts", "index.key's counts hash")
+                collision = collision or self._claim(m.record.stream, index_key + ":counts", _COUNTS_FIELD)
             if collision is None and self._state is not None:  # (claimed before any entry is written)
                 collision = self._claim(m.record.stream, self._state.render(m), "state.key")
             if collision is not None:
@@ -1443,7 +1447,7 @@ class RedisConnector:
         fields = (
             ("stream", self._stream),
             ("index.key", self._index),
-            ("index.key's counts hash", self._counts),
+            (_COUNTS_FIELD, self._counts),
             ("state.key", self._state),
         )
         for field, template in fields:
