@@ -194,6 +194,9 @@ _TIMESTAMP_CONFIGS = ("message.timestamp.type", "message.timestamp.before.max.ms
 _TIMESTAMP_WINDOW_MIN = 60_000
 """The shortest timestamp window (ms) a CreateTime topic may have: a loaded host or broker can
 take seconds between stamping a record and the broker checking it (``request_timeout`` if longer)."""
+_CLOCK_SKEW_MS = 60_000
+"""How far apart two pods' clocks may be: a record one pod wrote after another's is looked for from
+this long before the other's timestamp (record timestamps are the writer's clock)."""
 _YIELD_EVERY = 4096  # state records built between two yields to the event loop
 _STATE_RECORD_OVERHEAD = 32  # bytes a record adds to its key and value in a batch (varints, no headers)
 _BATCH_OVERHEAD = 61  # bytes of a record batch's header, counted in a topic's max.message.bytes
@@ -899,9 +902,11 @@ class KafkaConnector:
         can be a copy this process wrote, below what the topic held (bridge.sink asks this before
         announcing a dropped span). In a partition this process wrote, the later of that last
         message (another pod's records count too) and the last one below this process's first
-        record there. A stream its partition held nothing of (before this process) is looked for
-        in the partitions its key went to while the topic had fewer, and taken from there. Read
-        with a consumer of its own (bounded by the caller), at most ``position_scan`` records back."""
+        record there. The partitions the stream's key went to while the topic had fewer (partitions
+        added since) may hold later ones: each is read back to a minute before the last message found
+        so far (by timestamp), or wholly when none was found, and the latest message of them all is
+        taken. Read with a consumer of its own (bounded by the caller), at most ``position_scan``
+        records back in each partition."""
         out = await self.positions(streams)
         producer = self._producer
         if self._spread or producer is None:
@@ -919,22 +924,19 @@ class KafkaConnector:
         consumer = await self._start_reader()
         try:
             for (topic, partition), ks in asked.items():
-                found, nothing = await self._last_below(consumer, topic, partition, ks)
-                below.update(found)
-                for key, stream in nothing.items():
-                    answer: SinkPosition | None = None
-                    for other in self._older_partitions(topic, key, partition):
-                        there, none = await self._last_below(consumer, topic, other, {key: stream})
-                        if stream.key in there:
-                            answer = there[stream.key]
-                            break
-                        if key not in none:  # (not known not to be there: cannot tell)
-                            break
-                    else:
-                        below[stream.key] = None
-                        continue
-                    if answer is not None:
-                        below[stream.key] = answer
+                found, nothing, stamps = await self._last_below(consumer, topic, partition, ks)
+                for key, stream in ks.items():
+                    best, stamp = found.get(stream.key), stamps.get(key)
+                    unknown = best is None and key not in nothing
+                    for other in reversed(self._older_partitions(topic, key, partition)):  # (newest first)
+                        since = None if stamp is None else stamp - _CLOCK_SKEW_MS
+                        there, none, at = await self._last_below(consumer, topic, other, {key: stream}, since)
+                        pos = there.get(stream.key)
+                        if pos is not None and (best is None or _later(pos, best)):
+                            best, stamp = pos, at[key]
+                        unknown = unknown or (pos is None and since is None and key not in none)
+                    if best is not None or not unknown:  # (else cannot tell: left as positions said)
+                        below[stream.key] = best
         finally:
             await consumer.stop()
         for name, pos in below.items():
@@ -944,26 +946,33 @@ class KafkaConnector:
         return out
 
     async def _last_below(
-        self, consumer: Any, topic: str, partition: int, ks: dict[bytes, Stream]
-    ) -> tuple[dict[str, SinkPosition], dict[bytes, Stream]]:
+        self, consumer: Any, topic: str, partition: int, ks: dict[bytes, Stream], since: int | None = None
+    ) -> tuple[dict[str, SinkPosition], dict[bytes, Stream], dict[bytes, int]]:
         """The last message of each of ``ks`` in one partition, below this process's first record
-        there (its end when it wrote none), and those it holds nothing of (read back to offset 0);
-        the rest, past ``position_scan``, cannot tell."""
+        there (its end when it wrote none), those it holds nothing of (read back to offset 0), and
+        the found messages' timestamps; the rest, past ``position_scan``, cannot tell. With
+        ``since`` (a timestamp, ms) only records from then on are read."""
         tp = TopicPartition(topic, partition)
         consumer.assign([tp])
         begin = (await consumer.beginning_offsets([tp]))[tp]
+        if since is not None:
+            first = (await consumer.offsets_for_times({tp: max(0, since)}))[tp]
+            if first is None:
+                return {}, {}, {}  # (no record from then on)
+            begin = max(begin, first.offset)
         hi = self._own_from.get((topic, partition))
         if hi is None:
             hi = (await consumer.end_offsets([tp]))[tp]
-        lo, left, found = hi, dict(ks), {}
+        lo, left, found, stamps = hi, dict(ks), {}, {}
         while left and lo > begin and hi - lo < self.options.position_scan:
             top, lo = lo, max(begin, lo - _SCAN_CHUNK)
-            for key, (source, rank, position) in (await _read(consumer, tp, lo, top)).items():
+            at: dict[bytes, int] = {}
+            for key, (source, rank, position) in (await _read(consumer, tp, lo, top, at)).items():
                 stream = left.pop(key, None)
                 ours = stream is not None and source == stream.source and rank == str(stream.dp_rank)
                 if stream is not None and ours and position is not None:
-                    found[stream.key] = position
-        return found, (left if lo <= begin == 0 else {})
+                    found[stream.key], stamps[key] = position, at[key]
+        return found, (left if lo <= begin == 0 else {}), stamps
 
     async def _wanted(
         self, producer: Any, streams: Sequence[Stream]
@@ -2229,9 +2238,9 @@ async def _record_at(consumer: Any, tp: Any, offset: int, timeout: float) -> tup
     return None
 
 
-async def _read(consumer: Any, tp: Any, lo: int, hi: int) -> dict[bytes, _Found]:
+async def _read(consumer: Any, tp: Any, lo: int, hi: int, stamps: dict[bytes, int] | None = None) -> dict[bytes, _Found]:
     """The last message of each key among offsets ``lo``..``hi - 1`` of one partition that the
-    bridge wrote (headers ``source`` and ``dp_rank``)."""
+    bridge wrote (headers ``source`` and ``dp_rank``), its timestamp into ``stamps`` if given."""
     last: dict[bytes, _Found] = {}
     consumer.seek(tp, lo)
     while await consumer.position(tp) < hi:
@@ -2248,6 +2257,8 @@ async def _read(consumer: Any, tp: Any, lo: int, hi: int) -> dict[bytes, _Found]
             try:
                 position: SinkPosition | None = SinkPosition.from_headers(headers, record.value)
                 last[record.key] = (source.decode(), rank.decode(), position)
+                if stamps is not None:
+                    stamps[record.key] = record.timestamp
             except (ValueError, UnicodeDecodeError):
                 last[record.key] = ("", "", None)
     return last

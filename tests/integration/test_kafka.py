@@ -766,6 +766,47 @@ async def test_what_a_topic_held_before_partitions_were_added_is_found_in_the_ol
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("grown", [4, 3], ids=["to a third partition", "back to the first"])
+async def test_what_a_topic_held_before_partitions_were_added_twice_is_the_latest_of_them(kafka: KafkaServer, grown: int) -> None:
+    """breaker106 F1: partitions added twice (1, 2, then ``grown``) between three runs; run 2 wrote
+    3..12 to partition 1. The oldest partition holding the stream answered (run 1's 2), or the
+    current one did when the key went back to partition 0, and a drop sink announced 7..12 lost
+    while partition 1 held them (6 of 6). Every partition the key went to is read: the latest wins."""
+    from aiokafka.admin import NewPartitions
+
+    from connectors.kafka import _PARTITIONER
+
+    def went(s: Stream, n: int) -> int:
+        return _PARTITIONER(s.key.encode(), list(range(n)), list(range(n)))
+
+    topic = await kafka.anew_topic(1)
+    last = (lambda p: p == 0) if grown == 3 else (lambda p: p not in (0, 1))
+    stream = next(s for s in (Stream(f"eng-{n}", 0) for n in range(256)) if went(s, 2) == 1 and last(went(s, grown)))
+    records = stream_records(stream, 13, epoch=1)
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        for part, total in ((slice(0, 3), 2), (slice(3, 13), grown)):
+            run = build(kafka, topic, granularity="batch")
+            await run.connect()
+            try:
+                await run.write(render(records[part], granularity="batch"))
+            finally:
+                await run.close()
+            await admin.create_partitions({topic: NewPartitions(total_count=total)})
+    finally:
+        await admin.close()
+    again = build(kafka, topic, granularity="batch")
+    await again.connect()
+    try:
+        await again.write(render(records[5:7], granularity="batch"))  # the replay's copies
+        held = (await again.positions_before_run([stream]))[stream.key]
+    finally:
+        await again.close()
+    assert held is not None and (held.epoch, held.seq) == (1, 12)
+
+
+@pytest.mark.integration
 async def test_a_label_value_a_topic_name_cannot_hold_is_made_valid(kafka: KafkaServer) -> None:
     """Issue 29 C4: ``topic: kv-{labels.model}`` with design.md's own example label value
     ``meta-llama/Llama-3.1-8B`` rendered an invalid topic name: --check said ok, the run was
