@@ -1054,9 +1054,11 @@ class NatsConnector:
             so = self.options.stream
             if self.options.mode == "jetstream" and self.creates_nothing and so.create and not await self._stream_exists(js):
                 subjects = so.subjects or [subject_filter(self.options.subject)]  # (--check: one the run would create)
-                await self._check_creatable(
-                    nc, js, f"JetStream stream {so.name!r}", subjects, so.replicas, so.storage, so.max_bytes
-                )
+                what = f"JetStream stream {so.name!r}"
+                await self._check_creatable(nc, js, what, subjects, so.replicas, so.storage, so.max_bytes)
+                captured = [*subjects, *(f for info in await _all_streams(js) for f in info.config.subjects or [])]
+                fix = f"add {subject_filter(self.options.subject)!r} to stream.subjects, or create a stream capturing them"
+                self._stream_problem = self._missed(captured, f"{what}, as the run would create it, captures {subjects}", fix)
             elif self.options.mode == "jetstream":
                 await self._check_stream(js)
             if self.writes_state:
@@ -1412,6 +1414,9 @@ class NatsConnector:
             await self._note_created(nc)
         if any(e.reason == "no_stream" for e in errors.values()):
             await self._stream_missing(nc, messages[min(i for i, e in errors.items() if e.reason == "no_stream")])
+            if self._stream_problem is not None:  # (what it found: the stream there captures other subjects)
+                problem = Retriable(self._stream_problem, reason="no_stream")
+                errors.update((i, problem) for i, e in list(errors.items()) if e.reason == "no_stream")
         elif not errors:
             self._stream_problem = None
         if self.writes_state:
@@ -2970,6 +2975,17 @@ class NatsConnector:
         errors: dict[str, ConnectorError] = {k: Retriable(why, reason="stream_refused") for k, why in refused.items()}
         return {i: errors[m.record.stream.key] for i, m in enumerate(messages) if m.record.stream.key in errors}
 
+    def _missed(self, captured: Sequence[str], what: str, fix: str) -> str | None:
+        """``--check``: the problem when the subject of a configured stream (``configured_streams``,
+        each type with ``{type}``) is not among ``captured`` (what the streams capture), or None. A
+        write of it would fail ``no_stream``; ``what`` says which stream, ``fix`` what to do."""
+        rendered = (self._subjects.render(sample_message(s, t)) for s in self.configured_streams for t in self._types())
+        missed = [s for s in dict.fromkeys(rendered) if not any(subjects_overlap(f, s) for f in captured)]
+        if not missed:
+            return None
+        shown = ", ".join(repr(m) for m in missed[:3]) + (f" (+{len(missed) - 3} more)" if len(missed) > 3 else "")
+        return f"{self._prefix}: {what}, not the subject of every source: {shown} would fail (no_stream); {fix}"
+
     async def _check_stream(self, js: JetStreamContext) -> None:
         """Report (health, ``--check``) when no stream captures any subject of the template; do not
         fail: a stream may be created later, and a write names the problem too. The server matches
@@ -2999,14 +3015,12 @@ class NatsConnector:
             if self._refusing(name, config):
                 return
             captured = config.subjects or []
-            rendered = (self._subjects.render(sample_message(s, t)) for s in self.configured_streams for t in self._types())
-            missed = [s for s in dict.fromkeys(rendered) if not any(subjects_overlap(f, s) for f in captured)]
-            if missed:
-                shown = ", ".join(repr(m) for m in missed[:3]) + (f" (+{len(missed) - 3} more)" if len(missed) > 3 else "")
-                self._stream_problem = (
-                    f"{self._prefix}: JetStream stream {name!r} captures {captured}, not the subject of every source: "
-                    f"{shown} would fail (no_stream); add {wildcard!r} to its subjects, or create a stream capturing them"
-                )
+            # (with the subjects split over several streams, each captures its own: see _capturing)
+            self._stream_problem = self._missed(
+                [f for other in others for f in other.config.subjects or []] or captured,
+                f"JetStream stream {name!r} captures {captured}",
+                f"add {wildcard!r} to its subjects, or create a stream capturing them",
+            )
             if (kind := _consumed(config)) is not None:  # (with state: refused, see _refusing)
                 self._warn_once(
                     f"retention {name}", "JetStream stream %s has %s retention: %s; use limits retention", name, kind, _CONSUMED

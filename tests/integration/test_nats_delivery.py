@@ -493,6 +493,59 @@ async def test_check_reports_a_stream_that_captures_only_some_configured_sources
         await js.delete_stream(dest)
 
 
+async def test_check_reports_a_stream_it_would_create_that_misses_a_source(
+    nats_server: NatsServer, reader: Client, tmp_path: Path
+) -> None:
+    """breaker107 F1: ``stream.create`` with ``stream.subjects`` made for source a alone: ``--check``
+    said "config ok" (the missing stream was only checked as creatable), the run created it, and
+    source b's writes failed no_stream, holding a's back (3 of 3). It now names b's subject."""
+    dest = _dest()
+    path = tmp_path / "bridge.yaml"
+    sources = [{"name": "llama-a", "endpoint": "tcp://127.0.0.1:1"}, {"name": "llama-b", "endpoint": "tcp://127.0.0.1:3"}]
+    sink = {"type": "nats", "name": "nats-p", "format": "raw", **options_dict(nats_server, dest)}
+    sink["stream"] = {"name": dest, "create": True, "subjects": [f"{dest}.llama-a.*"]}
+    path.write_text(json.dumps({"sources": sources, "sinks": [sink]}))
+    code, out = await asyncio.to_thread(_check, str(path))
+    assert code == 3, out
+    assert f"'{dest}.llama-b.0' would fail (no_stream)" in out and "add " in out and "stream.subjects" in out, out
+    assert f"'{dest}.llama-a.0'" not in out
+    js = reader.jetstream(timeout=10)
+    with pytest.raises(nats.js.errors.NotFoundError):  # (--check creates nothing)
+        await js.stream_info(dest)
+    sink["stream"]["subjects"] = [f"{dest}.llama-a.*", f"{dest}.llama-b.*"]
+    path.write_text(json.dumps({"sources": sources, "sinks": [sink]}))
+    code, out = await asyncio.to_thread(_check, str(path))
+    assert "sinks[0] (nats-p): reachable" in out and "no_stream" not in out, out
+
+
+async def test_check_accepts_a_sinks_subjects_split_over_two_streams(
+    nats_server: NatsServer, reader: Client, tmp_path: Path
+) -> None:
+    """breaker107 F2: an operator's streams ``P.a.>`` and ``P.b.>`` (a layout docs/sinks/nats.md
+    supports), the sink's ``stream.name`` the first: ``--check`` failed the config, naming b's
+    subject, though the run stored both (3 of 3). Each subject is looked for in every stream."""
+    dest = _dest()
+    js = reader.jetstream(timeout=10)
+    await js.add_stream(js_api.StreamConfig(name=f"{dest}_A", subjects=[f"{dest}.llama-a.>"]))
+    await js.add_stream(js_api.StreamConfig(name=f"{dest}_B", subjects=[f"{dest}.llama-b.>"]))
+    try:
+        path = tmp_path / "bridge.yaml"
+        sources = [{"name": "llama-a", "endpoint": "tcp://127.0.0.1:1"}, {"name": "llama-b", "endpoint": "tcp://127.0.0.1:3"}]
+        sink = {"type": "nats", "name": "nats-p", "format": "raw", **options_dict(nats_server, dest)}
+        sink["stream"] = {"name": f"{dest}_A", "create": False}
+        path.write_text(json.dumps({"sources": sources, "sinks": [sink]}))
+        code, out = await asyncio.to_thread(_check, str(path))
+        assert "sinks[0] (nats-p): reachable" in out and "no_stream" not in out, out
+        sources.append({"name": "llama-c", "endpoint": "tcp://127.0.0.1:5"})  # (a subject neither captures)
+        path.write_text(json.dumps({"sources": sources, "sinks": [sink]}))
+        code, out = await asyncio.to_thread(_check, str(path))
+        assert code == 3 and f"'{dest}.llama-c.0' would fail (no_stream)" in out, out
+        assert f"'{dest}.llama-b.0'" not in out, out
+    finally:
+        await js.delete_stream(f"{dest}_A")
+        await js.delete_stream(f"{dest}_B")
+
+
 REFUSING = {
     "sealed": ({"sealed": True}, "is sealed"),
     # breaker75 B2: no write is ever acknowledged (every one times out); ready and "config ok".

@@ -262,6 +262,29 @@ async def test_without_create_a_lost_stream_is_announced_and_named_until_it_is_b
     assert await _subject_seqs(reader, dest, A) == [8]
 
 
+async def test_a_created_stream_missing_a_sources_subject_is_named_as_it_is(nats_server: NatsServer, dest: str) -> None:
+    """breaker107 F1: a stream the sink created with ``stream.subjects`` missing source b's: b's
+    writes failed saying the stream "is created again" though it was there. The error names the
+    stream and the subject it does not capture, and the fix."""
+    b = Stream("qwen-b", 0)
+    conn = NatsConnector(
+        "nats-l",
+        _options(nats_server.url, dest, stream={"create": True, "name": dest, "subjects": [f"{dest}.{A.source}.*"]}),
+        SINK,
+    )
+    await conn.connect()
+    try:
+        with pytest.raises(PartialFailure) as failed:
+            await conn.write(_render([A, b], 0, 1))
+        errors = failed.value.errors
+        assert [(i, e.reason) for i, e in errors.items()] == [(1, "no_stream")], errors
+        why = str(errors[1])
+        assert f"stream {dest!r} does not capture subject '{dest}.qwen-b.0'" in why and "created again" not in why, why
+        assert await conn.health() == why
+    finally:
+        await conn.close()
+
+
 async def test_a_stream_created_again_between_two_writes_is_announced(nats_server: NatsServer, reader: Client, dest: str) -> None:
     """Deleted and created again (by an operator, or another replica after a restart that lost it)
     before the bridge wrote to it: no write fails, but the sequence goes back."""
