@@ -241,7 +241,11 @@ class Metrics:
             ["source", "dp_rank"],
             registry=r,
         )
-        self.sources_connected = Gauge(p + "sources_connected", "Engine connections currently established.", registry=r)
+        self.sources_connected = Gauge(
+            p + "sources_connected",
+            "Engine connections established whose source reads its engine's messages (none while kv_bridge_source_up is 0).",
+            registry=r,
+        )
         self.source_up = Gauge(
             p + "source_up", "1 while the stream's live socket is connected to its engine (handshake done).",
             ["source", "dp_rank"], registry=r,

@@ -10,7 +10,7 @@ streams. The reader's own task only finishes a pipeline call that had to wait (s
 re-established; the sequence gap is then repaired through replay). A source whose connections are
 dropped ``_UNREAD_DROPS`` times in a row before any message is read counts as not connected
 (reason ``dropped_unread``) until one is: every message may be over the limit. A monitor socket tracks
-connections for ``kv_bridge_sources_connected`` and the logs.
+connections for ``kv_bridge_sources_connected`` (those of a source with no problem) and the logs.
 
 Health (docs/operations/monitoring.md): a connection counts once its ZMTP handshake succeeded (a
 SUB that reached the engine's replay ROUTER connects, then is dropped without one). While a
@@ -133,6 +133,7 @@ class SourceReader:
         self._heard = False  # a message was read since the last connection came up
         self._unread_drops = 0  # connections in a row dropped before one was (see _UNREAD_DROPS)
         self._connected_gauge = pipeline.metrics.connected
+        self._counted = 0  # this reader's part of kv_bridge_sources_connected (see _recount)
         self._disconnects = pipeline.metrics.disconnects
         metrics = pipeline.metrics.metrics
         labels = (pipeline.stream.source, str(pipeline.stream.dp_rank))
@@ -233,8 +234,8 @@ class SourceReader:
             monitor.close(linger=0)
             if self._diagnosing is not None:
                 self._diagnosing.cancel()
-            self._connected_gauge.dec(self.connections)
             self.connections = 0
+            self._recount()
             self._up.set(0)
             with contextlib.suppress(KeyError):
                 self._problem_metric.remove(*self._labels, self._reason)
@@ -314,17 +315,16 @@ class SourceReader:
             event = msg["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # a PUB at the other end (or an engine connected in)
                 self.connections += 1
-                self._connected_gauge.inc()
                 if self._topic and not self._probing:  # a new engine (a redeploy) may publish under another topic
                     sock.setsockopt(zmq.SUBSCRIBE, b"")
                     self._probing = True
                 self._heard = False
                 if self._unread_drops < _UNREAD_DROPS:  # (else not connected until a message is read)
                     self._set_problem(None, "")
+                self._recount()
                 log.info("source connected", extra={"stream": key, "endpoint": self.endpoint})
             elif event == zmq.EVENT_DISCONNECTED and self.connections > 0:
                 self.connections -= 1
-                self._connected_gauge.dec()
                 self._disconnects.inc()
                 if not self._heard:
                     self._unread_drops += 1
@@ -332,6 +332,7 @@ class SourceReader:
                     self._dropped_unread()
                 elif not self.connections:
                     self._set_problem("the engine went away: reconnecting", "disconnected")
+                self._recount()
                 log.warning("source disconnected", extra={"stream": key, "endpoint": self.endpoint})
                 # Whoever is there when it reconnects may be a new engine instance.
                 await self.pipeline.disconnected()
@@ -404,6 +405,16 @@ class SourceReader:
                 self._problem_metric.labels(*self._labels, reason).set(1)
             self._reason = reason if problem is not None else ""
         self.pipeline.foreign_only = self._reason == "wrong_topic"
+        self._recount()
+
+    def _recount(self) -> None:
+        """``kv_bridge_sources_connected`` counts this reader's connections while it has no problem:
+        a connection that reads nothing of its own (``wrong_topic``, ``dropped_unread``) is none, as
+        in ``/readyz`` and ``kv_bridge_source_up``."""
+        n = self.connections if self.problem is None else 0
+        if n != self._counted:
+            self._connected_gauge.inc(n - self._counted)
+            self._counted = n
 
     def _diagnose(self) -> None:
         """Find out, in the background and at most every ``_DIAGNOSE_EVERY``, why nothing connects."""

@@ -199,6 +199,9 @@ async def test_an_engine_publishing_under_another_topic_is_not_taken_for_an_idle
                 "set the source's topic to the engine's KV events topic (\"\" for every topic)"
             )
             assert metric(bridge, "kv_bridge_source_up", source="a", dp_rank="0") == 0
+            # breaker108 G2: connected at the ZMQ level, the stream still counted 1 here, so the
+            # KvBridgeNoSourceConnected alert (sources_connected == 0) never fired (3 of 3).
+            assert metric(bridge, "kv_bridge_sources_connected") == 0
             assert not out.exists() or read_lines(out) == []  # nothing of another topic delivered
             assert bridge.pipelines["a/0"].foreign_only  # (not probed: replay would deliver them, breaker77 B1)
             (line,) = lines(caplog, "source receives no message of its topic")
@@ -234,6 +237,7 @@ async def test_an_engine_redeployed_under_another_topic_is_not_taken_for_an_idle
                 await asyncio.sleep(0.05)
             detail = await not_ready(bridge)
             assert "'engine-kv'" in detail["sources_not_connected"]["a/0"]
+            assert metric(bridge, "kv_bridge_sources_connected") == 0
 
 
 async def test_a_frozen_engine_is_not_taken_for_an_idle_one(tmp_path: Path) -> None:
