@@ -320,6 +320,10 @@ class StreamSequencer:
         self._older_last = -1
         self._doubt_since: float | None = None  # when the disconnect was noticed (the engine's clock: disconnected)
         self._drops = 0  # disconnects noticed since continuity came into doubt
+        # The last epoch opened on a replay reply alone, the live connection never having dropped
+        # since the instance was last verified: the engine restarted (its drop not noticed yet), or
+        # the replay socket is another engine's (docs/concepts/limits.md): the wire cannot tell.
+        self.shown_by_replay: int | None = None
         # This epoch was opened for a UUID by a certain restart (``_restart_under``): its instance
         # is that UUID's, and the live batches that came under it are its, even in doubt.
         self._opened_for: bytes | None = None
@@ -1920,6 +1924,7 @@ class StreamSequencer:
         the UUID they came under; batches read live under this epoch's UUID, when it is another,
         are never carried, whatever the clocks say (the new instance's may run behind).
         """
+        shown_by_replay = evidence is not None and not self._doubt
         if self._replay is not None and self._heard >= 0:
             self._unclaim()  # (replies kept for a verdict, perhaps the old instance's: it settles their seqs)
         carried: dict[int, bytes] = {}
@@ -2041,6 +2046,8 @@ class StreamSequencer:
         # Known published by it (so settled by its epoch if it restarts first: I3).
         self._top = self.last_live if self.last_live is not None else -1
         out.append(Reset(self.epoch, reason))
+        if shown_by_replay:
+            self.shown_by_replay = self.epoch
         if theirs_aside:
             self._aside, self._aside_asked, self._aside_refuted, self._aside_silent = aside, False, 0, 0
             self._aside_below = False

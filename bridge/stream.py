@@ -431,6 +431,13 @@ class StreamPipeline:
             if a.reason != "bridge_restart":
                 self.metrics.restarts.inc()
                 log.warning("engine restarted: new epoch", extra={"stream": self.stream.key, "epoch": a.epoch})
+            if a.epoch == self.sequencer.shown_by_replay:
+                log.warning(
+                    "the restart shows only in the replay socket's answer (the live connection never dropped): "
+                    "if the engine did not restart, the source's replay_endpoint is another engine's; check it with "
+                    "python -m bridge --check while the engine publishes",
+                    extra={"stream": self.stream.key, "epoch": a.epoch, "endpoint": self.replay_endpoint},
+                )
             record = self._pending = source_reset(self.stream, a.epoch, a.reason, received)
             self._first_pending = True
             if persist:

@@ -328,7 +328,14 @@ async def wire_shape(
                 f"wrong_topic): set the source's topic to it; an engine that publishes under {topic!r} only now and "
                 "then needs nothing"
             )
-        return f"nothing published within {timeout:g}s (an idle engine: the wire shape shows with its first batch)", None
+        unchecked = (
+            "; replay_endpoint not checked (its answer is compared with a batch the engine publishes: run --check "
+            "while it publishes)"
+            if replay_endpoint is not None
+            else ""
+        )
+        said = f"nothing published within {timeout:g}s (an idle engine: the wire shape shows with its first batch)"
+        return said + unchecked, None
     largest = max(map(len, frames))
     if largest > max_frame_bytes:
         return f"a message with a {largest}-byte frame", (

@@ -607,6 +607,23 @@ async def test_check_refuses_a_replay_endpoint_that_answers_for_another_engine(t
     assert "another engine's replay socket" in proc.stderr
 
 
+async def test_check_says_it_did_not_check_the_replay_endpoint_of_an_idle_engine(tmp_path: Path) -> None:
+    """breaker108 G1: with the engine idle while --check listened, "config ok" read as if the
+    replay endpoint (another engine's) had been checked; the run then took that engine's batches
+    for this one's. The line says it was not checked, and how to check it."""
+    live_a, rep_a, live_b, rep_b = free_ports(4)
+    config = {
+        "sources": [{"name": "e", "endpoint": f"tcp://127.0.0.1:{live_a}", "replay_endpoint": f"tcp://127.0.0.1:{rep_b}"}],
+        "sinks": [{"type": "file", "path": str(tmp_path / "out.jsonl")}],
+        "checkpoint": {"path": str(tmp_path / "checkpoint.json")},
+    }
+    async with ScriptedEngine(live_a, rep_a), ScriptedEngine(live_b, rep_b):
+        proc = await check_config(tmp_path, config)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert "nothing published within" in proc.stdout + proc.stderr
+    assert "replay_endpoint not checked" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
 async def test_check_warns_of_a_source_topic_the_engine_does_not_publish_under(tmp_path: Path) -> None:
     """breaker46 B2: --check subscribed to the configured topic alone, heard nothing from an engine
     publishing 20 batches/s under another, called it "an idle engine" and said "config ok"; the run,

@@ -244,6 +244,23 @@ def test_replay_reveals_restart_hidden_by_higher_seqs() -> None:
     assert sink.payload_instance == {0: "0", 1: "1"}
 
 
+@pytest.mark.parametrize("dropped", [False, True], ids=["live connection up", "after a drop"])
+def test_a_restart_shown_by_the_replay_alone_is_marked(dropped: bool) -> None:
+    """breaker108 G1: a replay socket that is another engine's contradicts the delivered batch at a
+    gap, which reads as a restart the live connection never showed (nothing on the wire tells the
+    two apart). The epoch is marked (``shown_by_replay``) so the bridge can say so; after a drop
+    of the live connection a restart is expected, and nothing is marked."""
+    seqr = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=ts_of)
+    for s in range(3):
+        seqr.live(s, payload_of(0, s))
+    if dropped:
+        seqr.disconnected()
+    (req,) = requests(seqr.live(5, payload_of(1, 5)))
+    out = seqr.replayed(req.request_id, 2, payload_of(1, 2))
+    assert Reset(1, "publisher_restart") in out, out
+    assert seqr.shown_by_replay == (None if dropped else 1)
+
+
 def test_restart_found_by_replay_announces_no_loss_past_what_the_old_instance_published() -> None:
     """The old epoch's tail ends at the last seq its instance was seen to publish (``_restart``):
     a live batch the replay proves to be the new instance's does not extend it."""
