@@ -51,8 +51,17 @@ from .stream import StreamPipeline
 
 log = logging.getLogger("bridge.source")
 
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+"""libzmq reports these right before the DISCONNECTED of a connection that never completed its
+ZMTP handshake (a TCP probe of a bound port, a port scan, a peer of the wrong kind): that
+DISCONNECTED is no engine's going away."""
 _MONITOR_EVENTS = (
-    zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    zmq.EVENT_CONNECTED
+    | zmq.EVENT_ACCEPTED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_CONNECT_RETRIED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | _HANDSHAKE_FAILED
 )
 # While a source is not connected, how often the reader asks the endpoint why (one TCP connection).
 _DIAGNOSE_EVERY = 15.0
@@ -310,10 +319,17 @@ class SourceReader:
         key = self.pipeline.stream.key
         redial: asyncio.TimerHandle | None = None
         loop = asyncio.get_running_loop()
+        unshaken = 0  # handshakes failed whose DISCONNECTED has not come yet (see _HANDSHAKE_FAILED)
         while True:
             msg = parse_monitor_message(await monitor.recv_multipart())
             event = msg["event"]
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # a PUB at the other end (or an engine connected in)
+            if event & _HANDSHAKE_FAILED:
+                unshaken += 1  # (its DISCONNECTED follows)
+            elif event == zmq.EVENT_DISCONNECTED and unshaken:
+                unshaken -= 1  # a connection that never was one: the engines connected stay so (breaker110)
+                if not self.connections:
+                    self._diagnose()
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # a PUB at the other end (or an engine connected in)
                 self.connections += 1
                 if self._topic and not self._probing:  # a new engine (a redeploy) may publish under another topic
                     sock.setsockopt(zmq.SUBSCRIBE, b"")

@@ -216,6 +216,30 @@ async def test_an_engine_publishing_under_another_topic_is_not_taken_for_an_idle
             assert not bridge.pipelines["a/0"].foreign_only
 
 
+async def test_a_tcp_probe_of_a_bound_port_is_not_taken_for_the_engine_going_away(tmp_path: Path) -> None:
+    """breaker110 1: a ``bind: true`` source with its engine connected in; a TCP connection that
+    never does the ZMTP handshake (a Kubernetes tcpSocket probe, a port scan) came and went, and
+    its DISCONNECTED was counted as the engine's: not connected, source_up 0, the engine "went
+    away" while it published on (5 of 5). libzmq says HANDSHAKE_FAILED before such a DISCONNECTED."""
+    live = free_port()
+    opts = SimulatorOptions(endpoint=f"tcp://127.0.0.1:{live}", replay_endpoint=None, rate=0, bind=False)
+    sources = [source("a", opts.endpoint, None) | {"bind": True}]
+    async with running_bridge(tmp_path, sources, ingest=GRACE) as (bridge, out), Simulator(opts) as sim:
+        await wait_for(lambda: metric(bridge, "kv_bridge_sources_connected") == 1, what="connected", timeout=10)
+        for _ in range(3):
+            probe = socket.create_connection(("127.0.0.1", live), timeout=2)
+            probe.close()
+        await sim.step(0)
+        await wait_for(lambda: out.exists() and len(read_lines(out)) >= 1, what="a batch", timeout=10)
+        await asyncio.sleep(0.5)  # (the monitor's events are read by then)
+        await sim.step(0)
+        await wait_for(lambda: len(read_lines(out)) >= 2, what="another batch", timeout=10)
+        assert metric(bridge, "kv_bridge_sources_connected") == 1
+        assert metric(bridge, "kv_bridge_source_up", source="a", dp_rank="0") == 1
+        assert metric(bridge, "kv_bridge_source_disconnects_total", source="a", dp_rank="0") == 0
+        assert bridge.readiness()[0]
+
+
 async def test_an_engine_redeployed_under_another_topic_is_not_taken_for_an_idle_one(tmp_path: Path) -> None:
     """Breaker find (T2): the engine published under "kv", then a redeployed one publishes its
     events under "engine-kv". A topic seen once must not vouch for the next engine on the socket."""
