@@ -722,6 +722,10 @@ class SinkPosition(msgspec.Struct, frozen=True, omit_defaults=True):
             return (self.epoch, self.seq + 1, self.index + 1)
         return (self.epoch, self.seq + 1, MAX_SUB)
 
+    def holds_more_than(self, other: SinkPosition) -> bool:
+        """Whether the sink holding this holds more of its stream than holding ``other`` says."""
+        return (self.epoch, self.first_missing()) > (other.epoch, other.first_missing())
+
     def first_missing(self) -> int:
         """The first seq of its epoch this sink does not hold whole: after a batch or a loss it
         holds, at a batch it holds only in part (event granularity), 0 after a SourceReset."""

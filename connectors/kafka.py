@@ -932,7 +932,7 @@ class KafkaConnector:
                         since = None if stamp is None else stamp - _CLOCK_SKEW_MS
                         there, none, at = await self._last_below(consumer, topic, other, {key: stream}, since)
                         pos = there.get(stream.key)
-                        if pos is not None and (best is None or _later(pos, best)):
+                        if pos is not None and (best is None or pos.holds_more_than(best)):
                             best, stamp = pos, at[key]
                         unknown = unknown or (pos is None and since is None and key not in none)
                     if best is not None or not unknown:  # (else cannot tell: left as positions said)
@@ -941,7 +941,7 @@ class KafkaConnector:
             await consumer.stop()
         for name, pos in below.items():
             last = out.get(name)
-            if name not in out or (pos is not None and (last is None or _later(pos, last))):
+            if name not in out or (pos is not None and (last is None or pos.holds_more_than(last))):
                 out[name] = pos
         return out
 
@@ -2210,11 +2210,6 @@ class _Window:
     def __init__(self, end: int) -> None:
         self.lo = self.hi = end
         self.last: dict[bytes, _Found] = {}
-
-
-def _later(a: SinkPosition, b: SinkPosition) -> bool:
-    """Whether the sink holding ``a`` holds more of its stream than holding ``b`` says."""
-    return (a.epoch, a.first_missing()) > (b.epoch, b.first_missing())
 
 
 def _crc(value: bytes | None) -> int:

@@ -961,6 +961,9 @@ class NatsConnector:
         # (0: none). A stream's first message of each write is stored only over that one
         # (Nats-Expected-Last-Subject-Sequence), so another writer of the subject since is seen.
         self._fences: dict[str, _Fence] = {}
+        # Stream key -> its subject's last message read at the stream's first claim in this process
+        # (None: it held none), before this process wrote there: see positions_before_run.
+        self._before_run: dict[str, SinkPosition | None] = {}
         self._subject_problem: str | None = None  # a subject another bridge's stream took over (see _claim)
         # JetStream streams whose messages leave when consumed (retention interest, workqueue): a
         # subject there is emptied by its readers, so no fence (each write would find it moved).
@@ -1302,6 +1305,22 @@ class NatsConnector:
         :class:`_Subjects`): two configured streams with one are refused before a run."""
         return self._subjects.base(stream)
 
+    async def positions_before_run(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:
+        """What the sink holds of each stream, this process's own messages left out (bridge.sink
+        asks this before announcing a dropped span): JetStream drops the replay's copies by their
+        ids, but a SourceReset this process wrote (``bridge_restart``, after a restart without the
+        checkpoint) is the subject's last message, and says nothing of the batches before it. The
+        later of :meth:`positions` and the subject's last message before this process first wrote
+        there (read by the claim, see _claim); a stream this process has not written yet: positions."""
+        out = await self.positions(streams)
+        for stream in streams:
+            if stream.key not in self._before_run:
+                continue
+            before, last = self._before_run[stream.key], out.get(stream.key)
+            if stream.key not in out or (before is not None and (last is None or before.holds_more_than(last))):
+                out[stream.key] = before
+        return out
+
     async def positions(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:
         """The last message on each stream's subject (``checkpoint.from_sinks``, JetStream mode): the
         JetStream stream capturing each subject is found (see _capturing; the subjects may be split
@@ -1514,6 +1533,8 @@ class NatsConnector:
             self._next.pop(key, None)
             self._fences.pop(key, None)  # (a new stream: the subject's owner is read again)
             self._subjects.claimed.discard(key)
+            if key in self._before_run:
+                self._before_run[key] = None  # (what it held before this process is gone with it)
         if not spans:
             return
         self._lost.extend(spans)
@@ -1743,8 +1764,13 @@ class NatsConnector:
         headers = (msg.headers if msg is not None else None) or {}
         source, rank = headers.get("source"), headers.get("dp_rank")
         holder = None
+        if msg is None:
+            self._before_run.setdefault(stream.key, None)
         if _names(headers, stream):
             holder = stream.key
+            if msg is not None and stream.key not in self._before_run:
+                with contextlib.suppress(ValueError):
+                    self._before_run[stream.key] = SinkPosition.from_headers(headers, msg.data)
         elif source is not None and rank is not None:
             holder = f"{_header_text(source)}/{rank}"
         owner = self._subjects.claim(stream, holder)

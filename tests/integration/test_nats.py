@@ -784,6 +784,40 @@ async def test_a_source_name_nats_py_reads_back_changed_is_still_its_own_subject
 
 
 @pytest.mark.integration
+async def test_what_a_subject_held_before_this_process_outlasts_its_own_source_reset(
+    nats_server: NatsServer, js_dest: str
+) -> None:
+    """breaker110 4: a drop sink's bridge killed before its first checkpoint save; the next run
+    wrote SourceReset(bridge_restart) in the same epoch, then dropped the replay's 1..10: it asked
+    positions(), got that SourceReset (nothing held of the epoch) and announced 1..10, though the
+    subject held 0..3 and 4 was announced already (4 of 4). positions_before_run() takes the
+    subject's last message from before this process first wrote there."""
+    from bridge.records import events_lost, source_reset
+
+    stream = Stream("llama-a", 0)
+    r = Renderer("raw", "batch")
+    earlier = NatsConnector("nats", _options(nats_server.url, js_dest), SINK)
+    await earlier.connect()
+    try:
+        lost = events_lost(stream, 1, 4, 4, "sink_queue_full", 0.0)
+        await earlier.write([m for rec in [*stream_records(stream, 4, epoch=1), lost] for m in r.render(rec)])
+    finally:
+        await earlier.close()
+    later = NatsConnector("nats", _options(nats_server.url, js_dest), SINK)
+    await later.connect()
+    try:
+        untouched = (await later.positions_before_run([stream]))[stream.key]  # (nothing written yet)
+        await later.write(r.render(source_reset(stream, 1, "bridge_restart", 0.0)))
+        last = (await later.positions([stream]))[stream.key]
+        held = (await later.positions_before_run([stream]))[stream.key]
+    finally:
+        await later.close()
+    assert untouched is not None and (untouched.kind, untouched.seq) == ("EventsLost", 4), untouched
+    assert last is not None and last.kind == "SourceReset", last
+    assert held is not None and (held.epoch, held.first_missing()) == (1, 5), held
+
+
+@pytest.mark.integration
 async def test_the_owner_writes_on_after_its_own_messages_left_the_stream(
     nats_server: NatsServer, reader: Client, js_dest: str
 ) -> None:
