@@ -194,9 +194,9 @@ _TIMESTAMP_CONFIGS = ("message.timestamp.type", "message.timestamp.before.max.ms
 _TIMESTAMP_WINDOW_MIN = 60_000
 """The shortest timestamp window (ms) a CreateTime topic may have: a loaded host or broker can
 take seconds between stamping a record and the broker checking it (``request_timeout`` if longer)."""
-_CLOCK_SKEW_MS = 60_000
-"""How far apart two pods' clocks may be: a record one pod wrote after another's is looked for from
-this long before the other's timestamp (record timestamps are the writer's clock)."""
+_CLOCK_SKEW_MS = 600_000
+"""How far apart the clocks of the bridges writing a topic may be (record timestamps are the
+writer's clock): see ``KafkaConnector.positions_before_run``."""
 _YIELD_EVERY = 4096  # state records built between two yields to the event loop
 _STATE_RECORD_OVERHEAD = 32  # bytes a record adds to its key and value in a batch (varints, no headers)
 _BATCH_OVERHEAD = 61  # bytes of a record batch's header, counted in a topic's max.message.bytes
@@ -903,10 +903,11 @@ class KafkaConnector:
         announcing a dropped span). In a partition this process wrote, the later of that last
         message (another pod's records count too) and the last one below this process's first
         record there. The partitions the stream's key went to while the topic had fewer (partitions
-        added since) may hold later ones: each is read back to a minute before the last message found
-        so far (by timestamp), or wholly when none was found, and the latest message of them all is
-        taken. Read with a consumer of its own (bounded by the caller), at most ``position_scan``
-        records back in each partition."""
+        added since) may hold later ones, written before the partition that took the key away was
+        added: each is read back from the first record of that partition (by timestamp, plus
+        ``_CLOCK_SKEW_MS``), and skipped when that record is older than the latest message found
+        (less ``_CLOCK_SKEW_MS``); the latest message of them all is taken. Read with a consumer of
+        its own (bounded by the caller), at most ``position_scan`` records back in each partition."""
         out = await self.positions(streams)
         producer = self._producer
         if self._spread or producer is None:
@@ -922,19 +923,33 @@ class KafkaConnector:
             return out
         below: dict[str, SinkPosition | None] = {}
         consumer = await self._start_reader()
+        firsts: dict[tuple[str, int], int | None] = {}
+
+        async def added_at(topic: str, index: int) -> int | None:
+            """The timestamp of the first record partition ``index`` holds (it existed then)."""
+            if (topic, index) not in firsts:
+                firsts[(topic, index)] = await _first_stamp(consumer, TopicPartition(topic, index))
+            return firsts[(topic, index)]
+
         try:
             for (topic, partition), ks in asked.items():
                 found, nothing, stamps = await self._last_below(consumer, topic, partition, ks)
                 for key, stream in ks.items():
                     best, stamp = found.get(stream.key), stamps.get(key)
                     unknown = best is None and key not in nothing
-                    for other in reversed(self._older_partitions(topic, key, partition)):  # (newest first)
-                        since = None if stamp is None else stamp - _CLOCK_SKEW_MS
-                        there, none, at = await self._last_below(consumer, topic, other, {key: stream}, since)
+                    older = self._older_partitions(topic, key, partition)
+                    for other in reversed(older):  # (newest first)
+                        # The key went there while the topic had up to max(counts) partitions:
+                        # until partition max(counts) was added.
+                        added = await added_at(topic, max(older[other]))
+                        if added is not None and stamp is not None and added < stamp - _CLOCK_SKEW_MS:
+                            continue  # (added before the latest message found: nothing later there)
+                        until = None if added is None else added + _CLOCK_SKEW_MS
+                        there, none, at = await self._last_below(consumer, topic, other, {key: stream}, until)
                         pos = there.get(stream.key)
                         if pos is not None and (best is None or pos.holds_more_than(best)):
                             best, stamp = pos, at[key]
-                        unknown = unknown or (pos is None and since is None and key not in none)
+                        unknown = unknown or (pos is None and key not in none)
                     if best is not None or not unknown:  # (else cannot tell: left as positions said)
                         below[stream.key] = best
         finally:
@@ -946,23 +961,20 @@ class KafkaConnector:
         return out
 
     async def _last_below(
-        self, consumer: Any, topic: str, partition: int, ks: dict[bytes, Stream], since: int | None = None
+        self, consumer: Any, topic: str, partition: int, ks: dict[bytes, Stream], until: int | None = None
     ) -> tuple[dict[str, SinkPosition], dict[bytes, Stream], dict[bytes, int]]:
         """The last message of each of ``ks`` in one partition, below this process's first record
-        there (its end when it wrote none), those it holds nothing of (read back to offset 0), and
-        the found messages' timestamps; the rest, past ``position_scan``, cannot tell. With
-        ``since`` (a timestamp, ms) only records from then on are read."""
+        there (its end when it wrote none) and, with ``until`` (a timestamp, ms), below the first
+        record stamped from then on; those it holds nothing of (read back to offset 0), and the
+        found messages' timestamps. The rest, past ``position_scan``, cannot tell."""
         tp = TopicPartition(topic, partition)
         consumer.assign([tp])
         begin = (await consumer.beginning_offsets([tp]))[tp]
-        if since is not None:
-            first = (await consumer.offsets_for_times({tp: max(0, since)}))[tp]
-            if first is None:
-                return {}, {}, {}  # (no record from then on)
-            begin = max(begin, first.offset)
         hi = self._own_from.get((topic, partition))
         if hi is None:
             hi = (await consumer.end_offsets([tp]))[tp]
+        if until is not None and (later := (await consumer.offsets_for_times({tp: until}))[tp]) is not None:
+            hi = min(hi, later.offset)
         lo, left, found, stamps = hi, dict(ks), {}, {}
         while left and lo > begin and hi - lo < self.options.position_scan:
             top, lo = lo, max(begin, lo - _SCAN_CHUNK)
@@ -1016,13 +1028,18 @@ class KafkaConnector:
                     earlier.setdefault((topic, older), {})[key] = s
         return earlier
 
-    def _older_partitions(self, topic: str, key: bytes, partition: int) -> list[int]:
+    def _older_partitions(self, topic: str, key: bytes, partition: int) -> dict[int, list[int]]:
         """The partitions other than ``partition`` that ``key`` went to while ``topic`` had fewer
-        (none with a fixed ``partition``), oldest first."""
+        (none with a fixed ``partition``), oldest first, each with the partition counts it went
+        there at."""
+        out: dict[int, list[int]] = {}
         if self.options.partition is not None:
-            return []
+            return out
         parts = self._partitions[topic]
-        return list(dict.fromkeys(o for n in range(1, len(parts)) if (o := _PARTITIONER(key, parts[:n], parts[:n])) != partition))
+        for n in range(1, len(parts)):
+            if (o := _PARTITIONER(key, parts[:n], parts[:n])) != partition:
+                out.setdefault(o, []).append(n)
+        return out
 
     async def _scan_all(
         self, consumer: Any, wanted: dict[tuple[str, int], dict[bytes, Stream]], out: dict[str, SinkPosition | None]
@@ -2230,6 +2247,20 @@ async def _record_at(consumer: Any, tp: Any, offset: int, timeout: float) -> tup
                 return _crc(record.key), _crc(record.value)
             if record.offset > offset:
                 return None
+    return None
+
+
+async def _first_stamp(consumer: Any, tp: Any) -> int | None:
+    """The timestamp of the first record one partition holds (None: it holds none)."""
+    consumer.assign([tp])
+    begin = (await consumer.beginning_offsets([tp]))[tp]
+    if begin >= (await consumer.end_offsets([tp]))[tp]:
+        return None
+    consumer.seek(tp, begin)
+    for _ in range(25):  # (the read is bounded by its caller too)
+        records = (await consumer.getmany(tp, timeout_ms=200, max_records=1)).get(tp, [])
+        if records:
+            return int(records[0].timestamp)
     return None
 
 
