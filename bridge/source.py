@@ -152,6 +152,7 @@ class SourceReader:
         self._up.set(0)
         # Read by the process's drainer (bridge.ingest); a reader made alone has its own.
         self._drainer = drainer
+        self._reading: Drainer | None = None  # the drainer reading the socket (run)
         self.queued = False
         self._sock: zmq.Socket[bytes] | None = None
         self._busy = False  # a burst's pipeline call not finished: the socket is not read
@@ -206,6 +207,7 @@ class SourceReader:
         log.info("source subscribed", extra={"stream": self.pipeline.stream.key, "endpoint": self.endpoint, "bind": self.bind})
         fd = sock.fileno()
         drainer = self._drainer if self._drainer is not None else Drainer(self.ingest.tick)
+        self._reading = drainer
         self._sock = sock
         drainer.watch(fd, self)
         drainer.note(self)  # whatever arrived before the descriptor was watched
@@ -320,8 +322,9 @@ class SourceReader:
         redial: asyncio.TimerHandle | None = None
         loop = asyncio.get_running_loop()
         unshaken = 0  # handshakes failed whose DISCONNECTED has not come yet (see _HANDSHAKE_FAILED)
+        backlog: list[Any] = []  # events read ahead (see _before_drop)
         while True:
-            msg = parse_monitor_message(await monitor.recv_multipart())
+            msg = backlog.pop(0) if backlog else parse_monitor_message(await monitor.recv_multipart())
             event = msg["event"]
             if event & _HANDSHAKE_FAILED:
                 unshaken += 1  # (its DISCONNECTED follows)
@@ -341,6 +344,8 @@ class SourceReader:
                 log.info("source connected", extra={"stream": key, "endpoint": self.endpoint})
             elif event == zmq.EVENT_DISCONNECTED and self.connections > 0:
                 self.connections -= 1
+                if not self.connections:
+                    await self._before_drop(monitor, backlog)
                 self._disconnects.inc()
                 if not self._heard:
                     self._unread_drops += 1
@@ -361,6 +366,33 @@ class SourceReader:
                 if redial is not None:
                     redial.cancel()
                 redial = loop.call_later(_REDIAL_AFTER, self._redial, sock)
+
+    async def _before_drop(self, monitor: zmq.asyncio.Socket, backlog: list[Any]) -> None:
+        """The last connection dropped: what the socket holds now came through it, unless a new
+        one has handshaken since (its event waits in the monitor: read ahead into ``backlog``). It is
+        handed to the pipeline before the drop is: the engine's last batches, published just
+        before it stopped, are its own, not read in doubt as perhaps a new instance's (which
+        only their clocks could tell, and not within ``clock_skew``: breaker111 H1)."""
+        while cast(int, monitor.get(zmq.EVENTS)) & zmq.POLLIN:  # (read ahead: no wait)
+            backlog.append(parse_monitor_message(await monitor.recv_multipart()))
+        sock, drainer = self._sock, self._reading
+        if sock is None or drainer is None or self._busy or any(e["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED for e in backlog):
+            return
+        self._busy = True  # (the drainer leaves the socket alone meanwhile)
+        try:
+            while True:
+                burst, foreign = self._read(sock)
+                if burst:
+                    if not self._heard:
+                        self._heard_now()
+                    if self._probing:
+                        self._own_topic(sock)
+                    await self.pipeline.on_live(burst, time.time())
+                if len(burst) + foreign < self.ingest.drain_max:
+                    return
+        finally:
+            self._busy = False
+            drainer.note(self)
 
     def _foreign(self, topic: bytes) -> None:
         """A message under a topic outside the prefix: dropped, and a problem while none of the
