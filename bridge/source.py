@@ -290,14 +290,14 @@ class SourceReader:
         self._parked = parked
         self._wake.set()
 
-    def _read(self, sock: zmq.Socket[bytes]) -> tuple[list[list[bytes]], int]:
-        """What is ready on ``sock``, up to ``ingest.drain_max`` messages: the burst of the source's
-        topic, and how many messages of other topics were read (and dropped)."""
+    def _read(self, sock: zmq.Socket[bytes], limit: int = 0) -> tuple[list[list[bytes]], int]:
+        """What is ready on ``sock``, up to ``limit`` (``ingest.drain_max`` if 0) messages: the burst
+        of the source's topic, and how many messages of other topics were read (and dropped)."""
         burst: list[list[bytes]] = []
         foreign = 0
         recv, noblock, topic = _recv, zmq.NOBLOCK, self._topic
         try:
-            for _ in range(self.ingest.drain_max):
+            for _ in range(limit or self.ingest.drain_max):
                 frame = recv(sock, noblock, False)  # only the first frame can be missing: multipart is atomic
                 frames = [frame.bytes]
                 while frame.more:
@@ -344,8 +344,7 @@ class SourceReader:
                 log.info("source connected", extra={"stream": key, "endpoint": self.endpoint})
             elif event == zmq.EVENT_DISCONNECTED and self.connections > 0:
                 self.connections -= 1
-                if not self.connections:
-                    await self._before_drop(monitor, backlog)
+                after = await self._before_drop(monitor, backlog) if not self.connections else None
                 self._disconnects.inc()
                 if not self._heard:
                     self._unread_drops += 1
@@ -357,6 +356,8 @@ class SourceReader:
                 log.warning("source disconnected", extra={"stream": key, "endpoint": self.endpoint})
                 # Whoever is there when it reconnects may be a new engine instance.
                 await self.pipeline.disconnected()
+                if after is not None:
+                    await self._after_drop(after)
             elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED) and not self.connections:
                 self._diagnose()  # never handshaken (a peer of the wrong type?), or not reachable
             if redial is not None and event in (zmq.EVENT_CONNECTED, zmq.EVENT_CONNECT_RETRIED):
@@ -367,32 +368,61 @@ class SourceReader:
                     redial.cancel()
                 redial = loop.call_later(_REDIAL_AFTER, self._redial, sock)
 
-    async def _before_drop(self, monitor: zmq.asyncio.Socket, backlog: list[Any]) -> None:
-        """The last connection dropped: what the socket holds now came through it, unless a new
-        one has handshaken since (its event waits in the monitor: read ahead into ``backlog``). It is
-        handed to the pipeline before the drop is: the engine's last batches, published just
-        before it stopped, are its own, not read in doubt as perhaps a new instance's (which
-        only their clocks could tell, and not within ``clock_skew``: breaker111 H1)."""
-        while cast(int, monitor.get(zmq.EVENTS)) & zmq.POLLIN:  # (read ahead: no wait)
-            backlog.append(parse_monitor_message(await monitor.recv_multipart()))
-        sock, drainer = self._sock, self._reading
-        if sock is None or drainer is None or self._busy or any(e["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED for e in backlog):
-            return
-        self._busy = True  # (the drainer leaves the socket alone meanwhile)
+    async def _before_drop(self, monitor: zmq.asyncio.Socket, backlog: list[Any]) -> list[list[bytes]] | None:
+        """The last connection dropped: the messages the socket holds came through it, up to the
+        first read once a new connection has handshaken (its event is read ahead from the monitor
+        into ``backlog`` after each message: libzmq reports a handshake before the connection's
+        first message). Those are handed to the pipeline before the drop is: the engine's last
+        batches, published just before it stopped, are its own, not read in doubt as perhaps a
+        new instance's, which only their clocks could tell, and not within ``clock_skew``
+        (breaker111 H1). Returns the message read past that point (for :meth:`_after_drop`, once
+        the drop is told), or None when the socket was left to the drainer (a pipeline call
+        still running)."""
+        sock = self._sock
+        if sock is None or self._reading is None or self._busy:
+            return None
+        self._busy = True  # (the drainer leaves the socket alone until _after_drop)
+        before: list[list[bytes]] = []
         try:
             while True:
-                burst, foreign = self._read(sock)
-                if burst:
-                    if not self._heard:
-                        self._heard_now()
-                    if self._probing:
-                        self._own_topic(sock)
-                    await self.pipeline.on_live(burst, time.time())
-                if len(burst) + foreign < self.ingest.drain_max:
-                    return
+                burst, foreign = self._read(sock, 1)
+                while cast(int, monitor.get(zmq.EVENTS)) & zmq.POLLIN:  # (read ahead: no wait)
+                    backlog.append(parse_monitor_message(await monitor.recv_multipart()))
+                if any(e["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED for e in backlog):
+                    await self._hand_on(before)
+                    return burst  # (perhaps the new connection's: read in doubt, after the drop)
+                before += burst
+                if not burst and not foreign:
+                    break
+                if len(before) >= self.ingest.drain_max:
+                    await self._hand_on(before)
+                    before = []
+            await self._hand_on(before)
+        except BaseException:
+            self._busy = False
+            raise
+        return []
+
+    async def _hand_on(self, burst: list[list[bytes]]) -> None:
+        """A burst read outside the drainer (see _before_drop), to the pipeline."""
+        if not burst:
+            return
+        sock = self._sock
+        if not self._heard:
+            self._heard_now()
+        if self._probing and sock is not None:
+            self._own_topic(sock)
+        await self.pipeline.on_live(burst, time.time())
+
+    async def _after_drop(self, after: list[list[bytes]]) -> None:
+        """The drop told: the message read past the new connection's handshake, if any, then the
+        socket back to the drainer."""
+        try:
+            await self._hand_on(after)
         finally:
             self._busy = False
-            drainer.note(self)
+            if self._reading is not None:
+                self._reading.note(self)
 
     def _foreign(self, topic: bytes) -> None:
         """A message under a topic outside the prefix: dropped, and a problem while none of the
