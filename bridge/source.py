@@ -10,7 +10,8 @@ streams. The reader's own task only finishes a pipeline call that had to wait (s
 re-established; the sequence gap is then repaired through replay). A source whose connections are
 dropped ``_UNREAD_DROPS`` times in a row before any message is read counts as not connected
 (reason ``dropped_unread``) until one is: every message may be over the limit. A monitor socket tracks
-connections for ``kv_bridge_sources_connected`` (those of a source with no problem) and the logs.
+connections for ``kv_bridge_sources_connected`` (those of a source with no problem, handshaken:
+see ``_monitor``) and the logs.
 
 Health (docs/operations/monitoring.md): a connection counts once its ZMTP handshake succeeded (a
 SUB that reached the engine's replay ROUTER connects, then is dropped without one). While a
@@ -51,17 +52,8 @@ from .stream import StreamPipeline
 
 log = logging.getLogger("bridge.source")
 
-_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-"""libzmq reports these right before the DISCONNECTED of a connection that never completed its
-ZMTP handshake (a TCP probe of a bound port, a port scan, a peer of the wrong kind): that
-DISCONNECTED is no engine's going away."""
 _MONITOR_EVENTS = (
-    zmq.EVENT_CONNECTED
-    | zmq.EVENT_ACCEPTED
-    | zmq.EVENT_DISCONNECTED
-    | zmq.EVENT_CONNECT_RETRIED
-    | zmq.EVENT_HANDSHAKE_SUCCEEDED
-    | _HANDSHAKE_FAILED
+    zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 )
 # While a source is not connected, how often the reader asks the endpoint why (one TCP connection).
 _DIAGNOSE_EVERY = 15.0
@@ -321,18 +313,24 @@ class SourceReader:
         key = self.pipeline.stream.key
         redial: asyncio.TimerHandle | None = None
         loop = asyncio.get_running_loop()
-        unshaken = 0  # handshakes failed whose DISCONNECTED has not come yet (see _HANDSHAKE_FAILED)
+        # Connections by file descriptor, which ACCEPTED, CONNECTED and DISCONNECTED carry: those
+        # without a handshake yet (a handshake's event carries none: it is taken for the latest
+        # one waiting). A connection dropped before its handshake (a TCP or TLS probe of a bound
+        # port, a port scan, a peer of the wrong kind) is no engine going away (breaker110, 112).
+        waiting: list[int] = []
         backlog: list[Any] = []  # events read ahead (see _before_drop)
         while True:
             msg = backlog.pop(0) if backlog else parse_monitor_message(await monitor.recv_multipart())
-            event = msg["event"]
-            if event & _HANDSHAKE_FAILED:
-                unshaken += 1  # (its DISCONNECTED follows)
-            elif event == zmq.EVENT_DISCONNECTED and unshaken:
-                unshaken -= 1  # a connection that never was one: the engines connected stay so (breaker110)
+            event, fd = msg["event"], msg["value"]
+            if event in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
+                waiting.append(fd)
+            if event == zmq.EVENT_DISCONNECTED and fd in waiting:
+                waiting.remove(fd)  # (never handshaken: the engines connected stay so)
                 if not self.connections:
-                    self._diagnose()
+                    self._diagnose()  # (a peer of the wrong type?)
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # a PUB at the other end (or an engine connected in)
+                if waiting:
+                    waiting.pop()
                 self.connections += 1
                 if self._topic and not self._probing:  # a new engine (a redeploy) may publish under another topic
                     sock.setsockopt(zmq.SUBSCRIBE, b"")
