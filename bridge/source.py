@@ -98,6 +98,17 @@ def try_bind(where: str, endpoint: str) -> tuple[str, bool] | None:
     return None
 
 
+def _handshaken(left: int, loose: int) -> tuple[bool | None, int]:
+    """Whether a connection dropped while it was among those waiting (``left`` of them waiting
+    still) had handshaken, and ``loose`` after it: no when none of them had (``loose``, the
+    handshakes of one of them), yes when more had than are left, else it cannot be told (None)."""
+    if not loose:
+        return False, 0
+    if left < loose:
+        return True, loose - 1
+    return None, loose
+
+
 class SourceReader:
     """Reads one stream's live socket. ``subscribed`` is True once the socket is set up."""
 
@@ -313,24 +324,39 @@ class SourceReader:
         key = self.pipeline.stream.key
         redial: asyncio.TimerHandle | None = None
         loop = asyncio.get_running_loop()
-        # Connections by file descriptor, which ACCEPTED, CONNECTED and DISCONNECTED carry: those
-        # without a handshake yet (a handshake's event carries none: it is taken for the latest
-        # one waiting). A connection dropped before its handshake (a TCP or TLS probe of a bound
-        # port, a port scan, a peer of the wrong kind) is no engine going away (breaker110, 112).
-        waiting: list[int] = []
+        # Open connections by file descriptor, which ACCEPTED, CONNECTED and DISCONNECTED carry:
+        # a connection dropped before its handshake (a TCP or TLS probe of a bound port, a port
+        # scan, a peer of the wrong kind) is no engine going away (breaker110, breaker112). A
+        # handshake's event carries none: it is the connection's when one alone waited, else
+        # ``loose``, one of those waiting (see _handshaken).
+        waiting: set[int] = set()
+        shaken: set[int] = set()
+        loose = 0
         backlog: list[Any] = []  # events read ahead (see _before_drop)
         while True:
             msg = backlog.pop(0) if backlog else parse_monitor_message(await monitor.recv_multipart())
             event, fd = msg["event"], msg["value"]
+            shook: bool | None = self.connections > 0  # (a DISCONNECTED: of a handshaken connection?)
             if event in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
-                waiting.append(fd)
-            if event == zmq.EVENT_DISCONNECTED and fd in waiting:
-                waiting.remove(fd)  # (never handshaken: the engines connected stay so)
+                waiting.add(fd)
+            elif event == zmq.EVENT_DISCONNECTED and fd in shaken:
+                shaken.discard(fd)
+            elif event == zmq.EVENT_DISCONNECTED and fd in waiting:
+                waiting.discard(fd)
+                shook, loose = _handshaken(len(waiting), loose)
+            if event == zmq.EVENT_DISCONNECTED and shook is None:
+                # Perhaps the engine's: told, so that whoever comes next is verified (a missed
+                # restart would put a new instance in the old epoch); counted connected still.
+                log.info("a connection dropped, perhaps the engine's", extra={"stream": key, "endpoint": self.endpoint})
+                await self.pipeline.disconnected()
+            elif event == zmq.EVENT_DISCONNECTED and not shook:
                 if not self.connections:
-                    self._diagnose()  # (a peer of the wrong type?)
+                    self._diagnose()  # (never handshaken: a peer of the wrong type?)
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # a PUB at the other end (or an engine connected in)
-                if waiting:
-                    waiting.pop()
+                if len(waiting) == 1 and not loose:
+                    shaken.add(waiting.pop())
+                elif waiting:
+                    loose += 1
                 self.connections += 1
                 if self._topic and not self._probing:  # a new engine (a redeploy) may publish under another topic
                     sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -340,7 +366,7 @@ class SourceReader:
                     self._set_problem(None, "")
                 self._recount()
                 log.info("source connected", extra={"stream": key, "endpoint": self.endpoint})
-            elif event == zmq.EVENT_DISCONNECTED and self.connections > 0:
+            elif event == zmq.EVENT_DISCONNECTED and shook and self.connections > 0:
                 self.connections -= 1
                 after = await self._before_drop(monitor, backlog) if not self.connections else None
                 self._disconnects.inc()

@@ -249,3 +249,18 @@ def test_a_failure_after_resuming_propagates() -> None:
             await task
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("left", "loose", "said"),
+    [(0, 0, (False, 0)), (3, 0, (False, 0)), (0, 1, (True, 0)), (1, 2, (True, 1)), (1, 1, (None, 1)), (2, 1, (None, 1))],
+)
+def test_a_dropped_connection_had_handshaken_only_when_the_counts_say_so(
+    left: int, loose: int, said: tuple[bool | None, int]
+) -> None:
+    """breaker114: a handshake's monitor event names no connection; with several waiting at once
+    it is one of them (``loose``). A connection dropped from among them had handshaken for certain
+    only when more handshakes were loose than connections are left; else it cannot be told."""
+    from bridge.source import _handshaken
+
+    assert _handshaken(left, loose) == said
