@@ -103,7 +103,8 @@ Optional, for ``checkpoint.from_sinks`` (a pod taking over streams it has no che
 
 Optional, for a sink that keeps the copies a replay writes (Kafka): ``async
 positions_before_run(streams)``, what ``positions`` answers with this process's copies left out
-(the later of the last message and the last one below this process's first): asked before a
+(the later of the last message and the last one below this process's first: see
+``held_before_run``): asked before a
 ``drop`` sink announces a dropped span (``positions`` otherwise), which is announced only from
 the first batch the sink lacks.
 
@@ -649,6 +650,20 @@ class Stops:
         )
 
 
+def held_before_run(
+    last: dict[str, SinkPosition | None], before: Mapping[str, SinkPosition | None]
+) -> dict[str, SinkPosition | None]:
+    """``positions_before_run`` from ``last`` (what ``positions`` said: the last message, perhaps a
+    copy this process wrote) and ``before`` (what the sink held before this process wrote there):
+    for each stream of ``before``, the one that holds more, and ``before`` where ``last`` cannot
+    tell. ``last`` is updated and returned."""
+    for key, pos in before.items():
+        now = last.get(key)
+        if key not in last or (pos is not None and (now is None or pos.holds_more_than(now))):
+            last[key] = pos
+    return last
+
+
 def refusal(record: Record) -> bool:
     """Whether ``record`` is a sink's announcement of batches it refused (``EventsLost``,
     ``sink_refused:<sink>``): it stands right after the last of them (see ``write``)."""
@@ -709,6 +724,7 @@ __all__ = [
     "TlsOptions",
     "doc",
     "file_id",
+    "held_before_run",
     "hex64",
     "local_file_problems",
     "message_types",

@@ -84,6 +84,7 @@ from bridge.connector import (
     Template,
     TlsOptions,
     doc,
+    held_before_run,
     message_types,
     place_crc,
     redact,
@@ -954,11 +955,7 @@ class KafkaConnector:
                         below[stream.key] = best
         finally:
             await consumer.stop()
-        for name, pos in below.items():
-            last = out.get(name)
-            if name not in out or (pos is not None and (last is None or pos.holds_more_than(last))):
-                out[name] = pos
-        return out
+        return held_before_run(out, below)
 
     async def _last_below(
         self, consumer: Any, topic: str, partition: int, ks: dict[bytes, Stream], until: int | None = None

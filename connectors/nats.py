@@ -123,6 +123,7 @@ from bridge.connector import (
     Template,
     TlsOptions,
     doc,
+    held_before_run,
     message_types,
     place_crc,
     redact,
@@ -1312,14 +1313,8 @@ class NatsConnector:
         checkpoint) is the subject's last message, and says nothing of the batches before it. The
         later of :meth:`positions` and the subject's last message before this process first wrote
         there (read by the claim, see _claim); a stream this process has not written yet: positions."""
-        out = await self.positions(streams)
-        for stream in streams:
-            if stream.key not in self._before_run:
-                continue
-            before, last = self._before_run[stream.key], out.get(stream.key)
-            if stream.key not in out or (before is not None and (last is None or before.holds_more_than(last))):
-                out[stream.key] = before
-        return out
+        before = {s.key: self._before_run[s.key] for s in streams if s.key in self._before_run}
+        return held_before_run(await self.positions(streams), before)
 
     async def positions(self, streams: Sequence[Stream]) -> dict[str, SinkPosition | None]:
         """The last message on each stream's subject (``checkpoint.from_sinks``, JetStream mode): the
