@@ -270,11 +270,8 @@ class SourceReader:
         if sock is None or self._busy:
             return False
         burst, foreign = self._read(sock)
-        if not self._heard and (burst or foreign):
-            self._heard_now()
+        self._noted(sock, burst, foreign)
         if burst:
-            if self._probing:
-                self._own_topic(sock)
             coro = self.pipeline.on_live(burst, received)
             try:
                 done, waiting = start_inline(coro)
@@ -410,6 +407,7 @@ class SourceReader:
         try:
             while True:
                 burst, foreign = self._read(sock, 1)
+                self._noted(sock, burst, foreign)
                 while cast(int, monitor.get(zmq.EVENTS)) & zmq.POLLIN:  # (read ahead: no wait)
                     backlog.append(parse_monitor_message(await monitor.recv_multipart()))
                 if any(e["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED for e in backlog):
@@ -429,14 +427,16 @@ class SourceReader:
 
     async def _hand_on(self, burst: list[list[bytes]]) -> None:
         """A burst read outside the drainer (see _before_drop), to the pipeline."""
-        if not burst:
-            return
-        sock = self._sock
-        if not self._heard:
+        if burst:
+            await self.pipeline.on_live(burst, time.time())
+
+    def _noted(self, sock: zmq.Socket[bytes], burst: list[list[bytes]], foreign: int) -> None:
+        """What a read of ``sock`` showed: the engine's messages get through; one of the source's
+        own topic ends the probing of every topic."""
+        if not self._heard and (burst or foreign):
             self._heard_now()
-        if self._probing and sock is not None:
+        if burst and self._probing:
             self._own_topic(sock)
-        await self.pipeline.on_live(burst, time.time())
 
     async def _after_drop(self, after: list[list[bytes]]) -> None:
         """The drop told: the message read past the new connection's handshake, if any, then the
