@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from aiokafka import TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewPartitions
 
 from bridge.checkpoint import SinkPosition
 from bridge.config import SinkConfig, convert
@@ -27,7 +26,7 @@ from bridge.connector import Registry
 from bridge.formats import Renderer
 from bridge.records import Record, Stream
 from tests.support.records import batch
-from tests.support.state_kafka import delete_records
+from tests.support.state_kafka import add_partitions, delete_records
 
 pytestmark = pytest.mark.integration
 
@@ -211,12 +210,7 @@ async def test_kafka_a_stream_in_the_partition_its_key_went_to_before_partitions
         await conn.write([m for seq in range(2) for m in renderer.render(batch(moved, seq, epoch=5))])
     finally:
         await conn.close()
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
-    await admin.start()
-    try:
-        await admin.create_partitions({topic: NewPartitions(total_count=4)})
-    finally:
-        await admin.close()
+    await add_partitions(kafka.bootstrap_servers, topic, 4)
     later, _ = connector(sink)  # a new pod
     await later.connect()
     try:

@@ -41,6 +41,7 @@ from tests.integration.conftest import unavailable
 from tests.support.contract import Scenario, interleaved
 from tests.support.records import stream_records
 from tests.support.schema import check_if_written_by_bridge
+from tests.support.state_kafka import add_partitions
 
 SECRET = "s3cr3t-Pa55w0rd-never-logged"
 
@@ -65,6 +66,16 @@ def build(
 def render(records: Sequence[Any], fmt: str = "json", granularity: str = "event") -> list[Message]:
     renderer = Renderer(fmt, granularity)  # type: ignore[arg-type]
     return [m for r in records for m in renderer.render(r)]
+
+
+async def a_run_writes(kafka: KafkaServer, topic: str, records: Sequence[Any]) -> None:
+    """One run of the sink (a connector of its own) writes ``records`` (batch granularity) to ``topic``."""
+    run = build(kafka, topic, granularity="batch")
+    await run.connect()
+    try:
+        await run.write(render(records, granularity="batch"))
+    finally:
+        await run.close()
 
 
 async def partitions_of(kafka: KafkaServer, topic: str) -> list[TopicPartition]:
@@ -709,12 +720,7 @@ async def test_what_a_topic_held_before_this_process_leaves_its_copies_out(kafka
     topic = await kafka.anew_topic(1)
     stream = Stream("llama-a", 0)
     records = stream_records(stream, 13, epoch=1)
-    earlier = build(kafka, topic, granularity="batch")
-    await earlier.connect()
-    try:
-        await earlier.write(render(records, granularity="batch"))
-    finally:
-        await earlier.close()
+    await a_run_writes(kafka, topic, records)
     again = build(kafka, topic, granularity="batch")
     await again.connect()
     try:
@@ -736,25 +742,13 @@ async def test_what_a_topic_held_before_partitions_were_added_is_found_in_the_ol
     which held only this run's copies: positions_before_run said it held nothing before, and a drop
     sink announced 5..12 lost while partition 0 held them (6 of 6). The partitions its key went to
     while the topic had fewer are read too."""
-    from aiokafka.admin import NewPartitions
-
     from connectors.kafka import _PARTITIONER
 
     topic = await kafka.anew_topic(1)
     stream = next(s for s in (Stream(f"eng-{n}", 0) for n in range(64)) if _PARTITIONER(s.key.encode(), [0, 1], [0, 1]) == 1)
     records = stream_records(stream, 13, epoch=1)
-    earlier = build(kafka, topic, granularity="batch")
-    await earlier.connect()
-    try:
-        await earlier.write(render(records, granularity="batch"))
-    finally:
-        await earlier.close()
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
-    await admin.start()
-    try:
-        await admin.create_partitions({topic: NewPartitions(total_count=2)})
-    finally:
-        await admin.close()
+    await a_run_writes(kafka, topic, records)
+    await add_partitions(kafka.bootstrap_servers, topic, 2)
     again = build(kafka, topic, granularity="batch")
     await again.connect()
     try:
@@ -772,8 +766,6 @@ async def test_what_a_topic_held_before_partitions_were_added_twice_is_the_lates
     3..12 to partition 1. The oldest partition holding the stream answered (run 1's 2), or the
     current one did when the key went back to partition 0, and a drop sink announced 7..12 lost
     while partition 1 held them (6 of 6). Every partition the key went to is read: the latest wins."""
-    from aiokafka.admin import NewPartitions
-
     from connectors.kafka import _PARTITIONER
 
     def went(s: Stream, n: int) -> int:
@@ -783,19 +775,9 @@ async def test_what_a_topic_held_before_partitions_were_added_twice_is_the_lates
     last = (lambda p: p == 0) if grown == 3 else (lambda p: p not in (0, 1))
     stream = next(s for s in (Stream(f"eng-{n}", 0) for n in range(256)) if went(s, 2) == 1 and last(went(s, grown)))
     records = stream_records(stream, 13, epoch=1)
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
-    await admin.start()
-    try:
-        for part, total in ((slice(0, 3), 2), (slice(3, 13), grown)):
-            run = build(kafka, topic, granularity="batch")
-            await run.connect()
-            try:
-                await run.write(render(records[part], granularity="batch"))
-            finally:
-                await run.close()
-            await admin.create_partitions({topic: NewPartitions(total_count=total)})
-    finally:
-        await admin.close()
+    for part, total in ((slice(0, 3), 2), (slice(3, 13), grown)):
+        await a_run_writes(kafka, topic, records[part])
+        await add_partitions(kafka.bootstrap_servers, topic, total)
     again = build(kafka, topic, granularity="batch")
     await again.connect()
     try:

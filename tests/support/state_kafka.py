@@ -3,7 +3,8 @@
 :class:`Follower` bootstraps one engine stream from a sink with ``state.enabled`` and applies the
 stream's messages (json, either granularity) from the head's ``next`` on, as a router replica
 would; :func:`truth` is a :class:`~tests.support.cache_engine.CacheEngine`'s cache in the same
-shape as :meth:`StreamState.blocks`, and :func:`read_partition` reads one partition's records.
+shape as :meth:`StreamState.blocks`, and :func:`read_partition` reads one partition's records;
+:func:`delete_records` and :func:`add_partitions` do what an operator does to a topic.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin import AIOKafkaAdminClient, NewPartitions
 from aiokafka.admin.records_to_delete import RecordsToDelete
 
 from kv_consumer.kafka import bootstrap, topic_partitions
@@ -124,6 +125,16 @@ async def delete_records(servers: str, tp: TopicPartition, keep: int = 0) -> int
     finally:
         await admin.close()
     return end - keep
+
+
+async def add_partitions(servers: str, topic: str, total: int) -> None:
+    """Partitions added to ``topic`` up to ``total`` (CreatePartitions)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=servers)
+    await admin.start()
+    try:
+        await admin.create_partitions({topic: NewPartitions(total_count=total)})
+    finally:
+        await admin.close()
 
 
 async def last_head(servers: str, state_topic: str, partition: int, stream: str) -> dict[str, Any] | None:
