@@ -240,6 +240,7 @@ class Sampler:
         self.queue_bytes_peak: dict[str, float] = {}
         self.queue_batches_peak: dict[str, float] = {}
         self.queue_bytes: list[tuple[float, float]] = []  # (time, bytes queued over every sink)
+        self.delivered: list[tuple[float, float]] = []  # (time, batches delivered by every sink)
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
 
@@ -272,6 +273,20 @@ class Sampler:
         """When the sink queues first held ``size`` bytes or more."""
         return next((t for t, b in self.queue_bytes if b >= size), None)
 
+    def delivering_again(self, t0: float) -> float | None:
+        """The last sample before the sinks delivered a batch again after ``t0`` (the end of a
+        stall that began before ``t0``), or None while they have not."""
+        stalled = next(((t, d) for t, d in self.delivered if t >= t0), None)
+        if stalled is None:
+            return None
+        last = stalled[0]
+        for t, d in self.delivered:
+            if t > stalled[0]:
+                if d > stalled[1]:
+                    return last
+                last = t
+        return None
+
     async def _run(self) -> None:
         n = 0
         while not self._stopping and self.bridge.alive():
@@ -280,7 +295,9 @@ class Sampler:
             if self.bridge.metrics_port is not None and n % self.metrics_every == 0:
                 with contextlib.suppress(OSError, AssertionError, TimeoutError, ValueError, IndexError):
                     samples = await self.bridge.metrics()
-                    self.queue_bytes.append((time.monotonic(), metric(samples, "kv_bridge_sink_queue_bytes")))
+                    now = time.monotonic()
+                    self.queue_bytes.append((now, metric(samples, "kv_bridge_sink_queue_bytes")))
+                    self.delivered.append((now, metric(samples, "kv_bridge_sink_batches_total", outcome="delivered")))
                     for key, value in samples.items():
                         if key.startswith("kv_bridge_sink_queue_bytes{"):
                             self.queue_bytes_peak[key] = max(self.queue_bytes_peak.get(key, 0.0), value)
