@@ -90,3 +90,15 @@ def raise_max_payload(nc: Client, limit: int) -> None:
     would refuse messages the server now takes until the client connects again."""
     if limit > nc._max_payload:
         nc._max_payload = limit
+
+
+def fail_requests(nc: Client, exc: Exception) -> int:
+    """Fail every request still waiting for its reply with ``exc`` (how many): the server refused
+    one of them (a permission violation, told on the connection's error channel alone, naming the
+    subject but not the request), and a refused request would wait its whole timeout meanwhile, the
+    write behind it "in progress" and the sink ready. Each future's done callback removes it
+    from the client's reply map; a reply that comes after all is dropped there."""
+    waiting = [f for f in nc._resp_map.values() if not f.done()]
+    for future in waiting:
+        future.set_exception(exc)
+    return len(waiting)

@@ -2862,6 +2862,8 @@ class NatsConnector:
             self._permission_problem = problem
             self._refused += 1
             self._fail_acks(Retriable(problem, reason="no_permission"))
+            if self._nc is not None:  # the refused one among them would wait its whole timeout
+                internals.fail_requests(self._nc, nats.errors.Error(text))
 
     async def _on_disconnected(self) -> None:
         nc = self._nc

@@ -1051,6 +1051,46 @@ async def test_a_user_that_may_not_publish_to_the_subjects_is_named_at_once_not_
 
 
 @pytest.mark.integration
+async def test_a_refused_jetstream_api_request_fails_the_write_at_once_not_after_its_timeout(tmp_path: Path) -> None:
+    """Every publish revoked (a config reload denying ``>``, or the JetStream API alone): the write's
+    first API request (the stream lookup before a stream's first message) is dropped by the
+    server, which says so only on the connection's error channel. The request waited for its
+    whole timeout (``connect_timeout``), the write "in progress" and /readyz ready meanwhile
+    (breaker111: 5.4 s at the default 5 s). Now the refusal fails the waiting requests at once:
+    the write fails well within that timeout (30 s here), naming the permission."""
+    dest = _dest()
+
+    def auth(publish: list[str]) -> str:
+        return (
+            "authorization { users = [\n"
+            f'  {{user: bridge, password: "pw", permissions: {{publish: {{allow: {json.dumps(publish)}}}}}}}\n'
+            "] }\n"
+            "jetstream: enabled\n"
+        )
+
+    server = _GuardedNatsServer(tmp_path, extra_config=auth([">"]))
+    await server.astart()
+    conn = NatsConnector("nats-a", _options(server.url, dest, user="bridge", password="pw", connect_timeout=30.0), SINK)
+    try:
+        await conn.connect()
+        await _reload(server, auth(["_INBOX.>"]))
+        t0 = time.monotonic()
+        with pytest.raises(Retriable) as refused:
+            async with asyncio.timeout(15):  # (half the request's own timeout: not a wait for it)
+                await conn.write(_render("json", "batch", [Stream("a", 0)], 1))
+        print(f"refused after {time.monotonic() - t0:.2f}s: {refused.value}")
+        assert "permissions violation" in str(refused.value), refused.value
+        problem = await conn.health()
+        assert problem is not None and "refuses this user" in problem
+        await _reload(server, auth([">"]))
+        await conn.write(_render("json", "batch", [Stream("a", 0)], 1))
+        assert await conn.health() is None
+    finally:
+        await conn.close()
+        server.remove()
+
+
+@pytest.mark.integration
 async def test_core_mode_with_the_publish_permission_revoked_never_counts_a_batch_delivered(tmp_path: Path) -> None:
     """Core NATS: the user's publish permission is revoked while the bridge runs (a config
     reload). The server drops each message and says so only on the connection's error channel;

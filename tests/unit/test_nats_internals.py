@@ -157,3 +157,19 @@ def test_raise_max_payload_changes_what_the_client_checks_publishes_against() ->
     assert nc.max_payload == 1 << 20
     internals.raise_max_payload(nc, 1024)  # never lowered: the server refuses those itself
     assert nc.max_payload == 1 << 20
+
+
+async def test_fail_requests_fails_the_waiting_requests_and_forgets_them() -> None:
+    nc, _fake, loop = _reading_client()
+    nc._resp_sub_prefix = bytearray(b"_INBOX.x.")  # (as _init_request_sub leaves it)
+    try:
+        waiting = asyncio.create_task(nc.request("$JS.API.INFO", b"", timeout=30))
+        await asyncio.sleep(0)
+        assert len(nc._resp_map) == 1  # the request waits for its reply
+        assert internals.fail_requests(nc, nats.errors.Error("nats: permissions violation")) == 1
+        with pytest.raises(nats.errors.Error, match="permissions violation"):
+            await waiting
+        assert nc._resp_map == {}  # a late reply finds nothing to complete
+        assert internals.fail_requests(nc, nats.errors.Error("again")) == 0
+    finally:
+        loop.cancel()
