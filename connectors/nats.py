@@ -1060,9 +1060,12 @@ class NatsConnector:
                 subjects = so.subjects or [subject_filter(self.options.subject)]  # (--check: one the run would create)
                 what = f"JetStream stream {so.name!r}"
                 await self._check_creatable(nc, js, what, subjects, so.replicas, so.storage, so.max_bytes)
-                captured = [*subjects, *(f for info in await _all_streams(js) for f in info.config.subjects or [])]
-                fix = f"add {subject_filter(self.options.subject)!r} to stream.subjects, or create a stream capturing them"
-                self._stream_problem = self._missed(captured, f"{what}, as the run would create it, captures {subjects}", fix)
+                others = await _all_streams(js)
+                wildcard = subject_filter(self.options.subject)
+                if not await self._check_capturing(js, others, wildcard):  # (the others the writes would meet)
+                    captured = [*subjects, *(f for info in others for f in info.config.subjects or [])]
+                    fix = f"add {wildcard!r} to stream.subjects, or create a stream capturing them"
+                    self._stream_problem = self._missed(captured, f"{what}, as the run would create it, captures {subjects}", fix)
             elif self.options.mode == "jetstream":
                 await self._check_stream(js)
             if self.writes_state:
@@ -1080,8 +1083,9 @@ class NatsConnector:
         log.info("%s: connected to NATS at %s (%s)", self._prefix, self._where, self.options.mode, extra={"sink": self.name})
 
     async def _check_publish(self, nc: Client) -> None:
-        """The user may publish where the sink writes (one subject of the template, and the bucket's
-        with state), checked without storing anything: each probe names a stream no stream is
+        """The user may publish where the sink writes (one subject of the template, the bucket's
+        with state, and under ``--check`` each configured stream's subjects, 64 at once), checked
+        without storing anything: each probe names a stream no stream is
         (``Nats-Expected-Stream``), so JetStream refuses it before storing, while the server refuses
         a subject the user may not publish to on the connection's error channel alone (see
         _on_error). Found here, ``--check`` reports it. A probe with no answer within a second says
@@ -1090,12 +1094,22 @@ class NatsConnector:
         subjects = [subject_filter(self.options.subject).replace("*", "_check")]
         if self.writes_state:
             subjects.append(f"{self._kv_prefix}_check")
+        # (--check: each configured stream's own subjects too, as a user may be denied some of them)
+        subjects += dict.fromkeys(
+            self._subjects.render(sample_message(s, t)) for s in self.configured_streams for t in self._types()
+        )
         self._permission_problem = None
-        for subject in subjects:
-            with contextlib.suppress(TimeoutError, nats.errors.Error):
-                await nc.request(subject, b"", timeout=min(1.0, self.options.connect_timeout), headers=_PROBE)
-            if self._permission_problem is not None:
-                raise NotConnected(self._permission_problem, reason="no_permission")
+        window = asyncio.Semaphore(64)
+
+        async def probe(subject: str) -> None:
+            async with window:
+                if self._permission_problem is None:  # (a refusal fails the probes then waiting: see _on_error)
+                    with contextlib.suppress(TimeoutError, nats.errors.Error):
+                        await nc.request(subject, b"", timeout=min(1.0, self.options.connect_timeout), headers=_PROBE)
+
+        await asyncio.gather(*(probe(subject) for subject in subjects))
+        if self._permission_problem is not None:
+            raise NotConnected(self._permission_problem, reason="no_permission")
 
     async def _discard(self, nc: Client) -> None:
         """A client whose setup failed: closed, and kept closed (the next connect makes a new one)."""
@@ -3009,41 +3023,25 @@ class NatsConnector:
         shown = ", ".join(repr(m) for m in missed[:3]) + (f" (+{len(missed) - 3} more)" if len(missed) > 3 else "")
         return f"{self._prefix}: {what}, not the subject of every source: {shown} would fail (no_stream); {fix}"
 
-    async def _check_stream(self, js: JetStreamContext) -> None:
-        """Report (health, ``--check``) when no stream captures any subject of the template; do not
-        fail: a stream may be created later, and a write names the problem too. The server matches
-        streams whose subjects overlap the template's wildcard form (``kv.*.*``), so a stream
-        capturing only some sources passes here, and a write to the others fails ``no_stream``;
-        ``--check`` looks for each configured stream's subject (``configured_streams``)."""
-        wildcard = subject_filter(self.options.subject)
-        try:
-            self._refusals.clear()  # (the streams found, if any, say again)
-            name = self._events_stream = await js.find_stream_name_by_subject(wildcard)
-            self._stream_problem = None
-            try:  # (an operator may split the subjects over several: the first write reads them too, see _claim)
-                others = await _all_streams(js)
-            except (TimeoutError, nats.errors.Error) as exc:
-                log.debug("%s: listing the streams failed: %s", self._prefix, _describe(exc), extra={"sink": self.name})
-                others = []
-            for other in others:
-                named, filters = other.config.name, other.config.subjects or []
-                if named not in (None, name) and any(subjects_overlap(f, wildcard) for f in filters):
-                    self._refusing(named, other.config)
-            info = await js.stream_info(name)
+    async def _check_capturing(self, js: JetStreamContext, infos: list[js_api.StreamInfo], wildcard: str) -> bool:
+        """Every stream among ``infos`` that captures some of the sink's subjects (``wildcard``), as a
+        write would meet it (an operator may split them over several: see _capturing): one whose
+        settings refuse writes is refused (:meth:`_refusing`: held back, the sink not ready); with
+        ``--check``, one full now is the sink's problem (True; at a run, writes say stream_full,
+        and the first that fits clears it); the others' settings that lose what a consumer needs are
+        warned of."""
+        seen: set[str] = set()
+        for info in infos:
             config = info.config
-            if self.creates_nothing and (problem := await self._full_problem(js, info, f"JetStream stream {name!r}")):
-                # (--check only: at a run, writes say stream_full, and the first that fits clears it)
-                self._stream_problem = problem
-                return
+            name, filters = config.name, config.subjects or []
+            if name is None or name in seen or not any(subjects_overlap(f, wildcard) for f in filters):
+                continue
+            seen.add(name)
             if self._refusing(name, config):
-                return
-            captured = config.subjects or []
-            # (with the subjects split over several streams, each captures its own: see _capturing)
-            self._stream_problem = self._missed(
-                [f for other in others for f in other.config.subjects or []] or captured,
-                f"JetStream stream {name!r} captures {captured}",
-                f"add {wildcard!r} to its subjects, or create a stream capturing them",
-            )
+                continue
+            if self.creates_nothing and (problem := await self._full_problem(js, info, f"JetStream stream {name!r}")):
+                self._stream_problem = problem
+                return True
             if (kind := _consumed(config)) is not None:  # (with state: refused, see _refusing)
                 self._warn_once(
                     f"retention {name}", "JetStream stream %s has %s retention: %s; use limits retention", name, kind, _CONSUMED
@@ -3061,6 +3059,35 @@ class NatsConnector:
                     name,
                     kept,
                 )
+        return False
+
+    async def _check_stream(self, js: JetStreamContext) -> None:
+        """Report (health, ``--check``) when no stream captures any subject of the template; do not
+        fail: a stream may be created later, and a write names the problem too. The server matches
+        streams whose subjects overlap the template's wildcard form (``kv.*.*``), so a stream
+        capturing only some sources passes here, and a write to the others fails ``no_stream``;
+        ``--check`` looks for each configured stream's subject (``configured_streams``)."""
+        wildcard = subject_filter(self.options.subject)
+        try:
+            self._refusals.clear()  # (the streams found, if any, say again)
+            name = self._events_stream = await js.find_stream_name_by_subject(wildcard)
+            self._stream_problem = None
+            try:  # (an operator may split the subjects over several: the first write reads them too, see _claim)
+                others = await _all_streams(js)
+            except (TimeoutError, nats.errors.Error) as exc:
+                log.debug("%s: listing the streams failed: %s", self._prefix, _describe(exc), extra={"sink": self.name})
+                others = []
+            info = await js.stream_info(name)
+            config = info.config
+            if await self._check_capturing(js, [info, *others], wildcard) or name in self._refusals:
+                return
+            captured = config.subjects or []
+            # (with the subjects split over several streams, each captures its own: see _capturing)
+            self._stream_problem = self._missed(
+                [f for other in others for f in other.config.subjects or []] or captured,
+                f"JetStream stream {name!r} captures {captured}",
+                f"add {wildcard!r} to its subjects, or create a stream capturing them",
+            )
             return
         except nats.js.errors.NotFoundError:
             problem = f"no JetStream stream captures subject {wildcard!r}: create one, or set stream.create: true"

@@ -1005,7 +1005,8 @@ _SET_COMMANDS = (("TYPE",), ("SADD", "m"), ("SREM", "m"), ("DEL",))
 _COUNTS_COMMANDS = (("TYPE",), ("HGET", "f"), ("HSET", "f", "v"), ("HDEL", "f"), ("DEL",))
 _STATE_COMMANDS = (("TYPE",), ("HMGET", "f"), ("HSET", "f", "v"), ("HDEL", "f"), ("UNLINK",), ("HGET", "f"), ("HSCAN", "0"))
 _KEY_KINDS = {"stream": "stream key", "index.key": "index key", "state.key": "state key"}
-_STREAMS_CHECKED = 32  # configured engine streams whose keys the permission check samples, at most
+_PROBES_PER_CALL = 1000  # permission probes per EVAL (the calls go in one pipeline)
+_KEYS_NAMED = 10  # refused keys a permission error names (it counts the rest)
 # Whether the connection's ACL user may run each probe (ARGV: per probe its number of words, then
 # the words: a command, maybe a key and arguments), by redis.acl_check_cmd (Redis 7.0+), which needs
 # no permission beyond EVAL and touches no key: the numbers (from 1) of the probes refused, negative
@@ -1710,7 +1711,7 @@ class RedisConnector:
         commands = [c for _, cs in kinds for c in cs] + (list(_COUNTS_COMMANDS) if self._index is not None else [])
         probes: list[tuple[str, str | None, tuple[str, ...]]] = [(c[0], None, ()) for c in dict.fromkeys(c[:1] for c in commands)]
         keyed: dict[tuple[str, str], tuple[str, ...]] = {}
-        for stream in self.configured_streams[:_STREAMS_CHECKED]:
+        for stream in self.configured_streams:
             m = _sample_of(stream)
             for template, cs in kinds:
                 key = template.render(m)
@@ -1783,14 +1784,24 @@ class RedisConnector:
         (``unknown_command``) the commands the server does not know. A server that cannot tell
         (Redis before 7.0) or refuses the question says nothing more than EVAL did."""
         probes = self._probes()
-        argv: list[str] = []
-        for command, key, rest in probes:
-            words = [command, *([key] if key is not None else []), *rest]
-            argv += [str(len(words)), *words]
+        pipe = self._connection().pipeline(transaction=False)
+        for start in range(0, len(probes), _PROBES_PER_CALL):  # (thousands of streams: calls of a bounded size)
+            argv: list[str] = []
+            for command, key, rest in probes[start : start + _PROBES_PER_CALL]:
+                words = [command, *([key] if key is not None else []), *rest]
+                argv += [str(len(words)), *words]
+            pipe.eval(PERMISSIONS_SCRIPT, 0, *argv)
         try:
-            reply: Any = await self._connection().eval(PERMISSIONS_SCRIPT, 0, *argv)
+            replies: list[Any] = await pipe.execute(raise_on_error=False)
         except ResponseError:
             return
+        # Each call's numbers count from its first probe: made the whole list's (negative: unknown).
+        reply = [
+            n + start * (1 if n > 0 else -1)
+            for start, got in zip(range(0, len(probes), _PROBES_PER_CALL), replies, strict=True)
+            if isinstance(got, list)
+            for n in map(int, got)
+        ]
         if not reply:
             return
         unknown = list(dict.fromkeys(probes[-int(n) - 1][0] for n in reply if int(n) < 0))
@@ -1811,8 +1822,10 @@ class RedisConnector:
         if commands:
             what.append(f"may not run {', '.join(commands)}")
         if keys:
-            what.append("may not run " + "; ".join(f"{', '.join(cs)} on key {k!r}" for k, cs in keys.items()))
-        grant = " ".join([*(f"+{c.lower()}" for c in commands), *(f"~{k}" for k in keys)])
+            named = list(keys.items())[:_KEYS_NAMED]
+            more = f"; and {len(keys) - len(named)} more keys" if len(keys) > len(named) else ""
+            what.append("may not run " + "; ".join(f"{', '.join(cs)} on key {k!r}" for k, cs in named) + more)
+        grant = " ".join([*(f"+{c.lower()}" for c in commands), *(f"~{k}" for k in list(keys)[:_KEYS_NAMED])])
         raise NotConnected(
             f"{self._prefix}: {self._server}: ACL user {user!r} {' and '.join(what)}, which the sink's writes run; "
             f"allow them (ACL SETUSER {user} {grant}, or a key pattern covering those keys)",

@@ -1051,6 +1051,42 @@ async def test_a_user_that_may_not_publish_to_the_subjects_is_named_at_once_not_
 
 
 @pytest.mark.integration
+async def test_check_probes_each_configured_streams_subject_for_the_publish_permission(tmp_path: Path) -> None:
+    """A user denied one source's subjects: ``--check`` probed one subject of the template (each
+    placeholder ``_check``) and said ok, then the run stored nothing of that source (breaker115 4:
+    2 of 2). Now it probes each configured stream's subject too, naming the refused one, and
+    stores nothing; the same user passes for the sources it may write."""
+    dest = _dest()
+    server = _GuardedNatsServer(
+        tmp_path,
+        extra_config=(
+            "authorization { users = [\n"
+            f'  {{user: bridge, password: "pw", permissions: {{publish: {{allow: ">", deny: "{dest}.b.>"}}}}}}\n'
+            "] }\n"
+            "jetstream: enabled\n"
+        ),
+    )
+    await server.astart()
+    try:
+        for streams, refused in (([Stream("a", 0), Stream("b", 0)], True), ([Stream("a", 0)], False)):
+            check = NatsConnector("nats-q", _options(server.url, dest, user="bridge", password="pw"), SINK)
+            check.creates_nothing = True
+            check.configured_streams = streams
+            try:
+                if refused:
+                    with pytest.raises(NotConnected) as denied:
+                        await check.connect()
+                    assert denied.value.reason == "no_permission" and f"{dest}.b.0".lower() in str(denied.value).lower()
+                else:
+                    await check.connect()
+                    assert await check.health() is None
+            finally:
+                await check.close()
+    finally:
+        server.remove()
+
+
+@pytest.mark.integration
 async def test_a_refused_jetstream_api_request_fails_the_write_at_once_not_after_its_timeout(tmp_path: Path) -> None:
     """Every publish revoked (a config reload denying ``>``, or the JetStream API alone): the write's
     first API request (the stream lookup before a stream's first message) is dropped by the
@@ -1122,6 +1158,47 @@ async def test_core_mode_with_the_publish_permission_revoked_never_counts_a_batc
     finally:
         await conn.close()
         server.remove()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("created", [False, True], ids=["operator's streams", "stream.create"])
+@pytest.mark.parametrize("fault", ["full", "no_ack", None])
+async def test_check_checks_each_stream_that_captures_some_of_the_subjects(
+    nats_server: NatsServer, reader: Client, fault: str | None, created: bool
+) -> None:
+    """The sink's subjects split over two streams, source a's in one, source b's in another that
+    refuses every write (``discard: new`` and full, or ``no_ack``). ``--check`` looked only at
+    the stream the template's wildcard finds (with ``stream.create``, only at the one it would
+    create) and said ok, then the run's writes of b were refused (breaker115 1 and 2: 4 of 4, 3
+    of 3). Now each stream capturing some of the subjects is checked; healthy, they pass."""
+    dest = _dest()
+    js = reader.jetstream()
+    first, other = f"{dest}A", f"{dest}B"
+    if not created:
+        await js.add_stream(name=first, subjects=[f"{dest}.a.>"])
+    full = {"max_msgs": 1, "discard": js_api.DiscardPolicy.NEW}
+    refusing: dict[str | None, dict[str, Any]] = {"full": full, "no_ack": {"no_ack": True}, None: {}}
+    await js.add_stream(name=other, subjects=[f"{dest}.b.>"], **refusing[fault])
+    if fault == "full":
+        await js.publish(f"{dest}.b.x.0", b"filler")
+    stream = {"create": created, "name": first} | ({"subjects": [f"{dest}.a.>"]} if created else {})
+    check = NatsConnector("nats-s", _options(nats_server.url, dest, stream=stream), SINK)
+    check.creates_nothing = True
+    check.configured_streams = [Stream("a", 0), Stream("b", 0)]
+    try:
+        await check.connect()
+        problem = await check.health()
+    finally:
+        await check.close()
+        names = [i.config.name for i in await js.streams_info()]
+        for name in (first, other):
+            if name in names:
+                await js.delete_stream(name)
+    if fault is None:
+        assert problem is None
+    else:
+        assert problem is not None and repr(other) in problem and ("full" if fault == "full" else "no_ack") in problem, problem
+    assert created is False or first not in names  # (--check creates nothing)
 
 
 @pytest.mark.integration

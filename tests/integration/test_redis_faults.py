@@ -250,6 +250,16 @@ async def test_connect_and_check_refuse_a_user_that_may_not_run_what_the_writes_
         # A run's connect does not know the streams yet: its first write names the key.
         assert await connect(("~kv:*", "+@all", "-@dangerous"), **values) is None
         assert await connect(("~kv:*", "~events:*", "+@all", "-@dangerous"), streams=streams, **values) is None
+        # Every configured stream's keys, not the first 32 (breaker115 3: rank 35 of a 40-rank engine
+        # refused at its first write after "config ok"); the error names ten keys and counts the rest.
+        ranks = [Stream("m", r) for r in range(40)]
+        allowed = [f"~kv:m:{r}" for r in range(32)]
+        refused = await connect((*allowed, "+@all", "-@dangerous"), streams=ranks)
+        assert refused is not None and refused.reason == "no_permission", refused
+        assert "'kv:m:35'" in str(refused) and "'kv:m:31'" not in str(refused), refused
+        refused = await connect(("+@all", "-@dangerous"), streams=ranks)
+        assert refused is not None and "'kv:m:9'" in str(refused) and "and 30 more keys" in str(refused), refused
+        assert await connect(("~kv:m:*", "+@all", "-@dangerous"), streams=ranks) is None
     finally:
         await admin.execute_command("ACL", "DELUSER", user)
 
