@@ -253,7 +253,8 @@ class Metrics:
         self.source_problem = Gauge(
             p + "source_problem",
             "1 for why a stream's live socket is not connected: waiting, disconnected, refused, unresolvable, "
-            "unreachable, no_answer, not_zmq, wrong_peer, wrong_topic, dropped_unread (docs/operations/monitoring.md).",
+            "unreachable, no_answer, not_zmq, wrong_peer, wrong_topic, dropped_unread, perhaps_gone "
+            "(docs/operations/monitoring.md).",
             ["source", "dp_rank", "reason"],
             registry=r,
         )

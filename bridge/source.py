@@ -63,6 +63,7 @@ _UNREAD_DROPS = 3
 # libzmq does not reconnect a session it ended for a protocol error (e.g. a message over
 # MAXMSGSIZE): if a dropped connection shows no sign of retrying within this time, re-dial.
 _REDIAL_AFTER = 1.0
+_HANDSHAKE_WITHIN_MS = 10_000
 # Frames are read with the compiled socket's own recv: pyzmq's recv_multipart converts flags and
 # options to enums on every call, which took half the time of a 3-frame read. Each frame is read
 # as a zmq Frame (copy=False) for its ``more`` flag, then copied out: a getsockopt(RCVMORE) per
@@ -173,7 +174,15 @@ class SourceReader:
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        # A peer whose host died (no FIN, no RST) is dropped after 30 + 3 x 10 s, not the
+        # kernel's default 11 minutes of probes.
         sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 10)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
+        # A connection that has not handshaken within this is dropped (libzmq's default: 30 s). A TCP
+        # probe accepted while an engine's handshake is in flight makes the counts ambiguous (see
+        # _handshaken) until it goes; an engine's ZMTP handshake takes a few round trips.
+        sock.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_WITHIN_MS)
         sock.setsockopt(zmq.SUBSCRIBE, self._topic)
         if self._topic:
             sock.setsockopt(zmq.SUBSCRIBE, b"")  # every topic, until one of its own: see the module docstring
@@ -343,13 +352,24 @@ class SourceReader:
                 shook, loose = _handshaken(len(waiting), loose)
             if event == zmq.EVENT_DISCONNECTED and shook is None:
                 # Perhaps the engine's: told, so that whoever comes next is verified (a missed
-                # restart would put a new instance in the old epoch); counted connected still.
+                # restart would put a new instance in the old epoch); counted still, but not
+                # connected until a message says the engine is there, or the counts come right.
                 log.info("a connection dropped, perhaps the engine's", extra={"stream": key, "endpoint": self.endpoint})
+                self._heard = False
+                self._set_problem(
+                    "a connection dropped while another waited for its handshake, perhaps the engine's: not known to be "
+                    "connected until a message is read",
+                    "perhaps_gone",
+                )
                 await self.pipeline.disconnected()
             elif event == zmq.EVENT_DISCONNECTED and not shook:
                 if not self.connections:
                     self._diagnose()  # (never handshaken: a peer of the wrong type?)
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # a PUB at the other end (or an engine connected in)
+                # A bound source's engine connected while one is still counted: a new instance of
+                # it whose old connection is not seen to drop (its host died: half-open until the
+                # keep-alive ends it). Told as a drop, so that what comes next is verified (I1).
+                another = self.connections > 0
                 if len(waiting) == 1 and not loose:
                     shaken.add(waiting.pop())
                 elif waiting:
@@ -363,6 +383,9 @@ class SourceReader:
                     self._set_problem(None, "")
                 self._recount()
                 log.info("source connected", extra={"stream": key, "endpoint": self.endpoint})
+                if another:
+                    log.info("another engine connection while one is open", extra={"stream": key, "endpoint": self.endpoint})
+                    await self.pipeline.disconnected()
             elif event == zmq.EVENT_DISCONNECTED and shook and self.connections > 0:
                 self.connections -= 1
                 after = await self._before_drop(monitor, backlog) if not self.connections else None
@@ -481,7 +504,7 @@ class SourceReader:
         """The first message read since the connection came up: the engine's messages get through."""
         self._heard = True
         self._unread_drops = 0
-        if self._reason == "dropped_unread" and self.connections:
+        if self._reason in ("dropped_unread", "perhaps_gone") and self.connections:
             self._set_problem(None, "")
 
     def _dropped_unread(self) -> None:

@@ -9,6 +9,7 @@ reads what an operator would: ``readiness()`` (the body of ``/readyz``), the met
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -30,7 +31,7 @@ from bridge.stream import UNDECODABLE_AFTER
 from tests.support.cache_engine import CacheEngine
 from tests.support.dns import stub_dns
 from tests.support.harness import free_port, metric, read_lines, running_bridge, wait_for
-from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_engine import ScriptedEngine, check_invariants
 
 pytestmark = pytest.mark.integration
 
@@ -243,6 +244,92 @@ async def test_a_tcp_probe_of_a_bound_port_is_not_taken_for_the_engine_going_awa
         assert metric(bridge, "kv_bridge_source_up", source="a", dp_rank="0") == 1
         assert metric(bridge, "kv_bridge_source_disconnects_total", source="a", dp_rank="0") == 0
         assert bridge.readiness()[0]
+
+
+class _ConnectingEngine(ScriptedEngine):
+    """A scripted engine whose PUB connects to the bridge (a ``bind: true`` source)."""
+
+    async def _bind(self, kind: int, port: int) -> zmq.asyncio.Socket:
+        if kind != zmq.XPUB:
+            return await super()._bind(kind, port)
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        return sock
+
+
+class _DeadHostProxy:
+    """engine -> proxy -> bridge: when the engine's side closes, the bridge's stays open, as a
+    connection from a host that died (no FIN, no RST) does until TCP keep-alive ends it."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.writers: list[asyncio.StreamWriter] = []
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _handle(self, engine_in: asyncio.StreamReader, engine_out: asyncio.StreamWriter) -> None:
+        bridge_in, bridge_out = await asyncio.open_connection("127.0.0.1", self.target)
+        self.writers += [engine_out, bridge_out]
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+
+        self.tasks.add(asyncio.create_task(pump(bridge_in, engine_out)))
+        await pump(engine_in, bridge_out)
+        engine_out.close()  # (the bridge's side, bridge_out, stays open)
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for writer in self.writers:
+            writer.close()
+            with contextlib.suppress(OSError, asyncio.CancelledError):
+                await writer.wait_closed()
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def test_an_engine_back_on_a_bound_port_while_its_dead_hosts_connection_is_open_gets_a_new_epoch(
+    tmp_path: Path,
+) -> None:
+    """breaker116 3: ``bind: true``; the engine's host dies, its connection stays open at the
+    bridge (half-open), and the engine comes back (a new pod) and connects anew. Its first batches
+    go out before it has the bridge's subscription, so the first seen is the old last + 1: with no
+    drop seen, it was delivered in the old epoch (I1; 4 of 4). A second connection's handshake is
+    now told as a drop: the new instance is verified through the replay, in a new epoch, whole."""
+    live, rep = free_port(), free_port()
+    sources = [source("a", f"tcp://127.0.0.1:{live}", f"tcp://127.0.0.1:{rep}") | {"bind": True}]
+    proxy = _DeadHostProxy(live)
+    async with running_bridge(tmp_path, sources, ingest=GRACE) as (_, out):
+        port = await proxy.start()
+        try:
+            async with _ConnectingEngine(port, rep) as engine:
+                await engine.wait_subscribed(timeout=15)
+                for _ in range(10):
+                    await engine.publish(1)
+                    await asyncio.sleep(0.05)
+                await wait_for(lambda: out.exists() and len(read_lines(out)) >= 10, what="the first instance", timeout=10)
+                await engine.restart()
+                await engine.publish(10, deliver=False)  # (before the bridge's subscription reached it)
+                await engine.wait_subscribed(timeout=15)
+                for _ in range(10):
+                    await engine.publish(1)
+                    await asyncio.sleep(0.05)
+                await wait_for(lambda: len(read_lines(out)) >= 31, what="the second instance", timeout=15)
+                views = check_invariants(read_lines(out), engine)
+        finally:
+            await proxy.close()
+    assert [(sorted(v.instances), v.delivered, v.lost) for v in views] == [
+        ([0], list(range(10)), []),
+        ([1], list(range(20)), []),
+    ], [str(v) for v in views]
 
 
 async def test_the_last_batch_of_an_engine_that_stops_right_after_it_is_delivered(tmp_path: Path) -> None:
