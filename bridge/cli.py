@@ -583,6 +583,15 @@ async def _probe_engines(cfg: Config) -> tuple[int, int, list[str], list[tuple[s
             listen.append((where, wire_shape(ep, source.topic, SHAPE_TIMEOUT, cfg.ingest.max_frame_bytes, replay)))
     shapes = await asyncio.gather(*(c for _, c in listen))
     shown = [(f"{w}: {s}", problem) for (w, _), (s, problem) in zip(listen, shapes, strict=True)]
+    shown += [
+        (
+            f"sources[{i}].replay_endpoint: {source.replay_endpoint}: not checked (bind: true: the engine connects "
+            "to the bridge, not to --check, so there is no live batch to compare its answers with)",
+            None,
+        )
+        for i, source in enumerate(cfg.sources)
+        if source.bind and source.replay_endpoint is not None
+    ]
     return len(checks), sum(got is None for got in found), lines, shown
 
 

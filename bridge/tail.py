@@ -366,7 +366,8 @@ async def wire_shape(
     said = f"{ident}; seq {f.seq}, {len(batch.events)} event(s): {', '.join(kinds) or 'none'}{undecoded}"
     if replay_endpoint is None:
         return said, None
-    return said, await foreign_replay(replay_endpoint, f.seq, f.payload, timeout, max(64 << 20, max_frame_bytes))
+    problem, unchecked = await foreign_replay(replay_endpoint, f.seq, f.payload, timeout, max(64 << 20, max_frame_bytes))
+    return said + unchecked, problem
 
 
 def _heartbeat(frames: list[bytes]) -> bool:
@@ -377,25 +378,33 @@ def _heartbeat(frames: list[bytes]) -> bool:
         return False
 
 
-async def foreign_replay(endpoint: str, seq: int, payload: bytes, timeout: float, max_frame_bytes: int) -> str | None:
-    """The problem, when the replay socket at ``endpoint`` answers for ``seq`` with another batch
-    than ``payload`` (what the live endpoint sent at that seq): it is another engine's (or another
-    rank's), and the run would take its batches for this engine's (a restart, and another
-    engine's cache). None when it answers with the same bytes, or cannot tell (no answer, the seq
-    gone from its buffer: the run diagnoses a replay socket that does not answer)."""
+async def foreign_replay(endpoint: str, seq: int, payload: bytes, timeout: float, max_frame_bytes: int) -> tuple[str | None, str]:
+    """Whether the replay socket at ``endpoint`` is this engine's: it answers for ``seq`` with
+    ``payload`` (what the live endpoint sent at that seq). First: the problem, when it answers
+    with another batch: it is another engine's (or another rank's), and the run would take its
+    batches for this engine's (a restart, and another engine's cache). Second: what to add to the
+    source's line when it could not tell (no answer, or no batch at ``seq`` to compare: it may
+    still be another engine's, one that started later or has moved past that seq), else ""."""
     ctx = zmq.asyncio.Context()
+    outcome = ReplayOutcome()
     try:
-        async for reply in replay(ctx, endpoint, seq, seq, timeout, ReplayOutcome(), max_frame_bytes):
-            if reply.seq != seq or reply.payload == payload:
-                return None
+        async for reply in replay(ctx, endpoint, seq, seq, timeout, outcome, max_frame_bytes):
+            if reply.payload == payload and reply.seq == seq:
+                return None, ""
+            if reply.seq != seq:
+                break
             return (
                 f"the replay endpoint {endpoint} answers for seq {seq} with another batch than the live endpoint sent: "
                 "it is another engine's replay socket (or another rank's: rank r uses port + r on both sockets), and the "
                 "run would take that engine's batches for this one's; give this engine's replay_endpoint"
-            )
+            ), ""
     finally:
         ctx.destroy(linger=0)
-    return None
+    why = f"no answer within {timeout:g}s" if not outcome.complete and not outcome.replies else f"it holds no batch at seq {seq}"
+    return None, (
+        f"; replay_endpoint not checked ({why}: not known to be this engine's, which a replay socket of another engine "
+        "started later or further on would look like)"
+    )
 
 
 async def _read(rank: int, sub: zmq.asyncio.Socket, queue: asyncio.Queue[tuple[int, list[bytes]]]) -> None:

@@ -624,6 +624,32 @@ async def test_check_says_it_did_not_check_the_replay_endpoint_of_an_idle_engine
     assert "replay_endpoint not checked" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("case", ["no batch at the seq", "bound source"])
+async def test_check_says_it_did_not_check_a_replay_endpoint_it_could_not_compare(tmp_path: Path, case: str) -> None:
+    """breaker116 5: a replay_endpoint that is another engine's, which holds no batch at the seq of
+    the live endpoint's first message (started later, or further on), or a ``bind: true`` source's
+    (--check does not take the engine's connection): --check said nothing of it, exit 0, 6 of 6.
+    The run then takes that engine's answers for this one's. Each line now says it was not checked."""
+    live_a, rep_a, live_b, rep_b = free_ports(4)
+    bound = case == "bound source"
+    source = {"name": "e", "endpoint": f"tcp://127.0.0.1:{live_a}", "replay_endpoint": f"tcp://127.0.0.1:{rep_b}"}
+    config = {
+        "sources": [source | ({"bind": True} if bound else {})],
+        "sinks": [{"type": "file", "path": str(tmp_path / "out.jsonl")}],
+        "checkpoint": {"path": str(tmp_path / "checkpoint.json")},
+    }
+    if bound:
+        async with ScriptedEngine(live_b, rep_b):
+            proc = await check_config(tmp_path, config)
+        said = f"sources[0].replay_endpoint: tcp://127.0.0.1:{rep_b}: not checked (bind: true"
+    else:
+        async with ScriptedEngine(live_a, rep_a) as a, ScriptedEngine(live_b, rep_b):  # (b publishes nothing)
+            proc = await check_while_publishing(tmp_path, config, (a, None))
+        said = "; replay_endpoint not checked (it holds no batch at seq "
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert said in proc.stdout, proc.stdout + proc.stderr
+
+
 async def test_check_warns_of_a_source_topic_the_engine_does_not_publish_under(tmp_path: Path) -> None:
     """breaker46 B2: --check subscribed to the configured topic alone, heard nothing from an engine
     publishing 20 batches/s under another, called it "an idle engine" and said "config ok"; the run,
