@@ -272,6 +272,7 @@ class StreamSequencer:
         self.held: dict[int, bytes] = {}  # live batches of this epoch's instance, above a gap
         # Continuity in doubt (see the module docstring): live batches wait here until verified.
         self._doubt = delivered is not None and can_replay
+        self._doubt_at_start = self._doubt  # (in doubt since the start from a checkpoint, no drop since)
         self.unverified: dict[int, bytes] = {}
         # The lowest and highest live seqs read in doubt and not kept (past max_held): whose?
         self._unkept_lo = self._unkept = -1
@@ -324,6 +325,7 @@ class StreamSequencer:
         # since the instance was last verified: the engine restarted (its drop not noticed yet), or
         # the replay socket is another engine's (docs/concepts/limits.md): the wire cannot tell.
         self.shown_by_replay: int | None = None
+        self.shown_at_start = False  # (and the live connection not known to have dropped since the start)
         # This epoch was opened for a UUID by a certain restart (``_restart_under``): its instance
         # is that UUID's, and the live batches that came under it are its, even in doubt.
         self._opened_for: bytes | None = None
@@ -1232,6 +1234,7 @@ class StreamSequencer:
         self._drops += 1
         self._last_drop = now
         self._reopened = False
+        self._doubt_at_start = False
         if not self._doubt:
             self._doubt = True
             self._doubt_since = now  # (_drops was 0: it is whenever continuity is not in doubt)
@@ -1641,7 +1644,7 @@ class StreamSequencer:
         publisher is the one that answered, and its UUID stays unsure. A UUID known only from a
         replay reply or a heartbeat stays unsure: the replay is answered by whoever holds its
         socket, and nothing compared the live publisher's batches."""
-        self._doubt = False  # (_doubt_since matters only in doubt, and every way into doubt sets it)
+        self._doubt = self._doubt_at_start = False  # (_doubt_since matters only in doubt, and every way into doubt sets it)
         self._drops = 0
         self._reopened = False
         self._unattributed = -1
@@ -1924,7 +1927,10 @@ class StreamSequencer:
         the UUID they came under; batches read live under this epoch's UUID, when it is another,
         are never carried, whatever the clocks say (the new instance's may run behind).
         """
-        shown_by_replay = evidence is not None and not self._doubt
+        # (after a drop, a restart is what the replay is asked to show; since a start from a
+        # checkpoint, with no drop seen, it may be one while the bridge was down, or not)
+        shown_by_replay = evidence is not None and (not self._doubt or self._doubt_at_start)
+        at_start = self._doubt_at_start
         if self._replay is not None and self._heard >= 0:
             self._unclaim()  # (replies kept for a verdict, perhaps the old instance's: it settles their seqs)
         carried: dict[int, bytes] = {}
@@ -2047,7 +2053,7 @@ class StreamSequencer:
         self._top = self.last_live if self.last_live is not None else -1
         out.append(Reset(self.epoch, reason))
         if shown_by_replay:
-            self.shown_by_replay = self.epoch
+            self.shown_by_replay, self.shown_at_start = self.epoch, at_start
         if theirs_aside:
             self._aside, self._aside_asked, self._aside_refuted, self._aside_silent = aside, False, 0, 0
             self._aside_below = False

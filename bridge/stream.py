@@ -432,9 +432,12 @@ class StreamPipeline:
                 self.metrics.restarts.inc()
                 log.warning("engine restarted: new epoch", extra={"stream": self.stream.key, "epoch": a.epoch})
             if a.epoch == self.sequencer.shown_by_replay:
+                since, when = (
+                    (" since the bridge started", " while the bridge was down") if self.sequencer.shown_at_start else ("", "")
+                )
                 log.warning(
-                    "the restart shows only in the replay socket's answer (the live connection never dropped): "
-                    "if the engine did not restart, the source's replay_endpoint is another engine's; check it with "
+                    f"the restart shows only in the replay socket's answer (the live connection never dropped{since}): "
+                    f"if the engine did not restart{when}, the source's replay_endpoint is another engine's; check it with "
                     "python -m bridge --check while the engine publishes",
                     extra={"stream": self.stream.key, "epoch": a.epoch, "endpoint": self.replay_endpoint},
                 )

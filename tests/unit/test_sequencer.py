@@ -261,6 +261,23 @@ def test_a_restart_shown_by_the_replay_alone_is_marked(dropped: bool) -> None:
     assert seqr.shown_by_replay == (None if dropped else 1)
 
 
+@pytest.mark.parametrize("dropped", [False, True], ids=["no drop since the start", "after a drop"])
+def test_a_restart_shown_by_the_replay_alone_after_a_start_from_a_checkpoint_is_marked(dropped: bool) -> None:
+    """breaker116 6: a replay_endpoint changed to another engine's comes with a restart of the
+    bridge, which resumes from its checkpoint in doubt: the restart that replay showed was not
+    marked, and nothing was logged (3 of 3). Marked now, as one at start (the engine may have
+    restarted while the bridge was down); a drop seen since the start still expects a restart."""
+    seqr = StreamSequencer(can_replay=True, replay_on_start=True, epoch=2, delivered=6, delivered_fp=fp_of(0, 6), ts_of=ts_of)
+    (req,) = seqr.start()
+    if dropped:
+        seqr.disconnected()
+    out = seqr.replayed(req.request_id, 6, payload_of(1, 6))  # another batch at the checkpoint's seq
+    out += seqr.replayed(req.request_id, 7, payload_of(1, 7))
+    assert any(isinstance(a, Reset) and a.reason == "publisher_restart" for a in out), out
+    assert seqr.shown_by_replay == (None if dropped else seqr.epoch)
+    assert seqr.shown_at_start is not dropped
+
+
 def test_restart_found_by_replay_announces_no_loss_past_what_the_old_instance_published() -> None:
     """The old epoch's tail ends at the last seq its instance was seen to publish (``_restart``):
     a live batch the replay proves to be the new instance's does not extend it."""
