@@ -160,6 +160,7 @@ class SourceReader:
         self.queued = False
         self._sock: zmq.Socket[bytes] | None = None
         self._busy = False  # a burst's pipeline call not finished: the socket is not read
+        self._drop_waits: asyncio.Event | None = None  # a drop waiting for that call (see _read_tail)
         self._parked: tuple[Coroutine[Any, Any, None], asyncio.Future[Any] | None] | Exception | None = None
         self._wake = asyncio.Event()
         self._problem_metric.labels(*labels, self._reason).set(1)
@@ -235,6 +236,9 @@ class SourceReader:
                         self._parked = parked  # until finished: a cancellation meanwhile is thrown into it
                         await finish(*parked)
                         self._parked = None
+                    if self._drop_waits is not None:  # the socket is the drop's now (see _read_tail)
+                        self._drop_waits.set()
+                        continue
                     self._busy = False
                     drainer.note(self)
             except asyncio.CancelledError:
@@ -388,7 +392,7 @@ class SourceReader:
                     await self.pipeline.disconnected()
             elif event == zmq.EVENT_DISCONNECTED and shook and self.connections > 0:
                 self.connections -= 1
-                after = await self._before_drop(monitor, backlog) if not self.connections else None
+                tail = await self._read_tail(monitor, backlog) if not self.connections else None
                 self._disconnects.inc()
                 if not self._heard:
                     self._unread_drops += 1
@@ -398,10 +402,12 @@ class SourceReader:
                     self._set_problem("the engine went away: reconnecting", "disconnected")
                 self._recount()
                 log.warning("source disconnected", extra={"stream": key, "endpoint": self.endpoint})
+                if tail is not None:
+                    await self._before_drop(tail[0])
                 # Whoever is there when it reconnects may be a new engine instance.
                 await self.pipeline.disconnected()
-                if after is not None:
-                    await self._after_drop(after)
+                if tail is not None:
+                    await self._after_drop(tail[1])
             elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED) and not self.connections:
                 self._diagnose()  # never handshaken (a peer of the wrong type?), or not reachable
             if redial is not None and event in (zmq.EVENT_CONNECTED, zmq.EVENT_CONNECT_RETRIED):
@@ -412,41 +418,57 @@ class SourceReader:
                     redial.cancel()
                 redial = loop.call_later(_REDIAL_AFTER, self._redial, sock)
 
-    async def _before_drop(self, monitor: zmq.asyncio.Socket, backlog: list[Any]) -> list[list[bytes]] | None:
+    async def _read_tail(
+        self, monitor: zmq.asyncio.Socket, backlog: list[Any]
+    ) -> tuple[list[list[bytes]], list[list[bytes]]] | None:
         """The last connection dropped: the messages the socket holds came through it, up to the
-        first read once a new connection has handshaken (its event is read ahead from the monitor
-        into ``backlog`` after each message: libzmq reports a handshake before the connection's
-        first message). Those are handed to the pipeline before the drop is: the engine's last
-        batches, published just before it stopped, are its own, not read in doubt as perhaps a
-        new instance's, which only their clocks could tell, and not within ``clock_skew``
-        (breaker111 H1). Returns the message read past that point (for :meth:`_after_drop`, once
-        the drop is told), or None when the socket was left to the drainer (a pipeline call
-        still running)."""
+        read that ends once a new connection has handshaken (its event is read ahead from the
+        monitor into ``backlog`` after each read of up to ``ingest.drain_max``: libzmq reports a
+        handshake before the connection's first message). They are read now, into memory and without waiting for the pipeline
+        (a few microseconds each, well within the 100 ms before libzmq dials again), even while
+        a pipeline call is parked on a full sink queue, and up to ``ingest.receive_hwm`` of them
+        (what the socket holds at most). :meth:`_before_drop` hands them on before the drop is
+        told: the engine's last batches, published before it stopped, are its own, not read in
+        doubt as perhaps a new instance's, which only their clocks could tell, and not within
+        ``clock_skew`` (breaker111 H1; breaker116: a tail read after a new connection's handshake,
+        or left in the socket behind a parked call, was announced lost though received). Returns
+        them, and the message read past that point (for :meth:`_after_drop`, once the drop is
+        told); None when the socket is gone. The drainer leaves the socket alone until then."""
         sock = self._sock
-        if sock is None or self._reading is None or self._busy:
+        if sock is None or self._reading is None:
             return None
-        self._busy = True  # (the drainer leaves the socket alone until _after_drop)
+        if self._busy:  # a parked pipeline call: run() hands the socket to the drop once it finished
+            self._drop_waits = asyncio.Event()
+        self._busy = True
         before: list[list[bytes]] = []
         try:
-            while True:
-                burst, foreign = self._read(sock, 1)
+            while len(before) < self.ingest.receive_hwm:
+                burst, foreign = self._read(sock, self.ingest.drain_max)
                 self._noted(sock, burst, foreign)
                 while cast(int, monitor.get(zmq.EVENTS)) & zmq.POLLIN:  # (read ahead: no wait)
                     backlog.append(parse_monitor_message(await monitor.recv_multipart()))
                 if any(e["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED for e in backlog):
-                    await self._hand_on(before)
-                    return burst  # (perhaps the new connection's: read in doubt, after the drop)
+                    return before, burst  # (perhaps with the new connection's: read in doubt, after the drop)
                 before += burst
                 if not burst and not foreign:
                     break
-                if len(before) >= self.ingest.drain_max:
-                    await self._hand_on(before)
-                    before = []
-            await self._hand_on(before)
         except BaseException:
-            self._busy = False
+            self._release()
             raise
-        return []
+        return before, []
+
+    async def _before_drop(self, before: list[list[bytes]]) -> None:
+        """The tail read by :meth:`_read_tail`, to the pipeline (after the call that was parked, if
+        one was), in bursts of ``ingest.drain_max``."""
+        try:
+            if self._drop_waits is not None:
+                await self._drop_waits.wait()
+                self._drop_waits = None
+            for at in range(0, len(before), self.ingest.drain_max):
+                await self._hand_on(before[at : at + self.ingest.drain_max])
+        except BaseException:
+            self._release()
+            raise
 
     async def _hand_on(self, burst: list[list[bytes]]) -> None:
         """A burst read outside the drainer (see _before_drop), to the pipeline."""
@@ -467,9 +489,14 @@ class SourceReader:
         try:
             await self._hand_on(after)
         finally:
-            self._busy = False
-            if self._reading is not None:
-                self._reading.note(self)
+            self._release()
+
+    def _release(self) -> None:
+        """The socket back to the drainer, after a drop (see _read_tail)."""
+        self._drop_waits = None
+        self._busy = False
+        if self._reading is not None:
+            self._reading.note(self)
 
     def _foreign(self, topic: bytes) -> None:
         """A message under a topic outside the prefix: dropped, and a problem while none of the
