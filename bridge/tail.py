@@ -401,10 +401,7 @@ async def foreign_replay(endpoint: str, seq: int, payload: bytes, timeout: float
     finally:
         ctx.destroy(linger=0)
     why = f"no answer within {timeout:g}s" if not outcome.complete and not outcome.replies else f"it holds no batch at seq {seq}"
-    return None, (
-        f"; replay_endpoint not checked ({why}: not known to be this engine's, which a replay socket of another engine "
-        "started later or further on would look like)"
-    )
+    return None, f"; replay_endpoint not checked ({why}: it may still be another engine's, one started later or past this seq)"
 
 
 async def _read(rank: int, sub: zmq.asyncio.Socket, queue: asyncio.Queue[tuple[int, list[bytes]]]) -> None:
