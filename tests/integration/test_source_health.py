@@ -258,14 +258,16 @@ class _ConnectingEngine(ScriptedEngine):
         return sock
 
 
-class _DeadHostProxy:
-    """engine -> proxy -> bridge: when the engine's side closes, the bridge's stays open, as a
-    connection from a host that died (no FIN, no RST) does until TCP keep-alive ends it."""
+class _Proxy:
+    """engine -> proxy -> bridge, the engine's bytes ``latency`` seconds late (a slow link); with
+    ``dead_host``, when the engine's side closes, the bridge's stays open, as a connection from a
+    host that died (no FIN, no RST) does until TCP keep-alive ends it."""
 
-    def __init__(self, target: int) -> None:
-        self.target = target
+    def __init__(self, target: int, *, latency: float = 0.0, dead_host: bool = False) -> None:
+        self.target, self.latency, self.dead_host = target, latency, dead_host
         self.writers: list[asyncio.StreamWriter] = []
         self.tasks: set[asyncio.Task[None]] = set()
+        self.opened = asyncio.Event()  # (the bridge's side of a connection)
 
     async def start(self) -> int:
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
@@ -274,16 +276,21 @@ class _DeadHostProxy:
     async def _handle(self, engine_in: asyncio.StreamReader, engine_out: asyncio.StreamWriter) -> None:
         bridge_in, bridge_out = await asyncio.open_connection("127.0.0.1", self.target)
         self.writers += [engine_out, bridge_out]
+        self.opened.set()
 
-        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, delay: float) -> None:
             with contextlib.suppress(OSError):
                 while data := await src.read(65536):
+                    if delay:
+                        await asyncio.sleep(delay)  # (a whole read late: enough for a handshake's few bytes)
                     dst.write(data)
                     await dst.drain()
 
-        self.tasks.add(asyncio.create_task(pump(bridge_in, engine_out)))
-        await pump(engine_in, bridge_out)
-        engine_out.close()  # (the bridge's side, bridge_out, stays open)
+        self.tasks.add(asyncio.create_task(pump(bridge_in, engine_out, 0.0)))
+        await pump(engine_in, bridge_out, self.latency)
+        engine_out.close()
+        if not self.dead_host:
+            bridge_out.close()
 
     async def close(self) -> None:
         for task in self.tasks:
@@ -296,6 +303,40 @@ class _DeadHostProxy:
         await self.server.wait_closed()
 
 
+async def test_a_drop_during_a_probes_handshake_window_is_not_taken_for_a_connected_engine(tmp_path: Path) -> None:
+    """breaker116 4: ``bind: true``, the engine's handshake slowed by a 1 s link, a TCP probe
+    accepted meanwhile and held. A handshake event names no connection, so when the engine went for
+    good the drop could have been the probe's: the stream stayed connected and /readyz ready until
+    libzmq dropped the probe (30.9 s; 4 of 4). Such a drop now makes the stream not connected
+    (``perhaps_gone``) until a message is read or the counts come right."""
+    live, rep = free_port(), free_port()
+    sources = [source("a", f"tcp://127.0.0.1:{live}", f"tcp://127.0.0.1:{rep}") | {"bind": True}]
+    proxy = _Proxy(live, latency=1.0)
+    probe: socket.socket | None = None
+    async with running_bridge(tmp_path, sources, ingest=GRACE) as (bridge, out):
+        port = await proxy.start()
+        try:
+            engine = _ConnectingEngine(port, rep)
+            await engine.__aenter__()
+            try:
+                await proxy.opened.wait()
+                await asyncio.sleep(0.2)
+                probe = socket.create_connection(("127.0.0.1", live), timeout=2)  # (while the handshake is in flight)
+                await engine.wait_subscribed(timeout=15)
+                for _ in range(5):
+                    await engine.publish(1)
+                await wait_for(lambda: out.exists() and len(read_lines(out)) >= 5, what="the engine's batches", timeout=10)
+                assert bridge.readiness()[0]
+            finally:
+                await engine.__aexit__(None, None, None)  # the engine goes, for good
+            await wait_for(lambda: not bridge.readiness()[0], what="not ready once the engine went", timeout=5)
+            assert metric(bridge, "kv_bridge_sources_connected") == 0
+        finally:
+            if probe is not None:
+                probe.close()
+            await proxy.close()
+
+
 async def test_an_engine_back_on_a_bound_port_while_its_dead_hosts_connection_is_open_gets_a_new_epoch(
     tmp_path: Path,
 ) -> None:
@@ -306,7 +347,7 @@ async def test_an_engine_back_on_a_bound_port_while_its_dead_hosts_connection_is
     now told as a drop: the new instance is verified through the replay, in a new epoch, whole."""
     live, rep = free_port(), free_port()
     sources = [source("a", f"tcp://127.0.0.1:{live}", f"tcp://127.0.0.1:{rep}") | {"bind": True}]
-    proxy = _DeadHostProxy(live)
+    proxy = _Proxy(live, dead_host=True)
     async with running_bridge(tmp_path, sources, ingest=GRACE) as (_, out):
         port = await proxy.start()
         try:
