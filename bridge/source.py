@@ -64,6 +64,9 @@ _UNREAD_DROPS = 3
 # MAXMSGSIZE): if a dropped connection shows no sign of retrying within this time, re-dial.
 _REDIAL_AFTER = 1.0
 _HANDSHAKE_WITHIN_MS = 10_000
+# A connection still open this long after it was accepted has handshaken (libzmq drops one that
+# has not within _HANDSHAKE_WITHIN_MS): a handshake left unplaced among several is then its.
+_HANDSHAKEN_BY = _HANDSHAKE_WITHIN_MS / 1000 + 2.0
 # Frames are read with the compiled socket's own recv: pyzmq's recv_multipart converts flags and
 # options to enums on every call, which took half the time of a 3-frame read. Each frame is read
 # as a zmq Frame (copy=False) for its ``more`` flag, then copied out: a getsockopt(RCVMORE) per
@@ -97,6 +100,13 @@ def try_bind(where: str, endpoint: str) -> tuple[str, bool] | None:
     finally:
         sock.close(linger=0)
     return None
+
+
+def _outlived(waiting: dict[int, float], now: float, loose: int) -> list[int]:
+    """The waiting connections (fd: when accepted) that must have handshaken by ``now``, oldest
+    first, at most ``loose`` of them (the handshakes not placed yet)."""
+    old = sorted((t, fd) for fd, t in waiting.items() if now - t >= _HANDSHAKEN_BY)
+    return [fd for _, fd in old[:loose]]
 
 
 def _handshaken(left: int, loose: int) -> tuple[bool | None, int]:
@@ -161,6 +171,11 @@ class SourceReader:
         self._sock: zmq.Socket[bytes] | None = None
         self._busy = False  # a burst's pipeline call not finished: the socket is not read
         self._drop_waits: asyncio.Event | None = None  # a drop waiting for that call (see _read_tail)
+        # Open connections by file descriptor (see _monitor): waiting for their handshake (fd: when
+        # seen), handshaken, and handshakes not placed among those waiting.
+        self._waiting: dict[int, float] = {}
+        self._shaken: set[int] = set()
+        self._loose = 0
         self._parked: tuple[Coroutine[Any, Any, None], asyncio.Future[Any] | None] | Exception | None = None
         self._wake = asyncio.Event()
         self._problem_metric.labels(*labels, self._reason).set(1)
@@ -261,7 +276,9 @@ class SourceReader:
             monitor.close(linger=0)
             if self._diagnosing is not None:
                 self._diagnosing.cancel()
-            self.connections = 0
+            self.connections = self._loose = 0
+            self._waiting.clear()
+            self._shaken.clear()
             self._recount()
             self._up.set(0)
             with contextlib.suppress(KeyError):
@@ -339,21 +356,34 @@ class SourceReader:
         # scan, a peer of the wrong kind) is no engine going away (breaker110, breaker112). A
         # handshake's event carries none: it is the connection's when one alone waited, else
         # ``loose``, one of those waiting (see _handshaken).
-        waiting: set[int] = set()
-        shaken: set[int] = set()
-        loose = 0
-        backlog: list[Any] = []  # events read ahead (see _before_drop)
+        waiting, shaken = self._waiting, self._shaken
+        backlog: list[Any] = []  # events read ahead (see _read_tail)
         while True:
-            msg = backlog.pop(0) if backlog else parse_monitor_message(await monitor.recv_multipart())
+            if backlog:
+                msg = backlog.pop(0)
+            else:
+                # With handshakes unplaced, wake when the oldest waiting connection must have had one.
+                due = min(waiting.values()) + _HANDSHAKEN_BY - time.monotonic() if self._loose and waiting else None
+                try:
+                    async with asyncio.timeout(None if due is None else max(0.0, due)):
+                        msg = parse_monitor_message(await monitor.recv_multipart())
+                except TimeoutError:
+                    for fd in _outlived(waiting, time.monotonic(), self._loose):
+                        del waiting[fd]
+                        shaken.add(fd)
+                        self._loose -= 1
+                    if not self._loose and self._reason == "perhaps_gone" and self.connections:
+                        self._set_problem(None, "")  # (the counts are right again: the engine's connection is open)
+                    continue
             event, fd = msg["event"], msg["value"]
             shook: bool | None = self.connections > 0  # (a DISCONNECTED: of a handshaken connection?)
             if event in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
-                waiting.add(fd)
+                waiting[fd] = time.monotonic()
             elif event == zmq.EVENT_DISCONNECTED and fd in shaken:
                 shaken.discard(fd)
             elif event == zmq.EVENT_DISCONNECTED and fd in waiting:
-                waiting.discard(fd)
-                shook, loose = _handshaken(len(waiting), loose)
+                del waiting[fd]
+                shook, self._loose = _handshaken(len(waiting), self._loose)
             if event == zmq.EVENT_DISCONNECTED and shook is None:
                 # Perhaps the engine's: told, so that whoever comes next is verified (a missed
                 # restart would put a new instance in the old epoch); counted still, but not
@@ -374,10 +404,10 @@ class SourceReader:
                 # it whose old connection is not seen to drop (its host died: half-open until the
                 # keep-alive ends it). Told as a drop, so that what comes next is verified (I1).
                 another = self.connections > 0
-                if len(waiting) == 1 and not loose:
-                    shaken.add(waiting.pop())
+                if len(waiting) == 1 and not self._loose:
+                    shaken.add(waiting.popitem()[0])
                 elif waiting:
-                    loose += 1
+                    self._loose += 1
                 self.connections += 1
                 if self._topic and not self._probing:  # a new engine (a redeploy) may publish under another topic
                     sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -441,6 +471,7 @@ class SourceReader:
             self._drop_waits = asyncio.Event()
         self._busy = True
         before: list[list[bytes]] = []
+        past: list[list[bytes]] = []  # (perhaps with the new connection's: read in doubt, after the drop)
         try:
             while len(before) < self.ingest.receive_hwm:
                 burst, foreign = self._read(sock, self.ingest.drain_max)
@@ -448,14 +479,17 @@ class SourceReader:
                 while cast(int, monitor.get(zmq.EVENTS)) & zmq.POLLIN:  # (read ahead: no wait)
                     backlog.append(parse_monitor_message(await monitor.recv_multipart()))
                 if any(e["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED for e in backlog):
-                    return before, burst  # (perhaps with the new connection's: read in doubt, after the drop)
+                    past = burst
+                    break
                 before += burst
                 if not burst and not foreign:
                     break
         except BaseException:
             self._release()
             raise
-        return before, []
+        # Published, for a checkpoint saved while they wait (a stop meanwhile: I3).
+        self.pipeline.note_unread(before)
+        return before, past
 
     async def _before_drop(self, before: list[list[bytes]]) -> None:
         """The tail read by :meth:`_read_tail`, to the pipeline (after the call that was parked, if
@@ -531,6 +565,10 @@ class SourceReader:
         """The first message read since the connection came up: the engine's messages get through."""
         self._heard = True
         self._unread_drops = 0
+        if self._loose == 1 and len(self._waiting) == 1 and not self._shaken:
+            # A message, and one connection open that can have sent it: its handshake is placed.
+            self._shaken.add(self._waiting.popitem()[0])
+            self._loose = 0
         if self._reason in ("dropped_unread", "perhaps_gone") and self.connections:
             self._set_problem(None, "")
 

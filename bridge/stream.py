@@ -282,12 +282,14 @@ class StreamPipeline:
             # Removed (waiting for the lock or for a sink): the rest of the burst was read from the
             # engine but never sequenced; if the engine restarts before the stream resumes, those
             # seqs are announced lost with the old epoch.
-            self._note_unread(burst[sequenced:])
+            self.note_unread(burst[sequenced:])
             raise
 
-    def _note_unread(self, frames: Sequence[list[bytes]]) -> None:
-        """Raise ``_unread_top`` to the seqs of ``frames`` (read, never sequenced) up to the first
-        that does not follow the one before it: from there on they are another instance's."""
+    def note_unread(self, frames: Sequence[list[bytes]]) -> None:
+        """Raise ``_unread_top`` to the seqs of ``frames`` (read, not sequenced yet: perhaps never,
+        if the stream stops first) up to the first that does not follow the one before it: from
+        there on they are another instance's. The checkpoint keeps it as how far the instance was
+        seen to publish (I3: announced lost if it restarted before they were delivered)."""
         last = self.sequencer.last_live
         for f in frames:
             try:

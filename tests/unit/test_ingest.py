@@ -264,3 +264,17 @@ def test_a_dropped_connection_had_handshaken_only_when_the_counts_say_so(
     from bridge.source import _handshaken
 
     assert _handshaken(left, loose) == said
+
+
+def test_a_connection_open_past_the_handshake_interval_takes_an_unplaced_handshake() -> None:
+    """breaker117 3: with the engine's handshake unplaced (a probe was waiting beside it), every
+    later probe's drop read as perhaps the engine's, for good. libzmq drops a connection that has
+    not handshaken within the interval: one still open after it has, oldest first, as many as
+    the handshakes not placed."""
+    from bridge.source import _HANDSHAKEN_BY, _outlived
+
+    waiting = {7: 100.0, 9: 103.0, 11: 104.0}
+    assert _outlived(waiting, 100.0 + _HANDSHAKEN_BY - 0.1, 2) == []
+    assert _outlived(waiting, 103.0 + _HANDSHAKEN_BY, 1) == [7]
+    assert _outlived(waiting, 104.0 + _HANDSHAKEN_BY, 2) == [7, 9]
+    assert _outlived(waiting, 104.0 + _HANDSHAKEN_BY, 0) == []
