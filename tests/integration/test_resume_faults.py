@@ -464,6 +464,21 @@ async def test_a_stop_while_the_checkpoint_cannot_be_saved_hands_no_record_of_an
             assert seen.setdefault(key, h["events"]) == h["events"], f"{key} delivered with two payloads"
 
 
+async def restart_behind_a_stalled_sink(engine: ScriptedEngine, bridge: Bridge, out: Path) -> int:
+    """10 batches delivered, then the sink stalls (its queue of 20 fills: the source's pipeline
+    call parks) while the engine publishes 200 more, which wait in the socket, and restarts.
+    Returns the first instance's epoch."""
+    e0 = await first_run_until_delivered(engine, bridge, out, 10)
+    gated_sink(bridge).close_gate()
+    for _ in range(200):
+        await engine.publish(1)
+        await asyncio.sleep(0.002)
+    await asyncio.sleep(0.5)
+    await engine.restart()
+    await engine.wait_subscribed()
+    return e0
+
+
 async def test_the_tail_behind_a_stalled_sink_when_the_engine_restarts_is_delivered_in_its_epoch(tmp_path: Path) -> None:
     """breaker116 1: a sink stalls (its queue full, the source's pipeline call parked) while the
     engine publishes 200 more batches and restarts. The drop was told with that tail still unread
@@ -477,14 +492,7 @@ async def test_the_tail_behind_a_stalled_sink_when_the_engine_restarts_is_delive
         bridge = Bridge(cfg, registry=gated_registry())
         await bridge.start()
         try:
-            await first_run_until_delivered(engine, bridge, out, 10)
-            gated_sink(bridge).close_gate()
-            for _ in range(200):  # (the queue fills, the rest waits in the socket)
-                await engine.publish(1)
-                await asyncio.sleep(0.002)
-            await asyncio.sleep(0.5)
-            await engine.restart()
-            await engine.wait_subscribed()
+            await restart_behind_a_stalled_sink(engine, bridge, out)
             for _ in range(30):
                 await engine.publish(1)
                 await asyncio.sleep(0.01)
@@ -510,14 +518,7 @@ async def test_a_stop_while_a_drops_tail_waits_for_a_stalled_sink_keeps_how_far_
         first = Bridge(cfg, registry=gated_registry())
         await first.start()
         try:
-            e0 = await first_run_until_delivered(engine, first, out, 10)
-            gated_sink(first).close_gate()
-            for _ in range(200):
-                await engine.publish(1)
-                await asyncio.sleep(0.002)
-            await asyncio.sleep(0.5)
-            await engine.restart()
-            await engine.wait_subscribed()
+            e0 = await restart_behind_a_stalled_sink(engine, first, out)
             await asyncio.sleep(0.5)
         finally:
             await first.stop()  # (the gate still closed)
