@@ -403,17 +403,17 @@ async def test_a_burst_cut_short_counts_its_unread_seqs_up_to_the_first_out_of_o
     await f.pipeline.start()
     await f.pipeline.on_live([frames(0), frames(1), frames(2)], received=1_700_000_001.0)
     assert f.pipeline.resume_point()[1] == 2
-    f.pipeline._note_unread([frames(3), [b"kv", b"short"], frames(4), frames(4), frames(9)])
+    f.pipeline.note_unread([frames(3), [b"kv", b"short"], frames(4), frames(4), frames(9)])
     assert f.pipeline.resume_point()[1] == 4  # 4 again: another instance's, and so is its 9
-    f.pipeline._note_unread([frames(2), frames(7)])  # at or below the last live seq: not this instance's
+    f.pipeline.note_unread([frames(2), frames(7)])  # at or below the last live seq: not this instance's
     assert f.pipeline.resume_point()[1] == 4
-    f.pipeline._note_unread([frames(3)])  # lower than the top already noted: the top stays
+    f.pipeline.note_unread([frames(3)])  # lower than the top already noted: the top stays
     assert f.pipeline.resume_point()[1] == 4
 
 
 async def test_unread_seqs_of_a_stream_that_saw_nothing_live_count_from_the_first(make: Callable[..., Fakes]) -> None:
     f = make()
-    f.pipeline._note_unread([frames(6), frames(7), frames(3)])
+    f.pipeline.note_unread([frames(6), frames(7), frames(3)])
     assert f.pipeline.resume_point() == (None, 7)
 
 
