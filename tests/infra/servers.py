@@ -1197,9 +1197,13 @@ class PrometheusServer(ManagedServer):
         }
 
     def check_health(self, timeout: float) -> None:
-        with urllib.request.urlopen(f"{self.url}/-/ready", timeout=timeout) as resp:
-            if resp.status != 200:
-                raise RuntimeError(f"/-/ready answered {resp.status}")
+        try:
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"/-/ready answered {resp.status}")
+        except urllib.error.HTTPError as exc:  # (503 while starting: closed here, or its socket is
+            exc.close()  # left to the garbage collector, whose ResourceWarning fails a later test)
+            raise RuntimeError(f"/-/ready answered {exc.code}") from None
 
     def configure(
         self, targets: Sequence[str], *, job: str | None = None, scrape_interval: str | None = None, timeout: float = 30.0

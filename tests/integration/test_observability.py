@@ -96,7 +96,8 @@ async def prometheus_api(prom: PrometheusServer, path: str, **params: str | list
             with urllib.request.urlopen(f"{prom.url}/api/v1/{path}?{query}", timeout=10) as resp:
                 body = json.load(resp)
         except urllib.error.HTTPError as exc:
-            raise AssertionError(f"{path} {params}: {exc.code} {exc.read().decode(errors='replace')}") from None
+            with exc:
+                raise AssertionError(f"{path} {params}: {exc.code} {exc.read().decode(errors='replace')}") from None
         assert body["status"] == "success", body
         return body["data"]
 
