@@ -453,14 +453,16 @@ class SinkWorker:
             self._n_ok = self._n_events = 0
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            except Exception:  # already reported by the task's done-callback
-                pass
+        task = self._task
+        if task is not None:
+            # Cancelled again until it ends: a cancel can be swallowed by a client call that
+            # completes as it arrives (Python 3.11's wait_for inside a connect, seen with redis-py
+            # over TLS at shutdown), and the worker would retry for ever with stop() waiting on it.
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=1.0)
+            if not task.cancelled():
+                task.exception()  # (retrieved: its done-callback reported it already)
         self.flush_metrics()
         try:
             # Bounded here, like every call into a connector: a connector adds no timeout of its own.
