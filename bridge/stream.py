@@ -164,10 +164,11 @@ class StreamPipeline:
         self._shown: Record | None = None  # the decoded batch the last_seq / last_ts gauges show
         # The last record (and batch) handed to every sink, as a position to resume from: a
         # stream removed while a full sink made it wait resumes there, not where the sequencer
-        # got to. _unread_top: the highest seq of a burst cut short by that removal.
+        # got to. _unread: the epoch and highest seq of live messages read and not sequenced (a
+        # burst cut short by that removal, a drop's tail), of the instance of that epoch.
         self._handed: Record | None = None
         self._handed_batch: Record | None = None
-        self._unread_top = -1
+        self._unread: tuple[int, int] = (self.sequencer.epoch, -1)
         # Engine snapshots (experimental, bridge.snapshot): set by the runtime for a source with
         # snapshot on and a sink that keeps state; sees each record as it is handed on.
         self.snapshots: StreamSnapshots | None = None
@@ -286,8 +287,8 @@ class StreamPipeline:
             raise
 
     def note_unread(self, frames: Sequence[list[bytes]]) -> None:
-        """Raise ``_unread_top`` to the seqs of ``frames`` (read, not sequenced yet: perhaps never,
-        if the stream stops first) up to the first that does not follow the one before it: from
+        """Raise the unread top (``_unread``, of the epoch open now) to the seqs of ``frames`` (read,
+        not sequenced yet: perhaps never, if the stream stops first) up to the first that does not follow the one before it: from
         there on they are another instance's. The checkpoint keeps it as how far the instance was
         seen to publish (I3: announced lost if it restarted before they were delivered)."""
         last = self.sequencer.last_live
@@ -299,7 +300,15 @@ class StreamPipeline:
             if last is not None and seq <= last:
                 return
             last = seq
-            self._unread_top = max(self._unread_top, seq)
+            epoch = self.sequencer.epoch
+            self._unread = (epoch, max(self._unread[1], seq) if self._unread[0] == epoch else seq)
+
+    @property
+    def _unread_top(self) -> int:
+        """The unread top of the epoch open now: one noted in an earlier epoch was its instance's,
+        which published nothing of this one (breaker119 1: it was saved as the next instance's)."""
+        epoch, top = self._unread
+        return top if epoch == self.sequencer.epoch else -1
 
     async def _hand_run(self) -> None:
         """Hand ``_run`` (records decided in order, not yet offered) to every sink: in one call

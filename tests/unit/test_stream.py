@@ -411,6 +411,22 @@ async def test_a_burst_cut_short_counts_its_unread_seqs_up_to_the_first_out_of_o
     assert f.pipeline.resume_point()[1] == 4
 
 
+async def test_unread_seqs_count_for_their_epoch_only(make: Callable[..., Fakes]) -> None:
+    """A drop's tail read and noted in one epoch is its instance's: once a restart opens the next
+    epoch, it is not how far the next instance published (breaker119 1: saved as the next
+    instance's top, the next run announced seqs it never published lost)."""
+    f = make()
+    await f.pipeline.start()
+    await f.pipeline.on_live([frames(s) for s in range(3)], received=1_700_000_001.0)
+    f.pipeline.note_unread([frames(s) for s in range(3, 15)])
+    assert f.pipeline.resume_point()[1] == 14
+    epoch = f.pipeline.sequencer.epoch
+    await f.pipeline.on_live([frames(0, payload(0, instance=1))], received=1_700_000_100.0)  # a restart
+    await settle(f.pipeline)
+    assert f.pipeline.sequencer.epoch > epoch
+    assert f.pipeline.resume_point()[1] < 3
+
+
 async def test_unread_seqs_of_a_stream_that_saw_nothing_live_count_from_the_first(make: Callable[..., Fakes]) -> None:
     f = make()
     f.pipeline.note_unread([frames(6), frames(7), frames(3)])
