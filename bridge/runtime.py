@@ -1097,7 +1097,7 @@ class Bridge:
             elif all_quiet and not silent and garbled:
                 why = "no source sends anything decodable: see sources_not_decodable (the engine's kv-events encoder or topic)"
             elif all_quiet:
-                why = "no source answers: see sources_not_answering and replay_not_usable (an engine frozen or hung)"
+                why = "no source answers: see sources_not_answering and replay_not_usable (an engine frozen, hung or unreachable)"
             if why is not None:
                 ready = False
         self.metrics.ready.set(1 if ready else 0)

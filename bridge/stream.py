@@ -629,13 +629,16 @@ class StreamPipeline:
             log_at = log.error if answer[1] == "wrong_peer" else log.warning
             log_at("replay endpoint not usable", extra={"stream": self.stream.key, "error": problem})
         self.replay_problem = problem
-        self._unanswered = time.monotonic() if answer[1] == "no_answer" else None
+        # Whatever the kind (no answer; refused, reset or unreachable: an engine gone behind a proxy
+        # that keeps the live connection open, breaker119 2), nothing vouches for the engine now.
+        self._unanswered = time.monotonic()
 
     @property
     def silent(self) -> bool:
-        """The engine answers nothing: its replay endpoint accepts a connection but never speaks
-        (a frozen or hung process: the kernel keeps its TCP connections up), and no live batch
-        came since that was found. An idle engine answers its replay endpoint."""
+        """The engine answers nothing: its replay endpoint does not answer a replay (a frozen or
+        hung process, whose TCP connections the kernel keeps up; or it refuses, resets or cannot
+        be reached: an engine gone behind a proxy that holds the live connection open), and no
+        live batch came since that was found. An idle engine answers its replay endpoint."""
         return self._unanswered is not None and self._last_live < self._unanswered
 
     @property

@@ -268,12 +268,18 @@ class _Proxy:
         self.writers: list[asyncio.StreamWriter] = []
         self.tasks: set[asyncio.Task[None]] = set()
         self.opened = asyncio.Event()  # (the bridge's side of a connection)
+        # Cut off (an L4 proxy whose backend is gone): open connections stay up and forward
+        # nothing; each new one is reset as soon as it is accepted.
+        self.cut = False
 
     async def start(self) -> int:
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
         return int(self.server.sockets[0].getsockname()[1])
 
     async def _handle(self, engine_in: asyncio.StreamReader, engine_out: asyncio.StreamWriter) -> None:
+        if self.cut:
+            engine_out.transport.abort()
+            return
         bridge_in, bridge_out = await asyncio.open_connection("127.0.0.1", self.target)
         self.writers += [engine_out, bridge_out]
         self.opened.set()
@@ -281,6 +287,8 @@ class _Proxy:
         async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, delay: float) -> None:
             with contextlib.suppress(OSError):
                 while data := await src.read(65536):
+                    if self.cut:
+                        continue
                     if delay:
                         await asyncio.sleep(delay)  # (a whole read late: enough for a handshake's few bytes)
                     dst.write(data)
@@ -301,6 +309,44 @@ class _Proxy:
                 await writer.wait_closed()
         self.server.close()
         await self.server.wait_closed()
+
+
+async def test_an_engine_cut_off_behind_a_proxy_that_holds_the_live_connection_is_not_taken_for_an_idle_one(
+    tmp_path: Path,
+) -> None:
+    """breaker119 2: the engine behind a proxy that keeps the established connections open but
+    forwards nothing, and resets each new one (an L4 proxy or sidecar whose backend is gone). The
+    live connection stays up (the proxy answers TCP keep-alive), and a replay endpoint that
+    resets counted as an answer: /readyz said ready for as long as it lasted (40 s of 40, 3 of
+    3). Nothing vouches for the engine then: not ready, naming the stream; ready again once the
+    proxy forwards again."""
+    live, rep = free_port(), free_port()
+    proxies = [_Proxy(live), _Proxy(rep)]
+    live_port, rep_port = [await p.start() for p in proxies]
+    try:
+        async with ScriptedEngine(live, rep) as engine:
+            src = source("eng", f"tcp://127.0.0.1:{live_port}", f"tcp://127.0.0.1:{rep_port}")
+            replay = {"idle_probe": "1s", "timeout": "500ms"}
+            async with running_bridge(tmp_path, [src], ingest=GRACE, replay=replay) as (bridge, out):
+                await engine.wait_subscribed()
+                await engine.publish(2)
+                await wait_for(lambda: out.exists() and len(read_lines(out)) == 2, what="2 batches", timeout=10)
+                await wait_for(lambda: bridge.readiness()[0], what="ready", timeout=10)
+                for p in proxies:
+                    p.cut = True
+                await engine.publish(1)  # (dropped by the proxy)
+                detail = await not_ready(bridge)
+                assert detail["not_ready"].startswith("no source answers"), detail
+                assert detail["sources_not_answering"] == ["eng/0"], detail
+                assert "eng/0" in detail["replay_not_usable"], detail
+                for p in proxies:
+                    p.cut = False
+                await engine.publish(1)
+                await wait_for(lambda: bridge.readiness()[0], what="ready once the proxy forwards again", timeout=30)
+                await wait_for(lambda: len(read_lines(out)) == 4, what="the batch dropped by the proxy, replayed", timeout=30)
+    finally:
+        for p in proxies:
+            await p.close()
 
 
 async def test_a_drop_during_a_probes_handshake_window_is_not_taken_for_a_connected_engine(tmp_path: Path) -> None:
