@@ -375,6 +375,7 @@ class StreamSequencer:
         # seen (-1: none), and the replays since that refute it (see _settle_claim).
         self._claimed = -1
         self._claim_refuted = 0
+        self._claimed_by: bytes | None = None  # the UUID of the heartbeat that said so
         self._retired: dict[bytes, None] = dict.fromkeys(r for r in retired if r != instance)
         # A message under another UUID than this epoch's instance's, not confirmed yet (see
         # _await_newcomer); None: none. The replay in flight that asks about it, if any.
@@ -522,8 +523,10 @@ class StreamSequencer:
             return out  # (without an id a heartbeat proves nothing about the instance)
         top = next_seq - 1
         if top > max(self.delivered, self.last_live if self.last_live is not None else -1, max(self.held, default=-1)):
-            if self.instance is not None and top > self._claimed:
-                self._claimed, self._claim_refuted = top, 0
+            if (self.instance is not None or instance is not None) and top > self._claimed:
+                # (Under a UUID the epoch's instance is not known by, when none is: its own, or a
+                # newer instance's, whose epoch then takes the claim: _restart_under, _new_instance.)
+                self._claimed, self._claim_refuted, self._claimed_by = top, 0, self.instance or instance
             if self.can_replay and self._replay is None:
                 self._attempts = 0
                 self._request(out, to_end=True)
@@ -555,7 +558,9 @@ class StreamSequencer:
     def _restart_under(self, out: list[Action], instance: bytes | None, ts: float | None) -> None:
         """The restart to ``instance``'s epoch: the old instance retired."""
         old = self.instance
+        claim = self._claim_of(instance)
         self._restart(out, INSTANCE_CHANGED, trigger_ts=ts)
+        self._claimed, self._claimed_by = claim, instance if claim >= 0 else None
         if old is not None:
             self._retire(old)  # (also one adopted in doubt: another id has come since)
         self.instance, self._instance_sure = instance, not self._doubt
@@ -569,6 +574,14 @@ class StreamSequencer:
         source removed and added again) goes out first, in its seq order."""
         for batch in self._unstash(instance):
             out += self.live(*batch, instance)
+
+    def _claim_of(self, instance: bytes | None) -> int:
+        """A heartbeat's claim made under ``instance``, the new epoch's, taken from the epoch that
+        ends (which would settle it); -1: none."""
+        if instance is None or self._claimed_by != instance or self._claimed < 0:
+            return -1
+        claim, self._claimed, self._claimed_by = self._claimed, -1, None
+        return claim
 
     def _restarts(self, instance: bytes | None) -> bool:
         """Is a message under ``instance`` (not this epoch's, not retired) another instance's, for
@@ -1401,7 +1414,10 @@ class StreamSequencer:
         self._early, self._heard, self._skipped = {}, -1, False
         first = min(replies)
         old = self.instance
+        claim = self._claim_of(replier)
         self._restart(out, PUBLISHER_RESTART, evidence=(first, self._ts_of(replies[first])), theirs=replies, by=replier)
+        if claim >= 0:
+            self._claimed, self._claimed_by = claim, replier
         if replier is not None and old not in (None, replier):
             self._prior = old  # (adopted in doubt, its batches settled in the epoch that ended: see live)
         if replier is not None and replier not in self._retired:
