@@ -308,6 +308,9 @@ class StreamSequencer:
         # epoch's instance) answered nothing: a reply below it is another instance's (see _check).
         self._floor = -1
         self._overlap: tuple[int, int] | None = None  # (seq, CRC-32) its first reply must repeat (_SORTING)
+        # The held batch whose reply decides replies only the clocks contradict (see _check), or
+        # -1; and whether it was asked for alone (see _finished).
+        self._decides_at, self._decides_asked = -1, False
         # (seq, ts) of a batch of this epoch below an anchor without a ts (see reference()).
         self._ref: tuple[int, float] | None = None
         self._floor_ts: float | None = None  # engine ts of the batch that showed this epoch's instance
@@ -1488,6 +1491,16 @@ class StreamSequencer:
 
     def _finished(self, out: list[Action], complete: bool) -> None:
         self._replay = None
+        if self._verdict is _UNSURE and self._decides_at >= 0 and self._early:
+            # Replies only the clocks contradict, kept for the reply at a held batch's seq (see
+            # _check): asked for alone (a fresh DEALER's first reply is never dropped) when this
+            # replay stopped before it; if it never comes, the clocks decide.
+            if complete and not self._decides_asked and self._heard < self._decides_at:
+                self._decides_asked = True
+                self._request_more(out, self._decides_at, self._decides_at)
+                return
+            self._new_instance(out)
+            return
         if self._verdict is _SORTING:
             end = self._heard
             cut = 0 <= self._until <= end  # it stopped at the last seq asked for, not at the engine's last
@@ -1698,6 +1711,16 @@ class StreamSequencer:
                 return ts is not None and bound is not None and ts > bound  # an earlier seq, a later clock
         return self._contradicts(self.held, seq, payload, ts)
 
+    def _held_reply_decides(self, seq: int) -> bool:
+        """Can the reply at the first batch held above reply ``seq`` decide, by its bytes, whose
+        the replies are? Only out of doubt (the held batches are this epoch's instance's), with
+        room to keep every reply up to it (past the bound, the clocks decide). If this replay
+        stops before it, that seq alone is asked for (_finished)."""
+        if len(self.held) + len(self.unverified) + len(self._early) >= self.max_held:
+            return False
+        self._decides_at = min(s for s in self.held if s > seq)
+        return True
+
     def _contradicts(self, batches: dict[int, bytes], seq: int, payload: bytes, ts: float | None) -> bool:
         """Is (seq, payload) from a later instance than ``batches``? The same seq with other bytes,
         or an earlier seq with a later engine ts."""
@@ -1777,7 +1800,14 @@ class StreamSequencer:
             if anchor_ts is not None and ts is not None and ts < anchor_ts:
                 return _NEW  # later seq, earlier clock: another instance
         # Against live batches: those of this epoch's instance, then unverified ones.
-        if self._contradicts(self.held, seq, payload, ts) or self._contradicts(unverified, seq, payload, ts):
+        if self._contradicts(self.held, seq, payload, ts):
+            if seq not in self.held and not self._doubt and self._held_reply_decides(seq):
+                # Only the clocks contradict it (an earlier seq, a later ts): the engine's clock may
+                # have stepped back between the two (an NTP step right after a restart, breaker119
+                # 3). The reply at that held batch's seq, which this replay brings, compares bytes.
+                return _LATER
+            return _NEW
+        if self._contradicts(unverified, seq, payload, ts):
             return _NEW
         # No clock to compare with a batch waiting above (one of them could not be decoded): the
         # reply at its seq, which this replay brings, compares bytes. If that reply was skipped
@@ -1889,6 +1919,7 @@ class StreamSequencer:
         self._verdict = _UNSURE
         self._early, self._heard, self._skipped = {}, -1, False
         self._probing, self._overlap = probe is not None, None
+        self._decides_at, self._decides_asked = -1, False
         if probe is not None:
             start = until = probe  # one batch waiting, read before this was asked for
             self._asked_unverified = True

@@ -666,3 +666,70 @@ def test_late_batches_of_an_instance_gone_before_a_restart_a_replay_showed_stay_
     out += got + serve(s, got, now, ids[2])
     assert [a for a in out if isinstance(a, Reset)] == [Reset(1, "publisher_restart")]
     assert [d for d in delivered(out) if d[0] == 1] == [(1, p(2, q)) for q in range(3)]
+
+
+def _restart_then_clock_back(answerer: str, answers_held: bool = True) -> tuple[StreamSequencer, list[Action]]:
+    """Instance A: 0..5 delivered live. The connection drops; B restarts and publishes 0 and 1
+    unseen (ts 2000.0, 2000.1), then its clock steps back 3 s: its live 2..4 (ts 1997.2..) show
+    the restart and wait for 0..1. The replay is answered by ``answerer``: B itself, or C, an
+    instance after B (its 0..1 stamped later than B's 2..4, its 2 other bytes, or none when
+    ``answers_held`` is false: C has not published that far)."""
+    stamps: dict[bytes, float] = {}
+
+    def stamped(name: str, seq: int, at: float) -> bytes:
+        payload = f"{name}:{seq}".encode()
+        stamps[payload] = at
+        return payload
+
+    s = StreamSequencer(can_replay=True, replay_on_start=False, ts_of=stamps.get, clock_skew=0.25)
+    out: list[Action] = []
+    for q in range(6):
+        out += s.live(q, stamped("A", q, 1000.0 + q))
+    out += s.disconnected(1006.0)
+    b = {q: stamped("B", q, 2000.0 + 0.1 * q if q < 2 else 1997.0 + 0.1 * q) for q in range(5)}
+    for q in (2, 3, 4):
+        out += s.live(q, b[q])
+    published = b if answerer == "B" else {q: stamped("C", q, 2001.0 + 0.1 * q) for q in range(3 if answers_held else 2)}
+    pending = [a for a in out if isinstance(a, RequestReplay)]
+    while pending:
+        req = pending.pop(0)
+        step: list[Action] = []
+        for q in sorted(published):
+            if q < req.start:
+                continue
+            step += s.replayed(req.request_id, q, published[q])
+            if 0 <= req.until <= q:
+                break
+        step += s.replay_finished(req.request_id, complete=True)
+        out += step
+        pending += [a for a in step if isinstance(a, RequestReplay)]
+        if len(out) > 200:
+            break
+    return s, out
+
+
+def test_an_engine_clock_stepped_back_right_after_a_restart_keeps_the_new_instance_in_one_epoch() -> None:
+    """breaker119 3 (8 of 8 runs, NTP steps of 0.2 to 2 s): the replay's 0..1, stamped later than
+    the live 2..4 they fill the gap below, were taken for a third instance: 0..1 announced lost,
+    and B's 0..7 delivered again in another epoch (I1, I2). Only the clocks said so: the reply at
+    seq 2, asked for alone, has B's very bytes, so 0..1 are B's."""
+    s, out = _restart_then_clock_back("B")
+    assert [a.reason for a in out if isinstance(a, Reset)] == ["publisher_restart"]
+    assert not [a for a in out if isinstance(a, Lost)]
+    assert [(a.seq, a.payload) for a in out if isinstance(a, Deliver) and a.epoch == s.epoch] == [
+        (q, f"B:{q}".encode()) for q in range(5)
+    ]
+
+
+@pytest.mark.parametrize("answers_held", [True, False])
+def test_replies_stamped_after_the_batches_waiting_are_still_another_instances_when_the_bytes_differ(answers_held: bool) -> None:
+    """The same, but C (after B) answers: its reply at seq 2 has other bytes, or it has none
+    (it has not got that far): a third instance, as the clocks said."""
+    s, out = _restart_then_clock_back("C", answers_held)
+    assert [a.reason for a in out if isinstance(a, Reset)] == ["publisher_restart", "publisher_restart"]
+    by_epoch: dict[int, set[bytes]] = {}
+    for a in out:
+        if isinstance(a, Deliver):
+            by_epoch.setdefault(a.epoch, set()).add(a.payload[:1])
+    assert all(len(names) == 1 for names in by_epoch.values()), by_epoch  # I1
+    assert by_epoch[s.epoch] == {b"C"}
