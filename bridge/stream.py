@@ -629,9 +629,10 @@ class StreamPipeline:
             log_at = log.error if answer[1] == "wrong_peer" else log.warning
             log_at("replay endpoint not usable", extra={"stream": self.stream.key, "error": problem})
         self.replay_problem = problem
-        # Whatever the kind (no answer; refused, reset or unreachable: an engine gone behind a proxy
-        # that keeps the live connection open, breaker119 2), nothing vouches for the engine now.
-        self._unanswered = time.monotonic()
+        # No answer; or refused, reset or unreachable (an engine gone behind a proxy that keeps the
+        # live connection open, breaker119 2): nothing vouches for the engine now. Another kind of
+        # socket answering is a configuration error, named as such, not a sign of the engine.
+        self._unanswered = time.monotonic() if answer[1] != "wrong_peer" else None
 
     @property
     def silent(self) -> bool:
