@@ -10,6 +10,7 @@ Saved atomically (write to a temp file, fsync, rename, fsync the directory) as J
      "ended": {"llama-a/0": {"epoch": 1013380, "seq": 977}},
      "published": {"llama-a/0": {"epoch": 1013402, "seq": 1050}},
      "stored": {"llama-a/0": {"redis": [1013402, 1051, 18446744073709551615, 2285210148]}},
+     "owed": {},
      "state_sinks": ["redis"]}
 
 ``ts`` and ``crc`` fingerprint the batch at ``seq`` (engine ts, CRC-32 of its payload): on resume
@@ -22,7 +23,10 @@ kept state when it was saved: one of them found holding nothing of a stream at t
 what it held. ``published`` holds the highest seq the bridge saw the instance of a stream's
 newest epoch publish (live, replayed or claimed by a heartbeat), past what every sink
 acknowledged: a bridge that crashed and finds at its next start that the engine restarted
-meanwhile announces the seqs between as lost in that epoch, rather than nothing (I3).
+meanwhile announces the seqs between as lost in that epoch, rather than nothing (I3). ``owed``
+keeps the epoch before's top when a restart opened a newer one while what every sink acknowledged
+was still below it in that epoch (a drop sink's dropped tail, a stalled sink's queue): a next run
+that resumes in the newer epoch announces the seqs between in the older one first.
 ``stored`` holds, per stream and sink, a mark of what the sink was seen to store, for a
 connector that can tell (``stored_through``, see bridge.connector; integers only that connector
 reads: Redis the positions of the stream key's last entry and of each earlier epoch's last one,
@@ -143,6 +147,7 @@ class CheckpointFile(msgspec.Struct):
     state_sinks: list[str] = msgspec.field(default_factory=list)  # (none in a file of an earlier release)
     published: dict[str, StreamPosition] = msgspec.field(default_factory=dict)  # (likewise)
     stored: dict[str, dict[str, tuple[int, ...]]] = msgspec.field(default_factory=dict)  # (likewise)
+    owed: dict[str, StreamPosition] = msgspec.field(default_factory=dict)  # (likewise)
 
 
 class CheckpointError(BridgeError):
@@ -185,6 +190,7 @@ def save(path: str | Path, checkpoint: CheckpointFile) -> None:
         state_sinks=list(checkpoint.state_sinks),
         published=dict(sorted(checkpoint.published.items())),
         stored={k: dict(sorted(v.items())) for k, v in sorted(checkpoint.stored.items())},
+        owed=dict(sorted(checkpoint.owed.items())),
     )
     data = msgspec.json.encode(checkpoint)
     fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
@@ -227,6 +233,9 @@ class Checkpointer:
         self.ended: dict[str, StreamPosition] = dict(loaded.ended) if loaded else {}
         # Per stream, the highest seq its newest epoch's instance was seen to publish (note_published).
         self.published: dict[str, StreamPosition] = dict(loaded.published) if loaded else {}
+        # Per stream, an earlier epoch's published top while what every sink acknowledged is still
+        # in that epoch, below it (note_published, owed_at_start).
+        self.owed: dict[str, StreamPosition] = dict(loaded.owed) if loaded else {}
         # Per stream and sink name, the mark of what the sink was seen to store (note_stored).
         self.stored: dict[str, dict[str, tuple[int, ...]]] = {k: dict(v) for k, v in loaded.stored.items()} if loaded else {}
         # The state sinks of the run that saved the file (none named by an earlier release), and of this run.
@@ -389,8 +398,28 @@ class Checkpointer:
         known = self.published.get(key)
         if seq < 0 or (known is not None and (known.epoch, known.seq) >= (epoch, seq)):
             return
+        if known is not None and known.epoch < epoch:
+            # The epoch before ends: what its instance published past what every sink acknowledged
+            # is owed to them still (a drop sink's dropped tail, a stalled sink's queue). A next
+            # run that resumes in the new epoch announces it (owed_at_start, breaker119 4).
+            acked = self.position(key)
+            if acked is not None and acked.epoch == known.epoch and acked.seq < known.seq:
+                self.owed[key] = known
         self.published[key] = StreamPosition(epoch, seq)
         self._generation += 1
+
+    def owed_at_start(self, key: str, resume: StreamPosition | None) -> tuple[int, int, int] | None:
+        """(epoch, from_seq, to_seq): what an earlier epoch's instance published that no sink is
+        known to have, when the stream resumes in a later epoch (its batches will never come
+        again: announced lost before that epoch's first record); None: nothing owed."""
+        owed = self.owed.get(key)
+        acked = self.position(key)
+        if owed is None or acked is None or acked.epoch != owed.epoch or acked.seq >= owed.seq:
+            self.owed.pop(key, None)
+            return None
+        if resume is not None and resume.epoch <= owed.epoch:
+            return None  # (resumed in that very epoch: the published top settles it, published_top)
+        return owed.epoch, acked.seq + 1, owed.seq
 
     def note_stored(self, key: str, sink: str, position: tuple[int, ...]) -> None:
         """Sink ``sink`` was seen to store ``key``'s messages up to the mark ``position`` (see
@@ -418,7 +447,10 @@ class Checkpointer:
         """The highest seq the instance of ``key``'s epoch ``epoch`` was seen to publish by an
         earlier run, if the checkpoint knows it for that very epoch."""
         known = self.published.get(key)
-        return known.seq if known is not None and known.epoch == epoch else None
+        if known is not None and known.epoch == epoch:
+            return known.seq
+        owed = self.owed.get(key)
+        return owed.seq if owed is not None and owed.epoch == epoch else None
 
     def resume_instance(self, key: str, epoch: int) -> tuple[bytes | None, list[bytes]]:
         """The publisher UUID of the stream's instance in ``epoch`` and those of instances gone,
@@ -437,6 +469,7 @@ class Checkpointer:
         self.instances.pop(key, None)
         self.ended.pop(key, None)
         self.published.pop(key, None)
+        self.owed.pop(key, None)
         self.stored.pop(key, None)
         self._unsure.discard(key)
         self._forgotten.add(key)
@@ -495,6 +528,7 @@ class Checkpointer:
             state_sinks=list(self.state_sinks),
             published=dict(self.published),
             stored={k: dict(v) for k, v in self.stored.items()},
+            owed=dict(self.owed),
         )
 
     def write(self, path: str | Path, generation: int, checkpoint: CheckpointFile) -> bool:

@@ -418,6 +418,7 @@ class Bridge:
             # the checkpoint (what every sink acknowledged), or fresh in a new epoch.
             top: int | None
             sequencer: StreamSequencer | None = None
+            owed: tuple[int, int, int] | None = None
             if key in self._retired:
                 pos, top, _, sequencer = self._retired.pop(key)
                 announce = False  # every sink has what it handed on, its SourceReset included
@@ -430,6 +431,7 @@ class Bridge:
                 if seen is not None and (top is None or seen > top):
                     top = seen
                 announce = self.checkpointer.needs_reset(key)
+                owed = self.checkpointer.owed_at_start(key, pos) if announce else None
             instance, retired = self.checkpointer.resume_instance(key, pos.epoch) if pos and sequencer is None else (None, [])
             if self.tracker is not None:
                 self.metrics.state_switched_off.labels(source.name)  # at 0 from the start
@@ -445,6 +447,7 @@ class Bridge:
                 anchor=pos.at if pos else None,
                 known_top=top,
                 announce=announce,
+                owed=owed,
                 sequencer=sequencer,
                 instance=instance,
                 retired=retired,

@@ -31,6 +31,7 @@ from .metrics import Metrics, StreamMetrics
 from .records import Record, Stream, events_lost, source_reset
 from .replay import ReplayClient, ReplayOutcome
 from .sequencer import (
+    PUBLISHER_RESTART,
     Action,
     Deliver,
     Duplicate,
@@ -100,6 +101,7 @@ class StreamPipeline:
         anchor: int | None = None,
         known_top: int | None = None,
         announce: bool = False,
+        owed: tuple[int, int, int] | None = None,
         sequencer: StreamSequencer | None = None,
         instance: bytes | None = None,
         retired: Sequence[bytes] = (),
@@ -146,6 +148,7 @@ class StreamPipeline:
         # its epoch's first (see Checkpointer.resume_position); again after every restart.
         self._first_pending = True
         self._announce = announce
+        self._owed = owed  # (epoch, from_seq, to_seq) an earlier run owed the sinks (checkpoint.owed_at_start)
         self._pending: Record | None = None  # decided, being handed on (see _hand_decided)
         self._run: list[Record] = []  # decided in order, to be handed on together (see on_live)
         self._decoded: Record | None = None  # the last batch decoded (see StreamSequencer.reference)
@@ -177,6 +180,13 @@ class StreamPipeline:
     async def start(self) -> None:
         async with self.lock:
             now = time.time()
+            if self._owed is not None:
+                # What the instance before this epoch's published that no sink got, its restart
+                # seen by the run before (a drop sink's dropped tail, a stalled sink's queue at a
+                # stop): announced in its own epoch, before this one's SourceReset (I3).
+                epoch, first, last = self._owed
+                self._owed = None
+                await self._execute([Lost(first, last, PUBLISHER_RESTART, epoch)], now, persist=False)
             if self._announce:
                 # Sinks may hold records of this stream from an earlier run, and no SourceReset of
                 # the epoch it runs in now is known acknowledged: announce it (again) first.

@@ -46,6 +46,7 @@ def config(
     checkpoint_interval: str = "200ms",
     replay_endpoint: bool = True,
     queue: dict[str, Any] | None = None,
+    backpressure: str = "block",
 ) -> Config:
     source = {"name": "eng", "endpoint": f"tcp://127.0.0.1:{live}"}
     if replay_endpoint:
@@ -63,6 +64,7 @@ def config(
                     "batch": {"linger": 0},
                     "retry": {"write_timeout": "300ms", "initial_backoff": "20ms", "max_backoff": "100ms"},
                     **({"queue": queue} if queue else {}),
+                    "backpressure": backpressure,
                 }
             ],
             "metrics": {"listen": ""},
@@ -534,3 +536,40 @@ async def test_a_stop_while_a_drops_tail_waits_for_a_stalled_sink_keeps_how_far_
     # engine's buffer lacks them; what the sink lacks is announced, once: I3)
     views = check_invariants(read_lines(out), engine, held_cap_exceeded=True)
     assert (views[0].epoch, views[0].delivered + views[0].lost) == (e0, list(range(210))), [str(v) for v in views]
+
+
+async def test_a_drop_sinks_dropped_tail_of_the_instance_before_a_restart_is_announced_after_a_stop(tmp_path: Path) -> None:
+    """breaker119 4 (3 of 3 with SIGKILL, 2 of 2 with a clean stop): a ``drop`` sink stalls while
+    the engine publishes 10 more batches (dropped past its queue of 5) and restarts; the bridge
+    stops before the sink has room again. The checkpoint replaced how far the old instance
+    published with the new instance's top, and the next run resumed in the new epoch: the old
+    epoch's dropped tail was neither delivered nor announced (I3). The checkpoint keeps it as owed
+    (``owed``), and the next run announces it in the old epoch before the new one's SourceReset."""
+    live, rep = free_ports(2)
+    out = tmp_path / "out.jsonl"
+    cfg = config(tmp_path, live, rep, replay=REPLAY, queue={"max_batches": 5}, backpressure="drop")
+    async with ScriptedEngine(live, rep) as engine:
+        first = Bridge(cfg, registry=gated_registry())
+        await first.start()
+        try:
+            e0 = await first_run_until_delivered(engine, first, out, 5)
+            gated_sink(first).close_gate()
+            await engine.publish(10)
+            await asyncio.sleep(0.5)
+            await engine.restart()
+            await engine.wait_subscribed()
+            await engine.publish(5)
+            opened = lambda: on_disk(tmp_path).get("opened", {}).get(KEY, {}).get("epoch", 0)  # noqa: E731
+            await wait_for(lambda: opened() > e0, timeout=WAIT, what="the new epoch saved")
+            await asyncio.sleep(0.5)  # (a few saves more)
+        finally:
+            await first.stop()  # (the gate still closed)
+        second = Bridge(cfg, registry=gated_registry())
+        await second.start()
+        try:
+            await engine.publish(3)
+            await wait_for(lambda: has(out, 1, 7), timeout=WAIT, what="the new instance's 5..7")
+        finally:
+            await second.stop()
+    views = check_invariants(read_lines(out), engine, held_cap_exceeded=True)
+    assert (views[0].epoch, views[0].delivered + views[0].lost) == (e0, list(range(15))), [str(v) for v in views]

@@ -144,7 +144,7 @@ def test_the_file_is_the_documented_json(tmp_path: Path) -> None:
         b'"instances":{"llama-a/0":{"epoch":1013402,"id":"5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f5f"}},'
         b'"ended":{"llama-a/0":{"epoch":1013380,"seq":977}},"state_sinks":["redis"],'
         b'"published":{"llama-a/0":{"epoch":1013402,"seq":1050}},'
-        b'"stored":{"llama-a/0":{"redis":[1013402,1051,18446744073709551615]}}}'
+        b'"stored":{"llama-a/0":{"redis":[1013402,1051,18446744073709551615]}},"owed":{}}'
     )
     assert load(path).stored == {KEY: {"redis": (1013402, 1051, 2**64 - 1)}}
 
@@ -168,6 +168,30 @@ def test_a_file_of_the_release_before_without_published_is_read(tmp_path: Path) 
     cp.note_stored(KEY, "redis", (5, 20, 0))
     cp.forget(KEY, 0.0)
     assert cp.stored_through(KEY, "redis") is None
+
+
+def test_an_epoch_ended_below_its_published_top_is_owed_to_a_run_that_resumes_after_it(tmp_path: Path) -> None:
+    """breaker119 4: every sink acknowledged up to 4 of epoch 5, whose instance published up to 14,
+    when a restart opened epoch 6: the next run, resuming in epoch 6, announces 5..14 of epoch 5
+    first; once the sinks acknowledged past it, or in the newer epoch, nothing is owed."""
+    cp = Checkpointer(1)
+    cp.on_ack(0, [batch(5, 4)])
+    cp.note_published(KEY, 5, 14)
+    cp.note_published(KEY, 6, 3)
+    assert cp.published_top(KEY, 5) == 14 and cp.published_top(KEY, 6) == 3
+    path = tmp_path / "checkpoint.json"
+    save(path, cp.snapshot()[1])
+    again = Checkpointer(1, load(path))
+    assert again.owed_at_start(KEY, StreamPosition(6, -1)) == (5, 5, 14)
+    assert again.owed_at_start(KEY, StreamPosition(5, 4)) is None  # (resumed in epoch 5: published_top settles it)
+    again.on_ack(0, [batch(5, 14)])
+    assert again.owed_at_start(KEY, StreamPosition(6, -1)) is None
+    assert KEY not in again.snapshot()[1].owed
+    fully = Checkpointer(1)
+    fully.on_ack(0, [batch(5, 14)])
+    fully.note_published(KEY, 5, 14)
+    fully.note_published(KEY, 6, 0)
+    assert fully.snapshot()[1].owed == {}  # (acknowledged to the end: nothing owed)
 
 
 def test_save_creates_missing_parent_directories(tmp_path: Path) -> None:
