@@ -195,8 +195,8 @@ from .errors import (
     SinkLost,
     StreamRefused,
 )
-from .formats import STATE_TYPE, Envelope, Message, hex64, message_types, sample_message
-from .records import Event, Record, Stream
+from .formats import STATE_TYPE, Envelope, Message, Renderer, hex64, message_types, sample_message
+from .records import Event, Record, Stream, events_lost
 from .secret import Secret, redact, redact_url, reveal
 from .state import Head, SeedEntry, StateDelta
 
@@ -589,6 +589,18 @@ class Template:
 _EPOCH_MARK = 987654321987654321
 """An epoch no engine has (the clock in µs, some 30,000 years on), rendered into a name and then
 written back as ``{epoch}``."""
+
+
+def smallest_record(sink: SinkConfig, streams: Iterable[Stream]) -> int:
+    """Bytes (body and header fields) of the announcement of a refusal, an ``EventsLost`` in
+    ``sink``'s format, of the stream with the longest key among ``streams``, at an epoch and seqs
+    of full width: a destination that takes no message that large refuses every record of the
+    stream, the announcements of those refusals included, for ever (0 without a stream)."""
+    longest = max(streams, key=lambda s: len(s.key), default=None)
+    if longest is None:
+        return 0
+    lost = events_lost(longest, 2**53 - 1, 2**63 - 1, 2**63 - 1, f"sink_refused:{sink.name}", 1e10)
+    return max(len(m.value) + sum(len(k) + len(v) for k, v in m.headers.items()) for m in Renderer(sink.format).render(lost))
 
 
 def rendered(render: Callable[[Message], str], template: Template, streams: Sequence[Stream], types: Sequence[str]) -> list[str]:

@@ -92,6 +92,7 @@ from bridge.connector import (
     resent_spans,
     sample_message,
     server_address,
+    smallest_record,
 )
 from bridge.state import EntryChange
 from bridge.state_docs import StateFormat, entry_key, parse, seed_of, tier_text
@@ -201,6 +202,7 @@ writer's clock): see ``KafkaConnector.positions_before_run``."""
 _YIELD_EVERY = 4096  # state records built between two yields to the event loop
 _STATE_RECORD_OVERHEAD = 32  # bytes a record adds to its key and value in a batch (varints, no headers)
 _BATCH_OVERHEAD = 61  # bytes of a record batch's header, counted in a topic's max.message.bytes
+_RECORD_OVERHEAD = 32  # a record's own: its length, attributes, offset and time deltas, key, header counts
 _STATE_BATCH_MIN = 1024  # bytes of state records a batch may need (a head, or an entry without its fact)
 
 
@@ -510,6 +512,7 @@ class KafkaConnector:
     def __init__(self, name: str, options: KafkaOptions, sink: SinkConfig) -> None:
         self.name = name
         self.options = options
+        self.sink = sink
         self._where = f"sinks[{name}]"
         self._servers = ",".join(options.servers())
         self._topic = Template(options.topic, f"{self._where}.topic", clean=topic_value, max_length=_TOPIC_MAX)
@@ -1787,6 +1790,8 @@ class KafkaConnector:
                 f"--entity-name {topic} --add-config cleanup.policy=delete)"
             )
             reason = "events_topic_compacted"
+        elif (problem := self._too_small(topic, configs)) is not None:
+            reason = "events_topic_too_small"
         else:
             problem, reason = self._timestamp_window(topic, configs), "timestamp_window"
             if problem is None:
@@ -1795,6 +1800,22 @@ class KafkaConnector:
         self._topic_problem = problem
         self._partitions.pop(topic, None)  # prepared again (its configs read again) before each write to it
         raise NotConnected(f"{self._where}: {problem}", reason=reason)
+
+    def _too_small(self, topic: str, configs: Mapping[str, str]) -> str | None:
+        """Why an events topic refuses every record of the sink (its ``max.message.bytes`` below
+        the smallest one: the announcement of a refusal, :func:`smallest_record`), or None."""
+        limit = configs.get("max.message.bytes")
+        if limit is None or not limit.isdigit():
+            return None
+        smallest = smallest_record(self.sink, self.configured_streams) + _RECORD_OVERHEAD + _BATCH_OVERHEAD
+        if int(limit) >= smallest:
+            return None
+        return (
+            f"events topic {topic!r} takes record batches of at most {limit} bytes (max.message.bytes), below the "
+            f"{smallest} of the smallest record this sink writes (the EventsLost that "
+            "announces a refused batch): every record would be refused, its announcement too; raise it "
+            f"(kafka-configs --alter --entity-type topics --entity-name {topic} --add-config max.message.bytes=1048588)"
+        )
 
     async def _events_configs(self, topics: Sequence[str]) -> dict[str, dict[str, str]]:
         """The ``cleanup.policy`` and timestamp settings (``_TIMESTAMP_CONFIGS``) of each of the
@@ -1808,7 +1829,7 @@ class KafkaConnector:
         try:
             async with asyncio.timeout(self._timeout):
                 await admin.start()
-                wanted = dict.fromkeys(("cleanup.policy", *_TIMESTAMP_CONFIGS))
+                wanted = dict.fromkeys(("cleanup.policy", "max.message.bytes", *_TIMESTAMP_CONFIGS))
                 resources = [ConfigResource(ConfigResourceType.TOPIC, t, wanted) for t in topics]
                 responses = await admin.describe_configs(resources)
             for res in (res for r in responses for res in r.resources):

@@ -133,6 +133,7 @@ from bridge.connector import (
     reveal,
     sample_message,
     server_address,
+    smallest_record,
     unreadable,
 )
 from bridge.state import EntryChange, Head
@@ -2966,6 +2967,13 @@ class NatsConnector:
                 "is one subject: a consumer bootstrapping from the state follows the events from the state's head, and "
                 "those removed before it read them would be missing while the state says complete; set "
                 "max_msgs_per_subject: -1"
+            )
+        limit = config.max_msg_size or -1
+        if refusal is None and 0 < limit < (smallest := smallest_record(self.sink, self.configured_streams)):
+            refusal = (
+                f"takes messages of at most {limit} bytes (max_msg_size), below the {smallest} of the smallest record "
+                "this sink writes (the EventsLost that announces a refused batch): every record would be refused, its "
+                "announcement too; raise max_msg_size"
             )
         if refusal is None:
             self._refusals.pop(name, None)

@@ -374,6 +374,27 @@ async def test_message_refused_by_the_topic_is_permanent_and_the_rest_delivered(
 
 
 @pytest.mark.integration
+async def test_an_events_topic_whose_size_limit_is_below_the_smallest_record_is_refused(kafka: KafkaServer) -> None:
+    """breaker118 B1 (2 of 2): an events topic with max.message.bytes=300 passed ``--check``; the
+    run then dead-lettered every batch, and the EventsLost announcing them was refused too (not
+    ready for good, nothing delivered). Below the smallest record the sink writes (that
+    announcement), the topic is refused at connect and by ``--check``, naming the fix; raised, it
+    is used."""
+    topic = await kafka.anew_topic(config={"max.message.bytes": "300"})
+    connector = build(kafka, topic)
+    connector.configured_streams = [Stream("llama-a", 0)]  # (as --check sets them)
+    try:
+        with pytest.raises(NotConnected, match=f"events topic '{topic}' takes record batches of at most 300 bytes") as info:
+            await connector.connect()
+        assert info.value.reason == "events_topic_too_small" and "max.message.bytes=1048588" in str(info.value), info.value
+        await kafka.set_topic_configs(topic, {"max.message.bytes": "1048588"})
+        assert await connector.health() is None
+        assert await deliver(connector, render(stream_records(Stream("llama-a", 0), 3))) == []
+    finally:
+        await connector.close()
+
+
+@pytest.mark.integration
 async def test_a_timestamp_window_too_short_is_refused_at_connect_and_a_skewed_clock_is_retried(
     kafka: KafkaServer, tmp_path: Path
 ) -> None:

@@ -1202,6 +1202,33 @@ async def test_check_checks_each_stream_that_captures_some_of_the_subjects(
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("limit", [300, 1024])
+async def test_check_refuses_a_stream_whose_message_size_limit_is_below_the_smallest_record(
+    nats_server: NatsServer, reader: Client, limit: int
+) -> None:
+    """breaker118 B1 (2 of 2): a stream with ``max_msg_size: 300`` passed ``--check``; the run then
+    dead-lettered every batch, and the EventsLost announcing them was refused too (not ready for
+    good, nothing delivered). Below the smallest record the sink writes (that announcement), the
+    stream is refused naming the setting; above it, it passes."""
+    dest = _dest()
+    js = reader.jetstream()
+    await js.add_stream(name=dest, subjects=[f"{dest}.>"], max_msg_size=limit)
+    check = NatsConnector("nats-s", _options(nats_server.url, dest, stream={"name": dest}), SINK)
+    check.creates_nothing = True
+    check.configured_streams = [Stream("a", 0)]
+    try:
+        await check.connect()
+        problem = await check.health()
+    finally:
+        await check.close()
+        await js.delete_stream(dest)
+    if limit == 300:
+        assert problem is not None and "max_msg_size" in problem and repr(dest) in problem, problem
+    else:
+        assert problem is None, problem
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("case", ["stream replicas", "state replicas", "overlapping subjects"])
 async def test_check_refuses_a_stream_or_bucket_the_run_could_not_create(
     nats_server: NatsServer, reader: Client, case: str
