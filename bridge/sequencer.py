@@ -1593,6 +1593,11 @@ class StreamSequencer:
             self._attempts = 0
         else:
             self._attempts += 1
+        if self._attempts >= self.max_attempts and self._aside is not None and not self.held:
+            # The gap is there only by the batch set aside, neither confirmed nor refuted yet: it
+            # is not lost before _settle_aside decides (refuted by two answers; or held, its gap
+            # then lost so, after max_attempts replays that never came to an end).
+            self._attempts = 0
         if self._attempts >= self.max_attempts:
             if self._answered and not complete and not progressed:
                 # The engine answers but breaks off right at our next seq, every time (a batch over

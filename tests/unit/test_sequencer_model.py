@@ -904,3 +904,42 @@ UUID_CASES = {
 @pytest.mark.parametrize("case", sorted(UUID_CASES))
 def test_uuid_case(case: str) -> None:
     _run_case(UuidModel(), UUID_CASES[case], None)
+
+
+# Found at 400 and 2,500 examples: a forged live frame far ahead, set aside, and replays that
+# answer now and then without their end marker. The attempts ran out before two answers refuted
+# the frame, and seq 1, which the engine never published, was announced lost (the teardown's
+# check). The gap the frame alone opens waits for it to be confirmed or refuted.
+FORGED_CASES = {
+    "no UUID": (
+        SequencerModel,
+        [
+            "blip()",
+            "answer_replay(mode='answer')",
+            "publish(bad=False, seen=True)",
+            "answer_replay(mode='answer')",
+            "forge(ahead=1048576)",
+            "answer_replay(mode='silent')",
+            "answer_replay(mode='answer')",
+            "answer_replay(mode='drop_end')",
+        ],
+    ),
+    "UUIDs on replies": (
+        UuidReplayModel,
+        [
+            "bridge_restart()",
+            "publish(bad=False, seen=True)",
+            "answer_replay(mode='answer')",
+            "forge(ahead=1048576)",
+            "answer_replay(mode='answer')",
+            "answer_replay(mode='silent')",
+            "answer_replay(mode='drop_end')",
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FORGED_CASES))
+def test_forged_case(case: str) -> None:
+    model, steps = FORGED_CASES[case]
+    _run_case(model(), steps, None)
