@@ -309,8 +309,8 @@ class StreamSequencer:
         self._floor = -1
         self._overlap: tuple[int, int] | None = None  # (seq, CRC-32) its first reply must repeat (_SORTING)
         # The held batch whose reply decides replies only the clocks contradict (see _check), or
-        # -1; and whether it was asked for alone (see _finished).
-        self._decides_at, self._decides_asked = -1, False
+        # -1; and how many times it was asked for alone (see _finished).
+        self._decides_at, self._decides_tries = -1, 0
         # (seq, ts) of a batch of this epoch below an anchor without a ts (see reference()).
         self._ref: tuple[int, float] | None = None
         self._floor_ts: float | None = None  # engine ts of the batch that showed this epoch's instance
@@ -1494,10 +1494,13 @@ class StreamSequencer:
         if self._verdict is _UNSURE and self._decides_at >= 0 and self._early:
             # Replies only the clocks contradict, kept for the reply at a held batch's seq (see
             # _check): asked for alone (a fresh DEALER's first reply is never dropped) when this
-            # replay stopped before it; if it never comes, the clocks decide.
-            if complete and not self._decides_asked and self._heard < self._decides_at:
-                self._decides_asked = True
-                self._request_more(out, self._decides_at, self._decides_at)
+            # replay stopped before it, again after a replay cut short or silent, up to
+            # max_attempts times; if it never comes, the clocks decide.
+            if self._decides_tries < self.max_attempts and self._heard < self._decides_at:
+                # (A replay cut short, or silent, is asked again, as any replay is, up to max_attempts.)
+                self._decides_tries += 1
+                self._until = self._decides_at
+                out.append(RequestReplay(self._next_request(), self._decides_at, self._decides_at, self._decides_tries - 1))
                 return
             self._new_instance(out)
             return
@@ -1802,9 +1805,16 @@ class StreamSequencer:
                 return _UNSURE
             if seq == at:
                 return _SAME if _matches(fp, ts, payload) else _NEW
-            if anchor_ts is not None and ts is not None and ts < anchor_ts:
-                return _NEW  # later seq, earlier clock: another instance
+            # Later seq, earlier clock: another instance; unless the reply comes under the UUID of
+            # the replies this epoch's batches came from (unsure: the live publisher may be
+            # another), the same instance's whoever holds the socket, whose clock stepped back
+            # (breaker120 3).
+            own = instance is not None and instance == self.instance
+            if anchor_ts is not None and ts is not None and ts < anchor_ts and not own:
+                return _NEW
         # Against live batches: those of this epoch's instance, then unverified ones.
+        if self._decides_at >= 0 and seq >= self._decides_at and self.held.get(seq) == payload:
+            return _SAME  # (a held batch's very bytes: the reply waited for, or one past it if it left the buffer)
         if self._contradicts(self.held, seq, payload, ts):
             if seq not in self.held and not self._doubt and self._held_reply_decides(seq):
                 # Only the clocks contradict it (an earlier seq, a later ts): the engine's clock may
@@ -1924,7 +1934,7 @@ class StreamSequencer:
         self._verdict = _UNSURE
         self._early, self._heard, self._skipped = {}, -1, False
         self._probing, self._overlap = probe is not None, None
-        self._decides_at, self._decides_asked = -1, False
+        self._decides_at, self._decides_tries = -1, 0
         if probe is not None:
             start = until = probe  # one batch waiting, read before this was asked for
             self._asked_unverified = True

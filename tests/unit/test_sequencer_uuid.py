@@ -460,3 +460,42 @@ def test_an_epoch_without_a_uuid_retires_none_when_it_ends() -> None:
     assert Reset(1, INSTANCE_CHANGED) in feed(s, None, [0, 1])
     assert Reset(2, INSTANCE_CHANGED) in feed(s, B, [0, 1])
     assert s.retired_instances == [A]
+
+
+def test_a_reply_under_the_uuid_the_epochs_replies_came_under_is_not_another_instance_by_its_clock() -> None:
+    """breaker120 3 (7 of 7): every batch of the epoch came by replay, under UUID U (the epoch's
+    instance unsure: the live publisher may be another). U's clock then stepped back and its buffer
+    slid past the next seq: the next replay's first reply, a later seq with an earlier ts than the
+    one delivered last, was taken for another instance (a new epoch, 0..12 announced lost in it).
+    A reply under U is U's, whoever holds the socket: the seqs that left its buffer are lost in the
+    same epoch, and nothing restarts."""
+    stamps: dict[bytes, float] = {}
+    u = b"\x01" * 16
+
+    def stamped(seq: int, at: float) -> bytes:
+        payload = f"U:{seq}".encode()
+        stamps[payload] = at
+        return payload
+
+    s = StreamSequencer(can_replay=True, replay_on_start=True, ts_of=stamps.get, clock_skew=0.25)
+    (req,) = [a for a in s.start() if isinstance(a, RequestReplay)]
+    out: list[Action] = []
+    for q in range(6):
+        out += s.replayed(req.request_id, q, stamped(q, 1000.0 + q), u)
+    out += s.replay_finished(req.request_id, complete=True)
+    assert [a.seq for a in out if isinstance(a, Deliver)] == list(range(6))
+    epoch = s.epoch
+    pending = [a for a in s.probe() if isinstance(a, RequestReplay)]
+    while pending and len(out) < 200:
+        r = pending.pop(0)
+        step: list[Action] = []
+        for q in range(13, 24):  # (6..12 left the buffer; the clock stepped back 100 s)
+            if q >= r.start:
+                step += s.replayed(r.request_id, q, stamped(q, 900.0 + q), u)
+        step += s.replay_finished(r.request_id, complete=True)
+        out += step
+        pending += [a for a in step if isinstance(a, RequestReplay)]
+    assert not [a for a in out if isinstance(a, Reset)], out
+    assert s.epoch == epoch
+    assert [(a.from_seq, a.to_seq) for a in out if isinstance(a, Lost)] == [(6, 12)]
+    assert [a.seq for a in out if isinstance(a, Deliver)] == [*range(6), *range(13, 24)]
