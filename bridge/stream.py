@@ -50,6 +50,8 @@ log = logging.getLogger("bridge.stream")
 
 REPLAY_DIAGNOSE_EVERY = 60.0
 """At most this often (seconds) a stream asks its replay endpoint why a replay got no reply."""
+REPLAY_DIAGNOSE_AGAIN = 5.0
+"""As often as this (seconds) when a live batch came since the last diagnosis (its silence cleared)."""
 _type_of = operator.itemgetter("type")
 _MAX_TYPES = 8192  # event types gathered for the metrics before they are applied (memory bound)
 UNDECODABLE_AFTER = 5
@@ -691,8 +693,13 @@ class StreamPipeline:
                 "replay incomplete, will retry",
                 extra={"stream": self.stream.key, "start": req.start, "attempt": req.attempt, "outcome": label},
             )
-            if not outcome.replies and time.monotonic() - self._replay_diagnosed >= REPLAY_DIAGNOSE_EVERY:
-                self._replay_diagnosed = time.monotonic()
+            now = time.monotonic()
+            # At most once a minute while the problem lasts; again (after a few seconds) once a live
+            # batch came since the last diagnosis, which cleared the silence it found (breaker120
+            # 2: a frozen engine was not found for up to 60 s after that).
+            again = self._last_live > self._replay_diagnosed and now - self._replay_diagnosed >= REPLAY_DIAGNOSE_AGAIN
+            if not outcome.replies and (now - self._replay_diagnosed >= REPLAY_DIAGNOSE_EVERY or again):
+                self._replay_diagnosed = now
                 self.ctx.spawn(self._diagnose_replay(), f"diagnose-replay:{self.stream.key}")
         async with self.lock:
             await self._execute(self.sequencer.replay_finished(req.request_id, outcome.complete), time.time())

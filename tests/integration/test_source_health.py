@@ -339,11 +339,20 @@ async def test_an_engine_cut_off_behind_a_proxy_that_holds_the_live_connection_i
                 assert detail["not_ready"].startswith("no source answers"), detail
                 assert detail["sources_not_answering"] == ["eng/0"], detail
                 assert "eng/0" in detail["replay_not_usable"], detail
+                live_proxy, _ = proxies
+                live_proxy.cut = False  # (the replay endpoint stays cut off)
+                await engine.publish(1)
+                await wait_for(lambda: bridge.readiness()[0], what="ready once live batches come again", timeout=30)
+                # Cut off again, within a minute of the first diagnosis: found again (breaker120 2:
+                # a diagnosis ran at most once a minute, and /readyz said ready for up to 60 s).
+                live_proxy.cut = True
+                await wait_for(lambda: not bridge.readiness()[0], what="not ready when cut off again", timeout=20)
+                assert bridge.readiness()[1]["sources_not_answering"] == ["eng/0"]
                 for p in proxies:
                     p.cut = False
                 await engine.publish(1)
                 await wait_for(lambda: bridge.readiness()[0], what="ready once the proxy forwards again", timeout=30)
-                await wait_for(lambda: len(read_lines(out)) == 4, what="the batch dropped by the proxy, replayed", timeout=30)
+                await wait_for(lambda: len(read_lines(out)) == 5, what="the batches dropped by the proxy, replayed", timeout=30)
     finally:
         for p in proxies:
             await p.close()
