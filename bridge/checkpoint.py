@@ -403,8 +403,8 @@ class Checkpointer:
             # is owed to them still (a drop sink's dropped tail, a stalled sink's queue). A next
             # run that resumes in the new epoch announces it (owed_at_start, breaker119 4).
             acked = self.position(key)
-            if acked is not None and acked.epoch == known.epoch and acked.seq < known.seq:
-                self.owed[key] = known
+            if acked is None or (acked.epoch == known.epoch and acked.seq < known.seq):
+                self.owed[key] = known  # (None: a sink acknowledged nothing of the stream, breaker121 1)
         self.published[key] = StreamPosition(epoch, seq)
         self._generation += 1
 
@@ -413,13 +413,20 @@ class Checkpointer:
         known to have, when the stream resumes in a later epoch (its batches will never come
         again: announced lost before that epoch's first record); None: nothing owed."""
         owed = self.owed.get(key)
+        if owed is None:
+            return None
         acked = self.position(key)
-        if owed is None or acked is None or acked.epoch != owed.epoch or acked.seq >= owed.seq:
+        ended = self.ended.get(key)
+        if (acked is not None and (acked.epoch != owed.epoch or acked.seq >= owed.seq)) or (
+            # A sink took the next epoch already: told of the older one now, it would go back an
+            # epoch (breaker121 2). With several sinks, one behind is told by checkpoint.from_sinks.
+            ended is not None and ended.epoch >= owed.epoch
+        ):
             self.owed.pop(key, None)
             return None
         if resume is not None and resume.epoch <= owed.epoch:
             return None  # (resumed in that very epoch: the published top settles it, published_top)
-        return owed.epoch, acked.seq + 1, owed.seq
+        return owed.epoch, acked.seq + 1 if acked is not None else 0, owed.seq
 
     def note_stored(self, key: str, sink: str, position: tuple[int, ...]) -> None:
         """Sink ``sink`` was seen to store ``key``'s messages up to the mark ``position`` (see

@@ -192,6 +192,17 @@ def test_an_epoch_ended_below_its_published_top_is_owed_to_a_run_that_resumes_af
     fully.note_published(KEY, 5, 14)
     fully.note_published(KEY, 6, 0)
     assert fully.snapshot()[1].owed == {}  # (acknowledged to the end: nothing owed)
+    nothing = Checkpointer(1)  # (breaker121 1: the sink acknowledged nothing of the stream)
+    nothing.note_published(KEY, 5, 9)
+    nothing.note_published(KEY, 6, 2)
+    assert nothing.owed_at_start(KEY, StreamPosition(6, -1)) == (5, 0, 9)
+    ahead = Checkpointer(2)  # (breaker121 2: one sink took epoch 6 already, the other stalled in 5)
+    ahead.on_ack(0, [batch(5, 4)])
+    ahead.on_ack(1, [batch(5, 14)])
+    ahead.note_published(KEY, 5, 14)
+    ahead.note_published(KEY, 6, 3)
+    ahead.on_ack(1, [reset(6)])
+    assert ahead.owed_at_start(KEY, StreamPosition(6, -1)) is None
 
 
 def test_save_creates_missing_parent_directories(tmp_path: Path) -> None:
