@@ -651,8 +651,11 @@ class StreamPipeline:
         """The engine answers nothing: its replay endpoint does not answer a replay (a frozen or
         hung process, whose TCP connections the kernel keeps up; or it refuses, resets or cannot
         be reached: an engine gone behind a proxy that holds the live connection open), and no
-        live batch came since that was found. An idle engine answers its replay endpoint."""
-        return self._unanswered is not None and self._last_live < self._unanswered
+        live batch came since that was found, nor for ``REPLAY_DIAGNOSE_AGAIN`` seconds (an engine
+        publishing every few seconds beside a refused replay endpoint does not flap between the
+        two). An idle engine answers its replay endpoint."""
+        unanswered, last = self._unanswered, self._last_live
+        return unanswered is not None and last < unanswered and time.monotonic() - last >= REPLAY_DIAGNOSE_AGAIN
 
     @property
     def undecodable(self) -> str | None:
