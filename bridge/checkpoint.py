@@ -419,7 +419,7 @@ class Checkpointer:
         ended = self.ended.get(key)
         if (acked is not None and (acked.epoch != owed.epoch or acked.seq >= owed.seq)) or (
             # A sink took the next epoch already: told of the older one now, it would go back an
-            # epoch (breaker121 2). With several sinks, one behind is told by checkpoint.from_sinks.
+            # epoch (breaker121 2). A sink behind it keeps its hole then (docs/concepts/limits.md).
             ended is not None and ended.epoch >= owed.epoch
         ):
             self.owed.pop(key, None)
