@@ -563,7 +563,8 @@ class StreamSequencer:
         old = self.instance
         claim = self._claim_of(instance)
         self._restart(out, INSTANCE_CHANGED, trigger_ts=ts)
-        self._claimed, self._claimed_by = claim, instance if claim >= 0 else None
+        if claim >= 0:
+            self._claimed, self._claimed_by = claim, instance
         if old is not None:
             self._retire(old)  # (also one adopted in doubt: another id has come since)
         self.instance, self._instance_sure = instance, not self._doubt
@@ -1391,11 +1392,12 @@ class StreamSequencer:
         self._replay = self._request_id
         return self._request_id
 
-    def _request_more(self, out: list[Action], start: int, until: int) -> None:
+    def _request_more(self, out: list[Action], start: int, until: int, attempt: int | None = None) -> None:
         """Ask the instance that answered for the rest of what tells whose the batches waiting are
-        (the verdict's state stays as it is, unlike _request)."""
+        (the verdict's state stays as it is, unlike _request); ``attempt``: for its back-off
+        (default: the replay's)."""
         self._until = until
-        out.append(RequestReplay(self._next_request(), start, until, self._attempts))
+        out.append(RequestReplay(self._next_request(), start, until, self._attempts if attempt is None else attempt))
 
     def _note_replayed(self, seq: int, payload: bytes) -> None:
         """A reply of this epoch's instance above the live stream: its live copy may still come
@@ -1499,8 +1501,7 @@ class StreamSequencer:
             if self._decides_tries < self.max_attempts and self._heard < self._decides_at:
                 # (A replay cut short, or silent, is asked again, as any replay is, up to max_attempts.)
                 self._decides_tries += 1
-                self._until = self._decides_at
-                out.append(RequestReplay(self._next_request(), self._decides_at, self._decides_at, self._decides_tries - 1))
+                self._request_more(out, self._decides_at, self._decides_at, attempt=self._decides_tries - 1)
                 return
             self._new_instance(out)
             return

@@ -51,7 +51,8 @@ log = logging.getLogger("bridge.stream")
 REPLAY_DIAGNOSE_EVERY = 60.0
 """At most this often (seconds) a stream asks its replay endpoint why a replay got no reply."""
 REPLAY_DIAGNOSE_AGAIN = 5.0
-"""As often as this (seconds) when a live batch came since the last diagnosis (its silence cleared)."""
+"""As often as this (seconds) when a live batch came since the last diagnosis (its silence cleared);
+and how long without a live batch a stream found unanswered must be to count as silent."""
 _type_of = operator.itemgetter("type")
 _MAX_TYPES = 8192  # event types gathered for the metrics before they are applied (memory bound)
 UNDECODABLE_AFTER = 5
@@ -300,9 +301,10 @@ class StreamPipeline:
 
     def note_unread(self, frames: Sequence[list[bytes]]) -> None:
         """Raise the unread top (``_unread``, of the epoch open now) to the seqs of ``frames`` (read,
-        not sequenced yet: perhaps never, if the stream stops first) up to the first that does not follow the one before it: from
-        there on they are another instance's. The checkpoint keeps it as how far the instance was
-        seen to publish (I3: announced lost if it restarted before they were delivered)."""
+        not sequenced yet: perhaps never, if the stream stops first) up to the first that does not
+        follow the one before it: from there on they are another instance's. The checkpoint keeps
+        it as how far the instance was seen to publish (I3: announced lost if it restarted before
+        they were delivered)."""
         last = self.sequencer.last_live
         for f in frames:
             try:

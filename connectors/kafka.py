@@ -200,9 +200,8 @@ _CLOCK_SKEW_MS = 600_000
 """How far apart the clocks of the bridges writing a topic may be (record timestamps are the
 writer's clock): see ``KafkaConnector.positions_before_run``."""
 _YIELD_EVERY = 4096  # state records built between two yields to the event loop
-_STATE_RECORD_OVERHEAD = 32  # bytes a record adds to its key and value in a batch (varints, no headers)
+_RECORD_OVERHEAD = 32  # bytes a record adds to its key, value and headers in a batch (length, attributes, deltas)
 _BATCH_OVERHEAD = 61  # bytes of a record batch's header, counted in a topic's max.message.bytes
-_RECORD_OVERHEAD = 32  # a record's own: its length, attributes, offset and time deltas, key, header counts
 _STATE_BATCH_MIN = 1024  # bytes of state records a batch may need (a head, or an entry without its fact)
 
 
@@ -1351,7 +1350,7 @@ class KafkaConnector:
                 built += 1
                 if not built % _YIELD_EVERY:
                     await asyncio.sleep(0)  # a clear of 10^5 keys: let the other streams' work run between
-                size = len(name) + (len(value) if value is not None else 0) + _STATE_RECORD_OVERHEAD
+                size = len(name) + (len(value) if value is not None else 0) + _RECORD_OVERHEAD
                 if size > limit:
                     # Even alone (an entry already without its fact): sent, it would be refused for
                     # ever and stop the sink (I5). Refused for itself instead: the runtime clears the
@@ -1438,7 +1437,7 @@ class KafkaConnector:
                 base = f"{prefix}{tier_text(tier.medium, tier.group_idx)}/"
                 for block in tier.blocks:
                     yield f"{base}{block:016x}".encode(), None
-        room = self._batch_limit.get(self._state_topic, self._max_bytes) - _STATE_RECORD_OVERHEAD
+        room = self._batch_limit.get(self._state_topic, self._max_bytes) - _RECORD_OVERHEAD
         for change in delta.changes:
             key = (prefix + entry_key(change.medium, change.group_idx, change.block)).encode()
             if change.count <= 0:
