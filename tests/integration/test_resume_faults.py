@@ -525,13 +525,7 @@ async def test_a_stop_while_a_drops_tail_waits_for_a_stalled_sink_keeps_how_far_
         finally:
             await first.stop()  # (the gate still closed)
         assert on_disk(tmp_path)["published"][KEY] == {"epoch": e0, "seq": 209}, on_disk(tmp_path)
-        second = Bridge(cfg, registry=gated_registry())
-        await second.start()
-        try:
-            await engine.publish(5)
-            await wait_for(lambda: has(out, 1, 4), timeout=WAIT, what="the new instance's 0..4")
-        finally:
-            await second.stop()
+        await second_run_publishes_5(cfg, engine, out, 4)
     # (I4 cannot hold here: the batches were in the stopped bridge's memory alone, the restarted
     # engine's buffer lacks them; what the sink lacks is announced, once: I3)
     views = check_invariants(read_lines(out), engine, held_cap_exceeded=True)
@@ -564,12 +558,6 @@ async def test_a_drop_sinks_dropped_tail_of_the_instance_before_a_restart_is_ann
             await asyncio.sleep(0.5)  # (a few saves more)
         finally:
             await first.stop()  # (the gate still closed)
-        second = Bridge(cfg, registry=gated_registry())
-        await second.start()
-        try:
-            await engine.publish(3)
-            await wait_for(lambda: has(out, 1, 7), timeout=WAIT, what="the new instance's 5..7")
-        finally:
-            await second.stop()
+        await second_run_publishes_5(cfg, engine, out, 9)
     views = check_invariants(read_lines(out), engine, held_cap_exceeded=True)
     assert (views[0].epoch, views[0].delivered + views[0].lost) == (e0, list(range(15))), [str(v) for v in views]
